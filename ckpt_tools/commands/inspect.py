@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..units import human_bytes
+from ..ops.inspect import inspect_path
+from ._common import alpha_options, emit_json, json_option, trust_option, warn, warn_trust
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@alpha_options
+@json_option
+@trust_option
+def command(path: Path, alpha, run_config, as_json: bool, trust_pickle: bool) -> None:
+    """Describe a checkpoint, HF model dir or PEFT adapter from metadata alone.
+
+    PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir, an HF
+    model dir or a PEFT adapter dir. Reads no tensor data.
+
+    Example: ckpt inspect outputs/checkpoints/step_95/trainer
+    """
+    warn_trust(trust_pickle)
+    kw = {"alpha": alpha, "run_config": run_config, "trust_pickle": trust_pickle}
+    from ..ops.inspect import detect_format
+    if detect_format(path) != "dcp":
+        kw = {}
+    report = inspect_path(path, **kw)
+    if as_json:
+        emit_json(report)
+        return
+    render(report)
+    for w in report.get("warnings", []):
+        warn(w)
+
+
+def render(r: dict) -> None:
+    fmt = r["format"]
+    if fmt == "dcp":
+        _render_dcp(r)
+    elif fmt == "checkpoints":
+        click.echo(f"{r['path']}: {len(r['steps'])} checkpoint(s)")
+        for s in r["steps"]:
+            state = "complete" if s["complete"] else "INCOMPLETE (no .metadata)"
+            click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  {state}  -> resumes at step {s['step']}")
+        click.echo(r["note"])
+    else:
+        for k, v in r.items():
+            click.echo(f"{k:>20}: {v}")
+
+
+def _render_dcp(r: dict) -> None:
+    click.echo(f"DCP checkpoint {r['path']}")
+    sched = r["scheduler"]
+    stype = sched["type"] + (f"({', '.join(sched['schedulers'])})" if sched.get("schedulers") else "")
+    click.echo(f"  step {r['step']}   lr {r['lr']}   scheduler {stype}   world size {r['world_size']}   "
+               f"keys {r['keys']}")
+    total = r["frozen_bytes"] + r["unique_bytes"]
+    click.echo(f"  {'group':<16}{'keys':>7}{'size':>12}{'share':>8}")
+    for g, s in r["groups"].items():
+        if s["count"]:
+            share = 100 * s["bytes"] / total if total else 0
+            click.echo(f"  {g:<16}{s['count']:>7}{human_bytes(s['bytes']):>12}{share:>7.1f}%")
+    click.echo(f"  frozen (base, recoverable from the public model): {human_bytes(r['frozen_bytes'])} "
+               f"({100 * r['frozen_fraction']:.1f}%)")
+    click.echo(f"  unique (LoRA + optimizer + scalars):              {human_bytes(r['unique_bytes'])}")
+    lo = r["lora"]
+    if lo["modules"]:
+        rank = lo["rank"] if lo["rank"] is not None else "varies"
+        click.echo(f"  LoRA: {lo['modules']} modules, rank {rank}, slots {lo['slots']}, targets "
+                   f"{', '.join(lo['targets'])}")
+        a = r.get("alpha")
+        if a:
+            click.echo(f"  alpha {a['alpha']:g} -> training scale {a['training_scale']:g} (from {a['source']})")
+        else:
+            click.echo(f"  alpha: unknown ({r.get('alpha_unresolved', '')})")
+    if r["slim"]:
+        click.echo("  SLIM checkpoint: base weights removed; `ckpt rehydrate` before resuming")

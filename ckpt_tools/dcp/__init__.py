@@ -1,0 +1,1 @@
+"""Reading and writing torch.distributed.checkpoint (DCP) directories without torch's loader."""
