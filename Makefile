@@ -1,0 +1,34 @@
+# Two commands do all the set-up on a fresh machine with Python 3.11:
+#   make demo   venv + install + a small genuine prime-rl-style checkpoint + the main workflow
+#   make test   venv + install + the test suite
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CKPT   := $(VENV)/bin/ckpt
+DEMO   ?= demo-out
+
+.PHONY: install demo test clean bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: this takes the CPU build from local disk; an unpinned torch would
+	# pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	rm -rf $(DEMO)
+	bash scripts/demo.sh $(PY) $(DEMO)
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: install
+	@echo "see bench/README.md: benchmarks are run on demand, not in CI"
+
+clean:
+	rm -rf $(VENV) $(DEMO) *.egg-info

@@ -1,0 +1,69 @@
+"""LoRA arithmetic, in one place (pure).
+
+W' = round_to(out_dtype, W32 + s * (B32 @ A32)): the base and both factors are upcast to fp32,
+the delta is computed and added in fp32, and the result is rounded exactly once. Inputs are never
+mutated; every result is a new tensor and is checked for non-finite values.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import FormatError
+
+
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """PEFT's scaling: alpha / r, or alpha / sqrt(r) for rsLoRA."""
+    if rank <= 0:
+        raise ValueError(f"LoRA rank must be positive, got {rank}")
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, *, fan_in_fan_out: bool = False) -> torch.Tensor:
+    """s * (B @ A) in fp32, shaped like the base weight ([out, in], or [in, out] for fan_in_fan_out)."""
+    delta = b.to(torch.float32) @ a.to(torch.float32)
+    delta.mul_(scale)  # in place on a new tensor: one fp32 rounding, like PEFT's get_delta_weight
+    return delta.T if fan_in_fan_out else delta
+
+
+def check_shapes(weight_shape: tuple, a_shape: tuple, b_shape: tuple, *, fan_in_fan_out: bool = False,
+                 name: str = "") -> None:
+    out_f, in_f = (weight_shape[1], weight_shape[0]) if fan_in_fan_out else (weight_shape[0], weight_shape[1])
+    if len(weight_shape) != 2 or len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] \
+            or a_shape[1] != in_f or b_shape[0] != out_f:
+        raise FormatError(f"LoRA shapes do not fit the base weight: base {list(weight_shape)}, "
+                          f"A {list(a_shape)} (expect [r, {in_f}]), B {list(b_shape)} (expect [{out_f}, r])",
+                          key=name, hint="the adapter was trained on a different base model")
+
+
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
+                 out_dtype: torch.dtype, fan_in_fan_out: bool = False, name: str = "") -> torch.Tensor:
+    """round_to(out_dtype, W32 + s * (B32 @ A32)); a new tensor, inputs untouched."""
+    check_shapes(tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name)
+    merged = weight.to(torch.float32, copy=True)
+    merged.add_(lora_delta(a, b, scale, fan_in_fan_out=fan_in_fan_out))
+    out = merged.to(out_dtype)
+    check_finite(out, name)
+    return out
+
+
+def check_finite(t: torch.Tensor, name: str = "") -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise FormatError(f"merged tensor has {bad} non-finite value(s) (inf/nan)", key=name,
+                          hint="the adapter or base holds inf/nan, or the output dtype overflows; try --dtype fp32")
+
+
+def ulps_apart(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Distance in units of last place between same-dtype float tensors (monotone integer mapping)."""
+    if x.dtype != y.dtype:
+        raise ValueError("ulps_apart needs equal dtypes")
+    int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.dtype.itemsize]
+    xi = x.contiguous().view(int_dtype).to(torch.int64)
+    yi = y.contiguous().view(int_dtype).to(torch.int64)
+    sign = 1 << (8 * x.dtype.itemsize - 1)
+    # map sign-magnitude to a monotone two's-complement line
+    xi = torch.where(xi < 0, -(xi + sign), xi)
+    yi = torch.where(yi < 0, -(yi + sign), yi)
+    return (xi - yi).abs()
