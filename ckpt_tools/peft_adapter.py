@@ -223,9 +223,7 @@ def open_peft_adapter(path: str | Path, *, strict: bool = True) -> PeftAdapter:
         header = read_header(st)
         infos = header.tensors
         shapes = {k: tuple(i.shape) for k, i in infos.items()}
-        from .formats.safetensors_io import DTYPES as _codes  # code -> torch dtype
-
-        dtypes = {k: _codes[i.dtype] for k, i in infos.items()}
+        dtypes = {k: i.torch_dtype for k, i in infos.items()}
         return PeftAdapter(d, config, st, shapes, dtypes, lambda k: read_tensor(infos[k], st), strict)
     if binf.is_file():
         # a torch pickle: weights_only is torch's allow-list unpickler (no code runs)

@@ -85,3 +85,18 @@ def test_inspect_without_run_config_says_alpha_is_unknown(fixture_copy):
 def test_inspect_garbage_path_is_usage_error(tmp_path):
     r = run("inspect", tmp_path)
     assert r.exit_code == 2 and "cannot tell what this is" in r.output
+
+
+def test_inspect_peft_dirs_flags_prime_rl_exports_that_apply_nothing():
+    good = json.loads(run("inspect", FIXTURE / "reference_peft_adapter", "--json").output)
+    assert good["format"] == "peft" and good["modules"] == 21 and good["rank"] == 8 and good["scale"] == 2.0
+    assert good["warnings"] == []
+    for broken in (FIXTURE / "outputs/weights/step_3/lora_adapters", FIXTURE / "outputs/run_default/broadcasts/step_3"):
+        rep = json.loads(run("inspect", broken, "--json").output)
+        assert rep["modules"] == 0 and rep["unrecognized_keys"] == 42
+        assert any("fix-adapter" in w for w in rep["warnings"])
+
+
+def test_inspect_hf_dir():
+    rep = json.loads(run("inspect", BASE, "--json").output)
+    assert rep["format"] == "hf" and rep["tensors"] == 36 and rep["dtypes"] == {"BF16": 36}

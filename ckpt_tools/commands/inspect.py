@@ -47,8 +47,10 @@ def render(r: dict) -> None:
             click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  {state}  -> resumes at step {s['step']}")
         click.echo(r["note"])
     else:
+        width = max(len(k) for k in r)
         for k, v in r.items():
-            click.echo(f"{k:>20}: {v}")
+            if k != "warnings":
+                click.echo(f"{k:>{width}}: {v}")
 
 
 def _render_dcp(r: dict) -> None:

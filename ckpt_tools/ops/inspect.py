@@ -171,7 +171,18 @@ def inspect_peft(path: Path) -> dict:
     from ..peft_adapter import open_peft_adapter
 
     a = open_peft_adapter(path, strict=False)
-    return {"format": "peft", **a.describe()}
+    rep = {"format": "peft", **a.describe(), "warnings": []}
+    if a.unrecognized:
+        rep["warnings"].append(
+            f"{len(a.unrecognized)} key(s) do not follow PEFT's layout (e.g. {a.unrecognized[0]!r}): PEFT loads "
+            "this without an error and applies NOTHING for them, vLLM rejects or ignores them; repair with "
+            "`ckpt fix-adapter`")
+    if not a.modules:
+        rep["warnings"].append("zero LoRA modules match: a model loaded with this adapter equals the base")
+    if a.full_tensors:
+        rep["warnings"].append(f"modules_to_save tensors {sorted(a.full_tensors)}: vLLM rejects adapters with "
+                               "modules_to_save embed_tokens/lm_head")
+    return rep
 
 
 def inspect_path(path: Path, **kw) -> dict:
