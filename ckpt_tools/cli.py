@@ -34,6 +34,10 @@ class _Group(click.Group):
             ctx.exit(130)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
+        except BrokenPipeError:  # `ckpt inspect --keys | head`: the reader left, that is fine
+            import os
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(0)
         except Exception as exc:  # a bug of ours: say so, one line unless -v
             if verbose:
                 traceback.print_exc()

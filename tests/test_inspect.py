@@ -100,3 +100,14 @@ def test_inspect_peft_dirs_flags_prime_rl_exports_that_apply_nothing():
 def test_inspect_hf_dir():
     rep = json.loads(run("inspect", BASE, "--json").output)
     assert rep["format"] == "hf" and rep["tensors"] == 36 and rep["dtypes"] == {"BF16": 36}
+
+
+def test_inspect_keys_lists_every_key_with_its_group():
+    rows = json.loads(run("inspect", TRAINER, "--keys", "--json").output)
+    assert len(rows) == 229
+    expected = [ln.split()[0] for ln in (FIXTURE / "dcp_keys.txt").read_text().splitlines()
+                if ln.startswith("app.")]
+    assert sorted(r["key"] for r in rows) == sorted(expected)
+    by_key = {r["key"]: r for r in rows}
+    assert by_key["app.model.model.layers.0.self_attn.q_proj.lora_A.0"]["group"] == "lora"
+    assert by_key["app.scheduler._get_lr_called_within_step"]["group"] == "scheduler"

@@ -12,9 +12,10 @@ from ._common import alpha_options, emit_json, json_option, trust_option, warn, 
 @click.command("inspect")
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @alpha_options
+@click.option("--keys", "list_keys", is_flag=True, help="List every key with its group, dtype, shape and chunks.")
 @json_option
 @trust_option
-def command(path: Path, alpha, run_config, as_json: bool, trust_pickle: bool) -> None:
+def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust_pickle: bool) -> None:
     """Describe a checkpoint, HF model dir or PEFT adapter from metadata alone.
 
     PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir, an HF
@@ -27,6 +28,16 @@ def command(path: Path, alpha, run_config, as_json: bool, trust_pickle: bool) ->
     from ..ops.inspect import detect_format
     if detect_format(path) != "dcp":
         kw = {}
+    elif list_keys:
+        from ..ops.inspect import list_dcp_keys
+        rows = list_dcp_keys(path, trust_pickle=trust_pickle)
+        if as_json:
+            emit_json(rows)
+        else:
+            for row in rows:
+                shape = "bytes" if row["dtype"] is None else f"{row['dtype']} {row['shape']}"
+                click.echo(f"{row['key']}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
+        return
     report = inspect_path(path, **kw)
     if as_json:
         emit_json(report)

@@ -194,3 +194,16 @@ def inspect_path(path: Path, **kw) -> dict:
     if fmt == "hf":
         return inspect_hf(path)
     return inspect_peft(path)
+
+
+def list_dcp_keys(path: Path, *, trust_pickle: bool = False) -> list[dict]:
+    """Every key with its group and layout (metadata only)."""
+    with DcpCheckpoint.open(path, trust_pickle=trust_pickle) as ckpt:
+        rows = []
+        for k, e in ckpt.entries.items():
+            tensor = isinstance(e, TensorEntry)
+            rows.append({"key": k, "group": classify(k, e.path).group,
+                         "dtype": str(e.dtype).replace("torch.", "") if tensor else None,
+                         "shape": list(e.shape) if tensor else None,
+                         "chunks": len(e.chunks) if tensor else 1, "stored_bytes": e.stored_bytes})
+        return rows
