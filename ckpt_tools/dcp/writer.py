@@ -117,6 +117,16 @@ class DcpWriter:
             self._add_chunk_item(key, path, t.dtype, tuple(t.shape), tuple(offs), tuple(sizes),
                                  data_file_name(fi), lambda fh, p=piece: torch.save(p, fh))
 
+    def write_chunk(self, key: str, path: tuple, piece: torch.Tensor, *, size: tuple[int, ...],
+                    offsets: tuple[int, ...], file_index: int = 0) -> None:
+        """Write one chunk, given as its own tensor, of a tensor of global `size` at `offsets`
+        (callers that produce a big tensor chunk by chunk never hold the whole of it)."""
+        p = piece.detach().cpu().contiguous()
+        if p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            p = p.clone()  # torch.save of a view would store its whole base storage
+        self._add_chunk_item(key, path, p.dtype, tuple(size), tuple(offsets), tuple(p.shape),
+                             data_file_name(file_index % self.files), lambda fh: torch.save(p, fh))
+
     def copy_tensor_chunk(self, key: str, path: tuple, dtype: torch.dtype, size: tuple[int, ...],
                           offsets: tuple[int, ...], sizes: tuple[int, ...], raw_item: bytes,
                           file_index: int = 0) -> None:
