@@ -1,0 +1,367 @@
+"""Safe outputs: nothing appears at OUT until it is complete.
+
+`AtomicOutputDir(out)` hands out a hidden sibling temp directory `.OUT.tmp-<pid>-<hex>` (same
+filesystem, so the final `os.rename` is atomic), holds the lock `.OUT.lock` while it is in use, and
+on a clean exit fsyncs everything and renames the temp directory to OUT. On any exception
+(KeyboardInterrupt, and SIGTERM once `install_signal_handlers()` ran, included) it deletes the
+temp directory and the lock. SIGKILL cannot be caught: then a `.OUT.tmp-*` directory is left
+behind, never a partial OUT, and the next run for the same OUT deletes it (its pid is dead).
+
+The lock is an `flock` on `.OUT.lock` (released by the kernel when its holder dies, however it
+dies); the file holds the holder's pid for the error message. Where the filesystem has no flock,
+it falls back to O_CREAT|O_EXCL creation, taking over a lock whose pid is dead.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+from pathlib import Path
+from typing import Iterable
+
+from .errors import DiskSpaceError, LockedError, OutputExistsError, UsageError
+from .units import human_bytes
+
+__all__ = [
+    "AtomicOutputDir", "OutputLock", "Terminated", "install_signal_handlers", "clean_stale_temps",
+    "atomic_write_bytes", "atomic_write_text", "human_bytes", "fsync_tree",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM (after `install_signal_handlers()`), so `with` blocks
+    clean up as for Ctrl-C. A BaseException, like KeyboardInterrupt: `except Exception` won't eat it."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.signum = signum
+        self.exit_code = 128 + signum   # the shell's convention for death by signal
+        super().__init__(f"terminated by signal {signal.Signals(signum).name}")
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+def install_signal_handlers() -> None:
+    """Make SIGTERM raise `Terminated` in the main thread (call once, from the CLI entry point)."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT/SIGTERM while a rename sequence or cleanup runs, so a second Ctrl-C cannot
+    leave it half done; they are delivered (and raise) right after."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, owned by someone else
+        return True
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file and directory under `root` (cheap for files already fsynced)."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _mount_point(path: Path) -> Path:
+    p = path
+    while not os.path.ismount(p) and p.parent != p:
+        p = p.parent
+    return p
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def _sidecar_re(out: Path, kind: str) -> re.Pattern:
+    return re.compile(rf"^\.{re.escape(out.name)}\.{kind}-(\d+)-[0-9a-f]+$")
+
+
+def clean_stale_temps(out: str | os.PathLike) -> list[Path]:
+    """Remove what dead runs for `out` left beside it: `.OUT.tmp-<pid>-*` directories, and
+    `.OUT.old-<pid>-*` (the previous OUT moved aside by an overwrite), which is moved back if the
+    run died before its replacement arrived. Entries of live pids are left alone. Returns what
+    was removed or restored."""
+    out = Path(out)
+    parent = out.parent
+    if not parent.is_dir():
+        return []
+    tmp_re, old_re = _sidecar_re(out, "tmp"), _sidecar_re(out, "old")
+    handled = []
+    for entry in sorted(parent.iterdir()):
+        for kind, rx in (("tmp", tmp_re), ("old", old_re)):
+            m = rx.match(entry.name)
+            if not m or _pid_alive(int(m.group(1))):
+                continue
+            if kind == "old" and not os.path.lexists(out):
+                log.warning("restoring %s from %s (a previous overwrite died midway)", out, entry)
+                os.rename(entry, out)
+            else:
+                log.info("removing %s left by dead process %s", entry, m.group(1))
+                _remove(entry)
+            handled.append(entry)
+    return handled
+
+
+class OutputLock:
+    """Exclusive lock on `lock_path` between `acquire()` and `release()` (see module docstring).
+    `AtomicOutputDir(out)` takes `OutputLock(out.parent / f".{out.name}.lock", out)`; in-place
+    editors of `out` take the same one."""
+
+    def __init__(self, lock_path: Path, out: Path):
+        self.path = lock_path
+        self.out = out
+        self.fd: int | None = None
+
+    def _locked(self, pid_text: str) -> LockedError:
+        pid = pid_text.strip() or "unknown"
+        return LockedError(f"another ckpt command (pid {pid}) is writing {self.out}",
+                           hint=f"wait for it to finish; if no such process exists, delete {self.path}")
+
+    def acquire(self) -> None:
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = os.pread(fd, 64, 0).decode("ascii", "replace")
+                os.close(fd)
+                raise self._locked(text) from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    self._acquire_exclusive_create()
+                    return
+                raise
+            # The holder we waited on may have unlinked the file as it released it: then our lock
+            # is on an orphan inode and a third process may lock a new file. Retry on a new inode.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self.fd = fd
+            return
+        raise LockedError(f"could not lock {self.path}: it keeps being replaced", hint="retry")
+
+    def _acquire_exclusive_create(self) -> None:
+        # No flock here (some network filesystems): the lock is the file's existence.
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                try:
+                    text = self.path.read_text("ascii", "replace")
+                except FileNotFoundError:
+                    continue
+                pid = int(text) if text.strip().isdigit() else -1
+                if pid == -1 or _pid_alive(pid):
+                    # unreadable pid: maybe being written this instant; treat as held
+                    raise self._locked(text) from None
+                log.warning("taking over stale lock %s of dead pid %d", self.path, pid)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self.fd = fd
+            return
+        raise LockedError(f"could not lock {self.path}", hint="retry")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        # unlink before unlocking: a waiter then sees the inode change and retries
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        os.close(self.fd)
+        self.fd = None
+
+
+_Lock = OutputLock  # the name other modules imported first
+
+
+class AtomicOutputDir:
+    """`with AtomicOutputDir(out, inputs=[...], need_bytes=n) as tmp:` write into `tmp`; on
+    success it becomes `out`. See the module docstring for the guarantees.
+
+    Refuses (before creating anything but the lock) when: `out` is inside an input or an input
+    inside `out` (UsageError); another process holds the lock (LockedError); `out` exists and
+    not `overwrite` (OutputExistsError); fewer than `need_bytes` are free (DiskSpaceError).
+    With `overwrite`, the old `out` is moved aside, the new one renamed in, then the old removed."""
+
+    def __init__(self, out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
+                 need_bytes: int = 0, overwrite: bool = False):
+        out = Path(out).expanduser()
+        if out.name in ("", ".", ".."):
+            raise UsageError(f"output path {str(out)!r} does not name a new directory")
+        self.out = out.parent.resolve() / out.name
+        self.inputs = [Path(p).expanduser().resolve() for p in inputs]
+        self.need_bytes = need_bytes
+        self.overwrite = overwrite
+        self.lock_path = self.out.parent / f".{self.out.name}.lock"
+        self.tmp: Path | None = None
+        self._lock = OutputLock(self.lock_path, self.out)
+
+    def _check_paths(self) -> None:
+        # resolve() again: `out` may itself be a symlink to somewhere inside an input
+        real_out = self.out.resolve()
+        for inp in self.inputs:
+            for o in {self.out, real_out}:
+                if _is_within(o, inp):
+                    raise UsageError(f"output {self.out} is inside input {inp}",
+                                     hint="write the output somewhere outside the inputs")
+                if _is_within(inp, o):
+                    raise UsageError(f"input {inp} is inside output {self.out}",
+                                     hint="choose an output path that contains no input")
+
+    def _check_space(self) -> None:
+        if self.need_bytes <= 0:
+            return
+        free = shutil.disk_usage(self.out.parent).free
+        if free < self.need_bytes:
+            raise DiskSpaceError(
+                f"need {human_bytes(self.need_bytes)}, {human_bytes(free)} free on "
+                f"{_mount_point(self.out.parent)}", path=self.out,
+                hint="free some space or write the output to another filesystem")
+
+    def __enter__(self) -> Path:
+        self._check_paths()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
+        try:
+            clean_stale_temps(self.out)
+            if os.path.lexists(self.out) and not self.overwrite:
+                raise OutputExistsError("already exists", path=self.out,
+                                        hint="pass a new output path, or overwrite it explicitly")
+            self._check_space()
+            self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            self.tmp.mkdir()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        assert self.tmp is not None
+        if exc_type is not None:
+            with _signals_deferred():
+                self._abort()
+            return False
+        try:
+            fsync_tree(self.tmp)
+            with _signals_deferred():
+                self._commit()
+        except BaseException:
+            with _signals_deferred():
+                self._abort()
+            raise
+        return False
+
+    def _abort(self) -> None:
+        try:
+            if self.tmp is not None:
+                _remove(self.tmp)
+        finally:
+            self._lock.release()
+
+    def _commit(self) -> None:
+        assert self.tmp is not None
+        aside = None
+        if os.path.lexists(self.out):
+            if not self.overwrite:   # appeared while we worked, by a writer that ignores our lock
+                raise OutputExistsError("appeared while the output was being written", path=self.out,
+                                        hint="pass a new output path")
+            aside = self.out.parent / f".{self.out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+            os.rename(self.out, aside)
+        try:
+            os.rename(self.tmp, self.out)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, self.out)
+            raise
+        self.tmp = None
+        _fsync_dir(self.out.parent)
+        try:
+            if aside is not None:
+                _remove(aside)
+        finally:
+            self._lock.release()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same directory, fsync, rename (replacing
+    `path` if it exists), fsync the directory. Readers see the old file or the new one."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))

@@ -1,0 +1,1 @@
+"""File formats: safetensors files and Hugging Face model directories (read and write bytes, no math)."""
