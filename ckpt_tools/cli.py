@@ -10,6 +10,7 @@ import traceback
 
 import click
 
+from .atomic import Terminated, install_signal_handlers
 from .errors import CkptError
 
 # Module names under ckpt_tools.commands; each defines `command` (a click.Command).
@@ -32,6 +33,9 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted: nothing was written (temporary files removed)", err=True)
             ctx.exit(130)
+        except Terminated as exc:
+            click.echo("terminated: nothing was written (temporary files removed)", err=True)
+            ctx.exit(exc.exit_code)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except BrokenPipeError:  # `ckpt inspect --keys | head`: the reader left, that is fine
@@ -53,6 +57,7 @@ def main(verbose: bool) -> None:
     """LoRA merge and checkpoint surgery for prime-rl (torch DCP) checkpoints."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    install_signal_handlers()  # SIGTERM unwinds like Ctrl-C, so temp outputs are removed
 
 
 def _register() -> None:
