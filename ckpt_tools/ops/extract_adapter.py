@@ -35,7 +35,7 @@ from ..peft_adapter import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SAFETENSORS_METADATA = {"format": "pt"}
 # Tensors of the output file are small: reserve this much beyond the exact sizes for the
 # header and adapter_config.json in the disk-space pre-flight.
@@ -269,7 +269,7 @@ def _run_root(orch: Path | None) -> Path | None:
 def plan_extract(src: DcpLoraSource, out: str | Path, *, base: str | None = None, dtype: str = "fp32") -> ExtractPlan:
     """Decide everything from metadata (see module docstring). `src` is an open DcpLoraSource
     (its alpha already resolved)."""
-    if dtype not in DTYPES:
+    if dtype not in ("fp32", "bf16"):
         raise UsageError(f"--dtype {dtype!r}: choose fp32 (exact) or bf16")
     out = Path(out)
     ckpt = src.ckpt

@@ -1,0 +1,336 @@
+"""`ckpt fix-adapter`: repair prime-rl's adapter exports into PEFT adapter dirs that really apply.
+
+prime-rl writes two adapter exports that PEFT "loads" without an error and then applies nothing
+(every LoRA key is reported missing, B stays zero, logits equal the base; format §5):
+
+- the filesystem broadcast (`outputs/<run>/broadcasts/step_N/adapter_model.safetensors`) has keys
+  without the `base_model.model.` prefix: `model.layers.0.mlp.up_proj.lora_A.weight`;
+- the weight export (`outputs/weights/step_N/lora_adapters/adapter_model.bin`, a torch pickle)
+  keeps the adapter slot: `base_model.model.model.layers.0.mlp.up_proj.lora_A.0.weight`.
+
+The repair is a key rename (values untouched, same dtype) into safetensors -- never a pickle --
+with keys sorted, plus an adapter_config.json whose lora_alpha is the training alpha (prime-rl's
+exports carry the *trainer's* alpha, training used the orchestrator's: format §6.1), and
+`modules_to_save` made true: listed but absent tensors are dropped from the config (PEFT would
+raise KeyError), present ones are dropped when they equal the base (prime-rl never updates them,
+§6.3; vLLM rejects them), kept otherwise. Against the base model, every LoRA module must match a
+base weight of the right shape (zero matches is an error).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+import torch
+
+from ..alpha import AlphaResolution, find_run_configs, resolve_alpha
+from ..atomic import AtomicOutputDir
+from ..errors import AlphaError, FormatError, UnsafePickleError, UsageError
+from ..peft_adapter import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
+from .extract_adapter import (
+    DTYPES, OutTensor, base_module_shapes, check_against_base, lora_alpha_for_scale, locate_base, peft_config,
+    peft_key, safetensors_file_bytes, target_modules_for, write_adapter_dir,
+)
+
+# One table for every LoRA key spelling we repair: optional PEFT prefix, module, A/B, optional
+# adapter slot, `.weight`.
+LORA_KEY = re.compile(r"^(?P<prefix>base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])"
+                      r"(?:\.(?P<slot>\d+))?\.weight$")
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _belongs_to(name: str, target: str) -> bool:
+    """`model.embed_tokens.weight` belongs to modules_to_save entry `embed_tokens` (PEFT matches
+    the module name or its suffix)."""
+    stem = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+    return stem == target or stem.endswith("." + target)
+
+
+# ------------------------------------------------------------------------------------ sources
+class _Weights:
+    """The tensors of an adapter weights file, by key: shapes/dtypes up front, values one at a time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.name.endswith(".safetensors"):
+            from ..formats.safetensors_io import read_header, read_tensor, torch_dtype
+
+            infos = read_header(path).tensors
+            self.shapes = {k: tuple(i.shape) for k, i in infos.items()}
+            self.dtypes = {k: torch_dtype(i.dtype) for k, i in infos.items()}
+            self._read = lambda k: read_tensor(infos[k], path)
+        else:
+            sd = _load_bin(path)
+            self.shapes = {k: tuple(v.shape) for k, v in sd.items()}
+            self.dtypes = {k: v.dtype for k, v in sd.items()}
+            self._read = lambda k: sd[k].clone()   # a private copy: sd is a read-only mmap
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._read(key)
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.bin with torch's allow-list unpickler (weights_only), memory-mapped so a big
+    adapter is not read into RAM at once."""
+    try:
+        try:
+            sd = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except RuntimeError:   # not the zip format (legacy torch.save): no mmap, still weights_only
+            sd = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise UnsafePickleError(f"refusing to unpickle: {str(exc).strip().splitlines()[0][:300]}", path=path,
+                                hint="torch.load(weights_only=True) rejected it; an adapter holds only "
+                                     "tensors") from None
+    except Exception as exc:
+        raise FormatError(f"cannot read: {type(exc).__name__}: {str(exc)[:300]}", path=path,
+                          hint="the file is corrupt or not a torch.save archive") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise FormatError("not a dict of tensors", path=path)
+    return sd
+
+
+def _weights_file(src: Path) -> Path:
+    st, binf = src / SAFETENSORS_NAME, src / BIN_NAME
+    if st.is_file() and binf.is_file():
+        raise FormatError(f"has both {SAFETENSORS_NAME} and {BIN_NAME}; PEFT loads the safetensors one",
+                          path=src, hint="remove the stale one, or copy the one you mean into its own dir")
+    if st.is_file():
+        return st
+    if binf.is_file():
+        return binf
+    raise FormatError(f"no {SAFETENSORS_NAME} or {BIN_NAME} next to adapter_config.json", path=src)
+
+
+# ------------------------------------------------------------------------------------ plan
+@dataclass(frozen=True)
+class FixPlan:
+    src: Path
+    out: Path
+    weights_file: str
+    fixes: tuple[str, ...]              # what was wrong with the keys/config
+    slot: int | None
+    slots_present: tuple[int, ...]
+    modules: int
+    rank: int
+    alpha: float
+    alpha_source: str
+    lora_alpha: float
+    scale: float
+    base_model_name_or_path: str | None
+    base_checked: Path | None
+    tensors: tuple[OutTensor, ...]
+    modules_to_save: tuple[str, ...]
+    config: dict = field(repr=False)
+    out_file_bytes: int = 0
+    warnings: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["src"], d["out"] = str(self.src), str(self.out)
+        d["base_checked"] = str(self.base_checked) if self.base_checked else None
+        d["tensors"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "source": t.source}
+                        for t in self.tensors]
+        for k in ("fixes", "slots_present", "modules_to_save", "warnings"):
+            d[k] = list(d[k])
+        return d
+
+
+def _run_root_above(src: Path) -> Path | None:
+    """The run's launch dir: the parent of the `outputs` dir SRC lies in."""
+    for p in Path(src).resolve().parents:
+        if p.name == "outputs":
+            return p.parent
+    return None
+
+
+def _resolve_alpha(src: Path, *, alpha, run_config, rank: int, cfg_alpha: float, cfg_scale: float,
+                   warnings: list[str]) -> AlphaResolution:
+    own = None
+    if alpha is None and run_config is None and src.resolve().parent.name == "broadcasts":
+        own = src.resolve().parent.parent / "configs" / "orch.toml"   # outputs/<run>/configs/orch.toml
+        own = own if own.is_file() else None
+    try:
+        res = resolve_alpha(alpha=alpha, run_config=run_config or own, ckpt_dir=src, rank=rank)
+        return dataclasses.replace(res, source=f"the broadcast's run config {own}") if own else res
+    except AlphaError:
+        if alpha is not None or run_config is not None or len(find_run_configs(src)) > 1:
+            raise
+    warnings.append(f"no run config (outputs/run_*/configs/orch.toml) found above {src}: keeping the export's own "
+                    f"lora_alpha {cfg_alpha:g} (scale {cfg_scale:g}), which prime-rl copies from the TRAINER config "
+                    "while training used the orchestrator's [model.lora] alpha; pass --run-config or --alpha "
+                    "to be sure")
+    return AlphaResolution(cfg_alpha, f"{src / ADAPTER_CONFIG} (unverified)")
+
+
+def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot: int | None = None,
+             alpha: float | None = None, run_config: str | Path | None = None) -> tuple[FixPlan, _Weights]:
+    """Validate SRC completely (config, every key, shapes, the base) and decide the output."""
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise UsageError("not an adapter directory", path=src)
+    cfg = parse_peft_config(src / ADAPTER_CONFIG)   # refuses non-LoRA peft_type, DoRA, lora_bias, ...
+    if cfg.use_rslora or cfg.rank_pattern or cfg.alpha_pattern:
+        raise FormatError("use_rslora / rank_pattern / alpha_pattern are set: prime-rl exports have none, and "
+                          "fix-adapter repairs prime-rl exports", path=cfg.path,
+                          hint="a PEFT-made adapter needs no repair")
+    wpath = _weights_file(src)
+    weights = _Weights(wpath)
+    warnings: list[str] = []
+    fixes: list[str] = []
+
+    # ---- classify every key (one table: LORA_KEY); non-LoRA keys must be modules_to_save
+    lora: dict[tuple[str, int | None], dict[str, str]] = {}
+    full: dict[str, str] = {}
+    unknown: list[str] = []
+    for k in weights.shapes:
+        m = LORA_KEY.match(k)
+        if m:
+            s = int(m["slot"]) if m["slot"] is not None else None
+            lora.setdefault((m["module"], s), {})[m["ab"]] = k
+            continue
+        name = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
+        if any(_belongs_to(name, t) for t in cfg.modules_to_save):
+            full[name] = k
+        else:
+            unknown.append(k)
+    if unknown:
+        raise FormatError(f"{len(unknown)} key(s) are neither LoRA A/B nor modules_to_save: "
+                          + ", ".join(repr(k) for k in unknown[:8]) + (" ..." if len(unknown) > 8 else ""),
+                          path=wpath, hint="fix-adapter repairs prime-rl adapter exports; this is something else")
+    if not lora:
+        raise FormatError("zero LoRA A/B tensors: there is no adapter to repair", path=wpath)
+    slots = sorted({s for _, s in lora if s is not None})
+    unslotted = any(s is None for _, s in lora)
+    if slots and unslotted:
+        raise FormatError("keys mix slot-indexed (lora_A.<i>.weight) and plain lora_A.weight spellings", path=wpath)
+    if slots:
+        chosen = 0 if slot is None else slot
+        if chosen not in slots:
+            raise UsageError(f"adapter slot {chosen} is not in the export (slots present: {slots})", path=wpath,
+                             hint=f"pass --slot {slots[0]}")
+        fixes.append(f"dropped the adapter slot index from the keys (`lora_A.{chosen}.weight` -> `lora_A.weight`)")
+        if len(slots) > 1:
+            warnings.append(f"the export holds slots {slots}; kept slot {chosen}. prime-rl does not record which run "
+                            "owns which slot (format §6.2): check it is the run you mean")
+    else:
+        if slot not in (None, 0):
+            raise UsageError(f"--slot {slot}: this export holds a single adapter (keys have no slot index)",
+                             path=wpath)
+        chosen = None
+    if any(not k.startswith(PEFT_PREFIX) for ab in lora.values() for k in ab.values()):
+        fixes.append("added the `base_model.model.` prefix PEFT matches keys by")
+
+    modules: dict[str, tuple[str, str]] = {}
+    problems = []
+    for (mod, s), ab in sorted(lora.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        if s != chosen:
+            continue
+        if set(ab) != {"A", "B"}:
+            problems.append(f"{mod}: lora_{''.join(ab)} without its partner")
+            continue
+        a, b = weights.shapes[ab["A"]], weights.shapes[ab["B"]]
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            problems.append(f"{mod}: A {list(a)} and B {list(b)} do not share a rank")
+            continue
+        modules[mod] = (ab["A"], ab["B"])
+    ranks = sorted({weights.shapes[a][0] for a, _ in modules.values()})
+    if len(ranks) > 1:
+        problems.append(f"ranks vary across modules: {ranks}")
+    if problems:
+        raise FormatError("adapter weights are inconsistent: " + "; ".join(problems[:8]), path=wpath)
+    rank = ranks[0]
+    if rank != cfg.r:
+        warnings.append(f"adapter_config.json says r={cfg.r} but A has {rank} rows; writing r={rank}")
+    for k in (k for ab in modules.values() for k in ab):
+        if weights.dtypes[k] not in _DTYPE_NAMES:
+            raise FormatError(f"dtype {weights.dtypes[k]} is not one we write (fp32, bf16, fp16)", path=wpath, key=k)
+
+    # ---- alpha: the training one, not the trainer config's
+    cfg_scale = cfg.lora_alpha / cfg.r
+    res = _resolve_alpha(src, alpha=alpha, run_config=run_config, rank=rank, cfg_alpha=cfg.lora_alpha * rank / cfg.r,
+                         cfg_scale=cfg_scale, warnings=warnings)
+    warnings += list(res.warnings)
+    scale = res.alpha / rank
+    lora_alpha = lora_alpha_for_scale(scale, rank)
+    if not math.isclose(scale, cfg_scale, rel_tol=1e-9):
+        fixes.append(f"lora_alpha {cfg.lora_alpha:g} -> {lora_alpha:g}: the export's config claims scale "
+                     f"{cfg_scale:g}, training used {scale:g} ({res.source})")
+
+    # ---- the base: shapes of every module, modules_to_save against it
+    name_for_cfg = base if base is not None else cfg.base_model_name_or_path
+    base_dir, why = locate_base(base, run_root=None) if base is not None else \
+        locate_base(cfg.base_model_name_or_path, run_root=_run_root_above(src))
+    base_shapes = None
+    if base_dir is not None:
+        base_shapes, _ = base_module_shapes(base_dir)
+        check_against_base({m: (weights.shapes[a], weights.shapes[b]) for m, (a, b) in modules.items()},
+                           base_shapes, base_dir)
+    elif base is not None:
+        raise UsageError(f"base model {base!r} not found: {why}", hint="pass an existing model directory")
+    else:
+        warnings.append(f"base model {cfg.base_model_name_or_path!r} from adapter_config.json was not found "
+                        f"({why}): keys were NOT checked against a model; pass --base DIR")
+    targets, twarn = target_modules_for(sorted(modules), base_shapes)
+    if twarn:
+        warnings.append(twarn)
+
+    kept_full: list[str] = []
+    missing = [t for t in cfg.modules_to_save if not any(_belongs_to(n, t) for n in full)]
+    if missing:
+        fixes.append(f"modules_to_save {missing} are listed but absent from the weights (PEFT raises KeyError): "
+                     "dropped from the config")
+    for name in sorted(full):
+        if base_dir is None:
+            kept_full.append(name)
+            warnings.append(f"kept modules_to_save tensor {name} (no base to compare with); vLLM rejects adapters "
+                            "with embed_tokens/lm_head modules_to_save")
+        elif _equals_base(weights, full[name], name, base_dir, base_shapes):
+            fixes.append(f"dropped modules_to_save tensor {name}: identical to the base (prime-rl's LoRA optimizer "
+                         "never updates it), and vLLM rejects embed/lm_head modules_to_save")
+        else:
+            kept_full.append(name)
+            warnings.append(f"kept modules_to_save tensor {name}: it differs from the base. vLLM rejects adapters "
+                            "with embed_tokens/lm_head modules_to_save; PEFT loads it")
+    mts = sorted({t for t in cfg.modules_to_save for n in kept_full if _belongs_to(n, t)})
+
+    tensors = [OutTensor(peft_key(m, ab), weights.shapes[k], _DTYPE_NAMES[weights.dtypes[k]], k)
+               for m, keys in modules.items() for ab, k in zip("AB", keys)]
+    for name in kept_full:
+        k = full[name]
+        tensors.append(OutTensor(PEFT_PREFIX + name, weights.shapes[k], _DTYPE_NAMES[weights.dtypes[k]], k))
+    tensors.sort(key=lambda t: t.name)
+    if wpath.name == BIN_NAME:
+        fixes.append(f"{BIN_NAME} (a pickle) -> {SAFETENSORS_NAME}")
+    config = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets,
+                         base_model_name_or_path=name_for_cfg, modules_to_save=mts or None)
+    plan = FixPlan(src=src, out=out, weights_file=wpath.name, fixes=tuple(fixes), slot=chosen,
+                   slots_present=tuple(slots), modules=len(modules), rank=rank, alpha=res.alpha,
+                   alpha_source=res.source, lora_alpha=lora_alpha, scale=scale,
+                   base_model_name_or_path=name_for_cfg, base_checked=base_dir, tensors=tuple(tensors),
+                   modules_to_save=tuple(mts), config=config, out_file_bytes=safetensors_file_bytes(tensors),
+                   warnings=tuple(warnings))
+    return plan, weights
+
+
+def _equals_base(weights: _Weights, key: str, name: str, base_dir: Path, base_shapes: dict) -> bool:
+    if base_shapes.get(name) != weights.shapes[key]:
+        return False
+    from ..formats.hf_dir import HFModelDir
+
+    with HFModelDir.open(base_dir) as m:
+        b = m.read_tensor(name)
+    t = weights.read(key)
+    return bool(torch.equal(b.to(t.dtype), t))
+
+
+def run_fix(plan: FixPlan, weights: _Weights) -> dict:
+    t0 = time.perf_counter()
+    with AtomicOutputDir(plan.out, inputs=[plan.src], need_bytes=plan.out_file_bytes + (1 << 20)) as tmp:
+        size = write_adapter_dir(tmp, list(plan.tensors), lambda t: weights.read(t.source), plan.config)
+    rep = plan.to_dict()
+    rep.update(written_file_bytes=size, seconds=round(time.perf_counter() - t0, 3))
+    return rep
