@@ -44,11 +44,11 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     if progress is not None:
         click.echo("\r\033[K", nl=False, err=True)
     if as_json:
-        emit_json(report.to_json())
+        emit_json(report.to_json())   # warnings are in it
     else:
         render(report, top)
-    for w in report.warnings:
-        warn(w)
+        for w in report.warnings:
+            warn(w)
     if report.exit_code != EXIT_DIFFERS:
         ctx.exit(report.exit_code)
 
