@@ -132,6 +132,43 @@ def _plain_file_name(rel: str, ckpt_dir: Path, key: str) -> str:
     return rel
 
 
+def _check_chunk_geometry(shape: tuple[int, ...], chunks: list[Chunk], meta_path: Path, key: str) -> None:
+    """The chunks of a tensor lie inside it, do not overlap and cover it exactly (0-size chunks
+    skipped), as DCP's own planner checks on save. Checked before any byte is read or any
+    destination allocated: overlapping chunks would otherwise leave rows of the tensor unwritten
+    (garbage from torch.empty) without an error, and an absurd shape would be allocated."""
+    def bad(msg: str) -> FormatError:
+        return FormatError(msg, path=meta_path, key=key, hint="the metadata is corrupt or crafted; run `ckpt verify`")
+
+    if any(d < 0 for d in shape):
+        raise bad(f"tensor shape {list(shape)} has a negative dimension")
+    boxes = []
+    for ch in chunks:
+        if len(ch.offsets) != len(shape) or len(ch.sizes) != len(shape):
+            raise bad(f"chunk offsets {list(ch.offsets)} / sizes {list(ch.sizes)} do not have the tensor's "
+                      f"{len(shape)} dimensions")
+        if any(s < 0 for s in ch.sizes) or (0 not in ch.sizes and any(
+                o < 0 or o + s > d for o, s, d in zip(ch.offsets, ch.sizes, shape))):
+            raise bad(f"chunk at offsets {list(ch.offsets)} sizes {list(ch.sizes)} lies outside the tensor's "
+                      f"shape {list(shape)}")
+        if ch.numel:
+            boxes.append(ch)
+    covered = sum(ch.numel for ch in boxes)
+    if covered != math.prod(shape):
+        raise bad(f"chunks cover {covered} of {math.prod(shape)} elements")
+    # sweep along dim 0: only chunks whose row ranges intersect are compared
+    boxes.sort(key=lambda c: c.offsets[0] if c.offsets else 0)
+    active: list[Chunk] = []
+    for ch in boxes:
+        if not shape:
+            break  # a scalar has one element: covered == 1 leaves room for one chunk only
+        active = [a for a in active if a.offsets[0] + a.sizes[0] > ch.offsets[0]]
+        for a in active:
+            if all(ao < co + cs and co < ao + as_ for ao, as_, co, cs in zip(a.offsets, a.sizes, ch.offsets, ch.sizes)):
+                raise bad(f"chunks at offsets {list(a.offsets)} and {list(ch.offsets)} overlap")
+        active.append(ch)
+
+
 class DcpCheckpoint:
     """An open DCP checkpoint: metadata in memory, data files opened lazily."""
 
@@ -195,7 +232,9 @@ class DcpCheckpoint:
                     dtype = item.properties.dtype
                     if not isinstance(dtype, torch.dtype):
                         raise TypeError(f"dtype {dtype!r} of {key} is not a torch dtype")
-                    entries[key] = TensorEntry(key, path, dtype, _tuple(item.size), tuple(chunks))
+                    shape = _tuple(item.size)
+                    _check_chunk_geometry(shape, chunks, meta_path, key)
+                    entries[key] = TensorEntry(key, path, dtype, shape, tuple(chunks))
                 else:
                     info = where.get((key, None))
                     if info is None:
