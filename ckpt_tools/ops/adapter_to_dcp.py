@@ -1,0 +1,345 @@
+"""`ckpt adapter-to-dcp`: a PEFT adapter + the HF base -> a prime-rl trainer checkpoint that
+resumes with prime-rl's strict DCP loader.
+
+The output is what `dcp.save({"app": AppState(model, [AdamW], scheduler, progress)})` would have
+written (format §3), with our own streaming writer (`DcpWriter`: `dcp.save` keeps every tensor of
+a file alive until the file closes, dcp-internals §4):
+
+- `app.model.<hf name>`: every base tensor, as the fp32 master prime-rl holds (the bf16 hub value
+  upcast, exact); tied embeddings also get `lm_head.weight`, as FSDP's state dict has it;
+  `modules_to_save` tensors of the adapter replace the base's;
+- `app.model.<module>.lora_A.0` [r, in] / `lora_B.0` [out, r]: the adapter's values, fp32;
+- `app.optimizers.state.<module>.lora_{A,B}.0.{exp_avg,exp_avg_sq,step}`: fresh (zeros, step 0:
+  see `ckpt_tools.primerl_state` for why that is exactly a never-stepped AdamW) or carried from
+  another checkpoint (`--optimizer-from`);
+- `app.optimizers.param_groups.0.*`: prime-rl's AdamW defaults, the requested lr, `initial_lr`,
+  and the LoRA param FQNs in prime-rl's optimizer order;
+- `app.scheduler.*`: the state of prime-rl's scheduler of the requested kind after
+  `scheduler_step` steps; `app.progress.*`: step N.
+
+Every tensor is written as dim-0 row chunks with `torch.chunk` boundaries for `world_size` ranks
+(chunk k in `__k_0.distcp`), so each resuming FSDP2 rank reads only its rows. The base is streamed
+one row chunk at a time: read those rows' bf16 bytes, upcast, append, drop -- memory is one fp32
+chunk plus its bf16 source (for Qwen3-32B's embedding at world size 4: 0.78 GB + 0.39 GB).
+
+The checkpoint does not store alpha (prime-rl takes it from the orchestrator config): the plan
+says which `[model.lora] alpha` the resuming run must use for the adapter's scale.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..atomic import AtomicOutputDir
+from ..dcp.reader import BytesEntry, DcpCheckpoint, TensorEntry
+from ..dcp.writer import DcpWriter, row_chunks
+from ..errors import CkptError, FormatError, UsageError
+from ..formats.hf_dir import HFModelDir, resolve_model_dir
+from ..keys import base_key, classify, lora_key, lora_path
+from ..peft_adapter import PeftAdapter, open_peft_adapter
+from ..primerl_state import (
+    ADAMW_STATE_FIELDS, PRIMERL_ADAMW_DEFAULTS, SchedulerSpec, adamw_param_group, build_optim_state, flat_key,
+    flatten_state, fresh_adamw_fields, optimizer_param_order, progress_state,
+)
+from .extract_adapter import check_against_base
+
+SLOT = 0   # a single-run prime-rl checkpoint holds adapter slot 0
+# Weights an untied-looking base omits when the config ties them: (alias, source). FSDP's state
+# dict lists both names of a shared parameter, and prime-rl's strict load asks for both.
+TIED_ALIASES = (("lm_head.weight", "model.embed_tokens.weight"),)
+# Per storage item: torch.save zip overhead is ~1.5 KB (format §3.2); pre-flight adds this much.
+_ITEM_OVERHEAD_BYTES = 2048
+_HPARAMS_FROM_SOURCE = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+@dataclass(frozen=True)
+class TensorJob:
+    key: str
+    path: tuple
+    shape: tuple[int, ...]
+    source: str          # "base:<name>", "adapter:<key>", "zeros", "ckpt:<key>"
+    kind: str            # base | lora | optimizer_state
+
+    @property
+    def nbytes(self) -> int:
+        return max(1, math.prod(self.shape)) * 4   # everything we write is fp32
+
+
+@dataclass(frozen=True)
+class ToDcpPlan:
+    adapter: Path
+    base: Path
+    out: Path
+    optimizer_from: Path | None
+    world_size: int
+    step: int
+    lr: float
+    scheduler: dict
+    scheduler_step: int
+    lr_now: float
+    lr_next: tuple[float, ...]
+    modules: int
+    rank: int
+    scale: float
+    required_orch_alpha: float
+    tensors: tuple[TensorJob, ...] = field(repr=False)
+    objects: tuple[tuple[tuple, object], ...] = field(repr=False)   # (planner path, value) byte items
+    data_bytes: int = 0
+    need_bytes: int = 0
+    notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def to_dict(self, *, full: bool = False) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("tensors", "objects")}
+        for k in ("adapter", "base", "out", "optimizer_from"):
+            d[k] = str(d[k]) if d[k] is not None else None
+        d["lr_next"], d["notes"], d["warnings"] = list(self.lr_next), list(self.notes), list(self.warnings)
+        kinds: dict[str, int] = {}
+        for t in self.tensors:
+            kinds[t.kind] = kinds.get(t.kind, 0) + 1
+        d["tensor_keys"] = kinds
+        d["byte_items"] = {flat_key(p): v for p, v in self.objects if p[1] != "optimizers" or p[-1] != "params"}
+        d["keys"] = len(self.tensors) + len(self.objects)
+        if full:
+            d["tensors"] = [{"key": t.key, "shape": list(t.shape), "source": t.source} for t in self.tensors]
+        return d
+
+
+def _step_from_out(out: Path) -> int | None:
+    m = re.fullmatch(r"step_(\d+)", out.parent.name) if out.name == "trainer" else None
+    return int(m.group(1)) if m else None
+
+
+def _read_param_group(ckpt: DcpCheckpoint) -> dict:
+    """param_groups.0 of a prime-rl checkpoint (prime-rl has one group)."""
+    out = {}
+    for k, e in ckpt.entries.items():
+        info = classify(k, e.path)
+        if info.group == "param_groups":
+            if info.group_index != 0:
+                raise FormatError("more than one optimizer param group: not a prime-rl LoRA checkpoint",
+                                  path=ckpt.dir, key=k)
+            out[info.field] = ckpt.read_object(k)
+    return out
+
+
+def plan_adapter_to_dcp(adapter: str | Path, base: str | Path, out: str | Path, *, lr: float | None = None,
+                        step: int | None = None, world_size: int = 4, optimizer_from: str | Path | None = None,
+                        scheduler: SchedulerSpec | None = None, scheduler_step: int | None = None,
+                        trust_pickle: bool = False) -> tuple[ToDcpPlan, PeftAdapter, HFModelDir, DcpCheckpoint | None]:
+    """Validate everything (adapter config and keys, shapes against the base, the optimizer
+    source) before any tensor byte is read, and decide every key of the output."""
+    adapter, out = Path(adapter), Path(out)
+    if world_size < 1:
+        raise UsageError(f"--world-size {world_size} must be >= 1")
+    ad = open_peft_adapter(adapter, strict=True)   # refuses DoRA, bias, unknown peft_type, bad keys...
+    cfg = ad.config
+    if not ad.modules:
+        raise FormatError("the adapter holds zero LoRA modules", path=ad.weights_path,
+                          hint="nothing to train on; check the adapter's keys")
+    if cfg.fan_in_fan_out:
+        raise FormatError("fan_in_fan_out=true (Conv1D-style base layers): prime-rl's LoRA wraps nn.Linear",
+                          path=cfg.path)
+    ranks = sorted({m.rank for m in ad.modules.values()})
+    scales = sorted({m.scale for m in ad.modules.values()})
+    if len(ranks) != 1 or len(scales) != 1:
+        raise FormatError(f"ranks {ranks} / scales {scales} vary across modules (rank_pattern/alpha_pattern): "
+                          "prime-rl trains one rank with one scale", path=cfg.path)
+    rank, scale = ranks[0], scales[0]
+
+    base_dir = resolve_model_dir(base)
+    hf = HFModelDir.open(base_dir)
+    base_shapes = {k: tuple(hf.info(k).shape) for k in hf.keys()}
+    shapes = {m: (ad._shapes[s.a_key], ad._shapes[s.b_key]) for m, s in ad.modules.items()}
+    check_against_base(shapes, base_shapes, base_dir)
+    notes, warnings = [], []
+
+    # ---- model tensors: base (in file order, for sequential reads), tied aliases, LoRA
+    jobs: list[TensorJob] = []
+    model_names = list(hf.keys())
+    tied = bool((hf.config or {}).get("tie_word_embeddings"))
+    aliases = {a: s for a, s in TIED_ALIASES if tied and a not in base_shapes and s in base_shapes}
+    full = dict(ad.full_tensors)   # modules_to_save: HF name -> adapter key
+    bad_full = [n for n in full if n not in base_shapes or base_shapes[n] != tuple(ad._shapes[full[n]])]
+    if bad_full:
+        raise FormatError(f"modules_to_save tensors {bad_full} have no same-shaped tensor in the base",
+                          path=ad.weights_path, hint="the adapter was trained on a different base model")
+    for name in model_names + sorted(aliases):
+        src_name = aliases.get(name, name)
+        if src_name in full:
+            source = f"adapter:{full[src_name]}"
+        else:
+            source = f"base:{src_name}"
+        jobs.append(TensorJob(base_key(name), ("app", "model", name), base_shapes[src_name], source, "base"))
+    if aliases:
+        notes.append(f"tied embeddings: {', '.join(aliases)} written as a copy of "
+                     f"{', '.join(aliases.values())} (FSDP's state dict holds both names)")
+    if full:
+        notes.append(f"modules_to_save {sorted(full)}: the adapter's values replace the base's")
+    modules = sorted(ad.modules)
+    for m in modules:
+        s = ad.modules[m]
+        for ab, akey in (("A", s.a_key), ("B", s.b_key)):
+            jobs.append(TensorJob(lora_key(m, ab, SLOT), lora_path(m, ab, SLOT), tuple(ad._shapes[akey]),
+                                  f"adapter:{akey}", "lora"))
+
+    # ---- optimizer: fresh, or moments carried from another checkpoint
+    order = optimizer_param_order(modules, SLOT)
+    param_shape = {f"{m}.lora_{ab}.{SLOT}": tuple(ad._shapes[getattr(ad.modules[m], ab.lower() + '_key')])
+                   for m in modules for ab in "AB"}
+    src_ckpt = None
+    hparams = {}
+    src_progress = {}
+    if optimizer_from is not None:
+        src_ckpt = DcpCheckpoint.open(optimizer_from, trust_pickle=trust_pickle)
+        problems = []
+        for fqn in order:
+            for fld in ADAMW_STATE_FIELDS:
+                key = f"app.optimizers.state.{fqn}.{fld}"
+                e = src_ckpt.entries.get(key)
+                want = () if fld == "step" else param_shape[fqn]
+                if not isinstance(e, TensorEntry):
+                    problems.append(f"{key} is missing")
+                elif tuple(e.shape) != want:
+                    problems.append(f"{key} has shape {list(e.shape)}, the adapter's param {list(want)}")
+        if problems:
+            raise FormatError(f"{len(problems)} problem(s) carrying the optimizer state: "
+                              + "; ".join(problems[:6]) + (" ..." if len(problems) > 6 else ""),
+                              path=src_ckpt.dir, hint="--optimizer-from needs a checkpoint of the same LoRA "
+                                                      "(modules, rank, slot 0)")
+        group = _read_param_group(src_ckpt)
+        hparams = {k: group[k] for k in _HPARAMS_FROM_SOURCE if k in group}
+        if lr is None:
+            lr = group.get("initial_lr", group.get("lr"))
+            notes.append(f"lr {lr:g}: the source checkpoint's initial_lr (pass --lr to change it)")
+        for k, e in src_ckpt.entries.items():
+            info = classify(k, e.path)
+            if info.group == "progress" and isinstance(e, BytesEntry):
+                src_progress[info.field] = src_ckpt.read_object(k)
+        if step is None and isinstance(src_progress.get("step"), int):
+            step = src_progress["step"]
+        changed = {k: v for k, v in hparams.items() if v != PRIMERL_ADAMW_DEFAULTS.get(k)}
+        if changed:
+            notes.append(f"AdamW hyperparameters carried from the source: {changed}")
+        for fqn in order:
+            for fld in ADAMW_STATE_FIELDS:
+                key = f"app.optimizers.state.{fqn}.{fld}"
+                jobs.append(TensorJob(key, ("app", "optimizers", "state", fqn, fld),
+                                      () if fld == "step" else param_shape[fqn], f"ckpt:{key}", "optimizer_state"))
+    else:
+        fill = fresh_adamw_fields()
+        for fqn in order:
+            for fld in ADAMW_STATE_FIELDS:
+                jobs.append(TensorJob(f"app.optimizers.state.{fqn}.{fld}", ("app", "optimizers", "state", fqn, fld),
+                                      () if fld == "step" else param_shape[fqn], f"fill:{fill[fld]!r}",
+                                      "optimizer_state"))
+    if lr is None:
+        raise UsageError("pass --lr: the base learning rate the resumed run trains with "
+                         "(or --optimizer-from CKPT to take that checkpoint's)")
+    step = 0 if step is None else int(step)
+    if step < 0:
+        raise UsageError(f"--step {step} must be >= 0")
+    spec = scheduler or SchedulerSpec("constant")
+    position = step if scheduler_step is None else int(scheduler_step)
+    try:
+        ost = build_optim_state(float(lr), spec, position, hparams=hparams)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    objects = flatten_state(adamw_param_group(ost.param_group, order), ("app", "optimizers", "param_groups", 0))
+    objects += flatten_state(ost.scheduler, ("app", "scheduler"))
+    objects += flatten_state(progress_state(step), ("app", "progress"))
+
+    n_from_dir = _step_from_out(out)
+    if n_from_dir is not None and n_from_dir != step:
+        warnings.append(f"OUT is a step_{n_from_dir}/trainer dir but progress.step will be {step}: prime-rl "
+                        f"finds checkpoints by directory name; use .../step_{step}/trainer or --step {n_from_dir}")
+    if any(ad._dtypes[s.a_key] != torch.float32 for s in ad.modules.values()):
+        notes.append("the adapter is not fp32: its values are upcast exactly, but the rounding it went through "
+                     "is not undone")
+    required_alpha = scale * rank
+    notes.append(f"the resuming run must train with LoRA rank {rank} and scale {scale:g}: set the orchestrator's "
+                 f"[model.lora] alpha = {required_alpha:g} (prime-rl's scale is orchestrator alpha / rank; its "
+                 "default alpha is 16)")
+    # every chunk is an item; byte items are small
+    items = sum(max(1, len(row_chunks(j.shape[0], world_size))) if j.shape else 1 for j in jobs) + len(objects)
+    data = sum(j.nbytes for j in jobs)
+    plan = ToDcpPlan(
+        adapter=adapter, base=base_dir, out=out, optimizer_from=src_ckpt.dir if src_ckpt else None,
+        world_size=world_size, step=step, lr=float(lr), scheduler={**dataclasses.asdict(spec),
+                                                                    "describe": spec.describe(), "state": ost.scheduler},
+        scheduler_step=position, lr_now=ost.lr_now, lr_next=ost.lr_next, modules=len(modules), rank=rank,
+        scale=scale, required_orch_alpha=required_alpha, tensors=tuple(jobs), objects=tuple(objects),
+        data_bytes=data, need_bytes=data + items * _ITEM_OVERHEAD_BYTES + (1 << 20), notes=tuple(notes),
+        warnings=tuple(warnings))
+    return plan, ad, hf, src_ckpt
+
+
+def _row_chunk_info(info, start: int, rows: int):
+    """The TensorInfo of rows [start, start + rows) of a row-major tensor (one contiguous range)."""
+    row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+    return dataclasses.replace(info, shape=(rows,) + tuple(info.shape[1:]), begin=info.begin + start * row_bytes,
+                               nbytes=rows * row_bytes)
+
+
+def _write_base_streaming(w: DcpWriter, job: TensorJob, hf: HFModelDir, name: str) -> None:
+    from ..formats.safetensors_io import read_tensor
+
+    info = hf.info(name)
+    fd = hf.fd(name)
+    if not info.shape:
+        t = read_tensor(info, fd)
+        w.write_tensor(job.key, job.path, t.float() if t.is_floating_point() else t)
+        return
+    for k, (start, rows) in enumerate(row_chunks(info.shape[0], w.files)):
+        piece = read_tensor(_row_chunk_info(info, start, rows), fd)
+        piece = piece.to(torch.float32) if piece.is_floating_point() else piece
+        w.write_chunk(job.key, job.path, piece, size=tuple(info.shape),
+                      offsets=(start,) + (0,) * (len(info.shape) - 1), file_index=k)
+        del piece
+
+
+def run_adapter_to_dcp(plan: ToDcpPlan, ad: PeftAdapter, hf: HFModelDir, src_ckpt: DcpCheckpoint | None) -> dict:
+    t0 = time.perf_counter()
+    inputs = [plan.adapter, plan.base] + ([plan.optimizer_from] if plan.optimizer_from else [])
+    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.need_bytes) as tmp:
+        w = DcpWriter(tmp, files=plan.world_size)
+        try:
+            for job in plan.tensors:
+                kind, _, ref = job.source.partition(":")
+                if kind == "base":
+                    _write_base_streaming(w, job, hf, ref)
+                    continue
+                if kind == "adapter":
+                    t = ad.read(ref).to(torch.float32)
+                elif kind == "ckpt":
+                    t = src_ckpt.read_tensor(ref).to(torch.float32)
+                else:   # fill:<value>
+                    t = torch.full(job.shape, float(ref), dtype=torch.float32)
+                if tuple(t.shape) != job.shape:
+                    raise FormatError(f"read {list(t.shape)}, planned {list(job.shape)}", key=job.source)
+                w.write_tensor(job.key, job.path, t, world_size=plan.world_size)
+                del t
+            for path, value in plan.objects:
+                w.write_object(flat_key(path), path, value)
+            w.finish()
+        except BaseException:
+            w.abort()
+            raise
+    rep = plan.to_dict()
+    rep.update(bytes_written=w.bytes_written, seconds=round(time.perf_counter() - t0, 3))
+    return rep
+
+
+def close_all(*objs) -> None:
+    for o in objs:
+        if o is not None and hasattr(o, "close"):
+            try:
+                o.close()
+            except CkptError:
+                pass
