@@ -67,3 +67,44 @@ def ulps_apart(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     xi = torch.where(xi < 0, -(xi + sign), xi)
     yi = torch.where(yi < 0, -(yi + sign), yi)
     return (xi - yi).abs()
+
+
+def merge_weight_into(out: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
+                      fan_in_fan_out: bool = False, name: str = "", block_elems: int = 1 << 18,
+                      scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """`merge_weight`, bit for bit, written into `out` (whose dtype is the output dtype).
+
+    Same operations in the same order: P = B32 @ A32 as ONE full matmul (splitting it into row
+    blocks lets the BLAS pick other kernels for other shapes, which changes low bits), then per
+    element round_to(out.dtype, W32 + s * P). Only the elementwise part runs over row blocks of
+    about `block_elems`, so its fp32 temporaries stay in cache and no full-size fp32 copy of W is
+    made. `scratch`: an optional fp32 buffer of >= out.numel() elements to hold P (reused across
+    calls, it saves page-faulting a fresh allocation per tensor). Every block is checked for
+    non-finite values. Inputs are not modified; returns `out`."""
+    check_shapes(tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name)
+    if tuple(out.shape) != tuple(weight.shape):
+        raise ValueError(f"out has shape {list(out.shape)}, the weight {list(weight.shape)}")
+    a32, b32 = a.to(torch.float32), b.to(torch.float32)
+    rows_p, cols_p = b32.shape[0], a32.shape[1]
+    if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= rows_p * cols_p:
+        prod = scratch.reshape(-1)[: rows_p * cols_p].view(rows_p, cols_p)
+        torch.matmul(b32, a32, out=prod)
+    else:
+        prod = b32 @ a32
+    delta = prod.T if fan_in_fan_out else prod
+    rows = weight.shape[0]
+    step = max(1, block_elems // max(1, weight.shape[1]))
+    finite = True
+    for s in range(0, rows, step):
+        d = delta[s:s + step]
+        d.mul_(scale)                 # s * P, rounded as in lora_delta
+        d.add_(weight[s:s + step])    # + W32 (exact upcast; fp32 addition is commutative)
+        o = out[s:s + step]
+        o.copy_(d)                    # the one rounding to out.dtype
+        # A sum is non-finite whenever an element is (and ~20x cheaper than isfinite().all());
+        # a finite block whose sum overflows only costs the exact check below.
+        if finite and o.is_floating_point() and not math.isfinite(float(o.sum(dtype=torch.float32))):
+            finite = False
+    if not finite:
+        check_finite(out, name)   # exact count, and the error naming the tensor
+    return out

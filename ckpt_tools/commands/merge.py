@@ -1,0 +1,159 @@
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from ..errors import CkptError, UsageError
+from ..units import human_bytes
+from ._common import alpha_options, dry_run_option, emit_json, is_tty, json_option, trust_option, warn, warn_trust
+
+
+@click.command("merge")
+@click.argument("paths", nargs=-1, required=True, metavar="[BASE] ADAPTER OUT")
+@click.option("--base-from-checkpoint", is_flag=True,
+              help="Use the DCP checkpoint's own fp32 master weights as the base (no base download). BASE is "
+                   "then that checkpoint, or omitted when ADAPTER is the checkpoint.")
+@click.option("--config-from", metavar="DIR",
+              help="With --base-from-checkpoint: model dir or hub id giving config.json, tokenizer and other "
+                   "non-weight files (e.g. the run's outputs/weights/step_N).")
+@alpha_options
+@click.option("--slot", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Adapter slot of a multi-run DCP checkpoint (lora_A.<slot>).")
+@click.option("--dtype", "dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="Output dtype. Merged weights are computed in fp32 and rounded once to it.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output shard (bytes of tensor data; GB = 10**9, GiB = 2**30).")
+@click.option("--threads", type=click.IntRange(1, 64), default=None,
+              help="Tensors read and computed in parallel ahead of the writer (default 2). Memory grows "
+                   "with it: see the plan's memory bound.")
+@dry_run_option
+@json_option
+@trust_option
+def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, dtype, max_shard_size, threads,
+            dry_run, as_json, trust_pickle) -> None:
+    """Merge a LoRA into base weights; write an HF model directory (sharded safetensors).
+
+    BASE: an HF model dir or a hub id from the local HF cache (offline). ADAPTER: a PEFT adapter
+    dir, or a prime-rl DCP checkpoint (alpha from --alpha, --run-config or the run's orch.toml).
+    With --base-from-checkpoint, BASE is the checkpoint itself (omit it when ADAPTER is that
+    checkpoint) and config/tokenizer come from --config-from.
+
+    W' = round(W32 + s * B32 @ A32), fp32 compute, one rounding. OUT appears only when complete.
+
+    Example: ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
+    """
+    from ..atomic import Terminated, install_signal_handlers
+    from ..ops.merge import check_output, execute_merge, prepare_merge
+
+    warn_trust(trust_pickle)
+    if len(paths) == 3:
+        base, adapter, out = paths
+    elif len(paths) == 2 and base_from_checkpoint:
+        base, (adapter, out) = None, paths
+    else:
+        need = "ADAPTER OUT (or BASE ADAPTER OUT)" if base_from_checkpoint else "BASE ADAPTER OUT"
+        raise UsageError(f"expected {need}, got {len(paths)} path(s)",
+                         hint="see `ckpt merge --help`")
+    plan = prepare_merge(base, adapter, base_from_checkpoint=base_from_checkpoint, config_from=config_from,
+                         alpha=alpha, run_config=run_config, slot=slot, dtype=dtype,
+                         max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle)
+    if dry_run:
+        try:
+            check_output(plan, out)
+        except CkptError as exc:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
+        if as_json:
+            emit_json({"dry_run": True, "out": str(out), "plan": plan.to_dict()})
+        else:
+            render_plan(plan, out)
+            for w in plan.warnings:
+                warn(w)
+        return
+    check_output(plan, out)
+    if not as_json:
+        render_plan(plan, out, brief=True)
+        for w in plan.warnings:
+            warn(w)
+    install_signal_handlers()
+    bar = None if as_json or not is_tty() else _Bar()
+    try:
+        result = execute_merge(plan, out, progress=bar)
+    except Terminated as exc:
+        if bar:
+            bar.clear()
+        click.echo(f"{exc}: nothing was written (temporary files removed)", err=True)
+        sys.exit(exc.exit_code)
+    finally:
+        if bar:
+            bar.clear()
+    if as_json:
+        emit_json({"dry_run": False, "out": str(out), "result": result, "plan": plan.to_dict(jobs=False)})
+        return
+    c = result.counts
+    click.echo(f"wrote {out}: {result.merged_modules} modules merged, {c['copy']} tensors copied, "
+               f"{c['cast']} cast, {c['replace']} replaced; {human_bytes(result.bytes_written)} in "
+               f"{result.seconds:.1f}s")
+
+
+def _targets_summary(plan) -> str:
+    kinds = Counter(j.module.rsplit(".", 1)[-1] for j in plan.jobs if j.action == "merge")
+    return ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+
+
+def render_plan(plan, out, brief: bool = False) -> None:
+    a = plan.adapter
+    scale = a.get("scale")
+    click.echo(f"merge {plan.adapter_kind} adapter {plan.adapter_path}")
+    click.echo(f"   into {plan.base_kind} base {plan.base_path}" +
+               (" (fp32 masters)" if plan.base_kind == "dcp" else ""))
+    click.echo(f"   -> {out}  ({plan.out_dtype})")
+    click.echo(f"  LoRA      {a.get('modules')} modules, rank {a.get('rank')}, alpha {a.get('alpha')}, "
+               f"scale {scale} (alpha from {a.get('alpha_source')})")
+    click.echo(f"  merged    {plan.merged_modules}: {_targets_summary(plan)}")
+    click.echo(f"  tensors   {len(plan.jobs)}: {plan.count('merge')} merged, {plan.count('copy')} copied verbatim, "
+               f"{plan.count('cast')} cast to {plan.out_dtype}, {plan.count('replace')} replaced (modules_to_save)")
+    for name, why in plan.omitted:
+        click.echo(f"  omitted   {name}: {why}")
+    click.echo(f"  shards    {len(plan.shards)} file(s), max {human_bytes(plan.max_shard_bytes)}" +
+               ("" if plan.index is None else " + model.safetensors.index.json"))
+    if not brief:
+        for s in plan.shards:
+            click.echo(f"            {s.file_name}  {human_bytes(s.file_bytes)}  ({len(s.tensors)} tensors)")
+    changes = [c for f in plan.files for c in f.changes]
+    click.echo(f"  files     {', '.join(f.name for f in plan.files) or 'none'}")
+    if changes:
+        click.echo("  config    " + "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes))
+    click.echo(f"  I/O       read {human_bytes(plan.read_bytes)}, write {human_bytes(plan.write_bytes)}")
+    click.echo(f"  memory    tensors in flight <= {human_bytes(plan.memory_bound_bytes)} "
+               f"({plan.threads} thread(s) ahead of the writer)")
+
+
+class _Bar:
+    """A one-line progress display on stderr (tensors, bytes, ETA); only used on a terminal."""
+
+    def __init__(self):
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, ev) -> None:
+        now = time.monotonic()
+        if ev.done not in (0, ev.total) and now - self._last < 0.2:
+            return
+        self._last = now
+        frac = ev.bytes_done / ev.bytes_total if ev.bytes_total else 1.0
+        eta = (ev.elapsed_s / frac - ev.elapsed_s) if frac > 0 else 0.0
+        name = (ev.name or "")[-40:]
+        line = (f"\r  [{ev.done:>5}/{ev.total}] {human_bytes(ev.bytes_done):>10} / {human_bytes(ev.bytes_total)}"
+                f"  ETA {int(eta) // 60}:{int(eta) % 60:02d}  {name:<40}")
+        click.echo(line, err=True, nl=False)
+        self._shown = True
+
+    def clear(self) -> None:
+        if self._shown:
+            click.echo("", err=True)
+            self._shown = False
