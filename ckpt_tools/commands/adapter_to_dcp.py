@@ -67,7 +67,13 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
         close_all(hf, src)
     if as_json:
         emit_json(rep)
-        return
+    else:
+        _render(rep, dry_run)
+    for w in rep["warnings"]:
+        warn(w)
+
+
+def _render(rep: dict, dry_run: bool) -> None:
     verb = "would write" if dry_run else "wrote"
     k = rep["tensor_keys"]
     click.echo(f"{verb} {rep['out']}: {rep['keys']} keys ({k.get('base', 0)} base fp32, {k.get('lora', 0)} LoRA, "
@@ -83,5 +89,3 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
                + (f" in {rep['seconds']:.1f} s" if "seconds" in rep else ""))
     for n in rep["notes"]:
         click.echo(f"  note: {n}")
-    for w in rep["warnings"]:
-        warn(w)
