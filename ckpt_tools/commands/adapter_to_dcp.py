@@ -4,7 +4,6 @@ from pathlib import Path
 
 import click
 
-from ..ops.adapter_to_dcp import close_all, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..primerl_state import SCHEDULER_KINDS, SchedulerSpec
 from ..errors import UsageError
 from ..units import human_bytes
@@ -48,6 +47,8 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
 
     Example: ckpt adapter-to-dcp adapter-step95 outputs/checkpoints/step_95/trainer --base Qwen/Qwen3-32B --lr 5e-6 --step 95 --scheduler linear --warmup-steps 10 --scheduler-step 0
     """
+    from ..ops.adapter_to_dcp import close_all, plan_adapter_to_dcp, run_adapter_to_dcp  # torch.distributed: lazy
+
     warn_trust(trust_pickle)
     try:
         spec = SchedulerSpec(scheduler, warmup_steps=warmup_steps, decay_steps=decay_steps, max_steps=max_steps,

@@ -4,8 +4,6 @@ from pathlib import Path
 
 import click
 
-from ..lora_source import DcpLoraSource
-from ..ops.extract_adapter import plan_extract, run_extract
 from ..units import human_bytes
 from ._common import alpha_options, dry_run_option, emit_json, json_option, trust_option, warn, warn_trust
 
@@ -35,6 +33,9 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
 
     Example: ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
     """
+    from ..lora_source import DcpLoraSource
+    from ..ops.extract_adapter import plan_extract, run_extract
+
     warn_trust(trust_pickle)
     src = DcpLoraSource(ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle)
     try:

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import click
 
-from ..ops.fix_adapter import plan_fix, run_fix
 from ..units import human_bytes
 from ._common import alpha_options, dry_run_option, emit_json, json_option, warn
 
@@ -30,6 +29,8 @@ def command(src: Path, out: Path, base, slot, alpha, run_config, dry_run: bool, 
 
     Example: ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
     """
+    from ..ops.fix_adapter import plan_fix, run_fix
+
     plan, weights = plan_fix(src, out, base=base, slot=slot, alpha=alpha, run_config=run_config)
     if dry_run:
         rep = plan.to_dict()
