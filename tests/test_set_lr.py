@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
 import warnings
 from pathlib import Path
 

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import click
 
-from ..ops.rehydrate import rehydrate
 from ..units import human_bytes
 from ._common import dry_run_option, emit_json, json_option, trust_option, warn, warn_trust
 from .slim import tty_progress
@@ -31,6 +30,8 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
 
     Example: ckpt rehydrate step_95-slim step_95-full --base Qwen/Qwen3-32B
     """
+    from ..ops.rehydrate import rehydrate   # torch: lazy
+
     warn_trust(trust_pickle)
     report = rehydrate(slim_ckpt, out, base=base, world_size=world_size, dry_run=dry_run, overwrite=overwrite,
                        trust_pickle=trust_pickle, progress=None if as_json else tty_progress())

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import click
 
-from ..ops.restart_prep import MODES, restart_prep
 from ..units import human_bytes
 from ._common import alpha_options, dry_run_option, emit_json, json_option, trust_option, warn, warn_trust
 
@@ -12,15 +11,14 @@ from ._common import alpha_options, dry_run_option, emit_json, json_option, trus
 @click.command("restart-prep")
 @click.argument("run_or_ckpt", metavar="RUN_OR_CKPT", type=click.Path(exists=True, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--base", required=True, help="The HF base model the run trained on (dir or hub id in the local "
-                                            "HF cache).")
-@click.option("--lr", type=float, required=True, help="The learning rate of the restarted run.")
+@click.option("--base", help="Required. The HF base model the run trained on (dir or hub id in the local HF cache).")
+@click.option("--lr", type=float, help="Required. The learning rate of the restarted run.")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Your prime-rl TOML (rl or trainer config): a patched copy is written next to OUT.")
 @click.option("--config-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Where to write the patched config (default: merge mode OUT.<config name> beside OUT; adapter "
                    "mode <config stem>.restart.toml beside the config).")
-@click.option("--mode", type=click.Choice(MODES), default="merge", show_default=True,
+@click.option("--mode", type=click.Choice(("merge", "adapter")), default="merge", show_default=True,
               help="merge: merged bf16 model + config for a fresh LoRA run. adapter: resumable checkpoint with "
                    "the adapter kept, fresh AdamW, lr X, step kept.")
 @alpha_options
@@ -31,7 +29,7 @@ from ._common import alpha_options, dry_run_option, emit_json, json_option, trus
 @dry_run_option
 @json_option
 @trust_option
-def command(run_or_ckpt: Path, out: Path, base: str, lr: float, config, config_out, mode: str, alpha, run_config, world_size,
+def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: str, alpha, run_config, world_size,
             scheduler_step: int, dry_run: bool, as_json: bool, trust_pickle: bool) -> None:
     """Prepare a fresh-LR restart of a prime-rl LoRA run.
 
@@ -43,6 +41,8 @@ def command(run_or_ckpt: Path, out: Path, base: str, lr: float, config, config_o
 
     Example: ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B --lr 5e-6 --config rl.toml
     """
+    from ..ops.restart_prep import restart_prep   # torch: lazy
+
     warn_trust(trust_pickle)
     rep = restart_prep(run_or_ckpt, out, base=base, lr=lr, config=config, mode=mode, alpha=alpha,
                        run_config=run_config, world_size=world_size, scheduler_step=scheduler_step,

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import click
 
-from ..ops.set_lr import set_lr
 from ..units import human_bytes
 from ._common import dry_run_option, emit_json, json_option, trust_option, warn, warn_trust
 
@@ -52,6 +51,8 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
 
     Example: ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
     """
+    from ..ops.set_lr import set_lr   # torch: lazy
+
     warn_trust(trust_pickle)
     report = set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
                     overwrite=overwrite, trust_pickle=trust_pickle)

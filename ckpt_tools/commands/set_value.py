@@ -4,7 +4,6 @@ from pathlib import Path
 
 import click
 
-from ..ops.set_lr import set_values
 from ._common import dry_run_option, emit_json, json_option, trust_option, warn, warn_trust
 from .set_lr import render_changes, render_result
 
@@ -27,6 +26,8 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
 
     Example: ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
     """
+    from ..ops.set_lr import set_values   # torch: lazy
+
     warn_trust(trust_pickle)
     report = set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle)
     if as_json:

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import click
 
-from ..ops.slim import slim
 from ..units import human_bytes
 from ._common import dry_run_option, emit_json, is_tty, json_option, trust_option, warn, warn_trust
 
@@ -46,6 +45,8 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
 
     Example: ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
     """
+    from ..ops.slim import slim   # torch: lazy, CLI startup stays fast
+
     warn_trust(trust_pickle)
     report = slim(ckpt, out, base=base, dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle,
                   progress=None if as_json else tty_progress())

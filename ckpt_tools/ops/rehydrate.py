@@ -15,15 +15,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..dcp.reader import BytesEntry, DcpCheckpoint, TensorEntry
-from ..dcp.writer import row_chunks
 from ..errors import FormatError, UsageError
 from .inspect import SLIM_MANIFEST
 from .slim import (
-    Progress, _is_tied, base_identity, check_base_covers, copy_extra_entries, dtype_name, read_base_as,
-    read_manifest, sha256_of_tensor, torch_dtype_of, _extra_entries,
+    Progress, _extra_entries, base_identity, check_base_covers, copy_extra_entries, read_base_as, read_manifest,
+    sha256_of_tensor, torch_dtype_of,
 )
 
 log = logging.getLogger(__name__)
@@ -76,6 +73,8 @@ def _file_index(rel: str, fallback: dict[str, int]) -> int:
 def plan_rehydrate(ckpt: DcpCheckpoint, hf, out: Path, *, base_name: str, world_size: int | None = None) -> RehydratePlan:
     """Validate everything that can be checked without tensor bytes (manifest, key overlap, base
     names and shapes, world size) and lay out the output."""
+    from ..dcp.writer import row_chunks
+
     manifest = read_manifest(ckpt.dir)
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
@@ -226,5 +225,4 @@ def rehydrate(slim_path: str | Path, out: str | Path, *, base: str | Path, world
         ckpt.close()
 
 
-__all__ = ["plan_rehydrate", "run_rehydrate", "rehydrate", "RehydratePlan", "RehydrateResult", "_is_tied",
-           "dtype_name"]
+__all__ = ["plan_rehydrate", "run_rehydrate", "rehydrate", "RehydratePlan", "RehydrateResult"]

@@ -17,6 +17,7 @@ no model name or no lr key is found is refused, naming the keys we looked for.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import shutil
@@ -204,18 +205,23 @@ def default_config_out(mode: str, out: Path, config: Path, step: int | None = No
 
 
 # ============================================================================ the command
-def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str, lr: float, config: str | Path | None = None,
+def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, lr: float | None, config: str | Path | None = None,
                  mode: str = "merge", alpha: float | None = None, run_config: str | Path | None = None,
                  dtype: str = "bf16", max_shard_size: str = "5GB", world_size: int | None = None,
                  scheduler_step: int = 0, config_out: str | Path | None = None, dry_run: bool = False,
                  trust_pickle: bool = False, progress=None) -> dict:
     """Library entry point. Returns a JSON-able report with "next" (what to run next)."""
+    from ..dcp.reader import DcpCheckpoint
+
     if mode not in MODES:
         raise UsageError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
-    if not (lr > 0 and lr == lr and lr != float("inf")):
-        raise UsageError(f"--lr must be a positive finite number, got {lr}")
     out = Path(out)
     ckpt_dir = find_checkpoint(run_or_ckpt)
+    DcpCheckpoint.open(ckpt_dir, trust_pickle=trust_pickle).close()   # the input is checked first
+    if base is None:
+        raise UsageError("--base is required: the HF base model the run trained on")
+    if lr is None or not (lr > 0 and math.isfinite(lr)):
+        raise UsageError(f"--lr is required and must be a positive finite number (got {lr})")
     cfg_text = cfg_out = None
     if config is not None:
         config = Path(config)

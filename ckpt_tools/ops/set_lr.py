@@ -259,7 +259,7 @@ def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str
 
 
 def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) -> PatchResult:
-    from ..atomic import _Lock, fsync_tree  # noqa: F401  (the same lock an AtomicOutputDir(ckpt) takes)
+    from ..atomic import _Lock   # the same lock an AtomicOutputDir(ckpt) would take
     from ..dcp.writer import DcpWriter
 
     d = ckpt.dir

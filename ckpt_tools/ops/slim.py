@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from ..dcp.reader import METADATA_NAME, BytesEntry, DcpCheckpoint, TensorEntry
+from ..dcp.reader import METADATA_NAME, DcpCheckpoint, TensorEntry
 from ..dcp.zipitem import decode_tensor_pickle, parse_item
-from ..errors import CkptError, FormatError, UsageError
+from ..errors import CkptError, FormatError, UnsafePickleError, UsageError
 from ..keys import FROZEN_GROUPS, classify, world_size_from_chunks
 from .inspect import SLIM_MANIFEST
 
@@ -211,6 +211,10 @@ def _row_block_payloads(ckpt: DcpCheckpoint, e: TensorEntry):
             try:
                 layout = parse_item(io.BytesIO(raw))
                 rec = decode_tensor_pickle(raw[layout.pkl_offset:layout.pkl_offset + layout.pkl_size])
+            except UnsafePickleError as exc:
+                raise UnsafePickleError(exc.message, path=ckpt.dir / c.file, key=e.key,
+                                        hint="this tensor item's pickle is not a plain tensor; the checkpoint "
+                                             "is damaged or crafted") from None
             except (ValueError, KeyError, EOFError, IndexError, TypeError, struct.error) as exc:
                 raise FormatError(f"chunk at {list(c.offsets)} is not a readable tensor item: {exc}",
                                   path=ckpt.dir / c.file, key=e.key, hint="run `ckpt verify`") from None
