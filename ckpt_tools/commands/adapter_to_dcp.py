@@ -45,7 +45,10 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
     with --lr and prime-rl's AdamW defaults, the --scheduler state and progress.step. Memory: one
     row chunk of one base tensor at a time.
 
-    Example: ckpt adapter-to-dcp adapter-step95 outputs/checkpoints/step_95/trainer --base Qwen/Qwen3-32B --lr 5e-6 --step 95 --scheduler linear --warmup-steps 10 --scheduler-step 0
+    \b
+    Example:
+      ckpt adapter-to-dcp adapter-step95 outputs/checkpoints/step_95/trainer \\
+        --base Qwen/Qwen3-32B --lr 5e-6 --step 95 --scheduler linear --warmup-steps 10 --scheduler-step 0
     """
     from ..ops.adapter_to_dcp import close_all, plan_adapter_to_dcp, run_adapter_to_dcp  # torch.distributed: lazy
 
