@@ -115,18 +115,22 @@ def parse_item(src) -> ItemLayout:
     """`src` is a seekable binary file object positioned anywhere, spanning exactly one item."""
     try:
         zf = zipfile.ZipFile(src)
-    except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
-        raise ValueError(f"not a torch.save zip archive: {exc}") from None
+    except Exception as exc:  # BadZipFile, NotImplementedError ("zip file version"), EOFError, ...
+        raise ValueError(f"not a torch.save zip archive: {type(exc).__name__}: {exc}") from None
     infos = zf.infolist()
     pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
     if len(pkl) != 1:
         raise ValueError("archive has no single */data.pkl record")
     prefix = pkl[0].filename[: -len("/data.pkl")]
+    item_len = src.seek(0, io.SEEK_END)
     records = []
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED:
             raise ValueError(f"record {info.filename} is compressed")
         off = _payload_offset(src, info.header_offset)
+        if off + info.file_size > item_len:  # a damaged central directory: never read past the item
+            raise ValueError(f"record {info.filename} [{off}, {off + info.file_size}) lies beyond the "
+                             f"item's {item_len} bytes")
         records.append((info.filename, off, info.file_size, info.CRC))
     by_name = {r[0]: r for r in records}
     data = by_name.get(f"{prefix}/data/0")
@@ -166,7 +170,12 @@ def _record_tensor(storage, storage_offset, size, stride, requires_grad=False, h
 
 
 def decode_tensor_pickle(pkl_bytes: bytes) -> TensorRecord:
-    rec = _RecordingUnpickler(io.BytesIO(pkl_bytes)).load()
+    try:
+        rec = _RecordingUnpickler(io.BytesIO(pkl_bytes)).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # garbled data.pkl: UnpicklingError, EOFError, AttributeError, ...
+        raise ValueError(f"data.pkl does not decode: {type(exc).__name__}: {exc}") from None
     if not isinstance(rec, TensorRecord):
         raise ValueError("data.pkl does not hold a single tensor")
     return rec
