@@ -87,8 +87,32 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"unexpected persistent id {pid!r} in DCP metadata", path=self._source)
 
 
+_MEMO_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def check_memo_bounds(data: bytes, source: str) -> None:
+    """Refuse memo indices larger than the pickle itself. CPython's C unpickler keeps its memo in
+    an array sized to the largest index and zero-fills it: one LONG_BINPUT of 0x21682b68 (a
+    single flipped byte in a real .metadata did it) costs 9 GB of RSS before any error. A pickler
+    numbers memo entries from 0, one per memoized object, so a genuine index is below len(data).
+    (Protocol 4+ pickles, DCP's, memoize with MEMOIZE and carry no index at all.)"""
+    import pickletools
+
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            if op.name in _MEMO_PUT_OPS and isinstance(arg, int) and not 0 <= arg <= len(data):
+                raise UnsafePickleError(f"memo index {arg} at byte {pos} is larger than the pickle "
+                                        f"({len(data)} bytes): a crafted or corrupt pickle", path=source)
+    except UnsafePickleError:
+        raise
+    except Exception:
+        return  # not even opcode-parseable: the unpickler reports it
+
+
 def load_metadata_pickle(data: bytes, source: str, *, trust: bool = False):
     """Unpickle DCP metadata bytes with the allow-list. `source` names the file in errors."""
+    if not trust:
+        check_memo_bounds(data, source)
     try:
         return _AllowListUnpickler(io.BytesIO(data), source, trust).load()
     except UnsafePickleError:

@@ -170,6 +170,9 @@ def _record_tensor(storage, storage_offset, size, stride, requires_grad=False, h
 
 
 def decode_tensor_pickle(pkl_bytes: bytes) -> TensorRecord:
+    from ..safe_pickle import check_memo_bounds
+
+    check_memo_bounds(pkl_bytes, "data.pkl")
     try:
         rec = _RecordingUnpickler(io.BytesIO(pkl_bytes)).load()
     except UnsafePickleError:
