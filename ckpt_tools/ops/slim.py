@@ -128,7 +128,7 @@ def _extra_entries(ckpt_dir: Path, data_files: set[str]) -> list[str]:
     for name in sorted(os.listdir(ckpt_dir)):
         if name == METADATA_NAME or name in data_files or name == SLIM_MANIFEST:
             continue
-        if name.startswith(METADATA_NAME + ".") or name.endswith(".distcp"):
+        if name.startswith(".") or name.endswith(".distcp"):   # .metadata.bak-*, temp files
             continue
         out.append(name)
     return out
