@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import stat
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -263,8 +264,13 @@ class DcpCheckpoint:
                                                 "__<rank>_0.distcp is needed") from None
                 except OSError as exc:
                     raise MissingFileError(f"cannot open data file: {exc.strerror}", path=p, key=key) from None
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):  # a directory opens fine, then EISDIR on pread
+                    os.close(fd)
+                    raise FormatError("data file is not a regular file (a directory?)", path=p, key=key,
+                                      hint="copy the checkpoint's __<rank>_0.distcp files again")
                 self._fds[rel] = fd
-                self._sizes[rel] = os.fstat(fd).st_size
+                self._sizes[rel] = st.st_size
             return fd
 
     def file_size(self, rel: str, key: str = "") -> int:
