@@ -24,6 +24,7 @@ import ctypes
 import json
 import math
 import os
+import stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -192,6 +193,12 @@ class _Fd:
                 self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
                 raise MissingFileError("file not found", path=self.path) from None
+            except OSError as e:  # permission denied, ELOOP, ...
+                raise MissingFileError(f"cannot open: {e.strerror}", path=self.path) from None
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):  # a directory opens fine, then EISDIR on read
+                os.close(self.fd)
+                raise FormatError("is not a regular file (a directory?), expected a safetensors file",
+                                  path=self.path)
         else:
             self.path = default_path
             self.fd = source
