@@ -190,6 +190,23 @@ def test_progress_callback_reports_every_tensor_and_all_bytes(tmp_path):
     assert events[-1].bytes_done == events[-1].bytes_total == sum(j.out_bytes for j in plan.jobs)
 
 
+def test_only_merged_weights_are_read_whole_untouched_ones_stream_in_blocks(tmp_path, monkeypatch):
+    from ckpt_tools.formats import hf_dir, safetensors_io
+
+    whole, blocks = [], []
+    real_read, real_chunk = hf_dir.HFModelDir.read_tensor, safetensors_io.StreamingSafetensorsWriter.write_chunk
+    monkeypatch.setattr(hf_dir.HFModelDir, "read_tensor", lambda self, n, **kw: whole.append(n) or real_read(self, n, **kw))
+    monkeypatch.setattr(safetensors_io.StreamingSafetensorsWriter, "write_chunk",
+                        lambda self, n, buf: blocks.append((n, len(memoryview(buf)))) or real_chunk(self, n, buf))
+    monkeypatch.setattr("ckpt_tools.ops.merge.COPY_BLOCK_BYTES", 4096)
+    plan = prepare_merge(BASE, PEFT_REF)
+    execute_merge(plan, tmp_path / "o")
+    assert sorted(whole) == sorted(j.name for j in plan.jobs if j.action == "merge") and len(whole) == 21
+    emb = [n for name, n in blocks if name == "model.embed_tokens.weight"]
+    assert len(emb) == 1000 * 64 * 2 // 4096 + 1 and max(emb) == 4096     # 128,000 bytes in 4 KiB blocks
+    assert (tmp_path / "o" / "model.safetensors").read_bytes() == (EXPECTED / "model.safetensors").read_bytes()
+
+
 def test_blocked_merge_is_bit_identical_to_merge_weight():
     torch.manual_seed(0)
     for shape, r, fifo in (((162, 64), 8, False), ((64, 162), 8, False), ((64, 162), 4, True), ((7, 3), 1, False)):
