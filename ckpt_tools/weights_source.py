@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 from .dcp.reader import METADATA_NAME, DcpCheckpoint, TensorEntry
 from .dcp.zipitem import decode_tensor_pickle, parse_item
-from .errors import FormatError, MissingFileError, TruncatedFileError, UsageError
+from .errors import FormatError, MissingFileError, TruncatedFileError, UnsafePickleError, UsageError
 from .keys import classify
 
 # Reads of at most this many bytes per syscall (Linux moves at most 0x7ffff000 per call).
@@ -73,6 +74,8 @@ class WeightsSource:
         self._layout_cache: tuple[str, list[_Extent] | None] | None = None
         self._full_cache: tuple[str, torch.Tensor] | None = None
         self.bytes_read = 0   # tensor bytes delivered (read_bytes / read_tensor), for reports and tests
+        # one read at a time per source: callers may prefetch from a thread while consuming
+        self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- metadata
     def keys(self) -> list[str]:
@@ -103,8 +106,9 @@ class WeightsSource:
     # ---------------------------------------------------------------- bytes
     def read_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor, a new CPU tensor."""
-        t = self._read_whole(name)
-        self.bytes_read += t.numel() * t.element_size()
+        with self._lock:
+            t = self._read_whole(name)
+            self.bytes_read += t.numel() * t.element_size()
         return t
 
     def _read_whole(self, name: str) -> torch.Tensor:
@@ -114,7 +118,7 @@ class WeightsSource:
         """Where the tensor's bytes lie, or None when only a whole-tensor read can assemble it."""
         raise NotImplementedError
 
-    def _pread(self, file: str, offset: int, n: int, name: str) -> bytes:
+    def _pread_into(self, file: str, offset: int, buf: memoryview, name: str) -> None:
         raise NotImplementedError
 
     def _layout(self, name: str) -> list[_Extent] | None:
@@ -123,13 +127,24 @@ class WeightsSource:
         return self._layout_cache[1]
 
     def read_bytes(self, name: str, start: int, n: int) -> bytearray:
-        """Bytes [start, start+n) of tensor `name`'s row-major contents (little-endian), no decoding."""
-        info = self.info(name)
-        if start < 0 or n < 0 or start + n > info.nbytes:
-            raise ValueError(f"byte range [{start}, {start + n}) outside tensor {name} of {info.nbytes} bytes")
+        """Bytes [start, start+n) of tensor `name`'s row-major contents (little-endian), no decoding.
+        Thread-safe (reads of one source are serialized)."""
         out = bytearray(n)
+        self.read_into(name, start, memoryview(out))
+        return out
+
+    def read_into(self, name: str, start: int, out: memoryview) -> None:
+        """Like read_bytes, into the caller's buffer (reused buffers keep a scan cache-friendly)."""
+        with self._lock:
+            self._read_into(name, start, out)
+
+    def _read_into(self, name: str, start: int, out: memoryview) -> None:
+        info = self.info(name)
+        n = len(out)
+        if start < 0 or start + n > info.nbytes:
+            raise ValueError(f"byte range [{start}, {start + n}) outside tensor {name} of {info.nbytes} bytes")
         if n == 0:
-            return out
+            return
         self.bytes_read += n
         extents = self._layout(name)
         if extents is None:
@@ -138,14 +153,13 @@ class WeightsSource:
                 self._full_cache = (name, self._read_whole(name).contiguous())
             flat = self._full_cache[1].reshape(-1).view(torch.uint8)
             out[:] = flat[start:start + n].numpy().tobytes()
-            return out
+            return
         end = start + n
         for e in extents:
             lo, hi = max(start, e.start), min(end, e.start + e.nbytes)
             if lo >= hi:
                 continue
-            out[lo - start:hi - start] = self._pread(e.file, e.offset + (lo - e.start), hi - lo, name)
-        return out
+            self._pread_into(e.file, e.offset + (lo - e.start), out[lo - start:hi - start], name)
 
     def read_elems(self, name: str, start: int, count: int) -> torch.Tensor:
         """Elements [start, start+count) of the flattened tensor, as a new 1-D tensor."""
@@ -201,7 +215,7 @@ class HFWeights(WeightsSource):
         ti = self.model.info(name)
         return [_Extent(0, ti.nbytes, str(ti.path), ti.begin)]
 
-    def _pread(self, file: str, offset: int, n: int, name: str) -> bytes:
+    def _pread_into(self, file: str, offset: int, buf: memoryview, name: str) -> None:
         fd = self._fds.get(file)
         if fd is None:
             try:
@@ -209,17 +223,14 @@ class HFWeights(WeightsSource):
             except FileNotFoundError:
                 raise MissingFileError("shard disappeared after the model was opened", path=file, key=name) from None
             self._fds[file] = fd
-        parts = []
-        done = 0
-        while done < n:
-            chunk = os.pread(fd, min(n - done, _MAX_IO_BYTES), offset + done)
-            if not chunk:
+        n, done = len(buf), 0
+        while done < n:   # straight into the caller's buffer: one copy from the page cache
+            got = os.preadv(fd, [buf[done:done + _MAX_IO_BYTES]], offset + done)
+            if not got:
                 raise TruncatedFileError(f"file ended at byte {offset + done} while reading "
                                          f"[{offset}, {offset + n})", path=file, key=name,
                                          hint="the shard shrank or is truncated; run `ckpt verify`")
-            parts.append(chunk)
-            done += len(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            done += got
 
     def close(self) -> None:
         super().close()
@@ -305,6 +316,9 @@ class DcpWeights(WeightsSource):
                     return None
                 src.seek(layout.pkl_offset)
                 rec = decode_tensor_pickle(src.read(layout.pkl_size))
+            except UnsafePickleError as exc:
+                raise UnsafePickleError(exc.message, path=self.path / ch.file, key=key,
+                                        hint="the item's data.pkl is not a plain tensor record") from None
             except (ValueError, KeyError, EOFError, IndexError, TypeError):
                 return None  # unusual item: let the reader's torch.load fallback decode it
             if not (rec.dtype == e.dtype and rec.size == ch.sizes and rec.is_contiguous_whole
@@ -322,8 +336,8 @@ class DcpWeights(WeightsSource):
             return None
         return out
 
-    def _pread(self, file: str, offset: int, n: int, name: str) -> bytes:
-        return self.ckpt.read_item_bytes(file, offset, n, self._keys.get(name, name))
+    def _pread_into(self, file: str, offset: int, buf: memoryview, name: str) -> None:
+        buf[:] = self.ckpt.read_item_bytes(file, offset, len(buf), self._keys.get(name, name))
 
     def close(self) -> None:
         super().close()

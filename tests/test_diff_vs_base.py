@@ -215,6 +215,23 @@ def test_keys_on_one_side_shape_and_dtype_changes_are_reported(tmp_path):
     assert "only in WEIGHTS: extra.weight" in r.output and "shape [64] -> [65]" in r.output
 
 
+def test_non_finite_values_are_counted_and_kept_out_of_the_statistics(tmp_path):
+    tensors = load_file(str(BASE / "model.safetensors"))
+    name = "model.layers.1.self_attn.v_proj.weight"
+    w = tensors[name].clone()
+    w0 = w.double()
+    w[0, 0] = float("nan")
+    w[5, 7] = w[5, 7] + 1.0
+    tensors[name] = w
+    code, rep = run_json("diff-vs-base", _hf_dir(tmp_path / "w", tensors), BASE)
+    t = next(t for t in rep["tensors"] if t["name"] == name)
+    assert code == 0 and t["nonfinite"] == 1 and t["changed_elements"] == 2
+    assert t["max_abs_delta"] == float(w.double()[5, 7] - w0[5, 7])
+    d = (w.double() - w0)
+    d[0, 0] = 0
+    assert t["rel_fro"] == pytest.approx(float(d.norm() / w0.norm()), rel=1e-12)
+
+
 def test_a_hub_id_resolves_from_the_local_cache_offline(tmp_path, monkeypatch):
     import huggingface_hub.constants as hub_constants
 

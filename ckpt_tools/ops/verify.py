@@ -387,18 +387,18 @@ def _check_item(fd: int, fpath: Path, it: _Item, report: VerifyReport, deep: boo
             report.problem(fpath, it.key, f"{it.where}byteorder record says {order!r}; only little-endian "
                                           "items are read correctly here")
     if it.offsets is not None:
+        try:
+            rec = decode_tensor_pickle(record_bytes(layout.pkl_offset, layout.pkl_size))
+        except UnsafePickleError as exc:
+            report.problem(fpath, it.key, f"{it.where}data.pkl: {exc.message}")
+            rec = None
+        except Exception as exc:
+            report.problem(fpath, it.key, f"{it.where}data.pkl does not describe one tensor: "
+                                          f"{type(exc).__name__}: {exc}")
+            rec = None
         if layout.data_offset is None:
             report.problem(fpath, it.key, f"{it.where}item holds no tensor payload (no data/0 record)")
         else:
-            try:
-                rec = decode_tensor_pickle(record_bytes(layout.pkl_offset, layout.pkl_size))
-            except UnsafePickleError as exc:
-                report.problem(fpath, it.key, f"{it.where}data.pkl: {exc.message}")
-                rec = None
-            except Exception as exc:
-                report.problem(fpath, it.key, f"{it.where}data.pkl does not describe one tensor: "
-                                              f"{type(exc).__name__}: {exc}")
-                rec = None
             if rec is not None:
                 bad = []
                 if rec.dtype != it.dtype:
