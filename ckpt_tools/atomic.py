@@ -296,18 +296,46 @@ class AtomicOutputDir:
     def __exit__(self, exc_type, exc, tb) -> bool:
         assert self.tmp is not None
         if exc_type is not None:
+            full = self._disk_full(exc)
             with _signals_deferred():
                 self._abort()
+            if full is not None:
+                raise full from exc
             return False
         try:
             fsync_tree(self.tmp)
             with _signals_deferred():
                 self._commit()
-        except BaseException:
+        except BaseException as e:
+            full = self._disk_full(e)
             with _signals_deferred():
                 self._abort()
+            if full is not None:
+                raise full from e
             raise
         return False
+
+    # A write into a full disk surfaces as OSError(ENOSPC) from our own writes, but as other
+    # errors from library writers (torch.save's zip writer: "RuntimeError: [enforce fail at
+    # inline_container.cc] unexpected pos"). Either way the user needs to hear "disk full".
+    _FULL_BYTES = 1 << 20
+
+    def _disk_full(self, exc: BaseException | None) -> DiskSpaceError | None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            pass
+        elif not isinstance(exc, (OSError, RuntimeError)) or self.tmp is None:
+            return None
+        try:
+            free = shutil.disk_usage(self.tmp).free   # before the temp dir is removed
+        except OSError:
+            return None
+        if not (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) and free >= self._FULL_BYTES:
+            return None
+        need = f"; this output needs about {human_bytes(self.need_bytes)}" if self.need_bytes else ""
+        return DiskSpaceError(
+            f"no space left on {_mount_point(self.out.parent)} while writing ({human_bytes(free)} free at "
+            f"the failure: {type(exc).__name__}: {exc}); nothing was written", path=self.out,
+            hint=f"free some space or write the output to another filesystem{need}")
 
     def _abort(self) -> None:
         try:
