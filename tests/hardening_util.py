@@ -432,6 +432,8 @@ class Forked:
         events = []
 
         def on_event(label: str) -> None:
+            if threading.current_thread() is not threading.main_thread():
+                return  # worker threads: stopping one would not stop the command
             events.append(label)
             with open(self.events_path, "a") as f:
                 f.write(label + "\n")

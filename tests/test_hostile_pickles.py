@@ -46,7 +46,7 @@ MUST_REFUSE = {
     ("set-lr", "app.scheduler._last_lr"),
     ("extract-adapter", "app.model.model.layers.0.self_attn.q_proj.lora_A.0"),
     ("merge", "app.model.model.layers.0.self_attn.q_proj.lora_A.0"),
-    ("merge", "app.model.model.layers.1.mlp.down_proj.weight"),
+    ("restart-prep", "app.model.model.layers.0.self_attn.q_proj.lora_A.0"),
     ("diff-vs-base", "app.model.model.layers.1.mlp.down_proj.weight"),
 }
 
@@ -58,14 +58,17 @@ def dcp_invocations(ckpt: Path, out: Path) -> dict[str, list]:
     inv = {
         "inspect": ["inspect", ckpt],
         "verify": ["verify", ckpt],
-        "merge": ["merge", ckpt, out / "merged", "--base", base, "--run-config", run_cfg],
+        "merge": ["merge", base, ckpt, out / "merged", "--run-config", run_cfg],
         "extract-adapter": ["extract-adapter", ckpt, out / "adapter", "--run-config", run_cfg],
         "diff-vs-base": ["diff-vs-base", ckpt, base],
         "slim": ["slim", ckpt, out / "slim"],
         "rehydrate": ["rehydrate", ckpt, out / "rehydrated", "--base", base],
         "set-lr": ["set-lr", ckpt, out / "setlr", "--scale", "0.5"],
         "set": ["set", ckpt, out / "set", "progress.step=5"],
-        "restart-prep": ["restart-prep", ckpt, out / "restart"],
+        "restart-prep": ["restart-prep", ckpt, out / "restart", "--base", base, "--lr", "1e-5",
+                         "--run-config", run_cfg],
+        "adapter-to-dcp": ["adapter-to-dcp", FIXTURE / "reference_peft_adapter", out / "a2d", "--base", base,
+                           "--optimizer-from", ckpt],
     }
     have = hu.commands()
     return {k: v for k, v in inv.items() if k in have}
@@ -79,6 +82,21 @@ def trainer_copy_factory(tmp_path_factory):
         n[0] += 1
         return hu.writable_copy(TRAINER, tmp_path_factory.mktemp("hostile") / f"trainer{n[0]}")
     return make
+
+
+def test_every_invocation_works_on_genuine_inputs(trainer_copy_factory, tmp_path):
+    """Control for the refusals below: the same command lines succeed on clean inputs (so a
+    non-zero exit there is the payload's doing, not a bad argument)."""
+    d = trainer_copy_factory()
+    for cmd, args in dcp_invocations(d, tmp_path / "dcp").items():
+        if cmd == "rehydrate":
+            continue  # takes a slim checkpoint; here it must fail cleanly, which the tests check
+        r = hu.invoke(args)
+        assert r.exit_code in ((0, 3) if cmd == "diff-vs-base" else (0,)), f"{cmd}: {r.output}"
+    a = _adapter_with_bin(tmp_path, None)
+    for cmd, args in adapter_invocations(a, tmp_path / "peft").items():
+        r = hu.invoke(args)
+        assert r.exit_code in ((0, 3) if cmd == "diff-vs-base" else (0,)), f"{cmd}: {r.output}"
 
 
 def test_the_payload_corpus_is_live(tmp_path):
@@ -255,7 +273,8 @@ def _adapter_with_bin(tmp: Path, evil) -> Path:
     (d / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
     sd = load_file(src / "adapter_model.safetensors")
     sd = {k: v for k, v in sd.items()}
-    sd["zz.evil"] = evil
+    if evil is not None:
+        sd["zz.evil"] = evil
     torch.save(sd, d / "adapter_model.bin")
     return d
 
@@ -265,9 +284,9 @@ def adapter_invocations(adapter: Path, out: Path) -> dict[str, list]:
     inv = {
         "inspect": ["inspect", adapter],
         "verify": ["verify", adapter],
-        "merge": ["merge", adapter, out / "merged", "--base", base],
-        "fix-adapter": ["fix-adapter", adapter, out / "fixed", "--base", base, "--alpha", "16"],
-        "adapter-to-dcp": ["adapter-to-dcp", adapter, out / "dcp", "--base", base],
+        "merge": ["merge", base, adapter, out / "merged"],
+        "fix-adapter": ["fix-adapter", adapter, out / "fixed", "--alpha", "16"],
+        "adapter-to-dcp": ["adapter-to-dcp", adapter, out / "dcp", "--base", base, "--lr", "1e-5"],
         "diff-vs-base": ["diff-vs-base", base, base, "--adapter", adapter],
     }
     have = hu.commands()
