@@ -384,7 +384,7 @@ class Forked:
     (1-based), report on a pipe and wait for `resume()`; `count_events=True` only counts them."""
 
     def __init__(self, args: list[str], workdir: Path, *, stop_at: int | None = None, env: dict | None = None,
-                 on_stop=None):
+                 on_stop=None, stop_when=None):
         self.args = [str(a) for a in args]
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -393,6 +393,7 @@ class Forked:
         self.err_path = self.workdir / f"child-{tag}.err"
         self.events_path = self.workdir / f"child-{tag}.events"
         self.stop_at = stop_at
+        self.stop_when = stop_when   # or: stop at the first write event for which stop_when(label)
         self.returncode: int | None = None
         self.stopped_at: str | None = None
         r_stop, w_stop = os.pipe()     # child -> parent: "stopped at <event>"
@@ -437,7 +438,10 @@ class Forked:
             events.append(label)
             with open(self.events_path, "a") as f:
                 f.write(label + "\n")
-            if self.stop_at is not None and len(events) == self.stop_at:
+            stop = (self.stop_at is not None and len(events) == self.stop_at) or (
+                self.stop_when is not None and not getattr(on_event, "stopped", False) and self.stop_when(label))
+            if stop:
+                on_event.stopped = True
                 if on_stop is not None:
                     on_stop(label)
                 os.write(w_stop, (label + "\n").encode())
