@@ -191,11 +191,13 @@ def test_progress_callback_reports_every_tensor_and_all_bytes(tmp_path):
 
 
 def test_only_merged_weights_are_read_whole_untouched_ones_stream_in_blocks(tmp_path, monkeypatch):
-    from ckpt_tools.formats import hf_dir, safetensors_io
+    import ckpt_tools.ops.merge as merge_mod
+    from ckpt_tools.formats import safetensors_io
 
     whole, blocks = [], []
-    real_read, real_chunk = hf_dir.HFModelDir.read_tensor, safetensors_io.StreamingSafetensorsWriter.write_chunk
-    monkeypatch.setattr(hf_dir.HFModelDir, "read_tensor", lambda self, n, **kw: whole.append(n) or real_read(self, n, **kw))
+    real_read, real_chunk = merge_mod._pread_exact, safetensors_io.StreamingSafetensorsWriter.write_chunk
+    monkeypatch.setattr(merge_mod, "_pread_exact", lambda fd, dest, off, **kw: whole.append(kw["key"]) or
+                        real_read(fd, dest, off, **kw))
     monkeypatch.setattr(safetensors_io.StreamingSafetensorsWriter, "write_chunk",
                         lambda self, n, buf: blocks.append((n, len(memoryview(buf)))) or real_chunk(self, n, buf))
     monkeypatch.setattr("ckpt_tools.ops.merge.COPY_BLOCK_BYTES", 4096)

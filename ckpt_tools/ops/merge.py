@@ -398,20 +398,31 @@ def plan_merge(base: BaseFacts, adapter: AdapterFacts, *, out_dtype: torch.dtype
 def job_working_bytes(job: TensorJob, base_kind: str) -> int:
     """Bytes one worker holds while producing `job` (its output included)."""
     if job.action == "copy" and base_kind == "hf":
-        return min(job.out_bytes, COPY_BLOCK_BYTES)   # streamed by the writer, never whole
+        return 0                                       # streamed by the writer in blocks, never whole
     if job.action == "merge":
         # base weight + fp32 product (the worker's reusable scratch) + output + fp32 A, B
         return job.read_bytes + 4 * job.numel + job.out_bytes
+    if job.action == "copy":
+        return job.read_bytes                          # decoded from DCP chunks, written as is
     return job.read_bytes + job.out_bytes
 
 
+def window_budget(jobs, threads: int, base_kind: str) -> int:
+    """Bytes the read-ahead may hold at once: `threads` of the largest merges. A job larger than
+    that (an fp32 embedding cast from a DCP base, say) runs alone, never beside another."""
+    merges = [job_working_bytes(j, base_kind) for j in jobs if j.action == "merge"]
+    every = [job_working_bytes(j, base_kind) for j in jobs]
+    return threads * max(merges or every or [0])
+
+
 def memory_bound(jobs, threads: int, adapter_resident: int, base_kind: str) -> int:
-    """Upper estimate of tensor memory in flight: `threads` workers each hold one job's working set
-    (a finished one keeps its output until written), the writer holds one copy block, plus
-    adapter bytes held for the whole run. The interpreter and torch themselves (~0.3 GB) come on top."""
-    work = sorted((job_working_bytes(j, base_kind) for j in jobs), reverse=True)
-    copy_block = max((min(j.out_bytes, COPY_BLOCK_BYTES) for j in jobs if j.action == "copy"), default=0)
-    return sum(work[:threads]) + copy_block + adapter_resident
+    """Upper estimate of tensor memory in flight: the read-ahead window (or the largest single job,
+    which runs alone), the writer's copy block, and adapter bytes held for the whole run. The
+    interpreter and torch themselves (~0.3 GB) come on top."""
+    work = max([window_budget(jobs, threads, base_kind)] + [job_working_bytes(j, base_kind) for j in jobs])
+    copy_block = max((min(j.out_bytes, COPY_BLOCK_BYTES) for j in jobs if j.action == "copy" and base_kind == "hf"),
+                     default=0)
+    return work + copy_block + adapter_resident
 
 
 def _file_size(f: FileJob) -> int:
@@ -680,6 +691,52 @@ class MergeResult:
     counts: dict = field(default_factory=dict)
 
 
+class _Buffers:
+    """Reusable byte buffers for tensors in flight. Fresh multi-MB allocations are mmapped by malloc
+    and page-faulted (and zeroed by the kernel) on every use: for a 1.7B merge that was 2 GB of
+    faults and seconds of system time. Buffers here are reused instead. A buffer that is too small
+    is released when a bigger one is needed, so no more buffers are alive than are in use at once
+    (at most 2 per worker + 1 being written)."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.keep_bytes = keep_bytes       # larger one-off buffers are released, not kept
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:   # (indices, not list.remove: == on tensors compares elements)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            if self._free:   # none fits: release the largest (too small) one before allocating
+                self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor | None) -> None:
+        if buf is not None and buf.numel() <= self.keep_bytes:
+            with self._lock:
+                self._free.append(buf)
+
+    @staticmethod
+    def view(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        return buf[:n].view(dtype).view(shape)
+
+
+def _pread_exact(fd: int, dest: torch.Tensor, offset: int, *, path, key: str) -> None:
+    """Fill contiguous CPU tensor `dest` with the bytes at `offset` of `fd` (short reads looped)."""
+    from ..errors import TruncatedFileError
+
+    mv = memoryview(dest.view(torch.uint8).reshape(-1).numpy())
+    done, total = 0, len(mv)
+    while done < total:
+        n = os.preadv(fd, [mv[done:done + 0x7FFFF000]], offset + done)
+        if n == 0:
+            raise TruncatedFileError(f"file ended at byte {offset + done} while reading [{offset}, {offset + total})",
+                                     path=path, key=key, hint="the file shrank or is truncated; re-copy it")
+        done += n
+
+
 class _Sources:
     """The inputs named by a plan, re-opened for execution and checked against the plan."""
 
@@ -690,6 +747,8 @@ class _Sources:
         self.adapter_dcp = None
         self.peft = None
         self._local = threading.local()
+        merges = [j for j in plan.jobs if j.action == "merge"]
+        self.buffers = _Buffers(max((max(j.read_bytes, j.out_bytes) for j in merges), default=0))
 
     def __enter__(self):
         from ..dcp.reader import DcpCheckpoint
@@ -766,25 +825,54 @@ class _Sources:
             buf = self._local.buf = torch.empty(numel, dtype=torch.float32)
         return buf
 
+    def _read_base_into_buffer(self, job: TensorJob) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The base tensor of `job`: from an HF shard straight into a pooled buffer (returned so the
+        caller gives it back); from a DCP checkpoint, a new tensor assembled from its chunks."""
+        if self.hf is None:
+            return self.base_tensor(job), None
+        info = self.hf.info(job.src)
+        buf = self.buffers.take(info.nbytes)
+        try:
+            t = _Buffers.view(buf, info.torch_dtype, tuple(info.shape))
+            if info.nbytes:
+                _pread_exact(self.hf.fd(job.src), t, info.begin, path=info.path, key=job.src)
+        except BaseException:
+            self.buffers.give(buf)
+            raise
+        return t, buf
+
     # -- one output tensor (runs in a worker thread)
-    def produce(self, job: TensorJob) -> torch.Tensor:
+    def produce(self, job: TensorJob) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the output tensor, the pooled buffer holding it or None): give the buffer back after writing."""
         out_dt = getattr(torch, job.out_dtype)
-        if job.action == "merge":
-            w = self.base_tensor(job)
-            a, b = self.lora(job)
-            out = torch.empty(job.shape, dtype=out_dt)
-            return merge_weight_into(out, w, a, b, job.scale, fan_in_fan_out=job.fan_in_fan_out, name=job.name,
-                                     scratch=self.scratch(job.numel))
-        t = self.peft.read(job.src) if job.action == "replace" else self.base_tensor(job)
-        if job.action == "copy":
-            return t.contiguous()
-        out = t.to(out_dt, copy=True).contiguous()
-        if out.is_floating_point() and not math.isfinite(float(out.sum(dtype=torch.float32))) \
-                and not bool(torch.isfinite(out).all()):
-            bad = int((~torch.isfinite(out)).sum())
-            raise FormatError(f"{bad} value(s) are not finite after conversion to {job.out_dtype}", key=job.name,
-                              hint="the tensor overflows this dtype; use --dtype bf16 or fp32")
-        return out
+        if job.action == "replace":
+            src, src_buf = self.peft.read(job.src), None
+        else:
+            src, src_buf = self._read_base_into_buffer(job)
+        try:
+            if job.action == "copy":
+                return src.contiguous(), src_buf
+            out_buf = self.buffers.take(job.out_bytes)
+            try:
+                out = _Buffers.view(out_buf, out_dt, job.shape)
+                if job.action == "merge":
+                    a, b = self.lora(job)
+                    merge_weight_into(out, src, a, b, job.scale, fan_in_fan_out=job.fan_in_fan_out,
+                                      name=job.name, scratch=self.scratch(job.numel))
+                else:
+                    out.copy_(src)
+                    if out.is_floating_point() and not math.isfinite(float(out.sum(dtype=torch.float32))) \
+                            and not bool(torch.isfinite(out).all()):
+                        bad = int((~torch.isfinite(out)).sum())
+                        raise FormatError(f"{bad} value(s) are not finite after conversion to {job.out_dtype}",
+                                          key=job.name, hint="the tensor overflows this dtype; use --dtype bf16 or fp32")
+            except BaseException:
+                self.buffers.give(out_buf)
+                raise
+            return out, out_buf
+        finally:
+            if job.action != "copy":
+                self.buffers.give(src_buf)
 
 
 def check_output(plan: MergePlan, out: str | Path) -> None:
@@ -863,12 +951,21 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
     ahead = 0
     writer = None
     done_bytes = 0
+    ws = [job_working_bytes(j, plan.base_kind) for j in jobs]
+    budget = window_budget(jobs, plan.threads, plan.base_kind)
+    in_flight = 0
     try:
         for i, job in enumerate(jobs):
-            # bounded read-ahead: at most `threads` tensors read/computed ahead of the writer
+            # bounded read-ahead: at most `threads` tensors and `budget` bytes ahead of the writer
+            # (a job bigger than the budget runs alone)
             while ahead < len(jobs) and len(pending) < plan.threads:
-                if not raw_copy(jobs[ahead]):
-                    pending[ahead] = pool.submit(src.produce, jobs[ahead])
+                if raw_copy(jobs[ahead]):
+                    ahead += 1
+                    continue
+                if pending and in_flight + ws[ahead] > budget:
+                    break
+                pending[ahead] = pool.submit(src.produce, jobs[ahead])
+                in_flight += ws[ahead]
                 ahead += 1
             if writer is None:
                 s = shard_entries[job.out_file]
@@ -879,9 +976,11 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
                 info = src.hf.info(job.src)
                 copy_raw(info, src.hf.fd(job.src), writer, name=job.name, block_bytes=COPY_BLOCK_BYTES)
             else:
-                t = pending.pop(i).result()
+                t, buf = pending.pop(i).result()
+                in_flight -= ws[i]
                 writer.write(job.name, t)
                 del t
+                src.buffers.give(buf)
             if job.name == last_of_shard[job.out_file]:
                 writer.close()
                 writer = None
@@ -910,4 +1009,4 @@ def merge(base, adapter, out, *, progress=None, **kw) -> tuple[MergePlan, MergeR
 
 __all__ = ["MergePlan", "TensorJob", "FileJob", "ShardOut", "BaseFacts", "AdapterFacts", "SourceTensor",
            "LoraFact", "FullFact", "MergeProgress", "MergeResult", "plan_merge", "prepare_merge",
-           "execute_merge", "merge", "memory_bound", "check_output", "parse_dtype", "DTYPES", "TIED_PAIRS", "CkptError"]
+           "execute_merge", "merge", "memory_bound", "window_budget", "check_output", "parse_dtype", "DTYPES", "TIED_PAIRS", "CkptError"]
