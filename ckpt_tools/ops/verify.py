@@ -588,6 +588,19 @@ def _check_config(cfg_path: Path, config: dict, tensors: dict, report: VerifyRep
                                     "a loader using dtype='auto' converts them")
 
 
+# IEEE layouts: a value is inf/nan iff all exponent bits are set (one integer pass, no float decode).
+_EXP_MASKS = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
+              torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    spec = _EXP_MASKS.get(t.dtype)
+    if spec is not None:
+        int_dtype, mask = spec
+        return int(torch.count_nonzero((t.view(int_dtype) & mask) == mask))
+    return int(t.numel() - torch.count_nonzero(torch.isfinite(t.float() if t.element_size() == 1 else t)))
+
+
 def _deep_finite(tensors: dict, report: VerifyReport, progress: Progress | None) -> None:
     from ..formats.safetensors_io import torch_dtype
 
@@ -608,8 +621,7 @@ def _deep_finite(tensors: dict, report: VerifyReport, progress: Progress | None)
                 for pos in range(0, t.nbytes, block):
                     raw = bytearray(_read_exact(fd, t.begin + pos, min(block, t.nbytes - pos)))
                     if dt.is_floating_point and raw:
-                        v = torch.frombuffer(raw, dtype=dt)
-                        bad += int((~torch.isfinite(v.float() if item == 1 else v)).sum())
+                        bad += count_nonfinite(torch.frombuffer(raw, dtype=dt))
                 if bad:
                     report.problem(t.path, name, f"{bad} non-finite value(s) (inf/nan)")
             except Exception as exc:
@@ -685,8 +697,8 @@ def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trus
             except Exception as exc:
                 report.problem(wpath, key, f"cannot read: {type(exc).__name__}: {exc}")
                 continue
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                report.problem(wpath, key, f"{int((~torch.isfinite(t)).sum())} non-finite value(s) (inf/nan)")
+            if t.is_floating_point() and count_nonfinite(t.reshape(-1)):
+                report.problem(wpath, key, f"{count_nonfinite(t.reshape(-1))} non-finite value(s) (inf/nan)")
     if base is not None:
         _check_against_base(adapter, cfg, base, report, trust_pickle)
     report.checked.update({"modules": len(adapter.modules), "modules_to_save": len(adapter.full_tensors),
