@@ -27,3 +27,37 @@ step "ckpt adapter-to-dcp: back to a checkpoint prime-rl resumes from (fresh Ada
 $CKPT adapter-to-dcp "$OUT/adapter" "$OUT/resume/outputs/checkpoints/step_$STEP_N/trainer" \
   --base "$OUT/run/base_model" --lr 5e-3 --step "$STEP_N" --scheduler linear --warmup-steps 2 --scheduler-step 0
 $CKPT inspect "$OUT/resume/outputs/checkpoints/step_$STEP_N/trainer" --alpha 16
+
+step "ckpt merge: the checkpoint's LoRA merged into the bf16 base (fp32 math, one rounding), streaming"
+$CKPT merge "$OUT/run/base_model" "$TRAINER" "$OUT/merged" --dry-run
+$CKPT merge "$OUT/run/base_model" "$TRAINER" "$OUT/merged"
+
+step "ckpt diff-vs-base: prime-rl's own weights export is bitwise the base (exit 3: the LoRA was not merged)"
+GENUINE="$(dirname "$0")/../../shared/fixtures/primerl-tiny"
+if [ -d "$GENUINE/outputs/weights/step_3" ]; then
+  EXPORT="$GENUINE/outputs/weights/step_3"; EXPORT_BASE="$GENUINE/base_model"
+else  # no genuine fixture beside the repo: prime-rl's export holds exactly the base's bytes
+  EXPORT="$OUT/primerl-weights-export"; EXPORT_BASE="$OUT/run/base_model"; cp -r "$EXPORT_BASE" "$EXPORT"
+fi
+rc=0; $CKPT diff-vs-base "$EXPORT" "$EXPORT_BASE" || rc=$?
+[ "$rc" -eq 3 ] && echo "exit $rc, as expected: identical to base"
+
+step "ckpt diff-vs-base: our merge differs from the base exactly by the LoRA (0 ulps off)"
+$CKPT diff-vs-base "$OUT/merged" "$OUT/run/base_model" --adapter "$TRAINER" --top 3
+
+step "ckpt verify: integrity of the checkpoint (CRC32 of every payload) and of the merged model"
+$CKPT verify "$TRAINER" --deep
+$CKPT verify "$OUT/merged"
+
+step "ckpt slim: keep only the unique state, then rehydrate it bit-exactly from the base"
+$CKPT slim "$TRAINER" "$OUT/slim"
+$CKPT inspect "$OUT/slim"
+$CKPT rehydrate "$OUT/slim" "$OUT/rehydrated" --base "$OUT/run/base_model"
+$CKPT verify "$OUT/rehydrated"
+
+step "ckpt set-lr: halve the lr of the whole remaining schedule, keeping the Adam moments (hard links + KB)"
+$CKPT set-lr "$TRAINER" "$OUT/lr-half" --scale 0.5 --dry-run
+$CKPT set-lr "$TRAINER" "$OUT/lr-half" --scale 0.5
+$CKPT inspect "$OUT/lr-half" --json | "$PY" -c 'import json,sys; r=json.load(sys.stdin); print("lr now", r["lr"])'
+
+echo; echo "demo done: outputs in $OUT/"
