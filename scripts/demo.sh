@@ -40,7 +40,8 @@ else  # no genuine fixture beside the repo: prime-rl's export holds exactly the 
   EXPORT="$OUT/primerl-weights-export"; EXPORT_BASE="$OUT/run/base_model"; cp -r "$EXPORT_BASE" "$EXPORT"
 fi
 rc=0; $CKPT diff-vs-base "$EXPORT" "$EXPORT_BASE" || rc=$?
-[ "$rc" -eq 3 ] && echo "exit $rc, as expected: identical to base"
+[ "$rc" -eq 3 ] || { echo "expected exit 3 (identical to base), got $rc"; exit 1; }
+echo "exit 3, as expected: identical to base"
 
 step "ckpt diff-vs-base: our merge differs from the base exactly by the LoRA (0 ulps off)"
 $CKPT diff-vs-base "$OUT/merged" "$OUT/run/base_model" --adapter "$TRAINER" --top 3
