@@ -38,17 +38,23 @@ def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
-def find_run_configs(ckpt_dir: Path) -> list[Path]:
-    """orch.toml files of the run(s) next to a checkpoint: `<outputs>/run_*/configs/orch.toml`."""
-    p = Path(ckpt_dir).resolve()
+def _search_up(start: Path, patterns: tuple[str, ...]) -> list[Path]:
+    """Matches of `patterns` in the nearest ancestor of `start` (itself included, up to the
+    outputs dir) that has any."""
+    p = Path(start).resolve()
     for _ in range(_SEARCH_LEVELS + 1):
-        found = sorted(p.glob("run_*/configs/orch.toml"))
+        found = [f for pat in patterns for f in sorted(p.glob(pat))]
         if found:
             return found
         if p.parent == p:
             break
         p = p.parent
     return []
+
+
+def find_run_configs(ckpt_dir: Path) -> list[Path]:
+    """orch.toml files of the run(s) next to a checkpoint: `<outputs>/run_*/configs/orch.toml`."""
+    return _search_up(ckpt_dir, ("run_*/configs/orch.toml",))
 
 
 def read_orch_lora(path: Path) -> dict:
@@ -76,16 +82,8 @@ def read_orch_lora(path: Path) -> dict:
 
 def run_adapter_configs(ckpt_dir: Path) -> list[Path]:
     """adapter_config.json files prime-rl wrote for the same run (broadcasts and weight exports)."""
-    p = Path(ckpt_dir).resolve()
-    for _ in range(_SEARCH_LEVELS + 1):
-        found = sorted(p.glob("run_*/broadcasts/step_*/adapter_config.json")) + \
-            sorted(p.glob("weights/step_*/lora_adapters/adapter_config.json"))
-        if found:
-            return found
-        if p.parent == p:
-            break
-        p = p.parent
-    return []
+    return _search_up(ckpt_dir, ("run_*/broadcasts/step_*/adapter_config.json",
+                                 "weights/step_*/lora_adapters/adapter_config.json"))
 
 
 def adapter_config_disagreements(configs: list[Path], training_scale: float, rank: int | None) -> list[str]:
