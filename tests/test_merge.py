@@ -293,10 +293,25 @@ def test_output_rules_existing_inside_input_and_missing_config_from(tmp_path):
     assert r.exit_code == 2 and "BASE ADAPTER OUT" in r.output
 
 
-def test_hub_id_absent_from_the_local_cache_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+def test_hub_id_is_resolved_from_the_local_cache_only(tmp_path, monkeypatch):
+    # the cache layout huggingface_hub reads (refs/main -> snapshots/<rev>/ symlinks into blobs/)
+    cache = tmp_path / "cache"
+    repo = cache / "models--acme--tiny"
+    rev = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    (repo / "snapshots" / rev).mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in BASE.iterdir():
+        shutil.copyfile(f, repo / "blobs" / f.name)
+        (repo / "snapshots" / rev / f.name).symlink_to(Path("..", "..", "blobs", f.name))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    r = run("merge", "Qwen/Qwen3-NotDownloaded", PEFT_REF, tmp_path / "out")
+    r = run("merge", "acme/tiny", TRAINER, tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (EXPECTED / "model.safetensors").read_bytes()
+    assert not (tmp_path / "out" / "config.json").is_symlink()
+    r = run("merge", "Qwen/Qwen3-NotDownloaded", PEFT_REF, tmp_path / "out2")
     assert r.exit_code == 1 and "Qwen/Qwen3-NotDownloaded" in r.output and "download" in r.output
 
 

@@ -50,7 +50,7 @@ def assert_single_rounding(got: torch.Tensor, w, a, b, scale, name):
 
 @pytest.fixture(scope="module")
 def tied_run(tmp_path_factory):
-    spec = FactorySpec.tiny(tie_word_embeddings=True, base_max_shard_size="60KB")
+    spec = FactorySpec.tiny(tie_word_embeddings=True, base_max_shard_size="60KB", num_slots=2)
     return spec, make_run(tmp_path_factory.mktemp("tied") / "run", spec)
 
 
@@ -82,6 +82,20 @@ def test_dcp_merge_into_sharded_tied_base_is_single_rounded(tied_run, merged_tie
         assert torch.equal(got[n], base[n]), n
     cfg = json.loads((merged_tied / "config.json").read_text())
     assert cfg == json.loads((paths.base_model / "config.json").read_text())
+
+
+def test_slot_picks_the_second_adapter_of_a_multi_slot_checkpoint(tied_run, merged_tied, tmp_path):
+    spec, paths = tied_run
+    r = run("merge", paths.base_model, paths.checkpoint, tmp_path / "s1", "--slot", "1")
+    assert r.exit_code == 0, r.output
+    truth, base, got = load_file(paths.truth), load_dir(paths.base_model), load_dir(tmp_path / "s1")
+    slot0 = load_dir(merged_tied)
+    for m in spec.target_modules():
+        n = m + ".weight"
+        assert_single_rounding(got[n], base[n], truth[f"lora.{m}.slot1.A"], truth[f"lora.{m}.slot1.B"], spec.scale, n)
+        assert not torch.equal(got[n], slot0[n]), n
+    r = run("merge", paths.base_model, paths.checkpoint, tmp_path / "s2", "--slot", "2")
+    assert r.exit_code == 2 and "slot 2 is not in the checkpoint" in r.output and "[0, 1]" in r.output
 
 
 def test_base_from_tied_checkpoint_omits_the_duplicate_lm_head(tied_run, merged_tied, tmp_path):
