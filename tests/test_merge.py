@@ -305,8 +305,12 @@ def test_hub_id_is_resolved_from_the_local_cache_only(tmp_path, monkeypatch):
     for f in BASE.iterdir():
         shutil.copyfile(f, repo / "blobs" / f.name)
         (repo / "snapshots" / rev / f.name).symlink_to(Path("..", "..", "blobs", f.name))
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))     # read at import time, maybe already
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     r = run("merge", "acme/tiny", TRAINER, tmp_path / "out")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (EXPECTED / "model.safetensors").read_bytes()

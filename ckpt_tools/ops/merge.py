@@ -927,6 +927,14 @@ def execute_merge(plan: MergePlan, out: str | Path, *, progress: Callable[[Merge
                        written, names, {a: plan.count(a) for a in ("merge", "copy", "cast", "replace")})
 
 
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: float, t0: float) -> None:
     from ..formats.safetensors_io import StreamingSafetensorsWriter
 
@@ -947,6 +955,10 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     pool = ThreadPoolExecutor(max_workers=plan.threads, thread_name_prefix="ckpt-merge")
+    # A finished shard is fsynced by this thread while the next shard is computed and written, so
+    # the pipeline does not stall for a whole shard's flush (the disk, not the CPU, is then busy).
+    flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-merge-fsync")
+    flushes: list[Future] = []
     pending: dict[int, Future] = {}
     ahead = 0
     writer = None
@@ -971,7 +983,7 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
                 s = shard_entries[job.out_file]
                 entries = [(n, dtype_code(getattr(torch, by_name[n].out_dtype)), by_name[n].shape)
                            for n in s.tensors]
-                writer = StreamingSafetensorsWriter(tmp / job.out_file, entries, OUTPUT_METADATA)
+                writer = StreamingSafetensorsWriter(tmp / job.out_file, entries, OUTPUT_METADATA, fsync=False)
             if raw_copy(job):
                 info = src.hf.info(job.src)
                 copy_raw(info, src.hf.fd(job.src), writer, name=job.name, block_bytes=COPY_BLOCK_BYTES)
@@ -982,7 +994,8 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
                 del t
                 src.buffers.give(buf)
             if job.name == last_of_shard[job.out_file]:
-                writer.close()
+                writer.close()            # checks every byte is there; the fsync runs in the background
+                flushes.append(flusher.submit(_fsync_file, writer.path))
                 writer = None
             done_bytes += job.out_bytes
             if progress:
@@ -990,6 +1003,8 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
                                        time.perf_counter() - t0))
             if slow:
                 time.sleep(slow)
+        for f in flushes:
+            f.result()                    # every shard is on disk before OUT may be renamed into place
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -998,6 +1013,7 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        flusher.shutdown(wait=True)
         torch.set_num_threads(intra_op)
 
 
