@@ -11,7 +11,7 @@ projections, with a warmup + decay SequentialLR.
 
 Each operation runs as `python -m ckpt_tools ...` in a fresh process, inputs in the page cache
 (`--cold` evicts them first with posix_fadvise(DONTNEED)). Measured: wall time (imports included),
-peak RSS (wait4's ru_maxrss), bytes through read()/write() syscalls (/proc/<pid>/io rchar/wchar,
+peak RSS (the child's VmHWM), bytes through read()/write() syscalls (/proc/<pid>/io rchar/wchar,
 sampled at exit by a wrapper) and output bytes. Results go to --workdir/results.json and, with
 --record, between the surgery markers of docs/benchmarks.md.
 """
@@ -30,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- surgery:begin -->", "<!-- surgery:end -->"
 
-# Runs the CLI in-process and prints the process's I/O counters after it, so the parent can read
-# them (/proc/<pid>/io of a dead child is gone).
+# Runs the CLI in-process and prints the process's I/O counters and peak RSS (VmHWM) after it, so
+# the parent can read them (/proc/<pid> of a dead child is gone; wait4's ru_maxrss is polluted by
+# the parent's own high-water mark, inherited across fork+exec).
 WRAPPER = """
 import json, sys, runpy
 sys.argv = ["ckpt"] + sys.argv[1:]
@@ -44,7 +45,9 @@ except SystemExit as e:
 except Exception as e:
     print(f"error: {e}", file=sys.stderr); code = 1
 io = dict(l.split(": ") for l in open("/proc/self/io").read().splitlines())
-print("@@IO " + json.dumps({"rchar": int(io["rchar"]), "wchar": int(io["wchar"]), "code": code}), file=sys.stderr)
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print("@@IO " + json.dumps({"rchar": int(io["rchar"]), "wchar": int(io["wchar"]), "hwm_kb": hwm, "code": code}),
+      file=sys.stderr)
 sys.exit(code)
 """
 
@@ -100,17 +103,18 @@ def measure(label: str, args: list, out: Path | None, inputs: list[Path], cold: 
     if out is not None and out.exists():
         shutil.rmtree(out)
     (evict if cold else warm)(inputs)
+    for stale in out.parent.glob(f".{out.name}.*") if out is not None else ():
+        shutil.rmtree(stale, ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", WRAPPER, *map(str, args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    _, status, ru = os.wait4(proc.pid, 0)
+    stdout, stderr = proc.communicate()   # read while it runs: a big --json report fills a pipe
     wall = time.perf_counter() - t0
-    stdout, stderr = proc.stdout.read(), proc.stderr.read()
     io = next((json.loads(ln[5:]) for ln in stderr.splitlines() if ln.startswith("@@IO ")), {})
     if io.get("code", 1) != 0:
         raise SystemExit(f"{label} failed:\n{stdout}\n{stderr}")
-    res = {"label": label, "wall_s": round(wall, 2), "peak_rss_mb": round(ru.ru_maxrss / 1024),
+    res = {"label": label, "wall_s": round(wall, 2), "peak_rss_mb": round(io.get("hwm_kb", 0) / 1024),
            "read_bytes": io.get("rchar"), "write_bytes": io.get("wchar"),
            "out_bytes": tree_bytes(out) if out is not None and out.exists() else None}
     try:

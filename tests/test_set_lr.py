@@ -171,16 +171,20 @@ def test_min_lr_without_a_decay_phase_is_refused(tmp_path):
 
 
 def test_dry_run_prints_before_after_of_exactly_the_lr_fields_and_writes_nothing(tmp_path):
-    _, _, ckpt = saved(tmp_path, dict(scheduler="sequential", decay="cosine"), 4)
+    spec, _, ckpt = saved(tmp_path, dict(scheduler="sequential", decay="cosine"), 4)
     before = tree_hashes(ckpt)
     r = run("set-lr", ckpt, tmp_path / "out", "--scale", "2", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    changes = {c["key"]: (c["before"], c["after"]) for c in json.loads(r.output)["plan"]["changes"]}
+    plan = json.loads(r.output)["plan"]
+    changes = {c["key"]: (c["before"], c["after"]) for c in plan["changes"]}
     assert sorted(changes) == sorted([
         "app.optimizers.param_groups.0.lr", "app.optimizers.param_groups.0.initial_lr", "app.scheduler._last_lr",
         "app.scheduler._schedulers.0.base_lrs", "app.scheduler._schedulers.0._last_lr",
         "app.scheduler._schedulers.1.base_lrs", "app.scheduler._schedulers.1._last_lr"])   # eta_min 0 stays 0
     assert changes["app.scheduler._schedulers.1.base_lrs"] == ([0.01], [0.02])
+    old, new = plan["preview"]["before"], plan["preview"]["after"]   # torch's schedulers, replayed
+    assert new["steps"] == old["steps"] == spec.max_steps - 4 + 1
+    assert [2 * x for x in old["trace_head"]] == new["trace_head"] and new["peak"] == 2 * old["peak"]
     assert not (tmp_path / "out").exists() and tree_hashes(ckpt) == before
     r = run("set-lr", ckpt, tmp_path / "out", "--scale", "2", "--dry-run")
     assert "app.optimizers.param_groups.0.lr" in r.output and "dry run" in r.output

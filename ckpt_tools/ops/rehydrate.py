@@ -2,25 +2,29 @@
 
 Every item of the slim checkpoint is copied verbatim by byte range. Every tensor the slim manifest
 lists as dropped is rebuilt from the base model (bf16 -> the checkpoint's fp32, an exact upcast),
-its sha256 is compared with the manifest's BEFORE it is written, and the first mismatch aborts the
-whole run (nothing appears at OUT: the output is atomic). The rebuilt tensors are written as row
+its sha256 is compared with the manifest's, and the first mismatch aborts the whole run (nothing
+appears at OUT: the output is atomic, and the temp dir is removed). The rebuilt tensors are written as row
 chunks: by default in the exact original chunk layout and rank files recorded in the manifest, or
-for `--world-size W` ranks. Memory: one base tensor (bf16 + fp32) at a time.
+for `--world-size W` ranks. Row chunks are streamed from the base one at a time: memory is one
+chunk in bf16 + fp32, not the tensor.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..dcp.reader import BytesEntry, DcpCheckpoint, TensorEntry
 from ..errors import FormatError, UsageError
 from .inspect import SLIM_MANIFEST
 from .slim import (
-    Progress, _extra_entries, base_identity, check_base_covers, copy_extra_entries, read_base_as, read_manifest,
-    sha256_of_tensor, torch_dtype_of,
+    Progress, _extra_entries, base_identity, check_base_covers, copy_extra_entries, read_base_as, read_base_rows,
+    read_manifest, sha256_of_tensor, torch_dtype_of, update_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -129,6 +133,47 @@ def plan_rehydrate(ckpt: DcpCheckpoint, hf, out: Path, *, base_name: str, world_
         rebuild_bytes=sum(r.nbytes for r in rebuild), extra_files=tuple(extra), warnings=tuple(warnings))
 
 
+def _row_blocks_in_order(r: RebuildItem):
+    """The chunks sorted by row when they are dim-0 row blocks tiling the tensor in order (empty
+    chunks anywhere), else None."""
+    if not r.shape:
+        return None
+    chunks = sorted(r.chunks, key=lambda c: (c[0][0], c[1][0] != 0))
+    expect = 0
+    for offsets, sizes, _fi in chunks:
+        if any(o != 0 for o in offsets[1:]) or tuple(sizes[1:]) != tuple(r.shape[1:]):
+            return None
+        if sizes[0] == 0:
+            continue
+        if offsets[0] != expect:
+            return None
+        expect += sizes[0]
+    return chunks if expect == r.shape[0] else None
+
+
+def _rebuild_one(writer, hf, r: RebuildItem) -> str:
+    """Write one dropped tensor rebuilt from the base; return the sha256 of what was written.
+    Row-block layouts (FSDP's) stream chunk by chunk: memory is one chunk, not the tensor. The
+    caller compares the hash before finishing; a mismatch aborts the whole (atomic) output."""
+    dtype = torch_dtype_of(r.dtype)
+    chunks = _row_blocks_in_order(r)
+    if chunks is None:
+        t = read_base_as(hf, r.base_name, dtype)
+        for offsets, sizes, fi in r.chunks:
+            writer.write_tensor(r.key, r.path, t, chunks=[(offsets, sizes)], file_index=fi)
+        return sha256_of_tensor(t)
+    h = hashlib.sha256()
+    for offsets, sizes, fi in chunks:
+        if sizes[0] == 0:
+            piece = torch.empty(sizes, dtype=dtype)
+        else:
+            piece = read_base_rows(hf, r.base_name, dtype, offsets[0], sizes[0])
+            update_hash(h, piece)
+        writer.write_chunk(r.key, r.path, piece, size=r.shape, offsets=offsets, file_index=fi)
+        del piece
+    return h.hexdigest()
+
+
 @dataclass
 class RehydrateResult:
     out: str
@@ -170,22 +215,17 @@ def run_rehydrate(ckpt: DcpCheckpoint, hf, plan: RehydratePlan, *, overwrite: bo
             t1 = time.perf_counter()
             done = 0
             for r in plan.rebuild:
-                dtype = torch_dtype_of(r.dtype)
-                t = read_base_as(hf, r.base_name, dtype)
+                got = _rebuild_one(writer, hf, r)
                 base_read += hf.info(r.base_name).nbytes
-                got = sha256_of_tensor(t)
                 if got != r.sha256:
                     raise FormatError(
                         f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, as "
                         f"{r.dtype}, is {got[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
-                        f"({verified} of {len(plan.rebuild)} tensors matched before this one); nothing was written",
+                        f"({verified} of {len(plan.rebuild)} tensors matched before this one); OUT was not created",
                         path=Path(plan.base), key=r.key,
                         hint="this is not the base model the run trained on (another revision or a "
                              "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
                 verified += 1
-                for offsets, sizes, fi in r.chunks:
-                    writer.write_tensor(r.key, r.path, t, chunks=[(offsets, sizes)], file_index=fi)
-                del t
                 done += r.nbytes
                 if progress:
                     progress("rebuild", done, plan.rebuild_bytes)

@@ -389,9 +389,11 @@ class SetLrPlan:
 
 
 def plan_set_lr(ckpt: DcpCheckpoint, *, lr: float | None = None, scale: float | None = None,
-                min_lr: float | None = None) -> SetLrPlan:
+                min_lr: float | None = None, preview: bool = True) -> SetLrPlan:
     """Compute every byte item to patch. Exactly one of `lr` (the current lr becomes `lr`; factor =
-    lr / current lr of param group 0) or `scale` (factor).
+    lr / current lr of param group 0) or `scale` (factor). `preview` replays the remaining
+    schedule before and after with torch's schedulers (building a torch optimizer imports
+    torch._dynamo: seconds, so the real run skips it).
 
     `min_lr` retargets the end of the decay instead of scaling it: CosineAnnealingLR's `eta_min`
     is set to it; a LinearLR decay that has not started gets `end_factor = min_lr / base_lr`
@@ -438,14 +440,15 @@ def plan_set_lr(ckpt: DcpCheckpoint, *, lr: float | None = None, scale: float | 
         warnings.append("unrecognised scheduler: only lr fields known by name were patched")
     changes = tuple(Change(k, _old(st, k), v, why[k]) for k, v in sorted(new.items()) if _old(st, k) != v)
     patched = _apply_to_state(st, new)
-    preview = None
-    try:
-        preview = {"before": preview_schedule(st), "after": preview_schedule(patched)}
-    except Exception as exc:   # a scheduler we cannot rebuild only costs the preview
-        warnings.append(f"no schedule preview: {type(exc).__name__}: {exc}")
+    shown = None
+    if preview:
+        try:
+            shown = {"before": preview_schedule(st), "after": preview_schedule(patched)}
+        except Exception as exc:   # a scheduler we cannot rebuild only costs the preview
+            warnings.append(f"no schedule preview: {type(exc).__name__}: {exc}")
     return SetLrPlan(source=str(ckpt.dir), factor=factor, lr_before=current,
                      lr_after=new[st.keys[("pg", min(st.groups), "lr")]], min_lr=min_lr, scheduler=_describe(st),
-                     changes=changes, preview=preview, warnings=tuple(warnings))
+                     changes=changes, preview=shown, warnings=tuple(warnings))
 
 
 def _old(st: SchedState, key: str):
@@ -548,8 +551,7 @@ def preview_schedule(st: SchedState, steps: int | None = None) -> dict:
         now_epoch = int(st.top.get("last_epoch", 0))
         n = steps if steps is not None else max(1, min(_PREVIEW_STEPS_MAX, end - now_epoch + 1))
         trace = []
-        for _ in range(n):
-            opt.step()
+        for _ in range(n):   # no opt.step(): the lr does not depend on it (and its first call is slow)
             sched.step()
             trace.append(float(opt.param_groups[0]["lr"]))
     return {"now": float(st.groups[min(st.groups)]["lr"]), "steps": n, "peak": max(trace), "end": trace[-1],
@@ -566,7 +568,7 @@ def set_lr(ckpt_path, out, *, lr: float | None = None, scale: float | None = Non
         raise UsageError("give an output directory OUT, or --in-place")
     ckpt = DcpCheckpoint.open(ckpt_path, trust_pickle=trust_pickle)
     try:
-        plan = plan_set_lr(ckpt, lr=lr, scale=scale, min_lr=min_lr)
+        plan = plan_set_lr(ckpt, lr=lr, scale=scale, min_lr=min_lr, preview=dry_run)
         report = {"plan": plan.to_json(), "dry_run": dry_run}
         if not dry_run:
             values = {c.key: c.after for c in plan.changes}

@@ -16,6 +16,7 @@ The module also owns the manifest format and the hashing both sides use (`tensor
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -183,10 +184,8 @@ def plan_slim(ckpt: DcpCheckpoint, out: Path, *, base: dict | None = None, verif
 # ------------------------------------------------------------------------------------------ hashing
 def sha256_of_tensor(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes in row-major order (the manifest's content hash)."""
-    t = t.detach().cpu().contiguous()
     h = hashlib.sha256()
-    if t.numel():
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    update_hash(h, t.detach().cpu())
     return h.hexdigest()
 
 
@@ -228,6 +227,7 @@ def _row_block_payloads(ckpt: DcpCheckpoint, e: TensorEntry):
                                   f"{layout.data_crc:#010x})", path=ckpt.dir / c.file, key=e.key,
                                   hint="the checkpoint is corrupt; slim an intact copy")
             yield payload
+            del raw, payload   # before the next chunk is read: one chunk in memory, not two
     return gen()
 
 
@@ -241,6 +241,7 @@ def checkpoint_tensor_sha256(ckpt: DcpCheckpoint, e: TensorEntry) -> str:
             if p is None:
                 break
             h.update(p)
+            del p
         else:
             return h.hexdigest()
     return sha256_of_tensor(ckpt.read_tensor(e.key))
@@ -316,6 +317,42 @@ def read_base_as(hf, src: str, dtype: torch.dtype) -> torch.Tensor:
     """A base tensor cast to the checkpoint's dtype: the exact fp32 master of a bf16 weight."""
     t = hf.read_tensor(src)
     return t if t.dtype == dtype else t.to(dtype)
+
+
+# Rows per block when a base tensor is streamed: bounded scratch whatever the tensor's size.
+BASE_BLOCK_BYTES = 64 << 20
+
+
+def read_base_rows(hf, src: str, dtype: torch.dtype, start: int, rows: int) -> torch.Tensor:
+    """Rows [start, start + rows) of a base tensor (one contiguous byte range of the row-major
+    safetensors data), cast to `dtype`."""
+    from ..formats.safetensors_io import read_tensor
+
+    info = hf.info(src)
+    row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+    part = dataclasses.replace(info, shape=(rows,) + tuple(info.shape[1:]), begin=info.begin + start * row_bytes,
+                               nbytes=rows * row_bytes)
+    t = read_tensor(part, hf.fd(src))
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def update_hash(h, t: torch.Tensor) -> None:
+    if t.numel():
+        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def base_upcast_sha256(hf, src: str, dtype: torch.dtype) -> str:
+    """sha256 of a base tensor cast to `dtype`, streamed in row blocks (memory: one block)."""
+    info = hf.info(src)
+    if not info.shape or info.shape[0] == 0:
+        return sha256_of_tensor(read_base_as(hf, src, dtype))
+    n = info.shape[0]
+    row_out = max(1, (info.numel // n) * dtype.itemsize)
+    step = max(1, BASE_BLOCK_BYTES // row_out)
+    h = hashlib.sha256()
+    for s in range(0, n, step):
+        update_hash(h, read_base_rows(hf, src, dtype, s, min(step, n - s)))
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ manifest
@@ -474,7 +511,7 @@ def run_slim(ckpt: DcpCheckpoint, plan: SlimPlan, *, base_dir: Path | None = Non
                 e = ckpt.entries[d.key]
                 hashes[d.key] = checkpoint_tensor_sha256(ckpt, e)
                 if hf is not None:
-                    got = sha256_of_tensor(read_base_as(hf, mapping[d.key], e.dtype))
+                    got = base_upcast_sha256(hf, mapping[d.key], e.dtype)
                     if got != hashes[d.key]:
                         raise FormatError(
                             f"the base model's {mapping[d.key]} upcast to {d.dtype} differs from the "
