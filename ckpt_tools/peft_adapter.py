@@ -120,7 +120,7 @@ def parse_peft_config(path: Path) -> PeftConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise FormatError(f"{pname}[{k!r}] is {v!r}, not a number", path=path)
     mts = raw.get("modules_to_save") or ()
-    if isinstance(mts, str) or not all(isinstance(m, str) for m in mts):
+    if not isinstance(mts, (list, tuple)) or not all(isinstance(m, str) for m in mts):
         raise FormatError(f"modules_to_save is {mts!r}, expected a list of names", path=path)
     return PeftConfig(path=path, r=r, lora_alpha=float(alpha),
                       use_rslora=bool(_need(raw, "use_rslora", bool, path, False, required=False)),
