@@ -38,6 +38,30 @@ UNSUPPORTED_VARIANTS: tuple[tuple[str, object], ...] = (
 )
 
 
+# A regex from a downloaded config is matched against every module name: a crafted one must not
+# hang us (Python's re backtracks). Refused: invalid syntax; a repeated group that itself repeats
+# or alternates ("(a+)+$", "(.*.*)*q", "(a|a)*$": exponential time); more than 3 unbounded
+# quantifiers ("x.*.*.*.*.*y": polynomial of high degree). Real patterns ("q_proj",
+# "layers\.\d+\.mlp\..*", "(q|k|v)_proj") pass.
+_NESTED_REPEAT = re.compile(r"\((?:[^()\\]|\\.)*[*+?}|](?:[^()\\]|\\.)*\)(?:[*+]|\{\d*,)")
+_UNBOUNDED = re.compile(r"(?<!\\)(?:[*+]|\{\d*,\})")
+_MAX_PATTERN_CHARS = 512
+
+
+def check_regex(field: str, pattern: str, path: Path, *, compiled_as: str = "{}") -> None:
+    """Raise FormatError unless `pattern` is a regex we can match safely (see above)."""
+    bare = re.sub(r"\[(?:\\.|[^\]])*\]", "c", pattern)   # quantifier chars inside [...] are literals
+    if len(pattern) > _MAX_PATTERN_CHARS or _NESTED_REPEAT.search(bare) or len(_UNBOUNDED.findall(bare)) > 3:
+        raise FormatError(f"{field} pattern {pattern[:80]!r} has nested or many repetitions: matching it can take "
+                          "exponential time (a crafted config hangs any loader that uses it)", path=path,
+                          hint="use module names or simple patterns such as 'layers\\.\\d+\\.mlp\\..*'")
+    try:
+        re.compile(compiled_as.replace("{}", pattern))
+    except re.error as e:
+        raise FormatError(f"{field} pattern {pattern[:80]!r} is not a valid regular expression: {e}",
+                          path=path) from None
+
+
 def pattern_key(patterns: dict, module: str) -> str | None:
     """PEFT's get_pattern_key: the first pattern p with re.match(rf"(.*\\.)?({p})$", module)."""
     for p in patterns:
@@ -119,6 +143,10 @@ def parse_peft_config(path: Path) -> PeftConfig:
         for k, v in pat.items():
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise FormatError(f"{pname}[{k!r}] is {v!r}, not a number", path=path)
+            check_regex(pname, k, path, compiled_as=r"(.*\.)?({})$")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):   # PEFT: a string is a full-match regex over module names
+        check_regex("target_modules", targets, path)
     mts = raw.get("modules_to_save") or ()
     if not isinstance(mts, (list, tuple)) or not all(isinstance(m, str) for m in mts):
         raise FormatError(f"modules_to_save is {mts!r}, expected a list of names", path=path)
