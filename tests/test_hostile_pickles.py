@@ -21,6 +21,7 @@ from . import hardening_util as hu
 from .conftest import FIXTURE, TRAINER
 
 PAYLOADS = hu.payload_names()
+ALL_COMMAND_PAYLOADS = ("os.system (p2)", "p0 INST os.system", "p4 STACK_GLOBAL dotted torch.serialization/os.system")
 REFUSAL = r"refusing to unpickle|unsafe|not allowed|weights_only"
 
 # Where a payload hides inside an otherwise valid Metadata object.
@@ -113,7 +114,12 @@ def test_metadata_that_is_a_payload_is_refused_everywhere(payload, trainer_copy_
     with pytest.raises(UnsafePickleError, match="refusing to unpickle|cannot parse"):
         DcpCheckpoint.open(d)
     tried = 1
-    for name, args in dcp_invocations(d, tmp_path / "out").items():
+    # Every command opens .metadata through the same allow-list loader: the whole corpus goes
+    # through the library and `inspect`, three payloads (one per pickle dialect) through all.
+    cmds = dcp_invocations(d, tmp_path / "out")
+    if payload not in ALL_COMMAND_PAYLOADS:
+        cmds = {k: v for k, v in cmds.items() if k == "inspect"}
+    for name, args in cmds.items():
         r = hu.invoke(args)
         hu.assert_refused(r, expect="refusing to unpickle|cannot parse DCP metadata")
         tried += 1
@@ -160,8 +166,11 @@ def test_payload_nested_inside_valid_metadata_is_refused(site, trainer_copy_fact
         with pytest.raises(UnsafePickleError, match="refusing to unpickle"):
             DcpCheckpoint.open(d)
         tried += 1
-        if i == 0:  # every command, with one payload per site (they share the opening code)
-            for cmd, args in dcp_invocations(d, tmp_path / "out").items():
+        if i == 0:  # commands, with one payload per site (they share the opening code)
+            cmds = dcp_invocations(d, tmp_path / "out")
+            if site not in NESTED_SITES[:3]:
+                cmds = {k: v for k, v in cmds.items() if k in ("inspect", "verify")}
+            for cmd, args in cmds.items():
                 hu.assert_refused(hu.invoke(args), expect="refusing to unpickle")
                 tried += 1
     hu.record("hostile", tried=tried, executed=canary.exists())
@@ -182,13 +191,21 @@ def test_item_payloads_are_refused_by_the_reader(key, trainer_copy_factory, tmp_
     items.update({f"data.pkl={n}": hu.torch_item_with_pickle(b) for n, b in hu.payload_bytes(canary).items()})
     if key not in FULL_CORPUS_KEYS:
         items = dict(list(items.items())[::8])
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
     d = trainer_copy_factory()
-    orig_md = (d / ".metadata").read_bytes()
+    md = pickle.loads((d / ".metadata").read_bytes())  # the genuine fixture's metadata: trusted
+    offs = None if ITEM_SITES[key] is None else tuple(md.state_dict_metadata[key].chunks[ITEM_SITES[key]].offsets)
+    idx = hu.storage_index(md, key, offs)
+    evil = d / "__evil_0.distcp"
     tried = 0
     for name, raw in items.items():
-        hu.point_item_at(d, key, raw, chunk=ITEM_SITES[key], file=f"__evil{tried}_0.distcp",
-                         md=pickle.loads(orig_md))  # the genuine fixture's metadata: trusted
-        ck = DcpCheckpoint.open(d)
+        # .metadata parsing is covered above: point the key at the payload in memory
+        start = evil.stat().st_size if evil.exists() else 0
+        with open(evil, "ab") as f:
+            f.write(raw)
+        md.storage_data[idx] = _StorageInfo(evil.name, start, len(raw))
+        ck = DcpCheckpoint(d, md)
         with pytest.raises(CkptError) as ei:
             if ck.entries[key].is_tensor:
                 ck.read_tensor(key)
@@ -203,7 +220,7 @@ def test_item_payloads_are_refused_by_the_reader(key, trainer_copy_factory, tmp_
     hu.record("hostile", tried=tried, executed=canary.exists())
 
 
-@pytest.mark.parametrize("key", list(ITEM_SITES))
+@pytest.mark.parametrize("key", [k for k in ITEM_SITES if k != "app.scheduler._last_lr"])
 def test_item_payloads_never_run_through_any_command(key, trainer_copy_factory, tmp_path):
     """Every command on a checkpoint with a poisoned item: the payload never runs; a command that
     reads the item refuses with one line; one that copies bytes verbatim may succeed."""
