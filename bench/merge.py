@@ -227,10 +227,13 @@ def render(res: dict) -> str:
         vs_floor = f"{r['wall_s'] / floor['wall_s']:.2f}x" if floor and floor.get("wall_s") else ""
         cpu_floor = f"{r['cpu_s'] / floor['cpu_s']:.2f}x" if floor and floor.get("cpu_s") else ""
         vs_peft = f"{r['peak_rss'] / peft['peak_rss']:.0%}" if peft and peft.get("peak_rss") and r.get("peak_rss") else ""
-        lines.append(f"| {r['label']} | {r['wall_s']:.1f} | {r.get('work_s', 0):.1f} | {r.get('cpu_s') or 0:.1f} | "
-                     f"{(r.get('peak_rss') or 0) / gib:.2f} GiB | {r.get('rchar', 0) / 1e9:.2f} GB | "
-                     f"{r.get('wchar', 0) / 1e9:.2f} GB | {r.get('out_bytes', 0) / 1e9:.2f} GB | {vs_floor} | "
-                     f"{cpu_floor} | {vs_peft} |")
+        def gb(k):  # external tools (mergekit) do not report their own io / work time
+            return f"{r[k] / 1e9:.2f} GB" if k in r else "n/a"
+
+        work = f"{r['work_s']:.1f}" if "work_s" in r else "n/a"
+        lines.append(f"| {r['label']} | {r['wall_s']:.1f} | {work} | {r.get('cpu_s') or 0:.1f} | "
+                     f"{(r.get('peak_rss') or 0) / gib:.2f} GiB | {gb('rchar')} | {gb('wchar')} | "
+                     f"{r.get('out_bytes', 0) / 1e9:.2f} GB | {vs_floor} | {cpu_floor} | {vs_peft} |")
     if ours and peft and not ours.get("rc") and not peft.get("rc"):
         lines += ["", f"ckpt merge vs PEFT: {peft['wall_s'] / ours['wall_s']:.2f}x faster (wall), "
                       f"{peft.get('work_s', 0) / max(ours.get('work_s', 1e-9), 1e-9):.2f}x (work); peak RSS "
@@ -276,7 +279,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--only", default="floor-nosync,floor,ckpt,ckpt-1thread,peft,mergekit")
     ap.add_argument("--record", type=Path, help="write the table between the merge markers of this file")
+    ap.add_argument("--from-results", action="store_true",
+                    help="render (and --record) --workdir/results.json of an earlier run; run nothing")
     args = ap.parse_args(argv)
+    if args.from_results:
+        body = render(json.loads((args.workdir / "results.json").read_text()))
+        print(body)
+        if args.record:
+            record(args.record, body)
+        return 0
     _install_rusage_hook()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
