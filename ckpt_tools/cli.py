@@ -11,6 +11,7 @@ import traceback
 import click
 
 from .atomic import Terminated, install_signal_handlers
+from . import __version__
 from .errors import CkptError
 
 # Module names under ckpt_tools.commands; each defines `command` (a click.Command).
@@ -52,7 +53,7 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log details and show tracebacks on errors.")
-@click.version_option(package_name="ckpt-tools")
+@click.version_option(version=__version__, prog_name="ckpt")
 def main(verbose: bool) -> None:
     """LoRA merge and checkpoint surgery for prime-rl (torch DCP) checkpoints."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
