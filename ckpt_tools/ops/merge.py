@@ -125,7 +125,7 @@ class BaseFacts:
     tensors: tuple[SourceTensor, ...]       # in output order preference (HF: disk order)
     config: dict | None                     # config.json of the output (from the base or --config-from)
     config_path: str | None
-    files: tuple[str, ...]                  # non-weight files to carry (absolute paths), sorted by name
+    files: tuple[tuple[str, int], ...]      # non-weight files to carry: (absolute path, bytes), by name
     skipped: tuple[str, ...] = ()           # entries of the config dir not carried (reported)
 
 
@@ -341,7 +341,8 @@ def plan_merge(base: BaseFacts, adapter: AdapterFacts, *, out_dtype: torch.dtype
         src = base_for(name) if name == materialize else by_name[name]
         sdt = getattr(torch, src.dtype)
         common = dict(src=src.key, src_file=src.file, src_dtype=src.dtype, shape=tuple(src.shape),
-                      note=f"materialized from {src.name} (tied in the base)" if name == materialize else None)
+                      note=f"materialized from {src.name} (tied in the base)"
+                      if name == materialize and name not in full_by_name else None)
         numel = math.prod(src.shape)
         if name in lora_by_target:
             m = lora_by_target[name]
@@ -382,7 +383,9 @@ def plan_merge(base: BaseFacts, adapter: AdapterFacts, *, out_dtype: torch.dtype
                         "cannot load it without one")
     read_bytes = sum(j.read_bytes for j in jobs)
     index_bytes = len(json.dumps(index, indent=2, sort_keys=True)) + 1 if index else 0
-    write_bytes = sum(s.file_bytes for s in shards) + index_bytes + sum(_file_size(f) for f in files)
+    sizes = dict(base.files)
+    write_bytes = sum(s.file_bytes for s in shards) + index_bytes + \
+        sum(sizes[f.src] + (256 if f.action == "rewrite" else 0) for f in files)
     return MergePlan(
         base_kind=base.kind, base_path=base.path, adapter_kind=adapter.kind, adapter_path=adapter.path,
         adapter=adapter.describe, slot=adapter.slot, trust_pickle=trust_pickle, out_dtype=out_dt,
@@ -425,17 +428,10 @@ def memory_bound(jobs, threads: int, adapter_resident: int, base_kind: str) -> i
     return work + copy_block + adapter_resident
 
 
-def _file_size(f: FileJob) -> int:
-    try:
-        return os.path.getsize(f.src) + (256 if f.action == "rewrite" else 0)
-    except OSError:
-        return 0
-
-
 def _plan_files(base: BaseFacts, out_dt: str, tie_out) -> tuple[tuple[FileJob, ...], object]:
     jobs = []
     tie_change = tie_out
-    for p in base.files:
+    for p, _nbytes in base.files:
         name = os.path.basename(p)
         if name == "config.json" and base.config is not None:
             changes = _config_changes(base.config, out_dt, tie_out)
@@ -478,6 +474,10 @@ def _carry_files(d: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(carry), tuple(skip)
 
 
+def _with_sizes(paths) -> tuple[tuple[str, int], ...]:
+    return tuple((str(p), os.path.getsize(p)) for p in paths)
+
+
 def _load_config(d: Path, *, required: bool) -> tuple[dict | None, str | None]:
     p = Path(d) / "config.json"
     if not p.is_file():
@@ -503,7 +503,7 @@ def hf_base_facts(name_or_dir: str | Path) -> BaseFacts:
         for name in model.keys():
             info = model.info(name)
             tensors.append(SourceTensor(name, dtype_name(info.torch_dtype), tuple(info.shape), info.path.name, name))
-        files = tuple(str(p) for p in model.non_weight_files())
+        files = _with_sizes(model.non_weight_files())
         skipped = tuple(model.skipped_entries())
         config = model.config
     cfg_path = str(path / "config.json") if config is not None else None
@@ -536,7 +536,8 @@ def dcp_base_facts(ckpt, config_from: str | Path | None) -> BaseFacts:
                          path=ckpt.dir, hint=hint)
     cdir = resolve_model_dir(config_from)
     config, cfg_path = _load_config(cdir, required=True)
-    files, skipped = _carry_files(cdir)
+    carry, skipped = _carry_files(cdir)
+    files = _with_sizes(carry)
     tensors.sort(key=lambda t: t.name)
     _check_config_fits(config, cfg_path, {t.name: t for t in tensors})
     return BaseFacts("dcp", str(ckpt.dir), tuple(tensors), config, cfg_path, files, skipped)
