@@ -2,7 +2,7 @@
 """Benchmark checkpoint surgery: `ckpt slim`, `ckpt rehydrate`, `ckpt set-lr` (not in CI).
 
     python bench/surgery.py [--workdir /tmp/ckpt-bench-surgery] [--preset qwen3-1.7b|tiny]
-                            [--cold] [--record docs/benchmarks.md]
+                            [--cold] [--record docs/benchmarks.md] [--from-results]
 
 Input (built once, cached in --workdir): a prime-rl-layout run from the factory
 (`ckpt_tools.fixtures.factory.make_run`): a random bf16 HF base of the preset's shapes and a DCP
@@ -150,8 +150,11 @@ def render(res: dict) -> str:
         net_r = r["read_bytes"] - base["read_bytes"] if r is not base else r["read_bytes"]
         net_w = r["write_bytes"] - base["write_bytes"] if r is not base else r["write_bytes"]
         work = f"{r['work_s']:.2f} s" if r.get("work_s") is not None else "-"
+        outb = gb(r["out_bytes"]) if r["out_bytes"] else "-"
+        if r["label"].startswith("set-lr") and r["out_bytes"]:
+            outb += f" (hard links; {gb(max(0, net_w))} new)"
         rows.append(f"| {r['label']} | {work} | {r['wall_s']:.2f} s | {r['peak_rss_mb']} MB | {gb(max(0, net_r))} | "
-                    f"{gb(max(0, net_w))} | {gb(r['out_bytes']) if r['out_bytes'] else '-'} |")
+                    f"{gb(max(0, net_w))} | {outb} |")
     src = res["source_bytes"]
     slim_b = next(r["out_bytes"] for r in res["runs"] if r["label"] == "slim")
     setlr = next(r for r in res["runs"] if r["label"].startswith("set-lr"))
@@ -170,8 +173,9 @@ def render(res: dict) -> str:
         "",
         f"- slim: {gb(src)} -> {gb(slim_b)} (**{src / slim_b:.0f}x smaller**); every dropped tensor is read once "
         f"and hashed (sha256 + the zip CRC-32 check).",
-        f"- set-lr: {sr.get('linked', {})} data files linked, {gb(sr.get('bytes_written', 0))} written "
-        f"(patch file + `.metadata`), {sr.get('seconds', 0):.3f} s inside the command.",
+        f"- set-lr: {', '.join(f'{n} data files {m}ed' for m, n in sorted(sr.get('linked', {}).items()))}, "
+        f"{gb(sr.get('bytes_written', 0))} written (patch file + `.metadata`), {sr.get('seconds', 0):.3f} s to "
+        "link, write and swap (after the metadata is opened).",
     ]
     return "\n".join(lines)
 
@@ -193,7 +197,14 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=["qwen3-1.7b", "tiny"], default="qwen3-1.7b")
     ap.add_argument("--cold", action="store_true", help="evict inputs from the page cache before each run")
     ap.add_argument("--record", type=Path, help="write the results table into this markdown file")
+    ap.add_argument("--from-results", action="store_true", help="re-render --workdir/results.json, run nothing")
     a = ap.parse_args(argv)
+    if a.from_results:
+        body = render(json.loads((a.workdir / "results.json").read_text()))
+        print(body)
+        if a.record:
+            record(a.record, body)
+        return 0
     work = a.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     paths = build_inputs(work, a.preset)
