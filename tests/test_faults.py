@@ -8,7 +8,7 @@ write, the middle one, and the last event (just before OUT is renamed into place
 clean run of the same command. After every kill: OUT does not exist, only clearly named
 `.OUT.tmp-<pid>-*` / `.OUT.lock` entries are beside it, and the inputs are byte-identical
 (sha256 of every file, inodes included). SIGINT: exit 130, one `interrupted` line, nothing left
-beside OUT. Finally a rerun succeeds, removes what the killed runs left, and writes the same
+beside OUT; SIGTERM likewise with exit 143. Finally a rerun succeeds, removes what the killed runs left, and writes the same
 bytes as the clean run. One command also runs end to end as `python -m ckpt_tools` and is
 interrupted there. `set-lr --in-place` is killed at each point too: the checkpoint stays loadable
 with the old or the new lr, never a mix, and its data files are untouched."""
@@ -163,6 +163,16 @@ def test_sigkill_and_sigint_at_every_kill_point(cmd, inputs, tmp_path):
     assert hu.temp_dirs(out) == [] and not (out.parent / f".{out.name}.lock").exists(), hu.sidecars(out)
     assert hu.diff_snapshots(before, hu.snapshot(fx, slim)) == []
     hu.record("faults", sigint=1)
+
+    # SIGTERM (what a job scheduler sends) unwinds the same way, exit 128 + 15
+    f = hu.Forked(args, work, stop_at=mid)
+    assert f.wait_stopped() is not None
+    f.kill(signal.SIGTERM)
+    r = f.result()
+    assert r.exit_code == 143, f"{cmd}: SIGTERM gave exit {r.exit_code}: {r.output}"
+    assert "terminated" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists() and hu.temp_dirs(out) == [], hu.sidecars(out)
+    hu.record("faults", sigterm=1)
 
     # a rerun succeeds, cleans up after the killed runs, and writes what the clean run wrote
     f = hu.Forked(args, work)

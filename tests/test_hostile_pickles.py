@@ -160,8 +160,9 @@ def test_payload_nested_inside_valid_metadata_is_refused(site, trainer_copy_fact
     canary = tmp_path / "canary"
     objs = hu.payload_objects(canary)
     tried = 0
+    genuine = (TRAINER / ".metadata").read_bytes()
     for i, (name, evil) in enumerate(objs.items()):
-        md = hu.load_metadata(TRAINER)
+        md = pickle.loads(genuine)  # the genuine fixture's metadata: trusted
         (d / ".metadata").write_bytes(pickle.dumps(_nest(md, site, evil), protocol=2 + 2 * (i % 2)))
         with pytest.raises(UnsafePickleError, match="refusing to unpickle"):
             DcpCheckpoint.open(d)
