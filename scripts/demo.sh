@@ -32,6 +32,10 @@ step "ckpt merge: the checkpoint's LoRA merged into the bf16 base (fp32 math, on
 $CKPT merge "$OUT/run/base_model" "$TRAINER" "$OUT/merged" --dry-run
 $CKPT merge "$OUT/run/base_model" "$TRAINER" "$OUT/merged"
 
+step "ckpt merge --base-from-checkpoint: no base download, the checkpoint's fp32 masters are the base"
+$CKPT merge --base-from-checkpoint "$TRAINER" "$OUT/merged-from-ckpt" --config-from "$OUT/run/base_model"
+diff -r "$OUT/merged" "$OUT/merged-from-ckpt" && echo "identical bytes either way"
+
 step "ckpt diff-vs-base: prime-rl's own weights export is bitwise the base (exit 3: the LoRA was not merged)"
 GENUINE="$(dirname "$0")/../../shared/fixtures/primerl-tiny"
 if [ -d "$GENUINE/outputs/weights/step_3" ]; then
@@ -51,7 +55,7 @@ $CKPT verify "$TRAINER" --deep
 $CKPT verify "$OUT/merged"
 
 step "ckpt slim: keep only the unique state, then rehydrate it bit-exactly from the base"
-$CKPT slim "$TRAINER" "$OUT/slim"
+$CKPT slim "$TRAINER" "$OUT/slim" --base "$OUT/run/base_model"
 $CKPT inspect "$OUT/slim"
 $CKPT rehydrate "$OUT/slim" "$OUT/rehydrated" --base "$OUT/run/base_model"
 $CKPT verify "$OUT/rehydrated"
@@ -60,5 +64,8 @@ step "ckpt set-lr: halve the lr of the whole remaining schedule, keeping the Ada
 $CKPT set-lr "$TRAINER" "$OUT/lr-half" --scale 0.5 --dry-run
 $CKPT set-lr "$TRAINER" "$OUT/lr-half" --scale 0.5
 $CKPT inspect "$OUT/lr-half" --json | "$PY" -c 'import json,sys; r=json.load(sys.stdin); print("lr now", r["lr"])'
+
+step "ckpt restart-prep: a fresh-LR restart on the merged model (merged bf16 dir + the next command)"
+$CKPT restart-prep "$TRAINER" "$OUT/restart-merged" --base "$OUT/run/base_model" --lr 5e-3
 
 echo; echo "demo done: outputs in $OUT/"

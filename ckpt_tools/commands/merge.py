@@ -29,7 +29,7 @@ from ._common import alpha_options, dry_run_option, emit_json, is_tty, json_opti
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest output shard (bytes of tensor data; GB = 10**9, GiB = 2**30).")
 @click.option("--threads", type=click.IntRange(1, 64), default=None,
-              help="Tensors read and computed in parallel ahead of the writer (default 2). Memory grows "
+              help="Tensors read and computed in parallel ahead of the writer (default: 2, or 4 with 4+ cores). Memory grows "
                    "with it: see the plan's memory bound.")
 @dry_run_option
 @json_option
