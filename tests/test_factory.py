@@ -364,3 +364,60 @@ def test_three_ranks_with_empty_shards_tied_slots_and_sequential_lr_reshard_to_t
     assert loaded["lr_trace"] == lrs[spec.steps:]
     assert loaded["progress"] == {"step": 2, "total_tokens": 2 * 3 * 16, "total_samples": 6}
     assert dataclasses.asdict(spec) == dataclasses.asdict(FactorySpec.from_dict(json.loads(run.truth_json.read_text())["spec"]))
+
+
+def assert_reader_matches_torch_loader(ckpt_dir: Path) -> int:
+    """Every item our streaming reader returns equals torch's own DCP loader's, bit for bit."""
+    import warnings
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from ckpt_tools.dcp.reader import DcpCheckpoint, TensorEntry
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref, _ = flatten_state_dict(_load_state_dict_from_keys(checkpoint_id=str(ckpt_dir)))
+    ckpt = DcpCheckpoint.open(ckpt_dir)
+    assert set(ckpt.keys()) == set(ref)
+    for key, e in ckpt.entries.items():
+        if isinstance(e, TensorEntry):
+            got = ckpt.read_tensor(key)
+            assert got.dtype == ref[key].dtype and torch.equal(got, ref[key]), key
+        else:
+            assert ckpt.read_object(key) == ref[key], key
+    return len(ref)
+
+
+def inspect_json(path: Path) -> dict:
+    from click.testing import CliRunner
+
+    from ckpt_tools.cli import main
+
+    r = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def test_reader_and_inspect_on_the_tiny_factory_checkpoint(tiny):
+    n = assert_reader_matches_torch_loader(tiny.checkpoint)
+    rep = inspect_json(tiny.checkpoint)
+    layers = 2
+    assert rep["keys"] == n
+    assert {g: rep["groups"][g]["count"] for g in ("base", "lora", "optimizer_state", "param_groups",
+                                                    "scheduler", "progress", "other")} == \
+        {"base": 11 * layers + 3, "lora": 14 * layers, "optimizer_state": 42 * layers, "param_groups": 13,
+         "scheduler": 9, "progress": 3, "other": 0}
+    assert rep["world_size"] == 4 and rep["lora"]["rank"] == 8 and rep["lora"]["modules"] == 7 * layers
+    assert rep["step"] == 3 and rep["lr"] == pytest.approx(1e-2)
+    assert rep["alpha"]["training_scale"] == 2.0
+
+
+def test_reader_and_inspect_on_three_ranks_with_empty_shards_and_two_slots(tmp_path):
+    spec = FactorySpec(num_layers=1, world_size=3, lora_rank=2, num_slots=2, scheduler="sequential",
+                       warmup_steps=1, max_steps=10, decay_steps=5, steps=2)
+    run = make_run(tmp_path / "odd3", spec)
+    assert_reader_matches_torch_loader(run.checkpoint)
+    rep = inspect_json(run.checkpoint)
+    assert rep["world_size"] == 3 and rep["lora"]["slots"] == [0, 1] and rep["lora"]["rank"] == 2
+    assert rep["scheduler"]["type"] == "SequentialLR" and rep["scheduler"]["schedulers"][0] == "LinearLR"
