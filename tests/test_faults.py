@@ -186,8 +186,6 @@ def test_sigkill_and_sigint_at_every_kill_point(cmd, inputs, tmp_path):
     hu.record("faults", reruns_ok=1)
 
 
-@pytest.mark.xfail(strict=True, reason="restart-prep --mode adapter stages its adapter in .OUT.adapter-<pid>, "
-                   "which no later run removes after a SIGKILL (routed to the restart-prep owner)")
 def test_restart_prep_adapter_mode_cleans_its_staging_dir_after_a_kill(inputs, tmp_path):
     fx, slim = inputs
     out = tmp_path / "outs" / "OUT"

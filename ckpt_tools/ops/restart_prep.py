@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import _pid_alive
 from ..errors import FormatError, MissingFileError, OutputExistsError, UsageError
 
 # Dotted key paths in prime-rl configs: `rl` (shared [model], [trainer.*], [orchestrator.*],
@@ -325,6 +326,7 @@ def _adapter_mode(ckpt_dir, out, *, base, lr, cfg_text, config, cfg_out, alpha, 
                             "diff": unified_diff(cfg_text, new_text, config.name)}
 
     src = open_lora_source(ckpt_dir, alpha=alpha, run_config=run_config, trust_pickle=trust_pickle)
+    _clean_stale_staging(out)
     tmp_adapter = out.parent / f".{out.name}.adapter-{os.getpid()}"
     try:
         xplan = plan_extract(src, tmp_adapter, base=str(base))
@@ -363,3 +365,20 @@ def _adapter_mode(ckpt_dir, out, *, base, lr, cfg_text, config, cfg_out, alpha, 
     report["next"] = ([f"uv run {run_cmd} @ {cfg_out}"] if cfg_out is not None else
                       [f"resume with ckpt.resume_step = {step} and lr {lr!r} in your config"])
     return report
+
+
+def _clean_stale_staging(out: Path) -> None:
+    """Remove what a killed adapter-mode run left beside OUT: its staging adapter
+    `.OUT.adapter-<pid>` and that adapter's own temp dir and lock (`..OUT.adapter-<pid>.*`),
+    for pids that are no longer alive (a live run's staging is left alone)."""
+    parent = out.parent
+    if not parent.is_dir():
+        return
+    rx = re.compile(rf"^\.{{1,2}}{re.escape(out.name)}\.adapter-(\d+)(\..*)?$")
+    for entry in parent.iterdir():
+        m = rx.match(entry.name)
+        if m and not _pid_alive(int(m.group(1))):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
