@@ -82,10 +82,10 @@ def _tree(out: Path) -> dict[str, str]:
     return res
 
 
-# Known, routed: restart-prep --mode adapter stages its intermediate adapter in
-# `.OUT.adapter-<pid>` (with that dir's own AtomicOutputDir sidecars `..OUT.adapter-<pid>.*`),
-# which clean_stale_temps(OUT) does not recognise: after a SIGKILL they stay for ever.
-# test_restart_prep_adapter_mode_cleans_its_staging_dir_after_a_kill (xfail) pins the bug.
+# restart-prep --mode adapter stages its intermediate adapter in `.OUT.adapter-<pid>` (with that
+# dir's own AtomicOutputDir sidecars `..OUT.adapter-<pid>.*`). Right after a SIGKILL they are still
+# there (clearly named); the next run removes them:
+# test_restart_prep_adapter_mode_cleans_its_staging_dir_after_a_kill.
 KNOWN_LEFTOVERS = {"restart-prep --mode adapter": r"^\.{1,2}OUT\.adapter-\d+(\.(lock|tmp-\d+-[0-9a-f]+))?$"}
 
 
