@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .dcp.reader import METADATA_NAME, DcpCheckpoint, TensorEntry
-from .dcp.zipitem import decode_tensor_pickle, parse_item
+from .dcp.zipitem import _Window, decode_tensor_pickle, parse_item
 from .errors import FormatError, MissingFileError, TruncatedFileError, UnsafePickleError, UsageError
 from .keys import classify
 
@@ -240,37 +240,6 @@ class HFWeights(WeightsSource):
         self.model.close()
 
 
-class _ItemFile(io.RawIOBase):
-    """A seekable view of one DCP storage item, read through DcpCheckpoint's range-checked pread."""
-
-    def __init__(self, ckpt: DcpCheckpoint, file: str, offset: int, length: int, key: str):
-        self._ckpt, self._file, self._base, self._len, self._key = ckpt, file, offset, length, key
-        self._pos = 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def tell(self):
-        return self._pos
-
-    def seek(self, pos, whence=0):
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b):
-        n = min(len(b), self._len - self._pos)
-        if n <= 0:
-            return 0
-        data = self._ckpt.read_item_bytes(self._file, self._base + self._pos, n, self._key)
-        b[:n] = data
-        self._pos += n
-        return n
-
-
 class DcpWeights(WeightsSource):
     """The base weights of a DCP checkpoint (`app.model.<HF name>` keys that are not LoRA params)."""
 
@@ -310,7 +279,8 @@ class DcpWeights(WeightsSource):
             if not row_block:
                 return None
             try:
-                src = io.BufferedReader(_ItemFile(self.ckpt, ch.file, ch.offset, ch.length, key))
+                src = io.BufferedReader(_Window(
+                    lambda off, n, f=ch.file: self.ckpt.read_item_bytes(f, off, n, key), ch.offset, ch.length))
                 layout = parse_item(src)
                 if layout.data_offset is None:
                     return None

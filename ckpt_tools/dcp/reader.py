@@ -397,8 +397,8 @@ class DcpCheckpoint:
                 src = io.BytesIO(item)
             else:
                 item = None
-                src = io.BufferedReader(_Window(fd, ch.offset, ch.length,
-                                                lambda off, n: self.stats.add(ch.file, off, n)))
+                src = io.BufferedReader(_Window(lambda off, n: self._pread(ch.file, off, n, key),
+                                                ch.offset, ch.length))
             layout = parse_item(src)
             if layout.data_offset is None:
                 raise ValueError("item holds no tensor data")

@@ -65,11 +65,11 @@ class ItemLayout:
 
 
 class _Window(io.RawIOBase):
-    """A read-only seekable view of [base, base+length) of a file descriptor, via pread."""
+    """A read-only seekable view of bytes [base, base+length) of a file, through `read(offset, n)`
+    (absolute offsets; the caller's range-checked pread, which also counts bytes)."""
 
-    def __init__(self, fd: int, base: int, length: int, counter=None):
-        self._fd, self._base, self._len, self._pos = fd, base, length, 0
-        self._counter = counter
+    def __init__(self, read, base: int, length: int):
+        self._read, self._base, self._len, self._pos = read, base, length, 0
 
     def readable(self):
         return True
@@ -81,22 +81,15 @@ class _Window(io.RawIOBase):
         return self._pos
 
     def seek(self, pos, whence=0):
-        if whence == 0:
-            self._pos = pos
-        elif whence == 1:
-            self._pos += pos
-        else:
-            self._pos = self._len + pos
-        self._pos = max(0, self._pos)
+        origin = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, origin + pos)
         return self._pos
 
     def readinto(self, b):
         n = min(len(b), self._len - self._pos)
         if n <= 0:
             return 0
-        data = os.pread(self._fd, n, self._base + self._pos)
-        if self._counter is not None:
-            self._counter(self._base + self._pos, len(data))
+        data = self._read(self._base + self._pos, n)
         b[: len(data)] = data
         self._pos += len(data)
         return len(data)

@@ -362,7 +362,7 @@ def _check_item(fd: int, fpath: Path, it: _Item, report: VerifyReport, deep: boo
         src = io.BytesIO(buf)
     else:
         buf = None
-        src = io.BufferedReader(_Window(fd, it.offset, it.length))
+        src = io.BufferedReader(_Window(lambda off, n: os.pread(fd, n, off), it.offset, it.length))
     try:
         layout = parse_item(src)
     except ValueError as exc:
