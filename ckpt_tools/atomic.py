@@ -79,8 +79,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory by path (a directory's fsync makes renames in it durable)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         os.fsync(fd)
     finally:
@@ -92,14 +93,9 @@ def fsync_tree(root: Path) -> None:
     for dirpath, _dirnames, filenames in os.walk(root):
         for name in filenames:
             p = os.path.join(dirpath, name)
-            if os.path.islink(p):
-                continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            if not os.path.islink(p):
+                fsync_path(p)
+        fsync_path(dirpath)
 
 
 def _remove(path: Path) -> None:
@@ -360,7 +356,7 @@ class AtomicOutputDir:
                 os.rename(aside, self.out)
             raise
         self.tmp = None
-        _fsync_dir(self.out.parent)
+        fsync_path(self.out.parent)
         try:
             if aside is not None:
                 _remove(aside)
@@ -388,7 +384,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

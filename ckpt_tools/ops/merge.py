@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import fsync_path
 from ..errors import CkptError, FormatError, MissingFileError, UsageError
 from ..formats.safetensors_io import COPY_BLOCK_BYTES, build_header, copy_raw, dtype_code, safetensors_save_order
 from ..lora_math import check_shapes, merge_weight_into
@@ -931,14 +932,6 @@ def execute_merge(plan: MergePlan, out: str | Path, *, progress: Callable[[Merge
                        written, names, {a: plan.count(a) for a in ("merge", "copy", "cast", "replace")})
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: float, t0: float) -> None:
     from ..formats.safetensors_io import StreamingSafetensorsWriter
 
@@ -999,7 +992,7 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
                 src.buffers.give(buf)
             if job.name == last_of_shard[job.out_file]:
                 writer.close()            # checks every byte is there; the fsync runs in the background
-                flushes.append(flusher.submit(_fsync_file, writer.path))
+                flushes.append(flusher.submit(fsync_path, writer.path))
                 writer = None
             done_bytes += job.out_bytes
             if progress:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import fsync_path
 from ..dcp.reader import METADATA_NAME, BytesEntry, DcpCheckpoint, TensorEntry
 from ..errors import CkptError, FormatError, UsageError
 from ..keys import classify
@@ -279,11 +280,7 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
         os.link(d / METADATA_NAME, backup)   # the old metadata survives the swap under this name
         writer.finish()                      # fsync patch, write .metadata.tmp, fsync, rename over .metadata
         swapped = True
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(d)
     except BaseException:
         writer.abort()
         if not swapped:
