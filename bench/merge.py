@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from _doc import record_section  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- merge:begin -->", "<!-- merge:end -->"
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -249,14 +251,7 @@ def render(res: dict) -> str:
 
 
 def record(doc: Path, body: str) -> None:
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{body}\n{END}"
-    if BEGIN in text and END in text:
-        pre, rest = text.split(BEGIN, 1)
-        text = pre + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n## ckpt merge\n\n" + block + "\n"
-    doc.write_text(text)
+    record_section(doc, body, BEGIN, END, "ckpt merge")
 
 
 def mergekit_cmd(venv: Path, base: Path, adapter: Path, out: Path, work: Path) -> list[str] | None:

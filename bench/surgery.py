@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from _doc import record_section  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- surgery:begin -->", "<!-- surgery:end -->"
 
@@ -181,14 +183,7 @@ def render(res: dict) -> str:
 
 
 def record(doc: Path, body: str) -> None:
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{body}\n{END}"
-    if BEGIN in text and END in text:
-        pre, rest = text.split(BEGIN, 1)
-        text = pre + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## Surgery: slim, rehydrate, set-lr\n\n" + block + "\n"
-    doc.write_text(text)
+    record_section(doc, body, BEGIN, END, "Surgery: slim, rehydrate, set-lr")
 
 
 def main(argv=None) -> int:
