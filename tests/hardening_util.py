@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .conftest import REPO
+from .conftest import FIXTURE, REPO
 
 # ------------------------------------------------------------------------------------------------
 # counts for docs/reliability.md
@@ -553,3 +553,13 @@ def small_filesystem(path: Path, size_bytes: int):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fixture_and_slim(root: Path) -> tuple[Path, Path]:
+    """A writable copy of the genuine fixture under `root` and a slim checkpoint made from it
+    (rehydrate's input): the inputs every writing-command hardening test starts from."""
+    fx = writable_copy(FIXTURE, root / "fixture")
+    slim = root / "slim-input"
+    r = invoke(["slim", fx / "outputs/checkpoints/step_3/trainer", slim])
+    assert r.exit_code == 0, r.output
+    return fx, slim

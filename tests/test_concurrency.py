@@ -22,12 +22,7 @@ LOCKED = r"another ckpt command \(pid \d+\) is writing"
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("concurrency")
-    fx = hu.writable_copy(FIXTURE, root / "fixture")
-    slim = root / "slim-input"
-    r = hu.invoke(["slim", fx / "outputs/checkpoints/step_3/trainer", slim])
-    assert r.exit_code == 0, r.output
-    return fx, slim
+    return hu.fixture_and_slim(tmp_path_factory.mktemp("concurrency"))
 
 
 COMMANDS = list(writing_commands(Path("f"), Path("s"), Path("o")))

@@ -34,12 +34,7 @@ from .conftest import FIXTURE, REPO
 def inputs(tmp_path_factory):
     """A writable copy of the fixture (inputs must survive even where writing is possible) and a
     slim checkpoint made from it (rehydrate's input)."""
-    root = tmp_path_factory.mktemp("faults")
-    fx = hu.writable_copy(FIXTURE, root / "fixture")
-    slim = root / "slim-input"
-    r = hu.invoke(["slim", fx / "outputs/checkpoints/step_3/trainer", slim])
-    assert r.exit_code == 0, r.output
-    return fx, slim
+    return hu.fixture_and_slim(tmp_path_factory.mktemp("faults"))
 
 
 def writing_commands(fx: Path, slim: Path, out: Path) -> dict[str, list]:

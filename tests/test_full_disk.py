@@ -16,18 +16,12 @@ from pathlib import Path
 import pytest
 
 from . import hardening_util as hu
-from .conftest import FIXTURE
 from .test_faults import writing_commands
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fulldisk")
-    fx = hu.writable_copy(FIXTURE, root / "fixture")
-    slim = root / "slim-input"
-    r = hu.invoke(["slim", fx / "outputs/checkpoints/step_3/trainer", slim])
-    assert r.exit_code == 0, r.output
-    return fx, slim
+    return hu.fixture_and_slim(tmp_path_factory.mktemp("fulldisk"))
 
 
 COMMANDS = [c for c in writing_commands(Path("f"), Path("s"), Path("o"))]
