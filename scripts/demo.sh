@@ -37,7 +37,7 @@ $CKPT merge --base-from-checkpoint "$TRAINER" "$OUT/merged-from-ckpt" --config-f
 diff -r "$OUT/merged" "$OUT/merged-from-ckpt" && echo "identical bytes either way"
 
 step "ckpt diff-vs-base: prime-rl's own weights export is bitwise the base (exit 3: the LoRA was not merged)"
-GENUINE="$(dirname "$0")/../../shared/fixtures/primerl-tiny"
+GENUINE="$(dirname "$0")/../tests/fixtures/primerl-tiny"
 if [ -d "$GENUINE/outputs/weights/step_3" ]; then
   EXPORT="$GENUINE/outputs/weights/step_3"; EXPORT_BASE="$GENUINE/base_model"
 else  # no genuine fixture beside the repo: prime-rl's export holds exactly the base's bytes

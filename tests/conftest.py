@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-FIXTURE = SHARED / "fixtures" / "primerl-tiny"
+# Genuine prime-rl fixtures live in the repository (tests/fixtures/README.md says what wrote them):
+# a fresh clone with nothing beside it runs the whole suite.
+FIXTURES = REPO / "tests" / "fixtures"
+FIXTURE = FIXTURES / "primerl-tiny"
+HEAD_FIXTURES = FIXTURES / "primerl-head"
 TRAINER = FIXTURE / "outputs" / "checkpoints" / "step_3" / "trainer"
 BASE = FIXTURE / "base_model"
 

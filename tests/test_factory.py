@@ -1,6 +1,6 @@
 """The fixture factory writes checkpoints shaped exactly like prime-rl's, and load_strict proves they resume.
 
-The comparison target is the genuine prime-rl checkpoint in ``shared/fixtures/primerl-tiny`` (3 layers,
+The comparison target is the genuine prime-rl checkpoint in ``tests/fixtures/primerl-tiny`` (3 layers,
 4 ranks); the factory's tiny run has the same shapes with 2 layers.
 """
 
@@ -26,11 +26,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ckpt_tools.fixtures.factory import FactorySpec, build_scheduler, main, make_run
 from ckpt_tools.fixtures.fsdp_check import StrictLoadError, load_strict
 
-GENUINE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "primerl-tiny"
+GENUINE = Path(__file__).resolve().parent / "fixtures" / "primerl-tiny"
 GENUINE_CKPT = GENUINE / "outputs" / "checkpoints" / "step_3" / "trainer"
 GENUINE_LAYERS = 3
 
-needs_genuine = pytest.mark.skipif(not (GENUINE_CKPT / ".metadata").is_file(), reason=f"no genuine fixture at {GENUINE}")
 
 PROJ_ORDER = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -214,7 +213,6 @@ def test_broadcast_export_equals_the_gathered_truth(tiny):
     assert info["optimizer_param_order"] == expected_param_order(FactorySpec.tiny())
 
 
-@needs_genuine
 @pytest.mark.slow
 def test_dcp_keys_groups_and_planner_paths_match_the_genuine_checkpoint(tiny):
     ours, genuine = read_md(tiny.checkpoint), read_md(GENUINE_CKPT)
@@ -244,7 +242,6 @@ def test_dcp_keys_groups_and_planner_paths_match_the_genuine_checkpoint(tiny):
     assert ours.version == genuine.version
 
 
-@needs_genuine
 @pytest.mark.slow
 def test_dtypes_and_chunking_follow_the_fsdp2_rule_in_both_checkpoints(tiny):
     for ckpt in (GENUINE_CKPT, tiny.checkpoint):
@@ -263,7 +260,6 @@ def test_dtypes_and_chunking_follow_the_fsdp2_rule_in_both_checkpoints(tiny):
                 assert k.endswith(".step"), k
 
 
-@needs_genuine
 @pytest.mark.slow
 def test_bytes_items_hold_the_same_values_as_the_genuine_checkpoint(tiny):
     ours, genuine = read_md(tiny.checkpoint), read_md(GENUINE_CKPT)
