@@ -10,6 +10,14 @@ behind, never a partial OUT, and the next run for the same OUT deletes it (its p
 The lock is an `flock` on `.OUT.lock` (released by the kernel when its holder dies, however it
 dies); the file holds the holder's pid for the error message. Where the filesystem has no flock,
 it falls back to O_CREAT|O_EXCL creation, taking over a lock whose pid is dead.
+
+The write side's one rule: every file we write is created fresh, `O_CREAT|O_EXCL|O_NOFOLLOW`
+(`create_new`), in a directory we created (the temp dir) or checked; nothing is ever opened for
+writing if it exists, so nothing is written through a symlink or a hard link someone planted
+(a lock file left by a dead holder is replaced, never reused). What we copy from an input is read
+through `inputs.open_input` (`copy_input_file`, `copy_input_tree`). OUT, and every other output
+path (`check_output_file`), may not be, contain or be inside any input: the explicit `inputs=`
+and every path the command has read (`inputs.registered()`).
 """
 from __future__ import annotations
 
@@ -22,16 +30,46 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 from pathlib import Path
 from typing import Iterable
 
-from .errors import DiskSpaceError, LockedError, OutputExistsError, UsageError
+from . import inputs as _inputs
+from .errors import DiskSpaceError, LockedError, OutputExistsError, UnsafeInputError, UsageError
 from .units import human_bytes
 
 __all__ = [
     "AtomicOutputDir", "OutputLock", "Terminated", "install_signal_handlers", "clean_stale_temps",
-    "atomic_write_bytes", "atomic_write_text", "human_bytes", "fsync_tree",
+    "atomic_write_bytes", "atomic_write_text", "human_bytes", "fsync_tree", "create_new", "open_new",
+    "write_new_file", "check_output_file", "copy_input_file", "copy_input_tree", "pid_alive",
 ]
+
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
+    """A write fd of a NEW file at `path` (O_CREAT|O_EXCL|O_NOFOLLOW): fails with FileExistsError
+    if anything, a symlink included, is there. Every file ckpt-tools writes is created here."""
+    return os.open(path, _NEW_FILE_FLAGS, mode)
+
+
+def open_new(path: str | os.PathLike):
+    """`create_new` as a buffered binary file object."""
+    return os.fdopen(create_new(path), "wb")
+
+
+def write_new_file(path: str | os.PathLike, data: bytes | str) -> int:
+    """Write `data` (str: UTF-8) into a new file at `path`; returns its size."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd = create_new(path)
+    try:
+        view = memoryview(raw).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    finally:
+        os.close(fd)
+    return len(raw)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +105,7 @@ def _signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
@@ -77,6 +115,9 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:   # exists, owned by someone else
         return True
     return True
+
+
+_pid_alive = pid_alive   # the name restart_prep imported first
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -162,9 +203,35 @@ class OutputLock:
         return LockedError(f"another ckpt command (pid {pid}) is writing {self.out}",
                            hint=f"wait for it to finish; if no such process exists, delete {self.path}")
 
+    def _not_ours(self, what: str) -> UnsafeInputError:
+        return UnsafeInputError(f"the lock path is {what}, not a lock file ckpt-tools made: refusing to open "
+                                "or write it", path=self.path,
+                                hint="delete it if no ckpt command is running (a checkpoint must not ship one)")
+
     def acquire(self) -> None:
+        """Lock protocol: create `.OUT.lock` fresh (O_EXCL|O_NOFOLLOW) and flock it. An existing
+        file is opened read-only (never written: it may be a planted link) to flock-test it; if its
+        holder is alive we report it, if not (a SIGKILLed run's leftover) it is unlinked and a
+        fresh one created. A symlink or non-regular file at the lock path is refused."""
         for _ in range(100):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            created = True
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | getattr(os, "O_CLOEXEC", 0), 0o644)
+            except FileExistsError:
+                created = False
+                try:
+                    fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    continue          # released meanwhile: try to create it again
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise self._not_ours("a symlink") from None
+                    raise
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise self._not_ours(_inputs.kind_of(st.st_mode))
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -174,19 +241,28 @@ class OutputLock:
             except OSError as e:
                 os.close(fd)
                 if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    if created:
+                        with contextlib.suppress(FileNotFoundError):
+                            self.path.unlink()
                     self._acquire_exclusive_create()
                     return
                 raise
             # The holder we waited on may have unlinked the file as it released it: then our lock
             # is on an orphan inode and a third process may lock a new file. Retry on a new inode.
             try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(self.path).st_ino == st.st_ino
             except FileNotFoundError:
                 same = False
             if not same:
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
+            if not created:
+                # a lock file nobody holds: a killed run's leftover. Replace it, never write into it.
+                log.info("removing stale lock %s", self.path)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                os.close(fd)
+                continue
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             self.fd = fd
             return
@@ -196,12 +272,20 @@ class OutputLock:
         # No flock here (some network filesystems): the lock is the file's existence.
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = create_new(self.path)
             except FileExistsError:
                 try:
-                    text = self.path.read_text("ascii", "replace")
+                    rfd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
                 except FileNotFoundError:
                     continue
+                except OSError:   # ELOOP: a symlink
+                    raise self._not_ours("a symlink") from None
+                try:
+                    if not stat.S_ISREG(os.fstat(rfd).st_mode):
+                        raise self._not_ours(_inputs.kind_of(os.fstat(rfd).st_mode))
+                    text = os.pread(rfd, 64, 0).decode("ascii", "replace")
+                finally:
+                    os.close(rfd)
                 pid = int(text) if text.strip().isdigit() else -1
                 if pid == -1 or _pid_alive(pid):
                     # unreadable pid: maybe being written this instant; treat as held
@@ -251,16 +335,7 @@ class AtomicOutputDir:
         self._lock = OutputLock(self.lock_path, self.out)
 
     def _check_paths(self) -> None:
-        # resolve() again: `out` may itself be a symlink to somewhere inside an input
-        real_out = self.out.resolve()
-        for inp in self.inputs:
-            for o in {self.out, real_out}:
-                if _is_within(o, inp):
-                    raise UsageError(f"output {self.out} is inside input {inp}",
-                                     hint="write the output somewhere outside the inputs")
-                if _is_within(inp, o):
-                    raise UsageError(f"input {inp} is inside output {self.out}",
-                                     hint="choose an output path that contains no input")
+        check_against_inputs(self.out, self.inputs)
 
     def _check_space(self) -> None:
         if self.need_bytes <= 0:
@@ -364,12 +439,93 @@ class AtomicOutputDir:
             self._lock.release()
 
 
+def check_against_inputs(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> Path:
+    """Refuse an output path that is, contains or is inside an input: the `inputs` given and every
+    path this command has read so far (`inputs.registered()`). Returns OUT's absolute path."""
+    out = Path(out).expanduser()
+    out = out.parent.resolve() / out.name
+    real_out = out.resolve()   # `out` may itself be a symlink to somewhere inside an input
+    every = {Path(os.path.realpath(Path(p).expanduser())) for p in inputs} | set(_inputs.registered())
+    for inp in sorted(every):
+        for o in {out, real_out}:
+            if _is_within(o, inp):   # (equal counts as inside)
+                raise UsageError(f"output {out} is inside input {inp}",
+                                 hint="write the output somewhere outside the inputs")
+            if _is_within(inp, o):
+                raise UsageError(f"input {inp} is inside output {out}",
+                                 hint="choose an output path that contains no input")
+    return out
+
+
+def check_output_file(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), *,
+                      what: str = "output file") -> Path:
+    """Check an output FILE (a patched config, a report) before anything is committed: its directory
+    exists, nothing is at the path yet (not even a dangling symlink), and it is not, does not
+    contain and is not inside any input. Returns its absolute path."""
+    p = check_against_inputs(path, inputs)
+    if not p.parent.is_dir():
+        raise UsageError(f"the directory of the {what} does not exist", path=p.parent,
+                         hint="create it first, or pass another path")
+    if os.path.lexists(p):
+        raise OutputExistsError("already exists", path=p, hint=f"remove it or pass another {what} path")
+    return p
+
+
+def copy_input_file(src: str | os.PathLike, dst: str | os.PathLike, *, root: str | os.PathLike | None,
+                    what: str = "file") -> int:
+    """Copy the regular file `src` (of the tree `root`, checked by `inputs.open_input`) into a NEW
+    file `dst` (`create_new`). Returns the bytes copied."""
+    fd = _inputs.open_input(src, root=root, what=what)
+    try:
+        out = create_new(dst)
+        try:
+            done = 0
+            while True:
+                n = os.sendfile(out, fd, done, 1 << 30) if hasattr(os, "sendfile") else 0
+                if n == 0:
+                    break
+                done += n
+            if done != os.fstat(fd).st_size:   # no sendfile here (or it stopped short): plain copy
+                while True:
+                    b = os.pread(fd, 1 << 24, done)
+                    if not b:
+                        break
+                    os.write(out, b)
+                    done += len(b)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    return done
+
+
+def copy_input_tree(src: str | os.PathLike, dst: str | os.PathLike, *, root: str | os.PathLike,
+                    what: str = "entry") -> int:
+    """Copy a file or directory `src` of the tree `root` to the new path `dst`: directories are
+    created, regular files copied by content (`copy_input_file`; a symlink inside the tree is copied
+    as the file it names). Every entry is checked first (`inputs.scan_tree`): one that leaves the
+    tree or is not a regular file/directory refuses the whole copy. Returns the bytes copied."""
+    src, dst = Path(src), Path(dst)
+    files = _inputs.scan_tree(src, root=root, what=what)
+    if os.path.isdir(src):
+        os.mkdir(dst)
+        for dirpath, dirnames, _ in os.walk(src, followlinks=True):
+            rel = Path(dirpath).relative_to(src)
+            for d in sorted(dirnames):
+                os.mkdir(dst / rel / d)
+    total = 0
+    for f, _size in files:
+        target = dst if f == src else dst / f.relative_to(src)
+        total += copy_input_file(f, target, root=root, what=what)
+    return total
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` via a temp file in the same directory, fsync, rename (replacing
     `path` if it exists), fsync the directory. Readers see the old file or the new one."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = create_new(tmp)
     try:
         try:
             view = memoryview(data).cast("B")

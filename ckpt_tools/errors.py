@@ -20,15 +20,30 @@ class CkptError(Exception):
         super().__init__(self.render())
 
     def render(self) -> str:
+        # Every part is clipped: a key, path or message can come from a stranger's file, and one
+        # error must stay one readable line (a crafted key once made a 400 MB error line).
         where = []
         if self.path:
-            where.append(self.path)
+            where.append(_clip(self.path, MAX_PATH_CHARS))
         if self.key:
-            where.append(f"key {self.key!r}")
-        text = (": ".join([", ".join(where), self.message]) if where else self.message)
+            where.append(f"key {_clip(repr(self.key), MAX_KEY_CHARS)}")
+        message = _clip(self.message, MAX_MESSAGE_CHARS)
+        text = (": ".join([", ".join(where), message]) if where else message)
         if self.hint:
-            text += f" ({self.hint})"
+            text += f" ({_clip(self.hint, MAX_MESSAGE_CHARS)})"
         return text
+
+
+MAX_PATH_CHARS = 1000
+MAX_KEY_CHARS = 300
+MAX_MESSAGE_CHARS = 2000
+
+
+def _clip(text: str, limit: int) -> str:
+    text = str(text).replace("\n", "\\n").replace("\r", "\\r")   # one error is one line
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit:,} more characters]"
 
 
 class UsageError(CkptError):
@@ -49,6 +64,11 @@ class TruncatedFileError(FormatError):
 
 class UnsafePickleError(FormatError):
     pass
+
+
+class UnsafeInputError(FormatError):
+    """An input that is not what it claims to be, refused before it is opened: a symlink that
+    leaves its tree, a FIFO, device or socket, a sparse file, a file too large to read whole."""
 
 
 class DiskSpaceError(CkptError):

@@ -6,6 +6,7 @@ DCP checkpoint (which stores A/B but not alpha: resolved by ckpt_tools.alpha, ne
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,7 +139,8 @@ class DcpLoraSource(LoraSource):
 
 def is_dcp(path: Path) -> bool:
     p = Path(path)
-    return (p / METADATA_NAME).is_file() or (p / "trainer" / METADATA_NAME).is_file()
+    # lexists: a `.metadata` that is a FIFO or bad link marks a checkpoint the reader then refuses by name
+    return os.path.lexists(p / METADATA_NAME) or os.path.lexists(p / "trainer" / METADATA_NAME)
 
 
 def open_lora_source(path: str | Path, *, alpha: float | None = None, run_config: str | Path | None = None,

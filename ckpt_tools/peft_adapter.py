@@ -7,18 +7,22 @@ with a message naming the field.
 """
 from __future__ import annotations
 
-import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .alpha import check_alpha
 from .errors import FormatError, UsageError
+from .inputs import read_input, read_json
 from .lora_math import lora_scale
 
 PEFT_PREFIX = "base_model.model."
+MAX_RANK = 1 << 16
+MAX_ADAPTER_BIN_BYTES = 64 << 30
 ADAPTER_CONFIG = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 BIN_NAME = "adapter_model.bin"
@@ -70,6 +74,18 @@ def pattern_key(patterns: dict, module: str) -> str | None:
     return None
 
 
+def matches_target_modules(module: str, targets) -> bool | None:
+    """PEFT's target_modules rule: a list matches a module named exactly or ending in '.<t>'; a
+    string is a full-match regex. None when the config states no targets."""
+    if targets is None:
+        return None
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return True
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
 @dataclass(frozen=True)
 class PeftConfig:
     path: Path
@@ -110,12 +126,9 @@ def _need(raw: dict, name: str, types, path: Path, default=None, required=True):
 
 def parse_peft_config(path: Path) -> PeftConfig:
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FormatError("missing adapter_config.json", path=path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as exc:
-        raise FormatError(f"not valid JSON: {exc}", path=path) from None
+    if not os.path.lexists(path):
+        raise FormatError("missing adapter_config.json", path=path)
+    raw = read_json(path, root=path.parent, what="adapter_config.json")
     if not isinstance(raw, dict):
         raise FormatError("adapter_config.json is not a JSON object", path=path)
     ptype = raw.get("peft_type")
@@ -132,21 +145,28 @@ def parse_peft_config(path: Path) -> PeftConfig:
     if bias not in ("none", None):
         raise FormatError(f"bias={bias!r}: adapters that train biases are not supported", path=path)
     r = _need(raw, "r", int, path)
-    if r <= 0:
-        raise FormatError(f"'r' must be positive, got {r}", path=path)
+    if not 0 < r <= MAX_RANK:
+        raise FormatError(f"'r' must be in 1..{MAX_RANK}, got {r}", path=path)
     alpha = _need(raw, "lora_alpha", (int, float), path)
-    if not math.isfinite(float(alpha)):
-        raise FormatError(f"'lora_alpha' is {alpha}", path=path)
+    check_alpha(alpha, "'lora_alpha'", path=path)
     rank_pattern = _need(raw, "rank_pattern", dict, path, {}, required=False)
     alpha_pattern = _need(raw, "alpha_pattern", dict, path, {}, required=False)
     for pname, pat in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
         for k, v in pat.items():
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise FormatError(f"{pname}[{k!r}] is {v!r}, not a number", path=path)
+            if pname == "rank_pattern" and (not isinstance(v, int) or not 0 < v <= MAX_RANK):
+                raise FormatError(f"rank_pattern[{k!r}] is {v!r}: a rank must be an integer in 1..{MAX_RANK}",
+                                  path=path)
+            if pname == "alpha_pattern":
+                check_alpha(v, f"alpha_pattern[{k!r}]", path=path)
             check_regex(pname, k, path, compiled_as=r"(.*\.)?({})$")
     targets = raw.get("target_modules")
     if isinstance(targets, str):   # PEFT: a string is a full-match regex over module names
         check_regex("target_modules", targets, path)
+    elif targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise FormatError(f"target_modules is {targets!r}, expected a list of module names or a regex string",
+                          path=path)
     mts = raw.get("modules_to_save") or ()
     if not isinstance(mts, (list, tuple)) or not all(isinstance(m, str) for m in mts):
         raise FormatError(f"modules_to_save is {mts!r}, expected a list of names", path=path)
@@ -239,13 +259,34 @@ class PeftAdapter:
                 "unrecognized_keys": len(self.unrecognized), "problems": self.problems}
 
 
+def load_adapter_bin(binf: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.bin, a torch pickle: read through the input checks (no FIFO, no symlink out of
+    the adapter dir, not sparse), loaded by `load_byte_item` (records stored, pickle bounded,
+    torch's weights_only allow-list: no code runs, no tensor bigger than its bytes), and checked
+    to be a dict of str -> tensor. Held whole in memory (a .bin cannot be read by range)."""
+    from .dcp.reader import load_byte_item
+
+    raw = read_input(binf, root=binf.parent, what=binf.name, max_bytes=MAX_ADAPTER_BIN_BYTES)
+    sd = load_byte_item(raw, trust=False, path=binf, key="")
+    del raw
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                           for k, v in sd.items()):
+        bad = next((k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None) \
+            if isinstance(sd, dict) else None
+        raise FormatError(f"{binf.name} is not a dict of name -> tensor"
+                          + (f" (entry {bad!r}: {type(sd[bad]).__name__})" if bad is not None else
+                             f" (it holds a {type(sd).__name__})" if not isinstance(sd, dict) else ""),
+                          path=binf, hint="an adapter .bin is torch.save({name: tensor, ...})")
+    return sd
+
+
 def open_peft_adapter(path: str | Path, *, strict: bool = True) -> PeftAdapter:
     d = Path(path)
     if not d.is_dir():
         raise UsageError("not a PEFT adapter directory", path=d)
     config = parse_peft_config(d / ADAPTER_CONFIG)
     st, binf = d / SAFETENSORS_NAME, d / BIN_NAME
-    if st.is_file():
+    if os.path.lexists(st):
         from .formats.safetensors_io import read_header, read_tensor
 
         header = read_header(st)
@@ -253,13 +294,8 @@ def open_peft_adapter(path: str | Path, *, strict: bool = True) -> PeftAdapter:
         shapes = {k: tuple(i.shape) for k, i in infos.items()}
         dtypes = {k: i.torch_dtype for k, i in infos.items()}
         return PeftAdapter(d, config, st, shapes, dtypes, lambda k: read_tensor(infos[k], st), strict)
-    if binf.is_file():
-        # a torch pickle: weights_only is torch's allow-list unpickler (no code runs)
-        from .dcp.reader import load_byte_item
-
-        sd = load_byte_item(binf.read_bytes(), trust=False, path=binf, key="")
-        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-            raise FormatError("adapter_model.bin is not a dict of tensors", path=binf)
+    if os.path.lexists(binf):
+        sd = load_adapter_bin(binf)
         shapes = {k: tuple(v.shape) for k, v in sd.items()}
         dtypes = {k: v.dtype for k, v in sd.items()}
         return PeftAdapter(d, config, binf, shapes, dtypes, lambda k: sd[k], strict)

@@ -28,6 +28,7 @@ import torch
 from .dcp.reader import METADATA_NAME, DcpCheckpoint, TensorEntry
 from .dcp.zipitem import _Window, decode_tensor_pickle, parse_item
 from .errors import FormatError, MissingFileError, TruncatedFileError, UnsafePickleError, UsageError
+from .inputs import open_input
 from .keys import classify
 
 # Reads of at most this many bytes per syscall (Linux moves at most 0x7ffff000 per call).
@@ -218,10 +219,9 @@ class HFWeights(WeightsSource):
     def _pread_into(self, file: str, offset: int, buf: memoryview, name: str) -> None:
         fd = self._fds.get(file)
         if fd is None:
-            try:
-                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                raise MissingFileError("shard disappeared after the model was opened", path=file, key=name) from None
+            if not os.path.lexists(file):
+                raise MissingFileError("shard disappeared after the model was opened", path=file, key=name)
+            fd = open_input(file, root=self.model.path, what="safetensors shard")
             self._fds[file] = fd
         n, done = len(buf), 0
         while done < n:   # straight into the caller's buffer: one copy from the page cache
@@ -245,9 +245,10 @@ class DcpWeights(WeightsSource):
 
     kind = "dcp"
 
-    def __init__(self, path: Path, label: str, *, trust_pickle: bool = False):
+    def __init__(self, path: Path, label: str, *, trust_pickle: bool = False, ckpt: DcpCheckpoint | None = None):
         super().__init__()
-        self.ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle)
+        self._owns = ckpt is None
+        self.ckpt = ckpt if ckpt is not None else DcpCheckpoint.open(path, trust_pickle=trust_pickle)
         self.path = self.ckpt.dir
         self.label = label
         self._keys: dict[str, str] = {}
@@ -311,11 +312,13 @@ class DcpWeights(WeightsSource):
 
     def close(self) -> None:
         super().close()
-        self.ckpt.close()
+        if self._owns:
+            self.ckpt.close()
 
 
 def is_dcp_path(p: Path) -> bool:
-    return (p / METADATA_NAME).is_file() or (p / "trainer" / METADATA_NAME).is_file() or \
+    # lexists: a `.metadata` that is a FIFO or bad link marks a checkpoint the reader then refuses by name
+    return os.path.lexists(p / METADATA_NAME) or os.path.lexists(p / "trainer" / METADATA_NAME) or \
         (p.is_file() and p.name == METADATA_NAME)
 
 

@@ -190,6 +190,38 @@ def torch_item_with_pickle(pkl: bytes) -> bytes:
     return buf.getvalue()
 
 
+def pad_item(raw: bytes, min_len: int) -> bytes:
+    """`raw` (a torch.save zip) with an extra stored record of zeros, so the item is at least
+    `min_len` bytes: a tensor chunk's item must hold the bytes its metadata declares (the reader
+    refuses a shorter one before reading it), and a payload test wants the pickle to be reached."""
+    import zipfile
+
+    if len(raw) >= min_len:
+        return raw
+    src = zipfile.ZipFile(io.BytesIO(raw))
+    prefix = src.infolist()[0].filename.split("/", 1)[0]
+    pad = min_len - len(raw)
+    while True:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as dst:
+            for info in src.infolist():
+                dst.writestr(info.filename, src.read(info))
+            dst.writestr(f"{prefix}/pad", b"\0" * pad)
+        if len(buf.getvalue()) >= min_len:
+            return buf.getvalue()
+        pad += min_len - len(buf.getvalue())
+
+
+def chunk_bytes(trainer: Path, key: str, chunk: int | None) -> int:
+    """Bytes of the elements chunk `chunk` of tensor `key` declares (0 for a byte item)."""
+    if chunk is None:
+        return 0
+    md = load_metadata(trainer)
+    item = md.state_dict_metadata[key]
+    import math
+    return math.prod(item.chunks[chunk].sizes) * item.properties.dtype.itemsize
+
+
 # ------------------------------------------------------------------------------------------------
 # editing copies of the fixture
 

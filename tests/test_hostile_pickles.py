@@ -195,6 +195,8 @@ def test_item_payloads_are_refused_by_the_reader(key, trainer_copy_factory, tmp_
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     d = trainer_copy_factory()
+    need = hu.chunk_bytes(d, key, ITEM_SITES[key])   # a chunk item holds at least its elements' bytes
+    items = {n: hu.pad_item(raw, need) for n, raw in items.items()}
     md = pickle.loads((d / ".metadata").read_bytes())  # the genuine fixture's metadata: trusted
     offs = None if ITEM_SITES[key] is None else tuple(md.state_dict_metadata[key].chunks[ITEM_SITES[key]].offsets)
     idx = hu.storage_index(md, key, offs)
@@ -227,8 +229,8 @@ def test_item_payloads_never_run_through_any_command(key, trainer_copy_factory, 
     reads the item refuses with one line; one that copies bytes verbatim may succeed."""
     canary = tmp_path / "canary"
     d = trainer_copy_factory()
-    hu.point_item_at(d, key, hu.torch_save_bytes(hu.payload_objects(canary)["os.system"]),
-                     chunk=ITEM_SITES[key])
+    hu.point_item_at(d, key, hu.pad_item(hu.torch_save_bytes(hu.payload_objects(canary)["os.system"]),
+                                         hu.chunk_bytes(d, key, ITEM_SITES[key])), chunk=ITEM_SITES[key])
     tried = 0
     for cmd, args in dcp_invocations(d, tmp_path / f"out{tried}").items():
         r = hu.invoke(args)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,7 +30,22 @@ def warn_trust(trust: bool) -> None:
 
 
 def emit_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=_default))
+    """Print `obj` as strict JSON: a non-finite float (a checkpoint's NaN lr, say) becomes the string
+    "NaN" / "Infinity" / "-Infinity", since a bare NaN is not JSON and breaks every parser but Python's."""
+    click.echo(json.dumps(_finite(obj), indent=2, sort_keys=False, default=_default, allow_nan=False))
+
+
+def _finite(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return "NaN" if o != o else ("Infinity" if o > 0 else "-Infinity")
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if hasattr(o, "__dataclass_fields__"):
+        from dataclasses import asdict
+        return _finite(asdict(o))
+    return o
 
 
 def _default(o):

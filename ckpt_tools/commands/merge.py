@@ -24,8 +24,12 @@ from ._common import alpha_options, dry_run_option, emit_json, is_tty, json_opti
 @alpha_options
 @click.option("--slot", type=click.IntRange(min=0), default=0, show_default=True,
               help="Adapter slot of a multi-run DCP checkpoint (lora_A.<slot>).")
-@click.option("--dtype", "dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
-              help="Output dtype. Merged weights are computed in fp32 and rounded once to it.")
+@click.option("--dtype", "dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Output dtype (default: fp16 for an fp16 base, else bf16). Merged weights are computed in "
+                   "fp32 and rounded once to it.")
+@click.option("--allow-zero-delta", is_flag=True,
+              help="Write the output even when every merged weight rounds back to the base (an all-zero "
+                   "lora_B, a tiny alpha): refused by default, since it is usually the wrong adapter or alpha.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest output shard (bytes of tensor data; GB = 10**9, GiB = 2**30).")
 @click.option("--threads", type=click.IntRange(1, 64), default=None,
@@ -34,8 +38,8 @@ from ._common import alpha_options, dry_run_option, emit_json, is_tty, json_opti
 @dry_run_option
 @json_option
 @trust_option
-def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, dtype, max_shard_size, threads,
-            dry_run, as_json, trust_pickle) -> None:
+def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, dtype, allow_zero_delta,
+            max_shard_size, threads, dry_run, as_json, trust_pickle) -> None:
     """Merge a LoRA into base weights; write an HF model directory (sharded safetensors).
 
     BASE: an HF model dir or a hub id from the local HF cache (offline). ADAPTER: a PEFT adapter
@@ -61,7 +65,8 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
                          hint="see `ckpt merge --help`")
     plan = prepare_merge(base, adapter, base_from_checkpoint=base_from_checkpoint, config_from=config_from,
                          alpha=alpha, run_config=run_config, slot=slot, dtype=dtype,
-                         max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle)
+                         max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
+                         allow_zero_delta=allow_zero_delta)
     if dry_run:
         try:
             check_output(plan, out)
@@ -111,12 +116,16 @@ def render_plan(plan, out, brief: bool = False) -> None:
     click.echo(f"merge {plan.adapter_kind} adapter {plan.adapter_path}")
     click.echo(f"   into {plan.base_kind} base {plan.base_path}" +
                (" (fp32 masters)" if plan.base_kind == "dcp" else ""))
-    click.echo(f"   -> {out}  ({plan.out_dtype})")
+    click.echo(f"   -> {out}  ({plan.out_dtype}" + (f": {plan.out_dtype_reason}" if plan.out_dtype_reason else "")
+               + ")")
     click.echo(f"  LoRA      {a.get('modules')} modules, rank {a.get('rank')}, alpha {a.get('alpha')}, "
                f"scale {scale} (alpha from {a.get('alpha_source')})")
     click.echo(f"  merged    {plan.merged_modules}: {_targets_summary(plan)}")
     click.echo(f"  tensors   {len(plan.jobs)}: {plan.count('merge')} merged, {plan.count('copy')} copied verbatim, "
                f"{plan.count('cast')} cast to {plan.out_dtype}, {plan.count('replace')} replaced (modules_to_save)")
+    if plan.masters_checked:
+        mc = plan.masters_checked
+        click.echo(f"  base      checked: {mc['values']} values of {len(mc['tensors'])} fp32 masters equal the base's")
     for name, why in plan.omitted:
         click.echo(f"  omitted   {name}: {why}")
     click.echo(f"  shards    {len(plan.shards)} file(s), max {human_bytes(plan.max_shard_bytes)}" +

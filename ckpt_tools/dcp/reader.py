@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import stat
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError, MissingFileError, TruncatedFileError, UnsafePickleError, UsageError
+from ..inputs import MAX_METADATA_BYTES, open_input, read_input
 from ..safe_pickle import load_metadata_pickle
 from .zipitem import _Window, decode_tensor_pickle, parse_item
 
@@ -111,11 +111,13 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise MissingFileError("no such file or directory", path=p)
-    if p.is_file() and p.name == METADATA_NAME:
+    # lexists, not is_file: a `.metadata` that is a FIFO or a dangling link is this checkpoint's,
+    # and the read refuses it by name
+    if p.name == METADATA_NAME and not p.is_dir():
         return p.parent
-    if (p / METADATA_NAME).is_file():
+    if os.path.lexists(p / METADATA_NAME):
         return p
-    if (p / "trainer" / METADATA_NAME).is_file():
+    if os.path.lexists(p / "trainer" / METADATA_NAME):
         return p / "trainer"
     raise UsageError("not a DCP checkpoint: no .metadata here or in trainer/", path=p,
                      hint="pass a prime-rl checkpoint dir like outputs/checkpoints/step_N/trainer")
@@ -126,7 +128,7 @@ def _tuple(x) -> tuple[int, ...]:
 
 
 def _plain_file_name(rel: str, ckpt_dir: Path, key: str) -> str:
-    if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
+    if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or "\0" in rel or rel in (".", ".."):
         raise FormatError(f"storage item points at {rel!r}, which is not a file name inside the "
                           "checkpoint directory", path=ckpt_dir / METADATA_NAME, key=key,
                           hint="the metadata is corrupt or crafted; refusing to read outside the checkpoint")
@@ -170,6 +172,21 @@ def _check_chunk_geometry(shape: tuple[int, ...], chunks: list[Chunk], meta_path
         active.append(ch)
 
 
+def _check_chunk_bytes(chunks: list[Chunk], dtype: torch.dtype, meta_path: Path, key: str) -> None:
+    """Each chunk's item must be at least as long as the elements it declares: a torch.save item
+    stores every element (plus ~1 KB of zip records). A shorter item is an expanded (stride-0) view
+    or a crafted size, and reading it would allocate by the metadata's claim, not by the bytes on
+    disk (a 1.5 KB item claimed GBs). With the items' ranges checked against their files before any
+    allocation (`read_tensor`), a tensor never costs more memory than its bytes on disk."""
+    for ch in chunks:
+        need = ch.numel * dtype.itemsize
+        if ch.length < need:
+            raise FormatError(f"chunk at offsets {list(ch.offsets)} declares {list(ch.sizes)} {dtype} "
+                              f"({need:,} bytes) but its item holds {ch.length:,} bytes: an expanded (stride-0) or "
+                              "crafted item", path=meta_path, key=key,
+                              hint="the metadata is corrupt or crafted; refusing to allocate by its claim")
+
+
 class DcpCheckpoint:
     """An open DCP checkpoint: metadata in memory, data files opened lazily."""
 
@@ -188,10 +205,7 @@ class DcpCheckpoint:
     def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "DcpCheckpoint":
         ckpt_dir = resolve_checkpoint_dir(path)
         meta_path = ckpt_dir / METADATA_NAME
-        try:
-            data = meta_path.read_bytes()
-        except OSError as exc:
-            raise MissingFileError(f"cannot read: {exc.strerror}", path=meta_path) from None
+        data = read_input(meta_path, root=ckpt_dir, what="DCP .metadata", max_bytes=MAX_METADATA_BYTES)
         if not data:
             raise FormatError("empty .metadata (0 bytes)", path=meta_path,
                               hint="the save was interrupted; use an earlier step")
@@ -235,6 +249,7 @@ class DcpCheckpoint:
                         raise TypeError(f"dtype {dtype!r} of {key} is not a torch dtype")
                     shape = _tuple(item.size)
                     _check_chunk_geometry(shape, chunks, meta_path, key)
+                    _check_chunk_bytes(chunks, dtype, meta_path, key)
                     entries[key] = TensorEntry(key, path, dtype, shape, tuple(chunks))
                 else:
                     info = where.get((key, None))
@@ -256,19 +271,16 @@ class DcpCheckpoint:
             fd = self._fds.get(rel)
             if fd is None:
                 p = self.dir / rel
-                try:
-                    fd = os.open(p, os.O_RDONLY)
-                except FileNotFoundError:
+                if not os.path.lexists(p):
                     raise MissingFileError("data file is missing", path=p, key=key,
                                            hint="copy the whole checkpoint directory; every rank's "
-                                                "__<rank>_0.distcp is needed") from None
-                except OSError as exc:
-                    raise MissingFileError(f"cannot open data file: {exc.strerror}", path=p, key=key) from None
+                                                "__<rank>_0.distcp is needed")
+                try:   # symlinks out of the checkpoint, FIFOs, devices, sparse files: refused here
+                    fd = open_input(p, root=self.dir, what="data file")
+                except (MissingFileError, FormatError) as exc:
+                    raise type(exc)(exc.message, path=p, key=key,
+                                    hint=exc.hint or "copy the checkpoint's __<rank>_0.distcp files again") from None
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):  # a directory opens fine, then EISDIR on pread
-                    os.close(fd)
-                    raise FormatError("data file is not a regular file (a directory?)", path=p, key=key,
-                                      hint="copy the checkpoint's __<rank>_0.distcp files again")
                 self._fds[rel] = fd
                 self._sizes[rel] = st.st_size
             return fd
@@ -353,6 +365,9 @@ class DcpCheckpoint:
         e = self.entry(key)
         if not isinstance(e, TensorEntry):
             raise UsageError("is a byte item, not a tensor", key=key)
+        for ch in e.chunks:   # every item inside its file BEFORE the destination is allocated
+            if ch.numel:
+                self._check_range(ch.file, ch.offset, ch.length, key)
         dest = torch.empty(e.shape, dtype=e.dtype)
         covered = 0
         for ch in sorted(e.chunks, key=lambda c: (c.file, c.offset)):
@@ -373,7 +388,9 @@ class DcpCheckpoint:
             for k in keys:
                 yield k, self.read_tensor(k)
             return
-        with ThreadPoolExecutor(max_workers=threads) as pool:
+        pool = ThreadPoolExecutor(max_workers=threads)
+        ok = False
+        try:
             pending = []
             it = iter(keys)
             for k in it:
@@ -386,6 +403,11 @@ class DcpCheckpoint:
                 if nxt is not None:
                     pending.append((nxt, pool.submit(self.read_tensor, nxt)))
                 yield k, fut.result()
+            ok = True
+        finally:
+            # on an error or a signal, do not wait for the reads in flight (each is bounded; they
+            # end on their own): the command must stop now
+            pool.shutdown(wait=ok, cancel_futures=True)
 
     def _read_chunk_into(self, e: TensorEntry, ch: Chunk, dest: torch.Tensor) -> None:
         key = e.key
@@ -438,12 +460,51 @@ class DcpCheckpoint:
         region.copy_(t)
 
 
+def _check_own_bytes(obj, path, key: str) -> None:
+    """Every tensor torch.load built holds its elements in its own storage: an expanded (stride-0)
+    view of a few bytes would be materialized at its full size by the first `.to()` or copy."""
+    todo = [obj]
+    while todo:
+        o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            need = o.numel() * o.element_size()
+            if need and (o.untyped_storage().nbytes() < need or any(st == 0 and n > 1 for st, n in
+                                                                    zip(o.stride(), o.shape))):
+                raise FormatError(f"tensor of shape {list(o.shape)} is an expanded view of "
+                                  f"{o.untyped_storage().nbytes():,} stored bytes (strides {list(o.stride())}); "
+                                  f"refusing to materialize {need:,} bytes from it", path=path, key=key,
+                                  hint="a checkpoint stores every element; this item is crafted or corrupt")
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            todo.extend(o)
+
+
 def load_byte_item(raw: bytes, *, trust: bool, path, key: str):
-    """torch.load of one storage item; weights_only (an allow-list) unless the user trusts the file."""
+    """torch.load of one storage item; weights_only (an allow-list) unless the user trusts the file.
+    Before torch.load: the archive's records must be stored (not compressed) and inside it, and its
+    data.pkl must pass the pickle bounds (`safe_pickle.check_pickle_bounds`); after: no tensor may
+    be an expanded view (`_check_own_bytes`). So what it builds is bounded by the item's bytes."""
     import pickle
 
+    from ..safe_pickle import check_pickle_bounds
+    from .zipitem import archive_pickle
+
     try:
-        return torch.load(io.BytesIO(raw), weights_only=not trust, map_location="cpu")
+        pkl = archive_pickle(raw)
+    except ValueError as exc:
+        raise FormatError(f"cannot decode item: {exc}", path=path, key=key,
+                          hint="the file is corrupt or crafted; run `ckpt verify`") from None
+    try:
+        check_pickle_bounds(pkl, str(path), "the item's data.pkl")
+    except UnsafePickleError as exc:
+        raise UnsafePickleError(exc.message, path=path, key=key, hint=exc.hint) from None
+    try:
+        obj = torch.load(io.BytesIO(raw), weights_only=not trust, map_location="cpu")
+        _check_own_bytes(obj, path, key)
+        return obj
+    except FormatError:
+        raise
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()
         reason = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")

@@ -13,9 +13,11 @@ Python 3.13's pathlib objects, and prime-rl runs 3.12.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
+import secrets
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +34,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..atomic import open_new
 from ..errors import UsageError
 from .reader import METADATA_NAME
+
+METADATA_TMP_TAG = ".tmp-"   # `.metadata.tmp-<pid>-<hex>`: the new metadata before its rename
 
 DCP_VERSION = "1.0.0"
 
@@ -78,7 +83,7 @@ class DcpWriter:
     def _file(self, rel: str) -> io.BufferedWriter:
         fh = self._fh.get(rel)
         if fh is None:
-            fh = open(self.dir / rel, "xb")  # new files only: never write through a hard link
+            fh = open_new(self.dir / rel)  # new files only: never write through a link
             self._fh[rel] = fh
         return fh
 
@@ -209,12 +214,19 @@ class DcpWriter:
             fh.close()
         self._fh.clear()
         md = self.build_metadata()
-        tmp = self.dir / (METADATA_NAME + ".tmp")
-        with open(tmp, "wb") as f:
-            pickle.dump(md, f, protocol=4)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / METADATA_NAME)
+        # a fresh, unique temp name: in-place surgery writes into a stranger's directory, where a
+        # `.metadata.tmp` may already be a symlink to anywhere (create_new refuses to follow it)
+        tmp = self.dir / f"{METADATA_NAME}{METADATA_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            with open_new(tmp) as f:
+                pickle.dump(md, f, protocol=4)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / METADATA_NAME)   # rename: replaces a symlink, never follows it
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         self._finished = True
         return md
 

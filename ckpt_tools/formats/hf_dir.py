@@ -20,6 +20,7 @@ import torch
 
 from ..atomic import atomic_write_text
 from ..errors import FormatError, MissingFileError, UsageError
+from ..inputs import check_input, open_input, read_json
 from .safetensors_io import ByteCounter, SafetensorsHeader, TensorInfo, read_header, read_raw, read_tensor
 
 __all__ = [
@@ -119,17 +120,19 @@ class HFModelDir:
             raise MissingFileError("not a directory", path=path, hint="pass an HF model directory")
         config = None
         cfg_path = path / "config.json"
-        if cfg_path.is_file():
-            config = _load_json(cfg_path)
+        # lexists, not is_file: a config, shard or index that is a FIFO or a symlink out of the
+        # model dir belongs to it and is refused by name when read (inputs.open_input)
+        if os.path.lexists(cfg_path):
+            config = _load_json(cfg_path, root=path)
             if not isinstance(config, dict):
                 raise FormatError("config.json is not a JSON object", path=cfg_path)
         single, index = path / WEIGHTS_NAME, path / INDEX_NAME
-        if single.is_file() and index.is_file():
+        if os.path.lexists(single) and os.path.lexists(index):
             raise FormatError(f"has both {WEIGHTS_NAME} and {INDEX_NAME}; loaders disagree on which wins",
                               path=path, hint="delete the stale one")
-        if single.is_file():
+        if os.path.lexists(single):
             return cls(path, config, {WEIGHTS_NAME: read_header(single)}, None)
-        if index.is_file():
+        if os.path.lexists(index):
             headers, metadata = _open_index(path, index)
             return cls(path, config, headers, metadata)
         pickles = sorted(n for n in os.listdir(path) if n.endswith(".bin"))
@@ -165,8 +168,12 @@ class HFModelDir:
     def non_weight_files(self) -> list[Path]:
         """Regular top-level files to carry into a derived model: config, generation config,
         tokenizer, chat template, README, ... Excludes our weights and index, any other weight-like
-        file (see `skipped_entries`), hidden files and subdirectories. Sorted by name."""
-        return [self.path / n for n, kind in self._classify() if kind == "carry"]
+        file (see `skipped_entries`), hidden files and subdirectories. Sorted by name. Each is
+        checked as an input now (a symlink out of the model dir is refused before anything runs)."""
+        files = [self.path / n for n, kind in self._classify() if kind == "carry"]
+        for f in files:
+            check_input(f, root=self.path, what="model file")
+        return files
 
     def skipped_entries(self) -> list[str]:
         """Top-level names neither weights of this model nor carried by `non_weight_files`
@@ -192,10 +199,9 @@ class HFModelDir:
         file = self.info(name).path
         fd = self._fds.get(file)
         if fd is None:
-            try:
-                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                raise MissingFileError("shard disappeared after the model was opened", path=file) from None
+            if not os.path.lexists(file):
+                raise MissingFileError("shard disappeared after the model was opened", path=file)
+            fd = open_input(file, root=self.path, what="safetensors shard")
             self._fds[file] = fd
         return fd
 
@@ -220,16 +226,12 @@ class HFModelDir:
         return f"HFModelDir({str(self.path)!r}, {len(self)} tensors in {len(self.headers)} file(s))"
 
 
-def _load_json(path: Path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"not valid JSON: {e}", path=path) from None
+def _load_json(path: Path, *, root: Path):
+    return read_json(path, root=root, what=path.name)
 
 
 def _open_index(root: Path, index_path: Path) -> tuple[dict[str, SafetensorsHeader], dict]:
-    index = _load_json(index_path)
+    index = _load_json(index_path, root=root)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FormatError("has no non-empty 'weight_map' object", path=index_path)
@@ -244,7 +246,7 @@ def _open_index(root: Path, index_path: Path) -> tuple[dict[str, SafetensorsHead
                           path=index_path, hint="weight_map values must be plain shard file names")
     # 2. files exist.
     files = sorted(set(weight_map.values()))
-    missing = [f for f in files if not (root / f).is_file()]
+    missing = [f for f in files if not os.path.lexists(root / f)]
     if missing:
         raise MissingFileError(f"{len(missing)} shard(s) listed in the index are missing: {_listing(missing)}",
                                path=index_path, hint="re-download the model or restore the missing shards")

@@ -24,7 +24,6 @@ import ctypes
 import json
 import math
 import os
-import stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -33,7 +32,9 @@ from typing import Iterable, Sequence, Union
 
 import torch
 
-from ..errors import CkptError, FormatError, MissingFileError, OutputExistsError, TruncatedFileError
+from ..atomic import create_new
+from ..errors import CkptError, FormatError, OutputExistsError, TruncatedFileError
+from ..inputs import open_input
 
 __all__ = [
     "DTYPES", "DTypeSpec", "TensorInfo", "SafetensorsHeader", "ByteCounter", "WriteEntry",
@@ -189,16 +190,9 @@ class _Fd:
         self.owned = not isinstance(source, int)
         if self.owned:
             self.path = Path(source) if source is not None else default_path
-            try:
-                self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                raise MissingFileError("file not found", path=self.path) from None
-            except OSError as e:  # permission denied, ELOOP, ...
-                raise MissingFileError(f"cannot open: {e.strerror}", path=self.path) from None
-            if not stat.S_ISREG(os.fstat(self.fd).st_mode):  # a directory opens fine, then EISDIR on read
-                os.close(self.fd)
-                raise FormatError("is not a regular file (a directory?), expected a safetensors file",
-                                  path=self.path)
+            # a shard belongs to its directory (an HF cache snapshot's to the repo's cache dir): a
+            # symlink out of it, a FIFO, a device or a sparse file is refused before it is opened
+            self.fd = open_input(self.path, root=self.path.parent, what="safetensors file")
         else:
             self.path = default_path
             self.fd = source
@@ -463,7 +457,7 @@ class StreamingSafetensorsWriter:
         self._next = 0                            # strict order: first entry not complete
         self._closed = False
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self._fd = create_new(self.path)
         except FileExistsError:
             raise OutputExistsError("refusing to overwrite an existing file", path=self.path,
                             hint="write into a fresh directory") from None

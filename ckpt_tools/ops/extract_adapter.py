@@ -19,16 +19,16 @@ import json
 import logging
 import math
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..alpha import find_run_configs, run_adapter_configs
-from ..atomic import AtomicOutputDir
+from ..alpha import find_run_configs, run_adapter_configs, run_outputs_dir
+from ..atomic import AtomicOutputDir, write_new_file
 from ..errors import CkptError, FormatError, UsageError
+from ..inputs import read_json, read_toml
 from ..keys import lora_key, module_suffix
 from ..lora_source import DcpLoraSource
 from ..peft_adapter import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
@@ -97,7 +97,7 @@ def peft_config(*, r: int, lora_alpha: float, target_modules: list[str], base_mo
 
 def config_json(cfg: dict) -> str:
     """PEFT's own layout: sorted keys, 2-space indent."""
-    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+    return json.dumps(cfg, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def bf16_round(x: float) -> float:
@@ -212,7 +212,7 @@ def write_adapter_dir(directory: Path, tensors: list[OutTensor], read: Callable[
             w.write(t.name, value)
             del value
         size = w.file_bytes
-    (directory / ADAPTER_CONFIG).write_text(config_json(config))
+    write_new_file(directory / ADAPTER_CONFIG, config_json(config))
     return size
 
 
@@ -252,8 +252,10 @@ def _orch_model_name(path: Path | None) -> str | None:
     if path is None:
         return None
     try:
-        name = tomllib.loads(Path(path).read_text()).get("model", {}).get("name")
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        data, _ = read_toml(path, root=run_outputs_dir(path) if run_outputs_dir(path) else None,
+                            what="orchestrator config")
+        name = (data.get("model") or {}).get("name") if isinstance(data.get("model"), dict) else None
+    except CkptError:   # only a default for base_model_name_or_path: an unreadable config costs it
         return None
     return name if isinstance(name, str) and name else None
 
@@ -321,8 +323,9 @@ def plan_extract(src: DcpLoraSource, out: str | Path, *, base: str | None = None
     mts = set()
     for c in run_adapter_configs(ckpt.dir):
         try:
-            mts.update(json.loads(c.read_text()).get("modules_to_save") or [])
-        except (OSError, ValueError, AttributeError):
+            found = read_json(c, root=run_outputs_dir(ckpt.dir), what="adapter_config.json").get("modules_to_save")
+            mts.update(m for m in (found or []) if isinstance(m, str))
+        except (CkptError, AttributeError, TypeError):
             continue
     if mts:
         warnings.append(f"the run's adapter configs list modules_to_save {sorted(mts)}: this adapter holds the LoRA "
@@ -346,7 +349,8 @@ def run_extract(plan: ExtractPlan, src: DcpLoraSource) -> dict:
     """Execute `plan` into an AtomicOutputDir; returns the report (plan + measured figures)."""
     t0 = time.perf_counter()
     before = src.ckpt.stats.bytes_read
-    with AtomicOutputDir(plan.out, inputs=[plan.checkpoint], need_bytes=plan.out_file_bytes + _SLACK_BYTES) as tmp:
+    inputs = [plan.checkpoint] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
+    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + _SLACK_BYTES) as tmp:
         size = write_adapter_dir(tmp, list(plan.tensors), lambda t: src.ckpt.read_tensor(t.source), plan.config)
     read = src.ckpt.stats.bytes_read - before
     rep = plan.to_dict()

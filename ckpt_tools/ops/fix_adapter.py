@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,8 +29,9 @@ import torch
 
 from ..alpha import AlphaResolution, find_run_configs, resolve_alpha
 from ..atomic import AtomicOutputDir
-from ..errors import AlphaError, FormatError, UnsafePickleError, UsageError
-from ..peft_adapter import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
+from ..errors import AlphaError, FormatError, UsageError
+from ..inputs import check_input
+from ..peft_adapter import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, load_adapter_bin, parse_peft_config
 from .extract_adapter import (
     DTYPES, OutTensor, base_module_shapes, check_against_base, lora_alpha_for_scale, locate_base, peft_config,
     peft_key, safetensors_file_bytes, target_modules_for, write_adapter_dir,
@@ -67,40 +68,26 @@ class _Weights:
             sd = _load_bin(path)
             self.shapes = {k: tuple(v.shape) for k, v in sd.items()}
             self.dtypes = {k: v.dtype for k, v in sd.items()}
-            self._read = lambda k: sd[k].clone()   # a private copy: sd is a read-only mmap
+            self._read = lambda k: sd[k].clone()   # a private copy: the caller may modify it
 
     def read(self, key: str) -> torch.Tensor:
         return self._read(key)
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """adapter_model.bin with torch's allow-list unpickler (weights_only), memory-mapped so a big
-    adapter is not read into RAM at once."""
-    try:
-        try:
-            sd = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-        except RuntimeError:   # not the zip format (legacy torch.save): no mmap, still weights_only
-            sd = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        raise UnsafePickleError(f"refusing to unpickle: {str(exc).strip().splitlines()[0][:300]}", path=path,
-                                hint="torch.load(weights_only=True) rejected it; an adapter holds only "
-                                     "tensors") from None
-    except Exception as exc:
-        raise FormatError(f"cannot read: {type(exc).__name__}: {str(exc)[:300]}", path=path,
-                          hint="the file is corrupt or not a torch.save archive") from None
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
-        raise FormatError("not a dict of tensors", path=path)
-    return sd
+    """adapter_model.bin through the same checks as every adapter (`peft_adapter.load_adapter_bin`:
+    input checks, stored records, bounded pickle, weights_only, no expanded tensors)."""
+    return load_adapter_bin(path)
 
 
 def _weights_file(src: Path) -> Path:
     st, binf = src / SAFETENSORS_NAME, src / BIN_NAME
-    if st.is_file() and binf.is_file():
+    if os.path.lexists(st) and os.path.lexists(binf):
         raise FormatError(f"has both {SAFETENSORS_NAME} and {BIN_NAME}; PEFT loads the safetensors one",
                           path=src, hint="remove the stale one, or copy the one you mean into its own dir")
-    if st.is_file():
+    if os.path.lexists(st):
         return st
-    if binf.is_file():
+    if os.path.lexists(binf):
         return binf
     raise FormatError(f"no {SAFETENSORS_NAME} or {BIN_NAME} next to adapter_config.json", path=src)
 
@@ -152,7 +139,10 @@ def _resolve_alpha(src: Path, *, alpha, run_config, rank: int, cfg_alpha: float,
     own = None
     if alpha is None and run_config is None and src.resolve().parent.name == "broadcasts":
         own = src.resolve().parent.parent / "configs" / "orch.toml"   # outputs/<run>/configs/orch.toml
-        own = own if own.is_file() else None
+        if os.path.lexists(own):   # the run's own config: inside the run dir, a regular file
+            check_input(own, root=src.resolve().parents[1], what="the broadcast's run config")
+        else:
+            own = None
     try:
         res = resolve_alpha(alpha=alpha, run_config=run_config or own, ckpt_dir=src, rank=rank)
         return dataclasses.replace(res, source=f"the broadcast's run config {own}") if own else res
@@ -329,7 +319,8 @@ def _equals_base(weights: _Weights, key: str, name: str, base_dir: Path, base_sh
 
 def run_fix(plan: FixPlan, weights: _Weights) -> dict:
     t0 = time.perf_counter()
-    with AtomicOutputDir(plan.out, inputs=[plan.src], need_bytes=plan.out_file_bytes + (1 << 20)) as tmp:
+    inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
+    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + (1 << 20)) as tmp:
         size = write_adapter_dir(tmp, list(plan.tensors), lambda t: weights.read(t.source), plan.config)
     rep = plan.to_dict()
     rep.update(written_file_bytes=size, seconds=round(time.perf_counter() - t0, 3))

@@ -7,6 +7,7 @@ steps), an HF model dir and a PEFT adapter dir.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ def detect_format(path: Path) -> str:
     p = Path(path)
     if not p.exists():
         raise UsageError("no such file or directory", path=p)
-    if (p / METADATA_NAME).is_file() or (p / "trainer" / METADATA_NAME).is_file() or p.name == METADATA_NAME:
+    if os.path.lexists(p / METADATA_NAME) or os.path.lexists(p / "trainer" / METADATA_NAME) or p.name == METADATA_NAME:
         return "dcp"
     if (p / "adapter_config.json").is_file():
         return "peft"

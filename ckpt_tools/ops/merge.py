@@ -27,12 +27,12 @@ test can kill a merge midway. It has no other use.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -42,10 +42,12 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import fsync_path
+from ..atomic import copy_input_file, fsync_path
 from ..errors import CkptError, FormatError, MissingFileError, UsageError
 from ..formats.safetensors_io import COPY_BLOCK_BYTES, build_header, copy_raw, dtype_code, safetensors_save_order
+from ..inputs import check_input, read_json
 from ..lora_math import check_shapes, merge_weight_into
+from .merge_guards import ZeroDelta, check_masters_match_base, check_target_modules, default_out_dtype, rounds_to_base
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +212,9 @@ class MergePlan:
     total_parameters: int
     warnings: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()           # paths OUT must not be inside
+    out_dtype_reason: str = ""             # why this output dtype (merge_guards.default_out_dtype)
+    allow_zero_delta: bool = False         # a merge equal to the base is written, not refused
+    masters_checked: dict | None = None    # DCP adapter + HF base: the master rows compared with the base
 
     @property
     def merged_modules(self) -> int:
@@ -469,11 +474,14 @@ def rewrite_config(config: dict, changes) -> str:
 
 
 def _carry_files(d: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Top-level regular files of `d` to carry into a model dir: all but weights and hidden files."""
+    """Top-level regular files of `d` to carry into a model dir: all but weights and hidden files.
+    Each is checked as an input of the tree `d` (a symlink out of it is refused now)."""
     carry, skip = [], []
     for e in sorted(os.scandir(d), key=lambda e: e.name):
         ok = e.is_file() and not e.name.startswith(".") and not e.name.endswith(_WEIGHT_SUFFIXES) \
             and not e.name.endswith(".index.json")
+        if ok:
+            check_input(Path(d) / e.name, root=d, what="model file")
         (carry if ok else skip).append(str(Path(d) / e.name) if ok else e.name)
     return tuple(carry), tuple(skip)
 
@@ -484,15 +492,12 @@ def _with_sizes(paths) -> tuple[tuple[str, int], ...]:
 
 def _load_config(d: Path, *, required: bool) -> tuple[dict | None, str | None]:
     p = Path(d) / "config.json"
-    if not p.is_file():
+    if not os.path.lexists(p):
         if required:
             raise MissingFileError("no config.json here", path=d,
                                    hint="--config-from needs an HF model dir or the run's outputs/weights/step_N")
         return None, None
-    try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"not valid JSON: {exc}", path=p) from None
+    cfg = read_json(p, root=d, what="config.json")
     if not isinstance(cfg, dict):
         raise FormatError("config.json is not a JSON object", path=p)
     return cfg, str(p)
@@ -618,17 +623,20 @@ def _check_dcp_trained_on(base: BaseFacts, ckpt) -> list[str]:
 
 def prepare_merge(base: str | Path | None, adapter: str | Path, *, base_from_checkpoint: bool = False,
                   config_from: str | Path | None = None, alpha: float | None = None,
-                  run_config: str | Path | None = None, slot: int = 0, dtype: str | torch.dtype = "bf16",
+                  run_config: str | Path | None = None, slot: int = 0, dtype: str | torch.dtype | None = None,
                   max_shard_size: str | int = DEFAULT_MAX_SHARD, threads: int | None = None,
-                  trust_pickle: bool = False) -> MergePlan:
+                  trust_pickle: bool = False, allow_zero_delta: bool = False) -> MergePlan:
     """Open headers, resolve alpha, plan. `base`: an HF model dir or hub id (local HF cache only);
     with `base_from_checkpoint`, a DCP checkpoint whose fp32 masters are the base (None: the
-    adapter itself, which must then be a DCP checkpoint), config and tokenizer from `config_from`."""
+    adapter itself, which must then be a DCP checkpoint), config and tokenizer from `config_from`.
+    `dtype` None: `merge_guards.default_out_dtype` (an fp16 base stays fp16). Refused here, before
+    any tensor is read: a PEFT adapter whose target_modules misses its own modules, a DCP
+    checkpoint whose fp32 masters disagree with the HF base (`merge_guards`)."""
     from ..dcp.reader import DcpCheckpoint, resolve_checkpoint_dir
     from ..formats.hf_dir import parse_size
     from ..lora_source import is_dcp, open_lora_source
 
-    out_dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+    out_dtype = dtype if isinstance(dtype, torch.dtype) or dtype is None else parse_dtype(dtype)
     max_shard_bytes = parse_size(max_shard_size)
     if max_shard_bytes <= 0:
         raise UsageError("--max-shard-size must be positive")
@@ -645,7 +653,10 @@ def prepare_merge(base: str | Path | None, adapter: str | Path, *, base_from_che
         raise UsageError("no BASE given", hint="pass an HF model dir or hub id, or use --base-from-checkpoint")
 
     src = open_lora_source(adapter, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle)
+    masters = None
     try:
+        if src.kind == "peft":
+            check_target_modules(src.adapter)
         afacts = adapter_facts(src)
         if base_from_checkpoint:
             same = src.kind == "dcp" and Path(src.path).resolve() == resolve_checkpoint_dir(base).resolve()
@@ -662,10 +673,17 @@ def prepare_merge(base: str | Path | None, adapter: str | Path, *, base_from_che
                     raise FormatError(f"the checkpoint was not trained on this base: {len(problems)} difference(s): "
                                       + "; ".join(problems[:6]), path=bfacts.path,
                                       hint="merge into the base model the run trained (prime-rl's [model] name)")
+                masters = check_masters_match_base(bfacts.path, src.ckpt)
     finally:
         src.close()
-    return plan_merge(bfacts, afacts, out_dtype=out_dtype, max_shard_bytes=max_shard_bytes, threads=threads,
+    reason = f"--dtype {dtype_name(out_dtype)}" if out_dtype is not None else ""
+    if out_dtype is None:
+        out_dtype, reason = default_out_dtype(bfacts, afacts)
+    plan = plan_merge(bfacts, afacts, out_dtype=out_dtype, max_shard_bytes=max_shard_bytes, threads=threads,
                       trust_pickle=trust_pickle)
+    warnings = plan.warnings + ((reason,) if out_dtype == torch.float16 and not dtype else ())
+    return dataclasses.replace(plan, out_dtype_reason=reason, allow_zero_delta=bool(allow_zero_delta),
+                               masters_checked=masters, warnings=warnings)
 
 
 # ============================================================================================
@@ -754,6 +772,7 @@ class _Sources:
         self._local = threading.local()
         merges = [j for j in plan.jobs if j.action == "merge"]
         self.buffers = _Buffers(max((max(j.read_bytes, j.out_bytes) for j in merges), default=0))
+        self.zero = ZeroDelta()   # merged tensors that came out equal to their base
 
     def __enter__(self):
         from ..dcp.reader import DcpCheckpoint
@@ -862,8 +881,10 @@ class _Sources:
                 out = _Buffers.view(out_buf, out_dt, job.shape)
                 if job.action == "merge":
                     a, b = self.lora(job)
+                    zero_factor = not bool(a.any()) or not bool(b.any())
                     merge_weight_into(out, src, a, b, job.scale, fan_in_fan_out=job.fan_in_fan_out,
                                       name=job.name, scratch=self.scratch(job.numel))
+                    self.zero.add(rounds_to_base(out, src), zero_factor)
                 else:
                     out.copy_(src)
                     if out.is_floating_point() and not math.isfinite(float(out.sum(dtype=torch.float32))) \
@@ -916,12 +937,12 @@ def execute_merge(plan: MergePlan, out: str | Path, *, progress: Callable[[Merge
     with _Sources(plan) as src, AtomicOutputDir(out, inputs=plan.inputs, need_bytes=plan.write_bytes,
                                                 overwrite=overwrite) as tmp:
         _write_tensors(plan, src, tmp, progress, slow, t0)
-        for f in plan.files:
+        for f in plan.files:   # read through the input checks, written as new files
             if f.action == "rewrite":
-                cfg = json.loads(Path(f.src).read_text(encoding="utf-8"))
+                cfg = read_json(f.src, root=Path(f.src).parent, what="config.json")
                 atomic_write_text(tmp / f.name, rewrite_config(cfg, f.changes))
             else:
-                shutil.copyfile(f.src, tmp / f.name)
+                copy_input_file(f.src, tmp / f.name, root=Path(f.src).parent, what="model file")
         if plan.index is not None:
             from ..formats.hf_dir import INDEX_NAME
 
@@ -1000,17 +1021,23 @@ def _write_tensors(plan: MergePlan, src: _Sources, tmp: Path, progress, slow: fl
                                        time.perf_counter() - t0))
             if slow:
                 time.sleep(slow)
+        src.zero.check(plan)              # a merge equal to its base is refused before OUT appears
         for f in flushes:
             f.result()                    # every shard is on disk before OUT may be renamed into place
+        ok = True
     except BaseException:
+        ok = False
         if writer is not None:
             writer.abort()
         for f in pending.values():
             f.cancel()
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        flusher.shutdown(wait=True)
+        # On an error or a signal, never wait for the workers: each is bounded (one tensor, inputs
+        # that cannot block: inputs.open_input refuses FIFOs) and ends on its own, but the command
+        # must stop now (a blocking join once kept a merge alive through SIGTERM for 16 minutes).
+        pool.shutdown(wait=ok, cancel_futures=True)
+        flusher.shutdown(wait=ok)
         torch.set_num_threads(intra_op)
 
 

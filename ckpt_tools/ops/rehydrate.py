@@ -23,7 +23,8 @@ from ..dcp.reader import BytesEntry, DcpCheckpoint, TensorEntry
 from ..errors import FormatError, UsageError
 from .inspect import SLIM_MANIFEST
 from .slim import (
-    Progress, _extra_entries, base_identity, check_base_covers, copy_extra_entries, read_base_as, read_base_rows,
+    Progress, _extra_entries, base_identity, check_base_covers, copy_extra_entries, extra_bytes, read_base_as,
+    read_base_rows,
     read_manifest, sha256_of_tensor, torch_dtype_of, update_hash,
 )
 
@@ -195,7 +196,7 @@ def run_rehydrate(ckpt: DcpCheckpoint, hf, plan: RehydratePlan, *, overwrite: bo
     from ..dcp.writer import DcpWriter
 
     t0 = time.perf_counter()
-    need = (plan.copy_bytes + plan.rebuild_bytes
+    need = (plan.copy_bytes + plan.rebuild_bytes + extra_bytes(ckpt.dir, plan.extra_files)
             + _ITEM_OVERHEAD_BYTES * (1 + sum(len(r.chunks) for r in plan.rebuild)))
     seconds = {}
     base_read = 0

@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import _pid_alive
+from ..atomic import check_output_file, pid_alive
 from ..errors import FormatError, MissingFileError, OutputExistsError, UsageError
+from ..inputs import read_toml
 
 # Dotted key paths in prime-rl configs: `rl` (shared [model], [trainer.*], [orchestrator.*],
 # [inference.*]) and the standalone trainer (`[model]`, `[optim]`, `[ckpt]`).
@@ -83,6 +84,8 @@ def patch_config_text(text: str, *, model_name: str | None, lr: float | None, re
         doc = tomlkit.parse(text)
     except TOMLKitError as exc:
         raise FormatError(f"not valid TOML: {exc}", path=where) from None
+    except RecursionError:
+        raise FormatError("not valid TOML: nested too deeply", path=where) from None
     changes: list[TomlChange] = []
 
     def set_all(keys, value, what):
@@ -208,7 +211,7 @@ def default_config_out(mode: str, out: Path, config: Path, step: int | None = No
 # ============================================================================ the command
 def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, lr: float | None, config: str | Path | None = None,
                  mode: str = "merge", alpha: float | None = None, run_config: str | Path | None = None,
-                 dtype: str = "bf16", max_shard_size: str = "5GB", world_size: int | None = None,
+                 dtype: str | None = None, max_shard_size: str = "5GB", world_size: int | None = None,
                  scheduler_step: int = 0, config_out: str | Path | None = None, dry_run: bool = False,
                  trust_pickle: bool = False, progress=None) -> dict:
     """Library entry point. Returns a JSON-able report with "next" (what to run next)."""
@@ -226,16 +229,19 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
     cfg_text = cfg_out = None
     if config is not None:
         config = Path(config)
-        try:
-            cfg_text = config.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise MissingFileError(f"cannot read: {exc.strerror}", path=config) from None
+        _doc, cfg_text = read_toml(config, what="prime-rl config")
         cfg_out = Path(config_out) if config_out is not None else default_config_out(mode, out, config)
         if cfg_out.resolve() == config.resolve():
             raise UsageError("the patched config would overwrite the source config", path=cfg_out,
                              hint="pass another --config-out")
-        if cfg_out.exists():
-            raise OutputExistsError("already exists", path=cfg_out, hint="remove it or pick another OUT")
+        # checked now, before anything is written: its dir exists, nothing is there, and it is not
+        # (inside) an input (the checkpoint, the config, the base dir, the run config) or inside OUT
+        local_base = [base] if base is not None and Path(base).is_dir() else []
+        cfg_out = check_output_file(cfg_out, [ckpt_dir, config, *local_base, *([run_config] if run_config else [])],
+                                    what="patched config (--config-out)")
+        if cfg_out.parent.resolve() == out.resolve() or out.resolve() in cfg_out.parents:
+            raise UsageError("the patched config would be written inside OUT", path=cfg_out,
+                             hint="pass a --config-out outside OUT")
     if mode == "merge":
         return _merge_mode(ckpt_dir, out, base=base, lr=lr, cfg_text=cfg_text, config=config, cfg_out=cfg_out,
                            alpha=alpha, run_config=run_config, dtype=dtype, max_shard_size=max_shard_size,
@@ -308,8 +314,8 @@ def _adapter_mode(ckpt_dir, out, *, base, lr, cfg_text, config, cfg_out, alpha, 
         step = ck.read_object("app.progress.step") if "app.progress.step" in ck.entries else None
         sharded = [len(e.chunks) for e in ck.tensor_entries() if e.shape and e.shape[0] > 1]
         orig_world = world_size_from_chunks(sharded) or 1
-    if not isinstance(step, int):
-        raise FormatError(f"progress.step is {step!r}, not an int", path=ckpt_dir, key="app.progress.step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise FormatError(f"progress.step is {step!r}, not an int >= 0", path=ckpt_dir, key="app.progress.step")
     world_size = world_size or orig_world
     spec = scheduler_from_config(cfg_text, config) if cfg_text is not None else SchedulerSpec("constant")
     report: dict = {"mode": "adapter", "checkpoint": str(ckpt_dir), "out": str(out), "lr": lr, "step": step,
@@ -377,7 +383,7 @@ def _clean_stale_staging(out: Path) -> None:
     rx = re.compile(rf"^\.{{1,2}}{re.escape(out.name)}\.adapter-(\d+)(\..*)?$")
     for entry in parent.iterdir():
         m = rx.match(entry.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:

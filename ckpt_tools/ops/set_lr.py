@@ -18,6 +18,7 @@ decay's end instead of scaling it (see `plan_set_lr`).
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import io
@@ -25,7 +26,7 @@ import json
 import logging
 import math
 import os
-import shutil
+import re
 import time
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -34,8 +35,10 @@ from typing import Any
 
 import torch
 
-from ..atomic import fsync_path
+from ..atomic import copy_input_file, copy_input_tree, create_new, fsync_path, pid_alive
 from ..dcp.reader import METADATA_NAME, BytesEntry, DcpCheckpoint, TensorEntry
+from ..dcp.writer import METADATA_TMP_TAG
+from ..inputs import check_input, open_input, scan_tree
 from ..errors import CkptError, FormatError, UsageError
 from ..keys import classify
 from .inspect import scheduler_kind
@@ -49,6 +52,22 @@ LR_FIELDS: frozenset[tuple[str, str]] = frozenset({
     ("scheduler", "base_lrs"), ("scheduler", "_last_lr"), ("scheduler", "eta_min"),
 })
 PATCH_PREFIX = "__patch_"
+MAX_LR = 10.0   # an optimizer lr above this is a typo or a crafted value, not a schedule
+
+
+def check_lr_value(v: Any, key: str) -> None:
+    """Every learning-rate value written (a float or a list of them) is finite, >= 0 and <= MAX_LR."""
+    vals = list(v) if isinstance(v, (list, tuple)) else [v]
+    for x in vals:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            continue
+        if not (math.isfinite(x) and 0 <= x <= MAX_LR):
+            raise UsageError(f"the new value {x!r} is not a learning rate (finite, in [0, {MAX_LR:g}])", key=key,
+                             hint="check --lr / --scale / --min-lr, and the checkpoint's current lr values")
+
+
+# progress counters (prime-rl's Progress) are counts: never negative
+_COUNT_FIELDS = frozenset({"step", "total_tokens", "total_samples"})
 
 
 # ======================================================================================== values
@@ -149,7 +168,7 @@ def _encode(obj) -> bytes:
 
 def _patch_file_name(ckpt_dir: Path) -> str:
     n = 0
-    while (ckpt_dir / f"{PATCH_PREFIX}{n}.distcp").exists():
+    while os.path.lexists(ckpt_dir / f"{PATCH_PREFIX}{n}.distcp"):   # lexists: a dangling link is taken too
         n += 1
     return f"{PATCH_PREFIX}{n}.distcp"
 
@@ -157,45 +176,54 @@ def _patch_file_name(ckpt_dir: Path) -> str:
 _FICLONE = 0x40049409   # linux/fs.h: _IOW(0x94, 9, int)
 
 
-def link_or_copy(src: Path, dst: Path) -> str:
-    """Hard link `src` at `dst`; across filesystems (or where links are refused) a reflink, else a
-    copy. Returns the method used. Never opens `src` for writing."""
+def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
+    """Hard link the data file `src` (of the checkpoint `root`, checked as an input: no symlink out
+    of it, no FIFO) at the new path `dst`; across filesystems (or where links are refused) a
+    reflink, else a copy. Returns the method used. Never opens `src` for writing; `dst` is new."""
+    real, _st = check_input(src, root=root, what="data file")
     try:
-        os.link(src, dst)
+        os.link(real, dst, follow_symlinks=False)   # the checked file itself, never a link's target
         return "hardlink"
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise
     try:
         import fcntl
-        with open(src, "rb") as fs, open(dst, "xb") as fd:
-            fcntl.ioctl(fd.fileno(), _FICLONE, fs.fileno())
+        fs = open_input(src, root=root, what="data file")
+        try:
+            fd = create_new(dst)
+            try:
+                fcntl.ioctl(fd, _FICLONE, fs)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(fs)
         return "reflink"
     except (OSError, ImportError):
-        if dst.exists():
+        with contextlib.suppress(FileNotFoundError):
             dst.unlink()
-    shutil.copyfile(src, dst)
+    copy_input_file(src, dst, root=root, what="data file")
     return "copy"
-
-
-def _link_tree(src: Path, dst: Path, counts: dict) -> None:
-    if src.is_dir() and not src.is_symlink():
-        dst.mkdir()
-        for child in sorted(src.iterdir()):
-            _link_tree(child, dst / child.name, counts)
-    elif src.is_symlink():
-        os.symlink(os.readlink(src), dst)
-    else:
-        m = link_or_copy(src, dst)
-        counts[m] = counts.get(m, 0) + 1
 
 
 def _extra_entries(ckpt_dir: Path, data_files: set[str]) -> list[str]:
     """Everything in the checkpoint dir besides `.metadata` (and its backups/temps) and .distcp
-    files: the slim manifest, prime-rl's `dataloader/`, user files. They travel along."""
-    return [n for n in sorted(os.listdir(ckpt_dir))
-            if n != METADATA_NAME and not n.startswith(METADATA_NAME + ".") and not n.endswith(".distcp")
-            and not n.startswith(".")]
+    files: the slim manifest, prime-rl's `dataloader/`, user files. They travel along, COPIED (a
+    hard link would make an append to the copy change the original); each is checked as an input
+    first (no FIFO, device, socket or symlink out of the checkpoint)."""
+    names = [n for n in sorted(os.listdir(ckpt_dir))
+             if n != METADATA_NAME and not n.startswith(METADATA_NAME + ".") and not n.endswith(".distcp")
+             and not n.startswith(".")]
+    for n in names:
+        scan_tree(ckpt_dir / n, root=ckpt_dir, what="checkpoint entry")
+    return names
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
 
 
 def _register_all(writer, ckpt: DcpCheckpoint, new_values: dict[str, Any], patch_rel: str) -> None:
@@ -236,13 +264,20 @@ def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str
     patch_rel = _patch_file_name(ckpt.dir)
     keep = {f for k, e in ckpt.entries.items() if k not in new_values
             for f in ([c.file for c in e.chunks] if isinstance(e, TensorEntry) else [e.file])}
+    extras = _extra_entries(ckpt.dir, keep)
+    # Free space for what is really written: the patch and metadata, the copied extra entries,
+    # and, when OUT is on another filesystem (no hard links), every data file too.
+    need = (1 << 20) + sum(size for n in extras for _p, size in scan_tree(ckpt.dir / n, root=ckpt.dir))
+    parent = Path(out).expanduser().resolve().parent
+    if not _same_filesystem(ckpt.dir, parent if parent.is_dir() else parent.parent):
+        need += sum(ckpt.file_size(rel) for rel in keep)
     counts: dict[str, int] = {}
-    with AtomicOutputDir(out, inputs=[ckpt.dir], need_bytes=1 << 20, overwrite=overwrite) as tmp:
+    with AtomicOutputDir(out, inputs=[ckpt.dir], need_bytes=need, overwrite=overwrite) as tmp:
         for rel in sorted(keep):
-            m = link_or_copy(ckpt.dir / rel, tmp / rel)
+            m = link_or_copy(ckpt.dir / rel, tmp / rel, root=ckpt.dir)
             counts[m] = counts.get(m, 0) + 1
-        for name in _extra_entries(ckpt.dir, keep):
-            _link_tree(ckpt.dir / name, tmp / name, counts)
+        for name in extras:
+            copy_input_tree(ckpt.dir / name, tmp / name, root=ckpt.dir, what="checkpoint entry")
         writer = DcpWriter(tmp)
         try:
             _register_all(writer, ckpt, new_values, patch_rel)
@@ -253,7 +288,7 @@ def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str
         written = (tmp / patch_rel).stat().st_size + (tmp / METADATA_NAME).stat().st_size
     warnings = []
     if counts.get("copy"):
-        warnings.append(f"{counts['copy']} file(s) were copied, not linked (output on another filesystem?)")
+        warnings.append(f"{counts['copy']} data file(s) were copied, not linked (output on another filesystem?)")
     return PatchResult(out=str(out), in_place=False, patch_file=patch_rel, changed_keys=len(new_values),
                        bytes_written=written, linked=counts, backup=None,
                        seconds=round(time.perf_counter() - t0, 4), warnings=warnings)
@@ -266,36 +301,102 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
     d = ckpt.dir
     lock = _Lock(d.parent / f".{d.name}.lock", d)
     lock.acquire()
+    try:
+        removed = clean_in_place_leftovers(d)
+    except BaseException:
+        lock.release()
+        raise
     patch_rel = _patch_file_name(d)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     backup = d / f"{METADATA_NAME}.bak-{stamp}"
     n = 1
-    while backup.exists():
+    while os.path.lexists(backup):
         backup = d / f"{METADATA_NAME}.bak-{stamp}-{n}"
         n += 1
     writer = DcpWriter(d)
     swapped = False
     try:
         _register_all(writer, ckpt, new_values, patch_rel)
-        os.link(d / METADATA_NAME, backup)   # the old metadata survives the swap under this name
-        writer.finish()                      # fsync patch, write .metadata.tmp, fsync, rename over .metadata
+        # the old metadata survives the swap under this name (the entry itself, never a link's target)
+        os.link(d / METADATA_NAME, backup, follow_symlinks=False)
+        writer.finish()                      # fsync patch, write .metadata.tmp-*, fsync, rename over .metadata
         swapped = True
         fsync_path(d)
     except BaseException:
         writer.abort()
         if not swapped:
-            for p in (d / patch_rel, backup, d / (METADATA_NAME + ".tmp")):
-                try:
+            for p in (d / patch_rel, backup):
+                with contextlib.suppress(FileNotFoundError):
                     p.unlink()
-                except FileNotFoundError:
-                    pass
         raise
     finally:
         lock.release()
     written = (d / patch_rel).stat().st_size + (d / METADATA_NAME).stat().st_size
     return PatchResult(out=str(d), in_place=True, patch_file=patch_rel, changed_keys=len(new_values),
                        bytes_written=written, linked={}, backup=str(backup),
-                       seconds=round(time.perf_counter() - t0, 4))
+                       seconds=round(time.perf_counter() - t0, 4),
+                       warnings=[f"removed {n}, left by a killed in-place run" for n in removed])
+
+
+_TMP_LEFTOVER = re.compile(rf"^{re.escape(METADATA_NAME)}{re.escape(METADATA_TMP_TAG)}(\d+)-[0-9a-f]+$")
+_PATCH_FILE = re.compile(rf"^{re.escape(PATCH_PREFIX)}\d+\.distcp$")
+
+
+def _referenced_files(meta_path: Path, root: Path) -> set[str] | None:
+    """Data files a `.metadata` (or a backup of one) points at; None when it cannot be read."""
+    from ..inputs import MAX_METADATA_BYTES, read_input
+    from ..safe_pickle import load_metadata_pickle
+
+    try:
+        md = load_metadata_pickle(read_input(meta_path, root=root, what="metadata", max_bytes=MAX_METADATA_BYTES),
+                                  str(meta_path))
+        return {str(info.relative_path) for info in md.storage_data.values()}
+    except Exception:
+        return None
+
+
+def clean_in_place_leftovers(d: Path) -> list[str]:
+    """What killed `--in-place` runs left in checkpoint `d`, removed. Called with `d`'s lock held,
+    so no in-place run is alive (a live one holds the lock); temp names carry the pid and only dead
+    pids' are touched. Removed: `.metadata.tmp-<pid>-*` (a new metadata never renamed in);
+    `.metadata.bak-*` that is still `.metadata` itself (same inode: linked, then the run died before
+    the swap); `__patch_<n>.distcp` that neither `.metadata` nor any backup references. Anything
+    that cannot be read for certain is kept."""
+    removed: list[str] = []
+    meta = d / METADATA_NAME
+    try:
+        meta_ino = os.lstat(meta).st_ino
+    except FileNotFoundError:
+        return removed
+    names = sorted(os.listdir(d))
+    for n in names:
+        m = _TMP_LEFTOVER.match(n)
+        if m and not pid_alive(int(m.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(d / n)
+            removed.append(n)
+    backups = [n for n in names if n.startswith(METADATA_NAME + ".bak-")]
+    for n in backups:
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(d / n).st_ino == meta_ino:
+                os.unlink(d / n)
+                removed.append(n)
+    patches = [n for n in names if _PATCH_FILE.match(n)]
+    if patches:
+        used: set[str] = set()
+        for m_path in [meta] + [d / n for n in backups if n not in removed]:
+            refs = _referenced_files(m_path, d)
+            if refs is None:
+                return removed      # a metadata we cannot read: keep every patch file
+            used |= refs
+        for n in patches:
+            if n not in used:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(d / n)
+                removed.append(n)
+    for n in removed:
+        log.warning("removed %s from %s: left by a killed --in-place run", n, d)
+    return removed
 
 
 # ======================================================================================== scheduler model
@@ -405,9 +506,13 @@ def plan_set_lr(ckpt: DcpCheckpoint, *, lr: float | None = None, scale: float | 
     if not isinstance(current, float):
         raise FormatError(f"param group lr is {type(current).__name__} {current!r}, expected a float",
                           key=st.keys.get(("pg", min(st.groups), "lr")))
+    if not math.isfinite(current) or current < 0:
+        raise FormatError(f"the checkpoint's lr is {current!r}: not a finite number >= 0, so no new lr can be "
+                          "derived from it", path=ckpt.dir, key=st.keys.get(("pg", min(st.groups), "lr")),
+                          hint="the checkpoint is damaged or crafted; `ckpt set` can write a finite lr")
     if lr is not None:
-        if not (math.isfinite(lr) and lr > 0):
-            raise UsageError(f"--lr must be a positive finite number, got {lr}")
+        if not (math.isfinite(lr) and 0 < lr <= MAX_LR):
+            raise UsageError(f"--lr must be a finite number in (0, {MAX_LR:g}], got {lr}")
         if current <= 0:
             raise UsageError(f"the current lr is {current}, so --lr cannot be turned into a factor",
                              hint="use --scale")
@@ -435,6 +540,8 @@ def plan_set_lr(ckpt: DcpCheckpoint, *, lr: float | None = None, scale: float | 
         warnings.append(f"{len(st.groups)} param groups: all scaled by the factor of group 0 ({factor:g})")
     if st.kind in ("unknown",):
         warnings.append("unrecognised scheduler: only lr fields known by name were patched")
+    for key, v in new.items():
+        check_lr_value(v, key)
     changes = tuple(Change(k, _old(st, k), v, why[k]) for k, v in sorted(new.items()) if _old(st, k) != v)
     patched = _apply_to_state(st, new)
     shown = None
@@ -603,6 +710,10 @@ def plan_set_values(ckpt: DcpCheckpoint, assignments: list[str]) -> tuple[tuple[
         old = ckpt.read_object(key)
         new = parse_value(text, old, key)
         info = classify(key, e.path)
+        if info.group == "progress" and info.field in _COUNT_FIELDS and isinstance(new, int) and new < 0:
+            raise UsageError(f"cannot set to {new}: {info.field} counts steps/tokens/samples and must be >= 0", key=key)
+        if (info.group, info.field) in LR_FIELDS:
+            check_lr_value(new, key)
         if (info.group, info.field) in LR_FIELDS:
             warnings.append(f"{key}: changing one lr field alone desynchronises the schedule; "
                             "`ckpt set-lr` patches all of them consistently")

@@ -22,7 +22,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import struct
 import time
 from collections.abc import Callable
@@ -31,9 +30,11 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import copy_input_tree, write_new_file
 from ..dcp.reader import METADATA_NAME, DcpCheckpoint, TensorEntry
 from ..dcp.zipitem import decode_tensor_pickle, parse_item
 from ..errors import CkptError, FormatError, UnsafePickleError, UsageError
+from ..inputs import MAX_JSON_BYTES, open_input, read_input, read_json, read_toml, scan_tree
 from ..keys import FROZEN_GROUPS, classify, world_size_from_chunks
 from .inspect import SLIM_MANIFEST
 
@@ -124,15 +125,22 @@ def torch_dtype_of(name: str) -> torch.dtype:
 def _extra_entries(ckpt_dir: Path, data_files: set[str]) -> list[str]:
     """Entries of a checkpoint dir that are neither its metadata nor its referenced data files:
     prime-rl's sft `dataloader/` folder and anything else a user put there travel along. Backups
-    and temp files of our own surgery, and unreferenced .distcp files, do not."""
+    and temp files of our own surgery, and unreferenced .distcp files, do not. Each is checked as
+    an input now (`inputs.scan_tree`: no FIFO, device, socket or symlink out of the checkpoint)."""
     out = []
     for name in sorted(os.listdir(ckpt_dir)):
         if name == METADATA_NAME or name in data_files or name == SLIM_MANIFEST:
             continue
         if name.startswith(".") or name.endswith(".distcp"):   # .metadata.bak-*, temp files
             continue
+        scan_tree(ckpt_dir / name, root=ckpt_dir, what="checkpoint entry")
         out.append(name)
     return out
+
+
+def extra_bytes(ckpt_dir: Path, names) -> int:
+    """Bytes a copy of the extra entries `names` writes."""
+    return sum(size for n in names for _p, size in scan_tree(ckpt_dir / n, root=ckpt_dir, what="checkpoint entry"))
 
 
 def trainable_params(ckpt: DcpCheckpoint) -> set[str]:
@@ -277,14 +285,17 @@ def base_identity(hf, name: str) -> dict:
     file's raw safetensors header (cheap: headers only, yet it changes with any re-export)."""
     cfg = hf.path / "config.json"
     h = hashlib.sha256()
-    for fname in sorted(hf.headers):
-        p = hf.path / fname
-        with open(p, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
+    for fname, header in sorted(hf.headers.items()):
+        fd = open_input(hf.path / fname, root=hf.path, what="safetensors shard")
+        try:
             h.update(fname.encode() + b"\0")
-            h.update(f.read(n))
+            h.update(os.pread(fd, header.header_bytes, 8))   # the raw header read_header validated
+        finally:
+            os.close(fd)
+    cfg_bytes = read_input(cfg, root=hf.path, what="config.json", max_bytes=MAX_JSON_BYTES) \
+        if os.path.lexists(cfg) else None
     return {"name": name, "path": str(Path(hf.path).resolve()),
-            "config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.is_file() else None,
+            "config_sha256": hashlib.sha256(cfg_bytes).hexdigest() if cfg_bytes is not None else None,
             "headers_sha256": h.hexdigest(), "tensors": len(hf.keys()),
             "tie_word_embeddings": _is_tied(hf.config)}
 
@@ -393,13 +404,10 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
     """Load and validate `ckpt-slim-manifest.json` completely (every problem is an error that
     names the file and the key)."""
     p = Path(ckpt_dir) / SLIM_MANIFEST
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise UsageError(f"not a slim checkpoint: no {SLIM_MANIFEST}", path=ckpt_dir,
                          hint="rehydrate takes the output of `ckpt slim`")
-    try:
-        m = json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"not valid JSON: {exc}", path=p) from None
+    m = read_json(p, root=ckpt_dir, what="slim manifest")
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise FormatError(f"not a slim manifest (format is {m.get('format') if isinstance(m, dict) else None!r})",
                           path=p)
@@ -461,12 +469,9 @@ class SlimResult:
 
 
 def copy_extra_entries(src_dir: Path, dst_dir: Path, names) -> None:
+    """Copy the extra entries by content (files and directories, checked as inputs of `src_dir`)."""
     for name in names:
-        s, d = src_dir / name, dst_dir / name
-        if s.is_dir() and not s.is_symlink():
-            shutil.copytree(s, d, symlinks=True)
-        else:
-            shutil.copy2(s, d, follow_symlinks=False)
+        copy_input_tree(src_dir / name, dst_dir / name, root=src_dir, what="checkpoint entry")
 
 
 def output_file_index(data_files) -> dict[str, int]:
@@ -487,9 +492,10 @@ def run_slim(ckpt: DcpCheckpoint, plan: SlimPlan, *, base_dir: Path | None = Non
         hf = HFModelDir.open(base_dir)
         mapping = check_base_covers(plan.dropped, hf, Path(base_dir))
     file_index = output_file_index(plan.data_files)
-    need = plan.kept_bytes + 64 * 1024 * (1 + len(plan.dropped) // 100)
+    need = plan.kept_bytes + 64 * 1024 * (1 + len(plan.dropped) // 100) + extra_bytes(ckpt.dir, plan.extra_files)
     seconds = {}
-    with AtomicOutputDir(plan.out, inputs=[ckpt.dir], need_bytes=need, overwrite=overwrite) as tmp:
+    inputs = [ckpt.dir] + ([base_dir] if base_dir is not None else [])   # --base is an input too
+    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=need, overwrite=overwrite) as tmp:
         writer = DcpWriter(tmp, files=max(1, len(plan.data_files)))
         try:
             done = 0
@@ -528,7 +534,7 @@ def run_slim(ckpt: DcpCheckpoint, plan: SlimPlan, *, base_dir: Path | None = Non
             writer.abort()
             raise
         manifest = build_manifest(plan, hashes, base_verified=hf is not None)
-        (tmp / SLIM_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        write_new_file(tmp / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
         copy_extra_entries(ckpt.dir, tmp, plan.extra_files)
         out_bytes = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
     if hf is not None:
@@ -567,14 +573,16 @@ def slim(ckpt_path: str | Path, out: str | Path, *, base: str | Path | None = No
 def _base_from_run_config(ckpt_dir: Path) -> dict | None:
     """Without --base, record the model name from the run's orch.toml (unverified) so the user
     knows what to pass to rehydrate."""
-    from ..alpha import find_run_configs
+    from ..alpha import find_run_configs, run_outputs_dir
 
     configs = find_run_configs(ckpt_dir)
     if len(configs) != 1:
         return None
     try:
-        import tomllib
-        name = tomllib.loads(configs[0].read_text())["model"]["name"]
-    except Exception:   # a config we cannot read only costs us a hint
+        data, _ = read_toml(configs[0], root=run_outputs_dir(ckpt_dir), what="orchestrator config")
+        name = data["model"]["name"]
+    except (CkptError, KeyError, TypeError):   # a config we cannot read only costs us a hint
+        return None
+    if not isinstance(name, str):
         return None
     return {"name": str(name), "source": str(configs[0])}

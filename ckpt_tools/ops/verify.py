@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CkptError, UsageError
+from ..inputs import MAX_METADATA_BYTES, open_input, read_input, read_json
 
 # Items up to this size are read with one pread and parsed in memory.
 SMALL_ITEM_BYTES = 1 << 20
@@ -146,9 +147,9 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
     report.path = str(ckpt_dir)
     meta = ckpt_dir / METADATA_NAME
     try:
-        data = meta.read_bytes()
-    except OSError as exc:
-        report.problem(meta, None, f"cannot read: {exc.strerror}")
+        data = read_input(meta, root=ckpt_dir, what="DCP .metadata", max_bytes=MAX_METADATA_BYTES)
+    except CkptError as exc:
+        report.problem(meta, None, exc.message + (f" ({exc.hint})" if exc.hint else ""))
         return
     if not data:
         report.problem(meta, None, "empty .metadata (0 bytes): the save was interrupted")
@@ -268,9 +269,9 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
     for rel in sorted({i.file for i in readable}):
         fpath = ckpt_dir / rel
         try:
-            fd = os.open(fpath, os.O_RDONLY)
-        except OSError as exc:
-            report.problem(fpath, None, f"cannot open: {exc.strerror}")
+            fd = open_input(fpath, root=ckpt_dir, what="data file")
+        except CkptError as exc:
+            report.problem(fpath, None, exc.message + (f" ({exc.hint})" if exc.hint else ""))
             continue
         try:
             for it in sorted((i for i in readable if i.file == rel), key=lambda i: i.offset):
@@ -312,6 +313,11 @@ def _check_tensor_key(key, md_item, index, used, items, report: VerifyReport, me
         loc = index.get((key, offs))
         if loc is None:
             report.problem(meta, key, f"chunk at offsets {list(offs)} has no storage entry")
+        elif loc[2] < math.prod(sizes) * dtype.itemsize:   # the same rule as reader._check_chunk_bytes
+            report.problem(meta, key, f"chunk at offsets {list(offs)} declares {list(sizes)} {dtype} "
+                                      f"({math.prod(sizes) * dtype.itemsize:,} bytes) but its item holds "
+                                      f"{loc[2]:,} bytes: an expanded (stride-0) or crafted item")
+            used.add((key, offs))
         else:
             used.add((key, offs))
             items.append(_Item(key, offs, *loc, sizes=sizes, dtype=dtype))
@@ -412,6 +418,10 @@ def _check_item(fd: int, fpath: Path, it: _Item, report: VerifyReport, deep: boo
                     if all(rec.size) else 0
                 if extent > rec.storage_numel:
                     bad.append(f"view reaches element {extent} of a {rec.storage_numel}-element storage")
+                numel = math.prod(rec.size)
+                if numel > rec.storage_numel or any(st == 0 and n > 1 for st, n in zip(rec.stride, rec.size)):
+                    bad.append(f"an expanded (stride-0) view: {numel} elements from {rec.storage_numel} stored "
+                               f"(strides {list(rec.stride)}); a loader materializes all of them")
                 if bad:
                     report.problem(fpath, it.key, f"{it.where}data.pkl disagrees with the metadata: "
                                                   + ", ".join(bad))
@@ -467,12 +477,9 @@ def _config_dims(cfg: dict) -> dict[str, int]:
 
 def _load_json(path: Path, report: VerifyReport):
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as exc:
-        report.problem(path, None, f"not valid JSON: {exc}")
-    except OSError as exc:
-        report.problem(path, None, f"cannot read: {exc.strerror}")
+        return read_json(path, root=path.parent, what=path.name)
+    except CkptError as exc:
+        report.problem(path, None, exc.message)
     return None
 
 
@@ -613,7 +620,7 @@ def _deep_finite(tensors: dict, report: VerifyReport, progress: Progress | None)
             try:
                 fd = fds.get(t.path)
                 if fd is None:
-                    fd = fds[t.path] = os.open(t.path, os.O_RDONLY)
+                    fd = fds[t.path] = open_input(t.path, root=t.path.parent, what="safetensors shard")
                 dt = torch_dtype(t.dtype)
                 item = dt.itemsize
                 block = max(item, FINITE_BLOCK_BYTES // item * item)
@@ -635,20 +642,8 @@ def _deep_finite(tensors: dict, report: VerifyReport, progress: Progress | None)
 
 
 # ================================================================================================ PEFT
-def _matches_targets(module: str, targets) -> bool | None:
-    """PEFT's target_modules rule: a list matches a module named exactly or ending in '.<t>'; a
-    string is a full-match regex. None when the config states no targets."""
-    if targets is None:
-        return None
-    if isinstance(targets, str):
-        if targets == "all-linear":
-            return True
-        return re.fullmatch(targets, module) is not None
-    return any(module == t or module.endswith("." + t) for t in targets)
-
-
 def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trust_pickle: bool = False) -> None:
-    from ..peft_adapter import ADAPTER_CONFIG, PEFT_PREFIX, open_peft_adapter, parse_peft_config
+    from ..peft_adapter import ADAPTER_CONFIG, PEFT_PREFIX, matches_target_modules, open_peft_adapter, parse_peft_config
 
     cfg_path = path / ADAPTER_CONFIG
     try:
@@ -680,7 +675,7 @@ def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trus
     targets = cfg.target_modules
     matched_targets = set()
     for module in sorted(adapter.modules):
-        ok = _matches_targets(module, targets)
+        ok = matches_target_modules(module, targets)
         if ok is False:
             report.problem(wpath, adapter.modules[module].a_key,
                            f"module {module} is not matched by target_modules {targets!r}: PEFT would not "
