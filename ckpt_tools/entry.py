@@ -2,8 +2,9 @@
 
 Importing click and the commands (torch among them) takes a second or two. A Ctrl-C or SIGTERM in
 that window used to print a 22-51-line traceback; here it ends the command like any other
-interruption: one line, exit 130 (SIGINT) or 143 (SIGTERM). Only `os`, `signal` and `sys`, which
-the interpreter has already loaded, are imported before the handlers are in place. Errors of the
+interruption: one line, exit 130 (SIGINT) or 143 (SIGTERM), once the imports are done (the signals
+are held meanwhile). Only `os`, `signal` and `sys`, which the interpreter has already loaded, are
+imported before that. Errors of the
 commands themselves are rendered by `cli._Group` (one line, or JSON under `--json`).
 """
 from __future__ import annotations
@@ -35,27 +36,37 @@ def _stopped(what: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _early_term)
+    terminated: tuple[type[BaseException], ...] = (_EarlyTermination,)
     try:
-        from .atomic import Terminated, install_signal_handlers
-
-        install_signal_handlers()
+        # SIGINT/SIGTERM are held while modules are imported: an exception raised in the middle of
+        # a C extension's initialization (numpy's, under torch) leaves it half-loaded, and the next
+        # import of it fails with an ImportError instead of ending cleanly. A signal that arrives
+        # meanwhile is delivered when the imports are done (a second or two later) and ends the
+        # command as below.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
+            from .atomic import Terminated, install_signal_handlers
+            terminated = (_EarlyTermination, Terminated)
             from click.exceptions import Abort, ClickException
 
             from .cli import main as cli
+            install_signal_handlers()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        try:
             rv = cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
         except ClickException as exc:   # usage errors: click's own message, exit 2
             exc.show()
             return exc.exit_code
         except Abort:                   # Ctrl-C while click parsed the arguments
             return _stopped("interrupted", 130)
-        except Terminated as exc:
-            return _stopped("terminated", exc.exit_code)
         return rv if isinstance(rv, int) else 0
     except KeyboardInterrupt:
         return _stopped("interrupted", 130)
-    except _EarlyTermination as exc:
-        return _stopped("terminated", exc.exit_code)
+    except BaseException as exc:
+        if isinstance(exc, terminated):
+            return _stopped("terminated", exc.exit_code)
+        raise
 
 
 def run() -> None:

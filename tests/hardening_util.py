@@ -70,7 +70,8 @@ def _dump_counts() -> None:
     for s, vals in counts().items():
         for k, v in vals.items():
             prev.setdefault(s, {})
-            prev[s][k] = prev[s].get(k, 0) + v
+            # "max_*" figures are maxima over runs, everything else a count
+            prev[s][k] = max(prev[s].get(k, 0), v) if k.startswith("max_") else prev[s].get(k, 0) + v
     p.write_text(json.dumps(prev, indent=2, sort_keys=True) + "\n")
 
 
@@ -370,6 +371,272 @@ def run_subprocess(args: list[str], *, timeout: float = 120, env: dict | None = 
     p = subprocess.run([sys.executable, "-m", "ckpt_tools", *map(str, args)], capture_output=True, text=True,
                        timeout=timeout, env=e, cwd=REPO)
     return Result(p.returncode, p.stdout, p.stderr)
+
+
+@dataclass
+class Measured(Result):
+    """A real `python -m ckpt_tools` run: its result, peak RSS (wait4's ru_maxrss) and wall time."""
+    rss_bytes: int = 0
+    wall_s: float = 0.0
+    timed_out: bool = False
+
+
+class MeasuredRun:
+    """`python -m ckpt_tools ARGS` started now; `.result()` waits (killing it at `timeout`) and
+    returns a Measured. stdout/stderr go to files, so nothing blocks on a full pipe."""
+
+    def __init__(self, args: list, *, workdir: Path, timeout: float = 60, env: dict | None = None):
+        e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        e.update(env or {})
+        workdir.mkdir(parents=True, exist_ok=True)
+        tag = f"{os.getpid()}-{time.monotonic_ns()}"
+        self.out_path, self.err_path = workdir / f"run-{tag}.out", workdir / f"run-{tag}.err"
+        self.timeout = timeout
+        self.args = [str(a) for a in args]
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.t0 = time.monotonic()
+            self.proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", *self.args], stdout=out, stderr=err,
+                                         stdin=subprocess.DEVNULL, env=e, cwd=REPO)
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
+
+    def result(self) -> Measured:
+        timed_out = False
+        while True:
+            pid, status, ru = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - self.t0 > self.timeout:
+                timed_out = True
+                self.signal(signal.SIGKILL)
+                pid, status, ru = os.wait4(self.proc.pid, 0)
+                break
+            time.sleep(0.02)
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.monotonic() - self.t0
+        return Measured(self.proc.returncode, self.out_path.read_text(errors="replace"),
+                        self.err_path.read_text(errors="replace"), None, ru.ru_maxrss * 1024, wall, timed_out)
+
+
+# A warm runner: one process that imported ckpt_tools (torch and click included) ONCE, then forks a
+# child per run that executes `ckpt_tools.entry.main(argv)`, exactly what the `ckpt` executable runs
+# after its imports, with its own stdout/stderr files, environment and exit status. It saves torch's
+# ~2 s of import per run (there are ~60 runs). The server waits for each child and reports its
+# wait4 rusage, so peak RSS is the child's own (it starts from the server's ~0.3 GB, imports done).
+# Start-up behaviour (signals during the imports) is tested with fresh interpreters (MeasuredRun).
+_WARM_SERVER = r"""
+import json, os, select, signal, sys
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import ckpt_tools.entry, ckpt_tools.cli   # the heavy imports, once
+reqs, reps = int(sys.argv[1]), int(sys.argv[2])
+children, buf, closed = {}, b"", False
+
+def reply(obj):
+    os.write(reps, (json.dumps(obj) + "\n").encode())
+
+def child(req):
+    try:
+        os.setpgid(0, 0)
+        for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, req["out"], os.O_WRONLY | os.O_CREAT),
+                               (2, req["err"], os.O_WRONLY | os.O_CREAT)):
+            f = os.open(path, mode, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        os.close(reqs)
+        os.close(reps)
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.argv = ["ckpt", *req["args"]]
+        code = ckpt_tools.entry.main(req["args"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    except SystemExit as e:
+        os._exit(e.code if isinstance(e.code, int) else 1)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(99)
+
+while not (closed and not children):
+    ready, _, _ = select.select([] if closed else [reqs], [], [], 0.01)
+    if ready:
+        chunk = os.read(reqs, 65536)
+        closed = not chunk
+        buf += chunk
+    while b"\n" in buf:
+        line, buf = buf.split(b"\n", 1)
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            child(req)
+        children[pid] = req["id"]
+        reply({"id": req["id"], "pid": pid})
+    for pid in list(children):
+        done, status, ru = os.wait4(pid, os.WNOHANG)
+        if done:
+            reply({"id": children.pop(pid), "status": status, "maxrss": ru.ru_maxrss * 1024})
+"""
+
+
+class _Warm:
+    def __init__(self):
+        req_r, self._req_w = os.pipe()
+        self._rep_r, rep_w = os.pipe()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen([sys.executable, "-c", _WARM_SERVER, str(req_r), str(rep_w)],
+                                     pass_fds=(req_r, rep_w), env=env, cwd=REPO)
+        os.close(req_r)
+        os.close(rep_w)
+        self._buf = b""
+        self._replies: dict[int, list[dict]] = defaultdict(list)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def _read_until(self, rid: int, key: str, timeout: float) -> dict | None:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while True:
+            for rep in self._replies[rid]:
+                if key in rep:
+                    self._replies[rid].remove(rep)
+                    return rep
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([self._rep_r], [], [], min(left, 0.2))
+            if ready:
+                chunk = os.read(self._rep_r, 65536)
+                if not chunk:
+                    raise RuntimeError("the warm runner died")
+                self._buf += chunk
+                while b"\n" in self._buf:
+                    line, self._buf = self._buf.split(b"\n", 1)
+                    rep = json.loads(line)
+                    self._replies[rep["id"]].append(rep)
+
+    def start(self, args, out: Path, err: Path, env: dict) -> tuple[int, int]:
+        with self._lock:
+            rid = self._next
+            self._next += 1
+            req = {"id": rid, "args": [str(a) for a in args], "out": str(out), "err": str(err),
+                   "env": {**env, "OMP_NUM_THREADS": "1"}, "cwd": str(REPO)}
+            os.write(self._req_w, (json.dumps(req) + "\n").encode())
+            rep = self._read_until(rid, "pid", 60)
+        if rep is None:
+            raise RuntimeError("the warm runner did not start the run")
+        return rid, rep["pid"]
+
+    def wait(self, rid: int, timeout: float) -> dict | None:
+        with self._lock:
+            return self._read_until(rid, "status", timeout)
+
+
+_WARM: _Warm | None = None
+
+
+def _warm() -> _Warm:
+    global _WARM
+    if _WARM is None or _WARM.proc.poll() is not None:
+        _WARM = _Warm()
+        atexit.register(_stop_warm, _WARM)
+    return _WARM
+
+
+def _stop_warm(w: _Warm) -> None:
+    with contextlib.suppress(OSError):
+        os.close(w._req_w)
+    with contextlib.suppress(Exception):
+        w.proc.wait(timeout=10)
+
+
+class WarmRun:
+    """Like MeasuredRun, through the warm runner (a forked child that runs `entry.main`)."""
+
+    def __init__(self, args: list, *, workdir: Path, timeout: float = 60, env: dict | None = None):
+        workdir.mkdir(parents=True, exist_ok=True)
+        tag = f"{os.getpid()}-{time.monotonic_ns()}"
+        self.out_path, self.err_path = workdir / f"run-{tag}.out", workdir / f"run-{tag}.err"
+        self.timeout = timeout
+        self.t0 = time.monotonic()
+        self.rid, self.pid = _warm().start(args, self.out_path, self.err_path, env or {})
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def result(self) -> Measured:
+        left = self.timeout - (time.monotonic() - self.t0)
+        rep = _warm().wait(self.rid, max(left, 0.1))
+        timed_out = rep is None
+        if timed_out:
+            self.signal(signal.SIGKILL)
+            rep = _warm().wait(self.rid, 30)
+        wall = time.monotonic() - self.t0
+        code = os.waitstatus_to_exitcode(rep["status"])
+        return Measured(code, self.out_path.read_text(errors="replace"), self.err_path.read_text(errors="replace"),
+                        None, rep["maxrss"], wall, timed_out)
+
+
+def run_measured(args: list, *, workdir: Path, timeout: float = 60, env: dict | None = None,
+                 fresh: bool = False) -> Measured:
+    """One run of the CLI in its own process: through the warm runner, or (`fresh`) a new
+    `python -m ckpt_tools` interpreter."""
+    cls = MeasuredRun if fresh else WarmRun
+    return cls(args, workdir=workdir, timeout=timeout, env=env).result()
+
+
+def run_measured_many(cases: dict[str, list], *, workdir: Path, timeout: float = 60, parallel: int = 2,
+                      env: dict | None = None, fresh: bool = False) -> dict[str, Measured]:
+    """Several independent runs, `parallel` at a time (CI has 2 cores: the wall time halves)."""
+    cls = MeasuredRun if fresh else WarmRun
+    todo = list(cases.items())
+    running: list[tuple[str, MeasuredRun | WarmRun]] = []
+    done: dict[str, Measured] = {}
+    while todo or running:
+        while todo and len(running) < parallel:
+            name, args = todo.pop(0)
+            running.append((name, cls(args, workdir=workdir, timeout=timeout, env=env)))
+        name, run = running.pop(0)
+        done[name] = run.result()
+    return done
+
+
+MAX_RSS_BYTES = 1 << 30
+MAX_WALL_S = 30.0
+
+
+def assert_safe_refusal(r: Measured, *, names=(), expect: str | None = None, code: int | tuple = (1, 2)) -> str:
+    """The safe behaviour of a hostile input: a clean one-line refusal (`assert_clean_error`) that
+    names each of `names` (files, keys), within MAX_WALL_S and under MAX_RSS_BYTES of peak RSS."""
+    assert not r.timed_out, f"hung: killed after {r.wall_s:.0f}s:\n{r.output}"
+    line = assert_clean_error(r, expect=expect, code=code)
+    for n in ([names] if isinstance(names, (str, Path)) else names):
+        assert str(n) in line, f"{n} not named in {line!r}"
+    assert len(line) < 4000, f"an error line of {len(line)} characters"
+    assert_bounded(r)
+    record("hostile_files", refused=1)
+    return line
+
+
+def assert_bounded(r: Measured) -> None:
+    assert r.rss_bytes < MAX_RSS_BYTES, f"peak RSS {r.rss_bytes / 2**20:.0f} MiB"
+    assert r.wall_s < MAX_WALL_S, f"took {r.wall_s:.1f}s"
+    record("hostile_files", runs=1)
+    with _COUNTS_LOCK:
+        sect = _COUNTS["hostile_files"]
+        sect["max_rss_mib"] = max(sect.get("max_rss_mib", 0), r.rss_bytes >> 20)
+        sect["max_wall_ms"] = max(sect.get("max_wall_ms", 0), int(r.wall_s * 1000))
+
+
+def sha256_file(p: Path) -> str:
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------
