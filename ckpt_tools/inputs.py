@@ -15,8 +15,11 @@ A checkpoint, model or adapter is a tree of files from a stranger. Before anythi
 The file is then opened O_NOFOLLOW|O_NONBLOCK and must be the inode that was checked.
 
 Every path read is also recorded as an INPUT of the command (`tracking()`, opened by the CLI for
-each command): `atomic.AtomicOutputDir` refuses an OUT that is, contains or is inside any of them,
-whatever option named it.
+each command): every file opened here, and every tree opened as a whole (a checkpoint dir by
+`DcpCheckpoint.open`, a model dir by `HFModelDir.open`, an adapter dir by `open_peft_adapter`).
+`atomic.AtomicOutputDir` refuses an OUT that is, contains or is inside any of them, whatever option
+named it. (A config found in a run's outputs dir is an input; the outputs dir is not, so OUT may be
+written beside the checkpoint in it.)
 """
 from __future__ import annotations
 
@@ -147,7 +150,7 @@ def check_input(path: str | os.PathLike, *, root: str | os.PathLike | None = Non
         raise UnsafeInputError(f"{what} is {kind_of(st.st_mode)}, expected {expected}; refusing to open it", path=p,
                                hint="replace it with the real file (a FIFO or device would block or never end)")
     if register_as_input:
-        register(root if root is not None else real)
+        register(real)   # the file itself; readers of a whole tree (a checkpoint, a model dir) register it
     return real, st
 
 

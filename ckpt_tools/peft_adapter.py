@@ -17,7 +17,7 @@ import torch
 
 from .alpha import check_alpha
 from .errors import FormatError, UsageError
-from .inputs import read_input, read_json
+from .inputs import read_input, read_json, register
 from .lora_math import lora_scale
 
 PEFT_PREFIX = "base_model.model."
@@ -284,6 +284,7 @@ def open_peft_adapter(path: str | Path, *, strict: bool = True) -> PeftAdapter:
     d = Path(path)
     if not d.is_dir():
         raise UsageError("not a PEFT adapter directory", path=d)
+    register(d)   # the whole adapter dir is an input: no OUT inside it
     config = parse_peft_config(d / ADAPTER_CONFIG)
     st, binf = d / SAFETENSORS_NAME, d / BIN_NAME
     if os.path.lexists(st):

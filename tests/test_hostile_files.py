@@ -106,6 +106,16 @@ def replace_in_metadata(trainer: Path, placeholder: str, opcodes: bytes, place) 
     return len(data)
 
 
+def victim_unchanged(v: Path, sha: str) -> None:
+    assert hu.sha256_file(v) == sha, f"{v} was changed"
+    hu.record("hostile_files", victims_unchanged=1)
+
+
+def inputs_unchanged(before: dict, *roots: Path) -> None:
+    assert hu.diff_snapshots(before, hu.snapshot(*roots)) == []
+    hu.record("hostile_files", inputs_unchanged=len(before))
+
+
 def deep_json(n: int = 100_000) -> str:
     return "[" * n + "]" * n
 
@@ -123,7 +133,7 @@ def test_in_place_set_lr_never_writes_through_a_planted_metadata_tmp(space):
     r = run(["set-lr", t.trainer, "--scale", "0.5", "--in-place"], t.root)
     no_traceback(r)
     assert r.exit_code == 0, r.output
-    assert hu.sha256_file(v) == h, "the victim was overwritten through the planted link"
+    victim_unchanged(v, h)
     assert (t.trainer / ".metadata").is_file() and not (t.trainer / ".metadata").is_symlink()
     assert os.readlink(t.trainer / ".metadata.tmp") == str(v)     # the planted link is left alone
     assert not [n for n in os.listdir(t.trainer) if n.startswith(".metadata.tmp-")]
@@ -147,9 +157,10 @@ def test_lock_files_are_never_written_through_or_reused(space):
     hu.assert_safe_refusal(rs["slim"], names=t.root / ".slim-out.lock", expect="symlink")
     no_traceback(rs["stale"])
     assert rs["stale"].exit_code == 0, rs["stale"].output     # replaced (unlinked), never written
-    assert hu.sha256_file(v) == h and hu.sha256_file(v2) == h2
+    victim_unchanged(v, h)
+    victim_unchanged(v2, h2)
     assert not out.exists() and out2.is_dir()
-    assert hu.diff_snapshots(before, hu.snapshot(t.trainer)) == []
+    inputs_unchanged(before, t.trainer)
     hu.record("hostile_files", attacks=3)
 
 
@@ -170,7 +181,7 @@ def test_out_may_not_be_or_be_inside_any_input_whatever_flag_named_it(space):
     }, t.root)
     for name, r in rs.items():
         hu.assert_safe_refusal(r, expect="inside input|is inside", code=2)
-    assert hu.diff_snapshots(before, hu.snapshot(t.trainer, base2, t.base)) == []
+    inputs_unchanged(before, t.trainer, base2, t.base)
     assert not (t.root / "merged").exists() and not (t.trainer / "x.toml").exists()
     hu.record("hostile_files", attacks=len(rs))
 
@@ -199,8 +210,41 @@ def test_symlinks_out_of_a_tree_are_refused_unless_followed_on_purpose(space):
     assert not (t.root / "slim-out").exists() and not (t.root / "merged").exists()
     no_traceback(rs["followed"])
     assert rs["followed"].exit_code == 0, rs["followed"].output    # --follow-symlinks: the documented way
-    assert hu.sha256_file(v) == h
+    victim_unchanged(v, h)
     hu.record("hostile_files", attacks=3)
+
+
+def _hf_cache_copy(base: Path, cache: Path) -> Path:
+    """`base` laid out as huggingface_hub's cache does: snapshot files are symlinks into ../../blobs."""
+    repo = cache / "models--org--tiny"
+    snap = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(base.iterdir()):
+        blob = repo / "blobs" / f"blob-{f.name}"
+        shutil.copy(f, blob)
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    return snap
+
+
+def test_the_rules_refuse_nothing_genuine(space):
+    """No false refusals: an HF cache snapshot (all symlinks into blobs/) is one tree; OUT beside the
+    checkpoint inside the run's outputs dir is fine (a config read there is an input, not the dir)."""
+    t = space()
+    snap = _hf_cache_copy(t.base, t.root / "hub")
+    outputs = t.root / "outputs"
+    rs = many({
+        "merge from a cache snapshot": ["merge", snap, t.trainer, t.root / "merged", "--run-config", t.orch],
+        "set-lr beside the checkpoint": ["set-lr", t.trainer, outputs / "checkpoints" / "step_3b" / "trainer",
+                                         "--scale", "0.5"],
+        "merge into the outputs dir": ["merge", t.base, t.trainer, outputs / "merged"],
+    }, t.root)
+    for name, r in rs.items():
+        no_traceback(r)
+        assert r.exit_code == 0, f"{name}: {r.output}"
+    assert load_file(t.root / "merged" / "model.safetensors").keys() == \
+        load_file(outputs / "merged" / "model.safetensors").keys()
+    hu.record("hostile_files", genuine_runs=len(rs))
 
 
 # ============================================================================ 2. resource bombs, hangs
@@ -225,7 +269,8 @@ def test_a_stride0_item_is_refused_and_verify_deep_reports_it(space):
     v = rs["verify"]
     no_traceback(v)
     assert v.exit_code == 1 and "FAILED" in v.stdout and "stride-0" in v.stdout and BASE_KEY in v.stdout, v.output
-    assert hu.diff_snapshots(before, hu.snapshot(t.trainer)) == [] and not (t.root / "slim-out").exists()
+    inputs_unchanged(before, t.trainer)
+    assert not (t.root / "slim-out").exists()
     hu.record("hostile_files", attacks=2)
 
 
@@ -349,6 +394,7 @@ def test_fifos_are_refused_before_any_open_that_could_block(space):
     os.mkfifo(t3.root / BROADCAST_REL / "adapter_config.json")
     t4 = space()
     os.mkfifo(t4.trainer / "notes.fifo")
+    before = hu.snapshot(t.trainer, t2.trainer, t3.trainer, t4.trainer, t.base)
     rs = many({
         "slim rank file": ["slim", t.trainer, t.root / "slim-out"],
         "merge rank file": ["merge", t.base, t.trainer, t.root / "merged", "--run-config", t.orch],
@@ -366,6 +412,7 @@ def test_fifos_are_refused_before_any_open_that_could_block(space):
     for name in ("set-lr extra entry", "slim extra entry"):
         hu.assert_safe_refusal(rs[name], names=t4.trainer / "notes.fifo", expect="FIFO")
     assert not (t.root / "merged").exists() and not (t4.root / "setlr").exists()
+    inputs_unchanged(before, t.trainer, t2.trainer, t3.trainer, t4.trainer, t.base)
     hu.record("hostile_files", attacks=len(rs))
 
 
@@ -436,6 +483,7 @@ def test_merges_that_would_equal_the_base_are_refused_naming_why(space):
             target_modules=["nothing_proj"])), [], "target_modules"),
         "--alpha 0": (t.trainer, ["--alpha", "0"], "--alpha"),
     }
+    before = hu.snapshot(t.base, t.trainer, *{a for a, _x, _e in cases.values()})
     rs = many({n: ["merge", t.base, a, t.root / f"out-{i}", *extra] for i, (n, (a, extra, _)) in
                enumerate(cases.items())} | {"allowed": ["merge", t.base, zero_b, t.root / "out-allowed",
                                                         "--allow-zero-delta"]}, t.root)
@@ -446,6 +494,7 @@ def test_merges_that_would_equal_the_base_are_refused_naming_why(space):
     assert rs["allowed"].exit_code == 0, rs["allowed"].output      # the explicit flag writes it
     merged = load_file(t.root / "out-allowed" / "model.safetensors")
     assert all(torch.equal(v, load_file(t.base / "model.safetensors")[k]) for k, v in merged.items())
+    inputs_unchanged(before, t.base, t.trainer, *{a for a, _x, _e in cases.values()})
     hu.record("hostile_files", attacks=len(cases))
 
 
@@ -457,12 +506,14 @@ def test_a_dcp_lora_is_not_merged_into_a_different_base_of_the_same_shapes(space
     sd = {k: (v.float() + 0.05 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in
           load_file(other / "model.safetensors").items()}
     save_file(sd, other / "model.safetensors", metadata={"format": "pt"})
+    before = hu.snapshot(other, t.trainer)
     rs = many({"other": ["merge", other, t.trainer, t.root / "merged", "--run-config", t.orch],
                "right": ["merge", t.base, t.trainer, t.root / "merged-right", "--run-config", t.orch]}, t.root)
     hu.assert_safe_refusal(rs["other"], names=other, expect="not the base the checkpoint trained on")
     no_traceback(rs["right"])
     assert rs["right"].exit_code == 0 and "fp32 masters equal the base" in rs["right"].stdout, rs["right"].output
     assert not (t.root / "merged").exists()
+    inputs_unchanged(before, other, t.trainer)
     hu.record("hostile_files", attacks=1)
 
 

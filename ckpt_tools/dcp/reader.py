@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError, MissingFileError, TruncatedFileError, UnsafePickleError, UsageError
-from ..inputs import MAX_METADATA_BYTES, open_input, read_input
+from ..inputs import MAX_METADATA_BYTES, open_input, read_input, register
 from ..safe_pickle import load_metadata_pickle
 from .zipitem import _Window, decode_tensor_pickle, parse_item
 
@@ -204,6 +204,7 @@ class DcpCheckpoint:
     @classmethod
     def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "DcpCheckpoint":
         ckpt_dir = resolve_checkpoint_dir(path)
+        register(ckpt_dir)   # the whole checkpoint is an input: no OUT inside it
         meta_path = ckpt_dir / METADATA_NAME
         data = read_input(meta_path, root=ckpt_dir, what="DCP .metadata", max_bytes=MAX_METADATA_BYTES)
         if not data:

@@ -20,7 +20,7 @@ import torch
 
 from ..atomic import atomic_write_text
 from ..errors import FormatError, MissingFileError, UsageError
-from ..inputs import check_input, open_input, read_json
+from ..inputs import check_input, open_input, read_json, register
 from .safetensors_io import ByteCounter, SafetensorsHeader, TensorInfo, read_header, read_raw, read_tensor
 
 __all__ = [
@@ -118,6 +118,7 @@ class HFModelDir:
         path = Path(path)
         if not path.is_dir():
             raise MissingFileError("not a directory", path=path, hint="pass an HF model directory")
+        register(path)   # the whole model dir is an input: no OUT inside it
         config = None
         cfg_path = path / "config.json"
         # lexists, not is_file: a config, shard or index that is a FIFO or a symlink out of the

@@ -30,7 +30,7 @@ import torch
 from ..alpha import AlphaResolution, find_run_configs, resolve_alpha
 from ..atomic import AtomicOutputDir
 from ..errors import AlphaError, FormatError, UsageError
-from ..inputs import check_input
+from ..inputs import check_input, register
 from ..peft_adapter import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, load_adapter_bin, parse_peft_config
 from .extract_adapter import (
     DTYPES, OutTensor, base_module_shapes, check_against_base, lora_alpha_for_scale, locate_base, peft_config,
@@ -162,6 +162,7 @@ def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot:
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise UsageError("not an adapter directory", path=src)
+    register(src)   # the whole export dir is an input: no OUT inside it
     cfg = parse_peft_config(src / ADAPTER_CONFIG)   # refuses non-LoRA peft_type, DoRA, lora_bias, ...
     if cfg.use_rslora or cfg.rank_pattern or cfg.alpha_pattern:
         raise FormatError("use_rslora / rank_pattern / alpha_pattern are set: prime-rl exports have none, and "
