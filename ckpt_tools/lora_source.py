@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .alpha import AlphaResolution, resolve_alpha
+from .alpha import AlphaResolution, check_alpha, resolve_alpha
 from .dcp.reader import METADATA_NAME, DcpCheckpoint
 from .errors import FormatError, UsageError
 from .keys import classify, lora_key
@@ -154,7 +154,7 @@ def open_lora_source(path: str | Path, *, alpha: float | None = None, run_config
     if (p / "adapter_config.json").is_file():
         src = PeftLoraSource(p)
         if alpha is not None:
-            src.alpha = float(alpha)
+            src.alpha = check_alpha(alpha, "--alpha", error=UsageError)
             src.alpha_source = "--alpha (overrides adapter_config.json)"
             src.modules = {m: LoraModuleSpec(s.module, s.rank, lora_scale(alpha, s.rank, src.use_rslora),
                                              s.fan_in_fan_out, s.a_dtype) for m, s in src.modules.items()}
