@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import click
 
+    from ckpt_tools import inputs
     from ckpt_tools.commands.merge import command
     from ckpt_tools.errors import CkptError
 
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        command.main(args=args, prog_name="merge_lora.py", standalone_mode=False)
+        with inputs.tracking():   # every path read is an input OUT may not overlap, as under `ckpt`
+            command.main(args=args, prog_name="merge_lora.py", standalone_mode=False)
     except CkptError as exc:              # the same one-line edge as `ckpt`
         if verbose:
             traceback.print_exc()

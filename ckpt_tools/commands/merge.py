@@ -116,7 +116,7 @@ def render_plan(plan, out, brief: bool = False) -> None:
     click.echo(f"merge {plan.adapter_kind} adapter {plan.adapter_path}")
     click.echo(f"   into {plan.base_kind} base {plan.base_path}" +
                (" (fp32 masters)" if plan.base_kind == "dcp" else ""))
-    click.echo(f"   -> {out}  ({plan.out_dtype}" + (f": {plan.out_dtype_reason}" if plan.out_dtype_reason else "")
+    click.echo(f"   -> {out}  ({plan.out_dtype}" + (f", {plan.out_dtype_reason}" if plan.out_dtype_reason else "")
                + ")")
     click.echo(f"  LoRA      {a.get('modules')} modules, rank {a.get('rank')}, alpha {a.get('alpha')}, "
                f"scale {scale} (alpha from {a.get('alpha_source')})")

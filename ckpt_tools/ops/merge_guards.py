@@ -101,10 +101,10 @@ def default_out_dtype(base, adapter) -> tuple[torch.dtype, str]:
     by_name = {t.name: t for t in base.tensors}
     targets = [by_name[m.module + ".weight"].dtype for m in adapter.modules if m.module + ".weight" in by_name]
     if targets and all(d == "float16" for d in targets):
-        return torch.float16, "the base's weights are fp16, so the output stays fp16 (pass --dtype to change it)"
+        return torch.float16, "the base's weights are fp16, so the output stays fp16; --dtype changes it"
     if base.kind == "dcp":
-        return torch.bfloat16, "bf16 from the checkpoint's fp32 masters, as prime-rl exports"
-    return torch.bfloat16, "bf16 (the default; pass --dtype to change it)"
+        return torch.bfloat16, "from the checkpoint's fp32 masters, as prime-rl exports; --dtype changes it"
+    return torch.bfloat16, "the default; --dtype changes it"
 
 
 def rounds_to_base(out: torch.Tensor, weight: torch.Tensor, block_elems: int = 1 << 18) -> bool:
