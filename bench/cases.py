@@ -4,7 +4,8 @@ A Case is one ckpt command and the contenders it is compared with in the same ru
 is built from a `Paths` of the size's inputs; `reads` names the input kinds it reads (warmed before it
 runs, and summed for the per-byte costs), `writes` the kind its output resembles (for the disk check
 and the projection). The order of CASES is the order of the run: when a time budget runs out, what
-comes last is what is left out, so the issue's headline rows come first.
+comes last is what is left out, so the issue's headline rows come first. rehydrate comes last: it
+needs no DCP input, so with --free-inputs the DCP is gone before it writes one (8B on a 64 GiB disk).
 
 Input kinds: base (bf16 HF dir), adapter (PEFT), merged (`ckpt merge` of the two), dcp (prime-rl
 LoRA checkpoint), slim (`ckpt slim` of it).
@@ -44,6 +45,13 @@ class Contender:
     reads: tuple[str, ...] = ()
     writes: str | None = None  # input kind the output is the size of; None: small or nothing
     unavailable: Callable[[Paths], str | None] = lambda p: None  # a reason it cannot run here
+    volume: tuple[str, ...] | None = None  # kinds whose bytes its time grows with (default: reads + writes)
+
+    @property
+    def volume_kinds(self) -> tuple[str, ...]:
+        if self.volume is not None:
+            return self.volume
+        return self.reads + ((self.writes,) if self.writes else ())
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class Case:
     peers: tuple[Contender, ...] = ()
     multi_rank: bool = False  # issue 14 lists it for torchrun
     provides: str | None = None  # the first successful output becomes this input kind, when missing
+    volume: tuple[str, ...] | None = None  # see Contender.volume; () for metadata-only commands
     subcommand: str = ""  # the ckpt subcommand that must exist (`export` arrives later)
 
     @property
@@ -85,10 +94,10 @@ def cp_sync(kind: str) -> Contender:
 
 
 CP_LINK_DCP = Contender("cp -rl dcp (hard links)", "floor", lambda p: _sh('cp -rl "$1" "$2" && sync', p.dcp, p.out),
-                        reads=(), writes=None)
-PY_PASS = Contender("python -c pass", "floor", lambda p: [p.python, "-c", "pass"])
-PY_TORCH = Contender("python -c 'import torch'", "floor", lambda p: [p.python, "-c", "import torch"])
-HF_HELP = Contender("hf --help", "peer", lambda p: [p.hf_cli, "--help"],
+                        volume=())
+PY_PASS = Contender("python -c pass", "floor", lambda p: [p.python, "-c", "pass"], volume=())
+PY_TORCH = Contender("python -c 'import torch'", "floor", lambda p: [p.python, "-c", "import torch"], volume=())
+HF_HELP = Contender("hf --help", "peer", lambda p: [p.hf_cli, "--help"], volume=(),
                     unavailable=lambda p: None if p.hf_cli else "huggingface_hub's `hf` is not installed")
 
 
@@ -111,16 +120,17 @@ MERGEKIT = Contender(
 DCP_TO_TORCH_SAVE = Contender("torch dcp_to_torch_save", "peer", _peer("dcp-to-torch-save", "dcp", "out"),
                               reads=("dcp",), writes="dcp")
 DCP_LOAD_LORA = Contender("torch _load_state_dict_from_keys (LoRA keys)", "peer",
-                          _peer("dcp-load-lora", "dcp", "out"), reads=("dcp",), writes="adapter")
+                          _peer("dcp-load-lora", "dcp", "out"), reads=("dcp",), writes="adapter",
+                          volume=("adapter", "adapter"))
 
 STARTUP = (PY_PASS, PY_TORCH)
 
 # ------------------------------------------------------------------------------------- cases
 
 CASES: tuple[Case, ...] = (
-    Case("--version", lambda p: ["--version"], (), None, floors=STARTUP, peers=(HF_HELP,)),
+    Case("--version", lambda p: ["--version"], (), None, floors=STARTUP, peers=(HF_HELP,), volume=()),
     Case("inspect HF dir", lambda p: ["inspect", p.base, "--json"], ("base",), None, floors=STARTUP,
-         peers=(HF_HELP,)),
+         peers=(HF_HELP,), volume=()),
     Case("merge", lambda p: ["merge", p.base, p.adapter, p.out, "--max-shard-size", p.shard_bytes, "--json"],
          ("base", "adapter"), "base", floors=(cat("base", "adapter"), cp_sync("base"), ST_REWRITE),
          peers=(PEFT_MERGE, MERGEKIT), multi_rank=True, provides="merged"),
@@ -133,23 +143,29 @@ CASES: tuple[Case, ...] = (
     Case("adapter-to-dcp", lambda p: ["adapter-to-dcp", p.adapter, p.out, "--base", p.base, "--lr", "1e-5", "--json"],
          ("adapter", "base"), "dcp", floors=(cat("base", "adapter"), cp_sync("dcp")), multi_rank=True,
          provides="dcp"),
-    Case("inspect DCP", lambda p: ["inspect", p.dcp, "--json"], ("dcp",), None, floors=STARTUP, peers=(HF_HELP,)),
+    Case("inspect DCP", lambda p: ["inspect", p.dcp, "--json"], ("dcp",), None, floors=STARTUP, peers=(HF_HELP,),
+         volume=()),
+    # reads only the LoRA items of the checkpoint: as many bytes as the adapter it writes
     Case("extract-adapter", lambda p: ["extract-adapter", p.dcp, p.out, "--alpha", ALPHA, "--json"], ("dcp",),
-         "adapter", floors=(PY_PASS, cp_sync("adapter")), peers=(DCP_LOAD_LORA,)),
+         "adapter", floors=(PY_PASS, cp_sync("adapter")), peers=(DCP_LOAD_LORA,), volume=("adapter", "adapter")),
     Case("merge --base-from-checkpoint",
          lambda p: ["merge", p.dcp, p.out, "--base-from-checkpoint", "--config-from", p.base, "--alpha", ALPHA,
                     "--max-shard-size", p.shard_bytes, "--json"],
-         ("dcp", "base"), "base", floors=(cat("dcp"), cp_sync("base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True),
+         ("dcp", "base"), "base", floors=(cat("dcp"), cp_sync("base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True,
+         volume=("dcp", "base")),  # the base dir gives config files only: it reads the DCP, writes a base
     Case("export", lambda p: ["export", p.dcp, p.out, "--config-from", p.base, "--json"], ("dcp", "base"), "base",
-         floors=(cat("dcp"), cp_sync("base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True, subcommand="export"),
+         floors=(cat("dcp"), cp_sync("base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True, subcommand="export",
+         volume=("dcp", "base")),
     Case("verify --deep DCP", lambda p: ["verify", p.dcp, "--deep", "--json"], ("dcp",), None,
          floors=(cat("dcp"),), multi_rank=True),
     Case("slim", lambda p: ["slim", p.dcp, p.out, "--json"], ("dcp",), "slim", floors=(cat("dcp"),),
          multi_rank=True, provides="slim"),
+    Case("slim --base", lambda p: ["slim", p.dcp, p.out, "--base", p.base, "--json"], ("dcp", "base"), "slim",
+         floors=(cat("dcp", "base"),), volume=("dcp", "base", "slim")),
+    Case("set-lr", lambda p: ["set-lr", p.dcp, p.out, "--scale", "0.5", "--json"], ("dcp",), None,
+         floors=(PY_PASS, CP_LINK_DCP), volume=()),
     Case("rehydrate", lambda p: ["rehydrate", p.slim, p.out, "--base", p.base, "--json"], ("slim", "base"), "dcp",
          floors=(cat("slim", "base"), cp_sync("dcp")), multi_rank=True),
-    Case("set-lr", lambda p: ["set-lr", p.dcp, p.out, "--scale", "0.5", "--json"], ("dcp",), None,
-         floors=(PY_PASS, CP_LINK_DCP)),
 )
 
 
@@ -170,7 +186,7 @@ def ckpt_contender(case: Case, ranks: int) -> Contender:
                 "-m", "ckpt_tools", *tail]
 
     label = f"ckpt {case.name}" if ranks == 1 else f"ckpt {case.name} (torchrun x{ranks})"
-    return Contender(label, "ckpt", argv, reads=case.reads, writes=case.writes)
+    return Contender(label, "ckpt", argv, reads=case.reads, writes=case.writes, volume=case.volume)
 
 
 def mergekit_config_text(p: Paths) -> str:

@@ -52,15 +52,26 @@ def parse_args(argv):
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ckpt-bench"))
     ap.add_argument("--dcp-dir", type=Path, help="where DCP inputs live (default: --workdir); e.g. /dev/shm")
     ap.add_argument("--results", type=Path, help="results JSON (default: WORKDIR/results.json)")
+    ap.add_argument("--append", action="store_true",
+                    help="add to an existing results file of the same machine (another size, a missed case)")
     ap.add_argument("--dcp", choices=["auto", "factory", "ckpt", "none"], default="auto",
                     help="DCP input: the factory's gloo FSDP2 dcp.save (auto: up to 2B params), or "
                          "`ckpt adapter-to-dcp` (auto: above), or none")
     ap.add_argument("--shards", type=int, default=4, help="shards of the bf16 base")
     ap.add_argument("--cache", choices=["warm", "cold"], default="warm",
-                    help="warm: inputs read once before each case; cold: caches dropped before each run (root)")
+                    help="warm: inputs read before they are used (see --warm); cold: caches dropped before each "
+                         "run (root)")
+    ap.add_argument("--warm", choices=["once", "case"], default="once",
+                    help="read each input once per size (default), or again before each command (when the "
+                         "outputs written in between may evict the inputs from a small page cache)")
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting work after this many seconds")
     ap.add_argument("--run-timeout-s", type=float, default=1800)
     ap.add_argument("--free-inputs", action="store_true", help="delete each input once no later case needs it")
+    ap.add_argument("--ranks-only", action="store_true",
+                    help="run only the ckpt commands (at each N in --ranks), no floors or peers")
+    ap.add_argument("--no-share", action="store_true",
+                    help="rerun a floor or peer that an earlier command of the run already measured with the "
+                         "same command line (by default its records are shared)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for ckpt and the Python peers")
     ap.add_argument("--mergekit", default=os.environ.get("MERGEKIT_YAML", "/tmp/mk-venv/bin/mergekit-yaml"),
                     help="mergekit-yaml executable (skipped when absent)")
@@ -97,6 +108,7 @@ class Harness:
         self.results = {
             "schema": SCHEMA, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
             "options": {"sizes": [s.name for s in a.sizes], "ranks": a.ranks, "repeat": a.repeat, "cache": a.cache,
+                        "warm": a.warm,
                         "dcp": a.dcp, "shards": a.shards, "budget_s": a.budget_s,
                         "cases": [c.name for c in a.cases], "workdir": str(a.workdir), "dcp_dir": str(a.dcp_dir)},
             "machine": machine_info(a.python, a.workdir, a.dcp_dir),
@@ -106,7 +118,11 @@ class Harness:
         }
         floor = run_measured(["true"], a.workdir / "logs", "launcher-floor", 30)
         self.results["launcher_floor_rss_bytes"] = floor.get("peak_rss_bytes")
+        if a.append and a.results.exists():
+            self.results = merge_into(json.loads(a.results.read_text()), self.results)
         self.probe_inputs: SizeInputs | None = None
+        self.measured: dict[tuple, list[dict]] = {}  # (size, argv) of floors and peers -> their records
+        self.warmed: dict[str, set[str]] = {}  # size -> input kinds read into the page cache
 
     # ---------------------------------------------------------------- bookkeeping
     def left_s(self) -> float | None:
@@ -154,8 +170,8 @@ class Harness:
         inputs.describe()
         for i, case in enumerate(self.a.cases):
             self.run_case(size, inputs, case)
-            if self.a.free_inputs:
-                later = {k for c in self.a.cases[i + 1:] for k in c.needs}
+            if self.a.free_inputs:  # what later ckpt commands read; their floors may go without
+                later = {k for c in self.a.cases[i + 1:] for k in c.reads}
                 for kind in INPUT_KINDS:
                     if kind not in later:
                         inputs.release(kind)
@@ -180,8 +196,8 @@ class Harness:
             return
         print(f"[{size.name}] {case.name}", flush=True)
         paths = self.paths(inputs)
-        warmed: set[str] = set()
-        contenders = [ckpt_contender(case, 1), *case.floors, *case.peers]
+        warmed = self.warmed.setdefault(size.name, set()) if self.a.warm == "once" else set()
+        contenders = [ckpt_contender(case, 1)] + ([] if self.a.ranks_only else [*case.floors, *case.peers])
         contenders = [c for c in contenders if not any(s in c.label for s in self.a.skip_contenders)]
         for rep in range(self.a.repeat):
             for c in contenders:
@@ -201,10 +217,17 @@ class Harness:
     def run_one(self, size, inputs: SizeInputs, case: Case, c: Contender, ranks: int, rep: int, paths: Paths,
                 warmed: set[str]) -> dict:
         rec = {"size": size.name, "case": case.name, "contender": c.label, "role": c.role, "ranks": ranks,
-               "rep": rep, "reads": list(c.reads), "writes": c.writes, "cache": self.a.cache}
+               "rep": rep, "reads": list(c.reads), "writes": c.writes, "volume": list(c.volume_kinds),
+               "cache": self.a.cache}
         reason = c.unavailable(paths)
         if reason:
             return self.record({**rec, "status": "n/a", "reason": reason}) if rep == 0 else rec
+        argv = [str(x) for x in c.argv(paths)]
+        key = (size.name, tuple(argv))
+        earlier = self.measured.get(key, [])
+        if c.role != "ckpt" and not self.a.no_share and rep < len(earlier) and earlier[rep]["case"] != case.name:
+            # the same floor or peer, same inputs, already measured for another command of this run
+            return self.record({**earlier[rep], "case": case.name, "shared_from": earlier[rep]["case"]})
         try:
             for kind in c.reads:
                 inputs.ensure(kind)
@@ -221,7 +244,6 @@ class Harness:
         if left is not None and left < 5:
             return self.record({**rec, "status": "skipped", "reason": "time budget spent"})
         self.prepare_run(inputs, c, warmed)
-        argv = [str(x) for x in c.argv(paths)]
         name = f"{_slug(case.name)}-{_slug(c.label)}-x{ranks}-r{rep}"
         timeout = min(self.a.run_timeout_s, left) if left is not None else self.a.run_timeout_s
         rec["argv"] = argv
@@ -231,6 +253,8 @@ class Harness:
             rec["adopted_as"] = case.provides if inputs.adopt(
                 case.provides, inputs.out, f"the output of a measured `ckpt {case.name}`", rec["wall_s"]) else None
         _clear(inputs.out.parent)
+        if c.role != "ckpt":
+            self.measured.setdefault(key, []).append(rec)
         return self.record(rec)
 
     def prepare_run(self, inputs: SizeInputs, c: Contender, warmed: set[str]) -> None:
@@ -292,6 +316,19 @@ def warm(path: Path) -> None:
         with open(f, "rb", buffering=0) as fh:
             while fh.read(WARM_CHUNK):
                 pass
+
+
+def merge_into(old: dict, new: dict) -> dict:
+    """`--append`: the earlier results file with this invocation's options and machine state added."""
+    if old.get("schema") != SCHEMA:
+        raise SystemExit(f"--append: the results file has schema {old.get('schema')!r}, not {SCHEMA!r}")
+    if (old["machine"]["cpu"], old["machine"]["cores"]) != (new["machine"]["cpu"], new["machine"]["cores"]):
+        raise SystemExit("--append: the results file was measured on another machine")
+    old.setdefault("more_invocations", []).append({k: new[k] for k in ("started", "argv", "options", "machine")})
+    o = old["options"]
+    o["sizes"] += [s for s in new["options"]["sizes"] if s not in o["sizes"]]
+    o["cases"] += [c for c in new["options"]["cases"] if c not in o["cases"]]
+    return old
 
 
 def first_error(m: dict) -> str:

@@ -58,6 +58,7 @@ class SizeInputs:
             self.paths = {"base": self.root / "base", "dcp": dcp_root / "dcp"}
         self.paths.update(adapter=self.root / "adapter", merged=self.root / "merged", slim=self.root / "slim")
         self.out = self.root / "out" / "o"
+        self.freed: set[str] = set()
         self.logs = self.root / "logs"
 
     # ---- state ----
@@ -98,6 +99,8 @@ class SizeInputs:
     def ensure(self, kind: str) -> None:
         if self.ready(kind):
             return
+        if kind in self.freed:
+            raise InputError(f"the {kind} input was deleted to make room (--free-inputs)")
         if kind == "dcp" and self.dcp_mode == "none":
             raise InputError("no DCP input at this size (--dcp none)")
         if kind in ("base", "dcp") and self.dcp_mode == "factory":
@@ -144,6 +147,8 @@ class SizeInputs:
     def release(self, kind: str) -> None:
         if self.dcp_mode == "factory" and kind in ("base", "dcp"):
             return  # one run holds both: freed with the size (see release_all)
+        if self.ready(kind):
+            self.freed.add(kind)
         self._stamp(kind).unlink(missing_ok=True)
         _remove(self.paths[kind])
 

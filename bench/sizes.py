@@ -49,8 +49,11 @@ class ModelSize:
 
     @property
     def lora_params(self) -> int:
-        per_layer = sum(LORA_RANK * (o + i) for o, i in self.projection_shapes().values())
-        return self.num_layers * per_layer
+        return self.lora_params_of_rank(LORA_RANK)
+
+    def lora_params_of_rank(self, rank: int) -> int:
+        """A/B parameters of a LoRA of this rank on all 7 projections of every layer."""
+        return self.num_layers * sum(rank * (o + i) for o, i in self.projection_shapes().values())
 
     # ---- bytes of each input kind (tensor data; headers and configs are < 0.1% at 0.6B and up) ----
     @property
