@@ -38,6 +38,7 @@ BENCH = REPO / "bench"
 SCHEMA = "ckpt-bench/1"
 PROBE_RANKS = 2
 WARM_CHUNK = 16 << 20
+KEEP_FOR_FLOORS_BYTES = 2 * 10**9  # --free-inputs keeps inputs up to this size for later floors and peers
 
 
 def parse_args(argv):
@@ -87,6 +88,10 @@ def parse_args(argv):
     except KeyError as e:
         ap.error(str(e))
     a.skip_contenders = [s.strip() for s in a.skip_contenders.split(",") if s.strip()]
+    python = shutil.which(a.python)
+    if python is None:
+        ap.error(f"--python {a.python}: no such interpreter")
+    a.python = str(Path(python).absolute())  # the runs' working directory is the size's input folder
     a.workdir = a.workdir.resolve()
     a.dcp_dir = (a.dcp_dir or a.workdir).resolve()
     a.results = (a.results or a.workdir / "results.json").resolve()
@@ -170,8 +175,11 @@ class Harness:
         inputs.describe()
         for i, case in enumerate(self.a.cases):
             self.run_case(size, inputs, case)
-            if self.a.free_inputs:  # what later ckpt commands read; their floors may go without
+            if self.a.free_inputs:
+                # keep what later ckpt commands read, and what their floors and peers read when it is small;
+                # a big input (the 8B DCP) goes, and a floor that needed it is skipped (or shared)
                 later = {k for c in self.a.cases[i + 1:] for k in c.reads}
+                later |= {k for c in self.a.cases[i + 1:] for k in c.needs if size.bytes_of(k) <= KEEP_FOR_FLOORS_BYTES}
                 for kind in INPUT_KINDS:
                     if kind not in later:
                         inputs.release(kind)

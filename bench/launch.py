@@ -109,7 +109,12 @@ def main(argv: list[str]) -> int:
         return 2
     result_path, timeout_s, cmd = argv[0], float(argv[1]), argv[3:]
     t0 = time.perf_counter()
-    pid = os.posix_spawnp(cmd[0], cmd, os.environ, setsid=True)
+    try:
+        pid = os.posix_spawnp(cmd[0], cmd, os.environ, setsid=True)
+    except OSError as e:
+        _write(result_path, {"rc": 127, "wall_s": 0.0, "killed_at_deadline": False, "spawn_error": str(e)})
+        print(f"launch.py: cannot start {cmd[0]!r}: {e}", file=sys.stderr)
+        return 0
     sampler = Sampler(pid, time.monotonic() + timeout_s)
     sampler.start()
     os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: /proc/<pid>/io still there
@@ -132,11 +137,15 @@ def main(argv: list[str]) -> int:
         "rss_samples": sampler.samples, "minor_faults": ru.ru_minflt, "major_faults": ru.ru_majflt,
         "io": io, "killed_at_deadline": sampler.killed_at_deadline, "stragglers_killed": len(stragglers),
     }
+    _write(result_path, result)
+    return 0
+
+
+def _write(result_path: str, result: dict) -> None:
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.replace(tmp, result_path)
-    return 0
 
 
 if __name__ == "__main__":

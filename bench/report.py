@@ -287,10 +287,9 @@ def render_projection(R: Results) -> str:
         for label in labels:
             aggs = [a for k, a in R.aggs.items() if k[1] == case.name and k[2] == label and k[3] == 1]
             vol = R.volume(case.name, label)
-            sized = max((a for a in aggs if a.status == "ok"), key=lambda a: SIZES[a.size].params, default=None)
-            if sized is None or not vol:
+            if not vol:
                 continue
-            p = projection(aggs, vol, R.fixed_s(sized.size, sized))
+            p = projection(aggs, vol, {a.size: R.fixed_s(a.size, a) for a in aggs if a.status == "ok"})
             if p is None:
                 continue
             per = ", ".join(f"{s}: {v:.2f}" for s, v in p.per_gb_s.items())

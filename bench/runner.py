@@ -69,6 +69,8 @@ def run_measured(argv: list[str], log_dir: Path, name: str, timeout_s: float, en
         rec = json.loads(result_path.read_text())
     except (OSError, ValueError) as e:
         return {"status": "failed", "reason": f"the launcher wrote no result ({e})", **_tails(out_path, err_path)}
+    if "spawn_error" in rec:
+        return {**rec, "status": "failed", "reason": f"cannot start {argv[0]!r}: {rec['spawn_error']}"}
     stdout = out_path.read_text(errors="replace")
     objs = json_objects(stdout)
     rec["work_s"] = work_seconds(objs)

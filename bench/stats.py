@@ -118,11 +118,13 @@ class Projection:
     rss_from: float | None
 
 
-def projection(aggs: list[Agg], volume: tuple[str, ...], fixed_s: float, to: str = "32b") -> Projection | None:
+def projection(aggs: list[Agg], volume: tuple[str, ...], fixed_s: dict[str, float], to: str = "32b"
+               ) -> Projection | None:
     """Project one contender's measured wall time to `to`, from the largest size it ran at.
 
-    aggs: the contender's aggregates at each size (ranks 1). Sizes whose base is under 100 MB are
-    skipped (all fixed cost). Returns None when nothing bigger was measured or no bytes move."""
+    aggs: the contender's aggregates at each size (ranks 1); fixed_s: its fixed cost at each size,
+    measured in the same run. Sizes whose base is under 100 MB are skipped (all fixed cost). Returns
+    None when nothing bigger was measured or no bytes move."""
     pts = sorted(((SIZES[a.size], a) for a in aggs if a.status == "ok" and a.median("wall_s") is not None
                   and SIZES[a.size].base_bytes >= PROJECTED_FROM_TINY_UP), key=lambda p: p[0].params)
     if not pts or not volume:
@@ -130,10 +132,11 @@ def projection(aggs: list[Agg], volume: tuple[str, ...], fixed_s: float, to: str
     target = SIZES[to]
     per_gb = {}
     for size, a in pts:
-        per_gb[size.name] = max(0.0, a.median("wall_s") - fixed_s) / (volume_bytes(size, volume) / 1e9)
+        per_gb[size.name] = max(0.0, a.median("wall_s") - fixed_s.get(size.name, 0.0)) / (volume_bytes(size, volume) / 1e9)
     big_size, big = pts[-1]
     v_from, v_to = volume_bytes(big_size, volume), volume_bytes(target, volume)
-    seconds = fixed_s + per_gb[big_size.name] * v_to / 1e9
+    fixed = fixed_s.get(big_size.name, 0.0)
+    seconds = fixed + per_gb[big_size.name] * v_to / 1e9
     rss_from = big.median("peak_rss_bytes")  # ranks 1: the kernel's exact peak of the process
     rss = None
     if len(pts) >= 2:
@@ -142,7 +145,7 @@ def projection(aggs: list[Agg], volume: tuple[str, ...], fixed_s: float, to: str
         v_small = volume_bytes(small_size, volume)
         if rss_from is not None and r_small is not None and v_from > v_small:
             rss = rss_from + (rss_from - r_small) / (v_from - v_small) * (v_to - v_from)
-    return Projection(big.contender, fixed_s, per_gb, big_size.name, to, v_from, v_to, seconds, rss, rss_from)
+    return Projection(big.contender, fixed, per_gb, big_size.name, to, v_from, v_to, seconds, rss, rss_from)
 
 
 def target_met(value: float | None, limit: float) -> str:

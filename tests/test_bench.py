@@ -140,13 +140,14 @@ def test_projection_keeps_the_fixed_cost_and_scales_the_rest_by_bytes():
                                                                         "peak_rss_bytes": stats.Summary(200, 200, 200, 1)})
     tiny = stats.Agg("tiny", "merge", "ckpt merge", "ckpt", 1, "ok", m={"wall_s": stats.Summary(2.0, 2.0, 2.0, 1)})
     vol = ("base", "adapter", "base")
-    p = stats.projection([small, big, tiny], vol, fixed_s=2.0)
+    p = stats.projection([small, big, tiny], vol, fixed_s={"0.6b": 1.0, "1.7b": 2.0, "tiny": 2.0})
     v17, v06, v32 = (stats.volume_bytes(SIZES[s], vol) for s in ("1.7b", "0.6b", "32b"))
     assert p.from_size == "1.7b" and set(p.per_gb_s) == {"0.6b", "1.7b"}  # tiny is all fixed cost
     assert p.per_gb_s["1.7b"] == pytest.approx(9.0 / (v17 / 1e9))
+    assert p.per_gb_s["0.6b"] == pytest.approx(4.0 / (v06 / 1e9))  # each size less its own fixed cost
     assert p.seconds == pytest.approx(2.0 + 9.0 * v32 / v17)
     assert p.rss_bytes == pytest.approx(200 + 100 / (v17 - v06) * (v32 - v17))
-    assert stats.projection([small], (), fixed_s=1.0) is None
+    assert stats.projection([small], (), fixed_s={"0.6b": 1.0}) is None
 
 
 def test_size_formulas_match_the_genuine_fixture():
