@@ -378,7 +378,7 @@ def plot(res: dict, out_dir: Path, label: str) -> dict[str, Path]:
         fig.suptitle(f"ckpt-tools benchmarks ({label}): {ylabel} vs model size", fontsize=11)
         fig.tight_layout()
         path = out_dir / f"{_slug(label)}-{fname}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=80)
         plt.close(fig)
         made[f"{ylabel} vs model size ({label})"] = path
     multi = sorted({(k[0], k[1]) for k, a in R.aggs.items() if k[3] > 1 and a.status == "ok"})
@@ -396,7 +396,7 @@ def plot(res: dict, out_dir: Path, label: str) -> dict[str, Path]:
         ax.set_title(f"ckpt-tools ({label}): wall time vs ranks")
         fig.tight_layout()
         path = out_dir / f"{_slug(label)}-time-vs-ranks.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=80)
         plt.close(fig)
         made[f"wall time vs ranks ({label})"] = path
     return made
