@@ -48,10 +48,6 @@ class FREE:
     default: Any = None
 
 
-def is_table_marker(v) -> bool:
-    return v is SUB or v is OPTIONAL or v is TABLE_LIST
-
-
 def plain_default(v):
     """The default as a value: None for markers of off/required things, {} for FREE dicts."""
     if isinstance(v, FREE):
