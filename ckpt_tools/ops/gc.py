@@ -42,6 +42,7 @@ from ..primerl.run_dir import checkpoints_dir_of, dir_bytes, resolve_base, step_
 from ..units import human_bytes
 from .inspect import SLIM_MANIFEST
 from .slim import plan_slim, read_manifest, slim
+from .verify import verify_path
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class StepPlan:
     reason: str
     bytes: int                     # on disk now: trainer/ plus gc leftovers
     slim_bytes: int | None = None  # estimated size after (slim: of the slim; finish: of trainer/)
+    then_slim: bool = False        # restore: the restored step is older than the newest N, slim it too
 
     @property
     def bytes_to_free(self) -> int:
@@ -163,7 +165,7 @@ def _classify(n: int, step_dir: Path, newest: set[int], now: float, min_age_s: f
         aside = step_dir / ASIDE
         if aside.is_dir() and is_complete(aside):
             return StepPlan(n, str(trainer), "restore", "a gc was killed mid-swap: the full checkpoint is at "
-                            f"{ASIDE}; it is put back", size, size)
+                            f"{ASIDE}; it is put back", size, None, then_slim=n not in newest)
         return StepPlan(n, str(trainer), "skip", "no trainer/ dir", size)
     if is_complete(trainer) and is_slim(trainer) and left:
         return StepPlan(n, str(trainer), "finish", "slim; frees what an interrupted gc left", size, dir_bytes(trainer))
@@ -211,11 +213,12 @@ def plan_gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | N
     ck = checkpoints_dir_of(checkpoints_dir)
     now = time.time() if now is None else now
     steps = step_dirs(ck)
-    complete = [n for n, d in steps if is_complete(d / TRAINER)]
+    complete = [n for n, d in steps if is_complete(d / TRAINER)
+                or (not (d / TRAINER).is_dir() and is_complete(d / ASIDE))]   # restorable after a kill
     newest = set(sorted(complete)[-keep_full:])
     plans = tuple(_classify(n, d, newest, now, min_age_s, trust_pickle) for n, d in steps)
-    b = _base_for(ck, base) if any(p.action == "slim" for p in plans) or base is not None else None
-    need = max((p.slim_bytes for p in plans if p.action == "slim"), default=0)
+    b = _base_for(ck, base) if any(p.action == "slim" or p.then_slim for p in plans) or base is not None else None
+    need = max((p.slim_bytes or p.bytes for p in plans if p.action == "slim" or p.then_slim), default=0)
     return GcPlan(str(ck), keep_full, b, min_age_s, plans, shutil.disk_usage(ck).free,
                   int(need * 1.02) + (1 << 20) if need else 0)
 
@@ -267,6 +270,16 @@ def verify_slim_against(full_dir: Path, slim_dir: Path, *, trust_pickle: bool = 
                     sorted((c.offsets, c.sizes) for c in o.chunks) != sorted((c.offsets, c.sizes) for c in d.chunks):
                 raise FormatError("dropped tensor's recorded layout differs from the original's", path=m.path, key=key)
     return n
+
+
+def check_slim(full_dir: Path, slim_dir: Path, *, trust_pickle: bool = False) -> None:
+    """Everything gc proves before the swap: `ckpt verify`'s structural checks of the slim (metadata,
+    every item's zip records, dtypes and shapes), then `verify_slim_against` the original."""
+    report = verify_path(slim_dir, trust_pickle=trust_pickle)
+    if not report.ok:
+        raise FormatError(f"the new slim fails `ckpt verify`: {report.problems[0].render()}", path=slim_dir,
+                          hint="nothing was swapped; the full checkpoint is untouched. Report this")
+    verify_slim_against(full_dir, slim_dir, trust_pickle=trust_pickle)
 
 
 # ------------------------------------------------------------------------------------------ swap
@@ -375,17 +388,15 @@ def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress 
     notes = []
     if staged.is_dir():
         try:
-            verify_slim_against(trainer, staged, trust_pickle=trust_pickle)
+            check_slim(trainer, staged, trust_pickle=trust_pickle)
             notes.append(f"reused the verified {STAGED} of an interrupted run")
         except CkptError as exc:
             notes.append(f"discarded {STAGED} of an interrupted run ({exc.message})")
             remove_tree(staged)
     if not staged.is_dir():
         slim(trainer, staged, base=base, trust_pickle=trust_pickle, progress=progress)
-        if progress:
-            progress("verify", 0, 1)
         try:
-            verify_slim_against(trainer, staged, trust_pickle=trust_pickle)
+            check_slim(trainer, staged, trust_pickle=trust_pickle)
         except CkptError:
             remove_tree(staged)
             raise
@@ -399,7 +410,7 @@ def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | Non
            on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
     """Execute a plan. Every step is re-checked under its lock before anything is written."""
     todo = plan.to_do
-    slims = [s for s in todo if s.action == "slim"]
+    slims = [s for s in todo if s.action == "slim" or s.then_slim]
     if slims:
         if plan.base is None or plan.base.get("dir") is None:
             why = (plan.base or {}).get("problem") or "no --base, and the run's config names no model found here"
@@ -429,7 +440,7 @@ def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | Non
                 try:
                     res.notes += recover_step(step_dir)
                     trainer = step_dir / TRAINER
-                    if sp.action == "slim" and is_complete(trainer) and not is_slim(trainer):
+                    if (sp.action == "slim" or sp.then_slim) and is_complete(trainer) and not is_slim(trainer):
                         step_progress = (lambda ph, d, t, _s=sp.step: progress(f"step_{_s} {ph}", d, t)) \
                             if progress else None
                         res.notes += _slim_one(step_dir, plan.base["dir"], trust_pickle, step_progress)
