@@ -22,13 +22,12 @@ def load(*files, **sections):
     return load_run_config(config_files(list(files), sections))
 
 
-def _leaves(d, prefix=""):
+def flat(d: dict, prefix: str) -> dict:
+    """Leaf values of a JSON tree by dotted path (an empty dict is a leaf)."""
+    out = {}
     for k, v in d.items():
-        p = f"{prefix}.{k}" if prefix else k
-        if isinstance(v, dict) and v:
-            yield from _leaves(v, p)
-        else:
-            yield p, v
+        out.update(flat(v, f"{prefix}.{k}") if isinstance(v, dict) and v else {f"{prefix}.{k}": v})
+    return out
 
 
 @pytest.mark.parametrize("variant", ["E_head_dense", "F_head_moe", "G_head_fullft"])
@@ -38,7 +37,7 @@ def test_head_trainer_json_is_read_with_every_key_known_and_every_value_as_writt
     cfg = load_run_config(files)
     assert cfg.unknown == []
     raw = json.loads((HEAD_FIXTURES / variant / "configs" / "trainer.json").read_text())
-    for path, v in _leaves(raw, "trainer"):
+    for path, v in flat(raw, "trainer").items():
         assert cfg.value(path) == v, path
     assert cfg.value("trainer.model.optim_cpu_offload") is True
 

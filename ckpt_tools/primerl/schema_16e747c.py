@@ -14,6 +14,26 @@ from __future__ import annotations
 
 from .schema import DROP, FORBID, FREE, OPTIONAL, REQUIRED, SUB, TABLE_LIST, Schema, T, V
 
+
+def _inference_tables(root: str) -> tuple:
+    """`InferenceConfig` (inference/config.py:122): `[inference]`, and `[teacher_inference]` likewise."""
+    return (
+        T(root, FORBID, {
+            'toml_files': None, 'server': SUB, 'model': SUB, 'parallel': SUB, 'enable_lora': False, 'max_loras': 8,
+            'max_cpu_loras': 100, 'max_lora_rank': None, 'gpu_memory_utilization': 0.9, 'api_server_count': 1,
+            'seed': 0, 'weight_broadcast': SUB,
+        }),
+        T(f'{root}.model', FORBID, {
+            'name': 'Qwen/Qwen3-0.6B', 'dtype': 'auto', 'max_model_len': None, 'enforce_eager': False,
+            'trust_remote_code': False, 'enable_auto_tool_choice': False, 'tool_call_parser': 'hermes',
+            'reasoning_parser': None, 'rope_scaling': FREE(None),
+        }),
+        T(f'{root}.parallel', FORBID, {'tp': 1, 'dp': 1}),
+        T(f'{root}.server', FORBID, {'host': None, 'port': 8000}),
+        T(f'{root}.weight_broadcast', FORBID, {'toml_files': None, 'type': 'filesystem'}),
+    )
+
+
 _TABLES = (
     T('', FORBID, {
         'toml_files': None, 'trainer': SUB, 'orchestrator': SUB, 'inference': OPTIONAL, 'log': SUB, 'clean': True,
@@ -25,19 +45,8 @@ _TABLES = (
     T('ckpt', FORBID, {
         'toml_files': None, 'interval': None, 'resume_step': None, 'keep_last': None, 'keep_interval': None,
     }),
-    T('inference', FORBID, {
-        'toml_files': None, 'server': SUB, 'model': SUB, 'parallel': SUB, 'enable_lora': False, 'max_loras': 8,
-        'max_cpu_loras': 100, 'max_lora_rank': None, 'gpu_memory_utilization': 0.9, 'api_server_count': 1,
-        'seed': 0, 'weight_broadcast': SUB,
-    }),
-    T('inference.model', FORBID, {
-        'name': 'Qwen/Qwen3-0.6B', 'dtype': 'auto', 'max_model_len': None, 'enforce_eager': False,
-        'trust_remote_code': False, 'enable_auto_tool_choice': False, 'tool_call_parser': 'hermes',
-        'reasoning_parser': None, 'rope_scaling': FREE(None),
-    }),
-    T('inference.parallel', FORBID, {'tp': 1, 'dp': 1}),
-    T('inference.server', FORBID, {'host': None, 'port': 8000}),
-    T('inference.weight_broadcast', FORBID, {'toml_files': None, 'type': 'filesystem'}),
+    *_inference_tables('inference'),
+    *_inference_tables('teacher_inference'),
     T('log', FORBID, {'toml_files': None, 'level': 'info', 'file': True}),
     T('model', FORBID, {'toml_files': None, 'name': 'Qwen/Qwen3-0.6B'}),
     T('orchestrator', FORBID, {
@@ -120,19 +129,6 @@ _TABLES = (
     V('orchestrator.weight_broadcast', DROP, default='filesystem', variants={
         'filesystem': {'type': 'filesystem'},
         'nccl': {'type': 'nccl', 'host': 'localhost', 'port': 29501, 'timeout': 1200}}),
-    T('teacher_inference', FORBID, {
-        'toml_files': None, 'server': SUB, 'model': SUB, 'parallel': SUB, 'enable_lora': False, 'max_loras': 8,
-        'max_cpu_loras': 100, 'max_lora_rank': None, 'gpu_memory_utilization': 0.9, 'api_server_count': 1,
-        'seed': 0, 'weight_broadcast': SUB,
-    }),
-    T('teacher_inference.model', FORBID, {
-        'name': 'Qwen/Qwen3-0.6B', 'dtype': 'auto', 'max_model_len': None, 'enforce_eager': False,
-        'trust_remote_code': False, 'enable_auto_tool_choice': False, 'tool_call_parser': 'hermes',
-        'reasoning_parser': None, 'rope_scaling': FREE(None),
-    }),
-    T('teacher_inference.parallel', FORBID, {'tp': 1, 'dp': 1}),
-    T('teacher_inference.server', FORBID, {'host': None, 'port': 8000}),
-    T('teacher_inference.weight_broadcast', FORBID, {'toml_files': None, 'type': 'filesystem'}),
     T('trainer', FORBID, {
         'toml_files': None, 'model': SUB, 'tokenizer': SUB, 'data': SUB, 'loss': SUB, 'optim': SUB,
         'scheduler': SUB, 'ckpt': OPTIONAL, 'weight_broadcast': SUB, 'rollout_transport': SUB, 'log': SUB,
