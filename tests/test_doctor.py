@@ -171,13 +171,19 @@ def test_a_16e747c_run_whose_adapter_configs_claim_another_alpha_is_found(tmp_pa
     assert f.key == "orchestrator.model.lora.alpha" and f.value == 16.0 and "ckpt fix-adapter" in f.fix
 
 
-def test_head_dense_run_an_offloaded_resume_would_not_restore_the_lr():
-    r = run(HEAD_FIXTURES / "E_head_dense", "--json")
+def test_head_dense_run_an_offloaded_resume_would_not_restore_the_lr(tmp_path):
+    """E_head_dense as an interrupted run would leave it (its genuine step_2 checkpoint, no final
+    step_3): resuming it with the default optim_cpu_offload would not restore step_2's lr."""
+    run_dir = tmp_path / "E"
+    for part in ("configs", "base_model", "outputs/checkpoints/step_2"):
+        shutil.copytree(HEAD_FIXTURES / "E_head_dense" / part, run_dir / part)
+    r = run(run_dir, "--json")
     assert r.exit_code == 3, r.output
     rep = json.loads(r.stdout)
     assert rep["generation"] == "head"
-    (f,) = [f for f in rep["findings"] if f["trap"] == "resume-lr-offload"]
+    (f,) = rep["findings"]
     # step_2 (an interval checkpoint) holds lr 0.01; the freshly built warmup LinearLR sets 0.01 * 1e-8
+    assert f["trap"] == "resume-lr-offload" and f["severity"] == "warning"
     assert "step_2 holds lr 0.01" in f["why"] and "1e-10" in f["why"]
     assert f["fix"].startswith("[trainer.model]\noptim_cpu_offload = false")
 
@@ -190,8 +196,8 @@ def test_head_run_configs_are_read_with_every_key_known(variant):
 
 
 def test_head_runs_that_finished_have_no_resume_trap():
-    """F and G have only their final checkpoint (step = max_steps): nothing to resume."""
-    for v in ("F_head_moe", "G_head_fullft"):
+    """E, F and G end with their final checkpoint (step = max_steps): nothing to resume."""
+    for v in ("E_head_dense", "F_head_moe", "G_head_fullft"):
         assert doctor(HEAD_FIXTURES / v).findings == [], v
 
 
@@ -229,3 +235,21 @@ def test_unreadable_config_is_one_clean_error_and_json_under_json(tmp_path):
     assert r.exit_code == 1 and "not valid TOML" in r.stderr and "Traceback" not in r.output
     r = run(p, "--json")
     assert r.exit_code == 1 and "not valid TOML" in json.loads(r.stdout)["error"]
+
+
+def test_a_head_run_that_resumed_with_the_optimizer_offloaded_ran_at_the_wrong_lr(tmp_path):
+    run_dir = tmp_path / "E"
+    shutil.copytree(HEAD_FIXTURES / "E_head_dense", run_dir)
+    cfg = json.loads((run_dir / "configs/trainer.json").read_text())
+    cfg["resume"] = {"step": 2, "dir": None}      # the run's trainer config as a resumed run writes it
+    (run_dir / "configs/trainer.json").write_text(json.dumps(cfg))
+    (f,) = doctor(run_dir, compare_weights=False).findings
+    assert f.trap == "resume-lr-offload" and f.severity == "error" and "this run resumed from" in f.why
+
+
+def test_a_bare_checkpoints_dir_is_read_without_a_config(tmp_path):
+    ck = tmp_path / "checkpoints"
+    shutil.copytree(FIXTURE / "outputs" / "checkpoints", ck)
+    rep = doctor(ck)
+    assert rep.generation is None and rep.findings == [] and [c["step"] for c in rep.checkpoints] == [3]
+    assert any("no prime-rl config" in n for n in rep.notes) and rep.exit_code == 0

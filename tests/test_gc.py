@@ -288,3 +288,14 @@ def test_without_an_atomic_exchange_gc_swaps_by_two_renames_and_a_kill_between_t
     assert any("restored trainer" in n for n in res["steps"][1]["notes"])
     assert any("reused the verified" in n for n in res["steps"][1]["notes"])
     gc_mod.verify_slim_against(original, step / "trainer")
+
+
+def test_a_symlinked_trainer_dir_is_left_alone(run_dir, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(run_dir / "step_1" / "trainer", elsewhere)
+    os.symlink(elsewhere, run_dir / "step_1" / "trainer")
+    before = hu.snapshot(elsewhere)
+    steps = json.loads(gc(run_dir, "--keep-full", "2", "--json").stdout)["result"]["steps"]
+    assert steps[0]["result"] == "skipped" and "symbolic link" in steps[0]["reason"]
+    assert steps[1]["result"] == "slimmed"
+    assert hu.diff_snapshots(before, hu.snapshot(elsewhere)) == [] and (run_dir / "step_1" / "trainer").is_symlink()

@@ -161,6 +161,9 @@ def _classify(n: int, step_dir: Path, newest: set[int], now: float, min_age_s: f
     holder = lock_holder(step_dir / STEP_LOCK) or lock_holder(step_dir / f".{STAGED}.lock")
     if holder:
         return StepPlan(n, str(trainer), "skip", f"locked by another ckpt command (pid {holder})", size)
+    if trainer.is_symlink():
+        return StepPlan(n, str(trainer), "skip", "trainer is a symbolic link (gc swaps directories, never links)",
+                        size)
     if not trainer.is_dir():
         aside = step_dir / ASIDE
         if aside.is_dir() and is_complete(aside):

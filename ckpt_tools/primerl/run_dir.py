@@ -77,7 +77,8 @@ def outputs_dir(cfg: RunConfig | None, target: Path | None) -> Path | None:
     """The run's outputs dir (the trainer's output_dir), if it exists."""
     cands = []
     if target is not None and target.is_dir():
-        cands += [target, target / "outputs"]
+        t = target.resolve()
+        cands += [t, t / "outputs"] + list(t.parents)[:3]   # a checkpoints, step or trainer dir: its outputs
     if cfg is not None:
         base = launch_dir(cfg)
         out = cfg.value("trainer.output_dir") if "trainer" in cfg.sections else None

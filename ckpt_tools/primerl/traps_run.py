@@ -198,28 +198,29 @@ def resume_lr_restored(facts: RunFacts) -> list[Finding]:
 
 
 def resume_lr_offload(facts: RunFacts) -> list[Finding]:
-    """HEAD: with the optimizer CPU-offloaded (the default) a resume does not restore the lr."""
+    """HEAD: with the optimizer CPU-offloaded (the default) a resume does not restore the lr. A run that
+    resumed (`[trainer.resume] step`) already ran at the wrong lr: error. A run whose newest checkpoint
+    is short of max_steps would resume at the wrong lr: warning. A finished run: nothing."""
     cfg = section_config(facts, "trainer", GEN_HEAD)
     if cfg is None or not cfg.value("trainer.model.optim_cpu_offload") or facts.fresh_lr is None:
         return []
-    step = _resume_step(cfg)
-    max_steps = cfg.value("trainer.max_steps")
-    if step is None:
-        cands = [s for s in facts.full_steps() if max_steps is None or s.step < max_steps]
-        s = max(cands, key=lambda x: x.step) if cands else None
+    step, max_steps = _resume_step(cfg), cfg.value("trainer.max_steps")
+    if step is not None:
+        s, severity, who = _step_for(facts, step), ERROR, "this run resumed from"
     else:
-        s = _step_for(facts, step)
+        s, severity, who = _step_for(facts, None), WARNING, "a resume from"
+        if s is not None and max_steps is not None and s.step >= max_steps:
+            return []   # finished: its final checkpoint is not resumed from
     if s is None or s.lr is None or math.isclose(s.lr, facts.fresh_lr, rel_tol=1e-6, abs_tol=0.0):
         return []
     kind = cfg.value("trainer.scheduler.type")
-    return [finding(cfg, "resume-lr-offload", ERROR, "trainer.model.optim_cpu_offload",
-                     f"with the optimizer CPU-offloaded a resume loads the AdamW state but not the param groups: "
-                     f"step_{s.step} holds lr {s.lr:g}, the resumed run starts at {facts.fresh_lr:g} (what the "
-                     f"freshly built {kind} scheduler sets from optim.lr {cfg.value('trainer.optim.lr'):g}); the "
-                     "logged metrics do not show it",
-                     toml_fix("trainer.model.optim_cpu_offload", False) + "  (for the resumed run: the checkpoint's "
-                     "lr is then restored)", "trainer/ckpt.py:104-124 (559b447), trainer/scheduler.py")]
-
+    return [finding(cfg, "resume-lr-offload", severity, "trainer.model.optim_cpu_offload",
+                    f"with the optimizer CPU-offloaded a resume loads the AdamW state but not the param groups: "
+                    f"step_{s.step} holds lr {s.lr:g}; {who} it starts at {facts.fresh_lr:g}, the lr the freshly "
+                    f"built {kind} scheduler sets from optim.lr {cfg.value('trainer.optim.lr'):g}; the logged "
+                    "metrics do not show it",
+                    toml_fix("trainer.model.optim_cpu_offload", False) + "  (for the resumed run: the checkpoint's "
+                    "lr is then restored)", "trainer/ckpt.py:104-124 (559b447), trainer/scheduler.py")]
 
 
 def weights_are_base(facts: RunFacts) -> list[Finding]:
