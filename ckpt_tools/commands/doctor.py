@@ -84,7 +84,8 @@ def render(r) -> None:
         click.echo(f"  outputs: {r.outputs} ({len(r.checkpoints)} checkpoint(s), {full} full)")
     for f in r.findings:
         label, color = _LABEL[f.severity]
-        click.secho(f"{label:<8}{f.trap}: {f.toml} = {_value(f.value)} (default {_value(f.default)})"
+        dflt = "not a key there" if f.trap == "unknown-key" else f"default {_value(f.default)}"
+        click.secho(f"{label:<8}{f.trap}: {f.toml} = {_value(f.value)} ({dflt})"
                     + (f"  [{f.file}]" if f.file else ""), fg=color)
         click.echo(f"        why: {f.why}")
         fix = f.fix.replace("\n", "\n             ")
