@@ -253,3 +253,15 @@ def test_a_bare_checkpoints_dir_is_read_without_a_config(tmp_path):
     rep = doctor(ck)
     assert rep.generation is None and rep.findings == [] and [c["step"] for c in rep.checkpoints] == [3]
     assert any("no prime-rl config" in n for n in rep.notes) and rep.exit_code == 0
+
+
+def test_the_save_count_follows_prime_rls_cadence():
+    """Every interval multiple before max_steps, plus the final checkpoint (counted, not listed: a
+    10**8-step run costs nothing)."""
+    from ckpt_tools.primerl.traps_run import saves_after
+
+    def listed(max_steps, interval, after):
+        return len([k for k in range(after + 1, max_steps) if interval and k % interval == 0]) + (after < max_steps)
+
+    assert all(saves_after(m, i, a) == listed(m, i, a) for m in range(1, 30) for i in (None, 1, 2, 5) for a in range(32))
+    assert saves_after(10**8, 1) == 10**8

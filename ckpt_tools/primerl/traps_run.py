@@ -91,11 +91,11 @@ def _max_steps(cfg: RunConfig):
     return cfg.value("trainer.max_steps") if "trainer" in cfg.sections else cfg.value("orchestrator.max_steps")
 
 
-def save_steps(max_steps: int, interval: int | None, after: int = 0) -> list[int]:
-    """Steps prime-rl saves a checkpoint at after step `after`: every interval multiple before the end,
-    and the final one (rl/train.py:222-231, 486-496)."""
-    inner = [k for k in range(after + 1, max_steps) if interval and k % interval == 0]
-    return inner + ([max_steps] if after < max_steps else [])
+def saves_after(max_steps: int, interval: int | None, after: int = 0) -> int:
+    """How many checkpoints prime-rl writes after step `after`: one at every interval multiple before
+    the end, and the final one (rl/train.py:222-231, 486-496)."""
+    inner = max(0, (max_steps - 1) // interval - after // interval) if interval else 0
+    return inner + (1 if after < max_steps else 0)
 
 
 def _keep_cap(cfg: RunConfig, max_steps: int) -> int | None:
@@ -131,7 +131,7 @@ def disk_space(facts: RunFacts) -> list[Finding]:
         return []
     ms = _max_steps(cfg)
     done = max(s.step for s in facts.steps)
-    future = len(save_steps(ms, _ckpt(cfg, "interval"), after=done))
+    future = saves_after(ms, _ckpt(cfg, "interval"), after=done)
     cap = _keep_cap(cfg, ms)
     have = len(facts.steps)
     extra = future if cap is None else max(0, min(cap, have + future) - have)
