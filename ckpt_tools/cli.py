@@ -17,7 +17,7 @@ from .errors import CkptError
 # Module names under ckpt_tools.commands; each defines `command` (a click.Command).
 COMMAND_MODULES = (
     "inspect", "extract_adapter", "adapter_to_dcp", "fix_adapter", "merge", "diff_vs_base",
-    "verify", "slim", "rehydrate", "set_lr", "set_value", "restart_prep",
+    "verify", "slim", "rehydrate", "set_lr", "set_value", "restart_prep", "gc", "doctor",
 )
 
 

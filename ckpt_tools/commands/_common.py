@@ -49,3 +49,24 @@ def warn(msg: str) -> None:
 
 def is_tty() -> bool:
     return sys.stderr.isatty()
+
+
+class json_errors:
+    """`with json_errors(as_json):` under --json, a CkptError is printed as one JSON object on stdout
+    ({"error": message, "exit_code": n, "path": ..., "key": ..., "hint": ...}) and the command exits
+    with its code; without --json it propagates to the CLI's error edge (one `error:` line)."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        from ..errors import CkptError
+
+        if not self.as_json or exc is None or not isinstance(exc, CkptError):
+            return False
+        emit_json({"error": exc.render(), "exit_code": exc.exit_code, "path": exc.path, "key": exc.key,
+                   "hint": exc.hint})
+        raise click.exceptions.Exit(exc.exit_code)
