@@ -65,8 +65,8 @@ if [ "$(free_gb "$WORK")" -lt 90 ] && [ "$(free_gb /dev/shm || echo 0)" -ge 40 ]
 fi
 echo "== harness (DCP inputs in $DCP_DIR)"
 args=(--sizes "$SIZES" --ranks "$RANKS" --repeat "$REPEAT" --dcp ckpt --workdir "$WORK" --dcp-dir "$DCP_DIR"
-      --free-inputs --budget-s "$BUDGET_S" --results "$OUT/results.json" --python "$PY")
-[ -n "$CASES" ] && args+=(--cases "$CASES")
+      --free-inputs --defer-peers --budget-s "$BUDGET_S" --results "$OUT/results.json" --python "$PY")
+[ -n "$CASES" ] && args+=("--cases=$CASES")  # = form: a case may begin with "--"
 [ -n "$MERGEKIT" ] && args+=(--mergekit "$MERGEKIT")
 # shellcheck disable=SC2086
 timeout $((BUDGET_S + 60)) "$PY" bench/harness.py "${args[@]}" $EXTRA

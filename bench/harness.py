@@ -68,6 +68,9 @@ def parse_args(argv):
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting work after this many seconds")
     ap.add_argument("--run-timeout-s", type=float, default=1800)
     ap.add_argument("--free-inputs", action="store_true", help="delete each input once no later case needs it")
+    ap.add_argument("--defer-peers", action="store_true",
+                    help="run the peers after every ckpt command and floor of a size (a time budget then cuts "
+                         "peers first)")
     ap.add_argument("--ranks-only", action="store_true",
                     help="run only the ckpt commands (at each N in --ranks), no floors or peers")
     ap.add_argument("--no-share", action="store_true",
@@ -173,16 +176,26 @@ class Harness:
         inputs = SizeInputs(size, self.a.workdir, self.a.dcp_dir, self.dcp_mode(size), self.a.shards, self.a.python,
                             self.deadline, rec)
         inputs.describe()
+        deferred: list[tuple[Case, Contender]] = []
         for i, case in enumerate(self.a.cases):
-            self.run_case(size, inputs, case)
+            deferred += self.run_case(size, inputs, case)
             if self.a.free_inputs:
                 # keep what later ckpt commands read, and what their floors and peers read when it is small;
                 # a big input (the 8B DCP) goes, and a floor that needed it is skipped (or shared)
                 later = {k for c in self.a.cases[i + 1:] for k in c.reads}
                 later |= {k for c in self.a.cases[i + 1:] for k in c.needs if size.bytes_of(k) <= KEEP_FOR_FLOORS_BYTES}
+                if self.a.defer_peers:
+                    later |= {k for c in self.a.cases for p in c.peers for k in p.reads}
                 for kind in INPUT_KINDS:
                     if kind not in later:
                         inputs.release(kind)
+        # --defer-peers: the peers after every ckpt command and floor, so a time budget cuts them first;
+        # mergekit, the slowest and the one a user of this tool is least likely to pick, last of all
+        for case, c in sorted(deferred, key=lambda cc: cc[1].label.startswith("mergekit")):
+            print(f"[{size.name}] {case.name} (deferred peer)", flush=True)
+            warmed = self.warmed.setdefault(size.name, set()) if self.a.warm == "once" else set()
+            for rep in range(self.a.repeat):
+                self.run_one(size, inputs, case, c, 1, rep, self.paths(inputs), warmed)
         inputs.describe()
         if self.a.free_inputs:
             inputs.release_all()
@@ -196,23 +209,26 @@ class Harness:
             p.mergekit_config.write_text(mergekit_config_text(p))
         return p
 
-    def run_case(self, size, inputs: SizeInputs, case: Case) -> None:
+    def run_case(self, size, inputs: SizeInputs, case: Case) -> list[tuple[Case, Contender]]:
+        """Run one case; return the peers left for later (--defer-peers)."""
         base = {"size": size.name, "case": case.name}
         if case.subcommand and case.subcommand not in self.results["ckpt_commands"]:
             self.record({**base, "contender": f"ckpt {case.name}", "role": "ckpt", "ranks": 1, "rep": 0,
                          "status": "n/a", "reason": f"ckpt has no `{case.subcommand}` command yet"})
-            return
+            return []
         print(f"[{size.name}] {case.name}", flush=True)
         paths = self.paths(inputs)
         warmed = self.warmed.setdefault(size.name, set()) if self.a.warm == "once" else set()
-        contenders = [ckpt_contender(case, 1)] + ([] if self.a.ranks_only else [*case.floors, *case.peers])
-        contenders = [c for c in contenders if not any(s in c.label for s in self.a.skip_contenders)]
+        others = [] if self.a.ranks_only else [*case.floors, *case.peers]
+        others = [c for c in others if not any(s in c.label for s in self.a.skip_contenders)]
+        deferred = [(case, c) for c in others if self.a.defer_peers and c.role == "peer"]
+        contenders = [ckpt_contender(case, 1)] + [c for c in others if (case, c) not in deferred]
         for rep in range(self.a.repeat):
             for c in contenders:
                 self.run_one(size, inputs, case, c, 1, rep, paths, warmed)
         multi = [n for n in self.a.ranks if n > 1]
         if not (case.multi_rank and multi):
-            return
+            return deferred
         probe = self.probe(case)
         for n in multi:
             if not probe["supported"]:
@@ -221,6 +237,7 @@ class Harness:
                 continue
             for rep in range(self.a.repeat):
                 self.run_one(size, inputs, case, ckpt_contender(case, n), n, rep, paths, warmed)
+        return deferred
 
     def run_one(self, size, inputs: SizeInputs, case: Case, c: Contender, ranks: int, rep: int, paths: Paths,
                 warmed: set[str]) -> dict:
