@@ -41,7 +41,7 @@ from .units import human_bytes
 __all__ = [
     "AtomicOutputDir", "OutputLock", "Terminated", "install_signal_handlers", "clean_stale_temps",
     "atomic_write_bytes", "atomic_write_text", "human_bytes", "fsync_tree", "create_new", "open_new",
-    "write_new_file", "check_output_file", "copy_input_file", "copy_input_tree", "pid_alive",
+    "write_new_file", "check_output_file", "copy_input_file", "copy_input_tree", "pid_alive", "exchange_paths",
 ]
 
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -545,3 +545,26 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+_RENAME_EXCHANGE = 2   # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> None:
+    """Swap two existing paths of one filesystem atomically (Linux `renameat2(RENAME_EXCHANGE)`):
+    at every instant each name holds one of the two entries, never neither. Raises OSError
+    (ENOSYS/EINVAL/ENOTSUP) where the kernel, libc or filesystem cannot do it; callers decide how
+    to fall back."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except AttributeError:
+        raise OSError(errno.ENOSYS, "renameat2 is not available in this libc") from None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"cannot exchange {a} and {b}: {os.strerror(e)}")
+    for d in {Path(a).parent, Path(b).parent}:
+        fsync_path(d)

@@ -13,22 +13,16 @@ import click
 
 from . import __version__, inputs
 from .atomic import Terminated, install_signal_handlers
-from .commands._common import emit_json
+from .commands._common import emit_json, error_object
 from .errors import CkptError
 
 # Module names under ckpt_tools.commands; each defines `command` (a click.Command).
 COMMAND_MODULES = (
     "inspect", "extract_adapter", "adapter_to_dcp", "fix_adapter", "merge", "diff_vs_base",
-    "verify", "slim", "rehydrate", "set_lr", "set_value", "restart_prep",
+    "verify", "slim", "rehydrate", "set_lr", "set_value", "restart_prep", "gc", "doctor",
 )
 
 
-def _error_json(kind: str, message: str, code: int, exc: CkptError | None = None) -> None:
-    """Under --json, a failure is JSON on stdout too (the one-line message stays on stderr)."""
-    err = {"type": kind, "message": message, "exit_code": code}
-    if exc is not None:
-        err.update(path=exc.path, key=exc.key, hint=exc.hint)
-    emit_json({"ok": False, "error": err})
 
 
 class _Group(click.Group):
@@ -41,8 +35,8 @@ class _Group(click.Group):
 
         def fail(kind: str, line: str, code: int, exc: CkptError | None = None):
             click.echo(line, err=True)
-            if as_json:
-                _error_json(kind, line.split(": ", 1)[-1], code, exc)
+            if as_json:   # a failure is JSON on stdout too (the one-line message stays on stderr)
+                emit_json(error_object(line.split(": ", 1)[-1], code, exc, kind))
             ctx.exit(code)
 
         try:

@@ -705,8 +705,9 @@ def test_json_failures_are_json_too(space):
     os.mkfifo(t.trainer / "__0_0.distcp")
     r = run(["slim", t.trainer, t.root / "out", "--json"], t.root, fresh=True)   # a new interpreter, end to end
     hu.assert_safe_refusal(r, expect="FIFO")
-    err = json.loads(r.stdout)["error"]
+    err = json.loads(r.stdout)
     assert err["type"] == "UnsafeInputError" and err["path"] == str(t.trainer / "__0_0.distcp") and err["hint"]
+    assert err["exit_code"] == r.exit_code and "FIFO" in err["error"]
     hu.record("hostile_files", attacks=1)
 
 

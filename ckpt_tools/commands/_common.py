@@ -65,3 +65,31 @@ def warn(msg: str) -> None:
 
 def is_tty() -> bool:
     return sys.stderr.isatty()
+
+
+class json_errors:
+    """`with json_errors(as_json):` under --json, a CkptError is printed as one JSON object on stdout
+    ({"error": message, "exit_code": n, "path": ..., "key": ..., "hint": ...}) and the command exits
+    with its code; without --json it propagates to the CLI's error edge (one `error:` line)."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        from ..errors import CkptError
+
+        if not self.as_json or exc is None or not isinstance(exc, CkptError):
+            return False
+        emit_json(error_object(exc.render(), exc.exit_code, exc))
+        raise click.exceptions.Exit(exc.exit_code)
+
+
+def error_object(message: str, exit_code: int, exc=None, kind: str | None = None) -> dict:
+    """A failure as JSON, the one shape every command prints under --json (`json_errors` here, and
+    the CLI's error edge for every other failure, interruptions included)."""
+    return {"error": message, "exit_code": exit_code, "path": getattr(exc, "path", None),
+            "key": getattr(exc, "key", None), "hint": getattr(exc, "hint", None),
+            "type": kind or (type(exc).__name__ if exc is not None else "error")}
