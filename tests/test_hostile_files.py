@@ -210,6 +210,7 @@ def test_symlinks_out_of_a_tree_are_refused_unless_followed_on_purpose(space):
     assert not (t.root / "slim-out").exists() and not (t.root / "merged").exists()
     no_traceback(rs["followed"])
     assert rs["followed"].exit_code == 0, rs["followed"].output    # --follow-symlinks: the documented way
+    hu.record("hostile_files", genuine_runs=1)
     victim_unchanged(v, h)
     hu.record("hostile_files", attacks=3)
 
@@ -492,6 +493,7 @@ def test_merges_that_would_equal_the_base_are_refused_naming_why(space):
         assert not (t.root / f"out-{i}").exists() and not hu.temp_dirs(t.root / f"out-{i}"), name
     no_traceback(rs["allowed"])
     assert rs["allowed"].exit_code == 0, rs["allowed"].output      # the explicit flag writes it
+    hu.record("hostile_files", genuine_runs=1)
     merged = load_file(t.root / "out-allowed" / "model.safetensors")
     assert all(torch.equal(v, load_file(t.base / "model.safetensors")[k]) for k, v in merged.items())
     inputs_unchanged(before, t.base, t.trainer, *{a for a, _x, _e in cases.values()})
@@ -512,6 +514,7 @@ def test_a_dcp_lora_is_not_merged_into_a_different_base_of_the_same_shapes(space
     hu.assert_safe_refusal(rs["other"], names=other, expect="not the base the checkpoint trained on")
     no_traceback(rs["right"])
     assert rs["right"].exit_code == 0 and "fp32 masters equal the base" in rs["right"].stdout, rs["right"].output
+    hu.record("hostile_files", genuine_runs=1)
     assert not (t.root / "merged").exists()
     inputs_unchanged(before, other, t.trainer)
     hu.record("hostile_files", attacks=1)
