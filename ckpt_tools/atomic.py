@@ -117,9 +117,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-_pid_alive = pid_alive   # the name restart_prep imported first
-
-
 def fsync_path(path: str | os.PathLike) -> None:
     """fsync a file or a directory by path (a directory's fsync makes renames in it durable)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -176,7 +173,7 @@ def clean_stale_temps(out: str | os.PathLike) -> list[Path]:
     for entry in sorted(parent.iterdir()):
         for kind, rx in (("tmp", tmp_re), ("old", old_re)):
             m = rx.match(entry.name)
-            if not m or _pid_alive(int(m.group(1))):
+            if not m or pid_alive(int(m.group(1))):
                 continue
             if kind == "old" and not os.path.lexists(out):
                 log.warning("restoring %s from %s (a previous overwrite died midway)", out, entry)
@@ -287,7 +284,7 @@ class OutputLock:
                 finally:
                     os.close(rfd)
                 pid = int(text) if text.strip().isdigit() else -1
-                if pid == -1 or _pid_alive(pid):
+                if pid == -1 or pid_alive(pid):
                     # unreadable pid: maybe being written this instant; treat as held
                     raise self._locked(text) from None
                 log.warning("taking over stale lock %s of dead pid %d", self.path, pid)

@@ -23,8 +23,6 @@ COMMAND_MODULES = (
 )
 
 
-
-
 class _Group(click.Group):
     def invoke(self, ctx):
         # the subcommand's arguments (click 8.2+ keeps them in `_protected_args`, older ones in `protected_args`)
