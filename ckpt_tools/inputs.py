@@ -128,6 +128,8 @@ def check_input(path: str | os.PathLike, *, root: str | os.PathLike | None = Non
     and a regular file (`want="file"`) or a directory (`want="dir"`). Returns (real path, stat).
     Raises MissingFileError / UnsafeInputError naming `path`."""
     p = Path(path)
+    if "\0" in str(p):
+        raise MissingFileError(f"{what} name holds a NUL byte", path=repr(str(p)))
     real = os.path.realpath(p)
     if root is not None:
         tree = input_tree(root)
@@ -142,8 +144,8 @@ def check_input(path: str | os.PathLike, *, root: str | os.PathLike | None = Non
         if os.path.lexists(p):
             raise MissingFileError(f"{what} is a dangling symlink (to {real})", path=p) from None
         raise MissingFileError(f"no such {what}", path=p) from None
-    except OSError as exc:
-        raise MissingFileError(f"cannot stat {what}: {exc.strerror}", path=p) from None
+    except (OSError, ValueError) as exc:   # ValueError: a NUL byte in the name
+        raise MissingFileError(f"cannot stat {what}: {getattr(exc, 'strerror', None) or exc}", path=p) from None
     ok = stat.S_ISREG(st.st_mode) if want == "file" else stat.S_ISDIR(st.st_mode)
     if not ok:
         expected = "a regular file" if want == "file" else "a directory"

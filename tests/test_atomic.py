@@ -263,3 +263,54 @@ def test_a_failed_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
 
 def test_human_bytes_is_the_package_wide_formatter():
     assert human_bytes(3 * 2**30) == "3.00 GiB" and human_bytes(512) == "512 B"
+
+
+# ------------------------------------------------------------------------------------------ round 2
+def test_new_files_are_never_written_through_a_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    (tmp_path / "link").symlink_to(victim)
+    os.link(victim, tmp_path / "hard")
+    for name in ("link", "hard"):
+        with pytest.raises(FileExistsError):
+            atomic.create_new(tmp_path / name)
+    atomic.write_new_file(tmp_path / "fresh", "new")
+    assert victim.read_text() == "mine" and (tmp_path / "fresh").read_text() == "new"
+
+
+def test_a_lock_path_that_is_a_link_is_refused_and_a_stale_lock_is_replaced(tmp_path):
+    from ckpt_tools.errors import UnsafeInputError
+
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    out = tmp_path / "out"
+    (tmp_path / ".out.lock").symlink_to(victim)
+    with pytest.raises(UnsafeInputError, match="symlink"):
+        with AtomicOutputDir(out):
+            pass
+    (tmp_path / ".out.lock").unlink()
+    os.link(victim, tmp_path / ".out.lock")      # a leftover nobody holds, hard-linked to a victim
+    with AtomicOutputDir(out) as tmp:
+        (tmp / "f").write_text("x")
+    assert victim.read_text() == "mine" and (out / "f").read_text() == "x"
+    assert not (tmp_path / ".out.lock").exists()
+
+
+def test_every_path_read_is_an_input_out_may_not_overlap(tmp_path):
+    from ckpt_tools import inputs
+
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    with inputs.tracking():
+        inputs.read_json(src / "config.json")
+        with pytest.raises(UsageError, match="is inside input"):
+            AtomicOutputDir(src / "config.json").__enter__()
+        inputs.register(src)
+        with pytest.raises(UsageError, match="is inside input"):
+            with AtomicOutputDir(src / "out"):
+                pass
+        with pytest.raises(UsageError, match="does not exist"):
+            atomic.check_output_file(tmp_path / "nodir" / "x.toml")
+    with AtomicOutputDir(src / "out"):   # outside a command's tracking, only explicit inputs count
+        pass
