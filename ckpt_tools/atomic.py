@@ -31,6 +31,7 @@ import secrets
 import shutil
 import signal
 import stat
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -205,6 +206,17 @@ class OutputLock:
                                 "or write it", path=self.path,
                                 hint="delete it if no ckpt command is running (a checkpoint must not ship one)")
 
+    @staticmethod
+    def _holder_pid(fd: int) -> str:
+        """The holder writes its pid right after it takes the flock; a loser that looks in that
+        instant sees an empty file, so give the holder a moment (at most ~0.2 s) to name itself."""
+        for _ in range(20):
+            text = os.pread(fd, 64, 0).decode("ascii", "replace")
+            if text.strip():
+                return text
+            time.sleep(0.01)
+        return text
+
     def acquire(self) -> None:
         """Lock protocol: create `.OUT.lock` fresh (O_EXCL|O_NOFOLLOW) and flock it. An existing
         file is opened read-only (never written: it may be a planted link) to flock-test it; if its
@@ -232,7 +244,7 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                text = os.pread(fd, 64, 0).decode("ascii", "replace")
+                text = self._holder_pid(fd)
                 os.close(fd)
                 raise self._locked(text) from None
             except OSError as e:
