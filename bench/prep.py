@@ -9,7 +9,7 @@
 - adapter: written by PEFT's `save_pretrained` from a `get_peft_model` of the base's config, built on
   the meta device (no base weights are materialised, so an 8B adapter takes seconds) and given random
   A ~ N(0, 1/in) and B ~ N(0, 0.005^2): a merge changes most bf16 weights.
-- run: `ckpt_tools.fixtures.factory.make_run` (4 gloo FSDP2 ranks, one AdamW step, `dcp.save`), whose
+- run: `tests.factory.factory.make_run` (4 gloo FSDP2 ranks, one AdamW step, `dcp.save`), whose
   base_model is sharded the same way. It needs about 4x the fp32 model in RAM across the ranks.
 """
 from __future__ import annotations
@@ -26,9 +26,16 @@ from sizes import LORA_ALPHA, LORA_RANK, PROJECTIONS, SIZES, factory_spec_kwargs
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _spec(size_name: str, shard_bytes: int | None, **extra):
+def _factory():
+    """The fixture factory (tests/factory/, outside the installed package: import it from the checkout)."""
     sys.path.insert(0, str(REPO))
-    from ckpt_tools.fixtures.factory import FactorySpec
+    from tests.factory import factory
+
+    return factory
+
+
+def _spec(size_name: str, shard_bytes: int | None, **extra):
+    FactorySpec = _factory().FactorySpec
 
     kw = factory_spec_kwargs(SIZES[size_name])
     kw.update(base_max_shard_size=shard_bytes, **extra)
@@ -38,15 +45,11 @@ def _spec(size_name: str, shard_bytes: int | None, **extra):
 
 
 def write_base(out: Path, size_name: str, shard_bytes: int | None) -> None:
-    from ckpt_tools.fixtures.factory import write_base_model
-
-    write_base_model(out, _spec(size_name, shard_bytes))
+    _factory().write_base_model(out, _spec(size_name, shard_bytes))
 
 
 def write_run(root: Path, size_name: str, shard_bytes: int | None) -> None:
-    from ckpt_tools.fixtures.factory import make_run
-
-    make_run(root, _spec(size_name, shard_bytes, steps=1, world_size=4))
+    _factory().make_run(root, _spec(size_name, shard_bytes, steps=1, world_size=4))
 
 
 def write_adapter(base: Path, out: Path) -> None:

@@ -95,7 +95,7 @@ PROJECTION_TARGET = "32b"
 
 
 def factory_spec_kwargs(size: ModelSize) -> dict:
-    """Keyword arguments of `ckpt_tools.fixtures.factory.FactorySpec` for this size."""
+    """Keyword arguments of `tests.factory.factory.FactorySpec` for this size."""
     return dict(hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
                 num_layers=size.num_layers, num_heads=size.num_heads, num_kv_heads=size.num_kv_heads,
                 head_dim=size.head_dim, vocab_size=size.vocab_size, tie_word_embeddings=size.tie_word_embeddings,

@@ -5,7 +5,7 @@ that window used to print a 22-51-line traceback; here it ends the command like 
 interruption: one line, exit 130 (SIGINT) or 143 (SIGTERM), once the imports are done (the signals
 are held meanwhile). Only `os`, `signal` and `sys`, which the interpreter has already loaded, are
 imported before that. Errors of the
-commands themselves are rendered by `cli._Group` (one line, or JSON under `--json`).
+commands themselves are rendered by the error edge in `cli` (one line, or JSON under `--json`).
 """
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import os
 import signal
 import sys
 
+__all__ = ["main", "run"]
+
 
 class _EarlyTermination(BaseException):
-    """SIGTERM before `atomic.install_signal_handlers` replaced this handler with its own."""
+    """SIGTERM before `io.signals.install_signal_handlers` replaced this handler with its own."""
 
     def __init__(self, signum: int):
         self.exit_code = 128 + signum
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         # command as below.
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            from .atomic import Terminated, install_signal_handlers
+            from .io.signals import Terminated, install_signal_handlers
             terminated = (_EarlyTermination, Terminated)
             from click.exceptions import Abort, ClickException
 

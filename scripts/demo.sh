@@ -7,7 +7,7 @@ CKPT="$PY -m ckpt_tools"
 step() { echo; echo "==> $*"; }
 
 step "generate a prime-rl-layout run (4 FSDP2 ranks, LoRA r=8 on all 7 projections)"
-$PY -m ckpt_tools.fixtures.factory "$OUT/run"
+$PY -m tests.factory "$OUT/run"
 TRAINER=$(ls -d "$OUT"/run/outputs/checkpoints/step_*/trainer | tail -1)
 
 step "ckpt inspect $TRAINER"

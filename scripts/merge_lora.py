@@ -2,7 +2,7 @@
 """Merge a LoRA adapter into a base model and write an HF model directory.
 
 The standalone form of `ckpt merge`: the same flags, the same library function
-(`ckpt_tools.ops.merge.prepare_merge` + `execute_merge`), runnable from a checkout without
+(`ckpt_tools.ops.merge`: open_merge_sources, plan_merge, run_merge), runnable from a checkout without
 installing the package.
 
     python scripts/merge_lora.py BASE ADAPTER OUT [--alpha A | --run-config ORCH_TOML] [--slot i]
@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import click
 
-    from ckpt_tools import inputs
-    from ckpt_tools.commands.merge import command
-    from ckpt_tools.errors import CkptError
+    from ckpt_tools.core.errors import CkptError
+    from ckpt_tools.io import inputs
+    from ckpt_tools.cli.commands.merge import command
 
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("-v", "--verbose") for a in args)

@@ -236,9 +236,9 @@ def writable_copy(src: Path, dst: Path) -> Path:
 
 
 def load_metadata(trainer: Path):
-    from ckpt_tools.dcp.reader import DcpCheckpoint
-
-    return DcpCheckpoint.open(trainer).metadata
+    """The genuine (torch) metadata of a trusted fixture copy, for editing and writing back: the
+    library's loader gives torch-free stand-ins, which refuse to be pickled again."""
+    return pickle.loads((trainer / ".metadata").read_bytes())
 
 
 def write_metadata(trainer: Path, md) -> None:
@@ -645,13 +645,13 @@ def sha256_file(p: Path) -> str:
 # Writer entry points: each call is one "write event" (the child can stop at the N-th). Resolved
 # lazily: a name that does not exist (yet) is skipped.
 WRITE_EVENTS = (
-    ("ckpt_tools.dcp.writer", "DcpWriter", "_append"),
-    ("ckpt_tools.dcp.writer", "DcpWriter", "finish"),
-    ("ckpt_tools.formats.safetensors_io", "StreamingSafetensorsWriter", "write"),
-    ("ckpt_tools.formats.safetensors_io", "StreamingSafetensorsWriter", "write_chunk"),
-    ("ckpt_tools.formats.safetensors_io", "StreamingSafetensorsWriter", "close"),
-    ("ckpt_tools.atomic", None, "atomic_write_bytes"),
-    ("ckpt_tools.atomic", "AtomicOutputDir", "_commit"),
+    ("ckpt_tools.formats.dcp.writer", "DcpWriter", "_append"),
+    ("ckpt_tools.formats.dcp.writer", "DcpWriter", "finish"),
+    ("ckpt_tools.formats.safetensors.writer", "StreamingSafetensorsWriter", "write"),
+    ("ckpt_tools.formats.safetensors.writer", "StreamingSafetensorsWriter", "write_chunk"),
+    ("ckpt_tools.formats.safetensors.writer", "StreamingSafetensorsWriter", "close"),
+    ("ckpt_tools.io.files", None, "atomic_write_bytes"),
+    ("ckpt_tools.io.staging", "AtomicOutputDir", "_commit"),
 )
 
 

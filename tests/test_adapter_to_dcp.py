@@ -1,6 +1,6 @@
 """`ckpt adapter-to-dcp`: the checkpoint it writes is loaded by torch's DCP loader with the default
 (strict) planner into a 4-rank FSDP2 model holding the prime-rl LoRA wrapper, AdamW and the
-scheduler (`ckpt_tools.fixtures.fsdp_check.load_strict`), and every restored value is compared.
+scheduler (`tests.factory.fsdp_check.load_strict`), and every restored value is compared.
 Also: `primerl_state` reproduces the genuine checkpoint's non-tensor state, round trips, errors."""
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckpt_tools.cli import main
-from ckpt_tools.dcp.reader import DcpCheckpoint, TensorEntry
-from ckpt_tools.dcp.writer import data_file_name, row_chunks
-from ckpt_tools.keys import classify
-from ckpt_tools.primerl_state import (
-    SchedulerSpec, build_optim_state, flat_key, flatten_state, optimizer_param_order, progress_state,
-)
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.formats.dcp.model import TensorEntry
+from ckpt_tools.formats.dcp.layout import data_file_name, row_chunks
+from ckpt_tools.core.keys import classify
+from ckpt_tools.core.primerl_state import SchedulerSpec, build_optim_state, flat_key, flatten_state, optimizer_param_order, progress_state
 
 from .conftest import BASE, FIXTURE, TRAINER
 from .test_extract_adapter import other_base  # noqa: F401
@@ -33,7 +32,7 @@ def run(*args):
 
 
 def _spec(scheduler: str):
-    from ckpt_tools.fixtures.factory import FactorySpec
+    from tests.factory.factory import FactorySpec
 
     return FactorySpec(num_layers=3, scheduler=scheduler)   # the genuine fixture's shapes, LoRA r=8
 
@@ -59,7 +58,7 @@ def _check_model(model: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------------------ fresh
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
-    from ckpt_tools.fixtures.fsdp_check import load_strict
+    from tests.factory.fsdp_check import load_strict
 
     out = tmp_path_factory.mktemp("a2d") / "step_3" / "trainer"
     r = run("adapter-to-dcp", REF_ADAPTER, out, "--base", BASE, "--lr", "1e-3", "--step", "3",
@@ -93,7 +92,7 @@ def test_fresh_checkpoint_has_the_genuine_key_set_and_world_size_row_chunks(fres
         g = genuine.entries[k]
         assert type(e) is type(g) and e.path == g.path, k
         if isinstance(e, TensorEntry):
-            assert e.shape == g.shape and e.dtype == g.dtype == torch.float32, k
+            assert e.shape == g.shape and e.dtype == g.dtype == "float32", k
             if e.shape:
                 want = [(s, n) for s, n in row_chunks(e.shape[0], 4)]
                 assert [(c.offsets[0], c.sizes[0]) for c in e.chunks] == want, k
@@ -115,7 +114,7 @@ def test_adapter_to_dcp_then_extract_adapter_round_trips_bit_exactly(fresh, tmp_
 # ------------------------------------------------------------------------------------ carried optimizer
 @pytest.fixture(scope="module")
 def carried(tmp_path_factory):
-    from ckpt_tools.fixtures.fsdp_check import load_strict
+    from tests.factory.fsdp_check import load_strict
 
     out = tmp_path_factory.mktemp("a2d_opt") / "trainer"
     r = run("adapter-to-dcp", REF_ADAPTER, out, "--base", BASE, "--optimizer-from", TRAINER, "--lr", "5e-3",

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools import atomic
-from ckpt_tools.atomic import (
-    AtomicOutputDir, Terminated, atomic_write_bytes, atomic_write_text, clean_stale_temps, human_bytes,
-)
-from ckpt_tools.errors import DiskSpaceError, LockedError, OutputExistsError, UsageError
+from ckpt_tools.io import files, inputs, staging
+from ckpt_tools.io import lock as lock_mod
+from ckpt_tools.io.staging import AtomicOutputDir, clean_stale_temps
+from ckpt_tools.io.signals import Terminated
+from ckpt_tools.io.files import atomic_write_bytes, atomic_write_text
+from ckpt_tools.core.units import human_bytes
+from ckpt_tools.core.errors import DiskSpaceError, LockedError, OutputExistsError, UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +39,8 @@ def child(script: str, *args, stdin=subprocess.DEVNULL) -> subprocess.Popen:
 HOLD = """
     import sys, time
     from pathlib import Path
-    from ckpt_tools.atomic import AtomicOutputDir, install_signal_handlers
+    from ckpt_tools.io.signals import install_signal_handlers
+    from ckpt_tools.io.staging import AtomicOutputDir
     install_signal_handlers()
     with AtomicOutputDir(sys.argv[1]) as tmp:
         (tmp / "part.bin").write_bytes(b"x" * 4096)
@@ -131,7 +134,7 @@ def test_disk_check_refuses_with_need_and_free_before_writing(tmp_path, monkeypa
     with pytest.raises(DiskSpaceError) as ei:
         with AtomicOutputDir(out, need_bytes=16 * 2**30):
             pytest.fail("must not be entered")
-    assert f"need 16.00 GiB, 3.00 GiB free on {atomic._mount_point(tmp_path)}" in str(ei.value)
+    assert f"need 16.00 GiB, 3.00 GiB free on {staging.mount_point(tmp_path)}" in str(ei.value)
     assert siblings(out) == []
     with AtomicOutputDir(out, need_bytes=2 * 2**30):
         pass
@@ -158,7 +161,7 @@ def test_stale_lock_file_of_a_dead_process_is_taken_over(tmp_path):
 def test_without_flock_a_dead_pid_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch):
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
-    monkeypatch.setattr(atomic.fcntl, "flock", no_flock)
+    monkeypatch.setattr(lock_mod.fcntl, "flock", no_flock)
     out = tmp_path / "merged"
     lock = tmp_path / ".merged.lock"
     lock.write_text(f"{dead_pid()}\n")
@@ -255,7 +258,7 @@ def test_a_failed_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
 
     def broken_fsync(fd):
         raise OSError(errno.EIO, "I/O error")
-    monkeypatch.setattr(atomic.os, "fsync", broken_fsync)
+    monkeypatch.setattr(files.os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="I/O error"):
         atomic_write_bytes(p, b"new")
     assert p.read_bytes() == b"old" and os.listdir(tmp_path) == [".metadata"]
@@ -273,13 +276,13 @@ def test_new_files_are_never_written_through_a_link(tmp_path):
     os.link(victim, tmp_path / "hard")
     for name in ("link", "hard"):
         with pytest.raises(FileExistsError):
-            atomic.create_new(tmp_path / name)
-    atomic.write_new_file(tmp_path / "fresh", "new")
+            files.create_new(tmp_path / name)
+    files.write_new_file(tmp_path / "fresh", "new")
     assert victim.read_text() == "mine" and (tmp_path / "fresh").read_text() == "new"
 
 
 def test_a_lock_path_that_is_a_link_is_refused_and_a_stale_lock_is_replaced(tmp_path):
-    from ckpt_tools.errors import UnsafeInputError
+    from ckpt_tools.core.errors import UnsafeInputError
 
     victim = tmp_path / "victim"
     victim.write_text("mine")
@@ -297,8 +300,6 @@ def test_a_lock_path_that_is_a_link_is_refused_and_a_stale_lock_is_replaced(tmp_
 
 
 def test_every_path_read_is_an_input_out_may_not_overlap(tmp_path):
-    from ckpt_tools import inputs
-
     src = tmp_path / "model"
     src.mkdir()
     (src / "config.json").write_text("{}")
@@ -311,6 +312,6 @@ def test_every_path_read_is_an_input_out_may_not_overlap(tmp_path):
             with AtomicOutputDir(src / "out"):
                 pass
         with pytest.raises(UsageError, match="does not exist"):
-            atomic.check_output_file(tmp_path / "nodir" / "x.toml")
+            staging.check_output_file(tmp_path / "nodir" / "x.toml")
     with AtomicOutputDir(src / "out"):   # outside a command's tracking, only explicit inputs count
         pass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.dcp.reader import DcpCheckpoint
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 
 from . import hardening_util as hu
 from .conftest import FIXTURE

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ckpt_tools.cli import main
-from ckpt_tools.ops.diff import diff_vs_base
-from ckpt_tools.weights_source import open_weights
+from ckpt_tools.ops.diff.run import diff_vs_base
+from ckpt_tools.sources.open import open_weights
 
 from .conftest import BASE, FIXTURE, TRAINER
 

@@ -19,9 +19,9 @@ import tomlkit
 from click.testing import CliRunner
 
 from ckpt_tools.cli import main
-from ckpt_tools.ops.doctor import doctor
-from ckpt_tools.primerl.traps import TRAPS
-from ckpt_tools.primerl_state import SchedulerSpec, build_optim_state
+from ckpt_tools.ops.doctor.run import doctor
+from ckpt_tools.ops.doctor.traps import TRAPS
+from ckpt_tools.core.primerl_state import SchedulerSpec, build_optim_state
 
 from .conftest import FIXTURE, FIXTURES, HEAD_FIXTURES
 
@@ -258,7 +258,7 @@ def test_a_bare_checkpoints_dir_is_read_without_a_config(tmp_path):
 def test_the_save_count_follows_prime_rls_cadence():
     """Every interval multiple before max_steps, plus the final checkpoint (counted, not listed: a
     10**8-step run costs nothing)."""
-    from ckpt_tools.primerl.traps_run import saves_after
+    from ckpt_tools.ops.doctor.traps_run import saves_after
 
     def listed(max_steps, interval, after):
         return len([k for k in range(after + 1, max_steps) if interval and k % interval == 0]) + (after < max_steps)

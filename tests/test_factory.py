@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ckpt_tools.fixtures.factory import FactorySpec, build_scheduler, main, make_run
-from ckpt_tools.fixtures.fsdp_check import StrictLoadError, load_strict
+from tests.factory.factory import FactorySpec, build_scheduler, main, make_run
+from tests.factory.fsdp_check import StrictLoadError, load_strict
 
 GENUINE = Path(__file__).resolve().parent / "fixtures" / "primerl-tiny"
 GENUINE_CKPT = GENUINE / "outputs" / "checkpoints" / "step_3" / "trainer"
@@ -369,7 +369,8 @@ def assert_reader_matches_torch_loader(ckpt_dir: Path) -> int:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from ckpt_tools.dcp.reader import DcpCheckpoint, TensorEntry
+    from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+    from ckpt_tools.formats.dcp.model import TensorEntry
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

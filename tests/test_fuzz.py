@@ -33,11 +33,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_tools.dcp.reader import DcpCheckpoint
-from ckpt_tools.errors import CkptError
-from ckpt_tools.formats.hf_dir import HFModelDir
-from ckpt_tools.formats.safetensors_io import read_header, read_tensor
-from ckpt_tools.peft_adapter import open_peft_adapter, parse_peft_config
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.core.errors import CkptError
+from ckpt_tools.formats.hf_dir.model_dir import HFModelDir
+from ckpt_tools.formats.safetensors.header import read_header
+from ckpt_tools.formats.safetensors.read import read_tensor
+from ckpt_tools.formats.peft.adapter import open_peft_adapter
+from ckpt_tools.formats.peft.config import parse_peft_config
 
 from . import hardening_util as hu
 from .conftest import BASE, FIXTURE, TRAINER

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckpt_tools.atomic import OutputLock
+from ckpt_tools.io.lock import OutputLock
 from ckpt_tools.cli import main
 from ckpt_tools.ops import gc as gc_mod
-from ckpt_tools.primerl.run_dir import dir_bytes
+from ckpt_tools.formats.primerl.run_dir import dir_bytes
 
 from . import hardening_util as hu
 from .conftest import FIXTURE, HEAD_FIXTURES
@@ -130,7 +130,7 @@ def test_checkpoints_being_written_are_left_alone(run_dir):
 
 def test_refuses_when_free_disk_is_too_low_for_one_slim(run_dir, monkeypatch):
     real = shutil.disk_usage
-    monkeypatch.setattr(gc_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
     before = hu.snapshot(run_dir)
     r = gc(run_dir, "--keep-full", "2")
     hu.assert_clean_error(hu.Result(r.exit_code, r.stdout, r.stderr), expect="need .* free for the largest slim")
@@ -163,8 +163,8 @@ def test_a_16e747c_run_takes_its_base_from_orch_toml_and_a_full_finetune_has_not
 
 
 # ------------------------------------------------------------------------------------------ kills
-GC_EVENTS = (("ckpt_tools.ops.gc", None, "swap_in_slim"), ("ckpt_tools.atomic", None, "exchange_paths"),
-             ("ckpt_tools.ops.gc", None, "set_aside"), ("ckpt_tools.ops.gc", None, "remove_file"))
+GC_EVENTS = (("ckpt_tools.ops.gc.swap", None, "swap_in_slim"), ("ckpt_tools.io.files", None, "exchange_paths"),
+             ("ckpt_tools.ops.gc.swap", None, "set_aside"), ("ckpt_tools.ops.gc.swap", None, "remove_file"))
 LEFTOVER_NAMES = ("trainer", ".trainer.gc-slim", ".trainer.gc-old", ".trainer.lock", "..trainer.gc-slim.lock",
                   "..trainer.gc-slim.tmp-")
 
@@ -269,7 +269,7 @@ def test_without_an_atomic_exchange_gc_swaps_by_two_renames_and_a_kill_between_t
     def no_exchange(a, b):
         raise OSError(errno.EINVAL, "no RENAME_EXCHANGE here")
 
-    monkeypatch.setattr(gc_mod, "exchange_paths", no_exchange)
+    monkeypatch.setattr("ckpt_tools.ops.gc.swap.exchange_paths", no_exchange)
     r = gc(run_dir, "--keep-full", "3", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["result"]["slimmed"] == [1], r.output
     assert entries(run_dir / "step_1") == ["trainer"]

@@ -14,14 +14,15 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.file_download import repo_folder_name
 from safetensors import safe_open
 
-from ckpt_tools.errors import FormatError, MissingFileError, TruncatedFileError, UsageError
-from ckpt_tools.formats import safetensors_io as sio
-from ckpt_tools.formats.hf_dir import (
-    INDEX_NAME, WEIGHTS_NAME, HFModelDir, parse_size, plan_shards, resolve_model_dir, write_index,
-)
-from ckpt_tools.formats.safetensors_io import (
-    ByteCounter, StreamingSafetensorsWriter, copy_raw, safetensors_save_order,
-)
+from ckpt_tools.core.errors import FormatError, MissingFileError, TruncatedFileError, UsageError
+from ckpt_tools.formats.hf_dir.names import INDEX_NAME, WEIGHTS_NAME
+from ckpt_tools.formats.hf_dir.model_dir import HFModelDir
+from ckpt_tools.core.units import parse_size
+from ckpt_tools.formats.hf_dir.shards import plan_shards, write_index
+from ckpt_tools.formats.hf_dir.hub import resolve_model_dir
+from ckpt_tools.formats.safetensors.header import ByteCounter
+from ckpt_tools.formats.safetensors.writer import StreamingSafetensorsWriter, safetensors_save_order
+from ckpt_tools.formats.safetensors.read import copy_raw
 
 SHARD = "20KB"  # splits the tiny model below into 3 shards
 
@@ -100,7 +101,7 @@ def test_single_file_dir_opens_without_an_index(saved, model):
 def test_opening_reads_headers_only(saved, monkeypatch):
     asked = []
     real = os.preadv
-    monkeypatch.setattr(sio.os, "preadv", lambda fd, bufs, off: asked.append(sum(map(len, bufs))) or real(fd, bufs, off))
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: asked.append(sum(map(len, bufs))) or real(fd, bufs, off))
     m = HFModelDir.open(saved / "sharded")
     assert sum(asked) == sum(h.data_start for h in m.headers.values())
     c = ByteCounter()

@@ -748,7 +748,7 @@ def test_cross_filesystem_set_lr_checks_space_for_what_it_copies(space, tmp_path
 # ============================================================================ the measured figures
 def test_genuine_metadata_is_far_inside_the_pickle_bounds():
     """The bounds of safe_pickle leave headroom on every genuine .metadata in the repository."""
-    from ckpt_tools import safe_pickle
+    from ckpt_tools.io import safe_pickle
 
     sizes = []
     for meta in sorted((FIXTURE.parent).rglob(".metadata")):

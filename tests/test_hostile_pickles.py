@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.dcp.reader import DcpCheckpoint
-from ckpt_tools.errors import CkptError, UnsafePickleError
-from ckpt_tools.peft_adapter import open_peft_adapter
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.core.errors import CkptError, UnsafePickleError
+from ckpt_tools.formats.peft.adapter import open_peft_adapter
 
 from . import hardening_util as hu
 from .conftest import FIXTURE, TRAINER

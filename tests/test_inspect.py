@@ -7,7 +7,8 @@ from click.testing import CliRunner
 
 import ckpt_tools.ops.inspect as inspect_mod
 from ckpt_tools.cli import main
-from ckpt_tools.dcp.reader import BytesEntry, DcpCheckpoint
+from ckpt_tools.formats.dcp.model import BytesEntry
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 
 from .conftest import BASE, FIXTURE, TRAINER
 

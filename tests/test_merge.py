@@ -20,8 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ckpt_tools.cli import main
-from ckpt_tools.lora_math import merge_weight, merge_weight_into
-from ckpt_tools.ops.merge import MergeProgress, execute_merge, prepare_merge
+from ckpt_tools.core.tensor_math import merge_weight, merge_weight_into
+from ckpt_tools.core.progress import ProgressEvent
+from ckpt_tools.ops.merge import execute_merge, prepare_merge
 
 from .conftest import BASE, FIXTURE, REPO, TRAINER
 
@@ -184,23 +185,23 @@ def test_alpha_flag_overrides_the_run_config(tmp_path):
 
 def test_progress_callback_reports_every_tensor_and_all_bytes(tmp_path):
     plan = prepare_merge(BASE, PEFT_REF, max_shard_size="150KB")
-    events: list[MergeProgress] = []
+    events: list[ProgressEvent] = []
     execute_merge(plan, tmp_path / "o", progress=events.append)
     assert [e.done for e in events] == list(range(len(plan.jobs) + 1))
     assert events[-1].bytes_done == events[-1].bytes_total == sum(j.out_bytes for j in plan.jobs)
 
 
 def test_only_merged_weights_are_read_whole_untouched_ones_stream_in_blocks(tmp_path, monkeypatch):
-    import ckpt_tools.ops.merge as merge_mod
-    from ckpt_tools.formats import safetensors_io
+    from ckpt_tools.formats.safetensors.writer import StreamingSafetensorsWriter
+    from ckpt_tools.sources.hf import HFSource
 
     whole, blocks = [], []
-    real_read, real_chunk = merge_mod._pread_exact, safetensors_io.StreamingSafetensorsWriter.write_chunk
-    monkeypatch.setattr(merge_mod, "_pread_exact", lambda fd, dest, off, **kw: whole.append(kw["key"]) or
-                        real_read(fd, dest, off, **kw))
-    monkeypatch.setattr(safetensors_io.StreamingSafetensorsWriter, "write_chunk",
+    real_read, real_chunk = HFSource.read_into, StreamingSafetensorsWriter.write_chunk
+    monkeypatch.setattr(HFSource, "read_into", lambda self, name, buf, *a, **kw: whole.append(name) or
+                        real_read(self, name, buf, *a, **kw))
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write_chunk",
                         lambda self, n, buf: blocks.append((n, len(memoryview(buf)))) or real_chunk(self, n, buf))
-    monkeypatch.setattr("ckpt_tools.ops.merge.COPY_BLOCK_BYTES", 4096)
+    monkeypatch.setattr("ckpt_tools.ops.merge.pipeline.COPY_BLOCK_BYTES", 4096)
     plan = prepare_merge(BASE, PEFT_REF)
     execute_merge(plan, tmp_path / "o")
     assert sorted(whole) == sorted(j.name for j in plan.jobs if j.action == "merge") and len(whole) == 21

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckpt_tools.cli import main
-from ckpt_tools.fixtures.factory import FactorySpec, make_run
-from ckpt_tools.lora_math import merge_weight, ulps_apart
+from tests.factory.factory import FactorySpec, make_run
+from ckpt_tools.core.tensor_math import merge_weight, ulps_apart
 from ckpt_tools.ops.merge import prepare_merge
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -1,13 +1,12 @@
-"""The pure merge planner (`plan_merge` over facts, no files): matching, refusals, tied embeddings,
+"""The pure merge planner (`plan_from_facts` over facts, no files): matching, refusals, tied embeddings,
 sharding, the memory bound. End-to-end behaviour on real files is in test_merge*.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ckpt_tools.errors import FormatError
-from ckpt_tools.ops.merge import (AdapterFacts, BaseFacts, FullFact, LoraFact, SourceTensor, memory_bound,
-                                  plan_merge)
+from ckpt_tools.core.errors import FormatError
+from ckpt_tools.ops.merge import AdapterFacts, BaseFacts, FullFact, LoraFact, SourceTensor, memory_bound, plan_from_facts
 
 H, V, I = 8, 32, 12
 
@@ -33,7 +32,7 @@ def adapter(*mods: LoraFact, full=()) -> AdapterFacts:
 
 
 def plan(b, a, **kw):
-    return plan_merge(b, a, out_dtype=kw.pop("out_dtype", torch.bfloat16), max_shard_bytes=kw.pop("max_shard_bytes", 10**9),
+    return plan_from_facts(b, a, out_dtype=kw.pop("out_dtype", torch.bfloat16), max_shard_bytes=kw.pop("max_shard_bytes", 10**9),
                       **kw)
 
 

@@ -1,4 +1,4 @@
-"""ckpt_tools.primerl.config reads both generations' run configs with prime-rl's own rules: the
+"""ckpt_tools.formats.primerl.config reads both generations' run configs with prime-rl's own rules: the
 genuine fixtures' files (every key known, every value as written), TOML includes and their per-table
 precedence, the shared keys RLConfig copies down, the trainer tokenizer's early default, and the LoRA
 scale rule of each generation. (The 16e747c rules were checked against that commit's RLConfig on the
@@ -10,10 +10,9 @@ import shutil
 
 import pytest
 
-from ckpt_tools.errors import FormatError, UsageError
-from ckpt_tools.primerl.config import (
-    GEN_16E747C, GEN_HEAD, config_files, load_run_config, locate_run_configs, lora_settings,
-)
+from ckpt_tools.core.errors import FormatError, UsageError
+from ckpt_tools.formats.primerl.files import GEN_16E747C, GEN_HEAD, config_files, locate_run_configs
+from ckpt_tools.formats.primerl.config import load_run_config, lora_settings
 
 from .conftest import FIXTURE, HEAD_FIXTURES, TRAINER
 

@@ -9,11 +9,13 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from ckpt_tools.dcp.reader import BytesEntry, DcpCheckpoint, TensorEntry
-from ckpt_tools.dcp.writer import DcpWriter, row_chunks
-from ckpt_tools.errors import FormatError, MissingFileError, TruncatedFileError
-from ckpt_tools.keys import classify
-from ckpt_tools.lora_source import DcpLoraSource
+from ckpt_tools.formats.dcp.model import BytesEntry, TensorEntry
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.formats.dcp.writer import DcpWriter
+from ckpt_tools.formats.dcp.layout import row_chunks
+from ckpt_tools.core.errors import FormatError, MissingFileError, TruncatedFileError
+from ckpt_tools.core.keys import classify
+from ckpt_tools.sources.lora import DcpLoraSource
 
 from .conftest import TRAINER
 
@@ -74,9 +76,9 @@ def test_row_chunks_follow_torch_chunk():
 
 
 def test_large_items_use_the_preadv_path_and_match(tmp_path, monkeypatch):
-    import ckpt_tools.dcp.reader as reader
+    import ckpt_tools.formats.dcp.item as item
 
-    monkeypatch.setattr(reader, "SMALL_ITEM_BYTES", 0)  # force the header-then-preadv path
+    monkeypatch.setattr(item, "SMALL_ITEM_BYTES", 0)  # force the header-then-preadv path
     ref = torch_reference(TRAINER)
     ckpt = DcpCheckpoint.open(TRAINER)
     for key, e in ckpt.entries.items():
@@ -87,7 +89,7 @@ def test_large_items_use_the_preadv_path_and_match(tmp_path, monkeypatch):
 def test_lora_reads_touch_only_lora_items():
     src = DcpLoraSource(TRAINER, alpha=16.0, run_config=None)
     for m in src.modules:
-        src.read(m)
+        src.read_pair(m)
     ckpt = src.ckpt
     lora_items = set()
     lora_bytes = 0

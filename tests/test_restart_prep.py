@@ -132,8 +132,8 @@ def test_a_config_without_an_lr_key_is_refused_before_merging(tmp_path):
 def test_adapter_mode_checkpoint_loads_strictly_with_adapter_fresh_adamw_new_lr_and_step(tmp_path_factory):
     from safetensors.torch import load_file
 
-    from ckpt_tools.fixtures.factory import FactorySpec, build_scheduler
-    from ckpt_tools.fixtures.fsdp_check import load_strict
+    from tests.factory.factory import FactorySpec, build_scheduler
+    from tests.factory.fsdp_check import load_strict
 
     paths = surgery_run(tmp_path_factory)
     truth_json = json.loads(paths.truth_json.read_text())

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from ckpt_tools.cli import main
-from ckpt_tools.dcp.reader import DcpCheckpoint
-from ckpt_tools.errors import UnsafePickleError
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.core.errors import UnsafePickleError
 
 from .conftest import TRAINER
 
@@ -45,7 +45,7 @@ def test_metadata_payload_is_refused_and_does_not_run(tmp_path):
 def test_payload_nested_inside_valid_metadata_is_refused(tmp_path):
     d = _trainer_copy(tmp_path)
     canary = tmp_path / "pwned2"
-    md = DcpCheckpoint.open(TRAINER).metadata
+    md = pickle.loads((TRAINER / ".metadata").read_bytes())   # genuine torch metadata (trusted fixture)
     md.storage_meta.modules = [_Evil(canary)]
     (d / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(UnsafePickleError):
@@ -65,7 +65,7 @@ def test_bounds_refuse_what_would_cost_more_than_the_pickle_is_worth():
     in time linear in the pickle; a genuine metadata passes."""
     import time
 
-    from ckpt_tools.safe_pickle import MAX_PICKLE_DEPTH, check_pickle_bounds
+    from ckpt_tools.io.safe_pickle import MAX_PICKLE_DEPTH, check_pickle_bounds
 
     x = ["s"]
     for _ in range(40):
@@ -88,7 +88,7 @@ def test_bounds_refuse_what_would_cost_more_than_the_pickle_is_worth():
 
 
 def test_bounds_refuse_memo_bombs_and_huge_ints_and_garbage():
-    from ckpt_tools.safe_pickle import check_pickle_bounds
+    from ckpt_tools.io.safe_pickle import check_pickle_bounds
 
     with pytest.raises(UnsafePickleError, match="memo index"):
         check_pickle_bounds(b"\x80\x02N" + b"r" + (0x21682B68).to_bytes(4, "little") + b".", "memo")

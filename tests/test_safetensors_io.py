@@ -1,4 +1,4 @@
-"""safetensors_io against files written by safetensors itself (and corrupted copies of them)."""
+"""formats/safetensors against files written by safetensors itself (and corrupted copies of them)."""
 from __future__ import annotations
 
 import json
@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save, save_file
 
-from ckpt_tools.errors import FormatError, OutputExistsError, TruncatedFileError
-from ckpt_tools.formats import safetensors_io as sio
-from ckpt_tools.formats.safetensors_io import (
-    DTYPES, ByteCounter, StreamingSafetensorsWriter, build_header, copy_raw, read_header, read_raw,
-    read_tensor, safetensors_save_order,
-)
+from ckpt_tools.core.errors import FormatError, OutputExistsError, TruncatedFileError
+from ckpt_tools.core.dtypes import SAFETENSORS as DTYPES
+from ckpt_tools.core.dtypes import safetensors_code
+from ckpt_tools.formats.safetensors.header import ByteCounter, read_header
+from ckpt_tools.formats.safetensors.read import copy_raw, read_raw, read_tensor
+from ckpt_tools.formats.safetensors.writer import StreamingSafetensorsWriter, build_header, safetensors_save_order
 
 CODES = list(DTYPES)
 
@@ -79,7 +79,7 @@ def test_header_of_a_save_file_output_lists_tensors_in_file_order_with_absolute_
     assert begins == sorted(begins) and begins[0] == h.data_start
     raw = p.read_bytes()
     for name, info in h.tensors.items():
-        assert info.dtype == sio.dtype_code(ts[name].dtype)
+        assert info.dtype == safetensors_code(ts[name].dtype)
         assert info.shape == tuple(ts[name].shape)
         assert raw[info.begin:info.end] == bits(ts[name])
 
@@ -128,7 +128,7 @@ def test_read_header_reads_only_the_header(tmp_path, monkeypatch):
     save_file({"big": torch.zeros(100_000)}, p)
     asked = []
     real = os.preadv
-    monkeypatch.setattr(sio.os, "preadv", lambda fd, bufs, off: asked.append(sum(map(len, bufs))) or real(fd, bufs, off))
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: asked.append(sum(map(len, bufs))) or real(fd, bufs, off))
     h = read_header(p)
     assert sum(asked) == h.data_start  # 8-byte length + JSON, nothing of the 400 kB data
 

@@ -17,8 +17,8 @@ import torch
 from click.testing import CliRunner
 
 from ckpt_tools.cli import main
-from ckpt_tools.dcp.reader import DcpCheckpoint
-from ckpt_tools.fixtures.factory import FactorySpec, Progress, _app_state_class, build_scheduler
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from tests.factory.factory import FactorySpec, Progress, app_state_class, build_scheduler
 
 from .conftest import TRAINER
 from .test_slim_rehydrate import bits, surgery_run
@@ -55,7 +55,7 @@ class Trainer:
         return self
 
     def app(self):
-        return {"app": _app_state_class()(self.model, [self.opt], self.sched, self.progress)}
+        return {"app": app_state_class()(self.model, [self.opt], self.sched, self.progress)}
 
     def save(self, path: Path) -> Path:
         import torch.distributed.checkpoint as dcp
@@ -260,7 +260,7 @@ def test_set_refuses_values_of_another_type_and_non_byte_items(tmp_path, assignm
 def test_factory_sequential_lr_resumes_strictly_on_the_scaled_schedule(tmp_path_factory):
     from safetensors.torch import load_file
 
-    from ckpt_tools.fixtures.fsdp_check import load_strict
+    from tests.factory.fsdp_check import load_strict
 
     paths = surgery_run(tmp_path_factory)
     truth = json.loads(paths.truth_json.read_text())

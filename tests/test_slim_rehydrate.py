@@ -16,10 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ckpt_tools.cli import main
-from ckpt_tools.dcp.reader import BytesEntry, DcpCheckpoint, TensorEntry
-from ckpt_tools.dcp.zipitem import parse_item
-from ckpt_tools.keys import classify
-from ckpt_tools.ops.inspect import SLIM_MANIFEST
+from ckpt_tools.formats.dcp.model import BytesEntry, TensorEntry
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.formats.dcp.item import parse_item
+from ckpt_tools.core.keys import classify
+from ckpt_tools.formats.slim.manifest import SLIM_MANIFEST
 
 from .conftest import BASE, TRAINER
 
@@ -31,7 +32,7 @@ _RUNS: dict = {}
 def surgery_run(tmp_path_factory):
     """The shared 4-rank factory run (made once per test session)."""
     if "run" not in _RUNS:
-        from ckpt_tools.fixtures.factory import FactorySpec, make_run
+        from tests.factory.factory import FactorySpec, make_run
 
         spec = FactorySpec.tiny(tie_word_embeddings=True, scheduler="sequential", decay="cosine", steps=3)
         _RUNS["run"] = make_run(tmp_path_factory.mktemp("surgery-run") / "run", spec)
@@ -243,7 +244,7 @@ def test_slim_with_a_base_that_is_not_the_runs_refuses(tmp_path):
 
 @pytest.mark.slow
 def test_factory_checkpoint_slim_rehydrate_loads_strictly_into_4_rank_fsdp2(tmp_path_factory):
-    from ckpt_tools.fixtures.fsdp_check import load_strict
+    from tests.factory.fsdp_check import load_strict
 
     paths = surgery_run(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("factory-surgery")

@@ -22,8 +22,10 @@ Every tensor is written as dim-0 row chunks with `torch.chunk` boundaries for `w
 one row chunk at a time: read those rows' bf16 bytes, upcast, append, drop -- memory is one fp32
 chunk plus its bf16 source (for Qwen3-32B's embedding at world size 4: 0.78 GB + 0.39 GB).
 
-The checkpoint does not store alpha (prime-rl takes it from the orchestrator config): the plan
-says which `[model.lora] alpha` the resuming run must use for the adapter's scale.
+The LoRA comes from any `LoraSource`: a PEFT adapter dir (`ckpt adapter-to-dcp`) or another prime-rl
+checkpoint's own LoRA, read straight from it (`restart-prep --mode adapter`: no PEFT round trip). The
+checkpoint does not store alpha (prime-rl takes it from the orchestrator config): the plan says which
+`[model.lora] alpha` the resuming run must use for the adapter's scale.
 """
 from __future__ import annotations
 
@@ -36,30 +38,34 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import AtomicOutputDir
-from ..dcp.reader import BytesEntry, DcpCheckpoint, TensorEntry
-from ..dcp.writer import DcpWriter, row_chunks
-from ..errors import CkptError, FormatError, UsageError
-from ..formats.hf_dir import HFModelDir, resolve_model_dir
-from ..keys import base_key, classify, lora_key, lora_path
-from ..peft_adapter import PeftAdapter, open_peft_adapter
-from ..primerl_state import (
+from ..core.errors import FormatError, UsageError
+from ..core.keys import base_key, base_path, classify, lora_key, lora_path, optimizer_state_key, optimizer_state_path
+from ..core.lora_math import check_modules_fit_base
+from ..core.primerl_state import (
     ADAMW_STATE_FIELDS, PRIMERL_ADAMW_DEFAULTS, SchedulerSpec, adamw_param_group, build_optim_state, flat_key,
     flatten_state, fresh_adamw_fields, optimizer_param_order, progress_state,
 )
-from .extract_adapter import check_against_base
+from ..core.progress import Progress, report
+from ..core.tied import missing_aliases
+from ..formats.dcp.layout import row_chunks
+from ..formats.dcp.model import BytesEntry, TensorEntry
+from ..formats.dcp.reader import DcpCheckpoint
+from ..formats.dcp.writer import DcpWriter
+from ..io.staging import AtomicOutputDir
+from ..sources.hf import HFSource
+from ..sources.lora import LoraSource, PeftLoraSource
+
+__all__ = ["ToDcpOptions", "ToDcpSources", "open_to_dcp_sources", "ToDcpJob", "ToDcpPlan", "ToDcpReport",
+           "plan_adapter_to_dcp", "run_adapter_to_dcp"]
 
 SLOT = 0   # a single-run prime-rl checkpoint holds adapter slot 0
-# Weights an untied-looking base omits when the config ties them: (alias, source). FSDP's state
-# dict lists both names of a shared parameter, and prime-rl's strict load asks for both.
-TIED_ALIASES = (("lm_head.weight", "model.embed_tokens.weight"),)
 # Per storage item: torch.save zip overhead is ~1.5 KB (format §3.2); pre-flight adds this much.
 _ITEM_OVERHEAD_BYTES = 2048
 _HPARAMS_FROM_SOURCE = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 @dataclass(frozen=True)
-class TensorJob:
+class ToDcpJob:
     key: str
     path: tuple
     shape: tuple[int, ...]
@@ -88,14 +94,19 @@ class ToDcpPlan:
     rank: int
     scale: float
     required_orch_alpha: float
-    tensors: tuple[TensorJob, ...] = field(repr=False)
+    tensors: tuple[ToDcpJob, ...] = field(repr=False)
     objects: tuple[tuple[tuple, object], ...] = field(repr=False)   # (planner path, value) byte items
     data_bytes: int = 0
     need_bytes: int = 0
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
-    def to_dict(self, *, full: bool = False) -> dict:
+    @property
+    def units(self) -> tuple[int, ...]:
+        """The independent work units: the output data files (`__k_0.distcp`, rank k's rows of every tensor)."""
+        return tuple(range(self.world_size))
+
+    def to_json(self, *, full: bool = False) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("tensors", "objects")}
         for k in ("adapter", "base", "out", "optimizer_from"):
             d[k] = str(d[k]) if d[k] is not None else None
@@ -129,44 +140,85 @@ def _read_param_group(ckpt: DcpCheckpoint) -> dict:
     return out
 
 
-def plan_adapter_to_dcp(adapter: str | Path, base: str | Path, out: str | Path, *, lr: float | None = None,
-                        step: int | None = None, world_size: int = 4, optimizer_from: str | Path | None = None,
-                        scheduler: SchedulerSpec | None = None, scheduler_step: int | None = None,
-                        trust_pickle: bool = False) -> tuple[ToDcpPlan, PeftAdapter, HFModelDir, DcpCheckpoint | None]:
+@dataclass(frozen=True)
+class ToDcpOptions:
+    out: str | Path
+    lr: float | None = None
+    step: int | None = None
+    world_size: int = 4
+    scheduler: SchedulerSpec | None = None
+    scheduler_step: int | None = None
+    trust_pickle: bool = False
+
+
+@dataclass
+class ToDcpSources:
+    lora: LoraSource                       # a PEFT adapter, or a checkpoint's own LoRA (slot 0)
+    base: HFSource
+    optimizer_from: DcpCheckpoint | None = None
+
+    def close(self) -> None:
+        for s in (self.optimizer_from, self.base, self.lora):
+            if s is not None:
+                s.close()
+
+    def __enter__(self) -> "ToDcpSources":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_to_dcp_sources(adapter: str | Path, base: str | Path, *, optimizer_from: str | Path | None = None,
+                        trust_pickle: bool = False) -> ToDcpSources:
+    """A PEFT adapter (refused: DoRA, bias, unknown peft_type, bad keys...), the HF base, and the
+    checkpoint to carry AdamW state from (headers and metadata only)."""
+    lora = PeftLoraSource(Path(adapter))
+    opened = [lora]
+    try:
+        hf = HFSource.open(base)
+        opened.append(hf)
+        ck = DcpCheckpoint.open(optimizer_from, trust_pickle=trust_pickle) if optimizer_from is not None else None
+    except BaseException:
+        for o in reversed(opened):
+            o.close()
+        raise
+    return ToDcpSources(lora, hf, ck)
+
+
+def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPlan:
     """Validate everything (adapter config and keys, shapes against the base, the optimizer
     source) before any tensor byte is read, and decide every key of the output."""
-    adapter, out = Path(adapter), Path(out)
+    ad, hf, src_ckpt = sources.lora, sources.base, sources.optimizer_from
+    out, lr, step, world_size = Path(options.out), options.lr, options.step, options.world_size
+    scheduler, scheduler_step = options.scheduler, options.scheduler_step
     if world_size < 1:
         raise UsageError(f"--world-size {world_size} must be >= 1")
-    ad = open_peft_adapter(adapter, strict=True)   # refuses DoRA, bias, unknown peft_type, bad keys...
-    cfg = ad.config
     if not ad.modules:
         raise FormatError("the adapter holds zero LoRA modules", path=ad.weights_path,
                           hint="nothing to train on; check the adapter's keys")
-    if cfg.fan_in_fan_out:
+    if any(m.fan_in_fan_out for m in ad.modules.values()):
         raise FormatError("fan_in_fan_out=true (Conv1D-style base layers): prime-rl's LoRA wraps nn.Linear",
-                          path=cfg.path)
+                          path=ad.config_path)
     ranks = sorted({m.rank for m in ad.modules.values()})
     scales = sorted({m.scale for m in ad.modules.values()})
     if len(ranks) != 1 or len(scales) != 1:
         raise FormatError(f"ranks {ranks} / scales {scales} vary across modules (rank_pattern/alpha_pattern): "
-                          "prime-rl trains one rank with one scale", path=cfg.path)
+                          "prime-rl trains one rank with one scale", path=ad.config_path)
     rank, scale = ranks[0], scales[0]
 
-    base_dir = resolve_model_dir(base)
-    hf = HFModelDir.open(base_dir)
-    base_shapes = {k: tuple(hf.info(k).shape) for k in hf.keys()}
-    shapes = {m: (ad._shapes[s.a_key], ad._shapes[s.b_key]) for m, s in ad.modules.items()}
-    check_against_base(shapes, base_shapes, base_dir)
+    base_dir = hf.path
+    base_shapes = {k: tuple(hf.facts(k).shape) for k in hf.disk_order()}
+    shapes = {m: (s.a_shape, s.b_shape) for m, s in ad.modules.items()}
+    check_modules_fit_base(shapes, base_shapes, base_dir)
     notes, warnings = [], []
 
     # ---- model tensors: base (in file order, for sequential reads), tied aliases, LoRA
-    jobs: list[TensorJob] = []
-    model_names = list(hf.keys())
-    tied = bool((hf.config or {}).get("tie_word_embeddings"))
-    aliases = {a: s for a, s in TIED_ALIASES if tied and a not in base_shapes and s in base_shapes}
+    jobs: list[ToDcpJob] = []
+    model_names = hf.disk_order()
+    aliases = missing_aliases(hf.config, base_shapes)
     full = dict(ad.full_tensors)   # modules_to_save: HF name -> adapter key
-    bad_full = [n for n in full if n not in base_shapes or base_shapes[n] != tuple(ad._shapes[full[n]])]
+    bad_full = [n for n in full if n not in base_shapes or base_shapes[n] != tuple(ad.key_facts(full[n]).shape)]
     if bad_full:
         raise FormatError(f"modules_to_save tensors {bad_full} have no same-shaped tensor in the base",
                           path=ad.weights_path, hint="the adapter was trained on a different base model")
@@ -176,7 +228,7 @@ def plan_adapter_to_dcp(adapter: str | Path, base: str | Path, out: str | Path, 
             source = f"adapter:{full[src_name]}"
         else:
             source = f"base:{src_name}"
-        jobs.append(TensorJob(base_key(name), ("app", "model", name), base_shapes[src_name], source, "base"))
+        jobs.append(ToDcpJob(base_key(name), base_path(name), base_shapes[src_name], source, "base"))
     if aliases:
         notes.append(f"tied embeddings: {', '.join(aliases)} written as a copy of "
                      f"{', '.join(aliases.values())} (FSDP's state dict holds both names)")
@@ -185,23 +237,20 @@ def plan_adapter_to_dcp(adapter: str | Path, base: str | Path, out: str | Path, 
     modules = sorted(ad.modules)
     for m in modules:
         s = ad.modules[m]
-        for ab, akey in (("A", s.a_key), ("B", s.b_key)):
-            jobs.append(TensorJob(lora_key(m, ab, SLOT), lora_path(m, ab, SLOT), tuple(ad._shapes[akey]),
-                                  f"adapter:{akey}", "lora"))
+        for ab, akey, shape in (("A", s.a_key, s.a_shape), ("B", s.b_key, s.b_shape)):
+            jobs.append(ToDcpJob(lora_key(m, ab, SLOT), lora_path(m, ab, SLOT), tuple(shape), f"adapter:{akey}", "lora"))
 
     # ---- optimizer: fresh, or moments carried from another checkpoint
     order = optimizer_param_order(modules, SLOT)
-    param_shape = {f"{m}.lora_{ab}.{SLOT}": tuple(ad._shapes[getattr(ad.modules[m], ab.lower() + '_key')])
+    param_shape = {f"{m}.lora_{ab}.{SLOT}": tuple(getattr(ad.modules[m], ab.lower() + "_shape"))
                    for m in modules for ab in "AB"}
-    src_ckpt = None
     hparams = {}
     src_progress = {}
-    if optimizer_from is not None:
-        src_ckpt = DcpCheckpoint.open(optimizer_from, trust_pickle=trust_pickle)
+    if src_ckpt is not None:
         problems = []
         for fqn in order:
             for fld in ADAMW_STATE_FIELDS:
-                key = f"app.optimizers.state.{fqn}.{fld}"
+                key = optimizer_state_key(fqn, fld)
                 e = src_ckpt.entries.get(key)
                 want = () if fld == "step" else param_shape[fqn]
                 if not isinstance(e, TensorEntry):
@@ -229,16 +278,16 @@ def plan_adapter_to_dcp(adapter: str | Path, base: str | Path, out: str | Path, 
             notes.append(f"AdamW hyperparameters carried from the source: {changed}")
         for fqn in order:
             for fld in ADAMW_STATE_FIELDS:
-                key = f"app.optimizers.state.{fqn}.{fld}"
-                jobs.append(TensorJob(key, ("app", "optimizers", "state", fqn, fld),
-                                      () if fld == "step" else param_shape[fqn], f"ckpt:{key}", "optimizer_state"))
+                key = optimizer_state_key(fqn, fld)
+                jobs.append(ToDcpJob(key, optimizer_state_path(fqn, fld),
+                                     () if fld == "step" else param_shape[fqn], f"ckpt:{key}", "optimizer_state"))
     else:
         fill = fresh_adamw_fields()
         for fqn in order:
             for fld in ADAMW_STATE_FIELDS:
-                jobs.append(TensorJob(f"app.optimizers.state.{fqn}.{fld}", ("app", "optimizers", "state", fqn, fld),
-                                      () if fld == "step" else param_shape[fqn], f"fill:{fill[fld]!r}",
-                                      "optimizer_state"))
+                jobs.append(ToDcpJob(optimizer_state_key(fqn, fld), optimizer_state_path(fqn, fld),
+                                     () if fld == "step" else param_shape[fqn], f"fill:{fill[fld]!r}",
+                                     "optimizer_state"))
     if lr is None:
         raise UsageError("pass --lr: the base learning rate the resumed run trains with "
                          "(or --optimizer-from CKPT to take that checkpoint's)")
@@ -259,7 +308,7 @@ def plan_adapter_to_dcp(adapter: str | Path, base: str | Path, out: str | Path, 
     if n_from_dir is not None and n_from_dir != step:
         warnings.append(f"OUT is a step_{n_from_dir}/trainer dir but progress.step will be {step}: prime-rl "
                         f"finds checkpoints by directory name; use .../step_{step}/trainer or --step {n_from_dir}")
-    if any(ad._dtypes[s.a_key] != torch.float32 for s in ad.modules.values()):
+    if any(s.a_dtype != "float32" for s in ad.modules.values()):
         notes.append("the adapter is not fp32: its values are upcast exactly, but the rounding it went through "
                      "is not undone")
     required_alpha = scale * rank
@@ -270,53 +319,64 @@ def plan_adapter_to_dcp(adapter: str | Path, base: str | Path, out: str | Path, 
     items = sum(max(1, len(row_chunks(j.shape[0], world_size))) if j.shape else 1 for j in jobs) + len(objects)
     data = sum(j.nbytes for j in jobs)
     plan = ToDcpPlan(
-        adapter=adapter, base=base_dir, out=out, optimizer_from=src_ckpt.dir if src_ckpt else None,
+        adapter=ad.path, base=base_dir, out=out, optimizer_from=src_ckpt.dir if src_ckpt else None,
         world_size=world_size, step=step, lr=float(lr), scheduler={**dataclasses.asdict(spec),
                                                                     "describe": spec.describe(), "state": ost.scheduler},
         scheduler_step=position, lr_now=ost.lr_now, lr_next=ost.lr_next, modules=len(modules), rank=rank,
         scale=scale, required_orch_alpha=required_alpha, tensors=tuple(jobs), objects=tuple(objects),
         data_bytes=data, need_bytes=data + items * _ITEM_OVERHEAD_BYTES + (1 << 20), notes=tuple(notes),
         warnings=tuple(warnings))
-    return plan, ad, hf, src_ckpt
+    return plan
 
 
-def _row_chunk_info(info, start: int, rows: int):
-    """The TensorInfo of rows [start, start + rows) of a row-major tensor (one contiguous range)."""
-    row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
-    return dataclasses.replace(info, shape=(rows,) + tuple(info.shape[1:]), begin=info.begin + start * row_bytes,
-                               nbytes=rows * row_bytes)
-
-
-def _write_base_streaming(w: DcpWriter, job: TensorJob, hf: HFModelDir, name: str) -> None:
-    from ..formats.safetensors_io import read_tensor
-
-    info = hf.info(name)
-    fd = hf.fd(name)
-    if not info.shape:
-        t = read_tensor(info, fd)
+def _write_base_streaming(w: DcpWriter, job: ToDcpJob, hf: HFSource, name: str) -> None:
+    """One base tensor as its fp32 master, one row chunk at a time (read those rows' bytes, upcast,
+    append, drop): memory is one fp32 chunk plus its source rows."""
+    shape = hf.facts(name).shape
+    if not shape:
+        t = hf.read_tensor(name)
         w.write_tensor(job.key, job.path, t.float() if t.is_floating_point() else t)
         return
-    for k, (start, rows) in enumerate(row_chunks(info.shape[0], w.files)):
-        piece = read_tensor(_row_chunk_info(info, start, rows), fd)
+    for k, (start, rows) in enumerate(row_chunks(shape[0], w.files)):
+        piece = hf.read_rows(name, start, rows)
         piece = piece.to(torch.float32) if piece.is_floating_point() else piece
-        w.write_chunk(job.key, job.path, piece, size=tuple(info.shape),
-                      offsets=(start,) + (0,) * (len(info.shape) - 1), file_index=k)
+        w.write_chunk(job.key, job.path, piece, size=tuple(shape), offsets=(start,) + (0,) * (len(shape) - 1),
+                      file_index=k)
         del piece
 
 
-def run_adapter_to_dcp(plan: ToDcpPlan, ad: PeftAdapter, hf: HFModelDir, src_ckpt: DcpCheckpoint | None) -> dict:
+@dataclass(frozen=True)
+class ToDcpReport:
+    plan: ToDcpPlan
+    bytes_written: int | None = None      # None: a dry run
+    seconds: float = 0.0
+    full: bool = False                    # list every tensor (a --json dry run)
+
+    def to_json(self) -> dict:
+        rep = self.plan.to_json(full=self.full)
+        if self.bytes_written is None:
+            rep["dry_run"] = True
+        else:
+            rep.update(bytes_written=self.bytes_written, seconds=self.seconds)
+        return rep
+
+
+def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progress | None = None) -> ToDcpReport:
+    """Write the checkpoint (atomically); `progress`: one event per key written."""
+    ad, hf, src_ckpt = sources.lora, sources.base, sources.optimizer_from
     t0 = time.perf_counter()
     inputs = [plan.adapter, plan.base] + ([plan.optimizer_from] if plan.optimizer_from else [])
     with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.need_bytes) as tmp:
         w = DcpWriter(tmp, files=plan.world_size)
         try:
-            for job in plan.tensors:
+            for i, job in enumerate(plan.tensors):
                 kind, _, ref = job.source.partition(":")
+                report(progress, "write", i, len(plan.tensors), unit="tensors", name=job.key)
                 if kind == "base":
                     _write_base_streaming(w, job, hf, ref)
                     continue
                 if kind == "adapter":
-                    t = ad.read(ref).to(torch.float32)
+                    t = ad.read_key(ref).to(torch.float32)
                 elif kind == "ckpt":
                     t = src_ckpt.read_tensor(ref).to(torch.float32)
                 else:   # fill:<value>
@@ -331,15 +391,4 @@ def run_adapter_to_dcp(plan: ToDcpPlan, ad: PeftAdapter, hf: HFModelDir, src_ckp
         except BaseException:
             w.abort()
             raise
-    rep = plan.to_dict()
-    rep.update(bytes_written=w.bytes_written, seconds=round(time.perf_counter() - t0, 3))
-    return rep
-
-
-def close_all(*objs) -> None:
-    for o in objs:
-        if o is not None and hasattr(o, "close"):
-            try:
-                o.close()
-            except CkptError:
-                pass
+    return ToDcpReport(plan, w.bytes_written, round(time.perf_counter() - t0, 3))

@@ -1,219 +1,48 @@
 """`ckpt extract-adapter`: a prime-rl DCP checkpoint's LoRA -> a PEFT adapter directory.
 
-Plan, then execute. `plan_extract` works from `.metadata`, the run's orch.toml and (optionally)
-the base model's safetensors headers; it decides every output key, dtype, shape and byte count and
-the whole `adapter_config.json`. `run_extract` then streams: for each output tensor in key order,
-read that one LoRA tensor (exactly its chunks' byte ranges), cast, write it at its precomputed
-offset in `adapter_model.safetensors`, drop it. Memory: one LoRA tensor plus its cast copy (a
-Qwen3-32B r=32 `gate_proj` B is 25600x32 fp32 = 3.3 MB), never the whole adapter.
+Plan, then execute. `plan_extract(source, options)` works from `.metadata`, the run's orch.toml and
+(optionally) the base model's safetensors headers; it decides every output key, dtype, shape and
+byte count and the whole `adapter_config.json`. `run_extract(plan, source, progress)` then streams:
+for each output tensor in key order, read that one LoRA tensor (exactly its chunks' byte ranges),
+cast, write it at its precomputed offset in `adapter_model.safetensors`, drop it. Memory: one LoRA
+tensor plus its cast copy (a Qwen3-32B r=32 `gate_proj` B is 25600x32 fp32 = 3.3 MB), never the
+whole adapter.
 
-Alpha is not in the checkpoint: it is resolved by `ckpt_tools.alpha` (--alpha, --run-config, the
+Alpha is not in the checkpoint: it is resolved by `formats.primerl.alpha` (--alpha, --run-config, the
 run's orch.toml) and written as `lora_alpha` such that lora_alpha / r is the scale training used.
-
-This module also holds what every PEFT-dir writer here shares (`peft_config`, `peft_key`,
-`write_adapter_dir`), used by `ckpt fix-adapter` too.
+The PEFT dir itself is written by `formats.peft.writer`.
 """
 from __future__ import annotations
 
-import json
-import logging
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
-import torch
+from ..core.errors import CkptError, FormatError, UsageError
+from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
+from ..core.progress import Progress, report
+from ..core.tensor_math import bf16_round
+from ..formats.hf_dir.hub import locate_model
+from ..formats.hf_dir.model_dir import tensor_shapes
+from ..formats.peft.writer import OutTensor, peft_config, peft_key, safetensors_file_bytes, target_modules_for, \
+    write_adapter_dir
+from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_adapter_configs, run_outputs_dir
+from ..io.inputs import read_json
+from ..io.staging import AtomicOutputDir
+from ..sources.lora import DcpLoraSource
 
-from ..alpha import find_run_configs, run_adapter_configs, run_outputs_dir
-from ..atomic import AtomicOutputDir, write_new_file
-from ..errors import CkptError, FormatError, UsageError
-from ..inputs import read_json, read_toml
-from ..keys import lora_key, module_suffix
-from ..lora_source import DcpLoraSource
-from ..peft_adapter import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
+__all__ = ["ExtractOptions", "ExtractPlan", "ExtractReport", "plan_extract", "run_extract"]
 
-log = logging.getLogger(__name__)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SAFETENSORS_METADATA = {"format": "pt"}
 # Tensors of the output file are small: reserve this much beyond the exact sizes for the
 # header and adapter_config.json in the disk-space pre-flight.
 _SLACK_BYTES = 1 << 20
 
-# adapter_config.json as PEFT's own `LoraConfig(...).to_dict()` writes it (the field set of the
-# fixture's reference_peft_adapter, written by the peft library), with our values filled in by
-# `peft_config`. A fixed table, not a live peft import: the output must not depend on which peft
-# version happens to be installed, and every field here is one PEFT and vLLM accept.
-PEFT_CONFIG_DEFAULTS: dict = {
-    "alpha_pattern": {},
-    "auto_mapping": None,
-    "base_model_name_or_path": None,
-    "bias": "none",
-    "corda_config": None,
-    "eva_config": None,
-    "exclude_modules": None,
-    "fan_in_fan_out": False,
-    "inference_mode": True,
-    "init_lora_weights": True,
-    "layer_replication": None,
-    "layers_pattern": None,
-    "layers_to_transform": None,
-    "loftq_config": {},
-    "lora_alpha": None,
-    "lora_bias": False,
-    "lora_dropout": 0.0,
-    "megatron_config": None,
-    "megatron_core": "megatron.core",
-    "modules_to_save": None,
-    "peft_type": "LORA",
-    "qalora_group_size": 16,
-    "r": None,
-    "rank_pattern": {},
-    "revision": None,
-    "target_modules": None,
-    "target_parameters": None,
-    "task_type": "CAUSAL_LM",
-    "trainable_token_indices": None,
-    "use_dora": False,
-    "use_qalora": False,
-    "use_rslora": False,
-}
 
-
-def peft_key(module: str, ab: str) -> str:
-    """`model.layers.0.mlp.up_proj`, "A" -> `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`."""
-    return f"{PEFT_PREFIX}{module}.lora_{ab}.weight"
-
-
-def peft_config(*, r: int, lora_alpha: float, target_modules: list[str], base_model_name_or_path: str | None,
-                modules_to_save: list[str] | None = None) -> dict:
-    cfg = dict(PEFT_CONFIG_DEFAULTS)
-    cfg.update(r=int(r), lora_alpha=float(lora_alpha), target_modules=list(target_modules),
-               base_model_name_or_path=base_model_name_or_path,
-               modules_to_save=sorted(modules_to_save) if modules_to_save else None)
-    return cfg
-
-
-def config_json(cfg: dict) -> str:
-    """PEFT's own layout: sorted keys, 2-space indent."""
-    return json.dumps(cfg, indent=2, sort_keys=True, allow_nan=False) + "\n"
-
-
-def bf16_round(x: float) -> float:
-    return float(torch.tensor(float(x), dtype=torch.float32).to(torch.bfloat16).float())
-
-
-def lora_alpha_for_scale(scale: float, r: int) -> float:
-    """lora_alpha such that lora_alpha / r == scale (an integer value when it is one)."""
-    a = scale * r
-    return float(round(a)) if math.isclose(a, round(a), rel_tol=0, abs_tol=1e-9) else a
-
-
-# ------------------------------------------------------------------------------------ base models
-def locate_base(name: str | None, *, run_root: Path | None = None) -> tuple[Path | None, str | None]:
-    """Find a base model dir from a name or path: as given (a local dir, or a hub id in the local
-    HF cache, offline). With `run_root` (the name came from the run's orch.toml), a relative name
-    is first looked up in the run's launch dir (`outputs/..`), where prime-rl resolved it.
-    Returns (dir, None) or (None, why not)."""
-    from ..formats.hf_dir import resolve_model_dir
-
-    if not name:
-        return None, "no base model named"
-    if run_root is not None and not Path(name).is_absolute() and (run_root / name).is_dir():
-        return run_root / name, None
-    why = None
-    try:
-        return resolve_model_dir(name), None
-    except CkptError as exc:
-        why = exc.message
-    return None, why
-
-
-def base_module_shapes(base_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict]:
-    """{tensor name: shape} of a base model from its headers only, and its config."""
-    from ..formats.hf_dir import HFModelDir
-
-    with HFModelDir.open(base_dir) as m:
-        return {k: tuple(m.info(k).shape) for k in m.keys()}, (m.config or {})
-
-
-def check_against_base(shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
-                       base_shapes: dict[str, tuple[int, ...]], base_dir: Path) -> None:
-    """Every module's A [r, in] / B [out, r] must fit `<module>.weight` [out, in] of the base.
-    All problems in one error; zero matching modules is an error too."""
-    problems = []
-    matched = 0
-    for module, (a, b) in sorted(shapes.items()):
-        w = base_shapes.get(f"{module}.weight")
-        if w is None:
-            problems.append(f"{module}: the base has no {module}.weight")
-        elif len(w) != 2 or a[1] != w[1] or b[0] != w[0]:
-            problems.append(f"{module}: A {list(a)} / B {list(b)} do not fit the base weight {list(w)} "
-                            f"(expect A [r, {w[1] if len(w) == 2 else '?'}], B [{w[0]}, r])")
-        else:
-            matched += 1
-    if matched == 0 or problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise FormatError(f"{matched} of {len(shapes)} LoRA modules match the base model: {shown}",
-                          path=base_dir, hint="the adapter was trained on a different base model; pass the "
-                                              "right one with --base")
-
-
-def target_modules_for(modules: list[str], base_shapes: dict[str, tuple[int, ...]] | None) -> tuple[list[str], str | None]:
-    """PEFT target_modules: the sorted suffixes when they select exactly our modules in the base
-    (or when there is no base to check); else the explicit module names (PEFT matches an exact
-    name too), so PEFT creates no LoRA layer that has no weights."""
-    suffixes = sorted({module_suffix(m) for m in modules})
-    if base_shapes is None:
-        return suffixes, None
-    selected = {k[:-len(".weight")] for k, s in base_shapes.items()
-                if k.endswith(".weight") and len(s) == 2 and module_suffix(k[:-len(".weight")]) in suffixes}
-    if selected == set(modules):
-        return suffixes, None
-    return sorted(modules), (f"the LoRA covers {len(modules)} of the {len(selected)} base modules named "
-                             f"{', '.join(suffixes)}; target_modules lists the {len(modules)} module names "
-                             "explicitly")
-
-
-# ------------------------------------------------------------------------------------ writing
 @dataclass(frozen=True)
-class OutTensor:
-    name: str                 # key in adapter_model.safetensors
-    shape: tuple[int, ...]
-    dtype: str                # "fp32" | "bf16"
-    source: str               # where it comes from (DCP key, source file key)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
-
-
-def safetensors_file_bytes(tensors: list[OutTensor]) -> int:
-    from ..formats.safetensors_io import build_header
-
-    entries = [(t.name, DTYPES[t.dtype], t.shape) for t in tensors]
-    return len(build_header(entries, SAFETENSORS_METADATA)) + sum(t.nbytes for t in tensors)
-
-
-def write_adapter_dir(directory: Path, tensors: list[OutTensor], read: Callable[[OutTensor], torch.Tensor],
-                      config: dict) -> int:
-    """Write adapter_model.safetensors (tensors in the given order, which callers sort by name)
-    and adapter_config.json into `directory`; `read` returns one tensor at a time. Returns the
-    safetensors file size."""
-    from ..formats.safetensors_io import StreamingSafetensorsWriter
-
-    entries = [(t.name, DTYPES[t.dtype], t.shape) for t in tensors]
-    with StreamingSafetensorsWriter(directory / SAFETENSORS_NAME, entries, SAFETENSORS_METADATA) as w:
-        for t in tensors:
-            value = read(t).to(DTYPES[t.dtype]).contiguous()
-            if tuple(value.shape) != t.shape:
-                raise FormatError(f"read {list(value.shape)}, planned {list(t.shape)}", key=t.source)
-            w.write(t.name, value)
-            del value
-        size = w.file_bytes
-    write_new_file(directory / ADAPTER_CONFIG, config_json(config))
-    return size
+class ExtractOptions:
+    out: str | Path
+    base: str | None = None         # base_model_name_or_path, and the shapes to check (default: orch.toml's)
+    dtype: str = "fp32"             # fp32 (exact) | bf16
 
 
 # ------------------------------------------------------------------------------------ the plan
@@ -238,7 +67,7 @@ class ExtractPlan:
     out_file_bytes: int = 0
     warnings: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict:
+    def to_json(self) -> dict:
         d = asdict(self)
         d["checkpoint"], d["out"] = str(self.checkpoint), str(self.out)
         d["base_checked"] = str(self.base_checked) if self.base_checked else None
@@ -246,18 +75,6 @@ class ExtractPlan:
                         for t in self.tensors]
         d["warnings"] = list(self.warnings)
         return d
-
-
-def _orch_model_name(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        data, _ = read_toml(path, root=run_outputs_dir(path) if run_outputs_dir(path) else None,
-                            what="orchestrator config")
-        name = (data.get("model") or {}).get("name") if isinstance(data.get("model"), dict) else None
-    except CkptError:   # only a default for base_model_name_or_path: an unreadable config costs it
-        return None
-    return name if isinstance(name, str) and name else None
 
 
 def _run_root(orch: Path | None) -> Path | None:
@@ -268,9 +85,10 @@ def _run_root(orch: Path | None) -> Path | None:
     return p.parents[3] if len(p.parents) > 3 else None
 
 
-def plan_extract(src: DcpLoraSource, out: str | Path, *, base: str | None = None, dtype: str = "fp32") -> ExtractPlan:
+def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     """Decide everything from metadata (see module docstring). `src` is an open DcpLoraSource
     (its alpha already resolved)."""
+    out, base, dtype = options.out, options.base, options.dtype
     if dtype not in ("fp32", "bf16"):
         raise UsageError(f"--dtype {dtype!r}: choose fp32 (exact) or bf16")
     out = Path(out)
@@ -291,26 +109,23 @@ def plan_extract(src: DcpLoraSource, out: str | Path, *, base: str | None = None
                         f"applied bf16({scale:.6g}) = {bf16_round(scale)!r} during training. The adapter keeps "
                         "alpha / r exactly, as PEFT and vLLM compute it")
 
-    shapes = {}
-    for m in modules:
-        ea, eb = ckpt.entries[lora_key(m, "A", src.slot)], ckpt.entries[lora_key(m, "B", src.slot)]
-        shapes[m] = (tuple(ea.shape), tuple(eb.shape))
+    shapes = {m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in modules}
 
     # base model: for base_model_name_or_path, and to verify shapes + target_modules when found
     orch = src.resolution.config_path
     if orch is None:
         found = find_run_configs(ckpt.dir)
         orch = found[0] if len(found) == 1 else None
-    base_name = base if base is not None else _orch_model_name(orch)
+    base_name = base if base is not None else orch_model_name(orch)
     if base_name is None:
         warnings.append("no base model name: pass --base NAME_OR_DIR (the run's orch.toml [model] name was not "
                         "found); base_model_name_or_path is left null, so PEFT/vLLM users must supply the base")
-    base_dir, why = locate_base(base_name, run_root=None if base is not None else _run_root(orch)) \
+    base_dir, why = locate_model(base_name, run_root=None if base is not None else _run_root(orch)) \
         if base_name else (None, None)
     base_shapes = None
     if base_dir is not None:
-        base_shapes, _cfg = base_module_shapes(base_dir)
-        check_against_base(shapes, base_shapes, base_dir)
+        base_shapes, _cfg = tensor_shapes(base_dir)
+        check_modules_fit_base(shapes, base_shapes, base_dir)
     elif base_name is not None:
         warnings.append(f"base model {base_name!r} not found locally ({why}); LoRA shapes were not checked "
                         "against it")
@@ -333,7 +148,7 @@ def plan_extract(src: DcpLoraSource, out: str | Path, *, base: str | None = None
                         "updates those tensors (format §6.3), so the base's own values are the trained ones")
 
     tensors = tuple(sorted((OutTensor(peft_key(m, ab), shapes[m][0 if ab == "A" else 1], dtype,
-                                      lora_key(m, ab, src.slot)) for m in modules for ab in "AB"),
+                                      getattr(src.modules[m], f"{ab.lower()}_key")) for m in modules for ab in "AB"),
                            key=lambda t: t.name))
     cfg = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets, base_model_name_or_path=base_name)
     entries = [ckpt.entries[t.source] for t in tensors]
@@ -345,15 +160,37 @@ def plan_extract(src: DcpLoraSource, out: str | Path, *, base: str | None = None
         out_file_bytes=safetensors_file_bytes(list(tensors)), warnings=tuple(warnings))
 
 
-def run_extract(plan: ExtractPlan, src: DcpLoraSource) -> dict:
-    """Execute `plan` into an AtomicOutputDir; returns the report (plan + measured figures)."""
+@dataclass(frozen=True)
+class ExtractReport:
+    plan: ExtractPlan
+    written_file_bytes: int | None = None     # None: a dry run
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        rep = self.plan.to_json()
+        if self.written_file_bytes is None:
+            rep["dry_run"] = True
+            return rep
+        p = self.plan
+        rep.update(written_file_bytes=self.written_file_bytes, bytes_read=self.bytes_read, seconds=self.seconds,
+                   read_ratio=round(self.bytes_read / p.lora_item_bytes, 4) if p.lora_item_bytes else None)
+        return rep
+
+
+def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None = None) -> ExtractReport:
+    """Execute `plan` into an AtomicOutputDir: one LoRA tensor in flight (`progress`: one event per tensor)."""
     t0 = time.perf_counter()
     before = src.ckpt.stats.bytes_read
     inputs = [plan.checkpoint] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
+    done = [0]
+
+    def read(t: OutTensor):
+        v = src.read_key(t.source)
+        done[0] += 1
+        report(progress, "extract", done[0], len(plan.tensors), unit="tensors", name=t.name)
+        return v
+
     with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + _SLACK_BYTES) as tmp:
-        size = write_adapter_dir(tmp, list(plan.tensors), lambda t: src.ckpt.read_tensor(t.source), plan.config)
-    read = src.ckpt.stats.bytes_read - before
-    rep = plan.to_dict()
-    rep.update(written_file_bytes=size, bytes_read=read, seconds=round(time.perf_counter() - t0, 3),
-               read_ratio=round(read / plan.lora_item_bytes, 4) if plan.lora_item_bytes else None)
-    return rep
+        size = write_adapter_dir(tmp, list(plan.tensors), read, plan.config)
+    return ExtractReport(plan, size, src.ckpt.stats.bytes_read - before, round(time.perf_counter() - t0, 3))

@@ -25,23 +25,29 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 import torch
 
-from ..alpha import AlphaResolution, find_run_configs, resolve_alpha
-from ..atomic import AtomicOutputDir
-from ..errors import AlphaError, FormatError, UsageError
-from ..inputs import check_input, register
-from ..peft_adapter import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, load_adapter_bin, parse_peft_config
-from .extract_adapter import (
-    DTYPES, OutTensor, base_module_shapes, check_against_base, lora_alpha_for_scale, locate_base, peft_config,
-    peft_key, safetensors_file_bytes, target_modules_for, write_adapter_dir,
-)
+from ..core.dtypes import short_name
+from ..core.errors import AlphaError, FormatError, UsageError
+from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
+from ..core.progress import Progress, report
+from ..formats.hf_dir.hub import locate_model
+from ..formats.hf_dir.model_dir import HFModelDir, tensor_shapes
+from ..formats.peft.config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
+from ..formats.peft.writer import OutTensor, peft_config, peft_key, safetensors_file_bytes, target_modules_for, \
+    write_adapter_dir
+from ..formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
+from ..io.inputs import check_input, register
+from ..io.staging import AtomicOutputDir
+from ..sources.files import TensorFileSource
+
+__all__ = ["LORA_KEY", "FixOptions", "FixPlan", "FixReport", "plan_fix", "run_fix"]
 
 # One table for every LoRA key spelling we repair: optional PEFT prefix, module, A/B, optional
 # adapter slot, `.weight`.
 LORA_KEY = re.compile(r"^(?P<prefix>base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])"
                       r"(?:\.(?P<slot>\d+))?\.weight$")
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def _belongs_to(name: str, target: str) -> bool:
@@ -49,35 +55,6 @@ def _belongs_to(name: str, target: str) -> bool:
     the module name or its suffix)."""
     stem = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
     return stem == target or stem.endswith("." + target)
-
-
-# ------------------------------------------------------------------------------------ sources
-class _Weights:
-    """The tensors of an adapter weights file, by key: shapes/dtypes up front, values one at a time."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        if path.name.endswith(".safetensors"):
-            from ..formats.safetensors_io import read_header, read_tensor, torch_dtype
-
-            infos = read_header(path).tensors
-            self.shapes = {k: tuple(i.shape) for k, i in infos.items()}
-            self.dtypes = {k: torch_dtype(i.dtype) for k, i in infos.items()}
-            self._read = lambda k: read_tensor(infos[k], path)
-        else:
-            sd = _load_bin(path)
-            self.shapes = {k: tuple(v.shape) for k, v in sd.items()}
-            self.dtypes = {k: v.dtype for k, v in sd.items()}
-            self._read = lambda k: sd[k].clone()   # a private copy: the caller may modify it
-
-    def read(self, key: str) -> torch.Tensor:
-        return self._read(key)
-
-
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """adapter_model.bin through the same checks as every adapter (`peft_adapter.load_adapter_bin`:
-    input checks, stored records, bounded pickle, weights_only, no expanded tensors)."""
-    return load_adapter_bin(path)
 
 
 def _weights_file(src: Path) -> Path:
@@ -115,7 +92,7 @@ class FixPlan:
     out_file_bytes: int = 0
     warnings: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict:
+    def to_json(self) -> dict:
         d = asdict(self)
         d["src"], d["out"] = str(self.src), str(self.out)
         d["base_checked"] = str(self.base_checked) if self.base_checked else None
@@ -156,20 +133,37 @@ def _resolve_alpha(src: Path, *, alpha, run_config, rank: int, cfg_alpha: float,
     return AlphaResolution(cfg_alpha, f"{src / ADAPTER_CONFIG} (unverified)")
 
 
-def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot: int | None = None,
-             alpha: float | None = None, run_config: str | Path | None = None) -> tuple[FixPlan, _Weights]:
-    """Validate SRC completely (config, every key, shapes, the base) and decide the output."""
-    src, out = Path(src), Path(out)
+@dataclass(frozen=True)
+class FixOptions:
+    out: str | Path
+    base: str | None = None
+    slot: int | None = None
+    alpha: float | None = None
+    run_config: str | None = None
+
+
+def open_fix_source(src: str | Path) -> TensorFileSource:
+    """The export's weights file (safetensors, or a .bin loaded through the allow-list), by key."""
+    src = Path(src)
     if not src.is_dir():
         raise UsageError("not an adapter directory", path=src)
     register(src)   # the whole export dir is an input: no OUT inside it
-    cfg = parse_peft_config(src / ADAPTER_CONFIG)   # refuses non-LoRA peft_type, DoRA, lora_bias, ...
+    parse_peft_config(src / ADAPTER_CONFIG)   # refuses non-LoRA peft_type, DoRA, lora_bias, ... before the weights
+    return TensorFileSource(_weights_file(src))
+
+
+def plan_fix(weights: TensorFileSource, src: str | Path, options: FixOptions) -> FixPlan:
+    """Validate SRC completely (config, every key, shapes, the base) and decide the output."""
+    src, out = Path(src), Path(options.out)
+    base, slot, alpha, run_config = options.base, options.slot, options.alpha, options.run_config
+    cfg = parse_peft_config(src / ADAPTER_CONFIG)
     if cfg.use_rslora or cfg.rank_pattern or cfg.alpha_pattern:
         raise FormatError("use_rslora / rank_pattern / alpha_pattern are set: prime-rl exports have none, and "
                           "fix-adapter repairs prime-rl exports", path=cfg.path,
                           hint="a PEFT-made adapter needs no repair")
-    wpath = _weights_file(src)
-    weights = _Weights(wpath)
+    wpath = weights.path
+    shapes = {k: weights.facts(k).shape for k in weights.names()}
+    dtypes = {k: weights.facts(k).dtype for k in weights.names()}
     warnings: list[str] = []
     fixes: list[str] = []
 
@@ -177,7 +171,7 @@ def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot:
     lora: dict[tuple[str, int | None], dict[str, str]] = {}
     full: dict[str, str] = {}
     unknown: list[str] = []
-    for k in weights.shapes:
+    for k in shapes:
         m = LORA_KEY.match(k)
         if m:
             s = int(m["slot"]) if m["slot"] is not None else None
@@ -223,12 +217,12 @@ def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot:
         if set(ab) != {"A", "B"}:
             problems.append(f"{mod}: lora_{''.join(ab)} without its partner")
             continue
-        a, b = weights.shapes[ab["A"]], weights.shapes[ab["B"]]
+        a, b = shapes[ab["A"]], shapes[ab["B"]]
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
             problems.append(f"{mod}: A {list(a)} and B {list(b)} do not share a rank")
             continue
         modules[mod] = (ab["A"], ab["B"])
-    ranks = sorted({weights.shapes[a][0] for a, _ in modules.values()})
+    ranks = sorted({shapes[a][0] for a, _ in modules.values()})
     if len(ranks) > 1:
         problems.append(f"ranks vary across modules: {ranks}")
     if problems:
@@ -237,8 +231,8 @@ def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot:
     if rank != cfg.r:
         warnings.append(f"adapter_config.json says r={cfg.r} but A has {rank} rows; writing r={rank}")
     for k in (k for ab in modules.values() for k in ab):
-        if weights.dtypes[k] not in _DTYPE_NAMES:
-            raise FormatError(f"dtype {weights.dtypes[k]} is not one we write (fp32, bf16, fp16)", path=wpath, key=k)
+        if short_name(dtypes[k]) is None:
+            raise FormatError(f"dtype torch.{dtypes[k]} is not one we write (fp32, bf16, fp16)", path=wpath, key=k)
 
     # ---- alpha: the training one, not the trainer config's
     cfg_scale = cfg.lora_alpha / cfg.r
@@ -253,12 +247,12 @@ def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot:
 
     # ---- the base: shapes of every module, modules_to_save against it
     name_for_cfg = base if base is not None else cfg.base_model_name_or_path
-    base_dir, why = locate_base(base, run_root=None) if base is not None else \
-        locate_base(cfg.base_model_name_or_path, run_root=_run_root_above(src))
+    base_dir, why = locate_model(base, run_root=None) if base is not None else \
+        locate_model(cfg.base_model_name_or_path, run_root=_run_root_above(src))
     base_shapes = None
     if base_dir is not None:
-        base_shapes, _ = base_module_shapes(base_dir)
-        check_against_base({m: (weights.shapes[a], weights.shapes[b]) for m, (a, b) in modules.items()},
+        base_shapes, _ = tensor_shapes(base_dir)
+        check_modules_fit_base({m: (shapes[a], shapes[b]) for m, (a, b) in modules.items()},
                            base_shapes, base_dir)
     elif base is not None:
         raise UsageError(f"base model {base!r} not found: {why}", hint="pass an existing model directory")
@@ -288,11 +282,11 @@ def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot:
                             "with embed_tokens/lm_head modules_to_save; PEFT loads it")
     mts = sorted({t for t in cfg.modules_to_save for n in kept_full if _belongs_to(n, t)})
 
-    tensors = [OutTensor(peft_key(m, ab), weights.shapes[k], _DTYPE_NAMES[weights.dtypes[k]], k)
+    tensors = [OutTensor(peft_key(m, ab), shapes[k], short_name(dtypes[k]), k)
                for m, keys in modules.items() for ab, k in zip("AB", keys)]
     for name in kept_full:
         k = full[name]
-        tensors.append(OutTensor(PEFT_PREFIX + name, weights.shapes[k], _DTYPE_NAMES[weights.dtypes[k]], k))
+        tensors.append(OutTensor(PEFT_PREFIX + name, shapes[k], short_name(dtypes[k]), k))
     tensors.sort(key=lambda t: t.name)
     if wpath.name == BIN_NAME:
         fixes.append(f"{BIN_NAME} (a pickle) -> {SAFETENSORS_NAME}")
@@ -304,25 +298,44 @@ def plan_fix(src: str | Path, out: str | Path, *, base: str | None = None, slot:
                    base_model_name_or_path=name_for_cfg, base_checked=base_dir, tensors=tuple(tensors),
                    modules_to_save=tuple(mts), config=config, out_file_bytes=safetensors_file_bytes(tensors),
                    warnings=tuple(warnings))
-    return plan, weights
+    return plan
 
 
-def _equals_base(weights: _Weights, key: str, name: str, base_dir: Path, base_shapes: dict) -> bool:
-    if base_shapes.get(name) != weights.shapes[key]:
+def _equals_base(weights: TensorFileSource, key: str, name: str, base_dir: Path, base_shapes: dict) -> bool:
+    if base_shapes.get(name) != weights.facts(key).shape:
         return False
-    from ..formats.hf_dir import HFModelDir
-
     with HFModelDir.open(base_dir) as m:
         b = m.read_tensor(name)
-    t = weights.read(key)
+    t = weights.read_tensor(key)
     return bool(torch.equal(b.to(t.dtype), t))
 
 
-def run_fix(plan: FixPlan, weights: _Weights) -> dict:
+@dataclass(frozen=True)
+class FixReport:
+    plan: FixPlan
+    written_file_bytes: int | None = None   # None: a dry run
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        rep = self.plan.to_json()
+        if self.written_file_bytes is None:
+            rep["dry_run"] = True
+        else:
+            rep.update(written_file_bytes=self.written_file_bytes, seconds=self.seconds)
+        return rep
+
+
+def run_fix(plan: FixPlan, weights: TensorFileSource, progress: Progress | None = None) -> FixReport:
     t0 = time.perf_counter()
     inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
+    done = [0]
+
+    def read(t: OutTensor):
+        v = weights.read_tensor(t.source)
+        done[0] += 1
+        report(progress, "fix", done[0], len(plan.tensors), unit="tensors", name=t.name)
+        return v
+
     with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + (1 << 20)) as tmp:
-        size = write_adapter_dir(tmp, list(plan.tensors), lambda t: weights.read(t.source), plan.config)
-    rep = plan.to_dict()
-    rep.update(written_file_bytes=size, seconds=round(time.perf_counter() - t0, 3))
-    return rep
+        size = write_adapter_dir(tmp, list(plan.tensors), read, plan.config)
+    return FixReport(plan, size, round(time.perf_counter() - t0, 3))

@@ -11,7 +11,6 @@ chunk in bf16 + fp32, not the tensor.
 from __future__ import annotations
 
 import hashlib
-import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,16 +18,24 @@ from pathlib import Path
 
 import torch
 
-from ..dcp.reader import BytesEntry, DcpCheckpoint, TensorEntry
-from ..errors import FormatError, UsageError
-from .inspect import SLIM_MANIFEST
-from .slim import (
-    Progress, _extra_entries, base_identity, check_base_covers, copy_extra_entries, extra_bytes, read_base_as,
-    read_base_rows,
-    read_manifest, sha256_of_tensor, torch_dtype_of, update_hash,
-)
+from ..core.dtypes import torch_dtype
+from ..core.errors import FormatError, UsageError
+from ..core.progress import Progress, report
+from ..core.tensor_math import sha256_of_tensor, update_hash
+from ..formats.dcp.layout import extra_bytes, extra_entries, row_chunks
+from ..formats.dcp.model import BytesEntry, TensorEntry
+from ..formats.dcp.reader import DcpCheckpoint
+from ..formats.dcp.writer import DcpWriter
+from ..formats.hf_dir.hub import resolve_model_dir
+from ..formats.slim.manifest import SLIM_MANIFEST, read_manifest
+from ..formats.slim.partition import base_identity, map_to_base
+from ..formats.slim.writer import copy_extra_entries
+from ..io.staging import AtomicOutputDir
+from ..sources.hashing import read_as, read_rows_as
+from ..sources.hf import HFSource
 
-log = logging.getLogger(__name__)
+__all__ = ["RehydrateOptions", "RehydrateSources", "open_rehydrate_sources", "RebuildItem", "RehydratePlan",
+           "RehydrateResult", "RehydrateReport", "plan_rehydrate", "run_rehydrate", "rehydrate"]
 
 # Per-item overhead of a torch.save archive (zip records, data.pkl): ~1.5 KB measured; 4 KB is safe.
 _ITEM_OVERHEAD_BYTES = 4096
@@ -61,6 +68,12 @@ class RehydratePlan:
     extra_files: tuple[str, ...]
     warnings: tuple[str, ...]
 
+    @property
+    def units(self) -> tuple[int, ...]:
+        """The independent work units: the output data files (file index k: the items copied into it
+        and the rebuilt chunks that land in it)."""
+        return tuple(range(self.files))
+
     def to_json(self) -> dict:
         return {"slim": self.slim, "out": self.out, "base": self.base, "layout": self.layout, "files": self.files,
                 "copied_items": len(self.copy_items), "copied_bytes": self.copy_bytes,
@@ -75,11 +88,45 @@ def _file_index(rel: str, fallback: dict[str, int]) -> int:
     return int(m.group(1)) if m else fallback[rel]
 
 
-def plan_rehydrate(ckpt: DcpCheckpoint, hf, out: Path, *, base_name: str, world_size: int | None = None) -> RehydratePlan:
+@dataclass(frozen=True)
+class RehydrateOptions:
+    out: str | Path
+    base: str
+    world_size: int | None = None      # None: the original chunk layout and rank files
+    overwrite: bool = False
+    trust_pickle: bool = False
+
+
+@dataclass
+class RehydrateSources:
+    slim: DcpCheckpoint
+    base: HFSource
+
+    def close(self) -> None:
+        self.base.close()
+        self.slim.close()
+
+    def __enter__(self) -> "RehydrateSources":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_rehydrate_sources(slim_path: str | Path, options: RehydrateOptions) -> RehydrateSources:
+    ckpt = DcpCheckpoint.open(slim_path, trust_pickle=options.trust_pickle)
+    try:
+        return RehydrateSources(ckpt, HFSource(resolve_model_dir(options.base), str(options.base)))
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> RehydratePlan:
     """Validate everything that can be checked without tensor bytes (manifest, key overlap, base
     names and shapes, world size) and lay out the output."""
-    from ..dcp.writer import row_chunks
-
+    ckpt, hf = sources.slim, sources.base
+    out, base_name, world_size = Path(options.out), str(options.base), options.world_size
     manifest = read_manifest(ckpt.dir)
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
@@ -87,12 +134,12 @@ def plan_rehydrate(ckpt: DcpCheckpoint, hf, out: Path, *, base_name: str, world_
     if clash:
         raise FormatError(f"{len(clash)} key(s) are both in the checkpoint and listed as dropped, e.g. {clash[0]}",
                           path=manifest.path, hint="the manifest does not belong to this checkpoint")
-    mapping = check_base_covers(manifest.dropped, hf, Path(hf.path))
+    mapping = map_to_base(manifest.dropped, {n: hf.facts(n).shape for n in hf.names()}, hf.config, Path(hf.path))
 
     warnings = []
     mb = manifest.base or {}
     if mb.get("headers_sha256"):
-        now = base_identity(hf, base_name)
+        now = base_identity(hf.model_dir, base_name)
         if now["headers_sha256"] != mb["headers_sha256"]:
             warnings.append(f"the base model's weight headers differ from the one recorded at slim time "
                             f"({mb.get('name') or mb.get('path')}); every tensor is still checked by hash")
@@ -126,7 +173,7 @@ def plan_rehydrate(ckpt: DcpCheckpoint, hf, out: Path, *, base_name: str, world_
     rebuild.sort(key=lambda r: (str(infos[r.key].path), infos[r.key].begin, r.key))
     max_index = max([t[4] for t in copy_items] + [c[2] for r in rebuild for c in r.chunks] + [0])
     files = max(max_index + 1, world_size or 1, len(source_files))
-    extra = [n for n in _extra_entries(ckpt.dir, set(slim_files)) if n != SLIM_MANIFEST]
+    extra = extra_entries(ckpt.dir, set(slim_files), exclude={SLIM_MANIFEST})
     return RehydratePlan(
         slim=str(ckpt.dir), out=str(out), base=str(hf.path),
         layout="original" if world_size is None else f"world_size={world_size}", files=files,
@@ -152,14 +199,14 @@ def _row_blocks_in_order(r: RebuildItem):
     return chunks if expect == r.shape[0] else None
 
 
-def _rebuild_one(writer, hf, r: RebuildItem) -> str:
+def _rebuild_one(writer, hf: HFSource, r: RebuildItem) -> str:
     """Write one dropped tensor rebuilt from the base; return the sha256 of what was written.
     Row-block layouts (FSDP's) stream chunk by chunk: memory is one chunk, not the tensor. The
     caller compares the hash before finishing; a mismatch aborts the whole (atomic) output."""
-    dtype = torch_dtype_of(r.dtype)
+    dtype = torch_dtype(r.dtype)
     chunks = _row_blocks_in_order(r)
     if chunks is None:
-        t = read_base_as(hf, r.base_name, dtype)
+        t = read_as(hf, r.base_name, dtype)
         for offsets, sizes, fi in r.chunks:
             writer.write_tensor(r.key, r.path, t, chunks=[(offsets, sizes)], file_index=fi)
         return sha256_of_tensor(t)
@@ -168,7 +215,7 @@ def _rebuild_one(writer, hf, r: RebuildItem) -> str:
         if sizes[0] == 0:
             piece = torch.empty(sizes, dtype=dtype)
         else:
-            piece = read_base_rows(hf, r.base_name, dtype, offsets[0], sizes[0])
+            piece = read_rows_as(hf, r.base_name, dtype, offsets[0], sizes[0])
             update_hash(h, piece)
         writer.write_chunk(r.key, r.path, piece, size=r.shape, offsets=offsets, file_index=fi)
         del piece
@@ -190,11 +237,21 @@ class RehydrateResult:
         return asdict(self)
 
 
-def run_rehydrate(ckpt: DcpCheckpoint, hf, plan: RehydratePlan, *, overwrite: bool = False,
-                  progress: Progress | None = None) -> RehydrateResult:
-    from ..atomic import AtomicOutputDir
-    from ..dcp.writer import DcpWriter
+@dataclass(frozen=True)
+class RehydrateReport:
+    plan: RehydratePlan
+    result: RehydrateResult | None = None    # None: a dry run
 
+    def to_json(self) -> dict:
+        rep = {"plan": self.plan.to_json(), "dry_run": self.result is None}
+        if self.result is not None:
+            rep["result"] = self.result.to_json()
+        return rep
+
+
+def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Progress | None = None, *,
+                  overwrite: bool = False) -> RehydrateReport:
+    ckpt, hf = sources.slim, sources.base
     t0 = time.perf_counter()
     need = (plan.copy_bytes + plan.rebuild_bytes + extra_bytes(ckpt.dir, plan.extra_files)
             + _ITEM_OVERHEAD_BYTES * (1 + sum(len(r.chunks) for r in plan.rebuild)))
@@ -217,7 +274,7 @@ def run_rehydrate(ckpt: DcpCheckpoint, hf, plan: RehydratePlan, *, overwrite: bo
             done = 0
             for r in plan.rebuild:
                 got = _rebuild_one(writer, hf, r)
-                base_read += hf.info(r.base_name).nbytes
+                base_read += hf.facts(r.base_name).nbytes
                 if got != r.sha256:
                     raise FormatError(
                         f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, as "
@@ -228,8 +285,7 @@ def run_rehydrate(ckpt: DcpCheckpoint, hf, plan: RehydratePlan, *, overwrite: bo
                              "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
                 verified += 1
                 done += r.nbytes
-                if progress:
-                    progress("rebuild", done, plan.rebuild_bytes)
+                report(progress, "rebuild", done, plan.rebuild_bytes)
             seconds["rebuild"] = round(time.perf_counter() - t1, 3)
             expected = set(ckpt.entries) | {r.key for r in plan.rebuild}
             if writer.keys() != expected:   # an internal invariant: every key exactly once
@@ -242,28 +298,18 @@ def run_rehydrate(ckpt: DcpCheckpoint, hf, plan: RehydratePlan, *, overwrite: bo
         copy_extra_entries(ckpt.dir, tmp, plan.extra_files)
         out_bytes = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
     seconds["total"] = round(time.perf_counter() - t0, 3)
-    return RehydrateResult(out=plan.out, copied_items=len(plan.copy_items), rebuilt_tensors=len(plan.rebuild),
-                           verified_tensors=verified, bytes_written=writer.bytes_written,
-                           base_bytes_read=base_read, out_bytes=out_bytes, seconds=seconds)
+    return RehydrateReport(plan, RehydrateResult(
+        out=plan.out, copied_items=len(plan.copy_items), rebuilt_tensors=len(plan.rebuild), verified_tensors=verified,
+        bytes_written=writer.bytes_written, base_bytes_read=base_read, out_bytes=out_bytes, seconds=seconds))
 
 
 def rehydrate(slim_path: str | Path, out: str | Path, *, base: str | Path, world_size: int | None = None,
               dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
-              progress: Progress | None = None) -> dict:
-    """Library entry point. Returns a JSON-able report {"plan": ..., "result": ...}."""
-    from ..formats.hf_dir import HFModelDir, resolve_model_dir
-
-    ckpt = DcpCheckpoint.open(slim_path, trust_pickle=trust_pickle)
-    try:
-        base_dir = resolve_model_dir(base)
-        with HFModelDir.open(base_dir) as hf:
-            plan = plan_rehydrate(ckpt, hf, Path(out), base_name=str(base), world_size=world_size)
-            report = {"plan": plan.to_json(), "dry_run": dry_run}
-            if not dry_run:
-                report["result"] = run_rehydrate(ckpt, hf, plan, overwrite=overwrite, progress=progress).to_json()
-        return report
-    finally:
-        ckpt.close()
-
-
-__all__ = ["plan_rehydrate", "run_rehydrate", "rehydrate", "RehydratePlan", "RehydrateResult"]
+              progress: Progress | None = None) -> RehydrateReport:
+    """Library entry point: plan (and unless `dry_run`, execute) a rehydrate."""
+    options = RehydrateOptions(out, str(base), world_size, overwrite, trust_pickle)
+    with open_rehydrate_sources(slim_path, options) as sources:
+        plan = plan_rehydrate(sources, options)
+        if dry_run:
+            return RehydrateReport(plan)
+        return run_rehydrate(plan, sources, progress, overwrite=overwrite)

@@ -1,0 +1,69 @@
+"""`ckpt extract-adapter`: arguments -> `ops.extract_adapter` -> text or JSON."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ...core.units import human_bytes
+from ...ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
+from ...sources.lora import DcpLoraSource
+from ..options import alpha_options, dry_run_option, json_option, trust_option
+from ..render import emit, warn, warn_trust
+
+__all__ = ["command"]
+
+
+@click.command("extract-adapter")
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@alpha_options
+@click.option("--base", "base", metavar="NAME_OR_DIR",
+              help="Base model for base_model_name_or_path (default: the run's orch.toml [model] name); "
+                   "when found locally, LoRA shapes are checked against it.")
+@click.option("--slot", type=int, default=0, show_default=True, help="Adapter slot (`lora_A.<slot>`).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="fp32 keeps the exact trained values.")
+@dry_run_option
+@json_option
+@trust_option
+def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: str, dry_run: bool, as_json: bool,
+            trust_pickle: bool) -> None:
+    """Export a prime-rl DCP checkpoint's LoRA as a PEFT adapter dir.
+
+    Writes OUT/adapter_model.safetensors (keys base_model.model.<module>.lora_A/B.weight) and
+    OUT/adapter_config.json, loadable as-is by PEFT's PeftModel.from_pretrained and by vLLM. Reads
+    only the LoRA items of the slot. Alpha is not stored in the checkpoint: --alpha, else
+    --run-config, else the run's outputs/run_*/configs/orch.toml; lora_alpha is written so that
+    lora_alpha / r is the scale training used.
+
+    Example: ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
+    """
+    warn_trust(trust_pickle)
+    with DcpLoraSource(ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle) as src:
+        plan = plan_extract(src, ExtractOptions(out, base, dtype))
+        report = ExtractReport(plan) if dry_run else run_extract(plan, src)
+    rep = report.to_json()
+    if as_json:
+        emit(report)
+    else:
+        _render(rep)
+    for w in rep["warnings"]:
+        warn(w)
+
+
+def _render(r: dict) -> None:
+    verb = "would write" if r.get("dry_run") else "wrote"
+    click.echo(f"{verb} {r['out']}: {r['modules']} LoRA modules, {len(r['tensors'])} tensors ({r['dtype']}), "
+               f"rank {r['rank']}, slot {r['slot']}")
+    click.echo(f"  alpha {r['alpha']:g} from {r['alpha_source']} -> lora_alpha {r['lora_alpha']:g}, "
+               f"scale {r['scale']:g}")
+    click.echo(f"  base_model_name_or_path: {r['base_model_name_or_path']}"
+               + (f" (shapes checked against {r['base_checked']})" if r['base_checked'] else " (not checked)"))
+    click.echo(f"  target_modules: {', '.join(r['config']['target_modules'])}")
+    size = r.get("written_file_bytes", r["out_file_bytes"])
+    click.echo(f"  adapter_model.safetensors {human_bytes(size)}; LoRA items in the checkpoint "
+               f"{human_bytes(r['lora_item_bytes'])}")
+    if "bytes_read" in r:
+        click.echo(f"  read {human_bytes(r['bytes_read'])} of checkpoint data ({r['read_ratio']}x the LoRA items) "
+                   f"in {r['seconds']:.2f} s")

@@ -1,0 +1,104 @@
+"""`ckpt gc`: arguments -> `ops.gc` -> text or JSON."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ...core.progress import ProgressEvent
+from ...core.units import human_bytes
+from ...io.signals import Terminated
+from ...ops.gc import gc
+from ..options import dry_run_option, json_option, trust_option
+from ..progress import ProgressLine
+from ..render import emit, json_errors, warn, warn_trust
+
+__all__ = ["command"]
+
+
+@click.command("gc")
+@click.argument("checkpoints", metavar="CHECKPOINTS_DIR", type=click.Path(exists=True, file_okay=False,
+                                                                          path_type=Path))
+@click.option("--keep-full", type=click.IntRange(min=1), required=True,
+              help="How many of the newest complete checkpoints to keep whole (resumable as they are).")
+@click.option("--base", help="The bf16 HF base model the run trained on (dir or hub id in the local HF cache). "
+                             "Default: the run config's model name. Every slim is checked against it.")
+@click.option("--min-age", "min_age", type=click.FloatRange(min=0), default=600, show_default=True,
+              help="Seconds since a checkpoint's last write before gc touches it (younger ones may be "
+                   "being written).")
+@dry_run_option
+@json_option
+@trust_option
+def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bool, as_json: bool,
+            trust_pickle: bool) -> None:
+    """Keep every checkpoint of a run: the newest N whole, every older one slim, in place.
+
+    CHECKPOINTS_DIR: prime-rl's outputs/checkpoints (or the outputs dir). Each older step_N/trainer
+    is slimmed next to itself, verified against the original (sha256 of every kept item; every dropped
+    tensor checked against the base), swapped in atomically and the full copy deleted. A kill at any
+    moment leaves each step full or slim; rerun to finish. Left alone: the newest N, checkpoints being
+    written (no .metadata, recent writes, a lock) and slim ones. `ckpt rehydrate` restores any of them
+    bit-exactly.
+
+    Example: ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
+    """
+    warn_trust(trust_pickle)
+    bar = ProgressLine.for_terminal(not as_json)
+
+    def progress(ev: ProgressEvent) -> None:
+        if ev.finished is not None:      # a step done: its line, whatever the terminal
+            if bar is not None:
+                bar.close()
+            _echo_step(ev.finished)
+        elif bar is not None:
+            bar(ev)
+
+    try:
+        with json_errors(as_json):
+            report = gc(checkpoints, keep_full=keep_full, base=base, dry_run=dry_run, min_age_s=min_age,
+                        trust_pickle=trust_pickle, progress=None if as_json else progress)
+    except (KeyboardInterrupt, Terminated):
+        if not as_json:
+            click.echo("gc interrupted: every step is full or slim; rerun to finish", err=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        emit(report)
+        return
+    _render(report)
+
+
+def _echo_step(r) -> None:
+    if r.result in ("slimmed", "finished", "restored"):
+        click.echo(f"  step_{r.step}: {r.result}, {human_bytes(r.bytes_before)} -> {human_bytes(r.bytes_after)} "
+                   f"(freed {human_bytes(r.freed_bytes)}, {r.seconds:.1f}s)", err=True)
+
+
+def _render(report: dict) -> None:
+    p = report["plan"]
+    click.echo(f"gc {p['checkpoints']}: keep the newest {p['keep_full']} whole"
+               f"{'  (dry run: nothing written)' if report['dry_run'] else ''}")
+    if p["base"]:
+        b = p["base"]
+        click.echo(f"  base: {b['dir'] or b['name']} ({b['how']})" + (f": {b['problem']}" if b["problem"] else ""))
+    for s in p["steps"]:
+        what = {"slim": f"slim: frees ~{human_bytes(s['bytes_to_free'])} ({human_bytes(s['bytes'])} -> "
+                        f"~{human_bytes(s['slim_bytes'] or 0)})",
+                "finish": f"finish an interrupted gc: frees ~{human_bytes(s['bytes_to_free'])}",
+                "restore": "restore the full checkpoint an interrupted gc set aside"}.get(s["action"], s["action"])
+        click.echo(f"  step_{s['step']}: {what}; {s['reason']}")
+    r = report.get("result")
+    if r is None:
+        click.echo(f"would free ~{human_bytes(p['bytes_to_free'])}; needs {human_bytes(p['need_bytes'])} free, "
+                   f"{human_bytes(p['free_bytes'])} free")
+        return
+    for s in r["steps"]:
+        for n in s["notes"]:
+            warn(f"step_{s['step']}: {n}")
+    click.echo(f"slimmed {len(r['slimmed'])} step(s): {human_bytes(r['bytes_before'])} -> "
+               f"{human_bytes(r['bytes_after'])}, freed {human_bytes(r['freed_bytes'])}")
+    if r["slimmed"]:
+        click.echo(f"  to resume from a slimmed step: ckpt rehydrate {p['checkpoints']}/step_N/trainer "
+                   f"restored/step_N/trainer --base {(p['base'] or {}).get('dir') or 'BASE'}")

@@ -1,0 +1,147 @@
+"""`ckpt merge`: arguments -> `ops.merge` (open sources, plan, run) -> text or JSON."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import Counter
+
+import click
+
+from ...core.errors import CkptError, UsageError
+from ...core.units import human_bytes
+from ...io.signals import Terminated, install_signal_handlers
+from ...ops.merge import MergeOptions, MergeReport, check_output, open_merge_sources, plan_merge, run_merge
+from ..options import alpha_options, dry_run_option, json_option, trust_option
+from ..progress import ProgressLine
+from ..render import emit, warn, warn_trust
+
+__all__ = ["command", "render_plan"]
+
+
+@click.command("merge")
+@click.argument("paths", nargs=-1, required=True, metavar="[BASE] ADAPTER OUT")
+@click.option("--base-from-checkpoint", is_flag=True,
+              help="Use the DCP checkpoint's own fp32 master weights as the base (no base download). BASE is "
+                   "then that checkpoint, or omitted when ADAPTER is the checkpoint.")
+@click.option("--config-from", metavar="DIR",
+              help="With --base-from-checkpoint: model dir or hub id giving config.json, tokenizer and other "
+                   "non-weight files (e.g. the run's outputs/weights/step_N).")
+@alpha_options
+@click.option("--slot", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Adapter slot of a multi-run DCP checkpoint (lora_A.<slot>).")
+@click.option("--dtype", "dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Output dtype (default: fp16 for an fp16 base, else bf16). Merged weights are computed in "
+                   "fp32 and rounded once to it.")
+@click.option("--allow-zero-delta", is_flag=True,
+              help="Write the output even when every merged weight rounds back to the base (an all-zero "
+                   "lora_B, a tiny alpha): refused by default, since it is usually the wrong adapter or alpha.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output shard (bytes of tensor data; GB = 10**9, GiB = 2**30).")
+@click.option("--threads", type=click.IntRange(1, 64), default=None,
+              help="Tensors read and computed in parallel ahead of the writer (default: 2, or 4 with 4+ cores). Memory grows "
+                   "with it: see the plan's memory bound.")
+@dry_run_option
+@json_option
+@trust_option
+def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, dtype, allow_zero_delta,
+            max_shard_size, threads, dry_run, as_json, trust_pickle) -> None:
+    """Merge a LoRA into base weights; write an HF model directory (sharded safetensors).
+
+    BASE: an HF model dir or a hub id from the local HF cache (offline). ADAPTER: a PEFT adapter
+    dir, or a prime-rl DCP checkpoint (alpha from --alpha, --run-config or the run's orch.toml).
+    With --base-from-checkpoint, BASE is the checkpoint itself (omit it when ADAPTER is that
+    checkpoint) and config/tokenizer come from --config-from.
+
+    W' = round(W32 + s * B32 @ A32), fp32 compute, one rounding. OUT appears only when complete.
+
+    Example: ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
+    """
+    warn_trust(trust_pickle)
+    if len(paths) == 3:
+        base, adapter, out = paths
+    elif len(paths) == 2 and base_from_checkpoint:
+        base, (adapter, out) = None, paths
+    else:
+        need = "ADAPTER OUT (or BASE ADAPTER OUT)" if base_from_checkpoint else "BASE ADAPTER OUT"
+        raise UsageError(f"expected {need}, got {len(paths)} path(s)",
+                         hint="see `ckpt merge --help`")
+    options = MergeOptions(out=str(out), base_from_checkpoint=base_from_checkpoint, config_from=config_from,
+                           alpha=alpha, run_config=None if run_config is None else str(run_config), slot=slot,
+                           dtype=dtype, max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
+                           allow_zero_delta=allow_zero_delta)
+    with open_merge_sources(base, adapter, options) as sources:
+        plan = plan_merge(sources, options)
+        if dry_run:
+            try:
+                check_output(plan, out)
+            except CkptError as exc:
+                plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
+            if as_json:
+                emit(MergeReport(plan))
+            else:
+                render_plan(plan, out)
+                for w in plan.warnings:
+                    warn(w)
+            return
+        check_output(plan, out)
+        if not as_json:
+            render_plan(plan, out, brief=True)
+            for w in plan.warnings:
+                warn(w)
+        install_signal_handlers()
+        bar = ProgressLine.for_terminal(not as_json)
+        try:
+            report = run_merge(plan, sources, bar)
+        except Terminated as exc:
+            if bar:
+                bar.close()
+            click.echo(f"{exc}: nothing was written (temporary files removed)", err=True)
+            sys.exit(exc.exit_code)
+        finally:
+            if bar:
+                bar.close()
+    if as_json:
+        emit(report)
+        return
+    result = report.result
+    c = result.counts
+    click.echo(f"wrote {out}: {result.merged_modules} modules merged, {c['copy']} tensors copied, "
+               f"{c['cast']} cast, {c['replace']} replaced; {human_bytes(result.bytes_written)} in "
+               f"{result.seconds:.1f}s")
+
+
+def _targets_summary(plan) -> str:
+    kinds = Counter(j.module.rsplit(".", 1)[-1] for j in plan.jobs if j.action == "merge")
+    return ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+
+
+def render_plan(plan, out, brief: bool = False) -> None:
+    a = plan.adapter
+    scale = a.get("scale")
+    click.echo(f"merge {plan.adapter_kind} adapter {plan.adapter_path}")
+    click.echo(f"   into {plan.base_kind} base {plan.base_path}" +
+               (" (fp32 masters)" if plan.base_kind == "dcp" else ""))
+    click.echo(f"   -> {out}  ({plan.out_dtype}" + (f", {plan.out_dtype_reason}" if plan.out_dtype_reason else "")
+               + ")")
+    click.echo(f"  LoRA      {a.get('modules')} modules, rank {a.get('rank')}, alpha {a.get('alpha')}, "
+               f"scale {scale} (alpha from {a.get('alpha_source')})")
+    click.echo(f"  merged    {plan.merged_modules}: {_targets_summary(plan)}")
+    click.echo(f"  tensors   {len(plan.jobs)}: {plan.count('merge')} merged, {plan.count('copy')} copied verbatim, "
+               f"{plan.count('cast')} cast to {plan.out_dtype}, {plan.count('replace')} replaced (modules_to_save)")
+    if plan.masters_checked:
+        mc = plan.masters_checked
+        click.echo(f"  base      checked: {mc['values']} values of {len(mc['tensors'])} fp32 masters equal the base's")
+    for name, why in plan.omitted:
+        click.echo(f"  omitted   {name}: {why}")
+    click.echo(f"  shards    {len(plan.shards)} file(s), max {human_bytes(plan.max_shard_bytes)}" +
+               ("" if plan.index is None else " + model.safetensors.index.json"))
+    if not brief:
+        for s in plan.shards:
+            click.echo(f"            {s.file_name}  {human_bytes(s.file_bytes)}  ({len(s.tensors)} tensors)")
+    changes = [c for f in plan.files for c in f.changes]
+    click.echo(f"  files     {', '.join(f.name for f in plan.files) or 'none'}")
+    if changes:
+        click.echo("  config    " + "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes))
+    click.echo(f"  I/O       read {human_bytes(plan.read_bytes)}, write {human_bytes(plan.write_bytes)}")
+    click.echo(f"  memory    tensors in flight <= {human_bytes(plan.memory_bound_bytes)} "
+               f"({plan.threads} thread(s) ahead of the writer)")

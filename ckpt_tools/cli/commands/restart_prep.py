@@ -1,0 +1,82 @@
+"""`ckpt restart-prep`: arguments -> `workflows.restart_prep` -> text or JSON."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ...core.units import human_bytes
+from ...workflows.restart_prep import restart_prep
+from ..options import alpha_options, dry_run_option, json_option, trust_option
+from ..render import emit, warn, warn_trust
+
+__all__ = ["command"]
+
+
+@click.command("restart-prep")
+@click.argument("run_or_ckpt", metavar="RUN_OR_CKPT", type=click.Path(exists=True, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--base", help="Required. The HF base model the run trained on (dir or hub id in the local HF cache).")
+@click.option("--lr", type=float, help="Required. The learning rate of the restarted run.")
+@click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Your prime-rl TOML (rl or trainer config): a patched copy is written next to OUT.")
+@click.option("--config-out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where to write the patched config (default: merge mode OUT.<config name> beside OUT; adapter "
+                   "mode <config stem>.restart.toml beside the config).")
+@click.option("--mode", type=click.Choice(("merge", "adapter")), default="merge", show_default=True,
+              help="merge: merged bf16 model + config for a fresh LoRA run. adapter: resumable checkpoint with "
+                   "the adapter kept, fresh AdamW, lr X, step kept.")
+@alpha_options
+@click.option("--world-size", type=click.IntRange(min=1), help="adapter mode: row chunks for W ranks (default: the "
+                                                               "checkpoint's).")
+@click.option("--scheduler-step", type=click.IntRange(min=0), default=0, show_default=True,
+              help="adapter mode: position of the restarted schedule (0 = warm up again).")
+@dry_run_option
+@json_option
+@trust_option
+def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: str, alpha, run_config, world_size,
+            scheduler_step: int, dry_run: bool, as_json: bool, trust_pickle: bool) -> None:
+    """Prepare a fresh-LR restart of a prime-rl LoRA run.
+
+    RUN_OR_CKPT: a trainer checkpoint dir, or a run/outputs dir (its latest checkpoint is used).
+    merge mode writes the merged bf16 model at OUT and, with --config, OUT.<config name> with the
+    model name -> OUT, lr -> --lr and resume settings removed. adapter mode writes a resumable
+    trainer checkpoint at OUT (the adapter kept, fresh AdamW, --lr, the step kept) and, with
+    --config, <config>.restart.toml with lr -> --lr and ckpt.resume_step -> the step.
+
+    Example: ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B --lr 5e-6 --config rl.toml
+    """
+    warn_trust(trust_pickle)
+    rep = restart_prep(run_or_ckpt, out, base=base, lr=lr, config=config, mode=mode, alpha=alpha,
+                       run_config=run_config, world_size=world_size, scheduler_step=scheduler_step,
+                       config_out=config_out, dry_run=dry_run,
+                       trust_pickle=trust_pickle)
+    if as_json:
+        emit(rep)
+        return
+    dry = "  (dry run: nothing written)" if dry_run else ""
+    click.echo(f"restart-prep ({rep['mode']} mode) from {rep['checkpoint']} -> {rep['out']}{dry}")
+    if rep["mode"] == "merge":
+        mp = rep["merge_plan"]
+        click.echo(f"  merge {mp['merged_modules']} LoRA modules (alpha {mp['alpha']}, from {mp['alpha_source']}) "
+                   f"into {mp['out_dtype']}: {human_bytes(mp['write_bytes'])}")
+        for w in mp["warnings"]:
+            warn(w)
+    else:
+        a = rep["adapter"]
+        click.echo(f"  adapter: {a['modules']} modules, rank {a['rank']}, scale {a['scale']:g} (alpha {a['alpha']:g} "
+                   f"from {a['alpha_source']}); fresh AdamW, lr {rep['lr']:g}, step {rep['step']}, "
+                   f"scheduler {rep['scheduler']} at position {rep['scheduler_step']}, world size {rep['world_size']}")
+    cfg = rep.get("config")
+    if cfg:
+        click.echo(f"  config {cfg['out']}:")
+        for c in cfg["changes"]:
+            after = "(removed)" if c["after"] is None else repr(c["after"])
+            click.echo(f"    {c['key']}: {c['before']!r} -> {after}")
+    for n in rep.get("notes", []):
+        click.echo(f"  note: {n}")
+    for w in rep.get("warnings", []):
+        warn(w)
+    click.echo("next:")
+    for line in rep["next"]:
+        click.echo(f"  {line}")

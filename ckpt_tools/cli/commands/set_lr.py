@@ -1,0 +1,78 @@
+"""`ckpt set-lr`: arguments -> `ops.set_lr` -> text or JSON (and the change/result renderers `ckpt set` shares)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ...core.units import human_bytes
+from ...ops.set_lr import set_lr
+from ..options import dry_run_option, json_option, trust_option
+from ..render import emit, warn, warn_trust
+
+__all__ = ["command", "render_changes", "render_result"]
+
+
+def render_changes(changes) -> None:
+    width = max((len(c["key"]) for c in changes), default=10)
+    for c in changes:
+        click.echo(f"  {c['key']:<{width}}  {c['before']!r:>24} -> {c['after']!r}")
+
+
+def render_result(r: dict) -> None:
+    if r["in_place"]:
+        click.echo(f"  patched in place: {r['patch_file']} + new .metadata ({human_bytes(r['bytes_written'])}); "
+                   f"old metadata kept as {r['backup']}")
+    else:
+        links = ", ".join(f"{n} {m}" for m, n in sorted(r["linked"].items())) or "none"
+        click.echo(f"  wrote {r['out']}: {r['patch_file']} + .metadata ({human_bytes(r['bytes_written'])}); "
+                   f"data files: {links}; {r['seconds']:.3f}s")
+    for w in r.get("warnings", []):
+        warn(w)
+
+
+@click.command("set-lr")
+@click.argument("ckpt", type=click.Path(exists=True, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path), required=False)
+@click.option("--lr", type=float, help="New current lr; every lr value of the optimizer and scheduler is "
+                                       "scaled by lr / current lr.")
+@click.option("--scale", type=float, help="Multiply every lr value of the optimizer and scheduler by F.")
+@click.option("--min-lr", type=float, help="Also retarget the end of the decay (cosine eta_min, or the "
+                                           "decaying LinearLR's end_factor) to this absolute lr.")
+@click.option("--in-place", is_flag=True, help="Patch CKPT itself: a new small data file and an atomic swap of "
+                                               ".metadata (the old one kept as .metadata.bak-<time>).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@dry_run_option
+@json_option
+@trust_option
+def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool, dry_run: bool, as_json: bool,
+            trust_pickle: bool) -> None:
+    """Change the learning rate of a checkpoint, keeping the Adam moments.
+
+    prime-rl's resume restores the checkpoint's lr and ignores the config's. This patches
+    param_groups lr/initial_lr and the scheduler's base_lrs/_last_lr/eta_min (SequentialLR's
+    sub-schedulers too), so the remaining schedule scales consistently. OUT hard-links the data
+    files and adds one small patch file and a new .metadata: O(KB) written.
+
+    Example: ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
+    """
+    warn_trust(trust_pickle)
+    result = set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
+                    overwrite=overwrite, trust_pickle=trust_pickle)
+    if as_json:
+        emit(result)
+        return
+    report = result.to_json()
+    p = report["plan"]
+    click.echo(f"set-lr {p['source']}: lr {p['lr_before']!r} -> {p['lr_after']!r} (x{p['factor']:.6g}), "
+               f"scheduler {p['scheduler']}{'  (dry run: nothing written)' if dry_run else ''}")
+    render_changes(p["changes"])
+    pv = p.get("preview")
+    if pv:
+        b, a = pv["before"], pv["after"]
+        click.echo(f"  next {a['steps']} scheduler steps: peak {b['peak']:.6g} -> {a['peak']:.6g}, "
+                   f"end {b['end']:.6g} -> {a['end']:.6g}")
+    for w in p["warnings"]:
+        warn(w)
+    if report.get("result"):
+        render_result(report["result"])

@@ -1,0 +1,64 @@
+"""`ckpt slim`: arguments -> `ops.slim` -> text or JSON."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ...core.units import human_bytes
+from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
+from ..options import dry_run_option, json_option, trust_option
+from ..progress import ProgressLine
+from ..render import emit, warn, warn_trust
+
+__all__ = ["command"]
+
+
+@click.command("slim")
+@click.argument("ckpt", type=click.Path(exists=True, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--base", help="The bf16 HF base model (dir or hub id in the local cache). Recorded in the "
+                             "manifest and checked now: every dropped tensor must equal its upcast.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@dry_run_option
+@json_option
+@trust_option
+def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json: bool, trust_pickle: bool) -> None:
+    """Drop the frozen base weights of a checkpoint, keeping everything unique.
+
+    LoRA, optimizer state, param_groups, scheduler and progress items are copied verbatim by byte
+    range into OUT; every dropped tensor is listed in OUT/ckpt-slim-manifest.json with its shape,
+    dtype, chunk layout and sha256. A slim checkpoint is NOT loadable by prime-rl's strict loader:
+    run `ckpt rehydrate` before resuming from it.
+
+    Example: ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
+    """
+    warn_trust(trust_pickle)
+    options = SlimOptions(out, base, overwrite, trust_pickle)
+    progress = ProgressLine.for_terminal(not as_json)
+    with open_slim_sources(ckpt, options) as sources:
+        plan = plan_slim(sources, options)
+        try:
+            result = SlimReport(plan) if dry_run else run_slim(plan, sources, progress, overwrite=overwrite)
+        finally:
+            if progress is not None:
+                progress.close()
+    if as_json:
+        emit(result)
+        return
+    report = result.to_json()
+    p = report["plan"]
+    click.echo(f"slim {p['source']} -> {p['out']}{'  (dry run: nothing written)' if dry_run else ''}")
+    click.echo(f"  keep {p['kept_keys']} keys ({p['kept_items']} items, {human_bytes(p['kept_bytes'])}) verbatim")
+    click.echo(f"  drop {p['dropped_keys']} frozen base tensors ({human_bytes(p['dropped_bytes'])}), "
+               f"hashed into the manifest")
+    base_info = p.get("base")
+    if base_info:
+        click.echo(f"  base: {base_info.get('name')}{' (checked)' if p['verify_base'] else ' (from the run config, unchecked)'}")
+    r = report.get("result")
+    if r:
+        click.echo(f"  wrote {human_bytes(r['out_bytes'])} ({r['size_ratio']:.1f}x smaller) in "
+                   f"{r['seconds']['total']:.2f}s; read {human_bytes(r['bytes_read'])}")
+    if not p.get("base"):
+        warn("no base model recorded: pass --base to rehydrate (and --base here to check it now)")
+    warn("a slim checkpoint is not loadable by prime-rl's strict loader; `ckpt rehydrate` it before resuming")

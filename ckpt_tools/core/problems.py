@@ -1,0 +1,47 @@
+"""Problems found in a file, listed rather than raised (pure): one `Problem(file, key, message)` per
+problem, warnings alike, and what was checked. `ckpt verify` reports them; the checks themselves live
+with their formats (`formats.dcp.checks`, ...), which fill a `VerifyReport`; nothing there raises on a
+malformed input: a problem it cannot even describe is reported as "cannot check: ..."."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Problem", "VerifyReport"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    key: str | None
+    message: str
+
+    def render(self) -> str:
+        where = self.file + (f", key {self.key!r}" if self.key else "")
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    format: str
+    deep: bool
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+    checked: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def problem(self, file, key: str | None, message: str) -> None:
+        self.problems.append(Problem(str(file), key, message))
+
+    def warn(self, file, key: str | None, message: str) -> None:
+        self.warnings.append(Problem(str(file), key, message))
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "format": self.format, "deep": self.deep, "ok": self.ok,
+                "problems": [asdict(p) for p in self.problems], "warnings": [asdict(w) for w in self.warnings],
+                "checked": self.checked}
+
+

@@ -1,0 +1,149 @@
+"""Tensor arithmetic, in one place (pure: no I/O; torch).
+
+W' = round_to(out_dtype, W32 + s * (B32 @ A32)): the base and both factors are upcast to fp32,
+the delta is computed and added in fp32, and the result is rounded exactly once. Inputs are never
+mutated; every result is a new tensor and is checked for non-finite values. The scale `s` is
+`core.lora_math.lora_scale`; the shape rule `core.lora_math.check_shapes`.
+
+Also here: ulps between tensors, counting non-finite values from the bits, the bf16 rounding of a
+Python float, and whether a merged tensor rounds back to its base.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from .errors import FormatError
+from .lora_math import check_shapes
+
+__all__ = ["lora_delta", "merge_weight", "merge_weight_into", "check_finite", "ulps_apart", "count_nonfinite",
+           "bf16_round", "rounds_to_base", "update_hash", "sha256_of_tensor"]
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, *, fan_in_fan_out: bool = False) -> torch.Tensor:
+    """s * (B @ A) in fp32, shaped like the base weight ([out, in], or [in, out] for fan_in_fan_out)."""
+    delta = b.to(torch.float32) @ a.to(torch.float32)
+    delta.mul_(scale)  # in place on a new tensor: one fp32 rounding, like PEFT's get_delta_weight
+    return delta.T if fan_in_fan_out else delta
+
+
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
+                 out_dtype: torch.dtype, fan_in_fan_out: bool = False, name: str = "") -> torch.Tensor:
+    """round_to(out_dtype, W32 + s * (B32 @ A32)); a new tensor, inputs untouched."""
+    check_shapes(tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name)
+    merged = weight.to(torch.float32, copy=True)
+    merged.add_(lora_delta(a, b, scale, fan_in_fan_out=fan_in_fan_out))
+    out = merged.to(out_dtype)
+    check_finite(out, name)
+    return out
+
+
+def check_finite(t: torch.Tensor, name: str = "") -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise FormatError(f"merged tensor has {bad} non-finite value(s) (inf/nan)", key=name,
+                          hint="the adapter or base holds inf/nan, or the output dtype overflows; try --dtype fp32")
+
+
+def ulps_apart(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Distance in units of last place between same-dtype float tensors (monotone integer mapping)."""
+    if x.dtype != y.dtype:
+        raise ValueError("ulps_apart needs equal dtypes")
+    int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.dtype.itemsize]
+    xi = x.contiguous().view(int_dtype).to(torch.int64)
+    yi = y.contiguous().view(int_dtype).to(torch.int64)
+    sign = 1 << (8 * x.dtype.itemsize - 1)
+    # map sign-magnitude to a monotone two's-complement line
+    xi = torch.where(xi < 0, -(xi + sign), xi)
+    yi = torch.where(yi < 0, -(yi + sign), yi)
+    return (xi - yi).abs()
+
+
+def merge_weight_into(out: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
+                      fan_in_fan_out: bool = False, name: str = "", block_elems: int = 1 << 18,
+                      scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """`merge_weight`, bit for bit, written into `out` (whose dtype is the output dtype).
+
+    Same operations in the same order: P = B32 @ A32 as ONE full matmul (splitting it into row
+    blocks lets the BLAS pick other kernels for other shapes, which changes low bits), then per
+    element round_to(out.dtype, W32 + s * P). Only the elementwise part runs over row blocks of
+    about `block_elems`, so its fp32 temporaries stay in cache and no full-size fp32 copy of W is
+    made. `scratch`: an optional fp32 buffer of >= out.numel() elements to hold P (reused across
+    calls, it saves page-faulting a fresh allocation per tensor). Every block is checked for
+    non-finite values. Inputs are not modified; returns `out`."""
+    check_shapes(tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name)
+    if tuple(out.shape) != tuple(weight.shape):
+        raise ValueError(f"out has shape {list(out.shape)}, the weight {list(weight.shape)}")
+    a32, b32 = a.to(torch.float32), b.to(torch.float32)
+    rows_p, cols_p = b32.shape[0], a32.shape[1]
+    if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= rows_p * cols_p:
+        prod = scratch.reshape(-1)[: rows_p * cols_p].view(rows_p, cols_p)
+        torch.matmul(b32, a32, out=prod)
+    else:
+        prod = b32 @ a32
+    delta = prod.T if fan_in_fan_out else prod
+    rows = weight.shape[0]
+    step = max(1, block_elems // max(1, weight.shape[1]))
+    finite = True
+    for s in range(0, rows, step):
+        d = delta[s:s + step]
+        d.mul_(scale)                 # s * P, rounded as in lora_delta
+        d.add_(weight[s:s + step])    # + W32 (exact upcast; fp32 addition is commutative)
+        o = out[s:s + step]
+        o.copy_(d)                    # the one rounding to out.dtype
+        # A sum is non-finite whenever an element is (and ~20x cheaper than isfinite().all());
+        # a finite block whose sum overflows only costs the exact check below.
+        if finite and o.is_floating_point() and not math.isfinite(float(o.sum(dtype=torch.float32))):
+            finite = False
+    if not finite:
+        check_finite(out, name)   # exact count, and the error naming the tensor
+    return out
+
+
+# IEEE layouts: a value is inf/nan iff all exponent bits are set (one integer pass, no float decode).
+_EXP_MASKS = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
+              torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    spec = _EXP_MASKS.get(t.dtype)
+    if spec is not None:
+        int_dtype, mask = spec
+        return int(torch.count_nonzero((t.view(int_dtype) & mask) == mask))
+    return int(t.numel() - torch.count_nonzero(torch.isfinite(t.float() if t.element_size() == 1 else t)))
+
+
+def bf16_round(x: float) -> float:
+    """x rounded to fp32, then to bf16 (what prime-rl's bf16 compute does to a scale), as a float."""
+    return float(torch.tensor(float(x), dtype=torch.float32).to(torch.bfloat16).float())
+
+
+def rounds_to_base(out: torch.Tensor, weight: torch.Tensor, block_elems: int = 1 << 18) -> bool:
+    """True when every element of `out` equals `weight` rounded to out's dtype: this merge changed
+    nothing. Row blocks, so a cast of `weight` is never made whole; a real merge differs in its
+    first block, so the check costs one block."""
+    if tuple(out.shape) != tuple(weight.shape):
+        return False
+    if out.dim() < 2:
+        return bool(torch.equal(out, weight.to(out.dtype)))
+    step = max(1, block_elems // max(1, math.prod(weight.shape[1:])))
+    for s in range(0, weight.shape[0], step):
+        w = weight[s:s + step]
+        if not torch.equal(out[s:s + step], w if w.dtype == out.dtype else w.to(out.dtype)):
+            return False
+    return True
+
+
+def update_hash(h, t: torch.Tensor) -> None:
+    """Fold a tensor's bytes (its dtype, row-major, little-endian: the slim manifest's HASH_INPUT) into `h`."""
+    if t.numel():
+        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def sha256_of_tensor(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes in row-major order (the slim manifest's content hash)."""
+    h = hashlib.sha256()
+    update_hash(h, t.detach().cpu())
+    return h.hexdigest()

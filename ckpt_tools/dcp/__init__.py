@@ -1,1 +1,0 @@
-"""Reading and writing torch.distributed.checkpoint (DCP) directories without torch's loader."""

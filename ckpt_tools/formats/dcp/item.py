@@ -1,0 +1,332 @@
+"""One DCP storage item, decoded: the only place a `.distcp` item's bytes are interpreted.
+
+DCP concatenates complete, uncompressed `torch.save` zip archives in each `.distcp` file. Every
+record uses zip data descriptors, so local headers carry no sizes: `parse_item` reads the central
+directory at the item's tail (Python's zipfile does that, through `window` over the file), then the
+local header of `data/0` to find where the raw tensor bytes start. `data.pkl` of a tensor item is
+decoded by a tiny allow-list unpickler that only records the `_rebuild_tensor_v2` arguments
+(`decode_tensor_pickle`): no torch unpickling, no torch at all, on the fast path.
+
+`decode_chunk` is what every reader of tensor bytes calls (the checkpoint reader, the DCP sources,
+slim's hashing, verify): the item's layout and record, and whether its payload is exactly the chunk's
+row-major bytes (`DecodedChunk.payload_is`), so a caller can pread them straight where they belong.
+Anything else (`ItemError`) is for the caller to fall back on `load_byte_item`: `torch.load` with
+its `weights_only` allow-list, after the checks that bound what it builds by the item's bytes.
+"""
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ...core.dtypes import ITEMSIZE, STORAGE_CLASSES
+from ...core.errors import FormatError, UnsafePickleError
+from ...io.safe_pickle import check_pickle_bounds
+
+__all__ = [
+    "SMALL_ITEM_BYTES", "ItemError", "TensorRecord", "ItemLayout", "DecodedChunk", "window", "parse_item",
+    "decode_tensor_pickle", "decode_chunk", "is_row_block", "archive_pickle", "load_byte_item",
+]
+
+# Items up to this size are read with one pread and parsed in memory (one syscall beats three
+# scattered ones for the thousands of tiny LoRA/optimizer chunks); larger ones are parsed from their
+# tail and the payload is read straight into its destination.
+SMALL_ITEM_BYTES = 1 << 20
+
+
+class ItemError(ValueError):
+    """Not a torch.save item this decoder reads (a damaged zip, a data.pkl that is not one tensor)."""
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What `data.pkl` of a single-tensor torch.save archive says."""
+    dtype: str                 # torch dtype name
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def is_contiguous_whole(self) -> bool:
+        numel = math.prod(self.size)
+        expected, acc = [], 1
+        for s in reversed(self.size):
+            expected.append(acc)
+            acc *= s
+        expected.reverse()
+        dense = all(st == ex for st, ex, sz in zip(self.stride, expected, self.size) if sz > 1)
+        return self.storage_offset == 0 and self.storage_numel == numel and dense
+
+
+@dataclass(frozen=True)
+class ItemLayout:
+    """Where things are inside one item, relative to the item's first byte."""
+    prefix: str                 # archive name, "archive" for DCP
+    pkl_offset: int
+    pkl_size: int
+    data_offset: int | None     # payload of data/0, None for byte (non-tensor) items
+    data_size: int | None
+    data_crc: int | None
+    records: tuple[tuple[str, int, int, int], ...]  # (name, payload offset, size, crc)
+
+
+class _Window(io.RawIOBase):
+    """A read-only seekable view of bytes [base, base+length) of a file, through `read(offset, n)`
+    (absolute offsets; the caller's range-checked pread, which also counts bytes)."""
+
+    def __init__(self, read, base: int, length: int):
+        self._read, self._base, self._len, self._pos = read, base, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, pos, whence=0):
+        origin = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, origin + pos)
+        return self._pos
+
+    def readinto(self, b):
+        n = min(len(b), self._len - self._pos)
+        if n <= 0:
+            return 0
+        data = self._read(self._base + self._pos, n)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def window(read: Callable[[int, int], bytes], base: int, length: int) -> io.BufferedReader:
+    """A seekable binary file over bytes [base, base + length) of a file read by `read(offset, n)`."""
+    return io.BufferedReader(_Window(read, base, length))
+
+
+def archive_pickle(raw: bytes) -> bytes:
+    """The `data.pkl` of the torch.save archive `raw`, after checking what `torch.load` would
+    otherwise trust: every record STORED (torch.save never compresses, and torch.load inflates a
+    DEFLATE'd record without a limit: 3 MB became 3.4 GB) and inside the archive. ItemError if not."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(raw))
+        infos = zf.infolist()
+    except Exception as exc:   # BadZipFile, NotImplementedError ("zip file version"), EOFError, ...
+        raise ItemError(f"not a torch.save zip archive: {type(exc).__name__}: {exc}") from None
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ItemError(f"record {info.filename!r} is compressed (method {info.compress_type}); torch.save "
+                            f"stores records uncompressed, and inflating it could take {info.file_size:,} bytes")
+        if info.header_offset + info.file_size > len(raw):
+            raise ItemError(f"record {info.filename!r} claims {info.file_size:,} bytes beyond the item's "
+                            f"{len(raw):,}")
+    pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        raise ItemError("archive has no single */data.pkl record")
+    try:
+        return zf.read(pkl[0])
+    except Exception as exc:
+        raise ItemError(f"data.pkl does not read: {type(exc).__name__}: {exc}") from None
+
+
+def _payload_offset(src, header_offset: int) -> int:
+    src.seek(header_offset)
+    hdr = src.read(30)
+    if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
+        raise ItemError(f"bad local file header at {header_offset}")
+    name_len, extra_len = struct.unpack("<HH", hdr[26:30])
+    return header_offset + 30 + name_len + extra_len
+
+
+def parse_item(src) -> ItemLayout:
+    """`src` is a seekable binary file object positioned anywhere, spanning exactly one item."""
+    try:
+        zf = zipfile.ZipFile(src)
+    except Exception as exc:  # BadZipFile, NotImplementedError ("zip file version"), EOFError, ...
+        raise ItemError(f"not a torch.save zip archive: {type(exc).__name__}: {exc}") from None
+    infos = zf.infolist()
+    pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        raise ItemError("archive has no single */data.pkl record")
+    prefix = pkl[0].filename[: -len("/data.pkl")]
+    item_len = src.seek(0, io.SEEK_END)
+    records = []
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ItemError(f"record {info.filename} is compressed")
+        off = _payload_offset(src, info.header_offset)
+        if off + info.file_size > item_len:  # a damaged central directory: never read past the item
+            raise ItemError(f"record {info.filename} [{off}, {off + info.file_size}) lies beyond the "
+                            f"item's {item_len} bytes")
+        records.append((info.filename, off, info.file_size, info.CRC))
+    by_name = {r[0]: r for r in records}
+    data = by_name.get(f"{prefix}/data/0")
+    p = by_name[pkl[0].filename]
+    return ItemLayout(prefix=prefix, pkl_offset=p[1], pkl_size=p[2],
+                      data_offset=data[1] if data else None, data_size=data[2] if data else None,
+                      data_crc=data[3] if data else None, records=tuple(records))
+
+
+class _RecordingUnpickler(pickle.Unpickler):
+    """Decodes a single-tensor data.pkl into a TensorRecord without building anything."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _record_tensor
+        if module == "torch" and name in STORAGE_CLASSES:
+            return ("storage-class", name)
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        raise UnsafePickleError(f"unexpected global {module}.{name} in a tensor item's data.pkl")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafePickleError(f"unexpected persistent id {pid!r} in a tensor item")
+        _, cls, key, _location, numel = pid
+        if not (isinstance(cls, tuple) and cls[0] == "storage-class"):
+            raise UnsafePickleError(f"unexpected storage type {cls!r}")
+        return ("storage", STORAGE_CLASSES[cls[1]], key, int(numel))
+
+
+def _record_tensor(storage, storage_offset, size, stride, requires_grad=False, hooks=None, *rest):
+    _, dtype, key, numel = storage
+    if key != "0":
+        raise ItemError(f"tensor item uses storage {key!r}, expected '0'")
+    return TensorRecord(dtype=dtype, storage_numel=numel, storage_offset=int(storage_offset),
+                        size=tuple(int(s) for s in size), stride=tuple(int(s) for s in stride))
+
+
+def decode_tensor_pickle(pkl_bytes: bytes) -> TensorRecord:
+    check_pickle_bounds(pkl_bytes, "data.pkl", "a tensor item's data.pkl")
+    try:
+        rec = _RecordingUnpickler(io.BytesIO(pkl_bytes)).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # garbled data.pkl: UnpicklingError, EOFError, AttributeError, ...
+        raise ItemError(f"data.pkl does not decode: {type(exc).__name__}: {exc}") from None
+    if not isinstance(rec, TensorRecord):
+        raise ItemError("data.pkl does not hold a single tensor")
+    return rec
+
+
+def is_row_block(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A chunk of whole rows (FSDP2's Shard(0)): its bytes are one contiguous range of the tensor's."""
+    return len(sizes) == 0 or (all(o == 0 for o in offsets[1:]) and tuple(sizes[1:]) == tuple(shape[1:]))
+
+
+@dataclass(frozen=True)
+class DecodedChunk:
+    layout: ItemLayout
+    record: TensorRecord
+    raw: bytes | None              # the whole item when it was read whole (small items), else None
+
+    @property
+    def payload_offset(self) -> int | None:
+        return self.layout.data_offset
+
+    @property
+    def payload_size(self) -> int | None:
+        return self.layout.data_size
+
+    def payload_is(self, dtype: str, sizes: tuple[int, ...]) -> bool:
+        """True when the payload is exactly a contiguous `sizes` tensor of `dtype`, row-major: its bytes
+        can be read straight into place."""
+        rec = self.record
+        return (self.layout.data_offset is not None and rec.dtype == dtype and rec.size == tuple(sizes)
+                and rec.is_contiguous_whole and self.layout.data_size == math.prod(sizes) * ITEMSIZE[dtype])
+
+    def payload(self) -> memoryview:
+        """The payload bytes of a small item (read whole)."""
+        assert self.raw is not None and self.layout.data_offset is not None
+        return memoryview(self.raw)[self.layout.data_offset:self.layout.data_offset + self.layout.data_size]
+
+
+def decode_chunk(read: Callable[[int, int], bytes], offset: int, length: int, *,
+                 small_bytes: int | None = None) -> DecodedChunk:
+    """Decode the tensor item at [offset, offset + length) of a file read by `read(offset, n)`: read
+    whole when it is small (one syscall), else parsed from its tail. Raises ItemError (a layout this
+    decoder does not read: fall back on `load_byte_item`) or UnsafePickleError (its data.pkl is not a
+    plain tensor record: never fall back)."""
+    small = length <= (SMALL_ITEM_BYTES if small_bytes is None else small_bytes)
+    try:
+        if small:
+            raw = read(offset, length)
+            src = io.BytesIO(raw)
+        else:
+            raw = None
+            src = window(read, offset, length)
+        layout = parse_item(src)
+        if layout.data_offset is None:
+            raise ItemError("item holds no tensor data")
+        src.seek(layout.pkl_offset)
+        record = decode_tensor_pickle(src.read(layout.pkl_size))
+    except (ItemError, UnsafePickleError):
+        raise
+    except (ValueError, KeyError, EOFError, IndexError, TypeError, struct.error) as exc:
+        raise ItemError(f"{type(exc).__name__}: {exc}") from None
+    return DecodedChunk(layout, record, raw)
+
+
+def _check_own_bytes(obj, path, key: str) -> None:
+    """Every tensor torch.load built holds its elements in its own storage: an expanded (stride-0)
+    view of a few bytes would be materialized at its full size by the first `.to()` or copy."""
+    import torch   # lazy, as in load_byte_item
+
+    todo = [obj]
+    while todo:
+        o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            need = o.numel() * o.element_size()
+            if need and (o.untyped_storage().nbytes() < need or any(st == 0 and n > 1 for st, n in
+                                                                    zip(o.stride(), o.shape))):
+                raise FormatError(f"tensor of shape {list(o.shape)} is an expanded view of "
+                                  f"{o.untyped_storage().nbytes():,} stored bytes (strides {list(o.stride())}); "
+                                  f"refusing to materialize {need:,} bytes from it", path=path, key=key,
+                                  hint="a checkpoint stores every element; this item is crafted or corrupt")
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            todo.extend(o)
+
+
+def load_byte_item(raw: bytes, *, trust: bool, path, key: str):
+    """torch.load of one storage item; weights_only (an allow-list) unless the user trusts the file.
+    Before torch.load: the archive's records must be stored (not compressed) and inside it, and its
+    data.pkl must pass the pickle bounds (`safe_pickle.check_pickle_bounds`); after: no tensor may
+    be an expanded view (`_check_own_bytes`). So what it builds is bounded by the item's bytes."""
+    # lazy: everything above (layouts, records, row blocks) is torch-free, so commands that only parse
+    # items need no torch; building an object from a pickle does
+    import torch
+
+    try:
+        pkl = archive_pickle(raw)
+    except ItemError as exc:
+        raise FormatError(f"cannot decode item: {exc}", path=path, key=key,
+                          hint="the file is corrupt or crafted; run `ckpt verify`") from None
+    try:
+        check_pickle_bounds(pkl, str(path), "the item's data.pkl")
+    except UnsafePickleError as exc:
+        raise UnsafePickleError(exc.message, path=path, key=key, hint=exc.hint) from None
+    try:
+        obj = torch.load(io.BytesIO(raw), weights_only=not trust, map_location="cpu")
+        _check_own_bytes(obj, path, key)
+        return obj
+    except FormatError:
+        raise
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()
+        reason = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
+        raise UnsafePickleError(f"refusing to unpickle item: {reason.strip()[:300]}", path=path, key=key,
+                                hint="torch.load(weights_only=True) rejected it; pass --trust-remote-pickle "
+                                     "only if you trust where this checkpoint came from") from None
+    except Exception as exc:
+        raise FormatError(f"cannot decode item: {type(exc).__name__}: {str(exc)[:300]}", path=path, key=key,
+                          hint="the file is corrupt; run `ckpt verify`") from None

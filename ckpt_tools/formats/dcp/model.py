@@ -1,0 +1,314 @@
+"""The DCP metadata model: what a checkpoint holds, from `.metadata` alone (torch-free).
+
+`parse_metadata(md)` turns the unpickled `Metadata` (stand-ins, `formats.dcp.metadata`) into one
+`TensorEntry` (dtype by name, shape, chunks with their storage item) or `BytesEntry` per key, and
+lists every `Finding` on the way: every rule the metadata must satisfy before a byte of data is
+read or a destination allocated is checked here, once. `DcpCheckpoint.open` raises the first finding
+that makes the checkpoint unreadable; `ckpt verify` lists them all (`formats.dcp.checks`).
+
+The rules (shared/docs/dcp-internals.md §8): the three tables are dicts; every storage entry names a
+plain file of the checkpoint dir with a non-negative range; every tensor has a known dtype and
+non-negative dims, and its chunks lie inside it, do not overlap and cover it exactly (0-size chunks
+skipped), each with a storage entry whose item holds at least its elements' bytes (a shorter item is
+an expanded view or a crafted size: reading it would allocate by the metadata's claim); every byte
+item has a storage entry.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ...core.dtypes import ITEMSIZE
+from ...io.inputs import is_plain_file_name
+from .metadata import DtypeName
+
+__all__ = [
+    "PROBLEM", "WARNING", "UNSUPPORTED", "Finding", "Chunk", "TensorEntry", "BytesEntry", "Entry", "StorageLoc",
+    "ParsedMetadata", "parse_metadata",
+]
+
+PROBLEM, WARNING, UNSUPPORTED = "problem", "warning", "unsupported"   # unsupported: readable by torch, not by us
+CORRUPT_HINT = "the metadata is corrupt or crafted; run `ckpt verify`"
+
+
+@dataclass(frozen=True)
+class Finding:
+    file: str | None           # a data file of the checkpoint (relative), None for `.metadata` itself
+    key: str | None
+    message: str
+    severity: str = PROBLEM
+    hint: str | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str           # relative path inside the checkpoint dir
+    offset: int         # item start in the file
+    length: int         # item length in bytes
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    path: tuple          # planner_data path, e.g. ('app', 'model', 'model.layers.0.mlp.up_proj.weight')
+    dtype: str           # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def is_tensor(self) -> bool:
+        return True
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(c.file for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class BytesEntry:
+    key: str
+    path: tuple
+    file: str
+    offset: int
+    length: int
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.length
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    @property
+    def is_tensor(self) -> bool:
+        return False
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.file,)
+
+
+Entry = TensorEntry | BytesEntry
+
+
+@dataclass(frozen=True)
+class StorageLoc:
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass
+class ParsedMetadata:
+    entries: dict[str, Entry] = field(default_factory=dict)   # every readable key, sorted
+    findings: list[Finding] = field(default_factory=list)
+    storage: dict[tuple, StorageLoc] = field(default_factory=dict)   # (fqn, offsets | None) -> where
+    used: set[tuple] = field(default_factory=set)                     # storage keys some item references
+    located: list[tuple[str, Chunk | None, StorageLoc, str | None]] = field(default_factory=list)  # items, dtype
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def fatal(self) -> Finding | None:
+        """The first finding that makes the checkpoint unreadable here (warnings are not)."""
+        return next((f for f in self.findings if f.severity in (PROBLEM, UNSUPPORTED)), None)
+
+
+def _ints(x) -> tuple[int, ...]:
+    return tuple(int(v) for v in x)
+
+
+def _index_storage(storage: dict, out: ParsedMetadata) -> None:
+    for idx, info in storage.items():
+        try:
+            fqn = idx.fqn
+            off = None if idx.offset is None else _ints(idx.offset)
+            rel, offset, length = info.relative_path, int(info.offset), int(info.length)
+        except Exception as exc:  # a damaged entry of the allowed classes
+            out.findings.append(Finding(None, None, f"malformed storage entry {idx!r}: {type(exc).__name__}: {exc}",
+                                        hint=CORRUPT_HINT))
+            continue
+        if not is_plain_file_name(rel):
+            out.findings.append(Finding(None, fqn, f"storage item points at {rel!r}, which is not a file name inside "
+                                                   "the checkpoint directory",
+                                        hint="the metadata is corrupt or crafted; refusing to read outside the "
+                                             "checkpoint"))
+            continue
+        if offset < 0 or length < 0:
+            out.findings.append(Finding(rel, fqn, f"storage item has negative offset/length ({offset}, {length})",
+                                        hint=CORRUPT_HINT))
+            continue
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms:
+            out.findings.append(Finding(rel, fqn, f"item uses transforms {list(transforms)} (compression?), which "
+                                                  "we do not read", severity=UNSUPPORTED))
+        out.storage[(fqn, off)] = StorageLoc(rel, offset, length)
+
+
+def _overlaps(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], ndim: int) -> Iterable[tuple]:
+    """Pairs of non-empty chunks that overlap: a sweep along dim 0 (only chunks whose row ranges meet
+    are compared)."""
+    boxes = sorted(boxes)
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if ndim and ob[0] >= oa[0] + sa[0]:
+                break
+            if all(b0 < a0 + a1 and a0 < b0 + b1 for a0, a1, b0, b1 in zip(oa, sa, ob, sb)):
+                yield oa, ob
+
+
+def _coverage_message(covered: int, numel: int, shape: tuple, boxes) -> str:
+    msg = f"chunks cover {covered} of {numel} elements"
+    if shape and all(all(o == 0 for o in offs[1:]) and sz[1:] == shape[1:] for offs, sz in boxes):
+        holes, pos = [], 0
+        for offs, sz in sorted(boxes):
+            if offs[0] > pos:
+                holes.append(f"[{pos}, {offs[0]})")
+            pos = max(pos, offs[0] + sz[0])
+        if pos < shape[0]:
+            holes.append(f"[{pos}, {shape[0]})")
+        msg += f"; rows {', '.join(holes)} belong to no chunk"
+    return msg + " (torch's loader would leave that region uninitialized, silently)"
+
+
+def _dtype_name(value) -> str | None:
+    """The dtype name of a metadata dtype, None if it is no dtype: the stand-ins carry `DtypeName`s (a
+    plain str is not a dtype: torch's loader would not take one either); genuine torch metadata (an
+    in-memory `Metadata` a caller built or unpickled itself) carries a `torch.dtype`, recognised by its
+    type's name so that no torch import is needed."""
+    if isinstance(value, DtypeName):
+        return str(value)
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value).removeprefix("torch.")
+    return None
+
+
+def _tensor(key: str, path: tuple, item, out: ParsedMetadata) -> TensorEntry | None:
+    found = out.findings
+    n0 = len(found)
+
+    def bad(message: str, hint: str = CORRUPT_HINT) -> None:
+        found.append(Finding(None, key, message, hint=hint))
+
+    raw_dtype = getattr(item.properties, "dtype", None)
+    dtype = _dtype_name(raw_dtype)
+    if dtype not in ITEMSIZE:
+        bad(f"dtype {raw_dtype!r} is not a torch dtype")
+        return None
+    shape = _ints(item.size)
+    if any(d < 0 for d in shape):
+        bad(f"tensor shape {list(shape)} has a negative dimension")
+        return None
+    chunks: list[Chunk] = []
+    boxes = []
+    for ch in item.chunks:
+        offs, sizes = _ints(ch.offsets), _ints(ch.sizes)
+        if len(offs) != len(shape) or len(sizes) != len(shape):
+            bad(f"chunk offsets {list(offs)} / sizes {list(sizes)} do not match the tensor's {len(shape)} dims")
+            continue
+        if any(s < 0 for s in sizes) or (0 not in sizes and any(
+                o < 0 or o + s > d for o, s, d in zip(offs, sizes, shape))):
+            bad(f"chunk at offsets {list(offs)} sizes {list(sizes)} lies outside the tensor's size {list(shape)}")
+            continue
+        loc = out.storage.get((key, offs))
+        numel = math.prod(sizes)
+        if loc is None:
+            bad(f"chunk at offsets {list(offs)} has no storage entry")
+        else:
+            out.used.add((key, offs))
+            need = numel * ITEMSIZE[dtype]
+            chunk = Chunk(offs, sizes, loc.file, loc.offset, loc.length)
+            chunks.append(chunk)
+            if loc.length < need:
+                bad(f"chunk at offsets {list(offs)} declares {list(sizes)} torch.{dtype} ({need:,} bytes) but its "
+                    f"item holds {loc.length:,} bytes: an expanded (stride-0) or crafted item",
+                    hint="the metadata is corrupt or crafted; refusing to allocate by its claim")
+            else:
+                out.located.append((key, chunk, loc, dtype))
+        if numel:
+            boxes.append((offs, sizes))
+    overlap = False
+    for oa, ob in _overlaps(boxes, len(shape)):
+        bad(f"chunks at offsets {list(oa)} and {list(ob)} overlap")
+        overlap = True
+    covered = sum(math.prod(s) for _, s in boxes)
+    if not overlap and covered != math.prod(shape):
+        bad(_coverage_message(covered, math.prod(shape), shape, boxes))
+    if len(found) > n0:
+        return None
+    return TensorEntry(key, path, dtype, shape, tuple(chunks))
+
+
+def parse_metadata(md) -> ParsedMetadata:
+    """Every entry of `md` and every finding (see the module docstring). Never raises on a malformed
+    Metadata of the allowed classes: what cannot be read is a finding."""
+    out = ParsedMetadata()
+    sdm = getattr(md, "state_dict_metadata", None)
+    storage = getattr(md, "storage_data", None)
+    planner = getattr(md, "planner_data", None) or {}
+    if not isinstance(sdm, dict) or not isinstance(storage, dict) or not isinstance(planner, dict):
+        out.findings.append(Finding(None, None, "malformed metadata: state_dict_metadata / storage_data / "
+                                                "planner_data are not dicts", hint=CORRUPT_HINT))
+        return out
+    _index_storage(storage, out)
+    tensors = byte_items = 0
+    for key in sorted(sdm, key=str):
+        item = sdm[key]
+        if not isinstance(key, str):
+            out.findings.append(Finding(None, repr(key), "key is not a string", hint=CORRUPT_HINT))
+            continue
+        if key not in planner:
+            out.findings.append(Finding(None, key, "no planner_data entry (DCP's key-filtered loads fail on such "
+                                                   "keys)", severity=WARNING))
+        path = tuple(planner.get(key) or ())
+        try:
+            if hasattr(item, "chunks"):
+                tensors += 1
+                entry = _tensor(key, path, item, out)
+            elif type(item).__name__ == "BytesStorageMetadata":
+                byte_items += 1
+                loc = out.storage.get((key, None))
+                entry = None
+                if loc is None:
+                    out.findings.append(Finding(None, key, "byte item has no storage entry", hint=CORRUPT_HINT))
+                else:
+                    out.used.add((key, None))
+                    out.located.append((key, None, loc, None))
+                    entry = BytesEntry(key, path, loc.file, loc.offset, loc.length)
+            else:
+                out.findings.append(Finding(None, key, f"unknown item type {type(item).__name__}", hint=CORRUPT_HINT))
+                entry = None
+        except Exception as exc:   # a damaged item of the allowed classes
+            out.findings.append(Finding(None, key, f"cannot check: {type(exc).__name__}: {exc}", hint=CORRUPT_HINT))
+            entry = None
+        if entry is not None:
+            out.entries[key] = entry
+    for fqn, off in sorted(set(out.storage) - out.used, key=lambda t: (str(t[0]), t[1] or ())):
+        out.findings.append(Finding(out.storage[(fqn, off)].file, fqn,
+                                    f"storage item at offsets {list(off) if off is not None else None} is referenced "
+                                    "by no chunk in state_dict_metadata (orphaned: its data is never loaded)",
+                                    severity=WARNING))
+    out.counts = {"keys": len(sdm), "tensors": tensors, "byte_items": byte_items}
+    return out

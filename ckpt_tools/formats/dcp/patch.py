@@ -1,0 +1,241 @@
+"""DCP byte-item surgery: a checkpoint equal to another except for some byte items (lr, scheduler state,
+progress), in O(KB) written whatever its size.
+
+Proven in docs/dcp-internals.md §5: the output directory hard-links every data file of the source
+(reflink or copy across filesystems; a linked file is never opened for writing), ONE small new data
+file `__patch_<n>.distcp` holds the new values (a `torch.save` of each, exactly what DCP writes), and
+a rewritten `.metadata` points the patched keys at it. In place (`in_place=True`), the patch file is
+written into the checkpoint itself, the old `.metadata` kept as `.metadata.bak-<timestamp>` and the
+new one swapped in with one atomic rename; `clean_in_place_leftovers` finishes what a killed in-place
+run left.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...core.errors import UsageError
+from ...io.copy import copy_input_tree, link_or_copy
+from ...io.files import fsync_path
+from ...io.inputs import MAX_METADATA_BYTES, read_input, scan_tree
+from ...io.lock import OutputLock, lock_path_for, pid_alive
+from ...io.staging import AtomicOutputDir
+from .layout import METADATA_NAME, METADATA_TMP_TAG, extra_entries
+from .metadata import load_metadata
+from .model import BytesEntry, TensorEntry
+from .reader import DcpCheckpoint
+from .writer import DcpWriter
+
+__all__ = ["PATCH_PREFIX", "PatchResult", "patch_checkpoint", "clean_in_place_leftovers"]
+
+log = logging.getLogger(__name__)
+
+PATCH_PREFIX = "__patch_"
+
+
+@dataclass
+class PatchResult:
+    out: str
+    in_place: bool
+    patch_file: str
+    changed_keys: int
+    bytes_written: int            # patch file + new .metadata
+    linked: dict                  # method -> number of data files (hardlink | reflink | copy)
+    backup: str | None
+    seconds: float
+    warnings: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _encode(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _patch_file_name(ckpt_dir: Path) -> str:
+    n = 0
+    while os.path.lexists(ckpt_dir / f"{PATCH_PREFIX}{n}.distcp"):   # lexists: a dangling link is taken too
+        n += 1
+    return f"{PATCH_PREFIX}{n}.distcp"
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
+
+
+def _register_all(writer, ckpt: DcpCheckpoint, new_values: dict[str, Any], patch_rel: str) -> None:
+    for key, e in ckpt.entries.items():
+        if key in new_values:
+            writer.copy_bytes_item(key, e.path, _encode(new_values[key]), rel=patch_rel)
+        elif isinstance(e, TensorEntry):
+            for c in e.chunks:
+                writer.register_existing_chunk(key, e.path, e.dtype, e.shape, c.offsets, c.sizes, c.file, c.offset,
+                                               c.length)
+        else:
+            writer.register_existing_bytes(key, e.path, e.file, e.offset, e.length)
+
+
+def _check_patchable(ckpt: DcpCheckpoint, new_values: dict[str, Any]) -> None:
+    if not new_values:
+        raise UsageError("nothing to change")
+    for key in new_values:
+        e = ckpt.entries.get(key)
+        if not isinstance(e, BytesEntry):
+            raise UsageError("is not a byte item of this checkpoint" if e is None else "is a tensor, not a byte item",
+                             key=key, path=ckpt.dir)
+
+
+def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str, Any], *,
+                     in_place: bool = False, overwrite: bool = False) -> PatchResult:
+    """Write a checkpoint equal to `ckpt` except that each byte item in `new_values` holds its new
+    value. `out=None` with `in_place=True` patches `ckpt` itself (backup of `.metadata` kept)."""
+    _check_patchable(ckpt, new_values)
+    t0 = time.perf_counter()
+    if in_place:
+        return _patch_in_place(ckpt, new_values, t0)
+    if out is None:
+        raise UsageError("give an output directory, or --in-place")
+    patch_rel = _patch_file_name(ckpt.dir)
+    keep = {f for k, e in ckpt.entries.items() if k not in new_values for f in e.files}
+    extras = extra_entries(ckpt.dir, keep)
+    # Free space for what is really written: the patch and metadata, the copied extra entries,
+    # and, when OUT is on another filesystem (no hard links), every data file too.
+    need = (1 << 20) + sum(size for n in extras for _p, size in scan_tree(ckpt.dir / n, root=ckpt.dir))
+    parent = Path(out).expanduser().resolve().parent
+    if not _same_filesystem(ckpt.dir, parent if parent.is_dir() else parent.parent):
+        need += sum(ckpt.file_size(rel) for rel in keep)
+    counts: dict[str, int] = {}
+    with AtomicOutputDir(out, inputs=[ckpt.dir], need_bytes=need, overwrite=overwrite) as tmp:
+        for rel in sorted(keep):
+            m = link_or_copy(ckpt.dir / rel, tmp / rel, root=ckpt.dir)
+            counts[m] = counts.get(m, 0) + 1
+        for name in extras:
+            copy_input_tree(ckpt.dir / name, tmp / name, root=ckpt.dir, what="checkpoint entry")
+        writer = DcpWriter(tmp)
+        try:
+            _register_all(writer, ckpt, new_values, patch_rel)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        written = (tmp / patch_rel).stat().st_size + (tmp / METADATA_NAME).stat().st_size
+    warnings = []
+    if counts.get("copy"):
+        warnings.append(f"{counts['copy']} data file(s) were copied, not linked (output on another filesystem?)")
+    return PatchResult(out=str(out), in_place=False, patch_file=patch_rel, changed_keys=len(new_values),
+                       bytes_written=written, linked=counts, backup=None,
+                       seconds=round(time.perf_counter() - t0, 4), warnings=warnings)
+
+
+def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) -> PatchResult:
+    d = ckpt.dir
+    lock = OutputLock(lock_path_for(d), d)   # the same lock an AtomicOutputDir(ckpt) would take
+    lock.acquire()
+    try:
+        removed = clean_in_place_leftovers(d)
+    except BaseException:
+        lock.release()
+        raise
+    patch_rel = _patch_file_name(d)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    backup = d / f"{METADATA_NAME}.bak-{stamp}"
+    n = 1
+    while os.path.lexists(backup):
+        backup = d / f"{METADATA_NAME}.bak-{stamp}-{n}"
+        n += 1
+    writer = DcpWriter(d)
+    swapped = False
+    try:
+        _register_all(writer, ckpt, new_values, patch_rel)
+        # the old metadata survives the swap under this name (the entry itself, never a link's target)
+        os.link(d / METADATA_NAME, backup, follow_symlinks=False)
+        writer.finish()                      # fsync patch, write .metadata.tmp-*, fsync, rename over .metadata
+        swapped = True
+        fsync_path(d)
+    except BaseException:
+        writer.abort()
+        if not swapped:
+            for p in (d / patch_rel, backup):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+        raise
+    finally:
+        lock.release()
+    written = (d / patch_rel).stat().st_size + (d / METADATA_NAME).stat().st_size
+    return PatchResult(out=str(d), in_place=True, patch_file=patch_rel, changed_keys=len(new_values),
+                       bytes_written=written, linked={}, backup=str(backup),
+                       seconds=round(time.perf_counter() - t0, 4),
+                       warnings=[f"removed {n}, left by a killed in-place run" for n in removed])
+
+
+_TMP_LEFTOVER = re.compile(rf"^{re.escape(METADATA_NAME)}{re.escape(METADATA_TMP_TAG)}(\d+)-[0-9a-f]+$")
+_PATCH_FILE = re.compile(rf"^{re.escape(PATCH_PREFIX)}\d+\.distcp$")
+
+
+def _referenced_files(meta_path: Path, root: Path) -> set[str] | None:
+    """Data files a `.metadata` (or a backup of one) points at; None when it cannot be read."""
+    try:
+        md = load_metadata(read_input(meta_path, root=root, what="metadata", max_bytes=MAX_METADATA_BYTES),
+                           str(meta_path))
+        return {str(info.relative_path) for info in md.storage_data.values()}
+    except Exception:
+        return None
+
+
+def clean_in_place_leftovers(d: Path) -> list[str]:
+    """What killed `--in-place` runs left in checkpoint `d`, removed. Called with `d`'s lock held,
+    so no in-place run is alive (a live one holds the lock); temp names carry the pid and only dead
+    pids' are touched. Removed: `.metadata.tmp-<pid>-*` (a new metadata never renamed in);
+    `.metadata.bak-*` that is still `.metadata` itself (same inode: linked, then the run died before
+    the swap); `__patch_<n>.distcp` that neither `.metadata` nor any backup references. Anything
+    that cannot be read for certain is kept."""
+    removed: list[str] = []
+    meta = d / METADATA_NAME
+    try:
+        meta_ino = os.lstat(meta).st_ino
+    except FileNotFoundError:
+        return removed
+    names = sorted(os.listdir(d))
+    for n in names:
+        m = _TMP_LEFTOVER.match(n)
+        if m and not pid_alive(int(m.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(d / n)
+            removed.append(n)
+    backups = [n for n in names if n.startswith(METADATA_NAME + ".bak-")]
+    for n in backups:
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(d / n).st_ino == meta_ino:
+                os.unlink(d / n)
+                removed.append(n)
+    patches = [n for n in names if _PATCH_FILE.match(n)]
+    if patches:
+        used: set[str] = set()
+        for m_path in [meta] + [d / n for n in backups if n not in removed]:
+            refs = _referenced_files(m_path, d)
+            if refs is None:
+                return removed      # a metadata we cannot read: keep every patch file
+            used |= refs
+        for n in patches:
+            if n not in used:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(d / n)
+                removed.append(n)
+    for n in removed:
+        log.warning("removed %s from %s: left by a killed --in-place run", n, d)
+    return removed

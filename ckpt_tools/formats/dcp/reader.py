@@ -1,0 +1,202 @@
+"""An open DCP checkpoint: `.metadata` parsed, data files opened on first use, items read by range.
+
+Opening reads `.metadata` only (allow-list unpickling into torch-free stand-ins) and refuses the
+first finding of the metadata model that makes it unreadable (`formats.dcp.model`). Tensors are
+read one at a time by `pread` of exactly their chunks' byte ranges: FSDP2 row-block chunks
+(`Shard(0)`) straight into their rows of the destination, anything else through `torch.load`
+(weights_only) of the item (`formats.dcp.item`). Byte items (lr, scheduler, progress) load with
+`torch.load(weights_only=True)`. Nothing returns "the whole state dict".
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ...core.dtypes import torch_dtype
+from ...core.errors import CkptError, FormatError, UnsafePickleError, UsageError
+from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input, register
+from .item import ItemError, decode_chunk, is_row_block, load_byte_item
+from .layout import METADATA_NAME, resolve_checkpoint_dir
+from .metadata import load_metadata
+from .model import BytesEntry, Chunk, Entry, TensorEntry, parse_metadata
+
+__all__ = ["DcpCheckpoint", "open_checkpoint"]
+
+
+class DcpCheckpoint:
+    """An open DCP checkpoint: metadata in memory, data files opened lazily (`OpenFiles`)."""
+
+    def __init__(self, ckpt_dir: Path, metadata, *, trust_pickle: bool = False):
+        self.dir = Path(ckpt_dir)
+        self.metadata = metadata
+        self.trust_pickle = trust_pickle
+        self.files = OpenFiles(self.dir, what="data file",
+                               missing_hint="copy the whole checkpoint directory; every rank's __<rank>_0.distcp "
+                                            "is needed")
+        meta_path = self.dir / METADATA_NAME
+        try:
+            parsed = parse_metadata(metadata)
+        except CkptError:
+            raise
+        except Exception as exc:  # a crafted or damaged Metadata of the allowed classes
+            raise FormatError(f"malformed DCP metadata: {type(exc).__name__}: {exc}", path=meta_path,
+                              hint="the file is corrupt; run `ckpt verify`") from None
+        bad = parsed.fatal()
+        if bad is not None:
+            raise FormatError(bad.message, path=meta_path if bad.file is None else self.dir / bad.file, key=bad.key,
+                              hint=bad.hint)
+        self.entries: dict[str, Entry] = parsed.entries
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "DcpCheckpoint":
+        ckpt_dir = resolve_checkpoint_dir(path)
+        register(ckpt_dir)   # the whole checkpoint is an input: no OUT inside it
+        meta_path = ckpt_dir / METADATA_NAME
+        data = read_input(meta_path, root=ckpt_dir, what="DCP .metadata", max_bytes=MAX_METADATA_BYTES)
+        if not data:
+            raise FormatError("empty .metadata (0 bytes)", path=meta_path,
+                              hint="the save was interrupted; use an earlier step")
+        md = load_metadata(data, str(meta_path), trust=trust_pickle)
+        return cls(ckpt_dir, md, trust_pickle=trust_pickle)
+
+    @property
+    def stats(self):
+        """Every byte range read from the data files (`inputs.ReadStats`)."""
+        return self.files.stats
+
+    def close(self) -> None:
+        self.files.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---------------------------------------------------------------- queries
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def entry(self, key: str) -> Entry:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise FormatError("no such item in the checkpoint", path=self.dir / METADATA_NAME, key=key,
+                              hint="`ckpt inspect --keys` lists every key") from None
+
+    def tensor_entries(self) -> list[TensorEntry]:
+        return [e for e in self.entries.values() if isinstance(e, TensorEntry)]
+
+    def data_files(self) -> list[str]:
+        return sorted({f for e in self.entries.values() for f in e.files})
+
+    def file_size(self, rel: str, key: str = "") -> int:
+        return self.files.size(rel, key)
+
+    # ---------------------------------------------------------------- reading
+    def read_item_bytes(self, rel: str, offset: int, length: int, key: str) -> bytes:
+        """Raw bytes of one storage item (verbatim copies in surgery)."""
+        return self.files.read(rel, offset, length, key)
+
+    def read_object(self, key: str):
+        """Load a byte item (lr, scheduler field, progress...) with torch.load(weights_only=True)."""
+        e = self.entry(key)
+        if not isinstance(e, BytesEntry):
+            raise UsageError("is a tensor, not a byte item", key=key)
+        raw = self.read_item_bytes(e.file, e.offset, e.length, key)
+        return load_byte_item(raw, trust=self.trust_pickle, path=self.dir / e.file, key=key)
+
+    def decode_chunk(self, key: str, ch: Chunk):
+        """The chunk's item decoded (`formats.dcp.item.decode_chunk`), errors naming its file and key:
+        ItemError for a layout to read through torch.load instead; UnsafePickleError never falls back."""
+        try:
+            return decode_chunk(lambda off, n: self.read_item_bytes(ch.file, off, n, key), ch.offset, ch.length)
+        except UnsafePickleError as exc:
+            raise UnsafePickleError(exc.message, path=self.dir / ch.file, key=key,
+                                    hint="the item's data.pkl is not a plain tensor record; the checkpoint is "
+                                         "damaged or crafted") from None
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        e = self.entry(key)
+        if not isinstance(e, TensorEntry):
+            raise UsageError("is a byte item, not a tensor", key=key)
+        for ch in e.chunks:   # every item inside its file BEFORE the destination is allocated
+            if ch.numel:
+                self.files.check_range(ch.file, ch.offset, ch.length, key)
+        dest = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
+        for ch in sorted(e.chunks, key=lambda c: (c.file, c.offset)):
+            if ch.numel:   # FSDP ranks past the end of dim 0 hold empty chunks
+                self._read_chunk_into(e, ch, dest)
+        return dest
+
+    def iter_tensors(self, keys: Iterable[str], *, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (key, full tensor) in the given order. With threads > 1, up to `threads` tensors
+        are read ahead in parallel (memory: threads + 1 tensors)."""
+        keys = list(keys)
+        if threads <= 1:
+            for k in keys:
+                yield k, self.read_tensor(k)
+            return
+        pool = ThreadPoolExecutor(max_workers=threads)
+        ok = False
+        try:
+            pending = []
+            it = iter(keys)
+            for k in it:
+                pending.append((k, pool.submit(self.read_tensor, k)))
+                if len(pending) >= threads:
+                    break
+            while pending:
+                k, fut = pending.pop(0)
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append((nxt, pool.submit(self.read_tensor, nxt)))
+                yield k, fut.result()
+            ok = True
+        finally:
+            # on an error or a signal, do not wait for the reads in flight (each is bounded; they
+            # end on their own): the command must stop now
+            pool.shutdown(wait=ok, cancel_futures=True)
+
+    def _read_chunk_into(self, e: TensorEntry, ch: Chunk, dest: torch.Tensor) -> None:
+        key = e.key
+        try:
+            dec = self.decode_chunk(key, ch)
+        except ItemError as exc:
+            return self._fallback_chunk(e, ch, dest, str(exc))
+        if not (dec.payload_is(e.dtype, ch.sizes) and is_row_block(ch.offsets, ch.sizes, e.shape)):
+            return self._fallback_chunk(e, ch, dest, "non row-block layout")
+        flat = dest.reshape(-1).view(torch.uint8)
+        row_bytes = (math.prod(e.shape[1:]) if e.shape else 1) * e.itemsize
+        start = (ch.offsets[0] * row_bytes) if ch.offsets else 0
+        target = flat[start:start + dec.payload_size].numpy()
+        if dec.raw is not None:
+            target[:] = dec.payload()
+        else:
+            self.files.read_into(ch.file, ch.offset + dec.payload_offset, memoryview(target), key)
+
+    def _fallback_chunk(self, e: TensorEntry, ch: Chunk, dest: torch.Tensor, why: str) -> None:
+        """Any chunk layout torch.save can express: let torch decode it (weights_only)."""
+        raw = self.read_item_bytes(ch.file, ch.offset, ch.length, e.key)
+        t = load_byte_item(raw, trust=self.trust_pickle, path=self.dir / ch.file, key=e.key)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != ch.sizes or t.dtype != torch_dtype(e.dtype):
+            got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise FormatError(f"chunk at {list(ch.offsets)} holds {got}, metadata says "
+                              f"{ch.sizes} torch.{e.dtype} ({why})", path=self.dir / ch.file, key=e.key)
+        region = dest[tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes))] if ch.sizes else dest
+        region.copy_(t)
+
+
+def open_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint:
+    return DcpCheckpoint.open(path, trust_pickle=trust_pickle)

@@ -1,0 +1,76 @@
+"""A checkpoint summarized from its metadata and a handful of tiny byte items (step, lr, scheduler
+fields): key groups and their bytes, frozen vs unique bytes, the LoRA's rank and targets, the world
+size, the schedule. Never a byte of tensor data. `ckpt inspect` prints it; `ckpt doctor` reads a
+run's checkpoints through it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.keys import FROZEN_GROUPS, classify, summarize_groups, summarize_lora, world_size_from_chunks
+from ...core.primerl_state import scheduler_class
+from .layout import METADATA_NAME
+from .model import TensorEntry
+from .reader import DcpCheckpoint
+
+__all__ = ["CheckpointSummary", "summarize"]
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    path: str
+    keys: int
+    infos: tuple                 # core.keys.KeyInfo per key
+    groups: dict                 # group -> GroupStats
+    lora: object                 # core.keys.LoraStats
+    world_size: int | None
+    step: object
+    lr: object
+    initial_lr: object
+    scheduler: dict
+    progress: dict
+    frozen_bytes: int
+    unique_bytes: int
+    metadata_bytes: int
+    data_files: tuple[str, ...]
+
+    @property
+    def frozen_fraction(self) -> float:
+        total = self.frozen_bytes + self.unique_bytes
+        return self.frozen_bytes / total if total else 0.0
+
+
+def summarize(ckpt: DcpCheckpoint) -> CheckpointSummary:
+    infos = [classify(k, e.path) for k, e in ckpt.entries.items()]
+    stored = {k: e.stored_bytes for k, e in ckpt.entries.items()}
+    payload = {k: e.nbytes for k, e in ckpt.entries.items()}
+    shapes = {k: e.shape for k, e in ckpt.entries.items() if isinstance(e, TensorEntry)}
+    groups = summarize_groups(infos, stored, payload)
+    lora = summarize_lora(infos, shapes, payload)
+    sharded = [len(e.chunks) for e in ckpt.tensor_entries() if e.shape and e.shape[0] > 1]
+
+    def value(group, field, idx=None, sub=None):
+        for i in infos:
+            if i.group == group and i.field == field and (idx is None or i.group_index == idx) \
+                    and i.sub_scheduler == sub:
+                return ckpt.read_object(i.key)
+        return None
+
+    sched_fields = {i.field for i in infos if i.group == "scheduler" and i.sub_scheduler is None}
+    subs = sorted({i.sub_scheduler for i in infos if i.group == "scheduler" and i.sub_scheduler is not None})
+    sched = {"type": scheduler_class(sched_fields)}
+    if subs:
+        sched["schedulers"] = [scheduler_class({i.field for i in infos if i.group == "scheduler"
+                                                and i.sub_scheduler == j}) for j in subs]
+        sched["milestones"] = value("scheduler", "_milestones")
+    for f in ("last_epoch", "_last_lr", "base_lrs"):
+        if f in sched_fields:
+            sched[f] = value("scheduler", f)
+    progress = {i.field: ckpt.read_object(i.key) for i in infos if i.group == "progress"}
+    return CheckpointSummary(
+        path=str(ckpt.dir), keys=len(infos), infos=tuple(infos), groups=groups, lora=lora,
+        world_size=world_size_from_chunks(sharded), step=progress.get("step"), lr=value("param_groups", "lr", 0),
+        initial_lr=value("param_groups", "initial_lr", 0), scheduler=sched, progress=progress,
+        frozen_bytes=sum(groups[g].bytes for g in FROZEN_GROUPS),
+        unique_bytes=sum(s.bytes for g, s in groups.items() if g not in FROZEN_GROUPS),
+        metadata_bytes=(Path(ckpt.dir) / METADATA_NAME).stat().st_size, data_files=tuple(ckpt.data_files()))

@@ -1,0 +1,218 @@
+"""A streaming DCP writer of our own.
+
+`dcp.save` keeps every tensor of a file alive until the file closes (filesystem
+`_write_files_from_queue`), so it cannot write a 126 GB checkpoint on a small machine. The format
+is simple enough to write directly: each storage item is one `torch.save` archive appended to a
+`.distcp` file; `.metadata` (a pickled `Metadata`) is written last, atomically. Tensors are split
+into dim-0 row chunks with `torch.chunk` boundaries for the consumer's world size, so each
+resuming FSDP2 rank reads only its own rows; chunk k goes to file `__k_0.distcp` like a real save.
+Memory: one tensor plus one chunk copy at a time.
+
+Paths are never stored in the metadata (`checkpoint_id=None`): Python <= 3.12 cannot unpickle
+Python 3.13's pathlib objects, and prime-rl runs 3.12. The metadata is built from torch's own DCP
+classes (what prime-rl's loader unpickles), not the reader's stand-ins.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ...core.dtypes import torch_dtype
+from ...core.errors import UsageError
+from ...io.files import atomic_write_bytes, open_new
+from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
+
+__all__ = ["DcpWriter", "DCP_VERSION"]
+
+DCP_VERSION = "1.0.0"
+# `.metadata` names this class `torch.distributed.checkpoint.filesystem._StorageInfo`, and torch has
+# no public name for it: a genuine metadata can only be written with it.
+StorageInfo = dcp_filesystem._StorageInfo
+
+
+@dataclass
+class _TensorDecl:
+    path: tuple
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+class DcpWriter:
+    """Append items, then `finish()` writes `.metadata`. Use inside an AtomicOutputDir."""
+
+    def __init__(self, out_dir: str | Path, *, files: int = 1):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.files = max(1, files)
+        self._fh: dict[str, io.BufferedWriter] = {}
+        self._tensors: dict[str, _TensorDecl] = {}
+        self._bytes: set[str] = set()
+        self._planner: dict[str, tuple] = {}
+        self._storage: dict[MetadataIndex, StorageInfo] = {}
+        self._finished = False
+        self.bytes_written = 0
+
+    # ---------------------------------------------------------------- low level
+    def _file(self, rel: str) -> io.BufferedWriter:
+        fh = self._fh.get(rel)
+        if fh is None:
+            fh = open_new(self.dir / rel)  # new files only: never write through a link
+            self._fh[rel] = fh
+        return fh
+
+    def _append(self, rel: str, write) -> tuple[int, int]:
+        fh = self._file(rel)
+        start = fh.tell()
+        write(fh)
+        length = fh.tell() - start
+        self.bytes_written += length
+        return start, length
+
+    def _declare(self, key: str, path: tuple) -> None:
+        if not path or ".".join(map(str, path)) != key:
+            raise UsageError(f"planner path {path!r} does not flatten to the key", key=key)
+        self._planner[key] = tuple(path)
+
+    # ---------------------------------------------------------------- tensors
+    def write_tensor(self, key: str, path: tuple, tensor: torch.Tensor, *, world_size: int = 1,
+                     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+                     file_index: int | None = None) -> None:
+        """Write a full tensor as row chunks for `world_size` ranks, or as the explicit `chunks`
+        (offsets, sizes) given (any layout, empty chunks included)."""
+        t = tensor.detach().cpu()
+        if chunks is None:
+            if t.dim() == 0:
+                chunks = [((), ())]
+            else:
+                chunks = [((s,) + (0,) * (t.dim() - 1), (n,) + tuple(t.shape[1:]))
+                          for s, n in row_chunks(t.shape[0], world_size)]
+        for i, (offs, sizes) in enumerate(chunks):
+            region = t[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] if sizes else t
+            # torch.save of a view would store the whole base storage: copy into its own storage.
+            piece = region.contiguous().clone() if region.data_ptr() != t.data_ptr() or \
+                region.numel() != t.numel() else region.contiguous()
+            fi = (file_index if file_index is not None else i) % self.files
+            self._add_chunk_item(key, path, t.dtype, tuple(t.shape), tuple(offs), tuple(sizes),
+                                 data_file_name(fi), lambda fh, p=piece: torch.save(p, fh))
+
+    def write_chunk(self, key: str, path: tuple, piece: torch.Tensor, *, size: tuple[int, ...],
+                    offsets: tuple[int, ...], file_index: int = 0) -> None:
+        """Write one chunk, given as its own tensor, of a tensor of global `size` at `offsets`
+        (callers that produce a big tensor chunk by chunk never hold the whole of it)."""
+        p = piece.detach().cpu().contiguous()
+        if p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            p = p.clone()  # torch.save of a view would store its whole base storage
+        self._add_chunk_item(key, path, p.dtype, tuple(size), tuple(offsets), tuple(p.shape),
+                             data_file_name(file_index % self.files), lambda fh: torch.save(p, fh))
+
+    def copy_tensor_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
+                          offsets: tuple[int, ...], sizes: tuple[int, ...], raw_item: bytes,
+                          file_index: int = 0) -> None:
+        """Append a storage item verbatim (no decode/encode): slim, rehydrate, surgery. `dtype`: a name
+        or a torch dtype."""
+        self._add_chunk_item(key, path, torch_dtype(dtype), tuple(size), tuple(offsets), tuple(sizes),
+                             data_file_name(file_index % self.files), lambda fh: fh.write(raw_item))
+
+    def _add_chunk_item(self, key, path, dtype, size, offs, sizes, rel, write) -> None:
+        decl = self._tensors.get(key)
+        if decl is None:
+            if key in self._bytes:
+                raise UsageError("written both as bytes and as a tensor", key=key)
+            self._declare(key, path)
+            decl = self._tensors[key] = _TensorDecl(tuple(path), dtype, size, [])
+        elif decl.dtype != dtype or decl.size != size:
+            raise UsageError(f"chunk disagrees with earlier chunks ({dtype} {size} vs {decl.dtype} "
+                             f"{decl.size})", key=key)
+        start, length = self._append(rel, write)
+        index = len(decl.chunks)
+        decl.chunks.append((offs, sizes))
+        self._storage[MetadataIndex(key, torch.Size(offs), index)] = StorageInfo(rel, start, length)
+
+    def register_existing_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
+                                offsets: tuple[int, ...], sizes: tuple[int, ...], rel: str, offset: int,
+                                length: int) -> None:
+        """Point at an item already present in this dir (a hard-linked source file)."""
+        decl = self._tensors.get(key)
+        if decl is None:
+            self._declare(key, path)
+            decl = self._tensors[key] = _TensorDecl(tuple(path), torch_dtype(dtype), tuple(size), [])
+        index = len(decl.chunks)
+        decl.chunks.append((tuple(offsets), tuple(sizes)))
+        self._storage[MetadataIndex(key, torch.Size(offsets), index)] = StorageInfo(rel, offset, length)
+
+    # ---------------------------------------------------------------- byte items
+    def write_object(self, key: str, path: tuple, obj, *, file_index: int = 0) -> None:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        self.copy_bytes_item(key, path, buf.getvalue(), file_index=file_index)
+
+    def copy_bytes_item(self, key: str, path: tuple, raw_item: bytes, *, file_index: int = 0,
+                        rel: str | None = None) -> None:
+        if key in self._bytes or key in self._tensors:
+            raise UsageError("written twice", key=key)
+        self._declare(key, path)
+        self._bytes.add(key)
+        rel = rel or data_file_name(file_index % self.files)
+        start, length = self._append(rel, lambda fh: fh.write(raw_item))
+        self._storage[MetadataIndex(key)] = StorageInfo(rel, start, length)
+
+    def register_existing_bytes(self, key: str, path: tuple, rel: str, offset: int, length: int) -> None:
+        self._declare(key, path)
+        self._bytes.add(key)
+        self._storage[MetadataIndex(key)] = StorageInfo(rel, offset, length)
+
+    # ---------------------------------------------------------------- finish
+    def keys(self) -> set[str]:
+        return set(self._tensors) | self._bytes
+
+    def build_metadata(self) -> Metadata:
+        sdm = {}
+        for key in sorted(self.keys()):
+            if key in self._bytes:
+                sdm[key] = BytesStorageMetadata()
+            else:
+                d = self._tensors[key]
+                sdm[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=d.dtype), size=torch.Size(d.size),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in d.chunks])
+        return Metadata(state_dict_metadata=sdm, planner_data=dict(self._planner), storage_data=dict(self._storage),
+                        storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
+                        version=DCP_VERSION)
+
+    def finish(self) -> Metadata:
+        """fsync every data file, then write `.metadata` atomically (last: without it the
+        directory is not a checkpoint): a fresh temp name `.metadata.tmp-<pid>-<hex>` (in-place surgery
+        writes into a stranger's directory, where a `.metadata.tmp` may already be a symlink to
+        anywhere: it is never followed), fsync, rename over `.metadata`, fsync the directory."""
+        for fh in self._fh.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        self._fh.clear()
+        md = self.build_metadata()
+        atomic_write_bytes(self.dir / METADATA_NAME, pickle.dumps(md, protocol=4),
+                           temp_prefix=f"{METADATA_NAME}{METADATA_TMP_TAG}")
+        self._finished = True
+        return md
+
+    def abort(self) -> None:
+        for fh in self._fh.values():
+            fh.close()
+        self._fh.clear()

@@ -1,0 +1,3 @@
+"""Hugging Face model directories: open one by its headers (`model_dir`), find one (`hub`), the files
+a derived model carries (`carry`), what its config says (`config`), new shards and their index
+(`shards`), file names and the weight-file rule (`names`)."""

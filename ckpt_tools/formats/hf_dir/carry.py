@@ -1,0 +1,42 @@
+"""Which files of a model dir travel into a model we derive from it (config, generation config,
+tokenizer, chat template, README, ...): regular top-level files that are not weights, not an index and
+not hidden. Everything else at the top level is skipped (and reported): extra weight files (a stale
+pickle next to new weights would be loaded by someone), subdirectories, hidden entries."""
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from pathlib import Path
+
+from ...io.inputs import check_input
+from .names import is_weight_like
+
+__all__ = ["classify_entries", "carry_files"]
+
+
+def classify_entries(d: Path, exclude: Collection[str] = ()) -> list[tuple[str, str]]:
+    """(name, "carry" | "skip") for every top-level entry of `d` except those in `exclude`, by name.
+    `is_file()` follows symlinks: an HF cache snapshot is all symlinks into blobs/."""
+    out = []
+    with os.scandir(d) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        if entry.name in exclude:
+            continue
+        carry = entry.is_file() and not entry.name.startswith(".") and not is_weight_like(entry.name)
+        out.append((entry.name, "carry" if carry else "skip"))
+    return out
+
+
+def carry_files(d: Path, exclude: Collection[str] = ()) -> tuple[list[Path], list[str]]:
+    """(the files to carry, the names skipped). Each carried file is checked as an input of the tree
+    `d` now: a symlink out of it is refused before anything runs."""
+    d = Path(d)
+    carry, skip = [], []
+    for name, kind in classify_entries(d, exclude):
+        if kind == "carry":
+            check_input(d / name, root=d, what="model file")
+            carry.append(d / name)
+        else:
+            skip.append(name)
+    return carry, skip

@@ -1,0 +1,185 @@
+"""Hugging Face model directories, opened by their headers only.
+
+`HFModelDir.open` reads config.json, the shard index and every shard's safetensors header (a few
+KB each), validates them against each other, and reads no tensor bytes; tensors are then read one
+at a time by name (the fds of the dir through `inputs.OpenFiles`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ...core.errors import FormatError, MissingFileError
+from ...io.inputs import OpenFiles, is_plain_file_name, read_json, register
+from ..safetensors.header import ByteCounter, SafetensorsHeader, TensorInfo, read_header
+from ..safetensors.read import read_raw, read_tensor
+from .carry import carry_files, classify_entries
+from .config import load_config
+from .names import INDEX_NAME, WEIGHTS_NAME
+
+__all__ = ["HFModelDir", "tensor_shapes"]
+
+_MAX_LISTED = 20
+
+
+def _listing(problems: Sequence[str]) -> str:
+    shown = "; ".join(problems[:_MAX_LISTED])
+    if len(problems) > _MAX_LISTED:
+        shown += f"; and {len(problems) - _MAX_LISTED} more"
+    return shown
+
+
+class HFModelDir:
+    """An opened model directory: headers and config in memory, tensor bytes on disk.
+
+    `keys()` lists tensors in disk order (shard files by name, then data offset). Shard files are
+    opened on first read and kept open until `close()` (or the end of a `with` block)."""
+
+    def __init__(self, path: Path, config: dict | None, headers: dict[str, SafetensorsHeader],
+                 index_metadata: dict | None):
+        self.path = path
+        self.config = config                      # parsed config.json, None when absent
+        self.headers = headers                    # shard file name -> header, sorted by name
+        self.index_metadata = index_metadata      # the index's "metadata", None when unsharded
+        self.tensors: dict[str, TensorInfo] = {}   # name -> where its bytes lie, in disk order
+        for header in headers.values():
+            self.tensors.update(header.tensors)
+        self.files = OpenFiles(path, what="safetensors shard",
+                               missing_hint="the shard disappeared after the model was opened",
+                               truncated_hint="the shard shrank or is truncated; run `ckpt verify`")
+
+    # -- construction
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "HFModelDir":
+        path = Path(path)
+        if not path.is_dir():
+            raise MissingFileError("not a directory", path=path, hint="pass an HF model directory")
+        register(path)   # the whole model dir is an input: no OUT inside it
+        # lexists, not is_file: a config, shard or index that is a FIFO or a symlink out of the
+        # model dir belongs to it and is refused by name when read (inputs.open_input)
+        config, _cfg_path = load_config(path, required=False)
+        single, index = path / WEIGHTS_NAME, path / INDEX_NAME
+        if os.path.lexists(single) and os.path.lexists(index):
+            raise FormatError(f"has both {WEIGHTS_NAME} and {INDEX_NAME}; loaders disagree on which wins",
+                              path=path, hint="delete the stale one")
+        if os.path.lexists(single):
+            return cls(path, config, {WEIGHTS_NAME: read_header(single)}, None)
+        if os.path.lexists(index):
+            headers, metadata = _open_index(path, index)
+            return cls(path, config, headers, metadata)
+        pickles = sorted(n for n in os.listdir(path) if n.endswith(".bin"))
+        hint = (f"it only has pickle weights ({', '.join(pickles[:3])}); convert them to safetensors first"
+                if pickles else "is this a Hugging Face model directory?")
+        raise MissingFileError(f"no {WEIGHTS_NAME} or {INDEX_NAME}", path=path, hint=hint)
+
+    # -- metadata (no tensor bytes)
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise FormatError("no such tensor in the model", path=self.path, key=name) from None
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return [self.path / n for n in self.headers]
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of tensor data bytes (what an index's `metadata.total_size` records)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def non_weight_files(self) -> list[Path]:
+        """Regular top-level files to carry into a derived model: config, generation config,
+        tokenizer, chat template, README, ... Excludes our weights and index, any other weight-like
+        file (see `skipped_entries`), hidden files and subdirectories. Sorted by name. Each is
+        checked as an input now (a symlink out of the model dir is refused before anything runs)."""
+        return carry_files(self.path, exclude=self.own_files())[0]
+
+    def skipped_entries(self) -> list[str]:
+        """Top-level names neither weights of this model nor carried by `non_weight_files`
+        (extra weight files, subdirectories, hidden entries), for callers to report."""
+        return [n for n, kind in classify_entries(self.path, self.own_files()) if kind == "skip"]
+
+    def own_files(self) -> set[str]:
+        """This model's weight files and index."""
+        return set(self.headers) | ({INDEX_NAME} if self.index_metadata is not None else set())
+
+    # -- tensor bytes
+    def fd(self, name: str) -> int:
+        """An open read-only fd for the file holding tensor `name` (owned by this object)."""
+        return self.files.fd(self.info(name).path.name, name)
+
+    def read_tensor(self, name: str, *, counter: ByteCounter | None = None) -> torch.Tensor:
+        return read_tensor(self.info(name), self.fd(name), counter=counter)
+
+    def read_raw(self, name: str, *, counter: ByteCounter | None = None) -> bytearray:
+        return read_raw(self.info(name), self.fd(name), counter=counter)
+
+    def close(self) -> None:
+        self.files.close()
+
+    def __enter__(self) -> "HFModelDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"HFModelDir({str(self.path)!r}, {len(self)} tensors in {len(self.headers)} file(s))"
+
+
+def _open_index(root: Path, index_path: Path) -> tuple[dict[str, SafetensorsHeader], dict]:
+    index = read_json(index_path, root=root, what=index_path.name)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FormatError("has no non-empty 'weight_map' object", path=index_path)
+    metadata = index.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise FormatError("'metadata' is not an object", path=index_path)
+
+    # 1. names: plain file names inside the directory, checked before any file is touched.
+    unsafe = sorted({repr(f) for f in weight_map.values() if not is_plain_file_name(f)})
+    if unsafe:
+        raise FormatError(f"weight_map points outside the model directory or at non-file names: {_listing(unsafe)}",
+                          path=index_path, hint="weight_map values must be plain shard file names")
+    # 2. files exist.
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not os.path.lexists(root / f)]
+    if missing:
+        raise MissingFileError(f"{len(missing)} shard(s) listed in the index are missing: {_listing(missing)}",
+                               path=index_path, hint="re-download the model or restore the missing shards")
+    # 3. headers agree with the index both ways.
+    headers = {f: read_header(root / f) for f in files}
+    problems = []
+    for key, f in weight_map.items():
+        if key not in headers[f].tensors:
+            problems.append(f"index maps {key!r} to {f}, which has no such tensor")
+    for f, header in headers.items():
+        for key in header.tensors:
+            mapped = weight_map.get(key)
+            if mapped is None:
+                problems.append(f"{f} holds {key!r}, which the index does not list")
+            elif mapped != f:
+                problems.append(f"{f} holds {key!r}, which the index maps to {mapped}")
+    if problems:
+        raise FormatError(f"index and shard headers disagree: {_listing(problems)}", path=index_path,
+                          hint="the directory mixes files from different saves; re-download or re-export it")
+    return headers, metadata
+
+
+def tensor_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict]:
+    """{tensor name: shape} of a model dir from its headers only, and its config ({} when absent)."""
+    with HFModelDir.open(model_dir) as m:
+        return {k: tuple(m.info(k).shape) for k in m.keys()}, (m.config or {})

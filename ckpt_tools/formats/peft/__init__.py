@@ -1,0 +1,1 @@
+"""PEFT LoRA adapter dirs, read (`adapter`, `config`) and written (`writer`)."""

@@ -1,0 +1,151 @@
+"""PEFT LoRA adapter dirs, read: `adapter_config.json` (validated, `formats.peft.config`) and
+`adapter_model.safetensors` (read by range) or `adapter_model.bin` (a torch pickle, loaded through the
+allow-list and held whole: a .bin cannot be read by range). Every weight key is classified: LoRA A/B
+of a module, a `modules_to_save` replacement, or unrecognized (refused when strict).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from dataclasses import dataclass
+
+import torch
+
+from ...core.dtypes import dtype_name, itemsize
+from ...core.errors import FormatError, UsageError
+from ...io.inputs import read_input, register
+from ..dcp.item import load_byte_item
+from ..safetensors.header import read_header
+from ..safetensors.read import read_tensor
+from .config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, PeftConfig, parse_peft_config
+
+__all__ = ["PEFT_PREFIX", "ADAPTER_CONFIG", "SAFETENSORS_NAME", "BIN_NAME", "MAX_ADAPTER_BIN_BYTES", "AdapterModule",
+           "PeftAdapter", "load_adapter_bin", "open_peft_adapter"]
+
+MAX_ADAPTER_BIN_BYTES = 64 << 30
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class AdapterModule:
+    module: str        # HF module FQN, e.g. model.layers.0.self_attn.q_proj
+    a_key: str
+    b_key: str
+    rank: int          # from A's rows (the truth), checked against the config's
+    scale: float
+
+
+class PeftAdapter:
+    """An open PEFT adapter dir: config parsed, weight keys indexed, tensors read on demand."""
+
+    def __init__(self, path: Path, config: PeftConfig, weights_path: Path, shapes: dict, dtypes: dict,
+                 loader, strict: bool):
+        self.dir, self.config, self.weights_path = path, config, weights_path
+        self.shapes: dict[str, tuple[int, ...]] = shapes    # key -> shape
+        self.dtypes: dict[str, str] = dtypes                # key -> dtype name
+        self._load = loader
+        self.modules: dict[str, AdapterModule] = {}
+        self.full_tensors: dict[str, str] = {}     # modules_to_save: HF name -> key
+        self.unrecognized: list[str] = []
+        pairs: dict[str, dict[str, str]] = {}
+        for k in shapes:
+            name = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else None
+            m = _LORA_KEY.match(name) if name else None
+            if m:
+                pairs.setdefault(m["module"], {})[m["ab"]] = k
+            elif name and "lora_" not in name and any(
+                    name == f"{t}.weight" or name.endswith(f".{t}.weight") or name.endswith(f".{t}.bias")
+                    or name == f"{t}.bias" for t in config.modules_to_save):
+                self.full_tensors[name] = k
+            else:
+                self.unrecognized.append(k)
+        problems = []
+        for mod, ab in sorted(pairs.items()):
+            if set(ab) != {"A", "B"}:
+                problems.append(f"{mod}: has lora_{''.join(ab)} without its partner")
+                continue
+            a_shape, b_shape = shapes[ab["A"]], shapes[ab["B"]]
+            if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+                problems.append(f"{mod}: A {list(a_shape)} and B {list(b_shape)} do not share a rank")
+                continue
+            rank = a_shape[0]
+            if rank != config.rank_for(mod):
+                problems.append(f"{mod}: A has {rank} rows but the config's rank for it is {config.rank_for(mod)}")
+                continue
+            self.modules[mod] = AdapterModule(mod, ab["A"], ab["B"], rank, config.scale_for(mod))
+        if strict and (problems or self.unrecognized):
+            lines = problems + [f"unrecognized key {k!r}" for k in self.unrecognized[:10]]
+            more = len(self.unrecognized) - 10
+            if more > 0:
+                lines.append(f"... and {more} more")
+            fixable = any(".lora_A.0." in k or not k.startswith(PEFT_PREFIX) for k in self.unrecognized)
+            raise FormatError("adapter weights do not follow PEFT's layout: " + "; ".join(lines),
+                              path=weights_path,
+                              hint="prime-rl exports need `ckpt fix-adapter SRC OUT` first" if fixable else
+                              "expected keys base_model.model.<module>.lora_A.weight / lora_B.weight")
+        self.problems = problems
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._load(key)
+
+    def read_pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.modules[module]
+        return self._load(m.a_key), self._load(m.b_key)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * itemsize(self.dtypes[k]) for k, s in self.shapes.items())
+
+    def describe(self) -> dict:
+        ranks = sorted({m.rank for m in self.modules.values()})
+        scales = sorted({m.scale for m in self.modules.values()})
+        return {"path": str(self.dir), "weights": self.weights_path.name, "modules": len(self.modules),
+                "rank": ranks[0] if len(ranks) == 1 else ranks, "lora_alpha": self.config.lora_alpha,
+                "scale": scales[0] if len(scales) == 1 else scales, "use_rslora": self.config.use_rslora,
+                "targets": sorted({m.rsplit(".", 1)[-1] for m in self.modules}),
+                "modules_to_save": sorted(self.full_tensors),
+                "dtypes": sorted(set(self.dtypes.values())),
+                "bytes": self.nbytes, "base_model_name_or_path": self.config.base_model_name_or_path,
+                "unrecognized_keys": len(self.unrecognized), "problems": self.problems}
+
+
+def load_adapter_bin(binf: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.bin, a torch pickle: read through the input checks (no FIFO, no symlink out of
+    the adapter dir, not sparse), loaded by `load_byte_item` (records stored, pickle bounded,
+    torch's weights_only allow-list: no code runs, no tensor bigger than its bytes), and checked
+    to be a dict of str -> tensor. Held whole in memory (a .bin cannot be read by range)."""
+    raw = read_input(binf, root=binf.parent, what=binf.name, max_bytes=MAX_ADAPTER_BIN_BYTES)
+    sd = load_byte_item(raw, trust=False, path=binf, key="")
+    del raw
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                           for k, v in sd.items()):
+        bad = next((k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None) \
+            if isinstance(sd, dict) else None
+        raise FormatError(f"{binf.name} is not a dict of name -> tensor"
+                          + (f" (entry {bad!r}: {type(sd[bad]).__name__})" if bad is not None else
+                             f" (it holds a {type(sd).__name__})" if not isinstance(sd, dict) else ""),
+                          path=binf, hint="an adapter .bin is torch.save({name: tensor, ...})")
+    return sd
+
+
+def open_peft_adapter(path: str | Path, *, strict: bool = True) -> PeftAdapter:
+    d = Path(path)
+    if not d.is_dir():
+        raise UsageError("not a PEFT adapter directory", path=d)
+    register(d)   # the whole adapter dir is an input: no OUT inside it
+    config = parse_peft_config(d / ADAPTER_CONFIG)
+    st, binf = d / SAFETENSORS_NAME, d / BIN_NAME
+    if os.path.lexists(st):
+        header = read_header(st)
+        infos = header.tensors
+        shapes = {k: tuple(i.shape) for k, i in infos.items()}
+        dtypes = {k: i.dtype_name for k, i in infos.items()}
+        return PeftAdapter(d, config, st, shapes, dtypes, lambda k: read_tensor(infos[k], st), strict)
+    if os.path.lexists(binf):
+        sd = load_adapter_bin(binf)
+        shapes = {k: tuple(v.shape) for k, v in sd.items()}
+        dtypes = {k: dtype_name(v.dtype) for k, v in sd.items()}
+        return PeftAdapter(d, config, binf, shapes, dtypes, lambda k: sd[k], strict)
+    raise FormatError(f"no {SAFETENSORS_NAME} or {BIN_NAME} next to adapter_config.json", path=d)

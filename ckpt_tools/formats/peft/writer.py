@@ -1,0 +1,135 @@
+"""PEFT adapter dirs written by us: `adapter_model.safetensors` (keys `base_model.model.<module>.lora_A/B.weight`,
+one tensor in flight) and an `adapter_config.json` in PEFT's own layout (`peft_config`), loadable as is
+by PEFT and vLLM. Used by `ckpt extract-adapter` and `ckpt fix-adapter`."""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...core.dtypes import SHORT_NAMES, itemsize, torch_dtype
+from ...core.errors import FormatError
+from ...core.keys import module_suffix
+from ...io.files import write_new_file
+from ..safetensors.writer import StreamingSafetensorsWriter, build_header
+from .config import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
+
+__all__ = ["PEFT_CONFIG_DEFAULTS", "SAFETENSORS_METADATA", "peft_key", "peft_config", "config_json",
+           "target_modules_for", "OutTensor", "safetensors_file_bytes", "write_adapter_dir"]
+
+SAFETENSORS_METADATA = {"format": "pt"}
+
+# adapter_config.json as PEFT's own `LoraConfig(...).to_dict()` writes it (the field set of the
+# fixture's reference_peft_adapter, written by the peft library), with our values filled in by
+# `peft_config`. A fixed table, not a live peft import: the output must not depend on which peft
+# version happens to be installed, and every field here is one PEFT and vLLM accept.
+PEFT_CONFIG_DEFAULTS: dict = {
+    "alpha_pattern": {},
+    "auto_mapping": None,
+    "base_model_name_or_path": None,
+    "bias": "none",
+    "corda_config": None,
+    "eva_config": None,
+    "exclude_modules": None,
+    "fan_in_fan_out": False,
+    "inference_mode": True,
+    "init_lora_weights": True,
+    "layer_replication": None,
+    "layers_pattern": None,
+    "layers_to_transform": None,
+    "loftq_config": {},
+    "lora_alpha": None,
+    "lora_bias": False,
+    "lora_dropout": 0.0,
+    "megatron_config": None,
+    "megatron_core": "megatron.core",
+    "modules_to_save": None,
+    "peft_type": "LORA",
+    "qalora_group_size": 16,
+    "r": None,
+    "rank_pattern": {},
+    "revision": None,
+    "target_modules": None,
+    "target_parameters": None,
+    "task_type": "CAUSAL_LM",
+    "trainable_token_indices": None,
+    "use_dora": False,
+    "use_qalora": False,
+    "use_rslora": False,
+}
+
+
+def peft_key(module: str, ab: str) -> str:
+    """`model.layers.0.mlp.up_proj`, "A" -> `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`."""
+    return f"{PEFT_PREFIX}{module}.lora_{ab}.weight"
+
+
+def peft_config(*, r: int, lora_alpha: float, target_modules: list[str], base_model_name_or_path: str | None,
+                modules_to_save: list[str] | None = None) -> dict:
+    cfg = dict(PEFT_CONFIG_DEFAULTS)
+    cfg.update(r=int(r), lora_alpha=float(lora_alpha), target_modules=list(target_modules),
+               base_model_name_or_path=base_model_name_or_path,
+               modules_to_save=sorted(modules_to_save) if modules_to_save else None)
+    return cfg
+
+
+def config_json(cfg: dict) -> str:
+    """PEFT's own layout: sorted keys, 2-space indent."""
+    return json.dumps(cfg, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def target_modules_for(modules: list[str], base_shapes: dict[str, tuple[int, ...]] | None) -> tuple[list[str], str | None]:
+    """PEFT target_modules: the sorted suffixes when they select exactly our modules in the base
+    (or when there is no base to check); else the explicit module names (PEFT matches an exact
+    name too), so PEFT creates no LoRA layer that has no weights."""
+    suffixes = sorted({module_suffix(m) for m in modules})
+    if base_shapes is None:
+        return suffixes, None
+    selected = {k[:-len(".weight")] for k, s in base_shapes.items()
+                if k.endswith(".weight") and len(s) == 2 and module_suffix(k[:-len(".weight")]) in suffixes}
+    if selected == set(modules):
+        return suffixes, None
+    return sorted(modules), (f"the LoRA covers {len(modules)} of the {len(selected)} base modules named "
+                             f"{', '.join(suffixes)}; target_modules lists the {len(modules)} module names "
+                             "explicitly")
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    name: str                 # key in adapter_model.safetensors
+    shape: tuple[int, ...]
+    dtype: str                # "fp32" | "bf16"
+    source: str               # where it comes from (DCP key, source file key)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(SHORT_NAMES[self.dtype])
+
+
+def safetensors_file_bytes(tensors: list[OutTensor]) -> int:
+    entries = [(t.name, SHORT_NAMES[t.dtype], t.shape) for t in tensors]
+    return len(build_header(entries, SAFETENSORS_METADATA)) + sum(t.nbytes for t in tensors)
+
+
+def write_adapter_dir(directory: Path, tensors: list[OutTensor], read: Callable[[OutTensor], torch.Tensor],
+                      config: dict) -> int:
+    """Write adapter_model.safetensors (tensors in the given order, which callers sort by name)
+    and adapter_config.json into `directory`; `read` returns one tensor at a time. Returns the
+    safetensors file size."""
+    entries = [(t.name, SHORT_NAMES[t.dtype], t.shape) for t in tensors]
+    with StreamingSafetensorsWriter(directory / SAFETENSORS_NAME, entries, SAFETENSORS_METADATA) as w:
+        for t in tensors:
+            value = read(t).to(torch_dtype(SHORT_NAMES[t.dtype])).contiguous()
+            if tuple(value.shape) != t.shape:
+                raise FormatError(f"read {list(value.shape)}, planned {list(t.shape)}", key=t.source)
+            w.write(t.name, value)
+            del value
+        size = w.file_bytes
+    write_new_file(directory / ADAPTER_CONFIG, config_json(config))
+    return size
+
+

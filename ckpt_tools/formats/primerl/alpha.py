@@ -1,0 +1,187 @@
+"""LoRA alpha provenance.
+
+A DCP checkpoint stores A and B but not alpha, rank or scale. prime-rl trains with
+scale = orchestrator `[model.lora] alpha` / rank, read from `outputs/<run>/configs/orch.toml`; the
+orchestrator's alpha defaults to 16.0 whatever the trainer's alpha is, while every
+adapter_config.json prime-rl writes carries the trainer's alpha. So we resolve alpha in one order,
+the same for every command: --alpha; --run-config ORCH_TOML; the run's orch.toml, found only where
+prime-rl writes it for the artifact (`run_outputs_dir`: `<outputs>/run_*/configs/orch.toml` beside
+`<outputs>/checkpoints/step_N/trainer`; exactly one run); otherwise an error that says how to pass
+it. Never a guess, and the source (which file) is always reported. Every alpha is validated:
+finite, in (0, MAX_ALPHA].
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.errors import AlphaError, CkptError, FormatError, UsageError
+from ...core.lora_math import check_alpha, lora_scale
+from ...io.inputs import read_json, read_toml
+
+__all__ = ["ORCH_DEFAULT_ALPHA", "AlphaResolution", "run_outputs_dir", "find_run_configs", "read_orch_lora",
+           "run_adapter_configs", "adapter_config_disagreements", "resolve_alpha", "orch_model_name"]
+
+# prime-rl's orchestrator LoRAConfig.alpha default (see docs/format.md, "alpha provenance").
+ORCH_DEFAULT_ALPHA = 16.0
+
+
+@dataclass(frozen=True)
+class AlphaResolution:
+    alpha: float
+    source: str                 # human description of where it came from
+    config_path: Path | None = None
+    warnings: tuple[str, ...] = ()
+
+    def scale(self, rank: int, rslora: bool = False) -> float:
+        return lora_scale(self.alpha, rank, rslora)
+
+
+_STEP = re.compile(r"^step_\d+$")
+
+
+def run_outputs_dir(path: str | Path) -> Path | None:
+    """The prime-rl trainer `output_dir` that `path` was written into, recognised only by where
+    prime-rl writes (16e747c, docs/format.md §2): `<outputs>/checkpoints/step_N/trainer` (or its
+    step dir), `<outputs>/weights/step_N[/lora_adapters]`, `<outputs>/<run>/broadcasts/step_N`.
+    None anywhere else: we never climb further to look for configs (an unrelated sibling's
+    `run_*/configs/orch.toml` two levels up once set the scale)."""
+    p = Path(path).resolve()
+    parents = p.parents
+    if p.name == "trainer" and _STEP.match(p.parent.name) and p.parent.parent.name == "checkpoints":
+        return parents[2]
+    if p.name == "lora_adapters" and _STEP.match(p.parent.name) and p.parent.parent.name == "weights":
+        return parents[2]
+    if _STEP.match(p.name) and p.parent.name in ("checkpoints", "weights") and len(parents) > 1:
+        return parents[1]
+    if _STEP.match(p.name) and p.parent.name == "broadcasts" and len(parents) > 2:
+        return parents[2]
+    return None
+
+
+def find_run_configs(ckpt_dir: Path) -> list[Path]:
+    """orch.toml files of the run(s) that wrote `ckpt_dir`: `<outputs>/run_*/configs/orch.toml`, where
+    prime-rl's orchestrator writes them, for the `<outputs>` of `run_outputs_dir`; [] elsewhere."""
+    outputs = run_outputs_dir(ckpt_dir)
+    return sorted(outputs.glob("run_*/configs/orch.toml")) if outputs is not None else []
+
+
+def read_orch_lora(path: Path, *, root: Path | None = None) -> dict:
+    """The `[model.lora]` table of an orchestrator config (alpha defaulted as prime-rl does, and
+    validated: a finite alpha in (0, MAX_ALPHA], a positive integer rank). `root`: the outputs
+    tree a discovered config belongs to (None for one the user named)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise AlphaError("run config not found", path=path)
+    data, _text = read_toml(path, root=root, what="orchestrator config")
+    model = data.get("model")
+    if model is not None and not isinstance(model, dict):
+        raise FormatError(f"'model' is {model!r} ({type(model).__name__}), not a [model] table", path=path,
+                          hint="pass the orchestrator config of the run (outputs/run_*/configs/orch.toml)")
+    lora = (model or {}).get("lora")
+    if lora is None:
+        raise AlphaError("no [model.lora] table: this orchestrator config is not from a LoRA run",
+                         path=path, hint="pass --alpha explicitly")
+    if not isinstance(lora, dict):
+        raise FormatError(f"'model.lora' is {lora!r} ({type(lora).__name__}), not a table", path=path)
+    out = dict(lora)
+    if "alpha" not in out:
+        out["alpha"] = ORCH_DEFAULT_ALPHA
+        out["_alpha_defaulted"] = True
+    out["alpha"] = check_alpha(out["alpha"], "[model.lora] alpha", path=path)
+    rank = out.get("rank")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0):
+        raise FormatError(f"[model.lora] rank is {rank!r}, not a positive integer", path=path)
+    return out
+
+
+def run_adapter_configs(ckpt_dir: Path) -> list[Path]:
+    """adapter_config.json files prime-rl wrote for the same run (broadcasts and weight exports),
+    in the `<outputs>` of `run_outputs_dir` only."""
+    outputs = run_outputs_dir(ckpt_dir)
+    if outputs is None:
+        return []
+    return sorted(outputs.glob("run_*/broadcasts/step_*/adapter_config.json")) + \
+        sorted(outputs.glob("weights/step_*/lora_adapters/adapter_config.json"))
+
+
+def adapter_config_disagreements(configs: list[Path], training_scale: float, rank: int | None,
+                                 root: Path | None = None) -> list[str]:
+    out = []
+    for c in configs:
+        try:
+            cfg = read_json(c, root=root, what="adapter_config.json")
+            a, r = float(cfg["lora_alpha"]), int(cfg["r"])
+        except CkptError as exc:   # only a cross-check: a config we cannot read costs a warning
+            out.append(f"not read: {exc}")
+            continue
+        except (ValueError, KeyError, TypeError, OverflowError):
+            continue
+        if not (math.isfinite(a) and r > 0):
+            continue
+        s = lora_scale(a, r, bool(cfg.get("use_rslora")))
+        if not math.isclose(s, training_scale, rel_tol=1e-6):
+            out.append(f"{c} says lora_alpha={a:g}, r={r} (scale {s:g}) but training used scale "
+                       f"{training_scale:g}: PEFT/vLLM loading that file would apply the wrong scale")
+    return out
+
+
+def resolve_alpha(*, alpha: float | None = None, run_config: str | Path | None = None,
+                  ckpt_dir: str | Path | None = None, rank: int | None = None) -> AlphaResolution:
+    """Resolve the training alpha for a DCP checkpoint (see module docstring for the order)."""
+    warnings: list[str] = []
+    root = None
+    if alpha is not None:
+        res = AlphaResolution(check_alpha(alpha, "--alpha", error=UsageError), "--alpha")
+    else:
+        if run_config is not None:
+            path, how = Path(run_config), "--run-config"
+        else:
+            found = find_run_configs(Path(ckpt_dir)) if ckpt_dir is not None else []
+            if len(found) > 1:
+                raise AlphaError(
+                    "LoRA alpha is not stored in the checkpoint, and several runs' orchestrator configs "
+                    f"are in its outputs dir: {', '.join(map(str, found))}",
+                    path=ckpt_dir, hint="pick one with --run-config ORCH_TOML, or pass --alpha")
+            if not found:
+                outputs = run_outputs_dir(ckpt_dir) if ckpt_dir is not None else None
+                where = (f"no run config {outputs}/run_*/configs/orch.toml exists" if outputs is not None else
+                         "the checkpoint is not in prime-rl's layout (<outputs>/checkpoints/step_N/trainer), so "
+                         "no run config was looked for")
+                raise AlphaError(
+                    f"LoRA alpha is not stored in a DCP checkpoint, and {where}. prime-rl trains with "
+                    "scale = orchestrator [model.lora] alpha / rank (default alpha 16.0, NOT the trainer's "
+                    "alpha)", path=ckpt_dir,
+                    hint="pass --run-config path/to/orch.toml, or --alpha A if you know what training used")
+            path, how = found[0], "run config"
+            root = run_outputs_dir(ckpt_dir)
+        lora = read_orch_lora(path, root=root)
+        if lora.get("_alpha_defaulted"):
+            warnings.append(f"{path} has no [model.lora] alpha; prime-rl's orchestrator default "
+                            f"{ORCH_DEFAULT_ALPHA:g} applies")
+        orch_rank = lora.get("rank")
+        if orch_rank is not None and rank is not None and int(orch_rank) != rank:
+            warnings.append(f"{path} says rank {orch_rank} but the checkpoint's LoRA rank is {rank}; "
+                            f"the scale uses the orchestrator's alpha / its rank")
+        res = AlphaResolution(lora["alpha"], f"{how} {path}", Path(path))
+    if rank is not None and ckpt_dir is not None:
+        warnings += adapter_config_disagreements(run_adapter_configs(Path(ckpt_dir)), res.alpha / rank, rank,
+                                                 root=run_outputs_dir(ckpt_dir))
+    return AlphaResolution(res.alpha, res.source, res.config_path, tuple(warnings))
+
+
+def orch_model_name(path: Path | None) -> str | None:
+    """The `[model] name` of an orchestrator config (None when it has none or cannot be read: it is
+    only a default, for base_model_name_or_path and for the base a slim records)."""
+    if path is None:
+        return None
+    try:
+        data, _ = read_toml(path, root=run_outputs_dir(path) if run_outputs_dir(path) else None,
+                            what="orchestrator config")
+        name = (data.get("model") or {}).get("name") if isinstance(data.get("model"), dict) else None
+    except CkptError:
+        return None
+    return name if isinstance(name, str) and name else None

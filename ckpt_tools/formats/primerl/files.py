@@ -1,0 +1,165 @@
+"""Where a prime-rl run's config files are, and the order prime-rl loads them in.
+
+- 16e747c (Jan 2026): the user's TOML, `uv run rl @ rl.toml [@ more.toml] [--trainer @ t.toml]`;
+  files named by a file's top-level `toml_files = [...]` load right after it (paths relative to it)
+  and override it (utils/pydantic_config.py:100-177). A run dir holds only the orchestrator's resolved
+  copy, `outputs/run_*/configs/orch.toml` (orchestrator.py:79-83).
+- HEAD (Aug 2026): the rl entrypoint writes the resolved `<run_dir>/configs/{rl,trainer,orchestrator,
+  inference}.json` (entrypoints/rl.py:70-85).
+
+`ckpt_tools.primerl.config` re-exports the public names; use it.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...io import inputs
+from ...core.errors import FormatError, UsageError
+
+__all__ = ["GEN_16E747C", "GEN_HEAD", "SECTIONS", "HEAD_JSON", "ConfigFile", "RunFiles", "read_toml",
+    "read_json", "config_files", "locate_run_configs"]
+
+GEN_16E747C = "16e747c"
+GEN_HEAD = "head"
+SECTIONS = ("trainer", "orchestrator", "inference")
+HEAD_JSON = {"rl.json": "", "trainer.json": "trainer", "orchestrator.json": "orchestrator",
+             "inference.json": "inference"}
+_SEARCH_LEVELS = 5   # trainer -> step_N -> checkpoints -> outputs -> run/launch dir
+
+
+# ------------------------------------------------------------------------------------------ files
+@dataclass(frozen=True)
+class ConfigFile:
+    path: Path
+    section: str          # "" = the rl root; "trainer" | "orchestrator" | "inference" = nested under it
+    origin: str           # how it was found: "argument", "toml_files of X", "run dir"
+
+    @property
+    def format(self) -> str:
+        return "json" if self.path.suffix == ".json" else "toml"
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    generation: str
+    files: tuple[ConfigFile, ...]        # load order: later files override earlier ones
+    run_dir: Path | None = None          # where the configs were found (None: given as arguments)
+    ignored_includes: tuple[tuple[Path, str], ...] = ()   # (file, table) whose toml_files prime-rl ignores
+
+
+def read_toml(path: Path) -> dict:
+    """Through the read side (`inputs.read_toml`: no FIFO or device, size and depth limits)."""
+    if not os.path.lexists(path):
+        raise UsageError("config file not found", path=path)
+    try:
+        return inputs.read_toml(path, what="prime-rl config")[0]
+    except FormatError as exc:
+        if not exc.message.startswith("not valid TOML"):
+            raise
+        raise FormatError(exc.message, path=path, hint="prime-rl cannot read it either; fix the syntax first") from None
+
+
+def read_json(path: Path) -> dict:
+    """Through the read side (`inputs.read_json`: no FIFO or device, size and depth limits, no NaN)."""
+    if not os.path.lexists(path):
+        raise UsageError("config file not found", path=path)
+    data = inputs.read_json(path, what="prime-rl config")
+    if not isinstance(data, dict):
+        raise FormatError("is not a JSON object", path=path)
+    return data
+
+
+def _nested_toml_files(data: dict, path: Path) -> list[tuple[Path, str]]:
+    """`toml_files` inside a table is a field prime-rl never reads: only a file's top-level key loads
+    files (pydantic_config.py:136-145)."""
+    out = []
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                if "toml_files" in v:
+                    out.append((path, f"{prefix}{k}"))
+                walk(v, f"{prefix}{k}.")
+    walk(data, "")
+    return out
+
+
+def config_files(files: list[Path], sections: Mapping[str, Path] | None = None) -> RunFiles:
+    """The files `uv run rl @ F1 @ F2 --trainer @ T` would load, in prime-rl's order: each @ file,
+    then (depth first) the files its top-level `toml_files` names; section files nested under their
+    key. A file already loaded is skipped, as prime-rl does."""
+    seen: list[ConfigFile] = []
+    ignored: list[tuple[Path, str]] = []
+
+    def add(path: Path, section: str, origin: str) -> None:
+        path = Path(path)
+        if any(c.path.resolve() == path.resolve() and c.section == section for c in seen):
+            return
+        if path.suffix == ".json":
+            if section:
+                raise UsageError("a section file must be TOML", path=path)
+            seen.append(ConfigFile(path, HEAD_JSON.get(path.name, ""), origin))
+            return
+        data = read_toml(path)
+        seen.append(ConfigFile(path, section, origin))
+        ignored.extend(_nested_toml_files(data, path))
+        includes = data.get("toml_files")
+        if includes is None:
+            return
+        if section:
+            raise UsageError(f"`toml_files` in a file given as --{section} @ FILE: prime-rl raises "
+                             f"NotImplementedError for it (pydantic_config.py:137-138)", path=path,
+                             hint="list the files in the rl config's top-level toml_files instead")
+        if not isinstance(includes, list) or not all(isinstance(x, str) for x in includes):
+            raise FormatError(f"toml_files is {includes!r}, not a list of paths", path=path, key="toml_files")
+        for inc in includes:
+            if inc.endswith(".toml"):
+                add(path.parent / inc, "", f"toml_files of {path.name}")
+
+    for f in files:
+        add(Path(f), "", "argument")
+    for sec, f in (sections or {}).items():
+        if sec not in SECTIONS:
+            raise UsageError(f"unknown section {sec!r}; one of {', '.join(SECTIONS)}")
+        add(Path(f), sec, "argument")
+    gens = {GEN_HEAD if c.format == "json" else GEN_16E747C for c in seen}
+    if len(gens) > 1:
+        raise UsageError("mixes HEAD JSON configs with 16e747c TOML configs; pass one run's files")
+    return RunFiles(gens.pop() if gens else GEN_16E747C, tuple(seen), None, tuple(ignored))
+
+
+def _head_files(d: Path) -> list[Path]:
+    return [d / "configs" / n for n in HEAD_JSON if (d / "configs" / n).is_file()]
+
+
+def _orch_tomls(d: Path) -> list[Path]:
+    if (d / "configs" / "orch.toml").is_file():     # a run_* dir itself
+        return [d / "configs" / "orch.toml"]
+    return sorted(d.glob("run_*/configs/orch.toml")) + sorted(d.glob("outputs/run_*/configs/orch.toml"))
+
+
+def locate_run_configs(path: str | Path) -> RunFiles | None:
+    """A run's config files from a config file, a run/outputs dir, or a checkpoint inside one (the
+    nearest ancestor that has any). None when there are none; an error when several runs share the
+    dir (pass the one you mean)."""
+    p = Path(path)
+    if p.is_file():
+        return config_files([p])
+    d = p.resolve()
+    for _ in range(_SEARCH_LEVELS + 1):
+        head, old = _head_files(d), _orch_tomls(d)
+        if head:
+            order = sorted(head, key=lambda f: list(HEAD_JSON).index(f.name))   # rl.json first
+            return RunFiles(GEN_HEAD, tuple(ConfigFile(f, HEAD_JSON[f.name], "run dir") for f in order), d)
+        if len(old) > 1:
+            raise UsageError(f"several runs' configs here: {', '.join(map(str, old))}", path=d,
+                             hint="pass the run's orch.toml (or its run_* dir) to pick one")
+        if old:
+            return RunFiles(GEN_16E747C, (ConfigFile(old[0], "orchestrator", "run dir"),), d)
+        if d.parent == d:
+            break
+        d = d.parent
+    return None

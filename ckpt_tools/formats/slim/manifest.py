@@ -1,0 +1,142 @@
+"""The slim manifest: what `ckpt slim` dropped from a checkpoint and how to rebuild it bit-exactly.
+
+A slim checkpoint is a DCP dir holding every storage item of the original but the frozen base weights
+(copied verbatim), plus `ckpt-slim-manifest.json` beside `.metadata`: for every dropped tensor its
+key, planner path, shape, dtype, original chunk layout and the sha256 of its bytes in row-major order
+(`HASH_INPUT`), and the identity of the base model it came from. It is NOT loadable by prime-rl's
+strict DCP loader on its own (`Missing key in checkpoint state_dict`): the manifest says so, `ckpt
+inspect` says so; `ckpt rehydrate` rebuilds the full checkpoint from the base and proves each tensor
+against its hash.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.dtypes import ITEMSIZE
+from ...core.errors import CkptError, FormatError, UsageError
+from ...io.inputs import read_json
+
+__all__ = ["SLIM_MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "NOT_LOADABLE", "HASH_INPUT", "ChunkLayout",
+           "DroppedTensor", "Manifest", "build_manifest", "read_manifest", "is_slim"]
+
+SLIM_MANIFEST = "ckpt-slim-manifest.json"   # beside .metadata
+MANIFEST_FORMAT = "ckpt-tools/slim-manifest"
+MANIFEST_VERSION = 1
+NOT_LOADABLE = ("SLIM checkpoint: the frozen base weights were removed. It is NOT loadable by prime-rl's "
+                "strict loader on its own; run `ckpt rehydrate SLIM OUT --base BASE` to rebuild the full "
+                "checkpoint, then resume from OUT.")
+HASH_INPUT = "the tensor's bytes in its stored dtype, row-major (C order), little-endian"
+
+
+def is_slim(ckpt_dir: Path) -> bool:
+    return (Path(ckpt_dir) / SLIM_MANIFEST).is_file()
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+
+
+@dataclass(frozen=True)
+class DroppedTensor:
+    key: str
+    path: tuple
+    hf_name: str
+    shape: tuple[int, ...]
+    dtype: str                      # "float32" (torch dtype name without "torch.")
+    chunks: tuple[ChunkLayout, ...]
+    nbytes: int
+
+
+def build_manifest(layout, base: dict | None, hashes: dict[str, str], base_verified: bool) -> dict:
+    """The manifest of a slim checkpoint (`layout`: a `partition.SlimLayout`): every dropped tensor (key,
+    path, shape, dtype, chunk layout, sha256) and the base it can be rebuilt from."""
+    plan = layout
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "loadable_by_prime_rl": False,
+        "note": NOT_LOADABLE,
+        "source": {"path": plan.source, "bytes": plan.source_bytes, "data_files": list(plan.data_files)},
+        "base": dict(base or {}, verified=base_verified) if base else None,
+        "world_size": plan.world_size,
+        "hash": {"algorithm": "sha256", "input": HASH_INPUT},
+        "dropped_bytes": plan.dropped_bytes,
+        "dropped_tensor_bytes": plan.dropped_tensor_bytes,
+        "kept_bytes": plan.kept_bytes,
+        "dropped": [
+            {"key": d.key, "path": list(d.path), "hf_name": d.hf_name, "shape": list(d.shape), "dtype": d.dtype,
+             "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file} for c in d.chunks],
+             "sha256": hashes[d.key]}
+            for d in plan.dropped
+        ],
+    }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    raw: dict
+    dropped: tuple[DroppedTensor, ...]
+    hashes: dict[str, str]
+    world_size: int | None
+    base: dict | None
+    data_files: tuple[str, ...]
+
+
+def read_manifest(ckpt_dir: Path) -> Manifest:
+    """Load and validate `ckpt-slim-manifest.json` completely (every problem is an error that
+    names the file and the key)."""
+    p = Path(ckpt_dir) / SLIM_MANIFEST
+    if not os.path.lexists(p):
+        raise UsageError(f"not a slim checkpoint: no {SLIM_MANIFEST}", path=ckpt_dir,
+                         hint="rehydrate takes the output of `ckpt slim`")
+    m = read_json(p, root=ckpt_dir, what="slim manifest")
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
+        raise FormatError(f"not a slim manifest (format is {m.get('format') if isinstance(m, dict) else None!r})",
+                          path=p)
+    if m.get("version") != MANIFEST_VERSION:
+        raise FormatError(f"manifest version {m.get('version')!r}; this ckpt-tools reads version "
+                          f"{MANIFEST_VERSION}", path=p, hint="use the ckpt-tools version that wrote it")
+    dropped, hashes = [], {}
+    for i, d in enumerate(m.get("dropped") or []):
+        key = d.get("key") if isinstance(d, dict) else None
+        try:
+            path = tuple(d["path"])
+            if ".".join(map(str, path)) != key:
+                raise ValueError(f"path {list(path)} does not flatten to the key")
+            shape = tuple(int(s) for s in d["shape"])
+            dtype = d["dtype"]
+            if dtype not in ITEMSIZE:
+                raise FormatError(f"unknown dtype {dtype!r} in the slim manifest")
+            chunks = tuple(ChunkLayout(tuple(int(o) for o in c["offsets"]), tuple(int(s) for s in c["sizes"]),
+                                       str(c.get("file", ""))) for c in d["chunks"])
+            for c in chunks:
+                if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
+                        o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)):
+                    raise ValueError(f"chunk {list(c.offsets)}+{list(c.sizes)} lies outside shape {list(shape)}")
+            covered = sum(math.prod(c.sizes) for c in chunks if all(c.sizes))
+            if covered != math.prod(shape) and shape:
+                raise ValueError(f"chunks cover {covered} of {math.prod(shape)} elements")
+            digest = str(d["sha256"])
+            if len(digest) != 64:
+                raise ValueError("sha256 is not 64 hex digits")
+            dropped.append(DroppedTensor(key, path, str(d["hf_name"]), shape, dtype, chunks,
+                                         math.prod(shape) * ITEMSIZE[dtype]))
+            hashes[key] = digest
+        except CkptError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"dropped entry #{i} is malformed: {type(exc).__name__}: {exc}", path=p,
+                              key=key, hint="the manifest was edited or damaged; slim the original again") from None
+    if not dropped:
+        raise FormatError("lists no dropped tensors", path=p)
+    return Manifest(p, m, tuple(dropped), hashes, m.get("world_size"), m.get("base"),
+                    tuple((m.get("source") or {}).get("data_files") or ()))
+
+

@@ -1,0 +1,156 @@
+"""A slim checkpoint, written: every kept storage item copied verbatim by byte range (output file i
+receives source file i's items: rank files stay rank files), every dropped tensor hashed (and, when a
+base is given, proven equal to the base's upcast), the manifest, the extra entries. Memory: one item
+or one chunk at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...core.errors import FormatError
+from ...core.progress import Progress, report
+from ...core.tensor_math import sha256_of_tensor
+from ...io.copy import copy_input_tree
+from ...io.files import write_new_file
+from ..dcp.item import ItemError
+from ..dcp.layout import extra_bytes
+from ..dcp.model import TensorEntry
+from ..dcp.reader import DcpCheckpoint
+from ..dcp.writer import DcpWriter
+from .manifest import SLIM_MANIFEST, DroppedTensor, build_manifest
+from .partition import SlimLayout
+
+__all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "write_slim", "copy_extra_entries"]
+
+# Base tensor hash for a dropped tensor: (the base tensor's name, sha256 of it upcast to the dtype).
+BaseHash = Callable[[DroppedTensor], tuple[str, str]]
+
+
+@dataclass
+class SlimWritten:
+    hashes: dict[str, str]
+    bytes_written: int
+    base_verified: bool
+    seconds: dict = field(default_factory=dict)
+
+
+def need_bytes(ckpt_dir: Path, layout: SlimLayout) -> int:
+    """Free disk a slim needs: the kept items, the manifest (~64 KB per 100 tensors), the extras."""
+    return layout.kept_bytes + 64 * 1024 * (1 + len(layout.dropped) // 100) + extra_bytes(ckpt_dir, layout.extra_files)
+
+
+def output_file_index(data_files) -> dict[str, int]:
+    """Output file i (`__i_0.distcp`) receives source file i's items: rank files stay rank files."""
+    return {rel: i for i, rel in enumerate(data_files)}
+
+
+def _row_block_payloads(ckpt: DcpCheckpoint, e: TensorEntry):
+    """Yield each non-empty chunk's payload in row-major order when the chunks are dim-0 row blocks
+    tiling the tensor (FSDP2's Shard(0)), else return None; a chunk whose payload is not its plain
+    row-major bytes yields None (the caller then hashes the tensor assembled). Each chunk's zip CRC-32
+    is checked on the way: we never record a hash of corrupt bytes as the truth."""
+    chunks = sorted((c for c in e.chunks if c.numel), key=lambda c: c.offsets[0] if c.offsets else 0)
+    expect_row = 0
+    for c in chunks:
+        if c.sizes and (any(o != 0 for o in c.offsets[1:]) or c.sizes[1:] != e.shape[1:] or c.offsets[0] != expect_row):
+            return None
+        expect_row += c.sizes[0] if c.sizes else 1
+    if e.shape and expect_row != e.shape[0]:
+        return None
+
+    def gen():
+        for c in chunks:
+            try:
+                dec = ckpt.decode_chunk(e.key, c)
+            except ItemError as exc:
+                raise FormatError(f"chunk at {list(c.offsets)} is not a readable tensor item: {exc}",
+                                  path=ckpt.dir / c.file, key=e.key, hint="run `ckpt verify`") from None
+            if not dec.payload_is(e.dtype, c.sizes):
+                yield None
+                return
+            payload = dec.payload() if dec.raw is not None else memoryview(
+                ckpt.read_item_bytes(c.file, c.offset + dec.payload_offset, dec.payload_size, e.key))
+            if zlib.crc32(payload) != dec.layout.data_crc:
+                raise FormatError(f"chunk at {list(c.offsets)} fails its CRC-32 check (stored "
+                                  f"{dec.layout.data_crc:#010x})", path=ckpt.dir / c.file, key=e.key,
+                                  hint="the checkpoint is corrupt; slim an intact copy")
+            yield payload
+            del dec, payload   # before the next chunk is read: one chunk in memory, not two
+    return gen()
+
+
+def checkpoint_tensor_sha256(ckpt: DcpCheckpoint, e: TensorEntry) -> str:
+    """sha256 of a checkpoint tensor's row-major bytes. Row-block chunks are hashed chunk by chunk
+    straight from their items (memory: one chunk); any other layout is assembled first."""
+    payloads = _row_block_payloads(ckpt, e)
+    if payloads is not None:
+        h = hashlib.sha256()
+        for p in payloads:
+            if p is None:
+                break
+            h.update(p)
+            del p
+        else:
+            return h.hexdigest()
+    return sha256_of_tensor(ckpt.read_tensor(e.key))
+
+
+def copy_extra_entries(src_dir: Path, dst_dir: Path, names) -> None:
+    """Copy the extra entries by content (files and directories, checked as inputs of `src_dir`)."""
+    for name in names:
+        copy_input_tree(src_dir / name, dst_dir / name, root=src_dir, what="checkpoint entry")
+
+
+def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: dict | None,
+               base_hash: BaseHash | None = None, base_path: Path | None = None,
+               progress: Progress | None = None) -> SlimWritten:
+    """Write the slim of `ckpt` into the (new, empty) dir `out_dir`. With `base_hash`, every dropped
+    tensor must hash equal to its base tensor's upcast, else nothing is finished (FormatError naming
+    `base_path` and the key) and the manifest records the base as verified."""
+    t0 = time.perf_counter()
+    file_index = output_file_index(layout.data_files)
+    seconds = {}
+    writer = DcpWriter(out_dir, files=max(1, len(layout.data_files)))
+    try:
+        done = 0
+        for k in layout.kept:   # source order: sequential reads
+            raw = ckpt.read_item_bytes(k.file, k.offset, k.length, k.key)
+            if k.kind == "bytes":
+                writer.copy_bytes_item(k.key, k.path, raw, file_index=file_index[k.file])
+            else:
+                writer.copy_tensor_chunk(k.key, k.path, k.dtype, k.shape, k.chunk_offsets, k.chunk_sizes, raw,
+                                         file_index=file_index[k.file])
+            done += k.length
+            report(progress, "copy", done, layout.kept_bytes)
+        seconds["copy"] = round(time.perf_counter() - t0, 3)
+        t1 = time.perf_counter()
+        hashes: dict[str, str] = {}
+        done = 0
+        for d in layout.dropped:
+            hashes[d.key] = checkpoint_tensor_sha256(ckpt, ckpt.entries[d.key])
+            if base_hash is not None:
+                name, got = base_hash(d)
+                if got != hashes[d.key]:
+                    raise FormatError(
+                        f"the base model's {name} upcast to {d.dtype} differs from the "
+                        f"checkpoint's frozen tensor (sha256 {got[:12]}… vs {hashes[d.key][:12]}…)",
+                        path=base_path, key=d.key,
+                        hint="this is not the base the run trained on (another revision?), or the "
+                             "tensor was trained; pass the right --base, or slim without --base")
+            done += d.nbytes
+            report(progress, "hash", done, layout.dropped_tensor_bytes)
+        seconds["hash"] = round(time.perf_counter() - t1, 3)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    manifest = build_manifest(layout, base, hashes, base_verified=base_hash is not None)
+    write_new_file(out_dir / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
+    copy_extra_entries(ckpt.dir, out_dir, layout.extra_files)
+    return SlimWritten(hashes, writer.bytes_written, base_hash is not None, seconds)

@@ -1,0 +1,39 @@
+"""What is this path? The one answer every command starts from: a DCP checkpoint, a PEFT adapter dir,
+an HF model dir, or a prime-rl `checkpoints` dir (step_N/ subdirs). From names on disk only."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .dcp.layout import is_checkpoint_path
+from .hf_dir.names import INDEX_NAME, WEIGHTS_NAME
+from .peft.config import ADAPTER_CONFIG
+
+__all__ = ["DCP", "PEFT", "HF", "CHECKPOINTS", "sniff", "has_hf_weights", "step_number"]
+
+DCP, PEFT, HF, CHECKPOINTS = "dcp", "peft", "hf", "checkpoints"
+_STEP = re.compile(r"step_(\d+)")
+
+
+def step_number(p: Path) -> int | None:
+    """N for a `step_N` directory, else None."""
+    m = _STEP.fullmatch(p.name)
+    return int(m.group(1)) if m and p.is_dir() else None
+
+
+def has_hf_weights(p: Path) -> bool:
+    return (p / WEIGHTS_NAME).is_file() or (p / INDEX_NAME).is_file()
+
+
+def sniff(path) -> str | None:
+    """DCP, PEFT, HF or CHECKPOINTS (in that order of precedence), None when it is none of them."""
+    p = Path(path)
+    if is_checkpoint_path(p):
+        return DCP
+    if (p / ADAPTER_CONFIG).is_file():
+        return PEFT
+    if has_hf_weights(p):
+        return HF
+    if p.is_dir() and (any(step_number(c) is not None for c in p.iterdir()) or (p / "checkpoints").is_dir()):
+        return CHECKPOINTS
+    return None

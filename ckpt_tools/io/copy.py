@@ -1,0 +1,94 @@
+"""Copies of input files into new output files: every source read through `inputs.open_input` (checked:
+no symlink out of its tree, no FIFO), every destination created new (`files.create_new`)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from . import inputs
+from .files import create_new
+
+__all__ = ["copy_input_file", "copy_input_tree", "link_or_copy"]
+
+_FICLONE = 0x40049409   # linux/fs.h: _IOW(0x94, 9, int)
+
+
+def copy_input_file(src: str | os.PathLike, dst: str | os.PathLike, *, root: str | os.PathLike | None,
+                    what: str = "file") -> int:
+    """Copy the regular file `src` (of the tree `root`, checked by `inputs.open_input`) into a NEW
+    file `dst` (`create_new`). Returns the bytes copied."""
+    fd = inputs.open_input(src, root=root, what=what)
+    try:
+        out = create_new(dst)
+        try:
+            done = 0
+            while True:
+                n = os.sendfile(out, fd, done, 1 << 30) if hasattr(os, "sendfile") else 0
+                if n == 0:
+                    break
+                done += n
+            if done != os.fstat(fd).st_size:   # no sendfile here (or it stopped short): plain copy
+                while True:
+                    b = os.pread(fd, 1 << 24, done)
+                    if not b:
+                        break
+                    os.write(out, b)
+                    done += len(b)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    return done
+
+
+def copy_input_tree(src: str | os.PathLike, dst: str | os.PathLike, *, root: str | os.PathLike,
+                    what: str = "entry") -> int:
+    """Copy a file or directory `src` of the tree `root` to the new path `dst`: directories are
+    created, regular files copied by content (`copy_input_file`; a symlink inside the tree is copied
+    as the file it names). Every entry is checked first (`inputs.scan_tree`): one that leaves the
+    tree or is not a regular file/directory refuses the whole copy. Returns the bytes copied."""
+    src, dst = Path(src), Path(dst)
+    files = inputs.scan_tree(src, root=root, what=what)
+    if os.path.isdir(src):
+        os.mkdir(dst)
+        for dirpath, dirnames, _ in os.walk(src, followlinks=True):
+            rel = Path(dirpath).relative_to(src)
+            for d in sorted(dirnames):
+                os.mkdir(dst / rel / d)
+    total = 0
+    for f, _size in files:
+        target = dst if f == src else dst / f.relative_to(src)
+        total += copy_input_file(f, target, root=root, what=what)
+    return total
+
+
+def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
+    """Hard link the data file `src` (of the tree `root`, checked as an input: no symlink out of it,
+    no FIFO) at the new path `dst`; across filesystems (or where links are refused) a reflink, else a
+    copy. Returns the method used. Never opens `src` for writing; `dst` is new."""
+    real, _st = inputs.check_input(src, root=root, what="data file")
+    try:
+        os.link(real, dst, follow_symlinks=False)   # the checked file itself, never a link's target
+        return "hardlink"
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    try:
+        fs = inputs.open_input(src, root=root, what="data file")
+        try:
+            fd = create_new(dst)
+            try:
+                fcntl.ioctl(fd, _FICLONE, fs)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(fs)
+        return "reflink"
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            dst.unlink()
+    copy_input_file(src, dst, root=root, what="data file")
+    return "copy"

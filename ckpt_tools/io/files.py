@@ -1,0 +1,130 @@
+"""New files, the one rule of the write side: every file ckpt-tools writes is created fresh with
+`O_CREAT|O_EXCL|O_NOFOLLOW` (`create_new`), so nothing is ever written through a symlink or a hard
+link someone planted. A single file that must replace another (a patched `.metadata`, an index) is
+written under a fresh temp name beside it, fsynced, renamed over the target, and the directory fsynced
+(`atomic_write_bytes`): readers see the old file or the new one, never a part.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+__all__ = [
+    "create_new", "open_new", "write_new_file", "fsync_path", "fsync_tree", "atomic_write_bytes",
+    "atomic_write_text", "exchange_paths", "remove_path", "temp_name",
+]
+
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
+    """A write fd of a NEW file at `path` (O_CREAT|O_EXCL|O_NOFOLLOW): fails with FileExistsError
+    if anything, a symlink included, is there. Every file ckpt-tools writes is created here."""
+    return os.open(path, _NEW_FILE_FLAGS, mode)
+
+
+def open_new(path: str | os.PathLike):
+    """`create_new` as a buffered binary file object."""
+    return os.fdopen(create_new(path), "wb")
+
+
+def _write_all(fd: int, raw: bytes) -> None:
+    view = memoryview(raw).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def write_new_file(path: str | os.PathLike, data: bytes | str) -> int:
+    """Write `data` (str: UTF-8) into a new file at `path`; returns its size."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd = create_new(path)
+    try:
+        _write_all(fd, raw)
+    finally:
+        os.close(fd)
+    return len(raw)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory by path (a directory's fsync makes renames in it durable)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file and directory under `root` (cheap for files already fsynced)."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                fsync_path(p)
+        fsync_path(dirpath)
+
+
+def temp_name(prefix: str) -> str:
+    """`<prefix><pid>-<hex>`: unique, and the pid tells a later run whether its writer is alive."""
+    return f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, temp_prefix: str | None = None) -> None:
+    """Write `data` to `path` via a new temp file in the same directory (`<temp_prefix><pid>-<hex>`,
+    default `.<name>.tmp-`), fsync, rename (replacing `path` if it exists: the rename replaces a
+    symlink, never follows it), fsync the directory. Readers see the old file or the new one."""
+    path = Path(path)
+    tmp = path.parent / temp_name(temp_prefix if temp_prefix is not None else f".{path.name}.tmp-")
+    fd = create_new(tmp)
+    try:
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fsync_path(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file, link or directory tree (a link is removed, never followed)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+_RENAME_EXCHANGE = 2   # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> None:
+    """Swap two existing paths of one filesystem atomically (Linux `renameat2(RENAME_EXCHANGE)`):
+    at every instant each name holds one of the two entries, never neither. Raises OSError
+    (ENOSYS/EINVAL/ENOTSUP) where the kernel, libc or filesystem cannot do it; callers decide how
+    to fall back."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except AttributeError:
+        raise OSError(errno.ENOSYS, "renameat2 is not available in this libc") from None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"cannot exchange {a} and {b}: {os.strerror(e)}")
+    for d in {Path(a).parent, Path(b).parent}:
+        fsync_path(d)

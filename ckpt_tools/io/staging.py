@@ -1,0 +1,246 @@
+"""Safe outputs: nothing appears at OUT until it is complete.
+
+`AtomicOutputDir(out)` hands out a hidden sibling temp directory `.OUT.tmp-<pid>-<hex>` (same
+filesystem, so the final `os.rename` is atomic), holds the lock `.OUT.lock` while it is in use, and
+on a clean exit fsyncs everything and renames the temp directory to OUT. On any exception
+(KeyboardInterrupt, and SIGTERM once `install_signal_handlers()` ran, included) it deletes the
+temp directory and the lock. SIGKILL cannot be caught: then a `.OUT.tmp-*` directory is left
+behind, never a partial OUT, and the next run for the same OUT deletes it (its pid is dead).
+
+The lock is `lock.OutputLock` on `.OUT.lock`. Every file written inside the temp dir is created
+fresh (`files.create_new`); what is copied from an input is read through `inputs.open_input`
+(`copy.copy_input_file`, `copy.copy_input_tree`). OUT, and every other output path
+(`check_output_file`), may not be, contain or be inside any input: the explicit `inputs=` and every
+path the command has read (`registered_inputs()`). `preflight()` runs those checks (and the free-disk
+check) before any input byte is read, for commands that plan long before they write.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+from ..core.errors import DiskSpaceError, OutputExistsError, UsageError
+from ..core.units import human_bytes
+from .inputs import registered as registered_inputs
+from .files import fsync_path, fsync_tree, remove_path
+from .lock import OutputLock, lock_path_for, pid_alive
+from .signals import signals_deferred
+
+__all__ = ["AtomicOutputDir", "clean_stale_temps", "check_against_inputs", "check_output_file", "mount_point"]
+
+log = logging.getLogger(__name__)
+
+
+def mount_point(path: Path) -> Path:
+    p = path
+    while not os.path.ismount(p) and p.parent != p:
+        p = p.parent
+    return p
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def _sidecar_re(out: Path, kind: str) -> re.Pattern:
+    return re.compile(rf"^\.{re.escape(out.name)}\.{kind}-(\d+)-[0-9a-f]+$")
+
+
+def clean_stale_temps(out: str | os.PathLike) -> list[Path]:
+    """Remove what dead runs for `out` left beside it: `.OUT.tmp-<pid>-*` directories, and
+    `.OUT.old-<pid>-*` (the previous OUT moved aside by an overwrite), which is moved back if the
+    run died before its replacement arrived. Entries of live pids are left alone. Returns what
+    was removed or restored."""
+    out = Path(out)
+    parent = out.parent
+    if not parent.is_dir():
+        return []
+    tmp_re, old_re = _sidecar_re(out, "tmp"), _sidecar_re(out, "old")
+    handled = []
+    for entry in sorted(parent.iterdir()):
+        for kind, rx in (("tmp", tmp_re), ("old", old_re)):
+            m = rx.match(entry.name)
+            if not m or pid_alive(int(m.group(1))):
+                continue
+            if kind == "old" and not os.path.lexists(out):
+                log.warning("restoring %s from %s (a previous overwrite died midway)", out, entry)
+                os.rename(entry, out)
+            else:
+                log.info("removing %s left by dead process %s", entry, m.group(1))
+                remove_path(entry)
+            handled.append(entry)
+    return handled
+
+
+class AtomicOutputDir:
+    """`with AtomicOutputDir(out, inputs=[...], need_bytes=n) as tmp:` write into `tmp`; on
+    success it becomes `out`. See the module docstring for the guarantees.
+
+    Refuses (before creating anything but the lock) when: `out` is inside an input or an input
+    inside `out` (UsageError); another process holds the lock (LockedError); `out` exists and
+    not `overwrite` (OutputExistsError); fewer than `need_bytes` are free (DiskSpaceError).
+    With `overwrite`, the old `out` is moved aside, the new one renamed in, then the old removed."""
+
+    def __init__(self, out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
+                 need_bytes: int = 0, overwrite: bool = False):
+        out = Path(out).expanduser()
+        if out.name in ("", ".", ".."):
+            raise UsageError(f"output path {str(out)!r} does not name a new directory")
+        self.out = out.parent.resolve() / out.name
+        self.inputs = [Path(p).expanduser().resolve() for p in inputs]
+        self.need_bytes = need_bytes
+        self.overwrite = overwrite
+        self.lock_path = lock_path_for(self.out)
+        self.tmp: Path | None = None
+        self._lock = OutputLock(self.lock_path, self.out)
+
+    def preflight(self) -> None:
+        """Refuse now what `__enter__` would refuse when writing starts: OUT inside an input (or an
+        input inside OUT), OUT already there (without `overwrite`), too little free disk."""
+        self._check_paths()
+        if os.path.lexists(self.out) and not self.overwrite:
+            raise OutputExistsError("already exists", path=self.out, hint="pass a new output path")
+        if self.out.parent.is_dir():
+            self._check_space()
+
+    def _check_paths(self) -> None:
+        check_against_inputs(self.out, self.inputs)
+
+    def _check_space(self) -> None:
+        if self.need_bytes <= 0:
+            return
+        free = shutil.disk_usage(self.out.parent).free
+        if free < self.need_bytes:
+            raise DiskSpaceError(
+                f"need {human_bytes(self.need_bytes)}, {human_bytes(free)} free on "
+                f"{mount_point(self.out.parent)}", path=self.out,
+                hint="free some space or write the output to another filesystem")
+
+    def __enter__(self) -> Path:
+        self._check_paths()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
+        try:
+            clean_stale_temps(self.out)
+            if os.path.lexists(self.out) and not self.overwrite:
+                raise OutputExistsError("already exists", path=self.out,
+                                        hint="pass a new output path, or overwrite it explicitly")
+            self._check_space()
+            self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            self.tmp.mkdir()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        assert self.tmp is not None
+        if exc_type is not None:
+            full = self._disk_full(exc)
+            with signals_deferred():
+                self._abort()
+            if full is not None:
+                raise full from exc
+            return False
+        try:
+            fsync_tree(self.tmp)
+            with signals_deferred():
+                self._commit()
+        except BaseException as e:
+            full = self._disk_full(e)
+            with signals_deferred():
+                self._abort()
+            if full is not None:
+                raise full from e
+            raise
+        return False
+
+    # A write into a full disk surfaces as OSError(ENOSPC) from our own writes, but as other
+    # errors from library writers (torch.save's zip writer: "RuntimeError: [enforce fail at
+    # inline_container.cc] unexpected pos"). Either way the user needs to hear "disk full".
+    _FULL_BYTES = 1 << 20
+
+    def _disk_full(self, exc: BaseException | None) -> DiskSpaceError | None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            pass
+        elif not isinstance(exc, (OSError, RuntimeError)) or self.tmp is None:
+            return None
+        try:
+            free = shutil.disk_usage(self.tmp).free   # before the temp dir is removed
+        except OSError:
+            return None
+        if not (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) and free >= self._FULL_BYTES:
+            return None
+        need = f"; this output needs about {human_bytes(self.need_bytes)}" if self.need_bytes else ""
+        return DiskSpaceError(
+            f"no space left on {mount_point(self.out.parent)} while writing ({human_bytes(free)} free at "
+            f"the failure: {type(exc).__name__}: {exc}); nothing was written", path=self.out,
+            hint=f"free some space or write the output to another filesystem{need}")
+
+    def _abort(self) -> None:
+        try:
+            if self.tmp is not None:
+                remove_path(self.tmp)
+        finally:
+            self._lock.release()
+
+    def _commit(self) -> None:
+        assert self.tmp is not None
+        aside = None
+        if os.path.lexists(self.out):
+            if not self.overwrite:   # appeared while we worked, by a writer that ignores our lock
+                raise OutputExistsError("appeared while the output was being written", path=self.out,
+                                        hint="pass a new output path")
+            aside = self.out.parent / f".{self.out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+            os.rename(self.out, aside)
+        try:
+            os.rename(self.tmp, self.out)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, self.out)
+            raise
+        self.tmp = None
+        fsync_path(self.out.parent)
+        try:
+            if aside is not None:
+                remove_path(aside)
+        finally:
+            self._lock.release()
+
+
+def check_against_inputs(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> Path:
+    """Refuse an output path that is, contains or is inside an input: the `inputs` given and every
+    path this command has read so far (`registered_inputs()`). Returns OUT's absolute path."""
+    out = Path(out).expanduser()
+    out = out.parent.resolve() / out.name
+    real_out = out.resolve()   # `out` may itself be a symlink to somewhere inside an input
+    every = {Path(os.path.realpath(Path(p).expanduser())) for p in inputs} | set(registered_inputs())
+    for inp in sorted(every):
+        for o in {out, real_out}:
+            if _is_within(o, inp):   # (equal counts as inside)
+                raise UsageError(f"output {out} is inside input {inp}",
+                                 hint="write the output somewhere outside the inputs")
+            if _is_within(inp, o):
+                raise UsageError(f"input {inp} is inside output {out}",
+                                 hint="choose an output path that contains no input")
+    return out
+
+
+def check_output_file(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), *,
+                      what: str = "output file") -> Path:
+    """Check an output FILE (a patched config, a report) before anything is committed: its directory
+    exists, nothing is at the path yet (not even a dangling symlink), and it is not, does not
+    contain and is not inside any input. Returns its absolute path."""
+    p = check_against_inputs(path, inputs)
+    if not p.parent.is_dir():
+        raise UsageError(f"the directory of the {what} does not exist", path=p.parent,
+                         hint="create it first, or pass another path")
+    if os.path.lexists(p):
+        raise OutputExistsError("already exists", path=p, hint=f"remove it or pass another {what} path")
+    return p

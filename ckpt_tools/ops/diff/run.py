@@ -1,0 +1,284 @@
+"""`ckpt diff-vs-base`: does WEIGHTS differ from BASE, tensor by tensor, and (with an adapter) is it
+exactly BASE + the LoRA?
+
+Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
+marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
+before any tensor byte is read. `run_diff` then streams one tensor pair at a time:
+
+- same dtype and shape: raw byte comparison in blocks (memcmp, no decoding). Identical tensors cost
+  one read of each side. A tensor that differs is read again, decoded block by block, for its
+  statistics (fp64 accumulation);
+- different dtypes, same shape: both sides are upcast exactly to a common dtype (bf16/fp16/fp32 ->
+  fp32, anything with fp64 -> fp64) block by block and compared bitwise there. A prime-rl DCP's fp32
+  base weights therefore come out "identical after upcast" to the bf16 hub model;
+- different shapes: reported, not compared.
+
+With an adapter, each targeted tensor is read whole on both sides and compared with
+`lora_math.merge_weight(W0, A, B, s, out_dtype=WEIGHTS dtype)` = round(W0_32 + s*B32@A32), the
+one rounding every ckpt-tools merge does; the distance is reported in ulps. Untargeted tensors must
+be unchanged.
+
+Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is bitwise identical
+(after exact upcast), else ADAPTER_MISMATCH (4) when an adapter check failed, else DIFFERS (0).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ...core.dtypes import dtype_name
+from ...core.progress import Progress, report
+from ...core.tensor_math import merge_weight, ulps_apart
+from ...sources.compare import BLOCK_BYTES, DeltaStats, bits, common_dtype, raw_identical, stream_stats
+from .plan import (
+    DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
+    SHAPE_CHANGED, SKIPPED, TARGETED, UNTARGETED, DiffOptions, DiffPlan, DiffSources, PairPlan, open_diff_sources,
+    plan_diff,
+)
+
+__all__ = ["TensorDiff", "DiffReport", "run_diff", "diff_vs_base"]
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    status: str
+    weights_dtype: str
+    base_dtype: str
+    weights_shape: list[int]
+    base_shape: list[int]
+    numel: int
+    changed_elements: int | None = None
+    changed_fraction: float | None = None
+    max_abs_delta: float | None = None
+    rel_fro: float | None = None
+    nonfinite: int | None = None
+    role: str | None = None
+    adapter_check: dict | None = None
+
+    @property
+    def same(self) -> bool:
+        return self.status in SAME
+
+
+@dataclass
+class DiffReport:
+    plan: DiffPlan
+    tensors: list[TensorDiff]
+    verdict: str
+    exit_code: int
+    summary: str
+    adapter_summary: dict | None = None
+    warnings: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        p = self.plan
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.status] = counts.get(t.status, 0) + 1
+        return _jsonable({
+            "weights": p.weights, "base": p.base, "adapter": p.adapter,
+            "verdict": self.verdict, "exit_code": self.exit_code, "summary": self.summary,
+            "counts": counts, "shared": len(p.pairs),
+            "only_in_weights": list(p.only_in_weights), "only_in_base": list(p.only_in_base),
+            "targeted_only": p.targeted_only,
+            "adapter_check": self.adapter_summary,
+            "tensors": [t.__dict__ for t in self.tensors],
+            "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3),
+            "warnings": self.warnings,
+        })
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _whole_stats(w: torch.Tensor, w0: torch.Tensor, block_elems: int) -> DeltaStats:
+    ct = common_dtype(w.dtype, w0.dtype)
+    fw, fb = w.reshape(-1), w0.reshape(-1)
+    st = DeltaStats()
+    for start in range(0, fw.numel(), block_elems):
+        st.add(fw[start:start + block_elems].to(ct), fb[start:start + block_elems].to(ct))
+    return st
+
+
+def _result(p: PairPlan, status: str, st: DeltaStats | None) -> TensorDiff:
+    td = TensorDiff(p.name, status, dtype_name(p.weights.dtype), dtype_name(p.base.dtype),
+                    list(p.weights.shape), list(p.base.shape), p.weights.numel, role=p.role)
+    if st is not None:
+        td.changed_elements = st.changed
+        td.changed_fraction = st.changed / st.numel if st.numel else 0.0
+        td.max_abs_delta = st.max_abs
+        td.rel_fro = st.rel_fro
+        td.nonfinite = st.nonfinite
+    return td
+
+
+def _status(p: PairPlan, st: DeltaStats) -> str:
+    if st.changed:
+        return DIFFERS
+    return IDENTICAL if p.weights.dtype == p.base.dtype else IDENTICAL_UPCAST
+
+
+def _compare_streaming(weights, base, p: PairPlan, block_bytes: int) -> TensorDiff:
+    if p.mode == "shape":
+        return _result(p, SHAPE_CHANGED, None)
+    if p.mode == "raw" and raw_identical(weights, base, p.name, p.weights.nbytes, block_bytes):
+        st = DeltaStats(numel=p.weights.numel)
+        return _result(p, IDENTICAL, st)
+    st = stream_stats(weights, base, p.name, block_bytes)
+    return _result(p, _status(p, st), st)
+
+
+def _ulps_check(w: torch.Tensor, expected: torch.Tensor, block_elems: int) -> dict:
+    """Bitwise equality first (one cheap pass); the ulps distance only where they differ, in blocks."""
+    fw, fe = w.reshape(-1), expected.reshape(-1)
+    off = int(torch.count_nonzero(bits(fw) != bits(fe)))
+    if not off:
+        return {"ok": True, "max_ulps": 0, "elements_off": 0}
+    if not w.dtype.is_floating_point:
+        return {"ok": False, "max_ulps": None, "elements_off": off}
+    max_ulps = 0
+    for s in range(0, fw.numel(), block_elems):
+        max_ulps = max(max_ulps, int(ulps_apart(fw[s:s + block_elems], fe[s:s + block_elems]).max()))
+    return {"ok": False, "max_ulps": max_ulps, "elements_off": off}
+
+
+def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int) -> TensorDiff:
+    """Targeted / replaced tensors: both read whole (the merge's matmul needs them whole)."""
+    if p.mode == "shape":
+        td = _result(p, SHAPE_CHANGED, None)
+        td.adapter_check = {"ok": False, "expected": "same shape as BASE",
+                            "problem": f"shape {list(p.weights.shape)} != BASE {list(p.base.shape)}"}
+        return td
+    w = weights.read_tensor(p.name)
+    w0 = base.read_tensor(p.name)
+    st = _whole_stats(w, w0, max(1, block_bytes // 8))
+    td = _result(p, _status(p, st), st)
+    if p.role == TARGETED:
+        spec = lora.modules[p.module]
+        a, b = lora.read_pair(p.module)
+        expected = merge_weight(w0, a, b, spec.scale, out_dtype=w.dtype, fan_in_fan_out=spec.fan_in_fan_out,
+                                name=p.name)
+        check = {"expected": f"round_{dtype_name(w.dtype)}(W0 + {spec.scale:g} * B @ A)", "module": p.module,
+                 "rank": spec.rank, "scale": spec.scale}
+        del a, b
+    else:
+        expected = lora.read_full(p.name).to(w.dtype)
+        check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(w.dtype)}"}
+        if tuple(expected.shape) != tuple(w.shape):
+            check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(w.shape)}")
+            td.adapter_check = check
+            return td
+    del w0
+    check.update(_ulps_check(w, expected, max(1, block_bytes // 8)))
+    td.adapter_check = check
+    return td
+
+
+def _one_sided(plan: DiffPlan) -> str:
+    parts = []
+    if plan.only_in_weights:
+        parts.append(f"{len(plan.only_in_weights)} tensors only in WEIGHTS")
+    if plan.only_in_base:
+        parts.append(f"{len(plan.only_in_base)} only in BASE")
+    return ("; " + ", ".join(parts)) if parts else ""
+
+
+def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int, str, dict | None]:
+    compared = [t for t in tensors if t.status != SKIPPED]
+    changed = [t for t in compared if not t.same]
+    upcast = [t for t in compared if t.status == IDENTICAL_UPCAST]
+    skipped = len(tensors) - len(compared)
+    scope = f"{len(compared)} compared tensors" if skipped else f"{len(compared)} shared tensors"
+    adapter_summary = None
+    if lora is not None:
+        targeted = [t for t in compared if t.role in (TARGETED, REPLACED)]
+        exact = [t for t in targeted if t.adapter_check and t.adapter_check.get("ok")]
+        bad = [t for t in targeted if not (t.adapter_check and t.adapter_check.get("ok"))]
+        untargeted_changed = [t for t in compared if t.role == UNTARGETED and not t.same]
+        max_ulps = max((t.adapter_check.get("max_ulps") or 0 for t in targeted if t.adapter_check), default=0)
+        passed = not bad and not untargeted_changed and not plan.targets_missing_in_weights
+        adapter_summary = {
+            "passed": passed, "targeted": len(targeted), "exact": len(exact), "max_ulps": max_ulps,
+            "off": [{"name": t.name, "max_ulps": (t.adapter_check or {}).get("max_ulps"),
+                     "elements_off": (t.adapter_check or {}).get("elements_off"),
+                     "problem": (t.adapter_check or {}).get("problem")} for t in bad],
+            "untargeted_changed": [t.name for t in untargeted_changed],
+            "untargeted_checked": len([t for t in compared if t.role == UNTARGETED]),
+            "missing_in_weights": list(plan.targets_missing_in_weights),
+            "alpha": lora.alpha, "alpha_source": lora.alpha_source,
+        }
+    if not changed:
+        how = " (after exact upcast of the narrower dtype)" if upcast else ""
+        if plan.weights["kind"] == "dcp":
+            why = "as expected for a LoRA checkpoint's frozen base weights (the LoRA lives in lora_A/lora_B)"
+        else:
+            why = "the LoRA was not merged (or had no effect)"
+        text = f"identical to base: all {scope} are bitwise identical{how}; {why}"
+        if adapter_summary is not None and not adapter_summary["passed"]:
+            text += f"; the adapter check FAILED ({len(adapter_summary['off'])} targeted tensors are not W0 + s*B@A)"
+        text += _one_sided(plan)
+        return "identical", EXIT_IDENTICAL, text, adapter_summary
+    top = max((t.rel_fro for t in changed if t.rel_fro is not None), default=None)
+    text = f"differs from base: {len(changed)} of {scope} changed"
+    if top is not None:
+        text += f" (largest ||W-W0||/||W0|| {top:.3g})"
+    text += _one_sided(plan)
+    if adapter_summary is not None and not adapter_summary["passed"]:
+        return "adapter_mismatch", EXIT_ADAPTER_MISMATCH, text + "; the adapter check FAILED", adapter_summary
+    if adapter_summary is not None:
+        text += (f"; adapter check passed: {adapter_summary['exact']}/{adapter_summary['targeted']} targeted "
+                 f"tensors equal round(W0 + s*B@A) exactly ({adapter_summary['max_ulps']} ulps off)")
+        if not plan.targeted_only:
+            text += f", {adapter_summary['untargeted_checked']} untargeted unchanged"
+    return "differs", EXIT_DIFFERS, text, adapter_summary
+
+
+def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = None, *,
+             block_bytes: int = BLOCK_BYTES) -> DiffReport:
+    """Compare one pair at a time; a `ProgressEvent("compare", i, n, unit="tensors", name=...)` after each
+    (its `finished` the pair's TensorDiff)."""
+    weights, base, lora = sources.weights, sources.base, sources.lora
+    t0 = time.perf_counter()
+    tensors: list[TensorDiff] = []
+    total = len(plan.pairs)
+    for i, p in enumerate(plan.pairs):
+        if not p.read:
+            td = _result(p, SKIPPED, None)
+        elif p.role in (TARGETED, REPLACED):
+            td = _compare_with_adapter(weights, base, lora, p, block_bytes)
+        else:
+            td = _compare_streaming(weights, base, p, block_bytes)
+        weights.release()
+        base.release()
+        tensors.append(td)
+        report(progress, "compare", i + 1, total, unit="tensors", name=td.name, finished=td)
+    verdict, code, summary, adapter_summary = _verdict(plan, tensors, lora)
+    warnings = list(getattr(lora, "warnings", ()) or ()) if lora is not None else []
+    return DiffReport(plan, tensors, verdict, code, summary, adapter_summary, warnings,
+                      bytes_read=weights.bytes_read + base.bytes_read, seconds=time.perf_counter() - t0)
+
+
+def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path | None = None,
+                 alpha: float | None = None, run_config: str | Path | None = None, targeted_only: bool = False,
+                 trust_pickle: bool = False, block_bytes: int = BLOCK_BYTES,
+                 progress: Progress | None = None) -> DiffReport:
+    """Open both sides (and the adapter), plan from metadata, then compare one pair at a time."""
+    options = DiffOptions(None if adapter is None else str(adapter), alpha,
+                          None if run_config is None else str(run_config), targeted_only, trust_pickle)
+    with open_diff_sources(weights, base, options) as sources:
+        plan = plan_diff(sources, options)
+        return run_diff(plan, sources, progress, block_bytes=block_bytes)

@@ -1,0 +1,155 @@
+"""`ckpt gc`, executed: each planned step re-checked under its lock, slimmed beside itself, proven, swapped."""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ...core.errors import CkptError, DiskSpaceError, LockedError, UsageError
+from ...core.progress import Progress, ProgressEvent
+from ...core.units import human_bytes
+from ...formats.dcp.reader import DcpCheckpoint
+from ...formats.hf_dir.hub import resolve_model_dir
+from ...formats.primerl.run_dir import dir_bytes
+from ...formats.slim.partition import base_identity, partition
+from ...formats.slim.writer import need_bytes, write_slim
+from ...io.files import fsync_path
+from ...io.lock import OutputLock
+from ...io.staging import AtomicOutputDir
+from ...sources.hashing import base_hash_check
+from ...sources.hf import HFSource
+from .layout import ASIDE, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim
+from .plan import DEFAULT_MIN_AGE_S, GcPlan, plan_gc
+from .swap import check_slim, recover_step, remove_tree, swap_in_slim
+
+__all__ = ["StepResult", "write_verified_slim", "run_gc", "gc"]
+
+
+@dataclass
+class StepResult:
+    step: int
+    action: str
+    result: str                    # "slimmed" | "finished" | "restored" | "kept" | "skipped"
+    reason: str
+    bytes_before: int
+    bytes_after: int
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def freed_bytes(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    def to_json(self) -> dict:
+        return dict(asdict(self), freed_bytes=self.freed_bytes)
+
+
+def _step_bytes(step_dir: Path) -> int:
+    return sum(dir_bytes(p) for p in (step_dir / TRAINER, step_dir / STAGED, step_dir / ASIDE) if p.is_dir())
+
+
+def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bool = False,
+                        progress: Progress | None = None) -> None:
+    """The slim of `trainer` at the new path `out` (atomically), every dropped tensor proven equal to
+    the base's upcast (`formats.slim.writer`: what `ckpt slim --base` writes)."""
+    with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ckpt, \
+            HFSource(resolve_model_dir(base), str(base)) as hf:
+        layout = partition(ckpt)
+        info = base_identity(hf.model_dir, str(base))
+        check = base_hash_check(hf, layout.dropped)
+        with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout)) as tmp:
+            write_slim(ckpt, tmp, layout, base=info, base_hash=check, base_path=hf.path, progress=progress)
+
+
+def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress | None) -> list[str]:
+    trainer, staged = step_dir / TRAINER, step_dir / STAGED
+    notes = []
+    if staged.is_dir():
+        try:
+            check_slim(trainer, staged, trust_pickle=trust_pickle)
+            notes.append(f"reused the verified {STAGED} of an interrupted run")
+        except CkptError as exc:
+            notes.append(f"discarded {STAGED} of an interrupted run ({exc.message})")
+            remove_tree(staged)
+    if not staged.is_dir():
+        write_verified_slim(trainer, staged, base, trust_pickle=trust_pickle, progress=progress)
+        try:
+            check_slim(trainer, staged, trust_pickle=trust_pickle)
+        except CkptError:
+            remove_tree(staged)
+            raise
+    swap_in_slim(step_dir)
+    remove_tree(step_dir / ASIDE)
+    fsync_path(step_dir)
+    return notes
+
+
+def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | None = None) -> list[StepResult]:
+    """Execute a plan. Every step is re-checked under its lock before anything is written. `progress`
+    gets each slim's events (phase `step_N copy` / `step_N hash`) and, as each step is done, one
+    `ProgressEvent("gc", i, n, unit="steps", name="step_N", finished=StepResult)`."""
+    todo = plan.to_do
+    slims = [s for s in todo if s.action == "slim" or s.then_slim]
+    if slims:
+        if plan.base is None or plan.base.get("dir") is None:
+            why = (plan.base or {}).get("problem") or "no --base, and the run's config names no model found here"
+            raise UsageError(f"no base model to prove the slims against: {why}", path=plan.checkpoints,
+                             hint="gc deletes a full checkpoint only after checking that the base rebuilds it; "
+                                  "pass --base with the bf16 HF model the run trained on")
+        free = shutil.disk_usage(plan.checkpoints).free
+        if free < plan.need_bytes:
+            raise DiskSpaceError(f"need {human_bytes(plan.need_bytes)} free for the largest slim, "
+                                 f"{human_bytes(free)} free", path=plan.checkpoints,
+                                 hint="free some space first (gc writes each slim before it frees the full "
+                                      "checkpoint)")
+    results = []
+    for i, sp in enumerate(plan.steps):
+        step_dir = Path(sp.path).parent
+        before = _step_bytes(step_dir)
+        res = StepResult(sp.step, sp.action, {"keep": "kept", "skip": "skipped"}.get(sp.action, ""), sp.reason,
+                         before, before)
+        if sp.action in ("slim", "finish", "restore"):
+            t0 = time.perf_counter()
+            lock = OutputLock(step_dir / STEP_LOCK, step_dir / TRAINER)
+            try:
+                lock.acquire()
+            except LockedError as exc:
+                res.result, res.reason = "skipped", exc.message
+            else:
+                try:
+                    res.notes += recover_step(step_dir)
+                    trainer = step_dir / TRAINER
+                    if (sp.action == "slim" or sp.then_slim) and is_complete(trainer) and not is_slim(trainer):
+                        step_progress = (lambda ev, _s=sp.step: progress(
+                            ProgressEvent(f"step_{_s} {ev.phase}", ev.done, ev.total))) if progress else None
+                        res.notes += _slim_one(step_dir, plan.base["dir"], trust_pickle, step_progress)
+                        res.result = "slimmed"
+                    elif sp.action == "slim":
+                        res.result, res.reason = "skipped", "changed since the plan (not a full checkpoint now)"
+                    else:
+                        res.result = {"finish": "finished", "restore": "restored"}[sp.action]
+                finally:
+                    lock.release()
+            res.seconds = round(time.perf_counter() - t0, 3)
+            res.bytes_after = _step_bytes(step_dir)
+        results.append(res)
+        if progress is not None:
+            progress(ProgressEvent("gc", i + 1, len(plan.steps), unit="steps", name=f"step_{sp.step}", finished=res))
+    return results
+
+
+def gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None = None, dry_run: bool = False,
+       min_age_s: float = DEFAULT_MIN_AGE_S, trust_pickle: bool = False, progress: Progress | None = None) -> dict:
+    """Library entry point: plan, and unless `dry_run` execute. Returns a JSON-able report."""
+    plan = plan_gc(checkpoints_dir, keep_full=keep_full, base=base, min_age_s=min_age_s, trust_pickle=trust_pickle)
+    report = {"plan": plan.to_json(), "dry_run": dry_run}
+    if dry_run:
+        return report
+    before = dir_bytes(Path(plan.checkpoints))
+    results = run_gc(plan, trust_pickle=trust_pickle, progress=progress)
+    after = dir_bytes(Path(plan.checkpoints))
+    report["result"] = {"steps": [r.to_json() for r in results], "bytes_before": before, "bytes_after": after,
+                        "freed_bytes": before - after,
+                        "slimmed": [r.step for r in results if r.result == "slimmed"]}
+    return report

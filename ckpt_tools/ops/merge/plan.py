@@ -1,0 +1,336 @@
+"""The merge plan, from facts alone (pure): per output tensor its source, action, output shard and
+bytes; the files carried; the memory bound of the pipeline.
+
+Actions (one per output tensor):
+  copy     raw bytes of an HF base tensor whose dtype is the output dtype, copied verbatim in
+           bounded blocks (no decode); from a DCP base: decoded from its chunks, same dtype
+  cast     a base tensor converted to the output dtype (e.g. prime-rl's fp32 masters -> bf16)
+  merge    round_to(out_dtype, W32 + s * (B32 @ A32)), `core.tensor_math.merge_weight_into`
+  replace  a `modules_to_save` tensor of the adapter, converted to the output dtype
+
+A plan's work units are its output shards (`MergePlan.units`): each is written from its own jobs
+alone, so ranks could split them and rank 0 commit.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ...core.dtypes import dtype_name, itemsize, safetensors_code
+from ...core.errors import FormatError, UsageError
+from ...core.lora_math import check_shapes
+from ...core.tied import tied_pair
+from ...formats.hf_dir.config import output_config_changes
+from ...formats.hf_dir.shards import index_json, plan_shards
+from ...formats.safetensors.read import COPY_BLOCK_BYTES
+from ...formats.safetensors.writer import build_header, safetensors_save_order
+from .facts import AdapterFacts, BaseFacts, SourceTensor
+
+__all__ = ["OUTPUT_METADATA", "DEFAULT_MAX_SHARD", "DEFAULT_THREADS", "CASTABLE", "MERGEABLE", "TensorJob", "FileJob",
+           "ShardOut", "MergePlan", "plan_from_facts", "job_working_bytes", "window_budget", "memory_bound"]
+
+OUTPUT_METADATA = {"format": "pt"}          # what transformers' save_pretrained writes
+DEFAULT_MAX_SHARD = "5GB"
+# Workers ahead of the writer: 2 on a small machine, up to 4 where cores are idle. Measured on a
+# 16-core host (docs/benchmarks.md): 2 workers 1.30x the I/O floor, 4 workers 1.10x, 8 workers 1.09x
+# with 40% more memory; so 4 is where more workers stop paying.
+DEFAULT_THREADS = max(2, min(4, os.cpu_count() or 1))
+# Floating dtypes we convert between. Others (ints, float8 with their scales) are never cast.
+CASTABLE = ("bfloat16", "float16", "float32", "float64")
+# Weights a LoRA can be merged into (fp32 compute is exact for these inputs).
+MERGEABLE = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class TensorJob:
+    name: str                  # output tensor name
+    action: str                # copy | cast | merge | replace
+    src: str                   # HF name / DCP key of the base tensor, or the adapter key (replace)
+    src_file: str | None       # HF base shard file holding `src`; None for DCP or adapter sources
+    src_dtype: str
+    shape: tuple[int, ...]
+    out_dtype: str
+    out_file: str
+    read_bytes: int
+    out_bytes: int
+    module: str | None = None
+    rank: int | None = None
+    scale: float | None = None
+    fan_in_fan_out: bool = False
+    lora_a: str | None = None
+    lora_b: str | None = None
+    note: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FileJob:
+    name: str                  # file name in OUT
+    src: str                   # absolute source path
+    action: str                # "copy" (bytes verbatim) | "rewrite" (config.json with `changes`)
+    changes: tuple[tuple[str, object, object], ...] = ()   # (field, old, new)
+
+
+@dataclass(frozen=True)
+class ShardOut:
+    file_name: str
+    tensors: tuple[str, ...]   # in the file's layout order (safetensors save order)
+    data_bytes: int
+    file_bytes: int            # header included
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    out: str                               # where the merged model goes (not in to_json: the report says it)
+    base_kind: str
+    base_path: str
+    adapter_kind: str
+    adapter_path: str
+    adapter: dict
+    slot: int | None
+    trust_pickle: bool
+    out_dtype: str
+    max_shard_bytes: int
+    threads: int
+    jobs: tuple[TensorJob, ...]            # in write order
+    shards: tuple[ShardOut, ...]
+    index: dict | None                     # model.safetensors.index.json content, None for one shard
+    files: tuple[FileJob, ...]
+    omitted: tuple[tuple[str, str], ...]   # (base tensor, why it is not written)
+    tie_word_embeddings: tuple[object, object]   # (in the config, in the output config)
+    read_bytes: int
+    write_bytes: int
+    memory_bound_bytes: int
+    total_parameters: int
+    warnings: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()           # paths OUT must not be inside
+    out_dtype_reason: str = ""             # why this output dtype (merge_guards.default_out_dtype)
+    allow_zero_delta: bool = False         # a merge equal to the base is written, not refused
+    masters_checked: dict | None = None    # DCP adapter + HF base: the master rows compared with the base
+
+    @property
+    def merged_modules(self) -> int:
+        return sum(1 for j in self.jobs if j.action == "merge")
+
+    def count(self, action: str) -> int:
+        return sum(1 for j in self.jobs if j.action == action)
+
+    @property
+    def units(self) -> tuple[ShardOut, ...]:
+        """The independent work units: one output shard each (its tensors, in write order)."""
+        return self.shards
+
+    def to_json(self, *, jobs: bool = True) -> dict:
+        d = asdict(self)
+        d.pop("out")
+        if not jobs:
+            d.pop("jobs")
+        d["counts"] = {a: self.count(a) for a in ("merge", "copy", "cast", "replace")}
+        d["merged_modules"] = self.merged_modules
+        return d
+
+
+def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_shard_bytes: int,
+                    threads: int = DEFAULT_THREADS, trust_pickle: bool = False, plan_shards=plan_shards,
+                    out: str = "") -> MergePlan:
+    """The whole merge as data, from facts alone (pure). Raises one FormatError listing every problem
+    (unmatched modules, shape mismatches, conflicts) before a byte of tensor data is read. `out_dtype`:
+    a dtype name (or a torch dtype); `plan_shards`: the shard splitter (huggingface_hub's rule)."""
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    out_dt = dtype_name(out_dtype)
+    by_name = {t.name: t for t in base.tensors}
+    if not by_name:
+        raise FormatError("the base holds no tensors", path=base.path)
+    problems: list[str] = []
+    warnings: list[str] = list(adapter.warnings)
+    if base.config and base.config.get("quantization_config"):
+        qc = base.config["quantization_config"]
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise FormatError(f"the base is quantized (quantization_config, quant_method {method!r}); merging "
+                          "a LoRA into quantized weights is not exact", path=base.config_path,
+                          hint="merge into the unquantized (bf16) base model, then quantize the result")
+
+    pair, tie_flag = tied_pair(base.config, set(by_name))
+    lora_by_target = {m.module + ".weight": m for m in adapter.modules}
+    full_by_name = {f.name: f for f in adapter.full}
+    for n in sorted(set(lora_by_target) & set(full_by_name)):
+        problems.append(f"{n}: the adapter has both a LoRA and a modules_to_save replacement for it")
+
+    # Which tensor is each target's base? Normally itself; the output embedding of a tied model
+    # whose file lacks it is materialized from the input embedding.
+    def base_for(name: str) -> SourceTensor | None:
+        if name in by_name:
+            return by_name[name]
+        if pair and name == pair[0] and pair[1] in by_name:
+            return by_name[pair[1]]
+        return None
+
+    modified: set[str] = set()
+    for target, m in sorted(lora_by_target.items()):
+        src = base_for(target)
+        if src is None:
+            continue
+        if src.dtype not in MERGEABLE:
+            problems.append(f"{target}: base weight is {src.dtype}; a LoRA merges only into bf16/fp16/fp32 "
+                            "weights (dequantize the base first)")
+            continue
+        try:
+            check_shapes(src.shape, m.a_shape, m.b_shape, fan_in_fan_out=m.fan_in_fan_out, name=target)
+        except FormatError as exc:
+            problems.append(f"{target}: {exc.message}")
+            continue
+        modified.add(target)
+    for name, f in sorted(full_by_name.items()):
+        src = base_for(name)
+        if src is None:
+            continue
+        if tuple(f.shape) != tuple(src.shape):
+            problems.append(f"{name}: modules_to_save tensor is {list(f.shape)}, the base's is {list(src.shape)}")
+            continue
+        modified.add(name)
+    unmatched = sorted(n for n in list(lora_by_target) + list(full_by_name) if base_for(n) is None)
+    if unmatched:
+        sample = ", ".join(sorted(by_name)[:3])
+        problems.append(f"{len(unmatched)} adapter target(s) have no base weight: "
+                        + ", ".join(unmatched[:8]) + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
+                        + f" (base names look like: {sample})")
+    if problems:
+        raise FormatError("the adapter does not fit this base: " + "; ".join(problems), path=adapter.path,
+                          hint="merge into the base model the adapter was trained on")
+    if not modified:
+        raise FormatError("the adapter holds no LoRA module or modules_to_save tensor: merging it would write "
+                          "the base back unchanged", path=adapter.path,
+                          hint="check that this is the trained adapter (a 'merged' model identical to the base "
+                               "is the bug this refuses to ship)")
+
+    # Tied embeddings: write both and untie when one side changes; omit a DCP's duplicate otherwise.
+    out_names: list[str] = [t.name for t in base.tensors]
+    omitted: list[tuple[str, str]] = []
+    tie_out = tie_flag
+    materialize: str | None = None
+    if pair is not None:
+        out_e, in_e = pair
+        diverge = out_e in modified or in_e in modified
+        if diverge:
+            tie_out = False
+            if out_e not in by_name:
+                materialize = out_e
+                out_names.append(out_e)
+            why = ("modified" if out_e in modified else "unchanged") + f" {out_e} and " + \
+                ("modified" if in_e in modified else "unchanged") + f" {in_e}"
+            warnings.append(f"tied embeddings diverge ({why}): both are written and config.json gets "
+                            "tie_word_embeddings=false")
+        elif out_e in by_name and tie_flag is True and base.kind == "dcp":
+            # FSDP state dicts carry the tied parameter under both names; HF files hold it once.
+            out_names.remove(out_e)
+            omitted.append((out_e, f"tied to {in_e} (tie_word_embeddings=true): the same tensor"))
+
+    # One job per output tensor (before sharding; order = out_names).
+    proto: dict[str, dict] = {}
+    for name in out_names:
+        src = base_for(name) if name == materialize else by_name[name]
+        common = dict(src=src.key, src_file=src.file, src_dtype=src.dtype, shape=tuple(src.shape),
+                      note=f"materialized from {src.name} (tied in the base)"
+                      if name == materialize and name not in full_by_name else None)
+        numel = math.prod(src.shape)
+        if name in lora_by_target:
+            m = lora_by_target[name]
+            proto[name] = dict(common, action="merge", out_dtype=out_dt, module=m.module, rank=m.rank,
+                               scale=m.scale, fan_in_fan_out=m.fan_in_fan_out, lora_a=m.a_key, lora_b=m.b_key,
+                               read_bytes=numel * itemsize(src.dtype) + (math.prod(m.a_shape) + math.prod(m.b_shape))
+                               * 4)
+        elif name in full_by_name:
+            f = full_by_name[name]
+            proto[name] = dict(common, action="replace", src=f.key, src_file=None, src_dtype=f.dtype,
+                               out_dtype=out_dt if f.dtype in CASTABLE else f.dtype,
+                               read_bytes=numel * itemsize(f.dtype))
+        else:
+            castable = src.dtype in CASTABLE and src.dtype != out_dt
+            proto[name] = dict(common, action="cast" if castable else "copy",
+                               out_dtype=out_dt if castable else src.dtype, read_bytes=numel * itemsize(src.dtype))
+        proto[name]["out_bytes"] = numel * itemsize(proto[name]["out_dtype"])
+
+    split = plan_shards([(n, proto[n]["out_bytes"]) for n in out_names], max_shard_bytes)
+    jobs: list[TensorJob] = []
+    shards: list[ShardOut] = []
+    for spec in split.shards:
+        entries = safetensors_save_order([(n, safetensors_code(proto[n]["out_dtype"]), proto[n]["shape"])
+                                          for n in spec.tensor_names])
+        header = build_header(entries, OUTPUT_METADATA)
+        shards.append(ShardOut(spec.file_name, tuple(e[0] for e in entries), spec.nbytes, len(header) + spec.nbytes))
+        for e in entries:
+            jobs.append(TensorJob(name=e[0], out_file=spec.file_name, **proto[e[0]]))
+    total_parameters = sum(j.numel for j in jobs)
+    index = None
+    if split.is_sharded:
+        index = {"metadata": {"total_parameters": total_parameters, "total_size": split.total_size_bytes},
+                 "weight_map": dict(sorted(split.weight_map.items()))}
+
+    files, tie_change = _plan_files(base, out_dt, tie_out)
+    if base.config is None:
+        warnings.append(f"{base.path} has no config.json: the output will hold weights only and transformers "
+                        "cannot load it without one")
+    read_bytes = sum(j.read_bytes for j in jobs)
+    index_bytes = len(index_json(index)) if index else 0
+    sizes = dict(base.files)
+    write_bytes = sum(s.file_bytes for s in shards) + index_bytes + \
+        sum(sizes[f.src] + (256 if f.action == "rewrite" else 0) for f in files)
+    return MergePlan(
+        out=str(out), base_kind=base.kind, base_path=base.path, adapter_kind=adapter.kind, adapter_path=adapter.path,
+        adapter=adapter.describe, slot=adapter.slot, trust_pickle=trust_pickle, out_dtype=out_dt,
+        max_shard_bytes=max_shard_bytes, threads=threads, jobs=tuple(jobs), shards=tuple(shards), index=index,
+        files=files, omitted=tuple(omitted), tie_word_embeddings=(tie_flag, tie_change),
+        read_bytes=read_bytes, write_bytes=write_bytes,
+        memory_bound_bytes=memory_bound(jobs, threads, adapter.resident_bytes, base.kind),
+        total_parameters=total_parameters, warnings=tuple(warnings),
+        inputs=tuple(sorted({base.path, adapter.path} | ({str(Path(base.config_path).parent)}
+                                                          if base.config_path else set()))))
+
+
+def job_working_bytes(job: TensorJob, base_kind: str) -> int:
+    """Bytes one worker holds while producing `job` (its output included)."""
+    if job.action == "copy" and base_kind == "hf":
+        return 0                                       # streamed by the writer in blocks, never whole
+    if job.action == "merge":
+        # base weight + fp32 product (the worker's reusable scratch) + output + fp32 A, B
+        return job.read_bytes + 4 * job.numel + job.out_bytes
+    if job.action == "copy":
+        return job.read_bytes                          # decoded from DCP chunks, written as is
+    return job.read_bytes + job.out_bytes
+
+
+def window_budget(jobs, threads: int, base_kind: str) -> int:
+    """Bytes the read-ahead may hold at once: `threads` of the largest merges. A job larger than
+    that (an fp32 embedding cast from a DCP base, say) runs alone, never beside another."""
+    merges = [job_working_bytes(j, base_kind) for j in jobs if j.action == "merge"]
+    every = [job_working_bytes(j, base_kind) for j in jobs]
+    return threads * max(merges or every or [0])
+
+
+def memory_bound(jobs, threads: int, adapter_resident: int, base_kind: str) -> int:
+    """Upper estimate of tensor memory in flight: the read-ahead window (or the largest single job,
+    which runs alone), the writer's copy block, and adapter bytes held for the whole run. The
+    interpreter and torch themselves (~0.3 GB) come on top."""
+    work = max([window_budget(jobs, threads, base_kind)] + [job_working_bytes(j, base_kind) for j in jobs])
+    copy_block = max((min(j.out_bytes, COPY_BLOCK_BYTES) for j in jobs if j.action == "copy" and base_kind == "hf"),
+                     default=0)
+    return work + copy_block + adapter_resident
+
+
+def _plan_files(base: BaseFacts, out_dt: str, tie_out) -> tuple[tuple[FileJob, ...], object]:
+    jobs = []
+    tie_change = tie_out
+    for p, _nbytes in base.files:
+        name = os.path.basename(p)
+        if name == "config.json" and base.config is not None:
+            changes = output_config_changes(base.config, out_dt, tie_out)
+            jobs.append(FileJob(name, p, "rewrite" if changes else "copy", tuple(changes)))
+            continue
+        jobs.append(FileJob(name, p, "copy"))
+    return tuple(jobs), tie_change

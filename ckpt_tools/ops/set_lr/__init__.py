@@ -1,0 +1,80 @@
+"""`ckpt set-lr` and `ckpt set`: change byte items (lr, scheduler state, progress) by surgery.
+
+prime-rl's resume restores the optimizer's and scheduler's state from the checkpoint and ignores
+the config's lr, so changing the lr of a resumed run takes surgery: `plan` decides every byte item's
+new value (`schedule` reads and replays the scheduler state), `formats.dcp.patch` writes them in
+O(KB) (hard links + one patch file + a new `.metadata`, or in place with a backup). One contract:
+`plan_set_lr(ckpt, options) -> SetLrPlan`, `run_patch(plan, ckpt, options) -> PatchReport`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.errors import UsageError
+from ...core.progress import Progress
+from ...formats.dcp.patch import PatchResult, patch_checkpoint
+from ...formats.dcp.reader import DcpCheckpoint
+from .plan import SetLrPlan, SetValuesPlan, plan_set_lr, plan_set_values
+
+__all__ = ["PatchOptions", "PatchReport", "run_patch", "set_lr", "set_values", "plan_set_lr", "plan_set_values",
+           "SetLrPlan", "SetValuesPlan"]
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    out: str | Path | None = None
+    in_place: bool = False
+    overwrite: bool = False
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    plan: SetLrPlan | SetValuesPlan
+    result: PatchResult | None = None     # None: a dry run
+
+    def to_json(self) -> dict:
+        rep = {"plan": self.plan.to_json(), "dry_run": self.result is None}
+        if self.result is not None:
+            rep["result"] = self.result.to_json()
+        return rep
+
+
+def run_patch(plan: SetLrPlan | SetValuesPlan, ckpt: DcpCheckpoint, options: PatchOptions,
+              progress: Progress | None = None) -> PatchReport:
+    """Write the plan's changes (O(KB), whatever the checkpoint's size: nothing to report progress of)."""
+    values = {c.key: c.after for c in plan.changes}
+    return PatchReport(plan, patch_checkpoint(ckpt, None if options.in_place else Path(options.out), values,
+                                              in_place=options.in_place, overwrite=options.overwrite))
+
+
+def set_lr(ckpt_path, out, *, lr: float | None = None, scale: float | None = None, min_lr: float | None = None,
+           in_place: bool = False, dry_run: bool = False, overwrite: bool = False,
+           trust_pickle: bool = False) -> PatchReport:
+    """Library entry point of `ckpt set-lr`."""
+    if in_place and out is not None:
+        raise UsageError("give either OUT or --in-place, not both")
+    if not in_place and out is None and not dry_run:
+        raise UsageError("give an output directory OUT, or --in-place")
+    options = PatchOptions(out, in_place, overwrite, dry_run)
+    with DcpCheckpoint.open(ckpt_path, trust_pickle=trust_pickle) as ckpt:
+        # the preview replays the schedule with torch's schedulers (building an optimizer imports
+        # torch._dynamo: seconds), so the real run skips it
+        plan = plan_set_lr(ckpt, lr=lr, scale=scale, min_lr=min_lr, preview=dry_run)
+        return PatchReport(plan) if dry_run else run_patch(plan, ckpt, options)
+
+
+def set_values(ckpt_path, out, assignments: list[str], *, in_place: bool = False, dry_run: bool = False,
+               overwrite: bool = False, trust_pickle: bool = False) -> PatchReport:
+    """Library entry point of `ckpt set`."""
+    if in_place and out is not None:
+        raise UsageError("give either OUT or --in-place, not both")
+    options = PatchOptions(out, in_place, overwrite, dry_run)
+    with DcpCheckpoint.open(ckpt_path, trust_pickle=trust_pickle) as ckpt:
+        plan = plan_set_values(ckpt, assignments)
+        if dry_run:
+            return PatchReport(plan)
+        if not in_place and out is None:
+            raise UsageError("give an output directory OUT, or --in-place")
+        return run_patch(plan, ckpt, options)

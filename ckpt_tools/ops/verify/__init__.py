@@ -1,0 +1,71 @@
+"""`ckpt verify`: integrity of a DCP checkpoint, an HF model dir or a PEFT adapter dir, before you
+trust or ship it. Every problem found is one `Problem(file, key, message)`; warnings are facts worth
+knowing that do not make it unusable. One contract: `plan_verify(path, options) -> VerifyPlan` (what
+is checked, from the path's kind), `run_verify(plan, progress) -> VerifyReport`. Verify opens what it
+checks itself, problem-tolerant (a source would refuse a malformed input at open: verify lists why).
+Per kind: `formats.dcp.checks` (shared with `ckpt gc`), `hf`, `peft`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.errors import UsageError
+from ...core.progress import Progress
+from ...formats.sniff import CHECKPOINTS, DCP, sniff
+from ...core.problems import Problem, VerifyReport
+from ...formats.dcp.checks import verify_dcp
+from .hf import verify_hf
+from .peft import verify_peft
+
+__all__ = ["VerifyOptions", "VerifyPlan", "plan_verify", "run_verify", "verify_path", "Problem", "VerifyReport"]
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    deep: bool = False
+    base: str | None = None         # PEFT adapters only: the base every target module must fit
+    trust_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    path: str
+    kind: str                       # dcp | hf | peft
+    options: VerifyOptions
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "format": self.kind, "deep": self.options.deep}
+
+
+def plan_verify(path: str | Path, options: VerifyOptions) -> VerifyPlan:
+    p = Path(path)
+    if not p.exists():
+        raise UsageError("no such file or directory", path=p)
+    kind = sniff(p)
+    if kind in (None, CHECKPOINTS) or (kind != DCP and not p.is_dir()):
+        raise UsageError("cannot tell what to verify: not a DCP checkpoint (.metadata), an HF model dir "
+                         "(model.safetensors or model.safetensors.index.json) or a PEFT adapter dir "
+                         "(adapter_config.json)", path=p)
+    if options.base is not None and kind != "peft":
+        raise UsageError(f"--base applies to PEFT adapter dirs; {p} is a {kind} directory",
+                         hint="use `ckpt diff-vs-base` to compare model weights with a base")
+    return VerifyPlan(str(p), kind, options)
+
+
+def run_verify(plan: VerifyPlan, progress: Progress | None = None) -> VerifyReport:
+    p, o = Path(plan.path), plan.options
+    report = VerifyReport(str(p), plan.kind, o.deep)
+    if plan.kind == "dcp":
+        verify_dcp(p, report, deep=o.deep, trust_pickle=o.trust_pickle, progress=progress)
+    elif plan.kind == "hf":
+        verify_hf(p, report, deep=o.deep, progress=progress)
+    else:
+        verify_peft(p, report, deep=o.deep, base=o.base, trust_pickle=o.trust_pickle)
+    return report
+
+
+def verify_path(path: str | Path, *, deep: bool = False, base: str | Path | None = None,
+                trust_pickle: bool = False, progress: Progress | None = None) -> VerifyReport:
+    """Plan and run (the library entry point)."""
+    opts = VerifyOptions(deep, None if base is None else str(base), trust_pickle)
+    return run_verify(plan_verify(path, opts), progress)

@@ -1,0 +1,106 @@
+"""`ckpt verify` of a PEFT adapter dir: the config, every weight key (one that maps to no LoRA module is
+a problem: PEFT would silently ignore it), target_modules against the modules, `--deep` every value
+finite, `--base` every target module present in the base with fitting shapes."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ...core.errors import CkptError
+from ...core.tensor_math import count_nonfinite
+from ...formats.peft.adapter import open_peft_adapter
+from ...formats.peft.config import ADAPTER_CONFIG, PEFT_PREFIX, matches_target_modules, parse_peft_config
+from ...sources.open import open_weights
+from ...core.problems import VerifyReport
+
+__all__ = ["verify_peft"]
+
+
+def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trust_pickle: bool = False) -> None:
+    cfg_path = path / ADAPTER_CONFIG
+    try:
+        cfg = parse_peft_config(cfg_path)
+    except CkptError as exc:
+        report.problem(exc.path or cfg_path, exc.key, exc.message)
+        return
+    try:
+        adapter = open_peft_adapter(path, strict=False)
+    except CkptError as exc:
+        report.problem(exc.path or path, exc.key, exc.message + (f" ({exc.hint})" if exc.hint else ""))
+        return
+    except Exception as exc:
+        report.problem(path, None, f"cannot open the adapter weights: {type(exc).__name__}: {exc}")
+        return
+    wpath = adapter.weights_path
+    for k in adapter.unrecognized:
+        hint = ""
+        if not k.startswith(PEFT_PREFIX) or re.search(r"\.lora_[AB]\.\d+\.weight$", k):
+            hint = " (prime-rl's export key bug: `ckpt fix-adapter` renames it)"
+        report.problem(wpath, k, "key maps to no LoRA module: PEFT expects "
+                                 f"{PEFT_PREFIX}<module>.lora_A.weight / lora_B.weight and would silently "
+                                 f"ignore it{hint}")
+    for msg in adapter.problems:
+        module = msg.split(":", 1)[0]
+        report.problem(wpath, module, msg.split(": ", 1)[-1])
+    if not adapter.modules and not adapter.full_tensors:
+        report.problem(wpath, None, "holds no LoRA weights PEFT would load: applying it changes nothing")
+    targets = cfg.target_modules
+    matched_targets = set()
+    for module in sorted(adapter.modules):
+        ok = matches_target_modules(module, targets)
+        if ok is False:
+            report.problem(wpath, adapter.modules[module].a_key,
+                           f"module {module} is not matched by target_modules {targets!r}: PEFT would not "
+                           "create it and would silently ignore these weights")
+        if isinstance(targets, list):
+            matched_targets.update(t for t in targets if module == t or module.endswith("." + t))
+    if isinstance(targets, list) and adapter.modules:
+        for t in sorted(set(targets) - matched_targets):
+            report.warn(cfg_path, None, f"target_modules entry {t!r} matches no module in the weights")
+    if deep:
+        for key in sorted(adapter.shapes):
+            try:
+                t = adapter.read(key)
+            except Exception as exc:
+                report.problem(wpath, key, f"cannot read: {type(exc).__name__}: {exc}")
+                continue
+            if t.is_floating_point() and count_nonfinite(t.reshape(-1)):
+                report.problem(wpath, key, f"{count_nonfinite(t.reshape(-1))} non-finite value(s) (inf/nan)")
+    if base is not None:
+        _check_against_base(adapter, cfg, base, report, trust_pickle)
+    report.checked.update({"modules": len(adapter.modules), "modules_to_save": len(adapter.full_tensors),
+                           "keys": len(adapter.shapes)})
+
+
+def _check_against_base(adapter, cfg, base, report: VerifyReport, trust_pickle: bool) -> None:
+    try:
+        src = open_weights(base, trust_pickle=trust_pickle)
+    except CkptError as exc:
+        report.problem(exc.path or base, exc.key, f"cannot open --base: {exc.message}")
+        return
+    wpath = adapter.weights_path
+    try:
+        for module, m in sorted(adapter.modules.items()):
+            name = f"{module}.weight"
+            if name not in src:
+                report.problem(wpath, m.a_key, f"target module {module} does not exist in the base "
+                                               f"({src.label} has no {name})")
+                continue
+            shape = src.facts(name).shape
+            a, b = adapter.shapes[m.a_key], adapter.shapes[m.b_key]
+            if len(shape) != 2:
+                report.problem(wpath, m.a_key, f"base {name} is {list(shape)}, not a 2-D linear weight")
+                continue
+            out_f, in_f = (shape[1], shape[0]) if cfg.fan_in_fan_out else shape
+            if a[1] != in_f or b[0] != out_f:
+                report.problem(wpath, m.a_key, f"shapes do not fit the base: A {list(a)}, B {list(b)} but base "
+                                               f"{name} is {list(shape)} (expects A [r, {in_f}], B [{out_f}, r])")
+        for name, key in sorted(adapter.full_tensors.items()):
+            if name not in src:
+                report.problem(wpath, key, f"modules_to_save tensor {name} does not exist in the base")
+            elif tuple(src.facts(name).shape) != tuple(adapter.shapes[key]):
+                report.problem(wpath, key, f"shape {list(adapter.shapes[key])} but the base's {name} is "
+                                           f"{list(src.facts(name).shape)}")
+        report.checked["base"] = src.describe()
+    finally:
+        src.close()

@@ -1,0 +1,57 @@
+"""A tensor of a source, cast and hashed in row blocks (memory: one block): the sha256 the slim
+manifest records for a frozen tensor is that of the base's tensor upcast to the checkpoint's dtype."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ..core.dtypes import itemsize, torch_dtype
+from ..core.tensor_math import sha256_of_tensor, update_hash
+from ..formats.slim.partition import map_to_base
+from .base import Source
+from .hf import HFSource
+
+__all__ = ["BASE_BLOCK_BYTES", "read_rows_as", "read_as", "upcast_sha256", "base_hash_check"]
+
+# Rows per block when a base tensor is streamed: bounded scratch whatever the tensor's size.
+BASE_BLOCK_BYTES = 64 << 20
+
+
+def read_rows_as(src: Source, name: str, dtype, start: int, count: int) -> torch.Tensor:
+    """Rows [start, start + count) of `name`, cast to `dtype` (an exact upcast of a bf16 base to fp32)."""
+    t = src.read_rows(name, start, count)
+    dt = torch_dtype(dtype)
+    return t if t.dtype == dt else t.to(dt)
+
+
+def read_as(src: Source, name: str, dtype) -> torch.Tensor:
+    """The whole tensor `name`, cast to `dtype`."""
+    t = src.read_tensor(name)
+    dt = torch_dtype(dtype)
+    return t if t.dtype == dt else t.to(dt)
+
+
+def upcast_sha256(src: Source, name: str, dtype) -> str:
+    """sha256 of tensor `name` cast to `dtype`, streamed in row blocks (memory: one block)."""
+    info = src.facts(name)
+    if not info.shape or info.shape[0] == 0:
+        return sha256_of_tensor(read_as(src, name, dtype))
+    n = info.shape[0]
+    row_out = max(1, (info.numel // n) * itemsize(dtype))
+    step = max(1, BASE_BLOCK_BYTES // row_out)
+    h = hashlib.sha256()
+    for s in range(0, n, step):
+        update_hash(h, read_rows_as(src, name, dtype, s, min(step, n - s)))
+    return h.hexdigest()
+
+
+def base_hash_check(base: HFSource, dropped):
+    """What a slim's dropped tensors are proven against: for each, (its base tensor's name, the sha256 of
+    that tensor upcast to its dtype). Names and shapes are checked for every tensor at once first: one
+    error listing every problem, before a single tensor byte is read."""
+    mapping = map_to_base(dropped, {n: base.facts(n).shape for n in base.names()}, base.config, base.path)
+
+    def base_hash(d) -> tuple[str, str]:
+        return mapping[d.key], upcast_sha256(base, mapping[d.key], d.dtype)
+    return base_hash

@@ -1,0 +1,197 @@
+"""One view of "a LoRA" for every command: from a PEFT adapter dir or straight from a prime-rl DCP
+checkpoint (which stores A/B but not alpha: resolved by `formats.primerl.alpha`, never guessed).
+
+`LoraSource.modules` maps HF module FQNs (`model.layers.0.self_attn.q_proj`) to a `LoraModule`
+(rank, scale, the keys and shapes of A and B); `read_pair(module)` returns fp32 (A, B) for one module
+at a time; `full_tensors` are `modules_to_save` replacements (HF name -> key), read by `read_full`.
+A layout is data here (the keys each module's factors live under), so a new layout (MoE experts
+stacked [E, r, in]) is a new way to fill `modules`, not a new code path in every command.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..core.errors import FormatError, UsageError
+from ..core.keys import classify, lora_key
+from ..core.lora_math import check_alpha, lora_scale
+from ..formats.dcp.layout import METADATA_NAME, is_checkpoint_path
+from ..formats.dcp.reader import DcpCheckpoint
+from ..formats.peft.adapter import PeftAdapter, open_peft_adapter
+from ..formats.peft.config import ADAPTER_CONFIG
+from ..formats.primerl.alpha import AlphaResolution, resolve_alpha
+from .base import TensorFacts
+
+__all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "open_lora_source"]
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    module: str
+    rank: int
+    scale: float
+    a_key: str
+    b_key: str
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+    fan_in_fan_out: bool = False
+    a_dtype: str = "float32"
+
+    @property
+    def weight_name(self) -> str:
+        return f"{self.module}.weight"
+
+
+class LoraSource:
+    kind: str
+    path: Path
+    modules: dict[str, LoraModule]
+    full_tensors: dict[str, str]        # modules_to_save replacements: HF name -> source key
+    alpha_source: str
+    alpha: float | None
+    use_rslora: bool = False
+    warnings: tuple[str, ...] = ()
+    slot: int | None = None
+    resident_bytes: int = 0             # bytes held for the whole run (a .bin adapter is loaded whole)
+    config_path: Path                   # what errors about its configuration name (adapter_config.json, .metadata)
+    weights_path: Path                  # what errors about its weights name
+
+    def read_key(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def key_facts(self, key: str) -> TensorFacts:
+        raise NotImplementedError
+
+    def read_pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (A, B) of one module."""
+        m = self.modules[module]
+        return self.read_key(m.a_key).to(torch.float32), self.read_key(m.b_key).to(torch.float32)
+
+    def read_full(self, name: str) -> torch.Tensor:
+        return self.read_key(self.full_tensors[name])
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> dict:
+        ranks = sorted({m.rank for m in self.modules.values()})
+        scales = sorted({m.scale for m in self.modules.values()})
+        return {"kind": self.kind, "path": str(self.path), "modules": len(self.modules),
+                "rank": ranks[0] if len(ranks) == 1 else ranks, "alpha": self.alpha,
+                "scale": scales[0] if len(scales) == 1 else scales, "alpha_source": self.alpha_source,
+                "modules_to_save": sorted(self.full_tensors)}
+
+    def with_alpha(self, alpha: float) -> None:
+        """An explicit --alpha over the adapter's own (its ranks kept)."""
+        self.alpha = check_alpha(alpha, "--alpha", error=UsageError)
+        self.alpha_source = "--alpha (overrides adapter_config.json)"
+        self.modules = {k: LoraModule(m.module, m.rank, lora_scale(alpha, m.rank, self.use_rslora), m.a_key, m.b_key,
+                                      m.a_shape, m.b_shape, m.fan_in_fan_out, m.a_dtype)
+                        for k, m in self.modules.items()}
+
+
+class PeftLoraSource(LoraSource):
+    kind = "peft"
+
+    def __init__(self, path: Path, *, adapter: PeftAdapter | None = None):
+        self.adapter = adapter if adapter is not None else open_peft_adapter(path, strict=True)
+        ad = self.adapter
+        cfg = ad.config
+        self.path = Path(path)
+        self.alpha = cfg.lora_alpha
+        self.use_rslora = cfg.use_rslora
+        self.alpha_source = f"adapter_config.json (lora_alpha {cfg.lora_alpha:g}" + \
+            (", rsLoRA" if cfg.use_rslora else "") + (", alpha/rank patterns" if cfg.alpha_pattern or cfg.rank_pattern else "") + ")"
+        self.modules = {m.module: LoraModule(m.module, m.rank, m.scale, m.a_key, m.b_key, tuple(ad.shapes[m.a_key]),
+                                             tuple(ad.shapes[m.b_key]), cfg.fan_in_fan_out, ad.dtypes[m.a_key])
+                        for m in ad.modules.values()}
+        self.full_tensors = dict(ad.full_tensors)
+        self.resident_bytes = ad.nbytes if ad.weights_path.suffix == ".bin" else 0
+        self.config_path, self.weights_path = cfg.path, ad.weights_path
+
+    def read_key(self, key: str) -> torch.Tensor:
+        return self.adapter.read(key)
+
+    def key_facts(self, key: str) -> TensorFacts:
+        return TensorFacts(key, self.adapter.dtypes[key], tuple(self.adapter.shapes[key]))
+
+
+class DcpLoraSource(LoraSource):
+    kind = "dcp"
+
+    def __init__(self, path: Path, *, alpha: float | None, run_config: Path | None, slot: int = 0,
+                 trust_pickle: bool = False, ckpt: DcpCheckpoint | None = None):
+        self.ckpt = ckpt or DcpCheckpoint.open(path, trust_pickle=trust_pickle)
+        self.path = self.ckpt.dir
+        self.config_path = self.weights_path = self.ckpt.dir / METADATA_NAME
+        self.slot = slot
+        infos = [classify(k, e.path) for k, e in self.ckpt.entries.items()]
+        lora = [i for i in infos if i.group == "lora"]
+        slots = sorted({i.slot for i in lora})
+        if not lora:
+            raise FormatError("the checkpoint holds no LoRA parameters (no app.model.*.lora_A.<i> keys)",
+                              path=self.path / METADATA_NAME,
+                              hint="this is not a LoRA run; there is nothing to extract or merge")
+        if slot not in slots:
+            raise UsageError(f"adapter slot {slot} is not in the checkpoint (slots present: {slots})",
+                             path=self.path, hint=f"pass --slot {slots[0]}")
+        mods = sorted({i.module for i in lora if i.slot == slot})
+        shapes = {}
+        for m in mods:
+            ka, kb = lora_key(m, "A", slot), lora_key(m, "B", slot)
+            if ka not in self.ckpt.entries or kb not in self.ckpt.entries:
+                raise FormatError(f"module {m} lacks lora_A.{slot} or lora_B.{slot}", path=self.path / METADATA_NAME)
+            ea, eb = self.ckpt.entries[ka], self.ckpt.entries[kb]
+            if len(ea.shape) != 2 or len(eb.shape) != 2 or ea.shape[0] != eb.shape[1]:
+                raise FormatError(f"A {list(ea.shape)} and B {list(eb.shape)} do not share a rank",
+                                  path=self.path / METADATA_NAME, key=ka)
+            shapes[m] = (ka, kb, tuple(ea.shape), tuple(eb.shape), ea.dtype)
+        uniq = sorted({s[2][0] for s in shapes.values()})
+        res: AlphaResolution = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=self.path,
+                                             rank=uniq[0] if len(uniq) == 1 else None)
+        self.alpha = res.alpha
+        self.alpha_source = res.source
+        self.resolution = res
+        self.warnings = res.warnings
+        self.modules = {m: LoraModule(m, a_shape[0], lora_scale(res.alpha, a_shape[0]), ka, kb, a_shape, b_shape,
+                                      False, a_dtype)
+                        for m, (ka, kb, a_shape, b_shape, a_dtype) in shapes.items()}
+        self.full_tensors = {}
+
+    def read_key(self, key: str) -> torch.Tensor:
+        return self.ckpt.read_tensor(key)
+
+    def key_facts(self, key: str) -> TensorFacts:
+        e = self.ckpt.entry(key)
+        return TensorFacts(key, e.dtype, tuple(e.shape))
+
+    def lora_keys(self) -> list[str]:
+        return [k for m in self.modules.values() for k in (m.a_key, m.b_key)]
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def open_lora_source(path: str | Path, *, alpha: float | None = None, run_config: str | Path | None = None,
+                     slot: int = 0, trust_pickle: bool = False) -> LoraSource:
+    """A PEFT adapter dir or a prime-rl DCP checkpoint. For PEFT, alpha comes from its config
+    (an explicit --alpha overrides it, with the adapter's own rank)."""
+    p = Path(path)
+    if is_checkpoint_path(p) and not p.name == METADATA_NAME:
+        return DcpLoraSource(p, alpha=alpha, run_config=Path(run_config) if run_config else None, slot=slot,
+                             trust_pickle=trust_pickle)
+    if (p / ADAPTER_CONFIG).is_file():
+        src = PeftLoraSource(p)
+        if alpha is not None:
+            src.with_alpha(alpha)
+        return src
+    raise UsageError("not a LoRA source: expected a PEFT adapter dir (adapter_config.json) or a prime-rl "
+                     "DCP checkpoint (.metadata)", path=p)

@@ -1,0 +1,150 @@
+"""The package's shape, checked from its source (docs/architecture.md draws it): layers import only
+downward, no op imports another, no private name crosses a module boundary, modules stay small, DCP
+items are decoded in one module, public modules declare `__all__`, and the metadata side needs no torch."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "ckpt_tools"
+LAYERS = ("core", "io", "formats", "sources", "ops", "workflows", "cli")   # lowest first
+MAX_MODULE_LINES = 500
+FIRST_PARTY = ("ckpt_tools", "tests")
+# torch keeps DCP's storage record private (`filesystem._StorageInfo`) yet writes it into every
+# `.metadata`; our writer must produce that exact class, so it names it once, by attribute.
+PRIVATE_ALLOWED = {("ckpt_tools/formats/dcp/writer.py", "dcp_filesystem._StorageInfo")}
+
+
+def modules(root: Path = PKG) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def rel(p: Path) -> str:
+    return p.relative_to(REPO).as_posix()
+
+
+def dotted(p: Path) -> list[str]:
+    parts = list(p.relative_to(REPO).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def imports(p: Path):
+    """(absolute module parts, imported names, node) of every import in `p`, lazy ones included."""
+    pkg = list(p.relative_to(REPO).parts[:-1])
+    for n in ast.walk(ast.parse(p.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            if n.level:
+                base = pkg[:len(pkg) - (n.level - 1)]
+                mod = base + (n.module.split(".") if n.module else [])
+            else:
+                mod = (n.module or "").split(".")
+            yield mod, [a.name for a in n.names], n
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                yield a.name.split("."), [], n
+
+
+def layer_of(parts: list[str]) -> str | None:
+    return parts[1] if len(parts) > 1 and parts[0] == "ckpt_tools" and parts[1] in LAYERS else None
+
+
+def test_layers_import_only_downward_and_no_op_imports_another_op():
+    bad = []
+    for p in modules():
+        me = dotted(p)
+        mine = layer_of(me)
+        for mod, _names, n in imports(p):
+            theirs = layer_of(mod)
+            if mine and theirs and LAYERS.index(theirs) > LAYERS.index(mine):
+                bad.append(f"{rel(p)}:{n.lineno} ({mine}) imports {'.'.join(mod)} ({theirs})")
+            if mine == theirs == "ops" and len(me) > 2 and len(mod) > 2 and mod[2] != me[2]:
+                bad.append(f"{rel(p)}:{n.lineno}: op {me[2]} imports op {mod[2]}")
+    assert bad == []
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    bad = []
+    files = modules() + modules(REPO / "tests") + modules(REPO / "scripts") + modules(REPO / "bench")
+    for p in files:
+        in_pkg = p.is_relative_to(PKG)
+        aliases = set()
+        for mod, names, n in imports(p):
+            first_party = mod[0] in FIRST_PARTY or (isinstance(n, ast.ImportFrom) and n.level > 0)
+            for name in names:
+                if name.startswith("_") and not name.startswith("__") and (first_party or in_pkg):
+                    bad.append(f"{rel(p)}:{n.lineno}: from {'.'.join(mod)} import {name}")
+            if isinstance(n, ast.Import):
+                aliases.update((a.asname or a.name).split(".")[0] for a in n.names if first_party or in_pkg)
+            elif first_party or in_pkg:
+                aliases.update(a.asname or a.name for a in n.names)
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+                root = n.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in aliases \
+                        and (rel(p), ast.unparse(n)) not in PRIVATE_ALLOWED:
+                    bad.append(f"{rel(p)}:{n.lineno}: {ast.unparse(n)}")
+    assert bad == []
+
+
+def test_no_module_is_over_the_size_limit():
+    sizes = {rel(p): len(p.read_text().splitlines()) for p in modules()}
+    assert {k: v for k, v in sizes.items() if v > MAX_MODULE_LINES} == {}
+
+
+def test_dcp_items_are_decoded_in_one_module():
+    """The torch.save zip of an item is opened (zipfile) and loaded (torch.load) in formats/dcp/item.py only."""
+    home = "ckpt_tools/formats/dcp/item.py"
+    bad = []
+    for p in modules():
+        if rel(p) == home:
+            continue
+        for mod, _names, n in imports(p):
+            if mod[0] == "zipfile":
+                bad.append(f"{rel(p)}:{n.lineno}: imports zipfile")
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Attribute) and n.attr == "load" and isinstance(n.value, ast.Name) \
+                    and n.value.id == "torch":
+                bad.append(f"{rel(p)}:{n.lineno}: torch.load")
+    assert bad == []
+
+
+def test_public_modules_declare_their_names():
+    missing = []
+    for p in modules():
+        tree = ast.parse(p.read_text())
+        body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        if p.name == "__main__.py" or (p.name == "__init__.py" and not body):
+            continue   # an entry point, or a package whose docstring is all it has
+        if not any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+                   for n in tree.body):
+            missing.append(rel(p))
+    assert missing == []
+
+
+@pytest.mark.parametrize("what", ["core", "dcp metadata"])
+def test_the_metadata_side_needs_no_torch(what):
+    """Names, sizes and a checkpoint's metadata model load without importing torch (the ground for
+    torch-free `inspect` / `verify`)."""
+    fixture = REPO / "tests/fixtures/primerl-tiny/outputs/checkpoints/step_3/trainer/.metadata"
+    code = {
+        "core": "import ckpt_tools.core.dtypes, ckpt_tools.core.keys, ckpt_tools.core.lora_math, "
+                "ckpt_tools.core.tied, ckpt_tools.core.units, ckpt_tools.core.errors, "
+                "ckpt_tools.core.primerl_state, ckpt_tools.core.problems, ckpt_tools.core.progress",
+        "dcp metadata": "from ckpt_tools.formats.dcp.metadata import load_metadata\n"
+                        "from ckpt_tools.formats.dcp.model import parse_metadata\n"
+                        "import ckpt_tools.formats.dcp.item, ckpt_tools.formats.dcp.layout, ckpt_tools.formats.sniff\n"
+                        "import ckpt_tools.formats.safetensors.header, ckpt_tools.formats.slim.manifest\n"
+                        f"md = load_metadata(open({str(fixture)!r}, 'rb').read(), 'fixture')\n"
+                        "p = parse_metadata(md)\n"
+                        "assert len(p.entries) == 229 and p.fatal() is None, p.fatal()",
+    }[what]
+    code += "\nimport sys\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
