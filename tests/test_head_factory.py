@@ -151,6 +151,30 @@ def test_checkpoint_and_broadcast_steps_are_the_genuine_runs(name):
     assert set(paths.broadcasts.values()) == set((GENUINE_DIRS[name] / "outputs" / "broadcasts").glob("step_*"))
 
 
+def test_scheduler_kinds_follow_prime_rl_heads_rules():
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+
+    from ckpt_tools.fixtures.head_train import build_scheduler
+
+    def build(**kw):
+        return build_scheduler(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.01),
+                               HeadSpec(ckpt_interval=None, **kw))
+
+    def parts(s):
+        return [(type(x).__name__, x.start_factor, x.end_factor, x.total_iters) if isinstance(x, LinearLR)
+                else (type(x).__name__, x.T_max, x.eta_min) for x in s._schedulers]
+
+    assert type(build(scheduler="constant")) is ConstantLR
+    warmup = build(scheduler="linear", warmup_steps=2)
+    assert (type(warmup), warmup.start_factor, warmup.total_iters) == (LinearLR, 1e-8, 2)
+    wsd = build(scheduler="linear", warmup_steps=2, decay_steps=3, max_steps=8)
+    assert type(wsd) is SequentialLR and wsd._milestones == [2, 5]
+    assert parts(wsd) == [("LinearLR", 1e-8, 1.0, 2), ("LinearLR", 1.0, 1.0, 3), ("LinearLR", 1.0, 1e-8, 2)]
+    assert type(build(scheduler="cosine", warmup_steps=0, max_steps=4)) is CosineAnnealingLR
+    cosine = build(scheduler="cosine", warmup_steps=1, min_lr=0.001, max_steps=4)
+    assert parts(cosine) == [("LinearLR", 0.1, 1.0, 1), ("CosineAnnealingLR", 3, 0.001)]
+
+
 def test_cli_reports_a_bad_spec_as_a_usage_error_and_a_used_dir_as_an_error(tmp_path, capsys):
     assert main([str(tmp_path / "x"), "--kind", "moe", "--world-size", "3", "--experts", "8"]) == 2
     assert "num_experts=8 must be a multiple of ep=3" in capsys.readouterr().err
