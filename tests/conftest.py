@@ -26,3 +26,12 @@ def fixture_copy(tmp_path: Path) -> Path:
     for p in dst.rglob("*"):
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     return dst
+
+
+def json_payload(text: str):
+    """The report a command printed under --json: the envelope's result, or its plan in a dry run
+    (docs/json.md). The envelope itself is checked against its schema in tests/test_json_envelope.py."""
+    import json
+    doc = json.loads(text)
+    assert doc["schema"] == "ckpt/1", doc
+    return doc["result"] if doc["result"] is not None else doc["plan"]

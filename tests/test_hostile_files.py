@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import hardening_util as hu
-from .conftest import FIXTURE
+from .conftest import FIXTURE, json_payload
 
 BASE_KEY = "app.model.model.layers.1.mlp.down_proj.weight"
 STEP_KEY = "app.progress.step"
@@ -531,10 +531,10 @@ def test_alpha_is_only_looked_for_where_prime_rl_writes_run_configs(space):
     rs = many({"inspect": ["inspect", ckpt, "--json"], "merge": ["merge", t.base, ckpt, t.root / "merged"],
                "genuine": ["inspect", t.trainer, "--json"]}, t.root)
     no_traceback(rs["inspect"])
-    rep = json.loads(rs["inspect"].stdout)
+    rep = json_payload(rs["inspect"].stdout)
     assert rep["alpha"] is None and "not in prime-rl's layout" in rep["alpha_unresolved"]
     hu.assert_safe_refusal(rs["merge"], expect="--alpha")
-    genuine = json.loads(rs["genuine"].stdout)
+    genuine = json_payload(rs["genuine"].stdout)
     assert genuine["alpha"]["alpha"] == 16.0 and genuine["alpha"]["source"] == f"run config {t.orch.resolve()}"
     hu.record("hostile_files", attacks=1)
 
@@ -557,7 +557,7 @@ def test_numbers_must_be_finite_and_in_range(space):
 
     def strict(name):
         raise ValueError(f"{name} in JSON output")
-    assert json.loads(j.stdout, parse_constant=strict)["lr"] == "NaN"
+    assert json.loads(j.stdout, parse_constant=strict)["result"]["lr"] == "NaN"
     for name in ("--alpha -1", "--alpha 1e30", "negative step", "set a NaN lr"):
         hu.assert_safe_refusal(rs[name], code=2)
     hu.record("hostile_files", attacks=len(rs) - 1)
@@ -708,9 +708,10 @@ def test_json_failures_are_json_too(space):
     os.mkfifo(t.trainer / "__0_0.distcp")
     r = run(["slim", t.trainer, t.root / "out", "--json"], t.root, fresh=True)   # a new interpreter, end to end
     hu.assert_safe_refusal(r, expect="FIFO")
-    err = json.loads(r.stdout)
+    doc = json.loads(r.stdout)
+    err = doc["error"]
     assert err["type"] == "UnsafeInputError" and err["path"] == str(t.trainer / "__0_0.distcp") and err["hint"]
-    assert err["exit_code"] == r.exit_code and "FIFO" in err["error"]
+    assert doc["exit_code"] == r.exit_code and doc["ok"] is False and "FIFO" in err["message"]
     hu.record("hostile_files", attacks=1)
 
 

@@ -53,7 +53,7 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
             if progress is not None:
                 progress.close()
     if as_json:
-        emit(report)   # warnings are in it
+        emit(report, exit_code=report.exit_code)   # warnings are in it
     else:
         render(report, top)
         for w in report.warnings:

@@ -64,7 +64,7 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
         else:
             report = doctor(None, files=list(run_or_config), sections=sections, **kw)
     if as_json:
-        emit(report)
+        emit(report, exit_code=report.exit_code)
     else:
         render(report)
     ctx.exit(report.exit_code)

@@ -42,7 +42,7 @@ def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_jso
         if progress is not None:
             progress.close()
     if as_json:
-        emit(report)
+        emit(report, exit_code=0 if report.ok else 1)
     else:
         render(report)
     if not report.ok:

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from ...core.dtypes import torch_dtype
 from ...core.errors import CkptError
 from ...core.progress import Progress
 from ...core.progress import report as report_progress
-from ...core.tensor_math import count_nonfinite
 from ...formats.hf_dir.config import dtype_disagreement, shape_problems
 from ...formats.safetensors.header import read_header
 from ...io.inputs import OpenFiles, is_plain_file_name, read_json
 from ...core.problems import VerifyReport
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
 
 __all__ = ["FINITE_BLOCK_BYTES", "verify_hf"]
 
@@ -122,6 +124,10 @@ def _header(p: Path, report: VerifyReport, read_header=read_header):
 
 def _deep_finite(dir_: Path, tensors: dict, report: VerifyReport, progress: Progress | None) -> None:
     """Every float of every tensor read (in FINITE_BLOCK_BYTES blocks) and counted if inf/nan."""
+    # lazy: only --deep reads values; verify without it needs no torch (2-3 s of start-up)
+    import torch
+
+    from ...core.tensor_math import count_nonfinite
     total = sum(t.nbytes for t in tensors.values())
     done = 0
     files = OpenFiles(dir_, what="safetensors shard")
