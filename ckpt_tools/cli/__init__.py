@@ -24,7 +24,7 @@ from .. import __version__
 from ..core.errors import CkptError
 from ..io import inputs
 from ..io.signals import Terminated, install_signal_handlers
-from .render import STATE, emit_failure
+from .render import STATE, clear_progress, emit_failure
 
 __all__ = ["main", "COMMANDS", "COMMAND_MODULES", "GLOBAL_FLAGS", "hoist_global_flags"]
 
@@ -95,6 +95,7 @@ class _Group(click.Group):
         command = protected[0] if protected else None
 
         def fail(kind: str, line: str, code: int, exc: CkptError | None = None):
+            clear_progress()   # Ctrl-C mid-run: the message on its own line, not after the bar
             click.echo(line, err=True)
             if as_json and not STATE.emitted:   # the failure envelope on stdout (the line stays on stderr)
                 emit_failure(line.split(": ", 1)[-1], code, exc, kind, command=command)

@@ -26,7 +26,7 @@ import click
 from ..core.errors import CkptError
 
 __all__ = ["SCHEMA", "emit", "emit_json", "emit_failure", "envelope", "error_object", "json_errors", "warn",
-           "warn_trust", "is_tty", "color_enabled", "dry_run_label", "CliState", "STATE"]
+           "warn_trust", "is_tty", "color_enabled", "dry_run_label", "clear_progress", "CliState", "STATE"]
 
 SCHEMA = "ckpt/1"
 
@@ -43,6 +43,7 @@ class CliState:
         self.as_json = False
         self.warnings: list[str] = []
         self.emitted = False
+        self.progress_shown = False     # a progress line is on stderr (cli.progress): clear it before a message
 
 
 STATE = CliState()
@@ -139,8 +140,16 @@ def dry_run_label(dry_run: bool) -> str:
     return "  (dry run: nothing written)" if dry_run else ""
 
 
+def clear_progress() -> None:
+    """Erase the progress line, if one is drawn, so a message starts on a clean line."""
+    if STATE.progress_shown:
+        click.echo("\r\033[K", err=True, nl=False)
+        STATE.progress_shown = False
+
+
 def warn(msg: str) -> None:
     STATE.warnings.append(msg)
+    clear_progress()
     click.secho(f"WARNING: {msg}", fg="yellow", err=True)
 
 

@@ -361,12 +361,13 @@ class ToDcpReport:
         return rep
 
 
-def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progress | None = None) -> ToDcpReport:
+def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progress | None = None, *,
+                       overwrite: bool = False) -> ToDcpReport:
     """Write the checkpoint (atomically); `progress`: one event per key written."""
     ad, hf, src_ckpt = sources.lora, sources.base, sources.optimizer_from
     t0 = time.perf_counter()
     inputs = [plan.adapter, plan.base] + ([plan.optimizer_from] if plan.optimizer_from else [])
-    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.need_bytes) as tmp:
+    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.need_bytes, overwrite=overwrite) as tmp:
         w = DcpWriter(tmp, files=plan.world_size)
         try:
             for i, job in enumerate(plan.tensors):

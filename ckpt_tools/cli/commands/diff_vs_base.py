@@ -7,7 +7,7 @@ import click
 
 from ...core.units import human_bytes
 from ...ops.diff import EXIT_DIFFERS, SAME, SKIPPED, DiffOptions, DiffReport, open_diff_sources, plan_diff, run_diff
-from ..options import alpha_options, json_option, trust_option
+from ..options import InputPath, alpha_options, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
 
@@ -17,7 +17,7 @@ __all__ = ["command", "render"]
 @click.command("diff-vs-base")
 @click.argument("weights")
 @click.argument("base")
-@click.option("--adapter", type=click.Path(exists=True, path_type=Path),
+@click.option("--adapter", type=InputPath(),
               help="PEFT adapter dir or prime-rl DCP checkpoint: also check every targeted tensor equals "
                    "round(W0 + s*B@A) exactly and every other tensor is unchanged.")
 @alpha_options

@@ -8,23 +8,23 @@ import click
 from ...core.errors import UsageError
 from ...ops.doctor import doctor
 from ...ops.doctor.traps import DEFAULT_DECODE_RATE, ERROR, INFO, WARNING, toml_value
-from ..options import json_option, trust_option
+from ..options import InputPath, json_option, trust_option
 from ..render import emit, json_errors, warn_trust
 
 __all__ = ["command", "render"]
 
-_SECTION_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+_SECTION_FILE = InputPath(dir_okay=False)
 
 
 @click.command("doctor")
 @click.argument("run_or_config", metavar="RUN_OR_CONFIG...", nargs=-1, required=True,
-                type=click.Path(exists=True, path_type=Path))
+                type=InputPath())
 @click.option("--trainer", "trainer_file", type=_SECTION_FILE, help="A trainer TOML, read as `--trainer @ FILE`.")
 @click.option("--orchestrator", "orch_file", type=_SECTION_FILE,
               help="An orchestrator TOML, read as `--orchestrator @ FILE`.")
 @click.option("--inference", "inference_file", type=_SECTION_FILE,
               help="An inference TOML, read as `--inference @ FILE`.")
-@click.option("--outputs", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--outputs", type=InputPath(file_okay=False),
               help="The run's outputs dir (default: the config's output_dir, or the run dir's).")
 @click.option("--base", help="The bf16 HF base model (default: the config's model name, if it is here).")
 @click.option("--decode-rate", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_DECODE_RATE,
