@@ -57,7 +57,8 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
     \b
     Example:
       ckpt adapter-to-dcp adapter-step95 outputs/checkpoints/step_95/trainer \\
-        --base Qwen/Qwen3-32B --lr 5e-6 --step 95 --scheduler linear --warmup-steps 10 --scheduler-step 0
+        --base Qwen/Qwen3-32B --lr 5e-6 --step 95 \\
+        --scheduler linear --warmup-steps 10 --scheduler-step 0
     """
     warn_trust(trust_pickle)
     try:

@@ -40,7 +40,9 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     Exit status: 0 WEIGHTS differ from BASE (and the adapter check passed); 3 every compared tensor
     is bitwise identical to BASE (the LoRA was not merged); 4 the adapter check failed; 1 errors.
 
-    Example: ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
+    \b
+    Example:
+      ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
     """
     warn_trust(trust_pickle)
     options = DiffOptions(None if adapter is None else str(adapter), alpha,

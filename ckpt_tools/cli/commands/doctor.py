@@ -47,7 +47,9 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
 
     Exit status: 0 no problem found; 3 an error or warning was found; 1 the run could not be read.
 
-    Example: ckpt doctor rl.toml --outputs outputs
+    \b
+    Example:
+      ckpt doctor rl.toml --outputs outputs
     """
     warn_trust(trust_pickle)
     sections = {k: v for k, v in (("trainer", trainer_file), ("orchestrator", orch_file),

@@ -39,7 +39,9 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
     --run-config, else the run's outputs/run_*/configs/orch.toml; lora_alpha is written so that
     lora_alpha / r is the scale training used.
 
-    Example: ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
+    \b
+    Example:
+      ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
     """
     warn_trust(trust_pickle)
     report = plan_and_run(

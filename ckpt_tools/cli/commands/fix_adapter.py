@@ -34,7 +34,9 @@ def command(src: Path, out: Path, base, slot, alpha, run_config, overwrite: bool
     unchanged) as safetensors and a config with the training lora_alpha (the run's orch.toml, or
     --alpha / --run-config) and only the modules_to_save that are really there.
 
-    Example: ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
+    \b
+    Example:
+      ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
     """
     options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config))
     report = plan_and_run(lambda: open_fix_source(src), lambda weights: plan_fix(weights, src, options),

@@ -39,7 +39,9 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
     written (no .metadata, recent writes, a lock) and slim ones. `ckpt rehydrate` restores any of them
     bit-exactly.
 
-    Example: ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
+    \b
+    Example:
+      ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
     """
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal(not as_json)

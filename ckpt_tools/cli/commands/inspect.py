@@ -25,7 +25,9 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
     PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir, an HF
     model dir or a PEFT adapter dir. Reads no tensor data.
 
-    Example: ckpt inspect outputs/checkpoints/step_95/trainer
+    \b
+    Example:
+      ckpt inspect outputs/checkpoints/step_95/trainer
     """
     warn_trust(trust_pickle)
     plan = plan_inspect(path, InspectOptions(alpha, None if run_config is None else str(run_config), list_keys,

@@ -56,7 +56,9 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
 
     W' = round(W32 + s * B32 @ A32), fp32 compute, one rounding. OUT appears only when complete.
 
-    Example: ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
+    \b
+    Example:
+      ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
     """
     warn_trust(trust_pickle)
     if len(paths) == 3:

@@ -33,7 +33,9 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
     base weight and checked against the sha256 in the slim manifest before it is written. Any
     mismatch (a different base revision) aborts and OUT is not created.
 
-    Example: ckpt rehydrate step_95-slim step_95-full --base Qwen/Qwen3-32B
+    \b
+    Example:
+      ckpt rehydrate step_95-slim step_95-full --base Qwen/Qwen3-32B
     """
     warn_trust(trust_pickle)
     options = RehydrateOptions(out, base, world_size, overwrite, trust_pickle)

@@ -48,7 +48,10 @@ def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: st
     trainer checkpoint at OUT (the adapter kept, fresh AdamW, --lr, the step kept) and, with
     --config, <config>.restart.toml with lr -> --lr and ckpt.resume_step -> the step.
 
-    Example: ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B --lr 5e-6 --config rl.toml
+    \b
+    Example:
+      ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B \\
+        --lr 5e-6 --config rl.toml
     """
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal()

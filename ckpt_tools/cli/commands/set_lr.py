@@ -61,7 +61,9 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
     sub-schedulers too), so the remaining schedule scales consistently. OUT hard-links the data
     files and adds one small patch file and a new .metadata: O(KB) written.
 
-    Example: ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
+    \b
+    Example:
+      ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
     """
     warn_trust(trust_pickle)
     result = set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,

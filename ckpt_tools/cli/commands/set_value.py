@@ -30,7 +30,9 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
     the current value's type: int stays int, float stays float, bool is true/false, a list is a
     JSON array of the same length. Tensors cannot be set. OUT hard-links the data files.
 
-    Example: ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
+    \b
+    Example:
+      ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
     """
     warn_trust(trust_pickle)
     result = set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle)

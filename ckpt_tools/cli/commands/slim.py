@@ -31,7 +31,9 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
     dtype, chunk layout and sha256. A slim checkpoint is NOT loadable by prime-rl's strict loader:
     run `ckpt rehydrate` before resuming from it.
 
-    Example: ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
+    \b
+    Example:
+      ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
     """
     warn_trust(trust_pickle)
     options = SlimOptions(out, base, overwrite, trust_pickle)

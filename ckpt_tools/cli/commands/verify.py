@@ -32,7 +32,9 @@ def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_jso
     or a PEFT adapter dir. Prints one line per problem, naming the file and key, and exits 1 if
     there is any; exits 0 when clean. Reads metadata and zip headers only, unless --deep.
 
-    Example: ckpt verify outputs/checkpoints/step_95/trainer --deep
+    \b
+    Example:
+      ckpt verify outputs/checkpoints/step_95/trainer --deep
     """
     warn_trust(trust_pickle)
     plan = plan_verify(path, VerifyOptions(deep, base, trust_pickle))

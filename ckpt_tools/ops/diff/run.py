@@ -255,6 +255,9 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     t0 = time.perf_counter()
     tensors: list[TensorDiff] = []
     total = len(plan.pairs)
+    # the bytes both sides hold, for the progress line's bytes, rate and ETA (what the reads take)
+    bytes_total = sum(p.weights.nbytes + p.base.nbytes for p in plan.pairs if p.read)
+    start_read = weights.bytes_read + base.bytes_read
     for i, p in enumerate(plan.pairs):
         if not p.read:
             td = _result(p, SKIPPED, None)
@@ -265,7 +268,9 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
         weights.release()
         base.release()
         tensors.append(td)
-        report(progress, "compare", i + 1, total, unit="tensors", name=td.name, finished=td)
+        report(progress, "compare", i + 1, total, unit="tensors", name=td.name, finished=td,
+               bytes_done=min(bytes_total, weights.bytes_read + base.bytes_read - start_read), bytes_total=bytes_total,
+               elapsed_s=time.perf_counter() - t0)
     verdict, code, summary, adapter_summary = _verdict(plan, tensors, lora)
     warnings = list(getattr(lora, "warnings", ()) or ()) if lora is not None else []
     return DiffReport(plan, tensors, verdict, code, summary, adapter_summary, warnings,
