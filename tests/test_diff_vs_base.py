@@ -254,8 +254,8 @@ def test_errors_exit_1_and_name_the_problem(tmp_path):
     w = _hf_dir(tmp_path / "w", {"other.weight": torch.zeros(2, 2)})
     r = run("diff-vs-base", w, BASE)
     assert r.exit_code == 1 and "share no tensor name" in r.output
-    r = run("diff-vs-base", EXPORT, tmp_path / "nope")
-    assert r.exit_code == 1 and "nope" in r.output
+    r = run("diff-vs-base", EXPORT, tmp_path / "nope")   # a missing path: exit 2, as everywhere
+    assert r.exit_code == 2 and f"error: no such file or directory: {tmp_path / 'nope'}" in r.stderr
     r = run("diff-vs-base", PEFT, BASE)
     assert r.exit_code == 2 and "PEFT adapter" in r.output and "--adapter" in r.output
     # an adapter whose target the base lacks: refused before any tensor byte is read

@@ -92,8 +92,12 @@ def emit(report, *, exit_code: int = 0) -> None:
     """Print a report (anything with `to_json()`, or a plain JSON-able object) as the command's envelope."""
     command, dry_run = _context_facts()
     payload = report.to_json() if hasattr(report, "to_json") else report
-    emit_json(envelope(command, payload, dry_run=dry_run, exit_code=exit_code, warnings=STATE.warnings))
+    doc = envelope(command, payload, dry_run=dry_run, exit_code=exit_code, warnings=STATE.warnings)
+    emit_json(doc)
     STATE.emitted = True
+    for w in doc["warnings"]:   # stderr carries every warning in either mode (a person watching a script)
+        if w not in STATE.warnings:
+            warn(w)
 
 
 def emit_failure(message: str, exit_code: int, exc=None, kind: str | None = None, command: str | None = None) -> None:

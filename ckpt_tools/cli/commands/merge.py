@@ -108,6 +108,9 @@ def _render_result(plan, result, out) -> None:
                f"{human_number(a.get('scale'))}, alpha from {a.get('alpha_source')}), {c['copy']} tensors copied, "
                f"{c['cast']} cast, {c['replace']} replaced; {human_bytes(result.bytes_written)} in "
                f"{result.seconds:.1f}s")
+    if plan.masters_checked:
+        mc = plan.masters_checked
+        click.echo(f"  base checked: {mc['values']} values of {len(mc['tensors'])} fp32 masters equal the base's")
 
 
 def _targets_summary(plan) -> str:
