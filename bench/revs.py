@@ -65,7 +65,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    os.environ["PYTHONPATH"] = str(REPO)          # the inputs are made by this checkout's ckpt
+    site = os.environ.get("PYTHONPATH")           # e.g. the device host's carried wheels
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), site]))  # inputs: this checkout's ckpt
     size = SIZES[a.size]
     dcp_mode = "factory" if size.params <= 2e9 else "ckpt"
     inputs = SizeInputs(size, a.workdir, a.workdir, dcp_mode, 4, a.python, None, {})
@@ -79,20 +80,27 @@ def main(argv=None) -> int:
                 out = inputs.root / "out" / f"rev-{label}"
                 argv = [a.python, "-m", "ckpt_tools",
                         *map(str, CASES[case][1](inputs.paths, out, inputs.shard_bytes))]
+                # cwd outside every tree: `python -m` puts the cwd first on sys.path
                 rec = run_measured(argv, inputs.root / "logs", f"rev-{case}-{label}-{rep}", a.timeout_s,
-                                   env={"PYTHONPATH": str(root)})
+                                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(root), site]))},
+                                   cwd=inputs.root)
                 _remove(out)
                 runs.append({"case": case, "tree": label, "rep": rep, **{k: rec.get(k) for k in
                              ("status", "reason", "wall_s", "peak_rss_bytes", "stderr_tail")}})
                 print(f"{case:10s} {label:14s} rep {rep}: {rec.get('status')} "
                       f"{rec.get('wall_s') or 0:.2f} s, {(rec.get('peak_rss_bytes') or 0) / 2**20:.0f} MiB", flush=True)
+                save(a, runs)   # after every run: a run cut short keeps what it measured
+    print(save(a, runs))
+    return 0 if all(r["status"] == "ok" for r in runs) else 1
+
+
+def save(a, runs: list[dict]) -> str:
     table = summarize(runs, a.trees, a.cases)
-    print(table)
-    results = a.results or inputs.root / "revs.json"
+    results = a.results or a.workdir / a.size / "revs.json"
     results.write_text(json.dumps({"size": a.size, "trees": [[l, str(r)] for l, r in a.trees],
                                    "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": runs,
                                    "nproc": os.cpu_count(), "table": table}, indent=1))
-    return 0 if all(r["status"] == "ok" for r in runs) else 1
+    return table
 
 
 def summarize(runs: list[dict], trees, cases) -> str:
