@@ -71,7 +71,7 @@ def _render(rep: dict, dry_run: bool) -> None:
     click.echo(f"restart-prep ({rep['mode']} mode) from {rep['checkpoint']} -> {rep['out']}{dry}")
     if rep["mode"] == "merge":
         mp = rep["merge_plan"]
-        click.echo(f"  merge {mp['merged_modules']} LoRA modules (alpha {mp['alpha']}, from {mp['alpha_source']}) "
+        click.echo(f"  merge {mp['merged_modules']} LoRA modules (alpha {human_number(mp['alpha'])}, from {mp['alpha_source']}) "
                    f"into {mp['out_dtype']}: {human_bytes(mp['write_bytes'])}")
         for w in mp["warnings"]:
             warn(w)
