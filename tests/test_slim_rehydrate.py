@@ -134,7 +134,7 @@ def test_slim_dry_run_json_plans_without_writing(tmp_path):
     out = tmp_path / "slim"
     r = run("slim", TRAINER, out, "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    plan = json.loads(r.output)["plan"]
+    plan = json.loads(r.stdout)["plan"]
     assert plan["dropped_keys"] == 36 and plan["kept_keys"] == 229 - 36
     assert plan["kept_bytes"] + plan["dropped_bytes"] < plan["source_bytes"]
     assert not out.exists() and no_leftovers(tmp_path, "slim")
