@@ -7,6 +7,7 @@ from collections import Counter
 
 import click
 
+from ... import dist
 from ...core.errors import CkptError, UsageError
 from ...core.units import human_bytes
 from ...io.signals import Terminated, install_signal_handlers
@@ -91,7 +92,7 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
         install_signal_handlers()
         bar = ProgressLine.for_terminal(not as_json)
         try:
-            report = run_merge(plan, sources, bar)
+            report = run_merge(plan, sources, bar, group=dist.current())
         except Terminated as exc:
             if bar:
                 bar.close()

@@ -1,0 +1,143 @@
+"""Multi-rank execution on torch.distributed: the one place that knows whether this process runs
+under torchrun, which part of a plan is its own, and how the ranks agree (barrier, sums, abort).
+
+    torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
+        -m ckpt_tools <command> ...
+
+Every rank opens the same inputs and builds the same deterministic plan; `core.parts.Part` says
+which work units (output shards, items, files) are its own; rank 0 (the leader) creates the staging
+directory beside OUT (`io.staging.SharedOutputDir`), every rank writes its own files into it, and
+after a barrier the leader writes the index / `.metadata` and renames the directory into place.
+
+Abort-all: a rank that fails raises as in one process (its one-line error, its exit code) and does
+not reach the barrier, so the leader never commits. torchrun then stops the other ranks (SIGTERM,
+which `io.signals` turns into `Terminated`: the staging directory is removed); a rank that is
+waiting in a collective when a peer dies gets a gloo error instead, reported as `RankFailed`. Waits
+poll (`_wait`), so SIGTERM is handled while a rank waits for the others. A rank killed by SIGKILL
+can leave `.OUT.tmp-<pid>-*` behind (hidden, never OUT itself); the next run removes it.
+
+The group uses gloo (CPU tensors, on CPU and GPU nodes alike: the ranks exchange a few integers, the
+data moves through the filesystem). Multi-node needs OUT on a filesystem every node sees at the same
+path (NFS, Lustre, a shared volume): the leader's staging directory is checked from every rank.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from typing import Sequence
+
+from .core.errors import RankFailed, UsageError
+from .core.parts import SOLO, Part
+
+__all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "env_part", "current",
+           "TIMEOUT_ENV"]
+
+TIMEOUT_ENV = "CKPT_TOOLS_DIST_TIMEOUT_S"   # how long a rank waits for the others (default 6 h)
+_POLL_S = 0.02
+
+
+def env_part(environ=os.environ) -> Part:
+    """This process's rank and world size as torchrun set them (`Part(0, 1)` outside torchrun)."""
+    try:
+        world = int(environ.get("WORLD_SIZE", "1"))
+        rank = int(environ.get("RANK", "0"))
+        return Part(rank, world)
+    except ValueError as exc:
+        raise UsageError(f"RANK={environ.get('RANK')!r} WORLD_SIZE={environ.get('WORLD_SIZE')!r} do not name a "
+                         f"rank: {exc}", hint="launch with `torchrun --nproc-per-node N -m ckpt_tools ...`") from None
+
+
+def under_torchrun(environ=os.environ) -> bool:
+    """True when torchrun launched this process with more than one rank."""
+    return env_part(environ).world > 1
+
+
+class Group:
+    """How ranks agree. `part` is this rank's share; the collectives are no-ops for one process."""
+    part: Part = SOLO
+
+    @property
+    def leader(self) -> bool:
+        return self.part.leader
+
+    def barrier(self, what: str) -> None:
+        """Wait until every rank got here (`what` names the point, for the error if one never does)."""
+
+    def sum(self, values: Sequence[int], what: str) -> list[int]:
+        """Element-wise sum of `values` over the ranks."""
+        return [int(v) for v in values]
+
+    def broadcast(self, value, what: str):
+        """The leader's JSON-able `value`, on every rank."""
+        return value
+
+
+class SoloGroup(Group):
+    """One process: every unit is its own, nothing to wait for."""
+
+
+class TorchGroup(Group):
+    """A gloo process group of torchrun's ranks (initialized once, on first use)."""
+
+    def __init__(self, part: Part):
+        # torch.distributed is imported here, not at module top: the CLI asks `under_torchrun()` on
+        # every command, and torch-free commands (inspect, verify of metadata) must stay torch-free.
+        import torch
+        import torch.distributed as tdist
+        self.part = part
+        self._torch, self._dist = torch, tdist
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, 6 * 3600))
+        if not tdist.is_initialized():
+            tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._timeout_s = timeout_s
+
+    def _wait(self, work, what: str) -> None:
+        # Poll rather than block in C++: a blocked main thread would not run the SIGTERM handler, and
+        # torchrun's SIGTERM (a peer failed) must remove this rank's staging directory.
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"rank {self.part.rank}: the other ranks did not reach {what} within "
+                                     f"{self._timeout_s:.0f} s; nothing was committed",
+                                     hint=f"look at the other ranks' errors; raise {TIMEOUT_ENV} for slow disks")
+                time.sleep(_POLL_S)
+            work.wait()
+        except RuntimeError as exc:   # gloo: a peer closed its connection (it failed or was killed)
+            raise RankFailed(f"rank {self.part.rank}: another rank failed or stopped before {what} "
+                             f"({str(exc).splitlines()[0][:200]}); nothing was committed",
+                             hint="look at the other ranks' errors above, fix, and rerun") from None
+
+    def barrier(self, what: str) -> None:
+        self.sum([0], what)
+
+    def sum(self, values: Sequence[int], what: str) -> list[int]:
+        t = self._torch.tensor([int(v) for v in values] or [0], dtype=self._torch.int64)
+        self._wait(self._dist.all_reduce(t, async_op=True), what)
+        return [int(v) for v in t.tolist()][:len(values)]
+
+    def broadcast(self, value, what: str):
+        # JSON, not pickle: nothing a rank receives is unpickled
+        torch = self._torch
+        data = json.dumps(value).encode() if self.leader else b""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        self._wait(self._dist.broadcast(n, 0, async_op=True), what)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader else \
+            torch.empty(int(n.item()), dtype=torch.uint8)
+        if int(n.item()):
+            self._wait(self._dist.broadcast(buf, 0, async_op=True), what)
+        return json.loads(buf.numpy().tobytes().decode()) if int(n.item()) else None
+
+
+_CURRENT: Group | None = None
+
+
+def current() -> Group:
+    """This process's group: a `TorchGroup` under torchrun with 2+ ranks (created once), else solo."""
+    global _CURRENT
+    if _CURRENT is None:
+        part = env_part()
+        _CURRENT = TorchGroup(part) if part.world > 1 else SoloGroup()
+    return _CURRENT

@@ -1,0 +1,157 @@
+"""Multi-rank execution (`ckpt_tools.dist`): `torchrun --nproc-per-node 2 -m ckpt_tools <command>` on gloo
+writes byte-identical outputs to one process on the genuine fixtures; a rank killed midway leaves nothing
+that looks complete and the rerun succeeds; `--nnodes 2` on localhost (two torchrun agents) works."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.core.parts import Part, assign_units
+
+from .conftest import BASE, REPO, TRAINER
+
+WEIGHTS = BASE.parents[0] / "outputs" / "weights" / "step_3"
+SHARD = ["--max-shard-size", "100KB"]   # 5 output shards from the tiny base: both ranks have work
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+def digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root`, by relative path (hidden entries included)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def solo(*args, env=ENV) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt_tools", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def torchrun_cmd(*args, nproc: int = 2, rdzv: list[str] | None = None) -> list[str]:
+    # --standalone picks a free port: tests (and other users of this machine) never collide on 29500
+    return [sys.executable, "-m", "torch.distributed.run", *(rdzv or ["--standalone"]),
+            f"--nproc-per-node={nproc}", "-m", "ckpt_tools", *map(str, args)]
+
+
+def torchrun(*args, nproc: int = 2, env=ENV) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_cmd(*args, nproc=nproc), env=env, capture_output=True, text=True, timeout=180)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def only_visible(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if not p.name.startswith("."))
+
+
+MERGES = {
+    "merge HF base": ["merge", BASE, TRAINER, "{out}", *SHARD],
+    "merge --base-from-checkpoint": ["merge", "--base-from-checkpoint", TRAINER, "{out}", "--config-from", WEIGHTS,
+                                     *SHARD],
+}
+
+
+def fill(args, out):
+    return [str(out) if a == "{out}" else a for a in args]
+
+
+def test_units_go_largest_first_to_the_least_loaded_rank_and_every_unit_has_one_owner():
+    # 5 -> r0, 4 -> r1, 3 -> r1 (4 < 5), 2 -> r0 (5 < 7), 1 -> r0 (7 = 7: the lower rank): loads 8 and 7
+    assert assign_units([5, 1, 4, 2, 3], 2) == (0, 0, 1, 0, 1)
+    assert assign_units([], 3) == ()
+    weights = [7, 7, 7, 1, 0, 3]
+    parts = [Part(r, 3).mine(weights) for r in range(3)]
+    assert sorted(i for p in parts for i in p) == list(range(len(weights)))
+    assert Part(0, 1).mine(weights) == tuple(range(6))
+    with pytest.raises(ValueError):
+        Part(2, 2)
+
+
+@pytest.mark.parametrize("case", sorted(MERGES))
+def test_two_gloo_ranks_write_the_same_bytes_as_one_process(tmp_path, case):
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = solo(*fill(MERGES[case], one))
+    assert r.returncode == 0, r.stderr
+    r = torchrun(*fill(MERGES[case], two))
+    assert r.returncode == 0, r.stderr
+    assert len([n for n in digest(two) if n.endswith(".safetensors")]) == 5
+    assert digest(two) == digest(one)
+    assert only_visible(tmp_path) == ["one", "two"] and sorted(os.listdir(tmp_path)) == ["one", "two"]
+    assert r.stdout.count("wrote ") == 1          # rank 0 alone reports
+
+
+def _rank_pids(agent: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of torchrun's workers (children of the agent, found by their RANK variable)."""
+    pids = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != agent.pid:
+                continue
+            env = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in kv)
+            pids[int(env["RANK"])] = int(d.name)
+        except (OSError, KeyError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def test_a_rank_killed_midway_leaves_nothing_that_looks_complete_and_the_rerun_succeeds(tmp_path):
+    out = tmp_path / "merged"
+    env = dict(ENV, CKPT_TOOLS_TEST_SLOW_WRITE="0.3")
+    agent = subprocess.Popen(torchrun_cmd(*fill(MERGES["merge HF base"], out)), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    victim = None
+    while time.monotonic() < deadline and victim is None:
+        # rank 1 is killed once both ranks are writing into the shared staging directory
+        tmps = list(tmp_path.glob(".merged.tmp-*"))
+        if tmps and len(list(tmps[0].glob("model-*.safetensors"))) >= 2:
+            victim = _rank_pids(agent).get(1)
+        assert agent.poll() is None, agent.communicate()
+        time.sleep(0.05)
+    assert victim is not None, "the ranks never started writing"
+    os.kill(victim, signal.SIGKILL)
+    _stdout, stderr = agent.communicate(timeout=120)
+    assert agent.returncode != 0
+    assert not out.exists() and only_visible(tmp_path) == []     # nothing that looks complete
+    r = torchrun(*fill(MERGES["merge HF base"], out))
+    assert r.returncode == 0, r.stderr
+    clean = tmp_path / "clean"
+    assert solo(*fill(MERGES["merge HF base"], clean)).returncode == 0
+    assert digest(out) == digest(clean)
+    assert sorted(os.listdir(tmp_path)) == ["clean", "merged"]   # the dead run's staging dir is gone too
+
+
+def test_two_nodes_on_localhost_write_the_same_bytes_as_one_process(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert solo(*fill(MERGES["merge HF base"], one)).returncode == 0
+    port = free_port()
+    agents = [subprocess.Popen(torchrun_cmd(*fill(MERGES["merge HF base"], two), nproc=1,
+                                            rdzv=["--nnodes=2", f"--node-rank={k}", "--master-addr=127.0.0.1",
+                                                  f"--master-port={port}"]),
+                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for k in (0, 1)]
+    outs = [a.communicate(timeout=180) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs
+    assert digest(two) == digest(one)
+
+
+def test_a_command_that_does_not_split_its_work_refuses_two_ranks(tmp_path):
+    r = torchrun("set-lr", TRAINER, tmp_path / "o", "--lr", "1e-5")
+    assert r.returncode != 0
+    assert "runs in one process, not under torchrun (2 ranks)" in r.stderr
+    assert only_visible(tmp_path) == []
