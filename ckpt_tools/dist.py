@@ -73,6 +73,10 @@ class Group:
         """The leader's JSON-able `value`, on every rank."""
         return value
 
+    def gather(self, value, what: str) -> list | None:
+        """Every rank's JSON-able `value`, in rank order, on the leader (None on the others)."""
+        return [value]
+
 
 class SoloGroup(Group):
     """One process: every unit is its own, nothing to wait for."""
@@ -117,6 +121,20 @@ class TorchGroup(Group):
         t = self._torch.tensor([int(v) for v in values] or [0], dtype=self._torch.int64)
         self._wait(self._dist.all_reduce(t, async_op=True), what)
         return [int(v) for v in t.tolist()][:len(values)]
+
+    def gather(self, value, what: str) -> list | None:
+        torch = self._torch
+        data = json.dumps(value).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.part.world)]
+        self._wait(self._dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), async_op=True), what)
+        most = max(int(n.item()) for n in sizes)
+        mine = torch.zeros(most, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        got = [torch.empty(most, dtype=torch.uint8) for _ in range(self.part.world)]
+        self._wait(self._dist.all_gather(got, mine, async_op=True), what)
+        if not self.leader:
+            return None
+        return [json.loads(g[:int(n.item())].numpy().tobytes().decode()) for g, n in zip(got, sizes)]
 
     def broadcast(self, value, what: str):
         # JSON, not pickle: nothing a rank receives is unpickled

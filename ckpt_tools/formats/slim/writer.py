@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...core.errors import FormatError
+from ...core.parts import SOLO
 from ...core.progress import Progress, report
 from ...core.tensor_math import sha256_of_tensor
 from ...io.copy import copy_input_tree
@@ -109,17 +110,32 @@ def copy_extra_entries(src_dir: Path, dst_dir: Path, names) -> None:
 
 def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: dict | None,
                base_hash: BaseHash | None = None, base_path: Path | None = None,
-               progress: Progress | None = None) -> SlimWritten:
+               progress: Progress | None = None, group=None) -> SlimWritten:
     """Write the slim of `ckpt` into the (new, empty) dir `out_dir`. With `base_hash`, every dropped
     tensor must hash equal to its base tensor's upcast, else nothing is finished (FormatError naming
-    `base_path` and the key) and the manifest records the base as verified."""
+    `base_path` and the key) and the manifest records the base as verified.
+
+    Split over ranks (`group`, a `ckpt_tools.dist.Group` of 2+): each rank copies the kept items of
+    its share of the output files and hashes its share of the dropped tensors; rank 0 gathers the
+    hashes and writes `.metadata`, the manifest and the extra entries."""
     t0 = time.perf_counter()
     file_index = output_file_index(layout.data_files)
+    files = max(1, len(layout.data_files))
+    part = group.part if group is not None else SOLO
     seconds = {}
-    writer = DcpWriter(out_dir, files=max(1, len(layout.data_files)))
+    owned = None
+    if part.world > 1:
+        weights = [0] * files
+        for k in layout.kept:
+            weights[file_index[k.file] % files] += k.length
+        owned = part.mine(weights)
+    writer = DcpWriter(out_dir, files=files, owned_files=owned)
     try:
         done = 0
         for k in layout.kept:   # source order: sequential reads
+            if not writer.owns(file_index[k.file]):
+                writer.skip(k.key)
+                continue
             raw = ckpt.read_item_bytes(k.file, k.offset, k.length, k.key)
             if k.kind == "bytes":
                 writer.copy_bytes_item(k.key, k.path, raw, file_index=file_index[k.file])
@@ -132,7 +148,10 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
         t1 = time.perf_counter()
         hashes: dict[str, str] = {}
         done = 0
-        for d in layout.dropped:
+        mine = set(part.mine([d.nbytes for d in layout.dropped]))
+        for i, d in enumerate(layout.dropped):
+            if i not in mine:
+                continue
             hashes[d.key] = checkpoint_tensor_sha256(ckpt, ckpt.entries[d.key])
             if base_hash is not None:
                 name, got = base_hash(d)
@@ -146,11 +165,19 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
             done += d.nbytes
             report(progress, "hash", done, layout.dropped_tensor_bytes)
         seconds["hash"] = round(time.perf_counter() - t1, 3)
-        writer.finish()
+        bytes_written = writer.bytes_written
+        if part.world > 1:
+            (bytes_written,) = group.sum([bytes_written], "the bytes written")
+            gathered = group.gather(hashes, "the dropped tensors' hashes")
+            if gathered is not None:   # rank 0: every rank's hashes, in the layout's order
+                every = {k: v for h in gathered for k, v in h.items()}
+                hashes = {d.key: every[d.key] for d in layout.dropped}
+        writer.finish(group)
     except BaseException:
         writer.abort()
         raise
-    manifest = build_manifest(layout, base, hashes, base_verified=base_hash is not None)
-    write_new_file(out_dir / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
-    copy_extra_entries(ckpt.dir, out_dir, layout.extra_files)
-    return SlimWritten(hashes, writer.bytes_written, base_hash is not None, seconds)
+    if part.leader:
+        manifest = build_manifest(layout, base, hashes, base_verified=base_hash is not None)
+        write_new_file(out_dir / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
+        copy_extra_entries(ckpt.dir, out_dir, layout.extra_files)
+    return SlimWritten(hashes, bytes_written, base_hash is not None, seconds)
