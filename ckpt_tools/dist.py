@@ -26,13 +26,14 @@ import datetime
 import json
 import os
 import time
-from typing import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from .core.errors import RankFailed, UsageError
 from .core.parts import SOLO, Part
 
 __all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "env_part", "current",
-           "TIMEOUT_ENV"]
+           "TIMEOUT_ENV", "local_workers", "map_units"]
 
 TIMEOUT_ENV = "CKPT_TOOLS_DIST_TIMEOUT_S"   # how long a rank waits for the others (default 6 h)
 _POLL_S = 0.02
@@ -150,6 +151,59 @@ class TorchGroup(Group):
 
 
 _CURRENT: Group | None = None
+T = TypeVar("T")
+
+
+def local_workers(cap: int = 16, environ=os.environ) -> int:
+    """Threads for a read-bound job on this rank: this process's cores shared by the ranks of its node
+    (torchrun's LOCAL_WORLD_SIZE), at most `cap` (each holds one read block)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    per_rank = max(1, cores // max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    return max(1, min(cap, per_rank))
+
+
+def map_units(fn: Callable[[int], T], weights: Sequence[int], group: Group | None = None, *,
+              threads: int | None = None, done: Callable[[int, T], None] | None = None,
+              everywhere: bool = False) -> list[T] | None:
+    """`fn(i)` for every independent unit i (weights: its bytes), split over the group's ranks
+    (`Part.mine`) and this rank's threads; `done(i, result)` runs in this thread as results arrive in
+    order (progress). Returns every unit's result in unit order on the leader (on every rank with
+    `everywhere`), None on the others (results cross ranks as JSON). Read-only work: nothing to
+    commit, so no staging."""
+    group = group or SoloGroup()
+    mine = group.part.mine(weights)
+    threads = threads or local_workers()
+    results: dict[int, T] = {}
+
+    def ordered() -> Iterator[tuple[int, T]]:
+        if threads <= 1 or len(mine) <= 1:
+            for i in mine:
+                yield i, fn(i)
+            return
+        # the ordered map of a pool reads ahead `threads` units; preadv, zlib and torch release the GIL
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-units")
+        try:
+            yield from zip(mine, pool.map(fn, mine))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    for i, r in ordered():
+        results[i] = r
+        if done is not None:
+            done(i, r)
+    if group.part.world == 1:
+        return [results[i] for i in range(len(weights))]
+    gathered = group.gather([[i, results[i]] for i in mine], "the results of every unit")
+    ordered_all = None
+    if gathered is not None:
+        every = {i: r for part in gathered for i, r in part}
+        ordered_all = [every[i] for i in range(len(weights))]
+    if everywhere:
+        ordered_all = group.broadcast(ordered_all, "the results of every unit")
+    return ordered_all
 
 
 def current() -> Group:
