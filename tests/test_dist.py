@@ -4,6 +4,7 @@ that looks complete and the rerun succeeds; `--nnodes 2` on localhost (two torch
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import signal
@@ -128,6 +129,26 @@ def test_two_gloo_ranks_write_the_same_checkpoint_as_one_process(tmp_path, case,
     assert len([n for n in digest(two) if n.endswith(".distcp")]) >= 3   # both ranks wrote rank files
     assert digest(two) == digest(one)
     assert sorted(os.listdir(tmp_path)) == ["one", "two"]
+
+
+READERS = {
+    "diff-vs-base": ["diff-vs-base", BASE.parents[0] / "expected_merged_hf", BASE, "--json"],
+    "diff-vs-base --adapter": ["diff-vs-base", BASE.parents[0] / "expected_merged_hf", BASE, "--adapter", REF_ADAPTER,
+                               "--json"],
+    "verify --deep DCP": ["verify", TRAINER, "--deep", "--json"],
+    "verify --deep HF dir": ["verify", BASE, "--deep", "--json"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(READERS))
+def test_two_gloo_ranks_report_what_one_process_reports(case):
+    """The read-only commands split their units over the ranks; rank 0 prints the one report."""
+    one, two = solo(*READERS[case]), torchrun(*READERS[case])
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    a, b = json.loads(one.stdout), json.loads(two.stdout)   # one JSON object: rank 0's
+    for timing in ("seconds", "bytes_read"):   # (bytes_read counts read-ahead cut short: not deterministic)
+        a.pop(timing, None), b.pop(timing, None)
+    assert a == b
 
 
 def _rank_pids(agent: subprocess.Popen) -> dict[int, int]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ...core.errors import FormatError
 from ...core.parts import SOLO
+from ...dist import map_units
 from ...core.progress import Progress, report
 from ...core.tensor_math import sha256_of_tensor
 from ...io.copy import copy_input_tree
@@ -110,7 +111,7 @@ def copy_extra_entries(src_dir: Path, dst_dir: Path, names) -> None:
 
 def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: dict | None,
                base_hash: BaseHash | None = None, base_path: Path | None = None,
-               progress: Progress | None = None, group=None) -> SlimWritten:
+               progress: Progress | None = None, group=None, hash_threads: int = 1) -> SlimWritten:
     """Write the slim of `ckpt` into the (new, empty) dir `out_dir`. With `base_hash`, every dropped
     tensor must hash equal to its base tensor's upcast, else nothing is finished (FormatError naming
     `base_path` and the key) and the manifest records the base as verified.
@@ -146,32 +147,34 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
             report(progress, "copy", done, layout.kept_bytes)
         seconds["copy"] = round(time.perf_counter() - t0, 3)
         t1 = time.perf_counter()
-        hashes: dict[str, str] = {}
-        done = 0
-        mine = set(part.mine([d.nbytes for d in layout.dropped]))
-        for i, d in enumerate(layout.dropped):
-            if i not in mine:
-                continue
-            hashes[d.key] = checkpoint_tensor_sha256(ckpt, ckpt.entries[d.key])
+        state = {"done": 0}
+
+        def hash_one(i: int) -> str:
+            d = layout.dropped[i]
+            got_ckpt = checkpoint_tensor_sha256(ckpt, ckpt.entries[d.key])
             if base_hash is not None:
                 name, got = base_hash(d)
-                if got != hashes[d.key]:
+                if got != got_ckpt:
                     raise FormatError(
                         f"the base model's {name} upcast to {d.dtype} differs from the "
-                        f"checkpoint's frozen tensor (sha256 {got[:12]}… vs {hashes[d.key][:12]}…)",
+                        f"checkpoint's frozen tensor (sha256 {got[:12]}… vs {got_ckpt[:12]}…)",
                         path=base_path, key=d.key,
                         hint="this is not the base the run trained on (another revision?), or the "
                              "tensor was trained; pass the right --base, or slim without --base")
-            done += d.nbytes
-            report(progress, "hash", done, layout.dropped_tensor_bytes)
+            return got_ckpt
+
+        def hashed(i: int, _h: str) -> None:
+            state["done"] += layout.dropped[i].nbytes
+            report(progress, "hash", state["done"], layout.dropped_tensor_bytes)
+
+        # Dropped tensors are hashed in parallel (hashlib, zlib and preadv release the GIL) on `hash_threads`
+        # threads and split over torchrun's ranks; rank 0 gets every hash, in the layout's order.
+        every = map_units(hash_one, [d.nbytes for d in layout.dropped], group, threads=hash_threads, done=hashed)
+        hashes = {} if every is None else {d.key: h for d, h in zip(layout.dropped, every)}
         seconds["hash"] = round(time.perf_counter() - t1, 3)
         bytes_written = writer.bytes_written
         if part.world > 1:
             (bytes_written,) = group.sum([bytes_written], "the bytes written")
-            gathered = group.gather(hashes, "the dropped tensors' hashes")
-            if gathered is not None:   # rank 0: every rank's hashes, in the layout's order
-                every = {k: v for h in gathered for k, v in h.items()}
-                hashes = {d.key: every[d.key] for d in layout.dropped}
         writer.finish(group)
     except BaseException:
         writer.abort()
