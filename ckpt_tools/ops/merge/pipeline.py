@@ -25,8 +25,8 @@ import torch
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.errors import FormatError, UsageError
 from ...core.progress import Progress, ProgressEvent
-from ...dist import Group, SoloGroup
 from ...core.tensor_math import merge_weight_into, rounds_to_base
+from ...dist import Group, SoloGroup
 from ...formats.hf_dir.config import rewrite_config
 from ...formats.hf_dir.names import INDEX_NAME
 from ...formats.hf_dir.shards import index_json
@@ -36,9 +36,10 @@ from ...io.copy import copy_input_file
 from ...io.files import atomic_write_text, fsync_path
 from ...io.inputs import read_json
 from ...io.staging import SharedOutputDir
+from ...sources.base import tensor_bytes
 from ...sources.hf import HFSource
 from .guards import ZeroDelta
-from .plan import OUTPUT_METADATA, MergePlan, TensorJob, job_working_bytes, window_budget
+from .plan import OUTPUT_METADATA, MergePlan, TensorJob, job_working_bytes, streamed_by_writer, window_budget
 from .prepare import MergeSources
 
 __all__ = ["SLOW_WRITE_ENV", "COPY_BLOCK_BYTES", "MergeResult", "MergeReport", "Buffers", "run_merge",
@@ -274,6 +275,28 @@ def _copy_blocks(base: HFSource, job: TensorJob, writer: StreamingSafetensorsWri
         writer.write_chunk(job.name, mv[:n])
 
 
+def _cast_rows(base, name: str, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
+    """A copy or cast of any base tensor with rows, in blocks of about COPY_BLOCK_BYTES of the source:
+    read the rows, convert (elementwise: the bytes equal a whole-tensor conversion), append. The
+    finiteness check of a cast counts every block before the error."""
+    rows = job.shape[0]
+    row_bytes = max(1, job.read_bytes // rows)
+    step = max(1, COPY_BLOCK_BYTES // row_bytes)
+    out_dt = torch_dtype(job.out_dtype)
+    bad = 0
+    for s in range(0, rows, step):
+        block = base.read_rows(name, s, min(step, rows - s))
+        out = block if block.dtype == out_dt else block.to(out_dt)
+        if job.action == "cast" and out.is_floating_point() and \
+                not math.isfinite(float(out.sum(dtype=torch.float32))):
+            bad += int((~torch.isfinite(out)).sum())
+        writer.write_chunk(job.name, tensor_bytes(out.contiguous()))
+        del block, out
+    if bad:
+        raise FormatError(f"{bad} value(s) are not finite after conversion to {job.out_dtype}",
+                          key=job.name, hint="the tensor overflows this dtype; use --dtype bf16 or fp32")
+
+
 def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeSources, tmp: Path,
                    progress: Progress | None, slow: float, t0: float) -> ZeroDelta:
     """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally."""
@@ -284,8 +307,8 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     by_name = {j.name: j for j in jobs}
     hf_base = sources.base if isinstance(sources.base, HFSource) else None
 
-    def raw_copy(j: TensorJob) -> bool:
-        return j.action == "copy" and hf_base is not None
+    def raw_copy(j: TensorJob) -> bool:   # written by the writer itself, in blocks (never whole)
+        return streamed_by_writer(j, plan.base_kind)
 
     def event(done: int, done_bytes: int, job: TensorJob | None) -> ProgressEvent:
         return ProgressEvent("merge", done, len(jobs), unit="tensors", name=job.name if job else None,
@@ -328,8 +351,10 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
                 s = shard_entries[job.out_file]
                 entries = [(n, by_name[n].out_dtype, by_name[n].shape) for n in s.tensors]
                 writer = StreamingSafetensorsWriter(tmp / job.out_file, entries, OUTPUT_METADATA, fsync=False)
-            if raw_copy(job):
+            if raw_copy(job) and job.action == "copy" and hf_base is not None:
                 _copy_blocks(hf_base, job, writer)
+            elif raw_copy(job):
+                _cast_rows(sources.base, producer.base_name(job), job, writer)
             else:
                 t, buf = pending.pop(i).result()
                 in_flight -= ws[i]
