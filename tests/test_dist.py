@@ -77,7 +77,6 @@ MERGES = {
 DCP_WRITERS = {
     "slim --base": ["slim", TRAINER, "{out}", "--base", BASE],
     "rehydrate (original layout)": ["rehydrate", "{slim}", "{out}", "--base", BASE],
-    "rehydrate --world-size 3": ["rehydrate", "{slim}", "{out}", "--base", BASE, "--world-size", "3"],
     "adapter-to-dcp": ["adapter-to-dcp", REF_ADAPTER, "{out}", "--base", BASE, "--lr", "1e-4", "--step", "3"],
 }
 
@@ -132,7 +131,6 @@ def test_two_gloo_ranks_write_the_same_checkpoint_as_one_process(tmp_path, case,
 
 
 READERS = {
-    "diff-vs-base": ["diff-vs-base", BASE.parents[0] / "expected_merged_hf", BASE, "--json"],
     "diff-vs-base --adapter": ["diff-vs-base", BASE.parents[0] / "expected_merged_hf", BASE, "--adapter", REF_ADAPTER,
                                "--json"],
     "verify --deep DCP": ["verify", TRAINER, "--deep", "--json"],
