@@ -214,3 +214,24 @@ def test_a_command_that_does_not_split_its_work_refuses_two_ranks(tmp_path):
     assert r.returncode != 0
     assert "runs in one process, not under torchrun (2 ranks)" in r.stderr
     assert only_visible(tmp_path) == []
+
+
+def test_a_rank_that_fails_midway_makes_every_rank_stop_and_commits_nothing(tmp_path, slim_ckpt):
+    """rehydrate from a base with one changed value: the rank that verifies that tensor fails after the
+    ranks have written their files; no rank commits, the staging directory is removed, the exit is non-zero."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(BASE, base)
+    tensors = load_file(base / "model.safetensors")
+    name = "model.layers.2.mlp.down_proj.weight"
+    tensors[name][0, 0] += 1
+    (base / "model.safetensors").unlink()
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "full"
+    r = torchrun("rehydrate", slim_ckpt, out, "--base", base)
+    assert r.returncode != 0
+    assert "rebuilt tensor does not match the original" in r.stderr and name in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["base"]   # no OUT, no staging dir, no lock
