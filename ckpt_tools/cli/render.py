@@ -147,9 +147,8 @@ def dry_run_label(dry_run: bool) -> str:
 def clear_progress() -> None:
     """Erase the progress line, if one is drawn, so a message starts on a clean line."""
     if STATE.progress_shown:   # written raw: click.echo would strip the escape off a terminal
-        err = click.get_text_stream("stderr")
-        err.write("\r\033[K")
-        err.flush()
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
         STATE.progress_shown = False
 
 

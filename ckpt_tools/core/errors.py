@@ -7,6 +7,7 @@ from pathlib import Path
 
 __all__ = ["CkptError", "UsageError", "FormatError", "MissingFileError", "TruncatedFileError", "UnsafePickleError",
            "UnsafeInputError", "DiskSpaceError", "OutputExistsError", "LockedError", "AlphaError", "MissingPathError",
+           "RankFailed",
            "MAX_PATH_CHARS", "MAX_KEY_CHARS", "MAX_MESSAGE_CHARS"]
 
 
@@ -97,6 +98,10 @@ class OutputExistsError(CkptError):
 
 class LockedError(CkptError):
     pass
+
+
+class RankFailed(CkptError):
+    """Under torchrun: another rank failed or stopped while this one waited for it; nothing was committed."""
 
 
 class AlphaError(CkptError):

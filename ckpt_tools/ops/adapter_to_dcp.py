@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import FormatError, UsageError
+from ..dist import Group, SoloGroup
 from ..core.keys import base_key, base_path, classify, lora_key, lora_path, optimizer_state_key, optimizer_state_path
 from ..core.lora_math import check_modules_fit_base
 from ..core.primerl_state import (
@@ -51,7 +52,7 @@ from ..formats.dcp.layout import row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
-from ..io.staging import AtomicOutputDir
+from ..io.staging import SharedOutputDir
 from ..sources.hf import HFSource
 from ..sources.lora import LoraSource, PeftLoraSource
 
@@ -334,10 +335,16 @@ def _write_base_streaming(w: DcpWriter, job: ToDcpJob, hf: HFSource, name: str) 
     append, drop): memory is one fp32 chunk plus its source rows."""
     shape = hf.facts(name).shape
     if not shape:
+        if not w.owns(0):
+            w.skip(job.key)
+            return
         t = hf.read_tensor(name)
         w.write_tensor(job.key, job.path, t.float() if t.is_floating_point() else t)
         return
     for k, (start, rows) in enumerate(row_chunks(shape[0], w.files)):
+        if not w.owns(k):   # another rank's file (multi-rank): its rows are not read here
+            w.skip(job.key)
+            continue
         piece = hf.read_rows(name, start, rows)
         piece = piece.to(torch.float32) if piece.is_floating_point() else piece
         w.write_chunk(job.key, job.path, piece, size=tuple(shape), offsets=(start,) + (0,) * (len(shape) - 1),
@@ -362,13 +369,18 @@ class ToDcpReport:
 
 
 def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progress | None = None, *,
-                       overwrite: bool = False) -> ToDcpReport:
-    """Write the checkpoint (atomically); `progress`: one event per key written."""
+                       overwrite: bool = False, group: Group | None = None) -> ToDcpReport:
+    """Write the checkpoint (atomically); `progress`: one event per key written. Under torchrun
+    (`group`), rank k of N writes its share of the rank files `__i_0.distcp` (each file holds one row
+    chunk of every tensor: about equal, so by index); rank 0 writes `.metadata` and commits."""
     ad, hf, src_ckpt = sources.lora, sources.base, sources.optimizer_from
+    group = group or SoloGroup()
     t0 = time.perf_counter()
     inputs = [plan.adapter, plan.base] + ([plan.optimizer_from] if plan.optimizer_from else [])
-    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.need_bytes, overwrite=overwrite) as tmp:
-        w = DcpWriter(tmp, files=plan.world_size)
+    with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=plan.need_bytes, overwrite=overwrite) as tmp:
+        split = group.part.world > 1
+        w = DcpWriter(tmp, files=plan.world_size,
+                      owned_files=group.part.mine([1] * plan.world_size) if split else None)
         try:
             for i, job in enumerate(plan.tensors):
                 kind, _, ref = job.source.partition(":")
@@ -388,8 +400,9 @@ def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progres
                 del t
             for path, value in plan.objects:
                 w.write_object(flat_key(path), path, value)
-            w.finish()
+            (bytes_written,) = group.sum([w.bytes_written], "the bytes written")
+            w.finish(group)
         except BaseException:
             w.abort()
             raise
-    return ToDcpReport(plan, w.bytes_written, round(time.perf_counter() - t0, 3))
+    return ToDcpReport(plan, bytes_written, round(time.perf_counter() - t0, 3))

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ... import dist
 from ...core.errors import UsageError
 from ...core.primerl_state import SCHEDULER_TYPES, SchedulerSpec
 from ...core.units import human_bytes, human_number
@@ -71,7 +72,8 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
     report = plan_and_run(
         lambda: open_to_dcp_sources(adapter, base, optimizer_from=optimizer_from, trust_pickle=trust_pickle),
         lambda sources: plan_adapter_to_dcp(sources, options),
-        lambda plan, sources, progress: run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite),
+        lambda plan, sources, progress: run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite,
+                                                            group=dist.current()),
         lambda plan: ToDcpReport(plan, full=as_json), dry_run=dry_run)
     finish(report, as_json, lambda rep: _render(rep, dry_run))
 

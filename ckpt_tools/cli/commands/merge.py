@@ -6,6 +6,7 @@ from collections import Counter
 
 import click
 
+from ... import dist
 from ...core.errors import CkptError, UsageError
 from ...core.units import human_bytes, human_bytes_si, human_number
 from ...io.signals import install_signal_handlers
@@ -94,7 +95,7 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
         install_signal_handlers()
         bar = ProgressLine.for_terminal()
         try:
-            report = run_merge(plan, sources, bar, overwrite=overwrite)
+            report = run_merge(plan, sources, bar, overwrite=overwrite, group=dist.current())
         finally:
             if bar:
                 bar.close()

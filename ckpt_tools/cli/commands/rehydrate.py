@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ... import dist
 from ...core.units import human_bytes
 from ...ops.rehydrate import RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, run_rehydrate
 from ..flow import finish, plan_and_run
@@ -40,7 +41,8 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
     warn_trust(trust_pickle)
     options = RehydrateOptions(out, base, world_size, overwrite, trust_pickle)
     report = plan_and_run(lambda: open_rehydrate_sources(slim_ckpt, options), lambda s: plan_rehydrate(s, options),
-                          lambda plan, s, progress: run_rehydrate(plan, s, progress, overwrite=overwrite),
+                          lambda plan, s, progress: run_rehydrate(plan, s, progress, overwrite=overwrite,
+                                                                   group=dist.current()),
                           RehydrateReport, dry_run=dry_run)
     finish(report, as_json, lambda r: _render(r, dry_run))
 

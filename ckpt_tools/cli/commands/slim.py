@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ... import dist
 from ...core.units import human_bytes
 from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
 from ..flow import finish, plan_and_run
@@ -38,7 +39,8 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
     warn_trust(trust_pickle)
     options = SlimOptions(out, base, overwrite, trust_pickle)
     report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
-                          lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite), SlimReport,
+                          lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite, group=dist.current()),
+                          SlimReport,
                           dry_run=dry_run)
     finish(report, as_json, lambda r: _render(r, dry_run))
 
