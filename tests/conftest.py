@@ -2,9 +2,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
+
+# A suite started in the background by a non-interactive shell (`make test &`) inherits SIGINT ignored,
+# and so would every ckpt process it starts (an ignored signal stays ignored across exec): the Ctrl-C
+# tests need the terminal's default. A Python handler here is reset to the default in each child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 # Genuine prime-rl fixtures live in the repository (tests/fixtures/README.md says what wrote them):
