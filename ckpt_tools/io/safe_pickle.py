@@ -13,6 +13,7 @@ import io
 import logging
 import pickle
 import pickletools
+import struct
 from collections.abc import Mapping
 
 from ..core.errors import UnsafePickleError
@@ -104,16 +105,21 @@ _OP_KINDS: dict[str, int] = {
 }
 
 
-class _Obj:
-    """What the scan knows of one object the pickle builds: its tree size (every reference of a
-    shared child counted: what hashing, repr or a recursive walk of it costs) and depth."""
-    __slots__ = ("size", "depth", "shared")
+# The scan's model of one object the pickle builds: [tree size (every reference of a shared child
+# counted: what hashing, repr or a recursive walk of it costs), depth, shared]. Every leaf is the one
+# list _LEAF, marked shared so that it can never be changed.
+_LEAF = [1, 0, True]
+_U32 = struct.Struct("<I").unpack_from
+# Opcodes the fast loop skips without reading their fixed-size argument: if that runs past the end,
+# the next read fails past it, and the opcode's start is found back from the length.
+_SKIP_LEN = {ord(k): v for k, v in (("K", 1), ("M", 2), ("J", 4), ("G", 8), ("\x80", 1), ("\x95", 8))}
 
-    def __init__(self, size: int, depth: int):
-        self.size, self.depth, self.shared = size, depth, False
 
-
-_LEAF = _Obj(1, 0)
+def _replay(f: io.BytesIO, pos: int):
+    """The opcode at `pos` as pickletools.genops reads it (same argument, same exception)."""
+    f.seek(pos)
+    op, arg, _ = next(pickletools.genops(f))
+    return op, arg, f.tell()
 
 
 def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple[int, int]:
@@ -130,46 +136,62 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
         the scan already counted; pickle.dump never does it for acyclic data such as DCP's);
       - ints wider than MAX_INT_BITS, and anything that is not a sequence of valid opcodes.
     The scan runs in Python (signals are delivered), in time linear in the pickle. Returns the
-    (tree size, depth) of the object the pickle builds."""
+    (tree size, depth) of the object the pickle builds.
+
+    The opcodes DCP metadata is made of are decoded inline (one comparison chain on the opcode
+    byte, string arguments only checked for UTF-8); every other opcode, and every failure, goes
+    through pickletools' own reader at that position, so the verdict, the figures and the message
+    are those of a replay over pickletools.genops (tests/test_pickle_scan.py compares the two)."""
+    if not isinstance(data, (bytes, bytearray)):
+        data = bytes(data)
     budget = max(MIN_TREE_NODES, TREE_NODES_PER_BYTE * len(data))
     n = len(data)
+    f = io.BytesIO(data)
+    max_depth = MAX_PICKLE_DEPTH
+    leaf = _LEAF
 
     def refuse(why: str, pos: int) -> UnsafePickleError:
         return UnsafePickleError(f"refusing to unpickle: {why} (at byte {pos} of {n}): a crafted or corrupt "
                                  "pickle", path=source, hint="nothing was unpickled; use an intact copy of the file")
 
-    stack: list[_Obj] = []
-    marks: list[int] = []
-    memo: dict[int, _Obj] = {}
+    def too_big(pos: int) -> UnsafePickleError:
+        return refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references "
+                      "repeated)", pos)
 
-    def new(children, pos: int) -> _Obj:
+    def too_deep(pos: int) -> UnsafePickleError:
+        return refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
+
+    stack: list[list] = []
+    marks: list[int] = []
+    memo: dict[int, list] = {}
+    push = stack.append
+
+    def new(children, pos: int) -> list:
         size, depth = 1, 0
         for c in children:
-            if c is not _LEAF:
-                c.shared = True
-            size += c.size
-            if c.depth > depth:
-                depth = c.depth
+            c[2] = True
+            size += c[0]
+            if c[1] > depth:
+                depth = c[1]
         if size > budget:
-            raise refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references "
-                         "repeated)", pos)
-        if depth + 1 > MAX_PICKLE_DEPTH:
-            raise refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
-        return _Obj(size, depth + 1)
+            raise too_big(pos)
+        if depth >= max_depth:
+            raise too_deep(pos)
+        return [size, depth + 1, False]
 
-    def mutate(target: _Obj, children, pos: int) -> None:
-        if target is _LEAF or target.shared or any(c is target for c in children):
+    def mutate(target: list, children, pos: int) -> None:
+        if target[2] or any(c is target for c in children):
             raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", pos)
         grown = new(children, pos)   # checks the children's own bounds
-        target.size += grown.size - 1
-        target.depth = max(target.depth, grown.depth)
-        if target.size > budget:
-            raise refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references "
-                         "repeated)", pos)
-        if target.depth > MAX_PICKLE_DEPTH:
-            raise refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
+        target[0] += grown[0] - 1
+        if grown[1] > target[1]:
+            target[1] = grown[1]
+        if target[0] > budget:
+            raise too_big(pos)
+        if target[1] > max_depth:
+            raise too_deep(pos)
 
-    def pop_mark(pos: int) -> list[_Obj]:
+    def pop_mark(pos: int) -> list:
         if not marks:
             raise refuse("an opcode needs a MARK that is not there", pos)
         k = marks.pop()
@@ -177,65 +199,232 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
         del stack[k:]
         return items
 
-    pos = 0
-    kinds = _OP_KINDS
+    def memo_put(idx, pos: int) -> None:
+        if not isinstance(idx, int) or not 0 <= idx <= n:
+            raise refuse(f"memo index {idx} is larger than the pickle", pos)
+        memo[idx] = stack[-1]
+
+    def slow(pos: int) -> int:
+        """Any opcode the fast loop does not decode: read by pickletools, replayed by name."""
+        op, arg, end = _replay(f, pos)
+        name = op.name
+        kind = _OP_KINDS.get(name, _K_UNKNOWN)
+        if kind == _K_LEAF:
+            if isinstance(arg, int) and name in ("LONG1", "LONG4") and arg.bit_length() > MAX_INT_BITS:
+                raise refuse(f"an integer of {arg.bit_length()} bits", pos)
+            push(leaf)
+        elif kind == _K_PUT:
+            memo_put(len(memo) if name == "MEMOIZE" else arg, pos)
+        elif kind == _K_GET:
+            push(memo[arg])
+        elif kind == _K_MARK:
+            marks.append(len(stack))
+        elif kind == _K_EMPTY:
+            push([1, 1, False])
+        elif kind == _K_FIXED:
+            k = _FIXED_ARITY[name]
+            if len(stack) < k:
+                raise refuse(f"{name} on a stack of {len(stack)}", pos)
+            items = stack[-k:]
+            del stack[-k:]
+            push(leaf if name == "STACK_GLOBAL" else new(items, pos))
+        elif kind == _K_FROM_MARK:
+            push(new(pop_mark(pos), pos))
+        elif kind == _K_MUTATE_FROM_MARK:
+            items = pop_mark(pos)
+            mutate(stack[-1], items, pos)
+        elif kind == _K_MUTATE1:
+            item = stack.pop()
+            mutate(stack[-1], (item,), pos)
+        elif kind == _K_SETITEM:
+            v, k = stack.pop(), stack.pop()
+            mutate(stack[-1], (k, v), pos)
+        elif kind == _K_STOP:
+            return -1
+        elif kind == _K_DUP:
+            push(stack[-1])
+        elif kind == _K_POP:
+            if marks and marks[-1] == len(stack):
+                marks.pop()
+            else:
+                stack.pop()
+        elif kind == _K_POP_MARK:
+            pop_mark(pos)
+        elif kind != _K_NOOP:   # an opcode of a future protocol: we do not know what it builds
+            raise refuse(f"unknown opcode {name}", pos)
+        return end
+
+    p = c = 0
+    u32 = _U32
     try:
-        for op, arg, pos in pickletools.genops(data):
-            kind = kinds.get(op.name, _K_UNKNOWN)
-            if kind == _K_LEAF:
-                if isinstance(arg, int) and op.name in ("LONG1", "LONG4") and arg.bit_length() > MAX_INT_BITS:
-                    raise refuse(f"an integer of {arg.bit_length()} bits", pos)
-                stack.append(_LEAF)
-            elif kind == _K_PUT:
-                idx = len(memo) if op.name == "MEMOIZE" else arg
-                if not isinstance(idx, int) or not 0 <= idx <= n:
-                    raise refuse(f"memo index {idx} is larger than the pickle", pos)
-                memo[idx] = stack[-1]
-            elif kind == _K_GET:
-                stack.append(memo[arg])
-            elif kind == _K_MARK:
+        # Every branch reads its argument before it changes any state, so that a failure leaves
+        # `p` at the opcode's start with the stack as it was (see the except clauses). A MEMOIZE
+        # right after an opcode that builds an object is done in that opcode's branch.
+        while True:
+            c = data[p]
+            if c == 0x94:                                        # MEMOIZE
+                memo[len(memo)] = stack[-1]
+                p += 1
+            elif c == 0x6a:                                      # LONG_BINGET
+                stack.append(memo[u32(data, p + 1)[0]])
+                p += 5
+            elif c == 0x68:                                      # BINGET
+                stack.append(memo[data[p + 1]])
+                p += 2
+            elif c == 0x4b:                                      # BININT1
+                stack.append(leaf)
+                p += 2
+            elif c == 0x81 or c == 0x52 or c == 0x86:            # NEWOBJ / REDUCE / TUPLE2
+                a = stack[-2]
+                b = stack[-1]
+                a[2] = b[2] = True
+                size = 1 + a[0] + b[0]
+                depth = a[1] if a[1] > b[1] else b[1]
+                if size > budget:
+                    raise too_big(p)
+                if depth >= max_depth:
+                    raise too_deep(p)
+                del stack[-1]
+                stack[-1] = o = [size, depth + 1, False]
+                p += 1
+                if data[p] == 0x94:
+                    memo[len(memo)] = o
+                    p += 1
+            elif c == 0x28:                                      # MARK
                 marks.append(len(stack))
-            elif kind == _K_EMPTY:
-                stack.append(_Obj(1, 1))
-            elif kind == _K_FIXED:
-                k = _FIXED_ARITY[op.name]
-                if len(stack) < k:
-                    raise refuse(f"{op.name} on a stack of {len(stack)}", pos)
-                items = stack[-k:]
-                del stack[-k:]
-                stack.append(_LEAF if op.name == "STACK_GLOBAL" else new(items, pos))
-            elif kind == _K_FROM_MARK:
-                stack.append(new(pop_mark(pos), pos))
-            elif kind == _K_MUTATE_FROM_MARK:
-                items = pop_mark(pos)
-                mutate(stack[-1], items, pos)
-            elif kind == _K_MUTATE1:
-                item = stack.pop()
-                mutate(stack[-1], (item,), pos)
-            elif kind == _K_SETITEM:
-                v, k = stack.pop(), stack.pop()
-                mutate(stack[-1], (k, v), pos)
-            elif kind == _K_NOOP:
-                continue
-            elif kind == _K_STOP:
-                break
-            elif kind == _K_DUP:
-                stack.append(stack[-1])
-            elif kind == _K_POP:
-                if marks and marks[-1] == len(stack):
-                    marks.pop()
+                p += 1
+            elif c == 0x29 or c == 0x7d or c == 0x5d or c == 0x8f:   # EMPTY_TUPLE / DICT / LIST / SET
+                o = [1, 1, False]
+                stack.append(o)
+                p += 1
+                if data[p] == 0x94:
+                    memo[len(memo)] = o
+                    p += 1
+            elif c == 0x62 or c == 0x61:                         # BUILD / APPEND
+                item = stack[-1]
+                t = stack[-2]
+                del stack[-1]
+                if t[2] or item is t:
+                    raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", p)
+                item[2] = True
+                if item[0] + 1 > budget:
+                    raise too_big(p)
+                if item[1] >= max_depth:
+                    raise too_deep(p)
+                t[0] += item[0]
+                if item[1] >= t[1]:
+                    t[1] = item[1] + 1
+                if t[0] > budget:
+                    raise too_big(p)
+                if t[1] > max_depth:
+                    raise too_deep(p)
+                p += 1
+            elif c == 0x85:                                      # TUPLE1
+                a = stack[-1]
+                a[2] = True
+                if a[0] + 1 > budget:
+                    raise too_big(p)
+                if a[1] >= max_depth:
+                    raise too_deep(p)
+                stack[-1] = o = [a[0] + 1, a[1] + 1, False]
+                p += 1
+                if data[p] == 0x94:
+                    memo[len(memo)] = o
+                    p += 1
+            elif c == 0x75 or c == 0x65:                         # SETITEMS / APPENDS
+                if not marks:
+                    raise refuse("an opcode needs a MARK that is not there", p)
+                k = marks.pop()
+                items = stack[k:]
+                del stack[k:]
+                t = stack[-1]
+                if t[2]:
+                    raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", p)
+                size = depth = 0
+                for a in items:
+                    if a is t:
+                        raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", p)
+                    a[2] = True
+                    size += a[0]
+                    if a[1] > depth:
+                        depth = a[1]
+                if size >= budget:
+                    raise too_big(p)
+                if depth >= max_depth:
+                    raise too_deep(p)
+                t[0] += size
+                if depth >= t[1]:
+                    t[1] = depth + 1
+                if t[0] > budget:
+                    raise too_big(p)
+                if t[1] > max_depth:
+                    raise too_deep(p)
+                p += 1
+            elif c == 0x8c:                                      # SHORT_BINUNICODE
+                q = p + 2 + data[p + 1]
+                if q > n:
+                    _replay(f, p)
+                str(data[p + 2:q], "utf-8", "surrogatepass")
+                stack.append(leaf)
+                p = q
+                if data[p] == 0x94:
+                    memo[len(memo)] = leaf
+                    p += 1
+            elif c == 0x4d or c == 0x4a or c == 0x47:            # BININT2 / BININT / BINFLOAT
+                stack.append(leaf)
+                p += 3 if c == 0x4d else 5 if c == 0x4a else 9
+            elif c == 0x89 or c == 0x88 or c == 0x4e:            # NEWFALSE / NEWTRUE / NONE
+                stack.append(leaf)
+                p += 1
+            elif c == 0x74 or c == 0x6c or c == 0x64 or c == 0x87:   # TUPLE / LIST / DICT / TUPLE3
+                if c == 0x87:
+                    a = stack[-3]
+                    items = stack[-3:]
+                    del stack[-3:]
                 else:
-                    stack.pop()
-            elif kind == _K_POP_MARK:
-                pop_mark(pos)
-            else:   # an opcode of a future protocol: we do not know what it builds
-                raise refuse(f"unknown opcode {op.name}", pos)
+                    items = pop_mark(p)
+                stack.append(o := new(items, p))
+                p += 1
+                if data[p] == 0x94:
+                    memo[len(memo)] = o
+                    p += 1
+            elif c == 0x58:                                      # BINUNICODE
+                q = p + 5 + u32(data, p + 1)[0]
+                if q > n:
+                    _replay(f, p)
+                str(data[p + 5:q], "utf-8", "surrogatepass")
+                stack.append(leaf)
+                p = q
+            elif c == 0x71:                                      # BINPUT
+                memo_put(data[p + 1], p)
+                p += 2
+            elif c == 0x72:                                      # LONG_BINPUT
+                memo_put(u32(data, p + 1)[0], p)
+                p += 5
+            elif c == 0x95:                                      # FRAME
+                p += 9
+            elif c == 0x2e:                                      # STOP
+                break
+            else:
+                p = slow(p)
+                if p < 0:
+                    break
     except UnsafePickleError:
         raise
-    except (IndexError, KeyError):
-        raise refuse("an opcode finds the stack or memo empty", pos) from None
-    except Exception as exc:   # not a sequence of valid opcodes (ValueError from genops, ...)
+    except Exception as exc:
+        if p > n:                   # an argument skipped unread ran past the end
+            p -= 1 + _SKIP_LEN.get(c, 0)
+        try:
+            op, _, _ = _replay(f, p)
+        except Exception as err:    # not a sequence of valid opcodes: genops' own words
+            raise UnsafePickleError(f"cannot parse {what}: {type(err).__name__}: {str(err)[:200]}", path=source,
+                                    hint="the file is corrupt or not a pickle") from None
+        k = _FIXED_ARITY.get(op.name, 0)
+        if len(stack) < k:
+            raise refuse(f"{op.name} on a stack of {len(stack)}", p) from None
+        if isinstance(exc, (IndexError, KeyError)):
+            raise refuse("an opcode finds the stack or memo empty", p) from None
         raise UnsafePickleError(f"cannot parse {what}: {type(exc).__name__}: {str(exc)[:200]}", path=source,
                                 hint="the file is corrupt or not a pickle") from None
-    top = stack[-1] if stack else _LEAF
-    return top.size, top.depth
+    top = stack[-1] if stack else leaf
+    return top[0], top[1]

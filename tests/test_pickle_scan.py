@@ -1,0 +1,273 @@
+"""The pickle bounds scan (`safe_pickle.check_pickle_bounds`, a hand-written opcode decoder) against
+the scan it replaced (a replay over `pickletools.genops`, kept below verbatim as the reference): the
+same verdict, the same (size, depth), the same message, on every pickle of the hostile tests, on every
+genuine `.metadata` fixture, and on 2,000 seeded random mutations of a real `.metadata`."""
+from __future__ import annotations
+
+import pickle
+import pickletools
+import random
+import struct
+
+import pytest
+
+from ckpt_tools.core.errors import UnsafePickleError
+from ckpt_tools.io.safe_pickle import MAX_INT_BITS, MAX_PICKLE_DEPTH, MIN_TREE_NODES, TREE_NODES_PER_BYTE, \
+    check_pickle_bounds
+
+from . import hardening_util as hu
+from .conftest import FIXTURES, TRAINER
+
+_MEMO_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+_LEAF_OPS = frozenset({
+    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
+    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
+    "BINUNICODE8", "FLOAT", "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "GLOBAL", "NEXT_BUFFER", "EXT1", "EXT2",
+    "EXT4", "PERSID",
+})
+_NO_STACK_OPS = frozenset({"PROTO", "FRAME", "READONLY_BUFFER"})
+_FIXED_ARITY = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "REDUCE": 2, "NEWOBJ": 2, "NEWOBJ_EX": 3,
+                "STACK_GLOBAL": 2, "BINPERSID": 1}
+_FROM_MARK = frozenset({"TUPLE", "LIST", "DICT", "FROZENSET", "OBJ", "INST"})
+_MUTATE_FROM_MARK = frozenset({"APPENDS", "SETITEMS", "ADDITEMS"})
+(_K_UNKNOWN, _K_LEAF, _K_PUT, _K_GET, _K_MARK, _K_EMPTY, _K_FIXED, _K_FROM_MARK, _K_MUTATE_FROM_MARK, _K_MUTATE1,
+ _K_SETITEM, _K_NOOP, _K_STOP, _K_DUP, _K_POP, _K_POP_MARK) = range(16)
+_OP_KINDS: dict[str, int] = {
+    **{o: _K_LEAF for o in _LEAF_OPS}, **{o: _K_NOOP for o in _NO_STACK_OPS},
+    **{o: _K_PUT for o in _MEMO_PUT_OPS | {"MEMOIZE"}}, **{o: _K_GET for o in ("GET", "BINGET", "LONG_BINGET")},
+    "MARK": _K_MARK, **{o: _K_EMPTY for o in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "EMPTY_TUPLE")},
+    **{o: _K_FIXED for o in _FIXED_ARITY}, **{o: _K_FROM_MARK for o in _FROM_MARK},
+    **{o: _K_MUTATE_FROM_MARK for o in _MUTATE_FROM_MARK}, "APPEND": _K_MUTATE1, "BUILD": _K_MUTATE1,
+    "SETITEM": _K_SETITEM, "STOP": _K_STOP, "DUP": _K_DUP, "POP": _K_POP, "POP_MARK": _K_POP_MARK,
+}
+
+
+class _Obj:
+    """What the scan knows of one object the pickle builds: its tree size (every reference of a
+    shared child counted: what hashing, repr or a recursive walk of it costs) and depth."""
+    __slots__ = ("size", "depth", "shared")
+
+    def __init__(self, size: int, depth: int):
+        self.size, self.depth, self.shared = size, depth, False
+
+
+_LEAF = _Obj(1, 0)
+
+
+def reference_scan(data: bytes, source: str, what: str = "pickle") -> tuple[int, int]:
+    """The scan as it was before the fast decoder (pickletools.genops), kept verbatim as the reference."""
+    budget = max(MIN_TREE_NODES, TREE_NODES_PER_BYTE * len(data))
+    n = len(data)
+
+    def refuse(why: str, pos: int) -> UnsafePickleError:
+        return UnsafePickleError(f"refusing to unpickle: {why} (at byte {pos} of {n}): a crafted or corrupt "
+                                 "pickle", path=source, hint="nothing was unpickled; use an intact copy of the file")
+
+    stack: list[_Obj] = []
+    marks: list[int] = []
+    memo: dict[int, _Obj] = {}
+
+    def new(children, pos: int) -> _Obj:
+        size, depth = 1, 0
+        for c in children:
+            if c is not _LEAF:
+                c.shared = True
+            size += c.size
+            if c.depth > depth:
+                depth = c.depth
+        if size > budget:
+            raise refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references "
+                         "repeated)", pos)
+        if depth + 1 > MAX_PICKLE_DEPTH:
+            raise refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
+        return _Obj(size, depth + 1)
+
+    def mutate(target: _Obj, children, pos: int) -> None:
+        if target is _LEAF or target.shared or any(c is target for c in children):
+            raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", pos)
+        grown = new(children, pos)   # checks the children's own bounds
+        target.size += grown.size - 1
+        target.depth = max(target.depth, grown.depth)
+        if target.size > budget:
+            raise refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references "
+                         "repeated)", pos)
+        if target.depth > MAX_PICKLE_DEPTH:
+            raise refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
+
+    def pop_mark(pos: int) -> list[_Obj]:
+        if not marks:
+            raise refuse("an opcode needs a MARK that is not there", pos)
+        k = marks.pop()
+        items = stack[k:]
+        del stack[k:]
+        return items
+
+    pos = 0
+    kinds = _OP_KINDS
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            kind = kinds.get(op.name, _K_UNKNOWN)
+            if kind == _K_LEAF:
+                if isinstance(arg, int) and op.name in ("LONG1", "LONG4") and arg.bit_length() > MAX_INT_BITS:
+                    raise refuse(f"an integer of {arg.bit_length()} bits", pos)
+                stack.append(_LEAF)
+            elif kind == _K_PUT:
+                idx = len(memo) if op.name == "MEMOIZE" else arg
+                if not isinstance(idx, int) or not 0 <= idx <= n:
+                    raise refuse(f"memo index {idx} is larger than the pickle", pos)
+                memo[idx] = stack[-1]
+            elif kind == _K_GET:
+                stack.append(memo[arg])
+            elif kind == _K_MARK:
+                marks.append(len(stack))
+            elif kind == _K_EMPTY:
+                stack.append(_Obj(1, 1))
+            elif kind == _K_FIXED:
+                k = _FIXED_ARITY[op.name]
+                if len(stack) < k:
+                    raise refuse(f"{op.name} on a stack of {len(stack)}", pos)
+                items = stack[-k:]
+                del stack[-k:]
+                stack.append(_LEAF if op.name == "STACK_GLOBAL" else new(items, pos))
+            elif kind == _K_FROM_MARK:
+                stack.append(new(pop_mark(pos), pos))
+            elif kind == _K_MUTATE_FROM_MARK:
+                items = pop_mark(pos)
+                mutate(stack[-1], items, pos)
+            elif kind == _K_MUTATE1:
+                item = stack.pop()
+                mutate(stack[-1], (item,), pos)
+            elif kind == _K_SETITEM:
+                v, k = stack.pop(), stack.pop()
+                mutate(stack[-1], (k, v), pos)
+            elif kind == _K_NOOP:
+                continue
+            elif kind == _K_STOP:
+                break
+            elif kind == _K_DUP:
+                stack.append(stack[-1])
+            elif kind == _K_POP:
+                if marks and marks[-1] == len(stack):
+                    marks.pop()
+                else:
+                    stack.pop()
+            elif kind == _K_POP_MARK:
+                pop_mark(pos)
+            else:   # an opcode of a future protocol: we do not know what it builds
+                raise refuse(f"unknown opcode {op.name}", pos)
+    except UnsafePickleError:
+        raise
+    except (IndexError, KeyError):
+        raise refuse("an opcode finds the stack or memo empty", pos) from None
+    except Exception as exc:   # not a sequence of valid opcodes (ValueError from genops, ...)
+        raise UnsafePickleError(f"cannot parse {what}: {type(exc).__name__}: {str(exc)[:200]}", path=source,
+                                hint="the file is corrupt or not a pickle") from None
+    top = stack[-1] if stack else _LEAF
+    return top.size, top.depth
+
+
+def verdict(scan, data: bytes):
+    try:
+        return ("accepted", *scan(data, "src", "a test pickle"))
+    except UnsafePickleError as exc:
+        return ("refused", str(exc))
+
+
+def same(data: bytes, name: str) -> tuple:
+    new, ref = verdict(check_pickle_bounds, data), verdict(reference_scan, data)
+    assert new == ref, f"{name}: {len(data)} bytes {data[:80]!r}"
+    return new
+
+
+def _small_metadata(keep: int = 3):
+    """A real DCP Metadata (the fixture's) cut down to `keep` tensors and their storage: small enough
+    for the reference scan to run thousands of times."""
+    md = pickle.loads((TRAINER / ".metadata").read_bytes())   # the genuine fixture: trusted
+    keys = sorted(md.state_dict_metadata)[:keep] + ["app.progress.step"]
+    md.state_dict_metadata = {k: md.state_dict_metadata[k] for k in keys if k in md.state_dict_metadata}
+    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn in md.state_dict_metadata}
+    md.planner_data = {k: v for k, v in md.planner_data.items() if k in md.state_dict_metadata}
+    return md
+
+
+def test_the_same_on_every_genuine_metadata():
+    metas = sorted(FIXTURES.glob("**/.metadata"))
+    assert len(metas) >= 5
+    for meta in metas:
+        data = meta.read_bytes()
+        assert same(data, str(meta))[0] == "accepted"
+        for proto in (0, 1, 2, 3, 5):
+            same(pickle.dumps(pickle.loads(data), protocol=proto), f"{meta} at protocol {proto}")
+
+
+def test_the_same_on_every_hostile_pickle(tmp_path):
+    canary = tmp_path / "canary"
+    cases = dict(hu.payload_bytes(canary, plant=False))
+    md_bytes = pickle.dumps(_small_metadata(), protocol=4)
+    for i, (name, evil) in enumerate(hu.payload_objects(canary, plant=False).items()):
+        for site in ("modules", "version", "planner"):
+            md = pickle.loads(md_bytes)
+            if site == "modules":
+                md.storage_meta.modules = [evil]
+            elif site == "version":
+                md.version = evil
+            else:
+                md.planner_data[sorted(md.planner_data)[0]] = evil
+            for proto in (2, 4):
+                cases[f"{name} at {site} (p{proto})"] = pickle.dumps(md, protocol=proto)
+    x = ["s"]
+    for _ in range(40):
+        x = [x, x]
+    cases["dag"] = pickle.dumps(x, protocol=4)
+    cases["tuple key"] = b"\x80\x04}" + b")" + b"2\x86" * 60 + b"K\x01s."
+    cases["deep"] = b"\x80\x02" + b"(" * 200_000 + b"]" + b"l" * 200_000 + b"."
+    cases["cycle"] = b"\x80\x02]q\x00h\x00a."
+    cases["memo"] = b"\x80\x02N" + b"r" + (0x21682B68).to_bytes(4, "little") + b"."
+    cases["long"] = b"\x80\x02\x8b" + (4096).to_bytes(4, "little") + b"\x01" * 4096 + b"."
+    cases["garbage"] = b"\x80\x02\xff\xfe"
+    for levels in (31, 60):   # test_hostile_files: a tuple-DAG planner_data key inside the metadata
+        md = _small_metadata()
+        md.planner_data["ZZPLACEHOLDERZZ"] = ("x",)
+        data = pickle.dumps(md, protocol=2)
+        token = b"X" + struct.pack("<I", 15) + b"ZZPLACEHOLDERZZ"
+        cases[f"tuple-DAG key {levels}"] = data.replace(token, b")" + b"2\x86" * levels)
+        cases[f"200k-deep list {levels}"] = data.replace(token, b"(" * 200_000 + b"]" + b"l" * 200_000)
+    cases["empty"] = b""
+    cases["just STOP"] = b"."
+    cases["ok"] = pickle.dumps({"a": [1, 2, (3, 4)], "b": "x" * 100}, protocol=4)
+    assert check_pickle_bounds(cases["ok"], "ok") == (10, 3)
+    seen = {same(data, name)[0] for name, data in cases.items()}
+    assert seen == {"accepted", "refused"}
+
+
+# Opcode bytes a mutation may plant (every opcode, so every branch meets the stack it gets).
+_OPCODES = [ord(op.code) for op in pickletools.opcodes]
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.choice((1, 1, 1, 2, 3))):
+        at = rng.randrange(len(b) + 1) if rng.random() < 0.3 else rng.randrange(len(b))
+        what = rng.random()
+        byte = rng.choice(_OPCODES) if rng.random() < 0.5 else rng.randrange(256)
+        if what < 0.4 and at < len(b):
+            b[at] = byte                                 # flip
+        elif what < 0.7:
+            b[at:at] = bytes([byte] * rng.choice((1, 1, 2, 4)))   # insert
+        else:
+            del b[at:at + rng.choice((1, 1, 2, 5))]      # delete
+    if rng.random() < 0.1:
+        del b[rng.randrange(len(b)):]                    # truncate
+    return bytes(b)
+
+
+@pytest.mark.parametrize("proto", [2, 4])
+def test_the_same_on_seeded_mutations_of_a_real_metadata(proto):
+    base = pickle.dumps(_small_metadata(), protocol=proto)
+    assert same(base, "unmutated")[0] == "accepted"
+    rng = random.Random(1300 + proto)
+    counts = {"accepted": 0, "refused": 0}
+    for i in range(1000):
+        counts[same(_mutate(rng, base), f"mutation {i} of p{proto}")[0]] += 1
+    assert counts["accepted"] > 20 and counts["refused"] > 500, counts
