@@ -226,6 +226,7 @@ def test_the_same_on_every_hostile_pickle(tmp_path):
     cases["memo"] = b"\x80\x02N" + b"r" + (0x21682B68).to_bytes(4, "little") + b"."
     cases["long"] = b"\x80\x02\x8b" + (4096).to_bytes(4, "little") + b"\x01" * 4096 + b"."
     cases["garbage"] = b"\x80\x02\xff\xfe"
+    cases["BINPUT past the end"] = b"\x80\x02Nq\xff."
     for levels in (31, 60):   # test_hostile_files: a tuple-DAG planner_data key inside the metadata
         md = _small_metadata()
         md.planner_data["ZZPLACEHOLDERZZ"] = ("x",)
@@ -271,3 +272,12 @@ def test_the_same_on_seeded_mutations_of_a_real_metadata(proto):
     for i in range(1000):
         counts[same(_mutate(rng, base), f"mutation {i} of p{proto}")[0]] += 1
     assert counts["accepted"] > 20 and counts["refused"] > 500, counts
+
+
+def test_the_same_on_seeded_mutations_of_tiny_pickles():
+    """Pickles shorter than a one-byte memo index, every protocol: the branches' bounds at small sizes."""
+    rng = random.Random(7)
+    bases = [pickle.dumps(o, protocol=proto) for proto in range(6)
+             for o in ({"a": [1, 2, (3, 4)], "b": "x" * 10}, [[], [[]], (1,), (1, 2, 3)], {1.5, None, True})]
+    for i in range(2000):
+        same(_mutate(rng, rng.choice(bases)), f"tiny mutation {i}")
