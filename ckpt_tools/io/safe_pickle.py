@@ -168,6 +168,9 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
     memo: dict[int, list] = {}
     push = stack.append
 
+    def changed(pos: int) -> UnsafePickleError:
+        return refuse("an object is changed after it was shared (a cycle or a crafted pickle)", pos)
+
     def new(children, pos: int) -> list:
         size, depth = 1, 0
         for c in children:
@@ -183,7 +186,7 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
 
     def mutate(target: list, children, pos: int) -> None:
         if target[2] or any(c is target for c in children):
-            raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", pos)
+            raise changed(pos)
         grown = new(children, pos)   # checks the children's own bounds
         target[0] += grown[0] - 1
         if grown[1] > target[1]:
@@ -291,13 +294,27 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
             elif k == 4:                                         # BININT1
                 stack.append(leaf)
                 p += 2
-            elif k == 5:                                             # EMPTY_TUPLE / DICT / LIST / SET
-                o = [1, 1, False]
-                stack.append(o)
-                p += 1
+            elif k == 5:                                         # EMPTY_TUPLE / DICT / LIST / SET
+                if c == 0x29 and p + 1 < n and data[p + 1] == 0x81 and stack:   # EMPTY_TUPLE NEWOBJ: cls()
+                    a = stack[-1]
+                    a[2] = True
+                    depth = a[1] if a[1] > 1 else 1
+                    if a[0] + 2 > budget:
+                        raise too_big(p + 1)
+                    if depth >= max_depth:
+                        raise too_deep(p + 1)
+                    stack[-1] = o = [a[0] + 2, depth + 1, False]
+                    p += 2
+                else:
+                    o = [1, 1, False]
+                    stack.append(o)
+                    p += 1
                 if data[p] == 0x94:
                     memo[len(memo)] = o
                     p += 1
+                    if data[p] == 0x28:                          # ... MEMOIZE MARK
+                        marks.append(len(stack))
+                        p += 1
             elif k == 6:                                         # MEMOIZE
                 memo[len(memo)] = stack[-1]
                 p += 1
@@ -309,7 +326,7 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
                 t = stack[-2]
                 del stack[-1]
                 if t[2] or item is t:
-                    raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", p)
+                    raise changed(p)
                 item[2] = True
                 if item[0] + 1 > budget:
                     raise too_big(p)
@@ -343,11 +360,11 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
                 del stack[k:]
                 t = stack[-1]
                 if t[2]:
-                    raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", p)
+                    raise changed(p)
                 size = depth = 0
                 for a in items:
                     if a is t:
-                        raise refuse("an object is changed after it was shared (a cycle or a crafted pickle)", p)
+                        raise changed(p)
                     a[2] = True
                     size += a[0]
                     if a[1] > depth:
@@ -364,6 +381,24 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
                 if t[1] > max_depth:
                     raise too_deep(p)
                 p += 1
+                if data[p] == 0x62 and len(stack) > 1:           # ... BUILD: t is the state of the object below
+                    o = stack[-2]
+                    del stack[-1]
+                    if o[2] or o is t:
+                        raise changed(p)
+                    t[2] = True
+                    if t[0] + 1 > budget:
+                        raise too_big(p)
+                    if t[1] >= max_depth:
+                        raise too_deep(p)
+                    o[0] += t[0]
+                    if t[1] >= o[1]:
+                        o[1] = t[1] + 1
+                    if o[0] > budget:
+                        raise too_big(p)
+                    if o[1] > max_depth:
+                        raise too_deep(p)
+                    p += 1
             elif k == 11:                                        # SHORT_BINUNICODE
                 q = p + 2 + data[p + 1]
                 if q > n:
