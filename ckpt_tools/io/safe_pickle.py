@@ -292,8 +292,15 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
                 stack.append(memo[data[p + 1]])
                 p += 2
             elif k == 4:                                         # BININT1
-                stack.append(leaf)
-                p += 2
+                if p + 4 < n and data[p + 2] == 0x4b and data[p + 4] == 0x86:   # BININT1 BININT1 TUPLE2
+                    stack.append(o := [3, 1, False])
+                    p += 5
+                    if data[p] == 0x94:
+                        memo[len(memo)] = o
+                        p += 1
+                else:
+                    stack.append(leaf)
+                    p += 2
             elif k == 5:                                         # EMPTY_TUPLE / DICT / LIST / SET
                 if c == 0x29 and p + 1 < n and data[p + 1] == 0x81 and stack:   # EMPTY_TUPLE NEWOBJ: cls()
                     a = stack[-1]
