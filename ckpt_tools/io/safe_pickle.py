@@ -126,11 +126,14 @@ _OP_KINDS: dict[str, int] = {
 # list _LEAF, marked shared so that it can never be changed.
 _LEAF = [1, 0, True]
 _U32 = struct.Struct("<I").unpack_from
-# The fast loop's branch of each opcode byte (0: the general one), most frequent in DCP metadata first.
-_FAST = bytes(dict({0x6a: 1, 0x81: 2, 0x52: 2, 0x86: 2, 0x68: 3, 0x4b: 4, 0x29: 5, 0x7d: 5, 0x5d: 5, 0x8f: 5, 0x94: 6, 0x28: 7, 0x62: 8, 0x61: 8, 0x85: 9, 0x75: 10, 0x65: 10, 0x8c: 11, 0x4d: 12, 0x4a: 12, 0x47: 12, 0x89: 13, 0x88: 13, 0x4e: 13, 0x74: 14, 0x6c: 14, 0x64: 14, 0x87: 14, 0x58: 15, 0x71: 16, 0x72: 17, 0x95: 18, 0x2e: 19}).get(b, 0) for b in range(256))
+# The fast loop's branch (1, 2, ...) of each opcode byte, 0 for the general one (the opcodes' names are
+# beside each branch in `_scan`).
+_BRANCHES = (b"j", b"\x81R\x86", b"h", b"K", b")}]\x8f", b"\x94", b"(", b"ba", b"\x85", b"ue", b"\x8c", b"MJG",
+             b"\x89\x88N", b"tld\x87", b"X", b"q", b"r", b"\x95", b".")
+_FAST = bytes(next((k for k, ops in enumerate(_BRANCHES, 1) if b in ops), 0) for b in range(256))
 # Opcodes the fast loop skips without reading their fixed-size argument: if that runs past the end,
 # the next read fails past it, and the opcode's start is found back from the length.
-_SKIP_LEN = {ord(k): v for k, v in (("K", 1), ("M", 2), ("J", 4), ("G", 8), ("\x80", 1), ("\x95", 8))}
+_SKIP_LEN = {ord(k): v for k, v in (("K", 1), ("M", 2), ("J", 4), ("G", 8), ("\x95", 8))}
 
 
 def _replay(f: io.BytesIO, pos: int):
@@ -156,8 +159,8 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
     The scan runs in Python (signals are delivered), in time linear in the pickle. Returns the
     (tree size, depth) of the object the pickle builds.
 
-    The opcodes DCP metadata is made of are decoded inline (one comparison chain on the opcode
-    byte, string arguments only checked for UTF-8); every other opcode, and every failure, goes
+    The opcodes DCP metadata is made of are decoded inline (a branch table on the opcode byte, the
+    commonest sequences in one step, strings only checked for UTF-8); every other opcode, every failure, goes
     through pickletools' own reader at that position, so the verdict, the figures and the message
     are those of a replay over pickletools.genops (tests/test_pickle_scan.py compares the two)."""
     with _gc_paused():
@@ -170,8 +173,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
     budget = max(MIN_TREE_NODES, TREE_NODES_PER_BYTE * len(data))
     n = len(data)
     f = io.BytesIO(data)
-    max_depth = MAX_PICKLE_DEPTH
-    leaf = _LEAF
+    max_depth, leaf = MAX_PICKLE_DEPTH, _LEAF
 
     def refuse(why: str, pos: int) -> UnsafePickleError:
         return UnsafePickleError(f"refusing to unpickle: {why} (at byte {pos} of {n}): a crafted or corrupt "
@@ -187,7 +189,6 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
     stack: list[list] = []
     marks: list[int] = []
     memo: dict[int, list] = {}
-    push = stack.append
 
     def changed(pos: int) -> UnsafePickleError:
         return refuse("an object is changed after it was shared (a cycle or a crafted pickle)", pos)
@@ -238,24 +239,24 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
         if kind == _K_LEAF:
             if isinstance(arg, int) and name in ("LONG1", "LONG4") and arg.bit_length() > MAX_INT_BITS:
                 raise refuse(f"an integer of {arg.bit_length()} bits", pos)
-            push(leaf)
+            stack.append(leaf)
         elif kind == _K_PUT:
             memo_put(len(memo) if name == "MEMOIZE" else arg, pos)
         elif kind == _K_GET:
-            push(memo[arg])
+            stack.append(memo[arg])
         elif kind == _K_MARK:
             marks.append(len(stack))
         elif kind == _K_EMPTY:
-            push([1, 1, False])
+            stack.append([1, 1, False])
         elif kind == _K_FIXED:
             k = _FIXED_ARITY[name]
             if len(stack) < k:
                 raise refuse(f"{name} on a stack of {len(stack)}", pos)
             items = stack[-k:]
             del stack[-k:]
-            push(leaf if name == "STACK_GLOBAL" else new(items, pos))
+            stack.append(leaf if name == "STACK_GLOBAL" else new(items, pos))
         elif kind == _K_FROM_MARK:
-            push(new(pop_mark(pos), pos))
+            stack.append(new(pop_mark(pos), pos))
         elif kind == _K_MUTATE_FROM_MARK:
             items = pop_mark(pos)
             mutate(stack[-1], items, pos)
@@ -268,7 +269,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
         elif kind == _K_STOP:
             return -1
         elif kind == _K_DUP:
-            push(stack[-1])
+            stack.append(stack[-1])
         elif kind == _K_POP:
             if marks and marks[-1] == len(stack):
                 marks.pop()
