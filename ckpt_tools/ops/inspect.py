@@ -39,7 +39,7 @@ def detect_format(path: Path) -> str:
 
 def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | None = None,
                 trust_pickle: bool = False) -> dict:
-    ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle)
+    ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle, known_keys_only=False)   # lists unknown keys
     s = summarize(ckpt)
     lora, infos = s.lora, s.infos
     report = {
@@ -185,7 +185,7 @@ def run_inspect(plan: InspectPlan, progress=None) -> InspectReport:
 
 def list_dcp_keys(path: Path, *, trust_pickle: bool = False) -> list[dict]:
     """Every key with its group and layout (metadata only)."""
-    with DcpCheckpoint.open(path, trust_pickle=trust_pickle) as ckpt:
+    with DcpCheckpoint.open(path, trust_pickle=trust_pickle, known_keys_only=False) as ckpt:
         rows = []
         for k, e in ckpt.entries.items():
             tensor = isinstance(e, TensorEntry)
