@@ -81,6 +81,11 @@ class _DcpSource(Source):
         self.facts(name)
         return self._keys[name][0]
 
+    def ref(self, name: str) -> str:
+        """A unique reference of tensor `name` in the checkpoint: its DCP key, `key[e]` for an expert slice."""
+        key, expert = self._keys[self.facts(name).name]
+        return key if expert is None else f"{key}[{expert}]"
+
     def expert_of(self, name: str) -> int | None:
         """The expert index when `name` is one slice of a stacked tensor."""
         self.facts(name)
