@@ -68,6 +68,16 @@ def _render_dcp(r: dict) -> None:
     stype = sched["type"] + (f"({', '.join(sched['schedulers'])})" if sched.get("schedulers") else "")
     click.echo(f"  step {r['step']}   lr {r['lr']}   scheduler {stype}   world size {r['world_size']}   "
                f"keys {r['keys']}")
+    click.echo(f"  prime-rl {r['generation']} layout (from {r['generation_from']})"
+               + (f"   training: {r['training']}" if r.get("training") else ""))
+    ex = r.get("experts")
+    if ex:
+        click.echo(f"  MoE: {ex['layers']} layer(s) x {ex['experts']} experts (prime-format stacked w1/w2/w3), "
+                   f"stored in {ex['expert_blocks']} expert block(s) by expert index"
+                   + (f", EP {r['ep']} (run config)" if r.get("ep") is not None else "")
+                   + (f"; LoRA on {ex['lora_expert_modules']} expert modules" if ex["lora_expert_modules"] else ""))
+    if r.get("interval_checkpoint"):
+        click.echo(f"  note: {r['interval_checkpoint']}")
     total = r["frozen_bytes"] + r["unique_bytes"]
     click.echo(f"  {'group':<16}{'keys':>7}{'size':>12}{'share':>8}")
     for g, s in r["groups"].items():
@@ -85,7 +95,9 @@ def _render_dcp(r: dict) -> None:
         a = r.get("alpha")
         if a:
             click.echo(f"  alpha {a['alpha']:g} -> training scale {a['training_scale']:g} (from {a['source']})")
+            click.echo(f"  rule: {a['rule']}")
         else:
             click.echo(f"  alpha: unknown ({r.get('alpha_unresolved', '')})")
+            click.echo(f"  rule: {r['scale_rule']}")
     if r["slim"]:
         click.echo("  SLIM checkpoint: base weights removed; `ckpt rehydrate` before resuming")
