@@ -59,7 +59,7 @@ def partition(ckpt: DcpCheckpoint) -> SlimLayout:
     dropped: list[DroppedTensor] = []
     for key, e in ckpt.entries.items():
         info = classify(key, e.path)
-        frozen = (info.group in FROZEN_GROUPS and isinstance(e, TensorEntry) and info.hf_name not in trainable)
+        frozen = (info.group in FROZEN_GROUPS and isinstance(e, TensorEntry) and e.path[2] not in trainable)
         if frozen:
             dropped.append(DroppedTensor(
                 key=key, path=tuple(e.path), hf_name=info.hf_name, shape=tuple(e.shape), dtype=e.dtype,

@@ -1,0 +1,136 @@
+"""The genuine prime-rl HEAD checkpoints (E dense LoRA world 4, F MoE expert LoRA world 2 with EP=2,
+G full fine-tune): every command against their ground truth, with `torch.equal`, and the run's own
+configs giving alpha (no --alpha anywhere)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from ckpt_tools.cli import main
+
+from .conftest import HEAD_FIXTURES
+
+E, F, G = (HEAD_FIXTURES / n for n in ("E_head_dense", "F_head_moe", "G_head_fullft"))
+PEFT_PREFIX = "base_model.model."
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def trainer(variant, step=3):
+    return variant / "outputs" / "checkpoints" / f"step_{step}" / "trainer"
+
+
+def inspect_json(path):
+    r = run("inspect", path, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_inspect_counts_the_moe_experts_world_size_and_states_the_head_rule():
+    r = inspect_json(trainer(F))
+    assert r["world_size"] == 2 and r["generation"] == "head"
+    assert r["experts"] == {"layers": 2, "experts": 4, "expert_blocks": 2, "lora_expert_modules": 24}
+    assert r["ep"] == "auto"                       # the run config's setting
+    assert r["lora"]["modules"] == 8 + 24 and r["lora"]["targets"] == ["experts", "k_proj", "o_proj", "q_proj",
+                                                                       "v_proj"]
+    assert r["alpha"]["alpha"] == 32.0 and r["alpha"]["training_scale"] == 4.0
+    assert "trainer model.lora.alpha" in r["alpha"]["rule"] and "bf16" in r["alpha"]["rule"]
+    assert str(F / "configs" / "trainer.json") in r["alpha"]["source"]
+    assert r["other_keys"] == []
+
+
+def test_inspect_of_the_full_finetune_and_of_an_interval_checkpoint():
+    g = inspect_json(trainer(G))
+    assert g["training"] == "full fine-tune" and g["lora"]["modules"] == 0 and g["world_size"] == 2
+    e2 = inspect_json(trainer(E, 2))
+    assert e2["world_size"] == 4 and e2["progress"]["total_tokens"] == 256   # step 1's totals only
+    assert "interval checkpoint" in e2["interval_checkpoint"]
+    assert inspect_json(trainer(E))["interval_checkpoint"] is None
+
+
+def test_inspect_of_a_16e747c_checkpoint_states_the_orchestrator_rule():
+    from .conftest import TRAINER
+    r = inspect_json(TRAINER)
+    assert r["generation"] == "16e747c" and "orchestrator" in r["alpha"]["rule"]
+
+
+@pytest.mark.parametrize("variant", [E, F], ids=["dense", "moe"])
+def test_extract_adapter_equals_prime_rls_own_final_broadcast(tmp_path, variant):
+    out = tmp_path / "adapter"
+    r = run("extract-adapter", trainer(variant), out, "--base", variant / "base_model")
+    assert r.exit_code == 0, r.output
+    ours = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(out / "adapter_model.safetensors").items()}
+    theirs = load_file(variant / "outputs" / "broadcasts" / "step_3" / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for k, v in theirs.items():
+        assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    bc = json.loads((variant / "outputs" / "broadcasts" / "step_3" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == (bc["r"], bc["lora_alpha"], bc["target_modules"])
+
+
+def test_the_moe_adapter_holds_every_expert_of_every_projection(tmp_path):
+    out = tmp_path / "adapter"
+    assert run("extract-adapter", trainer(F), out).exit_code == 0
+    keys = set(load_file(out / "adapter_model.safetensors"))
+    for layer in (0, 1):
+        for e in range(4):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for ab in "AB":
+                    assert f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{e}.{proj}.lora_{ab}.weight" in keys
+    ref = load_file(F / "reference.safetensors")
+    got = load_file(out / "adapter_model.safetensors")
+    # w1 = gate, w3 = up, w2 = down: expert e's slice of the stacked live factor
+    for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+        stacked = ref[f"lora_stacked.model.layers.1.mlp.experts.{w}_lora_B"]
+        assert torch.equal(got[f"{PEFT_PREFIX}model.layers.1.mlp.experts.3.{proj}.lora_B.weight"], stacked[3])
+
+
+@pytest.mark.parametrize("variant", [E, F], ids=["dense", "moe"])
+@pytest.mark.parametrize("how", ["hf-base", "base-from-checkpoint"])
+def test_merge_equals_the_expected_merged_model(tmp_path, variant, how):
+    out = tmp_path / "merged"
+    if how == "hf-base":
+        r = run("merge", variant / "base_model", trainer(variant), out)
+    else:
+        r = run("merge", "--base-from-checkpoint", trainer(variant), out, "--config-from", variant / "base_model")
+    assert r.exit_code == 0, r.output
+    ours = load_file(out / "model.safetensors")
+    expected = load_file(variant / "expected_merged_hf" / "model.safetensors")
+    assert sorted(ours) == sorted(expected)
+    for k, v in expected.items():
+        assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+
+
+def test_run_config_takes_the_head_json(tmp_path):
+    import shutil
+    ck = tmp_path / "ckpt"
+    shutil.copytree(trainer(E), ck)          # outside the run: no config is found by itself
+    assert run("extract-adapter", ck, tmp_path / "a").exit_code != 0
+    r = run("extract-adapter", ck, tmp_path / "b", "--run-config", E / "configs" / "trainer.json", "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["alpha"] == 16.0 and "trainer.json" in rep["alpha_source"]
+
+
+def test_a_key_the_key_model_does_not_know_is_an_error_naming_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    ck = tmp_path / "outputs" / "checkpoints" / "step_1" / "trainer"
+    sd = {"app": {"model": {"model.layers.0.mlp.experts.w4": torch.zeros(2, 3, 4),
+                            "model.layers.0.self_attn.q_proj.lora_A.0": torch.ones(2, 4),
+                            "model.layers.0.self_attn.q_proj.lora_B.0": torch.ones(4, 2),
+                            "model.layers.0.self_attn.q_proj.weight": torch.ones(4, 4)}}}
+    dcp.save(sd, checkpoint_id=str(ck), no_dist=True)
+    for args in (("extract-adapter", ck, tmp_path / "x", "--alpha", "16"),
+                 ("merge", "--base-from-checkpoint", ck, tmp_path / "y", "--alpha", "16", "--config-from", E / "base_model"),
+                 ("slim", ck, tmp_path / "z")):
+        r = run(*args)
+        assert r.exit_code != 0 and "app.model.model.layers.0.mlp.experts.w4" in r.output, (args, r.output)
+        assert "key model" in r.output
+    assert inspect_json(ck)["other_keys"] == ["app.model.model.layers.0.mlp.experts.w4"]
