@@ -134,3 +134,36 @@ def test_a_key_the_key_model_does_not_know_is_an_error_naming_it(tmp_path):
         assert r.exit_code != 0 and "app.model.model.layers.0.mlp.experts.w4" in r.output, (args, r.output)
         assert "key model" in r.output
     assert inspect_json(ck)["other_keys"] == ["app.model.model.layers.0.mlp.experts.w4"]
+
+
+def test_export_of_the_full_finetune_equals_the_trained_model_and_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "exported"
+    r = run("export", trainer(G), out, "--config-from", G / "base_model")
+    assert r.exit_code == 0, r.output
+    ours = load_file(out / "model.safetensors")
+    expected = load_file(G / "expected_trained_hf" / "model.safetensors")
+    assert sorted(ours) == sorted(expected)
+    for k, v in expected.items():
+        assert ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], v), k
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    sd = model.state_dict()
+    for k, v in expected.items():
+        assert torch.equal(sd[k], v), k
+
+
+def test_export_of_a_lora_run_is_the_merge_from_its_own_masters(tmp_path):
+    out = tmp_path / "exported"
+    r = run("export", trainer(F), out, "--config-from", F / "base_model", "--json")
+    assert r.exit_code == 0, r.output
+    ours = load_file(out / "model.safetensors")
+    expected = load_file(F / "expected_merged_hf" / "model.safetensors")
+    assert sorted(ours) == sorted(expected) and all(torch.equal(ours[k], v) for k, v in expected.items())
+
+
+def test_export_dry_run_is_merges_plan(tmp_path):
+    r = run("export", trainer(G), tmp_path / "o", "--config-from", G / "base_model", "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)["plan"]
+    assert plan["adapter_kind"] == "none" and {j["action"] for j in plan["jobs"]} == {"cast"}
+    assert not (tmp_path / "o").exists()

@@ -25,7 +25,7 @@ __all__ = ["main", "COMMAND_MODULES"]
 
 # Module names under ckpt_tools.cli.commands; each defines `command` (a click.Command).
 COMMAND_MODULES = (
-    "inspect", "extract_adapter", "adapter_to_dcp", "fix_adapter", "merge", "diff_vs_base",
+    "inspect", "extract_adapter", "adapter_to_dcp", "fix_adapter", "merge", "export", "diff_vs_base",
     "verify", "slim", "rehydrate", "set_lr", "set_value", "restart_prep", "gc", "doctor",
 )
 

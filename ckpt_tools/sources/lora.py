@@ -25,7 +25,7 @@ from ..formats.primerl.alpha import AlphaResolution, resolve_alpha
 from .base import TensorFacts
 from .dcp import DcpKeySource
 
-__all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "open_lora_source"]
+__all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "NoLoraSource", "open_lora_source"]
 
 
 
@@ -224,6 +224,20 @@ class DcpLoraSource(LoraSource):
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class NoLoraSource(LoraSource):
+    """The "adapter" of a full fine-tune's export: no LoRA at all, the checkpoint's weights are the model."""
+    kind = "none"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.config_path = self.weights_path = self.path / METADATA_NAME
+        self.modules, self.full_tensors = {}, {}
+        self.alpha, self.alpha_source = None, "none (a full fine-tune: the trained weights are exported)"
+
+    def read_key(self, key: str) -> torch.Tensor:
+        raise FormatError("a full fine-tune has no adapter tensors", path=self.path, key=key)
 
 
 def open_lora_source(path: str | Path, *, alpha: float | None = None, run_config: str | Path | None = None,
