@@ -167,3 +167,74 @@ def test_export_dry_run_is_merges_plan(tmp_path):
     plan = json.loads(r.stdout)["plan"]
     assert plan["adapter_kind"] == "none" and {j["action"] for j in plan["jobs"]} == {"cast"}
     assert not (tmp_path / "o").exists()
+
+
+def _loaded(ckpt_dir, tmp_path, name):
+    """Everything torch's own DCP loader reads from a checkpoint, flattened."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(ckpt_dir), str(tmp_path / f"{name}.pt"))
+    flat = {}
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+    walk(torch.load(tmp_path / f"{name}.pt", weights_only=False), "")
+    return flat
+
+
+@pytest.mark.parametrize("variant", [E, F], ids=["dense", "moe"])
+def test_slim_then_rehydrate_is_bit_exact(tmp_path, variant):
+    slim, back = tmp_path / "slim", tmp_path / "back"
+    r = run("slim", trainer(variant), slim, "--base", variant / "base_model")
+    assert r.exit_code == 0, r.output
+    r = run("rehydrate", slim, back, "--base", variant / "base_model")
+    assert r.exit_code == 0, r.output
+    a, b = _loaded(trainer(variant), tmp_path, "a"), _loaded(back, tmp_path, "b")
+    assert sorted(a) == sorted(b)
+    for k, v in a.items():
+        assert (torch.equal(v, b[k]) and v.dtype == b[k].dtype) if torch.is_tensor(v) else v == b[k], k
+    assert run("verify", back).exit_code == 0
+
+
+def test_slim_of_the_moe_drops_the_stacked_experts_and_keeps_every_trained_tensor(tmp_path):
+    r = run("slim", trainer(F), tmp_path / "slim", "--json")
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "slim" / "slim_manifest.json").read_text()) \
+        if (tmp_path / "slim" / "slim_manifest.json").exists() else None
+    kept = inspect_json(tmp_path / "slim")
+    assert kept["groups"]["base"]["count"] == 0 and kept["groups"]["lora"]["count"] == 28
+    if manifest is not None:
+        assert "model.layers.0.mlp.experts.*.gate_proj.weight" in {d["hf_name"] for d in manifest["dropped"]}
+
+
+def test_a_full_finetune_has_nothing_to_slim_and_inspect_counts_no_frozen_bytes(tmp_path):
+    # every base weight has optimizer state: nothing is recoverable from the public base
+    r = run("slim", trainer(G), tmp_path / "slim")
+    assert r.exit_code == 2 and "no frozen base weights to drop" in r.output
+    assert not (tmp_path / "slim").exists()
+    assert inspect_json(trainer(G))["frozen_bytes"] == 0
+
+
+@pytest.mark.parametrize("variant", [E, F, G], ids=["dense", "moe", "fullft"])
+def test_set_lr_on_head_checkpoints_warns_that_the_offloaded_resume_ignores_param_group_lr(tmp_path, variant):
+    r = run("set-lr", trainer(variant), tmp_path / "o", "--scale", "0.5")
+    assert r.exit_code == 0, r.output
+    assert "fused=False" in r.output and "optim_cpu_offload" in r.output
+    assert run("verify", tmp_path / "o").exit_code == 0
+    a = inspect_json(trainer(variant))
+    b = inspect_json(tmp_path / "o")
+    assert b["initial_lr"] == a["initial_lr"] * 0.5
+
+
+def test_diff_vs_base_with_the_moe_adapter_checks_every_expert_weight(tmp_path):
+    out = tmp_path / "merged"
+    assert run("merge", F / "base_model", trainer(F), out).exit_code == 0
+    r = run("diff-vs-base", out, F / "base_model", "--adapter", trainer(F), "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    text = json.dumps(rep)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in text
+    assert "32/32" in r.output or rep.get("adapter_check", {}).get("targeted", 32) == 32

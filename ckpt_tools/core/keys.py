@@ -17,7 +17,8 @@ __all__ = [
     "GROUPS", "FROZEN_GROUPS", "LORA_FQN", "OPTIM_FIELDS", "PROGRESS_STEP_KEY", "KeyInfo", "RULES", "classify",
     "lora_key", "lora_path", "base_key", "base_path", "optimizer_state_key", "optimizer_state_path",
     "module_suffix", "trainable_params", "EXPERT_PROJ", "PROJ_W", "ModelRule", "MODEL_RULES", "expert_module",
-    "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys", "require_known", "peft_target", "GroupStats", "LoraStats", "summarize_groups", "summarize_lora", "world_size_from_chunks",
+    "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys", "require_known", "peft_target",
+    "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names", "is_stacked_pattern", "GroupStats", "LoraStats", "summarize_groups", "summarize_lora", "world_size_from_chunks",
 ]
 
 GROUPS = ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progress", "other")
@@ -62,6 +63,24 @@ def expert_module(experts: str, expert: int, proj: str) -> str:
 def expert_hf_name(info: KeyInfo, expert: int) -> str:
     """The HF per-expert weight name of expert `expert` of a stacked base tensor."""
     return expert_module(info.module, expert, info.expert_proj) + ".weight"
+
+
+EXPERT_WILDCARD = "*"
+
+
+def stacked_hf_pattern(info: KeyInfo) -> str:
+    """The HF names of a stacked base tensor's experts as one pattern, `...mlp.experts.*.gate_proj.weight`:
+    what a slim manifest records, so that rehydrate stacks the base's per-expert weights back."""
+    return expert_hf_name(info, EXPERT_WILDCARD)   # type: ignore[arg-type]
+
+
+def expert_names(pattern: str, start: int, count: int) -> list[str]:
+    """Experts [start, start + count) of a `stacked_hf_pattern` (the rows of the stacked tensor)."""
+    return [pattern.replace(f".{EXPERT_WILDCARD}.", f".{e}.", 1) for e in range(start, start + count)]
+
+
+def is_stacked_pattern(name: str) -> bool:
+    return f".{EXPERT_WILDCARD}." in name
 
 
 @dataclass(frozen=True)

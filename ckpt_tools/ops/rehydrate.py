@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..core.dtypes import torch_dtype
+from ..core.keys import expert_names, is_stacked_pattern
 from ..core.errors import FormatError, UsageError
 from ..core.progress import Progress, report
 from ..core.tensor_math import sha256_of_tensor, update_hash
@@ -169,7 +170,8 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         rebuild.append(RebuildItem(d.key, d.path, mapping[d.key], d.dtype, d.shape, chunks, manifest.hashes[d.key],
                                    d.nbytes))
     # Read the base in file order (sequential I/O on the base shards).
-    infos = {r.key: hf.info(r.base_name) for r in rebuild}
+    infos = {r.key: hf.info(expert_names(r.base_name, 0, 1)[0] if is_stacked_pattern(r.base_name) else r.base_name)
+             for r in rebuild}
     rebuild.sort(key=lambda r: (str(infos[r.key].path), infos[r.key].begin, r.key))
     max_index = max([t[4] for t in copy_items] + [c[2] for r in rebuild for c in r.chunks] + [0])
     files = max(max_index + 1, world_size or 1, len(source_files))
@@ -274,7 +276,8 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             done = 0
             for r in plan.rebuild:
                 got = _rebuild_one(writer, hf, r)
-                base_read += hf.facts(r.base_name).nbytes
+                base_read += sum(hf.facts(n).nbytes for n in (expert_names(r.base_name, 0, r.shape[0])
+                                                               if is_stacked_pattern(r.base_name) else [r.base_name]))
                 if got != r.sha256:
                     raise FormatError(
                         f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, as "

@@ -80,11 +80,13 @@ def summarize(ckpt: DcpCheckpoint) -> CheckpointSummary:
                    "lora_expert_modules": lora.expert_modules}
     base_params = {i.key.removeprefix("app.model.") for i in infos if i.group == "base"}
     trained = {i.param for i in infos if i.group == "optimizer_state"}
+    # frozen: base weights without optimizer state (a full fine-tune's base weights are trained, not frozen)
+    frozen = sum(stored[i.key] for i in infos if i.group in FROZEN_GROUPS
+                 and i.key.removeprefix("app.model.") not in trained)
     return CheckpointSummary(
         path=str(ckpt.dir), keys=len(infos), infos=tuple(infos), groups=groups, lora=lora,
         world_size=world_size_from_chunks(sharded), step=progress.get("step"), lr=value("param_groups", "lr", 0),
         initial_lr=value("param_groups", "initial_lr", 0), scheduler=sched, progress=progress,
-        frozen_bytes=sum(groups[g].bytes for g in FROZEN_GROUPS),
-        unique_bytes=sum(s.bytes for g, s in groups.items() if g not in FROZEN_GROUPS),
+        frozen_bytes=frozen, unique_bytes=sum(st.bytes for st in groups.values()) - frozen,
         metadata_bytes=(Path(ckpt.dir) / METADATA_NAME).stat().st_size, data_files=tuple(ckpt.data_files()),
         experts=experts, full_finetune=bool(base_params & trained) and lora.modules == 0)
