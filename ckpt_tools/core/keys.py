@@ -103,7 +103,7 @@ MODEL_RULES: tuple[ModelRule, ...] = (
               re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<w>w[123])$")),
     ModelRule("prime-format MoE router weight", "base",
               re.compile(r"^(?P<prefix>.+\.mlp)\.router\.gate\.weight$"), hf_name="{prefix}.gate.weight"),
-    ModelRule("HF-named weight or bias", "base", re.compile(r"^(?P<name>.+\.(weight|bias))$"), hf_name="{name}"),
+    ModelRule("HF-named weight or bias", "base", re.compile(r"^(?P<name>(.+\.)?(weight|bias))$"), hf_name="{name}"),
 )
 
 
