@@ -238,3 +238,14 @@ def test_diff_vs_base_with_the_moe_adapter_checks_every_expert_weight(tmp_path):
     text = json.dumps(rep)
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in text
     assert "32/32" in r.output or rep.get("adapter_check", {}).get("targeted", 32) == 32
+
+
+def test_the_extracted_moe_adapter_verifies_and_merges_like_the_checkpoint(tmp_path):
+    ad, out = tmp_path / "adapter", tmp_path / "merged"
+    assert run("extract-adapter", trainer(F), ad, "--base", F / "base_model").exit_code == 0
+    r = run("verify", ad, "--base", F / "base_model")
+    assert r.exit_code == 0 and "matches no module" not in r.output, r.output
+    assert run("merge", F / "base_model", ad, out).exit_code == 0
+    ours = load_file(out / "model.safetensors")
+    expected = load_file(F / "expected_merged_hf" / "model.safetensors")
+    assert sorted(ours) == sorted(expected) and all(torch.equal(ours[k], v) for k, v in expected.items())
