@@ -249,3 +249,22 @@ def test_the_extracted_moe_adapter_verifies_and_merges_like_the_checkpoint(tmp_p
     ours = load_file(out / "model.safetensors")
     expected = load_file(F / "expected_merged_hf" / "model.safetensors")
     assert sorted(ours) == sorted(expected) and all(torch.equal(ours[k], v) for k, v in expected.items())
+
+
+def test_adapter_to_dcp_of_the_moe_adapter_rebuilds_prime_rls_own_layout(tmp_path):
+    from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+    ad, out = tmp_path / "adapter", tmp_path / "outputs" / "checkpoints" / "step_3" / "trainer"
+    assert run("extract-adapter", trainer(F), ad, "--base", F / "base_model").exit_code == 0
+    r = run("adapter-to-dcp", ad, out, "--base", F / "base_model", "--world-size", "2", "--lr", "0.01", "--step", "3")
+    assert r.exit_code == 0, r.output
+    genuine, ours = DcpCheckpoint.open(trainer(F)), DcpCheckpoint.open(out)
+
+    def layout(ck):
+        return {k: (e.shape, e.dtype, [(c.offsets, c.sizes) for c in e.chunks]) for k, e in ck.entries.items()
+                if hasattr(e, "chunks")}
+    assert layout(ours) == layout(genuine)          # stacked experts, router, expert blocks by expert index
+    for k in layout(genuine):
+        if k.startswith("app.model."):
+            assert torch.equal(ours.read_tensor(k), genuine.read_tensor(k)), k
+    p = "app.optimizers.param_groups.0.params"
+    assert ours.read_object(p) == genuine.read_object(p)

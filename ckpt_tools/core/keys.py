@@ -18,7 +18,8 @@ __all__ = [
     "lora_key", "lora_path", "base_key", "base_path", "optimizer_state_key", "optimizer_state_path",
     "module_suffix", "trainable_params", "EXPERT_PROJ", "PROJ_W", "ModelRule", "MODEL_RULES", "expert_module",
     "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys", "require_known", "peft_target",
-    "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names", "is_stacked_pattern", "GroupStats", "LoraStats", "summarize_groups", "summarize_lora", "world_size_from_chunks",
+    "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names", "is_stacked_pattern", "expert_parts",
+    "router_prime_name", "GroupStats", "LoraStats", "summarize_groups", "summarize_lora", "world_size_from_chunks",
 ]
 
 GROUPS = ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progress", "other")
@@ -316,8 +317,21 @@ def summarize_lora(infos: list[KeyInfo], shapes: dict[str, tuple], payload: dict
 
 
 def _is_expert_module(module: str) -> bool:
+    return expert_parts(module) is not None
+
+
+def expert_parts(module: str) -> tuple[str, int, str] | None:
+    """`model.layers.0.mlp.experts.3.gate_proj` -> (`model.layers.0.mlp.experts`, 3, `gate_proj`): an HF
+    per-expert projection of a grouped-experts module; None for anything else."""
     parts = module.rsplit(".", 3)
-    return len(parts) == 4 and parts[1] == "experts" and parts[2].isdigit()
+    if len(parts) == 4 and parts[1] == "experts" and parts[2].isdigit() and parts[3] in PROJ_W:
+        return f"{parts[0]}.experts", int(parts[2]), parts[3]
+    return None
+
+
+def router_prime_name(hf_name: str) -> str | None:
+    """HF `...mlp.gate.weight` (a Qwen3-MoE router) -> prime-rl's `...mlp.router.gate.weight`."""
+    return hf_name[:-len(".gate.weight")] + ".router.gate.weight" if hf_name.endswith(".mlp.gate.weight") else None
 
 
 def world_size_from_chunks(chunk_counts: list[int]) -> int | None:
