@@ -26,6 +26,13 @@ def trainer(variant, step=3):
     return variant / "outputs" / "checkpoints" / f"step_{step}" / "trainer"
 
 
+def assert_same_tensors(out_file, expected_file):
+    ours, expected = load_file(out_file), load_file(expected_file)
+    assert sorted(ours) == sorted(expected)
+    for k, v in expected.items():
+        assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+
+
 def inspect_json(path):
     r = run("inspect", path, "--json")
     assert r.exit_code == 0, r.output
@@ -101,11 +108,7 @@ def test_merge_equals_the_expected_merged_model(tmp_path, variant, how):
     else:
         r = run("merge", "--base-from-checkpoint", trainer(variant), out, "--config-from", variant / "base_model")
     assert r.exit_code == 0, r.output
-    ours = load_file(out / "model.safetensors")
-    expected = load_file(variant / "expected_merged_hf" / "model.safetensors")
-    assert sorted(ours) == sorted(expected)
-    for k, v in expected.items():
-        assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+    assert_same_tensors(out / "model.safetensors", variant / "expected_merged_hf" / "model.safetensors")
 
 
 def test_run_config_takes_the_head_json(tmp_path):
@@ -134,6 +137,8 @@ def test_a_key_the_key_model_does_not_know_is_an_error_naming_it(tmp_path):
         assert r.exit_code != 0 and "app.model.model.layers.0.mlp.experts.w4" in r.output, (args, r.output)
         assert "key model" in r.output
     assert inspect_json(ck)["other_keys"] == ["app.model.model.layers.0.mlp.experts.w4"]
+    r = run("verify", ck)                       # a valid DCP: verify warns, names it
+    assert "app.model.model.layers.0.mlp.experts.w4" in r.output and "key model" in r.output
 
 
 def test_export_of_the_full_finetune_equals_the_trained_model_and_loads_in_transformers(tmp_path):
@@ -141,11 +146,9 @@ def test_export_of_the_full_finetune_equals_the_trained_model_and_loads_in_trans
     out = tmp_path / "exported"
     r = run("export", trainer(G), out, "--config-from", G / "base_model")
     assert r.exit_code == 0, r.output
-    ours = load_file(out / "model.safetensors")
+    assert_same_tensors(out / "model.safetensors", G / "expected_trained_hf" / "model.safetensors")
     expected = load_file(G / "expected_trained_hf" / "model.safetensors")
-    assert sorted(ours) == sorted(expected)
-    for k, v in expected.items():
-        assert ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], v), k
+    assert all(v.dtype == torch.bfloat16 for v in expected.values())
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     sd = model.state_dict()
     for k, v in expected.items():
@@ -156,9 +159,7 @@ def test_export_of_a_lora_run_is_the_merge_from_its_own_masters(tmp_path):
     out = tmp_path / "exported"
     r = run("export", trainer(F), out, "--config-from", F / "base_model", "--json")
     assert r.exit_code == 0, r.output
-    ours = load_file(out / "model.safetensors")
-    expected = load_file(F / "expected_merged_hf" / "model.safetensors")
-    assert sorted(ours) == sorted(expected) and all(torch.equal(ours[k], v) for k, v in expected.items())
+    assert_same_tensors(out / "model.safetensors", F / "expected_merged_hf" / "model.safetensors")
 
 
 def test_export_dry_run_is_merges_plan(tmp_path):
@@ -246,9 +247,7 @@ def test_the_extracted_moe_adapter_verifies_and_merges_like_the_checkpoint(tmp_p
     r = run("verify", ad, "--base", F / "base_model")
     assert r.exit_code == 0 and "matches no module" not in r.output, r.output
     assert run("merge", F / "base_model", ad, out).exit_code == 0
-    ours = load_file(out / "model.safetensors")
-    expected = load_file(F / "expected_merged_hf" / "model.safetensors")
-    assert sorted(ours) == sorted(expected) and all(torch.equal(ours[k], v) for k, v in expected.items())
+    assert_same_tensors(out / "model.safetensors", F / "expected_merged_hf" / "model.safetensors")
 
 
 def test_adapter_to_dcp_of_the_moe_adapter_rebuilds_prime_rls_own_layout(tmp_path):

@@ -58,13 +58,13 @@ def test_extract_merge_and_export_equal_the_factorys_truth(tmp_path, runs, shape
     ours = {k.removeprefix("base_model.model."): v for k, v in load_file(ad / "adapter_model.safetensors").items()}
     theirs = load_file(p.broadcast / "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
-    for args in (("merge", p.base_model, p.checkpoint, tmp_path / "m1"),
-                 ("merge", "--base-from-checkpoint", p.checkpoint, tmp_path / "m2", "--config-from", p.base_model),
-                 ("export", p.checkpoint, tmp_path / "m3", "--config-from", p.base_model)):
-        r = run(*args)
+    for out, args in ((tmp_path / "m1", ("merge", p.base_model, p.checkpoint)),
+                      (tmp_path / "m2", ("merge", "--base-from-checkpoint", p.checkpoint)),
+                      (tmp_path / "m3", ("export", p.checkpoint))):
+        extra = ("--config-from", p.base_model) if args[0] == "export" or "--base-from-checkpoint" in args else ()
+        r = run(*args, out, *extra)
         assert r.exit_code == 0, (args, r.output)
-        assert_equal_files(args[-3] if args[0] == "export" else (args[3] if args[1] != "--base-from-checkpoint"
-                                                                else args[3]), p.expected_hf)
+        assert_equal_files(out, p.expected_hf)
 
 
 def test_the_8_expert_checkpoint_is_counted(runs):

@@ -3,7 +3,11 @@
 prime-rl saves `{"app": AppState}` whose state dict is
 `{"model": ..., "optimizers": ..., "scheduler": ..., "progress": ...}`. Model FQNs contain dots and
 are ONE path element, so keys are classified from `planner_data` paths, never by splitting the flat
-key on dots. The rules are a table; a key no rule claims goes to the "other" group, visibly.
+key on dots. The rules are a table; a key no rule claims goes to the "other" group, which every
+command but `inspect` refuses (`require_known`). Model keys are a second table (`MODEL_RULES`), the
+same for both prime-rl generations: dense LoRA, HEAD's grouped-expert LoRA (stacked [E, r, in]),
+prime-format stacked expert weights and the MoE router, HF-named weights. A stacked tensor's experts
+are named by HF's per-expert names (`expert_hf_name`), so every op sees one naming.
 """
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ __all__ = [
     "GROUPS", "FROZEN_GROUPS", "LORA_FQN", "OPTIM_FIELDS", "PROGRESS_STEP_KEY", "KeyInfo", "RULES", "classify",
     "lora_key", "lora_path", "base_key", "base_path", "optimizer_state_key", "optimizer_state_path",
     "module_suffix", "trainable_params", "EXPERT_PROJ", "PROJ_W", "ModelRule", "MODEL_RULES", "expert_module",
-    "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys", "require_known", "peft_target",
-    "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names", "is_stacked_pattern", "expert_parts",
-    "router_prime_name", "GroupStats", "LoraStats", "summarize_groups", "summarize_lora", "world_size_from_chunks",
+    "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys",
+    "require_known", "peft_target", "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names",
+    "is_stacked_pattern", "expert_parts", "router_prime_name", "GroupStats", "LoraStats", "summarize_groups",
+    "summarize_lora", "world_size_from_chunks",
 ]
 
 GROUPS = ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progress", "other")

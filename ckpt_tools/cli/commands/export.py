@@ -1,19 +1,13 @@
 """`ckpt export`: arguments -> `ops.merge` export (open, plan, run: merge's contract) -> text or JSON."""
 from __future__ import annotations
 
-import dataclasses
-import sys
-
 import click
 
-from ...core.errors import CkptError
 from ...core.units import human_bytes
-from ...io.signals import Terminated, install_signal_handlers
-from ...ops.merge import ExportOptions, MergeReport, check_output, open_export_sources, plan_export, run_export
+from ...ops.merge import ExportOptions, open_export_sources, plan_export, run_export
 from ..options import alpha_options, dry_run_option, json_option, trust_option
-from ..progress import ProgressLine
-from ..render import emit, warn, warn_trust
-from .merge import render_plan
+from ..render import warn_trust
+from .merge import dry_run_or_run
 
 __all__ = ["command"]
 
@@ -55,39 +49,11 @@ def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_d
                             max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
                             allow_zero_delta=allow_zero_delta)
     with open_export_sources(ckpt, options) as sources:
-        plan = plan_export(sources, options)
-        if dry_run:
-            try:
-                check_output(plan, out)
-            except CkptError as exc:
-                plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
-            if as_json:
-                emit(MergeReport(plan))
-            else:
-                render_plan(plan, out)
-                for w in plan.warnings:
-                    warn(w)
-            return
-        check_output(plan, out)
-        if not as_json:
-            render_plan(plan, out, brief=True)
-            for w in plan.warnings:
-                warn(w)
-        install_signal_handlers()
-        bar = ProgressLine.for_terminal(not as_json)
-        try:
-            report = run_export(plan, sources, bar)
-        except Terminated as exc:
-            if bar:
-                bar.close()
-            click.echo(f"{exc}: nothing was written (temporary files removed)", err=True)
-            sys.exit(exc.exit_code)
-        finally:
-            if bar:
-                bar.close()
-    if as_json:
-        emit(report)
+        report = dry_run_or_run(plan_export(sources, options), sources, out, run_export, dry_run=dry_run,
+                                as_json=as_json)
+    if report is None or as_json:
         return
+    plan = report.plan
     result = report.result
     c = result.counts
     what = f"{result.merged_modules} modules merged" if result.merged_modules else "trained weights"

@@ -15,7 +15,7 @@ from ..options import alpha_options, dry_run_option, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
 
-__all__ = ["command", "render_plan"]
+__all__ = ["command", "render_plan", "dry_run_or_run"]
 
 
 @click.command("merge")
@@ -70,44 +70,52 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
                            dtype=dtype, max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
                            allow_zero_delta=allow_zero_delta)
     with open_merge_sources(base, adapter, options) as sources:
-        plan = plan_merge(sources, options)
-        if dry_run:
-            try:
-                check_output(plan, out)
-            except CkptError as exc:
-                plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
-            if as_json:
-                emit(MergeReport(plan))
-            else:
-                render_plan(plan, out)
-                for w in plan.warnings:
-                    warn(w)
-            return
-        check_output(plan, out)
-        if not as_json:
-            render_plan(plan, out, brief=True)
-            for w in plan.warnings:
-                warn(w)
-        install_signal_handlers()
-        bar = ProgressLine.for_terminal(not as_json)
-        try:
-            report = run_merge(plan, sources, bar)
-        except Terminated as exc:
-            if bar:
-                bar.close()
-            click.echo(f"{exc}: nothing was written (temporary files removed)", err=True)
-            sys.exit(exc.exit_code)
-        finally:
-            if bar:
-                bar.close()
-    if as_json:
-        emit(report)
+        report = dry_run_or_run(plan_merge(sources, options), sources, out, run_merge, dry_run=dry_run,
+                                as_json=as_json)
+    if report is None or as_json:
         return
     result = report.result
     c = result.counts
     click.echo(f"wrote {out}: {result.merged_modules} modules merged, {c['copy']} tensors copied, "
                f"{c['cast']} cast, {c['replace']} replaced; {human_bytes(result.bytes_written)} in "
                f"{result.seconds:.1f}s")
+
+
+def dry_run_or_run(plan, sources, out, run, *, dry_run: bool, as_json: bool):
+    """A merge-contract plan (merge, export) printed (--dry-run) or executed with a progress line and
+    Ctrl-C handling; the report is emitted under --json. Returns the report, None for a dry run."""
+    if dry_run:
+        try:
+            check_output(plan, out)
+        except CkptError as exc:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
+        if as_json:
+            emit(MergeReport(plan))
+        else:
+            render_plan(plan, out)
+            for w in plan.warnings:
+                warn(w)
+        return None
+    check_output(plan, out)
+    if not as_json:
+        render_plan(plan, out, brief=True)
+        for w in plan.warnings:
+            warn(w)
+    install_signal_handlers()
+    bar = ProgressLine.for_terminal(not as_json)
+    try:
+        report = run(plan, sources, bar)
+    except Terminated as exc:
+        if bar:
+            bar.close()
+        click.echo(f"{exc}: nothing was written (temporary files removed)", err=True)
+        sys.exit(exc.exit_code)
+    finally:
+        if bar:
+            bar.close()
+    if as_json:
+        emit(report)
+    return report
 
 
 def _targets_summary(plan) -> str:

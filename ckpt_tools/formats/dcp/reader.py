@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ...core.dtypes import torch_dtype
-from ...core.keys import classify, require_known
 from ...core.errors import CkptError, FormatError, UnsafePickleError, UsageError
+from ...core.keys import classify, require_known
 from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input, register
 from .item import ItemError, decode_chunk, is_row_block, load_byte_item
 from .layout import METADATA_NAME, resolve_checkpoint_dir

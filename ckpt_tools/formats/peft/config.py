@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...core.keys import peft_target
 from ...core.errors import FormatError
+from ...core.keys import peft_target
 from ...core.lora_math import check_alpha, lora_scale
 from ...io.inputs import read_json
 
