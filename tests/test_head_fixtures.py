@@ -267,3 +267,15 @@ def test_adapter_to_dcp_of_the_moe_adapter_rebuilds_prime_rls_own_layout(tmp_pat
             assert torch.equal(ours.read_tensor(k), genuine.read_tensor(k)), k
     p = "app.optimizers.param_groups.0.params"
     assert ours.read_object(p) == genuine.read_object(p)
+
+
+def test_export_takes_config_and_tokenizer_from_the_runs_base_model_by_default(tmp_path):
+    import shutil
+    r = run("export", trainer(G), tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    assert_same_tensors(tmp_path / "o" / "model.safetensors", G / "expected_trained_hf" / "model.safetensors")
+    assert (tmp_path / "o" / "tokenizer.json").read_bytes() == (G / "base_model" / "tokenizer.json").read_bytes()
+    lonely = tmp_path / "ckpt"
+    shutil.copytree(trainer(G), lonely)
+    r = run("export", lonely, tmp_path / "p")
+    assert r.exit_code == 2 and "--config-from" in r.output and not (tmp_path / "p").exists()

@@ -15,9 +15,10 @@ __all__ = ["command"]
 @click.command("export")
 @click.argument("ckpt", type=click.Path(path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
-@click.option("--config-from", metavar="DIR", required=True,
+@click.option("--config-from", metavar="DIR",
               help="HF model dir or hub id (local HF cache) giving config.json, tokenizer and the other "
-                   "non-weight files: the checkpoint holds none.")
+                   "non-weight files: the checkpoint holds none (default: the run config's base model, when "
+                   "found locally).")
 @alpha_options
 @click.option("--slot", type=click.IntRange(min=0), default=0, show_default=True,
               help="Adapter slot of a multi-run DCP checkpoint (lora_A.<slot>).")

@@ -13,13 +13,16 @@ The same contract and pipeline as merge, not a copy: `open_export_sources` opens
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...core.errors import FormatError
+from ...core.errors import FormatError, UsageError
 from ...core.keys import classify, trainable_params
 from ...formats.dcp.layout import METADATA_NAME
 from ...formats.dcp.reader import DcpCheckpoint
+from ...formats.hf_dir.hub import locate_model
+from ...formats.primerl.alpha import find_run_configs, orch_model_name
 from ...sources.dcp import DcpBaseSource
 from ...sources.lora import DcpLoraSource, NoLoraSource
 from .pipeline import run_merge
@@ -77,8 +80,30 @@ def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeS
     return MergeSources(base, adapter)
 
 
+def run_base_model(ckpt_dir: Path) -> str | None:
+    """The base model the run trained, from its own config where prime-rl writes it (HEAD trainer.json
+    `model.name`, or 16e747c orch.toml `[model] name`), resolved the way prime-rl did: relative to the
+    launch dir first, else a local dir or a hub id in the local HF cache. None when not found."""
+    configs = find_run_configs(ckpt_dir)
+    if len(configs) != 1:
+        return None
+    cfg = configs[0].resolve()
+    # trainer.json: <run>/configs/trainer.json; orch.toml: <run>/outputs/run_x/configs/orch.toml
+    root = cfg.parents[1] if cfg.suffix == ".json" else (cfg.parents[3] if len(cfg.parents) > 3 else None)
+    found, _why = locate_model(orch_model_name(configs[0]), run_root=root)
+    return None if found is None else str(found)
+
+
 def plan_export(sources: MergeSources, options: ExportOptions) -> MergePlan:
-    """Merge's plan over the checkpoint's own weights (see the module docstring)."""
+    """Merge's plan over the checkpoint's own weights (see the module docstring). Without --config-from,
+    config and tokenizer come from the run's base model (`run_base_model`)."""
+    if options.config_from is None:
+        found = run_base_model(sources.base.path)
+        if found is None:
+            raise UsageError("export needs --config-from: the checkpoint holds no config or tokenizer, and the "
+                             "run's config names no base model found locally", path=sources.base.path,
+                             hint="pass --config-from DIR_OR_HUB_ID: the HF base model the run trained")
+        options = dataclasses.replace(options, config_from=found)
     return plan_merge(sources, options.merge_options())
 
 
