@@ -49,7 +49,7 @@ def test_inspect_counts_the_moe_experts_world_size_and_states_the_head_rule():
     assert r["alpha"]["alpha"] == 32.0 and r["alpha"]["training_scale"] == 4.0
     assert "trainer model.lora.alpha" in r["alpha"]["rule"] and "bf16" in r["alpha"]["rule"]
     assert str(F / "configs" / "trainer.json") in r["alpha"]["source"]
-    assert r["other_keys"] == []
+    assert r["other_keys"] == [] and r["optimizer"].startswith("CPUOffloadOptimizer")
 
 
 def test_inspect_of_the_full_finetune_and_of_an_interval_checkpoint():

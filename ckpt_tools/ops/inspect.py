@@ -103,7 +103,9 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
     else:   # HEAD's default CPU-offload optimizer writes fused False; 16e747c's plain AdamW None
         gen, why = (GEN_HEAD, "param_groups fused=False") if fused is False else (GEN_16E747C, "param_groups")
     out = {"generation": gen, "generation_from": why, "scale_rule": RULE_HEAD if gen == GEN_HEAD else RULE_16E747C,
-           "ep": None, "interval_checkpoint": None}
+           "ep": None, "interval_checkpoint": None,
+           # HEAD's default optim_cpu_offload wraps AdamW; the DCP holds the inner AdamW's state (same keys)
+           "optimizer": "CPUOffloadOptimizer(AdamW), state of the inner AdamW" if fused is False else "AdamW"}
     if configs and gen == GEN_HEAD:
         try:
             cfg = load_run_config(config_files(configs))

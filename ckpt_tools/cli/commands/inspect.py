@@ -69,7 +69,8 @@ def _render_dcp(r: dict) -> None:
     click.echo(f"  step {r['step']}   lr {r['lr']}   scheduler {stype}   world size {r['world_size']}   "
                f"keys {r['keys']}")
     click.echo(f"  prime-rl {r['generation']} layout (from {r['generation_from']})"
-               + (f"   training: {r['training']}" if r.get("training") else ""))
+               + (f"   training: {r['training']}" if r.get("training") else "")
+               + (f"   optimizer: {r['optimizer']}" if r.get("optimizer") else ""))
     ex = r.get("experts")
     if ex:
         click.echo(f"  MoE: {ex['layers']} layer(s) x {ex['experts']} experts (prime-format stacked w1/w2/w3), "
