@@ -13,10 +13,23 @@
 #   python bench/report.py $FILES_AT/results.json --label "16-core GPU host" --plots docs/bench \
 #          --record docs/benchmarks.md
 #
-# Knobs (environment): SIZES (8b,0.6b), RANKS (1), REPEAT (1), BUDGET_S (480), CASES (all), EXTRA (more
-# harness flags, e.g. "--ranks-only" for a rank sweep of the ckpt commands alone). A second call for the
-# rank sweep, once `torchrun -m ckpt_tools` works:
-#   RANKS=1,2,4,8 EXTRA=--ranks-only CASES="merge,diff-vs-base,verify --deep HF dir" bash bench/device_run.sh
+# Three calls cover issue 14 (each fits the 600 s limit: BUDGET_S 480 stops new work, the harness is
+# killed at BUDGET_S + 60; a fresh machine per call rebuilds its inputs, which the budget includes):
+#
+#   1. PHASE=floors    bash bench/device_run.sh   8B (then 0.6B) at N = 1: every command beside its floors
+#                                                 (cat, cp && sync, the safetensors rewrite) and peers
+#   2. PHASE=ranks-hf  bash bench/device_run.sh   8B at N = 1, 2, 4, 8 (--ranks-only: the ckpt commands
+#                                                 alone; their floors are call 1's): merge, diff-vs-base,
+#                                                 diff-vs-base --adapter, verify --deep HF dir
+#   3. PHASE=ranks-dcp bash bench/device_run.sh   8B at N = 1, 2, 4, 8 (--ranks-only): adapter-to-dcp,
+#                                                 verify --deep DCP, slim, rehydrate, merge --base-from-checkpoint
+#
+# i.e. the device tool's `run` with carry [".whl"], timeout_s 600 and command
+# `PHASE=ranks-hf bash bench/device_run.sh` (and so on). Each call's $OUT holds results.json, report.md,
+# device_run.log and the plots; back here, one section per call:
+#   python bench/report.py $FILES_AT/results.json --label "16-core GPU host, $PHASE" --plots docs/bench \
+#          --record docs/benchmarks.md
+# Knobs (environment) override a phase: SIZES, RANKS, REPEAT, BUDGET_S, CASES, EXTRA, LABEL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ckpt-bench-out}
@@ -24,12 +37,21 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/device_run.log") 2>&1
 
 PY=${PYTHON:-python3}
-SIZES=${SIZES:-8b,0.6b}
-RANKS=${RANKS:-1}
+PHASE=${PHASE:-floors}
+case "$PHASE" in
+    floors)    D_SIZES=8b,0.6b; D_RANKS=1;       D_CASES=;  D_EXTRA= ;;
+    ranks-hf)  D_SIZES=8b;      D_RANKS=1,2,4,8; D_EXTRA=--ranks-only
+               D_CASES="merge,diff-vs-base,diff-vs-base --adapter,verify --deep HF dir" ;;
+    ranks-dcp) D_SIZES=8b;      D_RANKS=1,2,4,8; D_EXTRA=--ranks-only
+               D_CASES="adapter-to-dcp,verify --deep DCP,slim,rehydrate,merge --base-from-checkpoint" ;;
+    *) echo "PHASE must be floors, ranks-hf or ranks-dcp (got $PHASE)"; exit 2 ;;
+esac
+SIZES=${SIZES:-$D_SIZES}
+RANKS=${RANKS:-$D_RANKS}
 REPEAT=${REPEAT:-1}
 BUDGET_S=${BUDGET_S:-480}
-CASES=${CASES:-}
-EXTRA=${EXTRA:-}
+CASES=${CASES:-$D_CASES}
+EXTRA=${EXTRA:-$D_EXTRA}
 LABEL=${LABEL:-16-core GPU host}
 WORK=${WORK:-/tmp/ckpt-bench-device}
 export PYTHONUNBUFFERED=1
@@ -47,13 +69,17 @@ if [ -n "$MERGEKIT" ] && ! "$MERGEKIT" --help >/dev/null 2>&1; then
     MERGEKIT=
 fi
 
-echo "== host"; nproc; free -g; df -h / /tmp /dev/shm 2>/dev/null; "$PY" --version
+echo "== host (phase $PHASE: sizes $SIZES, ranks $RANKS, cases ${CASES:-all})"; nproc; free -g; df -h / /tmp /dev/shm 2>/dev/null; "$PY" --version
 # Fail in seconds, not minutes, if ckpt_tools does not run here (Python 3.12, torch 2.11).
 echo "== smoke"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -m ckpt_tools --version || exit 1
 "$PY" -m ckpt_tools inspect tests/fixtures/primerl-tiny/outputs/checkpoints/step_3/trainer >/dev/null || exit 1
 "$PY" -m ckpt_tools verify --deep tests/fixtures/primerl-tiny/outputs/checkpoints/step_3/trainer || exit 1
+if [ "$RANKS" != 1 ]; then   # multi-rank works here (gloo on this host) before minutes go into inputs
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m ckpt_tools verify --deep \
+        tests/fixtures/primerl-tiny/outputs/checkpoints/step_3/trainer --json >/dev/null || exit 1
+fi
 
 # The 8B DCP is 34 GB: beside the base (16 GB) and one output it fits a 64 GiB disk only without the
 # merged copy, so keep DCP inputs in RAM (tmpfs) when the disk is short and /dev/shm is big enough.

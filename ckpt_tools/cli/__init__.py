@@ -16,7 +16,8 @@ import traceback
 import click
 
 from .. import __version__
-from ..core.errors import CkptError
+from .. import dist
+from ..core.errors import CkptError, UsageError
 from ..io import inputs
 from ..io.signals import Terminated, install_signal_handlers
 from .render import emit_json, error_object
@@ -28,6 +29,9 @@ COMMAND_MODULES = (
     "inspect", "extract_adapter", "adapter_to_dcp", "fix_adapter", "merge", "export", "diff_vs_base",
     "verify", "slim", "rehydrate", "set_lr", "set_value", "restart_prep", "gc", "doctor",
 )
+# Commands that split their plan over torchrun's ranks (`ckpt_tools.dist`); any other refuses 2+ ranks
+# (N copies of one command would race for the same OUT).
+MULTI_RANK_COMMANDS = ("merge", "rehydrate", "adapter-to-dcp", "slim", "diff-vs-base", "verify")
 
 
 class _Group(click.Group):
@@ -45,6 +49,7 @@ class _Group(click.Group):
             ctx.exit(code)
 
         try:
+            self._check_ranks(protected[0] if protected else None)
             # every path this command reads is recorded as an input (inputs.register): OUT may not
             # be, contain or be inside any of them (io.staging.AtomicOutputDir)
             with inputs.tracking():
@@ -73,6 +78,19 @@ class _Group(click.Group):
                 traceback.print_exc()
             fail("internal", f"internal error: {type(exc).__name__}: {str(exc)[:500]} (rerun with -v for the "
                              "traceback and report it)", 1)
+
+
+    @staticmethod
+    def _check_ranks(name: str | None) -> None:
+        """Under torchrun with 2+ ranks: refuse a command that does not split its work; rank 0 alone prints."""
+        part = dist.env_part()
+        if part.world == 1:
+            return
+        if name not in MULTI_RANK_COMMANDS:
+            raise UsageError(f"`ckpt {name}` runs in one process, not under torchrun ({part.world} ranks)",
+                             hint=f"run it without torchrun; multi-rank commands: {', '.join(MULTI_RANK_COMMANDS)}")
+        if not part.leader:   # the ranks' reports are the same: the leader's is the one shown (errors stay on stderr)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

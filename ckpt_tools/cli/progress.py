@@ -15,6 +15,7 @@ import time
 import click
 
 from ..core.progress import ProgressEvent
+from ..dist import env_part
 from ..core.units import human_bytes
 from .render import is_tty
 
@@ -29,7 +30,7 @@ class ProgressLine:
 
     @classmethod
     def for_terminal(cls, enabled: bool = True) -> "ProgressLine | None":
-        return cls() if enabled and is_tty() else None
+        return cls() if enabled and is_tty() and env_part().leader else None   # one bar, rank 0's
 
     def __call__(self, ev: ProgressEvent) -> None:
         now = time.monotonic()

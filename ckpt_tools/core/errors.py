@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = ["CkptError", "UsageError", "FormatError", "MissingFileError", "TruncatedFileError", "UnsafePickleError",
-           "UnsafeInputError", "DiskSpaceError", "OutputExistsError", "LockedError", "AlphaError",
+           "UnsafeInputError", "DiskSpaceError", "OutputExistsError", "LockedError", "AlphaError", "RankFailed",
            "MAX_PATH_CHARS", "MAX_KEY_CHARS", "MAX_MESSAGE_CHARS"]
 
 
@@ -85,6 +85,10 @@ class OutputExistsError(CkptError):
 
 class LockedError(CkptError):
     pass
+
+
+class RankFailed(CkptError):
+    """Under torchrun: another rank failed or stopped while this one waited for it; nothing was committed."""
 
 
 class AlphaError(CkptError):

@@ -22,7 +22,7 @@ __all__ = [
     "lora_key", "lora_path", "base_key", "base_path", "optimizer_state_key", "optimizer_state_path",
     "module_suffix", "trainable_params", "EXPERT_PROJ", "PROJ_W", "ModelRule", "MODEL_RULES", "expert_module",
     "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys",
-    "require_known", "peft_target", "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names",
+    "require_known", "peft_target", "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names", "expert_module_pattern",
     "is_stacked_pattern", "expert_parts", "router_prime_name", "GroupStats", "LoraStats", "summarize_groups",
     "summarize_lora", "world_size_from_chunks",
 ]
@@ -78,6 +78,11 @@ def stacked_hf_pattern(info: KeyInfo) -> str:
     """The HF names of a stacked base tensor's experts as one pattern, `...mlp.experts.*.gate_proj.weight`:
     what a slim manifest records, so that rehydrate stacks the base's per-expert weights back."""
     return expert_hf_name(info, EXPERT_WILDCARD)   # type: ignore[arg-type]
+
+
+def expert_module_pattern(experts: str, proj: str) -> str:
+    """The module pattern of a stack's experts, `...mlp.experts.*.gate_proj` (see `expert_names`)."""
+    return expert_module(experts, EXPERT_WILDCARD, proj)   # type: ignore[arg-type]
 
 
 def expert_names(pattern: str, start: int, count: int) -> list[str]:

@@ -25,14 +25,14 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-from ..core.errors import DiskSpaceError, OutputExistsError, UsageError
+from ..core.errors import DiskSpaceError, OutputExistsError, RankFailed, UsageError
 from ..core.units import human_bytes
 from .inputs import registered as registered_inputs
 from .files import fsync_path, fsync_tree, remove_path
 from .lock import OutputLock, lock_path_for, pid_alive
 from .signals import signals_deferred
 
-__all__ = ["AtomicOutputDir", "clean_stale_temps", "check_against_inputs", "check_output_file", "mount_point"]
+__all__ = ["AtomicOutputDir", "SharedOutputDir", "clean_stale_temps", "check_against_inputs", "check_output_file", "mount_point"]
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +244,70 @@ def check_output_file(path: str | os.PathLike, inputs: Iterable[str | os.PathLik
     if os.path.lexists(p):
         raise OutputExistsError("already exists", path=p, hint=f"remove it or pass another {what} path")
     return p
+
+
+class SharedOutputDir:
+    """`AtomicOutputDir` shared by the ranks of a group (`dist.Group`): the leader (rank 0) creates the
+    staging dir, locks OUT and broadcasts the path; every rank writes its own files into it; on a
+    clean exit all ranks meet at a barrier, then the leader fsyncs and renames it into place and tells
+    the others. A rank that fails skips the barrier, so the leader never commits (see `ckpt_tools.dist`).
+    With one process it is exactly `AtomicOutputDir`."""
+
+    def __init__(self, out: str | os.PathLike, group, **kwargs):
+        self.group = group
+        self.out = Path(out)
+        self._dir = AtomicOutputDir(out, **kwargs) if group.leader else None
+        self.tmp: Path | None = None
+
+    def __enter__(self) -> Path:
+        if self.group.part.world == 1:
+            self.tmp = self._dir.__enter__()
+            return self.tmp
+        tmp, error = None, None
+        if self._dir is not None:
+            try:
+                tmp = self._dir.__enter__()
+            except BaseException as exc:   # the others must hear of it, not wait forever
+                error = str(exc)
+                self.group.broadcast({"tmp": None, "error": error}, "the staging directory")
+                raise
+            self.group.broadcast({"tmp": str(tmp), "error": None}, "the staging directory")
+            self.tmp = tmp
+            return tmp
+        msg = self.group.broadcast(None, "the staging directory")
+        if not msg or not msg.get("tmp"):
+            raise RankFailed(f"rank 0 could not start the output ({(msg or {}).get('error')}); nothing was written",
+                             path=self.out, hint="see rank 0's error")
+        tmp = Path(msg["tmp"])
+        if not tmp.is_dir():
+            raise UsageError(f"rank {self.group.part.rank} does not see rank 0's staging directory {tmp}",
+                             path=self.out, hint="with --nnodes > 1, OUT must be on a filesystem every node "
+                                                 "sees at the same path")
+        self.tmp = tmp
+        return tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self.group.part.world == 1:
+            return self._dir.__exit__(exc_type, exc, tb)
+        if exc_type is not None:   # no barrier: the leader must not commit; torchrun stops the others
+            if self._dir is not None:
+                return self._dir.__exit__(exc_type, exc, tb)
+            return False
+        if self._dir is None:
+            self.group.barrier("the end of the writes")
+            if not self.group.broadcast(None, "the commit"):
+                raise RankFailed("rank 0 could not commit the output; nothing was written", path=self.out,
+                                 hint="see rank 0's error")
+            return False
+        try:
+            self.group.barrier("the end of the writes")
+        except BaseException as e:
+            self._dir.__exit__(type(e), e, e.__traceback__)
+            raise
+        try:
+            self._dir.__exit__(None, None, None)
+        except BaseException:
+            self.group.broadcast(False, "the commit")
+            raise
+        self.group.broadcast(True, "the commit")
+        return False

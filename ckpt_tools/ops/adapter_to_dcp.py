@@ -39,15 +39,16 @@ from pathlib import Path
 import torch
 
 from ..core.errors import FormatError, UsageError
+from ..dist import Group, SoloGroup
 from ..core.keys import (
-    EXPERT_WILDCARD, PROJ_W, base_key, base_path, classify, expert_module, expert_names, expert_parts, lora_key,
+    base_key, base_path, classify, expert_module, expert_module_pattern, expert_names, expert_parts, lora_key,
     lora_path, optimizer_state_key, optimizer_state_path, router_prime_name, stacked_base_key, stacked_lora_key,
     stacked_lora_path,
 )
 from ..core.lora_math import check_modules_fit_base
 from ..core.primerl_state import (
     ADAMW_STATE_FIELDS, PRIMERL_ADAMW_DEFAULTS, SchedulerSpec, adamw_param_group, build_optim_state, flat_key,
-    flatten_state, fresh_adamw_fields, optimizer_param_order, progress_state,
+    flatten_state, fresh_adamw_fields, lora_param_order, progress_state,
 )
 from ..core.progress import Progress, report
 from ..core.tied import missing_aliases
@@ -55,7 +56,7 @@ from ..formats.dcp.layout import row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
-from ..io.staging import AtomicOutputDir
+from ..io.staging import SharedOutputDir
 from ..sources.hashing import read_rows_as
 from ..sources.hf import HFSource
 from ..sources.lora import LoraSource, PeftLoraSource
@@ -247,7 +248,7 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
             if (ex[0], ex[2]) in done_stacks:
                 continue
             done_stacks.add((ex[0], ex[2]))
-            pattern = stacked_hf_pattern_of(ex[0], ex[2])
+            pattern = expert_module_pattern(ex[0], ex[2])
             n = len(stacks[(ex[0], ex[2])])
             key = stacked_base_key(ex[0], ex[2])
             jobs.append(ToDcpJob(key, ("app", "model", key.removeprefix("app.model.")),
@@ -290,12 +291,12 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
         for ab, shape in (("A", first.a_shape), ("B", first.b_shape)):
             key = stacked_lora_key(experts, proj, ab, SLOT)
             jobs.append(ToDcpJob(key, stacked_lora_path(experts, proj, ab, SLOT), (n,) + tuple(shape),
-                                 f"adapter-stack:{ab}:{stacked_hf_pattern_of(experts, proj)}", "lora"))
+                                 f"adapter-stack:{ab}:{expert_module_pattern(experts, proj)}", "lora"))
             param_shape[key.removeprefix("app.model.")] = (n,) + tuple(shape)
     if lora_stacks:
         notes.append(f"MoE LoRA: {sum(len(v) for v in lora_stacks.values())} per-expert modules stacked into "
                      f"{2 * len(lora_stacks)} grouped-expert factors (w{{1,2,3}}_lora_{{A,B}}.{SLOT})")
-    order = _param_order(dense, sorted(lora_stacks))
+    order = lora_param_order(dense, sorted(lora_stacks), SLOT)
 
     # ---- optimizer: fresh, or moments carried from another checkpoint
     hparams = {}
@@ -383,31 +384,12 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
     return plan
 
 
-def stacked_hf_pattern_of(experts: str, proj: str) -> str:
-    """The module pattern of a stack's experts, `...mlp.experts.*.gate_proj` (see `core.keys.expert_names`)."""
-    return expert_module(experts, EXPERT_WILDCARD, proj)   # type: ignore[arg-type]
-
-
-def _param_order(dense: list[str], stacks: list[tuple[str, str]]) -> list[str]:
-    """prime-rl's `named_parameters` order of the LoRA params: by layer, the dense modules (q, k, v, o,
-    gate, up, down; A before B), then the grouped experts' w1_A, w1_B, w2_A, w2_B, w3_A, w3_B."""
-    keyed = [(_layer(m), 0, i, fqn) for i, fqn in enumerate(optimizer_param_order(dense, SLOT))
-             for m in [fqn.rsplit(".lora_", 1)[0]]]
-    for experts, proj in stacks:
-        for ab in "AB":
-            fqn = stacked_lora_key(experts, proj, ab, SLOT).removeprefix("app.model.")
-            keyed.append((_layer(experts), 1, (PROJ_W[proj], ab), fqn))
-    return [fqn for *_k, fqn in sorted(keyed, key=lambda t: t[:3])]   # t[2] compares within one kind only
-
-
-def _layer(module: str) -> int:
-    m = re.search(r"\.layers\.(\d+)\.", "." + module + ".")
-    return int(m.group(1)) if m else -1
-
-
 def _write_stack(w: DcpWriter, job: ToDcpJob, read_rows) -> None:
     """A stacked [E, ...] tensor as fp32, one row chunk (a block of experts) at a time."""
     for k, (start, rows) in enumerate(row_chunks(job.shape[0], w.files)):
+        if not w.owns(k):   # another rank's file (multi-rank): its experts are not read here
+            w.skip(job.key)
+            continue
         piece = read_rows(start, rows)
         piece = piece.to(torch.float32) if piece.is_floating_point() else piece
         w.write_chunk(job.key, job.path, piece, size=tuple(job.shape), offsets=(start,) + (0,) * (len(job.shape) - 1),
@@ -420,10 +402,16 @@ def _write_base_streaming(w: DcpWriter, job: ToDcpJob, hf: HFSource, name: str) 
     append, drop): memory is one fp32 chunk plus its source rows."""
     shape = hf.facts(name).shape
     if not shape:
+        if not w.owns(0):
+            w.skip(job.key)
+            return
         t = hf.read_tensor(name)
         w.write_tensor(job.key, job.path, t.float() if t.is_floating_point() else t)
         return
     for k, (start, rows) in enumerate(row_chunks(shape[0], w.files)):
+        if not w.owns(k):   # another rank's file (multi-rank): its rows are not read here
+            w.skip(job.key)
+            continue
         piece = hf.read_rows(name, start, rows)
         piece = piece.to(torch.float32) if piece.is_floating_point() else piece
         w.write_chunk(job.key, job.path, piece, size=tuple(shape), offsets=(start,) + (0,) * (len(shape) - 1),
@@ -447,13 +435,19 @@ class ToDcpReport:
         return rep
 
 
-def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progress | None = None) -> ToDcpReport:
-    """Write the checkpoint (atomically); `progress`: one event per key written."""
+def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progress | None = None, *,
+                       group: Group | None = None) -> ToDcpReport:
+    """Write the checkpoint (atomically); `progress`: one event per key written. Under torchrun
+    (`group`), rank k of N writes its share of the rank files `__i_0.distcp` (each file holds one row
+    chunk of every tensor: about equal, so by index); rank 0 writes `.metadata` and commits."""
     ad, hf, src_ckpt = sources.lora, sources.base, sources.optimizer_from
+    group = group or SoloGroup()
     t0 = time.perf_counter()
     inputs = [plan.adapter, plan.base] + ([plan.optimizer_from] if plan.optimizer_from else [])
-    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.need_bytes) as tmp:
-        w = DcpWriter(tmp, files=plan.world_size)
+    with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=plan.need_bytes) as tmp:
+        split = group.part.world > 1
+        w = DcpWriter(tmp, files=plan.world_size,
+                      owned_files=group.part.mine([1] * plan.world_size) if split else None)
         try:
             for i, job in enumerate(plan.tensors):
                 kind, _, ref = job.source.partition(":")
@@ -482,8 +476,9 @@ def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progres
                 del t
             for path, value in plan.objects:
                 w.write_object(flat_key(path), path, value)
-            w.finish()
+            (bytes_written,) = group.sum([w.bytes_written], "the bytes written")
+            w.finish(group)
         except BaseException:
             w.abort()
             raise
-    return ToDcpReport(plan, w.bytes_written, round(time.perf_counter() - t0, 3))
+    return ToDcpReport(plan, bytes_written, round(time.perf_counter() - t0, 3))

@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from ..core.dtypes import torch_dtype
-from ..core.keys import expert_names, is_stacked_pattern
 from ..core.errors import FormatError, UsageError
+from ..core.keys import expert_names, is_stacked_pattern
+from ..core.parts import assign_units
+from ..dist import Group, SoloGroup
 from ..core.progress import Progress, report
 from ..core.tensor_math import sha256_of_tensor, update_hash
 from ..formats.dcp.layout import extra_bytes, extra_entries, row_chunks
@@ -31,7 +33,7 @@ from ..formats.hf_dir.hub import resolve_model_dir
 from ..formats.slim.manifest import SLIM_MANIFEST, read_manifest
 from ..formats.slim.partition import base_identity, map_to_base
 from ..formats.slim.writer import copy_extra_entries
-from ..io.staging import AtomicOutputDir
+from ..io.staging import SharedOutputDir
 from ..sources.hashing import read_as, read_rows_as
 from ..sources.hf import HFSource
 
@@ -201,27 +203,55 @@ def _row_blocks_in_order(r: RebuildItem):
     return chunks if expect == r.shape[0] else None
 
 
-def _rebuild_one(writer, hf: HFSource, r: RebuildItem) -> str:
-    """Write one dropped tensor rebuilt from the base; return the sha256 of what was written.
-    Row-block layouts (FSDP's) stream chunk by chunk: memory is one chunk, not the tensor. The
-    caller compares the hash before finishing; a mismatch aborts the whole (atomic) output."""
+def _rebuild_one(writer, hf: HFSource, r: RebuildItem, verify: bool = True) -> str | None:
+    """Write this rank's chunks of one dropped tensor rebuilt from the base (every chunk, in one
+    process); with `verify`, return the sha256 of the whole tensor (split over ranks, one rank per
+    tensor hashes it, reading all its rows). Row-block layouts (FSDP's) stream chunk by chunk: memory
+    is one chunk, not the tensor. The caller compares the hash before finishing; a mismatch aborts
+    the whole (atomic) output."""
     dtype = torch_dtype(r.dtype)
     chunks = _row_blocks_in_order(r)
     if chunks is None:
+        if not verify and not any(writer.owns(fi) for _o, _s, fi in r.chunks):
+            for _chunk in r.chunks:
+                writer.skip(r.key)
+            return None
         t = read_as(hf, r.base_name, dtype)
         for offsets, sizes, fi in r.chunks:
-            writer.write_tensor(r.key, r.path, t, chunks=[(offsets, sizes)], file_index=fi)
-        return sha256_of_tensor(t)
+            if writer.owns(fi):
+                writer.write_tensor(r.key, r.path, t, chunks=[(offsets, sizes)], file_index=fi)
+            else:
+                writer.skip(r.key)
+        return sha256_of_tensor(t) if verify else None
     h = hashlib.sha256()
     for offsets, sizes, fi in chunks:
+        mine = writer.owns(fi)
         if sizes[0] == 0:
             piece = torch.empty(sizes, dtype=dtype)
-        else:
+        elif mine or verify:
             piece = read_rows_as(hf, r.base_name, dtype, offsets[0], sizes[0])
-            update_hash(h, piece)
-        writer.write_chunk(r.key, r.path, piece, size=r.shape, offsets=offsets, file_index=fi)
+            if verify:
+                update_hash(h, piece)
+        else:
+            piece = None
+        if mine:
+            writer.write_chunk(r.key, r.path, piece, size=r.shape, offsets=offsets, file_index=fi)
+        else:
+            writer.skip(r.key)
         del piece
-    return h.hexdigest()
+    return h.hexdigest() if verify else None
+
+
+def _file_weights(plan: "RehydratePlan") -> list[int]:
+    """Bytes each output data file receives (copied items and rebuilt chunks): the ranks' units."""
+    w = [0] * plan.files
+    for _key, _rel, _off, length, fi in plan.copy_items:
+        w[fi % plan.files] += length
+    for r in plan.rebuild:
+        per_row = r.nbytes // r.shape[0] if r.shape and r.shape[0] else r.nbytes
+        for _offsets, sizes, fi in r.chunks:
+            w[fi % plan.files] += per_row * (sizes[0] if sizes else 1)
+    return w
 
 
 @dataclass
@@ -252,18 +282,27 @@ class RehydrateReport:
 
 
 def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Progress | None = None, *,
-                  overwrite: bool = False) -> RehydrateReport:
+                  overwrite: bool = False, group: Group | None = None) -> RehydrateReport:
+    """Write the full checkpoint. Under torchrun (`group`), each rank writes its share of the output
+    data files and hashes its share of the rebuilt tensors; rank 0 writes `.metadata` and commits."""
     ckpt, hf = sources.slim, sources.base
+    group = group or SoloGroup()
+    split = group.part.world > 1
     t0 = time.perf_counter()
     need = (plan.copy_bytes + plan.rebuild_bytes + extra_bytes(ckpt.dir, plan.extra_files)
             + _ITEM_OVERHEAD_BYTES * (1 + sum(len(r.chunks) for r in plan.rebuild)))
     seconds = {}
-    base_read = 0
     verified = 0
-    with AtomicOutputDir(plan.out, inputs=[ckpt.dir, hf.path], need_bytes=need, overwrite=overwrite) as tmp:
-        writer = DcpWriter(tmp, files=plan.files)
+    # which rank hashes each rebuilt tensor (all of them, in one process)
+    verifier = assign_units([r.nbytes for r in plan.rebuild], group.part.world)
+    with SharedOutputDir(plan.out, group, inputs=[ckpt.dir, hf.path], need_bytes=need, overwrite=overwrite) as tmp:
+        writer = DcpWriter(tmp, files=plan.files,
+                           owned_files=group.part.mine(_file_weights(plan)) if split else None)
         try:
             for key, rel, offset, length, fi in plan.copy_items:
+                if not writer.owns(fi):
+                    writer.skip(key)
+                    continue
                 raw = ckpt.read_item_bytes(rel, offset, length, key)
                 e = ckpt.entries[key]
                 if isinstance(e, BytesEntry):
@@ -274,11 +313,10 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             seconds["copy"] = round(time.perf_counter() - t0, 3)
             t1 = time.perf_counter()
             done = 0
-            for r in plan.rebuild:
-                got = _rebuild_one(writer, hf, r)
-                base_read += sum(hf.facts(n).nbytes for n in (expert_names(r.base_name, 0, r.shape[0])
-                                                               if is_stacked_pattern(r.base_name) else [r.base_name]))
-                if got != r.sha256:
+            for i, r in enumerate(plan.rebuild):
+                verify = verifier[i] == group.part.rank
+                got = _rebuild_one(writer, hf, r, verify)
+                if verify and got != r.sha256:
                     raise FormatError(
                         f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, as "
                         f"{r.dtype}, is {got[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
@@ -286,7 +324,7 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
                         path=Path(plan.base), key=r.key,
                         hint="this is not the base model the run trained on (another revision or a "
                              "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
-                verified += 1
+                verified += verify
                 done += r.nbytes
                 report(progress, "rebuild", done, plan.rebuild_bytes)
             seconds["rebuild"] = round(time.perf_counter() - t1, 3)
@@ -294,16 +332,21 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             if writer.keys() != expected:   # an internal invariant: every key exactly once
                 raise FormatError(f"output would hold {len(writer.keys())} keys, expected {len(expected)}",
                                   path=plan.out)
-            writer.finish()
+            verified, bytes_written = group.sum([verified, writer.bytes_written], "the rehydrate totals")
+            writer.finish(group)
         except BaseException:
             writer.abort()
             raise
-        copy_extra_entries(ckpt.dir, tmp, plan.extra_files)
-        out_bytes = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
+        if group.leader:
+            copy_extra_entries(ckpt.dir, tmp, plan.extra_files)
+    out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
     seconds["total"] = round(time.perf_counter() - t0, 3)
+    base_read = sum(hf.facts(n).nbytes for r in plan.rebuild   # the base tensors the plan rebuilds
+                    for n in (expert_names(r.base_name, 0, r.shape[0]) if is_stacked_pattern(r.base_name)
+                              else [r.base_name]))
     return RehydrateReport(plan, RehydrateResult(
         out=plan.out, copied_items=len(plan.copy_items), rebuilt_tensors=len(plan.rebuild), verified_tensors=verified,
-        bytes_written=writer.bytes_written, base_bytes_read=base_read, out_bytes=out_bytes, seconds=seconds))
+        bytes_written=bytes_written, base_bytes_read=base_read, out_bytes=out_bytes, seconds=seconds))
 
 
 def rehydrate(slim_path: str | Path, out: str | Path, *, base: str | Path, world_size: int | None = None,

@@ -16,14 +16,15 @@ from pathlib import Path
 
 from ..core.errors import CkptError
 from ..core.progress import Progress
+from ..dist import Group, SoloGroup, local_workers
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.hub import resolve_model_dir
 from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_outputs_dir
 from ..formats.slim.partition import SlimLayout, base_identity, partition
 from ..formats.slim.writer import need_bytes, write_slim
 from ..io.inputs import read_toml
-from ..io.staging import AtomicOutputDir
-from ..sources.hashing import base_hash_check
+from ..io.staging import SharedOutputDir
+from ..sources.hashing import BASE_BLOCK_BYTES, base_hash_check
 from ..sources.hf import HFSource
 
 __all__ = ["SlimOptions", "SlimSources", "open_slim_sources", "SlimPlan", "SlimResult", "SlimReport", "plan_slim",
@@ -140,21 +141,36 @@ def plan_slim(sources: SlimSources, options: SlimOptions) -> SlimPlan:
     return SlimPlan(str(options.out), partition(sources.ckpt), info, base is not None)
 
 
+HASH_BUDGET_BYTES = 640 * 2**20   # what one rank's hashing threads hold at once
+
+
+def hash_threads(layout: SlimLayout) -> int:
+    """Threads hashing dropped tensors: this rank's cores, as many as fit HASH_BUDGET_BYTES when each
+    holds one checkpoint chunk (row-block layouts stream chunk by chunk) and one base block."""
+    most = max((d.nbytes // max(1, len(d.chunks)) + BASE_BLOCK_BYTES for d in layout.dropped), default=1)
+    return max(1, min(local_workers(), HASH_BUDGET_BYTES // most))
+
+
 def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = None, *,
-             overwrite: bool = False) -> SlimReport:
+             overwrite: bool = False, group: Group | None = None) -> SlimReport:
+    """Write the slim checkpoint. Under torchrun (`group`), the ranks split the kept items by output
+    file and the dropped tensors' hashing; rank 0 writes `.metadata` and the manifest, and commits."""
+    group = group or SoloGroup()
     t0 = time.perf_counter()
     ckpt, base = sources.ckpt, sources.base
     base_hash = base_hash_check(base, plan.layout.dropped) if base is not None else None
     inputs = [ckpt.dir] + ([base.path] if base is not None else [])   # --base is an input too
-    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=need_bytes(ckpt.dir, plan.layout),
+    with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=need_bytes(ckpt.dir, plan.layout),
                          overwrite=overwrite) as tmp:
         written = write_slim(ckpt, tmp, plan.layout, base=plan.base, base_hash=base_hash,
-                             base_path=base.path if base is not None else None, progress=progress)
-        out_bytes = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
+                             base_path=base.path if base is not None else None, progress=progress, group=group,
+                             hash_threads=hash_threads(plan.layout))
+        (bytes_read,) = group.sum([ckpt.stats.bytes_read], "the bytes read")
+    out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
     seconds = dict(written.seconds, total=round(time.perf_counter() - t0, 3))
     x = plan.layout
     return SlimReport(plan, SlimResult(out=plan.out, kept_items=len(x.kept), dropped_keys=len(x.dropped),
-                                       bytes_written=written.bytes_written, bytes_read=ckpt.stats.bytes_read,
+                                       bytes_written=written.bytes_written, bytes_read=bytes_read,
                                        source_bytes=x.source_bytes, out_bytes=out_bytes,
                                        base_verified=written.base_verified, seconds=seconds))
 

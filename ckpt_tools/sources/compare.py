@@ -19,7 +19,7 @@ from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
 from .base import Source
 
-__all__ = ["RAW_BLOCK_BYTES", "BLOCK_BYTES", "common_dtype", "bits", "DeltaStats", "shared_names", "block_ranges",
+__all__ = ["RAW_BLOCK_BYTES", "BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "DeltaStats", "shared_names", "block_ranges",
            "paired_blocks", "raw_identical", "stream_stats", "tensors_identical", "identical"]
 
 # Bytes per side per block: memory is a few blocks, whatever the tensor size. The identity scan
@@ -27,6 +27,7 @@ __all__ = ["RAW_BLOCK_BYTES", "BLOCK_BYTES", "common_dtype", "bits", "DeltaStats
 # use larger blocks to amortize per-op overhead.
 RAW_BLOCK_BYTES = 1 * 2**20
 BLOCK_BYTES = 4 * 2**20
+STATS_BLOCK_ELEMS = 2**18   # 2 MB of fp64 per temporary
 
 
 def common_dtype(a, b) -> torch.dtype:
@@ -58,7 +59,15 @@ class DeltaStats:
     nonfinite: int = 0          # elements where W or W0 is inf/nan
 
     def add(self, w: torch.Tensor, w0: torch.Tensor) -> None:
-        """Fold in one block pair (same dtype, 1-D). Few passes: this runs over every element."""
+        """Fold in one block pair (same dtype, 1-D), STATS_BLOCK_ELEMS at a time: the fp64 temporaries
+        then stay in the CPU's cache (profiled at 0.6B: 87% of diff-vs-base was these passes over 4 MB
+        blocks, memory-bound; 2-3x faster in cache-sized pieces)."""
+        for s in range(0, w.numel(), STATS_BLOCK_ELEMS):
+            self._add(w[s:s + STATS_BLOCK_ELEMS], w0[s:s + STATS_BLOCK_ELEMS])
+        if not w.numel():
+            self._add(w, w0)
+
+    def _add(self, w: torch.Tensor, w0: torch.Tensor) -> None:
         self.numel += w.numel()
         n_changed = int(torch.count_nonzero(bits(w) != bits(w0)))
         b64 = w0.to(torch.float64)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ... import dist
 from ...core.errors import UsageError
 from ...core.primerl_state import SCHEDULER_TYPES, SchedulerSpec
 from ...core.units import human_bytes
@@ -66,7 +67,8 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
     with open_to_dcp_sources(adapter, base, optimizer_from=optimizer_from, trust_pickle=trust_pickle) as sources:
         plan = plan_adapter_to_dcp(sources, ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=spec,
                                                          scheduler_step=scheduler_step, trust_pickle=trust_pickle))
-        report = ToDcpReport(plan, full=as_json) if dry_run else run_adapter_to_dcp(plan, sources)
+        report = ToDcpReport(plan, full=as_json) if dry_run else \
+            run_adapter_to_dcp(plan, sources, group=dist.current())
     rep = report.to_json()
     if as_json:
         emit(report)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ... import dist
 from ...core.units import human_bytes
 from ...ops.diff import EXIT_DIFFERS, SAME, SKIPPED, DiffOptions, DiffReport, open_diff_sources, plan_diff, run_diff
 from ..options import alpha_options, json_option, trust_option
@@ -48,7 +49,7 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     progress = ProgressLine.for_terminal(not as_json)
     with open_diff_sources(weights, base, options) as sources:
         try:
-            report = run_diff(plan_diff(sources, options), sources, progress)
+            report = run_diff(plan_diff(sources, options), sources, progress, group=dist.current())
         finally:
             if progress is not None:
                 progress.close()

@@ -7,6 +7,7 @@ from collections import Counter
 
 import click
 
+from ... import dist
 from ...core.errors import CkptError, UsageError
 from ...core.units import human_bytes
 from ...io.signals import Terminated, install_signal_handlers
@@ -104,7 +105,7 @@ def dry_run_or_run(plan, sources, out, run, *, dry_run: bool, as_json: bool):
     install_signal_handlers()
     bar = ProgressLine.for_terminal(not as_json)
     try:
-        report = run(plan, sources, bar)
+        report = run(plan, sources, bar, group=dist.current())   # multi-rank under torchrun
     except Terminated as exc:
         if bar:
             bar.close()

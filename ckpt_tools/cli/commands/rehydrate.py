@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ... import dist
 from ...core.units import human_bytes
 from ...ops.rehydrate import RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, run_rehydrate
 from ..options import dry_run_option, json_option, trust_option
@@ -41,7 +42,8 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
     with open_rehydrate_sources(slim_ckpt, options) as sources:
         plan = plan_rehydrate(sources, options)
         try:
-            result = RehydrateReport(plan) if dry_run else run_rehydrate(plan, sources, progress, overwrite=overwrite)
+            result = RehydrateReport(plan) if dry_run else \
+                run_rehydrate(plan, sources, progress, overwrite=overwrite, group=dist.current())
         finally:
             if progress is not None:
                 progress.close()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ... import dist
 from ...core.units import human_bytes
 from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
 from ..options import dry_run_option, json_option, trust_option
@@ -39,7 +40,8 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
     with open_slim_sources(ckpt, options) as sources:
         plan = plan_slim(sources, options)
         try:
-            result = SlimReport(plan) if dry_run else run_slim(plan, sources, progress, overwrite=overwrite)
+            result = SlimReport(plan) if dry_run else \
+                run_slim(plan, sources, progress, overwrite=overwrite, group=dist.current())
         finally:
             if progress is not None:
                 progress.close()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ... import dist
 from ...core.units import human_bytes
 from ...ops.verify import VerifyOptions, VerifyReport, plan_verify, run_verify
 from ..options import json_option, trust_option
@@ -37,7 +38,7 @@ def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_jso
     plan = plan_verify(path, VerifyOptions(deep, base, trust_pickle))
     progress = ProgressLine.for_terminal(not as_json)
     try:
-        report = run_verify(plan, progress)
+        report = run_verify(plan, progress, group=dist.current())
     finally:
         if progress is not None:
             progress.close()

@@ -24,6 +24,7 @@ from ...core.keys import classify, unknown_keys
 from ...core.problems import VerifyReport
 from ...core.progress import Progress
 from ...core.progress import report as report_progress
+from ...dist import map_units
 from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input
 from .item import SMALL_ITEM_BYTES, ItemError, decode_tensor_pickle, parse_item, window
 from .layout import METADATA_NAME, resolve_checkpoint_dir
@@ -51,7 +52,7 @@ class _Item:
 
 
 def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bool = False,
-               progress: Progress | None = None) -> None:
+               progress: Progress | None = None, group=None) -> None:
     ckpt_dir = resolve_checkpoint_dir(path)
     report.path = str(ckpt_dir)
     meta = ckpt_dir / METADATA_NAME
@@ -129,30 +130,62 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
     state = {"done": 0, "records": 0}
     files = OpenFiles(ckpt_dir, what="data file")
     try:
+        units = []
+        unopened: dict[int, list] = {}   # files that do not open, reported before the units that follow them
         for rel in sorted({i.file for i in readable}):
-            fpath = ckpt_dir / rel
             try:
                 files.fd(rel)
             except CkptError as exc:
-                report.problem(fpath, None, exc.message + (f" ({exc.hint})" if exc.hint else ""))
+                unopened.setdefault(len(units), []).append(
+                    [ckpt_dir / rel, None, exc.message + (f" ({exc.hint})" if exc.hint else "")])
                 continue
-            for it in sorted((i for i in readable if i.file == rel), key=lambda i: i.offset):
-                try:
-                    _check_item(lambda off, n, _rel=rel, _key=it.key: files.read(_rel, off, n, _key), fpath, it,
-                                report, deep, state)
-                except Exception as exc:
-                    report.problem(fpath, it.key, f"{it.where}cannot check item: {type(exc).__name__}: {exc}")
-                if deep:
-                    state["done"] += it.length
-                    report_progress(progress, "crc32", state["done"], crc_total)
+            units += sorted((i for i in readable if i.file == rel), key=lambda i: i.offset)
+
+        def check(k: int) -> dict:
+            # items are independent: checked on torchrun's ranks and this rank's threads (preadv and zlib
+            # release the GIL), each into its own collector; reported below in file and offset order
+            it, found = units[k], _Collected()
+            fpath = ckpt_dir / it.file
+            try:
+                _check_item(lambda off, n, _rel=it.file, _key=it.key: files.read(_rel, off, n, _key), fpath, it,
+                            found, deep, found.state)
+            except Exception as exc:
+                found.problem(fpath, it.key, f"{it.where}cannot check item: {type(exc).__name__}: {exc}")
+            return {"problems": found.problems, "records": found.state["records"]}
+
+        def done(k: int, _result) -> None:
+            if deep:
+                state["done"] += units[k].length
+                report_progress(progress, "crc32", state["done"], crc_total)
+
+        results = map_units(check, [i.length for i in units], group, done=done)
     finally:
         files.close()
+    results = results if results is not None else [None] * len(units)   # (a follower rank: the leader reports)
+    for k in range(len(units) + 1):
+        for problem in unopened.get(k, ()):
+            report.problem(*problem)
+        if k < len(units) and results[k] is not None:
+            for path_, key, message in results[k]["problems"]:
+                report.problem(Path(path_), key, message)
+            state["records"] += results[k]["records"]
     report.checked.update({**parsed.counts, "storage_items": len(items), "files": len(by_file),
                            "file_bytes": total_bytes, "items_parsed": len(readable)})
     if deep:
         report.checked["records_crc_checked"] = state["records"]
 
 
+
+
+class _Collected:
+    """One item's problems (as JSON-able [file, key, message]) and CRC'd record count."""
+
+    def __init__(self) -> None:
+        self.problems: list[list] = []
+        self.state = {"records": 0}
+
+    def problem(self, file, key, message: str) -> None:
+        self.problems.append([str(file), key, message])
 
 
 def _check_item(read, fpath: Path, it: _Item, report: VerifyReport, deep: bool, state: dict) -> None:

@@ -8,6 +8,12 @@ into dim-0 row chunks with `torch.chunk` boundaries for the consumer's world siz
 resuming FSDP2 rank reads only its own rows; chunk k goes to file `__k_0.distcp` like a real save.
 Memory: one tensor plus one chunk copy at a time.
 
+Split over ranks (`owned_files`: the data files this rank writes, `ckpt_tools.dist`): every rank makes
+the same sequence of write calls from the same plan; a call whose file is another rank's is only
+counted (`skip`, or the write methods themselves), so each item has the same sequence number on
+every rank. `finish(group)` gathers every rank's item records on rank 0, which registers them in
+sequence order, exactly the single-process insertion order, and writes `.metadata`.
+
 Paths are never stored in the metadata (`checkpoint_id=None`): Python <= 3.12 cannot unpickle
 Python 3.13's pathlib objects, and prime-rl runs 3.12. The metadata is built from torch's own DCP
 classes (what prime-rl's loader unpickles), not the reader's stand-ins.
@@ -18,6 +24,7 @@ import io
 import os
 import pickle
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...core.dtypes import torch_dtype
+from ...core.dtypes import dtype_name, torch_dtype
 from ...core.errors import UsageError
 from ...io.files import atomic_write_bytes, open_new
 from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
@@ -57,10 +64,15 @@ class _TensorDecl:
 class DcpWriter:
     """Append items, then `finish()` writes `.metadata`. Use inside an AtomicOutputDir."""
 
-    def __init__(self, out_dir: str | Path, *, files: int = 1):
+    def __init__(self, out_dir: str | Path, *, files: int = 1, owned_files: Collection[int] | None = None):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.files = max(1, files)
+        # None: this process writes every file; else the data file names (`__i_0.distcp`) that are its own
+        self._owned = None if owned_files is None else frozenset(data_file_name(i) for i in owned_files)
+        self._seq = 0                      # the next item's sequence number (the same on every rank)
+        self._records: list[list] = []     # this rank's items, for rank 0's .metadata (split mode)
+        self._seen: set[str] = set()       # keys of items counted but written by another rank
         self._fh: dict[str, io.BufferedWriter] = {}
         self._tensors: dict[str, _TensorDecl] = {}
         self._bytes: set[str] = set()
@@ -68,6 +80,24 @@ class DcpWriter:
         self._storage: dict[MetadataIndex, StorageInfo] = {}
         self._finished = False
         self.bytes_written = 0
+
+    # ---------------------------------------------------------------- ranks
+    def owns(self, file_index: int) -> bool:
+        """Whether this rank writes data file `file_index` (always, in one process)."""
+        return self._owned is None or data_file_name(file_index % self.files) in self._owned
+
+    def _owns_rel(self, rel: str) -> bool:
+        return self._owned is None or rel in self._owned
+
+    def skip(self, key: str) -> None:
+        """Count one item of `key` that another rank writes (instead of producing its bytes here)."""
+        self._seq += 1
+        self._seen.add(key)
+
+    def _record(self, kind: str, key: str, path: tuple, rel: str, start: int, length: int, chunk=None) -> None:
+        if self._owned is not None:
+            self._records.append([self._seq, kind, key, list(path), rel, start, length, chunk])
+        self._seq += 1
 
     # ---------------------------------------------------------------- low level
     def _file(self, rel: str) -> io.BufferedWriter:
@@ -140,10 +170,14 @@ class DcpWriter:
         elif decl.dtype != dtype or decl.size != size:
             raise UsageError(f"chunk disagrees with earlier chunks ({dtype} {size} vs {decl.dtype} "
                              f"{decl.size})", key=key)
-        start, length = self._append(rel, write)
         index = len(decl.chunks)
         decl.chunks.append((offs, sizes))
+        if not self._owns_rel(rel):   # another rank's file: counted, not written
+            self._seq += 1
+            return
+        start, length = self._append(rel, write)
         self._storage[MetadataIndex(key, torch.Size(offs), index)] = StorageInfo(rel, start, length)
+        self._record("chunk", key, path, rel, start, length, [dtype_name(dtype), list(size), list(offs), list(sizes)])
 
     def register_existing_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
                                 offsets: tuple[int, ...], sizes: tuple[int, ...], rel: str, offset: int,
@@ -170,8 +204,12 @@ class DcpWriter:
         self._declare(key, path)
         self._bytes.add(key)
         rel = rel or data_file_name(file_index % self.files)
+        if not self._owns_rel(rel):   # another rank's file: counted, not written
+            self._seq += 1
+            return
         start, length = self._append(rel, lambda fh: fh.write(raw_item))
         self._storage[MetadataIndex(key)] = StorageInfo(rel, start, length)
+        self._record("bytes", key, path, rel, start, length)
 
     def register_existing_bytes(self, key: str, path: tuple, rel: str, offset: int, length: int) -> None:
         self._declare(key, path)
@@ -180,7 +218,8 @@ class DcpWriter:
 
     # ---------------------------------------------------------------- finish
     def keys(self) -> set[str]:
-        return set(self._tensors) | self._bytes
+        """Every key written (or, split over ranks, counted)."""
+        return set(self._tensors) | self._bytes | self._seen
 
     def build_metadata(self) -> Metadata:
         sdm = {}
@@ -196,7 +235,7 @@ class DcpWriter:
                         storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
                         version=DCP_VERSION)
 
-    def finish(self) -> Metadata:
+    def finish(self, group=None) -> Metadata | None:
         """fsync every data file, then write `.metadata` atomically (last: without it the
         directory is not a checkpoint): a fresh temp name `.metadata.tmp-<pid>-<hex>` (in-place surgery
         writes into a stranger's directory, where a `.metadata.tmp` may already be a symlink to
@@ -206,11 +245,30 @@ class DcpWriter:
             os.fsync(fh.fileno())
             fh.close()
         self._fh.clear()
-        md = self.build_metadata()
+        if self._owned is not None:   # split over ranks: rank 0 registers every rank's items in order
+            gathered = group.gather(self._records, "the checkpoint's item records")
+            if gathered is None:
+                self._finished = True
+                return None
+            md = self._replayed([r for part in gathered for r in part]).build_metadata()
+        else:
+            md = self.build_metadata()
         atomic_write_bytes(self.dir / METADATA_NAME, pickle.dumps(md, protocol=4),
                            temp_prefix=f"{METADATA_NAME}{METADATA_TMP_TAG}")
         self._finished = True
         return md
+
+    def _replayed(self, records: list[list]) -> "DcpWriter":
+        """A writer whose items are `records` (every rank's), registered in sequence order."""
+        whole = DcpWriter(self.dir, files=self.files)
+        for seq, kind, key, path, rel, start, length, chunk in sorted(records, key=lambda r: r[0]):
+            if kind == "bytes":
+                whole.register_existing_bytes(key, tuple(path), rel, start, length)
+            else:
+                dtype, size, offs, sizes = chunk
+                whole.register_existing_chunk(key, tuple(path), dtype, tuple(size), tuple(offs), tuple(sizes), rel,
+                                              start, length)
+        return whole
 
     def abort(self) -> None:
         for fh in self._fh.values():

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...core.errors import FormatError
+from ...core.parts import SOLO
+from ...dist import map_units
 from ...core.progress import Progress, report
 from ...core.tensor_math import sha256_of_tensor
 from ...io.copy import copy_input_tree
@@ -109,17 +111,32 @@ def copy_extra_entries(src_dir: Path, dst_dir: Path, names) -> None:
 
 def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: dict | None,
                base_hash: BaseHash | None = None, base_path: Path | None = None,
-               progress: Progress | None = None) -> SlimWritten:
+               progress: Progress | None = None, group=None, hash_threads: int = 1) -> SlimWritten:
     """Write the slim of `ckpt` into the (new, empty) dir `out_dir`. With `base_hash`, every dropped
     tensor must hash equal to its base tensor's upcast, else nothing is finished (FormatError naming
-    `base_path` and the key) and the manifest records the base as verified."""
+    `base_path` and the key) and the manifest records the base as verified.
+
+    Split over ranks (`group`, a `ckpt_tools.dist.Group` of 2+): each rank copies the kept items of
+    its share of the output files and hashes its share of the dropped tensors; rank 0 gathers the
+    hashes and writes `.metadata`, the manifest and the extra entries."""
     t0 = time.perf_counter()
     file_index = output_file_index(layout.data_files)
+    files = max(1, len(layout.data_files))
+    part = group.part if group is not None else SOLO
     seconds = {}
-    writer = DcpWriter(out_dir, files=max(1, len(layout.data_files)))
+    owned = None
+    if part.world > 1:
+        weights = [0] * files
+        for k in layout.kept:
+            weights[file_index[k.file] % files] += k.length
+        owned = part.mine(weights)
+    writer = DcpWriter(out_dir, files=files, owned_files=owned)
     try:
         done = 0
         for k in layout.kept:   # source order: sequential reads
+            if not writer.owns(file_index[k.file]):
+                writer.skip(k.key)
+                continue
             raw = ckpt.read_item_bytes(k.file, k.offset, k.length, k.key)
             if k.kind == "bytes":
                 writer.copy_bytes_item(k.key, k.path, raw, file_index=file_index[k.file])
@@ -130,27 +147,40 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
             report(progress, "copy", done, layout.kept_bytes)
         seconds["copy"] = round(time.perf_counter() - t0, 3)
         t1 = time.perf_counter()
-        hashes: dict[str, str] = {}
-        done = 0
-        for d in layout.dropped:
-            hashes[d.key] = checkpoint_tensor_sha256(ckpt, ckpt.entries[d.key])
+        state = {"done": 0}
+
+        def hash_one(i: int) -> str:
+            d = layout.dropped[i]
+            got_ckpt = checkpoint_tensor_sha256(ckpt, ckpt.entries[d.key])
             if base_hash is not None:
                 name, got = base_hash(d)
-                if got != hashes[d.key]:
+                if got != got_ckpt:
                     raise FormatError(
                         f"the base model's {name} upcast to {d.dtype} differs from the "
-                        f"checkpoint's frozen tensor (sha256 {got[:12]}… vs {hashes[d.key][:12]}…)",
+                        f"checkpoint's frozen tensor (sha256 {got[:12]}… vs {got_ckpt[:12]}…)",
                         path=base_path, key=d.key,
                         hint="this is not the base the run trained on (another revision?), or the "
                              "tensor was trained; pass the right --base, or slim without --base")
-            done += d.nbytes
-            report(progress, "hash", done, layout.dropped_tensor_bytes)
+            return got_ckpt
+
+        def hashed(i: int, _h: str) -> None:
+            state["done"] += layout.dropped[i].nbytes
+            report(progress, "hash", state["done"], layout.dropped_tensor_bytes)
+
+        # Dropped tensors are hashed in parallel (hashlib, zlib and preadv release the GIL) on `hash_threads`
+        # threads and split over torchrun's ranks; rank 0 gets every hash, in the layout's order.
+        every = map_units(hash_one, [d.nbytes for d in layout.dropped], group, threads=hash_threads, done=hashed)
+        hashes = {} if every is None else {d.key: h for d, h in zip(layout.dropped, every)}
         seconds["hash"] = round(time.perf_counter() - t1, 3)
-        writer.finish()
+        bytes_written = writer.bytes_written
+        if part.world > 1:
+            (bytes_written,) = group.sum([bytes_written], "the bytes written")
+        writer.finish(group)
     except BaseException:
         writer.abort()
         raise
-    manifest = build_manifest(layout, base, hashes, base_verified=base_hash is not None)
-    write_new_file(out_dir / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
-    copy_extra_entries(ckpt.dir, out_dir, layout.extra_files)
-    return SlimWritten(hashes, writer.bytes_written, base_hash is not None, seconds)
+    if part.leader:
+        manifest = build_manifest(layout, base, hashes, base_verified=base_hash is not None)
+        write_new_file(out_dir / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
+        copy_extra_entries(ckpt.dir, out_dir, layout.extra_files)
+    return SlimWritten(hashes, bytes_written, base_hash is not None, seconds)

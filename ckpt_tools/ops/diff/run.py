@@ -32,7 +32,8 @@ import torch
 
 from ...core.dtypes import dtype_name
 from ...core.progress import Progress, report
-from ...core.tensor_math import merge_weight, ulps_apart
+from ...core.tensor_math import merge_weight_into, ulps_apart
+from ...dist import Group, SoloGroup, local_workers, map_units
 from ...sources.compare import BLOCK_BYTES, DeltaStats, bits, common_dtype, raw_identical, stream_stats
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
@@ -170,8 +171,10 @@ def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int) ->
     if p.role == TARGETED:
         spec = lora.modules[p.module]
         a, b = lora.read_pair(p.module)
-        expected = merge_weight(w0, a, b, spec.scale, out_dtype=w.dtype, fan_in_fan_out=spec.fan_in_fan_out,
-                                name=p.name)
+        # merge_weight_into is merge_weight bit for bit, with its elementwise part in cache-sized blocks
+        # and no full fp32 copy of W0 (profiled: the copy and isfinite() were half of the adapter check)
+        expected = merge_weight_into(torch.empty_like(w), w0, a, b, spec.scale, fan_in_fan_out=spec.fan_in_fan_out,
+                                     name=p.name)
         check = {"expected": f"round_{dtype_name(w.dtype)}(W0 + {spec.scale:g} * B @ A)", "module": p.module,
                  "rank": spec.rank, "scale": spec.scale}
         del a, b
@@ -247,29 +250,64 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
     return "differs", EXIT_DIFFERS, text, adapter_summary
 
 
+# Tensors compared at once on a rank: as many threads as its cores (`dist.local_workers`), fewer when
+# whole tensors are held (an adapter check holds W, W0 and the expected merge: ~8x the bf16 bytes) so
+# that the working set stays under this budget: peak RSS under 1 GiB at any model size.
+WORKING_BUDGET_BYTES = 640 * 2**20
+
+
+def _working_bytes(p: PairPlan, block_bytes: int) -> int:
+    if p.read and p.role in (TARGETED, REPLACED):
+        return 8 * max(p.weights.nbytes, p.base.nbytes)
+    return 8 * block_bytes   # paired_blocks: two blocks in flight per side, and their fp64 temporaries
+
+
 def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = None, *,
-             block_bytes: int = BLOCK_BYTES) -> DiffReport:
-    """Compare one pair at a time; a `ProgressEvent("compare", i, n, unit="tensors", name=...)` after each
-    (its `finished` the pair's TensorDiff)."""
+             block_bytes: int = BLOCK_BYTES, group: Group | None = None) -> DiffReport:
+    """Compare every pair (independent units: on this rank's threads, and under torchrun split over the
+    ranks by bytes, every rank getting every result); a `ProgressEvent("compare", i, n, unit="tensors",
+    name=...)` after each in order (its `finished` the pair's TensorDiff)."""
     weights, base, lora = sources.weights, sources.base, sources.lora
     t0 = time.perf_counter()
-    tensors: list[TensorDiff] = []
     total = len(plan.pairs)
-    for i, p in enumerate(plan.pairs):
+    most = max((_working_bytes(p, block_bytes) for p in plan.pairs), default=1)
+    threads = max(1, min(local_workers(), WORKING_BUDGET_BYTES // max(1, most)))
+    if any(src.extents(p.name) is None for p in plan.pairs if p.read for src in (weights, base)):
+        threads = 1   # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
+    state = {"done": 0}
+
+    def compare(i: int) -> dict:
+        p = plan.pairs[i]
         if not p.read:
             td = _result(p, SKIPPED, None)
         elif p.role in (TARGETED, REPLACED):
             td = _compare_with_adapter(weights, base, lora, p, block_bytes)
         else:
             td = _compare_streaming(weights, base, p, block_bytes)
-        weights.release()
-        base.release()
-        tensors.append(td)
-        report(progress, "compare", i + 1, total, unit="tensors", name=td.name, finished=td)
+        if threads == 1:   # (with threads, pages are released when the sources close)
+            weights.release()
+            base.release()
+        return dict(td.__dict__)
+
+    def done(_i: int, d: dict) -> None:
+        state["done"] += 1
+        report(progress, "compare", state["done"], total, unit="tensors", name=d["name"], finished=TensorDiff(**d))
+
+    # The workers are the parallelism: torch's intra-op threads on top of them oversubscribe the cores
+    # (OpenMP's spinning on a busy machine: see ops.merge.pipeline).
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = map_units(compare, [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs],
+                            group, threads=threads, done=done, everywhere=True)
+    finally:
+        torch.set_num_threads(intra_op)
+    tensors = [TensorDiff(**d) for d in results]
     verdict, code, summary, adapter_summary = _verdict(plan, tensors, lora)
     warnings = list(getattr(lora, "warnings", ()) or ()) if lora is not None else []
+    (bytes_read,) = (group or SoloGroup()).sum([weights.bytes_read + base.bytes_read], "the bytes read")
     return DiffReport(plan, tensors, verdict, code, summary, adapter_summary, warnings,
-                      bytes_read=weights.bytes_read + base.bytes_read, seconds=time.perf_counter() - t0)
+                      bytes_read=bytes_read, seconds=time.perf_counter() - t0)
 
 
 def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path | None = None,

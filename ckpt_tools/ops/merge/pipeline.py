@@ -26,6 +26,7 @@ from ...core.dtypes import dtype_name, torch_dtype
 from ...core.errors import FormatError, UsageError
 from ...core.progress import Progress, ProgressEvent
 from ...core.tensor_math import merge_weight_into, rounds_to_base
+from ...dist import Group, SoloGroup
 from ...formats.hf_dir.config import rewrite_config
 from ...formats.hf_dir.names import INDEX_NAME
 from ...formats.hf_dir.shards import index_json
@@ -34,10 +35,11 @@ from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...io.copy import copy_input_file
 from ...io.files import atomic_write_text, fsync_path
 from ...io.inputs import read_json
-from ...io.staging import AtomicOutputDir
+from ...io.staging import SharedOutputDir
+from ...sources.base import tensor_bytes
 from ...sources.hf import HFSource
 from .guards import ZeroDelta
-from .plan import OUTPUT_METADATA, MergePlan, TensorJob, job_working_bytes, window_budget
+from .plan import OUTPUT_METADATA, MergePlan, TensorJob, job_working_bytes, streamed_by_writer, window_budget
 from .prepare import MergeSources
 
 __all__ = ["SLOW_WRITE_ENV", "COPY_BLOCK_BYTES", "MergeResult", "MergeReport", "Buffers", "run_merge",
@@ -214,29 +216,46 @@ def _slow_write_seconds() -> float:
 
 
 def run_merge(plan: MergePlan, sources: MergeSources, progress: Progress | None = None, *,
-              overwrite: bool = False) -> MergeReport:
-    """Write the merged model to `plan.out` (atomically: nothing appears there unless complete)."""
+              overwrite: bool = False, group: Group | None = None) -> MergeReport:
+    """Write the merged model to `plan.out` (atomically: nothing appears there unless complete).
+
+    Under torchrun (`group` from `ckpt_tools.dist.current()`), this rank writes only its share of the
+    plan's output shards (`group.part`); rank 0 also writes config, tokenizer and index, and commits
+    once every rank's shards are on disk. Each shard's bytes do not depend on which rank wrote it."""
     t0 = time.perf_counter()
+    group = group or SoloGroup()
     out = Path(plan.out)
     slow = _slow_write_seconds()
     check_unchanged(plan, sources)
     if isinstance(sources.base, HFSource):
         sources.base.open_all()   # every shard fd now, before worker threads start
-    with AtomicOutputDir(out, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite) as tmp:
-        _write_tensors(plan, sources, tmp, progress, slow, t0)
-        for f in plan.files:   # read through the input checks, written as new files
-            if f.action == "rewrite":
-                cfg = read_json(f.src, root=Path(f.src).parent, what="config.json")
-                atomic_write_text(tmp / f.name, rewrite_config(cfg, f.changes))
-            else:
-                copy_input_file(f.src, tmp / f.name, root=Path(f.src).parent, what="model file")
-        if plan.index is not None:
-            atomic_write_text(tmp / INDEX_NAME, index_json(plan.index))
-        names = tuple(sorted(os.listdir(tmp)))
-        written = sum(os.path.getsize(tmp / n) for n in names)
+    mine = {plan.units[i].file_name for i in group.part.mine([s.data_bytes for s in plan.units])}
+    jobs = tuple(j for j in plan.jobs if j.out_file in mine)
+    with SharedOutputDir(out, group, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite) as tmp:
+        zero = _write_tensors(plan, jobs, sources, tmp, progress, slow, t0)
+        # a merge equal to its base is refused before OUT appears: counted over every rank's tensors
+        zero.merged, zero.unchanged, zero.zero_factor = group.sum(
+            [zero.merged, zero.unchanged, zero.zero_factor], "the zero-delta check")
+        zero.check(plan)
+        if group.leader:
+            _write_files(plan, tmp)
+    names = tuple(sorted(os.listdir(out)))
+    written = sum(os.path.getsize(out / n) for n in names)
     result = MergeResult(str(out), time.perf_counter() - t0, len(plan.jobs), plan.merged_modules, plan.read_bytes,
                          written, names, {a: plan.count(a) for a in ("merge", "copy", "cast", "replace")})
     return MergeReport(plan, result)
+
+
+def _write_files(plan: MergePlan, tmp: Path) -> None:
+    """The non-tensor files and the index (the leader's, after its shards)."""
+    for f in plan.files:   # read through the input checks, written as new files
+        if f.action == "rewrite":
+            cfg = read_json(f.src, root=Path(f.src).parent, what="config.json")
+            atomic_write_text(tmp / f.name, rewrite_config(cfg, f.changes))
+        else:
+            copy_input_file(f.src, tmp / f.name, root=Path(f.src).parent, what="model file")
+    if plan.index is not None:
+        atomic_write_text(tmp / INDEX_NAME, index_json(plan.index))
 
 
 def _copy_blocks(base: HFSource, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
@@ -257,9 +276,31 @@ def _copy_blocks(base: HFSource, job: TensorJob, writer: StreamingSafetensorsWri
         writer.write_chunk(job.name, mv[:n])
 
 
-def _write_tensors(plan: MergePlan, sources: MergeSources, tmp: Path, progress: Progress | None, slow: float,
-                   t0: float) -> None:
-    jobs = plan.jobs
+def _cast_rows(base, name: str, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
+    """A copy or cast of any base tensor with rows, in blocks of about COPY_BLOCK_BYTES of the source:
+    read the rows, convert (elementwise: the bytes equal a whole-tensor conversion), append. The
+    finiteness check of a cast counts every block before the error."""
+    rows = job.shape[0]
+    row_bytes = max(1, job.read_bytes // rows)
+    step = max(1, COPY_BLOCK_BYTES // row_bytes)
+    out_dt = torch_dtype(job.out_dtype)
+    bad = 0
+    for s in range(0, rows, step):
+        block = base.read_rows(name, s, min(step, rows - s))
+        out = block if block.dtype == out_dt else block.to(out_dt)
+        if job.action == "cast" and out.is_floating_point() and \
+                not math.isfinite(float(out.sum(dtype=torch.float32))):
+            bad += int((~torch.isfinite(out)).sum())
+        writer.write_chunk(job.name, tensor_bytes(out.contiguous()))
+        del block, out
+    if bad:
+        raise FormatError(f"{bad} value(s) are not finite after conversion to {job.out_dtype}",
+                          key=job.name, hint="the tensor overflows this dtype; use --dtype bf16 or fp32")
+
+
+def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeSources, tmp: Path,
+                   progress: Progress | None, slow: float, t0: float) -> ZeroDelta:
+    """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally."""
     producer = _Producer(plan, sources)
     total_bytes = sum(j.out_bytes for j in jobs)
     last_of_shard = {s.file_name: s.tensors[-1] for s in plan.shards}
@@ -267,8 +308,8 @@ def _write_tensors(plan: MergePlan, sources: MergeSources, tmp: Path, progress: 
     by_name = {j.name: j for j in jobs}
     hf_base = sources.base if isinstance(sources.base, HFSource) else None
 
-    def raw_copy(j: TensorJob) -> bool:
-        return j.action == "copy" and hf_base is not None
+    def raw_copy(j: TensorJob) -> bool:   # written by the writer itself, in blocks (never whole)
+        return streamed_by_writer(j, plan.base_kind)
 
     def event(done: int, done_bytes: int, job: TensorJob | None) -> ProgressEvent:
         return ProgressEvent("merge", done, len(jobs), unit="tensors", name=job.name if job else None,
@@ -292,7 +333,7 @@ def _write_tensors(plan: MergePlan, sources: MergeSources, tmp: Path, progress: 
     writer = None
     done_bytes = 0
     ws = [job_working_bytes(j, plan.base_kind) for j in jobs]
-    budget = window_budget(jobs, plan.threads, plan.base_kind)
+    budget = window_budget(plan.jobs, plan.threads, plan.base_kind)   # the plan's memory bound, on every rank
     in_flight = 0
     try:
         for i, job in enumerate(jobs):
@@ -311,8 +352,10 @@ def _write_tensors(plan: MergePlan, sources: MergeSources, tmp: Path, progress: 
                 s = shard_entries[job.out_file]
                 entries = [(n, by_name[n].out_dtype, by_name[n].shape) for n in s.tensors]
                 writer = StreamingSafetensorsWriter(tmp / job.out_file, entries, OUTPUT_METADATA, fsync=False)
-            if raw_copy(job):
+            if raw_copy(job) and job.action == "copy" and hf_base is not None:
                 _copy_blocks(hf_base, job, writer)
+            elif raw_copy(job):
+                _cast_rows(sources.base, producer.base_name(job), job, writer)
             else:
                 t, buf = pending.pop(i).result()
                 in_flight -= ws[i]
@@ -328,7 +371,6 @@ def _write_tensors(plan: MergePlan, sources: MergeSources, tmp: Path, progress: 
                 progress(event(i + 1, done_bytes, job))
             if slow:
                 time.sleep(slow)
-        producer.zero.check(plan)         # a merge equal to its base is refused before OUT appears
         for f in flushes:
             f.result()                    # every shard is on disk before OUT may be renamed into place
         ok = True
@@ -346,3 +388,4 @@ def _write_tensors(plan: MergePlan, sources: MergeSources, tmp: Path, progress: 
         pool.shutdown(wait=ok, cancel_futures=True)
         flusher.shutdown(wait=ok)
         torch.set_num_threads(intra_op)
+    return producer.zero

@@ -29,7 +29,7 @@ from ...formats.safetensors.writer import build_header, safetensors_save_order
 from .facts import AdapterFacts, BaseFacts, SourceTensor
 
 __all__ = ["OUTPUT_METADATA", "DEFAULT_MAX_SHARD", "DEFAULT_THREADS", "CASTABLE", "MERGEABLE", "TensorJob", "FileJob",
-           "ShardOut", "MergePlan", "plan_from_facts", "job_working_bytes", "window_budget", "memory_bound"]
+           "ShardOut", "MergePlan", "plan_from_facts", "streamed_by_writer", "job_working_bytes", "window_budget", "memory_bound"]
 
 OUTPUT_METADATA = {"format": "pt"}          # what transformers' save_pretrained writes
 DEFAULT_MAX_SHARD = "5GB"
@@ -293,9 +293,18 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
                                                           if base.config_path else set()))))
 
 
+def streamed_by_writer(job: TensorJob, base_kind: str) -> bool:
+    """Jobs the writer streams in COPY_BLOCK_BYTES row blocks, never held whole: verbatim copies of an HF
+    base (raw bytes), and every other copy or cast with rows (a DCP base's fp32 masters, cast one block
+    at a time: the embedding is then never in memory whole, in fp32 or in the output dtype)."""
+    if job.action == "copy" and base_kind == "hf":
+        return True
+    return job.action in ("copy", "cast") and len(job.shape) >= 1 and job.shape[0] > 0
+
+
 def job_working_bytes(job: TensorJob, base_kind: str) -> int:
     """Bytes one worker holds while producing `job` (its output included)."""
-    if job.action == "copy" and base_kind == "hf":
+    if streamed_by_writer(job, base_kind):
         return 0                                       # streamed by the writer in blocks, never whole
     if job.action == "merge":
         # base weight + fp32 product (the worker's reusable scratch) + output + fp32 A, B
@@ -318,8 +327,9 @@ def memory_bound(jobs, threads: int, adapter_resident: int, base_kind: str) -> i
     which runs alone), the writer's copy block, and adapter bytes held for the whole run. The
     interpreter and torch themselves (~0.3 GB) come on top."""
     work = max([window_budget(jobs, threads, base_kind)] + [job_working_bytes(j, base_kind) for j in jobs])
-    copy_block = max((min(j.out_bytes, COPY_BLOCK_BYTES) for j in jobs if j.action == "copy" and base_kind == "hf"),
-                     default=0)
+    copy_block = max((min(j.out_bytes, COPY_BLOCK_BYTES) if j.action == "copy" and base_kind == "hf" else
+                      min(j.read_bytes, COPY_BLOCK_BYTES) + min(j.out_bytes, COPY_BLOCK_BYTES)   # block in + out
+                      for j in jobs if streamed_by_writer(j, base_kind)), default=0)
     return work + copy_block + adapter_resident
 
 

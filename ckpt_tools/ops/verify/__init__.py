@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ...core.errors import UsageError
 from ...core.progress import Progress
+from ...dist import Group
 from ...formats.sniff import CHECKPOINTS, DCP, sniff
 from ...core.problems import Problem, VerifyReport
 from ...formats.dcp.checks import verify_dcp
@@ -52,13 +53,15 @@ def plan_verify(path: str | Path, options: VerifyOptions) -> VerifyPlan:
     return VerifyPlan(str(p), kind, options)
 
 
-def run_verify(plan: VerifyPlan, progress: Progress | None = None) -> VerifyReport:
+def run_verify(plan: VerifyPlan, progress: Progress | None = None, *, group: Group | None = None) -> VerifyReport:
+    """Check `plan.path`. Under torchrun (`group`), the data checks of `--deep` (every tensor / item)
+    are split over the ranks and rank 0's report holds every rank's problems."""
     p, o = Path(plan.path), plan.options
     report = VerifyReport(str(p), plan.kind, o.deep)
     if plan.kind == "dcp":
-        verify_dcp(p, report, deep=o.deep, trust_pickle=o.trust_pickle, progress=progress)
+        verify_dcp(p, report, deep=o.deep, trust_pickle=o.trust_pickle, progress=progress, group=group)
     elif plan.kind == "hf":
-        verify_hf(p, report, deep=o.deep, progress=progress)
+        verify_hf(p, report, deep=o.deep, progress=progress, group=group)
     else:
         verify_peft(p, report, deep=o.deep, base=o.base, trust_pickle=o.trust_pickle)
     return report

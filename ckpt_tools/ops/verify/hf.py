@@ -3,6 +3,7 @@ other (every disagreement listed), shapes against what the config implies, and w
 float read and checked for inf/nan."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from ...formats.hf_dir.config import dtype_disagreement, shape_problems
 from ...formats.safetensors.header import read_header
 from ...io.inputs import OpenFiles, is_plain_file_name, read_json
 from ...core.problems import VerifyReport
+from ...dist import Group, map_units
 
 __all__ = ["FINITE_BLOCK_BYTES", "verify_hf"]
 
@@ -30,7 +32,8 @@ def _load_json(path: Path, report: VerifyReport):
     return None
 
 
-def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progress | None = None) -> None:
+def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progress | None = None,
+              group: Group | None = None) -> None:
     single, index_path = path / "model.safetensors", path / "model.safetensors.index.json"
     config = None
     if (path / "config.json").is_file():
@@ -105,7 +108,7 @@ def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progres
         if warning:
             report.warn(path / "config.json", None, warning)
     if deep:
-        _deep_finite(path, tensors, report, progress)
+        _deep_finite(path, tensors, report, progress, group)
     report.checked.update({"files": len(headers), "tensors": len(tensors),
                            "tensor_bytes": sum(t.nbytes for t in tensors.values())})
 
@@ -120,28 +123,52 @@ def _header(p: Path, report: VerifyReport, read_header=read_header):
     return None
 
 
-def _deep_finite(dir_: Path, tensors: dict, report: VerifyReport, progress: Progress | None) -> None:
-    """Every float of every tensor read (in FINITE_BLOCK_BYTES blocks) and counted if inf/nan."""
+def _deep_finite(dir_: Path, tensors: dict, report: VerifyReport, progress: Progress | None,
+                 group: Group | None = None) -> None:
+    """Every float of every tensor read (in FINITE_BLOCK_BYTES blocks into a per-thread buffer) and
+    counted if inf/nan. Tensors are independent units: split over torchrun's ranks (`group`) and this
+    rank's threads (`dist.local_workers`: preadv and torch release the GIL); the problems are reported
+    in file order, as one thread would. Memory: one block per thread."""
     total = sum(t.nbytes for t in tensors.values())
-    done = 0
+    order = sorted(tensors, key=lambda n: (str(tensors[n].path), tensors[n].begin))
     files = OpenFiles(dir_, what="safetensors shard")
+    local = threading.local()
+    state = {"done": 0}
+
+    def check(i: int) -> list | None:
+        name = order[i]
+        t = tensors[name]
+        try:
+            dt = torch_dtype(t.dtype_name)
+            item = dt.itemsize
+            block = max(item, FINITE_BLOCK_BYTES // item * item)
+            buf = getattr(local, "buf", None)
+            if buf is None or len(buf) < min(block, t.nbytes):   # grown to the largest block seen, then reused
+                buf = local.buf = bytearray(min(block, t.nbytes))
+            bad = 0
+            for pos in range(0, t.nbytes, block):
+                n = min(block, t.nbytes - pos)
+                view = memoryview(buf)[:n]
+                files.read_into(t.path.name, t.begin + pos, view, name)
+                if dt.is_floating_point and n:
+                    bad += count_nonfinite(torch.frombuffer(view, dtype=dt))
+            if bad:
+                return [str(t.path), name, f"{bad} non-finite value(s) (inf/nan)"]
+        except Exception as exc:
+            return [str(t.path), name, f"cannot read tensor bytes: {type(exc).__name__}: {exc}"]
+        return None
+
+    def done(i: int, _result) -> None:
+        state["done"] += tensors[order[i]].nbytes
+        report_progress(progress, "read", state["done"], total)
+
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)   # the threads are the parallelism (OpenMP on top oversubscribes: ops.merge.pipeline)
     try:
-        for name in sorted(tensors, key=lambda n: (str(tensors[n].path), tensors[n].begin)):
-            t = tensors[name]
-            try:
-                dt = torch_dtype(t.dtype_name)
-                item = dt.itemsize
-                block = max(item, FINITE_BLOCK_BYTES // item * item)
-                bad = 0
-                for pos in range(0, t.nbytes, block):
-                    raw = bytearray(files.read(t.path.name, t.begin + pos, min(block, t.nbytes - pos), name))
-                    if dt.is_floating_point and raw:
-                        bad += count_nonfinite(torch.frombuffer(raw, dtype=dt))
-                if bad:
-                    report.problem(t.path, name, f"{bad} non-finite value(s) (inf/nan)")
-            except Exception as exc:
-                report.problem(t.path, name, f"cannot read tensor bytes: {type(exc).__name__}: {exc}")
-            done += t.nbytes
-            report_progress(progress, "read", done, total)
+        results = map_units(check, [tensors[n].nbytes for n in order], group, done=done)
     finally:
+        torch.set_num_threads(intra_op)
         files.close()
+    for problem in results or ():
+        if problem is not None:
+            report.problem(Path(problem[0]), problem[1], problem[2])

@@ -1,0 +1,215 @@
+"""Multi-rank execution on torch.distributed: the one place that knows whether this process runs
+under torchrun, which part of a plan is its own, and how the ranks agree (barrier, sums, abort).
+
+    torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
+        -m ckpt_tools <command> ...
+
+Every rank opens the same inputs and builds the same deterministic plan; `core.parts.Part` says
+which work units (output shards, items, files) are its own; rank 0 (the leader) creates the staging
+directory beside OUT (`io.staging.SharedOutputDir`), every rank writes its own files into it, and
+after a barrier the leader writes the index / `.metadata` and renames the directory into place.
+
+Abort-all: a rank that fails raises as in one process (its one-line error, its exit code) and does
+not reach the barrier, so the leader never commits. torchrun then stops the other ranks (SIGTERM,
+which `io.signals` turns into `Terminated`: the staging directory is removed); a rank that is
+waiting in a collective when a peer dies gets a gloo error instead, reported as `RankFailed`. Waits
+poll (`_wait`), so SIGTERM is handled while a rank waits for the others. A rank killed by SIGKILL
+can leave `.OUT.tmp-<pid>-*` behind (hidden, never OUT itself); the next run removes it.
+
+The group uses gloo (CPU tensors, on CPU and GPU nodes alike: the ranks exchange a few integers, the
+data moves through the filesystem). Multi-node needs OUT on a filesystem every node sees at the same
+path (NFS, Lustre, a shared volume): the leader's staging directory is checked from every rank.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, Sequence, TypeVar
+
+from .core.errors import RankFailed, UsageError
+from .core.parts import SOLO, Part
+
+__all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "env_part", "current",
+           "TIMEOUT_ENV", "local_workers", "map_units"]
+
+TIMEOUT_ENV = "CKPT_TOOLS_DIST_TIMEOUT_S"   # how long a rank waits for the others (default 6 h)
+_POLL_S = 0.02
+
+
+def env_part(environ=os.environ) -> Part:
+    """This process's rank and world size as torchrun set them (`Part(0, 1)` outside torchrun)."""
+    try:
+        world = int(environ.get("WORLD_SIZE", "1"))
+        rank = int(environ.get("RANK", "0"))
+        return Part(rank, world)
+    except ValueError as exc:
+        raise UsageError(f"RANK={environ.get('RANK')!r} WORLD_SIZE={environ.get('WORLD_SIZE')!r} do not name a "
+                         f"rank: {exc}", hint="launch with `torchrun --nproc-per-node N -m ckpt_tools ...`") from None
+
+
+def under_torchrun(environ=os.environ) -> bool:
+    """True when torchrun launched this process with more than one rank."""
+    return env_part(environ).world > 1
+
+
+class Group:
+    """How ranks agree. `part` is this rank's share; the collectives are no-ops for one process."""
+    part: Part = SOLO
+
+    @property
+    def leader(self) -> bool:
+        return self.part.leader
+
+    def barrier(self, what: str) -> None:
+        """Wait until every rank got here (`what` names the point, for the error if one never does)."""
+
+    def sum(self, values: Sequence[int], what: str) -> list[int]:
+        """Element-wise sum of `values` over the ranks."""
+        return [int(v) for v in values]
+
+    def broadcast(self, value, what: str):
+        """The leader's JSON-able `value`, on every rank."""
+        return value
+
+    def gather(self, value, what: str) -> list | None:
+        """Every rank's JSON-able `value`, in rank order, on the leader (None on the others)."""
+        return [value]
+
+
+class SoloGroup(Group):
+    """One process: every unit is its own, nothing to wait for."""
+
+
+class TorchGroup(Group):
+    """A gloo process group of torchrun's ranks (initialized once, on first use)."""
+
+    def __init__(self, part: Part):
+        # torch.distributed is imported here, not at module top: the CLI asks `under_torchrun()` on
+        # every command, and torch-free commands (inspect, verify of metadata) must stay torch-free.
+        import torch
+        import torch.distributed as tdist
+        self.part = part
+        self._torch, self._dist = torch, tdist
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, 6 * 3600))
+        if not tdist.is_initialized():
+            tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._timeout_s = timeout_s
+
+    def _wait(self, work, what: str) -> None:
+        # Poll rather than block in C++: a blocked main thread would not run the SIGTERM handler, and
+        # torchrun's SIGTERM (a peer failed) must remove this rank's staging directory.
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"rank {self.part.rank}: the other ranks did not reach {what} within "
+                                     f"{self._timeout_s:.0f} s; nothing was committed",
+                                     hint=f"look at the other ranks' errors; raise {TIMEOUT_ENV} for slow disks")
+                time.sleep(_POLL_S)
+            work.wait()
+        except RuntimeError as exc:   # gloo: a peer closed its connection (it failed or was killed)
+            raise RankFailed(f"rank {self.part.rank}: another rank failed or stopped before {what} "
+                             f"({str(exc).splitlines()[0][:200]}); nothing was committed",
+                             hint="look at the other ranks' errors above, fix, and rerun") from None
+
+    def barrier(self, what: str) -> None:
+        self.sum([0], what)
+
+    def sum(self, values: Sequence[int], what: str) -> list[int]:
+        t = self._torch.tensor([int(v) for v in values] or [0], dtype=self._torch.int64)
+        self._wait(self._dist.all_reduce(t, async_op=True), what)
+        return [int(v) for v in t.tolist()][:len(values)]
+
+    def gather(self, value, what: str) -> list | None:
+        torch = self._torch
+        data = json.dumps(value).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.part.world)]
+        self._wait(self._dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), async_op=True), what)
+        most = max(int(n.item()) for n in sizes)
+        mine = torch.zeros(most, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        got = [torch.empty(most, dtype=torch.uint8) for _ in range(self.part.world)]
+        self._wait(self._dist.all_gather(got, mine, async_op=True), what)
+        if not self.leader:
+            return None
+        return [json.loads(g[:int(n.item())].numpy().tobytes().decode()) for g, n in zip(got, sizes)]
+
+    def broadcast(self, value, what: str):
+        # JSON, not pickle: nothing a rank receives is unpickled
+        torch = self._torch
+        data = json.dumps(value).encode() if self.leader else b""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        self._wait(self._dist.broadcast(n, 0, async_op=True), what)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader else \
+            torch.empty(int(n.item()), dtype=torch.uint8)
+        if int(n.item()):
+            self._wait(self._dist.broadcast(buf, 0, async_op=True), what)
+        return json.loads(buf.numpy().tobytes().decode()) if int(n.item()) else None
+
+
+_CURRENT: Group | None = None
+T = TypeVar("T")
+
+
+def local_workers(cap: int = 16, environ=os.environ) -> int:
+    """Threads for a read-bound job on this rank: this process's cores shared by the ranks of its node
+    (torchrun's LOCAL_WORLD_SIZE), at most `cap` (each holds one read block)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    per_rank = max(1, cores // max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    return max(1, min(cap, per_rank))
+
+
+def map_units(fn: Callable[[int], T], weights: Sequence[int], group: Group | None = None, *,
+              threads: int | None = None, done: Callable[[int, T], None] | None = None,
+              everywhere: bool = False) -> list[T] | None:
+    """`fn(i)` for every independent unit i (weights: its bytes), split over the group's ranks
+    (`Part.mine`) and this rank's threads; `done(i, result)` runs in this thread as results arrive in
+    order (progress). Returns every unit's result in unit order on the leader (on every rank with
+    `everywhere`), None on the others (results cross ranks as JSON). Read-only work: nothing to
+    commit, so no staging."""
+    group = group or SoloGroup()
+    mine = group.part.mine(weights)
+    threads = threads or local_workers()
+    results: dict[int, T] = {}
+
+    def ordered() -> Iterator[tuple[int, T]]:
+        if threads <= 1 or len(mine) <= 1:
+            for i in mine:
+                yield i, fn(i)
+            return
+        # the ordered map of a pool reads ahead `threads` units; preadv, zlib and torch release the GIL
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-units")
+        try:
+            yield from zip(mine, pool.map(fn, mine))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    for i, r in ordered():
+        results[i] = r
+        if done is not None:
+            done(i, r)
+    if group.part.world == 1:
+        return [results[i] for i in range(len(weights))]
+    gathered = group.gather([[i, results[i]] for i in mine], "the results of every unit")
+    ordered_all = None
+    if gathered is not None:
+        every = {i: r for part in gathered for i, r in part}
+        ordered_all = [every[i] for i in range(len(weights))]
+    if everywhere:
+        ordered_all = group.broadcast(ordered_all, "the results of every unit")
+    return ordered_all
+
+
+def current() -> Group:
+    """This process's group: a `TorchGroup` under torchrun with 2+ ranks (created once), else solo."""
+    global _CURRENT
+    if _CURRENT is None:
+        part = env_part()
+        _CURRENT = TorchGroup(part) if part.world > 1 else SoloGroup()
+    return _CURRENT
