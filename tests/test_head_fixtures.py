@@ -279,3 +279,14 @@ def test_export_takes_config_and_tokenizer_from_the_runs_base_model_by_default(t
     shutil.copytree(trainer(G), lonely)
     r = run("export", lonely, tmp_path / "p")
     assert r.exit_code == 2 and "--config-from" in r.output and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("variant", [F, G], ids=["moe-lora", "fullft"])
+def test_export_under_torchrun_writes_the_same_bytes_as_one_process(tmp_path, variant):
+    from .test_dist import digest, solo, torchrun
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ("export", trainer(variant), "{out}", "--max-shard-size", "100KB")
+    assert solo(*[one if a == "{out}" else a for a in args]).returncode == 0
+    r = torchrun(*[two if a == "{out}" else a for a in args])
+    assert r.returncode == 0, r.stderr
+    assert len([n for n in digest(two) if n.endswith(".safetensors")]) > 2 and digest(two) == digest(one)

@@ -31,7 +31,7 @@ COMMAND_MODULES = (
 )
 # Commands that split their plan over torchrun's ranks (`ckpt_tools.dist`); any other refuses 2+ ranks
 # (N copies of one command would race for the same OUT).
-MULTI_RANK_COMMANDS = ("merge", "rehydrate", "adapter-to-dcp", "slim", "diff-vs-base", "verify")
+MULTI_RANK_COMMANDS = ("merge", "export", "rehydrate", "adapter-to-dcp", "slim", "diff-vs-base", "verify")
 
 
 class _Group(click.Group):
