@@ -145,6 +145,11 @@ CASES: tuple[Case, ...] = (
          provides="dcp"),
     Case("inspect DCP", lambda p: ["inspect", p.dcp, "--json"], ("dcp",), None, floors=STARTUP, peers=(HF_HELP,),
          volume=()),
+    Case("inspect PEFT", lambda p: ["inspect", p.adapter, "--json"], ("adapter",), None, floors=STARTUP,
+         peers=(HF_HELP,), volume=()),
+    # metadata and zip headers only (no --deep): as instant as inspect
+    Case("verify DCP", lambda p: ["verify", p.dcp, "--json"], ("dcp",), None, floors=STARTUP, peers=(HF_HELP,),
+         volume=()),
     # reads only the LoRA items of the checkpoint: as many bytes as the adapter it writes
     Case("extract-adapter", lambda p: ["extract-adapter", p.dcp, p.out, "--alpha", ALPHA, "--json"], ("dcp",),
          "adapter", floors=(PY_PASS, cp_sync("adapter")), peers=(DCP_LOAD_LORA,), volume=("adapter", "adapter")),

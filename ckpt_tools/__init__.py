@@ -1,4 +1,22 @@
-"""ckpt-tools: LoRA merge and checkpoint surgery for prime-rl DCP checkpoints."""
-__all__ = ["__version__"]
+"""ckpt-tools: LoRA merge and checkpoint surgery for prime-rl DCP checkpoints.
+
+The operations are functions of this package (docs/api.md): `ckpt_tools.merge(...)`, `.inspect`,
+`.open`, `.extract_adapter`, `.diff_vs_base`, `.verify`, `.slim`, `.rehydrate`, `.set_lr`, each
+returning a typed report with `to_json()`. They are loaded on first use (`ckpt_tools.api`), so
+`import ckpt_tools` and `ckpt --version` stay instant (no torch).
+"""
+__all__ = ["__version__", "open", "inspect", "extract_adapter", "merge", "diff_vs_base", "verify", "slim",
+           "rehydrate", "set_lr"]
 
 __version__ = "0.1.0"
+
+_API = frozenset(__all__) - {"__version__"}
+
+
+def __getattr__(name: str):
+    # lazy: the operations import torch (2-3 s); `ckpt --version` and the metadata commands import this
+    # package and must not pay for it
+    if name in _API:
+        from . import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'ckpt_tools' has no attribute {name!r}")

@@ -63,7 +63,7 @@ $CKPT verify "$OUT/rehydrated"
 step "ckpt set-lr: halve the lr of the whole remaining schedule, keeping the Adam moments (hard links + KB)"
 $CKPT set-lr "$TRAINER" "$OUT/lr-half" --scale 0.5 --dry-run
 $CKPT set-lr "$TRAINER" "$OUT/lr-half" --scale 0.5
-$CKPT inspect "$OUT/lr-half" --json | "$PY" -c 'import json,sys; r=json.load(sys.stdin); print("lr now", r["lr"])'
+$CKPT inspect "$OUT/lr-half" --json | "$PY" -c 'import json,sys; r=json.load(sys.stdin); print("lr now", r["result"]["lr"])'
 
 step "ckpt restart-prep: a fresh-LR restart on the merged model (merged bf16 dir + the next command)"
 $CKPT restart-prep "$TRAINER" "$OUT/restart-merged" --base "$OUT/run/base_model" --lr 5e-3

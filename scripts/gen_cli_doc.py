@@ -21,8 +21,13 @@ HEADER = """# `ckpt` command reference
 Generated from each command's `--help` by `scripts/gen_cli_doc.py` (a test fails when this file is
 stale). Every command exits 0 on success, 1 on a data error (the message names the file and key and
 what to do), 2 on a usage error, 130 on Ctrl-C and 143 on SIGTERM (temporary outputs removed);
-`diff-vs-base` also exits 3 (identical to base) and 4 (adapter check failed). Global options go
-before the command: `ckpt -v COMMAND ...` shows tracebacks and logs.
+`diff-vs-base` also exits 3 (identical to base) and 4 (adapter check failed), `doctor` 3 (a trap
+found). `-v`/`-q` may stand anywhere on the line (`ckpt merge A B C -v`); the other global options go
+before the command. Under `--json` every command prints one JSON envelope on stdout (docs/json.md).
+`NO_COLOR=1` turns colour off; progress is drawn on a terminal only, and never under `-q` or `--json`.
+
+Shell completion (click's): `eval "$(_CKPT_COMPLETE=bash_source ckpt)"` in `~/.bashrc`
+(`zsh_source` in `~/.zshrc`; `_CKPT_COMPLETE=fish_source ckpt | source` for fish).
 """
 
 
@@ -30,8 +35,8 @@ def render() -> str:
     parts = [HEADER]
     ctx = click.Context(main, info_name="ckpt", terminal_width=100, max_content_width=100)
     parts.append("## ckpt\n\n```\n" + main.get_help(ctx) + "\n```\n")
-    for name in sorted(main.commands):
-        cmd = main.commands[name]
+    for name in sorted(main.list_commands(ctx)):
+        cmd = main.get_command(ctx, name)
         sub = click.Context(cmd, info_name=f"ckpt {name}", parent=None, terminal_width=100,
                             max_content_width=100)
         parts.append(f"## ckpt {name}\n\n```\n{cmd.get_help(sub)}\n```\n")

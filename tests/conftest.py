@@ -2,9 +2,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
+
+# A suite started in the background by a non-interactive shell (`make test &`) inherits SIGINT ignored,
+# and so would every ckpt process it starts (an ignored signal stays ignored across exec): the Ctrl-C
+# tests need the terminal's default. A Python handler here is reset to the default in each child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 # Genuine prime-rl fixtures live in the repository (tests/fixtures/README.md says what wrote them):
@@ -26,3 +33,12 @@ def fixture_copy(tmp_path: Path) -> Path:
     for p in dst.rglob("*"):
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     return dst
+
+
+def json_payload(text: str):
+    """The report a command printed under --json: the envelope's result, or its plan in a dry run
+    (docs/json.md). The envelope itself is checked against its schema in tests/test_json_envelope.py."""
+    import json
+    doc = json.loads(text)
+    assert doc["schema"] == "ckpt/1", doc
+    return doc["result"] if doc["result"] is not None else doc["plan"]

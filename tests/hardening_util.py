@@ -317,7 +317,7 @@ class Result:
 def commands() -> set[str]:
     from ckpt_tools.cli import main
 
-    return set(main.commands)
+    return set(main.list_commands(None))
 
 
 def invoke(args: list[str]) -> Result:

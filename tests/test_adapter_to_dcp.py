@@ -20,7 +20,7 @@ from ckpt_tools.formats.dcp.layout import data_file_name, row_chunks
 from ckpt_tools.core.keys import classify
 from ckpt_tools.core.primerl_state import SchedulerSpec, build_optim_state, flat_key, flatten_state, optimizer_param_order, progress_state
 
-from .conftest import BASE, FIXTURE, TRAINER
+from .conftest import BASE, FIXTURE, TRAINER, json_payload
 from .test_extract_adapter import other_base  # noqa: F401
 
 REF_ADAPTER = FIXTURE / "reference_peft_adapter"
@@ -64,7 +64,7 @@ def fresh(tmp_path_factory):
     r = run("adapter-to-dcp", REF_ADAPTER, out, "--base", BASE, "--lr", "1e-3", "--step", "3",
             "--scheduler", "linear", "--warmup-steps", "2", "--scheduler-step", "0", "--json")
     assert r.exit_code == 0, r.output
-    return out, json.loads(r.stdout), load_strict(out, BASE, _spec("linear"), world_size=4, steps_after=3)
+    return out, json_payload(r.stdout), load_strict(out, BASE, _spec("linear"), world_size=4, steps_after=3)
 
 
 def test_fresh_checkpoint_loads_strictly_into_4_rank_fsdp2_with_every_value_exact(fresh):
@@ -120,7 +120,7 @@ def carried(tmp_path_factory):
     r = run("adapter-to-dcp", REF_ADAPTER, out, "--base", BASE, "--optimizer-from", TRAINER, "--lr", "5e-3",
             "--step", "7", "--world-size", "3", "--json")
     assert r.exit_code == 0, r.output
-    return out, json.loads(r.stdout), load_strict(out, BASE, _spec("constant"), world_size=4, steps_after=2)
+    return out, json_payload(r.stdout), load_strict(out, BASE, _spec("constant"), world_size=4, steps_after=2)
 
 
 def test_optimizer_from_carries_the_source_moments_exactly(carried):
@@ -240,7 +240,7 @@ def test_dry_run_plans_every_key_and_writes_nothing(tmp_path):
     out = tmp_path / "step_5" / "trainer"
     r = run("adapter-to-dcp", REF_ADAPTER, out, "--base", BASE, "--lr", "1e-4", "--step", "4", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    plan = json.loads(r.stdout)
+    plan = json_payload(r.stdout)
     assert plan["keys"] == 228 and len(plan["tensors"]) == 36 + 42 + 126 and plan["required_orch_alpha"] == 16.0
     assert "step_5/trainer" in r.stderr and "--step 5" in r.stderr       # dir name vs progress.step
     assert not out.exists()

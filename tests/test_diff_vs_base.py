@@ -17,7 +17,7 @@ from ckpt_tools.cli import main
 from ckpt_tools.ops.diff.run import diff_vs_base
 from ckpt_tools.sources.open import open_weights
 
-from .conftest import BASE, FIXTURE, TRAINER
+from .conftest import BASE, FIXTURE, TRAINER, json_payload
 
 EXPORT = FIXTURE / "outputs" / "weights" / "step_3"          # prime-rl's export: the base, LoRA dropped
 MERGED = FIXTURE / "expected_merged_hf"                       # bf16(W32 + 2.0 * B@A) for the 21 targets
@@ -34,7 +34,7 @@ def run(*args):
 def run_json(*args):
     r = run(*args, "--json")
     assert r.exit_code in (0, 3, 4), r.output
-    return r.exit_code, json.loads(r.stdout)
+    return r.exit_code, json_payload(r.stdout)
 
 
 def _hf_dir(dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -254,8 +254,8 @@ def test_errors_exit_1_and_name_the_problem(tmp_path):
     w = _hf_dir(tmp_path / "w", {"other.weight": torch.zeros(2, 2)})
     r = run("diff-vs-base", w, BASE)
     assert r.exit_code == 1 and "share no tensor name" in r.output
-    r = run("diff-vs-base", EXPORT, tmp_path / "nope")
-    assert r.exit_code == 1 and "nope" in r.output
+    r = run("diff-vs-base", EXPORT, tmp_path / "nope")   # a missing path: exit 2, as everywhere
+    assert r.exit_code == 2 and f"error: no such file or directory: {tmp_path / 'nope'}" in r.stderr
     r = run("diff-vs-base", PEFT, BASE)
     assert r.exit_code == 2 and "PEFT adapter" in r.output and "--adapter" in r.output
     # an adapter whose target the base lacks: refused before any tensor byte is read

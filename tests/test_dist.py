@@ -143,10 +143,10 @@ def test_two_gloo_ranks_report_what_one_process_reports(case):
     """The read-only commands split their units over the ranks; rank 0 prints the one report."""
     one, two = solo(*READERS[case]), torchrun(*READERS[case])
     assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
-    a, b = json.loads(one.stdout), json.loads(two.stdout)   # one JSON object: rank 0's
+    a, b = json.loads(one.stdout), json.loads(two.stdout)   # one JSON envelope: rank 0's
     for timing in ("seconds", "bytes_read"):   # (bytes_read counts read-ahead cut short: not deterministic)
-        a.pop(timing, None), b.pop(timing, None)
-    assert a == b
+        a["result"].pop(timing, None), b["result"].pop(timing, None)
+    assert a == b and a["ok"] is True
 
 
 def _rank_pids(agent: subprocess.Popen) -> dict[int, int]:

@@ -23,7 +23,7 @@ from ckpt_tools.ops.doctor.run import doctor
 from ckpt_tools.ops.doctor.traps import TRAPS
 from ckpt_tools.core.primerl_state import SchedulerSpec, build_optim_state
 
-from .conftest import FIXTURE, FIXTURES, HEAD_FIXTURES
+from .conftest import FIXTURE, FIXTURES, HEAD_FIXTURES, json_payload
 
 CONFIGS = FIXTURES / "configs"
 GOOD = tomllib.loads((CONFIGS / "good.toml").read_text())
@@ -92,7 +92,7 @@ def run(*args):
 def test_the_clean_config_has_no_finding_and_exits_0(tmp_path):
     r = run(CONFIGS / "good.toml", "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.stdout)
+    rep = json_payload(r.stdout)
     assert rep["findings"] == [] and rep["generation"] == "16e747c"
 
 
@@ -102,7 +102,7 @@ def test_each_trap_alone_is_found_with_its_key_and_fix(case, tmp_path):
     cfg = write_case(tmp_path, changes)
     r = run(cfg, "--json")
     assert r.exit_code == 3, r.output
-    findings = json.loads(r.stdout)["findings"]
+    findings = json_payload(r.stdout)["findings"]
     trap = case.split(" ")[0]
     assert [f["trap"] for f in findings] == [trap], findings     # this trap, and nothing else
     f = findings[0]
@@ -179,7 +179,7 @@ def test_head_dense_run_an_offloaded_resume_would_not_restore_the_lr(tmp_path):
         shutil.copytree(HEAD_FIXTURES / "E_head_dense" / part, run_dir / part)
     r = run(run_dir, "--json")
     assert r.exit_code == 3, r.output
-    rep = json.loads(r.stdout)
+    rep = json_payload(r.stdout)
     assert rep["generation"] == "head"
     (f,) = rep["findings"]
     # step_2 (an interval checkpoint) holds lr 0.01; the freshly built warmup LinearLR sets 0.01 * 1e-8
@@ -234,7 +234,7 @@ def test_unreadable_config_is_one_clean_error_and_json_under_json(tmp_path):
     r = run(p)
     assert r.exit_code == 1 and "not valid TOML" in r.stderr and "Traceback" not in r.output
     r = run(p, "--json")
-    assert r.exit_code == 1 and "not valid TOML" in json.loads(r.stdout)["error"]
+    assert r.exit_code == 1 and "not valid TOML" in json.loads(r.stdout)["error"]["message"]
 
 
 def test_a_head_run_that_resumed_with_the_optimizer_offloaded_ran_at_the_wrong_lr(tmp_path):

@@ -16,7 +16,7 @@ from ckpt_tools.cli import main
 from ckpt_tools.sources.lora import DcpLoraSource
 from ckpt_tools.ops.extract_adapter import ExtractOptions, plan_extract, run_extract
 
-from .conftest import BASE, FIXTURE, TRAINER
+from .conftest import BASE, FIXTURE, TRAINER, json_payload
 
 REFERENCE = FIXTURE / "reference.safetensors"
 REF_ADAPTER = FIXTURE / "reference_peft_adapter"
@@ -68,7 +68,7 @@ def extracted(tmp_path_factory):
     out = tmp_path_factory.mktemp("extract") / "adapter"
     r = run("extract-adapter", TRAINER, out, "--json")
     assert r.exit_code == 0, r.output
-    return out, json.loads(r.stdout)
+    return out, json_payload(r.stdout)
 
 
 def test_extracted_lora_is_bit_equal_to_the_live_models_and_keys_are_peft_keys(extracted):
@@ -166,9 +166,9 @@ def test_run_config_and_explicit_alpha_win_in_that_order(tmp_path):
     orch.write_text((FIXTURE / "outputs/run_default/configs/orch.toml").read_text().replace("alpha = 16.0", "alpha = 4.0"))
     r = run("extract-adapter", ckpt, tmp_path / "o1", "--run-config", orch, "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["lora_alpha"] == 4.0
+    assert json_payload(r.stdout)["lora_alpha"] == 4.0
     r = run("extract-adapter", ckpt, tmp_path / "o2", "--run-config", orch, "--alpha", "12", "--json")
-    assert json.loads(r.stdout)["lora_alpha"] == 12.0
+    assert json_payload(r.stdout)["lora_alpha"] == 12.0
 
 
 def test_disagreeing_run_adapter_configs_warn_and_the_training_scale_is_written(fixture_copy, tmp_path):
@@ -186,7 +186,7 @@ def test_disagreeing_run_adapter_configs_warn_and_the_training_scale_is_written(
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     r = run("extract-adapter", TRAINER, tmp_path / "out", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    plan = json.loads(r.stdout)
+    plan = json_payload(r.stdout)
     assert plan["dry_run"] and len(plan["tensors"]) == 42 and plan["out_file_bytes"] == 113328
     assert not (tmp_path / "out").exists()
 

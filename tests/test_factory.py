@@ -393,7 +393,7 @@ def inspect_json(path: Path) -> dict:
 
     r = CliRunner().invoke(main, ["inspect", str(path), "--json"])
     assert r.exit_code == 0, r.output
-    return json.loads(r.output)
+    return json.loads(r.stdout)["result"]
 
 
 def test_reader_and_inspect_on_the_tiny_factory_checkpoint(tiny):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from ckpt_tools.cli import main
 
-from .conftest import BASE, FIXTURE
+from .conftest import BASE, FIXTURE, json_payload
 from .test_extract_adapter import base_logits, other_base, peft_logits, reference_adapter_logits  # noqa: F401
 
 BROADCAST = FIXTURE / "outputs/run_default/broadcasts/step_3"
@@ -39,7 +39,7 @@ def test_fixed_exports_give_the_reference_adapters_logits(export, tmp_path):
     out = tmp_path / "fixed"
     r = run("fix-adapter", export, out, "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.stdout)
+    rep = json_payload(r.stdout)
     assert rep["modules"] == 21 and rep["lora_alpha"] == 16.0 and rep["fixes"]
     assert Path(rep["base_checked"]).resolve() == BASE.resolve()
     assert torch.equal(peft_logits(out), reference_adapter_logits())
@@ -77,7 +77,7 @@ def test_the_training_alpha_replaces_the_trainer_alpha_of_the_export(fixture_cop
     _edit_config(src, lora_alpha=32.0)   # prime-rl writes the trainer's alpha; training used the orchestrator's
     r = run("fix-adapter", src, tmp_path / "out", "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.stdout)
+    rep = json_payload(r.stdout)
     assert rep["lora_alpha"] == 16.0 and "orch.toml" in rep["alpha_source"]
     assert any("lora_alpha 32 -> 16" in f for f in rep["fixes"])
     assert torch.equal(peft_logits(tmp_path / "out"), reference_adapter_logits())
@@ -98,7 +98,7 @@ def test_modules_to_save_listed_but_absent_are_dropped(fixture_copy, tmp_path):
         peft_logits(src)      # what PEFT does with it as-is
     r = run("fix-adapter", src, tmp_path / "out", "--json")
     assert r.exit_code == 0, r.output
-    assert any("listed but absent" in f for f in json.loads(r.stdout)["fixes"])
+    assert any("listed but absent" in f for f in json_payload(r.stdout)["fixes"])
     assert json.loads((tmp_path / "out/adapter_config.json").read_text())["modules_to_save"] is None
     assert torch.equal(peft_logits(tmp_path / "out"), reference_adapter_logits())
 
@@ -189,6 +189,6 @@ def test_bad_configs_get_one_clear_error_each(changes, msg, tmp_path):
 def test_dry_run_json_plan_writes_nothing(tmp_path):
     r = run("fix-adapter", LORA_ADAPTERS, tmp_path / "out", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    plan = json.loads(r.stdout)
+    plan = json_payload(r.stdout)
     assert plan["dry_run"] and plan["slot"] == 0 and len(plan["tensors"]) == 42
     assert not (tmp_path / "out").exists()

@@ -141,7 +141,7 @@ def test_without_a_base_it_refuses_before_writing(tmp_path):
     ck = make_run(tmp_path / "run")
     shutil.rmtree(tmp_path / "run" / "base_model")
     r = gc(ck, "--keep-full", "2", "--json")
-    assert r.exit_code == 2 and "no base model" in json.loads(r.stdout)["error"]
+    assert r.exit_code == 2 and "no base model" in json.loads(r.stdout)["error"]["message"]
     assert not (ck / "step_1" / "trainer" / "ckpt-slim-manifest.json").exists()
 
 

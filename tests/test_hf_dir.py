@@ -14,7 +14,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.file_download import repo_folder_name
 from safetensors import safe_open
 
-from ckpt_tools.core.errors import FormatError, MissingFileError, TruncatedFileError, UsageError
+from ckpt_tools.core.errors import FormatError, MissingFileError, MissingPathError, TruncatedFileError, UsageError
 from ckpt_tools.formats.hf_dir.names import INDEX_NAME, WEIGHTS_NAME
 from ckpt_tools.formats.hf_dir.model_dir import HFModelDir
 from ckpt_tools.core.units import parse_size
@@ -224,7 +224,7 @@ def test_hub_id_absent_from_the_cache_says_how_to_download_it(tmp_path):
 
 def test_local_directory_is_returned_as_is_and_missing_paths_are_errors(saved, tmp_path):
     assert resolve_model_dir(saved / "single") == saved / "single"
-    with pytest.raises(MissingFileError, match="no such directory"):
+    with pytest.raises(MissingPathError, match="no such file or directory: "):
         resolve_model_dir(str(tmp_path / "nope"))
     with pytest.raises(UsageError, match="is a file"):
         resolve_model_dir(saved / "single" / "config.json")

@@ -10,7 +10,7 @@ from ckpt_tools.cli import main
 from ckpt_tools.formats.dcp.model import BytesEntry
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 
-from .conftest import BASE, FIXTURE, TRAINER
+from .conftest import BASE, FIXTURE, TRAINER, json_payload
 
 
 def run(*args):
@@ -20,7 +20,7 @@ def run(*args):
 def test_inspect_genuine_fixture_json():
     r = run("inspect", TRAINER, "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.output)
+    rep = json_payload(r.stdout)
     assert rep["format"] == "dcp" and rep["keys"] == 229
     counts = {g: rep["groups"][g]["count"] for g in
               ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progress", "other")}
@@ -45,7 +45,7 @@ def test_inspect_human_output_and_step_dir():
 def test_inspect_lists_steps_of_a_checkpoints_dir():
     r = run("inspect", FIXTURE / "outputs" / "checkpoints", "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.output)
+    rep = json_payload(r.stdout)
     assert [s["step"] for s in rep["steps"]] == [3] and rep["steps"][0]["complete"]
 
 
@@ -70,7 +70,7 @@ def test_inspect_warns_when_run_config_alpha_disagrees_with_adapter_configs(fixt
     orch = fixture_copy / "outputs/run_default/configs/orch.toml"
     orch.write_text(orch.read_text().replace("alpha = 16.0", "alpha = 4.0"))
     r = run("inspect", fixture_copy / "outputs/checkpoints/step_3/trainer", "--json")
-    rep = json.loads(r.output)
+    rep = json_payload(r.stdout)
     assert rep["alpha"]["training_scale"] == 0.5
     assert any("wrong scale" in w for w in rep["warnings"])
 
@@ -79,7 +79,7 @@ def test_inspect_without_run_config_says_alpha_is_unknown(fixture_copy):
     import shutil
     shutil.rmtree(fixture_copy / "outputs/run_default")
     r = run("inspect", fixture_copy / "outputs/checkpoints/step_3/trainer", "--json")
-    rep = json.loads(r.output)
+    rep = json_payload(r.stdout)
     assert rep["alpha"] is None and "not stored" in rep["alpha_unresolved"]
 
 
@@ -89,22 +89,22 @@ def test_inspect_garbage_path_is_usage_error(tmp_path):
 
 
 def test_inspect_peft_dirs_flags_prime_rl_exports_that_apply_nothing():
-    good = json.loads(run("inspect", FIXTURE / "reference_peft_adapter", "--json").output)
+    good = json_payload(run("inspect", FIXTURE / "reference_peft_adapter", "--json").stdout)
     assert good["format"] == "peft" and good["modules"] == 21 and good["rank"] == 8 and good["scale"] == 2.0
     assert good["warnings"] == []
     for broken in (FIXTURE / "outputs/weights/step_3/lora_adapters", FIXTURE / "outputs/run_default/broadcasts/step_3"):
-        rep = json.loads(run("inspect", broken, "--json").output)
+        rep = json_payload(run("inspect", broken, "--json").stdout)
         assert rep["modules"] == 0 and rep["unrecognized_keys"] == 42
         assert any("fix-adapter" in w for w in rep["warnings"])
 
 
 def test_inspect_hf_dir():
-    rep = json.loads(run("inspect", BASE, "--json").output)
+    rep = json_payload(run("inspect", BASE, "--json").stdout)
     assert rep["format"] == "hf" and rep["tensors"] == 36 and rep["dtypes"] == {"BF16": 36}
 
 
 def test_inspect_keys_lists_every_key_with_its_group():
-    rows = json.loads(run("inspect", TRAINER, "--keys", "--json").output)
+    rows = json_payload(run("inspect", TRAINER, "--keys", "--json").stdout)
     assert len(rows) == 229
     expected = [ln.split()[0] for ln in (FIXTURE / "dcp_keys.txt").read_text().splitlines()
                 if ln.startswith("app.")]

@@ -93,7 +93,7 @@ def test_base_from_checkpoint_gives_the_same_tensors_with_a_bf16_config(tmp_path
     out = tmp_path / "out"
     r = run("merge", "--base-from-checkpoint", TRAINER, out, "--config-from", WEIGHTS_STEP)
     assert r.exit_code == 0, r.output
-    assert "15 cast to bfloat16" in r.output          # fp32 masters rounded exactly once (exact: bf16 upcasts)
+    assert "0 tensors copied, 15 cast" in r.output   # fp32 masters rounded exactly once (exact: bf16 upcasts)
     assert_tensors_equal_expected(out)
     cfg, src = json.loads((out / "config.json").read_text()), json.loads((WEIGHTS_STEP / "config.json").read_text())
     assert src["dtype"] == "float32" and cfg["dtype"] == "bfloat16"
@@ -161,7 +161,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     r = run("merge", BASE, TRAINER, out, "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    doc = json.loads(r.output)
+    doc = json.loads(r.stdout)
     plan = doc["plan"]
     assert doc["dry_run"] is True and not out.exists() and list(tmp_path.iterdir()) == []
     assert plan["merged_modules"] == 21 and plan["counts"] == {"merge": 21, "copy": 15, "cast": 0, "replace": 0}
@@ -179,7 +179,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
 def test_alpha_flag_overrides_the_run_config(tmp_path):
     r = run("merge", BASE, TRAINER, tmp_path / "o", "--alpha", "8", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    plan = json.loads(r.output)["plan"]
+    plan = json.loads(r.stdout)["plan"]
     assert plan["adapter"]["scale"] == 1.0 and plan["adapter"]["alpha_source"] == "--alpha"
 
 

@@ -207,7 +207,7 @@ def test_modules_to_save_embedding_on_a_tied_base_materializes_the_old_lm_head(t
 
     r = run("merge", paths.base_model, tmp_path / "ad", tmp_path / "o", "--dtype", "fp32", "--json")
     assert r.exit_code == 0, r.output
-    counts = json.loads(r.output)["plan"]["counts"]
+    counts = json.loads(r.stdout)["plan"]["counts"]
     assert counts["replace"] == 1 and counts["merge"] == 2
     base, got = load_dir(paths.base_model), load_dir(tmp_path / "o")
     assert torch.equal(got["lm_head.weight"], base["model.embed_tokens.weight"].float())

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from ckpt_tools.cli import main
 
-from .conftest import BASE, FIXTURE, TRAINER
+from .conftest import BASE, FIXTURE, TRAINER, json_payload
 from .test_slim_rehydrate import bits, surgery_run
 
 RL_TOML = """\
@@ -79,7 +79,7 @@ def merged(tmp_path_factory):
 def test_merge_mode_writes_a_merged_model_diff_vs_base_confirms(merged):
     _, out, _, _ = merged
     r = run("diff-vs-base", out, BASE, "--adapter", TRAINER, "--json")
-    rep = json.loads(r.output)
+    rep = json_payload(r.stdout)
     assert rep["adapter_check"]["passed"] and rep["adapter_check"]["exact"] == 21
     assert rep["counts"] == {"identical": 15, "differs": 21}
     r = run("diff-vs-base", out, FIXTURE / "expected_merged_hf")   # the fixture's ground-truth merge
@@ -110,7 +110,7 @@ def test_trainer_config_keys_and_relative_includes_are_patched(tmp_path):
     r = run("restart-prep", FIXTURE / "outputs", tmp_path / "m", "--base", BASE, "--lr", "1e-4", "--config", cfg,
             "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.output)
+    rep = json_payload(r.stdout)
     assert rep["checkpoint"] == str(TRAINER)   # the run's latest checkpoint
     assert {c["key"]: c["after"] for c in rep["config"]["changes"]} == {
         "toml_files": [str((tmp_path / "cfg" / "base.toml").resolve())], "model.name": str((tmp_path / "m").resolve()),
@@ -146,7 +146,7 @@ def test_adapter_mode_checkpoint_loads_strictly_with_adapter_fresh_adamw_new_lr_
     r = run("restart-prep", paths.root, out, "--mode", "adapter", "--base", paths.base_model, "--lr", "4e-3",
             "--config", cfg, "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.output)
+    rep = json_payload(r.stdout)
     assert rep["step"] == spec.steps and rep["world_size"] == 4
     patched = (d / "rl.restart.toml").read_text()
     assert changed_lines(cfg.read_text(), patched) == ["-lr = 0.01", "+lr = 0.004", "+", "+[ckpt]",

@@ -20,7 +20,7 @@ from ckpt_tools.cli import main
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 from tests.factory.factory import FactorySpec, Progress, app_state_class, build_scheduler
 
-from .conftest import TRAINER
+from .conftest import TRAINER, json_payload
 from .test_slim_rehydrate import bits, surgery_run
 
 FOLLOW_STEPS = 12
@@ -123,7 +123,7 @@ def test_lr_sets_the_current_lr_exactly_and_scales_the_rest(tmp_path):
     lr0 = orig.opt.param_groups[0]["lr"]
     r = run("set-lr", ckpt, tmp_path / "out", "--lr", "3e-3", "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.output)
+    rep = json.loads(r.stdout)
     assert rep["plan"]["lr_after"] == 3e-3 and rep["plan"]["factor"] == pytest.approx(3e-3 / lr0)
     resumed = Trainer(spec, seed=1).load(tmp_path / "out")
     assert resumed.opt.param_groups[0]["lr"] == 3e-3
@@ -175,7 +175,7 @@ def test_dry_run_prints_before_after_of_exactly_the_lr_fields_and_writes_nothing
     before = tree_hashes(ckpt)
     r = run("set-lr", ckpt, tmp_path / "out", "--scale", "2", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    plan = json.loads(r.output)["plan"]
+    plan = json.loads(r.stdout)["plan"]
     changes = {c["key"]: (c["before"], c["after"]) for c in plan["changes"]}
     assert sorted(changes) == sorted([
         "app.optimizers.param_groups.0.lr", "app.optimizers.param_groups.0.initial_lr", "app.scheduler._last_lr",
@@ -200,17 +200,17 @@ def test_in_place_swaps_metadata_atomically_and_keeps_a_restorable_backup(fixtur
     assert len(backups) == 1 and backups[0].read_bytes() == old_meta
     after = tree_hashes(trainer)
     assert {k: after[k] for k in data_before} == data_before and "__patch_0.distcp" in after
-    rep = json.loads(run("inspect", trainer, "--json").output)
+    rep = json_payload(run("inspect", trainer, "--json").stdout)
     assert rep["lr"] == 1e-3 and rep["initial_lr"] == pytest.approx(1e-3)
     backups[0].replace(trainer / ".metadata")   # the documented undo
-    assert json.loads(run("inspect", trainer, "--json").output)["lr"] == 0.01
+    assert json_payload(run("inspect", trainer, "--json").stdout)["lr"] == 0.01
 
 
 def test_set_lr_on_a_slim_checkpoint_keeps_it_marked_slim(tmp_path):
     assert run("slim", TRAINER, tmp_path / "slim").exit_code == 0
     r = run("set-lr", tmp_path / "slim", tmp_path / "slim-lr", "--scale", "0.5")
     assert r.exit_code == 0, r.output
-    rep = json.loads(run("inspect", tmp_path / "slim-lr", "--json").output)
+    rep = json_payload(run("inspect", tmp_path / "slim-lr", "--json").stdout)
     assert rep["slim"] is True and rep["lr"] == 0.005
 
 
@@ -270,7 +270,7 @@ def test_factory_sequential_lr_resumes_strictly_on_the_scaled_schedule(tmp_path_
     out = tmp_path_factory.mktemp("factory-lr") / "lr"
     r = run("set-lr", paths.checkpoint, out, "--scale", "0.5", "--json")
     assert r.exit_code == 0, r.output
-    res = json.loads(r.output)["result"]
+    res = json.loads(r.stdout)["result"]
     assert res["linked"] == {"hardlink": 4} and res["seconds"] < 5
     new_files = [p for p in out.iterdir() if p.stat().st_nlink == 1]
     assert sorted(p.name for p in new_files) == [".metadata", "__patch_0.distcp"]
@@ -298,5 +298,5 @@ def test_factory_sequential_lr_resumes_strictly_on_the_scaled_schedule(tmp_path_
     assert sorted(got["optim"]) == sorted(optim_truth)
     for k, v in got["optim"].items():
         assert torch.equal(bits(v), bits(optim_truth[k])), k
-    rep = json.loads(run("inspect", out, "--json").output)
+    rep = json_payload(run("inspect", out, "--json").stdout)
     assert rep["lr"] == 0.5 * truth["lr"] and rep["scheduler"]["_last_lr"] == [0.5 * truth["lr"]]

@@ -22,7 +22,7 @@ from ckpt_tools.formats.dcp.item import parse_item
 from ckpt_tools.core.keys import classify
 from ckpt_tools.formats.slim.manifest import SLIM_MANIFEST
 
-from .conftest import BASE, TRAINER
+from .conftest import BASE, TRAINER, json_payload
 
 # One factory run serves this module and test_set_lr (which imports `surgery_run`): tied
 # embeddings (lm_head rebuilt from embed_tokens) and a warmup + cosine SequentialLR.
@@ -125,7 +125,7 @@ def test_slim_checkpoint_says_it_is_not_loadable_in_manifest_and_inspect(fixture
     assert m["loadable_by_prime_rl"] is False and "NOT loadable by prime-rl's strict loader" in m["note"]
     r = run("inspect", fixture_slim, "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.output[r.output.index("{"):])
+    rep = json_payload(r.stdout)
     assert rep["slim"] is True and any("rehydrate" in w for w in rep["warnings"])
     assert rep["groups"]["base"]["count"] == 0 and rep["groups"]["lora"]["count"] == 42
 
@@ -134,7 +134,7 @@ def test_slim_dry_run_json_plans_without_writing(tmp_path):
     out = tmp_path / "slim"
     r = run("slim", TRAINER, out, "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    plan = json.loads(r.output)["plan"]
+    plan = json.loads(r.stdout)["plan"]
     assert plan["dropped_keys"] == 36 and plan["kept_keys"] == 229 - 36
     assert plan["kept_bytes"] + plan["dropped_bytes"] < plan["source_bytes"]
     assert not out.exists() and no_leftovers(tmp_path, "slim")

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from ckpt_tools.cli import main
 from ckpt_tools.ops.verify import verify_path
 
-from .conftest import BASE, FIXTURE, TRAINER
+from .conftest import BASE, FIXTURE, TRAINER, json_payload
 
 REL_TRAINER = TRAINER.relative_to(FIXTURE)
 PEFT = FIXTURE / "reference_peft_adapter"
@@ -33,7 +33,7 @@ def run(*args):
 def verify_json(*args):
     r = run("verify", *args, "--json")
     assert r.exit_code in (0, 1), r.output
-    rep = json.loads(r.stdout)
+    rep = json_payload(r.stdout)
     assert rep["ok"] == (r.exit_code == 0)
     return rep
 

@@ -1,7 +1,12 @@
 """The `ckpt` command line. Commands live in ckpt_tools/cli/commands/<name>.py, each a thin click
 wrapper (arguments -> one op -> render); this module only wires them up and owns the error edge:
-every CkptError is printed as one line naming the file/key and the fix, with its exit code (and
-as one JSON object under --json: `render.error_object`).
+every CkptError is printed as one line naming the file/key and the fix, with its exit code (and as
+the failure envelope under --json: `render.emit_failure`).
+
+Commands are imported when they run, not before: `ckpt --help`, `--version` and the metadata
+commands (`inspect`, `verify`) never import torch (measured: `ckpt --version` 3.3-4.7 s -> ~0.15 s on
+2 cores; bench/startup.py). The group's listing takes each command's one-line help from
+`COMMANDS` (a test checks it equals the command's own).
 
 The layers below, one way: cli -> workflows -> ops -> sources -> formats -> io -> core
 (docs/architecture.md)."""
@@ -20,32 +25,85 @@ from .. import dist
 from ..core.errors import CkptError, UsageError
 from ..io import inputs
 from ..io.signals import Terminated, install_signal_handlers
-from .render import emit_json, error_object
+from .render import STATE, clear_progress, emit_failure
 
-__all__ = ["main", "COMMAND_MODULES"]
+__all__ = ["main", "COMMANDS", "COMMAND_MODULES", "GLOBAL_FLAGS", "hoist_global_flags"]
 
-# Module names under ckpt_tools.cli.commands; each defines `command` (a click.Command).
-COMMAND_MODULES = (
-    "inspect", "extract_adapter", "adapter_to_dcp", "fix_adapter", "merge", "export", "diff_vs_base",
-    "verify", "slim", "rehydrate", "set_lr", "set_value", "restart_prep", "gc", "doctor",
-)
+# name -> (module under ckpt_tools.cli.commands defining `command`, the one-line help `ckpt --help` lists)
+COMMANDS = {
+    "inspect": ("inspect", "Describe a checkpoint, HF model dir or PEFT adapter from metadata alone."),
+    "extract-adapter": ("extract_adapter", "Export a prime-rl DCP checkpoint's LoRA as a PEFT adapter dir."),
+    "adapter-to-dcp": ("adapter_to_dcp", "Build a prime-rl trainer checkpoint from a PEFT adapter and the HF base."),
+    "fix-adapter": ("fix_adapter", "Repair a prime-rl adapter export into a PEFT adapter that really applies."),
+    "merge": ("merge", "Merge a LoRA into base weights; write an HF model directory (sharded safetensors)."),
+    "export": ("export", "Export a DCP checkpoint as an HF model dir: full-FT weights or the merged LoRA model."),
+    "diff-vs-base": ("diff_vs_base", "Tell whether WEIGHTS differ from BASE, tensor by tensor."),
+    "verify": ("verify", "Check a checkpoint's integrity before you trust or ship it."),
+    "slim": ("slim", "Drop the frozen base weights of a checkpoint, keeping everything unique."),
+    "rehydrate": ("rehydrate", "Rebuild the full checkpoint prime-rl resumes from, from a slim one and the base."),
+    "set-lr": ("set_lr", "Change the learning rate of a checkpoint, keeping the Adam moments."),
+    "set": ("set_value", "Set scalar byte items (progress, scheduler fields, ...) of a checkpoint by surgery."),
+    "restart-prep": ("restart_prep", "Prepare a fresh-LR restart of a prime-rl LoRA run."),
+    "gc": ("gc", "Keep every checkpoint of a run: the newest N whole, every older one slim, in place."),
+    "doctor": ("doctor", "Find a prime-rl run's config and disk traps."),
+}
+COMMAND_MODULES = tuple(m for m, _ in COMMANDS.values())
+
+# flags of the group that may stand anywhere on the line (`ckpt merge A B C -v` as well as `ckpt -v merge ...`)
+GLOBAL_FLAGS = ("-v", "--verbose", "-q", "--quiet")
+
+
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """Move -v/-q (and their long forms) found after the command name to before it, so click's group
+    parses them wherever the user typed them. Nothing after a `--` is touched (a literal argument)."""
+    if "--" in args:
+        cut = args.index("--")
+        head, tail = args[:cut], args[cut:]
+    else:
+        head, tail = args, []
+    flags = [a for a in head if a in GLOBAL_FLAGS]
+    rest = [a for a in head if a not in GLOBAL_FLAGS]
+    return flags + rest + tail
 # Commands that split their plan over torchrun's ranks (`ckpt_tools.dist`); any other refuses 2+ ranks
 # (N copies of one command would race for the same OUT).
 MULTI_RANK_COMMANDS = ("merge", "export", "rehydrate", "adapter-to-dcp", "slim", "diff-vs-base", "verify")
 
 
 class _Group(click.Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        entry = COMMANDS.get(name)
+        if entry is None:
+            return None
+        return importlib.import_module(f"{__package__}.commands.{entry[0]}").command
+
+    def format_commands(self, ctx, formatter):
+        # the listing from COMMANDS: importing every command (torch among them) to print one line each
+        # took seconds
+        rows = [(name, help_) for name, (_, help_) in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, hoist_global_flags(list(args)))
+
     def invoke(self, ctx):
         # the subcommand's arguments (click 8.2+ keeps them in `_protected_args`, older ones in `protected_args`)
         protected = vars(ctx).get("_protected_args", vars(ctx).get("protected_args", []))
         argv = [*protected, *ctx.args]
-        verbose = ctx.params.get("verbose") or "-v" in sys.argv[1:]
+        verbose = ctx.params.get("verbose")
         as_json = "--json" in argv
+        STATE.reset()
+        STATE.verbose, STATE.quiet, STATE.as_json = verbose, ctx.params.get("quiet"), as_json
+        command = protected[0] if protected else None
 
         def fail(kind: str, line: str, code: int, exc: CkptError | None = None):
+            clear_progress()   # Ctrl-C mid-run: the message on its own line, not after the bar
             click.echo(line, err=True)
-            if as_json:   # a failure is JSON on stdout too (the one-line message stays on stderr)
-                emit_json(error_object(line.split(": ", 1)[-1], code, exc, kind))
+            if as_json and not STATE.emitted:   # the failure envelope on stdout (the line stays on stderr)
+                emit_failure(line.split(": ", 1)[-1], code, exc, kind, command=command)
             ctx.exit(code)
 
         try:
@@ -62,7 +120,13 @@ class _Group(click.Group):
             fail("interrupted", "interrupted: nothing was written (temporary files removed)", 130)
         except Terminated as exc:
             fail("terminated", "terminated: nothing was written (temporary files removed)", exc.exit_code)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except click.ClickException as exc:
+            if as_json and not STATE.emitted:   # a usage error of the command's own arguments
+                exc.show()
+                emit_failure(exc.format_message(), exc.exit_code, None, "UsageError", command=command)
+                ctx.exit(exc.exit_code)
+            raise
+        except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except BrokenPipeError:  # `ckpt inspect --keys | head`: the reader left, that is fine
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -93,8 +157,10 @@ class _Group(click.Group):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", is_flag=True, help="Log details and show tracebacks on errors.")
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-v", "--verbose", is_flag=True, help="Log details and show tracebacks on errors (anywhere on the line).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, only warnings and errors in the log (anywhere on "
+                                                  "the line). The command's own output is kept.")
 @click.option("--follow-symlinks", is_flag=True,
               help="Read through symlinks that leave the checkpoint or model dir they are in (refused by "
                    "default: a downloaded tree must not make us read elsewhere). Only for links you made.")
@@ -102,20 +168,26 @@ class _Group(click.Group):
               help="Read files that are mostly holes (refused by default: a crafted sparse file claims GBs that "
                    "cost nothing on disk). Only for filesystems that report no allocated blocks.")
 @click.version_option(version=__version__, prog_name="ckpt")
-def main(verbose: bool, follow_symlinks: bool, allow_sparse: bool) -> None:
-    """LoRA merge and checkpoint surgery for prime-rl (torch DCP) checkpoints."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+@click.pass_context
+def main(ctx: click.Context, verbose: bool, quiet: bool, follow_symlinks: bool, allow_sparse: bool) -> None:
+    """LoRA merge and checkpoint surgery for prime-rl (torch DCP) checkpoints.
+
+    Every command takes --json (one JSON envelope on stdout: docs/json.md). NO_COLOR=1 turns
+    colour off; progress is drawn on a terminal only, never under -q or --json.
+
+    \b
+    Shell completion (bash; zsh_source or fish_source for those shells):
+      eval "$(_CKPT_COMPLETE=bash_source ckpt)"
+    """
+    if verbose and quiet:
+        raise click.UsageError("-v/--verbose and -q/--quiet contradict each other: pick one")
+    if os.environ.get("NO_COLOR"):
+        ctx.color = False
+    logging.basicConfig(level=logging.INFO if verbose else (logging.ERROR if quiet else logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
     inputs.set_policy(follow_symlinks=follow_symlinks, allow_sparse=allow_sparse)
     install_signal_handlers()  # SIGTERM unwinds like Ctrl-C, so temp outputs are removed
 
-
-def _register() -> None:
-    for name in COMMAND_MODULES:
-        main.add_command(importlib.import_module(f"{__package__}.commands.{name}").command)
-
-
-_register()
 
 if __name__ == "__main__":
     main()

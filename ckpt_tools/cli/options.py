@@ -1,21 +1,58 @@
-"""Click options shared by commands."""
+"""Click options shared by commands (one definition each, so every command words them alike)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
-__all__ = ["json_option", "trust_option", "dry_run_option", "alpha_options"]
+from ..core.errors import MissingPathError
+from ..formats.hf_dir.hub import is_hub_id
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+__all__ = ["InputPath", "ModelPath", "json_option", "trust_option", "dry_run_option", "overwrite_option",
+           "alpha_options"]
+
+
+class InputPath(click.Path):
+    """An input path: a missing one is `no such file or directory: P` (exit 2) from every command and
+    argument, the same words the library uses (`MissingPathError`), not click's own per-argument text."""
+
+    def __init__(self, **kw):
+        kw.setdefault("path_type", Path)
+        super().__init__(exists=True, **kw)
+
+    def convert(self, value, param, ctx):
+        if not os.path.lexists(os.fspath(value)):
+            raise MissingPathError(value)
+        return super().convert(value, param, ctx)
+
+
+class ModelPath(click.ParamType):
+    """A checkpoint, model or adapter: an existing path, else a hub id (`org/name[@revision]`) found in the
+    local HF cache (offline, never downloaded); anything else is `no such file or directory: P`."""
+    name = "path_or_hub_id"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, Path) or os.path.lexists(os.fspath(value)):
+            return Path(value)
+        if is_hub_id(str(value)):
+            # lazy: resolving a hub id imports huggingface_hub (~0.2 s); a local path never does
+            from ..formats.hf_dir.hub import resolve_model_dir
+            return resolve_model_dir(str(value))
+        raise MissingPathError(value)
+
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="Print one JSON envelope on stdout instead of text (docs/json.md).")
 trust_option = click.option(
     "--trust-remote-pickle", "trust_pickle", is_flag=True,
     help="DANGEROUS: unpickle checkpoint metadata/items beyond the allow-list. Only for files you made.")
 dry_run_option = click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+overwrite_option = click.option("--overwrite", is_flag=True,
+                                help="Replace OUT if it exists (the new one is renamed in only when complete).")
 
 
 def alpha_options(f):
-    f = click.option("--run-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    f = click.option("--run-config", type=InputPath(dir_okay=False),
                      help="prime-rl orchestrator config (outputs/run_*/configs/orch.toml) whose "
                           "[model.lora] alpha set the training scale.")(f)
     f = click.option("--alpha", type=float, help="LoRA alpha training used (scale = alpha / rank).")(f)

@@ -1,15 +1,22 @@
 """The one JSON renderer and the text helpers every command shares.
 
-Every command hands its report to `emit` under `--json`: the report's own `to_json()` is printed as
-strict JSON (a non-finite float, a checkpoint's NaN lr say, becomes "NaN" / "Infinity"), so the shape
-of the CLI's JSON is decided here, in one place (the next issue wraps every report in one envelope:
-this function). Failures are JSON too, in one shape (`error_object`), from `json_errors` and the CLI's
-error edge.
+Under `--json` every command prints exactly one JSON object on stdout, the envelope (docs/json.md):
+
+    {"schema": "ckpt/1", "command": "merge", "ok": true, "exit_code": 0, "dry_run": false,
+     "plan": {...} | null, "result": {...} | null, "warnings": [...], "error": null | {...}}
+
+`emit(report)` builds it from a report's `to_json()` (a report that carries "plan" and "result"
+keys fills both; any other is the plan of a dry run, else the result); `emit_failure` builds it for
+an error, from the CLI's error edge (`cli/__init__.py`), `json_errors` and `entry.py` (click's usage
+errors). Strict JSON: a non-finite float (a checkpoint's NaN lr, say) becomes the string "NaN" /
+"Infinity" / "-Infinity". Warnings `warn()` printed during the command are collected into the envelope
+too, so a script sees every warning a person would.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -18,60 +25,159 @@ import click
 
 from ..core.errors import CkptError
 
-__all__ = ["emit", "emit_json", "error_object", "json_errors", "warn", "warn_trust", "is_tty"]
+__all__ = ["SCHEMA", "emit", "emit_json", "emit_failure", "envelope", "error_object", "json_errors", "warn",
+           "warn_trust", "is_tty", "color_enabled", "dry_run_label", "clear_progress", "CliState", "STATE"]
+
+SCHEMA = "ckpt/1"
 
 
-def emit(report) -> None:
-    """Print a report (anything with `to_json()`, or a plain JSON-able object) as the command's JSON."""
-    emit_json(report.to_json() if hasattr(report, "to_json") else report)
+class CliState:
+    """What the global flags decided for this invocation (set by the group's callback)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.verbose = False
+        self.quiet = False
+        self.as_json = False
+        self.warnings: list[str] = []
+        self.emitted = False
+        self.progress_shown = False     # a progress line is on stderr (cli.progress): clear it before a message
+
+
+STATE = CliState()
+
+
+def _context_facts() -> tuple[str | None, bool]:
+    """The running command's name and whether it is a dry run (from click's context)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return None, False
+    name = ctx.info_name if ctx.parent is not None else ctx.invoked_subcommand
+    return name, bool(ctx.params.get("dry_run", False))
+
+
+def envelope(command: str | None, payload, *, dry_run: bool = False, exit_code: int = 0, error: dict | None = None,
+             warnings: list[str] | tuple[str, ...] = ()) -> dict:
+    """The one JSON shape of every command's output."""
+    payload = _plain(payload)
+    plan = result = None
+    if isinstance(payload, dict) and isinstance(payload.get("plan"), dict):
+        # a report of the plan/result kind (slim, merge, gc, ...): its other members belong to the plan
+        plan = {**payload["plan"], **{k: v for k, v in payload.items() if k not in ("plan", "result", "dry_run")}}
+        result = payload.get("result")
+    elif payload is not None:
+        plan, result = (payload, None) if dry_run else (None, payload)
+    seen: list[str] = []
+    for w in [*_payload_warnings(payload), *warnings]:
+        if isinstance(w, str) and w not in seen:
+            seen.append(w)
+    return {"schema": SCHEMA, "command": command, "ok": error is None and exit_code == 0, "exit_code": exit_code,
+            "dry_run": dry_run, "plan": plan, "result": result, "warnings": seen, "error": error}
+
+
+def _payload_warnings(payload) -> list:
+    if not isinstance(payload, dict):
+        return []
+    out = list(payload.get("warnings") or [])
+    for part in ("plan", "result"):
+        sub = payload.get(part)
+        if isinstance(sub, dict):
+            out += list(sub.get("warnings") or [])
+    return out
+
+
+def emit(report, *, exit_code: int = 0) -> None:
+    """Print a report (anything with `to_json()`, or a plain JSON-able object) as the command's envelope."""
+    command, dry_run = _context_facts()
+    payload = report.to_json() if hasattr(report, "to_json") else report
+    doc = envelope(command, payload, dry_run=dry_run, exit_code=exit_code, warnings=STATE.warnings)
+    emit_json(doc)
+    STATE.emitted = True
+    for w in doc["warnings"]:   # stderr carries every warning in either mode (a person watching a script)
+        if w not in STATE.warnings:
+            warn(w)
+
+
+def emit_failure(message: str, exit_code: int, exc=None, kind: str | None = None, command: str | None = None) -> None:
+    """Print a failure as the command's envelope (error filled, plan and result null)."""
+    name, dry_run = _context_facts()
+    emit_json(envelope(command or name, None, dry_run=dry_run, exit_code=exit_code,
+                       error=error_object(message, exc, kind), warnings=STATE.warnings))
+    STATE.emitted = True
 
 
 def emit_json(obj) -> None:
-    """Print `obj` as strict JSON: a non-finite float (a checkpoint's NaN lr, say) becomes the string
-    "NaN" / "Infinity" / "-Infinity", since a bare NaN is not JSON and breaks every parser but Python's."""
-    click.echo(json.dumps(_finite(obj), indent=2, sort_keys=False, default=_default, allow_nan=False))
+    """Print `obj` as strict JSON: a non-finite float becomes "NaN" / "Infinity" / "-Infinity", since a bare
+    NaN is not JSON and breaks every parser but Python's."""
+    click.echo(json.dumps(_plain(obj), indent=2, sort_keys=False, allow_nan=False))
 
 
-def _finite(o):
+def _plain(o):
+    """`o` as plain JSON values: dataclasses as dicts, paths as strings, tuples and sets as lists."""
     if isinstance(o, float) and not math.isfinite(o):
         return "NaN" if o != o else ("Infinity" if o > 0 else "-Infinity")
+    if o is None or isinstance(o, (bool, int, float, str)):
+        return o
     if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
+        return {str(k): _plain(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
+        return [_plain(v) for v in o]
+    if isinstance(o, (set, frozenset)):
+        return [_plain(v) for v in sorted(o, key=str)]
     if hasattr(o, "__dataclass_fields__"):
-        return _finite(asdict(o))
-    return o
-
-
-def _default(o):
-    if isinstance(o, Path):
-        return str(o)
-    if hasattr(o, "__dataclass_fields__"):
-        return asdict(o)
-    if isinstance(o, (set, frozenset, tuple)):
-        return list(o)
+        return _plain(asdict(o))
+    if hasattr(o, "to_json"):
+        return _plain(o.to_json())
     return str(o)
 
 
+def error_object(message: str, exc=None, kind: str | None = None) -> dict:
+    """A failure's `error` member: what went wrong, where, and what to do."""
+    return {"type": kind or (type(exc).__name__ if exc is not None else "error"), "message": message,
+            "path": getattr(exc, "path", None), "key": getattr(exc, "key", None), "hint": getattr(exc, "hint", None)}
+
+
+def dry_run_label(dry_run: bool) -> str:
+    """The one label every dry run's text output ends its first line with."""
+    return "  (dry run: nothing written)" if dry_run else ""
+
+
+def clear_progress() -> None:
+    """Erase the progress line, if one is drawn, so a message starts on a clean line."""
+    if STATE.progress_shown:   # written raw: click.echo would strip the escape off a terminal
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
+        STATE.progress_shown = False
+
+
 def warn(msg: str) -> None:
+    STATE.warnings.append(msg)
+    clear_progress()
     click.secho(f"WARNING: {msg}", fg="yellow", err=True)
 
 
 def warn_trust(trust: bool) -> None:
     if trust:
-        click.secho("WARNING: --trust-remote-pickle: pickles outside the allow-list will be executed. "
-                    "A crafted checkpoint can run any code on this machine.", fg="red", err=True)
+        msg = ("--trust-remote-pickle: pickles outside the allow-list will be executed. A crafted checkpoint can run "
+               "any code on this machine.")
+        STATE.warnings.append(msg)
+        click.secho(f"WARNING: {msg}", fg="red", err=True)
 
 
 def is_tty() -> bool:
     return sys.stderr.isatty()
 
 
+def color_enabled() -> bool:
+    """NO_COLOR (https://no-color.org) set to anything non-empty turns colour off; so does a non-terminal."""
+    return not os.environ.get("NO_COLOR") and is_tty()
+
+
 class json_errors:
-    """`with json_errors(as_json):` under --json, a CkptError is printed as one JSON object on stdout
-    ({"error": message, "exit_code": n, "path": ..., "key": ..., "hint": ...}) and the command exits
-    with its code; without --json it propagates to the CLI's error edge (one `error:` line)."""
+    """`with json_errors(as_json):` under --json, a CkptError is printed as the failure envelope on stdout
+    and the command exits with its code; without --json it propagates to the CLI's error edge."""
 
     def __init__(self, as_json: bool):
         self.as_json = as_json
@@ -82,13 +188,6 @@ class json_errors:
     def __exit__(self, exc_type, exc, tb):
         if not self.as_json or exc is None or not isinstance(exc, CkptError):
             return False
-        emit_json(error_object(exc.render(), exc.exit_code, exc))
+        click.echo(f"error: {exc}", err=True)
+        emit_failure(exc.render(), exc.exit_code, exc)
         raise click.exceptions.Exit(exc.exit_code)
-
-
-def error_object(message: str, exit_code: int, exc=None, kind: str | None = None) -> dict:
-    """A failure as JSON, the one shape every command prints under --json (`json_errors` here, and
-    the CLI's error edge for every other failure, interruptions included)."""
-    return {"error": message, "exit_code": exit_code, "path": getattr(exc, "path", None),
-            "key": getattr(exc, "key", None), "hint": getattr(exc, "hint", None),
-            "type": kind or (type(exc).__name__ if exc is not None else "error")}

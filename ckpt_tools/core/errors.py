@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = ["CkptError", "UsageError", "FormatError", "MissingFileError", "TruncatedFileError", "UnsafePickleError",
-           "UnsafeInputError", "DiskSpaceError", "OutputExistsError", "LockedError", "AlphaError", "RankFailed",
+           "UnsafeInputError", "DiskSpaceError", "OutputExistsError", "LockedError", "AlphaError", "MissingPathError",
+           "RankFailed",
            "MAX_PATH_CHARS", "MAX_KEY_CHARS", "MAX_MESSAGE_CHARS"]
 
 
@@ -52,6 +53,18 @@ def _clip(text: str, limit: int) -> str:
 
 class UsageError(CkptError):
     exit_code = 2
+
+
+class MissingPathError(UsageError):
+    """A path the user named that is not there: one message, `no such file or directory: P`, and one
+    exit code (2) from every command and every argument."""
+
+    def __init__(self, path: str | Path, *, hint: str | None = None):
+        super().__init__(f"no such file or directory: {_clip(str(path), MAX_PATH_CHARS)}", hint=hint)
+        self.path = str(path)
+
+    def render(self) -> str:   # the path is in the message already
+        return self.message + (f" ({_clip(self.hint, MAX_MESSAGE_CHARS)})" if self.hint else "")
 
 
 class FormatError(CkptError):

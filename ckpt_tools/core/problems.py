@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Problem", "VerifyReport"]
+__all__ = ["group_problems", "Problem", "VerifyReport"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +45,21 @@ class VerifyReport:
                 "checked": self.checked}
 
 
+
+
+def group_problems(problems, min_group: int = 4, examples: int = 3) -> list[str]:
+    """Problems as lines for people: the same message about many keys of one file is one line
+    ("42 keys: key maps to no LoRA module ... (e.g. 'a', 'b', 'c')"), in first-seen order; the
+    JSON report keeps every problem."""
+    groups: dict[tuple[str, str], list] = {}
+    for p in problems:
+        groups.setdefault((p.file, p.message), []).append(p)
+    lines = []
+    for (file, message), ps in groups.items():
+        keys = [p.key for p in ps if p.key]
+        if len(keys) >= min_group:
+            shown = ", ".join(repr(k) for k in keys[:examples])
+            lines.append(f"{file}: {len(keys)} keys: {message} (e.g. {shown}; --json lists all)")
+        else:
+            lines += [p.render() for p in ps]
+    return lines

@@ -1,4 +1,5 @@
-"""Byte sizes, printed and parsed (HF convention: GB = 10**9, GiB = 2**30). Pure."""
+"""Byte sizes, printed and parsed (HF convention: GB = 10**9, GiB = 2**30), and numbers printed as people
+write them. Pure."""
 from __future__ import annotations
 
 import re
@@ -6,7 +7,7 @@ from decimal import Decimal, InvalidOperation
 
 from .errors import UsageError
 
-__all__ = ["human_bytes", "parse_size"]
+__all__ = ["human_bytes", "human_bytes_si", "human_number", "parse_size"]
 
 
 def human_bytes(n: int | float) -> str:
@@ -16,6 +17,29 @@ def human_bytes(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def human_bytes_si(n: int) -> str:
+    """A size as `--max-shard-size` takes it (HF convention, GB = 10**9): 5000000000 -> "5GB"."""
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return f"{n}B"
+
+
+def human_number(x) -> str:
+    """A number as people write it: at most 8 significant digits, no float noise, a short exponent.
+    0.006666666700000001 -> 0.0066666667, 5e-06 -> 5e-6, 16.0 -> 16, 1200 -> 1200; ints and
+    non-numbers are printed as they are."""
+    if isinstance(x, bool) or not isinstance(x, float):
+        return str(x)
+    if x != x or x in (float("inf"), float("-inf")):
+        return str(x)
+    text = f"{x:.8g}"
+    if "e" in text:
+        mant, exp = text.split("e")
+        text = f"{mant}e{int(exp)}"
+    return text
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -32,7 +32,11 @@ from .files import fsync_path, fsync_tree, remove_path
 from .lock import OutputLock, lock_path_for, pid_alive
 from .signals import signals_deferred
 
-__all__ = ["AtomicOutputDir", "SharedOutputDir", "clean_stale_temps", "check_against_inputs", "check_output_file", "mount_point"]
+__all__ = ["OVERWRITE_HINT", "AtomicOutputDir", "SharedOutputDir", "clean_stale_temps", "check_against_inputs",
+           "check_output_file", "mount_point"]
+
+# every command that writes OUT takes --overwrite: the one message when OUT is already there
+OVERWRITE_HINT = "pass --overwrite to replace it, or another output path"
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +109,7 @@ class AtomicOutputDir:
         input inside OUT), OUT already there (without `overwrite`), too little free disk."""
         self._check_paths()
         if os.path.lexists(self.out) and not self.overwrite:
-            raise OutputExistsError("already exists", path=self.out, hint="pass a new output path")
+            raise OutputExistsError("already exists", path=self.out, hint=OVERWRITE_HINT)
         if self.out.parent.is_dir():
             self._check_space()
 
@@ -129,8 +133,7 @@ class AtomicOutputDir:
         try:
             clean_stale_temps(self.out)
             if os.path.lexists(self.out) and not self.overwrite:
-                raise OutputExistsError("already exists", path=self.out,
-                                        hint="pass a new output path, or overwrite it explicitly")
+                raise OutputExistsError("already exists", path=self.out, hint=OVERWRITE_HINT)
             self._check_space()
             self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             self.tmp.mkdir()

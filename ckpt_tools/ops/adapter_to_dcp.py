@@ -436,7 +436,7 @@ class ToDcpReport:
 
 
 def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progress | None = None, *,
-                       group: Group | None = None) -> ToDcpReport:
+                       overwrite: bool = False, group: Group | None = None) -> ToDcpReport:
     """Write the checkpoint (atomically); `progress`: one event per key written. Under torchrun
     (`group`), rank k of N writes its share of the rank files `__i_0.distcp` (each file holds one row
     chunk of every tensor: about equal, so by index); rank 0 writes `.metadata` and commits."""
@@ -444,7 +444,7 @@ def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progres
     group = group or SoloGroup()
     t0 = time.perf_counter()
     inputs = [plan.adapter, plan.base] + ([plan.optimizer_from] if plan.optimizer_from else [])
-    with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=plan.need_bytes) as tmp:
+    with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=plan.need_bytes, overwrite=overwrite) as tmp:
         split = group.part.world > 1
         w = DcpWriter(tmp, files=plan.world_size,
                       owned_files=group.part.mine([1] * plan.world_size) if split else None)

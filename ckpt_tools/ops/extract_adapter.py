@@ -178,7 +178,8 @@ class ExtractReport:
         return rep
 
 
-def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None = None) -> ExtractReport:
+def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None = None, *,
+                overwrite: bool = False) -> ExtractReport:
     """Execute `plan` into an AtomicOutputDir: one LoRA tensor in flight (`progress`: one event per tensor)."""
     t0 = time.perf_counter()
     before = src.ckpt.stats.bytes_read
@@ -191,6 +192,7 @@ def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None
         report(progress, "extract", done[0], len(plan.tensors), unit="tensors", name=t.name)
         return v
 
-    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + _SLACK_BYTES) as tmp:
+    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + _SLACK_BYTES,
+                         overwrite=overwrite) as tmp:
         size = write_adapter_dir(tmp, list(plan.tensors), read, plan.config)
     return ExtractReport(plan, size, src.ckpt.stats.bytes_read - before, round(time.perf_counter() - t0, 3))

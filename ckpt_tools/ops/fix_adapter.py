@@ -325,7 +325,8 @@ class FixReport:
         return rep
 
 
-def run_fix(plan: FixPlan, weights: TensorFileSource, progress: Progress | None = None) -> FixReport:
+def run_fix(plan: FixPlan, weights: TensorFileSource, progress: Progress | None = None, *,
+            overwrite: bool = False) -> FixReport:
     t0 = time.perf_counter()
     inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
     done = [0]
@@ -336,6 +337,6 @@ def run_fix(plan: FixPlan, weights: TensorFileSource, progress: Progress | None 
         report(progress, "fix", done[0], len(plan.tensors), unit="tensors", name=t.name)
         return v
 
-    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + (1 << 20)) as tmp:
+    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + (1 << 20), overwrite=overwrite) as tmp:
         size = write_adapter_dir(tmp, list(plan.tensors), read, plan.config)
     return FixReport(plan, size, round(time.perf_counter() - t0, 3))

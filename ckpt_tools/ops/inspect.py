@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import AlphaError, CkptError, UsageError
+from ..core.errors import AlphaError, CkptError, MissingPathError, UsageError
 from ..core.keys import classify
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.dcp.model import TensorEntry
@@ -29,7 +29,7 @@ __all__ = ["detect_format", "inspect_dcp", "inspect_checkpoints_dir", "inspect_h
 def detect_format(path: Path) -> str:
     p = Path(path)
     if not p.exists():
-        raise UsageError("no such file or directory", path=p)
+        raise MissingPathError(p)
     kind = sniff(p)
     if kind is None:
         raise UsageError("cannot tell what this is: not a DCP checkpoint (.metadata), an outputs/checkpoints "

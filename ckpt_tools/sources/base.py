@@ -25,10 +25,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from ..core.dtypes import ITEMSIZE, torch_dtype
 from ..core.errors import FormatError
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
 
 __all__ = ["TensorFacts", "Extent", "Source", "tensor_bytes"]
 
@@ -68,6 +71,7 @@ class Extent:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (no copy)."""
+    import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -162,6 +166,7 @@ class Source:
     def read_into(self, name: str, buffer, rows: tuple[int, int] | None = None) -> None:
         """Fill `buffer` (a contiguous CPU tensor, or anything a memoryview takes) with the stored bytes
         of rows [start, start + count) of tensor `name` (`rows=None`: all of it)."""
+        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
         info = self.facts(name)
         mv = tensor_bytes(buffer) if isinstance(buffer, torch.Tensor) else memoryview(buffer).cast("B")
         start = 0 if rows is None else rows[0] * info.row_bytes
@@ -169,6 +174,7 @@ class Source:
 
     def read_rows(self, name: str, start: int, count: int) -> torch.Tensor:
         """Rows [start, start + count) of tensor `name`, a new tensor of its dtype."""
+        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
         info = self.facts(name)
         t = torch.empty((count,) + tuple(info.shape[1:]), dtype=torch_dtype(info.dtype))
         if t.numel():
@@ -177,6 +183,7 @@ class Source:
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor, a new CPU tensor."""
+        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
         info = self.facts(name)
         if self.extents(name) is None:     # assembled by the kind's own whole-tensor read
             t = self._read_whole(name)
@@ -189,6 +196,7 @@ class Source:
 
     def read_elems(self, name: str, start: int, count: int) -> torch.Tensor:
         """Elements [start, start+count) of the flattened tensor, as a new 1-D tensor."""
+        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
         info = self.facts(name)
         t = torch.empty(count, dtype=torch_dtype(info.dtype))
         if count:

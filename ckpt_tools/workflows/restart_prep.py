@@ -22,7 +22,7 @@ import re
 import time
 from pathlib import Path
 
-from ..core.errors import FormatError, MissingFileError, OutputExistsError, UsageError
+from ..core.errors import FormatError, MissingFileError, MissingPathError, OutputExistsError, UsageError
 from ..core.keys import PROGRESS_STEP_KEY, world_size_from_chunks
 from ..core.primerl_state import SchedulerSpec
 from ..formats.dcp.layout import METADATA_NAME, resolve_checkpoint_dir
@@ -30,7 +30,7 @@ from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
 from ..io.files import atomic_write_text
 from ..io.inputs import read_toml
-from ..io.staging import check_output_file
+from ..io.staging import OVERWRITE_HINT, check_output_file
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..ops.extract_adapter import ExtractOptions, plan_extract
 from ..ops.merge import MergeOptions, MergeSources, check_output, plan_merge, run_merge
@@ -51,7 +51,7 @@ def find_checkpoint(path: str | Path) -> Path:
     latest complete checkpoint under it."""
     p = Path(path)
     if not p.exists():
-        raise MissingFileError("no such file or directory", path=p)
+        raise MissingPathError(p)
     if (p / METADATA_NAME).is_file() or (p / "trainer" / METADATA_NAME).is_file():
         return resolve_checkpoint_dir(p)
     for root in (p, p / "checkpoints", p / "outputs" / "checkpoints"):
@@ -79,7 +79,7 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
                  mode: str = "merge", alpha: float | None = None, run_config: str | Path | None = None,
                  dtype: str | None = None, max_shard_size: str = "5GB", world_size: int | None = None,
                  scheduler_step: int = 0, config_out: str | Path | None = None, dry_run: bool = False,
-                 trust_pickle: bool = False, progress=None) -> dict:
+                 trust_pickle: bool = False, progress=None, overwrite: bool = False) -> dict:
     """Library entry point. Returns a JSON-able report with "next" (what to run next)."""
     if mode not in MODES:
         raise UsageError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -89,7 +89,7 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
         if base is None:
             raise UsageError("--base is required: the HF base model the run trained on")
         if lr is None or not (lr > 0 and math.isfinite(lr)):
-            raise UsageError(f"--lr is required and must be a positive finite number (got {lr})")
+            raise UsageError(f"--lr must be a positive finite number (got {lr})")
         cfg_text = cfg_out = None
         if config is not None:
             config = Path(config)
@@ -109,10 +109,10 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
         if mode == "merge":
             return _merge_mode(ckpt, out, base=base, lr=lr, cfg_text=cfg_text, config=config, cfg_out=cfg_out,
                                alpha=alpha, run_config=run_config, dtype=dtype, max_shard_size=max_shard_size,
-                               dry_run=dry_run, trust_pickle=trust_pickle, progress=progress)
+                               dry_run=dry_run, trust_pickle=trust_pickle, progress=progress, overwrite=overwrite)
         return _adapter_mode(ckpt, out, base=base, lr=lr, cfg_text=cfg_text, config=config, cfg_out=cfg_out,
                              alpha=alpha, run_config=run_config, world_size=world_size, scheduler_step=scheduler_step,
-                             dry_run=dry_run, trust_pickle=trust_pickle, progress=progress)
+                             dry_run=dry_run, trust_pickle=trust_pickle, progress=progress, overwrite=overwrite)
 
 
 def _rebase(config: Path, cfg_out: Path) -> Path | None:
@@ -131,7 +131,7 @@ def _lora(ckpt: DcpCheckpoint, alpha, run_config) -> DcpLoraSource:
 
 
 def _merge_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_out, alpha, run_config, dtype,
-                max_shard_size, dry_run, trust_pickle, progress) -> dict:
+                max_shard_size, dry_run, trust_pickle, progress, overwrite=False) -> dict:
     report: dict = {"mode": "merge", "checkpoint": str(ckpt.dir), "out": str(out), "lr": lr, "dry_run": dry_run}
     new_text = None
     if cfg_text is not None:   # validate the config before the (long) merge
@@ -150,9 +150,9 @@ def _merge_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_out
                                 "out_dtype": plan.out_dtype, "write_bytes": plan.write_bytes,
                                 "warnings": list(plan.warnings)}
         if dry_run:
-            check_output(plan, out)
+            check_output(plan, out, overwrite=overwrite)
         else:
-            res = run_merge(plan, sources, progress).result
+            res = run_merge(plan, sources, progress, overwrite=overwrite).result
             report["merge"] = {"seconds": res.seconds, "tensors": res.tensors, "merged_modules": res.merged_modules,
                                "bytes_written": res.bytes_written, "files": list(res.files)}
             if new_text is not None:
@@ -170,7 +170,7 @@ def _merge_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_out
 
 
 def _adapter_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_out, alpha, run_config, world_size,
-                  scheduler_step, dry_run, trust_pickle, progress) -> dict:
+                  scheduler_step, dry_run, trust_pickle, progress, overwrite=False) -> dict:
     step = ckpt.read_object(PROGRESS_STEP_KEY) if PROGRESS_STEP_KEY in ckpt.entries else None
     sharded = [len(e.chunks) for e in ckpt.tensor_entries() if e.shape and e.shape[0] > 1]
     orig_world = world_size_from_chunks(sharded) or 1
@@ -200,13 +200,13 @@ def _adapter_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_o
     if dry_run:
         return report
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():
-        raise OutputExistsError("already exists", path=out, hint="pass a new output path")
+    if out.exists() and not overwrite:
+        raise OutputExistsError("already exists", path=out, hint=OVERWRITE_HINT)
     with ToDcpSources(lora, HFSource.open(base)) as sources:
         plan = plan_adapter_to_dcp(sources, ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=spec,
                                                          scheduler_step=scheduler_step, trust_pickle=trust_pickle))
         t0 = time.perf_counter()
-        rep = run_adapter_to_dcp(plan, sources, progress).to_json()
+        rep = run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite).to_json()
         report["checkpoint_out"] = {"keys": rep["keys"], "bytes_written": rep["bytes_written"],
                                     "seconds": round(time.perf_counter() - t0, 3), "lr_now": rep["lr_now"],
                                     "lr_next": rep["lr_next"], "notes": rep["notes"]}

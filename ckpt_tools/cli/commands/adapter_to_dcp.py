@@ -8,18 +8,19 @@ import click
 from ... import dist
 from ...core.errors import UsageError
 from ...core.primerl_state import SCHEDULER_TYPES, SchedulerSpec
-from ...core.units import human_bytes
+from ...core.units import human_bytes, human_number
 from ...ops.adapter_to_dcp import (
     ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, run_adapter_to_dcp,
 )
-from ..options import dry_run_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..flow import finish, plan_and_run
+from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
 
 
 @click.command("adapter-to-dcp")
-@click.argument("adapter", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("adapter", type=InputPath(file_okay=False))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--base", required=True, metavar="NAME_OR_DIR",
               help="The HF base model the adapter was trained on (a dir, or a hub id in the local HF cache).")
@@ -28,7 +29,7 @@ __all__ = ["command"]
 @click.option("--step", type=int, help="progress.step of the checkpoint (default 0, or --optimizer-from's).")
 @click.option("--world-size", type=int, default=4, show_default=True,
               help="FSDP world size of the resuming run: tensors are written as its row chunks.")
-@click.option("--optimizer-from", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="CKPT",
+@click.option("--optimizer-from", type=InputPath(file_okay=False), metavar="CKPT",
               help="Carry AdamW moments and step from this prime-rl checkpoint (same LoRA) instead of a fresh "
                    "optimizer.")
 @click.option("--scheduler", type=click.Choice(SCHEDULER_TYPES), default="constant", show_default=True,
@@ -39,12 +40,13 @@ __all__ = ["command"]
 @click.option("--min-lr", type=float, default=0.0, show_default=True, help="[scheduler] min_lr.")
 @click.option("--scheduler-step", type=int,
               help="Steps the schedule has advanced (default: --step). 0 restarts the warmup at the resume.")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
 def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, optimizer_from, scheduler: str,
-            warmup_steps: int, decay_steps: int, max_steps, min_lr: float, scheduler_step, dry_run: bool,
-            as_json: bool, trust_pickle: bool) -> None:
+            warmup_steps: int, decay_steps: int, max_steps, min_lr: float, scheduler_step, overwrite: bool,
+            dry_run: bool, as_json: bool, trust_pickle: bool) -> None:
     """Build a prime-rl trainer checkpoint from a PEFT adapter and the HF base.
 
     OUT becomes a DCP checkpoint (put it at outputs/checkpoints/step_N/trainer) that prime-rl's
@@ -56,7 +58,8 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
     \b
     Example:
       ckpt adapter-to-dcp adapter-step95 outputs/checkpoints/step_95/trainer \\
-        --base Qwen/Qwen3-32B --lr 5e-6 --step 95 --scheduler linear --warmup-steps 10 --scheduler-step 0
+        --base Qwen/Qwen3-32B --lr 5e-6 --step 95 \\
+        --scheduler linear --warmup-steps 10 --scheduler-step 0
     """
     warn_trust(trust_pickle)
     try:
@@ -64,18 +67,15 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
                              min_lr=min_lr)
     except ValueError as exc:
         raise UsageError(f"--scheduler {scheduler}: {exc}") from None
-    with open_to_dcp_sources(adapter, base, optimizer_from=optimizer_from, trust_pickle=trust_pickle) as sources:
-        plan = plan_adapter_to_dcp(sources, ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=spec,
-                                                         scheduler_step=scheduler_step, trust_pickle=trust_pickle))
-        report = ToDcpReport(plan, full=as_json) if dry_run else \
-            run_adapter_to_dcp(plan, sources, group=dist.current())
-    rep = report.to_json()
-    if as_json:
-        emit(report)
-    else:
-        _render(rep, dry_run)
-    for w in rep["warnings"]:
-        warn(w)
+    options = ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=spec, scheduler_step=scheduler_step,
+                           trust_pickle=trust_pickle)
+    report = plan_and_run(
+        lambda: open_to_dcp_sources(adapter, base, optimizer_from=optimizer_from, trust_pickle=trust_pickle),
+        lambda sources: plan_adapter_to_dcp(sources, options),
+        lambda plan, sources, progress: run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite,
+                                                            group=dist.current()),
+        lambda plan: ToDcpReport(plan, full=as_json), dry_run=dry_run)
+    finish(report, as_json, lambda rep: _render(rep, dry_run))
 
 
 def _render(rep: dict, dry_run: bool) -> None:
@@ -83,14 +83,16 @@ def _render(rep: dict, dry_run: bool) -> None:
     k = rep["tensor_keys"]
     click.echo(f"{verb} {rep['out']}: {rep['keys']} keys ({k.get('base', 0)} base fp32, {k.get('lora', 0)} LoRA, "
                f"{k.get('optimizer_state', 0)} optimizer state, {len(rep['byte_items']) + 1} byte items), "
-               f"row chunks for world size {rep['world_size']}")
+               f"row chunks for world size {rep['world_size']}{dry_run_label(dry_run)}")
     opt = f"carried from {rep['optimizer_from']}" if rep["optimizer_from"] else "fresh (zero moments, step 0)"
-    click.echo(f"  LoRA: {rep['modules']} modules, rank {rep['rank']}, scale {rep['scale']:g}; AdamW {opt}")
+    click.echo(f"  LoRA: {rep['modules']} modules, rank {rep['rank']}, scale {human_number(rep['scale'])}; AdamW {opt}")
     nxt = ", ".join(f"{x:.3g}" for x in rep["lr_next"])
-    click.echo(f"  progress.step {rep['step']}; lr {rep['lr']:g}; scheduler {rep['scheduler']['describe']} at step "
+    click.echo(f"  progress.step {rep['step']}; lr {human_number(rep['lr'])}; scheduler {rep['scheduler']['describe']} at step "
                f"{rep['scheduler_step']}: lr now {rep['lr_now']:.3g}, next steps {nxt}")
     size = rep.get("bytes_written", rep["need_bytes"])
     click.echo(f"  {'data' if 'bytes_written' in rep else 'needs up to'} {human_bytes(size)}"
                + (f" in {rep['seconds']:.1f} s" if "seconds" in rep else ""))
     for n in rep["notes"]:
         click.echo(f"  note: {n}")
+    for w in rep["warnings"]:
+        warn(w)

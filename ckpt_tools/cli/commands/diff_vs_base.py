@@ -8,7 +8,7 @@ import click
 from ... import dist
 from ...core.units import human_bytes
 from ...ops.diff import EXIT_DIFFERS, SAME, SKIPPED, DiffOptions, DiffReport, open_diff_sources, plan_diff, run_diff
-from ..options import alpha_options, json_option, trust_option
+from ..options import InputPath, alpha_options, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
 
@@ -18,7 +18,7 @@ __all__ = ["command", "render"]
 @click.command("diff-vs-base")
 @click.argument("weights")
 @click.argument("base")
-@click.option("--adapter", type=click.Path(exists=True, path_type=Path),
+@click.option("--adapter", type=InputPath(),
               help="PEFT adapter dir or prime-rl DCP checkpoint: also check every targeted tensor equals "
                    "round(W0 + s*B@A) exactly and every other tensor is unchanged.")
 @alpha_options
@@ -41,7 +41,9 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     Exit status: 0 WEIGHTS differ from BASE (and the adapter check passed); 3 every compared tensor
     is bitwise identical to BASE (the LoRA was not merged); 4 the adapter check failed; 1 errors.
 
-    Example: ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
+    \b
+    Example:
+      ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
     """
     warn_trust(trust_pickle)
     options = DiffOptions(None if adapter is None else str(adapter), alpha,
@@ -54,7 +56,7 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
             if progress is not None:
                 progress.close()
     if as_json:
-        emit(report)   # warnings are in it
+        emit(report, exit_code=report.exit_code)   # warnings are in it
     else:
         render(report, top)
         for w in report.warnings:

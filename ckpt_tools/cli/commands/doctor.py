@@ -8,23 +8,23 @@ import click
 from ...core.errors import UsageError
 from ...ops.doctor import doctor
 from ...ops.doctor.traps import DEFAULT_DECODE_RATE, ERROR, INFO, WARNING, toml_value
-from ..options import json_option, trust_option
+from ..options import InputPath, json_option, trust_option
 from ..render import emit, json_errors, warn_trust
 
 __all__ = ["command", "render"]
 
-_SECTION_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+_SECTION_FILE = InputPath(dir_okay=False)
 
 
 @click.command("doctor")
 @click.argument("run_or_config", metavar="RUN_OR_CONFIG...", nargs=-1, required=True,
-                type=click.Path(exists=True, path_type=Path))
+                type=InputPath())
 @click.option("--trainer", "trainer_file", type=_SECTION_FILE, help="A trainer TOML, read as `--trainer @ FILE`.")
 @click.option("--orchestrator", "orch_file", type=_SECTION_FILE,
               help="An orchestrator TOML, read as `--orchestrator @ FILE`.")
 @click.option("--inference", "inference_file", type=_SECTION_FILE,
               help="An inference TOML, read as `--inference @ FILE`.")
-@click.option("--outputs", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--outputs", type=InputPath(file_okay=False),
               help="The run's outputs dir (default: the config's output_dir, or the run dir's).")
 @click.option("--base", help="The bf16 HF base model (default: the config's model name, if it is here).")
 @click.option("--decode-rate", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_DECODE_RATE,
@@ -47,7 +47,9 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
 
     Exit status: 0 no problem found; 3 an error or warning was found; 1 the run could not be read.
 
-    Example: ckpt doctor rl.toml --outputs outputs
+    \b
+    Example:
+      ckpt doctor rl.toml --outputs outputs
     """
     warn_trust(trust_pickle)
     sections = {k: v for k, v in (("trainer", trainer_file), ("orchestrator", orch_file),
@@ -64,7 +66,7 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
         else:
             report = doctor(None, files=list(run_or_config), sections=sections, **kw)
     if as_json:
-        emit(report)
+        emit(report, exit_code=report.exit_code)
     else:
         render(report)
     ctx.exit(report.exit_code)

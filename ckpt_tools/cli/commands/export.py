@@ -5,7 +5,8 @@ import click
 
 from ...core.units import human_bytes
 from ...ops.merge import ExportOptions, open_export_sources, plan_export, run_export
-from ..options import alpha_options, dry_run_option, json_option, trust_option
+from ..flow import finish
+from ..options import alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import warn_trust
 from .merge import dry_run_or_run
 
@@ -30,11 +31,12 @@ __all__ = ["command"]
               help="Largest output shard (bytes of tensor data; GB = 10**9, GiB = 2**30).")
 @click.option("--threads", type=click.IntRange(1, 64), default=None,
               help="Tensors read and computed in parallel ahead of the writer (default: 2, or 4 with 4+ cores).")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
 def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_delta, max_shard_size, threads,
-            dry_run, as_json, trust_pickle) -> None:
+            overwrite, dry_run, as_json, trust_pickle) -> None:
     """Export a prime-rl DCP checkpoint as an HF model directory: the trained weights of a full
     fine-tune, or the merged model of a LoRA run (= merge --base-from-checkpoint).
 
@@ -50,12 +52,14 @@ def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_d
                             max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
                             allow_zero_delta=allow_zero_delta)
     with open_export_sources(ckpt, options) as sources:
-        report = dry_run_or_run(plan_export(sources, options), sources, out, run_export, dry_run=dry_run,
-                                as_json=as_json)
-    if report is None or as_json:
-        return
-    plan = report.plan
-    result = report.result
+        plan = plan_export(sources, options)
+        report = dry_run_or_run(plan, sources, out, run_export, dry_run=dry_run, as_json=as_json,
+                                overwrite=overwrite)
+    if report is not None:
+        finish(report, as_json, lambda _: _render_result(plan, report.result, out))
+
+
+def _render_result(plan, result, out) -> None:
     c = result.counts
     what = f"{result.merged_modules} modules merged" if result.merged_modules else "trained weights"
     click.echo(f"wrote {out}: {what}, {c['cast']} tensors cast to {plan.out_dtype}, {c['copy']} copied; "

@@ -8,14 +8,15 @@ import click
 from ...core.units import human_bytes
 from ...ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
 from ...sources.lora import DcpLoraSource
-from ..options import alpha_options, dry_run_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..flow import finish, plan_and_run
+from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
 
 
 @click.command("extract-adapter")
-@click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("ckpt", type=InputPath(file_okay=False))
 @click.argument("out", type=click.Path(path_type=Path))
 @alpha_options
 @click.option("--base", "base", metavar="NAME_OR_DIR",
@@ -24,11 +25,12 @@ __all__ = ["command"]
 @click.option("--slot", type=int, default=0, show_default=True, help="Adapter slot (`lora_A.<slot>`).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="fp32 keeps the exact trained values.")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
-def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: str, dry_run: bool, as_json: bool,
-            trust_pickle: bool) -> None:
+def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: str, overwrite: bool, dry_run: bool,
+            as_json: bool, trust_pickle: bool) -> None:
     """Export a prime-rl DCP checkpoint's LoRA as a PEFT adapter dir.
 
     Writes OUT/adapter_model.safetensors (keys base_model.model.<module>.lora_A/B.weight) and
@@ -37,25 +39,23 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
     --run-config, else the run's outputs/run_*/configs/orch.toml; lora_alpha is written so that
     lora_alpha / r is the scale training used.
 
-    Example: ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
+    \b
+    Example:
+      ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
     """
     warn_trust(trust_pickle)
-    with DcpLoraSource(ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle) as src:
-        plan = plan_extract(src, ExtractOptions(out, base, dtype))
-        report = ExtractReport(plan) if dry_run else run_extract(plan, src)
-    rep = report.to_json()
-    if as_json:
-        emit(report)
-    else:
-        _render(rep)
-    for w in rep["warnings"]:
-        warn(w)
+    report = plan_and_run(
+        lambda: DcpLoraSource(ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle),
+        lambda src: plan_extract(src, ExtractOptions(out, base, dtype)),
+        lambda plan, src, progress: run_extract(plan, src, progress, overwrite=overwrite), ExtractReport,
+        dry_run=dry_run)
+    finish(report, as_json, _render)
 
 
 def _render(r: dict) -> None:
-    verb = "would write" if r.get("dry_run") else "wrote"
-    click.echo(f"{verb} {r['out']}: {r['modules']} LoRA modules, {len(r['tensors'])} tensors ({r['dtype']}), "
-               f"rank {r['rank']}, slot {r['slot']}")
+    dry = bool(r.get("dry_run"))
+    click.echo(f"{'would write' if dry else 'wrote'} {r['out']}: {r['modules']} LoRA modules, {len(r['tensors'])} "
+               f"tensors ({r['dtype']}), rank {r['rank']}, slot {r['slot']}{dry_run_label(dry)}")
     click.echo(f"  alpha {r['alpha']:g} from {r['alpha_source']} -> lora_alpha {r['lora_alpha']:g}, "
                f"scale {r['scale']:g}")
     click.echo(f"  base_model_name_or_path: {r['base_model_name_or_path']}"
@@ -67,3 +67,5 @@ def _render(r: dict) -> None:
     if "bytes_read" in r:
         click.echo(f"  read {human_bytes(r['bytes_read'])} of checkpoint data ({r['read_ratio']}x the LoRA items) "
                    f"in {r['seconds']:.2f} s")
+    for w in r["warnings"]:
+        warn(w)

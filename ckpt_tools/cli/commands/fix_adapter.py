@@ -5,25 +5,27 @@ from pathlib import Path
 
 import click
 
-from ...core.units import human_bytes
+from ...core.units import human_bytes, human_number
 from ...ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
-from ..options import alpha_options, dry_run_option, json_option
-from ..render import emit, warn
+from ..flow import finish, plan_and_run
+from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option
+from ..render import dry_run_label, warn
 
 __all__ = ["command"]
 
 
 @click.command("fix-adapter")
-@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("src", type=InputPath(file_okay=False))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--base", metavar="DIR",
               help="Base model to check every LoRA module against (default: the export's "
                    "base_model_name_or_path, looked up next to the run).")
 @click.option("--slot", type=int, default=None, help="Adapter slot to keep from a multi-slot export (default 0).")
 @alpha_options
+@overwrite_option
 @dry_run_option
 @json_option
-def command(src: Path, out: Path, base, slot, alpha, run_config, dry_run: bool, as_json: bool) -> None:
+def command(src: Path, out: Path, base, slot, alpha, run_config, overwrite: bool, dry_run: bool, as_json: bool) -> None:
     """Repair a prime-rl adapter export into a PEFT adapter that really applies.
 
     SRC is a broadcast dir (outputs/<run>/broadcasts/step_N: keys lack `base_model.model.`) or a
@@ -32,23 +34,28 @@ def command(src: Path, out: Path, base, slot, alpha, run_config, dry_run: bool, 
     unchanged) as safetensors and a config with the training lora_alpha (the run's orch.toml, or
     --alpha / --run-config) and only the modules_to_save that are really there.
 
-    Example: ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
+    \b
+    Example:
+      ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
     """
-    with open_fix_source(src) as weights:
-        plan = plan_fix(weights, src, FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config)))
-        report = FixReport(plan) if dry_run else run_fix(plan, weights)
-    rep = report.to_json()
-    if as_json:
-        emit(report)
-    else:
-        verb = "would write" if dry_run else "wrote"
-        click.echo(f"{verb} {rep['out']}: {rep['modules']} LoRA modules, rank {rep['rank']}"
-                   + (f", slot {rep['slot']}" if rep["slot"] is not None else "")
-                   + (f", modules_to_save {', '.join(rep['modules_to_save'])}" if rep["modules_to_save"] else ""))
-        click.echo(f"  lora_alpha {rep['lora_alpha']:g} (scale {rep['scale']:g}) from {rep['alpha_source']}")
-        click.echo(f"  checked against base: {rep['base_checked'] or 'NO'}")
-        for f in rep["fixes"] or ["nothing needed fixing (normalized copy)"]:
-            click.echo(f"  fixed: {f}")
-        click.echo(f"  adapter_model.safetensors {human_bytes(rep.get('written_file_bytes', rep['out_file_bytes']))}")
+    options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config))
+    report = plan_and_run(lambda: open_fix_source(src), lambda weights: plan_fix(weights, src, options),
+                          lambda plan, weights, progress: run_fix(plan, weights, progress, overwrite=overwrite),
+                          FixReport, dry_run=dry_run)
+    finish(report, as_json, lambda rep: _render(rep, dry_run))
+
+
+def _render(rep: dict, dry_run: bool) -> None:
+    verb = "would write" if dry_run else "wrote"
+    click.echo(f"{verb} {rep['out']}: {rep['modules']} LoRA modules, rank {rep['rank']}"
+               + (f", slot {rep['slot']}" if rep["slot"] is not None else "")
+               + (f", modules_to_save {', '.join(rep['modules_to_save'])}" if rep["modules_to_save"] else "")
+               + dry_run_label(dry_run))
+    click.echo(f"  lora_alpha {human_number(rep['lora_alpha'])} (scale {human_number(rep['scale'])}) from "
+               f"{rep['alpha_source']}")
+    click.echo(f"  checked against base: {rep['base_checked'] or 'NO'}")
+    for f in rep["fixes"] or ["nothing needed fixing (normalized copy)"]:
+        click.echo(f"  fixed: {f}")
+    click.echo(f"  adapter_model.safetensors {human_bytes(rep.get('written_file_bytes', rep['out_file_bytes']))}")
     for w in rep["warnings"]:
         warn(w)

@@ -9,7 +9,7 @@ from ...core.progress import ProgressEvent
 from ...core.units import human_bytes
 from ...io.signals import Terminated
 from ...ops.gc import gc
-from ..options import dry_run_option, json_option, trust_option
+from ..options import InputPath, dry_run_option, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, json_errors, warn, warn_trust
 
@@ -17,8 +17,7 @@ __all__ = ["command"]
 
 
 @click.command("gc")
-@click.argument("checkpoints", metavar="CHECKPOINTS_DIR", type=click.Path(exists=True, file_okay=False,
-                                                                          path_type=Path))
+@click.argument("checkpoints", metavar="CHECKPOINTS_DIR", type=InputPath(file_okay=False))
 @click.option("--keep-full", type=click.IntRange(min=1), required=True,
               help="How many of the newest complete checkpoints to keep whole (resumable as they are).")
 @click.option("--base", help="The bf16 HF base model the run trained on (dir or hub id in the local HF cache). "
@@ -40,7 +39,9 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
     written (no .metadata, recent writes, a lock) and slim ones. `ckpt rehydrate` restores any of them
     bit-exactly.
 
-    Example: ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
+    \b
+    Example:
+      ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
     """
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal(not as_json)

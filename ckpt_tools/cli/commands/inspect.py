@@ -5,16 +5,16 @@ from pathlib import Path
 
 import click
 
-from ...core.units import human_bytes
+from ...core.units import human_bytes, human_number
 from ...ops.inspect import InspectOptions, plan_inspect, run_inspect
-from ..options import alpha_options, json_option, trust_option
+from ..options import ModelPath, alpha_options, json_option, trust_option
 from ..render import emit, warn, warn_trust
 
 __all__ = ["command"]
 
 
 @click.command("inspect")
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.argument("path", type=ModelPath())
 @alpha_options
 @click.option("--keys", "list_keys", is_flag=True, help="List every key with its group, dtype, shape and chunks.")
 @json_option
@@ -25,7 +25,9 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
     PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir, an HF
     model dir or a PEFT adapter dir. Reads no tensor data.
 
-    Example: ckpt inspect outputs/checkpoints/step_95/trainer
+    \b
+    Example:
+      ckpt inspect outputs/checkpoints/step_95/trainer
     """
     warn_trust(trust_pickle)
     plan = plan_inspect(path, InspectOptions(alpha, None if run_config is None else str(run_config), list_keys,
@@ -55,18 +57,53 @@ def render(r: dict) -> None:
             state = "complete" if s["complete"] else "INCOMPLETE (no .metadata)"
             click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  {state}  -> resumes at step {s['step']}")
         click.echo(r["note"])
+    elif fmt == "hf":
+        _render_hf(r)
     else:
-        width = max(len(k) for k in r)
-        for k, v in r.items():
-            if k != "warnings":
-                click.echo(f"{k:>{width}}: {v}")
+        _render_peft(r)
+
+
+def _counts(d: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _render_hf(r: dict) -> None:
+    click.echo(f"HF model dir {r['path']}")
+    shards = r["shards"]
+    click.echo(f"  {r['architecture'] or 'architecture unknown (no config.json architectures)'}: {r['tensors']} "
+               f"tensors ({_counts(r['dtypes'])}), {human_bytes(r['total_bytes'])} in {len(shards)} shard(s)"
+               + (f": {', '.join(shards)}" if len(shards) <= 3 else f": {shards[0]} ... {shards[-1]}"))
+    tied = {True: "yes", False: "no", None: "not set"}[r["tie_word_embeddings"]]
+    click.echo(f"  config dtype {r['config_dtype'] or 'not set'}; tied embeddings {tied}")
+    if r["lora_keys"]:
+        click.echo(f"  {r['lora_keys']} tensor name(s) contain lora_: an adapter or an unmerged export, not a "
+                   "plain model")
+
+
+def _render_peft(r: dict) -> None:
+    click.echo(f"PEFT adapter {r['path']} ({r['weights']})")
+    if r["modules"]:
+        rank = r["rank"] if not isinstance(r["rank"], list) else f"varies ({', '.join(map(str, r['rank']))})"
+        scale = (human_number(r["scale"]) if not isinstance(r["scale"], list) else
+                 f"varies ({', '.join(human_number(s) for s in r['scale'])})")
+        click.echo(f"  LoRA: {r['modules']} modules, rank {rank}, lora_alpha {human_number(r['lora_alpha'])} -> scale "
+                   f"{scale}{' (rsLoRA)' if r['use_rslora'] else ''}; targets {', '.join(r['targets'])}")
+    else:
+        click.echo(f"  LoRA: NO module matches (lora_alpha {human_number(r['lora_alpha'])})")
+    click.echo(f"  weights {', '.join(r['dtypes']) or 'none'}, {human_bytes(r['bytes'])}; modules_to_save "
+               f"{', '.join(r['modules_to_save']) or 'none'}")
+    click.echo(f"  base_model_name_or_path: {r['base_model_name_or_path'] or 'not set'}")
+    if r["unrecognized_keys"]:
+        click.echo(f"  {r['unrecognized_keys']} key(s) PEFT would ignore (see the warning below)")
+    for p in r["problems"]:
+        click.echo(f"  problem: {p}")
 
 
 def _render_dcp(r: dict) -> None:
     click.echo(f"DCP checkpoint {r['path']}")
     sched = r["scheduler"]
     stype = sched["type"] + (f"({', '.join(sched['schedulers'])})" if sched.get("schedulers") else "")
-    click.echo(f"  step {r['step']}   lr {r['lr']}   scheduler {stype}   world size {r['world_size']}   "
+    click.echo(f"  step {r['step']}   lr {human_number(r['lr'])}   scheduler {stype}   world size {r['world_size']}   "
                f"keys {r['keys']}")
     click.echo(f"  prime-rl {r['generation']} layout (from {r['generation_from']})"
                + (f"   training: {r['training']}" if r.get("training") else "")
@@ -95,7 +132,8 @@ def _render_dcp(r: dict) -> None:
                    f"{', '.join(lo['targets'])}")
         a = r.get("alpha")
         if a:
-            click.echo(f"  alpha {a['alpha']:g} -> training scale {a['training_scale']:g} (from {a['source']})")
+            click.echo(f"  alpha {human_number(a['alpha'])} -> training scale {human_number(a['training_scale'])} "
+                       f"(from {a['source']})")
             click.echo(f"  rule: {a['rule']}")
         else:
             click.echo(f"  alpha: unknown ({r.get('alpha_unresolved', '')})")

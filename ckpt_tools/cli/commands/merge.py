@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections import Counter
 
 import click
 
 from ... import dist
 from ...core.errors import CkptError, UsageError
-from ...core.units import human_bytes
-from ...io.signals import Terminated, install_signal_handlers
+from ...core.units import human_bytes, human_bytes_si, human_number
+from ...io.signals import install_signal_handlers
 from ...ops.merge import MergeOptions, MergeReport, check_output, open_merge_sources, plan_merge, run_merge
-from ..options import alpha_options, dry_run_option, json_option, trust_option
+from ..flow import finish
+from ..mistakes import check_roles
+from ..options import ModelPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
-from ..render import emit, warn, warn_trust
+from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command", "render_plan", "dry_run_or_run"]
 
@@ -41,11 +42,12 @@ __all__ = ["command", "render_plan", "dry_run_or_run"]
 @click.option("--threads", type=click.IntRange(1, 64), default=None,
               help="Tensors read and computed in parallel ahead of the writer (default: 2, or 4 with 4+ cores). Memory grows "
                    "with it: see the plan's memory bound.")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
 def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, dtype, allow_zero_delta,
-            max_shard_size, threads, dry_run, as_json, trust_pickle) -> None:
+            max_shard_size, threads, overwrite, dry_run, as_json, trust_pickle) -> None:
     """Merge a LoRA into base weights; write an HF model directory (sharded safetensors).
 
     BASE: an HF model dir or a hub id from the local HF cache (offline). ADAPTER: a PEFT adapter
@@ -55,7 +57,9 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
 
     W' = round(W32 + s * B32 @ A32), fp32 compute, one rounding. OUT appears only when complete.
 
-    Example: ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
+    \b
+    Example:
+      ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
     """
     warn_trust(trust_pickle)
     if len(paths) == 3:
@@ -70,53 +74,53 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
                            alpha=alpha, run_config=None if run_config is None else str(run_config), slot=slot,
                            dtype=dtype, max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
                            allow_zero_delta=allow_zero_delta)
+    # a missing path is "no such file or directory: P" (exit 2), whichever argument it is; a hub id is
+    # looked up in the local HF cache
+    adapter = ModelPath().convert(adapter, None, None)
+    check_roles("merge", {"BASE": (base, ("hf",)), "ADAPTER": (adapter, ("peft", "dcp"))})
     with open_merge_sources(base, adapter, options) as sources:
-        report = dry_run_or_run(plan_merge(sources, options), sources, out, run_merge, dry_run=dry_run,
-                                as_json=as_json)
-    if report is None or as_json:
+        plan = plan_merge(sources, options)
+        report = dry_run_or_run(plan, sources, out, run_merge, dry_run=dry_run, as_json=as_json, overwrite=overwrite)
+    if report is None:
         return
-    result = report.result
-    c = result.counts
-    click.echo(f"wrote {out}: {result.merged_modules} modules merged, {c['copy']} tensors copied, "
-               f"{c['cast']} cast, {c['replace']} replaced; {human_bytes(result.bytes_written)} in "
-               f"{result.seconds:.1f}s")
+    finish(report, as_json, lambda _: _render_result(plan, report.result, out))
 
 
-def dry_run_or_run(plan, sources, out, run, *, dry_run: bool, as_json: bool):
-    """A merge-contract plan (merge, export) printed (--dry-run) or executed with a progress line and
-    Ctrl-C handling; the report is emitted under --json. Returns the report, None for a dry run."""
+def dry_run_or_run(plan, sources, out, run, *, dry_run: bool, as_json: bool, overwrite: bool):
+    """A merge-contract plan (merge, export): a dry run rendered and finished here (returns None), or the
+    real run with the progress line, under torchrun's group (returns its report, for the caller's
+    `finish`)."""
     if dry_run:
         try:
-            check_output(plan, out)
+            check_output(plan, out, overwrite=overwrite)
         except CkptError as exc:
             plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
-        if as_json:
-            emit(MergeReport(plan))
-        else:
-            render_plan(plan, out)
-            for w in plan.warnings:
-                warn(w)
-        return None
-    check_output(plan, out)
-    if not as_json:
-        render_plan(plan, out, brief=True)
-        for w in plan.warnings:
+        finish(MergeReport(plan), as_json, lambda _: render_plan(plan, out, dry_run=True))
+        for w in () if as_json else plan.warnings:
             warn(w)
+        return None
+    check_output(plan, out, overwrite=overwrite)
+    for w in () if as_json else plan.warnings:
+        warn(w)
     install_signal_handlers()
-    bar = ProgressLine.for_terminal(not as_json)
+    bar = ProgressLine.for_terminal()
     try:
-        report = run(plan, sources, bar, group=dist.current())   # multi-rank under torchrun
-    except Terminated as exc:
-        if bar:
-            bar.close()
-        click.echo(f"{exc}: nothing was written (temporary files removed)", err=True)
-        sys.exit(exc.exit_code)
+        return run(plan, sources, bar, overwrite=overwrite, group=dist.current())
     finally:
         if bar:
             bar.close()
-    if as_json:
-        emit(report)
-    return report
+
+
+def _render_result(plan, result, out) -> None:
+    c = result.counts
+    a = plan.adapter
+    click.echo(f"wrote {out}: {result.merged_modules} modules merged (rank {a.get('rank')}, scale "
+               f"{human_number(a.get('scale'))}, alpha from {a.get('alpha_source')}), {c['copy']} tensors copied, "
+               f"{c['cast']} cast, {c['replace']} replaced; {human_bytes(result.bytes_written)} in "
+               f"{result.seconds:.1f}s")
+    if plan.masters_checked:
+        mc = plan.masters_checked
+        click.echo(f"  base checked: {mc['values']} values of {len(mc['tensors'])} fp32 masters equal the base's")
 
 
 def _targets_summary(plan) -> str:
@@ -124,16 +128,16 @@ def _targets_summary(plan) -> str:
     return ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
 
 
-def render_plan(plan, out, brief: bool = False) -> None:
+def render_plan(plan, out, brief: bool = False, dry_run: bool = False) -> None:
     a = plan.adapter
     scale = a.get("scale")
-    click.echo(f"merge {plan.adapter_kind} adapter {plan.adapter_path}")
+    click.echo(f"merge {plan.adapter_kind} adapter {plan.adapter_path}{dry_run_label(dry_run)}")
     click.echo(f"   into {plan.base_kind} base {plan.base_path}" +
                (" (fp32 masters)" if plan.base_kind == "dcp" else ""))
     click.echo(f"   -> {out}  ({plan.out_dtype}" + (f", {plan.out_dtype_reason}" if plan.out_dtype_reason else "")
                + ")")
-    click.echo(f"  LoRA      {a.get('modules')} modules, rank {a.get('rank')}, alpha {a.get('alpha')}, "
-               f"scale {scale} (alpha from {a.get('alpha_source')})")
+    click.echo(f"  LoRA      {a.get('modules')} modules, rank {a.get('rank')}, alpha {human_number(a.get('alpha'))}, "
+               f"scale {human_number(scale)} (alpha from {a.get('alpha_source')})")
     click.echo(f"  merged    {plan.merged_modules}: {_targets_summary(plan)}")
     click.echo(f"  tensors   {len(plan.jobs)}: {plan.count('merge')} merged, {plan.count('copy')} copied verbatim, "
                f"{plan.count('cast')} cast to {plan.out_dtype}, {plan.count('replace')} replaced (modules_to_save)")
@@ -142,7 +146,9 @@ def render_plan(plan, out, brief: bool = False) -> None:
         click.echo(f"  base      checked: {mc['values']} values of {len(mc['tensors'])} fp32 masters equal the base's")
     for name, why in plan.omitted:
         click.echo(f"  omitted   {name}: {why}")
-    click.echo(f"  shards    {len(plan.shards)} file(s), max {human_bytes(plan.max_shard_bytes)}" +
+    largest = max((sh.file_bytes for sh in plan.shards), default=0)
+    click.echo(f"  shards    {len(plan.shards)} file(s), largest {human_bytes(largest)} (limit "
+               f"{human_bytes_si(plan.max_shard_bytes)})" +
                ("" if plan.index is None else " + model.safetensors.index.json"))
     if not brief:
         for s in plan.shards:

@@ -8,21 +8,21 @@ import click
 from ... import dist
 from ...core.units import human_bytes
 from ...ops.rehydrate import RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, run_rehydrate
-from ..options import dry_run_option, json_option, trust_option
-from ..progress import ProgressLine
-from ..render import emit, warn, warn_trust
+from ..flow import finish, plan_and_run
+from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
 
 
 @click.command("rehydrate")
-@click.argument("slim_ckpt", metavar="SLIM", type=click.Path(exists=True, path_type=Path))
+@click.argument("slim_ckpt", metavar="SLIM", type=InputPath())
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--base", required=True, help="The bf16 HF base model the run trained on (dir or hub id in the "
                                             "local HF cache).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Write base weights as row chunks for W ranks "
               "(default: the original checkpoint's exact chunk layout and rank files).")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
@@ -34,26 +34,22 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
     base weight and checked against the sha256 in the slim manifest before it is written. Any
     mismatch (a different base revision) aborts and OUT is not created.
 
-    Example: ckpt rehydrate step_95-slim step_95-full --base Qwen/Qwen3-32B
+    \b
+    Example:
+      ckpt rehydrate step_95-slim step_95-full --base Qwen/Qwen3-32B
     """
     warn_trust(trust_pickle)
     options = RehydrateOptions(out, base, world_size, overwrite, trust_pickle)
-    progress = ProgressLine.for_terminal(not as_json)
-    with open_rehydrate_sources(slim_ckpt, options) as sources:
-        plan = plan_rehydrate(sources, options)
-        try:
-            result = RehydrateReport(plan) if dry_run else \
-                run_rehydrate(plan, sources, progress, overwrite=overwrite, group=dist.current())
-        finally:
-            if progress is not None:
-                progress.close()
-    if as_json:
-        emit(result)
-        return
-    report = result.to_json()
+    report = plan_and_run(lambda: open_rehydrate_sources(slim_ckpt, options), lambda s: plan_rehydrate(s, options),
+                          lambda plan, s, progress: run_rehydrate(plan, s, progress, overwrite=overwrite,
+                                                                   group=dist.current()),
+                          RehydrateReport, dry_run=dry_run)
+    finish(report, as_json, lambda r: _render(r, dry_run))
+
+
+def _render(report: dict, dry_run: bool) -> None:
     p = report["plan"]
-    click.echo(f"rehydrate {p['slim']} + {p['base']} -> {p['out']}"
-               f"{'  (dry run: nothing written)' if dry_run else ''}")
+    click.echo(f"rehydrate {p['slim']} + {p['base']} -> {p['out']}{dry_run_label(dry_run)}")
     click.echo(f"  copy {p['copied_items']} items ({human_bytes(p['copied_bytes'])}) verbatim; rebuild "
                f"{p['rebuilt_tensors']} tensors ({human_bytes(p['rebuilt_bytes'])}), layout {p['layout']}")
     for w in p["warnings"]:

@@ -5,20 +5,23 @@ from pathlib import Path
 
 import click
 
-from ...core.units import human_bytes
+from ...core.units import human_bytes, human_number
 from ...workflows.restart_prep import restart_prep
-from ..options import alpha_options, dry_run_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..flow import finish
+from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..progress import ProgressLine
+from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
 
 
 @click.command("restart-prep")
-@click.argument("run_or_ckpt", metavar="RUN_OR_CKPT", type=click.Path(exists=True, path_type=Path))
+@click.argument("run_or_ckpt", metavar="RUN_OR_CKPT", type=InputPath())
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--base", help="Required. The HF base model the run trained on (dir or hub id in the local HF cache).")
-@click.option("--lr", type=float, help="Required. The learning rate of the restarted run.")
-@click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--base", required=True, help="The HF base model the run trained on (dir or hub id in the local HF "
+                                            "cache).")
+@click.option("--lr", type=float, required=True, help="The learning rate of the restarted run.")
+@click.option("--config", type=InputPath(dir_okay=False),
               help="Your prime-rl TOML (rl or trainer config): a patched copy is written next to OUT.")
 @click.option("--config-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Where to write the patched config (default: merge mode OUT.<config name> beside OUT; adapter "
@@ -31,11 +34,12 @@ __all__ = ["command"]
                                                                "checkpoint's).")
 @click.option("--scheduler-step", type=click.IntRange(min=0), default=0, show_default=True,
               help="adapter mode: position of the restarted schedule (0 = warm up again).")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
 def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: str, alpha, run_config, world_size,
-            scheduler_step: int, dry_run: bool, as_json: bool, trust_pickle: bool) -> None:
+            scheduler_step: int, overwrite: bool, dry_run: bool, as_json: bool, trust_pickle: bool) -> None:
     """Prepare a fresh-LR restart of a prime-rl LoRA run.
 
     RUN_OR_CKPT: a trainer checkpoint dir, or a run/outputs dir (its latest checkpoint is used).
@@ -44,28 +48,37 @@ def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: st
     trainer checkpoint at OUT (the adapter kept, fresh AdamW, --lr, the step kept) and, with
     --config, <config>.restart.toml with lr -> --lr and ckpt.resume_step -> the step.
 
-    Example: ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B --lr 5e-6 --config rl.toml
+    \b
+    Example:
+      ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B \\
+        --lr 5e-6 --config rl.toml
     """
     warn_trust(trust_pickle)
-    rep = restart_prep(run_or_ckpt, out, base=base, lr=lr, config=config, mode=mode, alpha=alpha,
-                       run_config=run_config, world_size=world_size, scheduler_step=scheduler_step,
-                       config_out=config_out, dry_run=dry_run,
-                       trust_pickle=trust_pickle)
-    if as_json:
-        emit(rep)
-        return
-    dry = "  (dry run: nothing written)" if dry_run else ""
+    bar = ProgressLine.for_terminal()
+    try:
+        rep = restart_prep(run_or_ckpt, out, base=base, lr=lr, config=config, mode=mode, alpha=alpha,
+                           run_config=run_config, world_size=world_size, scheduler_step=scheduler_step,
+                           config_out=config_out, dry_run=dry_run, trust_pickle=trust_pickle, overwrite=overwrite,
+                           progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    finish(rep, as_json, lambda r: _render(r, dry_run))
+
+
+def _render(rep: dict, dry_run: bool) -> None:
+    dry = dry_run_label(dry_run)
     click.echo(f"restart-prep ({rep['mode']} mode) from {rep['checkpoint']} -> {rep['out']}{dry}")
     if rep["mode"] == "merge":
         mp = rep["merge_plan"]
-        click.echo(f"  merge {mp['merged_modules']} LoRA modules (alpha {mp['alpha']}, from {mp['alpha_source']}) "
+        click.echo(f"  merge {mp['merged_modules']} LoRA modules (alpha {human_number(mp['alpha'])}, from {mp['alpha_source']}) "
                    f"into {mp['out_dtype']}: {human_bytes(mp['write_bytes'])}")
         for w in mp["warnings"]:
             warn(w)
     else:
         a = rep["adapter"]
-        click.echo(f"  adapter: {a['modules']} modules, rank {a['rank']}, scale {a['scale']:g} (alpha {a['alpha']:g} "
-                   f"from {a['alpha_source']}); fresh AdamW, lr {rep['lr']:g}, step {rep['step']}, "
+        click.echo(f"  adapter: {a['modules']} modules, rank {a['rank']}, scale {human_number(a['scale'])} (alpha {human_number(a['alpha'])} "
+                   f"from {a['alpha_source']}); fresh AdamW, lr {human_number(rep['lr'])}, step {rep['step']}, "
                    f"scheduler {rep['scheduler']} at position {rep['scheduler_step']}, world size {rep['world_size']}")
     cfg = rep.get("config")
     if cfg:

@@ -5,10 +5,11 @@ from pathlib import Path
 
 import click
 
-from ...core.units import human_bytes
+from ...core.units import human_bytes, human_number
 from ...ops.set_lr import set_lr
-from ..options import dry_run_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..flow import finish
+from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command", "render_changes", "render_result"]
 
@@ -16,7 +17,13 @@ __all__ = ["command", "render_changes", "render_result"]
 def render_changes(changes) -> None:
     width = max((len(c["key"]) for c in changes), default=10)
     for c in changes:
-        click.echo(f"  {c['key']:<{width}}  {c['before']!r:>24} -> {c['after']!r}")
+        click.echo(f"  {c['key']:<{width}}  {_value(c['before']):>24} -> {_value(c['after'])}")
+
+
+def _value(v) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return human_number(v)
 
 
 def render_result(r: dict) -> None:
@@ -32,7 +39,7 @@ def render_result(r: dict) -> None:
 
 
 @click.command("set-lr")
-@click.argument("ckpt", type=click.Path(exists=True, path_type=Path))
+@click.argument("ckpt", type=InputPath())
 @click.argument("out", type=click.Path(path_type=Path), required=False)
 @click.option("--lr", type=float, help="New current lr; every lr value of the optimizer and scheduler is "
                                        "scaled by lr / current lr.")
@@ -41,7 +48,7 @@ def render_result(r: dict) -> None:
                                            "decaying LinearLR's end_factor) to this absolute lr.")
 @click.option("--in-place", is_flag=True, help="Patch CKPT itself: a new small data file and an atomic swap of "
                                                ".metadata (the old one kept as .metadata.bak-<time>).")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
@@ -54,24 +61,26 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
     sub-schedulers too), so the remaining schedule scales consistently. OUT hard-links the data
     files and adds one small patch file and a new .metadata: O(KB) written.
 
-    Example: ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
+    \b
+    Example:
+      ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
     """
     warn_trust(trust_pickle)
     result = set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
                     overwrite=overwrite, trust_pickle=trust_pickle)
-    if as_json:
-        emit(result)
-        return
-    report = result.to_json()
+    finish(result, as_json, lambda r: _render(r, dry_run))
+
+
+def _render(report: dict, dry_run: bool) -> None:
     p = report["plan"]
-    click.echo(f"set-lr {p['source']}: lr {p['lr_before']!r} -> {p['lr_after']!r} (x{p['factor']:.6g}), "
-               f"scheduler {p['scheduler']}{'  (dry run: nothing written)' if dry_run else ''}")
+    click.echo(f"set-lr {p['source']}: lr {human_number(p['lr_before'])} -> {human_number(p['lr_after'])} "
+               f"(x{human_number(p['factor'])}), scheduler {p['scheduler']}{dry_run_label(dry_run)}")
     render_changes(p["changes"])
     pv = p.get("preview")
     if pv:
         b, a = pv["before"], pv["after"]
-        click.echo(f"  next {a['steps']} scheduler steps: peak {b['peak']:.6g} -> {a['peak']:.6g}, "
-                   f"end {b['end']:.6g} -> {a['end']:.6g}")
+        click.echo(f"  next {a['steps']} scheduler steps: peak {human_number(b['peak'])} -> {human_number(a['peak'])}, "
+                   f"end {human_number(b['end'])} -> {human_number(a['end'])}")
     for w in p["warnings"]:
         warn(w)
     if report.get("result"):

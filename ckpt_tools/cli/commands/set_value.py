@@ -6,18 +6,19 @@ from pathlib import Path
 import click
 
 from ...ops.set_lr import set_values
-from ..options import dry_run_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..flow import finish
+from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..render import dry_run_label, warn, warn_trust
 from .set_lr import render_changes, render_result
 
 __all__ = ["command"]
 
 
 @click.command("set")
-@click.argument("ckpt", type=click.Path(exists=True, path_type=Path))
+@click.argument("ckpt", type=InputPath())
 @click.argument("out", type=click.Path(path_type=Path))
 @click.argument("assignments", metavar="KEY=VALUE...", nargs=-1, required=True)
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
@@ -29,16 +30,18 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
     the current value's type: int stays int, float stays float, bool is true/false, a list is a
     JSON array of the same length. Tensors cannot be set. OUT hard-links the data files.
 
-    Example: ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
+    \b
+    Example:
+      ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
     """
     warn_trust(trust_pickle)
     result = set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle)
-    if as_json:
-        emit(result)
-        return
-    report = result.to_json()
+    finish(result, as_json, lambda r: _render(r, dry_run))
+
+
+def _render(report: dict, dry_run: bool) -> None:
     p = report["plan"]
-    click.echo(f"set {p['source']}{'  (dry run: nothing written)' if dry_run else ''}")
+    click.echo(f"set {p['source']}{dry_run_label(dry_run)}")
     render_changes(p["changes"])
     for w in p["warnings"]:
         warn(w)

@@ -8,19 +8,19 @@ import click
 from ... import dist
 from ...core.units import human_bytes
 from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
-from ..options import dry_run_option, json_option, trust_option
-from ..progress import ProgressLine
-from ..render import emit, warn, warn_trust
+from ..flow import finish, plan_and_run
+from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
 
 
 @click.command("slim")
-@click.argument("ckpt", type=click.Path(exists=True, path_type=Path))
+@click.argument("ckpt", type=InputPath())
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--base", help="The bf16 HF base model (dir or hub id in the local cache). Recorded in the "
                              "manifest and checked now: every dropped tensor must equal its upcast.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@overwrite_option
 @dry_run_option
 @json_option
 @trust_option
@@ -32,25 +32,22 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
     dtype, chunk layout and sha256. A slim checkpoint is NOT loadable by prime-rl's strict loader:
     run `ckpt rehydrate` before resuming from it.
 
-    Example: ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
+    \b
+    Example:
+      ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
     """
     warn_trust(trust_pickle)
     options = SlimOptions(out, base, overwrite, trust_pickle)
-    progress = ProgressLine.for_terminal(not as_json)
-    with open_slim_sources(ckpt, options) as sources:
-        plan = plan_slim(sources, options)
-        try:
-            result = SlimReport(plan) if dry_run else \
-                run_slim(plan, sources, progress, overwrite=overwrite, group=dist.current())
-        finally:
-            if progress is not None:
-                progress.close()
-    if as_json:
-        emit(result)
-        return
-    report = result.to_json()
+    report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
+                          lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite, group=dist.current()),
+                          SlimReport,
+                          dry_run=dry_run)
+    finish(report, as_json, lambda r: _render(r, dry_run))
+
+
+def _render(report: dict, dry_run: bool) -> None:
     p = report["plan"]
-    click.echo(f"slim {p['source']} -> {p['out']}{'  (dry run: nothing written)' if dry_run else ''}")
+    click.echo(f"slim {p['source']} -> {p['out']}{dry_run_label(dry_run)}")
     click.echo(f"  keep {p['kept_keys']} keys ({p['kept_items']} items, {human_bytes(p['kept_bytes'])}) verbatim")
     click.echo(f"  drop {p['dropped_keys']} frozen base tensors ({human_bytes(p['dropped_bytes'])}), "
                f"hashed into the manifest")

@@ -7,16 +7,17 @@ import click
 
 from ... import dist
 from ...core.units import human_bytes
+from ...core.problems import group_problems
 from ...ops.verify import VerifyOptions, VerifyReport, plan_verify, run_verify
-from ..options import json_option, trust_option
+from ..options import ModelPath, json_option, trust_option
 from ..progress import ProgressLine
-from ..render import emit, warn_trust
+from ..render import emit, warn, warn_trust
 
 __all__ = ["command", "render"]
 
 
 @click.command("verify")
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.argument("path", type=ModelPath())
 @click.option("--deep", is_flag=True,
               help="Also read every payload byte: DCP recomputes each zip record's CRC32 (torch never "
                    "checks it); HF and PEFT check every float for inf/nan.")
@@ -32,7 +33,9 @@ def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_jso
     or a PEFT adapter dir. Prints one line per problem, naming the file and key, and exits 1 if
     there is any; exits 0 when clean. Reads metadata and zip headers only, unless --deep.
 
-    Example: ckpt verify outputs/checkpoints/step_95/trainer --deep
+    \b
+    Example:
+      ckpt verify outputs/checkpoints/step_95/trainer --deep
     """
     warn_trust(trust_pickle)
     plan = plan_verify(path, VerifyOptions(deep, base, trust_pickle))
@@ -43,7 +46,7 @@ def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_jso
         if progress is not None:
             progress.close()
     if as_json:
-        emit(report)
+        emit(report, exit_code=0 if report.ok else 1)
     else:
         render(report)
     if not report.ok:
@@ -51,16 +54,19 @@ def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_jso
 
 
 def render(r: VerifyReport) -> None:
-    for p in r.problems:
-        click.echo(f"problem: {p.render()}")
-    for w in r.warnings:
-        click.secho(f"WARNING: {w.render()}", fg="yellow", err=True)
+    for line in group_problems(r.problems):
+        click.echo(f"problem: {line}")
+    for line in group_problems(r.warnings):
+        warn(line)
     c = r.checked
     if r.format == "dcp":
         what = (f"{c.get('keys', 0)} keys, {c.get('storage_items', 0)} items in {c.get('files', 0)} files "
                 f"({human_bytes(c.get('file_bytes', 0))})")
         if r.deep:
             what += f", CRC32 of {c.get('records_crc_checked', 0)} zip records recomputed"
+        if c.get("superseded_bytes"):
+            what += (f"; {human_bytes(c['superseded_bytes'])} of old values superseded by a `ckpt set-lr`/`ckpt set` "
+                     "patch (expected)")
     elif r.format == "hf":
         what = f"{c.get('tensors', 0)} tensors in {c.get('files', 0)} file(s) ({human_bytes(c.get('tensor_bytes', 0))})"
         if r.deep:

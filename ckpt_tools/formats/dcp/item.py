@@ -30,7 +30,7 @@ from ...io.safe_pickle import check_pickle_bounds
 
 __all__ = [
     "SMALL_ITEM_BYTES", "ItemError", "TensorRecord", "ItemLayout", "DecodedChunk", "window", "parse_item",
-    "decode_tensor_pickle", "decode_chunk", "is_row_block", "archive_pickle", "load_byte_item",
+    "decode_tensor_pickle", "decode_chunk", "is_row_block", "archive_pickle", "load_plain_item", "load_byte_item",
 ]
 
 # Items up to this size are read with one pread and parsed in memory (one syscall beats three
@@ -295,6 +295,39 @@ def _check_own_bytes(obj, path, key: str) -> None:
             todo.extend(o.values())
         elif isinstance(o, (list, tuple)):
             todo.extend(o)
+
+
+class _PlainValueUnpickler(pickle.Unpickler):
+    """A byte item that holds plain values only (an lr, a step, a list of floats, a dict of them): no
+    global but OrderedDict, no persistent id (that is tensor storage). Anything else is an ItemError,
+    for `load_byte_item` to decide."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        raise ItemError(f"not a plain value: references {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise ItemError("not a plain value: holds tensor storage")
+
+
+def load_plain_item(raw: bytes, *, path, key: str):
+    """A byte item of plain Python values (int, float, bool, str, None, lists, tuples, dicts), decoded
+    without torch: `inspect` and `verify` read step, lr and scheduler fields this way and never import
+    torch (2-3 s). The archive and pickle checks are `load_byte_item`'s; the values are the ones
+    `torch.load(weights_only=True)` returns for them. ItemError for anything else (a tensor, a global):
+    the caller falls back on `load_byte_item`."""
+    pkl = archive_pickle(raw)
+    try:
+        check_pickle_bounds(pkl, str(path), "the item's data.pkl")
+    except UnsafePickleError:
+        raise ItemError("data.pkl is past the pickle bounds") from None
+    try:
+        return _PlainValueUnpickler(io.BytesIO(pkl)).load()
+    except ItemError:
+        raise
+    except Exception as exc:   # a damaged pickle: load_byte_item names it
+        raise ItemError(f"data.pkl does not unpickle: {type(exc).__name__}") from None
 
 
 def load_byte_item(raw: bytes, *, trust: bool, path, key: str):

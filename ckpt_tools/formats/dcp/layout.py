@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...core.errors import MissingFileError, UsageError
+from ...core.errors import MissingFileError, MissingPathError, UsageError
 from ...io.inputs import scan_tree
 from .metadata import METADATA_NAME
 
-__all__ = ["METADATA_NAME", "METADATA_TMP_TAG", "row_chunks", "data_file_name", "is_checkpoint_path",
+__all__ = ["METADATA_NAME", "METADATA_TMP_TAG", "PATCH_PREFIX", "row_chunks", "data_file_name", "is_checkpoint_path",
            "resolve_checkpoint_dir", "extra_entries", "extra_bytes"]
+
+# `ckpt set-lr` / `ckpt set` write the new values into `__patch_<n>.distcp` and point .metadata at it
+# (formats.dcp.patch); the old values stay in the hard-linked data files, referenced by nothing
+PATCH_PREFIX = "__patch_"
 
 METADATA_TMP_TAG = ".tmp-"   # `.metadata.tmp-<pid>-<hex>`: a new metadata before its rename
 
@@ -45,7 +49,7 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     """Accept a trainer dir (holding .metadata) or a prime-rl step dir (holding trainer/)."""
     p = Path(path)
     if not p.exists():
-        raise MissingFileError("no such file or directory", path=p)
+        raise MissingPathError(p)
     if p.name == METADATA_NAME and not p.is_dir():
         return p.parent
     if os.path.lexists(p / METADATA_NAME):

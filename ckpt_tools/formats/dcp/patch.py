@@ -29,7 +29,7 @@ from ...io.files import fsync_path
 from ...io.inputs import MAX_METADATA_BYTES, read_input, scan_tree
 from ...io.lock import OutputLock, lock_path_for, pid_alive
 from ...io.staging import AtomicOutputDir
-from .layout import METADATA_NAME, METADATA_TMP_TAG, extra_entries
+from .layout import METADATA_NAME, METADATA_TMP_TAG, PATCH_PREFIX, extra_entries
 from .metadata import load_metadata
 from .model import BytesEntry, TensorEntry
 from .reader import DcpCheckpoint
@@ -38,8 +38,6 @@ from .writer import DcpWriter
 __all__ = ["PATCH_PREFIX", "PatchResult", "patch_checkpoint", "clean_in_place_leftovers"]
 
 log = logging.getLogger(__name__)
-
-PATCH_PREFIX = "__patch_"
 
 
 @dataclass

@@ -14,16 +14,19 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from ...core.dtypes import torch_dtype
 from ...core.errors import CkptError, FormatError, UnsafePickleError, UsageError
 from ...core.keys import classify, require_known
 from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input, register
-from .item import ItemError, decode_chunk, is_row_block, load_byte_item
+from .item import ItemError, decode_chunk, is_row_block, load_byte_item, load_plain_item
 from .layout import METADATA_NAME, resolve_checkpoint_dir
 from .metadata import load_metadata
 from .model import BytesEntry, Chunk, Entry, TensorEntry, parse_metadata
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
 
 __all__ = ["DcpCheckpoint", "open_checkpoint"]
 
@@ -114,12 +117,16 @@ class DcpCheckpoint:
         return self.files.read(rel, offset, length, key)
 
     def read_object(self, key: str):
-        """Load a byte item (lr, scheduler field, progress...) with torch.load(weights_only=True)."""
+        """A byte item (lr, scheduler field, progress...): plain values without torch, anything else with
+        torch.load(weights_only=True)."""
         e = self.entry(key)
         if not isinstance(e, BytesEntry):
             raise UsageError("is a tensor, not a byte item", key=key)
         raw = self.read_item_bytes(e.file, e.offset, e.length, key)
-        return load_byte_item(raw, trust=self.trust_pickle, path=self.dir / e.file, key=key)
+        try:   # plain values (step, lr, scheduler fields) need no torch
+            return load_plain_item(raw, path=self.dir / e.file, key=key)
+        except ItemError:
+            return load_byte_item(raw, trust=self.trust_pickle, path=self.dir / e.file, key=key)
 
     def decode_chunk(self, key: str, ch: Chunk):
         """The chunk's item decoded (`formats.dcp.item.decode_chunk`), errors naming its file and key:
@@ -132,6 +139,8 @@ class DcpCheckpoint:
                                          "damaged or crafted") from None
 
     def read_tensor(self, key: str) -> torch.Tensor:
+
+        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
         e = self.entry(key)
         if not isinstance(e, TensorEntry):
             raise UsageError("is a byte item, not a tensor", key=key)
@@ -174,6 +183,8 @@ class DcpCheckpoint:
             pool.shutdown(wait=ok, cancel_futures=True)
 
     def _read_chunk_into(self, e: TensorEntry, ch: Chunk, dest: torch.Tensor) -> None:
+
+        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
         key = e.key
         try:
             dec = self.decode_chunk(key, ch)
@@ -192,6 +203,8 @@ class DcpCheckpoint:
 
     def _fallback_chunk(self, e: TensorEntry, ch: Chunk, dest: torch.Tensor, why: str) -> None:
         """Any chunk layout torch.save can express: let torch decode it (weights_only)."""
+
+        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
         raw = self.read_item_bytes(ch.file, ch.offset, ch.length, e.key)
         t = load_byte_item(raw, trust=self.trust_pickle, path=self.dir / ch.file, key=e.key)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != ch.sizes or t.dtype != torch_dtype(e.dtype):

@@ -6,20 +6,27 @@ import os
 import re
 from pathlib import Path
 
-from ...core.errors import CkptError, MissingFileError, UsageError
+from ...core.errors import CkptError, MissingFileError, MissingPathError, UsageError
 
-__all__ = ["resolve_model_dir", "is_hub_id", "locate_model"]
+__all__ = ["resolve_model_dir", "is_hub_id", "split_revision", "locate_model"]
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(@[\w./-]+)?$")
 
 
 def is_hub_id(text: str) -> bool:
+    """`org/name`, `name`, or either with `@revision` (a branch, tag or commit, as `hf download` takes)."""
     return bool(_HUB_ID.match(text))
 
 
+def split_revision(text: str) -> tuple[str, str | None]:
+    """`org/name@rev` -> (`org/name`, `rev`); no `@`: (text, None)."""
+    repo, sep, rev = text.partition("@")
+    return (repo, rev) if sep else (text, None)
+
+
 def resolve_model_dir(name_or_dir: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None) -> Path:
-    """A local directory, or a hub id (`org/name`) resolved from the local HF cache only (no
-    network, ever). `cache_dir` overrides the cache location (default: HF_HUB_CACHE)."""
+    """A local directory, or a hub id (`org/name`, `org/name@revision`) resolved from the local HF cache
+    only (no network, ever). `cache_dir` overrides the cache location (default: HF_HUB_CACHE)."""
     p = Path(name_or_dir).expanduser()
     if p.is_dir():
         return p
@@ -27,21 +34,23 @@ def resolve_model_dir(name_or_dir: str | os.PathLike, *, cache_dir: str | os.Pat
         raise UsageError(f"{p} is a file; expected a model directory or a hub id")
     text = str(name_or_dir)
     if not is_hub_id(text):
-        raise MissingFileError("no such directory", path=p, hint="pass an existing model directory or a hub id")
+        raise MissingPathError(p, hint="pass an existing model directory or a hub id (org/name[@revision]) in the local HF cache")
     # lazy: importing huggingface_hub costs ~0.18 s (measured on the 2-core test machine), paid only
     # when a name is not a local directory
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    repo, revision = split_revision(text)
     try:
-        snap = snapshot_download(text, local_files_only=True, cache_dir=cache_dir)
+        snap = snapshot_download(repo, revision=revision, local_files_only=True, cache_dir=cache_dir)
     except HFValidationError as e:
         raise UsageError(f"{text!r} is neither an existing directory nor a valid hub id ({e})") from None
     except (LocalEntryNotFoundError, FileNotFoundError):
         where = cache_dir if cache_dir is not None else _default_cache()
         raise MissingFileError(
             f"{text!r} is not a local directory and not in the local HF cache ({where})",
-            hint=f"download it with `hf download {text}` or pass a directory") from None
+            hint=f"download it with `hf download {repo}" + (f" --revision {revision}" if revision else "")
+                 + "` or pass a directory") from None
     return Path(snap)
 
 

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-import torch
+from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, MissingFileError
 from ...io.inputs import OpenFiles, is_plain_file_name, read_json, register
@@ -19,6 +19,9 @@ from ..safetensors.read import read_raw, read_tensor
 from .carry import carry_files, classify_entries
 from .config import load_config
 from .names import INDEX_NAME, WEIGHTS_NAME
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
 
 __all__ = ["HFModelDir", "tensor_shapes"]
 

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from dataclasses import dataclass
 
-import torch
+from typing import TYPE_CHECKING
 
 from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import FormatError, UsageError
@@ -20,6 +20,9 @@ from ..dcp.item import load_byte_item
 from ..safetensors.header import read_header
 from ..safetensors.read import read_tensor
 from .config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, PeftConfig, parse_peft_config
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
 
 __all__ = ["PEFT_PREFIX", "ADAPTER_CONFIG", "SAFETENSORS_NAME", "BIN_NAME", "MAX_ADAPTER_BIN_BYTES", "AdapterModule",
            "PeftAdapter", "load_adapter_bin", "open_peft_adapter"]
@@ -116,6 +119,9 @@ def load_adapter_bin(binf: Path) -> dict[str, torch.Tensor]:
     the adapter dir, not sparse), loaded by `load_byte_item` (records stored, pickle bounded,
     torch's weights_only allow-list: no code runs, no tensor bigger than its bytes), and checked
     to be a dict of str -> tensor. Held whole in memory (a .bin cannot be read by range)."""
+
+
+    import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
     raw = read_input(binf, root=binf.parent, what=binf.name, max_bytes=MAX_ADAPTER_BIN_BYTES)
     sd = load_byte_item(raw, trust=False, path=binf, key="")
     del raw

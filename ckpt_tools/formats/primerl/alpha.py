@@ -187,6 +187,7 @@ def resolve_alpha(*, alpha: float | None = None, run_config: str | Path | None =
     root = None
     if alpha is not None:
         res = AlphaResolution(check_alpha(alpha, "--alpha", error=UsageError), "--alpha")
+        warnings += _alpha_contradiction(res.alpha, run_config, ckpt_dir)
     else:
         if run_config is not None:
             path, how = Path(run_config), "--run-config"
@@ -231,6 +232,27 @@ def resolve_alpha(*, alpha: float | None = None, run_config: str | Path | None =
         warnings += adapter_config_disagreements(run_adapter_configs(Path(ckpt_dir)), res.alpha / rank, rank,
                                                  root=run_outputs_dir(ckpt_dir))
     return AlphaResolution(res.alpha, res.source, res.config_path, tuple(warnings), res.rule)
+
+
+def _alpha_contradiction(alpha: float, run_config, ckpt_dir) -> list[str]:
+    """--alpha wins, but when the run's own config (--run-config, or the one beside the checkpoint)
+    says another alpha, say so: both values and the file."""
+    try:
+        if run_config is not None:
+            path, root = Path(run_config), None
+        else:
+            found = find_run_configs(Path(ckpt_dir)) if ckpt_dir is not None else []
+            if len(found) != 1:
+                return []
+            path, root = found[0], run_outputs_dir(ckpt_dir)
+        lora = read_orch_lora(path, root=root)
+    except CkptError:   # an unreadable config is not --alpha's business: --alpha was given to avoid it
+        return []
+    if math.isclose(lora["alpha"], alpha, rel_tol=1e-9):
+        return []
+    how = "" if not lora.get("_alpha_defaulted") else " (prime-rl's default: the file sets none)"
+    return [f"--alpha {alpha:g} contradicts the run's config {path}: [model.lora] alpha = {lora['alpha']:g}{how}; "
+            f"using --alpha {alpha:g} (scale alpha / rank), drop --alpha to use the run's"]
 
 
 def orch_model_name(path: Path | None) -> str | None:

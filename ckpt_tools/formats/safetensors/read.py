@@ -2,12 +2,16 @@
 mmapped, so page cache pressure, not our RSS, is what a 100 GB model costs."""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError
 from ...io.pread import pread_into
 from .header import ByteCounter, OpenedFile, Source, TensorInfo, require_little_endian
-from .writer import StreamingSafetensorsWriter
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
+
+    from .writer import StreamingSafetensorsWriter
 
 __all__ = ["COPY_BLOCK_BYTES", "read_raw", "read_tensor", "copy_raw"]
 
@@ -30,6 +34,9 @@ def read_raw(info: TensorInfo, source: Source = None, *, counter: ByteCounter | 
 
 def read_tensor(info: TensorInfo, source: Source = None, *, counter: ByteCounter | None = None) -> torch.Tensor:
     """A new CPU tensor (owning its memory) holding `info`'s bytes; nothing is cached."""
+
+
+    import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
     require_little_endian()
     dtype = info.torch_dtype
     if info.nbytes == 0:

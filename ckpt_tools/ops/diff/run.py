@@ -274,7 +274,10 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     threads = max(1, min(local_workers(), WORKING_BUDGET_BYTES // max(1, most)))
     if any(src.extents(p.name) is None for p in plan.pairs if p.read for src in (weights, base)):
         threads = 1   # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
-    state = {"done": 0}
+    state = {"done": 0, "bytes": 0}
+    # the bytes both sides hold, for the progress line's bytes, rate and ETA (what the reads take)
+    sizes = [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs]
+    bytes_total = sum(sizes)
 
     def compare(i: int) -> dict:
         p = plan.pairs[i]
@@ -289,16 +292,18 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
             base.release()
         return dict(td.__dict__)
 
-    def done(_i: int, d: dict) -> None:
+    def done(i: int, d: dict) -> None:
         state["done"] += 1
-        report(progress, "compare", state["done"], total, unit="tensors", name=d["name"], finished=TensorDiff(**d))
+        state["bytes"] += sizes[i]
+        report(progress, "compare", state["done"], total, unit="tensors", name=d["name"], finished=TensorDiff(**d),
+               bytes_done=state["bytes"], bytes_total=bytes_total, elapsed_s=time.perf_counter() - t0)
 
     # The workers are the parallelism: torch's intra-op threads on top of them oversubscribe the cores
     # (OpenMP's spinning on a busy machine: see ops.merge.pipeline).
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        results = map_units(compare, [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs],
+        results = map_units(compare, sizes,
                             group, threads=threads, done=done, everywhere=True)
     finally:
         torch.set_num_threads(intra_op)

@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...core.errors import CkptError, UsageError
+from ...core.errors import CkptError, MissingPathError, UsageError
 from ...core.primerl_state import SchedulerSpec, build_optim_state
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
@@ -159,7 +159,7 @@ class DoctorPlan:
 def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan:
     tgt = Path(target) if target is not None else None
     if tgt is not None and not tgt.exists():
-        raise UsageError("no such file or directory", path=tgt)
+        raise MissingPathError(tgt)
     notes: list[str] = []
     cfg = _load_config(tgt, options.files, options.sections)
     if cfg is None:

@@ -133,7 +133,7 @@ def prepare_merge(base: str | Path | None, adapter: str | Path, *, out: str | Pa
         return plan_merge(sources, opts)
 
 
-def check_output(plan: MergePlan, out: str | Path) -> None:
+def check_output(plan: MergePlan, out: str | Path, *, overwrite: bool = False) -> None:
     """Refuse early (before any reading) what `AtomicOutputDir` would refuse at the start of
     writing: OUT exists, OUT inside an input (or an input inside OUT), too little free disk."""
-    AtomicOutputDir(out, inputs=plan.inputs, need_bytes=plan.write_bytes).preflight()
+    AtomicOutputDir(out, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite).preflight()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...core.errors import UsageError
+from ...core.errors import MissingPathError, UsageError
 from ...core.progress import Progress
 from ...dist import Group
 from ...formats.sniff import CHECKPOINTS, DCP, sniff
@@ -41,7 +41,7 @@ class VerifyPlan:
 def plan_verify(path: str | Path, options: VerifyOptions) -> VerifyPlan:
     p = Path(path)
     if not p.exists():
-        raise UsageError("no such file or directory", path=p)
+        raise MissingPathError(p)
     kind = sniff(p)
     if kind in (None, CHECKPOINTS) or (kind != DCP and not p.is_dir()):
         raise UsageError("cannot tell what to verify: not a DCP checkpoint (.metadata), an HF model dir "

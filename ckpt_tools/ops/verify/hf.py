@@ -6,18 +6,20 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from ...core.dtypes import torch_dtype
 from ...core.errors import CkptError
 from ...core.progress import Progress
 from ...core.progress import report as report_progress
-from ...core.tensor_math import count_nonfinite
 from ...formats.hf_dir.config import dtype_disagreement, shape_problems
 from ...formats.safetensors.header import read_header
 from ...io.inputs import OpenFiles, is_plain_file_name, read_json
 from ...core.problems import VerifyReport
 from ...dist import Group, map_units
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
 
 __all__ = ["FINITE_BLOCK_BYTES", "verify_hf"]
 
@@ -129,6 +131,10 @@ def _deep_finite(dir_: Path, tensors: dict, report: VerifyReport, progress: Prog
     counted if inf/nan. Tensors are independent units: split over torchrun's ranks (`group`) and this
     rank's threads (`dist.local_workers`: preadv and torch release the GIL); the problems are reported
     in file order, as one thread would. Memory: one block per thread."""
+    # lazy: only --deep reads values; verify without it needs no torch (2-3 s of start-up)
+    import torch
+
+    from ...core.tensor_math import count_nonfinite
     total = sum(t.nbytes for t in tensors.values())
     order = sorted(tensors, key=lambda n: (str(tensors[n].path), tensors[n].begin))
     files = OpenFiles(dir_, what="safetensors shard")

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 from ...core.errors import CkptError
-from ...core.tensor_math import count_nonfinite
 from ...formats.peft.adapter import open_peft_adapter
 from ...formats.peft.config import ADAPTER_CONFIG, PEFT_PREFIX, matches_target_modules, parse_peft_config
 from ...sources.open import open_weights
@@ -58,6 +57,7 @@ def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trus
         for t in sorted(set(targets) - matched_targets):
             report.warn(cfg_path, None, f"target_modules entry {t!r} matches no module in the weights")
     if deep:
+        from ...core.tensor_math import count_nonfinite   # lazy: torch, for --deep only (2-3 s of start-up)
         for key in sorted(adapter.shapes):
             try:
                 t = adapter.read(key)

@@ -1,0 +1,39 @@
+"""The one shape of a writing command, from the CLI's side: open the sources, plan, then either the
+dry-run report or the run with the one progress line; then the envelope (--json) or the text.
+
+    report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
+                          lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite),
+                          SlimReport, dry_run=dry_run)
+    finish(report, as_json, render)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .progress import ProgressLine
+from .render import emit
+
+__all__ = ["plan_and_run", "finish"]
+
+
+def plan_and_run(open_sources: Callable, plan: Callable, run: Callable, dry_report: Callable, *, dry_run: bool):
+    """`open_sources()` (a context manager) -> `plan(sources)` -> `dry_report(plan)` in a dry run, else
+    `run(plan, sources, progress)` with the progress line drawn (on a terminal, not under -q/--json)."""
+    with open_sources() as sources:
+        planned = plan(sources)
+        if dry_run:
+            return dry_report(planned)
+        progress = ProgressLine.for_terminal()
+        try:
+            return run(planned, sources, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+
+
+def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: int = 0) -> None:
+    """The envelope under --json, else `render(report.to_json())`."""
+    if as_json:
+        emit(report, exit_code=exit_code)
+    else:
+        render(report.to_json() if hasattr(report, "to_json") else report)
