@@ -36,7 +36,7 @@ def assert_same_tensors(out_file, expected_file):
 def inspect_json(path):
     r = run("inspect", path, "--json")
     assert r.exit_code == 0, r.output
-    return json.loads(r.stdout)
+    return json.loads(r.stdout)["result"]       # the JSON envelope's result
 
 
 def test_inspect_counts_the_moe_experts_world_size_and_states_the_head_rule():
@@ -118,7 +118,8 @@ def test_run_config_takes_the_head_json(tmp_path):
     assert run("extract-adapter", ck, tmp_path / "a").exit_code != 0
     r = run("extract-adapter", ck, tmp_path / "b", "--run-config", E / "configs" / "trainer.json", "--json")
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.stdout)
+    env = json.loads(r.stdout)
+    rep = env["result"] if "alpha" in (env.get("result") or {}) else env["plan"]
     assert rep["alpha"] == 16.0 and "trainer.json" in rep["alpha_source"]
 
 
@@ -165,7 +166,7 @@ def test_export_of_a_lora_run_is_the_merge_from_its_own_masters(tmp_path):
 def test_export_dry_run_is_merges_plan(tmp_path):
     r = run("export", trainer(G), tmp_path / "o", "--config-from", G / "base_model", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
-    plan = json.loads(r.stdout)["plan"]
+    plan = json.loads(r.stdout)["plan"]          # the envelope's plan
     assert plan["adapter_kind"] == "none" and {j["action"] for j in plan["jobs"]} == {"cast"}
     assert not (tmp_path / "o").exists()
 

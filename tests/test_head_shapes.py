@@ -70,7 +70,7 @@ def test_extract_merge_and_export_equal_the_factorys_truth(tmp_path, runs, shape
 def test_the_8_expert_checkpoint_is_counted(runs):
     p = runs("moe8-world3")
     r = run("inspect", p.checkpoint, "--json")
-    rep = json.loads(r.stdout)
+    rep = json.loads(r.stdout)["result"]
     assert rep["experts"]["experts"] == 8 and rep["experts"]["expert_blocks"] == 3 and rep["world_size"] == 3
 
 
