@@ -44,7 +44,9 @@ def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_d
     weights (mlp.experts.w1/w2/w3, mlp.router.gate) are written under the HF per-expert names.
     OUT appears only when complete.
 
-    Example: ckpt export outputs/checkpoints/step_95/trainer exported-step95 --config-from Qwen/Qwen3-8B
+    \b
+    Example:
+      ckpt export outputs/checkpoints/step_95/trainer exported-step95 --config-from Qwen/Qwen3-8B
     """
     warn_trust(trust_pickle)
     options = ExportOptions(out=str(out), config_from=config_from, alpha=alpha,
