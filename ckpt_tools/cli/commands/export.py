@@ -46,7 +46,7 @@ def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_d
 
     \b
     Example:
-      ckpt export outputs/checkpoints/step_95/trainer exported-step95 --config-from Qwen/Qwen3-8B
+      ckpt export outputs/checkpoints/step_95/trainer exported-95 --config-from Qwen/Qwen3-8B
     """
     warn_trust(trust_pickle)
     options = ExportOptions(out=str(out), config_from=config_from, alpha=alpha,
