@@ -36,7 +36,7 @@ COMMANDS = {
     "adapter-to-dcp": ("adapter_to_dcp", "Build a prime-rl trainer checkpoint from a PEFT adapter and the HF base."),
     "fix-adapter": ("fix_adapter", "Repair a prime-rl adapter export into a PEFT adapter that really applies."),
     "merge": ("merge", "Merge a LoRA into base weights; write an HF model directory (sharded safetensors)."),
-    "export": ("export", "Export a DCP checkpoint as an HF model dir: full-FT weights or the merged LoRA model."),
+    "export": ("export", "Export a prime-rl DCP checkpoint as an HF model directory: the trained weights of a full fine-tune, or the merged model of a LoRA run (= merge --base-from-checkpoint)."),
     "diff-vs-base": ("diff_vs_base", "Tell whether WEIGHTS differ from BASE, tensor by tensor."),
     "verify": ("verify", "Check a checkpoint's integrity before you trust or ship it."),
     "slim": ("slim", "Drop the frozen base weights of a checkpoint, keeping everything unique."),
