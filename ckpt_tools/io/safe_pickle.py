@@ -9,6 +9,7 @@ whose object would cost more to build, hash or walk than its size allows.
 """
 from __future__ import annotations
 
+import enum
 import io
 import logging
 import pickle
@@ -40,6 +41,9 @@ class AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in self._allowed:
             return self._allowed[(module, name)]
+        if (module, name) == ("builtins", "getattr") and not self._trust:
+            return self._enum_member
+
         if self._trust:
             log.warning("--trust-remote-pickle: resolving %s.%s from %s outside the allow-list",
                         module, name, self._source)
@@ -50,6 +54,21 @@ class AllowListUnpickler(pickle.Unpickler):
             path=self._source,
             hint="if you wrote this checkpoint yourself and trust it, pass --trust-remote-pickle",
         )
+
+    def _enum_member(self, cls, name):
+        """`builtins.getattr` in the one form CPython 3.11.0-3.11.4 pickles an Enum member:
+        `getattr(<enum class>, <member name>)` (enum `__reduce_ex__`; Debian's 3.11.2 wrote DCP's
+        `_MEM_FORMAT_ENCODING` members so). Only an Enum class of this allow-list and one of its member
+        names; any other getattr is refused, since it reaches any attribute of anything."""
+        allowed_enum = isinstance(cls, type) and issubclass(cls, enum.Enum) and \
+            any(cls is v for v in self._allowed.values())
+        if allowed_enum and type(name) is str and name in cls.__members__:
+            return cls.__members__[name]
+        raise UnsafePickleError(
+            f"refusing to unpickle builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}): "
+            f"only getattr(<allow-listed Enum class>, <member name>) is accepted in {self._what}, and "
+            "anything else could reach any attribute",
+            path=self._source, hint="if you wrote this checkpoint yourself and trust it, pass --trust-remote-pickle")
 
     def persistent_load(self, pid):
         raise UnsafePickleError(f"unexpected persistent id {pid!r} in {self._short}", path=self._source)
