@@ -36,6 +36,7 @@ COMMANDS = {
     "adapter-to-dcp": ("adapter_to_dcp", "Build a prime-rl trainer checkpoint from a PEFT adapter and the HF base."),
     "fix-adapter": ("fix_adapter", "Repair a prime-rl adapter export into a PEFT adapter that really applies."),
     "merge": ("merge", "Merge a LoRA into base weights; write an HF model directory (sharded safetensors)."),
+    "export": ("export", "Export a prime-rl DCP checkpoint as an HF model directory: the trained weights of a full fine-tune, or the merged model of a LoRA run (= merge --base-from-checkpoint)."),
     "diff-vs-base": ("diff_vs_base", "Tell whether WEIGHTS differ from BASE, tensor by tensor."),
     "verify": ("verify", "Check a checkpoint's integrity before you trust or ship it."),
     "slim": ("slim", "Drop the frozen base weights of a checkpoint, keeping everything unique."),
@@ -65,7 +66,7 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     return flags + rest + tail
 # Commands that split their plan over torchrun's ranks (`ckpt_tools.dist`); any other refuses 2+ ranks
 # (N copies of one command would race for the same OUT).
-MULTI_RANK_COMMANDS = ("merge", "rehydrate", "adapter-to-dcp", "slim", "diff-vs-base", "verify")
+MULTI_RANK_COMMANDS = ("merge", "export", "rehydrate", "adapter-to-dcp", "slim", "diff-vs-base", "verify")
 
 
 class _Group(click.Group):

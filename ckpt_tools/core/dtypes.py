@@ -6,6 +6,7 @@ metadata never needs torch. `torch_dtype(name)` is where a name becomes a `torch
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import FormatError, UsageError
@@ -13,7 +14,7 @@ from .errors import FormatError, UsageError
 __all__ = [
     "DtypeSpec", "SAFETENSORS", "ITEMSIZE", "TORCH_DTYPE_NAMES", "STORAGE_CLASSES", "CLI_SPELLINGS", "SHORT_NAMES",
     "dtype_name", "itemsize", "is_floating", "torch_dtype", "safetensors_code", "from_safetensors_code",
-    "parse_cli_dtype", "short_name", "config_dtype_code",
+    "parse_cli_dtype", "short_name", "config_dtype_code", "ShapedBytes",
 ]
 
 
@@ -141,3 +142,24 @@ def short_name(dtype) -> str | None:
 def config_dtype_code(value) -> str | None:
     """The safetensors code a config.json `dtype` / `torch_dtype` value names, None if it names none."""
     return _CONFIG_CODES.get(value) if isinstance(value, str) else None
+
+
+class ShapedBytes:
+    """Sizes of a tensor described by name (`dtype`, a torch dtype name) and `shape`: the one home of
+    numel / itemsize / nbytes for the metadata classes of every format (a mixin for dataclasses)."""
+
+    __slots__ = ()
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize

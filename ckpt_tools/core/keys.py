@@ -3,7 +3,11 @@
 prime-rl saves `{"app": AppState}` whose state dict is
 `{"model": ..., "optimizers": ..., "scheduler": ..., "progress": ...}`. Model FQNs contain dots and
 are ONE path element, so keys are classified from `planner_data` paths, never by splitting the flat
-key on dots. The rules are a table; a key no rule claims goes to the "other" group, visibly.
+key on dots. The rules are a table; a key no rule claims goes to the "other" group, which every
+command but `inspect` refuses (`require_known`). Model keys are a second table (`MODEL_RULES`), the
+same for both prime-rl generations: dense LoRA, HEAD's grouped-expert LoRA (stacked [E, r, in]),
+prime-format stacked expert weights and the MoE router, HF-named weights. A stacked tensor's experts
+are named by HF's per-expert names (`expert_hf_name`), so every op sees one naming.
 """
 from __future__ import annotations
 
@@ -11,10 +15,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .errors import FormatError
+
 __all__ = [
     "GROUPS", "FROZEN_GROUPS", "LORA_FQN", "OPTIM_FIELDS", "PROGRESS_STEP_KEY", "KeyInfo", "RULES", "classify",
     "lora_key", "lora_path", "base_key", "base_path", "optimizer_state_key", "optimizer_state_path",
-    "module_suffix", "trainable_params", "GroupStats", "LoraStats", "summarize_groups", "summarize_lora", "world_size_from_chunks",
+    "module_suffix", "trainable_params", "EXPERT_PROJ", "PROJ_W", "ModelRule", "MODEL_RULES", "expert_module",
+    "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys",
+    "require_known", "peft_target", "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names", "expert_module_pattern",
+    "is_stacked_pattern", "expert_parts", "router_prime_name", "GroupStats", "LoraStats", "summarize_groups",
+    "summarize_lora", "world_size_from_chunks",
 ]
 
 GROUPS = ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progress", "other")
@@ -24,28 +34,105 @@ FROZEN_GROUPS = frozenset({"base"})
 LORA_FQN = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<slot>\d+)$")
 OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
+# prime-rl's grouped experts (HEAD, `MultiLoRAGroupedExperts` over torchtitan's `GroupedExperts`): one
+# stacked tensor per projection, dim 0 the expert index. w1 = gate, w3 = up ([E, inter, hidden]),
+# w2 = down ([E, hidden, inter]); each per-expert slice is exactly the HF `nn.Linear` weight.
+EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
 
 @dataclass(frozen=True)
 class KeyInfo:
     key: str
     group: str
-    hf_name: str | None = None      # base: HF parameter name
-    module: str | None = None       # lora: module FQN (HF naming), e.g. model.layers.0.mlp.up_proj
+    hf_name: str | None = None      # base: HF parameter name (None for stacked experts: see expert_hf_name)
+    module: str | None = None       # lora: module FQN (HF naming), e.g. model.layers.0.mlp.up_proj;
+    #                                 stacked expert LoRA: the experts module, e.g. model.layers.0.mlp.experts
     ab: str | None = None           # lora: "A" or "B"
     slot: int | None = None         # lora: adapter slot (`lora_A.<slot>`)
     param: str | None = None        # optimizer_state: param FQN (no app.model. prefix)
     field: str | None = None        # optimizer_state/param_groups/scheduler/progress field name
     group_index: int | None = None  # param_groups: group i
     sub_scheduler: int | None = None  # scheduler: SequentialLR `_schedulers.<j>`
+    expert_proj: str | None = None  # stacked experts (base or LoRA): the HF projection, gate_proj/up_proj/down_proj
+
+    @property
+    def stacked(self) -> bool:
+        """A prime-format grouped-expert tensor: dim 0 is the expert index."""
+        return self.expert_proj is not None
+
+
+def expert_module(experts: str, expert: int, proj: str) -> str:
+    """`model.layers.0.mlp.experts`, 3, `gate_proj` -> `model.layers.0.mlp.experts.3.gate_proj` (HF naming)."""
+    return f"{experts}.{expert}.{proj}"
+
+
+def expert_hf_name(info: KeyInfo, expert: int) -> str:
+    """The HF per-expert weight name of expert `expert` of a stacked base tensor."""
+    return expert_module(info.module, expert, info.expert_proj) + ".weight"
+
+
+EXPERT_WILDCARD = "*"
+
+
+def stacked_hf_pattern(info: KeyInfo) -> str:
+    """The HF names of a stacked base tensor's experts as one pattern, `...mlp.experts.*.gate_proj.weight`:
+    what a slim manifest records, so that rehydrate stacks the base's per-expert weights back."""
+    return expert_hf_name(info, EXPERT_WILDCARD)   # type: ignore[arg-type]
+
+
+def expert_module_pattern(experts: str, proj: str) -> str:
+    """The module pattern of a stack's experts, `...mlp.experts.*.gate_proj` (see `expert_names`)."""
+    return expert_module(experts, EXPERT_WILDCARD, proj)   # type: ignore[arg-type]
+
+
+def expert_names(pattern: str, start: int, count: int) -> list[str]:
+    """Experts [start, start + count) of a `stacked_hf_pattern` (the rows of the stacked tensor)."""
+    return [pattern.replace(f".{EXPERT_WILDCARD}.", f".{e}.", 1) for e in range(start, start + count)]
+
+
+def is_stacked_pattern(name: str) -> bool:
+    return f".{EXPERT_WILDCARD}." in name
+
+
+@dataclass(frozen=True)
+class ModelRule:
+    """One shape of `app.model.<fqn>` key: a regex over the FQN and what a match means."""
+    name: str                       # what the rule recognises, for docs and errors
+    group: str
+    pattern: re.Pattern
+    hf_name: str | None = None      # base: format string over the match groups -> the HF name
+
+
+# The model keys of both prime-rl generations (16e747c: dense only; HEAD: + grouped experts and the
+# prime-format router). The first rule that matches wins; an FQN no rule matches is "other", which every
+# command refuses (`unknown_keys`).
+MODEL_RULES: tuple[ModelRule, ...] = (
+    ModelRule("grouped-expert LoRA factor [E, r, in] / [E, out, r]", "lora",
+              re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<w>w[123])_lora_(?P<ab>[AB])\.(?P<slot>\d+)$")),
+    ModelRule("dense LoRA factor [r, in] / [out, r]", "lora", LORA_FQN),
+    ModelRule("prime-format stacked expert weight [E, out, in]", "base",
+              re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<w>w[123])$")),
+    ModelRule("prime-format MoE router weight", "base",
+              re.compile(r"^(?P<prefix>.+\.mlp)\.router\.gate\.weight$"), hf_name="{prefix}.gate.weight"),
+    ModelRule("HF-named weight or bias", "base", re.compile(r"^(?P<name>(.+\.)?(weight|bias))$"), hf_name="{name}"),
+)
 
 
 def _model(key: str, path: tuple) -> KeyInfo | None:
     if len(path) != 3 or not isinstance(path[2], str):
         return None
-    m = LORA_FQN.match(path[2])
-    if m:
-        return KeyInfo(key, "lora", module=m["module"], ab=m["ab"], slot=int(m["slot"]))
-    return KeyInfo(key, "base", hf_name=path[2])
+    for rule in MODEL_RULES:
+        m = rule.pattern.match(path[2])
+        if m is None:
+            continue
+        g = m.groupdict()
+        proj = EXPERT_PROJ[g["w"]] if "w" in g else None
+        if rule.group == "lora":
+            return KeyInfo(key, "lora", module=g["module"], ab=g["ab"], slot=int(g["slot"]), expert_proj=proj)
+        if proj is not None:
+            return KeyInfo(key, "base", module=g["module"], expert_proj=proj)
+        return KeyInfo(key, "base", hf_name=rule.hf_name.format(**g))
+    return None
 
 
 def _optim_state(key: str, path: tuple) -> KeyInfo | None:
@@ -111,6 +198,39 @@ def lora_path(module: str, ab: str, slot: int) -> tuple:
     return ("app", "model", f"{module}.lora_{ab}.{slot}")
 
 
+PROJ_W = {proj: w for w, proj in EXPERT_PROJ.items()}
+
+
+def stacked_lora_key(experts: str, proj: str, ab: str, slot: int) -> str:
+    """Flat DCP key of a grouped-expert LoRA factor: `app.model.<experts>.w1_lora_A.<slot>` for gate_proj."""
+    return f"app.model.{experts}.{PROJ_W[proj]}_lora_{ab}.{slot}"
+
+
+def stacked_lora_path(experts: str, proj: str, ab: str, slot: int) -> tuple:
+    return ("app", "model", f"{experts}.{PROJ_W[proj]}_lora_{ab}.{slot}")
+
+
+def stacked_base_key(experts: str, proj: str) -> str:
+    """Flat DCP key of a prime-format stacked expert weight: `app.model.<experts>.w1` for gate_proj."""
+    return f"app.model.{experts}.{PROJ_W[proj]}"
+
+
+def unknown_keys(infos) -> list[str]:
+    """Keys no rule of the key model recognises (sorted): every command refuses a checkpoint with any."""
+    return sorted(i.key for i in infos if i.group == "other")
+
+
+def require_known(infos, metadata_path) -> None:
+    """Refuse a checkpoint holding keys the key model does not recognise (never silently dropped)."""
+    unknown = unknown_keys(infos)
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise FormatError(f"{len(unknown)} key(s) match no rule of the prime-rl key model: {shown}",
+                          path=metadata_path,
+                          hint="this layout is not supported yet; `ckpt inspect --keys` lists them: please report "
+                               "it with that listing")
+
+
 def base_key(hf_name: str) -> str:
     return f"app.model.{hf_name}"
 
@@ -136,6 +256,12 @@ def module_suffix(module: str) -> str:
     return module.rsplit(".", 1)[-1]
 
 
+def peft_target(module: str) -> str:
+    """The PEFT `target_modules` entry that selects `module`, as prime-rl's broadcasts write it: the
+    suffix (`q_proj`), and `experts` for every per-expert projection (`...mlp.experts.3.gate_proj`)."""
+    return "experts" if _is_expert_module(module) else module_suffix(module)
+
+
 def trainable_params(paths: dict[str, tuple]) -> set[str]:
     """Param FQNs that have optimizer state ({key: planner path} of a checkpoint): trained, never frozen,
     never recoverable from the base."""
@@ -158,6 +284,7 @@ class LoraStats:
     targets: tuple[str, ...]
     slots: tuple[int, ...]
     bytes: int
+    expert_modules: int = 0           # of `modules`: per-expert modules of grouped-expert LoRA
 
 
 def summarize_groups(infos: list[KeyInfo], stored: dict[str, int], payload: dict[str, int]) -> dict[str, GroupStats]:
@@ -169,21 +296,52 @@ def summarize_groups(infos: list[KeyInfo], stored: dict[str, int], payload: dict
 
 
 def summarize_lora(infos: list[KeyInfo], shapes: dict[str, tuple], payload: dict[str, int]) -> LoraStats:
+    """Per-module LoRA facts; a stacked grouped-expert factor [E, r, in] counts as E expert modules
+    (`<experts>.<e>.<proj>`), each of rank r, and its PEFT target is `experts`."""
     lora = [i for i in infos if i.group == "lora"]
     slots = sorted({i.slot for i in lora})
     ranks: dict[str, int] = {}
+    modules: set[str] = set()
     for i in sorted(lora, key=lambda i: (i.slot, i.key)):
+        if i.stacked:
+            shape = shapes[i.key]
+            names = [expert_module(i.module, e, i.expert_proj) for e in range(shape[0])] if shape else []
+            modules.update(names)
+            if i.ab == "A":
+                for n in names:
+                    ranks.setdefault(n, shape[1])  # [E, r, in]
+            continue
+        modules.add(i.module)
         if i.ab == "A" and i.module not in ranks:
             ranks[i.module] = shapes[i.key][0]  # lora_A is [r, in]
     uniq = set(ranks.values())
     return LoraStats(
-        modules=len({i.module for i in lora}),
+        modules=len(modules),
         rank=uniq.pop() if len(uniq) == 1 else None,
         ranks=ranks,
-        targets=tuple(sorted({module_suffix(i.module) for i in lora})),
+        targets=tuple(sorted({peft_target(m) for m in modules})),
         slots=tuple(slots),
         bytes=sum(payload.get(i.key, 0) for i in lora),
+        expert_modules=sum(1 for m in modules if _is_expert_module(m)),
     )
+
+
+def _is_expert_module(module: str) -> bool:
+    return expert_parts(module) is not None
+
+
+def expert_parts(module: str) -> tuple[str, int, str] | None:
+    """`model.layers.0.mlp.experts.3.gate_proj` -> (`model.layers.0.mlp.experts`, 3, `gate_proj`): an HF
+    per-expert projection of a grouped-experts module; None for anything else."""
+    parts = module.rsplit(".", 3)
+    if len(parts) == 4 and parts[1] == "experts" and parts[2].isdigit() and parts[3] in PROJ_W:
+        return f"{parts[0]}.experts", int(parts[2]), parts[3]
+    return None
+
+
+def router_prime_name(hf_name: str) -> str | None:
+    """HF `...mlp.gate.weight` (a Qwen3-MoE router) -> prime-rl's `...mlp.router.gate.weight`."""
+    return hf_name[:-len(".gate.weight")] + ".router.gate.weight" if hf_name.endswith(".mlp.gate.weight") else None
 
 
 def world_size_from_chunks(chunk_counts: list[int]) -> int | None:

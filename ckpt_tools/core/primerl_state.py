@@ -39,11 +39,13 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .keys import PROJ_W, stacked_lora_key
+
 __all__ = [
     "PRIMERL_ADAMW_DEFAULTS", "ADAMW_STATE_FIELDS", "PROJ_ORDER", "SCHEDULER_TYPES", "SCHEDULER_CLASSES",
     "PROGRESS_FIELDS", "lora_param_fqn", "optimizer_param_order", "fresh_adamw_fields", "SchedulerSpec",
     "OptimState", "build_optim_state", "adamw_param_group", "progress_state", "flatten_state", "flat_key",
-    "scheduler_class",
+    "scheduler_class", "lora_param_order",
 ]
 
 # prime-rl's AdamW (trainer/optim.py: torch.optim.AdamW(params, lr, weight_decay, betas)) with torch
@@ -100,6 +102,22 @@ def optimizer_param_order(modules: Iterable[str], slot: int = 0) -> list[str]:
     for m in sorted(set(modules), key=_module_sort_key):
         out += [lora_param_fqn(m, "A", slot), lora_param_fqn(m, "B", slot)]
     return out
+
+
+def lora_param_order(dense: Iterable[str], stacks: Iterable[tuple[str, str]], slot: int = 0) -> list[str]:
+    """prime-rl HEAD's `named_parameters` order of the LoRA params: by layer, the dense modules (q, k, v,
+    o, gate, up, down; A before B: `optimizer_param_order`), then the layer's grouped experts' w1_A, w1_B,
+    w2_A, w2_B, w3_A, w3_B (`stacks`: (experts module, HF projection) pairs)."""
+    def layer(module: str) -> int:
+        m = _LAYER.search("." + module + ".")
+        return int(m.group(1)) if m else -1
+    keyed = [(layer(fqn.rsplit(".lora_", 1)[0]), 0, (i,), fqn)
+             for i, fqn in enumerate(optimizer_param_order(dense, slot))]
+    for experts, proj in stacks:
+        for ab in "AB":
+            fqn = stacked_lora_key(experts, proj, ab, slot).removeprefix("app.model.")
+            keyed.append((layer(experts), 1, (PROJ_W[proj], ab), fqn))
+    return [fqn for *_k, fqn in sorted(keyed, key=lambda t: t[:3])]   # t[2] compares within one kind only
 
 
 def fresh_adamw_fields() -> dict[str, float]:

@@ -5,6 +5,7 @@
   `OpenFiles` holds the checked fds of one input tree and range-checks every read against them;
 - `pread`: the one positioned-read loop (`pread_into`, `pread_exact`);
 - `safe_pickle`: allow-list unpickling after a bounds scan that builds nothing;
+- `pickle_scan`: that bounds scan (`check_pickle_bounds`), an opcode replay on a model stack;
 - `files`: new files only (`create_new`: O_CREAT|O_EXCL|O_NOFOLLOW), atomic single-file replacement;
 - `lock`, `staging`: the output lock and the hidden temp dir renamed into place (`AtomicOutputDir`);
 - `copy`: copies (and hard links) of input files into new outputs;

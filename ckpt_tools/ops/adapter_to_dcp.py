@@ -40,11 +40,15 @@ import torch
 
 from ..core.errors import FormatError, UsageError
 from ..dist import Group, SoloGroup
-from ..core.keys import base_key, base_path, classify, lora_key, lora_path, optimizer_state_key, optimizer_state_path
+from ..core.keys import (
+    base_key, base_path, classify, expert_module, expert_module_pattern, expert_names, expert_parts, lora_key,
+    lora_path, optimizer_state_key, optimizer_state_path, router_prime_name, stacked_base_key, stacked_lora_key,
+    stacked_lora_path,
+)
 from ..core.lora_math import check_modules_fit_base
 from ..core.primerl_state import (
     ADAMW_STATE_FIELDS, PRIMERL_ADAMW_DEFAULTS, SchedulerSpec, adamw_param_group, build_optim_state, flat_key,
-    flatten_state, fresh_adamw_fields, optimizer_param_order, progress_state,
+    flatten_state, fresh_adamw_fields, lora_param_order, progress_state,
 )
 from ..core.progress import Progress, report
 from ..core.tied import missing_aliases
@@ -53,6 +57,7 @@ from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
 from ..io.staging import SharedOutputDir
+from ..sources.hashing import read_rows_as
 from ..sources.hf import HFSource
 from ..sources.lora import LoraSource, PeftLoraSource
 
@@ -223,28 +228,77 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
     if bad_full:
         raise FormatError(f"modules_to_save tensors {bad_full} have no same-shaped tensor in the base",
                           path=ad.weights_path, hint="the adapter was trained on a different base model")
+    # prime-rl HEAD trains an HF Qwen3-MoE in its own format: per-expert base weights stacked into
+    # `mlp.experts.w1/w2/w3` [E, out, in], the router as `mlp.router.gate.weight`, expert LoRA stacked
+    # [E, r, in] / [E, out, r] (`core.keys`); every other name stays
+    stacks: dict[tuple[str, str], list[int]] = {}
+    for name in model_names:
+        ex = expert_parts(name[:-len(".weight")]) if name.endswith(".weight") else None
+        if ex is not None:
+            stacks.setdefault((ex[0], ex[2]), []).append(ex[1])
+    for (experts, proj), idx in stacks.items():
+        if sorted(idx) != list(range(len(idx))):
+            raise FormatError(f"{experts}: the base's {proj} experts are {sorted(idx)[:8]}..., not 0..{len(idx) - 1}",
+                              path=base_dir)
+    done_stacks = set()
     for name in model_names + sorted(aliases):
         src_name = aliases.get(name, name)
+        ex = expert_parts(name[:-len(".weight")]) if name.endswith(".weight") and name not in aliases else None
+        if ex is not None:
+            if (ex[0], ex[2]) in done_stacks:
+                continue
+            done_stacks.add((ex[0], ex[2]))
+            pattern = expert_module_pattern(ex[0], ex[2])
+            n = len(stacks[(ex[0], ex[2])])
+            key = stacked_base_key(ex[0], ex[2])
+            jobs.append(ToDcpJob(key, ("app", "model", key.removeprefix("app.model.")),
+                                 (n,) + base_shapes[src_name], f"base-stack:{pattern}", "base"))
+            continue
         if src_name in full:
             source = f"adapter:{full[src_name]}"
         else:
             source = f"base:{src_name}"
-        jobs.append(ToDcpJob(base_key(name), base_path(name), base_shapes[src_name], source, "base"))
+        prime = router_prime_name(name) if stacks else None
+        jobs.append(ToDcpJob(base_key(prime or name), base_path(prime or name), base_shapes[src_name], source, "base"))
+    if stacks:
+        notes.append(f"MoE: {len(stacks)} per-expert projection group(s) stacked into prime-rl's mlp.experts.w1/w2/w3 "
+                     "(w1 = gate, w3 = up, w2 = down) and the router written as mlp.router.gate.weight, as prime-rl "
+                     "HEAD's own model holds them")
     if aliases:
         notes.append(f"tied embeddings: {', '.join(aliases)} written as a copy of "
                      f"{', '.join(aliases.values())} (FSDP's state dict holds both names)")
     if full:
         notes.append(f"modules_to_save {sorted(full)}: the adapter's values replace the base's")
     modules = sorted(ad.modules)
+    dense = [m for m in modules if expert_parts(m) is None]
+    lora_stacks: dict[tuple[str, str], list[int]] = {}
     for m in modules:
-        s = ad.modules[m]
-        for ab, akey, shape in (("A", s.a_key, s.a_shape), ("B", s.b_key, s.b_shape)):
+        ex = expert_parts(m)
+        if ex is not None:
+            lora_stacks.setdefault((ex[0], ex[2]), []).append(ex[1])
+    param_shape = {}
+    for m in dense:
+        s_ = ad.modules[m]
+        for ab, akey, shape in (("A", s_.a_key, s_.a_shape), ("B", s_.b_key, s_.b_shape)):
             jobs.append(ToDcpJob(lora_key(m, ab, SLOT), lora_path(m, ab, SLOT), tuple(shape), f"adapter:{akey}", "lora"))
+            param_shape[lora_key(m, ab, SLOT).removeprefix("app.model.")] = tuple(shape)
+    for (experts, proj), idx in sorted(lora_stacks.items()):
+        n = len(stacks.get((experts, proj), ()))
+        if sorted(idx) != list(range(n)):
+            raise FormatError(f"{experts}.*.{proj}: the adapter has LoRA for experts {sorted(idx)[:8]}... of the "
+                              f"base's {n}; prime-rl's grouped-expert LoRA covers every expert", path=ad.weights_path)
+        first = ad.modules[expert_module(experts, 0, proj)]
+        for ab, shape in (("A", first.a_shape), ("B", first.b_shape)):
+            key = stacked_lora_key(experts, proj, ab, SLOT)
+            jobs.append(ToDcpJob(key, stacked_lora_path(experts, proj, ab, SLOT), (n,) + tuple(shape),
+                                 f"adapter-stack:{ab}:{expert_module_pattern(experts, proj)}", "lora"))
+            param_shape[key.removeprefix("app.model.")] = (n,) + tuple(shape)
+    if lora_stacks:
+        notes.append(f"MoE LoRA: {sum(len(v) for v in lora_stacks.values())} per-expert modules stacked into "
+                     f"{2 * len(lora_stacks)} grouped-expert factors (w{{1,2,3}}_lora_{{A,B}}.{SLOT})")
+    order = lora_param_order(dense, sorted(lora_stacks), SLOT)
 
     # ---- optimizer: fresh, or moments carried from another checkpoint
-    order = optimizer_param_order(modules, SLOT)
-    param_shape = {f"{m}.lora_{ab}.{SLOT}": tuple(getattr(ad.modules[m], ab.lower() + "_shape"))
-                   for m in modules for ab in "AB"}
     hparams = {}
     src_progress = {}
     if src_ckpt is not None:
@@ -313,9 +367,9 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
         notes.append("the adapter is not fp32: its values are upcast exactly, but the rounding it went through "
                      "is not undone")
     required_alpha = scale * rank
-    notes.append(f"the resuming run must train with LoRA rank {rank} and scale {scale:g}: set the orchestrator's "
-                 f"[model.lora] alpha = {required_alpha:g} (prime-rl's scale is orchestrator alpha / rank; its "
-                 "default alpha is 16)")
+    notes.append(f"the resuming run must train with LoRA rank {rank} and scale {scale:g}: alpha = {required_alpha:g} "
+                 "in the trainer's model.lora at prime-rl HEAD (scale = trainer alpha / rank), in the orchestrator's "
+                 "[model.lora] at 16e747c (scale = orchestrator alpha / rank; its default alpha is 16)")
     # every chunk is an item; byte items are small
     items = sum(max(1, len(row_chunks(j.shape[0], world_size))) if j.shape else 1 for j in jobs) + len(objects)
     data = sum(j.nbytes for j in jobs)
@@ -328,6 +382,19 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
         data_bytes=data, need_bytes=data + items * _ITEM_OVERHEAD_BYTES + (1 << 20), notes=tuple(notes),
         warnings=tuple(warnings))
     return plan
+
+
+def _write_stack(w: DcpWriter, job: ToDcpJob, read_rows) -> None:
+    """A stacked [E, ...] tensor as fp32, one row chunk (a block of experts) at a time."""
+    for k, (start, rows) in enumerate(row_chunks(job.shape[0], w.files)):
+        if not w.owns(k):   # another rank's file (multi-rank): its experts are not read here
+            w.skip(job.key)
+            continue
+        piece = read_rows(start, rows)
+        piece = piece.to(torch.float32) if piece.is_floating_point() else piece
+        w.write_chunk(job.key, job.path, piece, size=tuple(job.shape), offsets=(start,) + (0,) * (len(job.shape) - 1),
+                      file_index=k)
+        del piece
 
 
 def _write_base_streaming(w: DcpWriter, job: ToDcpJob, hf: HFSource, name: str) -> None:
@@ -387,6 +454,15 @@ def run_adapter_to_dcp(plan: ToDcpPlan, sources: ToDcpSources, progress: Progres
                 report(progress, "write", i, len(plan.tensors), unit="tensors", name=job.key)
                 if kind == "base":
                     _write_base_streaming(w, job, hf, ref)
+                    continue
+                if kind == "base-stack":   # the base's per-expert weights, stacked by expert
+                    _write_stack(w, job, lambda s, n: read_rows_as(hf, ref + ".weight", torch.float32, s, n))
+                    continue
+                if kind == "adapter-stack":   # A:<pattern>: the experts' factors, stacked
+                    ab, _, pattern = ref.partition(":")
+                    _write_stack(w, job, lambda s, n: torch.stack(
+                        [ad.read_factor(m, ab).to(torch.float32) for m in expert_names(pattern, s, n)])
+                        if n else torch.empty((0,) + job.shape[1:]))
                     continue
                 if kind == "adapter":
                     t = ad.read_key(ref).to(torch.float32)

@@ -148,10 +148,10 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
                         "updates those tensors (format §6.3), so the base's own values are the trained ones")
 
     tensors = tuple(sorted((OutTensor(peft_key(m, ab), shapes[m][0 if ab == "A" else 1], dtype,
-                                      getattr(src.modules[m], f"{ab.lower()}_key")) for m in modules for ab in "AB"),
+                                      src.modules[m].factor_ref(ab)) for m in modules for ab in "AB"),
                            key=lambda t: t.name))
     cfg = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets, base_model_name_or_path=base_name)
-    entries = [ckpt.entries[t.source] for t in tensors]
+    entries = [ckpt.entries[k] for k in src.lora_keys()]
     return ExtractPlan(
         checkpoint=ckpt.dir, out=out, slot=src.slot, dtype=dtype, modules=len(modules), rank=rank,
         alpha=src.alpha, alpha_source=src.alpha_source, scale=scale, lora_alpha=lora_alpha,
@@ -187,7 +187,7 @@ def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None
     done = [0]
 
     def read(t: OutTensor):
-        v = src.read_key(t.source)
+        v = src.read_ref(t.source)
         done[0] += 1
         report(progress, "extract", done[0], len(plan.tensors), unit="tensors", name=t.name)
         return v

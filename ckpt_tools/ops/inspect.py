@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import AlphaError, MissingPathError, UsageError
+from ..core.errors import AlphaError, CkptError, MissingPathError, UsageError
 from ..core.keys import classify
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.dcp.model import TensorEntry
@@ -17,7 +17,8 @@ from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.summary import summarize
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.peft.adapter import open_peft_adapter
-from ..formats.primerl.alpha import resolve_alpha
+from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, find_run_configs, resolve_alpha
+from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
 from ..formats.slim.manifest import is_slim
 from ..formats.sniff import sniff, step_number
 
@@ -39,7 +40,7 @@ def detect_format(path: Path) -> str:
 
 def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | None = None,
                 trust_pickle: bool = False) -> dict:
-    ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle)
+    ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle, known_keys_only=False)   # lists unknown keys
     s = summarize(ckpt)
     lora, infos = s.lora, s.infos
     report = {
@@ -63,8 +64,11 @@ def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | No
                  "targets": list(lora.targets), "bytes": lora.bytes,
                  "ranks_vary": lora.rank is None and lora.modules > 0},
         "other_keys": [i.key for i in infos if i.group == "other"],
+        "experts": s.experts,
+        "training": "full fine-tune" if s.full_finetune else ("LoRA" if lora.modules else None),
         "warnings": [],
     }
+    report.update(run_facts(ckpt.dir, s, infos, ckpt))
     report["slim"] = is_slim(ckpt.dir)
     if report["slim"]:
         report["warnings"].append("this is a SLIM checkpoint (frozen base weights removed): prime-rl's strict "
@@ -72,7 +76,7 @@ def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | No
     if lora.modules:
         try:
             res = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=ckpt.dir, rank=lora.rank)
-            report["alpha"] = {"alpha": res.alpha, "source": res.source,
+            report["alpha"] = {"alpha": res.alpha, "source": res.source, "rule": res.rule or report["scale_rule"],
                                "training_scale": res.alpha / lora.rank if lora.rank else None}
             report["warnings"] += list(res.warnings)
         except AlphaError as exc:
@@ -83,6 +87,38 @@ def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | No
                                   "(group 'other')")
     ckpt.close()
     return report
+
+
+def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
+    """The prime-rl generation that wrote the checkpoint, its LoRA scale rule, EP from the run's config,
+    and whether its progress lags (HEAD's interval checkpoints are saved before the step's totals)."""
+    configs = find_run_configs(ckpt_dir)
+    fused = next((ckpt.read_object(i.key) for i in infos if i.group == "param_groups" and i.field == "fused"
+                  and i.group_index == 0), None)
+    if configs:
+        gen = GEN_HEAD if configs[0].suffix == ".json" else GEN_16E747C
+        why = f"run config {configs[0].name}"
+    elif s.experts:
+        gen, why = GEN_HEAD, "prime-format grouped experts"
+    else:   # HEAD's default CPU-offload optimizer writes fused False; 16e747c's plain AdamW None
+        gen, why = (GEN_HEAD, "param_groups fused=False") if fused is False else (GEN_16E747C, "param_groups")
+    out = {"generation": gen, "generation_from": why, "scale_rule": RULE_HEAD if gen == GEN_HEAD else RULE_16E747C,
+           "ep": None, "interval_checkpoint": None,
+           # HEAD's default optim_cpu_offload wraps AdamW; the DCP holds the inner AdamW's state (same keys)
+           "optimizer": "CPUOffloadOptimizer(AdamW), state of the inner AdamW" if fused is False else "AdamW"}
+    if configs and gen == GEN_HEAD:
+        try:
+            cfg = load_run_config(config_files(configs))
+            out["ep"] = cfg.value("trainer.model.ep") if "trainer" in cfg.sections else None
+            max_steps = cfg.value("trainer.max_steps") if "trainer" in cfg.sections else None
+            if isinstance(max_steps, int) and isinstance(s.step, int) and s.step < max_steps:
+                out["interval_checkpoint"] = (
+                    f"step {s.step} < max_steps {max_steps}: an interval checkpoint, saved before step {s.step}'s "
+                    f"totals were added (progress total_tokens/total_samples count steps 1..{s.step - 1}); the "
+                    "final checkpoint is complete")
+        except CkptError:
+            pass
+    return out
 
 
 def inspect_checkpoints_dir(path: Path) -> dict:
@@ -185,7 +221,7 @@ def run_inspect(plan: InspectPlan, progress=None) -> InspectReport:
 
 def list_dcp_keys(path: Path, *, trust_pickle: bool = False) -> list[dict]:
     """Every key with its group and layout (metadata only)."""
-    with DcpCheckpoint.open(path, trust_pickle=trust_pickle) as ckpt:
+    with DcpCheckpoint.open(path, trust_pickle=trust_pickle, known_keys_only=False) as ckpt:
         rows = []
         for k, e in ckpt.entries.items():
             tensor = isinstance(e, TensorEntry)

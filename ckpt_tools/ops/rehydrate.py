@@ -20,6 +20,7 @@ import torch
 
 from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError, UsageError
+from ..core.keys import expert_names, is_stacked_pattern
 from ..core.parts import assign_units
 from ..dist import Group, SoloGroup
 from ..core.progress import Progress, report
@@ -171,7 +172,8 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         rebuild.append(RebuildItem(d.key, d.path, mapping[d.key], d.dtype, d.shape, chunks, manifest.hashes[d.key],
                                    d.nbytes))
     # Read the base in file order (sequential I/O on the base shards).
-    infos = {r.key: hf.info(r.base_name) for r in rebuild}
+    infos = {r.key: hf.info(expert_names(r.base_name, 0, 1)[0] if is_stacked_pattern(r.base_name) else r.base_name)
+             for r in rebuild}
     rebuild.sort(key=lambda r: (str(infos[r.key].path), infos[r.key].begin, r.key))
     max_index = max([t[4] for t in copy_items] + [c[2] for r in rebuild for c in r.chunks] + [0])
     files = max(max_index + 1, world_size or 1, len(source_files))
@@ -339,7 +341,9 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             copy_extra_entries(ckpt.dir, tmp, plan.extra_files)
     out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
     seconds["total"] = round(time.perf_counter() - t0, 3)
-    base_read = sum(hf.facts(r.base_name).nbytes for r in plan.rebuild)   # the base tensors the plan rebuilds
+    base_read = sum(hf.facts(n).nbytes for r in plan.rebuild   # the base tensors the plan rebuilds
+                    for n in (expert_names(r.base_name, 0, r.shape[0]) if is_stacked_pattern(r.base_name)
+                              else [r.base_name]))
     return RehydrateReport(plan, RehydrateResult(
         out=plan.out, copied_items=len(plan.copy_items), rebuilt_tensors=len(plan.rebuild), verified_tensors=verified,
         bytes_written=bytes_written, base_bytes_read=base_read, out_bytes=out_bytes, seconds=seconds))

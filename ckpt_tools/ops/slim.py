@@ -19,7 +19,7 @@ from ..core.progress import Progress
 from ..dist import Group, SoloGroup, local_workers
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.hub import resolve_model_dir
-from ..formats.primerl.alpha import find_run_configs, run_outputs_dir
+from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_outputs_dir
 from ..formats.slim.partition import SlimLayout, base_identity, partition
 from ..formats.slim.writer import need_bytes, write_slim
 from ..io.inputs import read_toml
@@ -127,11 +127,7 @@ def _base_from_run_config(ckpt_dir: Path) -> dict | None:
     configs = find_run_configs(ckpt_dir)
     if len(configs) != 1:
         return None
-    try:
-        data, _ = read_toml(configs[0], root=run_outputs_dir(ckpt_dir), what="orchestrator config")
-        name = data["model"]["name"]
-    except (CkptError, KeyError, TypeError):   # a config we cannot read only costs us a hint
-        return None
+    name = orch_model_name(configs[0])   # orch.toml [model] name or HEAD trainer.json model.name
     if not isinstance(name, str):
         return None
     return {"name": str(name), "source": str(configs[0])}

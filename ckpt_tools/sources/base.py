@@ -27,7 +27,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from ..core.dtypes import ITEMSIZE, torch_dtype
+from ..core.dtypes import ShapedBytes, torch_dtype
 from ..core.errors import FormatError
 
 if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
@@ -37,22 +37,10 @@ __all__ = ["TensorFacts", "Extent", "Source", "tensor_bytes"]
 
 
 @dataclass(frozen=True)
-class TensorFacts:
+class TensorFacts(ShapedBytes):
     name: str
     dtype: str                 # torch dtype name, e.g. "bfloat16"
     shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
 
     @property
     def row_bytes(self) -> int:

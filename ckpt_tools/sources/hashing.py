@@ -7,6 +7,7 @@ import hashlib
 import torch
 
 from ..core.dtypes import itemsize, torch_dtype
+from ..core.keys import expert_names, is_stacked_pattern
 from ..core.tensor_math import sha256_of_tensor, update_hash
 from ..formats.slim.partition import map_to_base
 from .base import Source
@@ -18,22 +19,44 @@ __all__ = ["BASE_BLOCK_BYTES", "read_rows_as", "read_as", "upcast_sha256", "base
 BASE_BLOCK_BYTES = 64 << 20
 
 
+def _stacked(src: Source, pattern: str, start: int, count: int) -> torch.Tensor:
+    """Rows [start, start + count) of a prime-format stacked expert tensor: those experts' HF weights."""
+    names = expert_names(pattern, start, count)
+    if not names:
+        f = src.facts(expert_names(pattern, 0, 1)[0])
+        return torch.empty((0,) + tuple(f.shape), dtype=torch_dtype(f.dtype))
+    return torch.stack([src.read_tensor(n) for n in names])
+
+
+def _experts_in(src: Source, pattern: str) -> int:
+    n = 0
+    while expert_names(pattern, n, 1)[0] in src:
+        n += 1
+    return n
+
+
 def read_rows_as(src: Source, name: str, dtype, start: int, count: int) -> torch.Tensor:
-    """Rows [start, start + count) of `name`, cast to `dtype` (an exact upcast of a bf16 base to fp32)."""
-    t = src.read_rows(name, start, count)
+    """Rows [start, start + count) of `name`, cast to `dtype` (an exact upcast of a bf16 base to fp32).
+    A `stacked_hf_pattern` name reads experts start.. of the base's per-expert weights, stacked."""
+    t = _stacked(src, name, start, count) if is_stacked_pattern(name) else src.read_rows(name, start, count)
     dt = torch_dtype(dtype)
     return t if t.dtype == dt else t.to(dt)
 
 
 def read_as(src: Source, name: str, dtype) -> torch.Tensor:
     """The whole tensor `name`, cast to `dtype`."""
-    t = src.read_tensor(name)
+    t = _stacked(src, name, 0, _experts_in(src, name)) if is_stacked_pattern(name) else src.read_tensor(name)
     dt = torch_dtype(dtype)
     return t if t.dtype == dt else t.to(dt)
 
 
 def upcast_sha256(src: Source, name: str, dtype) -> str:
     """sha256 of tensor `name` cast to `dtype`, streamed in row blocks (memory: one block)."""
+    if is_stacked_pattern(name):   # row-major bytes of the stack = the experts' bytes in order
+        h = hashlib.sha256()
+        for e in range(_experts_in(src, name)):
+            update_hash(h, read_rows_as(src, name, dtype, e, 1))
+        return h.hexdigest()
     info = src.facts(name)
     if not info.shape or info.shape[0] == 0:
         return sha256_of_tensor(read_as(src, name, dtype))

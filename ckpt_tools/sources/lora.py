@@ -9,13 +9,13 @@ stacked [E, r, in]) is a new way to fill `modules`, not a new code path in every
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..core.errors import FormatError, UsageError
-from ..core.keys import classify, lora_key
+from ..core.keys import classify, expert_module, lora_key, require_known, stacked_lora_key
 from ..core.lora_math import check_alpha, lora_scale
 from ..formats.dcp.layout import METADATA_NAME, is_checkpoint_path
 from ..formats.dcp.reader import DcpCheckpoint
@@ -23,8 +23,10 @@ from ..formats.peft.adapter import PeftAdapter, open_peft_adapter
 from ..formats.peft.config import ADAPTER_CONFIG
 from ..formats.primerl.alpha import AlphaResolution, resolve_alpha
 from .base import TensorFacts
+from .dcp import DcpKeySource
 
-__all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "open_lora_source"]
+__all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "NoLoraSource", "open_lora_source"]
+
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,17 @@ class LoraModule:
     b_shape: tuple[int, ...]
     fan_in_fan_out: bool = False
     a_dtype: str = "float32"
+    expert: int | None = None       # grouped-expert LoRA: the keys are stacked [E, r, in] / [E, out, r]; this
+    #                                 module's factors are their dim-0 slice `expert` (shapes are the slice's)
 
     @property
     def weight_name(self) -> str:
         return f"{self.module}.weight"
+
+    def factor_ref(self, ab: str) -> str:
+        """Where factor A or B is read from: its key, or `key[e]` for an expert's slice of a stacked one."""
+        key = self.a_key if ab == "A" else self.b_key
+        return key if self.expert is None else f"{key}[{self.expert}]"
 
 
 class LoraSource:
@@ -64,10 +73,22 @@ class LoraSource:
     def key_facts(self, key: str) -> TensorFacts:
         raise NotImplementedError
 
+    def read_ref(self, ref: str) -> torch.Tensor:
+        """The tensor a `LoraModule.factor_ref` names."""
+        refs = getattr(self, "_ref_map", None)
+        if refs is None:   # built once: the refs do not change with --alpha
+            refs = self._ref_map = {m.factor_ref(ab): (name, ab) for name, m in self.modules.items() for ab in "AB"}
+        m, ab = refs[ref]
+        return self.read_factor(m, ab)
+
+    def read_factor(self, module: str, ab: str) -> torch.Tensor:
+        """The stored A or B of one module (its expert's slice for grouped-expert LoRA), stored dtype."""
+        m = self.modules[module]
+        return self.read_key(m.a_key if ab == "A" else m.b_key)
+
     def read_pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (A, B) of one module."""
-        m = self.modules[module]
-        return self.read_key(m.a_key).to(torch.float32), self.read_key(m.b_key).to(torch.float32)
+        return self.read_factor(module, "A").to(torch.float32), self.read_factor(module, "B").to(torch.float32)
 
     def read_full(self, name: str) -> torch.Tensor:
         return self.read_key(self.full_tensors[name])
@@ -93,9 +114,7 @@ class LoraSource:
         """An explicit --alpha over the adapter's own (its ranks kept)."""
         self.alpha = check_alpha(alpha, "--alpha", error=UsageError)
         self.alpha_source = "--alpha (overrides adapter_config.json)"
-        self.modules = {k: LoraModule(m.module, m.rank, lora_scale(alpha, m.rank, self.use_rslora), m.a_key, m.b_key,
-                                      m.a_shape, m.b_shape, m.fan_in_fan_out, m.a_dtype)
-                        for k, m in self.modules.items()}
+        self.modules = {k: replace(m, scale=lora_scale(alpha, m.rank, self.use_rslora)) for k, m in self.modules.items()}
 
 
 class PeftLoraSource(LoraSource):
@@ -134,6 +153,7 @@ class DcpLoraSource(LoraSource):
         self.config_path = self.weights_path = self.ckpt.dir / METADATA_NAME
         self.slot = slot
         infos = [classify(k, e.path) for k, e in self.ckpt.entries.items()]
+        require_known(infos, self.path / METADATA_NAME)
         lora = [i for i in infos if i.group == "lora"]
         slots = sorted({i.slot for i in lora})
         if not lora:
@@ -143,17 +163,24 @@ class DcpLoraSource(LoraSource):
         if slot not in slots:
             raise UsageError(f"adapter slot {slot} is not in the checkpoint (slots present: {slots})",
                              path=self.path, hint=f"pass --slot {slots[0]}")
-        mods = sorted({i.module for i in lora if i.slot == slot})
+        # (module, a key, b key, expert): a dense module's own keys, or one expert's slice of stacked keys
+        found: list[tuple[str, str, str, int | None]] = []
+        for m in sorted({i.module for i in lora if i.slot == slot and not i.stacked}):
+            found.append((m, lora_key(m, "A", slot), lora_key(m, "B", slot), None))
+        for experts, proj in sorted({(i.module, i.expert_proj) for i in lora if i.slot == slot and i.stacked}):
+            ka, kb = stacked_lora_key(experts, proj, "A", slot), stacked_lora_key(experts, proj, "B", slot)
+            n = self._stacked_experts(ka, kb)
+            found.extend((expert_module(experts, x, proj), ka, kb, x) for x in range(n))
         shapes = {}
-        for m in mods:
-            ka, kb = lora_key(m, "A", slot), lora_key(m, "B", slot)
+        for m, ka, kb, x in found:
             if ka not in self.ckpt.entries or kb not in self.ckpt.entries:
                 raise FormatError(f"module {m} lacks lora_A.{slot} or lora_B.{slot}", path=self.path / METADATA_NAME)
             ea, eb = self.ckpt.entries[ka], self.ckpt.entries[kb]
-            if len(ea.shape) != 2 or len(eb.shape) != 2 or ea.shape[0] != eb.shape[1]:
+            sa, sb = (tuple(ea.shape), tuple(eb.shape)) if x is None else (tuple(ea.shape[1:]), tuple(eb.shape[1:]))
+            if len(sa) != 2 or len(sb) != 2 or sa[0] != sb[1]:
                 raise FormatError(f"A {list(ea.shape)} and B {list(eb.shape)} do not share a rank",
                                   path=self.path / METADATA_NAME, key=ka)
-            shapes[m] = (ka, kb, tuple(ea.shape), tuple(eb.shape), ea.dtype)
+            shapes[m] = (ka, kb, sa, sb, ea.dtype, x)
         uniq = sorted({s[2][0] for s in shapes.values()})
         res: AlphaResolution = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=self.path,
                                              rank=uniq[0] if len(uniq) == 1 else None)
@@ -162,9 +189,27 @@ class DcpLoraSource(LoraSource):
         self.resolution = res
         self.warnings = res.warnings
         self.modules = {m: LoraModule(m, a_shape[0], lora_scale(res.alpha, a_shape[0]), ka, kb, a_shape, b_shape,
-                                      False, a_dtype)
-                        for m, (ka, kb, a_shape, b_shape, a_dtype) in shapes.items()}
+                                      False, a_dtype, x)
+                        for m, (ka, kb, a_shape, b_shape, a_dtype, x) in shapes.items()}
         self.full_tensors = {}
+        self._rows = DcpKeySource(ckpt=self.ckpt) if any(x is not None for *_, x in found) else None
+
+    def _stacked_experts(self, ka: str, kb: str) -> int:
+        ea, eb = self.ckpt.entries.get(ka), self.ckpt.entries.get(kb)
+        if ea is None or eb is None:
+            raise FormatError("grouped-expert LoRA lacks its A or B factor", path=self.path / METADATA_NAME,
+                              key=ka if ea is None else kb)
+        if len(ea.shape) != 3 or len(eb.shape) != 3 or ea.shape[0] != eb.shape[0]:
+            raise FormatError(f"grouped-expert LoRA A {list(ea.shape)} / B {list(eb.shape)} are not [E, r, in] / "
+                              "[E, out, r] over the same experts", path=self.path / METADATA_NAME, key=ka)
+        return ea.shape[0]
+
+    def read_factor(self, module: str, ab: str) -> torch.Tensor:
+        m = self.modules[module]
+        key = m.a_key if ab == "A" else m.b_key
+        if m.expert is None:
+            return self.read_key(key)
+        return self._rows.read_tensor(self._rows.expert_name(key, m.expert))   # exactly that expert's bytes
 
     def read_key(self, key: str) -> torch.Tensor:
         return self.ckpt.read_tensor(key)
@@ -174,10 +219,25 @@ class DcpLoraSource(LoraSource):
         return TensorFacts(key, e.dtype, tuple(e.shape))
 
     def lora_keys(self) -> list[str]:
-        return [k for m in self.modules.values() for k in (m.a_key, m.b_key)]
+        """The DCP keys of the LoRA factors (a stacked key once)."""
+        return sorted({k for m in self.modules.values() for k in (m.a_key, m.b_key)})
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class NoLoraSource(LoraSource):
+    """The "adapter" of a full fine-tune's export: no LoRA at all, the checkpoint's weights are the model."""
+    kind = "none"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.config_path = self.weights_path = self.path / METADATA_NAME
+        self.modules, self.full_tensors = {}, {}
+        self.alpha, self.alpha_source = None, "none (a full fine-tune: the trained weights are exported)"
+
+    def read_key(self, key: str) -> torch.Tensor:
+        raise FormatError("a full fine-tune has no adapter tensors", path=self.path, key=key)
 
 
 def open_lora_source(path: str | Path, *, alpha: float | None = None, run_config: str | Path | None = None,

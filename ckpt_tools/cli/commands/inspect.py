@@ -105,6 +105,17 @@ def _render_dcp(r: dict) -> None:
     stype = sched["type"] + (f"({', '.join(sched['schedulers'])})" if sched.get("schedulers") else "")
     click.echo(f"  step {r['step']}   lr {human_number(r['lr'])}   scheduler {stype}   world size {r['world_size']}   "
                f"keys {r['keys']}")
+    click.echo(f"  prime-rl {r['generation']} layout (from {r['generation_from']})"
+               + (f"   training: {r['training']}" if r.get("training") else "")
+               + (f"   optimizer: {r['optimizer']}" if r.get("optimizer") else ""))
+    ex = r.get("experts")
+    if ex:
+        click.echo(f"  MoE: {ex['layers']} layer(s) x {ex['experts']} experts (prime-format stacked w1/w2/w3), "
+                   f"stored in {ex['expert_blocks']} expert block(s) by expert index"
+                   + (f", EP {r['ep']} (run config)" if r.get("ep") is not None else "")
+                   + (f"; LoRA on {ex['lora_expert_modules']} expert modules" if ex["lora_expert_modules"] else ""))
+    if r.get("interval_checkpoint"):
+        click.echo(f"  note: {r['interval_checkpoint']}")
     total = r["frozen_bytes"] + r["unique_bytes"]
     click.echo(f"  {'group':<16}{'keys':>7}{'size':>12}{'share':>8}")
     for g, s in r["groups"].items():
@@ -123,7 +134,9 @@ def _render_dcp(r: dict) -> None:
         if a:
             click.echo(f"  alpha {human_number(a['alpha'])} -> training scale {human_number(a['training_scale'])} "
                        f"(from {a['source']})")
+            click.echo(f"  rule: {a['rule']}")
         else:
             click.echo(f"  alpha: unknown ({r.get('alpha_unresolved', '')})")
+            click.echo(f"  rule: {r['scale_rule']}")
     if r["slim"]:
         click.echo("  SLIM checkpoint: base weights removed; `ckpt rehydrate` before resuming")

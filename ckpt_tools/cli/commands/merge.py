@@ -17,7 +17,7 @@ from ..options import ModelPath, alpha_options, dry_run_option, json_option, ove
 from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
-__all__ = ["command", "render_plan"]
+__all__ = ["command", "render_plan", "dry_run_or_run"]
 
 
 @click.command("merge")
@@ -80,26 +80,35 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
     check_roles("merge", {"BASE": (base, ("hf",)), "ADAPTER": (adapter, ("peft", "dcp"))})
     with open_merge_sources(base, adapter, options) as sources:
         plan = plan_merge(sources, options)
-        if dry_run:
-            try:
-                check_output(plan, out, overwrite=overwrite)
-            except CkptError as exc:
-                plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
-            finish(MergeReport(plan), as_json, lambda _: render_plan(plan, out, dry_run=True))
-            for w in () if as_json else plan.warnings:
-                warn(w)
-            return
-        check_output(plan, out, overwrite=overwrite)
+        report = dry_run_or_run(plan, sources, out, run_merge, dry_run=dry_run, as_json=as_json, overwrite=overwrite)
+    if report is None:
+        return
+    finish(report, as_json, lambda _: _render_result(plan, report.result, out))
+
+
+def dry_run_or_run(plan, sources, out, run, *, dry_run: bool, as_json: bool, overwrite: bool):
+    """A merge-contract plan (merge, export): a dry run rendered and finished here (returns None), or the
+    real run with the progress line, under torchrun's group (returns its report, for the caller's
+    `finish`)."""
+    if dry_run:
+        try:
+            check_output(plan, out, overwrite=overwrite)
+        except CkptError as exc:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
+        finish(MergeReport(plan), as_json, lambda _: render_plan(plan, out, dry_run=True))
         for w in () if as_json else plan.warnings:
             warn(w)
-        install_signal_handlers()
-        bar = ProgressLine.for_terminal()
-        try:
-            report = run_merge(plan, sources, bar, overwrite=overwrite, group=dist.current())
-        finally:
-            if bar:
-                bar.close()
-    finish(report, as_json, lambda _: _render_result(plan, report.result, out))
+        return None
+    check_output(plan, out, overwrite=overwrite)
+    for w in () if as_json else plan.warnings:
+        warn(w)
+    install_signal_handlers()
+    bar = ProgressLine.for_terminal()
+    try:
+        return run(plan, sources, bar, overwrite=overwrite, group=dist.current())
+    finally:
+        if bar:
+            bar.close()
 
 
 def _render_result(plan, result, out) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ...core.dtypes import ITEMSIZE
 from ...core.errors import CkptError, UnsafePickleError
+from ...core.keys import classify, unknown_keys
 from ...core.problems import VerifyReport
 from ...core.progress import Progress
 from ...core.progress import report as report_progress
@@ -74,6 +75,10 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
         (report.problem if f.severity == PROBLEM else report.warn)(where, f.key, f.message)
     if not parsed.counts:   # the three tables are not dicts: nothing else can be checked
         return
+    unknown = unknown_keys([classify(k, e.path) for k, e in parsed.entries.items()])
+    for key in unknown[:20]:   # a valid DCP item, but not a prime-rl key: the other commands refuse it
+        report.warn(meta, key, "matches no rule of the prime-rl key model (a layout we do not know): every other "
+                               "ckpt command refuses this checkpoint")
     items = [_Item(key, None if ch is None else ch.offsets, loc.file, loc.offset, loc.length,
                    None if ch is None else ch.sizes, dtype) for key, ch, loc, dtype in parsed.located]
 

@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ...core.dtypes import ITEMSIZE
+from ...core.dtypes import ITEMSIZE, ShapedBytes
 from ...io.inputs import is_plain_file_name
 from .metadata import DtypeName
 
@@ -55,24 +55,12 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(ShapedBytes):
     key: str
     path: tuple          # planner_data path, e.g. ('app', 'model', 'model.layers.0.mlp.up_proj.weight')
     dtype: str           # torch dtype name, e.g. "float32"
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
 
     @property
     def stored_bytes(self) -> int:

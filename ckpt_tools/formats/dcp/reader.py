@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ...core.dtypes import torch_dtype
 from ...core.errors import CkptError, FormatError, UnsafePickleError, UsageError
+from ...core.keys import classify, require_known
 from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input, register
 from .item import ItemError, decode_chunk, is_row_block, load_byte_item, load_plain_item
 from .layout import METADATA_NAME, resolve_checkpoint_dir
@@ -33,7 +34,7 @@ __all__ = ["DcpCheckpoint", "open_checkpoint"]
 class DcpCheckpoint:
     """An open DCP checkpoint: metadata in memory, data files opened lazily (`OpenFiles`)."""
 
-    def __init__(self, ckpt_dir: Path, metadata, *, trust_pickle: bool = False):
+    def __init__(self, ckpt_dir: Path, metadata, *, trust_pickle: bool = False, known_keys_only: bool = True):
         self.dir = Path(ckpt_dir)
         self.metadata = metadata
         self.trust_pickle = trust_pickle
@@ -53,10 +54,13 @@ class DcpCheckpoint:
             raise FormatError(bad.message, path=meta_path if bad.file is None else self.dir / bad.file, key=bad.key,
                               hint=bad.hint)
         self.entries: dict[str, Entry] = parsed.entries
+        if known_keys_only:   # every command but the ones that list what is there (inspect, verify)
+            require_known([classify(k, e.path) for k, e in self.entries.items()], meta_path)
 
     # ---------------------------------------------------------------- opening
     @classmethod
-    def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "DcpCheckpoint":
+    def open(cls, path: str | Path, *, trust_pickle: bool = False, known_keys_only: bool = True) -> "DcpCheckpoint":
+        """`known_keys_only`: refuse keys the prime-rl key model does not recognise (`core.keys`)."""
         ckpt_dir = resolve_checkpoint_dir(path)
         register(ckpt_dir)   # the whole checkpoint is an input: no OUT inside it
         meta_path = ckpt_dir / METADATA_NAME
@@ -65,7 +69,7 @@ class DcpCheckpoint:
             raise FormatError("empty .metadata (0 bytes)", path=meta_path,
                               hint="the save was interrupted; use an earlier step")
         md = load_metadata(data, str(meta_path), trust=trust_pickle)
-        return cls(ckpt_dir, md, trust_pickle=trust_pickle)
+        return cls(ckpt_dir, md, trust_pickle=trust_pickle, known_keys_only=known_keys_only)
 
     @property
     def stats(self):

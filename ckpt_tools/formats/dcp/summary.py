@@ -33,6 +33,9 @@ class CheckpointSummary:
     unique_bytes: int
     metadata_bytes: int
     data_files: tuple[str, ...]
+    experts: dict | None = None  # MoE (prime-format grouped experts): layers, experts per layer, expert blocks
+    full_finetune: bool = False  # optimizer state for base weights: every parameter trained, no LoRA
+
 
     @property
     def frozen_fraction(self) -> float:
@@ -67,10 +70,23 @@ def summarize(ckpt: DcpCheckpoint) -> CheckpointSummary:
         if f in sched_fields:
             sched[f] = value("scheduler", f)
     progress = {i.field: ckpt.read_object(i.key) for i in infos if i.group == "progress"}
+    stacked = [i for i in infos if i.group == "base" and i.stacked]
+    experts = None
+    if stacked:
+        per_layer = sorted({shapes[i.key][0] for i in stacked})
+        blocks = sorted({len([c for c in ckpt.entries[i.key].chunks if c.numel]) for i in stacked})
+        experts = {"layers": len({i.module for i in stacked}), "experts": per_layer[0] if len(per_layer) == 1
+                   else per_layer, "expert_blocks": blocks[0] if len(blocks) == 1 else blocks,
+                   "lora_expert_modules": lora.expert_modules}
+    base_params = {i.key.removeprefix("app.model.") for i in infos if i.group == "base"}
+    trained = {i.param for i in infos if i.group == "optimizer_state"}
+    # frozen: base weights without optimizer state (a full fine-tune's base weights are trained, not frozen)
+    frozen = sum(stored[i.key] for i in infos if i.group in FROZEN_GROUPS
+                 and i.key.removeprefix("app.model.") not in trained)
     return CheckpointSummary(
         path=str(ckpt.dir), keys=len(infos), infos=tuple(infos), groups=groups, lora=lora,
         world_size=world_size_from_chunks(sharded), step=progress.get("step"), lr=value("param_groups", "lr", 0),
         initial_lr=value("param_groups", "initial_lr", 0), scheduler=sched, progress=progress,
-        frozen_bytes=sum(groups[g].bytes for g in FROZEN_GROUPS),
-        unique_bytes=sum(s.bytes for g, s in groups.items() if g not in FROZEN_GROUPS),
-        metadata_bytes=(Path(ckpt.dir) / METADATA_NAME).stat().st_size, data_files=tuple(ckpt.data_files()))
+        frozen_bytes=frozen, unique_bytes=sum(st.bytes for st in groups.values()) - frozen,
+        metadata_bytes=(Path(ckpt.dir) / METADATA_NAME).stat().st_size, data_files=tuple(ckpt.data_files()),
+        experts=experts, full_finetune=bool(base_params & trained) and lora.modules == 0)

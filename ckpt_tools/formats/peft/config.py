@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...core.errors import FormatError
+from ...core.keys import peft_target
 from ...core.lora_math import check_alpha, lora_scale
 from ...io.inputs import read_json
 
@@ -77,7 +78,9 @@ def matches_target_modules(module: str, targets) -> bool | None:
         if targets == "all-linear":
             return True
         return re.fullmatch(targets, module) is not None
-    return any(module == t or module.endswith("." + t) for t in targets)
+    # `experts` selects every per-expert projection (`...mlp.experts.3.gate_proj`), as in prime-rl's MoE
+    # broadcasts and vLLM's MoE LoRA (`core.keys.peft_target`)
+    return any(module == t or module.endswith("." + t) or peft_target(module) == t for t in targets)
 
 
 @dataclass(frozen=True)

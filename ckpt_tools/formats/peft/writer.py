@@ -13,7 +13,7 @@ import torch
 
 from ...core.dtypes import SHORT_NAMES, itemsize, torch_dtype
 from ...core.errors import FormatError
-from ...core.keys import module_suffix
+from ...core.keys import peft_target
 from ...io.files import write_new_file
 from ..safetensors.writer import StreamingSafetensorsWriter, build_header
 from .config import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
@@ -86,11 +86,11 @@ def target_modules_for(modules: list[str], base_shapes: dict[str, tuple[int, ...
     """PEFT target_modules: the sorted suffixes when they select exactly our modules in the base
     (or when there is no base to check); else the explicit module names (PEFT matches an exact
     name too), so PEFT creates no LoRA layer that has no weights."""
-    suffixes = sorted({module_suffix(m) for m in modules})
+    suffixes = sorted({peft_target(m) for m in modules})
     if base_shapes is None:
         return suffixes, None
     selected = {k[:-len(".weight")] for k, s in base_shapes.items()
-                if k.endswith(".weight") and len(s) == 2 and module_suffix(k[:-len(".weight")]) in suffixes}
+                if k.endswith(".weight") and len(s) == 2 and peft_target(k[:-len(".weight")]) in suffixes}
     if selected == set(modules):
         return suffixes, None
     return sorted(modules), (f"the LoRA covers {len(modules)} of the {len(selected)} base modules named "

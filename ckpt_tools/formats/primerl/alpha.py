@@ -1,14 +1,21 @@
-"""LoRA alpha provenance.
+"""LoRA alpha provenance, for both prime-rl generations.
 
-A DCP checkpoint stores A and B but not alpha, rank or scale. prime-rl trains with
-scale = orchestrator `[model.lora] alpha` / rank, read from `outputs/<run>/configs/orch.toml`; the
-orchestrator's alpha defaults to 16.0 whatever the trainer's alpha is, while every
-adapter_config.json prime-rl writes carries the trainer's alpha. So we resolve alpha in one order,
-the same for every command: --alpha; --run-config ORCH_TOML; the run's orch.toml, found only where
-prime-rl writes it for the artifact (`run_outputs_dir`: `<outputs>/run_*/configs/orch.toml` beside
-`<outputs>/checkpoints/step_N/trainer`; exactly one run); otherwise an error that says how to pass
-it. Never a guess, and the source (which file) is always reported. Every alpha is validated:
-finite, in (0, MAX_ALPHA].
+A DCP checkpoint stores A and B but not alpha, rank or scale. The scale training used:
+
+- 16e747c (Jan 2026): orchestrator `[model.lora] alpha` / rank, read from
+  `outputs/<run>/configs/orch.toml`; the orchestrator's alpha defaults to 16.0 whatever the trainer's
+  alpha is, while every adapter_config.json prime-rl writes carries the trainer's alpha.
+- HEAD (Aug 2026): the **trainer's** `model.lora.alpha / rank`, held as a bf16 tensor in `LoRAState`
+  (so training applied bf16(alpha/rank)); the rl entrypoint writes the resolved configs as JSON,
+  `<run_dir>/configs/{rl,trainer}.json`. Read through `formats.primerl.config` (the same reader
+  `ckpt doctor` uses: one truth for both generations' files and rules).
+
+One order, the same for every command: --alpha; --run-config FILE (orch.toml, trainer.json or
+rl.json); the run's configs, found only where prime-rl writes them for the artifact
+(`run_outputs_dir`: `<outputs>/run_*/configs/orch.toml` beside `<outputs>/checkpoints/step_N/trainer`,
+or `configs/{trainer,rl}.json` in `<outputs>` or the run dir above it; exactly one run); otherwise an
+error that says how to pass it. Never a guess; the file and the rule that gave the scale are always
+reported. Every alpha is validated: finite, in (0, MAX_ALPHA].
 """
 from __future__ import annotations
 
@@ -21,9 +28,11 @@ from pathlib import Path
 from ...core.errors import AlphaError, CkptError, FormatError, UsageError
 from ...core.lora_math import check_alpha, lora_scale
 from ...io.inputs import read_json, read_toml
+from .config import HEAD_JSON, config_files, load_run_config, lora_settings
 
 __all__ = ["ORCH_DEFAULT_ALPHA", "AlphaResolution", "run_outputs_dir", "find_run_configs", "read_orch_lora",
-           "run_adapter_configs", "adapter_config_disagreements", "resolve_alpha", "orch_model_name"]
+           "run_adapter_configs", "adapter_config_disagreements", "resolve_alpha", "orch_model_name",
+           "read_head_lora", "RULE_16E747C", "RULE_HEAD"]
 
 # prime-rl's orchestrator LoRAConfig.alpha default (see docs/format.md, "alpha provenance").
 ORCH_DEFAULT_ALPHA = 16.0
@@ -35,6 +44,7 @@ class AlphaResolution:
     source: str                 # human description of where it came from
     config_path: Path | None = None
     warnings: tuple[str, ...] = ()
+    rule: str | None = None     # the generation's scale rule that applied (None for --alpha)
 
     def scale(self, rank: int, rslora: bool = False) -> float:
         return lora_scale(self.alpha, rank, rslora)
@@ -62,11 +72,51 @@ def run_outputs_dir(path: str | Path) -> Path | None:
     return None
 
 
+RULE_16E747C = ("16e747c: scale = orchestrator [model.lora] alpha / rank (default alpha 16.0, not the trainer's; "
+                "rl/train.py:101-116)")
+RULE_HEAD = ("HEAD: scale = trainer model.lora.alpha / rank, held as a bf16 tensor in training "
+             "(trainer lora.py:35-45; the orchestrator inherits it, configs/rl.py:538-573)")
+
+
+def _head_configs(outputs: Path) -> list[Path]:
+    """The HEAD JSON configs of the run that owns `outputs`: `configs/{trainer,rl}.json` in the outputs
+    dir or the run dir just above it (the rl entrypoint writes `<run_dir>/configs/`); trainer.json
+    first (it holds the trainer's LoRA), one dir only."""
+    for d in (outputs, outputs.parent):
+        found = [d / "configs" / n for n in ("trainer.json", "rl.json") if (d / "configs" / n).is_file()]
+        if found:
+            return found
+    return []
+
+
 def find_run_configs(ckpt_dir: Path) -> list[Path]:
-    """orch.toml files of the run(s) that wrote `ckpt_dir`: `<outputs>/run_*/configs/orch.toml`, where
-    prime-rl's orchestrator writes them, for the `<outputs>` of `run_outputs_dir`; [] elsewhere."""
+    """The run configs of the run(s) that wrote `ckpt_dir`, where prime-rl writes them for the `<outputs>`
+    of `run_outputs_dir`: HEAD's `configs/trainer.json` (else rl.json), else 16e747c's
+    `<outputs>/run_*/configs/orch.toml` (one per run); [] elsewhere."""
     outputs = run_outputs_dir(ckpt_dir)
-    return sorted(outputs.glob("run_*/configs/orch.toml")) if outputs is not None else []
+    if outputs is None:
+        return []
+    head = _head_configs(outputs)
+    return head[:1] if head else sorted(outputs.glob("run_*/configs/orch.toml"))
+
+
+def read_head_lora(path: Path) -> tuple[float, int, str]:
+    """(alpha, rank, rule) of the trainer's LoRA from a HEAD JSON config (trainer.json or rl.json), read
+    by the run-config reader of both generations (`formats.primerl.config`)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise AlphaError("run config not found", path=path)
+    files = [path]
+    sibling = path.parent / ("rl.json" if path.name == "trainer.json" else "trainer.json")
+    if path.name in HEAD_JSON and sibling.is_file():
+        files.append(sibling)    # rl.json's shared values complete trainer.json's
+    cfg = load_run_config(config_files(files))
+    lora = lora_settings(cfg)
+    if lora is None:
+        raise AlphaError("no trainer model.lora in this run config: the run is not a LoRA run", path=path,
+                         hint="pass --alpha explicitly if you know what training used")
+    alpha = check_alpha(lora.training_alpha, "trainer model.lora.alpha", path=path)
+    return alpha, lora.training_rank, lora.rule
 
 
 def read_orch_lora(path: Path, *, root: Path | None = None) -> dict:
@@ -105,7 +155,8 @@ def run_adapter_configs(ckpt_dir: Path) -> list[Path]:
     if outputs is None:
         return []
     return sorted(outputs.glob("run_*/broadcasts/step_*/adapter_config.json")) + \
-        sorted(outputs.glob("weights/step_*/lora_adapters/adapter_config.json"))
+        sorted(outputs.glob("broadcasts/step_*/adapter_config.json")) + \
+        sorted(outputs.glob("weights/step_*/lora_adapters/adapter_config.json"))   # 16e747c, HEAD, 16e747c
 
 
 def adapter_config_disagreements(configs: list[Path], training_scale: float, rank: int | None,
@@ -149,29 +200,38 @@ def resolve_alpha(*, alpha: float | None = None, run_config: str | Path | None =
                     path=ckpt_dir, hint="pick one with --run-config ORCH_TOML, or pass --alpha")
             if not found:
                 outputs = run_outputs_dir(ckpt_dir) if ckpt_dir is not None else None
-                where = (f"no run config {outputs}/run_*/configs/orch.toml exists" if outputs is not None else
+                where = (f"no run config exists ({outputs}/run_*/configs/orch.toml, or configs/trainer.json in "
+                         f"{outputs} or {outputs.parent})" if outputs is not None else
                          "the checkpoint is not in prime-rl's layout (<outputs>/checkpoints/step_N/trainer), so "
                          "no run config was looked for")
                 raise AlphaError(
                     f"LoRA alpha is not stored in a DCP checkpoint, and {where}. prime-rl trains with "
-                    "scale = orchestrator [model.lora] alpha / rank (default alpha 16.0, NOT the trainer's "
-                    "alpha)", path=ckpt_dir,
-                    hint="pass --run-config path/to/orch.toml, or --alpha A if you know what training used")
+                    "scale = orchestrator [model.lora] alpha / rank at 16e747c (default alpha 16.0, NOT the "
+                    "trainer's alpha), and trainer model.lora.alpha / rank at HEAD", path=ckpt_dir,
+                    hint="pass --run-config path/to/orch.toml or configs/trainer.json, or --alpha A if you know "
+                         "what training used")
             path, how = found[0], "run config"
             root = run_outputs_dir(ckpt_dir)
-        lora = read_orch_lora(path, root=root)
-        if lora.get("_alpha_defaulted"):
-            warnings.append(f"{path} has no [model.lora] alpha; prime-rl's orchestrator default "
-                            f"{ORCH_DEFAULT_ALPHA:g} applies")
-        orch_rank = lora.get("rank")
-        if orch_rank is not None and rank is not None and int(orch_rank) != rank:
-            warnings.append(f"{path} says rank {orch_rank} but the checkpoint's LoRA rank is {rank}; "
-                            f"the scale uses the orchestrator's alpha / its rank")
-        res = AlphaResolution(lora["alpha"], f"{how} {path}", Path(path))
+        if Path(path).suffix == ".json":
+            h_alpha, h_rank, _ = read_head_lora(path)
+            if rank is not None and h_rank != rank:
+                warnings.append(f"{path} says rank {h_rank} but the checkpoint's LoRA rank is {rank}; "
+                                "the scale uses the trainer's alpha / the checkpoint's rank")
+            res = AlphaResolution(h_alpha, f"{how} {path} (trainer model.lora.alpha)", Path(path), rule=RULE_HEAD)
+        else:
+            lora = read_orch_lora(path, root=root)
+            if lora.get("_alpha_defaulted"):
+                warnings.append(f"{path} has no [model.lora] alpha; prime-rl's orchestrator default "
+                                f"{ORCH_DEFAULT_ALPHA:g} applies")
+            orch_rank = lora.get("rank")
+            if orch_rank is not None and rank is not None and int(orch_rank) != rank:
+                warnings.append(f"{path} says rank {orch_rank} but the checkpoint's LoRA rank is {rank}; "
+                                f"the scale uses the orchestrator's alpha / its rank")
+            res = AlphaResolution(lora["alpha"], f"{how} {path}", Path(path), rule=RULE_16E747C)
     if rank is not None and ckpt_dir is not None:
         warnings += adapter_config_disagreements(run_adapter_configs(Path(ckpt_dir)), res.alpha / rank, rank,
                                                  root=run_outputs_dir(ckpt_dir))
-    return AlphaResolution(res.alpha, res.source, res.config_path, tuple(warnings))
+    return AlphaResolution(res.alpha, res.source, res.config_path, tuple(warnings), res.rule)
 
 
 def _alpha_contradiction(alpha: float, run_config, ckpt_dir) -> list[str]:
@@ -200,6 +260,13 @@ def orch_model_name(path: Path | None) -> str | None:
     only a default, for base_model_name_or_path and for the base a slim records)."""
     if path is None:
         return None
+    if Path(path).suffix == ".json":   # HEAD: the trainer's model.name
+        try:
+            cfg = load_run_config(config_files([Path(path)]))
+            name = cfg.value("trainer.model.name") if "trainer" in cfg.sections else None
+        except CkptError:
+            return None
+        return name if isinstance(name, str) and name else None
     try:
         data, _ = read_toml(path, root=run_outputs_dir(path) if run_outputs_dir(path) else None,
                             what="orchestrator config")

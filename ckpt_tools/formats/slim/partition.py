@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
-from ...core.keys import FROZEN_GROUPS, classify, trainable_params, world_size_from_chunks
+from ...core.keys import (
+    FROZEN_GROUPS, classify, expert_names, is_stacked_pattern, stacked_hf_pattern, trainable_params,
+    world_size_from_chunks,
+)
 from ...core.tied import tied_source, ties_by_default
 from ...io.inputs import MAX_JSON_BYTES, read_input
 from ..dcp.layout import METADATA_NAME, extra_entries
@@ -59,10 +62,11 @@ def partition(ckpt: DcpCheckpoint) -> SlimLayout:
     dropped: list[DroppedTensor] = []
     for key, e in ckpt.entries.items():
         info = classify(key, e.path)
-        frozen = (info.group in FROZEN_GROUPS and isinstance(e, TensorEntry) and info.hf_name not in trainable)
+        frozen = (info.group in FROZEN_GROUPS and isinstance(e, TensorEntry) and e.path[2] not in trainable)
         if frozen:
             dropped.append(DroppedTensor(
-                key=key, path=tuple(e.path), hf_name=info.hf_name, shape=tuple(e.shape), dtype=e.dtype,
+                key=key, path=tuple(e.path), hf_name=stacked_hf_pattern(info) if info.stacked else info.hf_name,
+                shape=tuple(e.shape), dtype=e.dtype,
                 chunks=tuple(ChunkLayout(c.offsets, c.sizes, c.file) for c in e.chunks), nbytes=e.nbytes))
         elif isinstance(e, TensorEntry):
             for c in e.chunks:
@@ -96,6 +100,15 @@ def map_to_base(dropped, base_shapes: dict[str, tuple], base_config: dict | None
     keys = set(base_shapes)
     mapping, problems = {}, []
     for d in dropped:
+        if is_stacked_pattern(d.hf_name):   # prime-format stacked experts: the base's per-expert weights, stacked
+            names = expert_names(d.hf_name, 0, d.shape[0] if d.shape else 0)
+            bad = [n for n in names if tuple(base_shapes.get(n, ())) != tuple(d.shape[1:])]
+            if not names or bad:
+                problems.append(f"{d.hf_name}: the base lacks per-expert weight(s) of shape {list(d.shape[1:])}: "
+                                + ", ".join(bad[:3]))
+                continue
+            mapping[d.key] = d.hf_name
+            continue
         src = tied_source(d.hf_name, keys, tied)
         if src is None:
             problems.append(f"{d.hf_name}: not in the base model")

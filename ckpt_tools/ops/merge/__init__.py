@@ -5,7 +5,8 @@ Plan, then execute, one contract: `open_merge_sources(base, adapter, options)` o
 action, shard and bytes from facts (`plan.plan_from_facts`, pure); `run_merge(plan, sources, progress)
 -> MergeReport` writes OUT through the bounded pipeline (`pipeline`). `--dry-run` / `--json` print the
 plan. Modules: `facts` (what the planner sees), `plan` (the pure planner), `guards` (merges that would
-be wrong), `prepare` (sources and options), `pipeline` (execution).
+be wrong), `prepare` (sources and options), `pipeline` (execution), `export` (`ckpt export`: a
+checkpoint's own model as an HF dir, the same plan and pipeline).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 from ...core.progress import Progress, ProgressEvent
 from ...sources.dcp import DcpBaseSource
 from ...sources.hf import HFSource
-from ...sources.lora import DcpLoraSource, PeftLoraSource
+from ...sources.lora import DcpLoraSource, NoLoraSource, PeftLoraSource
+from .export import ExportOptions, open_export_sources, plan_export, run_export
 from .facts import AdapterFacts, BaseFacts, FullFact, LoraFact, SourceTensor
 from .pipeline import MergeReport, MergeResult, run_merge
 from .plan import DEFAULT_THREADS, FileJob, MergePlan, ShardOut, TensorJob, memory_bound, plan_from_facts, window_budget
@@ -24,7 +26,8 @@ from .prepare import MergeOptions, MergeSources, check_output, open_merge_source
 __all__ = ["MergeOptions", "MergeSources", "open_merge_sources", "plan_merge", "run_merge", "MergePlan", "MergeReport",
            "MergeResult", "TensorJob", "FileJob", "ShardOut", "BaseFacts", "AdapterFacts", "SourceTensor", "LoraFact",
            "FullFact", "plan_from_facts", "memory_bound", "window_budget", "DEFAULT_THREADS", "prepare_merge",
-           "execute_merge", "merge", "check_output", "ProgressEvent"]
+           "execute_merge", "merge", "check_output", "ProgressEvent", "ExportOptions", "open_export_sources",
+           "plan_export", "run_export"]
 
 
 def reopen_sources(plan: MergePlan) -> MergeSources:
@@ -37,6 +40,8 @@ def reopen_sources(plan: MergePlan) -> MergeSources:
             adapter = DcpLoraSource(Path(plan.adapter_path), alpha=plan.adapter.get("alpha"), run_config=None,
                                     slot=plan.slot or 0, trust_pickle=plan.trust_pickle,
                                     ckpt=base.ckpt if same else None)
+        elif plan.adapter_kind == "none":
+            adapter = NoLoraSource(Path(plan.adapter_path))
         else:
             adapter = PeftLoraSource(Path(plan.adapter_path))
     except BaseException:

@@ -95,7 +95,7 @@ def dcp_base_facts(src: DcpBaseSource, config_from: str | Path | None) -> BaseFa
     """Base = the checkpoint's own fp32 masters (`app.model.<HF name>`); config/tokenizer from
     `config_from`, which must describe the checkpoint's model."""
     ckpt_dir = src.path
-    tensors = [SourceTensor(name, f.dtype, tuple(f.shape), None, src.dcp_key(name)) for name, f in
+    tensors = [SourceTensor(name, f.dtype, tuple(f.shape), None, src.ref(name)) for name, f in
                ((n, src.facts(n)) for n in src.names())]
     if config_from is None:
         cands = sorted(Path(ckpt_dir).resolve().parents[2].glob("weights/step_*/config.json")) \
@@ -118,7 +118,8 @@ def dcp_base_facts(src: DcpBaseSource, config_from: str | Path | None) -> BaseFa
 
 def adapter_facts(src: LoraSource) -> AdapterFacts:
     """Facts of an open `LoraSource` (PEFT dir or DCP checkpoint)."""
-    mods = [LoraFact(m, spec.rank, spec.scale, spec.fan_in_fan_out, spec.a_key, spec.b_key, spec.a_shape, spec.b_shape)
+    mods = [LoraFact(m, spec.rank, spec.scale, spec.fan_in_fan_out, spec.factor_ref("A"), spec.factor_ref("B"),
+                     spec.a_shape, spec.b_shape)
             for m, spec in sorted(src.modules.items())]
     full = []
     for name, key in sorted(src.full_tensors.items()):

@@ -110,6 +110,7 @@ def check_unchanged(plan: MergePlan, sources: MergeSources) -> None:
     """The sources still hold what the plan was made from (names, shapes, dtypes, shards)."""
     problems = []
     base = sources.base
+    refs = {} if isinstance(base, HFSource) else {base.ref(n): base.facts(n) for n in base.names()}
     for j in plan.jobs:
         if j.action == "replace":
             try:
@@ -124,8 +125,8 @@ def check_unchanged(plan: MergePlan, sources: MergeSources) -> None:
                     or info.dtype_name != j.src_dtype:
                 problems.append(f"base tensor {j.src}")
         else:
-            e = base.ckpt.entries.get(j.src)
-            if e is None or tuple(getattr(e, "shape", ())) != j.shape or getattr(e, "dtype", None) != j.src_dtype:
+            f = refs.get(j.src)
+            if f is None or tuple(f.shape) != j.shape or f.dtype != j.src_dtype:
                 problems.append(f"checkpoint tensor {j.src}")
     if problems:
         raise FormatError("the inputs changed since the merge was planned: " + ", ".join(problems[:6]),
@@ -144,7 +145,7 @@ class _Producer:
         self.zero = ZeroDelta()   # merged tensors that came out equal to their base
         # the base's name of each job's source (a DCP base names tensors by HF name, jobs by DCP key)
         base = sources.base
-        self._name = {} if isinstance(base, HFSource) else {base.dcp_key(n): n for n in base.names()}
+        self._name = {} if isinstance(base, HFSource) else {base.ref(n): n for n in base.names()}
 
     def base_name(self, job: TensorJob) -> str:
         return self._name.get(job.src, job.src)
@@ -182,8 +183,8 @@ class _Producer:
             try:
                 out = Buffers.view(out_buf, job.out_dtype, job.shape)
                 if job.action == "merge":
-                    a = self.sources.adapter.read_key(job.lora_a).to(torch.float32)
-                    b = self.sources.adapter.read_key(job.lora_b).to(torch.float32)
+                    a = self.sources.adapter.read_ref(job.lora_a).to(torch.float32)
+                    b = self.sources.adapter.read_ref(job.lora_b).to(torch.float32)
                     zero_factor = not bool(a.any()) or not bool(b.any())
                     merge_weight_into(out, src, a, b, job.scale, fan_in_fan_out=job.fan_in_fan_out,
                                       name=job.name, scratch=self.scratch(job.numel))

@@ -203,7 +203,7 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
     if problems:
         raise FormatError("the adapter does not fit this base: " + "; ".join(problems), path=adapter.path,
                           hint="merge into the base model the adapter was trained on")
-    if not modified:
+    if not modified and adapter.kind != "none":   # "none": a full fine-tune's export, the base is the trained model
         raise FormatError("the adapter holds no LoRA module or modules_to_save tensor: merging it would write "
                           "the base back unchanged", path=adapter.path,
                           hint="check that this is the trained adapter (a 'merged' model identical to the base "

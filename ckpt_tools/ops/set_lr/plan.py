@@ -195,6 +195,14 @@ def plan_set_lr(ckpt: DcpCheckpoint, *, lr: float | None = None, scale: float | 
         warnings.append(f"{len(st.groups)} param groups: all scaled by the factor of group 0 ({factor:g})")
     if st.kind in ("unknown",):
         warnings.append("unrecognised scheduler: only lr fields known by name were patched")
+    fused = next((ckpt.read_object(k) for k, e in ckpt.entries.items()
+                  if e.path[2:5] == ("param_groups", "0", "fused") or e.path[2:5] == ("param_groups", 0, "fused")), None)
+    if fused is False:
+        warnings.append("param_groups fused=False: prime-rl HEAD's CPU-offload optimizer (optim_cpu_offload, the "
+                        "default) wrote this, and its resume skips the optimizer's set_state_dict (trainer/ckpt.py:"
+                        "104-124): the param groups' lr comes from the freshly built scheduler, not from this "
+                        "checkpoint. The patched scheduler state still loads; to be sure of the lr, also set the "
+                        "run config's optim.lr (or run with optim_cpu_offload=false)")
     for key, v in new.items():
         check_lr_value(v, key)
     changes = tuple(Change(k, old_value(st, k), v, why[k]) for k, v in sorted(new.items()) if old_value(st, k) != v)

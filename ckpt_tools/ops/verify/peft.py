@@ -52,7 +52,7 @@ def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trus
                            f"module {module} is not matched by target_modules {targets!r}: PEFT would not "
                            "create it and would silently ignore these weights")
         if isinstance(targets, list):
-            matched_targets.update(t for t in targets if module == t or module.endswith("." + t))
+            matched_targets.update(t for t in targets if matches_target_modules(module, [t]))
     if isinstance(targets, list) and adapter.modules:
         for t in sorted(set(targets) - matched_targets):
             report.warn(cfg_path, None, f"target_modules entry {t!r} matches no module in the weights")

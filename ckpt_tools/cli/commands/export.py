@@ -1,0 +1,68 @@
+"""`ckpt export`: arguments -> `ops.merge` export (open, plan, run: merge's contract) -> text or JSON."""
+from __future__ import annotations
+
+import click
+
+from ...core.units import human_bytes
+from ...ops.merge import ExportOptions, open_export_sources, plan_export, run_export
+from ..flow import finish
+from ..options import alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..render import warn_trust
+from .merge import dry_run_or_run
+
+__all__ = ["command"]
+
+
+@click.command("export")
+@click.argument("ckpt", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--config-from", metavar="DIR",
+              help="HF model dir or hub id (local HF cache) giving config.json, tokenizer and the other "
+                   "non-weight files: the checkpoint holds none (default: the run config's base model, when "
+                   "found locally).")
+@alpha_options
+@click.option("--slot", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Adapter slot of a multi-run DCP checkpoint (lora_A.<slot>).")
+@click.option("--dtype", "dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Output dtype (default bf16): one rounding from the fp32 masters.")
+@click.option("--allow-zero-delta", is_flag=True,
+              help="LoRA runs: write the output even when every merged weight rounds back to the base.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output shard (bytes of tensor data; GB = 10**9, GiB = 2**30).")
+@click.option("--threads", type=click.IntRange(1, 64), default=None,
+              help="Tensors read and computed in parallel ahead of the writer (default: 2, or 4 with 4+ cores).")
+@overwrite_option
+@dry_run_option
+@json_option
+@trust_option
+def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_delta, max_shard_size, threads,
+            overwrite, dry_run, as_json, trust_pickle) -> None:
+    """Export a prime-rl DCP checkpoint as an HF model directory: the trained weights of a full
+    fine-tune, or the merged model of a LoRA run (= merge --base-from-checkpoint).
+
+    Weights come from the checkpoint's fp32 masters, rounded once to --dtype; prime-format MoE
+    weights (mlp.experts.w1/w2/w3, mlp.router.gate) are written under the HF per-expert names.
+    OUT appears only when complete.
+
+    \b
+    Example:
+      ckpt export outputs/checkpoints/step_95/trainer exported-95 --config-from Qwen/Qwen3-8B
+    """
+    warn_trust(trust_pickle)
+    options = ExportOptions(out=str(out), config_from=config_from, alpha=alpha,
+                            run_config=None if run_config is None else str(run_config), slot=slot, dtype=dtype,
+                            max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
+                            allow_zero_delta=allow_zero_delta)
+    with open_export_sources(ckpt, options) as sources:
+        plan = plan_export(sources, options)
+        report = dry_run_or_run(plan, sources, out, run_export, dry_run=dry_run, as_json=as_json,
+                                overwrite=overwrite)
+    if report is not None:
+        finish(report, as_json, lambda _: _render_result(plan, report.result, out))
+
+
+def _render_result(plan, result, out) -> None:
+    c = result.counts
+    what = f"{result.merged_modules} modules merged" if result.merged_modules else "trained weights"
+    click.echo(f"wrote {out}: {what}, {c['cast']} tensors cast to {plan.out_dtype}, {c['copy']} copied; "
+               f"{human_bytes(result.bytes_written)} in {result.seconds:.1f}s")

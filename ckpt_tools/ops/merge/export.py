@@ -1,0 +1,112 @@
+"""`ckpt export CKPT OUT`: a prime-rl DCP checkpoint -> an HF model dir of whatever it holds.
+
+- a LoRA run: the merged model, exactly `merge --base-from-checkpoint` (the fp32 masters + s * B @ A
+  in fp32, one rounding, per expert for MoE);
+- a full fine-tune (optimizer state on the base weights, no LoRA): the trained fp32 masters, rounded
+  once to bf16 (or `--dtype`);
+prime-format MoE weights come out under the HF per-expert names (`sources.dcp.DcpBaseSource`).
+
+The same contract and pipeline as merge, not a copy: `open_export_sources` opens the checkpoint once
+(a `MergeSources` whose adapter is the checkpoint's LoRA, or `NoLoraSource`), `plan_export` returns a
+`MergePlan` (so `--dry-run --json`, the work units and multi-rank execution are merge's), and
+`run_export` is `run_merge`: streaming, bounded, atomic.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.errors import FormatError, UsageError
+from ...core.keys import classify, trainable_params
+from ...formats.dcp.layout import METADATA_NAME
+from ...formats.dcp.reader import DcpCheckpoint
+from ...formats.hf_dir.hub import locate_model
+from ...formats.primerl.alpha import find_run_configs, orch_model_name
+from ...sources.dcp import DcpBaseSource
+from ...sources.lora import DcpLoraSource, NoLoraSource
+from .pipeline import run_merge
+from .plan import DEFAULT_MAX_SHARD, MergePlan
+from .prepare import MergeOptions, MergeSources, plan_merge
+
+__all__ = ["ExportOptions", "open_export_sources", "plan_export", "run_export"]
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    out: str = ""
+    config_from: str | None = None   # HF model dir or hub id: config.json, tokenizer (the checkpoint has none)
+    alpha: float | None = None
+    run_config: str | None = None
+    slot: int = 0
+    dtype: str | None = None         # default bf16 (one rounding from the fp32 masters)
+    max_shard_size: str | int = DEFAULT_MAX_SHARD
+    threads: int | None = None
+    trust_pickle: bool = False
+    allow_zero_delta: bool = False
+
+    def merge_options(self) -> MergeOptions:
+        return MergeOptions(out=self.out, base_from_checkpoint=True, config_from=self.config_from, alpha=self.alpha,
+                            run_config=self.run_config, slot=self.slot, dtype=self.dtype,
+                            max_shard_size=self.max_shard_size, threads=self.threads, trust_pickle=self.trust_pickle,
+                            allow_zero_delta=self.allow_zero_delta)
+
+
+def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeSources:
+    """The checkpoint opened once: its base weights, and its LoRA (alpha resolved) or none."""
+    ckpt = DcpCheckpoint.open(ckpt_path, trust_pickle=options.trust_pickle)
+    try:
+        infos = [classify(k, e.path) for k, e in ckpt.entries.items()]
+        if any(i.group == "lora" for i in infos):
+            adapter = DcpLoraSource(ckpt.dir, alpha=options.alpha, run_config=Path(options.run_config)
+                                    if options.run_config else None, slot=options.slot, ckpt=ckpt)
+        else:
+            trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+            base_fqns = {i.key.removeprefix("app.model.") for i in infos if i.group == "base"}
+            if not trained & base_fqns:
+                raise FormatError("the checkpoint holds neither LoRA parameters nor trained base weights (no "
+                                  "optimizer state for any app.model tensor): exporting it would write an "
+                                  "untrained model", path=ckpt.dir / METADATA_NAME,
+                                  hint="export a checkpoint of a LoRA or full fine-tuning run")
+            if base_fqns - trained:
+                raise FormatError(f"{len(base_fqns - trained)} base weight(s) have no optimizer state (e.g. "
+                                  f"{sorted(base_fqns - trained)[0]}) and there is no LoRA: a partial fine-tune "
+                                  "this export does not know how to treat", path=ckpt.dir / METADATA_NAME)
+            adapter = NoLoraSource(ckpt.dir)
+        base = DcpBaseSource(ckpt.dir, str(ckpt.dir), ckpt=ckpt)
+    except BaseException:
+        ckpt.close()
+        raise
+    return MergeSources(base, adapter)
+
+
+def run_base_model(ckpt_dir: Path) -> str | None:
+    """The base model the run trained, from its own config where prime-rl writes it (HEAD trainer.json
+    `model.name`, or 16e747c orch.toml `[model] name`), resolved the way prime-rl did: relative to the
+    launch dir first, else a local dir or a hub id in the local HF cache. None when not found."""
+    configs = find_run_configs(ckpt_dir)
+    if len(configs) != 1:
+        return None
+    cfg = configs[0].resolve()
+    # trainer.json: <run>/configs/trainer.json; orch.toml: <run>/outputs/run_x/configs/orch.toml
+    root = cfg.parents[1] if cfg.suffix == ".json" else (cfg.parents[3] if len(cfg.parents) > 3 else None)
+    found, _why = locate_model(orch_model_name(configs[0]), run_root=root)
+    return None if found is None else str(found)
+
+
+def plan_export(sources: MergeSources, options: ExportOptions) -> MergePlan:
+    """Merge's plan over the checkpoint's own weights (see the module docstring). Without --config-from,
+    config and tokenizer come from the run's base model (`run_base_model`)."""
+    if options.config_from is None:
+        found = run_base_model(sources.base.path)
+        if found is None:
+            raise UsageError("export needs --config-from: the checkpoint holds no config or tokenizer, and the "
+                             "run's config names no base model found locally", path=sources.base.path,
+                             hint="pass --config-from DIR_OR_HUB_ID: the HF base model the run trained")
+        options = dataclasses.replace(options, config_from=found)
+    return plan_merge(sources, options.merge_options())
+
+
+def run_export(plan: MergePlan, sources: MergeSources, progress=None, **kw):
+    """Execute an export plan: merge's bounded pipeline, atomic OUT."""
+    return run_merge(plan, sources, progress, **kw)
