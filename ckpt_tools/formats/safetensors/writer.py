@@ -26,7 +26,7 @@ import torch
 from ...core.dtypes import SAFETENSORS, dtype_name, safetensors_code
 from ...core.errors import FormatError, OutputExistsError
 from ...io.copy import copy_range
-from ...io.files import create_new
+from ...io.files import create_new, start_writeback
 from ...io.pread import MAX_IO_BYTES
 from .header import is_int, require_little_endian
 
@@ -118,13 +118,16 @@ class StreamingSafetensorsWriter:
     `write(name, tensor_or_bytes)` supplies a whole tensor, `write_chunk(name, buf)` the next
     block of one. With `strict_order` (default) tensors must come in declared order; otherwise
     any order is accepted (each block goes to its precomputed offset) but each tensor's blocks
-    are still sequential. `close()` checks every byte was written, fsyncs and closes; leaving a
-    `with` block by exception (or `abort()`) deletes the partial file.
+    are still sequential. With `writeback`, each block's writeback to disk starts as soon as it is
+    written (`io.files.start_writeback`), so a final fsync has little left to wait for. `close()`
+    checks every byte was written, fsyncs and closes; leaving a `with` block by exception (or
+    `abort()`) deletes the partial file.
 
     The file is created exclusively: an existing file is never overwritten."""
 
     def __init__(self, path: str | os.PathLike, entries: Sequence[EntrySpec],
-                 metadata: dict[str, str] | None = None, *, strict_order: bool = True, fsync: bool = True):
+                 metadata: dict[str, str] | None = None, *, strict_order: bool = True, fsync: bool = True,
+                 writeback: bool = False):
         require_little_endian()
         self.path = Path(path)
         self.entries: tuple[WriteEntry, ...] = tuple(_layout(entries))
@@ -134,6 +137,7 @@ class StreamingSafetensorsWriter:
         self.file_bytes = self.data_start + sum(e.nbytes for e in self.entries)
         self.strict_order = strict_order
         self._fsync = fsync
+        self._writeback = writeback               # start writing each block to disk as it is written
         self._written = [0] * len(self.entries)   # bytes written per entry
         self._complete = [False] * len(self.entries)
         self._next = 0                            # strict order: first entry not complete
@@ -218,6 +222,8 @@ class StreamingSafetensorsWriter:
         offset = self._claim(name, len(mv))
         try:
             self._pwrite(mv, offset)
+            if self._writeback:
+                start_writeback(self._fd, offset, len(mv))
         finally:
             self._release()
 
@@ -227,8 +233,11 @@ class StreamingSafetensorsWriter:
         `block_bytes`). `path` names the source in errors. Returns the method used."""
         offset = self._claim(name, nbytes)
         try:
-            return copy_range(src_fd, src_offset, self._fd, offset, nbytes, path=path, key=name,
-                              block_bytes=block_bytes)
+            method = copy_range(src_fd, src_offset, self._fd, offset, nbytes, path=path, key=name,
+                                block_bytes=block_bytes)
+            if self._writeback:
+                start_writeback(self._fd, offset, nbytes)
+            return method
         finally:
             self._release()
 

@@ -4,10 +4,10 @@ an `AtomicOutputDir` (nothing appears at OUT unless complete).
 Each worker makes one tensor and writes it itself, in bounded blocks, at its offset in its shard
 (`produce.JobRunner`): merged weights in row blocks, untouched tensors copied from the base shard by
 `copy_file_range` (in the kernel), casts in row blocks. So memory is the workers' block buffers, sized
-from the job (`plan.job_working_bytes`), never a tensor: at most `threads` jobs run ahead of the
-writer's bookkeeping, within the plan's `window_budget` (a job over the budget runs alone). The main
-thread waits for the jobs in write order, reports progress, and closes a shard once its last tensor is
-in; the shard is fsynced in the background while the next ones are written.
+from the job (`plan.job_working_bytes`), never a tensor: at most `threads` jobs run at once, within
+the plan's `window_budget` (a job over the budget runs alone). A finished job holds nothing, so one
+slow job does not stall the others. The main thread accounts for the jobs in write order, reports progress, and closes a shard once its last tensor
+is in; the shard is fsynced in the background while the next ones are written.
 
 Test-only hook: env CKPT_TOOLS_TEST_SLOW_WRITE=<seconds> sleeps after each tensor is written, so a
 test can kill a merge midway. It has no other use.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -172,8 +172,11 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
         if file_name not in writers:
             s = shard_entries[file_name]
             entries = [(n, by_name[n].out_dtype, by_name[n].shape) for n in s.tensors]
+            # fsync=False: the flusher fsyncs a closed shard in the background; writeback: the disk
+            # starts on each block as it is written, so that fsync finds little left to do and the
+            # disk works from the first block, not from the first closed 5 GB shard
             writers[file_name] = StreamingSafetensorsWriter(tmp / file_name, entries, OUTPUT_METADATA,
-                                                            strict_order=False, fsync=False)
+                                                            strict_order=False, fsync=False, writeback=True)
         return writers[file_name]
 
     if progress:
@@ -188,7 +191,8 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     # does not stall for a whole shard's flush (the disk, not the CPU, is then busy).
     flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-merge-fsync")
     flushes: list[Future] = []
-    pending: dict[int, Future] = {}
+    pending: dict[int, Future] = {}             # submitted, not yet accounted for in write order
+    running: dict[Future, int] = {}             # submitted and not finished: these hold memory
     ahead = 0
     done_bytes = 0
     ws = [job_working_bytes(j, plan.base_kind) for j in jobs]
@@ -196,16 +200,24 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     in_flight = 0
     try:
         for i, job in enumerate(jobs):
-            # bounded read-ahead: at most `threads` jobs and `budget` bytes of their working sets at
-            # once (a job bigger than the budget runs alone)
-            while ahead < len(jobs) and len(pending) < plan.threads:
-                if pending and in_flight + ws[ahead] > budget:
+            while True:
+                for f in [f for f in running if f.done()]:   # a finished job holds nothing: its slot is free
+                    in_flight -= ws[running.pop(f)]
+                    if f.exception() is not None:
+                        f.result()                           # fail now, not when the writer gets there
+                # at most `threads` jobs running and `budget` bytes of their working sets at once (a
+                # job bigger than the budget runs alone). A slow job (a 1 GB embedding copied) does
+                # not stall the others: those after it run while it does.
+                while ahead < len(jobs) and len(running) < plan.threads and \
+                        (not running or in_flight + ws[ahead] <= budget):
+                    f = pending[ahead] = pool.submit(runner.run, jobs[ahead], writer_for(jobs[ahead].out_file))
+                    running[f] = ahead
+                    in_flight += ws[ahead]
+                    ahead += 1
+                if pending[i].done():
                     break
-                pending[ahead] = pool.submit(runner.run, jobs[ahead], writer_for(jobs[ahead].out_file))
-                in_flight += ws[ahead]
-                ahead += 1
+                wait(list(running), return_when=FIRST_COMPLETED)
             pending.pop(i).result()
-            in_flight -= ws[i]
             left[job.out_file] -= 1
             if not left[job.out_file]:
                 w = writers.pop(job.out_file)
