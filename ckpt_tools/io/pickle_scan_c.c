@@ -4,7 +4,8 @@
  * refuses a pickle whose object would cost more to build, hash or walk than its size allows. That
  * replay is near pure Python's floor and still 0.3 s for the 3.4 MiB `.metadata` of a Qwen3-32B LoRA
  * checkpoint, most of `ckpt inspect`'s time. This module runs the same model over the opcodes a
- * genuine DCP `.metadata` is made of, and has only two answers:
+ * genuine DCP `.metadata` (protocol 4) and a torch item's `data.pkl` (protocol 2: GLOBAL, BINPUT,
+ * BINPERSID) are made of, and has only two answers:
  *
  *   (tree size, depth)  the pickle is within bounds: exactly what the Python scan returns for it;
  *   None                "ask the reference": anything else at all (an opcode not decoded here, a
@@ -228,6 +229,22 @@ static int run(Scan *s, const unsigned char *d, Py_ssize_t n, int64_t *out_size,
             }
             break;
         }
+        case 0x63: {                                /* GLOBAL: "module\nname\n" -> a leaf */
+            /* pickletools reads each line with escape_decode, then as ASCII: plain printable ASCII
+             * without a backslash is exactly what passes unchanged; anything else is left to it */
+            Py_ssize_t q = p + 1;
+            for (int line = 0; line < 2; line++) {
+                while (q < n && d[q] != 0x0a) {
+                    if (d[q] < 0x20 || d[q] > 0x7e || d[q] == 0x5c) return DEFER;
+                    q++;
+                }
+                if (q >= n) return DEFER;
+                q++;                                /* the newline */
+            }
+            PUSH(LEAF);
+            p = q;
+            break;
+        }
         case 0x93:                                  /* STACK_GLOBAL: two strings -> a leaf */
             if (s->sp < 2) return DEFER;
             s->sp -= 2;
@@ -235,7 +252,7 @@ static int run(Scan *s, const unsigned char *d, Py_ssize_t n, int64_t *out_size,
             p += 1;
             break;
         case 0x81: case 0x52: case 0x86:            /* NEWOBJ, REDUCE, TUPLE2 */
-        case 0x85: case 0x87:                       /* TUPLE1, TUPLE3 */
+        case 0x85: case 0x87: case 0x51:            /* TUPLE1, TUPLE3, BINPERSID (a one-child node) */
         case 0x74: case 0x6c: case 0x64: {          /* TUPLE, LIST, DICT (from the mark) */
             Py_ssize_t from;
             if (c == 0x74 || c == 0x6c || c == 0x64) {
@@ -243,7 +260,7 @@ static int run(Scan *s, const unsigned char *d, Py_ssize_t n, int64_t *out_size,
                 from = s->marks[--s->n_marks];
                 if (from > s->sp) from = s->sp;     /* `stack[k:]` of a stack shorter than the mark */
             } else {
-                Py_ssize_t k = c == 0x85 ? 1 : c == 0x87 ? 3 : 2;
+                Py_ssize_t k = (c == 0x85 || c == 0x51) ? 1 : c == 0x87 ? 3 : 2;
                 if (s->sp < k) return DEFER;
                 from = s->sp - k;
             }
