@@ -49,8 +49,9 @@ MIN_BLOCK_ROWS = 64
 # the pread + pwrite fallback, where the kernel refuses it).
 COPY_THROUGH_BLOCK_BYTES = 16 * 2**20
 # The read-ahead's byte budget: `threads` of the largest job's working set, at least the floor (a
-# small job never starves the workers), at most the cap (so that, with the interpreter and torch
-# (0.25-0.6 GiB), a merge stays under 1 GiB at any model size; a job larger than the cap runs alone).
+# small job never starves the workers), at most the cap (the interpreter and torch take 0.25-0.6 GiB:
+# with the cap on top a merge stays near 1 GiB at any --threads; at the default threads the blocks
+# in flight are ~150 MiB). A job larger than the cap runs alone.
 IN_FLIGHT_FLOOR_BYTES = 256 * 2**20
 IN_FLIGHT_CAP_BYTES = 512 * 2**20
 # Floating dtypes we convert between. Others (ints, float8 with their scales) are never cast.
@@ -310,9 +311,9 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
 
 
 def streamed_by_writer(job: TensorJob, base_kind: str) -> bool:
-    """Jobs the writer streams in COPY_BLOCK_BYTES row blocks, never held whole: verbatim copies of an HF
-    base (raw bytes), and every other copy or cast with rows (a DCP base's fp32 masters, cast one block
-    at a time: the embedding is then never in memory whole, in fp32 or in the output dtype)."""
+    """Jobs streamed by their worker, never held whole: verbatim copies of an HF base (its bytes copied
+    through by the kernel), and every other copy or cast with rows, in COPY_BLOCK_BYTES row blocks (a
+    DCP base's fp32 masters cast one block at a time: the embedding is never in memory whole)."""
     if job.action == "copy" and base_kind == "hf":
         return True
     return job.action in ("copy", "cast") and len(job.shape) >= 1 and job.shape[0] > 0
