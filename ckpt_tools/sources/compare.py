@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -27,7 +29,8 @@ from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
 from .base import Source, TensorFacts
 
-__all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch", "DeltaStats", "shared_names",
+__all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch", "ChunkStats", "chunk_stats",
+           "identical_chunk_stats", "DeltaStats", "chunk_map", "shared_names",
            "block_ranges", "stat_chunks", "chunk_scratch_bytes", "read_chunk", "stream_stats", "tensors_identical",
            "identical"]
 
@@ -82,6 +85,60 @@ class Scratch(threading.local):
 
 
 _SCRATCH = Scratch()
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class ChunkStats:
+    """One chunk's share of the statistics (computed on any thread; folded in chunk order)."""
+    numel: int
+    changed: int = 0
+    base_sq: float = 0.0
+    delta_sq: float = 0.0
+    nonfinite: int = 0
+    max_abs: float = 0.0
+    finite: bool = True          # W and W0 hold no inf/nan in this chunk
+
+
+def _base_sq(w0: torch.Tensor) -> float:
+    b64 = _SCRATCH.tensor("b64", w0.numel(), torch.float64)
+    b64.copy_(w0)
+    return float(torch.dot(b64, b64)) if b64.numel() else 0.0
+
+
+def identical_chunk_stats(w0: torch.Tensor) -> ChunkStats:
+    """A chunk known to be bitwise equal on both sides: all it adds is ||W0||^2 (BASE alone)."""
+    base_sq = _base_sq(w0)
+    return ChunkStats(w0.numel(), base_sq=base_sq, finite=math.isfinite(base_sq))
+
+
+def chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
+    """One chunk pair (same dtype, 1-D, at most STATS_BLOCK_ELEMS: one dot product per sum)."""
+    n = w.numel()
+    xor = _SCRATCH.tensor("xor", n, bits(w).dtype)
+    torch.bitwise_xor(bits(w), bits(w0), out=xor)   # (10x faster than != and a bool count)
+    n_changed = int(torch.count_nonzero(xor))
+    base_sq = _base_sq(w0)
+    if not n_changed:
+        return ChunkStats(n, base_sq=base_sq, finite=math.isfinite(base_sq))
+    b64 = _SCRATCH.tensor("b64", n, torch.float64)   # W0 in fp64, as _base_sq left it
+    d = _SCRATCH.tensor("d64", n, torch.float64)
+    d.copy_(w)
+    d.sub_(b64)
+    delta_sq = float(torch.dot(d, d))
+    nonfinite, finite = 0, math.isfinite(delta_sq) and math.isfinite(base_sq)
+    if not finite:
+        # rare: inf/nan somewhere; count them and keep the statistics over the finite part
+        isfin = torch.isfinite(d)
+        nonfinite = int(d.numel() - torch.count_nonzero(isfin))
+        d = torch.where(isfin, d, torch.zeros((), dtype=torch.float64))
+        delta_sq = float(torch.dot(d, d))
+        b64 = w0.to(torch.float64)
+        b64 = torch.where(torch.isfinite(b64), b64, torch.zeros((), dtype=torch.float64))
+        base_sq = float(torch.dot(b64, b64))
+    lo, hi = torch.aminmax(d)
+    return ChunkStats(n, n_changed, base_sq, delta_sq, nonfinite, max(abs(float(lo)), abs(float(hi))), finite)
 
 
 @dataclass
@@ -99,51 +156,21 @@ class DeltaStats:
         then stay in the CPU's cache (profiled at 0.6B: 87% of diff-vs-base was these passes over 4 MB
         blocks, memory-bound; 2-3x faster in cache-sized pieces)."""
         for s in range(0, w.numel(), STATS_BLOCK_ELEMS):
-            self.add_chunk(w[s:s + STATS_BLOCK_ELEMS], w0[s:s + STATS_BLOCK_ELEMS])
+            self.fold(chunk_stats(w[s:s + STATS_BLOCK_ELEMS], w0[s:s + STATS_BLOCK_ELEMS]))
         if not w.numel():
-            self.add_chunk(w, w0)
+            self.fold(chunk_stats(w, w0))
 
-    def add_identical(self, w0: torch.Tensor) -> None:
-        """Fold in one chunk known to be bitwise equal on both sides: what `add_chunk` adds then."""
-        self.numel += w0.numel()
-        self.sum_sq_base += self._base_sq(w0)
-
-    @staticmethod
-    def _base_sq(w0: torch.Tensor) -> float:
-        b64 = _SCRATCH.tensor("b64", w0.numel(), torch.float64)
-        b64.copy_(w0)
-        return float(torch.dot(b64, b64)) if b64.numel() else 0.0
-
-    def add_chunk(self, w: torch.Tensor, w0: torch.Tensor) -> None:
-        """Fold in one chunk pair (same dtype, 1-D, at most STATS_BLOCK_ELEMS: one dot product each)."""
-        n = w.numel()
-        self.numel += n
-        xor = _SCRATCH.tensor("xor", n, bits(w).dtype)
-        torch.bitwise_xor(bits(w), bits(w0), out=xor)   # (10x faster than != and a bool count)
-        n_changed = int(torch.count_nonzero(xor))
-        base_sq = self._base_sq(w0)
-        if not n_changed:
-            self.sum_sq_base += base_sq
+    def fold(self, c: ChunkStats) -> None:
+        """Add the next chunk's share (in chunk order: the float sums' low bits depend on it)."""
+        self.numel += c.numel
+        if not c.changed:
+            self.sum_sq_base += c.base_sq
             return
-        self.changed += n_changed
-        b64 = _SCRATCH.tensor("b64", n, torch.float64)   # W0 in fp64, as _base_sq left it
-        d = _SCRATCH.tensor("d64", n, torch.float64)
-        d.copy_(w)
-        d.sub_(b64)
-        delta_sq = float(torch.dot(d, d))
-        if not (math.isfinite(delta_sq) and math.isfinite(base_sq)):
-            # rare: inf/nan somewhere; count them and keep the statistics over the finite part
-            finite = torch.isfinite(d)
-            self.nonfinite += int(d.numel() - torch.count_nonzero(finite))
-            d = torch.where(finite, d, torch.zeros((), dtype=torch.float64))
-            delta_sq = float(torch.dot(d, d))
-            b64 = w0.to(torch.float64)
-            b64 = torch.where(torch.isfinite(b64), b64, torch.zeros((), dtype=torch.float64))
-            base_sq = float(torch.dot(b64, b64))
-        lo, hi = torch.aminmax(d)
-        self.max_abs = max(self.max_abs, abs(float(lo)), abs(float(hi)))
-        self.sum_sq_base += base_sq
-        self.sum_sq_delta += delta_sq
+        self.changed += c.changed
+        self.nonfinite += c.nonfinite
+        self.max_abs = max(self.max_abs, c.max_abs)
+        self.sum_sq_base += c.base_sq
+        self.sum_sq_delta += c.delta_sq
 
     @property
     def rel_fro(self) -> float:
@@ -168,9 +195,10 @@ def stat_chunks(numel: int, block_elems: int) -> Iterator[tuple[int, int]]:
 
 
 def chunk_scratch_bytes(*itemsizes: int) -> int:
-    """What one thread's `Scratch` holds for a chunked comparison of sides with these item sizes: a
-    chunk of each side's bytes and its upcast, two fp64 temporaries and the xor."""
-    return STATS_BLOCK_ELEMS * (3 * sum(itemsizes) + 2 * 8 + 8)
+    """What one thread's `Scratch` holds at most for chunked comparisons of sides with these item
+    sizes: a chunk of each side's bytes and its upcast, the xors, two fp64 temporaries."""
+    widest = max(itemsizes, default=8)
+    return STATS_BLOCK_ELEMS * (3 * sum(itemsizes) + 2 * widest + 16)
 
 
 def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -> tuple[bytearray, torch.Tensor]:
@@ -196,35 +224,46 @@ def _as(t: torch.Tensor, dtype: torch.dtype, role: str) -> torch.Tensor:
     return out
 
 
+def chunk_map(pool: Executor | None, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """[fn(x) for x in items], on `pool`'s threads when given (in order; chunks are independent). With
+    a pool, every chunk runs there, so only the pool's threads hold chunk buffers."""
+    if pool is None:
+        return [fn(x) for x in items]
+    return list(pool.map(fn, items))
+
+
 def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BLOCK_BYTES, *,
-                 skip_identical: bool = False) -> DeltaStats:
-    """The statistics of W - W0 for tensor `name` of both sources (same shape), in the common dtype.
-    `skip_identical` (same dtypes): compare raw bytes first and stop at the end if every chunk is
-    equal (the stats of an identical pair are only its numel), else fold the equal prefix from BASE."""
+                 skip_identical: bool = False, pool: Executor | None = None) -> DeltaStats:
+    """The statistics of W - W0 for tensor `name` of both sources (same shape), in the common dtype,
+    its chunks on `pool`'s threads. `skip_identical` (same dtypes): each chunk's raw bytes compared
+    first; an identical pair's statistics are only its numel, and if some chunks differ, the equal
+    ones are folded from BASE alone."""
     fw, fb = weights.facts(name), base.facts(name)
     ct = common_dtype(fw.dtype, fb.dtype)
     chunks = list(stat_chunks(fw.numel, block_bytes // max(fw.itemsize, fb.itemsize)))
-    st = DeltaStats()
-    first = 0
     if skip_identical and fw.dtype == fb.dtype:
-        first = len(chunks)
-        for i, (s, n) in enumerate(chunks):
-            xw, w = read_chunk(weights, fw, s, n, "w")
-            xb, w0 = read_chunk(base, fb, s, n, "w0")
-            if not _same_bytes(xw, xb, n * fw.itemsize):
-                first = i
-                break
-        if first == len(chunks):
+        def raw(c: tuple[int, int]) -> ChunkStats | None:
+            xw, w = read_chunk(weights, fw, *c, "w")
+            xb, w0 = read_chunk(base, fb, *c, "w0")
+            return None if _same_bytes(xw, xb, c[1] * fw.itemsize) else chunk_stats(w, w0)
+
+        parts = chunk_map(pool, raw, chunks)
+        same = [i for i, part in enumerate(parts) if part is None]
+        if len(same) == len(chunks):
             return DeltaStats(numel=fw.numel)
-        for s, n in chunks[:first]:       # equal chunks: BASE alone says what they add
-            st.add_identical(read_chunk(base, fb, s, n, "w0b")[1])
-        s, n = chunks[first]
-        st.add_chunk(w, w0)               # the first differing chunk, still in the buffers
-        first += 1
-    for s, n in chunks[first:]:
-        w = _as(read_chunk(weights, fw, s, n, "w")[1], ct, "w_ct")
-        w0 = _as(read_chunk(base, fb, s, n, "w0")[1], ct, "w0_ct")
-        st.add_chunk(w, w0)
+        for i, part in zip(same, chunk_map(pool, lambda c: identical_chunk_stats(read_chunk(base, fb, *c, "w0")[1]),
+                                           [chunks[i] for i in same])):
+            parts[i] = part
+    else:
+        def upcast(c: tuple[int, int]) -> ChunkStats:
+            w = _as(read_chunk(weights, fw, *c, "w")[1], ct, "w_ct")
+            w0 = _as(read_chunk(base, fb, *c, "w0")[1], ct, "w0_ct")
+            return chunk_stats(w, w0)
+
+        parts = chunk_map(pool, upcast, chunks)
+    st = DeltaStats()
+    for part in parts:
+        st.fold(part)
     return st
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,8 @@ from ...core.progress import Progress, report
 from ...core.tensor_math import merge_weight_into, ulps_apart
 from ...dist import Group, SoloGroup, local_workers, map_units
 from ...sources.compare import (
-    BLOCK_BYTES, DeltaStats, Scratch, bits, chunk_scratch_bytes, common_dtype, read_chunk, stat_chunks, stream_stats,
+    BLOCK_BYTES, ChunkStats, DeltaStats, Scratch, bits, chunk_map, chunk_scratch_bytes, chunk_stats, common_dtype,
+    read_chunk, stat_chunks, stream_stats,
 )
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
@@ -137,48 +139,52 @@ def _status(p: PairPlan, st: DeltaStats) -> str:
     return IDENTICAL if p.weights.dtype == p.base.dtype else IDENTICAL_UPCAST
 
 
-def _compare_streaming(weights, base, p: PairPlan, block_bytes: int) -> TensorDiff:
+def _compare_streaming(weights, base, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
     if p.mode == "shape":
         return _result(p, SHAPE_CHANGED, None)
-    st = stream_stats(weights, base, p.name, block_bytes, skip_identical=p.mode == "raw")
+    st = stream_stats(weights, base, p.name, block_bytes, skip_identical=p.mode == "raw", pool=pool)
     return _result(p, _status(p, st), st)
 
 
 _SCRATCH = Scratch()
 
 
-def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int) -> TensorDiff:
-    """A targeted tensor checked chunk by chunk: P = B32 @ A32 is the one whole temporary (one full
-    matmul, as `merge_weight_into` does: row blocks of it would change its low bits); W and W0 are
-    read once, chunk by chunk, each chunk folded into the statistics of W - W0 and compared with
-    its chunk of round(W0_32 + s*P), the same elementwise operations in the same order as
-    `merge_weight_into` (elementwise, so the chunking cannot change a bit). Memory: P and a few
-    chunks, where the whole-tensor check held W, W0, P and the expected merge."""
+def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
+    """A targeted tensor checked chunk by chunk, the chunks on `pool`'s threads: P = B32 @ A32 is the
+    one whole temporary (one full matmul, as `merge_weight_into` does: row blocks of it would change
+    its low bits); W and W0 are read once, chunk by chunk, each chunk's share of the statistics of
+    W - W0 computed and its W compared with its chunk of round(W0_32 + s*P): the elementwise
+    operations of `merge_weight_into` in its order (elementwise: the chunking cannot change a bit).
+    Memory: P and a few chunks per thread, where the whole-tensor check held W, W0, P and the merge."""
     spec = lora.modules[p.module]
     check_shapes(tuple(p.base.shape), tuple(spec.a_shape), tuple(spec.b_shape), name=p.name)
     a, b = lora.read_pair(p.module)
     prod = (b.to(torch.float32) @ a.to(torch.float32)).reshape(-1)
     fw, fb = p.weights, p.base
     ct, out_dtype = common_dtype(fw.dtype, fb.dtype), torch_dtype(fw.dtype)
-    st, off, max_ulps, finite = DeltaStats(), 0, 0, True
-    for s, n in stat_chunks(fw.numel, max(1, block_bytes // 8)):
+
+    def check(c: tuple[int, int]) -> tuple[ChunkStats, int, int, bool]:
+        s, n = c
         w = read_chunk(weights, fw, s, n, "w")[1]
         w0 = read_chunk(base, fb, s, n, "w0")[1]
-        st.add_chunk(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
+        part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
         d = prod[s:s + n]
         d.mul_(spec.scale)            # s * P, rounded as in lora_delta
         d.add_(w0)                    # + W32 (exact upcast)
         e = _SCRATCH.tensor("expected", n, out_dtype)
         e.copy_(d)                    # the one rounding to W's dtype
-        if finite and e.is_floating_point() and not math.isfinite(float(e.sum(dtype=torch.float32))):
-            finite = False
         x = _SCRATCH.tensor("xor_expected", n, bits(w).dtype)
         torch.bitwise_xor(bits(w), bits(e), out=x)
-        k = int(torch.count_nonzero(x))
-        if k:
-            off += k
-            if w.dtype.is_floating_point:
-                max_ulps = max(max_ulps, int(ulps_apart(w, e).max()))
+        off = int(torch.count_nonzero(x))
+        # the merge refuses a non-finite result: equal to a finite W, it is finite; else look
+        finite = (part.finite and not off) or not e.is_floating_point() or bool(torch.isfinite(e).all())
+        ulps = int(ulps_apart(w, e).max()) if off and w.dtype.is_floating_point else 0
+        return part, off, ulps, finite
+
+    st, off, max_ulps, finite = DeltaStats(), 0, 0, True
+    for part, k, ulps, ok in chunk_map(pool, check, list(stat_chunks(fw.numel, max(1, block_bytes // 8)))):
+        st.fold(part)
+        off, max_ulps, finite = off + k, max(max_ulps, ulps), finite and ok
     del prod
     if not finite:   # the merge would refuse it: the whole-tensor merge raises its error, naming the tensor
         merge_weight_into(torch.empty(fw.shape, dtype=out_dtype), base.read_tensor(p.name), a, b, spec.scale,
@@ -207,7 +213,7 @@ def _ulps_check(w: torch.Tensor, expected: torch.Tensor, block_elems: int) -> di
     return _ulps_result(off, max_ulps, w.dtype.is_floating_point)
 
 
-def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int) -> TensorDiff:
+def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
     """Targeted / replaced tensors. A targeted one streams (`_check_targeted_streaming`); a replaced
     one (modules_to_save) and a fan_in_fan_out one are read whole on both sides."""
     if p.mode == "shape":
@@ -216,7 +222,7 @@ def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int) ->
                             "problem": f"shape {list(p.weights.shape)} != BASE {list(p.base.shape)}"}
         return td
     if p.role == TARGETED and not lora.modules[p.module].fan_in_fan_out:
-        return _check_targeted_streaming(weights, base, lora, p, block_bytes)
+        return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool)
     w = weights.read_tensor(p.name)
     w0 = base.read_tensor(p.name)
     st = _whole_stats(w, w0, max(1, block_bytes // 8))
@@ -311,7 +317,7 @@ WORKING_BUDGET_BYTES = 640 * 2**20
 
 
 def _scratch_bytes(p: PairPlan) -> int:
-    return chunk_scratch_bytes(p.weights.itemsize, p.base.itemsize, 4)
+    return chunk_scratch_bytes(p.weights.itemsize, p.base.itemsize)   # (+ the expected merge's chunk: W's size)
 
 
 def _working_bytes(p: PairPlan, lora) -> int:
@@ -341,6 +347,10 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     threads = local_workers()
     if any(src.extents(p.name) is None for p in plan.pairs if p.read for src in (weights, base)):
         threads = 1   # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
+    # Two levels: `threads` units in flight (map_units), and their chunks on one pool of `threads`
+    # workers, so a single big tensor uses every core and the units' working sets (the adapter
+    # check's P) are what the byte budget admits. Only the pool's workers hold chunk buffers.
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks") if threads > 1 else None
     scratch = max((_scratch_bytes(p) for p in plan.pairs), default=0)
     budget = ByteBudget(max(1, WORKING_BUDGET_BYTES - threads * scratch))
     state = {"done": 0, "bytes": 0}
@@ -354,9 +364,9 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
             td = _result(p, SKIPPED, None)
         elif p.role in (TARGETED, REPLACED):
             with budget.hold(_working_bytes(p, lora)):
-                td = _compare_with_adapter(weights, base, lora, p, block_bytes)
+                td = _compare_with_adapter(weights, base, lora, p, block_bytes, pool)
         else:
-            td = _compare_streaming(weights, base, p, block_bytes)
+            td = _compare_streaming(weights, base, p, block_bytes, pool)
         if threads == 1:   # (with threads, pages are released when the sources close)
             weights.release()
             base.release()
@@ -377,6 +387,8 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
                             group, threads=threads, done=done, everywhere=True)
     finally:
         torch.set_num_threads(intra_op)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     tensors = [TensorDiff(**d) for d in results]
     verdict, code, summary, adapter_summary = _verdict(plan, tensors, lora)
     warnings = list(getattr(lora, "warnings", ()) or ()) if lora is not None else []
