@@ -4,11 +4,13 @@ with blocks small enough that every tensor spans many chunks."""
 from __future__ import annotations
 
 import random
+import shutil
 import threading
 import time
 
 import pytest
 
+from ckpt_tools import dist
 from ckpt_tools.core.budget import ByteBudget
 from ckpt_tools.ops.diff import run as diff_run
 from ckpt_tools.ops.diff.run import diff_vs_base
@@ -95,10 +97,24 @@ def test_the_adapter_check_holds_only_p_and_small_chunks_from_the_budget(monkeyp
     assert sum(held) < sum(4 * t.numel for t in targeted) * 2
 
 
-def test_verify_deep_on_4_workers_and_small_blocks_equals_1_worker(monkeypatch):
+def test_verify_deep_in_small_pieces_on_4_workers_counts_what_one_whole_pass_counts(monkeypatch, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(BASE, tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    sd = load_file(str(f))
+    big = max(sd, key=lambda k: sd[k].numel())
+    sd[big].view(-1)[[3, 7777, -1]] = torch.tensor([float("inf"), float("nan"), -float("inf")], dtype=sd[big].dtype)
+    sd["extra.f32"] = torch.tensor([1.0, float("nan"), 2.0])
+    sd["extra.f64"] = torch.tensor([float("-inf")] * 3, dtype=torch.float64)
+    sd["extra.i64"] = torch.arange(5)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    whole = verify_path(tmp_path / "m", deep=True).to_json()
     monkeypatch.setattr(verify_hf, "FINITE_BLOCK_BYTES", 4096)
-    reports = []
-    for workers in (1, 4):
-        monkeypatch.setattr(verify_hf, "local_workers", lambda w=workers: w, raising=False)
-        reports.append(verify_path(BASE, deep=True).to_json())
-    assert reports[0] == reports[1] and reports[0]["ok"]
+    monkeypatch.setattr(verify_hf, "PIECE_BYTES", 3 * 4096)
+    monkeypatch.setattr(dist, "local_workers", lambda *a, **k: 4)
+    pieces = verify_path(tmp_path / "m", deep=True).to_json()
+    assert pieces == whole
+    found = {p["key"]: p["message"] for p in whole["problems"]}
+    assert found[big] == "3 non-finite value(s) (inf/nan)"
+    assert found["extra.f32"].startswith("1 ") and found["extra.f64"].startswith("3 ") and "extra.i64" not in found
