@@ -3,20 +3,23 @@ exactly BASE + the LoRA?
 
 Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
 marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
-before any tensor byte is read. `run_diff` then streams one tensor pair at a time:
+before any tensor byte is read. `run_diff` then compares the pairs on this rank's workers, each
+pair in chunks (`sources.compare.stat_chunks`) spread over one pool of chunk workers, so a big
+tensor uses every core; every side is read once:
 
-- same dtype and shape: raw byte comparison in blocks (memcmp, no decoding). Identical tensors cost
-  one read of each side. A tensor that differs is read again, decoded block by block, for its
-  statistics (fp64 accumulation);
+- same dtype and shape: raw byte comparison per chunk (memcmp, no decoding); the chunks that differ
+  give the statistics of W - W0 (fp64 accumulation), the equal ones only ||W0||^2;
 - different dtypes, same shape: both sides are upcast exactly to a common dtype (bf16/fp16/fp32 ->
-  fp32, anything with fp64 -> fp64) block by block and compared bitwise there. A prime-rl DCP's fp32
+  fp32, anything with fp64 -> fp64) chunk by chunk and compared bitwise there. A prime-rl DCP's fp32
   base weights therefore come out "identical after upcast" to the bf16 hub model;
 - different shapes: reported, not compared.
 
-With an adapter, each targeted tensor is read whole on both sides and compared with
+With an adapter, each targeted tensor is compared with
 `lora_math.merge_weight(W0, A, B, s, out_dtype=WEIGHTS dtype)` = round(W0_32 + s*B32@A32), the
-one rounding every ckpt-tools merge does; the distance is reported in ulps. Untargeted tensors must
-be unchanged.
+one rounding every ckpt-tools merge does, its one whole temporary P = B@A (one matmul: the merge's
+bits), the rest chunk by chunk; the distance is reported in ulps. Untargeted tensors must be
+unchanged. Memory: a byte budget (`WORKING_BUDGET_BYTES`) that each unit acquires its working set
+from (`core.budget.ByteBudget`): small units run wide, P of a big one waits until it fits.
 
 Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is bitwise identical
 (after exact upcast), else ADAPTER_MISMATCH (4) when an adapter check failed, else DIFFERS (0).
