@@ -7,7 +7,6 @@ import click
 
 from ... import dist
 from ...core.units import human_bytes
-from ...ops.diff import EXIT_DIFFERS, SAME, SKIPPED, DiffOptions, DiffReport, open_diff_sources, plan_diff, run_diff
 from ..options import InputPath, alpha_options, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
@@ -45,6 +44,8 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     Example:
       ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
     """
+    # the op imports torch: imported here, so `ckpt diff-vs-base --help` stays torch-free (tests/test_startup.py)
+    from ...ops.diff import EXIT_DIFFERS, DiffOptions, open_diff_sources, plan_diff, run_diff
     warn_trust(trust_pickle)
     options = DiffOptions(None if adapter is None else str(adapter), alpha,
                           None if run_config is None else str(run_config), targeted_only, trust_pickle)
@@ -70,6 +71,7 @@ def _fmt(x) -> str:
 
 
 def render(r: DiffReport, top: int) -> None:
+    from ...ops.diff import SAME, SKIPPED
     p = r.plan
     click.echo(f"WEIGHTS {p.weights['label']} ({p.weights['kind']}, {p.weights['tensors']} tensors, "
                f"{'/'.join(p.weights['dtypes'])})")

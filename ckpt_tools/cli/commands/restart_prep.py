@@ -6,7 +6,6 @@ from pathlib import Path
 import click
 
 from ...core.units import human_bytes, human_number
-from ...workflows.restart_prep import restart_prep
 from ..flow import finish
 from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
@@ -53,6 +52,9 @@ def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: st
       ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B \\
         --lr 5e-6 --config rl.toml
     """
+    # the workflow imports torch: imported here, so `ckpt restart-prep --help` stays torch-free
+    # (tests/test_startup.py)
+    from ...workflows.restart_prep import restart_prep
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal()
     try:
