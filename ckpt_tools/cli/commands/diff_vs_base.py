@@ -7,6 +7,7 @@ import click
 
 from ... import dist
 from ...core.units import human_bytes
+from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
@@ -44,6 +45,7 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     Example:
       ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
     """
+    check_roles("diff-vs-base", {"WEIGHTS": weights, "BASE": base, "--adapter": adapter})
     # the op imports torch: imported here, so `ckpt diff-vs-base --help` stays torch-free (tests/test_startup.py)
     from ...ops.diff import EXIT_DIFFERS, DiffOptions, open_diff_sources, plan_diff, run_diff
     warn_trust(trust_pickle)

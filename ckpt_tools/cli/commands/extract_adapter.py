@@ -7,6 +7,7 @@ import click
 
 from ...core.units import human_bytes
 from ..flow import finish, plan_and_run
+from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
@@ -41,6 +42,7 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
     Example:
       ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
     """
+    check_roles("extract-adapter", {"CKPT": ckpt, "OUT": out, "--base": base})
     # the op imports torch: imported here, so `ckpt extract-adapter --help` stays torch-free (tests/test_startup.py)
     from ...ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
     from ...sources.lora import DcpLoraSource

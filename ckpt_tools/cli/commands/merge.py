@@ -78,7 +78,11 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
     # a missing path is "no such file or directory: P" (exit 2), whichever argument it is; a hub id is
     # looked up in the local HF cache
     adapter = ModelPath().convert(adapter, None, None)
-    check_roles("merge", {"BASE": (base, ("hf",)), "ADAPTER": (adapter, ("peft", "dcp"))})
+    if base_from_checkpoint:
+        check_roles("merge --base-from-checkpoint",
+                    {"BASE": base, "ADAPTER": adapter, "OUT": out, "--config-from": config_from})
+    else:
+        check_roles("merge", {"BASE": base, "ADAPTER": adapter, "OUT": out})
     with open_merge_sources(base, adapter, options) as sources:
         plan = plan_merge(sources, options)
         report = dry_run_or_run(plan, sources, out, run_merge, dry_run=dry_run, as_json=as_json, overwrite=overwrite)
