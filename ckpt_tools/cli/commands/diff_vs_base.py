@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,6 +12,9 @@ from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
+
+if TYPE_CHECKING:   # the op imports torch: its names are imported where the command runs
+    from ...ops.diff import DiffReport
 
 __all__ = ["command", "render"]
 
