@@ -1,6 +1,7 @@
 """`ckpt --help`, `--version`, `ckpt <command> --help` of every command, `inspect` of every format and
 `verify` never import torch (nor transformers, peft, safetensors, numpy, huggingface_hub): each runs in a
-fresh interpreter and sys.modules is checked after it. Their wall time is measured by bench/ (docs/benchmarks.md), not asserted here."""
+fresh interpreter and sys.modules is checked after it. Their wall time is measured by bench/
+(docs/benchmarks.md), not asserted here."""
 from __future__ import annotations
 
 import subprocess

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,9 +125,8 @@ def safetensors_file_bytes(tensors: list[OutTensor]) -> int:
     return len(build_header(entries, SAFETENSORS_METADATA)) + sum(t.nbytes for t in tensors)
 
 
-def write_adapter(out: Path, tensors: list[OutTensor] | tuple[OutTensor, ...], read: Callable[[OutTensor], torch.Tensor],
-                  config: dict, *, inputs: list[Path], overwrite: bool = False, progress: Progress | None = None,
-                  stage: str) -> int:
+def write_adapter(out: Path, tensors: Sequence[OutTensor], read: Callable[[OutTensor], torch.Tensor], config: dict,
+                  *, inputs: list[Path], overwrite: bool = False, progress: Progress | None = None, stage: str) -> int:
     """Write the PEFT adapter dir `out`: adapter_model.safetensors (tensors in the given order, which
     callers sort by name; `read` returns one at a time, cast to its planned dtype here) and
     adapter_config.json from `config`. Staged in an `AtomicOutputDir` (disk space checked first; OUT
