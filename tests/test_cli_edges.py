@@ -227,7 +227,7 @@ def test_swapped_arguments_are_named_for_what_they_are(case, tmp_path, slim_dir)
     assert r.stdout == "" and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("case", ["slim", "extract-adapter", "verify --base"])
+@pytest.mark.parametrize("case", list(SWAPPED))
 def test_swapped_arguments_under_json_are_the_failure_envelope(case, tmp_path, slim_dir):
     argv, line = SWAPPED[case]
     r = run(*argv(tmp_path, slim_dir), "--json")
