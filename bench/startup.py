@@ -55,9 +55,9 @@ def contenders(py: str, extra_dcps: list[Path]) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def run_once(argv: list[str], env: dict) -> float:
+def run_once(argv: list[str], env: dict, cwd: Path = REPO) -> float:
     t0 = time.perf_counter()
-    r = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    r = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} exited {r.returncode}: {r.stderr.decode()[-500:]}")
@@ -70,18 +70,22 @@ def main() -> None:
     ap.add_argument("--dcp", type=Path, action="append", default=[], help="another DCP checkpoint to inspect")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--markdown", action="store_true", help="print a markdown table (for docs/benchmarks.md)")
+    ap.add_argument("--tree", type=Path, default=REPO,
+                    help="the source tree whose ckpt_tools runs (`python -m` imports from the working dir): "
+                         "an older tree side by side with this one")
     a = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     rows = contenders(a.python, a.dcp)
+    tree = a.tree.resolve()
     for _, argv in rows:            # warm: page cache and .pyc files, unmeasured
-        run_once(argv, env)
+        run_once(argv, env, tree)
     walls: dict[str, list[float]] = {name: [] for name, _ in rows}
     for _ in range(a.repeat):
         for name, argv in rows:
-            walls[name].append(run_once(argv, env))
+            walls[name].append(run_once(argv, env, tree))
     med = {n: statistics.median(w) for n, w in walls.items()}
     base, hf = med["python -c pass"], med.get("hf --help")
-    print(f"{os.cpu_count()} cores, median of {a.repeat} runs, wall s, interpreter start included; target: "
+    print(f"tree {tree}; {len(os.sched_getaffinity(0))} cores, median of {a.repeat} runs, wall s, interpreter start included; target: "
           f"inspect < {TARGET_S} s")
     if a.markdown:
         print("\n| command | wall s (range) | x python -c pass | x hf --help | < 0.5 s |\n|---|---|---|---|---|")

@@ -1,7 +1,11 @@
 """The pickle bounds scan (`safe_pickle.check_pickle_bounds`, a hand-written opcode decoder) against
 the scan it replaced (a replay over `pickletools.genops`, kept below verbatim as the reference): the
 same verdict, the same (size, depth), the same message, on every pickle of the hostile tests, on every
-genuine `.metadata` fixture, and on 2,000 seeded random mutations of a real `.metadata`."""
+genuine `.metadata` fixture, and on 2,000 seeded random mutations of a real `.metadata`.
+
+The C fast path (`pickle_scan.accelerator`) runs first inside `check_pickle_bounds`; on every pickle
+here it is also asked alone: it may only answer None (the Python scan decides) or exactly the figures
+the reference accepts the pickle with, and it must vouch for every genuine `.metadata`."""
 from __future__ import annotations
 
 import pickle
@@ -12,6 +16,7 @@ import struct
 import pytest
 
 from ckpt_tools.core.errors import UnsafePickleError
+from ckpt_tools.io import pickle_scan
 from ckpt_tools.io.safe_pickle import MAX_INT_BITS, MAX_PICKLE_DEPTH, MIN_TREE_NODES, TREE_NODES_PER_BYTE, \
     check_pickle_bounds
 
@@ -174,10 +179,23 @@ def verdict(scan, data: bytes):
         return ("refused", str(exc))
 
 
+def vouched(data: bytes):
+    """The C fast path's answer alone: (tree size, depth), or None (it leaves the verdict to Python)."""
+    return pickle_scan.accelerator.scan(data, pickle_scan.tree_budget(len(data)), MAX_PICKLE_DEPTH)
+
+
 def same(data: bytes, name: str) -> tuple:
     new, ref = verdict(check_pickle_bounds, data), verdict(reference_scan, data)
     assert new == ref, f"{name}: {len(data)} bytes {data[:80]!r}"
+    fast = vouched(data)
+    assert fast is None or ref == ("accepted", *fast), f"{name}: the C scan vouched {fast} for {ref}"
     return new
+
+
+def test_the_c_fast_path_is_built():
+    """`make install` compiles ckpt_tools/io/pickle_scan_c.c (gcc is on every machine we run on): without
+    it every test below would check the Python scan twice and `inspect` would be 10x slower to scan."""
+    assert pickle_scan.accelerator is not None, "pickle_scan_c was not built: `make install` with gcc at hand"
 
 
 def _small_metadata(keep: int = 3):
@@ -197,6 +215,7 @@ def test_the_same_on_every_genuine_metadata():
     for meta in metas:
         data = meta.read_bytes()
         assert same(data, str(meta))[0] == "accepted"
+        assert vouched(data) is not None, f"the C scan leaves the genuine {meta} to Python"
         for proto in (0, 1, 2, 3, 5):
             same(pickle.dumps(pickle.loads(data), protocol=proto), f"{meta} at protocol {proto}")
 
@@ -268,10 +287,31 @@ def test_the_same_on_seeded_mutations_of_a_real_metadata(proto):
     base = pickle.dumps(_small_metadata(), protocol=proto)
     assert same(base, "unmutated")[0] == "accepted"
     rng = random.Random(1300 + proto)
-    counts = {"accepted": 0, "refused": 0}
+    counts = {"accepted": 0, "refused": 0, "vouched": 0}
     for i in range(1000):
-        counts[same(_mutate(rng, base), f"mutation {i} of p{proto}")[0]] += 1
+        data = _mutate(rng, base)
+        counts[same(data, f"mutation {i} of p{proto}")[0]] += 1
+        counts["vouched"] += vouched(data) is not None
     assert counts["accepted"] > 20 and counts["refused"] > 500, counts
+    assert counts["vouched"] > 20, counts
+
+
+@pytest.mark.parametrize("proto", [2, 4])
+def test_the_c_scan_vouches_only_for_what_python_accepts(proto):
+    """20,000 more seeded mutations, the C scan against the Python one it speeds up (itself checked
+    against the genops reference above): never a figure of its own, never a pickle Python refuses."""
+    base = pickle.dumps(_small_metadata(), protocol=proto)
+    rng = random.Random(4100 + proto)
+    counts = {"vouched": 0, "left to Python": 0}
+    for i in range(10_000):
+        data = _mutate(rng, base)
+        fast = vouched(data)
+        if fast is None:
+            counts["left to Python"] += 1
+            continue
+        counts["vouched"] += 1
+        assert verdict(pickle_scan.reference_scan, data) == ("accepted", *fast), f"mutation {i}: {data[:80]!r}"
+    assert counts["vouched"] > 200 and counts["left to Python"] > 5000, counts
 
 
 def test_the_same_on_seeded_mutations_of_tiny_pickles():
@@ -281,3 +321,37 @@ def test_the_same_on_seeded_mutations_of_tiny_pickles():
              for o in ({"a": [1, 2, (3, 4)], "b": "x" * 10}, [[], [[]], (1,), (1, 2, 3)], {1.5, None, True})]
     for i in range(2000):
         same(_mutate(rng, rng.choice(bases)), f"tiny mutation {i}")
+
+
+def _item_pickles(limit: int = 200) -> list[bytes]:
+    """The `data.pkl` of real DCP items (torch.save of each tensor chunk and byte item, protocol 2:
+    GLOBAL, BINPUT, BINPERSID), read from the genuine fixture's data files."""
+    import io
+    import zipfile
+
+    out = []
+    for f in sorted(TRAINER.glob("__*_0.distcp")):
+        raw = f.read_bytes()
+        md = pickle.loads((TRAINER / ".metadata").read_bytes())   # the genuine fixture: trusted
+        for info in md.storage_data.values():
+            if info.relative_path != f.name or len(out) >= limit:
+                continue
+            z = zipfile.ZipFile(io.BytesIO(raw[info.offset:info.offset + info.length]))
+            out.append(z.read(next(n for n in z.namelist() if n.endswith("data.pkl"))))
+    return out
+
+
+def test_the_c_scan_vouches_for_every_genuine_item_pickle_and_its_mutations():
+    pickles = _item_pickles()
+    assert len(pickles) >= 100
+    for i, data in enumerate(pickles):
+        assert same(data, f"item pickle {i}")[0] == "accepted"
+        assert vouched(data) is not None, f"the C scan leaves genuine item pickle {i} to Python: {data[:80]!r}"
+    rng = random.Random(77)
+    counts = {"accepted": 0, "refused": 0, "vouched": 0}
+    tensors = [p for p in pickles if len(p) > 64]   # (a byte item's pickle can be 5 bytes: nothing to mutate)
+    for i in range(3000):
+        data = _mutate(rng, rng.choice(tensors))
+        counts[same(data, f"item pickle mutation {i}")[0]] += 1
+        counts["vouched"] += vouched(data) is not None
+    assert counts["vouched"] > 100 and counts["refused"] > 1000, counts

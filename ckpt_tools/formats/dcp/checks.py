@@ -164,7 +164,9 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
                 state["done"] += units[k].length
                 report_progress(progress, "crc32", state["done"], crc_total)
 
-        results = map_units(check, [i.length for i in units], group, done=done)
+        # without --deep an item is a few hundred bytes of headers: parsing them is GIL-bound Python, and a
+        # pool only adds a future per item (14,300 of them in a 32B LoRA checkpoint: 2-5x slower)
+        results = map_units(check, [i.length for i in units], group, done=done, threads=None if deep else 1)
     finally:
         files.close()
     results = results if results is not None else [None] * len(units)   # (a follower rank: the leader reports)

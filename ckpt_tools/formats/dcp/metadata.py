@@ -26,7 +26,7 @@ from ...io.safe_pickle import load_allowed
 
 __all__ = [
     "METADATA_NAME", "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-    "TensorProperties", "StorageMeta", "MetadataIndex", "StorageInfo", "DtypeName", "ALLOWED_GLOBALS",
+    "TensorProperties", "StorageMeta", "MetadataIndex", "StorageInfo", "DtypeName", "Dims", "ALLOWED_GLOBALS",
     "load_metadata",
 ]
 
@@ -137,9 +137,19 @@ class StorageInfo(_StandIn):
     transform_descriptors = None
 
 
-def _size(dims=()) -> tuple[int, ...]:
+class Dims(tuple):
+    """A `torch.Size` of the pickle: a tuple whose every dim is an int (checked as it was built), which
+    `formats.dcp.model` need not convert again (a 32B checkpoint's metadata has ~46k of them)."""
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol):   # like the stand-ins: a file we write names no class of ours
+        raise TypeError("Dims is a read-only view of a .metadata's torch.Size; pass torch.Size(dims) or "
+                        "tuple(dims) to what is pickled")
+
+
+def _size(dims=()) -> Dims:
     """`torch.Size(dims)`: a tuple of ints (anything else is refused, as torch.Size refuses it)."""
-    return tuple(operator.index(d) for d in dims)
+    return Dims(map(operator.index, dims))
 
 
 _LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
