@@ -99,6 +99,11 @@ echo "== host (phase $PHASE: sizes $SIZES, ranks $RANKS, cases ${CASES:-all})"; 
 # Fail in seconds, not minutes, if ckpt_tools does not run here (Python 3.12, torch 2.11).
 echo "== smoke"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+"$PY" setup.py -q build_ext --inplace 2>&1 | tail -3    # the C pickle scan (nothing is pip-installed here)
+if [ -n "${DEVICE_TESTS:-}" ]; then   # tests whose answer depends on this host's CPU/BLAS (pytest is in its image)
+    # shellcheck disable=SC2086
+    "$PY" -m pytest -q -p no:cacheprovider $DEVICE_TESTS 2>&1 | tail -5
+fi
 "$PY" -m ckpt_tools --version || exit 1
 "$PY" -m ckpt_tools inspect tests/fixtures/primerl-tiny/outputs/checkpoints/step_3/trainer >/dev/null || exit 1
 "$PY" -m ckpt_tools verify --deep tests/fixtures/primerl-tiny/outputs/checkpoints/step_3/trainer || exit 1

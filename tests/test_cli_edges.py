@@ -3,22 +3,27 @@ labels, one missing-path message, swapped arguments, --alpha against the run's c
 problems, our own leftovers, hub ids @revision, readable inspect, numbers, the progress line, help."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import click
+import jsonschema
 import pytest
 from click.testing import CliRunner
 
 from ckpt_tools.cli import COMMANDS, hoist_global_flags, main
+from ckpt_tools.cli.mistakes import ROLES, check_roles, looks_like
 from ckpt_tools.cli.progress import ProgressLine
 from ckpt_tools.cli.render import STATE, clear_progress
 from ckpt_tools.core.progress import ProgressEvent
 from ckpt_tools.core.units import human_bytes_si, human_number
 
 from .conftest import BASE, FIXTURE, REPO, TRAINER
+from .test_json_envelope import SCHEMAS
 
 ADAPTER = FIXTURE / "reference_peft_adapter"
 BROADCAST = FIXTURE / "outputs" / "run_default" / "broadcasts" / "step_3"
@@ -144,11 +149,159 @@ def test_a_missing_path_is_one_message_and_exit_2_everywhere(case, tmp_path):
     assert line.startswith(f"error: no such file or directory: {missing}"), line
 
 
-def test_swapped_merge_arguments_are_named_for_what_they_are(tmp_path):
-    r = run("merge", TRAINER, BASE, tmp_path / "o")
+CHECKPOINTS = FIXTURE / "outputs" / "checkpoints"
+WEIGHTS_EXPORT = FIXTURE / "outputs" / "weights" / "step_3"
+MERGED = FIXTURE / "expected_merged_hf"
+
+
+@pytest.fixture(scope="module")
+def slim_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("slim") / "slim"
+    r = run("slim", TRAINER, out, "--base", BASE)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def _swap_hint(synopsis, a, want_a, b, want_b):
+    return f" (`ckpt {synopsis}` takes {a} as {want_a}, {b} as {want_b})"
+
+
+DCP_, HF_, PEFT_, SLIM_ = "a DCP checkpoint", "an HF model dir", "a PEFT adapter dir", "a slim checkpoint"
+SWAPPED = {   # case -> (argv from (tmp, slim dir), the exact error line)
+    "merge": (lambda t, s: ["merge", TRAINER, BASE, t / "o"],
+              "BASE looks like a DCP checkpoint and ADAPTER like an HF model dir: swapped?"
+              + _swap_hint("merge BASE ADAPTER OUT", "BASE", HF_, "ADAPTER", f"{PEFT_} or {DCP_}")),
+    "merge --base-from-checkpoint": (
+        lambda t, s: ["merge", "--base-from-checkpoint", BASE, t / "o", "--config-from", TRAINER],
+        "ADAPTER looks like an HF model dir and --config-from like a DCP checkpoint: swapped?"
+        + _swap_hint("merge --base-from-checkpoint [BASE] ADAPTER OUT", "ADAPTER", f"{PEFT_} or {DCP_}",
+                     "--config-from", HF_)),
+    "export": (lambda t, s: ["export", MERGED, TRAINER, "--overwrite"],
+               "CKPT looks like an HF model dir and OUT like a DCP checkpoint: swapped?"
+               + _swap_hint("export CKPT OUT", "CKPT", DCP_, "OUT", HF_)),
+    "diff-vs-base": (lambda t, s: ["diff-vs-base", ADAPTER, BASE, "--adapter", MERGED],
+                     "WEIGHTS looks like a PEFT adapter dir and --adapter like an HF model dir: swapped?"
+                     + _swap_hint("diff-vs-base WEIGHTS BASE", "WEIGHTS", f"{HF_} or {DCP_}", "--adapter",
+                                  f"{PEFT_} or {DCP_}")),
+    "slim": (lambda t, s: ["slim", BASE, t / "o", "--base", TRAINER],
+             "CKPT looks like an HF model dir and --base like a DCP checkpoint: swapped?"
+             + _swap_hint("slim CKPT OUT", "CKPT", DCP_, "--base", HF_)),
+    "rehydrate": (lambda t, s: ["rehydrate", TRAINER, s, "--base", BASE, "--overwrite"],
+                  "SLIM looks like a DCP checkpoint and OUT like a slim checkpoint: swapped?"
+                  + _swap_hint("rehydrate SLIM OUT", "SLIM", SLIM_, "OUT", DCP_)),
+    "rehydrate --base": (lambda t, s: ["rehydrate", BASE, t / "o", "--base", s],
+                         "SLIM looks like an HF model dir and --base like a slim checkpoint: swapped?"
+                         + _swap_hint("rehydrate SLIM OUT", "SLIM", SLIM_, "--base", HF_)),
+    "extract-adapter": (lambda t, s: ["extract-adapter", ADAPTER, TRAINER],
+                        "CKPT looks like a PEFT adapter dir and OUT like a DCP checkpoint: swapped?"
+                        + _swap_hint("extract-adapter CKPT OUT", "CKPT", DCP_, "OUT", PEFT_)),
+    "adapter-to-dcp": (lambda t, s: ["adapter-to-dcp", BASE, t / "o", "--base", ADAPTER, "--lr", "1"],
+                       "ADAPTER looks like an HF model dir and --base like a PEFT adapter dir: swapped?"
+                       + _swap_hint("adapter-to-dcp ADAPTER OUT", "ADAPTER", PEFT_, "--base", HF_)),
+    "adapter-to-dcp --optimizer-from": (
+        lambda t, s: ["adapter-to-dcp", TRAINER, t / "o", "--base", BASE, "--optimizer-from", ADAPTER],
+        "ADAPTER looks like a DCP checkpoint and --optimizer-from like a PEFT adapter dir: swapped?"
+        + _swap_hint("adapter-to-dcp ADAPTER OUT", "ADAPTER", PEFT_, "--optimizer-from", DCP_)),
+    "fix-adapter": (lambda t, s: ["fix-adapter", BASE, t / "o", "--base", BROADCAST],
+                    "SRC looks like an HF model dir and --base like a PEFT adapter dir: swapped?"
+                    + _swap_hint("fix-adapter SRC OUT", "SRC", PEFT_, "--base", HF_)),
+    "verify --base": (lambda t, s: ["verify", BASE, "--base", ADAPTER],
+                      "PATH looks like an HF model dir and --base like a PEFT adapter dir: swapped?"
+                      + _swap_hint("verify PATH --base BASE", "PATH", PEFT_, "--base", f"{HF_} or {DCP_}")),
+    "restart-prep": (lambda t, s: ["restart-prep", BASE, t / "o", "--base", TRAINER, "--lr", "1"],
+                     "RUN_OR_CKPT looks like an HF model dir and --base like a DCP checkpoint: swapped?"
+                     + _swap_hint("restart-prep RUN_OR_CKPT OUT", "RUN_OR_CKPT",
+                                  f"{DCP_} or a prime-rl checkpoints dir", "--base", HF_)),
+    "gc": (lambda t, s: ["gc", BASE, "--base", CHECKPOINTS, "--keep-full", "1"],
+           "CHECKPOINTS_DIR looks like an HF model dir and --base like a prime-rl checkpoints dir: swapped?"
+           + _swap_hint("gc CHECKPOINTS_DIR", "CHECKPOINTS_DIR", "a prime-rl checkpoints dir", "--base", HF_)),
+}
+
+
+@pytest.mark.parametrize("case", list(SWAPPED))
+def test_swapped_arguments_are_named_for_what_they_are(case, tmp_path, slim_dir):
+    argv, line = SWAPPED[case]
+    r = run(*argv(tmp_path, slim_dir))
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip() == f"error: {line}"
+    assert r.stdout == "" and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("case", list(SWAPPED))
+def test_swapped_arguments_under_json_are_the_failure_envelope(case, tmp_path, slim_dir):
+    argv, line = SWAPPED[case]
+    r = run(*argv(tmp_path, slim_dir), "--json")
     assert r.exit_code == 2
-    assert r.stderr.strip() == ("error: BASE looks like a DCP checkpoint and ADAPTER like an HF model dir: swapped? "
-                                "(`ckpt merge` takes BASE ADAPTER, BASE being an HF model dir)")
+    doc = json.loads(r.stdout)
+    for schema in (SCHEMAS["envelope"], SCHEMAS[case.split()[0]]):
+        jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+    assert doc["schema"] == "ckpt/1" and doc["command"] == case.split()[0] and doc["ok"] is False
+    assert doc["exit_code"] == 2 and doc["plan"] is None and doc["result"] is None
+    assert doc["error"]["type"] == "UsageError" and doc["error"]["message"] == line
+    assert "(" + doc["error"]["hint"] + ")" == line[line.index(" (`ckpt ") + 1:]
+
+
+LEGIT = {   # ROLES key -> argument sets each command accepts (their ops run them in the other tests)
+    "merge": [{"BASE": BASE, "ADAPTER": TRAINER, "OUT": MERGED}, {"BASE": BASE, "ADAPTER": ADAPTER, "OUT": None}],
+    "merge --base-from-checkpoint": [{"BASE": None, "ADAPTER": TRAINER, "OUT": MERGED, "--config-from": BASE},
+                                     {"BASE": TRAINER, "ADAPTER": ADAPTER, "OUT": None, "--config-from": BASE}],
+    "export": [{"CKPT": TRAINER, "OUT": MERGED, "--config-from": WEIGHTS_EXPORT},
+               {"CKPT": TRAINER.parent, "OUT": None, "--config-from": "Qwen/Qwen3-0.6B"}],
+    "diff-vs-base": [{"WEIGHTS": TRAINER, "BASE": BASE, "--adapter": None},      # DCP weights against an HF base
+                     {"WEIGHTS": BASE, "BASE": TRAINER, "--adapter": TRAINER},
+                     {"WEIGHTS": MERGED, "BASE": BASE, "--adapter": ADAPTER},
+                     {"WEIGHTS": MERGED, "BASE": TRAINER, "--adapter": TRAINER}],
+    "slim": [{"CKPT": TRAINER, "OUT": "SLIM", "--base": BASE}, {"CKPT": TRAINER, "OUT": TRAINER, "--base": None}],
+    "rehydrate": [{"SLIM": "SLIM", "OUT": TRAINER, "--base": BASE}, {"SLIM": "SLIM", "OUT": "SLIM", "--base": BASE}],
+    "extract-adapter": [{"CKPT": TRAINER, "OUT": ADAPTER, "--base": BASE}, {"CKPT": "SLIM", "OUT": None,
+                                                                           "--base": WEIGHTS_EXPORT}],
+    "adapter-to-dcp": [{"ADAPTER": ADAPTER, "OUT": TRAINER, "--base": BASE, "--optimizer-from": TRAINER},
+                       {"ADAPTER": BROADCAST, "OUT": "SLIM", "--base": MERGED, "--optimizer-from": "SLIM"}],
+    "fix-adapter": [{"SRC": BROADCAST, "OUT": ADAPTER, "--base": BASE}],
+    "verify --base": [{"PATH": ADAPTER, "--base": BASE}, {"PATH": ADAPTER, "--base": TRAINER}],
+    "restart-prep": [{"RUN_OR_CKPT": TRAINER, "--base": BASE}, {"RUN_OR_CKPT": CHECKPOINTS, "--base": BASE},
+                     {"RUN_OR_CKPT": FIXTURE / "outputs", "--base": BASE}, {"RUN_OR_CKPT": FIXTURE, "--base": BASE}],
+    "gc": [{"CHECKPOINTS_DIR": CHECKPOINTS, "--base": BASE}, {"CHECKPOINTS_DIR": FIXTURE / "outputs",
+                                                              "--base": MERGED}],
+}
+
+
+def test_the_swap_rule_never_refuses_a_legitimate_call(slim_dir):
+    """Every argument set above is one its command takes; none may be called swapped."""
+    assert sorted(LEGIT) == sorted(ROLES)
+    for command, calls in LEGIT.items():
+        for paths in calls:
+            check_roles(command, {k: slim_dir if v == "SLIM" else v for k, v in paths.items()})   # raises if refused
+
+
+def test_a_dcp_checkpoint_against_an_hf_base_is_an_ordinary_diff():
+    for weights, base in ((TRAINER, BASE), (BASE, TRAINER)):
+        r = run("diff-vs-base", weights, base)   # exit 3: the frozen base weights are the base's, bit for bit
+        assert r.exit_code == 3 and "identical to base: all 36 shared tensors" in r.stdout, r.output
+
+
+def test_what_a_path_looks_like_comes_from_its_marker_files(slim_dir):
+    assert looks_like(TRAINER) == looks_like(TRAINER.parent) == looks_like(TRAINER / ".metadata") == {"dcp"}
+    assert looks_like(slim_dir) == {"dcp", "slim"}
+    assert looks_like(ADAPTER) == looks_like(BROADCAST) == {"peft"}
+    assert looks_like(BASE) == looks_like(WEIGHTS_EXPORT) == {"hf"}
+    assert looks_like(CHECKPOINTS) == {"checkpoints"}
+    assert looks_like(FIXTURE / "not-there") == looks_like("Qwen/Qwen3-0.6B") == looks_like(None) == frozenset()
+
+
+def test_the_roles_table_names_each_commands_own_arguments():
+    """Every label of ROLES is an argument of its command as `--help` names it: a positional one in
+    the usage line, an option among the command's options (and so is a flag in the key)."""
+    for key, roles in ROLES.items():
+        name, *flags = key.split()
+        cmd = main.get_command(None, name)
+        positional = [p.metavar or p.name.upper() for p in cmd.params if isinstance(p, click.Argument)]
+        options = {o for p in cmd.params if isinstance(p, click.Option) for o in p.opts}
+        assert roles.synopsis.split()[0] == name and set(flags) <= set(roles.synopsis.split()), key
+        assert set(flags) <= options, key
+        for label in roles.wants:
+            assert (label in options) if label.startswith("--") else \
+                any(label in m.replace("[", " ").replace("]", " ").split() for m in positional), (key, label)
 
 
 def test_an_alpha_that_contradicts_the_runs_config_warns_with_both_values_and_the_file(tmp_path):

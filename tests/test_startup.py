@@ -1,6 +1,7 @@
-"""`ckpt --help`, `--version`, `inspect` of every format and `verify` without --deep never import torch
-(nor transformers, peft, safetensors, numpy): each runs in a fresh interpreter and sys.modules is
-checked after it. Their wall time is measured by bench/ (docs/benchmarks.md), not asserted here."""
+"""`ckpt --help`, `--version`, `ckpt <command> --help` of every command, `inspect` of every format and
+`verify` never import torch (nor transformers, peft, safetensors, numpy, huggingface_hub): each runs in a
+fresh interpreter and sys.modules is checked after it. Their wall time is measured by bench/
+(docs/benchmarks.md), not asserted here."""
 from __future__ import annotations
 
 import subprocess
@@ -63,6 +64,16 @@ def test_metadata_commands_never_import_torch(name):
     rc, heavy, out = heavy_modules(*CASES[name])
     assert rc == 0 and out
     assert heavy == [], f"{name} imported {heavy}"
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_commands_help_never_imports_torch(command):
+    """A command module imports its op (torch, for most) inside the command function, not at module
+    level: `ckpt <command> --help` only declares options. Over the COMMANDS table, so a new command
+    is covered the day it is registered."""
+    rc, heavy, out = heavy_modules(command, "--help")
+    assert rc == 0 and out.startswith(f"Usage: ckpt {command} "), out[:200]
+    assert heavy == [], f"`ckpt {command} --help` imported {heavy}"
 
 
 def test_inspect_of_a_slim_checkpoint_never_imports_torch(slim_ckpt):

@@ -14,7 +14,7 @@ from .errors import FormatError, UsageError
 __all__ = [
     "DtypeSpec", "SAFETENSORS", "ITEMSIZE", "TORCH_DTYPE_NAMES", "STORAGE_CLASSES", "CLI_SPELLINGS", "SHORT_NAMES",
     "dtype_name", "itemsize", "is_floating", "torch_dtype", "safetensors_code", "from_safetensors_code",
-    "parse_cli_dtype", "short_name", "config_dtype_code", "ShapedBytes",
+    "parse_cli_dtype", "short_name", "config_dtype_code", "ShapedBytes", "EXPONENT_MASKS",
 ]
 
 
@@ -55,6 +55,11 @@ TORCH_DTYPE_NAMES = frozenset({
 })
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
                        "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+
+# IEEE layouts: a value is inf/nan iff all its exponent bits are set (one integer pass, no float decode).
+# The fp8 kinds are not here: e4m3fn has no inf and one NaN pattern per sign, e8m0 no sign.
+EXPONENT_MASKS: dict[str, int] = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000,
+                                  "float64": 0x7FF0000000000000}
 
 # torch.save names a storage by class; the class name carries the dtype.
 STORAGE_CLASSES: dict[str, str] = {

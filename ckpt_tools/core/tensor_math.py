@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from .dtypes import EXPONENT_MASKS, ITEMSIZE, torch_dtype
 from .errors import FormatError
 from .lora_math import check_shapes
 
@@ -106,9 +107,9 @@ def merge_weight_into(out: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, 
     return out
 
 
-# IEEE layouts: a value is inf/nan iff all exponent bits are set (one integer pass, no float decode).
-_EXP_MASKS = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
-              torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+# a value is inf/nan iff all exponent bits are set (core.dtypes.EXPONENT_MASKS): one integer pass
+_EXP_MASKS = {torch_dtype(name): ({2: torch.int16, 4: torch.int32, 8: torch.int64}[ITEMSIZE[name]], mask)
+              for name, mask in EXPONENT_MASKS.items()}
 
 
 def count_nonfinite(t: torch.Tensor) -> int:

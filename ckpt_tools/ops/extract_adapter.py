@@ -10,7 +10,7 @@ whole adapter.
 
 Alpha is not in the checkpoint: it is resolved by `formats.primerl.alpha` (--alpha, --run-config, the
 run's orch.toml) and written as `lora_alpha` such that lora_alpha / r is the scale training used.
-The PEFT dir itself is written by `formats.peft.writer`.
+The PEFT dir itself is written by `formats.peft.writer.write_adapter` (as `ckpt fix-adapter`'s is).
 """
 from __future__ import annotations
 
@@ -20,23 +20,17 @@ from pathlib import Path
 
 from ..core.errors import CkptError, FormatError, UsageError
 from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
-from ..core.progress import Progress, report
+from ..core.progress import Progress
 from ..core.tensor_math import bf16_round
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import tensor_shapes
 from ..formats.peft.writer import OutTensor, peft_config, peft_key, safetensors_file_bytes, target_modules_for, \
-    write_adapter_dir
+    write_adapter
 from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_adapter_configs, run_outputs_dir
 from ..io.inputs import read_json
-from ..io.staging import AtomicOutputDir
 from ..sources.lora import DcpLoraSource
 
 __all__ = ["ExtractOptions", "ExtractPlan", "ExtractReport", "plan_extract", "run_extract"]
-
-# Tensors of the output file are small: reserve this much beyond the exact sizes for the
-# header and adapter_config.json in the disk-space pre-flight.
-_SLACK_BYTES = 1 << 20
-
 
 @dataclass(frozen=True)
 class ExtractOptions:
@@ -71,8 +65,7 @@ class ExtractPlan:
         d = asdict(self)
         d["checkpoint"], d["out"] = str(self.checkpoint), str(self.out)
         d["base_checked"] = str(self.base_checked) if self.base_checked else None
-        d["tensors"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "source": t.source}
-                        for t in self.tensors]
+        d["tensors"] = [t.to_json() for t in self.tensors]
         d["warnings"] = list(self.warnings)
         return d
 
@@ -180,19 +173,11 @@ class ExtractReport:
 
 def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None = None, *,
                 overwrite: bool = False) -> ExtractReport:
-    """Execute `plan` into an AtomicOutputDir: one LoRA tensor in flight (`progress`: one event per tensor)."""
+    """Execute `plan`: one LoRA tensor in flight (`progress`: one event per tensor), OUT written whole or
+    not at all (`write_adapter`)."""
     t0 = time.perf_counter()
     before = src.ckpt.stats.bytes_read
     inputs = [plan.checkpoint] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
-    done = [0]
-
-    def read(t: OutTensor):
-        v = src.read_ref(t.source)
-        done[0] += 1
-        report(progress, "extract", done[0], len(plan.tensors), unit="tensors", name=t.name)
-        return v
-
-    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + _SLACK_BYTES,
-                         overwrite=overwrite) as tmp:
-        size = write_adapter_dir(tmp, list(plan.tensors), read, plan.config)
+    size = write_adapter(plan.out, plan.tensors, lambda t: src.read_ref(t.source), plan.config, inputs=inputs,
+                         overwrite=overwrite, progress=progress, stage="extract")
     return ExtractReport(plan, size, src.ckpt.stats.bytes_read - before, round(time.perf_counter() - t0, 3))

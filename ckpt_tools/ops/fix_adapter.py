@@ -31,15 +31,14 @@ import torch
 from ..core.dtypes import short_name
 from ..core.errors import AlphaError, FormatError, UsageError
 from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
-from ..core.progress import Progress, report
+from ..core.progress import Progress
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import HFModelDir, tensor_shapes
 from ..formats.peft.config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
 from ..formats.peft.writer import OutTensor, peft_config, peft_key, safetensors_file_bytes, target_modules_for, \
-    write_adapter_dir
+    write_adapter
 from ..formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
 from ..io.inputs import check_input, register
-from ..io.staging import AtomicOutputDir
 from ..sources.files import TensorFileSource
 
 __all__ = ["LORA_KEY", "FixOptions", "FixPlan", "FixReport", "plan_fix", "run_fix"]
@@ -96,8 +95,7 @@ class FixPlan:
         d = asdict(self)
         d["src"], d["out"] = str(self.src), str(self.out)
         d["base_checked"] = str(self.base_checked) if self.base_checked else None
-        d["tensors"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "source": t.source}
-                        for t in self.tensors]
+        d["tensors"] = [t.to_json() for t in self.tensors]
         for k in ("fixes", "slots_present", "modules_to_save", "warnings"):
             d[k] = list(d[k])
         return d
@@ -329,14 +327,6 @@ def run_fix(plan: FixPlan, weights: TensorFileSource, progress: Progress | None 
             overwrite: bool = False) -> FixReport:
     t0 = time.perf_counter()
     inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
-    done = [0]
-
-    def read(t: OutTensor):
-        v = weights.read_tensor(t.source)
-        done[0] += 1
-        report(progress, "fix", done[0], len(plan.tensors), unit="tensors", name=t.name)
-        return v
-
-    with AtomicOutputDir(plan.out, inputs=inputs, need_bytes=plan.out_file_bytes + (1 << 20), overwrite=overwrite) as tmp:
-        size = write_adapter_dir(tmp, list(plan.tensors), read, plan.config)
+    size = write_adapter(plan.out, plan.tensors, lambda t: weights.read_tensor(t.source), plan.config, inputs=inputs,
+                         overwrite=overwrite, progress=progress, stage="fix")
     return FixReport(plan, size, round(time.perf_counter() - t0, 3))

@@ -1,33 +1,43 @@
-"""Two sources' tensors compared bitwise, streamed block by block (memory: a few blocks per side).
+"""Two sources' tensors compared bitwise, chunk by chunk (memory: a few chunks per thread).
 
-Same dtype and shape: raw byte comparison (memcmp, no decoding); the next block pair is read ahead by
-two threads while the current one is compared (preadv releases the GIL). Different dtypes: both sides
-upcast exactly to a common dtype (bf16/fp16/fp32 -> fp32, anything with fp64 -> fp64) and compared
-bitwise there, with the statistics of W - W0 (`DeltaStats`, fp64 accumulation). `ckpt diff-vs-base`
-reports these per tensor; `ckpt doctor` asks `identical` of a weights export and its base.
+Every tensor pair is walked in the chunks the statistics fold (`stat_chunks`): blocks of
+`block_bytes`, each cut into STATS_BLOCK_ELEMS elements. Each chunk of each side is read straight
+into this thread's reused buffers (`Scratch`: no allocation, so no page faults, per chunk; the
+buffers stay in the CPU's cache). Same dtype: raw byte comparison first (memcmp, no decoding); at
+the first chunk that differs the statistics take over from there, the identical chunks before it
+folded from BASE alone (all they add is ||W0||^2), so a tensor is read once however it compares.
+Different dtypes: both sides upcast exactly to a common dtype (bf16/fp16/fp32 -> fp32, anything
+with fp64 -> fp64) and compared bitwise there, with the statistics of W - W0 (`DeltaStats`, fp64
+accumulation). `ckpt diff-vs-base` reports these per tensor (its worker threads compare tensors in
+parallel); `ckpt doctor` asks `identical` of a weights export and its base.
+
+The sums are order-sensitive in their low bits: the chunk boundaries (and a dot product per chunk)
+are part of the result, kept as they were when the statistics were defined.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
-from .base import Source
+from .base import Source, TensorFacts
 
-__all__ = ["RAW_BLOCK_BYTES", "BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "DeltaStats", "shared_names", "block_ranges",
-           "paired_blocks", "raw_identical", "stream_stats", "tensors_identical", "identical"]
+__all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch", "ChunkStats", "chunk_stats",
+           "identical_chunk_stats", "DeltaStats", "chunk_map", "shared_names",
+           "block_ranges", "stat_chunks", "chunk_scratch_bytes", "read_chunk", "stream_stats", "tensors_identical",
+           "identical"]
 
-# Bytes per side per block: memory is a few blocks, whatever the tensor size. The identity scan
-# reuses small buffers (they stay in cache: several GB/s from the page cache); decoded statistics
-# use larger blocks to amortize per-op overhead.
-RAW_BLOCK_BYTES = 1 * 2**20
+# Elements per block of a tensor's statistics (`block_bytes` of the wider side), each folded in
+# STATS_BLOCK_ELEMS pieces: 2 MB of fp64 per temporary, which stays in the CPU's cache.
 BLOCK_BYTES = 4 * 2**20
-STATS_BLOCK_ELEMS = 2**18   # 2 MB of fp64 per temporary
+STATS_BLOCK_ELEMS = 2**18
 
 
 def common_dtype(a, b) -> torch.dtype:
@@ -48,6 +58,94 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
 
 
+class Scratch(threading.local):
+    """This thread's reusable buffers, by role: grown to the largest chunk asked for, then reused, so
+    a chunk costs no allocation (a fresh 2 MB tensor per chunk was page faults and most of the time:
+    profiled 5x slower). Each thread of a worker pool has its own; they go when the thread ends."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._bytes: dict[str, dict[int, tuple[bytearray, torch.Tensor]]] = {}
+
+    def tensor(self, role: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `n` elements of this thread's `role` buffer (starting at its aligned start)."""
+        t = self._tensors.get((role, dtype))
+        if t is None or t.numel() < n:
+            t = self._tensors[(role, dtype)] = torch.empty(max(n, 1), dtype=dtype)
+        return t[:n]
+
+    def bytes(self, role: str, n: int) -> tuple[bytearray, torch.Tensor]:
+        """A bytearray of exactly `n` bytes (so that == of two is one memcmp: a slice would be a copy,
+        36x the memcmp at 512 KB) and a uint8 tensor over it. The last few sizes are kept per role:
+        a tensor's full chunks share one size, its last chunk is the odd one."""
+        sizes = self._bytes.setdefault(role, {})
+        got = sizes.pop(n, None)
+        if got is None:
+            buf = bytearray(n)
+            got = (buf, torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8))
+            while len(sizes) >= 4:
+                sizes.pop(next(iter(sizes)))
+        sizes[n] = got   # (most recent last)
+        return got
+
+
+_SCRATCH = Scratch()
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class ChunkStats:
+    """One chunk's share of the statistics (computed on any thread; folded in chunk order)."""
+    numel: int
+    changed: int = 0
+    base_sq: float = 0.0
+    delta_sq: float = 0.0
+    nonfinite: int = 0
+    max_abs: float = 0.0
+    finite: bool = True          # W and W0 hold no inf/nan in this chunk
+
+
+def _base_sq(w0: torch.Tensor) -> float:
+    b64 = _SCRATCH.tensor("b64", w0.numel(), torch.float64)
+    b64.copy_(w0)
+    return float(torch.dot(b64, b64)) if b64.numel() else 0.0
+
+
+def identical_chunk_stats(w0: torch.Tensor) -> ChunkStats:
+    """A chunk known to be bitwise equal on both sides: all it adds is ||W0||^2 (BASE alone)."""
+    base_sq = _base_sq(w0)
+    return ChunkStats(w0.numel(), base_sq=base_sq, finite=math.isfinite(base_sq))
+
+
+def chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
+    """One chunk pair (same dtype, 1-D, at most STATS_BLOCK_ELEMS: one dot product per sum)."""
+    n = w.numel()
+    xor = _SCRATCH.tensor("xor", n, bits(w).dtype)
+    torch.bitwise_xor(bits(w), bits(w0), out=xor)   # (10x faster than != and a bool count)
+    n_changed = int(torch.count_nonzero(xor))
+    base_sq = _base_sq(w0)
+    if not n_changed:
+        return ChunkStats(n, base_sq=base_sq, finite=math.isfinite(base_sq))
+    b64 = _SCRATCH.tensor("b64", n, torch.float64)   # W0 in fp64, as _base_sq left it
+    d = _SCRATCH.tensor("d64", n, torch.float64)
+    d.copy_(w)
+    d.sub_(b64)
+    delta_sq = float(torch.dot(d, d))
+    nonfinite, finite = 0, math.isfinite(delta_sq) and math.isfinite(base_sq)
+    if not finite:
+        # rare: inf/nan somewhere; count them and keep the statistics over the finite part
+        isfin = torch.isfinite(d)
+        nonfinite = int(d.numel() - torch.count_nonzero(isfin))
+        d = torch.where(isfin, d, torch.zeros((), dtype=torch.float64))
+        delta_sq = float(torch.dot(d, d))
+        b64 = w0.to(torch.float64)
+        b64 = torch.where(torch.isfinite(b64), b64, torch.zeros((), dtype=torch.float64))
+        base_sq = float(torch.dot(b64, b64))
+    lo, hi = torch.aminmax(d)
+    return ChunkStats(n, n_changed, base_sq, delta_sq, nonfinite, max(abs(float(lo)), abs(float(hi))), finite)
+
+
 @dataclass
 class DeltaStats:
     """Streaming statistics of W - W0 (fp64 accumulation)."""
@@ -63,35 +161,21 @@ class DeltaStats:
         then stay in the CPU's cache (profiled at 0.6B: 87% of diff-vs-base was these passes over 4 MB
         blocks, memory-bound; 2-3x faster in cache-sized pieces)."""
         for s in range(0, w.numel(), STATS_BLOCK_ELEMS):
-            self._add(w[s:s + STATS_BLOCK_ELEMS], w0[s:s + STATS_BLOCK_ELEMS])
+            self.fold(chunk_stats(w[s:s + STATS_BLOCK_ELEMS], w0[s:s + STATS_BLOCK_ELEMS]))
         if not w.numel():
-            self._add(w, w0)
+            self.fold(chunk_stats(w, w0))
 
-    def _add(self, w: torch.Tensor, w0: torch.Tensor) -> None:
-        self.numel += w.numel()
-        n_changed = int(torch.count_nonzero(bits(w) != bits(w0)))
-        b64 = w0.to(torch.float64)
-        base_sq = float(torch.dot(b64, b64)) if b64.numel() else 0.0
-        if not n_changed:
-            self.sum_sq_base += base_sq
+    def fold(self, c: ChunkStats) -> None:
+        """Add the next chunk's share (in chunk order: the float sums' low bits depend on it)."""
+        self.numel += c.numel
+        if not c.changed:
+            self.sum_sq_base += c.base_sq
             return
-        self.changed += n_changed
-        d = w.to(torch.float64).sub_(b64)
-        del b64
-        delta_sq = float(torch.dot(d, d))
-        if not (math.isfinite(delta_sq) and math.isfinite(base_sq)):
-            # rare: inf/nan somewhere; count them and keep the statistics over the finite part
-            finite = torch.isfinite(d)
-            self.nonfinite += int(d.numel() - torch.count_nonzero(finite))
-            d = torch.where(finite, d, torch.zeros((), dtype=torch.float64))
-            delta_sq = float(torch.dot(d, d))
-            b64 = w0.to(torch.float64)
-            b64 = torch.where(torch.isfinite(b64), b64, torch.zeros((), dtype=torch.float64))
-            base_sq = float(torch.dot(b64, b64))
-        lo, hi = torch.aminmax(d)
-        self.max_abs = max(self.max_abs, abs(float(lo)), abs(float(hi)))
-        self.sum_sq_base += base_sq
-        self.sum_sq_delta += delta_sq
+        self.changed += c.changed
+        self.nonfinite += c.nonfinite
+        self.max_abs = max(self.max_abs, c.max_abs)
+        self.sum_sq_base += c.base_sq
+        self.sum_sq_delta += c.delta_sq
 
     @property
     def rel_fro(self) -> float:
@@ -103,62 +187,88 @@ class DeltaStats:
         return math.sqrt(self.sum_sq_delta) / math.sqrt(self.sum_sq_base)
 
 
-def paired_blocks(weights: Source, base: Source, spans: list[tuple[int, int]], read) -> Iterator[tuple]:
-    """Yield read(src, start, n) for both sides over `spans`, the next pair read ahead by two
-    threads while the caller works on the current one (preadv releases the GIL). Memory: 2 pairs."""
-    ranges = spans
-    if len(ranges) <= 1:
-        for s, n in ranges:
-            yield read(weights, s, n), read(base, s, n)
-        return
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-diff-read")
-    try:
-        def submit(r):
-            return pool.submit(read, weights, *r), pool.submit(read, base, *r)
-
-        pending = submit(ranges[0])
-        for i in range(len(ranges)):
-            cur = pending
-            if i + 1 < len(ranges):
-                pending = submit(ranges[i + 1])
-            yield cur[0].result(), cur[1].result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
 def block_ranges(total: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(block, total - s)) for s in range(0, total, block)]
 
 
-def raw_identical(weights: Source, base: Source, name: str, nbytes: int, block_bytes: int) -> bool:
-    block = min(block_bytes, RAW_BLOCK_BYTES)
-    spans = block_ranges(nbytes, block)
-    # two buffer sets, alternating: pair i+1 is read ahead while pair i is compared
-    bufs = {id(weights): [bytearray(block), bytearray(block)], id(base): [bytearray(block), bytearray(block)]}
-
-    def read(src, s, n):
-        buf = bufs[id(src)][s // block % 2]
-        src.read_span(name, s, memoryview(buf)[:n])
-        return buf if n == block else buf[:n]   # (memoryview == is item by item: 60x slower)
-
-    for x, y in paired_blocks(weights, base, spans, read):
-        if x != y:   # memcmp of two bytearrays
-            return False
-    return True
+def stat_chunks(numel: int, block_elems: int) -> Iterator[tuple[int, int]]:
+    """The element ranges the statistics fold, in order: blocks of `block_elems`, each cut into
+    STATS_BLOCK_ELEMS pieces (each a dot product: other boundaries change the sums' low bits)."""
+    for b, n in block_ranges(numel, max(1, block_elems)):
+        for s in range(b, b + n, STATS_BLOCK_ELEMS):
+            yield s, min(STATS_BLOCK_ELEMS, b + n - s)
 
 
-def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BLOCK_BYTES) -> DeltaStats:
-    """The statistics of W - W0 for tensor `name` of both sources (same shape), in the common dtype."""
+def chunk_scratch_bytes(*itemsizes: int) -> int:
+    """What one thread's `Scratch` holds at most for chunked comparisons of sides with these item
+    sizes: a chunk of each side's bytes and its upcast, the xors, two fp64 temporaries."""
+    widest = max(itemsizes, default=8)
+    return STATS_BLOCK_ELEMS * (3 * sum(itemsizes) + 2 * widest + 16)
+
+
+def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -> tuple[bytearray, torch.Tensor]:
+    """Elements [start, start + n) of `facts.name` into this thread's `role` buffer: (the bytearray,
+    a tensor of the tensor's dtype over its first n elements)."""
+    nbytes = n * facts.itemsize
+    raw, u8 = _SCRATCH.bytes(role, nbytes)
+    if nbytes:
+        src.read_span(facts.name, start * facts.itemsize, raw)
+    return raw, u8.view(torch_dtype(facts.dtype))
+
+
+def _same_bytes(a: bytearray, b: bytearray) -> bool:
+    # bytearray == bytearray is one memcmp (memoryview == compares item by item: 60x slower; torch.equal 40x)
+    return a == b
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype, role: str) -> torch.Tensor:
+    if t.dtype == dtype:
+        return t
+    out = _SCRATCH.tensor(role, t.numel(), dtype)
+    out.copy_(t)   # exact upcast
+    return out
+
+
+def chunk_map(pool: Executor | None, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """[fn(x) for x in items], on `pool`'s threads when given (in order; chunks are independent). With
+    a pool, every chunk runs there, so only the pool's threads hold chunk buffers."""
+    if pool is None:
+        return [fn(x) for x in items]
+    return list(pool.map(fn, items))
+
+
+def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BLOCK_BYTES, *,
+                 skip_identical: bool = False, pool: Executor | None = None) -> DeltaStats:
+    """The statistics of W - W0 for tensor `name` of both sources (same shape), in the common dtype,
+    its chunks on `pool`'s threads. `skip_identical` (same dtypes): each chunk's raw bytes compared
+    first; an identical pair's statistics are only its numel, and if some chunks differ, the equal
+    ones are folded from BASE alone."""
     fw, fb = weights.facts(name), base.facts(name)
     ct = common_dtype(fw.dtype, fb.dtype)
-    block = max(1, block_bytes // max(fw.itemsize, fb.itemsize))
+    chunks = list(stat_chunks(fw.numel, block_bytes // max(fw.itemsize, fb.itemsize)))
+    if skip_identical and fw.dtype == fb.dtype:
+        def raw(c: tuple[int, int]) -> ChunkStats | None:
+            xw, w = read_chunk(weights, fw, *c, "w")
+            xb, w0 = read_chunk(base, fb, *c, "w0")
+            return None if _same_bytes(xw, xb) else chunk_stats(w, w0)
 
-    def read(src, s, n):
-        return src.read_elems(name, s, n).to(ct)
+        parts = chunk_map(pool, raw, chunks)
+        same = [i for i, part in enumerate(parts) if part is None]
+        if len(same) == len(chunks):
+            return DeltaStats(numel=fw.numel)
+        for i, part in zip(same, chunk_map(pool, lambda c: identical_chunk_stats(read_chunk(base, fb, *c, "w0")[1]),
+                                           [chunks[i] for i in same])):
+            parts[i] = part
+    else:
+        def upcast(c: tuple[int, int]) -> ChunkStats:
+            w = _as(read_chunk(weights, fw, *c, "w")[1], ct, "w_ct")
+            w0 = _as(read_chunk(base, fb, *c, "w0")[1], ct, "w0_ct")
+            return chunk_stats(w, w0)
 
+        parts = chunk_map(pool, upcast, chunks)
     st = DeltaStats()
-    for w, w0 in paired_blocks(weights, base, block_ranges(fw.numel, block), read):
-        st.add(w, w0)
+    for part in parts:
+        st.fold(part)
     return st
 
 
@@ -174,14 +284,12 @@ def shared_names(weights: Source, base: Source) -> list[str]:
 
 
 def tensors_identical(weights: Source, base: Source, name: str, block_bytes: int = BLOCK_BYTES) -> tuple[bool, DeltaStats | None]:
-    """(bitwise identical after exact upcast?, the statistics when they had to be computed). Shapes that
-    differ are not identical (no statistics)."""
+    """(bitwise identical after exact upcast?, the statistics). Shapes that differ are not identical
+    (no statistics). One read of each side (`stream_stats(skip_identical=True)`)."""
     fw, fb = weights.facts(name), base.facts(name)
     if fw.shape != fb.shape:
         return False, None
-    if fw.dtype == fb.dtype and raw_identical(weights, base, name, fw.nbytes, block_bytes):
-        return True, DeltaStats(numel=fw.numel)
-    st = stream_stats(weights, base, name, block_bytes)
+    st = stream_stats(weights, base, name, block_bytes, skip_identical=True)
     return not st.changed, st
 
 

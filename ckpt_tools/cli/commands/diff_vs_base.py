@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from ... import dist
 from ...core.units import human_bytes
-from ...ops.diff import EXIT_DIFFERS, SAME, SKIPPED, DiffOptions, DiffReport, open_diff_sources, plan_diff, run_diff
+from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
+
+if TYPE_CHECKING:   # the op imports torch: its names are imported where the command runs
+    from ...ops.diff import DiffReport
 
 __all__ = ["command", "render"]
 
@@ -45,6 +49,9 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     Example:
       ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
     """
+    check_roles("diff-vs-base", {"WEIGHTS": weights, "BASE": base, "--adapter": adapter})
+    # the op imports torch: imported here, so `ckpt diff-vs-base --help` stays torch-free (tests/test_startup.py)
+    from ...ops.diff import EXIT_DIFFERS, DiffOptions, open_diff_sources, plan_diff, run_diff
     warn_trust(trust_pickle)
     options = DiffOptions(None if adapter is None else str(adapter), alpha,
                           None if run_config is None else str(run_config), targeted_only, trust_pickle)
@@ -70,6 +77,7 @@ def _fmt(x) -> str:
 
 
 def render(r: DiffReport, top: int) -> None:
+    from ...ops.diff import SAME, SKIPPED
     p = r.plan
     click.echo(f"WEIGHTS {p.weights['label']} ({p.weights['kind']}, {p.weights['tensors']} tensors, "
                f"{'/'.join(p.weights['dtypes'])})")

@@ -8,7 +8,7 @@ import click
 from ...core.progress import ProgressEvent
 from ...core.units import human_bytes
 from ...io.signals import Terminated
-from ...ops.gc import gc
+from ..mistakes import check_roles
 from ..options import InputPath, dry_run_option, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, json_errors, warn, warn_trust
@@ -43,6 +43,9 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
     Example:
       ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
     """
+    check_roles("gc", {"CHECKPOINTS_DIR": checkpoints, "--base": base})
+    # the op imports torch: imported here, so `ckpt gc --help` stays torch-free (tests/test_startup.py)
+    from ...ops.gc import gc
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal(not as_json)
 

@@ -10,7 +10,6 @@ from ... import dist
 from ...core.errors import CkptError, UsageError
 from ...core.units import human_bytes, human_bytes_si, human_number
 from ...io.signals import install_signal_handlers
-from ...ops.merge import MergeOptions, MergeReport, check_output, open_merge_sources, plan_merge, run_merge
 from ..flow import finish
 from ..mistakes import check_roles
 from ..options import ModelPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
@@ -61,6 +60,8 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
     Example:
       ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
     """
+    # the op imports torch: imported here, so `ckpt merge --help` stays torch-free (tests/test_startup.py)
+    from ...ops.merge import MergeOptions, open_merge_sources, plan_merge, run_merge
     warn_trust(trust_pickle)
     if len(paths) == 3:
         base, adapter, out = paths
@@ -77,7 +78,11 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
     # a missing path is "no such file or directory: P" (exit 2), whichever argument it is; a hub id is
     # looked up in the local HF cache
     adapter = ModelPath().convert(adapter, None, None)
-    check_roles("merge", {"BASE": (base, ("hf",)), "ADAPTER": (adapter, ("peft", "dcp"))})
+    if base_from_checkpoint:
+        check_roles("merge --base-from-checkpoint",
+                    {"BASE": base, "ADAPTER": adapter, "OUT": out, "--config-from": config_from})
+    else:
+        check_roles("merge", {"BASE": base, "ADAPTER": adapter, "OUT": out})
     with open_merge_sources(base, adapter, options) as sources:
         plan = plan_merge(sources, options)
         report = dry_run_or_run(plan, sources, out, run_merge, dry_run=dry_run, as_json=as_json, overwrite=overwrite)
@@ -90,6 +95,7 @@ def dry_run_or_run(plan, sources, out, run, *, dry_run: bool, as_json: bool, ove
     """A merge-contract plan (merge, export): a dry run rendered and finished here (returns None), or the
     real run with the progress line, under torchrun's group (returns its report, for the caller's
     `finish`)."""
+    from ...ops.merge import MergeReport, check_output
     if dry_run:
         try:
             check_output(plan, out, overwrite=overwrite)

@@ -6,8 +6,8 @@ from pathlib import Path
 import click
 
 from ...core.units import human_bytes, human_number
-from ...workflows.restart_prep import restart_prep
 from ..flow import finish
+from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
@@ -53,6 +53,10 @@ def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: st
       ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B \\
         --lr 5e-6 --config rl.toml
     """
+    check_roles("restart-prep", {"RUN_OR_CKPT": run_or_ckpt, "--base": base})
+    # the workflow imports torch: imported here, so `ckpt restart-prep --help` stays torch-free
+    # (tests/test_startup.py)
+    from ...workflows.restart_prep import restart_prep
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal()
     try:

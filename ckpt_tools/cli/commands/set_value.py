@@ -5,7 +5,6 @@ from pathlib import Path
 
 import click
 
-from ...ops.set_lr import set_values
 from ..flow import finish
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -34,6 +33,8 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
     Example:
       ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
     """
+    # the op imports torch: imported here, so `ckpt set --help` stays torch-free (tests/test_startup.py)
+    from ...ops.set_lr import set_values
     warn_trust(trust_pickle)
     result = set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle)
     finish(result, as_json, lambda r: _render(r, dry_run))

@@ -9,6 +9,7 @@ from ... import dist
 from ...core.units import human_bytes
 from ...core.problems import group_problems
 from ...ops.verify import VerifyOptions, VerifyReport, plan_verify, run_verify
+from ..mistakes import check_roles
 from ..options import ModelPath, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
@@ -37,6 +38,8 @@ def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_jso
     Example:
       ckpt verify outputs/checkpoints/step_95/trainer --deep
     """
+    if base is not None:
+        check_roles("verify --base", {"PATH": path, "--base": base})
     warn_trust(trust_pickle)
     plan = plan_verify(path, VerifyOptions(deep, base, trust_pickle))
     progress = ProgressLine.for_terminal(not as_json)

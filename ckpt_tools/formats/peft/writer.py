@@ -1,11 +1,12 @@
 """PEFT adapter dirs written by us: `adapter_model.safetensors` (keys `base_model.model.<module>.lora_A/B.weight`,
 one tensor in flight) and an `adapter_config.json` in PEFT's own layout (`peft_config`), loadable as is
-by PEFT and vLLM. Used by `ckpt extract-adapter` and `ckpt fix-adapter`."""
+by PEFT and vLLM. `write_adapter` is the one way both `ckpt extract-adapter` and `ckpt fix-adapter`
+write one: staged beside OUT, streamed, renamed into place when complete."""
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,14 +15,20 @@ import torch
 from ...core.dtypes import SHORT_NAMES, itemsize, torch_dtype
 from ...core.errors import FormatError
 from ...core.keys import peft_target
+from ...core.progress import Progress, report
 from ...io.files import write_new_file
+from ...io.staging import AtomicOutputDir
 from ..safetensors.writer import StreamingSafetensorsWriter, build_header
 from .config import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
 
 __all__ = ["PEFT_CONFIG_DEFAULTS", "SAFETENSORS_METADATA", "peft_key", "peft_config", "config_json",
-           "target_modules_for", "OutTensor", "safetensors_file_bytes", "write_adapter_dir"]
+           "target_modules_for", "OutTensor", "safetensors_file_bytes", "write_adapter"]
 
 SAFETENSORS_METADATA = {"format": "pt"}
+
+# The tensors of an adapter are small: reserve this much beyond their exact bytes for the header and
+# adapter_config.json in the disk-space pre-flight.
+_SLACK_BYTES = 1 << 20
 
 # adapter_config.json as PEFT's own `LoraConfig(...).to_dict()` writes it (the field set of the
 # fixture's reference_peft_adapter, written by the peft library), with our values filled in by
@@ -109,17 +116,40 @@ class OutTensor:
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(SHORT_NAMES[self.dtype])
 
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "source": self.source}
+
 
 def safetensors_file_bytes(tensors: list[OutTensor]) -> int:
     entries = [(t.name, SHORT_NAMES[t.dtype], t.shape) for t in tensors]
     return len(build_header(entries, SAFETENSORS_METADATA)) + sum(t.nbytes for t in tensors)
 
 
-def write_adapter_dir(directory: Path, tensors: list[OutTensor], read: Callable[[OutTensor], torch.Tensor],
-                      config: dict) -> int:
-    """Write adapter_model.safetensors (tensors in the given order, which callers sort by name)
-    and adapter_config.json into `directory`; `read` returns one tensor at a time. Returns the
-    safetensors file size."""
+def write_adapter(out: Path, tensors: Sequence[OutTensor], read: Callable[[OutTensor], torch.Tensor], config: dict,
+                  *, inputs: list[Path], overwrite: bool = False, progress: Progress | None = None, stage: str) -> int:
+    """Write the PEFT adapter dir `out`: adapter_model.safetensors (tensors in the given order, which
+    callers sort by name; `read` returns one at a time, cast to its planned dtype here) and
+    adapter_config.json from `config`. Staged in an `AtomicOutputDir` (disk space checked first; OUT
+    may not be or hold any of `inputs`; replaced only under `overwrite`) and renamed into place when
+    complete. `progress` gets one `stage` event per tensor. Returns the safetensors file size."""
+    tensors = list(tensors)
+    done = 0
+
+    def read_counted(t: OutTensor) -> torch.Tensor:
+        nonlocal done
+        value = read(t)
+        done += 1
+        report(progress, stage, done, len(tensors), unit="tensors", name=t.name)
+        return value
+
+    need = safetensors_file_bytes(tensors) + _SLACK_BYTES
+    with AtomicOutputDir(out, inputs=inputs, need_bytes=need, overwrite=overwrite) as tmp:
+        size = _write_files(tmp, tensors, read_counted, config)
+    return size
+
+
+def _write_files(directory: Path, tensors: list[OutTensor], read: Callable[[OutTensor], torch.Tensor],
+                 config: dict) -> int:
     entries = [(t.name, SHORT_NAMES[t.dtype], t.shape) for t in tensors]
     with StreamingSafetensorsWriter(directory / SAFETENSORS_NAME, entries, SAFETENSORS_METADATA) as w:
         for t in tensors:

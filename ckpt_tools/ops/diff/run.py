@@ -3,20 +3,23 @@ exactly BASE + the LoRA?
 
 Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
 marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
-before any tensor byte is read. `run_diff` then streams one tensor pair at a time:
+before any tensor byte is read. `run_diff` then compares the pairs on this rank's workers, each
+pair in chunks (`sources.compare.stat_chunks`) spread over one pool of chunk workers, so a big
+tensor uses every core; every side is read once:
 
-- same dtype and shape: raw byte comparison in blocks (memcmp, no decoding). Identical tensors cost
-  one read of each side. A tensor that differs is read again, decoded block by block, for its
-  statistics (fp64 accumulation);
+- same dtype and shape: raw byte comparison per chunk (memcmp, no decoding); the chunks that differ
+  give the statistics of W - W0 (fp64 accumulation), the equal ones only ||W0||^2;
 - different dtypes, same shape: both sides are upcast exactly to a common dtype (bf16/fp16/fp32 ->
-  fp32, anything with fp64 -> fp64) block by block and compared bitwise there. A prime-rl DCP's fp32
+  fp32, anything with fp64 -> fp64) chunk by chunk and compared bitwise there. A prime-rl DCP's fp32
   base weights therefore come out "identical after upcast" to the bf16 hub model;
 - different shapes: reported, not compared.
 
-With an adapter, each targeted tensor is read whole on both sides and compared with
+With an adapter, each targeted tensor is compared with
 `lora_math.merge_weight(W0, A, B, s, out_dtype=WEIGHTS dtype)` = round(W0_32 + s*B32@A32), the
-one rounding every ckpt-tools merge does; the distance is reported in ulps. Untargeted tensors must
-be unchanged.
+one rounding every ckpt-tools merge does, its one whole temporary P = B@A (one matmul: the merge's
+bits), the rest chunk by chunk; the distance is reported in ulps. Untargeted tensors must be
+unchanged. Memory: a byte budget (`WORKING_BUDGET_BYTES`) that each unit acquires its working set
+from (`core.budget.ByteBudget`): small units run wide, P of a big one waits until it fits.
 
 Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is bitwise identical
 (after exact upcast), else ADAPTER_MISMATCH (4) when an adapter check failed, else DIFFERS (0).
@@ -24,17 +27,24 @@ Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is b
 from __future__ import annotations
 
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ...core.dtypes import dtype_name
+from ...core.budget import ByteBudget
+from ...core.dtypes import dtype_name, torch_dtype
+from ...core.lora_math import check_shapes
 from ...core.progress import Progress, report
 from ...core.tensor_math import merge_weight_into, ulps_apart
 from ...dist import Group, SoloGroup, local_workers, map_units
-from ...sources.compare import BLOCK_BYTES, DeltaStats, bits, common_dtype, raw_identical, stream_stats
+from ...sources.compare import (
+    BLOCK_BYTES, ChunkStats, DeltaStats, Scratch, bits, chunk_map, chunk_scratch_bytes, chunk_stats, common_dtype,
+    read_chunk, stat_chunks, stream_stats,
+)
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
     SHAPE_CHANGED, SKIPPED, TARGETED, UNTARGETED, DiffOptions, DiffPlan, DiffSources, PairPlan, open_diff_sources,
@@ -133,37 +143,128 @@ def _status(p: PairPlan, st: DeltaStats) -> str:
     return IDENTICAL if p.weights.dtype == p.base.dtype else IDENTICAL_UPCAST
 
 
-def _compare_streaming(weights, base, p: PairPlan, block_bytes: int) -> TensorDiff:
+def _compare_streaming(weights, base, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
     if p.mode == "shape":
         return _result(p, SHAPE_CHANGED, None)
-    if p.mode == "raw" and raw_identical(weights, base, p.name, p.weights.nbytes, block_bytes):
-        st = DeltaStats(numel=p.weights.numel)
-        return _result(p, IDENTICAL, st)
-    st = stream_stats(weights, base, p.name, block_bytes)
+    st = stream_stats(weights, base, p.name, block_bytes, skip_identical=p.mode == "raw", pool=pool)
     return _result(p, _status(p, st), st)
+
+
+_SCRATCH = Scratch()
+
+
+class _Products:
+    """fp32 buffers for P = B @ A, reused across units: a fresh 200 MB tensor per mlp projection at 8B
+    was 50k page faults, and freed ones fragment malloc's arenas (RSS 25% over the budget at 0.6B).
+    The buffers in use are what the budget admitted; the idle ones are kept only while in use + idle
+    stays within the budget's limit, so all of them together never exceed it (or one unit's own)."""
+
+    def __init__(self, budget: ByteBudget):
+        self._budget = budget
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        n = rows * cols
+        with self._lock:
+            fits = [i for i, t in enumerate(self._idle) if n <= t.numel() <= 2 * n]
+            if fits:
+                buf = self._idle.pop(min(fits, key=lambda i: self._idle[i].numel()))
+                return buf[:n].view(rows, cols)   # (from its start: the same alignment as a fresh tensor)
+            while self._idle and self._idle_bytes() + self._budget.held > self._budget.limit:
+                self._idle.pop(0)
+        return torch.empty(rows, cols, dtype=torch.float32)
+
+    def give(self, t: torch.Tensor) -> None:
+        base = t._base if t._base is not None else t
+        with self._lock:
+            if self._idle_bytes() + base.numel() * 4 + self._budget.held <= self._budget.limit:
+                self._idle.append(base.reshape(-1))
+
+    def _idle_bytes(self) -> int:
+        return sum(t.numel() * 4 for t in self._idle)
+
+
+def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int, pool,
+                              products: _Products) -> TensorDiff:
+    """A targeted tensor checked chunk by chunk, the chunks on `pool`'s threads: P = B32 @ A32 is the
+    one whole temporary (one full matmul, as `merge_weight_into` does: row blocks of it would change
+    its low bits); W and W0 are read once, chunk by chunk, each chunk's share of the statistics of
+    W - W0 computed and its W compared with its chunk of round(W0_32 + s*P): the elementwise
+    operations of `merge_weight_into` in its order (elementwise: the chunking cannot change a bit).
+    Memory: P and a few chunks per thread, where the whole-tensor check held W, W0, P and the merge."""
+    spec = lora.modules[p.module]
+    check_shapes(tuple(p.base.shape), tuple(spec.a_shape), tuple(spec.b_shape), name=p.name)
+    a, b = lora.read_pair(p.module)
+    a32, b32 = a.to(torch.float32), b.to(torch.float32)
+    prod_2d = products.take(b32.shape[0], a32.shape[1])
+    torch.matmul(b32, a32, out=prod_2d)   # (out=: bit for bit `b32 @ a32`, as merge_weight_into's scratch)
+    prod = prod_2d.reshape(-1)
+    fw, fb = p.weights, p.base
+    ct, out_dtype = common_dtype(fw.dtype, fb.dtype), torch_dtype(fw.dtype)
+
+    def check(c: tuple[int, int]) -> tuple[ChunkStats, int, int, bool]:
+        s, n = c
+        w = read_chunk(weights, fw, s, n, "w")[1]
+        w0 = read_chunk(base, fb, s, n, "w0")[1]
+        part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
+        d = prod[s:s + n]
+        d.mul_(spec.scale)            # s * P, rounded as in lora_delta
+        d.add_(w0)                    # + W32 (exact upcast)
+        e = _SCRATCH.tensor("expected", n, out_dtype)
+        e.copy_(d)                    # the one rounding to W's dtype
+        x = _SCRATCH.tensor("xor_expected", n, bits(w).dtype)
+        torch.bitwise_xor(bits(w), bits(e), out=x)
+        off = int(torch.count_nonzero(x))
+        # the merge refuses a non-finite result: equal to a finite W, it is finite; else look
+        finite = (part.finite and not off) or not e.is_floating_point() or bool(torch.isfinite(e).all())
+        ulps = int(ulps_apart(w, e).max()) if off and w.dtype.is_floating_point else 0
+        return part, off, ulps, finite
+
+    st, off, max_ulps, finite = DeltaStats(), 0, 0, True
+    for part, k, ulps, ok in chunk_map(pool, check, list(stat_chunks(fw.numel, max(1, block_bytes // 8)))):
+        st.fold(part)
+        off, max_ulps, finite = off + k, max(max_ulps, ulps), finite and ok
+    del prod
+    products.give(prod_2d)
+    if not finite:   # the merge would refuse it: the whole-tensor merge raises its error, naming the tensor
+        merge_weight_into(torch.empty(fw.shape, dtype=out_dtype), base.read_tensor(p.name), a, b, spec.scale,
+                          name=p.name)
+    td = _result(p, _status(p, st), st)
+    td.adapter_check = {"expected": f"round_{dtype_name(out_dtype)}(W0 + {spec.scale:g} * B @ A)",
+                        "module": p.module, "rank": spec.rank, "scale": spec.scale}
+    td.adapter_check.update(_ulps_result(off, max_ulps, out_dtype.is_floating_point))
+    return td
+
+
+def _ulps_result(off: int, max_ulps: int, floating: bool) -> dict:
+    if not off:
+        return {"ok": True, "max_ulps": 0, "elements_off": 0}
+    return {"ok": False, "max_ulps": max_ulps if floating else None, "elements_off": off}
 
 
 def _ulps_check(w: torch.Tensor, expected: torch.Tensor, block_elems: int) -> dict:
     """Bitwise equality first (one cheap pass); the ulps distance only where they differ, in blocks."""
     fw, fe = w.reshape(-1), expected.reshape(-1)
     off = int(torch.count_nonzero(bits(fw) != bits(fe)))
-    if not off:
-        return {"ok": True, "max_ulps": 0, "elements_off": 0}
-    if not w.dtype.is_floating_point:
-        return {"ok": False, "max_ulps": None, "elements_off": off}
     max_ulps = 0
-    for s in range(0, fw.numel(), block_elems):
-        max_ulps = max(max_ulps, int(ulps_apart(fw[s:s + block_elems], fe[s:s + block_elems]).max()))
-    return {"ok": False, "max_ulps": max_ulps, "elements_off": off}
+    if off and w.dtype.is_floating_point:
+        for s in range(0, fw.numel(), block_elems):
+            max_ulps = max(max_ulps, int(ulps_apart(fw[s:s + block_elems], fe[s:s + block_elems]).max()))
+    return _ulps_result(off, max_ulps, w.dtype.is_floating_point)
 
 
-def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int) -> TensorDiff:
-    """Targeted / replaced tensors: both read whole (the merge's matmul needs them whole)."""
+def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool,
+                          products: _Products) -> TensorDiff:
+    """Targeted / replaced tensors. A targeted one streams (`_check_targeted_streaming`); a replaced
+    one (modules_to_save) and a fan_in_fan_out one are read whole on both sides."""
     if p.mode == "shape":
         td = _result(p, SHAPE_CHANGED, None)
         td.adapter_check = {"ok": False, "expected": "same shape as BASE",
                             "problem": f"shape {list(p.weights.shape)} != BASE {list(p.base.shape)}"}
         return td
+    if p.role == TARGETED and not lora.modules[p.module].fan_in_fan_out:
+        return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool, products)
     w = weights.read_tensor(p.name)
     w0 = base.read_tensor(p.name)
     st = _whole_stats(w, w0, max(1, block_bytes // 8))
@@ -250,16 +351,31 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
     return "differs", EXIT_DIFFERS, text, adapter_summary
 
 
-# Tensors compared at once on a rank: as many threads as its cores (`dist.local_workers`), fewer when
-# whole tensors are held (an adapter check holds W, W0 and the expected merge: ~8x the bf16 bytes) so
-# that the working set stays under this budget: peak RSS under 1 GiB at any model size.
+# The working set of a rank: what its units hold at once, whatever the model size (peak RSS under
+# 1 GiB: this, torch itself and the reads in flight). Each unit acquires its own estimate from it
+# (`core.budget.ByteBudget`), so the small units run on every worker while a big adapter check waits
+# until its bytes fit; each worker's chunk buffers are set aside from it first.
 WORKING_BUDGET_BYTES = 640 * 2**20
 
 
-def _working_bytes(p: PairPlan, block_bytes: int) -> int:
-    if p.read and p.role in (TARGETED, REPLACED):
-        return 8 * max(p.weights.nbytes, p.base.nbytes)
-    return 8 * block_bytes   # paired_blocks: two blocks in flight per side, and their fp64 temporaries
+def _scratch_bytes(p: PairPlan) -> int:
+    return chunk_scratch_bytes(p.weights.itemsize, p.base.itemsize)   # (+ the expected merge's chunk: W's size)
+
+
+def _working_bytes(p: PairPlan, lora) -> int:
+    """What unit `p` holds beyond its worker's chunk buffers, honestly counted."""
+    if not p.read or p.mode == "shape":
+        return 0
+    if p.role not in (TARGETED, REPLACED):
+        return 0   # streamed: the worker's chunk buffers only
+    numel, whole = p.weights.numel, p.weights.nbytes + p.base.nbytes
+    if p.role == TARGETED:
+        spec = lora.modules[p.module]
+        factors = 8 * (math.prod(spec.a_shape) + math.prod(spec.b_shape))   # A, B and their fp32 copies
+        if not spec.fan_in_fan_out:
+            return 4 * numel + factors                                        # P = B @ A, fp32
+        return whole + 4 * numel + p.weights.nbytes + numel + factors         # W, W0, P, the merge, the xor
+    return whole + 4 * numel + p.weights.nbytes + numel   # W, W0, the adapter's tensor (<= fp32) as W, the xor
 
 
 def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = None, *,
@@ -270,10 +386,16 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     weights, base, lora = sources.weights, sources.base, sources.lora
     t0 = time.perf_counter()
     total = len(plan.pairs)
-    most = max((_working_bytes(p, block_bytes) for p in plan.pairs), default=1)
-    threads = max(1, min(local_workers(), WORKING_BUDGET_BYTES // max(1, most)))
+    threads = local_workers()
     if any(src.extents(p.name) is None for p in plan.pairs if p.read for src in (weights, base)):
         threads = 1   # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
+    # Two levels: `threads` units in flight (map_units), and their chunks on one pool of `threads`
+    # workers, so a single big tensor uses every core and the units' working sets (the adapter
+    # check's P) are what the byte budget admits. Only the pool's workers hold chunk buffers.
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks") if threads > 1 else None
+    scratch = max((_scratch_bytes(p) for p in plan.pairs), default=0)
+    budget = ByteBudget(max(1, WORKING_BUDGET_BYTES - threads * scratch))
+    products = _Products(budget)
     state = {"done": 0, "bytes": 0}
     # the bytes both sides hold, for the progress line's bytes, rate and ETA (what the reads take)
     sizes = [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs]
@@ -284,9 +406,10 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
         if not p.read:
             td = _result(p, SKIPPED, None)
         elif p.role in (TARGETED, REPLACED):
-            td = _compare_with_adapter(weights, base, lora, p, block_bytes)
+            with budget.hold(_working_bytes(p, lora)):
+                td = _compare_with_adapter(weights, base, lora, p, block_bytes, pool, products)
         else:
-            td = _compare_streaming(weights, base, p, block_bytes)
+            td = _compare_streaming(weights, base, p, block_bytes, pool)
         if threads == 1:   # (with threads, pages are released when the sources close)
             weights.release()
             base.release()
@@ -307,6 +430,8 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
                             group, threads=threads, done=done, everywhere=True)
     finally:
         torch.set_num_threads(intra_op)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     tensors = [TensorDiff(**d) for d in results]
     verdict, code, summary, adapter_summary = _verdict(plan, tensors, lora)
     warnings = list(getattr(lora, "warnings", ()) or ()) if lora is not None else []
