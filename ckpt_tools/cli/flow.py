@@ -8,12 +8,25 @@ dry-run report or the run with the one progress line; then the envelope (--json)
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
+from ..io.signals import signals_deferred
 from .progress import ProgressLine
 from .render import emit
 
-__all__ = ["plan_and_run", "finish"]
+__all__ = ["plan_and_run", "finish", "op_imports"]
+
+
+@contextlib.contextmanager
+def op_imports():
+    """Where a command imports its op, and torch with it: SIGINT/SIGTERM are held until the imports
+    are done and delivered right after, as `entry.py` holds them while the CLI itself is imported. A
+    signal raised inside numpy's initialization (under torch) leaves it half-loaded, and the error
+    path's next import of it fails ("cannot load module more than once per process") instead of the
+    one line a Ctrl-C should give (tests/test_hostile_files.py, signals during start-up)."""
+    with signals_deferred():
+        yield
 
 
 def plan_and_run(open_sources: Callable, plan: Callable, run: Callable, dry_report: Callable, *, dry_run: bool):

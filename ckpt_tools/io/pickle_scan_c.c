@@ -362,6 +362,11 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pickle_scan_c", NULL, -1, methods};
+/* Multi-phase initialization (no state): the module may be loaded again in one process, as an import
+ * that a signal interrupted midway is retried ("cannot load module more than once per process" with
+ * single-phase init, seen in test_hostile_files' signal-during-start-up test). */
+static PyModuleDef_Slot slots[] = {{0, NULL}};
 
-PyMODINIT_FUNC PyInit_pickle_scan_c(void) { return PyModule_Create(&module); }
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pickle_scan_c", NULL, 0, methods, slots, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_pickle_scan_c(void) { return PyModuleDef_Init(&module); }

@@ -9,7 +9,7 @@ from ... import dist
 from ...core.errors import UsageError
 from ...core.primerl_state import SCHEDULER_TYPES, SchedulerSpec
 from ...core.units import human_bytes, human_number
-from ..flow import finish, plan_and_run
+from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -61,10 +61,12 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
     """
     check_roles("adapter-to-dcp", {"ADAPTER": adapter, "OUT": out, "--base": base,
                                     "--optimizer-from": optimizer_from})
-    # the op imports torch: imported here, so `ckpt adapter-to-dcp --help` stays torch-free (tests/test_startup.py)
-    from ...ops.adapter_to_dcp import (
-        ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, run_adapter_to_dcp,
-    )
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.adapter_to_dcp import (
+            ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, run_adapter_to_dcp,
+        )
     warn_trust(trust_pickle)
     try:
         spec = SchedulerSpec(scheduler, warmup_steps=warmup_steps, decay_steps=decay_steps, max_steps=max_steps,

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ..flow import op_imports
+
 from ... import dist
 from ...core.units import human_bytes
 from ..mistakes import check_roles
@@ -50,8 +52,10 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
       ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
     """
     check_roles("diff-vs-base", {"WEIGHTS": weights, "BASE": base, "--adapter": adapter})
-    # the op imports torch: imported here, so `ckpt diff-vs-base --help` stays torch-free (tests/test_startup.py)
-    from ...ops.diff import EXIT_DIFFERS, DiffOptions, open_diff_sources, plan_diff, run_diff
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.diff import EXIT_DIFFERS, DiffOptions, open_diff_sources, plan_diff, run_diff
     warn_trust(trust_pickle)
     options = DiffOptions(None if adapter is None else str(adapter), alpha,
                           None if run_config is None else str(run_config), targeted_only, trust_pickle)

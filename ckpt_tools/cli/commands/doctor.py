@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from ..flow import op_imports
+
 from ...core.errors import UsageError
 from ...ops.doctor.traps import DEFAULT_DECODE_RATE, ERROR, INFO, WARNING, toml_value
 from ..options import InputPath, json_option, trust_option
@@ -50,8 +52,10 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
     Example:
       ckpt doctor rl.toml --outputs outputs
     """
-    # the op imports torch: imported here, so `ckpt doctor --help` stays torch-free (tests/test_startup.py)
-    from ...ops.doctor import doctor
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.doctor import doctor
     warn_trust(trust_pickle)
     sections = {k: v for k, v in (("trainer", trainer_file), ("orchestrator", orch_file),
                                   ("inference", inference_file)) if v is not None}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from ...core.units import human_bytes
-from ..flow import finish
+from ..flow import finish, op_imports
 from ..mistakes import check_roles
 from ..options import alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import warn_trust
@@ -49,8 +49,10 @@ def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_d
       ckpt export outputs/checkpoints/step_95/trainer exported-95 --config-from Qwen/Qwen3-8B
     """
     check_roles("export", {"CKPT": ckpt, "OUT": out, "--config-from": config_from})
-    # the op imports torch: imported here, so `ckpt export --help` stays torch-free (tests/test_startup.py)
-    from ...ops.merge import ExportOptions, open_export_sources, plan_export, run_export
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.merge import ExportOptions, open_export_sources, plan_export, run_export
     warn_trust(trust_pickle)
     options = ExportOptions(out=str(out), config_from=config_from, alpha=alpha,
                             run_config=None if run_config is None else str(run_config), slot=slot, dtype=dtype,

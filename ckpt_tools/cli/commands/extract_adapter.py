@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from ...core.units import human_bytes
-from ..flow import finish, plan_and_run
+from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -43,9 +43,11 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
       ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
     """
     check_roles("extract-adapter", {"CKPT": ckpt, "OUT": out, "--base": base})
-    # the op imports torch: imported here, so `ckpt extract-adapter --help` stays torch-free (tests/test_startup.py)
-    from ...ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
-    from ...sources.lora import DcpLoraSource
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
+        from ...sources.lora import DcpLoraSource
     warn_trust(trust_pickle)
     report = plan_and_run(
         lambda: DcpLoraSource(ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle),

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from ...core.units import human_bytes, human_number
-from ..flow import finish, plan_and_run
+from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option
 from ..render import dry_run_label, warn
@@ -39,8 +39,10 @@ def command(src: Path, out: Path, base, slot, alpha, run_config, overwrite: bool
       ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
     """
     check_roles("fix-adapter", {"SRC": src, "OUT": out, "--base": base})
-    # the op imports torch: imported here, so `ckpt fix-adapter --help` stays torch-free (tests/test_startup.py)
-    from ...ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
     options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config))
     report = plan_and_run(lambda: open_fix_source(src), lambda weights: plan_fix(weights, src, options),
                           lambda plan, weights, progress: run_fix(plan, weights, progress, overwrite=overwrite),

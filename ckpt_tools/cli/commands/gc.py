@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from ..flow import op_imports
+
 from ...core.progress import ProgressEvent
 from ...core.units import human_bytes
 from ...io.signals import Terminated
@@ -44,8 +46,10 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
       ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
     """
     check_roles("gc", {"CHECKPOINTS_DIR": checkpoints, "--base": base})
-    # the op imports torch: imported here, so `ckpt gc --help` stays torch-free (tests/test_startup.py)
-    from ...ops.gc import gc
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.gc import gc
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal(not as_json)
 

@@ -10,7 +10,7 @@ from ... import dist
 from ...core.errors import CkptError, UsageError
 from ...core.units import human_bytes, human_bytes_si, human_number
 from ...io.signals import install_signal_handlers
-from ..flow import finish
+from ..flow import finish, op_imports
 from ..mistakes import check_roles
 from ..options import ModelPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
@@ -60,8 +60,10 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
     Example:
       ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
     """
-    # the op imports torch: imported here, so `ckpt merge --help` stays torch-free (tests/test_startup.py)
-    from ...ops.merge import MergeOptions, open_merge_sources, plan_merge, run_merge
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.merge import MergeOptions, open_merge_sources, plan_merge, run_merge
     warn_trust(trust_pickle)
     if len(paths) == 3:
         base, adapter, out = paths

@@ -7,7 +7,7 @@ import click
 
 from ... import dist
 from ...core.units import human_bytes
-from ..flow import finish, plan_and_run
+from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -39,10 +39,12 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
       ckpt rehydrate step_95-slim step_95-full --base Qwen/Qwen3-32B
     """
     check_roles("rehydrate", {"SLIM": slim_ckpt, "OUT": out, "--base": base})
-    # the op imports torch: imported here, so `ckpt rehydrate --help` stays torch-free (tests/test_startup.py)
-    from ...ops.rehydrate import (
-        RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, run_rehydrate,
-    )
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.rehydrate import (
+            RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, run_rehydrate,
+        )
     warn_trust(trust_pickle)
     options = RehydrateOptions(out, base, world_size, overwrite, trust_pickle)
     report = plan_and_run(lambda: open_rehydrate_sources(slim_ckpt, options), lambda s: plan_rehydrate(s, options),

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from ...core.units import human_bytes, human_number
-from ..flow import finish
+from ..flow import finish, op_imports
 from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
@@ -54,9 +54,10 @@ def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: st
         --lr 5e-6 --config rl.toml
     """
     check_roles("restart-prep", {"RUN_OR_CKPT": run_or_ckpt, "--base": base})
-    # the workflow imports torch: imported here, so `ckpt restart-prep --help` stays torch-free
-    # (tests/test_startup.py)
-    from ...workflows.restart_prep import restart_prep
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...workflows.restart_prep import restart_prep
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal()
     try:

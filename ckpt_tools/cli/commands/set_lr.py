@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from ...core.units import human_bytes, human_number
-from ..flow import finish
+from ..flow import finish, op_imports
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
@@ -64,8 +64,10 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
     Example:
       ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
     """
-    # the op imports torch: imported here, so `ckpt set-lr --help` stays torch-free (tests/test_startup.py)
-    from ...ops.set_lr import set_lr
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.set_lr import set_lr
     warn_trust(trust_pickle)
     result = set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
                     overwrite=overwrite, trust_pickle=trust_pickle)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..flow import finish
+from ..flow import finish, op_imports
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 from .set_lr import render_changes, render_result
@@ -33,8 +33,10 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
     Example:
       ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
     """
-    # the op imports torch: imported here, so `ckpt set --help` stays torch-free (tests/test_startup.py)
-    from ...ops.set_lr import set_values
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.set_lr import set_values
     warn_trust(trust_pickle)
     result = set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle)
     finish(result, as_json, lambda r: _render(r, dry_run))

@@ -7,7 +7,7 @@ import click
 
 from ... import dist
 from ...core.units import human_bytes
-from ..flow import finish, plan_and_run
+from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -37,8 +37,10 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
       ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
     """
     check_roles("slim", {"CKPT": ckpt, "OUT": out, "--base": base})
-    # the op imports torch: imported here, so `ckpt slim --help` stays torch-free (tests/test_startup.py)
-    from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
+    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
+    # signals held (cli.flow.op_imports)
+    with op_imports():
+        from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
     warn_trust(trust_pickle)
     options = SlimOptions(out, base, overwrite, trust_pickle)
     report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
