@@ -143,8 +143,9 @@ static inline int64_t equal_count(__m128i c) {   /* the sum of 8 x 16-bit counts
     _mm_storeu_si128((__m128i *)v, s);
     return (int64_t)v[0] + v[1] + v[2] + v[3];
 }
-/* The 16-bit counts take at most 2 per element and lane: flushed every COUNT_BLOCK elements. */
-#define COUNT_BLOCK ((Py_ssize_t)8 * 16384)
+/* The 16-bit counts grow by at most 2 per lane and step (fp64 counts each element twice): flushed
+ * every COUNT_BLOCK elements, before a lane passes 16384 (the sum in equal_count is signed). */
+#define COUNT_BLOCK ((Py_ssize_t)LANES * 8192)
 
 /* The vector part of the first pass: elements [0, n rounded down to LANES) into the accumulators
  * (bs, ds, mx: LANES each), returning the number of equal elements and setting *done. */
