@@ -148,3 +148,25 @@ def test_other_dtypes_take_the_torch_path():
     w[3] = 100
     st = chunk_stats(w, w0)
     assert (st.changed, st.max_abs, st.delta_sq) == (1, 97.0, 97.0 ** 2)
+
+
+def test_diff_vs_base_reports_the_same_with_and_without_the_extension(monkeypatch):
+    """The whole read path (chunks handed to C as the bytearrays they were read into, identical chunks
+    folded from BASE alone): the fixture's merged model against its base, in small blocks so every
+    tensor spans many chunks, as the torch path reports it."""
+    from ckpt_tools.ops.diff.run import diff_vs_base
+
+    from .conftest import BASE, FIXTURE
+
+    def report():
+        return {t.name: t for t in diff_vs_base(FIXTURE / "expected_merged_hf", BASE, block_bytes=4096).tensors}
+
+    with_c = report()
+    monkeypatch.setattr(compare, "accelerator", None)
+    torch_only = report()
+    assert with_c.keys() == torch_only.keys() and any(t.changed_elements for t in with_c.values())
+    for name, t in torch_only.items():
+        c = with_c[name]
+        assert (c.status, c.changed_elements, c.max_abs_delta, c.nonfinite) == (
+            t.status, t.changed_elements, t.max_abs_delta, t.nonfinite), name
+        assert _sum_close(c.rel_fro, t.rel_fro), (name, c.rel_fro, t.rel_fro)

@@ -11,8 +11,12 @@ with fp64 -> fp64) and compared bitwise there, with the statistics of W - W0 (`D
 accumulation). `ckpt diff-vs-base` reports these per tensor (its worker threads compare tensors in
 parallel); `ckpt doctor` asks `identical` of a weights export and its base.
 
-The sums are order-sensitive in their low bits: the chunk boundaries (and a dot product per chunk)
-are part of the result, kept as they were when the statistics were defined.
+A chunk's statistics (bf16/fp16/fp32/fp64) are one pass of `delta_stats_c` (delta_stats_c.c, built
+at install where a C compiler is at hand) with the GIL released; `reference_chunk_stats` is their
+definition in torch and runs for any other dtype or without the extension (same counts and max |d|;
+sums equal but for their last bits). The sums are order-sensitive in their low bits: the chunk
+boundaries and the kernel's fixed order inside a chunk are part of the result, so 1 worker and N
+give the same report.
 """
 from __future__ import annotations
 
@@ -164,6 +168,27 @@ def chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
     return reference_chunk_stats(w, w0)
 
 
+def _chunk_stats_read(xw: bytearray, xb: bytearray, w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
+    """`chunk_stats` of two chunks `read_chunk` read, their bytearrays handed to the C kernel as they
+    are (a view of each tensor as a buffer is 2 us with the GIL held: a third of the kernel's own
+    time at 16 threads)."""
+    code = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
+    if code is not None:
+        got = accelerator.chunk_stats(xw, xb, code)
+        if got is not None:
+            return ChunkStats(w.numel(), *got)
+    return chunk_stats(w, w0)
+
+
+def _identical_chunk_stats_read(xb: bytearray, w0: torch.Tensor) -> ChunkStats:
+    """`identical_chunk_stats` of a chunk `read_chunk` read (its bytearray as it is)."""
+    code = _DTYPE_CODES.get(w0.dtype) if accelerator is not None else None
+    base_sq = accelerator.base_sq(xb, code) if code is not None else None
+    if base_sq is None:
+        return identical_chunk_stats(w0)
+    return ChunkStats(w0.numel(), base_sq=base_sq, finite=math.isfinite(base_sq))
+
+
 def reference_chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
     """The definition, in torch (one dot product per sum): `changed` counts the elements whose bits
     differ; d = fp64(w) - fp64(w0); where inf/nan appear, `nonfinite` counts the non-finite d and the
@@ -298,13 +323,13 @@ def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BL
         def raw(c: tuple[int, int]) -> ChunkStats | None:
             xw, w = read_chunk(weights, fw, *c, "w")
             xb, w0 = read_chunk(base, fb, *c, "w0")
-            return None if _same_bytes(xw, xb) else chunk_stats(w, w0)
+            return None if _same_bytes(xw, xb) else _chunk_stats_read(xw, xb, w, w0)
 
         parts = chunk_map(pool, raw, chunks)
         same = [i for i, part in enumerate(parts) if part is None]
         if len(same) == len(chunks):
             return DeltaStats(numel=fw.numel)
-        for i, part in zip(same, chunk_map(pool, lambda c: identical_chunk_stats(read_chunk(base, fb, *c, "w0")[1]),
+        for i, part in zip(same, chunk_map(pool, lambda c: _identical_chunk_stats_read(*read_chunk(base, fb, *c, "w0")),
                                            [chunks[i] for i in same])):
             parts[i] = part
     else:
