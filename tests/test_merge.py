@@ -191,23 +191,60 @@ def test_progress_callback_reports_every_tensor_and_all_bytes(tmp_path):
     assert events[-1].bytes_done == events[-1].bytes_total == sum(j.out_bytes for j in plan.jobs)
 
 
-def test_only_merged_weights_are_read_whole_untouched_ones_stream_in_blocks(tmp_path, monkeypatch):
+def test_no_tensor_is_read_whole_merges_go_in_row_blocks_untouched_ones_by_the_kernel(tmp_path, monkeypatch):
     from ckpt_tools.formats.safetensors.writer import StreamingSafetensorsWriter
     from ckpt_tools.sources.hf import HFSource
 
-    whole, blocks = [], []
-    real_read, real_chunk = HFSource.read_into, StreamingSafetensorsWriter.write_chunk
-    monkeypatch.setattr(HFSource, "read_into", lambda self, name, buf, *a, **kw: whole.append(name) or
-                        real_read(self, name, buf, *a, **kw))
-    monkeypatch.setattr(StreamingSafetensorsWriter, "write_chunk",
-                        lambda self, n, buf: blocks.append((n, len(memoryview(buf)))) or real_chunk(self, n, buf))
-    monkeypatch.setattr("ckpt_tools.ops.merge.pipeline.COPY_BLOCK_BYTES", 4096)
+    reads, copied = [], []
+    real_read, real_copy = HFSource.read_into, StreamingSafetensorsWriter.copy_range_from
+    monkeypatch.setattr(HFSource, "read_into", lambda self, name, buf, rows=None: reads.append((name, rows)) or
+                        real_read(self, name, buf, rows))
+    monkeypatch.setattr(StreamingSafetensorsWriter, "copy_range_from", lambda self, n, *a, **kw:
+                        copied.append((n, real_copy(self, n, *a, **kw))))
+    monkeypatch.setattr("ckpt_tools.ops.merge.plan.MERGE_BLOCK_ELEMS", 64 * 64)   # 64-row blocks here
     plan = prepare_merge(BASE, PEFT_REF)
     execute_merge(plan, tmp_path / "o")
-    assert sorted(whole) == sorted(j.name for j in plan.jobs if j.action == "merge") and len(whole) == 21
-    emb = [n for name, n in blocks if name == "model.embed_tokens.weight"]
-    assert len(emb) == 1000 * 64 * 2 // 4096 + 1 and max(emb) == 4096     # 128,000 bytes in 4 KiB blocks
+    merged = {j.name: j for j in plan.jobs if j.action == "merge"}
+    assert {n for n, _ in reads} == set(merged) and len(merged) == 21      # only merged weights are read
+    for name, j in merged.items():   # in row blocks of 64 (a tail under 64 rows joins the last block)
+        blocks = [r for n, r in reads if n == name]
+        rows = j.shape[0]
+        assert [s for s, _ in blocks] == [sum(c for _, c in blocks[:k]) for k in range(len(blocks))]
+        assert sum(c for _, c in blocks) == rows, (name, blocks)
+        assert all(64 <= c < 128 for _, c in blocks) if rows >= 64 else blocks == [(0, rows)], (name, blocks)
+    assert any(len([r for n, r in reads if n == name]) > 1 for name in merged)
+    copies = {n for n, _ in copied}
+    assert copies == {j.name for j in plan.jobs if j.action == "copy"} >= {"model.embed_tokens.weight", "lm_head.weight"}
+    assert {m for _, m in copied} == {"copy_file_range"}                   # in the kernel, on this machine
     assert (tmp_path / "o" / "model.safetensors").read_bytes() == (EXPECTED / "model.safetensors").read_bytes()
+
+
+def test_copy_range_falls_back_to_pread_pwrite_where_the_kernel_refuses(tmp_path, monkeypatch):
+    import errno
+
+    from ckpt_tools.core.errors import TruncatedFileError
+    from ckpt_tools.io.copy import copy_range
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(bytes(range(256)) * 1000)
+    fs, fd = os.open(src, os.O_RDONLY), os.open(dst, os.O_CREAT | os.O_WRONLY)
+    try:
+        assert copy_range(fs, 1000, fd, 8, 100_000, path=src, block_bytes=4096) == "copy_file_range"
+
+        def refuse(*a):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+        assert copy_range(fs, 1000, fd, 100_008, 100_000, path=src, block_bytes=4096) == "pread+pwrite"
+    finally:
+        os.close(fd)
+    data = src.read_bytes()
+    assert dst.read_bytes() == b"\0" * 8 + data[1000:101_000] + data[1000:101_000]
+    fd = os.open(tmp_path / "short", os.O_CREAT | os.O_WRONLY)
+    try:   # the source ends inside the range: a named error, not a short copy
+        with pytest.raises(TruncatedFileError, match="ended"):
+            copy_range(fs, 200_000, fd, 0, 100_000, path=src, block_bytes=4096)
+    finally:
+        os.close(fs), os.close(fd)
 
 
 def test_blocked_merge_is_bit_identical_to_merge_weight():

@@ -113,12 +113,22 @@ def test_fp32_output_casts_every_float_tensor_and_rewrites_the_config_dtype():
     assert p.files[0].changes == (("dtype", "bfloat16", "float32"),)
 
 
-def test_memory_bound_counts_threads_of_the_largest_merge_not_the_model():
-    b = base(False, True)
-    a = adapter(lora("model.layers.0.mlp.up_proj", I, H), lora("model.layers.1.mlp.up_proj", I, H))
-    one, two = plan(b, a, threads=1), plan(b, a, threads=2)
-    merge_ws = I * H * 2 + 4 * I * H + I * H * 2 + (2 * H + I * 2) * 4     # W + fp32 product + out + A, B
-    copy_block = V * H * 2                                             # the embedding, streamed
-    assert one.memory_bound_bytes == merge_ws + copy_block
-    assert two.memory_bound_bytes == 2 * merge_ws + copy_block
+def test_memory_bound_is_the_workers_blocks_not_the_tensors_whatever_the_model():
+    from ckpt_tools.ops.merge.plan import MERGE_BLOCK_ELEMS, MIN_BLOCK_ROWS
+
+    h, v, i, r = 4096, 151936, 12288, 32          # Qwen3-8B's widths: a 1.24 GB embedding, 100 MB MLP weights
+    names = [("model.embed_tokens.weight", (v, h)), ("lm_head.weight", (v, h))] + \
+        [(f"model.layers.{k}.mlp.up_proj.weight", (i, h)) for k in range(4)]
+    b = BaseFacts("hf", "/base", tuple(SourceTensor(n, "bfloat16", s, "model.safetensors", n) for n, s in names),
+                  {"tie_word_embeddings": False}, "/base/config.json", (("/base/config.json", 100),))
+    a = adapter(*[lora(f"model.layers.{k}.mlp.up_proj", i, h, r=r) for k in range(4)])
+    one, four = plan(b, a, threads=1), plan(b, a, threads=4)
+    rows = MERGE_BLOCK_ELEMS // h + MIN_BLOCK_ROWS - 1                  # the largest block of a merge
+    merge_ws = rows * h * (2 + 4 + 2) + (r * h + i * r) * 4          # base rows + fp32 product + out rows; A, B
+    assert one.memory_bound_bytes == merge_ws
+    assert four.memory_bound_bytes == 4 * merge_ws < 200 * 2**20       # the embedding alone is 1.24 GB
     assert memory_bound(one.jobs, 1, 10**6, "hf") == one.memory_bound_bytes + 10**6
+    more = b.tensors + tuple(SourceTensor(f"model.layers.{k}.mlp.up_proj.weight", "bfloat16", (i, h),
+                                          "model.safetensors", f"model.layers.{k}.mlp.up_proj.weight") for k in range(4, 9))
+    twice = BaseFacts("hf", "/base", more, b.config, b.config_path, b.files)
+    assert plan(twice, a, threads=4).memory_bound_bytes == four.memory_bound_bytes   # more layers: the same bound

@@ -19,7 +19,7 @@ from .dtypes import EXPONENT_MASKS, ITEMSIZE, torch_dtype
 from .errors import FormatError
 from .lora_math import check_shapes
 
-__all__ = ["lora_delta", "merge_weight", "merge_weight_into", "check_finite", "ulps_apart", "count_nonfinite",
+__all__ = ["lora_delta", "merge_weight", "merge_weight_into", "check_finite", "nonfinite_error", "ulps_apart", "count_nonfinite",
            "bf16_round", "rounds_to_base", "update_hash", "sha256_of_tensor"]
 
 
@@ -43,9 +43,13 @@ def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: 
 
 def check_finite(t: torch.Tensor, name: str = "") -> None:
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise FormatError(f"merged tensor has {bad} non-finite value(s) (inf/nan)", key=name,
-                          hint="the adapter or base holds inf/nan, or the output dtype overflows; try --dtype fp32")
+        raise nonfinite_error(int((~torch.isfinite(t)).sum()), name)
+
+
+def nonfinite_error(bad: int, name: str = "") -> FormatError:
+    """The error for a merged tensor with `bad` inf/nan values (counted over the whole tensor)."""
+    return FormatError(f"merged tensor has {bad} non-finite value(s) (inf/nan)", key=name,
+                       hint="the adapter or base holds inf/nan, or the output dtype overflows; try --dtype fp32")
 
 
 def ulps_apart(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

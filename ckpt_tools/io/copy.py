@@ -1,5 +1,6 @@
 """Copies of input files into new output files: every source read through `inputs.open_input` (checked:
-no symlink out of its tree, no FIFO), every destination created new (`files.create_new`)."""
+no symlink out of its tree, no FIFO), every destination created new (`files.create_new`); and
+`copy_range`, a byte range of one open file into another at an offset, in the kernel."""
 from __future__ import annotations
 
 import contextlib
@@ -8,10 +9,12 @@ import fcntl
 import os
 from pathlib import Path
 
+from ..core.errors import TruncatedFileError
 from . import inputs
 from .files import create_new
+from .pread import pread_into
 
-__all__ = ["copy_input_file", "copy_input_tree", "link_or_copy"]
+__all__ = ["copy_input_file", "copy_input_tree", "link_or_copy", "copy_range"]
 
 _FICLONE = 0x40049409   # linux/fs.h: _IOW(0x94, 9, int)
 
@@ -92,3 +95,45 @@ def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
             dst.unlink()
     copy_input_file(src, dst, root=root, what="data file")
     return "copy"
+
+
+# copy_file_range refused for this pair of files (another filesystem, an old kernel, a filesystem
+# without it): the range is copied through a buffer instead.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+
+
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, *, path,
+               key: str | None = None, block_bytes: int) -> str:
+    """Bytes [src_offset, src_offset + nbytes) of `src_fd` to `dst_offset` of `dst_fd`. By
+    `os.copy_file_range`, page cache to page cache in the kernel: the bytes never enter this process's
+    memory (RSS), and nothing is decoded. Where the kernel refuses it, pread + pwrite through one buffer
+    of at most `block_bytes`. Calls move at most `block_bytes` each, so a signal is seen between them.
+    The source ending first is a TruncatedFileError naming `path` and `key`. Returns the method."""
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(src_fd, dst_fd, min(block_bytes, nbytes - done),
+                                       src_offset + done, dst_offset + done)
+                if n == 0:
+                    _ended(path, key, src_offset, done, nbytes)
+                done += n
+            return "copy_file_range"
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+    buf = memoryview(bytearray(min(block_bytes, nbytes - done)))
+    while done < nbytes:
+        n = min(len(buf), nbytes - done)
+        pread_into(src_fd, buf[:n], src_offset + done, path=path, key=key)
+        view, at = buf[:n], 0
+        while at < n:
+            at += os.pwrite(dst_fd, view[at:], dst_offset + done + at)
+        done += n
+    return "pread+pwrite"
+
+
+def _ended(path, key, offset: int, done: int, total: int):
+    raise TruncatedFileError(f"file ended at byte {offset + done} while copying bytes [{offset}, {offset + total}); "
+                             "it shrank or was truncated after it was opened", path=path, key=key,
+                             hint="re-copy or re-download the file")

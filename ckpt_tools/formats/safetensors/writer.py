@@ -1,7 +1,14 @@
 """Safetensors files written by us: the whole header computed from the declared entries first, then each
-tensor's bytes whole (`write`) or in blocks (`write_chunk`, used by `read.copy_raw`), into a new file
-(O_EXCL: an existing file is never overwritten). With `safetensors_save_order` and at most one metadata
-entry, the bytes equal `safetensors.torch.save_file`'s (see `header` for the layout)."""
+tensor's bytes whole (`write`), in blocks (`write_chunk`, used by `read.copy_raw`) or copied in the
+kernel from a range of another file (`copy_range_from`: an untouched tensor never passes through our
+memory), into a new file (O_EXCL: an existing file is never overwritten). With `safetensors_save_order`
+and at most one metadata entry, the bytes equal `safetensors.torch.save_file`'s (see `header` for the
+layout).
+
+With `strict_order=False` several threads may write different tensors of one file at once (the merge
+pipeline's workers each write their own tensor at its precomputed offset): the bookkeeping is locked, the
+writes themselves run in parallel, and `abort()` closes the fd only once no write is in flight (a
+late worker never writes into a recycled fd number)."""
 from __future__ import annotations
 
 import ctypes
@@ -9,6 +16,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -17,7 +25,8 @@ import torch
 
 from ...core.dtypes import SAFETENSORS, dtype_name, safetensors_code
 from ...core.errors import FormatError, OutputExistsError
-from ...io.files import create_new
+from ...io.copy import copy_range
+from ...io.files import create_new, start_writeback
 from ...io.pread import MAX_IO_BYTES
 from .header import is_int, require_little_endian
 
@@ -109,13 +118,16 @@ class StreamingSafetensorsWriter:
     `write(name, tensor_or_bytes)` supplies a whole tensor, `write_chunk(name, buf)` the next
     block of one. With `strict_order` (default) tensors must come in declared order; otherwise
     any order is accepted (each block goes to its precomputed offset) but each tensor's blocks
-    are still sequential. `close()` checks every byte was written, fsyncs and closes; leaving a
-    `with` block by exception (or `abort()`) deletes the partial file.
+    are still sequential. With `writeback`, each block's writeback to disk starts as soon as it is
+    written (`io.files.start_writeback`), so a final fsync has little left to wait for. `close()`
+    checks every byte was written, fsyncs and closes; leaving a `with` block by exception (or
+    `abort()`) deletes the partial file.
 
     The file is created exclusively: an existing file is never overwritten."""
 
     def __init__(self, path: str | os.PathLike, entries: Sequence[EntrySpec],
-                 metadata: dict[str, str] | None = None, *, strict_order: bool = True, fsync: bool = True):
+                 metadata: dict[str, str] | None = None, *, strict_order: bool = True, fsync: bool = True,
+                 writeback: bool = False):
         require_little_endian()
         self.path = Path(path)
         self.entries: tuple[WriteEntry, ...] = tuple(_layout(entries))
@@ -125,10 +137,14 @@ class StreamingSafetensorsWriter:
         self.file_bytes = self.data_start + sum(e.nbytes for e in self.entries)
         self.strict_order = strict_order
         self._fsync = fsync
+        self._writeback = writeback               # start writing each block to disk as it is written
         self._written = [0] * len(self.entries)   # bytes written per entry
         self._complete = [False] * len(self.entries)
         self._next = 0                            # strict order: first entry not complete
         self._closed = False
+        self._lock = threading.Lock()             # the bookkeeping above; writes run outside it
+        self._active = 0                          # writes in flight (abort closes the fd after the last)
+        self._fd_open = True
         try:
             self._fd = create_new(self.path)
         except FileExistsError:
@@ -175,16 +191,55 @@ class StreamingSafetensorsWriter:
             raise FormatError("tensor was not declared when the file was opened", path=self.path, key=name)
         return self.entries[i]
 
+    def _claim(self, name: str, nbytes: int) -> int:
+        """Reserve the next `nbytes` of tensor `name` (under the lock); returns their file offset. The
+        caller writes them and then calls `_release` (which also does when the write fails)."""
+        with self._lock:
+            i = self._entry_for_write(name)
+            e = self.entries[i]
+            if self._written[i] + nbytes > e.nbytes:
+                raise self._error(f"{self._written[i] + nbytes} bytes supplied, declared size is {e.nbytes}", key=name)
+            offset = self.data_start + e.begin + self._written[i]
+            self._written[i] += nbytes
+            self._advance(i)
+            self._active += 1
+            return offset
+
+    def _release(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._closed and self._active == 0:
+                self._close_fd()
+
+    def _close_fd(self) -> None:   # (under the lock, or single-threaded)
+        if self._fd_open:
+            self._fd_open = False
+            os.close(self._fd)
+
     def write_chunk(self, name: str, buf) -> None:
         """Append the next block of tensor `name` (any bytes-like object)."""
-        i = self._entry_for_write(name)
-        e = self.entries[i]
         mv = memoryview(buf).cast("B")
-        if self._written[i] + len(mv) > e.nbytes:
-            raise self._error(f"{self._written[i] + len(mv)} bytes supplied, declared size is {e.nbytes}", key=name)
-        self._pwrite(mv, self.data_start + e.begin + self._written[i])
-        self._written[i] += len(mv)
-        self._advance(i)
+        offset = self._claim(name, len(mv))
+        try:
+            self._pwrite(mv, offset)
+            if self._writeback:
+                start_writeback(self._fd, offset, len(mv))
+        finally:
+            self._release()
+
+    def copy_range_from(self, name: str, src_fd: int, src_offset: int, nbytes: int, *, path, block_bytes: int) -> str:
+        """Append the next `nbytes` of tensor `name` straight from bytes [src_offset, + nbytes) of the
+        open file `src_fd` (`io.copy.copy_range`: in the kernel where it can, else through a buffer of
+        `block_bytes`). `path` names the source in errors. Returns the method used."""
+        offset = self._claim(name, nbytes)
+        try:
+            method = copy_range(src_fd, src_offset, self._fd, offset, nbytes, path=path, key=name,
+                                block_bytes=block_bytes)
+            if self._writeback:
+                start_writeback(self._fd, offset, nbytes)
+            return method
+        finally:
+            self._release()
 
     def write(self, name: str, data) -> None:
         """Write tensor `name` whole: a torch.Tensor (dtype and shape must match the declaration;
@@ -203,7 +258,8 @@ class StreamingSafetensorsWriter:
                 raise self._error("tensor is not contiguous", key=name,
                                   hint="call `.contiguous()` on it before writing")
             if e.nbytes == 0:
-                self._advance(i)
+                with self._lock:
+                    self._advance(i)
                 return
             mv, _keepalive = _tensor_bytes(data)  # _keepalive owns mv's memory until we return
         else:
@@ -211,19 +267,23 @@ class StreamingSafetensorsWriter:
             if len(mv) != e.nbytes:
                 raise self._error(f"{len(mv)} bytes supplied, declared size is {e.nbytes}", key=name)
             if e.nbytes == 0:
-                self._advance(i)
+                with self._lock:
+                    self._advance(i)
                 return
         self.write_chunk(name, mv)
 
     @property
     def missing(self) -> list[str]:
         """Declared tensors not (completely) written yet."""
-        return [e.name for e, done in zip(self.entries, self._complete) if not done]
+        with self._lock:
+            return [e.name for e, done in zip(self.entries, self._complete) if not done]
 
     def close(self) -> None:
         """Verify every declared byte was written, fsync, close. Idempotent."""
         if self._closed:
             return
+        if self._active:
+            raise self._error("close while a write is in flight (the writer's callers must finish first)")
         missing = self.missing
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -239,21 +299,28 @@ class StreamingSafetensorsWriter:
         except BaseException:
             self.abort()
             raise
-        os.close(self._fd)
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            self._close_fd()
 
     def abort(self) -> None:
-        """Close and delete the partial file (no-op after a successful close)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            os.close(self._fd)
-        finally:
+        """Close and delete the partial file (no-op after a successful close). A write still in flight
+        in another thread finishes into the unlinked file; the fd is closed after it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+                if self._active == 0:
+                    self._close_fd()
+            finally:
+                self._unlink()
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         return self

@@ -29,7 +29,9 @@ from ...formats.safetensors.writer import build_header, safetensors_save_order
 from .facts import AdapterFacts, BaseFacts, SourceTensor
 
 __all__ = ["OUTPUT_METADATA", "DEFAULT_MAX_SHARD", "DEFAULT_THREADS", "CASTABLE", "MERGEABLE", "TensorJob", "FileJob",
-           "ShardOut", "MergePlan", "plan_from_facts", "streamed_by_writer", "job_working_bytes", "window_budget", "memory_bound"]
+           "ShardOut", "MergePlan", "plan_from_facts", "streamed_by_writer", "job_working_bytes", "window_budget", "memory_bound",
+           "MERGE_BLOCK_ELEMS", "MIN_BLOCK_ROWS", "COPY_THROUGH_BLOCK_BYTES", "IN_FLIGHT_FLOOR_BYTES", "IN_FLIGHT_CAP_BYTES",
+           "merge_block_rows", "merge_row_blocks"]
 
 OUTPUT_METADATA = {"format": "pt"}          # what transformers' save_pretrained writes
 DEFAULT_MAX_SHARD = "5GB"
@@ -37,6 +39,21 @@ DEFAULT_MAX_SHARD = "5GB"
 # 16-core host (docs/benchmarks.md): 2 workers 1.30x the I/O floor, 4 workers 1.10x, 8 workers 1.09x
 # with 40% more memory; so 4 is where more workers stop paying.
 DEFAULT_THREADS = max(2, min(4, os.cpu_count() or 1))
+# A merged tensor is made in row blocks of about this many elements (fp32 product 16 MiB, bf16 base
+# and output 8 MiB each): big enough that BLAS and pread/pwrite run at full speed, small enough that
+# a worker holds tens of MB whatever the model (`produce.JobRunner._merge`).
+MERGE_BLOCK_ELEMS = 4 * 2**20
+# ... and never fewer rows than this per block (fewer change the BLAS kernel and the product's low bits).
+MIN_BLOCK_ROWS = 64
+# An untouched tensor is copied through by copy_file_range in calls of this many bytes (the buffer of
+# the pread + pwrite fallback, where the kernel refuses it).
+COPY_THROUGH_BLOCK_BYTES = 16 * 2**20
+# The read-ahead's byte budget: `threads` of the largest job's working set, at least the floor (a
+# small job never starves the workers), at most the cap (the interpreter and torch take 0.25-0.6 GiB:
+# with the cap on top a merge stays near 1 GiB at any --threads; at the default threads the blocks
+# in flight are ~150 MiB). A job larger than the cap runs alone.
+IN_FLIGHT_FLOOR_BYTES = 256 * 2**20
+IN_FLIGHT_CAP_BYTES = 512 * 2**20
 # Floating dtypes we convert between. Others (ints, float8 with their scales) are never cast.
 CASTABLE = ("bfloat16", "float16", "float32", "float64")
 # Weights a LoRA can be merged into (fp32 compute is exact for these inputs).
@@ -294,43 +311,70 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
 
 
 def streamed_by_writer(job: TensorJob, base_kind: str) -> bool:
-    """Jobs the writer streams in COPY_BLOCK_BYTES row blocks, never held whole: verbatim copies of an HF
-    base (raw bytes), and every other copy or cast with rows (a DCP base's fp32 masters, cast one block
-    at a time: the embedding is then never in memory whole, in fp32 or in the output dtype)."""
+    """Jobs streamed by their worker, never held whole: verbatim copies of an HF base (its bytes copied
+    through by the kernel), and every other copy or cast with rows, in COPY_BLOCK_BYTES row blocks (a
+    DCP base's fp32 masters cast one block at a time: the embedding is never in memory whole)."""
     if job.action == "copy" and base_kind == "hf":
         return True
     return job.action in ("copy", "cast") and len(job.shape) >= 1 and job.shape[0] > 0
 
 
+def merge_block_rows(shape: tuple[int, ...]) -> int:
+    """Rows per block of a merged tensor of `shape` (see MERGE_BLOCK_ELEMS and MIN_BLOCK_ROWS)."""
+    cols = max(1, math.prod(shape[1:]))
+    return max(MIN_BLOCK_ROWS, MERGE_BLOCK_ELEMS // cols)
+
+
+def merge_row_blocks(shape: tuple[int, ...]):
+    """(start, count) row blocks of a merged tensor of `shape`: `merge_block_rows` each, a tail shorter
+    than MIN_BLOCK_ROWS joined to the block before it (so no block has fewer rows, unless the whole
+    tensor has)."""
+    rows, step, s = shape[0], merge_block_rows(shape), 0
+    while s < rows:
+        n = step if rows - s - step >= MIN_BLOCK_ROWS else rows - s
+        yield s, n
+        s += n
+
+
 def job_working_bytes(job: TensorJob, base_kind: str) -> int:
-    """Bytes one worker holds while producing `job` (its output included)."""
-    if streamed_by_writer(job, base_kind):
-        return 0                                       # streamed by the writer in blocks, never whole
+    """Bytes one worker holds while producing `job`: its block buffers, not its tensor (except for
+    the few jobs read whole: an adapter's modules_to_save tensor, a base scalar)."""
+    rows = job.shape[0] if job.shape else 1
     if job.action == "merge":
-        # base weight + fp32 product (the worker's reusable scratch) + output + fp32 A, B
-        return job.read_bytes + 4 * job.numel + job.out_bytes
-    if job.action == "copy":
-        return job.read_bytes                          # decoded from DCP chunks, written as is
-    return job.read_bytes + job.out_bytes
+        # one block (a short tail joins the last: up to MIN_BLOCK_ROWS - 1 more rows) of the base
+        # rows + the fp32 product + the output rows; and the fp32 A, B, held for the whole tensor
+        block_rows = min(rows, merge_block_rows(job.shape) + MIN_BLOCK_ROWS - 1)
+        factors = job.read_bytes - job.numel * itemsize(job.src_dtype)
+        return block_rows * (job.numel // max(1, rows)) * (itemsize(job.src_dtype) + 4 + itemsize(job.out_dtype)) \
+            + factors
+    if job.action == "copy" and base_kind == "hf":
+        return min(job.out_bytes, COPY_THROUGH_BLOCK_BYTES)   # 0 by copy_file_range; the fallback's buffer
+    if streamed_by_writer(job, base_kind):
+        row_bytes = max(1, job.read_bytes // rows)
+        block = max(1, COPY_BLOCK_BYTES // row_bytes) * row_bytes
+        return min(job.read_bytes, block) + min(job.out_bytes, block * job.out_bytes // max(1, job.read_bytes))
+    return job.read_bytes + job.out_bytes                  # read whole
 
 
 def window_budget(jobs, threads: int, base_kind: str) -> int:
-    """Bytes the read-ahead may hold at once: `threads` of the largest merges. A job larger than
-    that (an fp32 embedding cast from a DCP base, say) runs alone, never beside another."""
-    merges = [job_working_bytes(j, base_kind) for j in jobs if j.action == "merge"]
-    every = [job_working_bytes(j, base_kind) for j in jobs]
-    return threads * max(merges or every or [0])
+    """Bytes the read-ahead may hold at once, sized from the job: `threads` of the largest working
+    set, within [IN_FLIGHT_FLOOR_BYTES, IN_FLIGHT_CAP_BYTES]. A job larger than that runs alone."""
+    largest = max((job_working_bytes(j, base_kind) for j in jobs), default=0)
+    return min(IN_FLIGHT_CAP_BYTES, max(IN_FLIGHT_FLOOR_BYTES, threads * largest))
 
 
 def memory_bound(jobs, threads: int, adapter_resident: int, base_kind: str) -> int:
-    """Upper estimate of tensor memory in flight: the read-ahead window (or the largest single job,
-    which runs alone), the writer's copy block, and adapter bytes held for the whole run. The
-    interpreter and torch themselves (~0.3 GB) come on top."""
-    work = max([window_budget(jobs, threads, base_kind)] + [job_working_bytes(j, base_kind) for j in jobs])
-    copy_block = max((min(j.out_bytes, COPY_BLOCK_BYTES) if j.action == "copy" and base_kind == "hf" else
-                      min(j.read_bytes, COPY_BLOCK_BYTES) + min(j.out_bytes, COPY_BLOCK_BYTES)   # block in + out
-                      for j in jobs if streamed_by_writer(j, base_kind)), default=0)
-    return work + copy_block + adapter_resident
+    """Upper estimate of tensor memory in flight: the jobs the read-ahead lets run at once (at most
+    `threads`, within the window budget; a job over the budget alone), and adapter bytes held for the
+    whole run. The interpreter and torch themselves (0.25-0.6 GB) come on top."""
+    ws = sorted((job_working_bytes(j, base_kind) for j in jobs), reverse=True)
+    budget = window_budget(jobs, threads, base_kind)
+    together = 0
+    for w in ws[:threads]:   # the largest `threads` that fit the budget together
+        if together + w > budget and together:
+            break
+        together += w
+    return max(together, ws[0] if ws else 0) + adapter_resident
 
 
 def _plan_files(base: BaseFacts, out_dt: str, tie_out) -> tuple[tuple[FileJob, ...], object]:
