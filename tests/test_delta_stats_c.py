@@ -134,6 +134,15 @@ def test_a_misaligned_buffer_is_left_to_the_torch_path():
         compare.accelerator.chunk_stats(bytearray(6), bytearray(4), 2)
 
 
+def test_same_bytes():
+    same = compare.accelerator.same_bytes
+    a = bytearray(range(256)) * 2048
+    b = bytearray(a)
+    assert same(a, b) and same(bytearray(), bytearray())
+    b[-1] ^= 1
+    assert not same(a, b) and not same(a, a[:-1])
+
+
 def test_without_the_extension_the_torch_path_answers(monkeypatch):
     w, w0 = _pair(1000, torch.bfloat16, 5, True)
     with_c = chunk_stats(w, w0)
