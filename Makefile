@@ -9,7 +9,7 @@ DEMO   ?= demo-out
 
 .PHONY: install demo test clean bench
 
-$(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c
+$(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c ckpt_tools/sources/delta_stats_c.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: this takes the CPU build from local disk; an unpinned torch would

@@ -1,9 +1,20 @@
-"""The one compiled part: the pickle bounds scan's fast path (ckpt_tools/io/pickle_scan_c.c).
+"""The compiled parts, both optional fast paths of a Python (or torch) reference:
 
-Everything else is in pyproject.toml. The extension is optional: where no C compiler is at hand the
-install still succeeds and `io.pickle_scan` runs its Python reference scan alone (same verdicts,
-slower on big `.metadata` files; tests/test_pickle_scan.py says which one ran).
+- `ckpt_tools/io/pickle_scan_c.c`: the pickle bounds scan's fast path;
+- `ckpt_tools/sources/delta_stats_c.c`: one chunk's statistics of W - W0 in one pass, GIL released
+  (`sources/compare.py: chunk_stats`). IEEE semantics are part of its answer: no -ffast-math, and
+  -ffp-contract=off so that no compiler or -march fuses b*b + acc into an FMA (the sums' bits must
+  not depend on how it was built).
+
+Everything else is in pyproject.toml. Both extensions are optional: where no C compiler is at hand
+the install still succeeds and `io.pickle_scan` runs its Python reference scan alone, `sources.compare`
+its torch statistics (same verdicts and figures, slower; tests/test_pickle_scan.py and
+tests/test_delta_stats_c.py say which one ran).
 """
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("ckpt_tools.io.pickle_scan_c", ["ckpt_tools/io/pickle_scan_c.c"], optional=True)])
+setup(ext_modules=[
+    Extension("ckpt_tools.io.pickle_scan_c", ["ckpt_tools/io/pickle_scan_c.c"], optional=True),
+    Extension("ckpt_tools.sources.delta_stats_c", ["ckpt_tools/sources/delta_stats_c.c"], optional=True,
+              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"]),
+])

@@ -11,8 +11,12 @@ with fp64 -> fp64) and compared bitwise there, with the statistics of W - W0 (`D
 accumulation). `ckpt diff-vs-base` reports these per tensor (its worker threads compare tensors in
 parallel); `ckpt doctor` asks `identical` of a weights export and its base.
 
-The sums are order-sensitive in their low bits: the chunk boundaries (and a dot product per chunk)
-are part of the result, kept as they were when the statistics were defined.
+A chunk's statistics (bf16/fp16/fp32/fp64) are one pass of `delta_stats_c` (delta_stats_c.c, built
+at install where a C compiler is at hand) with the GIL released; `reference_chunk_stats` is their
+definition in torch and runs for any other dtype or without the extension (same counts and max |d|;
+sums equal but for their last bits). The sums are order-sensitive in their low bits: the chunk
+boundaries and the kernel's fixed order inside a chunk are part of the result, so 1 worker and N
+give the same report.
 """
 from __future__ import annotations
 
@@ -29,8 +33,13 @@ from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
 from .base import Source, TensorFacts
 
+try:
+    from . import delta_stats_c as accelerator
+except ImportError:   # installed without a C compiler: the torch statistics alone
+    accelerator = None
+
 __all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch", "ChunkStats", "chunk_stats",
-           "identical_chunk_stats", "DeltaStats", "chunk_map", "shared_names",
+           "identical_chunk_stats", "reference_chunk_stats", "accelerator", "DeltaStats", "chunk_map", "shared_names",
            "block_ranges", "stat_chunks", "chunk_scratch_bytes", "read_chunk", "stream_stats", "tensors_identical",
            "identical"]
 
@@ -106,7 +115,36 @@ class ChunkStats:
     finite: bool = True          # W and W0 hold no inf/nan in this chunk
 
 
+# The one-pass C kernels (`delta_stats_c.c`, built at install where a C compiler is at hand) for
+# these dtypes; any other dtype, and every chunk where the extension is absent, takes the torch path
+# (`reference_chunk_stats`), which defines the statistics.
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _c_code(*ts: torch.Tensor) -> int | None:
+    """The C kernels' dtype code for these chunks (one dtype, contiguous), or None: the torch path."""
+    if accelerator is None:
+        return None
+    code = _DTYPE_CODES.get(ts[0].dtype)
+    if code is None or any(t.dtype != ts[0].dtype or not t.is_contiguous() for t in ts):
+        return None
+    return code
+
+
+def _raw(t: torch.Tensor):
+    return t.view(torch.uint8).numpy()   # (a buffer over the tensor's bytes: no copy)
+
+
 def _base_sq(w0: torch.Tensor) -> float:
+    code = _c_code(w0)
+    if code is not None:
+        got = accelerator.base_sq(_raw(w0), code)
+        if got is not None:
+            return got
+    return _reference_base_sq(w0)
+
+
+def _reference_base_sq(w0: torch.Tensor) -> float:
     b64 = _SCRATCH.tensor("b64", w0.numel(), torch.float64)
     b64.copy_(w0)
     return float(torch.dot(b64, b64)) if b64.numel() else 0.0
@@ -119,15 +157,50 @@ def identical_chunk_stats(w0: torch.Tensor) -> ChunkStats:
 
 
 def chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
-    """One chunk pair (same dtype, 1-D, at most STATS_BLOCK_ELEMS: one dot product per sum)."""
+    """One chunk pair (same dtype, 1-D, at most STATS_BLOCK_ELEMS), in one pass of the C kernel where
+    it covers the dtype, else `reference_chunk_stats` (same counts and max_abs; the sums in their
+    own fixed order, equal to torch.dot's but for the last bits)."""
+    code = _c_code(w, w0)
+    if code is not None:
+        got = accelerator.chunk_stats(_raw(w), _raw(w0), code)
+        if got is not None:
+            return ChunkStats(w.numel(), *got)
+    return reference_chunk_stats(w, w0)
+
+
+def _chunk_stats_read(xw: bytearray, xb: bytearray, w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
+    """`chunk_stats` of two chunks `read_chunk` read, their bytearrays handed to the C kernel as they
+    are (a view of each tensor as a buffer is 2 us with the GIL held: a third of the kernel's own
+    time at 16 threads)."""
+    code = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
+    if code is not None:
+        got = accelerator.chunk_stats(xw, xb, code)
+        if got is not None:
+            return ChunkStats(w.numel(), *got)
+    return chunk_stats(w, w0)
+
+
+def _identical_chunk_stats_read(xb: bytearray, w0: torch.Tensor) -> ChunkStats:
+    """`identical_chunk_stats` of a chunk `read_chunk` read (its bytearray as it is)."""
+    code = _DTYPE_CODES.get(w0.dtype) if accelerator is not None else None
+    base_sq = accelerator.base_sq(xb, code) if code is not None else None
+    if base_sq is None:
+        return identical_chunk_stats(w0)
+    return ChunkStats(w0.numel(), base_sq=base_sq, finite=math.isfinite(base_sq))
+
+
+def reference_chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
+    """The definition, in torch (one dot product per sum): `changed` counts the elements whose bits
+    differ; d = fp64(w) - fp64(w0); where inf/nan appear, `nonfinite` counts the non-finite d and the
+    sums and max |d| are over the finite values only (`finite` False)."""
     n = w.numel()
     xor = _SCRATCH.tensor("xor", n, bits(w).dtype)
     torch.bitwise_xor(bits(w), bits(w0), out=xor)   # (10x faster than != and a bool count)
     n_changed = int(torch.count_nonzero(xor))
-    base_sq = _base_sq(w0)
+    base_sq = _reference_base_sq(w0)
     if not n_changed:
         return ChunkStats(n, base_sq=base_sq, finite=math.isfinite(base_sq))
-    b64 = _SCRATCH.tensor("b64", n, torch.float64)   # W0 in fp64, as _base_sq left it
+    b64 = _SCRATCH.tensor("b64", n, torch.float64)   # W0 in fp64, as _reference_base_sq left it
     d = _SCRATCH.tensor("d64", n, torch.float64)
     d.copy_(w)
     d.sub_(b64)
@@ -217,8 +290,9 @@ def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -
 
 
 def _same_bytes(a: bytearray, b: bytearray) -> bool:
-    # bytearray == bytearray is one memcmp (memoryview == compares item by item: 60x slower; torch.equal 40x)
-    return a == b
+    # bytearray == bytearray is one memcmp (memoryview == compares item by item: 60x slower; torch.equal 40x),
+    # with the GIL held; the C one releases it
+    return accelerator.same_bytes(a, b) if accelerator is not None else a == b
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype, role: str) -> torch.Tensor:
@@ -250,13 +324,13 @@ def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BL
         def raw(c: tuple[int, int]) -> ChunkStats | None:
             xw, w = read_chunk(weights, fw, *c, "w")
             xb, w0 = read_chunk(base, fb, *c, "w0")
-            return None if _same_bytes(xw, xb) else chunk_stats(w, w0)
+            return None if _same_bytes(xw, xb) else _chunk_stats_read(xw, xb, w, w0)
 
         parts = chunk_map(pool, raw, chunks)
         same = [i for i, part in enumerate(parts) if part is None]
         if len(same) == len(chunks):
             return DeltaStats(numel=fw.numel)
-        for i, part in zip(same, chunk_map(pool, lambda c: identical_chunk_stats(read_chunk(base, fb, *c, "w0")[1]),
+        for i, part in zip(same, chunk_map(pool, lambda c: _identical_chunk_stats_read(*read_chunk(base, fb, *c, "w0")),
                                            [chunks[i] for i in same])):
             parts[i] = part
     else:

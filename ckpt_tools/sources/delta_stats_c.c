@@ -1,0 +1,396 @@
+/* One chunk's statistics of W - W0 in one pass (`ckpt_tools.sources.delta_stats_c`).
+ *
+ * `sources/compare.py: chunk_stats` defines the statistics with torch: the elements whose bits
+ * differ, ||W0||^2 and ||W - W0||^2 in fp64, max |W - W0|, and, where inf/nan appear, the count of
+ * non-finite differences with the sums and the max over the finite part only. In torch that is
+ * ~8 passes over 2 MB fp64 temporaries per chunk, with the GIL held between them: diff-vs-base at 8B
+ * used 5x the CPU of `cat` and kept ~3 of 16 cores busy. Here both input buffers are read once,
+ * with the GIL released, and nothing is allocated.
+ *
+ * Same answers as the torch path: the counts and max |d| bit for bit (every d = fp64(w) - fp64(w0)
+ * is the same IEEE operation; the upcasts to fp64 are exact). The two sums differ from torch.dot's
+ * only in their last bits, by summation order, which is fixed here: element i goes to accumulator
+ * i % LANES, the LANES partial sums are added in one fixed tree. No -ffast-math and no fused
+ * multiply-add (setup.py passes -ffp-contract=off): the result depends on the chunk alone, never on
+ * the thread, the machine's vector width or the number of workers (tests/test_diff_workers.py).
+ * `base_sq` uses the very same accumulation as `chunk_stats`, so an identical chunk's ||W0||^2 has
+ * the same bits whichever of the two computed it.
+ *
+ * Dtype codes (compare.py's `_DTYPE_CODES`): 0 bf16, 1 fp16, 2 fp32, 3 fp64. Any other dtype stays on
+ * the torch path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+#define LANES 8   /* element i is summed in accumulator i % LANES */
+
+enum { BF16 = 0, FP16 = 1, FP32 = 2, FP64 = 3, N_CODES = 4 };
+static const Py_ssize_t ITEMSIZE[N_CODES] = {2, 2, 4, 8};
+
+static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* Exact fp16 -> fp32 in integer arithmetic (no F16C assumed): normal numbers rebias the exponent;
+ * inf/nan keep their payload; subnormals m * 2^-24 come out of one exact float subtraction
+ * (2^-14 * (1 + m/1024) - 2^-14). Checked on all 65536 patterns against torch's conversion. */
+static inline float f32_from_f16(uint16_t h) {
+    uint32_t o = (uint32_t)(h & 0x7fff) << 13;
+    uint32_t exp = o & 0x0f800000u;
+    o += (uint32_t)(127 - 15) << 23;
+    if (exp == 0x0f800000u) {
+        o += (uint32_t)(128 - 16) << 23;                       /* inf / nan */
+    } else if (exp == 0) {
+        o += 1u << 23;                                         /* zero / subnormal */
+        o = bits_from_f32(f32_from_bits(o) - f32_from_bits(113u << 23));
+    }
+    return f32_from_bits(o | ((uint32_t)(h & 0x8000) << 16));
+}
+
+/* One element as fp64, and whether its bits differ from the other side's. */
+static inline double load_bf16(const void *p, Py_ssize_t i) {
+    return (double)f32_from_bits((uint32_t)((const uint16_t *)p)[i] << 16);
+}
+static inline double load_fp16(const void *p, Py_ssize_t i) { return (double)f32_from_f16(((const uint16_t *)p)[i]); }
+static inline double load_fp32(const void *p, Py_ssize_t i) { return (double)((const float *)p)[i]; }
+static inline double load_fp64(const void *p, Py_ssize_t i) { return ((const double *)p)[i]; }
+static inline int differ_bf16(const void *a, const void *b, Py_ssize_t i) {
+    return ((const uint16_t *)a)[i] != ((const uint16_t *)b)[i];
+}
+#define differ_fp16 differ_bf16
+static inline int differ_fp32(const void *a, const void *b, Py_ssize_t i) {
+    return ((const uint32_t *)a)[i] != ((const uint32_t *)b)[i];
+}
+static inline int differ_fp64(const void *a, const void *b, Py_ssize_t i) {
+    return ((const uint64_t *)a)[i] != ((const uint64_t *)b)[i];
+}
+
+#ifdef __SSE2__
+/* x86-64: LANES elements at a time, as 4 x 2 doubles. Lane j of every accumulator only ever sees
+ * elements j, j + LANES, ... with the same IEEE operations as the scalar code (max_pd(a, m) is
+ * a > m ? a : m), so this path and the scalar one give the same bits. Each loader fills x[0..3]
+ * with elements [i, i + 8) as fp64 and returns how many of them are EQUAL bitwise to the other
+ * side's, as a vector of small counts (summed in `equal_count`). */
+static inline __m128i equal_bf16(const void *w, const void *w0, Py_ssize_t i) {
+    __m128i a = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    __m128i b = _mm_loadu_si128((const __m128i *)((const uint16_t *)w0 + i));
+    return _mm_srli_epi16(_mm_cmpeq_epi16(a, b), 15);                 /* 8 x 16-bit 0/1 */
+}
+#define equal_fp16 equal_bf16
+static inline __m128i equal_fp32(const void *w, const void *w0, Py_ssize_t i) {
+    const __m128i *a = (const __m128i *)((const uint32_t *)w + i), *b = (const __m128i *)((const uint32_t *)w0 + i);
+    __m128i lo = _mm_cmpeq_epi32(_mm_loadu_si128(a), _mm_loadu_si128(b));
+    __m128i hi = _mm_cmpeq_epi32(_mm_loadu_si128(a + 1), _mm_loadu_si128(b + 1));
+    return _mm_srli_epi16(_mm_packs_epi32(lo, hi), 15);              /* 8 x 16-bit 0/1 */
+}
+static inline __m128i equal_fp64(const void *w, const void *w0, Py_ssize_t i) {
+    const __m128i *a = (const __m128i *)((const uint64_t *)w + i), *b = (const __m128i *)((const uint64_t *)w0 + i);
+    __m128i eq[4];
+    for (int k = 0; k < 4; k++) {
+        __m128i e = _mm_cmpeq_epi32(_mm_loadu_si128(a + k), _mm_loadu_si128(b + k));
+        eq[k] = _mm_and_si128(e, _mm_shuffle_epi32(e, _MM_SHUFFLE(2, 3, 0, 1)));   /* both halves */
+    }
+    /* each equal element is two -1 words: 16 x 16-bit 0/1 over 8 elements, i.e. 2 per element */
+    __m128i lo = _mm_packs_epi32(eq[0], eq[1]), hi = _mm_packs_epi32(eq[2], eq[3]);
+    return _mm_add_epi16(_mm_srli_epi16(lo, 15), _mm_srli_epi16(hi, 15));
+}
+#define EQUAL_UNITS_fp64 2   /* equal_fp64 counts each element twice */
+#define EQUAL_UNITS_bf16 1
+#define EQUAL_UNITS_fp16 1
+#define EQUAL_UNITS_fp32 1
+
+static inline void widen_ps(__m128 f, __m128d *x) {
+    x[0] = _mm_cvtps_pd(f);
+    x[1] = _mm_cvtps_pd(_mm_movehl_ps(f, f));
+}
+static inline void v_load_bf16(const void *p, Py_ssize_t i, __m128d *x) {
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)), z = _mm_setzero_si128();
+    widen_ps(_mm_castsi128_ps(_mm_unpacklo_epi16(z, h)), x);          /* (h << 16) as fp32 */
+    widen_ps(_mm_castsi128_ps(_mm_unpackhi_epi16(z, h)), x + 2);
+}
+static inline __m128 v_f32_from_f16(__m128i h) {   /* f32_from_f16 on 4 lanes, the branches as masks */
+    __m128i o = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13);
+    __m128i exp = _mm_and_si128(o, _mm_set1_epi32(0x0f800000));
+    o = _mm_add_epi32(o, _mm_set1_epi32((127 - 15) << 23));
+    __m128i infnan = _mm_cmpeq_epi32(exp, _mm_set1_epi32(0x0f800000)), sub = _mm_cmpeq_epi32(exp, _mm_setzero_si128());
+    o = _mm_add_epi32(o, _mm_and_si128(infnan, _mm_set1_epi32((128 - 16) << 23)));
+    __m128 magic = _mm_sub_ps(_mm_castsi128_ps(_mm_add_epi32(o, _mm_set1_epi32(1 << 23))),
+                              _mm_castsi128_ps(_mm_set1_epi32(113 << 23)));
+    o = _mm_or_si128(_mm_andnot_si128(sub, o), _mm_and_si128(sub, _mm_castps_si128(magic)));
+    return _mm_castsi128_ps(_mm_or_si128(o, _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16)));
+}
+static inline void v_load_fp16(const void *p, Py_ssize_t i, __m128d *x) {
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)), z = _mm_setzero_si128();
+    widen_ps(v_f32_from_f16(_mm_unpacklo_epi16(h, z)), x);
+    widen_ps(v_f32_from_f16(_mm_unpackhi_epi16(h, z)), x + 2);
+}
+static inline void v_load_fp32(const void *p, Py_ssize_t i, __m128d *x) {
+    widen_ps(_mm_loadu_ps((const float *)p + i), x);
+    widen_ps(_mm_loadu_ps((const float *)p + i + 4), x + 2);
+}
+static inline void v_load_fp64(const void *p, Py_ssize_t i, __m128d *x) {
+    for (int k = 0; k < 4; k++) x[k] = _mm_loadu_pd((const double *)p + i + 2 * k);
+}
+static inline int64_t equal_count(__m128i c) {   /* the sum of 8 x 16-bit counts */
+    __m128i s = _mm_madd_epi16(c, _mm_set1_epi16(1));                    /* 4 x 32-bit */
+    int32_t v[4];
+    _mm_storeu_si128((__m128i *)v, s);
+    return (int64_t)v[0] + v[1] + v[2] + v[3];
+}
+/* The 16-bit counts grow by at most 2 per lane and step (fp64 counts each element twice): flushed
+ * every COUNT_BLOCK elements, before a lane passes 16384 (the sum in equal_count is signed). */
+#define COUNT_BLOCK ((Py_ssize_t)LANES * 8192)
+
+/* The vector part of the first pass: elements [0, n rounded down to LANES) into the accumulators
+ * (bs, ds, mx: LANES each), returning the number of equal elements and setting *done. */
+#define VECTOR_PASS(NAME)                                                                          \
+    static int64_t vector_pass_##NAME(const void *w, const void *w0, Py_ssize_t n, double *bs,     \
+                                      double *ds, double *mx, Py_ssize_t *done) {                  \
+        __m128d vb[4], vd[4], vm[4];                                                               \
+        for (int k = 0; k < 4; k++) vb[k] = vd[k] = vm[k] = _mm_setzero_pd();                      \
+        int64_t equal = 0;                                                                         \
+        Py_ssize_t i = 0;                                                                          \
+        while (i + LANES <= n) {                                                                   \
+            __m128i count = _mm_setzero_si128();                                                   \
+            Py_ssize_t stop = n - i > COUNT_BLOCK ? i + COUNT_BLOCK : n;                           \
+            for (; i + LANES <= stop; i += LANES) {                                                \
+                __m128d b[4], a[4];                                                                \
+                v_load_##NAME(w0, i, b);                                                           \
+                v_load_##NAME(w, i, a);                                                            \
+                count = _mm_add_epi16(count, equal_##NAME(w, w0, i));                              \
+                for (int k = 0; k < 4; k++) {                                                      \
+                    __m128d d = _mm_sub_pd(a[k], b[k]);                                            \
+                    vb[k] = _mm_add_pd(vb[k], _mm_mul_pd(b[k], b[k]));                             \
+                    vd[k] = _mm_add_pd(vd[k], _mm_mul_pd(d, d));                                   \
+                    vm[k] = _mm_max_pd(_mm_andnot_pd(_mm_set1_pd(-0.0), d), vm[k]);                \
+                }                                                                                  \
+            }                                                                                      \
+            equal += equal_count(count);                                                           \
+        }                                                                                          \
+        for (int k = 0; k < 4; k++) {                                                              \
+            _mm_storeu_pd(bs + 2 * k, vb[k]);                                                      \
+            _mm_storeu_pd(ds + 2 * k, vd[k]);                                                      \
+            _mm_storeu_pd(mx + 2 * k, vm[k]);                                                      \
+        }                                                                                          \
+        *done = i;                                                                                 \
+        return equal / EQUAL_UNITS_##NAME;                                                         \
+    }                                                                                              \
+    static void vector_base_##NAME(const void *w0, Py_ssize_t n, double *bs, Py_ssize_t *done) {  \
+        __m128d vb[4];                                                                             \
+        for (int k = 0; k < 4; k++) vb[k] = _mm_setzero_pd();                                      \
+        Py_ssize_t i = 0;                                                                          \
+        for (; i + LANES <= n; i += LANES) {                                                       \
+            __m128d b[4];                                                                          \
+            v_load_##NAME(w0, i, b);                                                               \
+            for (int k = 0; k < 4; k++) vb[k] = _mm_add_pd(vb[k], _mm_mul_pd(b[k], b[k]));         \
+        }                                                                                          \
+        for (int k = 0; k < 4; k++) _mm_storeu_pd(bs + 2 * k, vb[k]);                              \
+        *done = i;                                                                                 \
+    }
+#else
+/* Elsewhere: no vector part; the scalar loop below does every element, in the same lanes. */
+#define VECTOR_PASS(NAME)                                                                          \
+    static int64_t vector_pass_##NAME(const void *w, const void *w0, Py_ssize_t n, double *bs,     \
+                                      double *ds, double *mx, Py_ssize_t *done) {                  \
+        for (int j = 0; j < LANES; j++) bs[j] = ds[j] = mx[j] = 0.0;                               \
+        *done = 0;                                                                                 \
+        return 0;                                                                                  \
+    }                                                                                              \
+    static void vector_base_##NAME(const void *w0, Py_ssize_t n, double *bs, Py_ssize_t *done) {  \
+        for (int j = 0; j < LANES; j++) bs[j] = 0.0;                                               \
+        *done = 0;                                                                                 \
+    }
+#endif
+
+/* The one fixed order in which the LANES partial sums are added. */
+static double combine(const double *acc) {
+    double a = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    double b = (acc[4] + acc[5]) + (acc[6] + acc[7]);
+    return a + b;
+}
+
+typedef struct {
+    int64_t changed;
+    double base_sq, delta_sq, max_abs;
+    int64_t nonfinite;
+    int finite;
+} Stats;
+
+/* The first pass, over every element: the unfiltered sums (a nan or inf anywhere makes them
+ * non-finite, exactly as torch.dot's), the changed count and max |d|. The second pass runs only
+ * when a sum came out non-finite (rare): the count of non-finite d, and the sums and the max over
+ * the finite values (torch's path replaces the others by 0, which adds nothing). */
+#define DEFINE_KERNELS(NAME)                                                                       \
+    VECTOR_PASS(NAME)                                                                              \
+    static double base_sq_##NAME(const void *w0, Py_ssize_t n) {                                   \
+        double bs[LANES];                                                                          \
+        Py_ssize_t i;                                                                              \
+        vector_base_##NAME(w0, n, bs, &i);                                                         \
+        for (; i < n; i++) {                                                                       \
+            double b = load_##NAME(w0, i);                                                         \
+            bs[i % LANES] += b * b;                                                                \
+        }                                                                                          \
+        return combine(bs);                                                                        \
+    }                                                                                              \
+                                                                                                   \
+    static void finite_part_##NAME(const void *w, const void *w0, Py_ssize_t n, Stats *st) {       \
+        double bs[LANES] = {0}, ds[LANES] = {0}, mx = 0.0;                                         \
+        int64_t nonfinite = 0;                                                                     \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                       \
+            double b = load_##NAME(w0, i), d = load_##NAME(w, i) - b;                              \
+            if (isfinite(b)) bs[i % LANES] += b * b;                                               \
+            if (isfinite(d)) {                                                                     \
+                ds[i % LANES] += d * d;                                                            \
+                if (fabs(d) > mx) mx = fabs(d);                                                    \
+            } else {                                                                               \
+                nonfinite++;                                                                       \
+            }                                                                                      \
+        }                                                                                          \
+        st->base_sq = combine(bs);                                                                 \
+        st->delta_sq = combine(ds);                                                                \
+        st->max_abs = mx;                                                                          \
+        st->nonfinite = nonfinite;                                                                 \
+    }                                                                                              \
+                                                                                                   \
+    static void chunk_stats_##NAME(const void *w, const void *w0, Py_ssize_t n, Stats *st) {       \
+        double bs[LANES], ds[LANES], mx[LANES];                                                    \
+        Py_ssize_t i;                                                                              \
+        int64_t equal = vector_pass_##NAME(w, w0, n, bs, ds, mx, &i);                              \
+        int64_t changed = i - equal;                                                               \
+        for (; i < n; i++) {                                                                       \
+            double b = load_##NAME(w0, i), d = load_##NAME(w, i) - b, a = fabs(d);                 \
+            changed += differ_##NAME(w, w0, i);                                                    \
+            bs[i % LANES] += b * b;                                                                \
+            ds[i % LANES] += d * d;                                                                \
+            mx[i % LANES] = a > mx[i % LANES] ? a : mx[i % LANES];                                 \
+        }                                                                                          \
+        st->changed = changed;                                                                     \
+        st->max_abs = 0.0;                                                                         \
+        for (int j = 0; j < LANES; j++)                                                            \
+            if (mx[j] > st->max_abs) st->max_abs = mx[j];                                          \
+        st->base_sq = combine(bs);                                                                 \
+        st->delta_sq = combine(ds);                                                                \
+        st->nonfinite = 0;                                                                         \
+        st->finite = isfinite(st->base_sq) && isfinite(st->delta_sq);                              \
+        if (!st->changed) {                  /* identical: all it adds is ||W0||^2 */              \
+            st->delta_sq = st->max_abs = 0.0;                                                      \
+            st->finite = isfinite(st->base_sq);                                                    \
+        } else if (!st->finite) {                                                                  \
+            finite_part_##NAME(w, w0, n, st);                                                      \
+        }                                                                                          \
+    }
+
+DEFINE_KERNELS(bf16)
+DEFINE_KERNELS(fp16)
+DEFINE_KERNELS(fp32)
+DEFINE_KERNELS(fp64)
+
+typedef void (*ChunkKernel)(const void *, const void *, Py_ssize_t, Stats *);
+typedef double (*BaseKernel)(const void *, Py_ssize_t);
+static const ChunkKernel CHUNK_KERNELS[N_CODES] = {chunk_stats_bf16, chunk_stats_fp16, chunk_stats_fp32,
+                                                   chunk_stats_fp64};
+static const BaseKernel BASE_KERNELS[N_CODES] = {base_sq_bf16, base_sq_fp16, base_sq_fp32, base_sq_fp64};
+
+/* The element count of a buffer of this dtype, or -1 with an exception set. */
+static Py_ssize_t elements(const Py_buffer *buf, int code) {
+    if (code < 0 || code >= N_CODES) {
+        PyErr_Format(PyExc_ValueError, "unknown dtype code %d", code);
+        return -1;
+    }
+    if (buf->len % ITEMSIZE[code]) {
+        PyErr_Format(PyExc_ValueError, "a buffer of %zd bytes is not a whole number of %zd-byte elements",
+                     buf->len, ITEMSIZE[code]);
+        return -1;
+    }
+    return buf->len / ITEMSIZE[code];
+}
+
+/* The kernels read whole elements through typed pointers: a buffer that is not aligned to its
+ * element size (no tensor chunk is; a bytearray at an odd offset could be) is left to the caller's
+ * torch path (answer None), as is a buffer that is not C-contiguous bytes. */
+static int readable(const Py_buffer *buf, int code) {
+    return PyBuffer_IsContiguous(buf, 'C') && (uintptr_t)buf->buf % (uintptr_t)ITEMSIZE[code] == 0;
+}
+
+static PyObject *py_chunk_stats(PyObject *self, PyObject *args) {
+    Py_buffer w, w0;
+    int code;
+    if (!PyArg_ParseTuple(args, "y*y*i", &w, &w0, &code)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = elements(&w, code);
+    if (n >= 0 && w.len != w0.len) {
+        PyErr_Format(PyExc_ValueError, "buffers of %zd and %zd bytes", w.len, w0.len);
+        n = -1;
+    }
+    if (n >= 0 && !(readable(&w, code) && readable(&w0, code))) {
+        result = Py_NewRef(Py_None);
+    } else if (n >= 0) {
+        Stats st;
+        Py_BEGIN_ALLOW_THREADS
+        CHUNK_KERNELS[code](w.buf, w0.buf, n, &st);
+        Py_END_ALLOW_THREADS
+        result = Py_BuildValue("LddLdO", (long long)st.changed, st.base_sq, st.delta_sq, (long long)st.nonfinite,
+                               st.max_abs, st.finite ? Py_True : Py_False);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&w0);
+    return result;
+}
+
+static PyObject *py_base_sq(PyObject *self, PyObject *args) {
+    Py_buffer w0;
+    int code;
+    if (!PyArg_ParseTuple(args, "y*i", &w0, &code)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = elements(&w0, code);
+    if (n >= 0 && !readable(&w0, code)) {
+        result = Py_NewRef(Py_None);
+    } else if (n >= 0) {
+        double s;
+        Py_BEGIN_ALLOW_THREADS
+        s = BASE_KERNELS[code](w0.buf, n);
+        Py_END_ALLOW_THREADS
+        result = PyFloat_FromDouble(s);
+    }
+    PyBuffer_Release(&w0);
+    return result;
+}
+
+/* bytearray == bytearray is one memcmp, but with the GIL held: 512 KB of an identical chunk is
+ * ~40 us that no other worker can run Python in. */
+static PyObject *py_same_bytes(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    if (!PyArg_ParseTuple(args, "y*y*", &a, &b)) return NULL;
+    int same = a.len == b.len;
+    if (same && a.len) {
+        Py_BEGIN_ALLOW_THREADS
+        same = memcmp(a.buf, b.buf, (size_t)a.len) == 0;
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(same);
+}
+
+static PyMethodDef methods[] = {
+    {"same_bytes", py_same_bytes, METH_VARARGS,
+     "same_bytes(a, b) -> whether two C-contiguous buffers hold the same bytes (memcmp, GIL released)."},
+    {"chunk_stats", py_chunk_stats, METH_VARARGS,
+     "chunk_stats(w, w0, code) -> (changed, base_sq, delta_sq, nonfinite, max_abs, finite): one chunk pair "
+     "of the same dtype (code: 0 bf16, 1 fp16, 2 fp32, 3 fp64), as compare.chunk_stats defines them; None for "
+     "a buffer not aligned to its elements (use the torch path)."},
+    {"base_sq", py_base_sq, METH_VARARGS,
+     "base_sq(w0, code) -> sum of fp64(w0)^2 over every element (non-finite where inf/nan are), in the "
+     "same order as chunk_stats's; None for a buffer not aligned to its elements."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "delta_stats_c", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_delta_stats_c(void) { return PyModule_Create(&module); }
