@@ -99,7 +99,8 @@ echo "== host (phase $PHASE: sizes $SIZES, ranks $RANKS, cases ${CASES:-all})"; 
 # Fail in seconds, not minutes, if ckpt_tools does not run here (Python 3.12, torch 2.11).
 echo "== smoke"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-"$PY" setup.py -q build_ext --inplace 2>&1 | tail -3    # the C pickle scan (nothing is pip-installed here)
+"$PY" setup.py -q build_ext --inplace 2>&1 | tail -3    # the C pickle scan and delta stats (nothing is pip-installed here)
+"$PY" -c "from ckpt_tools.io import pickle_scan as p; from ckpt_tools.sources import compare as c; print('C:', p.accelerator, c.accelerator)"
 if [ -n "${DEVICE_TESTS:-}" ]; then   # tests whose answer depends on this host's CPU/BLAS (pytest is in its image)
     # shellcheck disable=SC2086
     "$PY" -m pytest -q -p no:cacheprovider $DEVICE_TESTS 2>&1 | tail -5

@@ -391,6 +391,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "delta_stats_c", NULL, -1, methods};
+/* Multi-phase initialization (no state), like io/pickle_scan_c.c: loadable again in one process. */
+static PyModuleDef_Slot slots[] = {{0, NULL}};
 
-PyMODINIT_FUNC PyInit_delta_stats_c(void) { return PyModule_Create(&module); }
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "delta_stats_c", NULL, 0, methods, slots, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_delta_stats_c(void) { return PyModuleDef_Init(&module); }
