@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 from ...core.dtypes import ITEMSIZE, ShapedBytes
 from ...io.inputs import is_plain_file_name
+from ...io.pickle_scan import gc_paused
 from .metadata import Dims, DtypeName
 
 __all__ = [
@@ -268,7 +269,14 @@ def _tensor(key: str, path: tuple, item, out: ParsedMetadata) -> TensorEntry | N
 
 def parse_metadata(md) -> ParsedMetadata:
     """Every entry of `md` and every finding (see the module docstring). Never raises on a malformed
-    Metadata of the allowed classes: what cannot be read is a finding."""
+    Metadata of the allowed classes: what cannot be read is a finding. Runs with the cyclic GC paused
+    (`gc_paused`): a 32B checkpoint's entries and chunks are ~10^5 acyclic objects, and each collection
+    they trigger would walk the ~10^6 objects of the metadata they are made from."""
+    with gc_paused():
+        return _parse(md)
+
+
+def _parse(md) -> ParsedMetadata:
     out = ParsedMetadata()
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)

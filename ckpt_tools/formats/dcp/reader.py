@@ -20,7 +20,6 @@ from ...core.dtypes import torch_dtype
 from ...core.errors import CkptError, FormatError, UnsafePickleError, UsageError
 from ...core.keys import classify, require_known
 from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input, register
-from ...io.pickle_scan import gc_paused
 from .item import ItemError, decode_chunk, is_row_block, load_byte_item, load_plain_item
 from .layout import METADATA_NAME, resolve_checkpoint_dir
 from .metadata import load_metadata
@@ -69,9 +68,8 @@ class DcpCheckpoint:
         if not data:
             raise FormatError("empty .metadata (0 bytes)", path=meta_path,
                               hint="the save was interrupted; use an earlier step")
-        with gc_paused():   # ~10^5 acyclic objects per 1 MiB of metadata: nothing for the cyclic GC to find
-            md = load_metadata(data, str(meta_path), trust=trust_pickle)
-            return cls(ckpt_dir, md, trust_pickle=trust_pickle, known_keys_only=known_keys_only)
+        md = load_metadata(data, str(meta_path), trust=trust_pickle)   # (both run with the cyclic GC paused)
+        return cls(ckpt_dir, md, trust_pickle=trust_pickle, known_keys_only=known_keys_only)
 
     @property
     def stats(self):
