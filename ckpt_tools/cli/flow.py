@@ -20,11 +20,13 @@ __all__ = ["plan_and_run", "finish", "op_imports"]
 
 @contextlib.contextmanager
 def op_imports():
-    """Where a command imports its op, and torch with it: SIGINT/SIGTERM are held until the imports
-    are done and delivered right after, as `entry.py` holds them while the CLI itself is imported. A
-    signal raised inside numpy's initialization (under torch) leaves it half-loaded, and the error
-    path's next import of it fails ("cannot load module more than once per process") instead of the
-    one line a Ctrl-C should give (tests/test_hostile_files.py, signals during start-up)."""
+    """Where a command imports its op, and torch with it. The import sits inside the command
+    function, so that `ckpt <cmd> --help` stays torch-free (tests/test_startup.py); SIGINT/SIGTERM
+    are held until the imports are done and delivered right after, as `entry.py` holds them while
+    the CLI itself is imported. A signal raised inside numpy's initialization (under torch) leaves it
+    half-loaded, and the error path's next import of it fails ("cannot load module more than once
+    per process") instead of the one line a Ctrl-C should give (tests/test_hostile_files.py, signals
+    during start-up)."""
     with signals_deferred():
         yield
 

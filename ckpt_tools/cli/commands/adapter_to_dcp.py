@@ -61,8 +61,6 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
     """
     check_roles("adapter-to-dcp", {"ADAPTER": adapter, "OUT": out, "--base": base,
                                     "--optimizer-from": optimizer_from})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.adapter_to_dcp import (
             ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, run_adapter_to_dcp,

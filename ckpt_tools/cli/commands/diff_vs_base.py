@@ -52,8 +52,6 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
       ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
     """
     check_roles("diff-vs-base", {"WEIGHTS": weights, "BASE": base, "--adapter": adapter})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.diff import EXIT_DIFFERS, DiffOptions, open_diff_sources, plan_diff, run_diff
     warn_trust(trust_pickle)

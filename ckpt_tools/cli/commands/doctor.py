@@ -52,8 +52,6 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
     Example:
       ckpt doctor rl.toml --outputs outputs
     """
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.doctor import doctor
     warn_trust(trust_pickle)

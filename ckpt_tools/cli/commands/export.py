@@ -49,8 +49,6 @@ def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_d
       ckpt export outputs/checkpoints/step_95/trainer exported-95 --config-from Qwen/Qwen3-8B
     """
     check_roles("export", {"CKPT": ckpt, "OUT": out, "--config-from": config_from})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.merge import ExportOptions, open_export_sources, plan_export, run_export
     warn_trust(trust_pickle)

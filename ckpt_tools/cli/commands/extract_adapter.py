@@ -43,8 +43,6 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
       ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
     """
     check_roles("extract-adapter", {"CKPT": ckpt, "OUT": out, "--base": base})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
         from ...sources.lora import DcpLoraSource

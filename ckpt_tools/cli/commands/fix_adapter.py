@@ -39,8 +39,6 @@ def command(src: Path, out: Path, base, slot, alpha, run_config, overwrite: bool
       ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
     """
     check_roles("fix-adapter", {"SRC": src, "OUT": out, "--base": base})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
     options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config))

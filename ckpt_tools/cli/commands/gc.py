@@ -46,8 +46,6 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
       ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
     """
     check_roles("gc", {"CHECKPOINTS_DIR": checkpoints, "--base": base})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.gc import gc
     warn_trust(trust_pickle)

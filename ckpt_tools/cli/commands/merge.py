@@ -60,8 +60,6 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
     Example:
       ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
     """
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.merge import MergeOptions, open_merge_sources, plan_merge, run_merge
     warn_trust(trust_pickle)

@@ -39,8 +39,6 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
       ckpt rehydrate step_95-slim step_95-full --base Qwen/Qwen3-32B
     """
     check_roles("rehydrate", {"SLIM": slim_ckpt, "OUT": out, "--base": base})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.rehydrate import (
             RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, run_rehydrate,

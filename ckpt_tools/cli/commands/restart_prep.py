@@ -54,8 +54,6 @@ def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: st
         --lr 5e-6 --config rl.toml
     """
     check_roles("restart-prep", {"RUN_OR_CKPT": run_or_ckpt, "--base": base})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...workflows.restart_prep import restart_prep
     warn_trust(trust_pickle)

@@ -64,8 +64,6 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
     Example:
       ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
     """
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.set_lr import set_lr
     warn_trust(trust_pickle)

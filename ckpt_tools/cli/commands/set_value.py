@@ -33,8 +33,6 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
     Example:
       ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
     """
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.set_lr import set_values
     warn_trust(trust_pickle)

@@ -37,8 +37,6 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
       ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
     """
     check_roles("slim", {"CKPT": ckpt, "OUT": out, "--base": base})
-    # the op imports torch: imported here, so `--help` stays torch-free (tests/test_startup.py), with
-    # signals held (cli.flow.op_imports)
     with op_imports():
         from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
     warn_trust(trust_pickle)
