@@ -330,9 +330,9 @@ def _item_pickles(limit: int = 200) -> list[bytes]:
     import zipfile
 
     out = []
+    md = pickle.loads((TRAINER / ".metadata").read_bytes())   # the genuine fixture: trusted
     for f in sorted(TRAINER.glob("__*_0.distcp")):
         raw = f.read_bytes()
-        md = pickle.loads((TRAINER / ".metadata").read_bytes())   # the genuine fixture: trusted
         for info in md.storage_data.values():
             if info.relative_path != f.name or len(out) >= limit:
                 continue
