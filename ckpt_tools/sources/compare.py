@@ -3,9 +3,11 @@
 Every tensor pair is walked in the chunks the statistics fold (`stat_chunks`): blocks of
 `block_bytes`, each cut into STATS_BLOCK_ELEMS elements. Each chunk of each side is read straight
 into this thread's reused buffers (`Scratch`: no allocation, so no page faults, per chunk; the
-buffers stay in the CPU's cache). Same dtype: raw byte comparison first (memcmp, no decoding); at
-the first chunk that differs the statistics take over from there, the identical chunks before it
-folded from BASE alone (all they add is ||W0||^2), so a tensor is read once however it compares.
+buffers stay in the CPU's cache). Same dtype: raw byte comparison first (memcmp, no decoding); a
+chunk that differs gets its statistics from the bytes just read. An identical tensor is read once
+and costs no arithmetic; in a tensor where only some chunks differ, the identical ones are read
+again from BASE alone for what they add (||W0||^2), which a LoRA merge never causes (its delta
+reaches every row of a targeted tensor).
 Different dtypes: both sides upcast exactly to a common dtype (bf16/fp16/fp32 -> fp32, anything
 with fp64 -> fp64) and compared bitwise there, with the statistics of W - W0 (`DeltaStats`, fp64
 accumulation). `ckpt diff-vs-base` reports these per tensor (its worker threads compare tensors in
