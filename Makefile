@@ -6,15 +6,17 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CKPT   := $(VENV)/bin/ckpt
 DEMO   ?= demo-out
+# Extra pip arguments for the torch install, e.g. TORCH_PIP_ARGS="--index-url <PyTorch's CPU wheel index>"
+TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test clean bench
+.PHONY: install demo test test-pure clean bench
 
 $(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c ckpt_tools/sources/delta_stats_c.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: this takes the CPU build from local disk; an unpinned torch would
-	# pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first and pinned: where pip's config serves the CPU build (our dev and CI machines) this
+	# takes it; elsewhere PyPI's Linux wheel is the CUDA build unless TORCH_PIP_ARGS points at a CPU index.
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
@@ -26,6 +28,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The suite again with neither C fast path loaded: the Python/torch fallbacks they speed up (CI runs both).
+test-pure: install
+	CKPT_TOOLS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: install
 	@echo "see bench/README.md: benchmarks are run on demand, not in CI"

@@ -42,3 +42,12 @@ def json_payload(text: str):
     doc = json.loads(text)
     assert doc["schema"] == "ckpt/1", doc
     return doc["result"] if doc["result"] is not None else doc["plan"]
+
+
+def pytest_report_header(config):
+    """Which path the run tests: the C fast paths, or the Python/torch ones alone (CKPT_TOOLS_PURE_PYTHON=1)."""
+    from ckpt_tools.io import pickle_scan
+    from ckpt_tools.sources import compare
+    state = {True: "loaded", False: "not loaded"}
+    return (f"ckpt_tools C fast paths: pickle_scan_c {state[pickle_scan.accelerator is not None]}, "
+            f"delta_stats_c {state[compare.accelerator is not None]}")

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from ckpt_tools.core.accel import pure_python
 from ckpt_tools.sources import compare
 from ckpt_tools.sources.compare import ChunkStats, chunk_stats, identical_chunk_stats, reference_chunk_stats
 
@@ -16,10 +17,19 @@ SUBNORMAL = {torch.bfloat16: 1e-39, torch.float16: 3e-6, torch.float32: 1e-40, t
 LENGTHS = [0, 1, 3, 7, 8, 9, 17, 1000, 2**18]
 
 
-def test_the_c_fast_path_is_built():
+# The tests of the C kernel itself; under CKPT_TOOLS_PURE_PYTHON=1 (CI's second pass) only the torch-path
+# tests at the end run.
+needs_c = pytest.mark.skipif(pure_python(), reason="CKPT_TOOLS_PURE_PYTHON=1: delta_stats_c is not loaded")
+
+
+def test_the_c_fast_path_is_built_unless_turned_off():
     """`make install` compiles ckpt_tools/sources/delta_stats_c.c (gcc is on every machine we run on):
-    without it every comparison below would check the torch path against itself."""
-    assert compare.accelerator is not None, "delta_stats_c was not built: `make install` with gcc at hand"
+    without it every comparison below would check the torch path against itself. CKPT_TOOLS_PURE_PYTHON=1
+    must keep it unloaded (this says which path the run tested)."""
+    if pure_python():
+        assert compare.accelerator is None, "CKPT_TOOLS_PURE_PYTHON=1 but delta_stats_c was loaded"
+    else:
+        assert compare.accelerator is not None, "delta_stats_c was not built: `make install` with gcc at hand"
 
 
 def _raw(t: torch.Tensor):
@@ -55,6 +65,7 @@ def _pair(n: int, dtype: torch.dtype, seed: int, plant: bool) -> tuple[torch.Ten
     return w, w0
 
 
+@needs_c
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_random_chunks_match_the_torch_path(dtype, n):
@@ -67,6 +78,7 @@ def test_random_chunks_match_the_torch_path(dtype, n):
             assert not want.finite and want.nonfinite    # the planted inf/nan were seen (the test can fail)
 
 
+@needs_c
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_identical_chunks(dtype, n):
@@ -81,6 +93,7 @@ def test_identical_chunks(dtype, n):
             assert c.base_sq == chunk_stats(w, w0).base_sq
 
 
+@needs_c
 def test_signed_zero_and_nan_payloads_count_as_changed():
     w0 = torch.tensor([0.0, 1.0, math.nan, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float32)
     w = w0.clone()
@@ -91,6 +104,7 @@ def test_signed_zero_and_nan_payloads_count_as_changed():
     assert got.changed == 2 and got.nonfinite == 1 and got.max_abs == 0.0 and not got.finite
 
 
+@needs_c
 def test_fp64_overflow_is_not_finite_without_nonfinite_elements():
     """Squares past fp64's range: the sums are inf though every d is finite, as torch.dot's."""
     w0 = torch.tensor([1e200, 1.0, -3e200, 2.0, 5.0], dtype=torch.float64)
@@ -100,6 +114,7 @@ def test_fp64_overflow_is_not_finite_without_nonfinite_elements():
     assert not got.finite and got.nonfinite == 0 and math.isinf(got.base_sq)
 
 
+@needs_c
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 8])
 def test_every_16_bit_pattern_converts_exactly(dtype, n):
@@ -125,6 +140,7 @@ def test_every_16_bit_pattern_converts_exactly(dtype, n):
             assert (max_abs, delta_sq, nonfinite, finite) == (0.0, 0.0, 1, False), p
 
 
+@needs_c
 def test_a_misaligned_buffer_is_left_to_the_torch_path():
     buf = bytearray(2 * 9 + 1)
     view = memoryview(buf)[1:]                                    # odd address: not aligned to bf16
@@ -134,6 +150,7 @@ def test_a_misaligned_buffer_is_left_to_the_torch_path():
         compare.accelerator.chunk_stats(bytearray(6), bytearray(4), 2)
 
 
+@needs_c
 def test_same_bytes():
     same = compare.accelerator.same_bytes
     a = bytearray(range(256)) * 2048

@@ -7,5 +7,6 @@
 - `lora_math`: the LoRA scale (the only `lora_scale`), alpha and shape rules;
 - `tensor_math`: the exact fp32 merge kernels, ulps and finiteness checks (these need torch);
 - `tied`: tied-embedding pairs and how a config ties them;
-- `primerl_state`: the non-tensor state of a prime-rl checkpoint (AppState facts).
+- `primerl_state`: the non-tensor state of a prime-rl checkpoint (AppState facts);
+- `accel`: whether the optional C fast paths may load (`CKPT_TOOLS_PURE_PYTHON`).
 """

@@ -19,12 +19,11 @@ import io
 import pickletools
 import struct
 
+from ..core.accel import load_accelerator
 from ..core.errors import UnsafePickleError
 
-try:
-    from . import pickle_scan_c as accelerator
-except ImportError:   # installed without a C compiler: the Python scan alone
-    accelerator = None
+# Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the Python scan alone.
+accelerator = load_accelerator("ckpt_tools.io.pickle_scan_c")
 
 __all__ = ["MAX_PICKLE_DEPTH", "MIN_TREE_NODES", "TREE_NODES_PER_BYTE", "MAX_INT_BITS", "check_pickle_bounds",
            "reference_scan", "tree_budget", "accelerator", "gc_paused"]

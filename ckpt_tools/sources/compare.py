@@ -31,14 +31,13 @@ from typing import TypeVar
 
 import torch
 
+from ..core.accel import load_accelerator
 from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
 from .base import Source, TensorFacts
 
-try:
-    from . import delta_stats_c as accelerator
-except ImportError:   # installed without a C compiler: the torch statistics alone
-    accelerator = None
+# Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the torch statistics alone.
+accelerator = load_accelerator("ckpt_tools.sources.delta_stats_c")
 
 __all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch", "ChunkStats", "chunk_stats",
            "identical_chunk_stats", "reference_chunk_stats", "accelerator", "DeltaStats", "chunk_map", "shared_names",
