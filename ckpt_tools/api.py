@@ -14,29 +14,40 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .core.primerl_state import SchedulerSpec
 from .core.progress import Progress
 from .formats.dcp.reader import DcpCheckpoint
 from .formats.hf_dir.hub import resolve_model_dir
 from .formats.hf_dir.model_dir import HFModelDir
 from .formats.peft.adapter import PeftAdapter, open_peft_adapter
 from .formats.sniff import DCP, HF, PEFT, sniff
+from .ops.adapter_to_dcp import ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, \
+    run_adapter_to_dcp
 from .ops.diff import DiffReport
 from .ops.diff import diff_vs_base as _diff_vs_base
+from .ops.doctor import DoctorReport
+from .ops.doctor import doctor as _doctor
 from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
+from .ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
+from .ops.gc import gc as _gc
 from .ops.inspect import InspectOptions, InspectReport, plan_inspect, run_inspect
-from .ops.merge import MergeOptions, MergeReport, check_output, open_merge_sources, plan_merge, run_merge
+from .ops.merge import ExportOptions, MergeOptions, MergeReport, check_output, open_export_sources, open_merge_sources, \
+    plan_export, plan_merge, run_export, run_merge
 from .ops.rehydrate import RehydrateReport
 from .ops.rehydrate import rehydrate as _rehydrate
 from .ops.set_lr import PatchReport
 from .ops.set_lr import set_lr as _set_lr
+from .ops.set_lr import set_values as _set_values
 from .ops.slim import SlimReport
 from .ops.slim import slim as _slim
 from .ops.verify import VerifyReport, verify_path
 from .sources.lora import DcpLoraSource
+from .workflows.restart_prep import restart_prep as _restart_prep
 
-__all__ = ["open", "inspect", "extract_adapter", "merge", "diff_vs_base", "verify", "slim", "rehydrate", "set_lr",
+__all__ = ["open", "inspect", "extract_adapter", "merge", "export", "diff_vs_base", "verify", "slim", "rehydrate",
+           "set_lr", "set_values", "adapter_to_dcp", "fix_adapter", "restart_prep", "gc", "doctor",
            "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
-           "RehydrateReport", "PatchReport"]
+           "RehydrateReport", "PatchReport", "ToDcpReport", "FixReport", "DoctorReport", "SchedulerSpec"]
 
 
 def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:  # noqa: A001
@@ -93,6 +104,49 @@ def merge(base: str | Path | None, adapter: str | Path, out: str | Path, *, dry_
         return run_merge(plan, sources, progress, overwrite=overwrite)
 
 
+def export(ckpt: str | Path, out: str | Path, *, config_from: str | Path | None = None, dry_run: bool = False,
+           overwrite: bool = False, progress: Progress | None = None, **options) -> MergeReport:
+    """A DCP checkpoint as an HF model dir (`ckpt export`): a full fine-tune's trained weights, or a LoRA
+    run's merged model, from the checkpoint's fp32 masters. `options`: the fields of
+    `ops.merge.ExportOptions` (alpha, run_config, slot, dtype, max_shard_size, threads, allow_zero_delta,
+    trust_pickle). `.result` is None in a dry run."""
+    opts = ExportOptions(out=str(out), config_from=None if config_from is None else str(config_from), **options)
+    with open_export_sources(ckpt, opts) as sources:
+        plan = plan_export(sources, opts)
+        check_output(plan, out, overwrite=overwrite)
+        if dry_run:
+            return MergeReport(plan)
+        return run_export(plan, sources, progress, overwrite=overwrite)
+
+
+def adapter_to_dcp(adapter: str | Path, out: str | Path, *, base: str | Path, lr: float | None = None,
+                   step: int | None = None, world_size: int = 4, optimizer_from: str | Path | None = None,
+                   scheduler: SchedulerSpec | None = None, scheduler_step: int | None = None, dry_run: bool = False,
+                   overwrite: bool = False, trust_pickle: bool = False,
+                   progress: Progress | None = None) -> ToDcpReport:
+    """A prime-rl trainer checkpoint that resumes from a PEFT adapter and the HF base (`ckpt adapter-to-dcp`);
+    `scheduler`: a `SchedulerSpec` (constant | linear | cosine, with prime-rl's own validation)."""
+    options = ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=scheduler,
+                           scheduler_step=scheduler_step, trust_pickle=trust_pickle)
+    with open_to_dcp_sources(adapter, str(base), optimizer_from=optimizer_from, trust_pickle=trust_pickle) as sources:
+        plan = plan_adapter_to_dcp(sources, options)
+        if dry_run:
+            return ToDcpReport(plan, full=True)
+        return run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite)
+
+
+def fix_adapter(src: str | Path, out: str | Path, *, base: str | Path | None = None, slot: int | None = None,
+                alpha: float | None = None, run_config: str | Path | None = None, dry_run: bool = False,
+                overwrite: bool = False, progress: Progress | None = None) -> FixReport:
+    """prime-rl's own adapter export (a broadcast dir or a weights export) as a PEFT dir that applies
+    (`ckpt fix-adapter`)."""
+    options = FixOptions(out, None if base is None else str(base), slot, alpha,
+                         None if run_config is None else str(run_config))
+    with open_fix_source(src) as weights:
+        plan = plan_fix(weights, src, options)
+        return FixReport(plan) if dry_run else run_fix(plan, weights, progress, overwrite=overwrite)
+
+
 def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path | None = None,
                  alpha: float | None = None, run_config: str | Path | None = None, targeted_only: bool = False,
                  trust_pickle: bool = False, progress: Progress | None = None) -> DiffReport:
@@ -129,3 +183,35 @@ def set_lr(ckpt: str | Path, out: str | Path | None, *, lr: float | None = None,
     """A checkpoint with a new learning rate, Adam moments kept (`ckpt set-lr`)."""
     return _set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
                    overwrite=overwrite, trust_pickle=trust_pickle)
+
+
+def set_values(ckpt: str | Path, out: str | Path | None, assignments: list[str], *, in_place: bool = False,
+               dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False) -> PatchReport:
+    """Scalar byte items of a checkpoint set by surgery, `KEY=VALUE` each (`ckpt set`)."""
+    return _set_values(ckpt, out, list(assignments), in_place=in_place, dry_run=dry_run, overwrite=overwrite,
+                       trust_pickle=trust_pickle)
+
+
+def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, lr: float | None,
+                 progress: Progress | None = None, **options) -> dict:
+    """The fresh-LR restart in one call (`ckpt restart-prep`): merge mode (a merged bf16 model) or adapter
+    mode (a resumable checkpoint with fresh AdamW). `options`: config, mode, alpha, run_config, dtype,
+    max_shard_size, world_size, scheduler_step, config_out, dry_run, overwrite, trust_pickle. Returns the
+    command's JSON report, with "next" (what to run next)."""
+    return _restart_prep(run_or_ckpt, out, base=base, lr=lr, progress=progress, **options)
+
+
+def gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None = None, dry_run: bool = False,
+       trust_pickle: bool = False, progress: Progress | None = None, **options) -> dict:
+    """A run's checkpoints kept: the newest `keep_full` whole, older ones slim in place (`ckpt gc`).
+    `options`: min_age_s. Returns the command's JSON report (`plan`, and `steps` unless `dry_run`)."""
+    return _gc(checkpoints_dir, keep_full=keep_full, base=base, dry_run=dry_run, trust_pickle=trust_pickle,
+               progress=progress, **options)
+
+
+def doctor(target: str | Path | None = None, **options) -> DoctorReport:
+    """A prime-rl run's config and disk traps (`ckpt doctor`): `.exit_code` (0 none, 3 found), `.findings`.
+    `target`: a run dir, outputs dir or checkpoint; or None with `files=[...]` (config files in `rl @`
+    order) and `sections`. `options`: files, sections, outputs, base, decode_rate, compare_weights,
+    trust_pickle."""
+    return _doctor(target, **options)

@@ -11,8 +11,11 @@ from .conftest import REPO
 
 
 def test_the_package_exports_every_operation_and_importing_it_needs_no_torch():
-    assert set(ckpt_tools.__all__) == {"__version__", "open", "inspect", "extract_adapter", "merge", "diff_vs_base",
-                                       "verify", "slim", "rehydrate", "set_lr"}
+    from ckpt_tools.cli import main
+    commands = set(main.list_commands(None))
+    # one function per command (`ckpt set` is `set_values`: `set` is Python's builtin)
+    assert {name.replace("-", "_") for name in commands} - {"set"} | {"set_values"} \
+        <= set(ckpt_tools.__all__) - {"__version__", "open"}, commands
     from ckpt_tools import api
     assert set(ckpt_tools.__all__) - {"__version__"} <= set(api.__all__)
     for name in set(ckpt_tools.__all__) - {"__version__"}:
@@ -34,4 +37,88 @@ def test_docs_api_examples_run_as_written():
     assert out[0] == "3 0.01 8 16.0" and out[1] == "(8, 64) torch.float32"
     assert out[2] == "21 16.0" and out[3].startswith("21 {'merge': 21, 'copy': 15")
     assert out[4] == "True"
-    assert out[5] == "1 already exists pass --overwrite to replace it, or another output path"
+    assert out[5] == "none True" and out[6] == "21 16.0"
+    assert out[7] == "1 already exists pass --overwrite to replace it, or another output path"
+
+
+# --- each api function is the command: the same outputs, byte for byte -----------------------------------
+import hashlib  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from .conftest import BASE, FIXTURE, HEAD_FIXTURES, TRAINER, json_payload  # noqa: E402
+
+G = HEAD_FIXTURES / "G_head_fullft"
+G_TRAINER = G / "outputs" / "checkpoints" / "step_3" / "trainer"
+BROADCAST = FIXTURE / "outputs/run_default/broadcasts/step_3"
+
+
+def _tree_digest(root):
+    """name -> sha256 of every file under `root` (a DCP .metadata by its decoded content: it carries a
+    random save id)."""
+    import pickle
+    out = {}
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        if f.name == ".metadata":
+            md = pickle.loads(data)   # written by the test itself: trusted
+            md.storage_meta = None
+            data = repr((sorted(md.state_dict_metadata.items(), key=lambda kv: kv[0]),
+                         sorted((repr(k), repr(v)) for k, v in md.storage_data.items()))).encode()
+        out[str(f.relative_to(root))] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def _cli(*args):
+    r = subprocess.run([sys.executable, "-m", "ckpt_tools", *map(str, args)], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    return r
+
+
+CASES = {
+    "export": (lambda out: ckpt_tools.export(G_TRAINER, out, config_from=G / "base_model"),
+               lambda out: ("export", G_TRAINER, out, "--config-from", G / "base_model")),
+    "fix-adapter": (lambda out: ckpt_tools.fix_adapter(BROADCAST, out),
+                    lambda out: ("fix-adapter", BROADCAST, out)),
+    "adapter-to-dcp": (lambda out: ckpt_tools.adapter_to_dcp(FIXTURE / "reference_peft_adapter", out, base=BASE,
+                                                              lr=1e-3, step=3),
+                       lambda out: ("adapter-to-dcp", FIXTURE / "reference_peft_adapter", out, "--base", BASE,
+                                    "--lr", "1e-3", "--step", "3")),
+    "set": (lambda out: ckpt_tools.set_values(TRAINER, out, ["progress.step=7"]),
+            lambda out: ("set", TRAINER, out, "progress.step=7")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_api_writes_what_the_command_writes(name, tmp_path):
+    by_api, by_cli = CASES[name]
+    report = by_api(tmp_path / "api")
+    assert hasattr(report, "to_json") and report.to_json()
+    r = _cli(*by_cli(tmp_path / "cli"))
+    assert r.returncode == 0, r.stderr
+    got, want = _tree_digest(tmp_path / "api"), _tree_digest(tmp_path / "cli")
+    assert got and got == want
+
+
+def test_the_api_reports_what_the_command_reports(tmp_path):
+    """The report-only commands: the api's report is the command's --json result."""
+    doc = ckpt_tools.doctor(FIXTURE / "outputs" / "run_default")
+    r = _cli("doctor", FIXTURE / "outputs" / "run_default", "--json")
+    assert r.returncode == doc.exit_code
+    assert json.loads(r.stdout)["result"] == json.loads(json.dumps(doc.to_json()))
+    run = tmp_path / "run"
+    import shutil
+    shutil.copytree(FIXTURE / "outputs", run / "outputs")
+    plan = ckpt_tools.gc(run / "outputs" / "checkpoints", keep_full=1, base=BASE, dry_run=True, min_age_s=0)
+    r = _cli("gc", run / "outputs" / "checkpoints", "--keep-full", "1", "--base", BASE, "--dry-run", "--min-age", "0",
+             "--json")
+    assert r.returncode == 0, r.stderr
+    cli_plan, api_plan = json_payload(r.stdout), json.loads(json.dumps(plan["plan"]))
+    for p in (cli_plan, api_plan):
+        p.pop("free_bytes")          # the disk's free space moves between the two calls
+    assert cli_plan == api_plan and plan["dry_run"]
+    prep = ckpt_tools.restart_prep(TRAINER, tmp_path / "m", base=str(BASE), lr=5e-3, dry_run=True)
+    r = _cli("restart-prep", TRAINER, tmp_path / "m", "--base", BASE, "--lr", "5e-3", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json_payload(r.stdout) == json.loads(json.dumps(prep))
