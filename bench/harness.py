@@ -19,9 +19,12 @@ time budget (--budget-s) keeps what it measured. Nothing here is timed in CI.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +35,7 @@ from cases import CASES, INPUT_KINDS, Case, Contender, Paths, case_by_name, ckpt
 from inputs import InputError, SizeInputs, free_bytes, need_bytes
 from runner import run_measured, tree_bytes
 from sizes import SIZES, parse_sizes
+from stats import MIN_RUNS_FOR_VERDICT
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
@@ -46,7 +50,10 @@ def parse_args(argv):
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--sizes", default="0.6b", help="comma list of " + ",".join(s for s in SIZES if s != "32b"))
     ap.add_argument("--ranks", default="1", help="comma list of rank counts; 1 is the plain process")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each contender (median, min-max)")
+    ap.add_argument("--repeat", type=int, default=MIN_RUNS_FOR_VERDICT,
+                    help=f"runs of each contender (median, min-max); a target's verdict needs {MIN_RUNS_FOR_VERDICT}")
+    ap.add_argument("--order-seed", type=int, default=None,
+                    help="seed of the contenders' shuffled order in each repetition (default: random, recorded)")
     ap.add_argument("--cases", help="comma list of case names (default: all); see bench/cases.py")
     ap.add_argument("--skip-cases", default="", help="comma list of case names to leave out")
     ap.add_argument("--skip-contenders", default="", help="comma list of contender labels (substrings) to leave out")
@@ -113,9 +120,12 @@ class Harness:
             raise SystemExit("--cache cold needs root (it writes /proc/sys/vm/drop_caches)")
         self.hf_cli = shutil.which("hf", path=os.pathsep.join([str(Path(a.python).parent), os.environ["PATH"]]))
         self.mergekit = a.mergekit if a.mergekit and os.access(a.mergekit, os.X_OK) else None
+        seed = a.order_seed if a.order_seed is not None else random.SystemRandom().randrange(2**32)
+        self.order = random.Random(seed)
         self.results = {
             "schema": SCHEMA, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
             "options": {"sizes": [s.name for s in a.sizes], "ranks": a.ranks, "repeat": a.repeat, "cache": a.cache,
+                        "order_seed": seed,
                         "warm": a.warm,
                         "dcp": a.dcp, "shards": a.shards, "budget_s": a.budget_s,
                         "cases": [c.name for c in a.cases], "workdir": str(a.workdir), "dcp_dir": str(a.dcp_dir)},
@@ -224,7 +234,9 @@ class Harness:
         deferred = [(case, c) for c in others if self.a.defer_peers and c.role == "peer"]
         contenders = [ckpt_contender(case, 1)] + [c for c in others if (case, c) not in deferred]
         for rep in range(self.a.repeat):
-            for c in contenders:
+            # a new order each repetition: no contender always runs first (cold caches, turbo, a neighbour's
+            # load) or always right after the same other one
+            for c in self.order.sample(contenders, len(contenders)):
                 self.run_one(size, inputs, case, c, 1, rep, paths, warmed)
         multi = [n for n in self.a.ranks if n > 1]
         if not (case.multi_rank and multi):
@@ -374,15 +386,36 @@ def _slug(text: str) -> str:
 
 
 def ckpt_subcommands(python: str) -> list[str]:
-    """The subcommands `ckpt --help` lists (so a case whose command has not landed yet is n/a)."""
+    """The subcommands of the measured tree's CLI (so a case whose command has not landed yet is n/a):
+    click's own list where the tree has it, else the names `ckpt --help` lists (a command's row is
+    indented by two spaces; a help text wrapped onto the next line is indented further)."""
+    code = "from ckpt_tools.cli import main; print('\\n'.join(main.list_commands(None)))"
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    if proc.returncode == 0 and proc.stdout.strip():
+        return proc.stdout.split()
     proc = subprocess.run([python, "-m", "ckpt_tools", "--help"], capture_output=True, text=True, check=False)
     names, in_commands = [], False
     for line in proc.stdout.splitlines():
         if line.strip() == "Commands:":
             in_commands = True
-        elif in_commands and line.startswith("  ") and line.strip():
+        elif in_commands and re.match(r"^  [a-z][a-z0-9-]*(  |$)", line):
             names.append(line.split()[0])
     return names
+
+
+def tree_digest(root: Path = REPO) -> str:
+    """sha256 over the measured code as it is on disk (committed or not): every file git tracks or would
+    track under ckpt_tools/, bench/, scripts/ and the build files, path and content. A commit hash alone
+    names a stale tree when the run measured uncommitted changes."""
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard", "--", "ckpt_tools",
+                             "bench", "scripts", "setup.py", "pyproject.toml"],
+                            capture_output=True, text=True, check=False).stdout.split()
+    h = hashlib.sha256()
+    for rel in sorted(listed):
+        f = root / rel
+        if f.is_file():
+            h.update(rel.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def machine_info(python: str, workdir: Path, dcp_dir: Path) -> dict:
@@ -405,6 +438,7 @@ def machine_info(python: str, workdir: Path, dcp_dir: Path) -> dict:
             "root": os.geteuid() == 0, "loadavg_start": os.getloadavg(), **libs,
             "workdir_fs": _fs_type(workdir), "dcp_dir_fs": _fs_type(dcp_dir),
             "workdir_free_bytes": free_bytes(workdir), "commit": commit, "dirty": bool(dirty),
+            "tree_sha256": tree_digest(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "gpus_used": 0}
 
 

@@ -65,7 +65,10 @@ def dcp_load_lora(dcp: str, out: str) -> None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    keys = {k for k in FileSystemReader(dcp).read_metadata().state_dict_metadata if ".lora_" in k}
+    # the model's LoRA factors only (`app.model.<...>.lora_A/B`): the optimizer's moments of them
+    # (`app.optimizers.state.<...>.lora_A.exp_avg`) also contain ".lora_" and are twice their bytes
+    keys = {k for k in FileSystemReader(dcp).read_metadata().state_dict_metadata
+            if k.startswith("app.model.") and ".lora_" in k}
     if not keys:
         raise SystemExit(f"{dcp}: no LoRA keys in .metadata")
     state = _load_state_dict_from_keys(keys=keys, checkpoint_id=dcp)

@@ -148,7 +148,26 @@ def projection(aggs: list[Agg], volume: tuple[str, ...], fixed_s: dict[str, floa
     return Projection(big.contender, fixed, per_gb, big_size.name, to, v_from, v_to, seconds, rss, rss_from)
 
 
-def target_met(value: float | None, limit: float) -> str:
+MIN_RUNS_FOR_VERDICT = 5   # fewer runs than this give figures, never a verdict
+
+
+def spread_ratio(num: Summary | None, den: Summary | None) -> tuple[float, float, float] | None:
+    """(best, median, worst) of num/den over the measured spreads: the worst pairs ckpt's slowest run
+    with the floor's fastest."""
+    if num is None or den is None or den.low <= 0 or den.high <= 0:
+        return None
+    return num.low / den.high, num.median / den.median, num.high / den.low
+
+
+def target_met(value: float | None, limit: float, *, worst: float | None = None, runs: int | None = None) -> str:
+    """The verdict of a `<= limit` target: "met" only when it holds across the measured spread (`worst`,
+    the least favourable pairing of runs) and at least MIN_RUNS_FOR_VERDICT runs were made."""
     if value is None:
         return "not measured"
-    return "met" if value <= limit else "**not met**"
+    if value > limit:
+        return "**not met**"
+    if runs is not None and runs < MIN_RUNS_FOR_VERDICT:
+        return f"no verdict ({runs} runs; {MIN_RUNS_FOR_VERDICT} needed)"
+    if worst is not None and worst > limit:
+        return f"**not met** across the spread (worst {worst:.2f}x)"
+    return "met"

@@ -25,7 +25,7 @@ import report  # noqa: E402
 import runner  # noqa: E402
 import stats  # noqa: E402
 from _doc import record_section  # noqa: E402
-from harness import first_error  # noqa: E402
+from harness import ckpt_subcommands, first_error, tree_digest  # noqa: E402
 from sizes import SIZES, ModelSize  # noqa: E402
 
 RECORDED = REPO / "tests" / "fixtures" / "bench" / "results-2core.json"
@@ -243,3 +243,44 @@ def test_report_plots_are_pngs(recorded, tmp_path):
 
 def test_fixture_is_a_harness_results_file(recorded):
     assert recorded["schema"] == "ckpt-bench/1" and {"tiny", "0.6b"} <= set(recorded["sizes"])
+
+
+# ------------------------------------------------------------------------------ what makes a verdict
+
+
+def test_a_target_is_met_only_across_the_spread_and_with_enough_runs():
+    ck, floor = stats.Summary(1.0, 0.9, 1.4, 5), stats.Summary(1.0, 0.95, 1.05, 5)
+    best, median, worst = stats.spread_ratio(ck, floor)
+    assert (round(best, 3), median, round(worst, 3)) == (round(0.9 / 1.05, 3), 1.0, round(1.4 / 0.95, 3))
+    assert stats.target_met(median, 1.2, worst=worst, runs=5).startswith("**not met** across the spread")
+    assert stats.target_met(median, 1.5, worst=worst, runs=5) == "met"
+    assert stats.target_met(median, 1.5, worst=worst, runs=3).startswith("no verdict")
+    assert stats.target_met(1.6, 1.5, worst=2.0, runs=3) == "**not met**"
+
+
+def test_the_extract_peer_reads_the_models_lora_keys_only(tmp_path):
+    """torch's key-selective loader as the extract-adapter peer: the LoRA factors, not their Adam moments."""
+    import peers
+    from safetensors import safe_open
+    peers.dcp_load_lora(str(TINY / "outputs/checkpoints/step_3/trainer"), str(tmp_path / "out"))
+    with safe_open(tmp_path / "out" / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert len(keys) == 2 * 21, keys[:4]                      # lora_A and lora_B of the 21 modules
+    assert all(k.startswith("app.model.") and ".lora_" in k and "exp_avg" not in k for k in keys)
+
+
+def test_the_harness_lists_the_cli_commands_exactly():
+    from ckpt_tools.cli import main
+    assert ckpt_subcommands(sys.executable) == list(main.list_commands(None))
+
+
+def test_the_tree_digest_names_the_files_measured(tmp_path):
+    repo = tmp_path / "tree"
+    (repo / "ckpt_tools").mkdir(parents=True)
+    (repo / "ckpt_tools" / "a.py").write_text("x = 1\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    before = tree_digest(repo)
+    (repo / "ckpt_tools" / "a.py").write_text("x = 2\n")     # uncommitted: still measured
+    changed = tree_digest(repo)
+    (repo / "notes.txt").write_text("not code")               # outside the measured folders
+    assert before != changed == tree_digest(repo)
