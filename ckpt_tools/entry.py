@@ -9,7 +9,6 @@ commands themselves are rendered by the error edge in `cli` (one line, or JSON u
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -77,5 +76,6 @@ def run() -> None:
     try:
         sys.stdout.flush()
     except BrokenPipeError:   # `ckpt ... | head`: the reader left
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        from .io.files import stdout_to_devnull
+        stdout_to_devnull()
     sys.exit(code)

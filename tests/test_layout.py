@@ -148,3 +148,54 @@ def test_the_metadata_side_needs_no_torch(what):
     code += "\nimport sys\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# --- io/ is the only code that creates, renames, removes or locks files -----------------------------------
+# The calls that change the filesystem or take a lock. Outside io/ a module asks io/ (files, staging, lock,
+# copy) to do it, so the rules of the write side (O_CREAT|O_EXCL|O_NOFOLLOW, never through a link, atomic
+# renames, fsync) hold in one place.
+_FS_MODULE_CALLS = {
+    "os": {"rename", "replace", "renames", "unlink", "remove", "rmdir", "removedirs", "mkdir", "makedirs", "link",
+           "symlink", "truncate", "ftruncate", "open", "mkfifo", "mknod", "chmod", "chown", "utime"},
+    "shutil": {"rmtree", "move", "copy", "copy2", "copyfile", "copytree", "copyfileobj", "chown"},
+    "fcntl": {"flock", "lockf"},
+    "tempfile": {"mkstemp", "mkdtemp", "NamedTemporaryFile", "TemporaryFile", "TemporaryDirectory"},
+}
+# Path methods that write (a str method of the same name, `.replace(a, b)`, takes two arguments)
+_FS_PATH_METHODS = {"unlink", "rmdir", "mkdir", "touch", "write_text", "write_bytes", "symlink_to", "hardlink_to",
+                    "chmod", "rename"}
+
+
+def _fs_calls(p: Path):
+    for n in ast.walk(ast.parse(p.read_text())):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.attr in _FS_MODULE_CALLS.get(f.value.id, ()):
+            yield n.lineno, f"{f.value.id}.{f.attr}"
+        elif isinstance(f, ast.Attribute) and f.attr in _FS_PATH_METHODS and not (
+                isinstance(f.value, ast.Name) and f.value.id in _FS_MODULE_CALLS):
+            yield n.lineno, f".{f.attr}()"
+        elif isinstance(f, ast.Name) and f.id == "open" and len(n.args) > 1:
+            mode = n.args[1]
+            if not (isinstance(mode, ast.Constant) and isinstance(mode.value, str) and set(mode.value) <= set("rbt")):
+                yield n.lineno, "open(..., mode)"
+
+
+# gc's step lock and swap still call os/fcntl themselves (moving them into io/ waits on gc's hardening)
+_IO_RULE_PENDING = {"ckpt_tools/ops/gc/layout.py", "ckpt_tools/ops/gc/swap.py"}
+
+
+def test_only_io_creates_renames_removes_or_locks_files():
+    found = [f"{rel(p)}:{line}: {what}" for p in modules() if "io" != p.relative_to(PKG).parts[0]
+             and rel(p) not in _IO_RULE_PENDING for line, what in _fs_calls(p)]
+    assert not found, "\n".join(found)
+
+
+def test_the_io_rule_sees_each_kind_of_call(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os, shutil, fcntl\nfrom pathlib import Path\n"
+                   "os.rename('a', 'b')\nshutil.rmtree('d')\nfcntl.flock(3, 2)\nPath('x').unlink()\n"
+                   "open('f', 'w')\nopen('f', 'rb')\n'a'.replace('a', 'b')\n")
+    assert [w for _, w in _fs_calls(src)] == ["os.rename", "shutil.rmtree", "fcntl.flock", ".unlink()",
+                                               "open(..., mode)"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import sys
 import traceback
 
 import click
@@ -26,6 +25,7 @@ from .. import __version__
 from .. import dist
 from ..core.errors import CkptError, UsageError
 from ..io import inputs
+from ..io.files import stdout_to_devnull
 from ..io.signals import Terminated, install_signal_handlers
 from .render import STATE, clear_progress, emit_failure
 
@@ -131,7 +131,7 @@ class _Group(click.Group):
         except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except BrokenPipeError:  # `ckpt inspect --keys | head`: the reader left, that is fine
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            stdout_to_devnull()
             ctx.exit(0)
         except MemoryError:   # a safety net: every size is checked against the bytes on disk first
             fail("MemoryError", "error: out of memory (an input claims more than this machine holds; run `ckpt "
@@ -156,7 +156,7 @@ class _Group(click.Group):
             raise UsageError(f"`ckpt {name}` runs in one process, not under torchrun ({part.world} ranks)",
                              hint=f"run it without torchrun; multi-rank commands: {', '.join(MULTI_RANK_COMMANDS)}")
         if not part.leader:   # the ranks' reports are the same: the leader's is the one shown (errors stay on stderr)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            stdout_to_devnull()
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -19,7 +19,6 @@ import math
 import os
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import click
 

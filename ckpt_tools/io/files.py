@@ -12,11 +12,13 @@ import errno
 import os
 import secrets
 import shutil
+import sys
 from pathlib import Path
 
 __all__ = [
     "create_new", "open_new", "write_new_file", "fsync_path", "fsync_tree", "start_writeback", "atomic_write_bytes",
-    "atomic_write_text", "exchange_paths", "remove_path", "temp_name",
+    "atomic_write_text", "exchange_paths", "remove_path", "remove_file", "link_entry", "rename_entry", "make_dirs",
+    "stdout_to_devnull", "temp_name",
 ]
 
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -131,6 +133,44 @@ def remove_path(path: Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def remove_file(path: str | os.PathLike) -> bool:
+    """Remove one directory entry that is not a directory (a link itself, never its target); False when
+    it was already gone."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def link_entry(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """A second name for the entry `src` (a hard link of it, never of a symlink's target); `dst` must
+    not exist."""
+    os.link(src, dst, follow_symlinks=False)
+
+
+def rename_entry(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename within one filesystem (atomic; replaces an existing file `dst`, or an empty dir)."""
+    os.rename(src, dst)
+
+
+def make_dirs(path: str | os.PathLike) -> Path:
+    """A directory and its missing parents (an existing one is fine)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def stdout_to_devnull() -> None:
+    """Point file descriptor 1 at /dev/null: the reader of a pipe left (`ckpt ... | head`), or this rank's
+    report is the leader's; later writes must not fail."""
+    fd = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.dup2(fd, sys.stdout.fileno())
+    finally:
+        os.close(fd)
 
 
 _RENAME_EXCHANGE = 2   # linux/fs.h

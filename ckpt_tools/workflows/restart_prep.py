@@ -22,13 +22,13 @@ import re
 import time
 from pathlib import Path
 
-from ..core.errors import FormatError, MissingFileError, MissingPathError, OutputExistsError, UsageError
+from ..core.errors import FormatError, MissingPathError, OutputExistsError, UsageError
 from ..core.keys import PROGRESS_STEP_KEY, world_size_from_chunks
 from ..core.primerl_state import SchedulerSpec
 from ..formats.dcp.layout import METADATA_NAME, resolve_checkpoint_dir
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
-from ..io.files import atomic_write_text
+from ..io.files import atomic_write_text, make_dirs
 from ..io.inputs import read_toml
 from ..io.staging import OVERWRITE_HINT, check_output_file
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
@@ -199,7 +199,7 @@ def _adapter_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_o
     report["warnings"] += list(xplan.warnings)
     if dry_run:
         return report
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out.parent)
     if out.exists() and not overwrite:
         raise OutputExistsError("already exists", path=out, hint=OVERWRITE_HINT)
     with ToDcpSources(lora, HFSource.open(base)) as sources:

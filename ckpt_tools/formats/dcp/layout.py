@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...core.errors import MissingFileError, MissingPathError, UsageError
+from ...core.errors import MissingPathError, UsageError
 from ...io.inputs import scan_tree
 from .metadata import METADATA_NAME
 

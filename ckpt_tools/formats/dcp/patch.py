@@ -25,7 +25,7 @@ import torch
 
 from ...core.errors import UsageError
 from ...io.copy import copy_input_tree, link_or_copy
-from ...io.files import fsync_path
+from ...io.files import fsync_path, link_entry, remove_file
 from ...io.inputs import MAX_METADATA_BYTES, read_input, scan_tree
 from ...io.lock import OutputLock, lock_path_for, pid_alive
 from ...io.staging import AtomicOutputDir
@@ -161,7 +161,7 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
     try:
         _register_all(writer, ckpt, new_values, patch_rel)
         # the old metadata survives the swap under this name (the entry itself, never a link's target)
-        os.link(d / METADATA_NAME, backup, follow_symlinks=False)
+        link_entry(d / METADATA_NAME, backup)
         writer.finish()                      # fsync patch, write .metadata.tmp-*, fsync, rename over .metadata
         swapped = True
         fsync_path(d)
@@ -169,8 +169,7 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
         writer.abort()
         if not swapped:
             for p in (d / patch_rel, backup):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+                remove_file(p)
         raise
     finally:
         lock.release()
@@ -212,14 +211,13 @@ def clean_in_place_leftovers(d: Path) -> list[str]:
     for n in names:
         m = _TMP_LEFTOVER.match(n)
         if m and not pid_alive(int(m.group(1))):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(d / n)
+            remove_file(d / n)
             removed.append(n)
     backups = [n for n in names if n.startswith(METADATA_NAME + ".bak-")]
     for n in backups:
         with contextlib.suppress(FileNotFoundError):
             if os.lstat(d / n).st_ino == meta_ino:
-                os.unlink(d / n)
+                remove_file(d / n)
                 removed.append(n)
     patches = [n for n in names if _PATCH_FILE.match(n)]
     if patches:
@@ -231,8 +229,7 @@ def clean_in_place_leftovers(d: Path) -> list[str]:
             used |= refs
         for n in patches:
             if n not in used:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(d / n)
+                remove_file(d / n)
                 removed.append(n)
     for n in removed:
         log.warning("removed %s from %s: left by a killed --in-place run", n, d)

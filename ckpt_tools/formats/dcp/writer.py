@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.errors import UsageError
-from ...io.files import atomic_write_bytes, open_new
+from ...io.files import atomic_write_bytes, make_dirs, open_new
 from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
 
 __all__ = ["DcpWriter", "DCP_VERSION"]
@@ -65,8 +65,7 @@ class DcpWriter:
     """Append items, then `finish()` writes `.metadata`. Use inside an AtomicOutputDir."""
 
     def __init__(self, out_dir: str | Path, *, files: int = 1, owned_files: Collection[int] | None = None):
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = make_dirs(out_dir)
         self.files = max(1, files)
         # None: this process writes every file; else the data file names (`__i_0.distcp`) that are its own
         self._owned = None if owned_files is None else frozenset(data_file_name(i) for i in owned_files)

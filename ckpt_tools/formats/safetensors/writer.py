@@ -26,7 +26,7 @@ import torch
 from ...core.dtypes import SAFETENSORS, dtype_name, safetensors_code
 from ...core.errors import FormatError, OutputExistsError
 from ...io.copy import copy_range
-from ...io.files import create_new, start_writeback
+from ...io.files import create_new, remove_file, start_writeback
 from ...io.pread import MAX_IO_BYTES
 from .header import is_int, require_little_endian
 
@@ -317,10 +317,7 @@ class StreamingSafetensorsWriter:
                 self._unlink()
 
     def _unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        remove_file(self.path)
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         return self
