@@ -95,7 +95,8 @@ def merge(base: str | Path | None, adapter: str | Path, out: str | Path, *, dry_
     to `out` (`ckpt merge`). `options`: the fields of `ops.merge.MergeOptions` (alpha, run_config,
     dtype, max_shard_size, base_from_checkpoint, config_from, slot, threads, allow_zero_delta, ...).
     `.result` is None in a dry run."""
-    opts = MergeOptions(out=str(out), **options)
+    opts = MergeOptions(out=str(out), **{k: str(v) if k in ("config_from", "run_config") and v is not None else v
+                                         for k, v in options.items()})
     with open_merge_sources(None if base is None else str(base), str(adapter), opts) as sources:
         plan = plan_merge(sources, opts)
         check_output(plan, out, overwrite=overwrite)

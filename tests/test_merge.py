@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from ckpt_tools.cli import main
 from ckpt_tools.core.tensor_math import merge_weight, merge_weight_into
 from ckpt_tools.core.progress import ProgressEvent
-from ckpt_tools.ops.merge import execute_merge, prepare_merge
+import ckpt_tools
 
 from .conftest import BASE, FIXTURE, REPO, TRAINER
 
@@ -184,9 +184,8 @@ def test_alpha_flag_overrides_the_run_config(tmp_path):
 
 
 def test_progress_callback_reports_every_tensor_and_all_bytes(tmp_path):
-    plan = prepare_merge(BASE, PEFT_REF, max_shard_size="150KB")
     events: list[ProgressEvent] = []
-    execute_merge(plan, tmp_path / "o", progress=events.append)
+    plan = ckpt_tools.merge(BASE, PEFT_REF, tmp_path / "o", progress=events.append, max_shard_size="150KB").plan
     assert [e.done for e in events] == list(range(len(plan.jobs) + 1))
     assert events[-1].bytes_done == events[-1].bytes_total == sum(j.out_bytes for j in plan.jobs)
 
@@ -202,8 +201,7 @@ def test_no_tensor_is_read_whole_merges_go_in_row_blocks_untouched_ones_by_the_k
     monkeypatch.setattr(StreamingSafetensorsWriter, "copy_range_from", lambda self, n, *a, **kw:
                         copied.append((n, real_copy(self, n, *a, **kw))))
     monkeypatch.setattr("ckpt_tools.ops.merge.plan.MERGE_BLOCK_ELEMS", 64 * 64)   # 64-row blocks here
-    plan = prepare_merge(BASE, PEFT_REF)
-    execute_merge(plan, tmp_path / "o")
+    plan = ckpt_tools.merge(BASE, PEFT_REF, tmp_path / "o").plan
     merged = {j.name: j for j in plan.jobs if j.action == "merge"}
     assert {n for n, _ in reads} == set(merged) and len(merged) == 21      # only merged weights are read
     for name, j in merged.items():   # in row blocks of 64 (a tail under 64 rows joins the last block)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from ckpt_tools.cli import main
 from tests.factory.factory import FactorySpec, make_run
 from ckpt_tools.core.tensor_math import merge_weight, ulps_apart
-from ckpt_tools.ops.merge import prepare_merge
+import ckpt_tools
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -101,7 +101,8 @@ def test_slot_picks_the_second_adapter_of_a_multi_slot_checkpoint(tied_run, merg
 def test_base_from_tied_checkpoint_omits_the_duplicate_lm_head(tied_run, merged_tied, tmp_path):
     _, paths = tied_run
     out = tmp_path / "o"
-    plan = prepare_merge(None, paths.checkpoint, base_from_checkpoint=True, config_from=paths.base_model)
+    plan = ckpt_tools.merge(None, paths.checkpoint, tmp_path / "plan", dry_run=True, base_from_checkpoint=True,
+                            config_from=paths.base_model).plan
     assert [n for n, _ in plan.omitted] == ["lm_head.weight"]
     r = run("merge", "--base-from-checkpoint", paths.checkpoint, out, "--config-from", paths.base_model)
     assert r.exit_code == 0, r.output

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...core.dtypes import dtype_name, parse_cli_dtype
+from ...core.dtypes import parse_cli_dtype
 from ...core.errors import FormatError, UsageError
 from ...core.units import parse_size
 from ...formats.dcp.layout import is_checkpoint_path, resolve_checkpoint_dir
@@ -20,7 +20,7 @@ from .facts import adapter_facts, dcp_base_facts, hf_base_facts, trained_on_prob
 from .guards import check_masters_match_base, check_target_modules, default_out_dtype
 from .plan import DEFAULT_MAX_SHARD, DEFAULT_THREADS, MergePlan, plan_from_facts
 
-__all__ = ["MergeOptions", "MergeSources", "open_merge_sources", "plan_merge", "prepare_merge", "check_output"]
+__all__ = ["MergeOptions", "MergeSources", "open_merge_sources", "plan_merge", "check_output"]
 
 _NO_BASE_HINT = "a slim checkpoint has none: `ckpt rehydrate` it first, or merge into the HF base"
 
@@ -121,16 +121,6 @@ def plan_merge(sources: MergeSources, options: MergeOptions) -> MergePlan:
     return dataclasses.replace(plan, out_dtype_reason=reason, allow_zero_delta=bool(options.allow_zero_delta),
                                masters_checked=masters, warnings=warnings)
 
-
-def prepare_merge(base: str | Path | None, adapter: str | Path, *, out: str | Path = "", **options) -> MergePlan:
-    """Open, plan, close (the library entry point scripts and tests use; `execute_merge` re-opens)."""
-    dtype = options.pop("dtype", None)
-    if dtype is not None and not isinstance(dtype, str):
-        dtype = dtype_name(dtype)
-    opts = MergeOptions(out=str(out), dtype=dtype, **{k: (str(v) if k in ("config_from", "run_config") and v is not None
-                                                          else v) for k, v in options.items()})
-    with open_merge_sources(base, adapter, opts) as sources:
-        return plan_merge(sources, opts)
 
 
 def check_output(plan: MergePlan, out: str | Path, *, overwrite: bool = False) -> None:
