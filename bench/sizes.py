@@ -89,6 +89,7 @@ SIZES: dict[str, ModelSize] = {s.name: s for s in [
     ModelSize("0.6b", 1024, 3072, 28, 16, 8, 128, 151936, True),
     ModelSize("1.7b", 2048, 6144, 28, 16, 8, 128, 151936, True),
     ModelSize("8b", 4096, 12288, 36, 32, 8, 128, 151936, False),
+    ModelSize("14b", 5120, 17408, 40, 40, 8, 128, 151936, False),
     ModelSize("32b", 5120, 25600, 64, 64, 8, 128, 151936, False),
 ]}
 PROJECTION_TARGET = "32b"

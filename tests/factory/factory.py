@@ -973,12 +973,11 @@ def _find_genuine_tiny() -> Path | None:
     return c if (c / "base_model").is_dir() else None
 
 
-def write_base_model(path: Path, spec: FactorySpec) -> None:
-    """A random-init bf16 ``Qwen3ForCausalLM`` saved with ``save_pretrained`` (safetensors)."""
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def qwen3_config(spec: FactorySpec):
+    """The ``Qwen3Config`` of the spec's shapes (the base model's config.json)."""
+    from transformers import Qwen3Config
 
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
@@ -988,6 +987,14 @@ def write_base_model(path: Path, spec: FactorySpec) -> None:
         bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id,
         architectures=["Qwen3ForCausalLM"],
     )
+
+
+def write_base_model(path: Path, spec: FactorySpec) -> None:
+    """A random-init bf16 ``Qwen3ForCausalLM`` saved with ``save_pretrained`` (safetensors)."""
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    config = qwen3_config(spec)
     # HF's own init (normal_ on bf16 tensors, one module at a time) took 75 s for Qwen3-1.7B on 16 cores;
     # build on the meta device and fill the tensors ourselves: fp32 normal(0, initializer_range) cast to
     # bf16, norms = 1, one generator per tensor (deterministic whatever the thread count), in threads.
