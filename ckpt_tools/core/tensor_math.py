@@ -5,6 +5,10 @@ the delta is computed and added in fp32, and the result is rounded exactly once.
 mutated; every result is a new tensor and is checked for non-finite values. The scale `s` is
 `core.lora_math.lora_scale`; the shape rule `core.lora_math.check_shapes`.
 
+The adapter check by value (`check_merged_values`): a merged element passes when it is a correct rounding
+of W32 + s*B@A computed in fp32 by any kernel, i.e. when it lies between the roundings of x - e and x + e,
+where x is the exact value (computed in fp64) and e a proven bound on any fp32 computation's error.
+
 Also here: ulps between tensors, counting non-finite values from the bits, the bf16 rounding of a
 Python float, and whether a merged tensor rounds back to its base.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +25,8 @@ from .errors import FormatError
 from .lora_math import check_shapes
 
 __all__ = ["lora_delta", "merge_weight", "merge_weight_into", "check_finite", "nonfinite_error", "ulps_apart", "count_nonfinite",
-           "bf16_round", "rounds_to_base", "update_hash", "sha256_of_tensor"]
+           "bf16_round", "rounds_to_base", "update_hash", "sha256_of_tensor", "FP32_UNIT_ROUNDOFF", "lora_factors_fp64",
+           "lora_rows_fp64", "MergeCheck", "check_merged_values"]
 
 
 def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, *, fan_in_fan_out: bool = False) -> torch.Tensor:
@@ -152,3 +158,72 @@ def sha256_of_tensor(t: torch.Tensor) -> str:
     h = hashlib.sha256()
     update_hash(h, t.detach().cpu())
     return h.hexdigest()
+
+
+# --- the adapter check by value ----------------------------------------------------------------------------
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+@dataclass(frozen=True)
+class LoraFactors64:
+    """W = W0 + s * L @ R row by row: L [rows, r], R [r, cols] in fp64 (B and A, or A^T and B^T for a
+    fan_in_fan_out weight), with the norms that bound any fp32 product's error."""
+    left: torch.Tensor
+    right: torch.Tensor
+    left_norms: torch.Tensor    # ||L_i,:||_2 per row
+    right_norms: torch.Tensor   # ||R_:,j||_2 per column
+    rank: int
+
+
+def lora_factors_fp64(a: torch.Tensor, b: torch.Tensor, *, fan_in_fan_out: bool = False) -> LoraFactors64:
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    left, right = (a64.T.contiguous(), b64.T.contiguous()) if fan_in_fan_out else (b64, a64)
+    return LoraFactors64(left, right, left.norm(dim=1), right.norm(dim=0), int(a.shape[0]))
+
+
+def lora_rows_fp64(f: LoraFactors64, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, bound) for rows [r0, r1), flattened: P = L @ R in fp64 (its own error ~2^-53 relative, inside
+    the slack below), and `bound` >= |fl32(L @ R) - L @ R| for any order of summation (with or without
+    FMA): gamma_r * sum_k |L_ik||R_kj| <= gamma_r * ||L_i|| * ||R_j|| (Cauchy-Schwarz), gamma_r = r*u/(1-r*u)."""
+    prod = (f.left[r0:r1] @ f.right).reshape(-1)
+    ru = f.rank * FP32_UNIT_ROUNDOFF
+    bound = torch.outer(f.left_norms[r0:r1], f.right_norms).reshape(-1).mul_(ru / (1.0 - ru))
+    return prod, bound
+
+
+@dataclass
+class MergeCheck:
+    """What `check_merged_values` found over the elements it was given."""
+    off: int = 0          # elements no correct fp32 merge can give
+    ties: int = 0         # elements whose exact value is within the bound of a rounding boundary (either side passes)
+    max_ulps: int = 0     # the worst off element's distance from round(x), in ulps of W's dtype
+    finite: bool = True   # every expected value is finite (a merge refuses inf/nan)
+
+    def fold(self, other: "MergeCheck") -> None:
+        self.off += other.off
+        self.ties += other.ties
+        self.max_ulps = max(self.max_ulps, other.max_ulps)
+        self.finite = self.finite and other.finite
+
+
+def check_merged_values(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, bound: torch.Tensor,
+                        scale: float) -> MergeCheck:
+    """Is each merged element `w` (its output dtype) a correct rounding of y, for some y that a correct fp32
+    merge round(W0_32 + s * fl32(B@A)) can compute? x = W0 + s*P in fp64 is the exact value (W0's upcast is
+    exact); an fp32 merge's y is within e_32 = |s|*bound + u*|s*P| + u*|x| (+ second-order terms) of x: the
+    product's error, then one rounding each for s*P and for the sum. Rounding is monotone, so the values a
+    correct merge can give are exactly those between round(x - e) and round(x + e); with e = 2*e_32 the
+    second-order terms, fp64's own errors and the fp64 -> fp32 -> bf16 conversion's double rounding are
+    covered. A wrong alpha, factors or base moves x by far more than e for most elements."""
+    x = w0.to(torch.float64) + scale * prod
+    e = (scale * prod).abs_().add_(x.abs()).mul_(FP32_UNIT_ROUNDOFF).add_(bound, alpha=abs(scale)).mul_(2.0)
+    dt = w.dtype
+    expected = x.to(dt)
+    lo, hi = (x - e).to(dt), (x + e).to(dt)
+    wd = w.to(torch.float64)
+    ok = (wd >= lo.to(torch.float64)) & (wd <= hi.to(torch.float64))
+    off = int(ok.numel() - torch.count_nonzero(ok))
+    finite = bool(torch.isfinite(expected).all()) if dt.is_floating_point else True
+    ties = int(torch.count_nonzero(lo != hi))
+    max_ulps = int(ulps_apart(w[~ok], expected[~ok]).max()) if off else 0
+    return MergeCheck(off, ties, max_ulps, finite)

@@ -14,12 +14,13 @@ tensor uses every core; every side is read once:
   base weights therefore come out "identical after upcast" to the bf16 hub model;
 - different shapes: reported, not compared.
 
-With an adapter, each targeted tensor is compared with
-`lora_math.merge_weight(W0, A, B, s, out_dtype=WEIGHTS dtype)` = round(W0_32 + s*B32@A32), the
-one rounding every ckpt-tools merge does, its one whole temporary P = B@A (one matmul: the merge's
-bits), the rest chunk by chunk; the distance is reported in ulps. Untargeted tensors must be
-unchanged. Memory: a byte budget (`WORKING_BUDGET_BYTES`) that each unit acquires its working set
-from (`core.budget.ByteBudget`): small units run wide, P of a big one waits until it fits.
+With an adapter, each targeted tensor is checked by value: every element of W must be a correct rounding
+(to W's dtype) of W0_32 + s*B@A as any fp32 merge can compute it, whatever its kernel or blocking
+(`core.tensor_math.check_merged_values`: the exact value in fp64, a proven bound on fp32's error, and
+the elements within that bound of a rounding boundary, "ties", where either neighbour passes). P = B@A
+is computed in fp64 by row blocks on every worker. Replaced tensors (modules_to_save) must equal the
+adapter's bit for bit; untargeted tensors must be unchanged. Memory: a byte budget
+(`WORKING_BUDGET_BYTES`) that each unit acquires its working set from (`core.budget.ByteBudget`).
 
 Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is bitwise identical
 (after exact upcast), else ADAPTER_MISMATCH (4) when an adapter check failed, else DIFFERS (0).
@@ -27,7 +28,6 @@ Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is b
 from __future__ import annotations
 
 import math
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,11 +39,12 @@ from ...core.budget import ByteBudget
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.lora_math import check_shapes
 from ...core.progress import Progress, report
-from ...core.tensor_math import merge_weight_into, ulps_apart
+from ...core.tensor_math import MergeCheck, check_merged_values, lora_factors_fp64, lora_rows_fp64, merge_weight_into, \
+    ulps_apart
 from ...dist import Group, SoloGroup, local_workers, map_units
 from ...sources.compare import (
-    BLOCK_BYTES, ChunkStats, DeltaStats, Scratch, bits, chunk_map, chunk_scratch_bytes, chunk_stats, common_dtype,
-    read_chunk, stat_chunks, stream_stats,
+    BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, chunk_map,
+    chunk_scratch_bytes, chunk_stats, common_dtype, read_chunk, stat_chunks, stream_stats,
 )
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
@@ -153,87 +154,48 @@ def _compare_streaming(weights, base, p: PairPlan, block_bytes: int, pool) -> Te
 _SCRATCH = Scratch()
 
 
-class _Products:
-    """fp32 buffers for P = B @ A, reused across units: a fresh 200 MB tensor per mlp projection at 8B
-    was 50k page faults, and freed ones fragment malloc's arenas (RSS 25% over the budget at 0.6B).
-    The buffers in use are what the budget admitted; the idle ones are kept only while in use + idle
-    stays within the budget's limit, so all of them together never exceed it (or one unit's own)."""
-
-    def __init__(self, budget: ByteBudget):
-        self._budget = budget
-        self._idle: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, rows: int, cols: int) -> torch.Tensor:
-        n = rows * cols
-        with self._lock:
-            fits = [i for i, t in enumerate(self._idle) if n <= t.numel() <= 2 * n]
-            if fits:
-                buf = self._idle.pop(min(fits, key=lambda i: self._idle[i].numel()))
-                return buf[:n].view(rows, cols)   # (from its start: the same alignment as a fresh tensor)
-            while self._idle and self._idle_bytes() + self._budget.held > self._budget.limit:
-                self._idle.pop(0)
-        return torch.empty(rows, cols, dtype=torch.float32)
-
-    def give(self, t: torch.Tensor) -> None:
-        base = t._base if t._base is not None else t
-        with self._lock:
-            if self._idle_bytes() + base.numel() * 4 + self._budget.held <= self._budget.limit:
-                self._idle.append(base.reshape(-1))
-
-    def _idle_bytes(self) -> int:
-        return sum(t.numel() * 4 for t in self._idle)
-
-
-def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int, pool,
-                              products: _Products) -> TensorDiff:
-    """A targeted tensor checked chunk by chunk, the chunks on `pool`'s threads: P = B32 @ A32 is the
-    one whole temporary (one full matmul, as `merge_weight_into` does: row blocks of it would change
-    its low bits); W and W0 are read once, chunk by chunk, each chunk's share of the statistics of
-    W - W0 computed and its W compared with its chunk of round(W0_32 + s*P): the elementwise
-    operations of `merge_weight_into` in its order (elementwise: the chunking cannot change a bit).
-    Memory: P and a few chunks per thread, where the whole-tensor check held W, W0, P and the merge."""
+def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
+    """A targeted tensor checked by value, block by block on `pool`'s threads: each block of rows gets its
+    P = B@A rows in fp64 (any kernel, any threads: the check does not replay the merge's bits) and a
+    proven bound on an fp32 product's error; W and W0 are read once, in the statistics' chunks, each
+    chunk's share of the statistics of W - W0 computed and its W checked to be a correct rounding of
+    W0 + s*P within that bound (`core.tensor_math.check_merged_values`). Memory: the factors in fp64 and
+    one block's P per thread."""
     spec = lora.modules[p.module]
-    check_shapes(tuple(p.base.shape), tuple(spec.a_shape), tuple(spec.b_shape), name=p.name)
+    check_shapes(tuple(p.base.shape), tuple(spec.a_shape), tuple(spec.b_shape), fan_in_fan_out=spec.fan_in_fan_out,
+                 name=p.name)
     a, b = lora.read_pair(p.module)
-    a32, b32 = a.to(torch.float32), b.to(torch.float32)
-    prod_2d = products.take(b32.shape[0], a32.shape[1])
-    torch.matmul(b32, a32, out=prod_2d)   # (out=: bit for bit `b32 @ a32`, as merge_weight_into's scratch)
-    prod = prod_2d.reshape(-1)
+    factors = lora_factors_fp64(a, b, fan_in_fan_out=spec.fan_in_fan_out)
     fw, fb = p.weights, p.base
     ct, out_dtype = common_dtype(fw.dtype, fb.dtype), torch_dtype(fw.dtype)
+    cols = fw.shape[1] if len(fw.shape) > 1 else 1
+    block_elems = max(cols, max(1, block_bytes // 8) // cols * cols)   # whole rows: P is computed by rows
 
-    def check(c: tuple[int, int]) -> tuple[ChunkStats, int, int, bool]:
-        s, n = c
-        w = read_chunk(weights, fw, s, n, "w")[1]
-        w0 = read_chunk(base, fb, s, n, "w0")[1]
-        part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
-        d = prod[s:s + n]
-        d.mul_(spec.scale)            # s * P, rounded as in lora_delta
-        d.add_(w0)                    # + W32 (exact upcast)
-        e = _SCRATCH.tensor("expected", n, out_dtype)
-        e.copy_(d)                    # the one rounding to W's dtype
-        x = _SCRATCH.tensor("xor_expected", n, bits(w).dtype)
-        torch.bitwise_xor(bits(w), bits(e), out=x)
-        off = int(torch.count_nonzero(x))
-        # the merge refuses a non-finite result: equal to a finite W, it is finite; else look
-        finite = (part.finite and not off) or not e.is_floating_point() or bool(torch.isfinite(e).all())
-        ulps = int(ulps_apart(w, e).max()) if off and w.dtype.is_floating_point else 0
-        return part, off, ulps, finite
+    def check(block: tuple[int, int]) -> list[tuple[ChunkStats, MergeCheck]]:
+        start, n = block
+        r0, r1 = start // cols, (start + n) // cols
+        prod, bound = lora_rows_fp64(factors, r0, r1)
+        out = []
+        for s, k in stat_chunks(n, n):
+            w = read_chunk(weights, fw, start + s, k, "w")[1]
+            w0 = read_chunk(base, fb, start + s, k, "w0")[1]
+            part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
+            out.append((part, check_merged_values(w, w0, prod[s:s + k], bound[s:s + k], spec.scale)))
+        return out
 
-    st, off, max_ulps, finite = DeltaStats(), 0, 0, True
-    for part, k, ulps, ok in chunk_map(pool, check, list(stat_chunks(fw.numel, max(1, block_bytes // 8)))):
-        st.fold(part)
-        off, max_ulps, finite = off + k, max(max_ulps, ulps), finite and ok
-    del prod
-    products.give(prod_2d)
-    if not finite:   # the merge would refuse it: the whole-tensor merge raises its error, naming the tensor
+    st, found = DeltaStats(), MergeCheck()
+    for parts in chunk_map(pool, check, list(block_ranges(fw.numel, block_elems))):
+        for part, mc in parts:
+            st.fold(part)
+            found.fold(mc)
+    if not found.finite:   # the merge would refuse it: the whole-tensor merge raises its error, naming the tensor
         merge_weight_into(torch.empty(fw.shape, dtype=out_dtype), base.read_tensor(p.name), a, b, spec.scale,
-                          name=p.name)
+                          fan_in_fan_out=spec.fan_in_fan_out, name=p.name)
     td = _result(p, _status(p, st), st)
     td.adapter_check = {"expected": f"round_{dtype_name(out_dtype)}(W0 + {spec.scale:g} * B @ A)",
                         "module": p.module, "rank": spec.rank, "scale": spec.scale}
-    td.adapter_check.update(_ulps_result(off, max_ulps, out_dtype.is_floating_point))
+    td.adapter_check.update(_ulps_result(found.off, found.max_ulps, out_dtype.is_floating_point))
+    td.adapter_check["ties"] = found.ties
     return td
 
 
@@ -254,38 +216,26 @@ def _ulps_check(w: torch.Tensor, expected: torch.Tensor, block_elems: int) -> di
     return _ulps_result(off, max_ulps, w.dtype.is_floating_point)
 
 
-def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool,
-                          products: _Products) -> TensorDiff:
+def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
     """Targeted / replaced tensors. A targeted one streams (`_check_targeted_streaming`); a replaced
-    one (modules_to_save) and a fan_in_fan_out one are read whole on both sides."""
+    one (modules_to_save) is read whole on both sides and compared bit for bit."""
     if p.mode == "shape":
         td = _result(p, SHAPE_CHANGED, None)
         td.adapter_check = {"ok": False, "expected": "same shape as BASE",
                             "problem": f"shape {list(p.weights.shape)} != BASE {list(p.base.shape)}"}
         return td
-    if p.role == TARGETED and not lora.modules[p.module].fan_in_fan_out:
-        return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool, products)
+    if p.role == TARGETED:
+        return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool)
     w = weights.read_tensor(p.name)
     w0 = base.read_tensor(p.name)
     st = _whole_stats(w, w0, max(1, block_bytes // 8))
     td = _result(p, _status(p, st), st)
-    if p.role == TARGETED:
-        spec = lora.modules[p.module]
-        a, b = lora.read_pair(p.module)
-        # merge_weight_into is merge_weight bit for bit, with its elementwise part in cache-sized blocks
-        # and no full fp32 copy of W0 (profiled: the copy and isfinite() were half of the adapter check)
-        expected = merge_weight_into(torch.empty_like(w), w0, a, b, spec.scale, fan_in_fan_out=spec.fan_in_fan_out,
-                                     name=p.name)
-        check = {"expected": f"round_{dtype_name(w.dtype)}(W0 + {spec.scale:g} * B @ A)", "module": p.module,
-                 "rank": spec.rank, "scale": spec.scale}
-        del a, b
-    else:
-        expected = lora.read_full(p.name).to(w.dtype)
-        check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(w.dtype)}"}
-        if tuple(expected.shape) != tuple(w.shape):
-            check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(w.shape)}")
-            td.adapter_check = check
-            return td
+    expected = lora.read_full(p.name).to(w.dtype)
+    check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(w.dtype)}"}
+    if tuple(expected.shape) != tuple(w.shape):
+        check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(w.shape)}")
+        td.adapter_check = check
+        return td
     del w0
     check.update(_ulps_check(w, expected, max(1, block_bytes // 8)))
     td.adapter_check = check
@@ -315,8 +265,9 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
         untargeted_changed = [t for t in compared if t.role == UNTARGETED and not t.same]
         max_ulps = max((t.adapter_check.get("max_ulps") or 0 for t in targeted if t.adapter_check), default=0)
         passed = not bad and not untargeted_changed and not plan.targets_missing_in_weights
+        ties = sum((t.adapter_check or {}).get("ties") or 0 for t in targeted)
         adapter_summary = {
-            "passed": passed, "targeted": len(targeted), "exact": len(exact), "max_ulps": max_ulps,
+            "passed": passed, "targeted": len(targeted), "exact": len(exact), "max_ulps": max_ulps, "ties": ties,
             "off": [{"name": t.name, "max_ulps": (t.adapter_check or {}).get("max_ulps"),
                      "elements_off": (t.adapter_check or {}).get("elements_off"),
                      "problem": (t.adapter_check or {}).get("problem")} for t in bad],
@@ -345,7 +296,8 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
         return "adapter_mismatch", EXIT_ADAPTER_MISMATCH, text + "; the adapter check FAILED", adapter_summary
     if adapter_summary is not None:
         text += (f"; adapter check passed: {adapter_summary['exact']}/{adapter_summary['targeted']} targeted "
-                 f"tensors equal round(W0 + s*B@A) exactly ({adapter_summary['max_ulps']} ulps off)")
+                 f"tensors are the correctly rounded W0 + s*B@A ({adapter_summary['ties']} elements within the "
+                 "fp32 error bound of a rounding boundary)")
         if not plan.targeted_only:
             text += f", {adapter_summary['untargeted_checked']} untargeted unchanged"
     return "differs", EXIT_DIFFERS, text, adapter_summary
@@ -358,8 +310,13 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
 WORKING_BUDGET_BYTES = 640 * 2**20
 
 
+# what one worker holds for a targeted tensor's block beyond its chunk buffers: the block's P and bound
+# (fp64), and over one statistics chunk x, e, W as fp64, the three roundings and the mask
+_VALUE_CHECK_BYTES = 2 * 8 * (BLOCK_BYTES // 8) + (4 * 8 + 3 * 8 + 1) * STATS_BLOCK_ELEMS
+
+
 def _scratch_bytes(p: PairPlan) -> int:
-    return chunk_scratch_bytes(p.weights.itemsize, p.base.itemsize)   # (+ the expected merge's chunk: W's size)
+    return chunk_scratch_bytes(p.weights.itemsize, p.base.itemsize) + (_VALUE_CHECK_BYTES if p.role == TARGETED else 0)
 
 
 def _working_bytes(p: PairPlan, lora) -> int:
@@ -371,10 +328,7 @@ def _working_bytes(p: PairPlan, lora) -> int:
     numel, whole = p.weights.numel, p.weights.nbytes + p.base.nbytes
     if p.role == TARGETED:
         spec = lora.modules[p.module]
-        factors = 8 * (math.prod(spec.a_shape) + math.prod(spec.b_shape))   # A, B and their fp32 copies
-        if not spec.fan_in_fan_out:
-            return 4 * numel + factors                                        # P = B @ A, fp32
-        return whole + 4 * numel + p.weights.nbytes + numel + factors         # W, W0, P, the merge, the xor
+        return 12 * (math.prod(spec.a_shape) + math.prod(spec.b_shape))   # A, B (<= fp32) and in fp64
     return whole + 4 * numel + p.weights.nbytes + numel   # W, W0, the adapter's tensor (<= fp32) as W, the xor
 
 
@@ -395,7 +349,6 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks") if threads > 1 else None
     scratch = max((_scratch_bytes(p) for p in plan.pairs), default=0)
     budget = ByteBudget(max(1, WORKING_BUDGET_BYTES - threads * scratch))
-    products = _Products(budget)
     state = {"done": 0, "bytes": 0}
     # the bytes both sides hold, for the progress line's bytes, rate and ETA (what the reads take)
     sizes = [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs]
@@ -407,7 +360,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
             td = _result(p, SKIPPED, None)
         elif p.role in (TARGETED, REPLACED):
             with budget.hold(_working_bytes(p, lora)):
-                td = _compare_with_adapter(weights, base, lora, p, block_bytes, pool, products)
+                td = _compare_with_adapter(weights, base, lora, p, block_bytes, pool)
         else:
             td = _compare_streaming(weights, base, p, block_bytes, pool)
         if threads == 1:   # (with threads, pages are released when the sources close)
