@@ -92,7 +92,7 @@ def generate(a) -> int:
     t0 = time.perf_counter()
     spec = _spec(a.size, a.steps, world)
     root = Path(a.root).resolve()
-    paths = F._paths(root, spec)
+    paths = F.run_paths(root, spec)
 
     config = F.qwen3_config(spec)
     config.use_cache = False
@@ -100,7 +100,7 @@ def generate(a) -> int:
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model.to(torch.float32)
-    lora_cls = F._lora_module_class()
+    lora_cls = F.lora_module_class()
     for module in spec.target_modules():
         parent_name, child_name = module.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
@@ -200,7 +200,7 @@ def generate(a) -> int:
         GenerationConfig(bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id).save_pretrained(
             str(paths.base_model))
         paths.orch_toml.parent.mkdir(parents=True, exist_ok=True)
-        paths.orch_toml.write_text(F._orch_toml(spec, "base_model"))
+        paths.orch_toml.write_text(F.orch_toml_text(spec, "base_model"))
         paths.truth.parent.mkdir(parents=True, exist_ok=True)
         save_file(truth, str(paths.truth), metadata={"format": "pt"})
         info = {"schema": SCHEMA, "size": a.size, "world_size": world, "backend": dist.get_backend(),

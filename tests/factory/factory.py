@@ -1221,3 +1221,9 @@ if __name__ == "__main__":
     from tests.factory.factory import main as _main
 
     sys.exit(_main())
+
+
+# Public names of the factory's pieces for the tools that build runs of their own (bench/seed_scale.py)
+run_paths = _paths
+lora_module_class = _lora_module_class
+orch_toml_text = _orch_toml
