@@ -19,13 +19,15 @@ from pathlib import Path
 from ...io import inputs
 from ...core.errors import CkptError, UsageError
 from ..hf_dir.hub import locate_model, resolve_model_dir
+from ..safetensors.header import read_header
 from .alpha import find_run_configs, orch_model_name
 from .config import GEN_HEAD, RunConfig, config_files, load_run_config
 from .files import config_run_dir
 
 __all__ = ["step_number", "step_dirs", "checkpoints_dir_of", "launch_dir", "launch_dir_of", "run_base_of",
     "outputs_dir", "model_name",
-    "BaseModel", "resolve_base", "adapter_config_files", "read_adapter_config", "weights_exports",
+    "BaseModel", "resolve_base", "adapter_config_files", "read_adapter_config", "absent_modules_to_save",
+    "weights_exports",
     "dir_bytes"]
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -191,6 +193,23 @@ def read_adapter_config(path: Path) -> tuple[int, float] | None:
         return int(cfg["r"]), float(cfg["lora_alpha"])
     except (CkptError, ValueError, KeyError, TypeError, OverflowError):
         return None
+
+
+def absent_modules_to_save(path: Path) -> tuple[str, ...]:
+    """The `modules_to_save` an adapter_config.json lists whose tensors its adapter_model.safetensors does
+    not hold (prime-rl HEAD's broadcast lists them and saves none: PEFT then loads the base's modules);
+    () when it lists none, or the files cannot be read (other checks report those)."""
+    try:
+        cfg = inputs.read_json(path, what="adapter_config.json")
+        listed = cfg.get("modules_to_save") or []
+        weights = Path(path).parent / "adapter_model.safetensors"
+        if not listed or not isinstance(listed, list) or not weights.is_file():
+            return ()
+        names = [k.removeprefix("base_model.model.") for k in read_header(weights).tensors]
+    except (CkptError, AttributeError, TypeError, ValueError):
+        return ()
+    held = [n.rsplit(".", 1)[0] for n in names if "lora_" not in n]
+    return tuple(t for t in listed if isinstance(t, str) and not any(h == t or h.endswith("." + t) for h in held))
 
 
 def weights_exports(outputs: Path) -> list[tuple[int, Path]]:
