@@ -78,13 +78,15 @@ def launch_dir_of(config: Path, output_dir: object = None) -> Path:
     """THE run-dir rule (every command's): where a run config found in a run dir says prime-rl was
     launched from, i.e. where its relative `model.name` and `output_dir` point.
 
-    - HEAD `<run>/configs[/resolved | /latest/resolved]/trainer.json`: `<run>`, or the dir above it when
-      the trainer's relative `output_dir` lies there (`rl` runs write `<output_dir>/<run.name>/configs`);
+    - HEAD `<run>/configs[/resolved | /latest/resolved]/trainer.json`: `<run>`, or the nearest dir above it
+      that holds the trainer's relative `output_dir` (`rl` runs write `outputs/<run.name>/configs` with the
+      trainer's `output_dir` = `outputs/<run.name>`);
     - 16e747c `<launch>/<orchestrator.output_dir>/configs/orch.toml` (default `outputs/run_default`)."""
     run = config_run_dir(config)
     if Path(config).suffix == ".json":
-        for cand in (run, run.parent):
-            if output_dir and (cand / str(output_dir)).is_dir():
+        depth = len(Path(str(output_dir)).parts) if output_dir else 0
+        for cand in [run, *list(run.parents)[:depth + 1]]:
+            if output_dir and not Path(str(output_dir)).is_absolute() and (cand / str(output_dir)).is_dir():
                 return cand
         return run
     out = Path(str(output_dir or "outputs/run_default"))
