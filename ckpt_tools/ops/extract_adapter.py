@@ -9,7 +9,10 @@ tensor plus its cast copy (a Qwen3-32B r=32 `gate_proj` B is 25600x32 fp32 = 3.3
 whole adapter.
 
 Alpha is not in the checkpoint: it is resolved by `formats.primerl.alpha` (--alpha, --run-config, the
-run's orch.toml) and written as `lora_alpha` such that lora_alpha / r is the scale training used.
+run's orch.toml or trainer.json) and written as `lora_alpha` such that lora_alpha / r is the scale
+training used. The base comes from --base or the run's config (`formats.primerl.run_dir.run_base_of`).
+Base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`, found by their AdamW
+state) are written as PEFT `modules_to_save` tensors under their exact module names.
 The PEFT dir itself is written by `formats.peft.writer.write_adapter` (as `ckpt fix-adapter`'s is).
 """
 from __future__ import annotations
