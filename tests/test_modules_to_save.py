@@ -240,3 +240,14 @@ def test_a_lora_on_a_1d_weight_is_refused_naming_the_key(mts, adapter, tmp_path)
     assert r.exit_code == 1 and "internal error" not in r.output
     assert "key 'model.norm.weight'" in r.output and "not a 2-D linear weight" in r.output
     assert "drop these modules" in r.output and not (tmp_path / "out").exists()
+
+
+def test_modules_to_save_entries_are_exact_module_names_and_ambiguous_ones_are_refused():
+    from ckpt_tools.core.errors import FormatError
+    from ckpt_tools.formats.peft.writer import exact_modules_to_save
+
+    base = ["model.norm.weight", "lm_head.weight", "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight"]
+    assert exact_modules_to_save(["model.norm.weight", "lm_head.weight"], base) == ["lm_head", "model.norm"]
+    with pytest.raises(FormatError, match="input_layernorm also ends with it"):   # PEFT's str.endswith match
+        exact_modules_to_save(["norm.weight"], base + ["norm.weight"])

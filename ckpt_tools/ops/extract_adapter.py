@@ -132,7 +132,7 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     # modules_to_save: the base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`),
     # found from its state by the source, written under their exact module names
     full = dict(src.full_tensors)
-    mts = exact_modules_to_save(sorted(full), base_shapes) if full else []
+    mts = exact_modules_to_save(sorted(full), base_shapes, path=base_dir) if full else []
     fw = full_tensor_warning(mts)
     if fw:
         warnings.append(fw)

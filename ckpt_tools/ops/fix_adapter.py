@@ -384,7 +384,7 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
             kept_full.append(name)
             warnings.append(f"kept modules_to_save tensor {name}: it differs from the base. vLLM rejects adapters "
                             "with embed_tokens/lm_head modules_to_save; PEFT loads it")
-    mts = exact_modules_to_save(kept_full + sorted(filled), base_shapes)
+    mts = exact_modules_to_save(kept_full + sorted(filled), base_shapes, path=base_dir)
     fw = full_tensor_warning(mts) if filled else None
     if fw:
         warnings.append(fw)
