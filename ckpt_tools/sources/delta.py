@@ -1,0 +1,193 @@
+"""A LoRA computed in delta space: a weighted sum of other LoRAs' modules, optionally brought down to a
+lower rank per module, served as a `LoraSource` so that every consumer (the PEFT writer, the merge
+pipeline) reads it like a stored adapter.
+
+`DeltaSource(inputs, terms)`: for each module, the terms (input index, coefficient); its delta is
+sum_i coef_i * s_i * B_i @ A_i, with s_i the input's own LoRA scale, which is exactly the LoRA
+(A stacked, B concatenated with coef_i * s_i folded in: `core.delta_math.stack_terms`) of rank
+sum(r_i) and scale 1. `truncate_to(rank=K | energy=E)` decides per module the Eckart-Young rank
+(`core.delta_math.truncate`: QR of A^T and B, SVD of the r x r core; this reads the factors, never a
+base weight) and from then on serves the rank-k factors. One module's factors are held at a time
+(A and B of a module are read one after the other by every consumer).
+
+`peft_outputs(src, ...)` is what `ckpt average` and `ckpt resize-adapter` hand the one PEFT writer.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..core.delta_math import Truncation, stack_terms, truncate
+from ..core.errors import CkptError, FormatError
+from ..core.keys import PROGRESS_STEP_KEY
+from ..formats.peft.writer import OutTensor, peft_config, peft_key, target_modules_for
+from .base import TensorFacts
+from ..formats.primerl.alpha import find_run_configs, orch_model_name
+from ..formats.primerl.run_dir import step_number
+from .lora import DcpLoraSource, LoraModule, LoraSource, PeftLoraSource
+
+__all__ = ["Term", "DeltaSource", "peft_outputs", "lora_step", "lora_base_name", "refuse_modules_to_save",
+           "shared_peft_targets"]
+
+
+@dataclass(frozen=True)
+class Term:
+    input: int          # index into DeltaSource.inputs
+    coef: float         # the weight of this input's delta (its own LoRA scale is applied on top)
+
+
+class DeltaSource(LoraSource):
+    kind = "delta"
+
+    def __init__(self, inputs: list[LoraSource], terms: dict[str, tuple[Term, ...]], *, path: Path,
+                 describe_as: str = "delta"):
+        self.inputs = list(inputs)
+        self.terms = {m: tuple(t) for m, t in sorted(terms.items())}
+        self.path = Path(path)
+        self.config_path = self.weights_path = self.path
+        self.alpha, self.alpha_source = None, f"{describe_as}: the inputs' own scales folded into B (scale 1)"
+        self.full_tensors = {}
+        self.truncations: dict[str, Truncation] = {}
+        self._ranks: dict[str, int] = {}
+        self._cached: tuple[str, torch.Tensor, torch.Tensor] | None = None
+        self.modules = {}
+        for m, ts in self.terms.items():
+            if not ts:
+                raise ValueError(f"module {m} has no terms")
+            mods = [self.inputs[t.input].modules[m] for t in ts]
+            ins, outs = {x.a_shape[1] for x in mods}, {x.b_shape[0] for x in mods}
+            if len(ins) != 1 or len(outs) != 1:
+                raise FormatError(f"module {m} has different shapes in the inputs (in {sorted(ins)}, out "
+                                  f"{sorted(outs)}): they are not LoRAs of one model", key=m)
+            r = sum(x.rank for x in mods)
+            self.modules[m] = LoraModule(m, r, 1.0, f"{m}.lora_A", f"{m}.lora_B", (r, ins.pop()), (outs.pop(), r),
+                                         False, "float64")
+
+    # ------------------------------------------------------------------ the factors
+    def stacked(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact weighted sum as one LoRA (fp64 A_cat, B_cat with scale 1)."""
+        parts = []
+        for t in self.terms[module]:
+            src = self.inputs[t.input]
+            a, b = src.read_factor(module, "A"), src.read_factor(module, "B")
+            parts.append((a, b, t.coef * src.modules[module].scale))
+        return stack_terms(parts)
+
+    def truncate_to(self, *, rank: int | None = None, energy: float | None = None) -> dict[str, Truncation]:
+        """Decide each module's rank (reads every module's factors once) and serve rank-k factors from
+        now on. Returns the facts per module."""
+        for m in self.modules:
+            a, b = self.stacked(m)
+            _a, _b, facts = truncate(a, b, rank=rank, energy=energy)
+            self.truncations[m] = facts
+            self._ranks[m] = facts.rank
+            k = facts.rank
+            old = self.modules[m]
+            self.modules[m] = replace(old, rank=k, a_shape=(k, old.a_shape[1]), b_shape=(old.b_shape[0], k))
+        self._cached = None
+        return dict(self.truncations)
+
+    def pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp64 (A, B) served for `module` (rank-k when truncated); the last module's pair is kept."""
+        if self._cached is not None and self._cached[0] == module:
+            return self._cached[1], self._cached[2]
+        self._cached = None
+        a, b = self.stacked(module)
+        if module in self._ranks:
+            a, b, _ = truncate(a, b, rank=self._ranks[module])
+        self._cached = (module, a, b)
+        return a, b
+
+    # ------------------------------------------------------------------ the LoraSource contract
+    def read_factor(self, module: str, ab: str) -> torch.Tensor:
+        a, b = self.pair(module)
+        return a if ab == "A" else b
+
+    def read_key(self, key: str) -> torch.Tensor:
+        module, ab = key.rsplit(".lora_", 1)
+        return self.read_factor(module, ab)
+
+    def key_facts(self, key: str) -> TensorFacts:
+        module, ab = key.rsplit(".lora_", 1)
+        m = self.modules[module]
+        return TensorFacts(key, "float64", m.a_shape if ab == "A" else m.b_shape)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["inputs"] = [str(s.path) for s in self.inputs]
+        return d
+
+    def close(self) -> None:
+        for s in self.inputs:
+            s.close()
+
+
+def lora_step(src: LoraSource) -> int | None:
+    """The training step of an input: step_N in its path (the dir or its parent), else a checkpoint's
+    progress.step; None when neither says."""
+    p = Path(src.path)
+    for c in (p, p.parent):
+        n = step_number(c)
+        if n is not None:
+            return n
+    if isinstance(src, DcpLoraSource) and PROGRESS_STEP_KEY in src.ckpt.entries:
+        try:
+            v = src.ckpt.read_object(PROGRESS_STEP_KEY)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+        except CkptError:
+            return None
+    return None
+
+
+def lora_base_name(src: LoraSource) -> str | None:
+    """The base model an input names: a PEFT adapter's base_model_name_or_path, a checkpoint's run config
+    model name; None when it names none."""
+    if isinstance(src, PeftLoraSource):
+        return src.adapter.config.base_model_name_or_path
+    if isinstance(src, DcpLoraSource):
+        cfg = src.resolution.config_path
+        if cfg is None:
+            found = find_run_configs(src.path)
+            cfg = found[0] if len(found) == 1 else None
+        return orch_model_name(cfg)
+    return None
+
+
+def refuse_modules_to_save(src: LoraSource) -> None:
+    if src.full_tensors:
+        raise FormatError(f"the adapter has modules_to_save tensors ({', '.join(sorted(src.full_tensors)[:4])}): "
+                          "averaging full trained tensors is not supported yet", path=src.path,
+                          hint="average adapters without modules_to_save (the LoRA of a prime-rl run has none)")
+
+
+def shared_peft_targets(srcs: list[LoraSource]) -> list[str] | None:
+    """The inputs' own PEFT target_modules when they all name the same list, else None (the suffixes)."""
+    lists = []
+    for s in srcs:
+        if not isinstance(s, PeftLoraSource):
+            return None
+        t = s.adapter.config.target_modules
+        lists.append(sorted(t) if isinstance(t, (list, tuple, set)) else t)
+    return lists[0] if all(x == lists[0] for x in lists) and isinstance(lists[0], list) else None
+
+
+def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, target_modules: list[str] | None = None
+                 ) -> tuple[tuple[OutTensor, ...], dict]:
+    """The tensors (fp32, sorted by key) and adapter_config.json of `src` as a PEFT adapter: each module
+    at its own rank with scale 1 (lora_alpha = r; modules at another rank than the most common one in
+    rank_pattern / alpha_pattern)."""
+    ranks = {m: spec.rank for m, spec in src.modules.items()}
+    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 1
+    others = {m: k for m, k in sorted(ranks.items()) if k != r}
+    targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
+    cfg = peft_config(r=r, lora_alpha=float(r), target_modules=targets,
+                      base_model_name_or_path=base_model_name_or_path)
+    cfg["rank_pattern"] = dict(others)
+    cfg["alpha_pattern"] = {m: float(k) for m, k in others.items()}
+    tensors = tuple(sorted((OutTensor(peft_key(m, ab), spec.a_shape if ab == "A" else spec.b_shape, "fp32",
+                                      f"{m}.lora_{ab}") for m, spec in src.modules.items() for ab in "AB"),
+                           key=lambda t: t.name))
+    return tensors, cfg
