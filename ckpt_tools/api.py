@@ -20,12 +20,14 @@ from .formats.hf_dir.hub import resolve_model_dir
 from .formats.hf_dir.model_dir import HFModelDir
 from .formats.peft.adapter import PeftAdapter, open_peft_adapter
 from .formats.sniff import DCP, HF, PEFT, sniff
+from .ops.average import AverageOptions, AverageReport, open_average_sources, plan_average, run_average
 from .ops.diff import DiffReport
 from .ops.diff import diff_vs_base as _diff_vs_base
 from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
 from .ops.inspect import InspectOptions, InspectReport, plan_inspect, run_inspect
 from .ops.merge import MergeOptions, MergeReport, check_output, open_merge_sources, plan_merge, run_merge
 from .ops.rehydrate import RehydrateReport
+from .ops.resize_adapter import ResizeOptions, ResizeReport, open_resize_sources, plan_resize, run_resize
 from .ops.rehydrate import rehydrate as _rehydrate
 from .ops.set_lr import PatchReport
 from .ops.set_lr import set_lr as _set_lr
@@ -33,10 +35,11 @@ from .ops.slim import SlimReport
 from .ops.slim import slim as _slim
 from .ops.verify import VerifyReport, verify_path
 from .sources.lora import DcpLoraSource
+from .workflows.average_merge import AverageMergeReport, average_merge
 
 __all__ = ["open", "inspect", "extract_adapter", "merge", "diff_vs_base", "verify", "slim", "rehydrate", "set_lr",
-           "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
-           "RehydrateReport", "PatchReport"]
+           "average", "resize_adapter", "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport",
+           "SlimReport", "RehydrateReport", "PatchReport", "AverageReport", "AverageMergeReport", "ResizeReport"]
 
 
 def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:  # noqa: A001
@@ -129,3 +132,35 @@ def set_lr(ckpt: str | Path, out: str | Path | None, *, lr: float | None = None,
     """A checkpoint with a new learning rate, Adam moments kept (`ckpt set-lr`)."""
     return _set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
                    overwrite=overwrite, trust_pickle=trust_pickle)
+
+
+def average(inputs: list[str | Path], out: str | Path, *, weights: list[float] | None = None, ema: float | None = None,
+            rank: int | None = None, energy: float | None = None, merge: str | Path | None = None,
+            dtype: str | None = None, allow_mismatch: tuple[str, ...] = (), alpha: float | None = None,
+            dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
+            progress: Progress | None = None) -> AverageReport | AverageMergeReport:
+    """The weighted mean of LoRA steps (DCP checkpoints, PEFT adapters) in delta space, as a PEFT adapter
+    at `out` (`ckpt average`), exact at rank sum(r_i) or brought down by `rank` / `energy`; with `merge`
+    (an HF base), the merged model instead (`.result` None in a dry run). docs/delta-space.md."""
+    options = AverageOptions(out=str(out), weights=None if weights is None else tuple(float(w) for w in weights),
+                             ema=ema, rank=rank, energy=energy, allow=frozenset(allow_mismatch), alpha=alpha,
+                             trust_pickle=trust_pickle)
+    if merge is not None:
+        return average_merge(list(inputs), merge, out, options=options,
+                             merge_options=MergeOptions(dtype=dtype, trust_pickle=trust_pickle), dry_run=dry_run,
+                             overwrite=overwrite, progress=progress)
+    with open_average_sources(list(inputs), options) as sources:
+        plan = plan_average(sources, options)
+        return AverageReport(plan) if dry_run else run_average(plan, sources, progress, overwrite=overwrite)
+
+
+def resize_adapter(adapter: str | Path, out: str | Path, *, rank: int | None = None, energy: float | None = None,
+                   alpha: float | None = None, dry_run: bool = False, overwrite: bool = False,
+                   trust_pickle: bool = False, progress: Progress | None = None) -> ResizeReport:
+    """Each module of `adapter` (PEFT dir or DCP checkpoint) at its best rank `rank` (or the smallest rank
+    keeping `energy` of its squared norm), written as a PEFT adapter at `out` (`ckpt resize-adapter`);
+    `.plan.truncations` has each module's kept energy and error."""
+    options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle)
+    with open_resize_sources(adapter, options) as src:
+        plan = plan_resize(src, options)
+        return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)
