@@ -23,8 +23,9 @@ from pathlib import Path
 from ..core.delta_math import ema_weights, normalize_weights
 from ..core.errors import FormatError, UsageError
 from ..core.progress import Progress
+from ..formats.dcp.layout import is_checkpoint_path
 from ..formats.peft.writer import OutTensor, safetensors_file_bytes, write_adapter
-from ..sources.delta import DeltaSource, Term, lora_base_name, lora_step, peft_outputs, refuse_modules_to_save, \
+from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, refuse_modules_to_save, \
     shared_peft_targets
 from ..sources.lora import LoraSource, open_lora_source
 
@@ -42,7 +43,7 @@ class AverageOptions:
     rank: int | None = None
     energy: float | None = None
     allow: frozenset[str] = frozenset()          # of MISMATCH_KINDS: what may differ between the inputs
-    alpha: float | None = None                   # for DCP inputs without a run config
+    alpha: float | None = None                   # of the DCP inputs (over their run config's); adapters keep theirs
     trust_pickle: bool = False
 
 
@@ -57,6 +58,7 @@ class AverageInput:
     rank: int | list[int]
     modules: int
     base: str | None       # base_model_name_or_path / the run config's model name
+    base_dir: str | None   # where that name resolves here (relative names against the run's launch dir)
     weight: float = 0.0
 
     def to_json(self) -> dict:
@@ -83,8 +85,9 @@ class AverageSources:
 def input_facts(src: LoraSource) -> AverageInput:
     """What the plan records of one input (and compares across inputs)."""
     d = src.describe()
+    name, where = lora_base(src)
     return AverageInput(str(src.path), src.kind, lora_step(src), src.alpha, src.alpha_source, d["scale"], d["rank"],
-                        len(src.modules), lora_base_name(src))
+                        len(src.modules), name, None if where is None else str(where))
 
 
 def open_average_sources(paths: list[str | Path], options: AverageOptions) -> AverageSources:
@@ -102,7 +105,9 @@ def open_average_sources(paths: list[str | Path], options: AverageOptions) -> Av
     srcs: list[LoraSource] = []
     try:
         for p in paths:
-            src = open_lora_source(p, alpha=options.alpha, trust_pickle=options.trust_pickle)
+            # --alpha is for checkpoints (which do not store it); an adapter carries its own
+            dcp = is_checkpoint_path(Path(p))
+            src = open_lora_source(p, alpha=options.alpha if dcp else None, trust_pickle=options.trust_pickle)
             srcs.append(src)
             refuse_modules_to_save(src)
         return AverageSources(srcs, [input_facts(s) for s in srcs])
@@ -170,8 +175,11 @@ def _differences(facts: list[AverageInput], srcs: list[LoraSource]) -> dict[str,
     out: dict[str, str] = {}
     first, f0 = srcs[0], facts[0]
     for f, s in zip(facts[1:], srcs[1:]):
-        if "base" not in out and f.base is not None and f0.base is not None and f.base != f0.base:
-            out["base"] = f"base model {f0.base!r} ({f0.path}) vs {f.base!r} ({f.path})"
+        # the resolved dirs when both are found here, else the names as written
+        same = f.base_dir == f0.base_dir if f.base_dir and f0.base_dir else f.base == f0.base
+        if "base" not in out and f.base is not None and f0.base is not None and not same:
+            where = (f" = {f0.base_dir} vs {f.base_dir}" if f.base_dir and f0.base_dir else "")
+            out["base"] = f"base model {f0.base!r} ({f0.path}) vs {f.base!r} ({f.path}){where}"
         if "targets" not in out and set(s.modules) != set(first.modules):
             only0 = sorted(set(first.modules) - set(s.modules))
             only1 = sorted(set(s.modules) - set(first.modules))

@@ -25,11 +25,12 @@ from ..core.errors import CkptError, FormatError
 from ..core.keys import PROGRESS_STEP_KEY
 from ..formats.peft.writer import OutTensor, peft_config, peft_key, target_modules_for
 from .base import TensorFacts
-from ..formats.primerl.alpha import find_run_configs, orch_model_name
+from ..formats.hf_dir.hub import locate_model
+from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_outputs_dir
 from ..formats.primerl.run_dir import step_number
 from .lora import DcpLoraSource, LoraModule, LoraSource, PeftLoraSource
 
-__all__ = ["Term", "DeltaSource", "peft_outputs", "lora_step", "lora_base_name", "refuse_modules_to_save",
+__all__ = ["Term", "DeltaSource", "peft_outputs", "lora_step", "lora_base_name", "lora_base", "refuse_modules_to_save",
            "shared_peft_targets"]
 
 
@@ -142,18 +143,40 @@ def lora_step(src: LoraSource) -> int | None:
     return None
 
 
-def lora_base_name(src: LoraSource) -> str | None:
-    """The base model an input names: a PEFT adapter's base_model_name_or_path, a checkpoint's run config
-    model name; None when it names none."""
+def _config_run_root(cfg: Path) -> Path | None:
+    """The launch dir a run config's relative model name is relative to: HEAD `<run>/configs/trainer.json`,
+    16e747c `<root>/outputs/run_*/configs/orch.toml`."""
+    p = Path(cfg).resolve()
+    if p.suffix == ".json":
+        return p.parent.parent
+    return p.parents[3] if len(p.parents) > 3 else None
+
+
+def lora_base(src: LoraSource) -> tuple[str | None, Path | None]:
+    """The base model an input names (a PEFT adapter's base_model_name_or_path, a checkpoint's run config
+    model name) and the local dir it resolves to (a relative name against the run's launch dir, as
+    prime-rl resolved it; None when not found here)."""
+    name, root = None, None
     if isinstance(src, PeftLoraSource):
-        return src.adapter.config.base_model_name_or_path
-    if isinstance(src, DcpLoraSource):
+        name = src.adapter.config.base_model_name_or_path
+        outputs = run_outputs_dir(src.path)
+        root = outputs.parent if outputs is not None else None
+    elif isinstance(src, DcpLoraSource):
         cfg = src.resolution.config_path
         if cfg is None:
             found = find_run_configs(src.path)
             cfg = found[0] if len(found) == 1 else None
-        return orch_model_name(cfg)
-    return None
+        name = orch_model_name(cfg)
+        root = _config_run_root(cfg) if cfg is not None else None
+    if not name:
+        return None, None
+    found, _why = locate_model(name, run_root=root)
+    return name, found.resolve() if found is not None else None
+
+
+def lora_base_name(src: LoraSource) -> str | None:
+    """The base model name an input names (None when it names none)."""
+    return lora_base(src)[0]
 
 
 def refuse_modules_to_save(src: LoraSource) -> None:

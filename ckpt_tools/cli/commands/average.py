@@ -43,7 +43,8 @@ def parse_weights(text: str | None) -> tuple[float, ...] | None:
 @click.option("--allow-mismatch", "allow", multiple=True, type=click.Choice(MISMATCH_CHOICES),
               help="Average inputs that differ in this (repeatable): base (base model name), targets (a module "
                    "missing from an input is a zero delta there), alpha (each input keeps its own scale).")
-@click.option("--alpha", type=float, help="LoRA alpha of DCP inputs whose run config cannot be found.")
+@click.option("--alpha", type=float, help="LoRA alpha the DCP inputs trained with (default: each run's config); "
+              "PEFT adapters keep their own.")
 @overwrite_option
 @dry_run_option
 @json_option
@@ -141,5 +142,5 @@ def _render_merge(r: dict) -> None:
     if res:
         click.echo(f"  {res['merged_modules']} modules merged, {human_bytes(res['bytes_written'])} in "
                    f"{res['seconds']:.1f}s")
-    for w in avg["warnings"] + mp["warnings"]:
+    for w in r.get("warnings") or ():
         warn(w)
