@@ -13,7 +13,7 @@ from ..options import InputPath, ModelPath, dry_run_option, json_option, overwri
 from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
-__all__ = ["command", "parse_weights", "render_truncations"]
+__all__ = ["command", "parse_weights", "rule_text", "render_truncations"]
 
 MISMATCH_CHOICES = ("base", "targets", "alpha")   # ops.average.MISMATCH_KINDS (a test checks they agree)
 
@@ -102,6 +102,10 @@ def _rank_text(r: dict) -> str:
     return f"rank {rk}" if isinstance(rk, int) else f"ranks {min(rk)}-{max(rk)}"
 
 
+def rule_text(rule: dict) -> str:
+    return f"rank {rule['rank']}" if "rank" in rule else f"the smallest rank keeping {rule['energy']:g} of the energy"
+
+
 def render_truncations(truncations: dict) -> None:
     """The per-module kept energy and error lines (shared with resize-adapter)."""
     for m, t in truncations.items():
@@ -115,10 +119,10 @@ def _render(r: dict) -> None:
                f"{r['modules']} LoRA modules, {_rank_text(r)}{dry_run_label(dry)}")
     for i in r["inputs"]:
         step = f"step {i['step']}" if i["step"] is not None else "step ?"
-        click.echo(f"  {i['weight']:.6g}  {step:>9}  {i['kind']:4}  {i['path']}  (rank {i['rank']}, alpha "
+        click.echo(f"  {i['weight']:<10.6g} {step:<9} {i['kind']:<5} {i['path']}  (rank {i['rank']}, alpha "
                    f"{i['alpha']:g})")
     if r["rank_rule"]:
-        click.echo(f"  reduced by {r['rank_rule']}:")
+        click.echo(f"  each module brought down to {rule_text(r['rank_rule'])} (Eckart-Young):")
         render_truncations(r["truncations"])
     for d in r["differences"]:
         click.echo(f"  allowed difference: {d}")
@@ -135,7 +139,7 @@ def _render_merge(r: dict) -> None:
                f"({avg['modules']} modules, {_rank_text(avg)}) into {mp['base_path']} -> {r['out']} "
                f"({mp['out_dtype']}){dry_run_label(dry)}")
     for i in avg["inputs"]:
-        click.echo(f"  {i['weight']:.6g}  step {i['step']}  {i['path']}")
+        click.echo(f"  {i['weight']:<10.6g} step {i['step']!s:<4} {i['path']}")
     if avg["rank_rule"]:
         render_truncations(avg["truncations"])
     res = r.get("result")

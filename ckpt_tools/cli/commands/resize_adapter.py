@@ -10,7 +10,7 @@ from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
-from .average import render_truncations
+from .average import render_truncations, rule_text
 
 __all__ = ["command"]
 
@@ -56,7 +56,7 @@ def _render(r: dict) -> None:
     rk = r["rank"]
     click.echo(f"{'would write' if dry else 'wrote'} {r['out']}: {r['modules']} LoRA modules of {r['adapter']} "
                f"({r['kind']}, rank {r['rank_in']}) -> {'rank ' + str(rk) if isinstance(rk, int) else 'ranks ' + str(rk)} "
-               f"by {r['rank_rule']}{dry_run_label(dry)}")
+               f"({rule_text(r['rank_rule'])}){dry_run_label(dry)}")
     click.echo(f"  kept {100 * r['energy_kept']:.4f}% of the energy overall, error {r['error']:.4g} (Frobenius)")
     render_truncations(r["truncations"])
     size = r.get("written_file_bytes", r["out_file_bytes"])
