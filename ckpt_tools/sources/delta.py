@@ -8,12 +8,13 @@ sum_i coef_i * s_i * B_i @ A_i, with s_i the input's own LoRA scale, which is ex
 sum(r_i) and scale 1. `truncate_to(rank=K | energy=E)` decides per module the Eckart-Young rank
 (`core.delta_math.truncate`: QR of A^T and B, SVD of the r x r core; this reads the factors, never a
 base weight) and from then on serves the rank-k factors. One module's factors are held at a time
-(A and B of a module are read one after the other by every consumer).
+(A and B of a module are read one after the other by every consumer), per reading thread.
 
 `peft_outputs(src, ...)` is what `ckpt average` and `ckpt resize-adapter` hand the one PEFT writer.
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,19 +54,21 @@ class DeltaSource(LoraSource):
         self.full_tensors = {}
         self.truncations: dict[str, Truncation] = {}
         self._ranks: dict[str, int] = {}
-        self._cached: tuple[str, torch.Tensor, torch.Tensor] | None = None
+        self._local = threading.local()   # per thread (the merge pipeline reads on threads): its last module
         self.modules = {}
         for m, ts in self.terms.items():
             if not ts:
                 raise ValueError(f"module {m} has no terms")
             mods = [self.inputs[t.input].modules[m] for t in ts]
             ins, outs = {x.a_shape[1] for x in mods}, {x.b_shape[0] for x in mods}
-            if len(ins) != 1 or len(outs) != 1:
+            fan = {x.fan_in_fan_out for x in mods}
+            if len(ins) != 1 or len(outs) != 1 or len(fan) != 1:
                 raise FormatError(f"module {m} has different shapes in the inputs (in {sorted(ins)}, out "
-                                  f"{sorted(outs)}): they are not LoRAs of one model", key=m)
+                                  f"{sorted(outs)}, fan_in_fan_out {sorted(fan)}): they are not LoRAs of one model",
+                                  key=m)
             r = sum(x.rank for x in mods)
             self.modules[m] = LoraModule(m, r, 1.0, f"{m}.lora_A", f"{m}.lora_B", (r, ins.pop()), (outs.pop(), r),
-                                         False, "float64")
+                                         fan.pop(), "float64")
 
     # ------------------------------------------------------------------ the factors
     def stacked(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,18 +91,19 @@ class DeltaSource(LoraSource):
             k = facts.rank
             old = self.modules[m]
             self.modules[m] = replace(old, rank=k, a_shape=(k, old.a_shape[1]), b_shape=(old.b_shape[0], k))
-        self._cached = None
+        self._local = threading.local()
         return dict(self.truncations)
 
     def pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """fp64 (A, B) served for `module` (rank-k when truncated); the last module's pair is kept."""
-        if self._cached is not None and self._cached[0] == module:
-            return self._cached[1], self._cached[2]
-        self._cached = None
+        cached = getattr(self._local, "pair", None)
+        if cached is not None and cached[0] == module:
+            return cached[1], cached[2]
+        self._local.pair = None
         a, b = self.stacked(module)
         if module in self._ranks:
             a, b, _ = truncate(a, b, rank=self._ranks[module])
-        self._cached = (module, a, b)
+        self._local.pair = (module, a, b)
         return a, b
 
     # ------------------------------------------------------------------ the LoraSource contract
@@ -208,6 +212,7 @@ def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, targe
     targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
     cfg = peft_config(r=r, lora_alpha=float(r), target_modules=targets,
                       base_model_name_or_path=base_model_name_or_path)
+    cfg["fan_in_fan_out"] = any(spec.fan_in_fan_out for spec in src.modules.values())
     cfg["rank_pattern"] = dict(others)
     cfg["alpha_pattern"] = {m: float(k) for m, k in others.items()}
     tensors = tuple(sorted((OutTensor(peft_key(m, ab), spec.a_shape if ab == "A" else spec.b_shape, "fp32",
