@@ -54,7 +54,7 @@ ROLES: dict[str, Roles] = {
     "extract-adapter": Roles("extract-adapter CKPT OUT", {"CKPT": (DCP,), "OUT": (PEFT,), "--base": (HF,)}),
     "adapter-to-dcp": Roles("adapter-to-dcp ADAPTER OUT", {
         "ADAPTER": (PEFT,), "OUT": (DCP,), "--base": (HF,), "--optimizer-from": (DCP,)}),
-    "fix-adapter": Roles("fix-adapter SRC OUT", {"SRC": (PEFT,), "OUT": (PEFT,), "--base": (HF,)}),
+    "fix-adapter": Roles("fix-adapter SRC OUT", {"SRC": (PEFT,), "OUT": (PEFT,), "--base": (HF,), "--checkpoint": (DCP,)}),
     # the last input against OUT and --merge (a forgotten OUT makes the last input OUT)
     "average": Roles("average CKPT_OR_ADAPTER... OUT", {"CKPT_OR_ADAPTER": (DCP, PEFT), "OUT": (PEFT,)}),
     "average --merge": Roles("average CKPT_OR_ADAPTER... OUT --merge BASE", {
