@@ -56,6 +56,13 @@ def other(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mts(tmp_path_factory):
+    """A dense run with modules_to_save = lm_head, norm (prime-rl HEAD trains model.norm and lm_head whole)."""
+    spec = HeadSpec.e_mts(max_steps=3, ckpt_interval=1)
+    return spec, make_head_run(tmp_path_factory.mktemp("mts"), spec)
+
+
+@pytest.fixture(scope="module")
 def step1_adapter(dense, tmp_path_factory):
     """Step 1 of the dense run as a PEFT adapter (`ckpt extract-adapter`)."""
     _spec, run = dense
@@ -87,6 +94,17 @@ def dcp_deltas(ckpt_dir, spec) -> dict[str, torch.Tensor]:
             for x in range(a.shape[0]):
                 out[f"{experts}.{x}.{EXPERT_PROJ[w]}"] = s * b[x] @ a[x]
     return out
+
+
+def dcp_full(ckpt_dir, names) -> dict[str, torch.Tensor]:
+    """HF name -> the checkpoint's fp32 master of a trained full tensor, read with torch DCP (fp64)."""
+    import torch.distributed.checkpoint as dcp
+    md = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
+    keys = {n: f"app.model.{n}" for n in names}
+    sd = {k: torch.empty(md.state_dict_metadata[k].size, dtype=md.state_dict_metadata[k].properties.dtype)
+          for k in keys.values()}
+    dcp.load(sd, checkpoint_id=str(ckpt_dir), no_dist=True)
+    return {n: sd[k].double() for n, k in keys.items()}
 
 
 def peft_deltas(adapter_dir) -> dict[str, torch.Tensor]:
@@ -232,13 +250,15 @@ def test_the_outputs_load_in_peft_with_exactly_their_deltas(dense, step1_adapter
 
 
 # ------------------------------------------------------------------------------------ --merge
-def test_the_merged_average_equals_the_average_of_the_merged_steps_to_bf16_rounding(dense, tmp_path):
-    _spec, run = dense
+@pytest.mark.parametrize("which", ["dense", "mts"])
+def test_the_merged_average_equals_the_average_of_the_merged_steps_to_bf16_rounding(which, request, tmp_path):
+    _spec, run = request.getfixturevalue(which)     # mts: lm_head and model.norm are replaced, not merged
     steps = (1, 2, 3)
     for s in steps:
         ckpt("merge", run.base_model, run.checkpoints[s], tmp_path / f"m{s}", "--dtype", "fp32")
     doc = ckpt("average", *[run.checkpoints[s] for s in steps], tmp_path / "avg", "--merge", run.base_model)
     assert doc["result"]["merged_modules"] == 14
+    assert doc["result"]["counts"]["replace"] == (2 if which == "mts" else 0)
     ours = load_file(str(tmp_path / "avg" / "model.safetensors"))
     merged = [load_file(str(tmp_path / f"m{s}" / "model.safetensors")) for s in steps]
     base = load_file(str(run.base_model / "model.safetensors"))
@@ -249,10 +269,51 @@ def test_the_merged_average_equals_the_average_of_the_merged_steps_to_bf16_round
         if torch.equal(base[name].double(), ref):
             assert torch.equal(t, base[name]), name       # not a LoRA target: the base, bit for bit
             continue
-        # one bf16 rounding of W + mean delta: within half a bf16 ulp of the exact mean (plus fp32 noise)
+        # one bf16 rounding of W + mean delta: within half a bf16 ulp of the exact mean, plus the fp32 noise
+        # of the terms (a mean that cancels to near zero keeps their absolute rounding error)
         ulp = torch.pow(2.0, torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
-        assert ((t.double() - ref).abs() <= 0.5 * ulp + 1e-6 * ref.abs()).all(), name
+        noise = 1e-6 * torch.stack([m[name].double().abs() for m in merged]).amax(0)
+        assert ((t.double() - ref).abs() <= 0.5 * ulp + noise).all(), name
         assert (t == ref.to(torch.bfloat16)).double().mean() > 0.99, name
+
+
+# ------------------------------------------------------------------------------------ modules_to_save
+def test_trained_full_tensors_are_averaged_with_the_same_weights_and_load_in_peft(mts, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    spec, run = mts
+    names = ["lm_head.weight", "model.norm.weight"]
+    res = ckpt("average", *[run.checkpoints[s] for s in (1, 2, 3)], tmp_path / "avg", "--weights", "1,1,2")["result"]
+    assert res["modules_to_save"] == names
+    cfg = json.loads((tmp_path / "avg" / "adapter_config.json").read_text())
+    assert cfg["modules_to_save"] == ["lm_head", "model.norm"]
+    sd = load_file(str(tmp_path / "avg" / "adapter_model.safetensors"))
+    masters = [dcp_full(run.checkpoints[s], names) for s in (1, 2, 3)]
+    for n in names:
+        ref = 0.25 * masters[0][n] + 0.25 * masters[1][n] + 0.5 * masters[2][n]
+        assert not torch.equal(masters[0][n], masters[2][n])        # they trained
+        got = sd[f"base_model.model.{n}"]
+        assert got.dtype == torch.float32 and rel(got.double(), ref) < 1e-6, n
+    steps = [dcp_deltas(run.checkpoints[s], spec) for s in (1, 2, 3)]
+    for m, d in peft_deltas(tmp_path / "avg").items():
+        assert rel(d, 0.25 * steps[0][m] + 0.25 * steps[1][m] + 0.5 * steps[2][m]) < 1e-6, m
+    base = AutoModelForCausalLM.from_pretrained(str(run.base_model), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "avg"))
+    loaded = dict(model.named_parameters())
+    assert torch.equal(loaded["base_model.model.lm_head.modules_to_save.default.weight"], sd["base_model.model.lm_head.weight"])
+    assert torch.equal(loaded["base_model.model.model.norm.modules_to_save.default.weight"],
+                       sd["base_model.model.model.norm.weight"])
+    # resize-adapter keeps them as they are
+    ckpt("resize-adapter", tmp_path / "avg", tmp_path / "r2", "--rank", 2)
+    small = load_file(str(tmp_path / "r2" / "adapter_model.safetensors"))
+    for n in names:
+        assert torch.equal(small[f"base_model.model.{n}"], sd[f"base_model.model.{n}"])
+
+
+def test_runs_that_train_different_full_tensors_are_refused_even_when_targets_may_differ(dense, mts, tmp_path):
+    err = ckpt_fails("average", dense[1].checkpoints[3], mts[1].checkpoints[3], tmp_path / "avg",
+                     "--allow-mismatch", "base", "--allow-mismatch", "targets")
+    assert "train different full tensors (modules_to_save)" in err["message"] and "lm_head.weight" in err["message"]
 
 
 # ------------------------------------------------------------------------------------ MoE

@@ -4,8 +4,8 @@
 
 is itself a LoRA of rank sum(r_i): A_i stacked, B_i * (w_i * s_i) side by side (`sources.delta`); no
 base weight is read. `--rank K` / `--energy E` bring each module down to its Eckart-Young rank (the
-same math as `ckpt resize-adapter`). The inputs are DCP checkpoints (full or slim) and PEFT adapters
-of one run; inputs that disagree in base model, LoRA targets or alpha are refused, naming the
+same math as `ckpt resize-adapter`). Trained full tensors (modules_to_save) are averaged with the same
+weights (fp64, written fp32). The inputs are DCP checkpoints (full or slim) and PEFT adapters of one run; inputs that disagree in base model, LoRA targets or alpha are refused, naming the
 difference, unless `allow` names what may differ (`--allow-mismatch`). `--merge BASE` (the merged
 model instead of the adapter) is `workflows.average_merge`: this op's source into the merge op.
 
@@ -25,8 +25,7 @@ from ..core.errors import FormatError, UsageError
 from ..core.progress import Progress
 from ..formats.dcp.layout import is_checkpoint_path
 from ..formats.peft.writer import OutTensor, safetensors_file_bytes, write_adapter
-from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, refuse_modules_to_save, \
-    shared_peft_targets
+from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, shared_peft_targets
 from ..sources.lora import LoraSource, open_lora_source
 
 __all__ = ["MISMATCH_KINDS", "AverageOptions", "AverageInput", "AverageSources", "open_average_sources",
@@ -109,7 +108,6 @@ def open_average_sources(paths: list[str | Path], options: AverageOptions) -> Av
             dcp = is_checkpoint_path(Path(p))
             src = open_lora_source(p, alpha=options.alpha if dcp else None, trust_pickle=options.trust_pickle)
             srcs.append(src)
-            refuse_modules_to_save(src)
         return AverageSources(srcs, [input_facts(s) for s in srcs])
     except BaseException:
         for s in srcs:
@@ -126,6 +124,7 @@ class AveragePlan:
     inputs: tuple[AverageInput, ...]    # in the order the weights apply (step order for --ema)
     rank_rule: dict | None              # {"rank": K} | {"energy": E} | None (the exact stacked LoRA)
     modules: int
+    modules_to_save: tuple[str, ...]    # trained full tensors (HF names), averaged with the same weights
     ranks: dict[str, int]               # module -> rank written
     truncations: dict[str, dict]        # module -> kept energy / error (with a rank rule)
     allowed: tuple[str, ...]
@@ -134,16 +133,18 @@ class AveragePlan:
     config: dict = field(repr=False)
     out_file_bytes: int = 0
     warnings: tuple[str, ...] = ()
+    adapter_warnings: tuple[str, ...] = ()   # about the adapter OUT's consumers (not a --merge's output)
 
     def to_json(self) -> dict:
         rank_values = sorted(set(self.ranks.values()))
         return {"out": self.out, "method": self.method, "ema": self.ema,
                 "inputs": [i.to_json() for i in self.inputs], "weights": [i.weight for i in self.inputs],
-                "rank_rule": self.rank_rule, "modules": self.modules,
+                "rank_rule": self.rank_rule, "modules": self.modules, "modules_to_save": list(self.modules_to_save),
                 "rank": rank_values[0] if len(rank_values) == 1 else rank_values, "ranks": dict(self.ranks),
                 "truncations": dict(self.truncations), "allowed": list(self.allowed),
                 "differences": list(self.differences), "tensors": [t.to_json() for t in self.tensors],
-                "config": self.config, "out_file_bytes": self.out_file_bytes, "warnings": list(self.warnings)}
+                "config": self.config, "out_file_bytes": self.out_file_bytes,
+                "warnings": list(self.warnings + self.adapter_warnings)}
 
 
 def _weights(facts: list[AverageInput], options: AverageOptions) -> tuple[str, list[int], list[float]]:
@@ -188,6 +189,9 @@ def _differences(facts: list[AverageInput], srcs: list[LoraSource]) -> dict[str,
                                          f"only in {f.path}: {', '.join(only1[:3])}" + (" ..." if len(only1) > 3 else "")
                                          if only1 else "") if x)
             out["targets"] = f"LoRA targets differ: {len(first.modules)} vs {len(s.modules)} modules ({what})"
+        if "targets" not in out and set(s.full_tensors) != set(first.full_tensors):
+            out["targets"] = (f"trained full tensors (modules_to_save) differ: {sorted(first.full_tensors)} ({f0.path}) "
+                              f"vs {sorted(s.full_tensors)} ({f.path})")
         if "alpha" not in out and (f.alpha != f0.alpha or s.use_rslora != first.use_rslora):
             out["alpha"] = (f"lora alpha {f0.alpha:g} ({f0.path}) vs {f.alpha:g} ({f.path})"
                             if f.alpha is not None and f0.alpha is not None else f"alpha differs: {f0.path}, {f.path}")
@@ -211,26 +215,35 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
                                + (" (a module missing from an input counts as a zero delta there)"
                                   if "targets" in refused else "")
                                + (" (each input's delta keeps its own scale)" if "alpha" in refused else ""))
+    fulls = {frozenset(x.full_tensors) for x in srcs}
+    if len(fulls) > 1:   # an input without a trained tensor has the base's there, which an adapter cannot hold
+        raise FormatError("the inputs train different full tensors (modules_to_save): "
+                          + " vs ".join(str(sorted(x)) for x in sorted(fulls, key=sorted)), path=facts[0].path,
+                          hint="average steps of one run; --allow-mismatch targets covers LoRA modules only")
     method, order, weights = _weights(facts, options)
     facts = [replace(facts[i], weight=w) for i, w in zip(order, weights)]
     terms: dict[str, list[Term]] = {}
     for i, w in zip(order, weights):
         for m in srcs[i].modules:
             terms.setdefault(m, []).append(Term(i, w))
-    src = DeltaSource(srcs, {m: tuple(t) for m, t in terms.items()}, path=Path(srcs[0].path), describe_as="average")
+    full = {n: tuple(Term(i, w) for i, w in zip(order, weights)) for n in srcs[0].full_tensors}
+    src = DeltaSource(srcs, {m: tuple(t) for m, t in terms.items()}, path=Path(srcs[0].path), describe_as="average",
+                      full_terms=full)
     warnings = [w for s in srcs for w in s.warnings]
     rule = None
     if options.rank is not None or options.energy is not None:
         rule = {"rank": int(options.rank)} if options.rank is not None else {"energy": float(options.energy)}
         src.truncate_to(rank=options.rank, energy=options.energy)
     sources.delta = src
-    tensors, cfg = peft_outputs(src, base_model_name_or_path=facts[0].base, target_modules=shared_peft_targets(srcs))
+    tensors, cfg, full_warnings = peft_outputs(src, base_model_name_or_path=facts[0].base,
+                                               target_modules=shared_peft_targets(srcs))
     return AveragePlan(
         out=str(options.out), method=method, ema=options.ema, inputs=tuple(facts), rank_rule=rule,
-        modules=len(src.modules), ranks={m: s.rank for m, s in src.modules.items()},
+        modules=len(src.modules), modules_to_save=tuple(src.full_tensors), ranks={m: s.rank for m, s in src.modules.items()},
         truncations={m: t.to_json() for m, t in src.truncations.items()}, allowed=tuple(sorted(options.allow)),
         differences=tuple(diffs[k] for k in MISMATCH_KINDS if k in diffs), tensors=tensors, config=cfg,
-        out_file_bytes=safetensors_file_bytes(list(tensors)), warnings=tuple(dict.fromkeys(warnings)))
+        out_file_bytes=safetensors_file_bytes(list(tensors)), warnings=tuple(dict.fromkeys(warnings)),
+        adapter_warnings=tuple(full_warnings))
 
 
 @dataclass(frozen=True)

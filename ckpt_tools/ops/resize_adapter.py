@@ -18,8 +18,7 @@ from pathlib import Path
 from ..core.errors import UsageError
 from ..core.progress import Progress
 from ..formats.peft.writer import OutTensor, safetensors_file_bytes, write_adapter
-from ..sources.delta import DeltaSource, Term, lora_base_name, peft_outputs, refuse_modules_to_save, \
-    shared_peft_targets
+from ..sources.delta import DeltaSource, Term, lora_base_name, peft_outputs, shared_peft_targets
 from ..sources.lora import open_lora_source
 
 __all__ = ["ResizeOptions", "ResizePlan", "ResizeReport", "open_resize_sources", "plan_resize", "run_resize"]
@@ -38,8 +37,9 @@ def open_resize_sources(path: str | Path, options: ResizeOptions) -> DeltaSource
     """The adapter (PEFT dir or DCP checkpoint) as a one-term delta source (metadata only)."""
     src = open_lora_source(path, alpha=options.alpha, trust_pickle=options.trust_pickle)
     try:
-        refuse_modules_to_save(src)
-        return DeltaSource([src], {m: (Term(0, 1.0),) for m in src.modules}, path=Path(src.path), describe_as="resize")
+        # trained full tensors (modules_to_save) are carried over unchanged (fp32)
+        return DeltaSource([src], {m: (Term(0, 1.0),) for m in src.modules}, path=Path(src.path), describe_as="resize",
+                           full_terms={n: (Term(0, 1.0),) for n in src.full_tensors})
     except BaseException:
         src.close()
         raise
@@ -55,6 +55,7 @@ class ResizePlan:
     modules: int
     ranks: dict[str, int]
     truncations: dict[str, dict]        # module -> rank_in, rank, energy_kept, error, ...
+    modules_to_save: tuple[str, ...]    # trained full tensors, carried over unchanged
     energy_kept: float                  # over the whole adapter: sum of kept s^2 / sum of s^2
     error: float                        # sqrt(sum over modules of error^2)
     tensors: tuple[OutTensor, ...] = field(repr=False)
@@ -66,7 +67,7 @@ class ResizePlan:
         rank_values = sorted(set(self.ranks.values()))
         return {"adapter": self.adapter, "kind": self.kind, "out": self.out, "rank_rule": self.rank_rule,
                 "rank_in": self.rank_in, "rank": rank_values[0] if len(rank_values) == 1 else rank_values,
-                "modules": self.modules, "ranks": dict(self.ranks), "truncations": dict(self.truncations),
+                "modules": self.modules, "modules_to_save": list(self.modules_to_save), "ranks": dict(self.ranks), "truncations": dict(self.truncations),
                 "energy_kept": self.energy_kept, "error": self.error, "tensors": [t.to_json() for t in self.tensors],
                 "config": self.config, "out_file_bytes": self.out_file_bytes, "warnings": list(self.warnings)}
 
@@ -76,10 +77,10 @@ def plan_resize(src: DeltaSource, options: ResizeOptions) -> ResizePlan:
         raise UsageError("pass exactly one of --rank K or --energy E", hint="e.g. --rank 8 or --energy 0.99")
     inner = src.inputs[0]
     truncs = src.truncate_to(rank=options.rank, energy=options.energy)
-    tensors, cfg = peft_outputs(src, base_model_name_or_path=lora_base_name(inner), target_modules=shared_peft_targets([inner]))
+    tensors, cfg, full_warnings = peft_outputs(src, base_model_name_or_path=lora_base_name(inner), target_modules=shared_peft_targets([inner]))
     total = sum(t.energy_total for t in truncs.values())
     kept = sum(t.energy_kept for t in truncs.values())
-    warnings = list(inner.warnings)
+    warnings = list(inner.warnings) + list(full_warnings)
     grown = sorted(m for m, t in truncs.items() if options.rank is not None and t.rank < options.rank)
     if grown:
         warnings.append(f"{len(grown)} module(s) have rank below --rank {options.rank} (e.g. {grown[0]}: "
@@ -88,7 +89,7 @@ def plan_resize(src: DeltaSource, options: ResizeOptions) -> ResizePlan:
         adapter=str(inner.path), kind=inner.kind, out=str(options.out),
         rank_rule={"rank": int(options.rank)} if options.rank is not None else {"energy": float(options.energy)},
         rank_in=inner.describe()["rank"], modules=len(src.modules), ranks={m: t.rank for m, t in truncs.items()},
-        truncations={m: t.to_json() for m, t in truncs.items()}, energy_kept=kept / total if total > 0 else 1.0,
+        truncations={m: t.to_json() for m, t in truncs.items()}, modules_to_save=tuple(src.full_tensors), energy_kept=kept / total if total > 0 else 1.0,
         error=sum(t.error ** 2 for t in truncs.values()) ** 0.5, tensors=tensors, config=cfg,
         out_file_bytes=safetensors_file_bytes(list(tensors)), warnings=tuple(warnings))
 

@@ -24,14 +24,18 @@ import torch
 from ..core.delta_math import Truncation, stack_terms, truncate
 from ..core.errors import CkptError, FormatError
 from ..core.keys import PROGRESS_STEP_KEY
-from ..formats.peft.writer import OutTensor, peft_config, peft_key, target_modules_for
+from ..formats.peft.config import PEFT_PREFIX
+from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
+    target_modules_for
 from .base import TensorFacts
 from ..formats.hf_dir.hub import locate_model
 from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_outputs_dir
 from ..formats.primerl.run_dir import step_number
 from .lora import DcpLoraSource, LoraModule, LoraSource, PeftLoraSource
 
-__all__ = ["Term", "DeltaSource", "peft_outputs", "lora_step", "lora_base_name", "lora_base", "refuse_modules_to_save",
+FULL_SUFFIX = "#full"    # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
+
+__all__ = ["FULL_SUFFIX", "Term", "DeltaSource", "peft_outputs", "lora_step", "lora_base_name", "lora_base",
            "shared_peft_targets"]
 
 
@@ -45,13 +49,22 @@ class DeltaSource(LoraSource):
     kind = "delta"
 
     def __init__(self, inputs: list[LoraSource], terms: dict[str, tuple[Term, ...]], *, path: Path,
-                 describe_as: str = "delta"):
+                 describe_as: str = "delta", full_terms: dict[str, tuple[Term, ...]] | None = None):
         self.inputs = list(inputs)
         self.terms = {m: tuple(t) for m, t in sorted(terms.items())}
         self.path = Path(path)
         self.config_path = self.weights_path = self.path
         self.alpha, self.alpha_source = None, f"{describe_as}: the inputs' own scales folded into B (scale 1)"
-        self.full_tensors = {}
+        # modules_to_save (trained full tensors): sum_i coef_i * T_i, no LoRA scale; HF name -> our key
+        self.full_terms = {n: tuple(t) for n, t in sorted((full_terms or {}).items())}
+        self.full_tensors = {n: n + FULL_SUFFIX for n in self.full_terms}
+        self._full_facts: dict[str, tuple[int, ...]] = {}
+        for n, ts in self.full_terms.items():
+            shapes = {tuple(self.inputs[t.input].key_facts(self.inputs[t.input].full_tensors[n]).shape) for t in ts}
+            if len(shapes) != 1 or not ts:
+                raise FormatError(f"trained full tensor {n} has different shapes in the inputs ({sorted(shapes)})",
+                                  key=n, hint="average steps of one run")
+            self._full_facts[n] = shapes.pop()
         self.truncations: dict[str, Truncation] = {}
         self._ranks: dict[str, int] = {}
         self._local = threading.local()   # per thread (the merge pipeline reads on threads): its last module
@@ -106,16 +119,29 @@ class DeltaSource(LoraSource):
         self._local.pair = (module, a, b)
         return a, b
 
+    def full(self, name: str) -> torch.Tensor:
+        """A trained full tensor: the weighted sum of the inputs' (fp64, rounded once by the writer)."""
+        out = None
+        for t in self.full_terms[name]:
+            src = self.inputs[t.input]
+            x = src.read_key(src.full_tensors[name]).to(torch.float64) * float(t.coef)
+            out = x if out is None else out.add_(x)
+        return out
+
     # ------------------------------------------------------------------ the LoraSource contract
     def read_factor(self, module: str, ab: str) -> torch.Tensor:
         a, b = self.pair(module)
         return a if ab == "A" else b
 
     def read_key(self, key: str) -> torch.Tensor:
+        if key.endswith(FULL_SUFFIX):
+            return self.full(key[:-len(FULL_SUFFIX)]).to(torch.float32)
         module, ab = key.rsplit(".lora_", 1)
         return self.read_factor(module, ab)
 
     def key_facts(self, key: str) -> TensorFacts:
+        if key.endswith(FULL_SUFFIX):
+            return TensorFacts(key, "float32", self._full_facts[key[:-len(FULL_SUFFIX)]])
         module, ab = key.rsplit(".lora_", 1)
         m = self.modules[module]
         return TensorFacts(key, "float64", m.a_shape if ab == "A" else m.b_shape)
@@ -183,13 +209,6 @@ def lora_base_name(src: LoraSource) -> str | None:
     return lora_base(src)[0]
 
 
-def refuse_modules_to_save(src: LoraSource) -> None:
-    if src.full_tensors:
-        raise FormatError(f"the adapter has modules_to_save tensors ({', '.join(sorted(src.full_tensors)[:4])}): "
-                          "averaging full trained tensors is not supported yet", path=src.path,
-                          hint="average adapters without modules_to_save (the LoRA of a prime-rl run has none)")
-
-
 def shared_peft_targets(srcs: list[LoraSource]) -> list[str] | None:
     """The inputs' own PEFT target_modules when they all name the same list, else None (the suffixes)."""
     lists = []
@@ -202,20 +221,23 @@ def shared_peft_targets(srcs: list[LoraSource]) -> list[str] | None:
 
 
 def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, target_modules: list[str] | None = None
-                 ) -> tuple[tuple[OutTensor, ...], dict]:
-    """The tensors (fp32, sorted by key) and adapter_config.json of `src` as a PEFT adapter: each module
-    at its own rank with scale 1 (lora_alpha = r; modules at another rank than the most common one in
-    rank_pattern / alpha_pattern)."""
+                 ) -> tuple[tuple[OutTensor, ...], dict, tuple[str, ...]]:
+    """The tensors (fp32, sorted by key), adapter_config.json and warnings of `src` as a PEFT adapter: each
+    module at its own rank with scale 1 (lora_alpha = r; modules at another rank than the most common one
+    in rank_pattern / alpha_pattern); trained full tensors under their exact module names in
+    modules_to_save (as `ckpt extract-adapter` writes them)."""
     ranks = {m: spec.rank for m, spec in src.modules.items()}
     r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 1
     others = {m: k for m, k in sorted(ranks.items()) if k != r}
     targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
+    mts = exact_modules_to_save(sorted(src.full_tensors), None) if src.full_tensors else []
     cfg = peft_config(r=r, lora_alpha=float(r), target_modules=targets,
-                      base_model_name_or_path=base_model_name_or_path)
+                      base_model_name_or_path=base_model_name_or_path, modules_to_save=mts or None)
     cfg["fan_in_fan_out"] = any(spec.fan_in_fan_out for spec in src.modules.values())
     cfg["rank_pattern"] = dict(others)
     cfg["alpha_pattern"] = {m: float(k) for m, k in others.items()}
-    tensors = tuple(sorted((OutTensor(peft_key(m, ab), spec.a_shape if ab == "A" else spec.b_shape, "fp32",
-                                      f"{m}.lora_{ab}") for m, spec in src.modules.items() for ab in "AB"),
-                           key=lambda t: t.name))
-    return tensors, cfg
+    outs = [OutTensor(peft_key(m, ab), spec.a_shape if ab == "A" else spec.b_shape, "fp32", f"{m}.lora_{ab}")
+            for m, spec in src.modules.items() for ab in "AB"]
+    outs += [OutTensor(PEFT_PREFIX + n, src.key_facts(key).shape, "fp32", key) for n, key in src.full_tensors.items()]
+    warning = full_tensor_warning(mts)
+    return tuple(sorted(outs, key=lambda t: t.name)), cfg, (warning,) if warning else ()

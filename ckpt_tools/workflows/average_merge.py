@@ -35,7 +35,8 @@ class AverageMergeReport:
 
     @property
     def plan(self) -> dict:
-        return {"average": self.average.to_json(), "merge": self.merge.to_json(jobs=self.result is None)}
+        avg = dataclasses.replace(self.average, adapter_warnings=())   # no adapter is written
+        return {"average": avg.to_json(), "merge": self.merge.to_json(jobs=self.result is None)}
 
     @property
     def warnings(self) -> tuple[str, ...]:

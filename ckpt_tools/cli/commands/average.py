@@ -56,7 +56,8 @@ def command(paths, weights, ema, rank, energy, merge_base, dtype, allow, alpha, 
     Inputs: prime-rl DCP checkpoints (full or slim) and PEFT adapters. The weighted mean of the
     deltas, sum_i w_i * s_i * B_i @ A_i, is written exactly as one LoRA of rank sum(r_i) (A stacked,
     B concatenated with the weights and scales folded in, fp32, scale 1); --rank / --energy bring each
-    module down optimally (Eckart-Young, as `ckpt resize-adapter`). Inputs of different base models,
+    module down optimally (Eckart-Young, as `ckpt resize-adapter`). Trained full tensors
+    (modules_to_save) are averaged with the same weights. Inputs of different base models,
     targets or alphas are refused unless --allow-mismatch says so. docs/delta-space.md has the math.
 
     \b
@@ -126,6 +127,8 @@ def _render(r: dict) -> None:
         render_truncations(r["truncations"])
     for d in r["differences"]:
         click.echo(f"  allowed difference: {d}")
+    if r["modules_to_save"]:
+        click.echo(f"  trained full tensors averaged: {', '.join(r['modules_to_save'])}")
     size = r.get("written_file_bytes", r["out_file_bytes"])
     click.echo(f"  adapter_model.safetensors {human_bytes(size)} (fp32, scale 1)")
     for w in r["warnings"]:

@@ -34,7 +34,8 @@ def command(adapter: Path, out: Path, rank, energy, alpha, overwrite: bool, dry_
     delta s * B @ A is factored by QR of A^T and B and the SVD of the small r x r core, in fp64 (the
     d x d product is never formed); its leading K singular directions are the best rank-K delta
     (Eckart-Young), written in fp32 with scale 1. The report gives each module's kept energy and its
-    error ||delta - delta_K||_F, the norm of the discarded singular values.
+    error ||delta - delta_K||_F, the norm of the discarded singular values. Trained full tensors
+    (modules_to_save) are carried over unchanged.
 
     \b
     Example:
@@ -59,6 +60,8 @@ def _render(r: dict) -> None:
                f"({rule_text(r['rank_rule'])}){dry_run_label(dry)}")
     click.echo(f"  kept {100 * r['energy_kept']:.4f}% of the energy overall, error {r['error']:.4g} (Frobenius)")
     render_truncations(r["truncations"])
+    if r["modules_to_save"]:
+        click.echo(f"  trained full tensors carried over unchanged: {', '.join(r['modules_to_save'])}")
     size = r.get("written_file_bytes", r["out_file_bytes"])
     click.echo(f"  adapter_model.safetensors {human_bytes(size)} (fp32, scale 1)")
     for w in r["warnings"]:
