@@ -391,3 +391,19 @@ def test_the_clis_mismatch_choices_are_the_ops():
     from ckpt_tools.cli.commands.average import MISMATCH_CHOICES
     from ckpt_tools.ops.average import MISMATCH_KINDS
     assert MISMATCH_CHOICES == MISMATCH_KINDS
+
+
+def test_a_dry_run_writes_nothing_and_an_existing_out_needs_overwrite(dense, tmp_path):
+    _spec, run = dense
+    two = [run.checkpoints[2], run.checkpoints[3]]
+    for extra in ([], ["--merge", run.base_model], ["--rank", "2"]):
+        doc = ckpt("average", *two, tmp_path / "o", *extra, "--dry-run")
+        assert doc["dry_run"] and doc["plan"] and not (tmp_path / "o").exists(), extra
+    ckpt("average", *two, tmp_path / "o")
+    before = (tmp_path / "o" / "adapter_model.safetensors").read_bytes()
+    err = ckpt_fails("average", *two, tmp_path / "o", "--ema", "0.5")
+    assert err["type"] == "OutputExistsError"
+    ckpt("average", *two, tmp_path / "o", "--ema", "0.9", "--overwrite")
+    assert (tmp_path / "o" / "adapter_model.safetensors").read_bytes() != before
+    err = ckpt_fails("resize-adapter", tmp_path / "o", tmp_path / "o" / "inner", "--rank", "2")
+    assert not (tmp_path / "o" / "inner").exists() and err["message"]
