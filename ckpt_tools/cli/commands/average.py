@@ -28,7 +28,7 @@ def parse_weights(text: str | None) -> tuple[float, ...] | None:
 
 
 @click.command("average")
-@click.argument("paths", nargs=-1, required=True, metavar="CKPT_OR_ADAPTER... OUT")
+@click.argument("paths", nargs=-1, required=True, metavar="CKPT_OR_ADAPTER ... OUT")
 @click.option("--weights", metavar="W1,W2,...", help="One weight per input, in the order given (divided by their "
               "sum). Default: the plain mean.")
 @click.option("--ema", type=float, metavar="BETA", help="Exponential moving average in step order: ema_1 = x_1, "
