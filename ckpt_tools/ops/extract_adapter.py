@@ -9,7 +9,10 @@ tensor plus its cast copy (a Qwen3-32B r=32 `gate_proj` B is 25600x32 fp32 = 3.3
 whole adapter.
 
 Alpha is not in the checkpoint: it is resolved by `formats.primerl.alpha` (--alpha, --run-config, the
-run's orch.toml) and written as `lora_alpha` such that lora_alpha / r is the scale training used.
+run's orch.toml or trainer.json) and written as `lora_alpha` such that lora_alpha / r is the scale
+training used. The base comes from --base or the run's config (`formats.primerl.run_dir.run_base_of`).
+Base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`, found by their AdamW
+state) are written as PEFT `modules_to_save` tensors under their exact module names.
 The PEFT dir itself is written by `formats.peft.writer.write_adapter` (as `ckpt fix-adapter`'s is).
 """
 from __future__ import annotations
@@ -129,7 +132,7 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     # modules_to_save: the base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`),
     # found from its state by the source, written under their exact module names
     full = dict(src.full_tensors)
-    mts = exact_modules_to_save(sorted(full), base_shapes) if full else []
+    mts = exact_modules_to_save(sorted(full), base_shapes, path=base_dir) if full else []
     fw = full_tensor_warning(mts)
     if fw:
         warnings.append(fw)

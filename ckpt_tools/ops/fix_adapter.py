@@ -40,6 +40,7 @@ from ..formats.peft.config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETEN
 from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
     safetensors_file_bytes, target_modules_for, write_adapter
 from ..formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
+from ..formats.primerl.run_dir import artifact_launch_dir
 from ..io.inputs import check_input, register
 from ..sources.files import TensorFileSource
 from ..sources.lora import DcpLoraSource
@@ -106,7 +107,11 @@ class FixPlan:
 
 
 def _run_root_above(src: Path) -> Path | None:
-    """The run's launch dir: the parent of the `outputs` dir SRC lies in."""
+    """The run's launch dir: from its config (`run_dir.artifact_launch_dir`, the one rule), else the parent of
+    the `outputs` dir SRC lies in (an export whose run wrote no config)."""
+    found = artifact_launch_dir(src)
+    if found is not None:
+        return found
     for p in Path(src).resolve().parents:
         if p.name == "outputs":
             return p.parent
@@ -384,7 +389,7 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
             kept_full.append(name)
             warnings.append(f"kept modules_to_save tensor {name}: it differs from the base. vLLM rejects adapters "
                             "with embed_tokens/lm_head modules_to_save; PEFT loads it")
-    mts = exact_modules_to_save(kept_full + sorted(filled), base_shapes)
+    mts = exact_modules_to_save(kept_full + sorted(filled), base_shapes, path=base_dir)
     fw = full_tensor_warning(mts) if filled else None
     if fw:
         warnings.append(fw)

@@ -42,7 +42,7 @@ def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, ove
     \b
     Example:
       ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
-      ckpt fix-adapter outputs/broadcasts/step_95 adapter-step95 --checkpoint outputs/checkpoints/step_95/trainer
+      ckpt fix-adapter outputs/broadcasts/step_9 ad9 --checkpoint outputs/checkpoints/step_9
     """
     check_roles("fix-adapter", {"SRC": src, "OUT": out, "--base": base, "--checkpoint": checkpoint})
     with op_imports():

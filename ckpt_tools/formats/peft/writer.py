@@ -122,7 +122,8 @@ def target_modules_for(modules: list[str], base_shapes: dict[str, tuple[int, ...
 VLLM_REFUSED_FULL = ("embed_tokens", "lm_head", "wte")
 
 
-def exact_modules_to_save(names: Sequence[str], base_names: Collection[str] | None) -> list[str]:
+def exact_modules_to_save(names: Sequence[str], base_names: Collection[str] | None, *,
+                          path: Path | None = None) -> list[str]:
     """PEFT `modules_to_save` entries that select exactly the modules of `names` (HF tensor names, e.g.
     `lm_head.weight`, `model.norm.weight`): each tensor's full module name.
 
@@ -137,7 +138,7 @@ def exact_modules_to_save(names: Sequence[str], base_names: Collection[str] | No
             others = sorted(o for o in all_modules if o != m and o.endswith(m))
             if others:
                 raise FormatError(f"modules_to_save entry {m!r} cannot select only {m}: PEFT matches entries as name "
-                                  f"suffixes and {others[0]} also ends with it", key=m,
+                                  f"suffixes and {others[0]} also ends with it", path=path, key=m,
                                   hint="merge the checkpoint instead (`ckpt merge` / `ckpt export`)")
     return mods
 

@@ -24,7 +24,7 @@ from .alpha import find_run_configs, orch_model_name
 from .config import GEN_HEAD, RunConfig, config_files, load_run_config
 from .files import config_run_dir
 
-__all__ = ["step_number", "step_dirs", "checkpoints_dir_of", "launch_dir", "launch_dir_of", "run_base_of",
+__all__ = ["step_number", "step_dirs", "checkpoints_dir_of", "launch_dir", "launch_dir_of", "artifact_launch_dir", "run_base_of",
     "outputs_dir", "model_name",
     "BaseModel", "resolve_base", "adapter_config_files", "read_adapter_config", "absent_modules_to_save",
     "weights_exports",
@@ -78,19 +78,37 @@ def launch_dir_of(config: Path, output_dir: object = None) -> Path:
     """THE run-dir rule (every command's): where a run config found in a run dir says prime-rl was
     launched from, i.e. where its relative `model.name` and `output_dir` point.
 
-    - HEAD `<run>/configs[/resolved | /latest/resolved]/trainer.json`: `<run>`, or the dir above it when
-      the trainer's relative `output_dir` lies there (`rl` runs write `<output_dir>/<run.name>/configs`);
+    - HEAD `<run>/configs[/resolved | /latest/resolved]/trainer.json`: `<run>`, or the nearest dir above it
+      that holds the trainer's relative `output_dir` (`rl` runs write `outputs/<run.name>/configs` with the
+      trainer's `output_dir` = `outputs/<run.name>`);
     - 16e747c `<launch>/<orchestrator.output_dir>/configs/orch.toml` (default `outputs/run_default`)."""
     run = config_run_dir(config)
     if Path(config).suffix == ".json":
-        for cand in (run, run.parent):
-            if output_dir and (cand / str(output_dir)).is_dir():
+        depth = len(Path(str(output_dir)).parts) if output_dir else 0
+        for cand in [run, *list(run.parents)[:depth + 1]]:
+            if output_dir and not Path(str(output_dir)).is_absolute() and (cand / str(output_dir)).is_dir():
                 return cand
         return run
     out = Path(str(output_dir or "outputs/run_default"))
     if not out.is_absolute() and run.parts[-len(out.parts):] == out.parts:
         return Path(*run.parts[:-len(out.parts)])
     return run.parent.parent
+
+
+def artifact_launch_dir(artifact: str | Path) -> Path | None:
+    """The launch dir of the run that wrote `artifact`, from the one run config prime-rl wrote for it
+    (`alpha.find_run_configs`) and `launch_dir_of`; None without exactly one such config."""
+    configs = find_run_configs(Path(artifact))
+    if len(configs) != 1:
+        return None
+    cfg_path = configs[0]
+    try:
+        cfg = load_run_config(config_files([cfg_path]))
+        key = "trainer.output_dir" if cfg_path.suffix == ".json" else "orchestrator.output_dir"
+        out = cfg.value(key) if key.split(".")[0] in cfg.sections else None
+    except CkptError:
+        out = None
+    return launch_dir_of(cfg_path, out)
 
 
 def run_base_of(artifact: str | Path) -> BaseModel | None:
@@ -105,13 +123,7 @@ def run_base_of(artifact: str | Path) -> BaseModel | None:
     name = orch_model_name(cfg_path)
     if name is None:
         return None
-    try:
-        cfg = load_run_config(config_files([cfg_path]))
-        key = "trainer.output_dir" if cfg_path.suffix == ".json" else "orchestrator.output_dir"
-        out = cfg.value(key) if key.split(".")[0] in cfg.sections else None
-    except CkptError:
-        out = None
-    launch = launch_dir_of(cfg_path, out)
+    launch = artifact_launch_dir(artifact)
     found, why = locate_model(name, run_root=launch)
     how = f"the run config {cfg_path}'s model.name {name!r}" + (f" (relative to {launch})" if found is not None
                                                                  and found == launch / name else "")
