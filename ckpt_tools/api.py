@@ -23,6 +23,7 @@ from .formats.peft.adapter import PeftAdapter, open_peft_adapter
 from .formats.sniff import DCP, HF, PEFT, sniff
 from .ops.adapter_to_dcp import ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, \
     run_adapter_to_dcp
+from .ops.average import AverageOptions, AverageReport, open_average_sources, plan_average, run_average
 from .ops.diff import DiffReport
 from .ops.diff import diff_vs_base as _diff_vs_base
 from .ops.doctor import DoctorReport
@@ -35,6 +36,7 @@ from .ops.merge import ExportOptions, MergeOptions, MergeReport, check_output, o
     plan_export, plan_merge, run_export, run_merge
 from .ops.rehydrate import RehydrateReport
 from .ops.rehydrate import rehydrate as _rehydrate
+from .ops.resize_adapter import ResizeOptions, ResizeReport, open_resize_sources, plan_resize, run_resize
 from .ops.set_lr import PatchReport
 from .ops.set_lr import set_lr as _set_lr
 from .ops.set_lr import set_values as _set_values
@@ -42,12 +44,14 @@ from .ops.slim import SlimReport
 from .ops.slim import slim as _slim
 from .ops.verify import VerifyReport, verify_path
 from .sources.lora import DcpLoraSource
+from .workflows.average_merge import AverageMergeReport, average_merge
 from .workflows.restart_prep import restart_prep as _restart_prep
 
 __all__ = ["open", "inspect", "extract_adapter", "merge", "export", "diff_vs_base", "verify", "slim", "rehydrate",
-           "set_lr", "set_values", "adapter_to_dcp", "fix_adapter", "restart_prep", "gc", "doctor",
-           "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
-           "RehydrateReport", "PatchReport", "ToDcpReport", "FixReport", "DoctorReport", "SchedulerSpec"]
+           "set_lr", "set_values", "adapter_to_dcp", "fix_adapter", "restart_prep", "gc", "doctor", "average",
+           "resize_adapter", "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
+           "RehydrateReport", "PatchReport", "ToDcpReport", "FixReport", "DoctorReport", "SchedulerSpec", "AverageReport",
+           "AverageMergeReport", "ResizeReport"]
 
 
 def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:  # noqa: A001
@@ -216,3 +220,35 @@ def doctor(target: str | Path | None = None, **options) -> DoctorReport:
     order) and `sections`. `options`: files, sections, outputs, base, decode_rate, compare_weights,
     trust_pickle."""
     return _doctor(target, **options)
+
+
+def average(inputs: list[str | Path], out: str | Path, *, weights: list[float] | None = None, ema: float | None = None,
+            rank: int | None = None, energy: float | None = None, merge: str | Path | None = None,
+            dtype: str | None = None, allow_mismatch: tuple[str, ...] = (), alpha: float | None = None,
+            dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
+            progress: Progress | None = None) -> AverageReport | AverageMergeReport:
+    """The weighted mean of LoRA steps (DCP checkpoints, PEFT adapters) in delta space, as a PEFT adapter
+    at `out` (`ckpt average`), exact at rank sum(r_i) or brought down by `rank` / `energy`; with `merge`
+    (an HF base), the merged model instead (`.result` None in a dry run). docs/delta-space.md."""
+    options = AverageOptions(out=str(out), weights=None if weights is None else tuple(float(w) for w in weights),
+                             ema=ema, rank=rank, energy=energy, allow=frozenset(allow_mismatch), alpha=alpha,
+                             trust_pickle=trust_pickle)
+    if merge is not None:
+        return average_merge(list(inputs), merge, out, options=options,
+                             merge_options=MergeOptions(dtype=dtype, trust_pickle=trust_pickle), dry_run=dry_run,
+                             overwrite=overwrite, progress=progress)
+    with open_average_sources(list(inputs), options) as sources:
+        plan = plan_average(sources, options)
+        return AverageReport(plan) if dry_run else run_average(plan, sources, progress, overwrite=overwrite)
+
+
+def resize_adapter(adapter: str | Path, out: str | Path, *, rank: int | None = None, energy: float | None = None,
+                   alpha: float | None = None, dry_run: bool = False, overwrite: bool = False,
+                   trust_pickle: bool = False, progress: Progress | None = None) -> ResizeReport:
+    """Each module of `adapter` (PEFT dir or DCP checkpoint) at its best rank `rank` (or the smallest rank
+    keeping `energy` of its squared norm), written as a PEFT adapter at `out` (`ckpt resize-adapter`);
+    `.plan.truncations` has each module's kept energy and error."""
+    options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle)
+    with open_resize_sources(adapter, options) as src:
+        plan = plan_resize(src, options)
+        return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)

@@ -18,6 +18,7 @@ BROADCAST = FIXTURE / "outputs" / "run_default" / "broadcasts" / "step_3"
 EXPORT = FIXTURE / "outputs" / "weights" / "step_3"
 MERGED = FIXTURE / "expected_merged_hf"
 E = HEAD_FIXTURES / "E_head_dense"
+E_CKPT = E / "outputs" / "checkpoints"
 G_TRAINER = HEAD_FIXTURES / "G_head_fullft" / "outputs" / "checkpoints" / "step_3" / "trainer"
 OLD = 1_600_000_000.0
 
@@ -81,6 +82,13 @@ CASES: list[Case] = [
            lambda t: [ADAPTER, t / "resume", "--base", t / "nothing-here", "--lr", "1e-3"], 2),
     *_pair("fix-adapter", lambda t: [BROADCAST, t / "fixed"], lambda t: [BASE, t / "fixed"], 1),
     *_pair("merge", lambda t: [BASE, TRAINER, t / "merged"], lambda t: [BASE, BASE, t / "merged"], 2),
+    *_pair("average", lambda t: [E_CKPT / "step_2" / "trainer", E_CKPT / "step_3" / "trainer", t / "avg", "--ema", "0.5"],
+           lambda t: [E_CKPT / "step_3" / "trainer", t / "avg"], 2),
+    Case("average", "success", lambda t: [E_CKPT / "step_2" / "trainer", E_CKPT / "step_3" / "trainer", t / "avg-merged",
+                                          "--merge", E / "base_model", "--rank", "4"], name="merge"),
+    Case("average", "dry_run", lambda t: [E_CKPT / "step_2" / "trainer", E_CKPT / "step_3" / "trainer", t / "avg-merged",
+                                          "--merge", E / "base_model", "--dry-run"], name="merge"),
+    *_pair("resize-adapter", lambda t: [ADAPTER, t / "r4", "--rank", "4"], lambda t: [ADAPTER, t / "r4"], 2),
     *_pair("export", lambda t: [G_TRAINER, t / "exported"], lambda t: [t / "missing", t / "exported"], 2),
     Case("diff-vs-base", "success", lambda t: [MERGED, BASE]),
     Case("diff-vs-base", "success", lambda t: [EXPORT, BASE], 3, name="identical"),

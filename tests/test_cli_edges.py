@@ -68,12 +68,15 @@ WRITERS = {   # command -> argv with OUT in it (one that writes to a fresh OUT)
     "set-lr": lambda out: ["set-lr", TRAINER, out, "--scale", "0.5"],
     "set": lambda out: ["set", TRAINER, out, "progress.step=5"],
     "restart-prep": lambda out: ["restart-prep", TRAINER, out, "--base", BASE, "--lr", "5e-3"],
+    "average": lambda out: ["average", TRAINER, ADAPTER, out],
+    "average --merge": lambda out: ["average", TRAINER, ADAPTER, out, "--merge", BASE],
+    "resize-adapter": lambda out: ["resize-adapter", ADAPTER, out, "--rank", "4"],
 }
 
 
 def test_every_writing_command_takes_overwrite_and_its_refusal_names_it(tmp_path):
     for name in [*WRITERS, "rehydrate"]:
-        assert "--overwrite" in run(name, "--help").output, name
+        assert "--overwrite" in run(name.split()[0], "--help").output, name
     for name, argv in WRITERS.items():
         out = tmp_path / name
         out.mkdir()
@@ -137,6 +140,9 @@ PATH_ARGS = {   # command -> argv with a missing path M in the position named
     "restart-prep": lambda m, t: ["restart-prep", m, t / "o", "--base", BASE, "--lr", "1"],
     "gc": lambda m, t: ["gc", m, "--keep-full", "1"],
     "doctor": lambda m, t: ["doctor", m],
+    "average": lambda m, t: ["average", TRAINER, m, t / "o"],
+    "average (--merge)": lambda m, t: ["average", TRAINER, ADAPTER, t / "o", "--merge", m],
+    "resize-adapter": lambda m, t: ["resize-adapter", m, t / "o", "--rank", "2"],
 }
 
 
@@ -258,6 +264,11 @@ LEGIT = {   # ROLES key -> argument sets each command accepts (their ops run the
     "adapter-to-dcp": [{"ADAPTER": ADAPTER, "OUT": TRAINER, "--base": BASE, "--optimizer-from": TRAINER},
                        {"ADAPTER": BROADCAST, "OUT": "SLIM", "--base": MERGED, "--optimizer-from": "SLIM"}],
     "fix-adapter": [{"SRC": BROADCAST, "OUT": ADAPTER, "--base": BASE}],
+    "average": [{"CKPT_OR_ADAPTER": TRAINER, "OUT": ADAPTER}, {"CKPT_OR_ADAPTER": ADAPTER, "OUT": None},
+                {"CKPT_OR_ADAPTER": "SLIM", "OUT": None}],
+    "average --merge": [{"CKPT_OR_ADAPTER": TRAINER, "OUT": MERGED, "--merge": BASE},
+                        {"CKPT_OR_ADAPTER": ADAPTER, "OUT": None, "--merge": BASE}],
+    "resize-adapter": [{"ADAPTER": ADAPTER, "OUT": ADAPTER}, {"ADAPTER": TRAINER, "OUT": None}],
     "verify --base": [{"PATH": ADAPTER, "--base": BASE}, {"PATH": ADAPTER, "--base": TRAINER}],
     "restart-prep": [{"RUN_OR_CKPT": TRAINER, "--base": BASE}, {"RUN_OR_CKPT": CHECKPOINTS, "--base": BASE},
                      {"RUN_OR_CKPT": FIXTURE / "outputs", "--base": BASE}, {"RUN_OR_CKPT": FIXTURE, "--base": BASE}],

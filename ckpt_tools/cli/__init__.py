@@ -37,6 +37,8 @@ COMMANDS = {
     "extract-adapter": ("extract_adapter", "Export a prime-rl DCP checkpoint's LoRA as a PEFT adapter dir."),
     "adapter-to-dcp": ("adapter_to_dcp", "Build a prime-rl trainer checkpoint from a PEFT adapter and the HF base."),
     "fix-adapter": ("fix_adapter", "Repair a prime-rl adapter export into a PEFT adapter that really applies."),
+    "average": ("average", "Average LoRA steps of one run in delta space; write a PEFT adapter (or, with --merge, the merged model)."),
+    "resize-adapter": ("resize_adapter", "Bring each LoRA module of an adapter to its best lower rank; write a PEFT adapter."),
     "merge": ("merge", "Merge a LoRA into base weights; write an HF model directory (sharded safetensors)."),
     "export": ("export", "Export a prime-rl DCP checkpoint as an HF model directory: the trained weights of a full fine-tune, or the merged model of a LoRA run (= merge --base-from-checkpoint)."),
     "diff-vs-base": ("diff_vs_base", "Tell whether WEIGHTS differ from BASE, tensor by tensor."),

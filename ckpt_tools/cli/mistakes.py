@@ -55,6 +55,11 @@ ROLES: dict[str, Roles] = {
     "adapter-to-dcp": Roles("adapter-to-dcp ADAPTER OUT", {
         "ADAPTER": (PEFT,), "OUT": (DCP,), "--base": (HF,), "--optimizer-from": (DCP,)}),
     "fix-adapter": Roles("fix-adapter SRC OUT", {"SRC": (PEFT,), "OUT": (PEFT,), "--base": (HF,), "--checkpoint": (DCP,)}),
+    # the last input against OUT and --merge (a forgotten OUT makes the last input OUT)
+    "average": Roles("average CKPT_OR_ADAPTER... OUT", {"CKPT_OR_ADAPTER": (DCP, PEFT), "OUT": (PEFT,)}),
+    "average --merge": Roles("average CKPT_OR_ADAPTER... OUT --merge BASE", {
+        "CKPT_OR_ADAPTER": (DCP, PEFT), "OUT": (HF,), "--merge": (HF,)}),
+    "resize-adapter": Roles("resize-adapter ADAPTER OUT", {"ADAPTER": (PEFT, DCP), "OUT": (PEFT,)}),
     "verify --base": Roles("verify PATH --base BASE", {"PATH": (PEFT,), "--base": (HF, DCP)}),
     # OUT is a model dir in merge mode, a checkpoint in adapter mode: not in the table
     "restart-prep": Roles("restart-prep RUN_OR_CKPT OUT", {"RUN_OR_CKPT": (DCP, CHECKPOINTS), "--base": (HF,)}),

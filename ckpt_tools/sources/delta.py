@@ -1,0 +1,243 @@
+"""A LoRA computed in delta space: a weighted sum of other LoRAs' modules, optionally brought down to a
+lower rank per module, served as a `LoraSource` so that every consumer (the PEFT writer, the merge
+pipeline) reads it like a stored adapter.
+
+`DeltaSource(inputs, terms)`: for each module, the terms (input index, coefficient); its delta is
+sum_i coef_i * s_i * B_i @ A_i, with s_i the input's own LoRA scale, which is exactly the LoRA
+(A stacked, B concatenated with coef_i * s_i folded in: `core.delta_math.stack_terms`) of rank
+sum(r_i) and scale 1. `truncate_to(rank=K | energy=E)` decides per module the Eckart-Young rank
+(`core.delta_math.truncate`: QR of A^T and B, SVD of the r x r core; this reads the factors, never a
+base weight) and from then on serves the rank-k factors. One module's factors are held at a time
+(A and B of a module are read one after the other by every consumer), per reading thread.
+
+`peft_outputs(src, ...)` is what `ckpt average` and `ckpt resize-adapter` hand the one PEFT writer.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..core.delta_math import Truncation, stack_terms, truncate
+from ..core.errors import CkptError, FormatError
+from ..core.keys import PROGRESS_STEP_KEY
+from ..formats.peft.config import PEFT_PREFIX
+from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
+    target_modules_for
+from .base import TensorFacts
+from ..formats.hf_dir.hub import locate_model
+from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_outputs_dir
+from ..formats.primerl.run_dir import step_number
+from .lora import DcpLoraSource, LoraModule, LoraSource, PeftLoraSource
+
+FULL_SUFFIX = "#full"    # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
+
+__all__ = ["FULL_SUFFIX", "Term", "DeltaSource", "peft_outputs", "lora_step", "lora_base_name", "lora_base",
+           "shared_peft_targets"]
+
+
+@dataclass(frozen=True)
+class Term:
+    input: int          # index into DeltaSource.inputs
+    coef: float         # the weight of this input's delta (its own LoRA scale is applied on top)
+
+
+class DeltaSource(LoraSource):
+    kind = "delta"
+
+    def __init__(self, inputs: list[LoraSource], terms: dict[str, tuple[Term, ...]], *, path: Path,
+                 describe_as: str = "delta", full_terms: dict[str, tuple[Term, ...]] | None = None):
+        self.inputs = list(inputs)
+        self.terms = {m: tuple(t) for m, t in sorted(terms.items())}
+        self.path = Path(path)
+        self.config_path = self.weights_path = self.path
+        self.alpha, self.alpha_source = None, f"{describe_as}: the inputs' own scales folded into B (scale 1)"
+        # modules_to_save (trained full tensors): sum_i coef_i * T_i, no LoRA scale; HF name -> our key
+        self.full_terms = {n: tuple(t) for n, t in sorted((full_terms or {}).items())}
+        self.full_tensors = {n: n + FULL_SUFFIX for n in self.full_terms}
+        self._full_facts: dict[str, tuple[int, ...]] = {}
+        for n, ts in self.full_terms.items():
+            shapes = {tuple(self.inputs[t.input].key_facts(self.inputs[t.input].full_tensors[n]).shape) for t in ts}
+            if len(shapes) != 1 or not ts:
+                raise FormatError(f"trained full tensor {n} has different shapes in the inputs ({sorted(shapes)})",
+                                  key=n, hint="average steps of one run")
+            self._full_facts[n] = shapes.pop()
+        self.truncations: dict[str, Truncation] = {}
+        self._ranks: dict[str, int] = {}
+        self._local = threading.local()   # per thread (the merge pipeline reads on threads): its last module
+        self.modules = {}
+        for m, ts in self.terms.items():
+            if not ts:
+                raise ValueError(f"module {m} has no terms")
+            mods = [self.inputs[t.input].modules[m] for t in ts]
+            ins, outs = {x.a_shape[1] for x in mods}, {x.b_shape[0] for x in mods}
+            fan = {x.fan_in_fan_out for x in mods}
+            if len(ins) != 1 or len(outs) != 1 or len(fan) != 1:
+                raise FormatError(f"module {m} has different shapes in the inputs (in {sorted(ins)}, out "
+                                  f"{sorted(outs)}, fan_in_fan_out {sorted(fan)}): they are not LoRAs of one model",
+                                  key=m)
+            r = sum(x.rank for x in mods)
+            self.modules[m] = LoraModule(m, r, 1.0, f"{m}.lora_A", f"{m}.lora_B", (r, ins.pop()), (outs.pop(), r),
+                                         fan.pop(), "float64")
+
+    # ------------------------------------------------------------------ the factors
+    def stacked(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact weighted sum as one LoRA (fp64 A_cat, B_cat with scale 1)."""
+        parts = []
+        for t in self.terms[module]:
+            src = self.inputs[t.input]
+            a, b = src.read_factor(module, "A"), src.read_factor(module, "B")
+            parts.append((a, b, t.coef * src.modules[module].scale))
+        return stack_terms(parts)
+
+    def truncate_to(self, *, rank: int | None = None, energy: float | None = None) -> dict[str, Truncation]:
+        """Decide each module's rank (reads every module's factors once) and serve rank-k factors from
+        now on. Returns the facts per module."""
+        for m in self.modules:
+            a, b = self.stacked(m)
+            _a, _b, facts = truncate(a, b, rank=rank, energy=energy)
+            self.truncations[m] = facts
+            self._ranks[m] = facts.rank
+            k = facts.rank
+            old = self.modules[m]
+            self.modules[m] = replace(old, rank=k, a_shape=(k, old.a_shape[1]), b_shape=(old.b_shape[0], k))
+        self._local = threading.local()
+        return dict(self.truncations)
+
+    def pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp64 (A, B) served for `module` (rank-k when truncated); the last module's pair is kept."""
+        cached = getattr(self._local, "pair", None)
+        if cached is not None and cached[0] == module:
+            return cached[1], cached[2]
+        self._local.pair = None
+        a, b = self.stacked(module)
+        if module in self._ranks:
+            a, b, _ = truncate(a, b, rank=self._ranks[module])
+        self._local.pair = (module, a, b)
+        return a, b
+
+    def full(self, name: str) -> torch.Tensor:
+        """A trained full tensor: the weighted sum of the inputs' (fp64, rounded once by the writer)."""
+        out = None
+        for t in self.full_terms[name]:
+            src = self.inputs[t.input]
+            x = src.read_key(src.full_tensors[name]).to(torch.float64) * float(t.coef)
+            out = x if out is None else out.add_(x)
+        return out
+
+    # ------------------------------------------------------------------ the LoraSource contract
+    def read_factor(self, module: str, ab: str) -> torch.Tensor:
+        a, b = self.pair(module)
+        return a if ab == "A" else b
+
+    def read_key(self, key: str) -> torch.Tensor:
+        if key.endswith(FULL_SUFFIX):
+            return self.full(key[:-len(FULL_SUFFIX)]).to(torch.float32)
+        module, ab = key.rsplit(".lora_", 1)
+        return self.read_factor(module, ab)
+
+    def key_facts(self, key: str) -> TensorFacts:
+        if key.endswith(FULL_SUFFIX):
+            return TensorFacts(key, "float32", self._full_facts[key[:-len(FULL_SUFFIX)]])
+        module, ab = key.rsplit(".lora_", 1)
+        m = self.modules[module]
+        return TensorFacts(key, "float64", m.a_shape if ab == "A" else m.b_shape)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["inputs"] = [str(s.path) for s in self.inputs]
+        return d
+
+    def close(self) -> None:
+        for s in self.inputs:
+            s.close()
+
+
+def lora_step(src: LoraSource) -> int | None:
+    """The training step of an input: step_N in its path (the dir or its parent), else a checkpoint's
+    progress.step; None when neither says."""
+    p = Path(src.path)
+    for c in (p, p.parent):
+        n = step_number(c)
+        if n is not None:
+            return n
+    if isinstance(src, DcpLoraSource) and PROGRESS_STEP_KEY in src.ckpt.entries:
+        try:
+            v = src.ckpt.read_object(PROGRESS_STEP_KEY)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+        except CkptError:
+            return None
+    return None
+
+
+def _config_run_root(cfg: Path) -> Path | None:
+    """The launch dir a run config's relative model name is relative to: HEAD `<run>/configs/trainer.json`,
+    16e747c `<root>/outputs/run_*/configs/orch.toml`."""
+    p = Path(cfg).resolve()
+    if p.suffix == ".json":
+        return p.parent.parent
+    return p.parents[3] if len(p.parents) > 3 else None
+
+
+def lora_base(src: LoraSource) -> tuple[str | None, Path | None]:
+    """The base model an input names (a PEFT adapter's base_model_name_or_path, a checkpoint's run config
+    model name) and the local dir it resolves to (a relative name against the run's launch dir, as
+    prime-rl resolved it; None when not found here)."""
+    name, root = None, None
+    if isinstance(src, PeftLoraSource):
+        name = src.adapter.config.base_model_name_or_path
+        outputs = run_outputs_dir(src.path)
+        root = outputs.parent if outputs is not None else None
+    elif isinstance(src, DcpLoraSource):
+        cfg = src.resolution.config_path
+        if cfg is None:
+            found = find_run_configs(src.path)
+            cfg = found[0] if len(found) == 1 else None
+        name = orch_model_name(cfg)
+        root = _config_run_root(cfg) if cfg is not None else None
+    if not name:
+        return None, None
+    found, _why = locate_model(name, run_root=root)
+    return name, found.resolve() if found is not None else None
+
+
+def lora_base_name(src: LoraSource) -> str | None:
+    """The base model name an input names (None when it names none)."""
+    return lora_base(src)[0]
+
+
+def shared_peft_targets(srcs: list[LoraSource]) -> list[str] | None:
+    """The inputs' own PEFT target_modules when they all name the same list, else None (the suffixes)."""
+    lists = []
+    for s in srcs:
+        if not isinstance(s, PeftLoraSource):
+            return None
+        t = s.adapter.config.target_modules
+        lists.append(sorted(t) if isinstance(t, (list, tuple, set)) else t)
+    return lists[0] if all(x == lists[0] for x in lists) and isinstance(lists[0], list) else None
+
+
+def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, target_modules: list[str] | None = None
+                 ) -> tuple[tuple[OutTensor, ...], dict, tuple[str, ...]]:
+    """The tensors (fp32, sorted by key), adapter_config.json and warnings of `src` as a PEFT adapter: each
+    module at its own rank with scale 1 (lora_alpha = r; modules at another rank than the most common one
+    in rank_pattern / alpha_pattern); trained full tensors under their exact module names in
+    modules_to_save (as `ckpt extract-adapter` writes them)."""
+    ranks = {m: spec.rank for m, spec in src.modules.items()}
+    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 1
+    others = {m: k for m, k in sorted(ranks.items()) if k != r}
+    targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
+    mts = exact_modules_to_save(sorted(src.full_tensors), None) if src.full_tensors else []
+    cfg = peft_config(r=r, lora_alpha=float(r), target_modules=targets,
+                      base_model_name_or_path=base_model_name_or_path, modules_to_save=mts or None)
+    cfg["fan_in_fan_out"] = any(spec.fan_in_fan_out for spec in src.modules.values())
+    cfg["rank_pattern"] = dict(others)
+    cfg["alpha_pattern"] = {m: float(k) for m, k in others.items()}
+    outs = [OutTensor(peft_key(m, ab), spec.a_shape if ab == "A" else spec.b_shape, "fp32", f"{m}.lora_{ab}")
+            for m, spec in src.modules.items() for ab in "AB"]
+    outs += [OutTensor(PEFT_PREFIX + n, src.key_facts(key).shape, "fp32", key) for n, key in src.full_tensors.items()]
+    warning = full_tensor_warning(mts)
+    return tuple(sorted(outs, key=lambda t: t.name)), cfg, (warning,) if warning else ()
