@@ -240,3 +240,22 @@ def test_inspect_says_the_layout_and_who_loads_it(adapters, tmp_path):
     assert run("extract-adapter", trainer(E), d, "--base", E / "base_model").exit_code == 0
     r = run("inspect", d, "--json")
     assert json.loads(r.stdout)["result"]["layout"] == "dense"
+
+
+# ------------------------------------------------------------------------------------------ fix-adapter
+def test_fix_adapter_of_prime_rls_moe_broadcast_writes_the_peft_layout_byte_for_byte(adapters, tmp_path):
+    out = tmp_path / "fixed"
+    r = run("fix-adapter", F / "outputs" / "broadcasts" / "step_3", out, "--base", F / "base_model")
+    assert r.exit_code == 0, r.output
+    assert "peft layout" in r.output
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (out / f).read_bytes() == (adapters["peft"] / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("layout", ["vllm", "prime-rl", "peft"])
+def test_fix_adapter_reads_the_peft_layout_and_writes_any_layout_exactly(adapters, tmp_path, layout):
+    out = tmp_path / "fixed"
+    r = run("fix-adapter", adapters["peft"], out, "--base", F / "base_model", "--alpha", "32", "--layout", layout)
+    assert r.exit_code == 0, r.output
+    want = adapters["peft" if layout == "peft" else "prime-rl"] / "adapter_model.safetensors"
+    assert (out / "adapter_model.safetensors").read_bytes() == want.read_bytes()

@@ -22,10 +22,14 @@ __all__ = ["command"]
                    "base_model_name_or_path, looked up next to the run).")
 @click.option("--slot", type=int, default=None, help="Adapter slot to keep from a multi-slot export (default 0).")
 @alpha_options
+@click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", show_default=True,
+              help="How MoE expert LoRA is written (as extract-adapter --layout; any layout is read). A dense "
+                   "adapter is the same file in every layout.")
 @overwrite_option
 @dry_run_option
 @json_option
-def command(src: Path, out: Path, base, slot, alpha, run_config, overwrite: bool, dry_run: bool, as_json: bool) -> None:
+def command(src: Path, out: Path, base, slot, alpha, run_config, layout: str, overwrite: bool, dry_run: bool,
+            as_json: bool) -> None:
     """Repair a prime-rl adapter export into a PEFT adapter that really applies.
 
     SRC is a broadcast dir (outputs/<run>/broadcasts/step_N: keys lack `base_model.model.`) or a
@@ -41,7 +45,7 @@ def command(src: Path, out: Path, base, slot, alpha, run_config, overwrite: bool
     check_roles("fix-adapter", {"SRC": src, "OUT": out, "--base": base})
     with op_imports():
         from ...ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
-    options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config))
+    options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config), layout)
     report = plan_and_run(lambda: open_fix_source(src), lambda weights: plan_fix(weights, src, options),
                           lambda plan, weights, progress: run_fix(plan, weights, progress, overwrite=overwrite),
                           FixReport, dry_run=dry_run)
