@@ -22,9 +22,9 @@ __all__ = ["command"]
                    "base_model_name_or_path, looked up next to the run).")
 @click.option("--slot", type=int, default=None, help="Adapter slot to keep from a multi-slot export (default 0).")
 @alpha_options
-@click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", show_default=True,
-              help="How MoE expert LoRA is written (as extract-adapter --layout; any layout is read). A dense "
-                   "adapter is the same file in every layout.")
+@click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", metavar="LAYOUT",
+              help="peft (default), vllm or prime-rl: how MoE expert LoRA is written (as extract-adapter "
+                   "--layout; any layout is read). A dense adapter is the same file in every layout.")
 @overwrite_option
 @dry_run_option
 @json_option
