@@ -259,3 +259,9 @@ def test_fix_adapter_reads_the_peft_layout_and_writes_any_layout_exactly(adapter
     assert r.exit_code == 0, r.output
     want = adapters["peft" if layout == "peft" else "prime-rl"] / "adapter_model.safetensors"
     assert (out / "adapter_model.safetensors").read_bytes() == want.read_bytes()
+
+
+def test_diff_vs_base_checks_the_peft_layout_expert_by_expert(adapters):
+    r = run("diff-vs-base", F / "expected_merged_hf", F / "base_model", "--adapter", adapters["peft"])
+    assert r.exit_code == 0, r.output
+    assert "adapter check passed: 32/32 targeted tensors" in r.output and "(0 ulps off)" in r.output
