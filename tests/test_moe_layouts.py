@@ -265,3 +265,13 @@ def test_diff_vs_base_checks_the_peft_layout_expert_by_expert(adapters):
     r = run("diff-vs-base", F / "expected_merged_hf", F / "base_model", "--adapter", adapters["peft"])
     assert r.exit_code == 0, r.output
     assert "adapter check passed: 32/32 targeted tensors" in r.output and "(0 ulps off)" in r.output
+
+
+def test_a_fused_lora_whose_rank_pattern_does_not_divide_its_rows_is_refused_naming_the_module(adapters, tmp_path):
+    d = shutil.copytree(adapters["peft"], tmp_path / "bad")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg["rank_pattern"] = {"experts.gate_up_proj": 12}
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    r = run("merge", F / "base_model", d, tmp_path / "m")
+    assert r.exit_code == 1 and "mlp.experts.base_layer: fused expert LoRA" in r.output and "R=12" in r.output, r.output
+    assert not (tmp_path / "m").exists()

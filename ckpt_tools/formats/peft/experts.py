@@ -241,6 +241,7 @@ LAYOUT_FACTS: dict[str, dict] = {
         "consumers": {
             "peft": "loads (PeftModel.from_pretrained; every module applied)",
             "vllm": "loads",
+            "prime-rl": "loads",
         },
     },
     "peft": {
@@ -251,7 +252,7 @@ LAYOUT_FACTS: dict[str, dict] = {
             "vllm": "Qwen3-MoE (2-D MoE LoRA): refuses it unless the engine runs with enable_mixed_moe_lora_format=True "
                     "and the LoRARequest sets is_3d_lora_weight=True, then loads it; vLLM's 3-D MoE models "
                     "(is_3d_moe_weight) read this layout",
-            "prime-rl": "its patched vLLM expects per-expert modules: use --layout prime-rl",
+            "prime-rl": "its inference (vLLM) expects per-expert modules: use --layout prime-rl",
         },
     },
     "per-expert": {
