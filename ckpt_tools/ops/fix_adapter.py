@@ -389,16 +389,17 @@ def run_fix(plan: FixPlan, weights: TensorFileSource, progress: Progress | None 
     inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
     rp = plan.read_plan
     modules, views = rp.get("_modules", {}), rp.get("_views", {})
-    last: dict = {}   # the fused tensor the last view was cut from (its experts are read in a row)
+    cache: dict = {}   # the fused tensors the last views were cut from: one block's A and B of gate_up and down
 
     def factor(m: str, ab: str) -> torch.Tensor:
         key = modules[m][0 if ab == "A" else 1]
         if m not in views:
             return weights.read_tensor(key)
-        if key not in last:
-            last.clear()
-            last[key] = weights.read_tensor(key)
-        return read_view(views[m], ab, last[key], key=key, path=weights.path)
+        if key not in cache:
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            cache[key] = weights.read_tensor(key)
+        return read_view(views[m], ab, cache[key], key=key, path=weights.path)
 
     def read(t: OutTensor) -> torch.Tensor:
         how = rp.get(t.source)
