@@ -275,3 +275,29 @@ def test_a_fused_lora_whose_rank_pattern_does_not_divide_its_rows_is_refused_nam
     r = run("merge", F / "base_model", d, tmp_path / "m")
     assert r.exit_code == 1 and "mlp.experts.base_layer: fused expert LoRA" in r.output and "R=12" in r.output, r.output
     assert not (tmp_path / "m").exists()
+
+
+def test_a_peft_trained_fused_expert_lora_merges_exactly_as_peft_merges_it(tmp_path):
+    """Not our block form: PEFT's own fused LoRA (one A per expert shared by gate and up) is read as gate =
+    (A_e, B_e[:I]), up = (A_e, B_e[I:]) and merged into the per-expert weights PEFT's merge_and_unload makes."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    pm = get_peft_model(_model(F / "base_model"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["gate_up_proj", "down_proj"],
+        init_lora_weights=False))
+    pm.save_pretrained(str(tmp_path / "ad"))
+    merged = pm.merge_and_unload().state_dict()
+    r = run("merge", F / "base_model", tmp_path / "ad", tmp_path / "m", "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
+    ours = load_file(tmp_path / "m" / "model.safetensors")
+    for layer in (0, 1):
+        p = f"model.layers.{layer}.mlp.experts"
+        for e in range(4):
+            gate_up = torch.cat([ours[f"{p}.{e}.gate_proj.weight"], ours[f"{p}.{e}.up_proj.weight"]])
+            torch.testing.assert_close(gate_up, merged[f"{p}.gate_up_proj"][e], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(ours[f"{p}.{e}.down_proj.weight"], merged[f"{p}.down_proj"][e], rtol=1e-6,
+                                       atol=1e-7)
+        torch.testing.assert_close(ours[f"model.layers.{layer}.self_attn.q_proj.weight"],
+                                   merged[f"model.layers.{layer}.self_attn.q_proj.weight"], rtol=1e-6, atol=1e-7)
+    up = "model.layers.0.mlp.experts.1.up_proj.weight"
+    assert not torch.equal(ours[up], load_file(F / "base_model" / "model.safetensors")[up].float())   # applied

@@ -174,7 +174,8 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
         checkpoint=ckpt.dir, out=out, slot=src.slot, dtype=dtype, modules=len(modules), rank=rank,
         alpha=src.alpha, alpha_source=src.alpha_source, scale=scale, lora_alpha=lora_alpha,
         base_model_name_or_path=base_name, base_checked=base_dir, tensors=tensors, config=cfg,
-        layout=options.layout, fused=tuple(fused), lora_item_bytes=sum(e.stored_bytes for e in entries), lora_payload_bytes=sum(e.nbytes for e in entries),
+        layout=options.layout, fused=tuple(fused), lora_item_bytes=sum(e.stored_bytes for e in entries),
+        lora_payload_bytes=sum(e.nbytes for e in entries),
         out_file_bytes=safetensors_file_bytes(list(tensors)), warnings=tuple(warnings))
 
 

@@ -245,7 +245,7 @@ def plan_fix(weights: TensorFileSource, src: str | Path, options: FixOptions) ->
 
     for mod in sorted(saved):
         a, b = modules[mod]
-        expanded = parse_fused(mod, shapes[a], shapes[b], params, cfg.rank_for, partner_rank, wpath)
+        expanded = parse_fused(mod, shapes[a], shapes[b], params, cfg.rank_for, partner_rank, wpath, r=cfg.r)
         if expanded is not None:
             del modules[mod]
             for name, v in expanded:

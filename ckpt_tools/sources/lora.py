@@ -133,8 +133,9 @@ class PeftLoraSource(LoraSource):
         self.use_rslora = cfg.use_rslora
         self.alpha_source = f"adapter_config.json (lora_alpha {cfg.lora_alpha:g}" + \
             (", rsLoRA" if cfg.use_rslora else "") + (", alpha/rank patterns" if cfg.alpha_pattern or cfg.rank_pattern else "") + ")"
-        self.modules = {m.module: LoraModule(m.module, m.rank, m.scale, m.a_key, m.b_key, ad.factor_shape(m.module, "A"),
-                                             ad.factor_shape(m.module, "B"), cfg.fan_in_fan_out, ad.dtypes[m.a_key],
+        self.modules = {m.module: LoraModule(m.module, m.rank, m.scale, m.a_key, m.b_key,
+                                             ad.factor_shape(m.module, "A"), ad.factor_shape(m.module, "B"),
+                                             cfg.fan_in_fan_out, ad.dtypes[m.a_key],
                                              m.view.expert if m.view else None,
                                              m.view.fused.projs[m.view.part] if m.view else None)
                         for m in ad.modules.values()}

@@ -25,9 +25,10 @@ __all__ = ["command"]
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="fp32 keeps the exact trained values.")
 @click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", metavar="LAYOUT",
-              help="peft (default), vllm or prime-rl: how MoE expert LoRA is written. peft = fused expert parameters through target_parameters "
-                   "(PEFT with transformers 5); vllm / prime-rl = per-expert modules (stock vLLM's Qwen3-MoE, "
-                   "prime-rl). A dense LoRA is the same file in every layout (docs/adapters.md).")
+              help="peft (default), vllm or prime-rl: how MoE expert LoRA is written. peft = fused expert "
+                   "parameters through target_parameters (PEFT with transformers 5); vllm / prime-rl = per-expert "
+                   "modules (stock vLLM's Qwen3-MoE, prime-rl). A dense LoRA is the same file in every layout "
+                   "(docs/adapters.md).")
 @overwrite_option
 @dry_run_option
 @json_option

@@ -84,7 +84,8 @@ class PeftAdapter:
                 continue
             a_shape, b_shape = shapes[ab["A"]], shapes[ab["B"]]
             try:
-                views = parse_fused(mod, a_shape, b_shape, params, config.rank_for, fused_rank, weights_path)
+                views = parse_fused(mod, a_shape, b_shape, params, config.rank_for, fused_rank, weights_path,
+                                    r=config.r)
             except FormatError as exc:
                 problems.append(exc.message)
                 continue

@@ -182,11 +182,13 @@ def fused_params_of_config(target_parameters) -> set[str]:
 
 
 def parse_fused(module: str, a_shape, b_shape, params: set[str], rank_for: Callable[[str], int],
-                partner_rank: Callable[[str, str], int | None], path) -> list[tuple[str, ExpertView]] | None:
+                partner_rank: Callable[[str, str], int | None], path, *, r: int | None = None
+                ) -> list[tuple[str, ExpertView]] | None:
     """The per-expert views of the saved PEFT module `module` (`...experts` or `...experts.base_layer`)
     when it is a fused expert LoRA; None when it is not one. `rank_for(param name)` is the config's rank;
     `partner_rank(experts, param)` the fused rank of another parameter of the same block (or None): a
-    gate_up LoRA of twice down_proj's rank is our block form, else its A is shared."""
+    gate_up LoRA of twice down_proj's rank (without down_proj: twice the config's `r`) is our block form,
+    else its A is shared."""
     experts = module
     while experts.endswith(".base_layer"):
         experts = experts[:-len(".base_layer")]
@@ -206,6 +208,7 @@ def parse_fused(module: str, a_shape, b_shape, params: set[str], rank_for: Calla
         raise FormatError(f"{module}: {param} LoRA B has {b_shape[0]} rows, not {len(projs)} equal projections",
                           path=path)
     other = partner_rank(experts, "down_proj") if param == "gate_up_proj" else None
+    other = r if other is None and param == "gate_up_proj" else other
     block = len(projs) > 1 and other is not None and R == len(projs) * other
     r = R // len(projs) if block else R
     rows = b_shape[0] // len(projs)
