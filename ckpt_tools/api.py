@@ -85,11 +85,13 @@ def inspect(path: str | Path, *, alpha: float | None = None, run_config: str | P
 def extract_adapter(ckpt: str | Path, out: str | Path, *, alpha: float | None = None,
                     run_config: str | Path | None = None, base: str | None = None, slot: int = 0,
                     dtype: str = "fp32", dry_run: bool = False, overwrite: bool = False,
-                    trust_pickle: bool = False, progress: Progress | None = None) -> ExtractReport:
-    """A prime-rl DCP checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`)."""
+                    trust_pickle: bool = False, progress: Progress | None = None,
+                    layout: str = "peft") -> ExtractReport:
+    """A prime-rl DCP checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`; `layout`:
+    peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
     with DcpLoraSource(Path(ckpt), alpha=alpha, run_config=None if run_config is None else Path(run_config),
                        slot=slot, trust_pickle=trust_pickle) as src:
-        plan = plan_extract(src, ExtractOptions(out, base, dtype))
+        plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
         return ExtractReport(plan) if dry_run else run_extract(plan, src, progress, overwrite=overwrite)
 
 

@@ -387,7 +387,8 @@ def test_inspect_of_an_hf_dir_and_a_peft_adapter_reads_like_the_dcp_view():
         "  LoRA: 21 modules, rank 8, lora_alpha 16 -> scale 2; targets down_proj, gate_proj, k_proj, o_proj, q_proj, "
         "up_proj, v_proj",
         "  weights float32, 105.56 KiB; modules_to_save none",
-        "  base_model_name_or_path: base_model"]
+        "  base_model_name_or_path: base_model",
+        "  layout: dense (no expert LoRA: every --layout writes this file; PEFT, vLLM and prime-rl load it)"]
     r = run("inspect", BROADCAST)
     assert r.stdout.splitlines()[1] == "  LoRA: NO module matches (lora_alpha 16)"
     assert "rank: []" not in r.stdout and "{'" not in r.stdout

@@ -342,7 +342,7 @@ _ac("config: peft_type missing", lambda cfg, d: {k: v for k, v in cfg.items() if
 _ac("config: use_dora", _cfg(use_dora=True))
 _ac("config: lora_bias", _cfg(lora_bias=True))
 _ac("config: layer_replication", _cfg(layer_replication=[[0, 1]]))
-_ac("config: target_parameters", _cfg(target_parameters=["mlp.experts.gate_up_proj"]))
+_ac("config: target_parameters on a non-expert parameter", _cfg(target_parameters=["self_attn.q_proj.weight"]))
 _ac("config: bias all", _cfg(bias="all"))
 _ac("config: use_rslora a string", _cfg(use_rslora="yes"))
 _ac("config: rank_pattern value a string", _cfg(rank_pattern={"q_proj": "big"}))

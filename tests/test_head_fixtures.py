@@ -70,7 +70,7 @@ def test_inspect_of_a_16e747c_checkpoint_states_the_orchestrator_rule():
 @pytest.mark.parametrize("variant", [E, F], ids=["dense", "moe"])
 def test_extract_adapter_equals_prime_rls_own_final_broadcast(tmp_path, variant):
     out = tmp_path / "adapter"
-    r = run("extract-adapter", trainer(variant), out, "--base", variant / "base_model")
+    r = run("extract-adapter", trainer(variant), out, "--base", variant / "base_model", "--layout", "prime-rl")
     assert r.exit_code == 0, r.output
     ours = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(out / "adapter_model.safetensors").items()}
     theirs = load_file(variant / "outputs" / "broadcasts" / "step_3" / "adapter_model.safetensors")
@@ -84,7 +84,7 @@ def test_extract_adapter_equals_prime_rls_own_final_broadcast(tmp_path, variant)
 
 def test_the_moe_adapter_holds_every_expert_of_every_projection(tmp_path):
     out = tmp_path / "adapter"
-    assert run("extract-adapter", trainer(F), out).exit_code == 0
+    assert run("extract-adapter", trainer(F), out, "--layout", "vllm").exit_code == 0
     keys = set(load_file(out / "adapter_model.safetensors"))
     for layer in (0, 1):
         for e in range(4):

@@ -53,7 +53,7 @@ def assert_equal_files(out, expected_dir):
 def test_extract_merge_and_export_equal_the_factorys_truth(tmp_path, runs, shape):
     p = runs(shape)
     ad = tmp_path / "adapter"
-    r = run("extract-adapter", p.checkpoint, ad, "--base", p.base_model)
+    r = run("extract-adapter", p.checkpoint, ad, "--base", p.base_model, "--layout", "prime-rl")
     assert r.exit_code == 0, r.output
     ours = {k.removeprefix("base_model.model."): v for k, v in load_file(ad / "adapter_model.safetensors").items()}
     theirs = load_file(p.broadcast / "adapter_model.safetensors")

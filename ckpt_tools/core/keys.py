@@ -24,7 +24,8 @@ __all__ = [
     "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys",
     "require_known", "peft_target", "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names", "expert_module_pattern",
     "is_stacked_pattern", "expert_parts", "router_prime_name", "GroupStats", "LoraStats", "summarize_groups",
-    "summarize_lora", "world_size_from_chunks",
+    "summarize_lora", "world_size_from_chunks", "LAYOUTS", "DEFAULT_LAYOUT", "FUSED_EXPERT_PARAMS",
+    "FUSED_PARAM_OF", "fused_param_name", "fused_peft_modules",
 ]
 
 GROUPS = ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progress", "other")
@@ -348,3 +349,39 @@ def world_size_from_chunks(chunk_counts: list[int]) -> int | None:
     """FSDP2 writes one chunk per rank for every sharded tensor (empty trailing chunks may be
     deduplicated), so the largest chunk count is the world size."""
     return max(chunk_counts) if chunk_counts else None
+
+
+# ---------------------------------------------------------------------------- adapter layouts (pure)
+# The layouts `extract-adapter --layout` writes (docs/adapters.md says which consumer loads which). For a
+# dense LoRA they are one and the same file; they differ only in how grouped-expert LoRA is written:
+#   peft     -- transformers 5 fuses a Qwen3-MoE block's experts into 3-D parameters; PEFT reaches them
+#               through `target_parameters` (one LoRA per fused parameter, experts folded into the rank)
+#   vllm     -- what stock vLLM's Qwen3-MoE LoRA loader reads (its model is not `is_3d_moe_weight`): the
+#               2-D per-expert modules `...mlp.experts.<e>.<proj>`
+#   prime-rl -- prime-rl's own broadcast layout: the same per-expert modules
+LAYOUTS = ("peft", "vllm", "prime-rl")
+DEFAULT_LAYOUT = "peft"
+
+# transformers 5's fused expert parameters of a Qwen3-MoE block, in their nn.Parameter order (the order
+# PEFT wraps them in: see `fused_peft_modules`), and the HF per-expert projections each one stacks along
+# its output rows: `gate_up_proj` [E, 2I, H] is gate rows [0, I) then up rows [I, 2I); `down_proj` [E, H, I].
+FUSED_EXPERT_PARAMS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gate_up_proj", ("gate_proj", "up_proj")),
+    ("down_proj", ("down_proj",)),
+)
+FUSED_PARAM_OF = {proj: param for param, projs in FUSED_EXPERT_PARAMS for proj in projs}
+
+
+def fused_param_name(experts: str, param: str) -> str:
+    """`model.layers.0.mlp.experts`, `gate_up_proj` -> `model.layers.0.mlp.experts.gate_up_proj`."""
+    return f"{experts}.{param}"
+
+
+def fused_peft_modules(experts: str, params) -> dict[str, str]:
+    """The PEFT module name each targeted fused parameter's LoRA is saved under. PEFT wraps the experts
+    module once per parameter, in nn.Parameter order, each wrapper around the previous one: the last one
+    wrapped is `experts` itself, the one before it `experts.base_layer`, and so on (with both:
+    gate_up_proj -> `experts.base_layer`, down_proj -> `experts`, as vLLM's loader reads them too)."""
+    ordered = [p for p, _ in FUSED_EXPERT_PARAMS if p in set(params)]
+    n = len(ordered)
+    return {p: experts + ".base_layer" * (n - 1 - i) for i, p in enumerate(ordered)}

@@ -14,6 +14,11 @@ training used. The base comes from --base or the run's config (`formats.primerl.
 Base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`, found by their AdamW
 state) are written as PEFT `modules_to_save` tensors under their exact module names.
 The PEFT dir itself is written by `formats.peft.writer.write_adapter` (as `ckpt fix-adapter`'s is).
+
+`--layout` (`core.keys.LAYOUTS`) says how grouped-expert LoRA is written: `peft` (the default) as the
+fused expert LoRA PEFT loads through `target_parameters` (`formats.peft.experts`: gate and up as one
+exact rank-2r block LoRA; each fused tensor is built from the experts' factors, one tensor in flight),
+`vllm` / `prime-rl` as per-expert modules. For a dense LoRA the three are one file, byte for byte.
 """
 from __future__ import annotations
 
@@ -22,12 +27,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..core.errors import CkptError, FormatError, UsageError
+from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, expert_parts
 from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
 from ..core.progress import Progress
 from ..core.tensor_math import bf16_round
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import tensor_shapes
 from ..formats.peft.config import PEFT_PREFIX
+from ..formats.peft.experts import FusedParam, build_fused, fused_config, plan_fused
 from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
     safetensors_file_bytes, target_modules_for, write_adapter
 from ..formats.primerl.alpha import orch_model_name, run_adapter_configs, run_outputs_dir
@@ -42,6 +49,7 @@ class ExtractOptions:
     out: str | Path
     base: str | None = None         # base_model_name_or_path, and the shapes to check (default: orch.toml's)
     dtype: str = "fp32"             # fp32 (exact) | bf16
+    layout: str = DEFAULT_LAYOUT    # peft | vllm | prime-rl (core.keys.LAYOUTS): how expert LoRA is written
 
 
 # ------------------------------------------------------------------------------------ the plan
@@ -61,6 +69,8 @@ class ExtractPlan:
     base_checked: Path | None
     tensors: tuple[OutTensor, ...]
     config: dict = field(repr=False)
+    layout: str = DEFAULT_LAYOUT
+    fused: tuple[FusedParam, ...] = field(default=(), repr=False)   # --layout peft of a MoE: the fused LoRAs
     lora_item_bytes: int = 0        # stored bytes of the LoRA items read (what --json calls bytes to read)
     lora_payload_bytes: int = 0     # fp32 values in them
     out_file_bytes: int = 0
@@ -72,6 +82,8 @@ class ExtractPlan:
         d["base_checked"] = str(self.base_checked) if self.base_checked else None
         d["tensors"] = [t.to_json() for t in self.tensors]
         d["warnings"] = list(self.warnings)
+        d["fused"] = [{"name": f.name, "peft_module": f.peft_module, "experts": f.num_experts, "rank": f.rank,
+                       "projections": list(f.projs), "projection_rank": f.part_rank} for f in self.fused]
         return d
 
 
@@ -81,6 +93,8 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     out, base, dtype = options.out, options.base, options.dtype
     if dtype not in ("fp32", "bf16"):
         raise UsageError(f"--dtype {dtype!r}: choose fp32 (exact) or bf16")
+    if options.layout not in LAYOUTS:
+        raise UsageError(f"--layout {options.layout!r}: choose one of {', '.join(LAYOUTS)}")
     out = Path(out)
     ckpt = src.ckpt
     modules = sorted(src.modules)
@@ -125,9 +139,17 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     elif base_name is not None:
         warnings.append(f"base model {base_name!r} not found locally ({why}); LoRA shapes were not checked "
                         "against it")
-    targets, twarn = target_modules_for(modules, base_shapes)
+    experts = [m for m in modules if expert_parts(m) is not None]
+    fused = plan_fused({m: shapes[m] for m in experts}, ckpt.dir) if options.layout == "peft" and experts else []
+    per_module = [m for m in modules if m not in set(experts)] if fused else modules
+    targets, twarn = target_modules_for(per_module, base_shapes)
     if twarn:
         warnings.append(twarn)
+    fused_cfg = fused_config(fused, scale) if fused else None
+    for f in fused:
+        if f.block and lora_alpha_for_scale(scale, f.rank) / f.rank != scale:
+            warnings.append(f"{f.name}: alpha {lora_alpha_for_scale(scale, f.rank)!r} / rank {f.rank} is not exactly "
+                            f"the scale {scale!r} in floating point (PEFT computes alpha / r)")
 
     # modules_to_save: the base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`),
     # found from its state by the source, written under their exact module names
@@ -150,7 +172,9 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
                         "ones and this adapter holds the LoRA only")
 
     outs = [OutTensor(peft_key(m, ab), shapes[m][0 if ab == "A" else 1], dtype, src.modules[m].factor_ref(ab))
-            for m in modules for ab in "AB"]
+            for m in per_module for ab in "AB"]
+    outs += [OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, dtype, f.source(ab))
+             for f in fused for ab in "AB"]
     for name, ref in full.items():
         f = src.key_facts(ref)
         if base_shapes is not None and tuple(base_shapes.get(name, ())) != tuple(f.shape):
@@ -160,14 +184,15 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
         outs.append(OutTensor(PEFT_PREFIX + name, tuple(f.shape), dtype, ref))
     tensors = tuple(sorted(outs, key=lambda t: t.name))
     cfg = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets, base_model_name_or_path=base_name,
-                      modules_to_save=mts or None)
+                      modules_to_save=mts or None, fused=fused_cfg)
     entries = [ckpt.entries[k] for k in src.lora_keys()] + [ckpt.entries[r.partition("[")[0]] for r in
                                                             dict.fromkeys(full.values())]
     return ExtractPlan(
         checkpoint=ckpt.dir, out=out, slot=src.slot, dtype=dtype, modules=len(modules), rank=rank,
         alpha=src.alpha, alpha_source=src.alpha_source, scale=scale, lora_alpha=lora_alpha,
         base_model_name_or_path=base_name, base_checked=base_dir, tensors=tensors, config=cfg,
-        lora_item_bytes=sum(e.stored_bytes for e in entries), lora_payload_bytes=sum(e.nbytes for e in entries),
+        layout=options.layout, fused=tuple(fused), lora_item_bytes=sum(e.stored_bytes for e in entries),
+        lora_payload_bytes=sum(e.nbytes for e in entries),
         out_file_bytes=safetensors_file_bytes(list(tensors)), warnings=tuple(warnings))
 
 
@@ -197,8 +222,12 @@ def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None
     before = src.ckpt.stats.bytes_read
     inputs = [plan.checkpoint] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
     full_refs = set(src.full_tensors.values())
+    fused = {f.source(ab): (f, ab) for f in plan.fused for ab in "AB"}
 
     def read(t: OutTensor):
+        if t.source in fused:   # a fused expert LoRA: placed from every expert's factor of the block
+            f, ab = fused[t.source]
+            return build_fused(f, ab, src.read_factor)
         return src.read_key(t.source) if t.source in full_refs else src.read_ref(t.source)
 
     size = write_adapter(plan.out, plan.tensors, read, plan.config, inputs=inputs,

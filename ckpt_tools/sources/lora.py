@@ -44,6 +44,8 @@ class LoraModule:
     a_dtype: str = "float32"
     expert: int | None = None       # grouped-expert LoRA: the keys are stacked [E, r, in] / [E, out, r]; this
     #                                 module's factors are their dim-0 slice `expert` (shapes are the slice's)
+    part: str | None = None         # a fused PEFT expert LoRA (`formats.peft.experts`): the keys are the fused
+    #                                 parameter's; this module is projection `part` of expert `expert` in it
 
     @property
     def weight_name(self) -> str:
@@ -52,7 +54,9 @@ class LoraModule:
     def factor_ref(self, ab: str) -> str:
         """Where factor A or B is read from: its key, or `key[e]` for an expert's slice of a stacked one."""
         key = self.a_key if ab == "A" else self.b_key
-        return key if self.expert is None else f"{key}[{self.expert}]"
+        if self.expert is None:
+            return key
+        return f"{key}[{self.expert}]" + (f".{self.part}" if self.part else "")
 
 
 class LoraSource:
@@ -131,8 +135,11 @@ class PeftLoraSource(LoraSource):
         self.use_rslora = cfg.use_rslora
         self.alpha_source = f"adapter_config.json (lora_alpha {cfg.lora_alpha:g}" + \
             (", rsLoRA" if cfg.use_rslora else "") + (", alpha/rank patterns" if cfg.alpha_pattern or cfg.rank_pattern else "") + ")"
-        self.modules = {m.module: LoraModule(m.module, m.rank, m.scale, m.a_key, m.b_key, tuple(ad.shapes[m.a_key]),
-                                             tuple(ad.shapes[m.b_key]), cfg.fan_in_fan_out, ad.dtypes[m.a_key])
+        self.modules = {m.module: LoraModule(m.module, m.rank, m.scale, m.a_key, m.b_key,
+                                             ad.factor_shape(m.module, "A"), ad.factor_shape(m.module, "B"),
+                                             cfg.fan_in_fan_out, ad.dtypes[m.a_key],
+                                             m.view.expert if m.view else None,
+                                             m.view.fused.projs[m.view.part] if m.view else None)
                         for m in ad.modules.values()}
         self.full_tensors = dict(ad.full_tensors)
         self.resident_bytes = ad.nbytes if ad.weights_path.suffix == ".bin" else 0
@@ -140,6 +147,13 @@ class PeftLoraSource(LoraSource):
 
     def read_key(self, key: str) -> torch.Tensor:
         return self.adapter.read(key)
+
+    def read_factor(self, module: str, ab: str) -> torch.Tensor:
+        return self.adapter.read_factor(module, ab)   # a fused expert LoRA's projection: its own slice
+
+    @property
+    def layout(self) -> str:
+        return self.adapter.layout
 
     def key_facts(self, key: str) -> TensorFacts:
         return TensorFacts(key, self.adapter.dtypes[key], tuple(self.adapter.shapes[key]))

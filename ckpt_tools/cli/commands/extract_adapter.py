@@ -24,16 +24,22 @@ __all__ = ["command"]
 @click.option("--slot", type=int, default=0, show_default=True, help="Adapter slot (`lora_A.<slot>`).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="fp32 keeps the exact trained values.")
+@click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", metavar="LAYOUT",
+              help="peft (default), vllm or prime-rl: how MoE expert LoRA is written. peft = fused expert "
+                   "parameters through target_parameters (PEFT with transformers 5); vllm / prime-rl = per-expert "
+                   "modules (stock vLLM's Qwen3-MoE, prime-rl). A dense LoRA is the same file in every layout "
+                   "(docs/adapters.md).")
 @overwrite_option
 @dry_run_option
 @json_option
 @trust_option
-def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: str, overwrite: bool, dry_run: bool,
-            as_json: bool, trust_pickle: bool) -> None:
+def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: str, layout: str, overwrite: bool,
+            dry_run: bool, as_json: bool, trust_pickle: bool) -> None:
     """Export a prime-rl DCP checkpoint's LoRA as a PEFT adapter dir.
 
     Writes OUT/adapter_model.safetensors (keys base_model.model.<module>.lora_A/B.weight) and
-    OUT/adapter_config.json, loadable as-is by PEFT's PeftModel.from_pretrained and by vLLM. Reads
+    OUT/adapter_config.json, loadable as-is by PEFT's PeftModel.from_pretrained and by vLLM (a MoE
+    adapter: by the consumer its --layout is for, see docs/adapters.md). Reads
     only the LoRA items of the slot. Alpha is not stored in the checkpoint: --alpha, else
     --run-config, else the run's outputs/run_*/configs/orch.toml; lora_alpha is written so that
     lora_alpha / r is the scale training used.
@@ -49,7 +55,7 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
     warn_trust(trust_pickle)
     report = plan_and_run(
         lambda: DcpLoraSource(ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle),
-        lambda src: plan_extract(src, ExtractOptions(out, base, dtype)),
+        lambda src: plan_extract(src, ExtractOptions(out, base, dtype, layout)),
         lambda plan, src, progress: run_extract(plan, src, progress, overwrite=overwrite), ExtractReport,
         dry_run=dry_run)
     finish(report, as_json, _render)
@@ -64,6 +70,13 @@ def _render(r: dict) -> None:
     click.echo(f"  base_model_name_or_path: {r['base_model_name_or_path']}"
                + (f" (shapes checked against {r['base_checked']})" if r['base_checked'] else " (not checked)"))
     click.echo(f"  target_modules: {', '.join(r['config']['target_modules'])}")
+    if r["fused"]:
+        f0 = r["fused"][0]
+        click.echo(f"  layout {r['layout']}: {len(r['fused'])} fused expert LoRA(s) over {f0['experts']} experts "
+                   f"(target_parameters {', '.join(r['config']['target_parameters'])}; gate and up as one block LoRA "
+                   f"of rank {2 * f0['projection_rank']}, rank_pattern {r['config']['rank_pattern']})")
+    elif r["layout"] != "peft" or any(".experts." in t["name"] for t in r["tensors"]):
+        click.echo(f"  layout {r['layout']}: per-expert modules")
     size = r.get("written_file_bytes", r["out_file_bytes"])
     click.echo(f"  adapter_model.safetensors {human_bytes(size)}; LoRA items in the checkpoint "
                f"{human_bytes(r['lora_item_bytes'])}")

@@ -25,10 +25,13 @@ __all__ = ["command"]
               help="The run's DCP checkpoint of the same step: fills the modules_to_save tensors prime-rl's "
                    "broadcast lists but does not hold (HEAD lora.modules_to_save).")
 @alpha_options
+@click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", metavar="LAYOUT",
+              help="peft (default), vllm or prime-rl: how MoE expert LoRA is written (as extract-adapter "
+                   "--layout; any layout is read). A dense adapter is the same file in every layout.")
 @overwrite_option
 @dry_run_option
 @json_option
-def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, overwrite: bool, dry_run: bool,
+def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, layout: str, overwrite: bool, dry_run: bool,
             as_json: bool) -> None:
     """Repair a prime-rl adapter export into a PEFT adapter that really applies.
 
@@ -48,7 +51,7 @@ def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, ove
     with op_imports():
         from ...ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
     options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config),
-                         None if checkpoint is None else str(checkpoint))
+                         checkpoint=None if checkpoint is None else str(checkpoint), layout=layout)
     report = plan_and_run(lambda: open_fix_source(src, checkpoint), lambda weights: plan_fix(weights, src, options),
                           lambda plan, weights, progress: run_fix(plan, weights, progress, overwrite=overwrite),
                           FixReport, dry_run=dry_run)

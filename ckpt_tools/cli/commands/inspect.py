@@ -93,6 +93,14 @@ def _render_peft(r: dict) -> None:
     click.echo(f"  weights {', '.join(r['dtypes']) or 'none'}, {human_bytes(r['bytes'])}; modules_to_save "
                f"{', '.join(r['modules_to_save']) or 'none'}")
     click.echo(f"  base_model_name_or_path: {r['base_model_name_or_path'] or 'not set'}")
+    if r["layout"] == "dense":
+        click.echo("  layout: dense (no expert LoRA: every --layout writes this file; PEFT, vLLM and prime-rl load it)")
+    else:
+        names = {"peft": "peft (fused MoE expert LoRA through target_parameters)",
+                 "per-expert": "vllm / prime-rl (per-expert MoE modules experts.<e>.<proj>)"}
+        click.echo(f"  layout: {names.get(r['layout'], r['layout'])}")
+        for consumer, how in r["consumers"].items():
+            click.echo(f"    {consumer}: {how}")
     if r["unrecognized_keys"]:
         click.echo(f"  {r['unrecognized_keys']} key(s) PEFT would ignore (see the warning below)")
     for p in r["problems"]:

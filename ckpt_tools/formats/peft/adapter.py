@@ -1,7 +1,9 @@
 """PEFT LoRA adapter dirs, read: `adapter_config.json` (validated, `formats.peft.config`) and
 `adapter_model.safetensors` (read by range) or `adapter_model.bin` (a torch pickle, loaded through the
 allow-list and held whole: a .bin cannot be read by range). Every weight key is classified: LoRA A/B
-of a module, a `modules_to_save` replacement, or unrecognized (refused when strict).
+of a module, a `modules_to_save` replacement, or unrecognized (refused when strict). A fused MoE expert
+LoRA (`target_parameters`, `formats.peft.experts`) is presented as its per-expert modules
+(`...mlp.experts.<e>.<proj>`), each a view into the fused tensors, so every op sees one naming.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from ...io.inputs import read_input, register
 from ..dcp.item import load_byte_item
 from ..safetensors.header import read_header
 from ..safetensors.read import read_tensor
+from ...core.keys import expert_parts, fused_param_name, fused_peft_modules
 from .config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, PeftConfig, parse_peft_config
+from .experts import LAYOUT_FACTS, ExpertView, fused_params_of_config, parse_fused, read_view
 
 if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
     import torch
@@ -38,6 +42,7 @@ class AdapterModule:
     b_key: str
     rank: int          # from A's rows (the truth), checked against the config's
     scale: float
+    view: ExpertView | None = None   # a per-expert projection of a fused expert LoRA (a_key/b_key: the fused ones)
 
 
 class PeftAdapter:
@@ -49,6 +54,7 @@ class PeftAdapter:
         self.shapes: dict[str, tuple[int, ...]] = shapes    # key -> shape
         self.dtypes: dict[str, str] = dtypes                # key -> dtype name
         self._load = loader
+        self._cache: dict[str, object] = {}      # the last few fused tensors read (per-expert views of them)
         self.modules: dict[str, AdapterModule] = {}
         self.full_tensors: dict[str, str] = {}     # modules_to_save: HF name -> key
         self.unrecognized: list[str] = []
@@ -65,11 +71,29 @@ class PeftAdapter:
             else:
                 self.unrecognized.append(k)
         problems = []
+        params = fused_params_of_config(config.target_parameters)
+
+        def fused_rank(experts: str, param: str) -> int | None:
+            """The config's rank of another fused parameter of the block, when its LoRA is in the file."""
+            saved = fused_peft_modules(experts, params).get(param)
+            return config.rank_for(fused_param_name(experts, param)) if saved in pairs else None
+
         for mod, ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:
                 problems.append(f"{mod}: has lora_{''.join(ab)} without its partner")
                 continue
             a_shape, b_shape = shapes[ab["A"]], shapes[ab["B"]]
+            try:
+                views = parse_fused(mod, a_shape, b_shape, params, config.rank_for, fused_rank, weights_path,
+                                    r=config.r)
+            except FormatError as exc:
+                problems.append(exc.message)
+                continue
+            if views is not None:
+                for name, v in views:
+                    self.modules[name] = AdapterModule(name, ab["A"], ab["B"], v.fused.part_rank,
+                                                       config.scale_for(v.fused.name), v)
+                continue
             if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
                 problems.append(f"{mod}: A {list(a_shape)} and B {list(b_shape)} do not share a rank")
                 continue
@@ -93,9 +117,35 @@ class PeftAdapter:
     def read(self, key: str) -> torch.Tensor:
         return self._load(key)
 
-    def read_pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_factor(self, module: str, ab: str) -> torch.Tensor:
+        """A or B of one module; of a fused expert LoRA's projection, its own slice (`read_view`)."""
         m = self.modules[module]
-        return self._load(m.a_key), self._load(m.b_key)
+        key = m.a_key if ab == "A" else m.b_key
+        if m.view is None:
+            return self._load(key)
+        t = self._cache.get(key)
+        if t is None:
+            if len(self._cache) >= 4:   # bounded: one block's fused A and B of gate_up and down
+                self._cache.pop(next(iter(self._cache)))
+            t = self._cache[key] = self._load(key)
+        return read_view(m.view, ab, t, key=key, path=self.weights_path)
+
+    def read_pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read_factor(module, "A"), self.read_factor(module, "B")
+
+    def factor_shape(self, module: str, ab: str) -> tuple[int, ...]:
+        m = self.modules[module]
+        if m.view is not None:
+            return m.view.a_shape if ab == "A" else m.view.b_shape
+        return tuple(self.shapes[m.a_key if ab == "A" else m.b_key])
+
+    @property
+    def layout(self) -> str:
+        """`dense` (no expert LoRA: every layout is this file), `peft` (fused expert LoRA through
+        target_parameters) or `per-expert` (`...experts.<e>.<proj>` modules: the vllm / prime-rl layout)."""
+        if any(m.view is not None for m in self.modules.values()):
+            return "peft"
+        return "per-expert" if any(expert_parts(m) is not None for m in self.modules) else "dense"
 
     @property
     def nbytes(self) -> int:
@@ -108,6 +158,9 @@ class PeftAdapter:
                 "rank": ranks[0] if len(ranks) == 1 else ranks, "lora_alpha": self.config.lora_alpha,
                 "scale": scales[0] if len(scales) == 1 else scales, "use_rslora": self.config.use_rslora,
                 "targets": sorted({m.rsplit(".", 1)[-1] for m in self.modules}),
+                "target_parameters": list(self.config.target_parameters),
+                "layout": self.layout, "layouts": list(LAYOUT_FACTS[self.layout]["written_by"]),
+                "consumers": dict(LAYOUT_FACTS[self.layout]["consumers"]),
                 "modules_to_save": sorted(self.full_tensors),
                 "dtypes": sorted(set(self.dtypes.values())),
                 "bytes": self.nbytes, "base_model_name_or_path": self.config.base_model_name_or_path,

@@ -1,7 +1,7 @@
 """PEFT `adapter_config.json`, validated completely before any tensor byte is read: peft_type, r,
-lora_alpha, rsLoRA, rank/alpha patterns, fan_in_fan_out, modules_to_save, target_modules, and the LoRA
-variants we do not convert exactly (DoRA, LoRA bias, QALoRA, layer replication, target_parameters...),
-each refused with a message naming the field."""
+lora_alpha, rsLoRA, rank/alpha patterns, fan_in_fan_out, modules_to_save, target_modules, target_parameters
+(only the fused MoE expert parameters, `formats.peft.experts`), and the LoRA variants we do not convert
+exactly (DoRA, LoRA bias, QALoRA, layer replication...), each refused with a message naming the field."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...core.errors import FormatError
-from ...core.keys import peft_target
+from ...core.keys import FUSED_EXPERT_PARAMS, peft_target
 from ...core.lora_math import check_alpha, lora_scale
 from ...io.inputs import read_json
 
@@ -30,7 +30,7 @@ UNSUPPORTED_VARIANTS: tuple[tuple[str, object], ...] = (
     ("use_qalora", lambda v: not v),
     ("use_bdlora", lambda v: not v),
     ("layer_replication", lambda v: v in (None, [], {})),
-    ("target_parameters", lambda v: v in (None, [], {})),
+    # target_parameters: only transformers 5's fused MoE expert parameters (checked in parse_peft_config)
     ("trainable_token_indices", lambda v: v in (None, [], {})),
     ("alora_invocation_tokens", lambda v: v in (None, [], {})),
     ("megatron_config", lambda v: v in (None, {})),
@@ -96,6 +96,7 @@ class PeftConfig:
     modules_to_save: tuple[str, ...]
     base_model_name_or_path: str | None
     raw: dict = field(repr=False, hash=False, compare=False)
+    target_parameters: tuple[str, ...] = ()   # fused MoE expert parameters (`formats.peft.experts`)
 
     def rank_for(self, module: str) -> int:
         p = pattern_key(self.rank_pattern, module)
@@ -164,6 +165,15 @@ def parse_peft_config(path: Path) -> PeftConfig:
     elif targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
         raise FormatError(f"target_modules is {targets!r}, expected a list of module names or a regex string",
                           path=path)
+    tparams = raw.get("target_parameters") or ()
+    fused = {p for p, _ in FUSED_EXPERT_PARAMS}
+    if not isinstance(tparams, (list, tuple)) or not all(isinstance(t, str) for t in tparams):
+        raise FormatError(f"target_parameters is {tparams!r}, expected a list of parameter names", path=path)
+    other = [t for t in tparams if t.rsplit(".", 1)[-1] not in fused]
+    if other:
+        raise FormatError(f"target_parameters={other!r}: a LoRA on a raw parameter other than the fused MoE experts' "
+                          f"{'/'.join(sorted(fused))} is not converted/merged by ckpt-tools", path=path,
+                          hint="merge it with PEFT's merge_and_unload")
     mts = raw.get("modules_to_save") or ()
     if not isinstance(mts, (list, tuple)) or not all(isinstance(m, str) for m in mts):
         raise FormatError(f"modules_to_save is {mts!r}, expected a list of names", path=path)
@@ -172,6 +182,7 @@ def parse_peft_config(path: Path) -> PeftConfig:
                       fan_in_fan_out=bool(_need(raw, "fan_in_fan_out", bool, path, False, required=False)),
                       rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
                       target_modules=raw.get("target_modules"), modules_to_save=tuple(mts),
-                      base_model_name_or_path=raw.get("base_model_name_or_path"), raw=raw)
+                      base_model_name_or_path=raw.get("base_model_name_or_path"), raw=raw,
+                      target_parameters=tuple(tparams))
 
 

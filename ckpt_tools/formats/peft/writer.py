@@ -89,11 +89,16 @@ def full_tensor_warning(modules: Sequence[str]) -> str | None:
 
 
 def peft_config(*, r: int, lora_alpha: float, target_modules: list[str], base_model_name_or_path: str | None,
-                modules_to_save: list[str] | None = None) -> dict:
+                modules_to_save: list[str] | None = None, fused: dict | None = None) -> dict:
+    """`fused`: the target_parameters / rank_pattern / alpha_pattern of a fused MoE expert LoRA
+    (`formats.peft.experts.fused_config`)."""
     cfg = dict(PEFT_CONFIG_DEFAULTS)
     cfg.update(r=int(r), lora_alpha=float(lora_alpha), target_modules=list(target_modules),
                base_model_name_or_path=base_model_name_or_path,
                modules_to_save=sorted(modules_to_save) if modules_to_save else None)
+    if fused:
+        cfg.update(target_parameters=list(fused["target_parameters"]), rank_pattern=dict(fused["rank_pattern"]),
+                   alpha_pattern={k: float(v) for k, v in fused["alpha_pattern"].items()})
     return cfg
 
 

@@ -38,11 +38,13 @@ MASTER_MISMATCH_FRACTION = 0.01  # bf16-rounded values may differ in at most 1% 
 
 def check_target_modules(adapter: PeftAdapter) -> None:
     """Refuse an adapter whose config's target_modules leaves any LoRA module of its weights
-    unselected (PEFT's rule, `formats.peft.config.matches_target_modules`)."""
+    unselected (PEFT's rule, `formats.peft.config.matches_target_modules`). A fused expert LoRA's
+    projections are selected by target_parameters instead (`formats.peft.experts`)."""
     targets = adapter.config.target_modules
     if targets is None or not adapter.modules:
         return
-    unmatched = sorted(m for m in adapter.modules if matches_target_modules(m, targets) is False)
+    unmatched = sorted(m for m, spec in adapter.modules.items()
+                       if spec.view is None and matches_target_modules(m, targets) is False)
     if not unmatched:
         return
     n = len(adapter.modules)

@@ -46,6 +46,8 @@ def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trus
     targets = cfg.target_modules
     matched_targets = set()
     for module in sorted(adapter.modules):
+        if adapter.modules[module].view is not None:
+            continue   # a fused expert LoRA's projection: selected by target_parameters, not target_modules
         ok = matches_target_modules(module, targets)
         if ok is False:
             report.problem(wpath, adapter.modules[module].a_key,
@@ -53,7 +55,7 @@ def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trus
                            "create it and would silently ignore these weights")
         if isinstance(targets, list):
             matched_targets.update(t for t in targets if matches_target_modules(module, [t]))
-    if isinstance(targets, list) and adapter.modules:
+    if isinstance(targets, list) and any(m.view is None for m in adapter.modules.values()):
         for t in sorted(set(targets) - matched_targets):
             report.warn(cfg_path, None, f"target_modules entry {t!r} matches no module in the weights")
     if deep:
@@ -87,7 +89,7 @@ def _check_against_base(adapter, cfg, base, report: VerifyReport, trust_pickle: 
                                                f"({src.label} has no {name})")
                 continue
             shape = src.facts(name).shape
-            a, b = adapter.shapes[m.a_key], adapter.shapes[m.b_key]
+            a, b = adapter.factor_shape(module, "A"), adapter.factor_shape(module, "B")
             if len(shape) != 2:
                 report.problem(wpath, m.a_key, f"base {name} is {list(shape)}, not a 2-D linear weight")
                 continue

@@ -17,6 +17,10 @@ without their tensors: they are found in the checkpoint by their optimizer state
 HEAD run, dropped with a warning otherwise (16e747c never updates them, §6.3); present ones are dropped
 when they equal the base, kept otherwise. Against the base model, every LoRA module must match a
 base weight of the right shape (zero matches is an error).
+
+Every adapter layout is read (`core.keys.LAYOUTS`: per-expert MoE modules, or PEFT's fused expert LoRA through
+`target_parameters`, `formats.peft.experts`) and `--layout` says which one is written (default `peft`; a
+dense adapter is the same file in every layout).
 """
 from __future__ import annotations
 
@@ -30,20 +34,23 @@ from pathlib import Path
 
 import torch
 
-from ..core.dtypes import short_name
-from ..core.errors import AlphaError, FormatError, UsageError
-from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
-from ..core.progress import Progress
-from ..formats.hf_dir.hub import locate_model
-from ..formats.hf_dir.model_dir import HFModelDir, tensor_shapes
-from ..formats.peft.config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
-from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
+from ...core.dtypes import short_name
+from ...core.errors import AlphaError, FormatError, UsageError
+from ...core.keys import DEFAULT_LAYOUT, LAYOUTS, expert_parts, fused_param_name, fused_peft_modules
+from ...core.lora_math import check_modules_fit_base, lora_alpha_for_scale
+from ...core.progress import Progress
+from ...formats.hf_dir.hub import locate_model
+from ...formats.hf_dir.model_dir import HFModelDir, tensor_shapes
+from ...formats.peft.config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
+from ...formats.peft.experts import build_fused, fused_config, fused_params_of_config, parse_fused, plan_fused, \
+    read_view
+from ...formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
     safetensors_file_bytes, target_modules_for, write_adapter
-from ..formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
-from ..formats.primerl.run_dir import artifact_launch_dir
-from ..io.inputs import check_input, register
-from ..sources.files import TensorFileSource
-from ..sources.lora import DcpLoraSource
+from ...formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
+from ...formats.primerl.run_dir import artifact_launch_dir
+from ...io.inputs import check_input
+from ...sources.files import TensorFileSource
+from .sources import CKPT_REF, FixSources, check_same_state, open_fix_source
 
 __all__ = ["LORA_KEY", "FixOptions", "FixPlan", "FixReport", "FixSources", "open_fix_source", "plan_fix", "run_fix",
            "CKPT_REF"]
@@ -59,18 +66,6 @@ def _belongs_to(name: str, target: str) -> bool:
     the module name or its suffix)."""
     stem = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
     return stem == target or stem.endswith("." + target)
-
-
-def _weights_file(src: Path) -> Path:
-    st, binf = src / SAFETENSORS_NAME, src / BIN_NAME
-    if os.path.lexists(st) and os.path.lexists(binf):
-        raise FormatError(f"has both {SAFETENSORS_NAME} and {BIN_NAME}; PEFT loads the safetensors one",
-                          path=src, hint="remove the stale one, or copy the one you mean into its own dir")
-    if os.path.lexists(st):
-        return st
-    if os.path.lexists(binf):
-        return binf
-    raise FormatError(f"no {SAFETENSORS_NAME} or {BIN_NAME} next to adapter_config.json", path=src)
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -95,9 +90,12 @@ class FixPlan:
     config: dict = field(repr=False)
     out_file_bytes: int = 0
     warnings: tuple[str, ...] = ()
+    layout: str = DEFAULT_LAYOUT
+    read_plan: dict = field(default_factory=dict, repr=False)   # source -> how to read it (fused/views)
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = asdict(dataclasses.replace(self, read_plan={}))
+        d.pop("read_plan")
         d["src"], d["out"] = str(self.src), str(self.out)
         d["base_checked"] = str(self.base_checked) if self.base_checked else None
         d["tensors"] = [t.to_json() for t in self.tensors]
@@ -148,78 +146,7 @@ class FixOptions:
     alpha: float | None = None
     run_config: str | None = None
     checkpoint: str | None = None   # the run's DCP checkpoint of the same step: fills absent modules_to_save
-
-
-CKPT_REF = "dcp:"   # OutTensor.source of a tensor read from --checkpoint (else: a key of SRC's weights file)
-
-
-class FixSources:
-    """SRC's weights file (by key) and, with --checkpoint, that checkpoint (metadata only until run)."""
-
-    def __init__(self, weights: TensorFileSource, ckpt: DcpLoraSource | None = None):
-        self.weights, self.ckpt = weights, ckpt
-        self.path = weights.path
-
-    def facts(self, key: str):
-        return self.weights.facts(key)
-
-    def names(self):
-        return self.weights.names()
-
-    def read_tensor(self, key: str) -> torch.Tensor:
-        if key.startswith(CKPT_REF):
-            return self.ckpt.read_key(key[len(CKPT_REF):])
-        return self.weights.read_tensor(key)
-
-    def close(self) -> None:
-        if self.ckpt is not None:
-            self.ckpt.close()
-        self.weights.close()
-
-    def __enter__(self) -> "FixSources":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def open_fix_source(src: str | Path, checkpoint: str | Path | None = None) -> FixSources:
-    """The export's weights file (safetensors, or a .bin loaded through the allow-list), by key; with
-    `checkpoint`, the run's DCP checkpoint whose trained full tensors fill what the export lacks."""
-    src = Path(src)
-    if not src.is_dir():
-        raise UsageError("not an adapter directory", path=src)
-    register(src)   # the whole export dir is an input: no OUT inside it
-    parse_peft_config(src / ADAPTER_CONFIG)   # refuses non-LoRA peft_type, DoRA, lora_bias, ... before the weights
-    weights = TensorFileSource(_weights_file(src))
-    if checkpoint is None:
-        return FixSources(weights)
-    try:   # alpha comes from the export's own resolution; the checkpoint's LoRA scale is not used
-        return FixSources(weights, DcpLoraSource(Path(checkpoint), alpha=1.0, run_config=None))
-    except BaseException:
-        weights.close()
-        raise
-
-
-def _check_same_state(sources: FixSources, modules: dict[str, tuple[str, str]], wpath: Path) -> int:
-    """The checkpoint must be the state the export was written from: every LoRA factor the two share
-    (dense modules) bitwise equal. Returns how many were compared."""
-    ck = sources.ckpt
-    compared = 0
-    for mod, keys in sorted(modules.items()):
-        spec = ck.modules.get(mod)
-        if spec is None or spec.expert is not None:
-            continue
-        for ab, key in zip("AB", keys):
-            theirs = ck.read_factor(mod, ab)
-            mine = sources.weights.read_tensor(key)
-            if tuple(theirs.shape) != tuple(mine.shape) or not torch.equal(theirs.to(mine.dtype), mine):
-                raise FormatError(f"--checkpoint {ck.path} is not the state this export was written from: "
-                                  f"{mod} lora_{ab} differs", path=wpath, key=key,
-                                  hint="pass the checkpoint of the same step as the broadcast "
-                                       "(outputs/checkpoints/step_N/trainer for broadcasts/step_N)")
-            compared += 1
-    return compared
+    layout: str = DEFAULT_LAYOUT    # how MoE expert LoRA is written (core.keys.LAYOUTS)
 
 
 def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPlan:
@@ -229,7 +156,11 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
         weights = FixSources(weights)
     base, slot, alpha, run_config = options.base, options.slot, options.alpha, options.run_config
     cfg = parse_peft_config(src / ADAPTER_CONFIG)
-    if cfg.use_rslora or cfg.rank_pattern or cfg.alpha_pattern:
+    if options.layout not in LAYOUTS:
+        raise UsageError(f"--layout {options.layout!r}: choose one of {', '.join(LAYOUTS)}")
+    params = fused_params_of_config(cfg.target_parameters)
+    fused_patterns = all(k.rsplit(".", 1)[-1] in params for k in (*cfg.rank_pattern, *cfg.alpha_pattern))
+    if cfg.use_rslora or (cfg.rank_pattern or cfg.alpha_pattern) and not fused_patterns:
         raise FormatError("use_rslora / rank_pattern / alpha_pattern are set: prime-rl exports have none, and "
                           "fix-adapter repairs prime-rl exports", path=cfg.path,
                           hint="a PEFT-made adapter needs no repair")
@@ -294,7 +225,31 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
             problems.append(f"{mod}: A {list(a)} and B {list(b)} do not share a rank")
             continue
         modules[mod] = (ab["A"], ab["B"])
-    ranks = sorted({shapes[a][0] for a, _ in modules.values()})
+    # a fused expert LoRA (the peft layout) is its per-expert modules, each a view into the fused tensors
+    views = {}
+    saved = set(modules)
+
+    def partner_rank(experts: str, param: str) -> int | None:
+        held = fused_peft_modules(experts, params).get(param) in saved
+        return cfg.rank_for(fused_param_name(experts, param)) if held else None
+
+    for mod in sorted(saved):
+        a, b = modules[mod]
+        expanded = parse_fused(mod, shapes[a], shapes[b], params, cfg.rank_for, partner_rank, wpath, r=cfg.r)
+        if expanded is not None:
+            del modules[mod]
+            for name, v in expanded:
+                modules[name], views[name] = (a, b), v
+    if views:
+        fixes.append(f"read the fused expert LoRA (target_parameters {list(cfg.target_parameters)}) as its "
+                     f"{len(views)} per-expert modules")
+
+    def fshape(mod: str, ab: str) -> tuple:
+        if mod in views:
+            return views[mod].a_shape if ab == "A" else views[mod].b_shape
+        return shapes[modules[mod][0 if ab == "A" else 1]]
+
+    ranks = sorted({fshape(m, "A")[0] for m in modules})
     if len(ranks) > 1:
         problems.append(f"ranks vary across modules: {ranks}")
     if problems:
@@ -324,23 +279,30 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
     base_shapes = None
     if base_dir is not None:
         base_shapes, _ = tensor_shapes(base_dir)
-        check_modules_fit_base({m: (shapes[a], shapes[b]) for m, (a, b) in modules.items()},
-                           base_shapes, base_dir)
+        check_modules_fit_base({m: (fshape(m, "A"), fshape(m, "B")) for m in modules}, base_shapes, base_dir)
     elif base is not None:
         raise UsageError(f"base model {base!r} not found: {why}", hint="pass an existing model directory")
     else:
         warnings.append(f"base model {cfg.base_model_name_or_path!r} from adapter_config.json was not found "
                         f"({why}): keys were NOT checked against a model; pass --base DIR")
-    targets, twarn = target_modules_for(sorted(modules), base_shapes)
+    experts = [m for m in modules if expert_parts(m) is not None]
+    fused = plan_fused({m: (fshape(m, "A"), fshape(m, "B")) for m in experts}, wpath) \
+        if options.layout == "peft" and experts else []
+    per_module = sorted(m for m in modules if not fused or m not in set(experts))
+    targets, twarn = target_modules_for(per_module, base_shapes)
     if twarn:
         warnings.append(twarn)
+    if experts and bool(views) != bool(fused):
+        fixes.append(f"MoE expert LoRA written in the {options.layout} layout (" +
+                     ("fused through target_parameters, what PEFT loads with transformers 5" if fused else
+                      "per-expert modules, what stock vLLM's Qwen3-MoE and prime-rl load") + ")")
 
     kept_full: list[str] = []
     filled: dict[str, str] = {}     # HF name -> checkpoint ref, for modules_to_save the export lacks
     missing = [t for t in cfg.modules_to_save if not any(_belongs_to(n, t) for n in full)]
     if weights.ckpt is not None:
         trained = weights.ckpt.full_tensors
-        same = _check_same_state(weights, modules, wpath)
+        same = check_same_state(weights, modules, wpath)
         if not same:
             warnings.append(f"--checkpoint {weights.ckpt.path}: no LoRA factor in common with the export to prove it "
                             "is the same step; check it is")
@@ -394,8 +356,21 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
     if fw:
         warnings.append(fw)
 
-    tensors = [OutTensor(peft_key(m, ab), shapes[k], short_name(dtypes[k]), k)
-               for m, keys in modules.items() for ab, k in zip("AB", keys)]
+    read_plan: dict = {}
+    tensors = []
+    for m in per_module:
+        for ab, k in zip("AB", modules[m]):
+            source = f"view:{m}:{ab}" if m in views else k
+            if m in views:
+                read_plan[source] = ("view", m, ab)
+            tensors.append(OutTensor(peft_key(m, ab), fshape(m, ab), short_name(dtypes[k]), source))
+    for f in fused:
+        for ab in "AB":
+            k = modules[experts[0]][0 if ab == "A" else 1]
+            read_plan[f.source(ab)] = ("fused", f, ab)
+            tensors.append(OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape,
+                                     short_name(dtypes[k]), f.source(ab)))
+    read_plan["_modules"], read_plan["_views"] = dict(modules), views
     for name in kept_full:
         k = full[name]
         tensors.append(OutTensor(PEFT_PREFIX + name, shapes[k], short_name(dtypes[k]), k))
@@ -406,13 +381,14 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
     if wpath.name == BIN_NAME:
         fixes.append(f"{BIN_NAME} (a pickle) -> {SAFETENSORS_NAME}")
     config = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets,
-                         base_model_name_or_path=name_for_cfg, modules_to_save=mts or None)
+                         base_model_name_or_path=name_for_cfg, modules_to_save=mts or None,
+                         fused=fused_config(fused, scale) if fused else None)
     plan = FixPlan(src=src, out=out, weights_file=wpath.name, fixes=tuple(fixes), slot=chosen,
                    slots_present=tuple(slots), modules=len(modules), rank=rank, alpha=res.alpha,
                    alpha_source=res.source, lora_alpha=lora_alpha, scale=scale,
                    base_model_name_or_path=name_for_cfg, base_checked=base_dir, tensors=tuple(tensors),
                    modules_to_save=tuple(mts), config=config, out_file_bytes=safetensors_file_bytes(tensors),
-                   warnings=tuple(warnings))
+                   warnings=tuple(warnings), layout=options.layout, read_plan=read_plan)
     return plan
 
 
@@ -447,6 +423,28 @@ def run_fix(plan: FixPlan, weights: FixSources, progress: Progress | None = None
         weights = FixSources(weights)
     inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else []) + \
         ([weights.ckpt.path] if weights.ckpt is not None else [])   # --base and --checkpoint are read too
-    size = write_adapter(plan.out, plan.tensors, lambda t: weights.read_tensor(t.source), plan.config, inputs=inputs,
+    rp = plan.read_plan
+    modules, views = rp.get("_modules", {}), rp.get("_views", {})
+    cache: dict = {}   # the fused tensors the last views were cut from: one block's A and B of gate_up and down
+
+    def factor(m: str, ab: str) -> torch.Tensor:
+        key = modules[m][0 if ab == "A" else 1]
+        if m not in views:
+            return weights.read_tensor(key)
+        if key not in cache:
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            cache[key] = weights.read_tensor(key)
+        return read_view(views[m], ab, cache[key], key=key, path=weights.path)
+
+    def read(t: OutTensor) -> torch.Tensor:
+        how = rp.get(t.source)
+        if how is None:
+            return weights.read_tensor(t.source)
+        if how[0] == "view":
+            return factor(how[1], how[2])
+        return build_fused(how[1], how[2], factor)
+
+    size = write_adapter(plan.out, plan.tensors, read, plan.config, inputs=inputs,
                          overwrite=overwrite, progress=progress, stage="fix")
     return FixReport(plan, size, round(time.perf_counter() - t0, 3))
