@@ -25,7 +25,7 @@ import click
 from .. import __version__
 from .. import dist
 from ..core.errors import CkptError, UsageError
-from ..io import inputs
+from ..io import inputs, owned
 from ..io.signals import Terminated, install_signal_handlers
 from .render import STATE, clear_progress, emit_failure
 
@@ -113,6 +113,7 @@ class _Group(click.Group):
             # every path this command reads is recorded as an input (inputs.register): OUT may not
             # be, contain or be inside any of them (io.staging.AtomicOutputDir)
             with inputs.tracking():
+                owned.set_command(command)   # named in the marker of every OUT written (--overwrite's proof)
                 return super().invoke(ctx)
         except CkptError as exc:
             if verbose:

@@ -44,7 +44,7 @@ def command(src: Path, out: Path, base, slot, alpha, run_config, overwrite: bool
     options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config))
     report = plan_and_run(lambda: open_fix_source(src), lambda weights: plan_fix(weights, src, options),
                           lambda plan, weights, progress: run_fix(plan, weights, progress, overwrite=overwrite),
-                          FixReport, dry_run=dry_run)
+                          FixReport, dry_run=dry_run, out=out, overwrite=overwrite)
     finish(report, as_json, lambda rep: _render(rep, dry_run))
 
 

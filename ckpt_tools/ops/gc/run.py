@@ -58,7 +58,8 @@ def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bo
         layout = partition(ckpt)
         info = base_identity(hf.model_dir, str(base))
         check = base_hash_check(hf, layout.dropped)
-        with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout)) as tmp:
+        with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout),
+                             marker=False) as tmp:
             write_slim(ckpt, tmp, layout, base=info, base_hash=check, base_path=hf.path, progress=progress)
 
 
