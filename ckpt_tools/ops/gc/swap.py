@@ -123,7 +123,11 @@ def swap_in_slim(step_dir: Path) -> None:
         log.warning("atomic exchange unavailable (%s): swapping with two renames", exc)
         with signals_deferred():
             os.rename(trainer, step_dir / ASIDE)
-            os.rename(staged, trainer)
+            try:
+                os.rename(staged, trainer)
+            except BaseException:
+                os.rename(step_dir / ASIDE, trainer)   # put the full one back: never neither
+                raise
             fsync_path(step_dir)
         return
     set_aside(step_dir)
