@@ -18,6 +18,7 @@ from ...formats.primerl.run_dir import dir_bytes
 from ...formats.slim.partition import base_identity, partition
 from ...formats.slim.writer import need_bytes, write_slim
 from ...io.files import fsync_path
+from ...io.inputs import tracking
 from ...io.lock import OutputLock
 from ...io.staging import AtomicOutputDir, mount_point
 from ...sources.hashing import base_hash_check
@@ -114,7 +115,8 @@ def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress 
     notes = []
     if staged.is_dir():
         try:
-            check_slim(trainer, staged, trust_pickle=trust_pickle)
+            with tracking():   # a stale one is deleted and written anew: its reads make it no input
+                check_slim(trainer, staged, trust_pickle=trust_pickle)
             notes.append(f"reused the verified {STAGED} of an interrupted run")
         except CkptError as exc:
             notes.append(f"discarded {STAGED} of an interrupted run ({exc.message})")
