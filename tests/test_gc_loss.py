@@ -24,9 +24,14 @@ from click.testing import CliRunner
 from ckpt_tools.cli import main
 
 from . import hardening_util as hu
-from .test_gc import GC_EVENTS, _age, entries, make_run
+from .test_gc import GC_EVENTS, OLD, entries, make_run
 
 MANIFEST = "ckpt-slim-manifest.json"
+
+
+def _age(root: Path) -> None:
+    for p in [root, *root.rglob("*")]:
+        os.utime(p, (OLD, OLD), follow_symlinks=False)
 
 
 def gc(*args, json_out: bool = True):
