@@ -101,10 +101,6 @@ def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bo
         layout = partition(ckpt)
         info = base_identity(hf.model_dir, str(base))
         check = base_hash_check(hf, layout.dropped)
-        unknown = unknown_entries(ckpt)
-        if unknown:   # added since the plan: a slim would not carry them, and the full copy is deleted
-            raise UsageError(f"holds entries a slim would not carry: {', '.join(unknown[:5])}; left alone",
-                             path=ckpt.dir, hint="move them out of trainer/ to let gc slim this step")
         with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout),
                              marker=False) as tmp:
             write_slim(ckpt, tmp, layout, base=info, base_hash=check, base_path=hf.path, progress=progress)
@@ -113,6 +109,11 @@ def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bo
 def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress | None) -> list[str]:
     trainer, staged = step_dir / TRAINER, step_dir / STAGED
     notes = []
+    with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ck:
+        unknown = unknown_entries(ck)
+    if unknown:   # added since the plan: a slim would not carry them, and the full copy is deleted
+        raise UsageError(f"holds entries a slim would not carry: {', '.join(unknown[:5])}; left alone",
+                         path=trainer, hint="move them out of trainer/ to let gc slim this step")
     if staged.is_dir():
         try:
             with tracking():   # a stale one is deleted and written anew: its reads make it no input
