@@ -12,6 +12,7 @@ taken, is called with `ckpt_tools.core.progress.ProgressEvent`s.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from .core.primerl_state import SchedulerSpec
@@ -21,6 +22,7 @@ from .formats.hf_dir.hub import resolve_model_dir
 from .formats.hf_dir.model_dir import HFModelDir
 from .formats.peft.adapter import PeftAdapter, open_peft_adapter
 from .formats.sniff import DCP, HF, PEFT, sniff
+from .io.owned import command_scope
 from .ops.adapter_to_dcp import ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, \
     run_adapter_to_dcp
 from .ops.average import AverageOptions, AverageReport, open_average_sources, plan_average, run_average
@@ -254,3 +256,18 @@ def resize_adapter(adapter: str | Path, out: str | Path, *, rank: int | None = N
     with open_resize_sources(adapter, options) as src:
         plan = plan_resize(src, options)
         return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)
+
+
+def _as_command(fn, command: str):
+    """`fn` recording `command` in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI does."""
+    @functools.wraps(fn)
+    def run_as_command(*args, **kwargs):
+        with command_scope(command):
+            return fn(*args, **kwargs)
+    return run_as_command
+
+
+# each function is its command (`set_values` is `ckpt set`: `set` is Python's builtin)
+for _name in [n for n in __all__ if n[0].islower() and n != "open"]:
+    globals()[_name] = _as_command(globals()[_name], "set" if _name == "set_values" else _name.replace("_", "-"))
+del _name

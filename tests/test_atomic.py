@@ -15,6 +15,7 @@ import pytest
 
 from ckpt_tools.io import files, inputs, staging
 from ckpt_tools.io import lock as lock_mod
+from ckpt_tools.io.owned import OUTPUT_MARKER
 from ckpt_tools.io.staging import AtomicOutputDir, clean_stale_temps
 from ckpt_tools.io.signals import Terminated
 from ckpt_tools.io.files import atomic_write_bytes, atomic_write_text
@@ -82,8 +83,9 @@ def test_any_exception_leaves_no_out_no_temp_and_no_lock_and_propagates(tmp_path
 
 def test_existing_out_is_refused_unless_overwrite(tmp_path):
     out = tmp_path / "merged"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    with AtomicOutputDir(out) as tmp:    # an earlier output: it carries the marker
+        (tmp / "old.txt").write_text("old")
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "old.txt"]
     with pytest.raises(OutputExistsError, match="already exists") as ei:
         with AtomicOutputDir(out):
             pytest.fail("must not be entered")
@@ -92,14 +94,14 @@ def test_existing_out_is_refused_unless_overwrite(tmp_path):
 
     with AtomicOutputDir(out, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
-    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "new.txt"]
     assert siblings(out) == ["merged"]
 
 
 def test_failed_overwrite_keeps_the_old_out(tmp_path):
     out = tmp_path / "merged"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    with AtomicOutputDir(out) as tmp:
+        (tmp / "old.txt").write_text("old")
     with pytest.raises(RuntimeError):
         with AtomicOutputDir(out, overwrite=True):
             raise RuntimeError("boom")

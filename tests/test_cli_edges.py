@@ -87,12 +87,17 @@ def test_every_writing_command_takes_overwrite_and_its_refusal_names_it(tmp_path
 
 
 @pytest.mark.parametrize("name", ["extract-adapter", "merge", "set-lr"])
-def test_overwrite_replaces_an_existing_output(tmp_path, name):
+def test_overwrite_replaces_an_earlier_output_and_nothing_else(tmp_path, name):
     out = tmp_path / "out"
-    (out / "stale").mkdir(parents=True)
+    assert run(*WRITERS[name](out)).exit_code == 0
+    first = sorted(os.listdir(out))
     r = run(*WRITERS[name](out), "--overwrite")
     assert r.exit_code == 0, r.output
-    assert out.is_dir() and not (out / "stale").exists()
+    assert sorted(os.listdir(out)) == first and ".ckpt-tools-output" in first
+    (out / "stale").mkdir()                      # something the tool did not write: refused, named
+    r = run(*WRITERS[name](out), "--overwrite")
+    assert r.exit_code == 1 and "holds entries it did not write: stale" in r.stderr, r.output
+    assert (out / "stale").is_dir()
 
 
 def test_every_dry_run_is_labelled_the_same_way_once(tmp_path):

@@ -182,13 +182,9 @@ def _fs_calls(p: Path):
                 yield n.lineno, "open(..., mode)"
 
 
-# gc's step lock and swap still call os/fcntl themselves (moving them into io/ waits on gc's hardening)
-_IO_RULE_PENDING = {"ckpt_tools/ops/gc/layout.py", "ckpt_tools/ops/gc/swap.py"}
-
-
 def test_only_io_creates_renames_removes_or_locks_files():
     found = [f"{rel(p)}:{line}: {what}" for p in modules() if "io" != p.relative_to(PKG).parts[0]
-             and rel(p) not in _IO_RULE_PENDING for line, what in _fs_calls(p)]
+             for line, what in _fs_calls(p)]
     assert not found, "\n".join(found)
 
 

@@ -24,7 +24,7 @@ import click
 from .. import __version__
 from .. import dist
 from ..core.errors import CkptError, UsageError
-from ..io import inputs
+from ..io import inputs, owned
 from ..io.files import stdout_to_devnull
 from ..io.signals import Terminated, install_signal_handlers
 from .render import STATE, clear_progress, emit_failure
@@ -73,6 +73,9 @@ def hoist_global_flags(args: list[str]) -> list[str]:
 MULTI_RANK_COMMANDS = ("merge", "export", "rehydrate", "adapter-to-dcp", "slim", "diff-vs-base", "verify")
 
 
+_NOTHING_WRITTEN = "nothing was written (temporary files removed)"
+
+
 class _Group(click.Group):
     def list_commands(self, ctx):
         return list(COMMANDS)
@@ -115,15 +118,16 @@ class _Group(click.Group):
             # every path this command reads is recorded as an input (inputs.register): OUT may not
             # be, contain or be inside any of them (io.staging.AtomicOutputDir)
             with inputs.tracking():
+                owned.set_command(command)   # named in the marker of every OUT written (--overwrite's proof)
                 return super().invoke(ctx)
         except CkptError as exc:
             if verbose:
                 traceback.print_exc()
             fail(type(exc).__name__, f"error: {exc}", exc.exit_code, exc)
-        except KeyboardInterrupt:
-            fail("interrupted", "interrupted: nothing was written (temporary files removed)", 130)
+        except KeyboardInterrupt as exc:   # `summary`: a command that had written something says what
+            fail("interrupted", f"interrupted: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}", 130)
         except Terminated as exc:
-            fail("terminated", "terminated: nothing was written (temporary files removed)", exc.exit_code)
+            fail("terminated", f"terminated: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}", exc.exit_code)
         except click.ClickException as exc:
             if as_json and not STATE.emitted:   # a usage error of the command's own arguments
                 exc.show()

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import click
 
 from ..io.signals import signals_deferred
 from .progress import ProgressLine
 from .render import emit
 
-__all__ = ["plan_and_run", "finish", "op_imports"]
+__all__ = ["plan_and_run", "finish", "op_imports", "DryRunReport", "dry_run_output"]
 
 
 @contextlib.contextmanager
@@ -31,13 +34,39 @@ def op_imports():
         yield
 
 
-def plan_and_run(open_sources: Callable, plan: Callable, run: Callable, dry_report: Callable, *, dry_run: bool):
-    """`open_sources()` (a context manager) -> `plan(sources)` -> `dry_report(plan)` in a dry run, else
-    `run(plan, sources, progress)` with the progress line drawn (on a terminal, not under -q/--json)."""
+@dataclass
+class DryRunReport:
+    """A dry run's report with what writing OUT would do (`io.staging.describe_output`): its JSON
+    plan gains `output` = {"out", "exists", "replaces"}."""
+    report: object
+    output: dict | None
+
+    def to_json(self) -> dict:
+        d = self.report.to_json() if hasattr(self.report, "to_json") else dict(self.report)
+        if self.output is None:
+            return d
+        if isinstance(d.get("plan"), dict):
+            return {**d, "plan": {**d["plan"], "output": self.output}}
+        return {**d, "output": self.output}
+
+
+def dry_run_output(out, overwrite: bool) -> dict | None:
+    """What the real run would do at OUT, refusing what it would refuse (None: no OUT)."""
+    if out is None:
+        return None
+    from ..io.staging import describe_output
+    return describe_output(out, overwrite=overwrite)
+
+
+def plan_and_run(open_sources: Callable, plan: Callable, run: Callable, dry_report: Callable, *, dry_run: bool,
+                 out=None, overwrite: bool = False):
+    """`open_sources()` (a context manager) -> `plan(sources)` -> `dry_report(plan)` in a dry run (with
+    OUT checked as the real run checks it: `dry_run_output`), else `run(plan, sources, progress)` with
+    the progress line drawn (on a terminal, not under -q/--json)."""
     with open_sources() as sources:
         planned = plan(sources)
         if dry_run:
-            return dry_report(planned)
+            return DryRunReport(dry_report(planned), dry_run_output(out, overwrite))
         progress = ProgressLine.for_terminal()
         try:
             return run(planned, sources, progress)
@@ -50,5 +79,12 @@ def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: 
     """The envelope under --json, else `render(report.to_json())`."""
     if as_json:
         emit(report, exit_code=exit_code)
-    else:
-        render(report.to_json() if hasattr(report, "to_json") else report)
+        return
+    render(report.to_json() if hasattr(report, "to_json") else report)
+    rep = getattr(report, "output", None) if isinstance(report, DryRunReport) else None
+    if rep and rep.get("replaces") is not None:
+        r = rep["replaces"]
+        what = f"an earlier output of `ckpt {r['command']}`" if r.get("command") else "an empty directory"
+        from ..core.units import human_bytes
+        click.echo(f"  --overwrite would remove {rep['out']}: {what}, {r['entries']} entries, "
+                   f"{human_bytes(r['bytes'])}")

@@ -48,7 +48,9 @@ trust_option = click.option(
     help="DANGEROUS: unpickle checkpoint metadata/items beyond the allow-list. Only for files you made.")
 dry_run_option = click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 overwrite_option = click.option("--overwrite", is_flag=True,
-                                help="Replace OUT if it exists (the new one is renamed in only when complete).")
+                                help="Replace OUT if it is an earlier output of ckpt-tools (it carries the "
+                                     ".ckpt-tools-output marker); anything else there is refused, named. The new "
+                                     "one is renamed in only when complete.")
 
 
 def alpha_options(f):

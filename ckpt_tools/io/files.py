@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = [
     "create_new", "open_new", "write_new_file", "fsync_path", "fsync_tree", "start_writeback", "atomic_write_bytes",
-    "atomic_write_text", "exchange_paths", "remove_path", "remove_file", "link_entry", "rename_entry", "make_dirs",
+    "atomic_write_text", "exchange_paths", "remove_path", "remove_file", "link_entry", "rename_entry", "remove_empty_dir", "make_dirs",
     "stdout_to_devnull", "temp_name",
 ]
 
@@ -154,6 +154,11 @@ def link_entry(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 def rename_entry(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Rename within one filesystem (atomic; replaces an existing file `dst`, or an empty dir)."""
     os.rename(src, dst)
+
+
+def remove_empty_dir(path: str | os.PathLike) -> None:
+    """Remove a directory that must already be empty (never a link: rmdir refuses one)."""
+    os.rmdir(path)
 
 
 def make_dirs(path: str | os.PathLike) -> Path:

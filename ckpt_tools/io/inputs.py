@@ -39,7 +39,7 @@ from .pread import pread_exact, pread_into
 
 __all__ = [
     "ReadPolicy", "set_policy", "policy", "tracking", "register", "registered", "input_tree", "check_input",
-    "open_input", "read_input", "read_text", "read_json", "read_toml", "scan_tree", "kind_of", "is_plain_file_name", "ReadStats",
+    "identity", "ancestry", "open_input", "read_input", "read_text", "read_json", "read_toml", "scan_tree", "kind_of", "is_plain_file_name", "ReadStats",
     "OpenFiles", "MAX_JSON_BYTES", "MAX_TOML_BYTES", "MAX_METADATA_BYTES", "MAX_JSON_DEPTH",
 ]
 
@@ -96,6 +96,32 @@ def register(path: str | os.PathLike) -> None:
 def registered() -> tuple[Path, ...]:
     seen = _INPUTS.get()
     return tuple(Path(p) for p in sorted(seen)) if seen else ()
+
+
+# ------------------------------------------------------------------------------------ identity
+def identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of what `path` names (links followed), None when nothing is there. Two paths
+    that reach one directory through another mount of it (a bind mount, as in containers) or a
+    symlink have the same identity, whatever their names."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def ancestry(path: str | os.PathLike) -> set[tuple[int, int]]:
+    """The identities of `path` and of every directory above it, walked both by its spelling (up
+    through a bind mount's own parents) and by its real path (up through a symlink's target's): a
+    path lies inside a directory D exactly when identity(D) is in this set."""
+    p = Path(os.path.abspath(Path(path).expanduser()))
+    out = set()
+    for chain in (p, Path(os.path.realpath(p))):
+        for d in (chain, *chain.parents):
+            i = identity(d)
+            if i is not None:
+                out.add(i)
+    return out
 
 
 # ------------------------------------------------------------------------------------ checks

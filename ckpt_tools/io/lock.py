@@ -22,7 +22,7 @@ from ..core.errors import LockedError, UnsafeInputError
 from . import inputs
 from .files import create_new
 
-__all__ = ["OutputLock", "lock_path_for", "pid_alive"]
+__all__ = ["OutputLock", "lock_path_for", "pid_alive", "lock_holder"]
 
 log = logging.getLogger(__name__)
 
@@ -175,3 +175,23 @@ class OutputLock:
             self.path.unlink()
         os.close(self.fd)
         self.fd = None
+
+
+def lock_holder(lock: Path) -> str | None:
+    """The pid text of a live holder of an flock lock file, None when nobody holds it (read-only
+    probe: creates nothing)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

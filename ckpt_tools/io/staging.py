@@ -12,7 +12,14 @@ fresh (`files.create_new`); what is copied from an input is read through `inputs
 (`copy.copy_input_file`, `copy.copy_input_tree`). OUT, and every other output path
 (`check_output_file`), may not be, contain or be inside any input: the explicit `inputs=` and every
 path the command has read (`registered_inputs()`). `preflight()` runs those checks (and the free-disk
-check) before any input byte is read, for commands that plan long before they write.
+check) before any input byte is read, for commands that plan long before they write. An input is
+compared by identity too, (st_dev, st_ino) of it and of every directory above OUT (`inputs.ancestry`):
+another mount of the input (a bind mount) has other names but the same inodes.
+
+`--overwrite` replaces only an earlier output of ckpt-tools: every committed OUT carries the marker
+`owned.OUTPUT_MARKER`, written into the temp dir before the rename; anything else at OUT is refused,
+naming what would be deleted (`owned.replace_check`). `describe()` is what a dry run reports: what
+writing OUT would replace, after the same refusals as the real run.
 """
 from __future__ import annotations
 
@@ -27,13 +34,14 @@ from typing import Iterable
 
 from ..core.errors import DiskSpaceError, OutputExistsError, RankFailed, UsageError
 from ..core.units import human_bytes
-from .inputs import registered as registered_inputs
+from .inputs import ancestry, identity, registered as registered_inputs
+from .owned import check_not_cwd, replace_check, write_marker
 from .files import fsync_path, fsync_tree, remove_path
 from .lock import OutputLock, lock_path_for, pid_alive
 from .signals import signals_deferred
 
 __all__ = ["OVERWRITE_HINT", "AtomicOutputDir", "SharedOutputDir", "clean_stale_temps", "check_against_inputs",
-           "check_output_file", "mount_point"]
+           "check_output_file", "describe_output", "mount_point"]
 
 # every command that writes OUT takes --overwrite: the one message when OUT is already there
 OVERWRITE_HINT = "pass --overwrite to replace it, or another output path"
@@ -89,10 +97,12 @@ class AtomicOutputDir:
     Refuses (before creating anything but the lock) when: `out` is inside an input or an input
     inside `out` (UsageError); another process holds the lock (LockedError); `out` exists and
     not `overwrite` (OutputExistsError); fewer than `need_bytes` are free (DiskSpaceError).
-    With `overwrite`, the old `out` is moved aside, the new one renamed in, then the old removed."""
+    With `overwrite`, the old `out` is moved aside, the new one renamed in, then the old removed;
+    only an earlier output of ckpt-tools is replaced (module docstring). `marker=False`: no marker in
+    the output (gc's in-place slims: a training checkpoint is never "an earlier output")."""
 
     def __init__(self, out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
-                 need_bytes: int = 0, overwrite: bool = False):
+                 need_bytes: int = 0, overwrite: bool = False, marker: bool = True):
         out = Path(out).expanduser()
         if out.name in ("", ".", ".."):
             raise UsageError(f"output path {str(out)!r} does not name a new directory")
@@ -100,6 +110,7 @@ class AtomicOutputDir:
         self.inputs = [Path(p).expanduser().resolve() for p in inputs]
         self.need_bytes = need_bytes
         self.overwrite = overwrite
+        self.marker = marker
         self.lock_path = lock_path_for(self.out)
         self.tmp: Path | None = None
         self._lock = OutputLock(self.lock_path, self.out)
@@ -108,13 +119,27 @@ class AtomicOutputDir:
         """Refuse now what `__enter__` would refuse when writing starts: OUT inside an input (or an
         input inside OUT), OUT already there (without `overwrite`), too little free disk."""
         self._check_paths()
-        if os.path.lexists(self.out) and not self.overwrite:
-            raise OutputExistsError("already exists", path=self.out, hint=OVERWRITE_HINT)
+        self._check_replace()
         if self.out.parent.is_dir():
             self._check_space()
 
+    def describe(self) -> dict:
+        """What a dry run says about OUT, after the refusals the real run makes (but the disk check):
+        {"out", "exists", "replaces": None or what `--overwrite` would delete}."""
+        self._check_paths()
+        return {"out": str(self.out), "exists": os.path.lexists(self.out), "replaces": self._check_replace()}
+
     def _check_paths(self) -> None:
         check_against_inputs(self.out, self.inputs)
+        check_not_cwd(self.out)
+
+    def _check_replace(self) -> dict | None:
+        """None when OUT is free; else what replacing it deletes, or the refusal."""
+        if not os.path.lexists(self.out):
+            return None
+        if not self.overwrite:
+            raise OutputExistsError("already exists", path=self.out, hint=OVERWRITE_HINT)
+        return replace_check(self.out)
 
     def _check_space(self) -> None:
         if self.need_bytes <= 0:
@@ -132,8 +157,7 @@ class AtomicOutputDir:
         self._lock.acquire()
         try:
             clean_stale_temps(self.out)
-            if os.path.lexists(self.out) and not self.overwrite:
-                raise OutputExistsError("already exists", path=self.out, hint=OVERWRITE_HINT)
+            self._check_replace()
             self._check_space()
             self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             self.tmp.mkdir()
@@ -152,6 +176,8 @@ class AtomicOutputDir:
                 raise full from exc
             return False
         try:
+            if self.marker:
+                write_marker(self.tmp)
             fsync_tree(self.tmp)
             with signals_deferred():
                 self._commit()
@@ -200,6 +226,7 @@ class AtomicOutputDir:
             if not self.overwrite:   # appeared while we worked, by a writer that ignores our lock
                 raise OutputExistsError("appeared while the output was being written", path=self.out,
                                         hint="pass a new output path")
+            replace_check(self.out)   # again, under the lock: what is there now
             aside = self.out.parent / f".{self.out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
             os.rename(self.out, aside)
         try:
@@ -217,6 +244,15 @@ class AtomicOutputDir:
             self._lock.release()
 
 
+def describe_output(out: str | os.PathLike, *, overwrite: bool = False,
+                    inputs: Iterable[str | os.PathLike] = ()) -> dict:
+    """A dry run's account of OUT (`AtomicOutputDir.describe`): refuses what the real run refuses
+    (a name that is no new directory, OUT inside or holding an input, the current directory, an
+    existing OUT without `overwrite`, or one that is not an earlier output) and says what
+    `--overwrite` would delete."""
+    return AtomicOutputDir(out, inputs=inputs, overwrite=overwrite).describe()
+
+
 def check_against_inputs(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> Path:
     """Refuse an output path that is, contains or is inside an input: the `inputs` given and every
     path this command has read so far (`registered_inputs()`). Returns OUT's absolute path."""
@@ -232,7 +268,27 @@ def check_against_inputs(out: str | os.PathLike, inputs: Iterable[str | os.PathL
             if _is_within(inp, o):
                 raise UsageError(f"input {inp} is inside output {out}",
                                  hint="choose an output path that contains no input")
+    # by identity: another mount of an input (a bind mount) reaches the same inodes by other names
+    above_out, out_id, seen = ancestry(out), identity(out), {}
+    for inp in sorted(every):
+        i = identity(inp)
+        if i is not None and i in above_out:
+            raise UsageError(f"output {out} is inside input {inp}: the same directory reached by another path "
+                             "(a bind mount or another mount of it)",
+                             hint="write the output somewhere outside the inputs")
+        if out_id is not None and out_id in _ancestry_cached(inp, seen):
+            raise UsageError(f"input {inp} is inside output {out}: the same directory reached by another path "
+                             "(a bind mount or another mount of it)",
+                             hint="choose an output path that contains no input")
     return out
+
+
+def _ancestry_cached(p: Path, seen: dict) -> set:
+    """`inputs.ancestry`, each directory stat'ed once over the many files of one input tree."""
+    key = str(Path(p).parent)
+    if key not in seen:
+        seen[key] = ancestry(Path(p).parent)
+    return seen[key] | ({identity(p)} - {None})
 
 
 def check_output_file(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), *,

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..core.errors import AlphaError, CkptError, MissingPathError, UsageError
 from ..core.keys import classify, trainable_params
 from ..formats.dcp.layout import METADATA_NAME
+from ..formats.slim.manifest import SLIM_MANIFEST
 from ..formats.dcp.model import TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.summary import summarize
@@ -133,11 +134,15 @@ def inspect_checkpoints_dir(path: Path) -> dict:
     for c in sorted((c for c in root.iterdir() if step_number(c) is not None), key=step_number):
         trainer = c / "trainer"
         complete = (trainer / METADATA_NAME).is_file()
+        slim = complete and (trainer / SLIM_MANIFEST).is_file()   # `ckpt gc` / `ckpt slim` wrote it
         size = sum(f.stat().st_size for f in trainer.iterdir() if f.is_file()) if trainer.is_dir() else 0
-        steps.append({"step": step_number(c), "path": str(c), "complete": complete, "bytes": size,
-                      "resumes_at_step": step_number(c)})
+        state = "slim" if slim else "full" if complete else "incomplete"
+        steps.append({"step": step_number(c), "path": str(c), "complete": complete, "slim": slim, "state": state,
+                      "bytes": size, "resumes_at_step": step_number(c) if state == "full" else None,
+                      "to_resume": f"ckpt rehydrate {trainer} OUT --base BASE, then resume from OUT" if slim else None})
     return {"format": "checkpoints", "path": str(root), "steps": steps,
-            "note": "prime-rl resumes from step_N at step N (set ckpt.resume_step = N)"}
+            "note": "prime-rl resumes from a full step_N at step N (set ckpt.resume_step = N); a slim step "
+                    "must be rehydrated first (`ckpt rehydrate`)"}
 
 
 def inspect_hf(path: Path) -> dict:

@@ -30,7 +30,7 @@ from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
 from ..io.files import atomic_write_text, make_dirs
 from ..io.inputs import read_toml
-from ..io.staging import OVERWRITE_HINT, check_output_file
+from ..io.staging import OVERWRITE_HINT, check_output_file, describe_output
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..ops.extract_adapter import ExtractOptions, plan_extract
 from ..ops.merge import MergeOptions, MergeSources, check_output, plan_merge, run_merge
@@ -197,7 +197,8 @@ def _adapter_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_o
     report["adapter"] = {"modules": xplan.modules, "rank": xplan.rank, "alpha": xplan.alpha,
                          "alpha_source": xplan.alpha_source, "scale": xplan.scale}
     report["warnings"] += list(xplan.warnings)
-    if dry_run:
+    if dry_run:   # OUT checked as the real run checks it; what --overwrite would remove
+        report["output"] = describe_output(out, overwrite=overwrite)
         return report
     make_dirs(out.parent)
     if out.exists() and not overwrite:

@@ -78,7 +78,7 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
         lambda sources: plan_adapter_to_dcp(sources, options),
         lambda plan, sources, progress: run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite,
                                                             group=dist.current()),
-        lambda plan: ToDcpReport(plan, full=as_json), dry_run=dry_run)
+        lambda plan: ToDcpReport(plan, full=as_json), dry_run=dry_run, out=out, overwrite=overwrite)
     finish(report, as_json, lambda rep: _render(rep, dry_run))
 
 

@@ -57,7 +57,7 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
         lambda: DcpLoraSource(ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle),
         lambda src: plan_extract(src, ExtractOptions(out, base, dtype, layout)),
         lambda plan, src, progress: run_extract(plan, src, progress, overwrite=overwrite), ExtractReport,
-        dry_run=dry_run)
+        dry_run=dry_run, out=out, overwrite=overwrite)
     finish(report, as_json, _render)
 
 

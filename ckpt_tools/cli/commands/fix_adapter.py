@@ -54,7 +54,7 @@ def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, lay
                          checkpoint=None if checkpoint is None else str(checkpoint), layout=layout)
     report = plan_and_run(lambda: open_fix_source(src, checkpoint), lambda weights: plan_fix(weights, src, options),
                           lambda plan, weights, progress: run_fix(plan, weights, progress, overwrite=overwrite),
-                          FixReport, dry_run=dry_run)
+                          FixReport, dry_run=dry_run, out=out, overwrite=overwrite)
     finish(report, as_json, lambda rep: _render(rep, dry_run))
 
 

@@ -50,36 +50,48 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
         from ...ops.gc import gc
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal(not as_json)
+    done: list = []   # the steps finished so far, for the interrupt message
 
     def progress(ev: ProgressEvent) -> None:
         if ev.finished is not None:      # a step done: its line, whatever the terminal
+            done.append(ev.finished)
             if bar is not None:
                 bar.close()
-            _echo_step(ev.finished)
+            if not as_json:
+                _echo_step(ev.finished)
         elif bar is not None:
             bar(ev)
 
     try:
         with json_errors(as_json):
             report = gc(checkpoints, keep_full=keep_full, base=base, dry_run=dry_run, min_age_s=min_age,
-                        trust_pickle=trust_pickle, progress=None if as_json else progress)
-    except (KeyboardInterrupt, Terminated):
-        if not as_json:
-            click.echo("gc interrupted: every step is full or slim; rerun to finish", err=True)
+                        trust_pickle=trust_pickle, progress=progress)
+    except (KeyboardInterrupt, Terminated) as exc:
+        if bar is not None:
+            bar.close()
+        changed = [f"step_{r.step} {r.result}" for r in done if r.result in ("slimmed", "finished", "restored")]
+        line = (f"gc stopped after {', '.join(changed)} (done, kept); " if changed else
+                "gc stopped before any step was changed; ") + "every step is full or slim; rerun to finish"
+        exc.summary = line   # what the CLI's interrupt line says instead of "nothing was written"
         raise
     finally:
         if bar is not None:
             bar.close()
+    failed = (report.get("result") or {}).get("failed") or []
     if as_json:
-        emit(report)
-        return
-    _render(report)
+        emit(report, exit_code=1 if failed else 0)
+    else:
+        _render(report)
+    if failed:
+        raise click.exceptions.Exit(1)
 
 
 def _echo_step(r) -> None:
     if r.result in ("slimmed", "finished", "restored"):
         click.echo(f"  step_{r.step}: {r.result}, {human_bytes(r.bytes_before)} -> {human_bytes(r.bytes_after)} "
                    f"(freed {human_bytes(r.freed_bytes)}, {r.seconds:.1f}s)", err=True)
+    elif r.result == "skipped" and r.action in ("slim", "finish", "restore"):   # the plan said yes, the run no
+        click.echo(f"  step_{r.step}: skipped: {r.reason}", err=True)
 
 
 def _render(report: dict) -> None:

@@ -54,8 +54,13 @@ def render(r: dict) -> None:
     elif fmt == "checkpoints":
         click.echo(f"{r['path']}: {len(r['steps'])} checkpoint(s)")
         for s in r["steps"]:
-            state = "complete" if s["complete"] else "INCOMPLETE (no .metadata)"
-            click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  {state}  -> resumes at step {s['step']}")
+            if s.get("slim"):
+                click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  slim (not resumable as it is: "
+                           f"`ckpt rehydrate` it first)")
+            elif s["complete"]:
+                click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  complete  -> resumes at step {s['step']}")
+            else:
+                click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  INCOMPLETE (no .metadata)")
         click.echo(r["note"])
     elif fmt == "hf":
         _render_hf(r)

@@ -7,10 +7,10 @@ from collections import Counter
 import click
 
 from ... import dist
-from ...core.errors import CkptError, UsageError
+from ...core.errors import DiskSpaceError, UsageError
 from ...core.units import human_bytes, human_bytes_si, human_number
 from ...io.signals import install_signal_handlers
-from ..flow import finish, op_imports
+from ..flow import DryRunReport, dry_run_output, finish, op_imports
 from ..mistakes import check_roles
 from ..options import ModelPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
@@ -97,11 +97,12 @@ def dry_run_or_run(plan, sources, out, run, *, dry_run: bool, as_json: bool, ove
     `finish`)."""
     from ...ops.merge import MergeReport, check_output
     if dry_run:
+        output = dry_run_output(out, overwrite)   # refuses the OUTs the real run refuses
         try:
             check_output(plan, out, overwrite=overwrite)
-        except CkptError as exc:
+        except DiskSpaceError as exc:
             plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
-        finish(MergeReport(plan), as_json, lambda _: render_plan(plan, out, dry_run=True))
+        finish(DryRunReport(MergeReport(plan), output), as_json, lambda _: render_plan(plan, out, dry_run=True))
         for w in () if as_json else plan.warnings:
             warn(w)
         return None

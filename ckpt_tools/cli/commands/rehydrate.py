@@ -48,7 +48,7 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
     report = plan_and_run(lambda: open_rehydrate_sources(slim_ckpt, options), lambda s: plan_rehydrate(s, options),
                           lambda plan, s, progress: run_rehydrate(plan, s, progress, overwrite=overwrite,
                                                                    group=dist.current()),
-                          RehydrateReport, dry_run=dry_run)
+                          RehydrateReport, dry_run=dry_run, out=out, overwrite=overwrite)
     finish(report, as_json, lambda r: _render(r, dry_run))
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from ...core.units import human_bytes, human_number
-from ..flow import finish, op_imports
+from ..flow import DryRunReport, dry_run_output, finish, op_imports
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
@@ -69,6 +69,8 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
     warn_trust(trust_pickle)
     result = set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
                     overwrite=overwrite, trust_pickle=trust_pickle)
+    if dry_run and out is not None:   # OUT checked as the real run checks it
+        result = DryRunReport(result, dry_run_output(out, overwrite))
     finish(result, as_json, lambda r: _render(r, dry_run))
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..flow import finish, op_imports
+from ..flow import DryRunReport, dry_run_output, finish, op_imports
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 from .set_lr import render_changes, render_result
@@ -37,6 +37,8 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
         from ...ops.set_lr import set_values
     warn_trust(trust_pickle)
     result = set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle)
+    if dry_run and out is not None:   # OUT checked as the real run checks it
+        result = DryRunReport(result, dry_run_output(out, overwrite))
     finish(result, as_json, lambda r: _render(r, dry_run))
 
 

@@ -44,7 +44,7 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
     report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
                           lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite, group=dist.current()),
                           SlimReport,
-                          dry_run=dry_run)
+                          dry_run=dry_run, out=out, overwrite=overwrite)
     finish(report, as_json, lambda r: _render(r, dry_run))
 
 

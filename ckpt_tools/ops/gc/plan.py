@@ -9,14 +9,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...core.errors import CkptError, UsageError
-from ...formats.dcp.layout import METADATA_NAME
+from ...formats.dcp.layout import METADATA_NAME, extra_entries
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.config import load_run_config, locate_run_configs
 from ...formats.primerl.run_dir import checkpoints_dir_of, dir_bytes, resolve_base, step_dirs
 from ...formats.slim.partition import partition
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
 
-__all__ = ["DEFAULT_MIN_AGE_S", "StepPlan", "GcPlan", "plan_gc"]
+__all__ = ["DEFAULT_MIN_AGE_S", "StepPlan", "GcPlan", "plan_gc", "unknown_entries", "shared_files"]
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +89,51 @@ def _leftovers(step_dir: Path) -> list[Path]:
     return [p for p in (step_dir / STAGED, step_dir / ASIDE) if os.path.lexists(p)]
 
 
-def _estimate_slim_bytes(trainer: Path, trust_pickle: bool) -> int:
+def unknown_entries(ck: DcpCheckpoint) -> list[str]:
+    """Entries of a checkpoint dir a slim of it would not carry: not `.metadata`, not a data file its
+    metadata references, not an extra entry the slim copies (`dcp.layout.extra_entries`): hidden
+    entries (`set-lr --in-place`'s `.metadata.bak-*` undo files, temp files), unreferenced `.distcp`
+    files. gc deletes the full checkpoint after the swap, so it never slims a step holding any."""
+    files = set(ck.data_files())
+    known = {METADATA_NAME, *files, *extra_entries(ck.dir, files)}
+    return sorted(n for n in os.listdir(ck.dir) if n not in known)
+
+
+def _estimate_slim_bytes(trainer: Path, trust_pickle: bool) -> tuple[int, list[str]]:
     with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ck:
         layout = partition(ck)
         meta = (trainer / METADATA_NAME).stat().st_size
-        return layout.kept_bytes + meta + _MANIFEST_BYTES_PER_TENSOR * len(layout.dropped)
+        return layout.kept_bytes + meta + _MANIFEST_BYTES_PER_TENSOR * len(layout.dropped), unknown_entries(ck)
+
+
+def _file_ids(trainer: Path) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of every file a step's trainer/ reaches, links followed: two steps share a
+    file when they reach one inode (a hard link, a `cp -s` / `ln -s` copy, a linked trainer/)."""
+    ids = set()
+    if not trainer.is_dir():
+        return ids
+    for root, dirs, names in os.walk(trainer, followlinks=False):
+        for n in names + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            try:
+                st = os.stat(os.path.join(root, n))
+            except OSError:
+                continue
+            ids.add((st.st_dev, st.st_ino))
+    return ids
+
+
+def shared_files(steps: list[tuple[int, Path]]) -> dict[int, list[int]]:
+    """step -> the other steps it shares a file with (see `_file_ids`)."""
+    ids = {n: _file_ids(d / TRAINER) for n, d in steps}
+    return {n: [m for m in ids if m != n and ids[n] & ids[m]] for n in ids}
+
+
+def _named(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _classify(n: int, step_dir: Path, newest: set[int], now: float, min_age_s: float,
-              trust_pickle: bool) -> StepPlan:
+              trust_pickle: bool, shared: list[int]) -> StepPlan:
     trainer = step_dir / TRAINER
     left = _leftovers(step_dir)
     size = sum(dir_bytes(p) for p in [trainer] + left if p.is_dir())
@@ -125,14 +161,28 @@ def _classify(n: int, step_dir: Path, newest: set[int], now: float, min_age_s: f
         return StepPlan(n, str(trainer), "skip", "already slim", size)
     if n in newest:
         return StepPlan(n, str(trainer), "keep", "one of the newest --keep-full", size)
+    if os.path.ismount(trainer):
+        return StepPlan(n, str(trainer), "skip", "trainer is a mount point (gc swaps directories by rename, "
+                        "which cannot move a mount)", size)
+    if shared:
+        return StepPlan(n, str(trainer), "skip", "shares files with " + ", ".join(f"step_{m}" for m in shared)
+                        + " (symlinks or hard links between them): slimming it would break that step; gc slims "
+                        "only a step whose files are its own", size)
     age = now - _newest_mtime(trainer)
     if age < min_age_s:
         return StepPlan(n, str(trainer), "skip", f"in progress: modified {age:.0f} s ago (< --min-age "
                         f"{min_age_s:g} s)", size)
     try:
-        est = _estimate_slim_bytes(trainer, trust_pickle)
+        est, unknown = _estimate_slim_bytes(trainer, trust_pickle)
     except CkptError as exc:
         return StepPlan(n, str(trainer), "skip", f"cannot slim: {exc.message}", size)
+    except OSError as exc:
+        return StepPlan(n, str(trainer), "skip", f"cannot read it: {exc.strerror or exc}", size)
+    if unknown:
+        return StepPlan(n, str(trainer), "skip", f"holds entries a slim would not carry: {_named(unknown)} "
+                        "(hidden entries, unreferenced .distcp files, set-lr's .metadata.bak-* undo files); gc "
+                        "deletes the full checkpoint, so it leaves this step alone: move them out of trainer/ "
+                        "to let gc slim it", size)
     return StepPlan(n, str(trainer), "slim", "older than the newest --keep-full", size, est)
 
 
@@ -159,10 +209,12 @@ def plan_gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | N
     ck = checkpoints_dir_of(checkpoints_dir)
     now = time.time() if now is None else now
     steps = step_dirs(ck)
-    complete = [n for n, d in steps if is_complete(d / TRAINER)
-                or (not (d / TRAINER).is_dir() and is_complete(d / ASIDE))]   # restorable after a kill
-    newest = set(sorted(complete)[-keep_full:])
-    plans = tuple(_classify(n, d, newest, now, min_age_s, trust_pickle) for n, d in steps)
+    # --keep-full counts FULL checkpoints: a slim newest step is no resume point and keeps no full one
+    full = [n for n, d in steps if (is_complete(d / TRAINER) and not is_slim(d / TRAINER))
+            or (not (d / TRAINER).is_dir() and is_complete(d / ASIDE))]   # restorable after a kill
+    newest = set(sorted(full)[-keep_full:])
+    shared = shared_files(steps)
+    plans = tuple(_classify(n, d, newest, now, min_age_s, trust_pickle, shared[n]) for n, d in steps)
     b = _base_for(ck, base) if any(p.action == "slim" or p.then_slim for p in plans) or base is not None else None
     need = max((p.slim_bytes or p.bytes for p in plans if p.action == "slim" or p.then_slim), default=0)
     return GcPlan(str(ck), keep_full, b, min_age_s, plans, shutil.disk_usage(ck).free,

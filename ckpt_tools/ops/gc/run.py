@@ -1,6 +1,9 @@
 """`ckpt gc`, executed: each planned step re-checked under its lock, slimmed beside itself, proven, swapped."""
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,12 +18,13 @@ from ...formats.primerl.run_dir import dir_bytes
 from ...formats.slim.partition import base_identity, partition
 from ...formats.slim.writer import need_bytes, write_slim
 from ...io.files import fsync_path
+from ...io.inputs import tracking
 from ...io.lock import OutputLock
-from ...io.staging import AtomicOutputDir
+from ...io.staging import AtomicOutputDir, mount_point
 from ...sources.hashing import base_hash_check
 from ...sources.hf import HFSource
-from .layout import ASIDE, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim
-from .plan import DEFAULT_MIN_AGE_S, GcPlan, plan_gc
+from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
+from .plan import DEFAULT_MIN_AGE_S, GcPlan, plan_gc, unknown_entries
 from .swap import check_slim, recover_step, remove_tree, swap_in_slim
 
 __all__ = ["StepResult", "write_verified_slim", "run_gc", "gc"]
@@ -36,6 +40,7 @@ class StepResult:
     bytes_after: int
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    error: bool = False            # skipped because something failed (the reason says what)
 
     @property
     def freed_bytes(self) -> int:
@@ -46,7 +51,45 @@ class StepResult:
 
 
 def _step_bytes(step_dir: Path) -> int:
-    return sum(dir_bytes(p) for p in (step_dir / TRAINER, step_dir / STAGED, step_dir / ASIDE) if p.is_dir())
+    try:
+        return sum(dir_bytes(p) for p in (step_dir / TRAINER, step_dir / STAGED, step_dir / ASIDE) if p.is_dir())
+    except OSError:   # being deleted under us (prime-rl's keep_last)
+        return 0
+
+
+def _why(exc: BaseException, step_dir: Path) -> str:
+    """One line for a step gc could not handle."""
+    if isinstance(exc, CkptError):
+        return exc.message
+    if not os.path.isdir(step_dir):
+        return f"{step_dir.name} was deleted while gc ran (prime-rl's keep_last?)"
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space or no inodes left on {mount_point(step_dir)} ({exc.strerror}); free some and rerun gc"
+    if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EPERM, errno.EACCES):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return (f"cannot change {step_dir.name}: {exc.strerror}{where}: a read-only filesystem, or an immutable "
+                "or read-only directory (chattr -i / chmod u+w it to let gc slim it)")
+    if isinstance(exc, OSError) and exc.errno in (errno.EBUSY, errno.EXDEV):
+        return f"cannot rename inside {step_dir.name}: {exc.strerror} (a mount point?)"
+    return f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
+
+
+def _clear_stale_locks(step_dir: Path) -> list[str]:
+    """Remove gc's own lock files that nobody holds (left by a killed run): taking and releasing
+    the lock replaces and unlinks it, so a live holder is never raced."""
+    done = []
+    for name in sorted(OWN_LOCKS):
+        path = step_dir / name
+        if not os.path.lexists(path) or lock_holder(path):
+            continue
+        lock = OutputLock(path, step_dir / TRAINER)
+        try:
+            lock.acquire()
+        except (CkptError, OSError):
+            continue
+        lock.release()
+        done.append(f"removed the stale lock {name} a killed run left")
+    return done
 
 
 def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bool = False,
@@ -58,16 +101,23 @@ def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bo
         layout = partition(ckpt)
         info = base_identity(hf.model_dir, str(base))
         check = base_hash_check(hf, layout.dropped)
-        with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout)) as tmp:
+        with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout),
+                             marker=False) as tmp:
             write_slim(ckpt, tmp, layout, base=info, base_hash=check, base_path=hf.path, progress=progress)
 
 
 def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress | None) -> list[str]:
     trainer, staged = step_dir / TRAINER, step_dir / STAGED
     notes = []
+    with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ck:
+        unknown = unknown_entries(ck)
+    if unknown:   # added since the plan: a slim would not carry them, and the full copy is deleted
+        raise UsageError(f"holds entries a slim would not carry: {', '.join(unknown[:5])}; left alone",
+                         path=trainer, hint="move them out of trainer/ to let gc slim this step")
     if staged.is_dir():
         try:
-            check_slim(trainer, staged, trust_pickle=trust_pickle)
+            with tracking():   # a stale one is deleted and written anew: its reads make it no input
+                check_slim(trainer, staged, trust_pickle=trust_pickle)
             notes.append(f"reused the verified {STAGED} of an interrupted run")
         except CkptError as exc:
             notes.append(f"discarded {STAGED} of an interrupted run ({exc.message})")
@@ -79,7 +129,13 @@ def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress 
         except CkptError:
             remove_tree(staged)
             raise
-    swap_in_slim(step_dir)
+    try:
+        swap_in_slim(step_dir)
+    except OSError:
+        if is_complete(trainer) and not is_slim(trainer):
+            with contextlib.suppress(OSError):
+                remove_tree(staged)   # nothing swapped: the full checkpoint stays, the slim goes
+        raise
     remove_tree(step_dir / ASIDE)
     fsync_path(step_dir)
     return notes
@@ -111,32 +167,48 @@ def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | Non
                          before, before)
         if sp.action in ("slim", "finish", "restore"):
             t0 = time.perf_counter()
-            lock = OutputLock(step_dir / STEP_LOCK, step_dir / TRAINER)
             try:
-                lock.acquire()
-            except LockedError as exc:
-                res.result, res.reason = "skipped", exc.message
-            else:
-                try:
-                    res.notes += recover_step(step_dir)
-                    trainer = step_dir / TRAINER
-                    if (sp.action == "slim" or sp.then_slim) and is_complete(trainer) and not is_slim(trainer):
-                        step_progress = (lambda ev, _s=sp.step: progress(
-                            ProgressEvent(f"step_{_s} {ev.phase}", ev.done, ev.total))) if progress else None
-                        res.notes += _slim_one(step_dir, plan.base["dir"], trust_pickle, step_progress)
-                        res.result = "slimmed"
-                    elif sp.action == "slim":
-                        res.result, res.reason = "skipped", "changed since the plan (not a full checkpoint now)"
-                    else:
-                        res.result = {"finish": "finished", "restore": "restored"}[sp.action]
-                finally:
-                    lock.release()
+                _run_step(sp, step_dir, res, plan, trust_pickle, progress)
+            except (CkptError, OSError) as exc:   # this step is left as it is (full or slim); the others go on
+                trainer = step_dir / TRAINER
+                slim_now = is_complete(trainer) and is_slim(trainer)
+                if slim_now and sp.action == "slim":
+                    res.result = "slimmed"
+                    res.notes.append(f"the full copy was not all freed ({_why(exc, step_dir)}); rerun gc")
+                else:
+                    res.result, res.reason, res.error = "skipped", _why(exc, step_dir), True
             res.seconds = round(time.perf_counter() - t0, 3)
             res.bytes_after = _step_bytes(step_dir)
+        elif not sp.reason.startswith("locked by") and step_dir.is_dir():
+            res.notes += _clear_stale_locks(step_dir)
         results.append(res)
         if progress is not None:
             progress(ProgressEvent("gc", i + 1, len(plan.steps), unit="steps", name=f"step_{sp.step}", finished=res))
     return results
+
+
+def _run_step(sp, step_dir: Path, res: StepResult, plan: GcPlan, trust_pickle: bool, progress) -> None:
+    """One planned step, under its lock, re-checked first."""
+    lock = OutputLock(step_dir / STEP_LOCK, step_dir / TRAINER)
+    try:
+        lock.acquire()
+    except LockedError as exc:
+        res.result, res.reason = "skipped", exc.message
+        return
+    try:
+        res.notes += recover_step(step_dir)
+        trainer = step_dir / TRAINER
+        if (sp.action == "slim" or sp.then_slim) and is_complete(trainer) and not is_slim(trainer):
+            step_progress = (lambda ev, _s=sp.step: progress(
+                ProgressEvent(f"step_{_s} {ev.phase}", ev.done, ev.total))) if progress else None
+            res.notes += _slim_one(step_dir, plan.base["dir"], trust_pickle, step_progress)
+            res.result = "slimmed"
+        elif sp.action == "slim":
+            res.result, res.reason = "skipped", "changed since the plan (not a full checkpoint now)"
+        else:
+            res.result = {"finish": "finished", "restore": "restored"}[sp.action]
+    finally:
+        lock.release()
 
 
 def gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None = None, dry_run: bool = False,
@@ -151,5 +223,6 @@ def gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None =
     after = dir_bytes(Path(plan.checkpoints))
     report["result"] = {"steps": [r.to_json() for r in results], "bytes_before": before, "bytes_after": after,
                         "freed_bytes": before - after,
-                        "slimmed": [r.step for r in results if r.result == "slimmed"]}
+                        "slimmed": [r.step for r in results if r.result == "slimmed"],
+                        "failed": [r.step for r in results if r.error]}
     return report

@@ -14,6 +14,7 @@ from ...formats.dcp.checks import verify_dcp
 from ...formats.dcp.model import TensorEntry
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.slim.manifest import read_manifest
+from ...io import files
 from ...io.files import exchange_paths, fsync_path
 from ...io.signals import signals_deferred
 from ...io.staging import clean_stale_temps
@@ -86,7 +87,7 @@ def check_slim(full_dir: Path, slim_dir: Path, *, trust_pickle: bool = False) ->
 
 def remove_file(p: Path) -> None:
     """Delete one file of the set-aside full checkpoint (its own function: a kill point in tests)."""
-    p.unlink(missing_ok=True)
+    files.remove_file(p)
 
 
 def remove_tree(d: Path) -> None:
@@ -96,21 +97,21 @@ def remove_tree(d: Path) -> None:
     if d.is_symlink() or not d.is_dir():
         remove_file(d)
         return
-    for root, dirs, files in os.walk(d, topdown=False):
-        for name in files:
+    for root, dirs, names in os.walk(d, topdown=False):
+        for name in names:
             remove_file(Path(root) / name)
         for name in dirs:
             p = Path(root) / name
             if p.is_symlink():
-                p.unlink()
+                files.remove_file(p)
             else:
-                p.rmdir()
-    d.rmdir()
+                files.remove_empty_dir(p)
+    files.remove_empty_dir(d)
 
 
 def set_aside(step_dir: Path) -> None:
     """After the exchange `.trainer.gc-slim` holds the full checkpoint: rename it for what it is."""
-    os.rename(step_dir / STAGED, step_dir / ASIDE)
+    files.rename_entry(step_dir / STAGED, step_dir / ASIDE)
     fsync_path(step_dir)
 
 
@@ -122,8 +123,12 @@ def swap_in_slim(step_dir: Path) -> None:
     except OSError as exc:
         log.warning("atomic exchange unavailable (%s): swapping with two renames", exc)
         with signals_deferred():
-            os.rename(trainer, step_dir / ASIDE)
-            os.rename(staged, trainer)
+            files.rename_entry(trainer, step_dir / ASIDE)
+            try:
+                files.rename_entry(staged, trainer)
+            except BaseException:
+                files.rename_entry(step_dir / ASIDE, trainer)   # put the full one back: never neither
+                raise
             fsync_path(step_dir)
         return
     set_aside(step_dir)
@@ -138,11 +143,11 @@ def recover_step(step_dir: Path) -> list[str]:
         done.append(f"removed {p.name}")
     if not trainer.is_dir():
         if aside.is_dir() and is_complete(aside):
-            os.rename(aside, trainer)          # killed between the two fallback renames: put the full back
+            files.rename_entry(aside, trainer)          # killed between the two fallback renames: put the full back
             fsync_path(step_dir)
             done.append(f"restored {TRAINER} from {ASIDE}")
         elif staged.is_dir() and is_complete(staged) and is_slim(staged):
-            os.rename(staged, trainer)
+            files.rename_entry(staged, trainer)
             fsync_path(step_dir)
             done.append(f"restored {TRAINER} from {STAGED}")
     if is_complete(trainer) and is_slim(trainer):
