@@ -12,8 +12,8 @@ import torch
 from ...core.errors import FormatError, UsageError
 from ...core.keys import classify
 from ...core.primerl_state import scheduler_class
-from ...formats.dcp.model import BytesEntry
-from ...formats.dcp.reader import DcpCheckpoint
+from .model import BytesEntry
+from .reader import DcpCheckpoint
 
 __all__ = ["SchedState", "read_sched_state", "uniform", "decays", "apply_to_state", "describe", "old_value",
            "preview_schedule"]
