@@ -26,6 +26,7 @@ from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, ru
 from .ops.inspect import InspectOptions, InspectReport, plan_inspect, run_inspect
 from .ops.merge import MergeOptions, MergeReport, check_output, open_merge_sources, plan_merge, run_merge
 from .ops.rehydrate import RehydrateReport
+from .ops.report import ReportOptions, ReportReport, plan_report, run_report
 from .ops.rehydrate import rehydrate as _rehydrate
 from .ops.set_lr import PatchReport
 from .ops.set_lr import set_lr as _set_lr
@@ -35,7 +36,7 @@ from .ops.verify import VerifyReport, verify_path
 from .sources.lora import DcpLoraSource
 
 __all__ = ["open", "inspect", "extract_adapter", "merge", "diff_vs_base", "verify", "slim", "rehydrate", "set_lr",
-           "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
+           "report", "ReportReport", "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
            "RehydrateReport", "PatchReport"]
 
 
@@ -129,3 +130,17 @@ def set_lr(ckpt: str | Path, out: str | Path | None, *, lr: float | None = None,
     """A checkpoint with a new learning rate, Adam moments kept (`ckpt set-lr`)."""
     return _set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
                    overwrite=overwrite, trust_pickle=trust_pickle)
+
+
+def report(path: str | Path, *, base: str | Path | None = None, out: str | Path | None = None,
+           png_dir: str | Path | None = None, set_lr: float | None = None, scale: float | None = None,
+           alpha: float | None = None, run_config: str | Path | None = None, overwrite: bool = False,
+           trust_pickle: bool = False, progress: Progress | None = None) -> ReportReport:
+    """What a run changed and its learning rate (`ckpt report`): `.result.steps[step].modules[name]`
+    (delta_fro, weight_fro, rel_delta), `.result.lr` (past, planned, set_lr); the page written to `out`
+    and one PNG per plot into `png_dir` when given (nothing is written otherwise)."""
+    options = ReportOptions(base=None if base is None else str(base), out=None if out is None else str(out),
+                            png_dir=None if png_dir is None else str(png_dir), set_lr=set_lr, scale=scale,
+                            alpha=alpha, run_config=None if run_config is None else str(run_config),
+                            overwrite=overwrite, trust_pickle=trust_pickle)
+    return run_report(plan_report(path, options), progress)

@@ -73,16 +73,18 @@ def _grid(modules: dict, columns: list[str], rows: list[int], key) -> list[list[
     return [[cells.get((r, c)) for c in columns] for r in rows]
 
 
-def _heatmap(title: str, grid, rows, columns, xlabel: str, ylabel: str):
+def _heatmap(title: str, grid, rows, columns, xlabel: str, ylabel: str, ax=None, fig=None):
     import numpy as np
     from matplotlib.colors import LogNorm
     vals = np.array([[v if v is not None and v > 0 else np.nan for v in row] for row in grid], dtype=float)
-    fig = _figure(min(11.5, 2.2 + 0.95 * len(columns)), min(9.0, 1.6 + 0.42 * len(rows)))
-    ax = fig.add_subplot()
+    if ax is None:
+        fig = _figure(min(11.5, 3.2 + 0.95 * len(columns)), min(9.0, 1.8 + 0.42 * len(rows)))
+        ax = fig.add_subplot()
     ax.set_facecolor("#eceef2")
     finite = vals[np.isfinite(vals)]
-    norm = LogNorm(vmin=float(finite.min()), vmax=float(finite.max())) if finite.size and finite.min() < finite.max() \
-        else None
+    # a log scale where the values span a decade or more (a run's first steps next to its last), else linear
+    norm = LogNorm(vmin=float(finite.min()), vmax=float(finite.max())) \
+        if finite.size and finite.max() >= 10 * finite.min() else None
     im = ax.imshow(vals, aspect="auto", cmap="viridis", norm=norm, interpolation="nearest")
     ax.set_xticks(range(len(columns)), [c.rsplit(".", 1)[-1] if "." in c else c for c in columns],
                   rotation=30 if len(columns) > 8 else 0, ha="right" if len(columns) > 8 else "center")
@@ -93,7 +95,8 @@ def _heatmap(title: str, grid, rows, columns, xlabel: str, ylabel: str):
     for s in ax.spines.values():
         s.set_visible(False)
     if len(rows) * len(columns) <= 160:
-        mid = math.sqrt(float(finite.min()) * float(finite.max())) if finite.size else 0
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+        mid = math.sqrt(lo * hi) if norm is not None else (lo + hi) / 2
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if v is not None:
@@ -115,17 +118,21 @@ def _heatmaps(step: str, s: dict) -> list[tuple[str, str, object]]:
         out.append((f"heatmap_step_{step}", f"Relative change per layer and module, step {step}",
                     _heatmap(f"step {step}: relative change ||ΔW|| / ||W||", _grid(dense, columns, rows, module_group),
                              rows, columns, "module", "layer")))
-    for proj in sorted({n.rsplit(".", 1)[-1] for n in experts}):
-        these = {n: m for n, m in experts.items() if n.endswith("." + proj)}
-        ids = sorted({int(n.split(".experts.", 1)[1].split(".")[0]) for n in these})
-        rows = sorted({layer_of(n) for n in these})
-        grid = _grid(these, [str(e) for e in ids], rows, lambda n: n.split(".experts.", 1)[1].split(".")[0])
-        out.append((f"experts_{proj}_step_{step}", f"Experts' {proj}: relative change per layer and expert, step {step}",
-                    _heatmap(f"step {step}: experts' {proj}", grid, rows, [str(e) for e in ids], "expert", "layer")))
+    projs = [p for p in ("gate_proj", "up_proj", "down_proj") if any(n.endswith("." + p) for n in experts)]
+    if projs:
+        rows = sorted({layer_of(n) for n in experts})
+        ids = sorted({int(n.split(".experts.", 1)[1].split(".")[0]) for n in experts})
+        fig = _figure(11.5, min(9.0, 2.0 + 0.42 * len(rows)))
+        for ax, proj in zip(fig.subplots(1, len(projs)), projs):
+            these = {n: m for n, m in experts.items() if n.endswith("." + proj)}
+            grid = _grid(these, [str(e) for e in ids], rows, lambda n: n.split(".experts.", 1)[1].split(".")[0])
+            _heatmap(f"experts' {proj}", grid, rows, [str(e) for e in ids], "expert", "layer", ax=ax, fig=fig)
+        out.append((f"experts_step_{step}", f"Experts: relative change per layer and expert, step {step}", fig))
     return out
 
 
 def _steps_figure(steps: dict):
+    from matplotlib.ticker import MaxNLocator
     keys = [k for k in steps if k.lstrip("-").isdigit()]
     xs = [int(k) for k in keys]
     groups = sorted({g for k in keys for g in steps[k]["groups"]})
@@ -140,6 +147,7 @@ def _steps_figure(steps: dict):
                 ax.plot(xs, [y if y else float("nan") for y in ys], marker="o", ms=3, lw=1.4, label=g)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if ax.has_data():
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -150,6 +158,7 @@ def _steps_figure(steps: dict):
 
 
 def _lr_figure(lr: dict, saved_steps: list[int]):
+    from matplotlib.ticker import MaxNLocator
     fig = _figure(11.5, 3.4)
     ax = fig.add_subplot()
     past = sorted((int(k), v) for k, v in lr["past"].items())
@@ -170,6 +179,7 @@ def _lr_figure(lr: dict, saved_steps: list[int]):
         if s != lr["step"] and str(s) in lr["past"]:
             ax.plot([s], [lr["past"][str(s)]], marker="s", color="#c53030", ms=4, ls="none")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("learning rate")
     ax.set_title(f"learning rate ({lr['scheduler']}); max_steps from {lr['max_steps_from']}")
     ax.grid(alpha=0.3)
@@ -178,7 +188,7 @@ def _lr_figure(lr: dict, saved_steps: list[int]):
 
 
 def _bytes_figure(b: dict):
-    groups = sorted(b["groups"].items(), key=lambda kv: -kv[1]["bytes"])
+    groups = sorted(((g, st) for g, st in b["groups"].items() if st["bytes"] > 0), key=lambda kv: -kv[1]["bytes"])
     fig = _figure(11.5, 0.9 + 0.32 * len(groups))
     ax = fig.add_subplot()
     names = [g for g, _ in groups]
