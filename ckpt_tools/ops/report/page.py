@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import io
 import math
+import re
 
 from ...core.units import human_bytes
 from .numbers import layer_of, module_group
@@ -48,7 +49,8 @@ def figure_svg(fig) -> str:
     with matplotlib.rc_context(_RC):
         fig.savefig(buf, format="svg", metadata={"Date": None})
     text = buf.getvalue()
-    return text[text.index("<svg"):]          # drop the XML prolog and DOCTYPE: inline in HTML
+    text = text[text.index("<svg"):]          # drop the XML prolog and DOCTYPE: inline in HTML
+    return re.sub(r"<metadata>.*?</metadata>\s*", "", text, count=1, flags=re.S)   # (RDF: Dublin Core URIs)
 
 
 def figure_png(fig, dpi: int = 130) -> bytes:
