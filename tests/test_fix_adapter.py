@@ -139,7 +139,7 @@ def test_modules_to_save_that_differ_from_the_base_are_kept_with_a_warning(tmp_p
     got = load_file(str(tmp_path / "out/adapter_model.safetensors"))
     assert "base_model.model.model.embed_tokens.weight" in got and "base_model.model.lm_head.weight" not in got
     cfg = json.loads((tmp_path / "out/adapter_config.json").read_text())
-    assert cfg["modules_to_save"] == ["embed_tokens"]
+    assert cfg["modules_to_save"] == ["model.embed_tokens"]   # the exact module: PEFT matches entries as suffixes
     got_logits = peft_logits(tmp_path / "out")     # PEFT loads it and applies the new embedding
     assert not torch.equal(got_logits, reference_adapter_logits())
 

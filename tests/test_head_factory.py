@@ -143,6 +143,25 @@ def test_spec_round_trips_and_resolves_ep_like_prime_rl():
     assert HeadSpec(lora_rank=3, lora_alpha=10.0).scale == 3.328125  # bf16(10/3), not 3.333...
 
 
+def test_modules_to_save_follow_prime_rls_whole_component_freeze_rule():
+    from tests.factory.head_files import saved_module_suffixes
+    from tests.factory.head_spec import keep_trainable
+
+    names = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+             "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.q_proj.base_layer.weight",
+             "model.layers.0.self_attn.q_proj.lora_A.0", "model.norm.weight", "lm_head.weight"]
+    kept = [n for n in names if keep_trainable(n, ["lm_head", "norm"])]
+    assert kept == ["model.norm.weight", "lm_head.weight"]  # not q_norm, not input_layernorm
+    assert [n for n in names if keep_trainable(n, [r"layers\.0\..*norm"])] == names[1:3]  # a regex searches
+    assert saved_module_suffixes(kept + ["x.lora_A.0"]) == ["lm_head", "norm"]  # save_lora_config's list
+    assert saved_module_suffixes(["x.lora_A.0"]) is None
+    with pytest.raises(ValueError, match="modules_to_save is a LoRA setting"):
+        HeadSpec.g_fullft(modules_to_save=("norm",))
+    spec = HeadSpec.e_mts()
+    assert HeadSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert spec.modules_to_save == ("lm_head", "norm") and not spec.tie_word_embeddings
+
+
 @pytest.mark.parametrize("name", ["E", "F", "G"])
 def test_checkpoint_and_broadcast_steps_are_the_genuine_runs(name):
     paths = head_paths(GENUINE_DIRS[name], PRESETS[name]())

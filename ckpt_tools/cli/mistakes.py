@@ -54,7 +54,7 @@ ROLES: dict[str, Roles] = {
     "extract-adapter": Roles("extract-adapter CKPT OUT", {"CKPT": (DCP,), "OUT": (PEFT,), "--base": (HF,)}),
     "adapter-to-dcp": Roles("adapter-to-dcp ADAPTER OUT", {
         "ADAPTER": (PEFT,), "OUT": (DCP,), "--base": (HF,), "--optimizer-from": (DCP,)}),
-    "fix-adapter": Roles("fix-adapter SRC OUT", {"SRC": (PEFT,), "OUT": (PEFT,), "--base": (HF,)}),
+    "fix-adapter": Roles("fix-adapter SRC OUT", {"SRC": (PEFT,), "OUT": (PEFT,), "--base": (HF,), "--checkpoint": (DCP,)}),
     "verify --base": Roles("verify PATH --base BASE", {"PATH": (PEFT,), "--base": (HF, DCP)}),
     # OUT is a model dir in merge mode, a checkpoint in adapter mode: not in the table
     "restart-prep": Roles("restart-prep RUN_OR_CKPT OUT", {"RUN_OR_CKPT": (DCP, CHECKPOINTS), "--base": (HF,)}),

@@ -43,6 +43,12 @@ def check_alpha(value, what: str, *, path=None, key: str | None = None, error=Fo
 def check_shapes(weight_shape: tuple, a_shape: tuple, b_shape: tuple, *, fan_in_fan_out: bool = False,
                  name: str = "") -> None:
     """A [r, in] and B [out, r] fit the weight [out, in] ([in, out] for fan_in_fan_out)."""
+    if len(weight_shape) != 2:
+        # a LoRA on a norm, a bias or a stacked expert tensor: B @ A is a matrix, the weight is not one
+        raise FormatError(f"a LoRA (A {list(a_shape)}, B {list(b_shape)}) targets {name or 'a weight'} of shape "
+                          f"{list(weight_shape)}: LoRA applies only to 2-D linear weights [out, in]", key=name,
+                          hint="drop this module from the adapter (and from target_modules); a trained norm or "
+                               "embedding belongs in modules_to_save as a full tensor")
     out_f, in_f = (weight_shape[1], weight_shape[0]) if fan_in_fan_out else (weight_shape[0], weight_shape[1])
     if len(weight_shape) != 2 or len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] \
             or a_shape[1] != in_f or b_shape[0] != out_f:

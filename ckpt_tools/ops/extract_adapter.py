@@ -24,9 +24,11 @@ from ..core.progress import Progress
 from ..core.tensor_math import bf16_round
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import tensor_shapes
-from ..formats.peft.writer import OutTensor, peft_config, peft_key, safetensors_file_bytes, target_modules_for, \
-    write_adapter
-from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_adapter_configs, run_outputs_dir
+from ..formats.peft.config import PEFT_PREFIX
+from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
+    safetensors_file_bytes, target_modules_for, write_adapter
+from ..formats.primerl.alpha import orch_model_name, run_adapter_configs, run_outputs_dir
+from ..formats.primerl.run_dir import BaseModel, launch_dir_of, run_base_of
 from ..io.inputs import read_json
 from ..sources.lora import DcpLoraSource
 
@@ -70,14 +72,6 @@ class ExtractPlan:
         return d
 
 
-def _run_root(orch: Path | None) -> Path | None:
-    """The run's launch dir: `<root>/outputs/<run>/configs/orch.toml` -> `<root>`."""
-    if orch is None:
-        return None
-    p = Path(orch).resolve()
-    return p.parents[3] if len(p.parents) > 3 else None
-
-
 def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     """Decide everything from metadata (see module docstring). `src` is an open DcpLoraSource
     (its alpha already resolved)."""
@@ -105,16 +99,22 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     shapes = {m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in modules}
 
     # base model: for base_model_name_or_path, and to verify shapes + target_modules when found
-    orch = src.resolution.config_path
-    if orch is None:
-        found = find_run_configs(ckpt.dir)
-        orch = found[0] if len(found) == 1 else None
-    base_name = base if base is not None else orch_model_name(orch)
+    if base is not None:
+        base_name = base
+        base_dir, why = locate_model(base, run_root=None)
+    else:
+        run_base = run_base_of(ckpt.dir)
+        if run_base is None and src.resolution.config_path is not None:   # --run-config named elsewhere
+            run_base = BaseModel(str(orch_model_name(src.resolution.config_path)), None, "--run-config") \
+                if orch_model_name(src.resolution.config_path) else None
+            if run_base is not None:
+                found_dir, why0 = locate_model(run_base.name, run_root=launch_dir_of(src.resolution.config_path))
+                run_base = BaseModel(run_base.name, found_dir, run_base.how, why0)
+        base_name = run_base.name if run_base is not None else None
+        base_dir, why = (run_base.dir, run_base.problem) if run_base is not None else (None, None)
     if base_name is None:
-        warnings.append("no base model name: pass --base NAME_OR_DIR (the run's orch.toml [model] name was not "
-                        "found); base_model_name_or_path is left null, so PEFT/vLLM users must supply the base")
-    base_dir, why = locate_model(base_name, run_root=None if base is not None else _run_root(orch)) \
-        if base_name else (None, None)
+        warnings.append("no base model name: pass --base NAME_OR_DIR (the run's config names no model.name); "
+                        "base_model_name_or_path is left null, so PEFT/vLLM users must supply the base")
     base_shapes = None
     if base_dir is not None:
         base_shapes, _cfg = tensor_shapes(base_dir)
@@ -126,25 +126,40 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     if twarn:
         warnings.append(twarn)
 
-    # modules_to_save: the DCP cannot tell a trained full tensor from a frozen one; the run's own
-    # adapter configs can. vLLM refuses embed/lm_head modules_to_save, so we export LoRA only.
-    mts = set()
+    # modules_to_save: the base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`),
+    # found from its state by the source, written under their exact module names
+    full = dict(src.full_tensors)
+    mts = exact_modules_to_save(sorted(full), base_shapes) if full else []
+    fw = full_tensor_warning(mts)
+    if fw:
+        warnings.append(fw)
+    listed = set()
     for c in run_adapter_configs(ckpt.dir):
         try:
             found = read_json(c, root=run_outputs_dir(ckpt.dir), what="adapter_config.json").get("modules_to_save")
-            mts.update(m for m in (found or []) if isinstance(m, str))
+            listed.update(m for m in (found or []) if isinstance(m, str))
         except (CkptError, AttributeError, TypeError):
             continue
-    if mts:
-        warnings.append(f"the run's adapter configs list modules_to_save {sorted(mts)}: this adapter holds the LoRA "
-                        "only (vLLM rejects embed/lm_head modules_to_save). prime-rl's LoRA optimizer never "
-                        "updates those tensors (format §6.3), so the base's own values are the trained ones")
+    if listed and not full:
+        warnings.append(f"the run's adapter configs list modules_to_save {sorted(listed)}, but the checkpoint's "
+                        "optimizer holds no state for any base weight: they were not trained (prime-rl 16e747c's "
+                        "optimizer updates the LoRA only, format §6.3), so the base's own values are the trained "
+                        "ones and this adapter holds the LoRA only")
 
-    tensors = tuple(sorted((OutTensor(peft_key(m, ab), shapes[m][0 if ab == "A" else 1], dtype,
-                                      src.modules[m].factor_ref(ab)) for m in modules for ab in "AB"),
-                           key=lambda t: t.name))
-    cfg = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets, base_model_name_or_path=base_name)
-    entries = [ckpt.entries[k] for k in src.lora_keys()]
+    outs = [OutTensor(peft_key(m, ab), shapes[m][0 if ab == "A" else 1], dtype, src.modules[m].factor_ref(ab))
+            for m in modules for ab in "AB"]
+    for name, ref in full.items():
+        f = src.key_facts(ref)
+        if base_shapes is not None and tuple(base_shapes.get(name, ())) != tuple(f.shape):
+            raise FormatError(f"trained full tensor {name} is {list(f.shape)}, the base's is "
+                              f"{list(base_shapes.get(name, [])) or 'absent'}", path=ckpt.dir, key=ref,
+                              hint="pass the base model the run trained (--base)")
+        outs.append(OutTensor(PEFT_PREFIX + name, tuple(f.shape), dtype, ref))
+    tensors = tuple(sorted(outs, key=lambda t: t.name))
+    cfg = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets, base_model_name_or_path=base_name,
+                      modules_to_save=mts or None)
+    entries = [ckpt.entries[k] for k in src.lora_keys()] + [ckpt.entries[r.partition("[")[0]] for r in
+                                                            dict.fromkeys(full.values())]
     return ExtractPlan(
         checkpoint=ckpt.dir, out=out, slot=src.slot, dtype=dtype, modules=len(modules), rank=rank,
         alpha=src.alpha, alpha_source=src.alpha_source, scale=scale, lora_alpha=lora_alpha,
@@ -178,6 +193,11 @@ def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None
     t0 = time.perf_counter()
     before = src.ckpt.stats.bytes_read
     inputs = [plan.checkpoint] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
-    size = write_adapter(plan.out, plan.tensors, lambda t: src.read_ref(t.source), plan.config, inputs=inputs,
+    full_refs = set(src.full_tensors.values())
+
+    def read(t: OutTensor):
+        return src.read_key(t.source) if t.source in full_refs else src.read_ref(t.source)
+
+    size = write_adapter(plan.out, plan.tensors, read, plan.config, inputs=inputs,
                          overwrite=overwrite, progress=progress, stage="extract")
     return ExtractReport(plan, size, src.ckpt.stats.bytes_read - before, round(time.perf_counter() - t0, 3))

@@ -11,9 +11,11 @@ prime-rl writes two adapter exports that PEFT "loads" without an error and then 
 The repair is a key rename (values untouched, same dtype) into safetensors -- never a pickle --
 with keys sorted, plus an adapter_config.json whose lora_alpha is the training alpha (prime-rl's
 exports carry the *trainer's* alpha, training used the orchestrator's: format §6.1), and
-`modules_to_save` made true: listed but absent tensors are dropped from the config (PEFT would
-raise KeyError), present ones are dropped when they equal the base (prime-rl never updates them,
-§6.3; vLLM rejects them), kept otherwise. Against the base model, every LoRA module must match a
+`modules_to_save` made true, under exact module names (PEFT matches entries as name suffixes): listed but
+absent tensors are filled from `--checkpoint` (prime-rl HEAD trains them and its broadcast lists them
+without their tensors: they are found in the checkpoint by their optimizer state), refused without it for a
+HEAD run, dropped with a warning otherwise (16e747c never updates them, §6.3); present ones are dropped
+when they equal the base, kept otherwise. Against the base model, every LoRA module must match a
 base weight of the right shape (zero matches is an error).
 """
 from __future__ import annotations
@@ -35,13 +37,15 @@ from ..core.progress import Progress
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import HFModelDir, tensor_shapes
 from ..formats.peft.config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
-from ..formats.peft.writer import OutTensor, peft_config, peft_key, safetensors_file_bytes, target_modules_for, \
-    write_adapter
+from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
+    safetensors_file_bytes, target_modules_for, write_adapter
 from ..formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
 from ..io.inputs import check_input, register
 from ..sources.files import TensorFileSource
+from ..sources.lora import DcpLoraSource
 
-__all__ = ["LORA_KEY", "FixOptions", "FixPlan", "FixReport", "plan_fix", "run_fix"]
+__all__ = ["LORA_KEY", "FixOptions", "FixPlan", "FixReport", "FixSources", "open_fix_source", "plan_fix", "run_fix",
+           "CKPT_REF"]
 
 # One table for every LoRA key spelling we repair: optional PEFT prefix, module, A/B, optional
 # adapter slot, `.weight`.
@@ -138,21 +142,86 @@ class FixOptions:
     slot: int | None = None
     alpha: float | None = None
     run_config: str | None = None
+    checkpoint: str | None = None   # the run's DCP checkpoint of the same step: fills absent modules_to_save
 
 
-def open_fix_source(src: str | Path) -> TensorFileSource:
-    """The export's weights file (safetensors, or a .bin loaded through the allow-list), by key."""
+CKPT_REF = "dcp:"   # OutTensor.source of a tensor read from --checkpoint (else: a key of SRC's weights file)
+
+
+class FixSources:
+    """SRC's weights file (by key) and, with --checkpoint, that checkpoint (metadata only until run)."""
+
+    def __init__(self, weights: TensorFileSource, ckpt: DcpLoraSource | None = None):
+        self.weights, self.ckpt = weights, ckpt
+        self.path = weights.path
+
+    def facts(self, key: str):
+        return self.weights.facts(key)
+
+    def names(self):
+        return self.weights.names()
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        if key.startswith(CKPT_REF):
+            return self.ckpt.read_key(key[len(CKPT_REF):])
+        return self.weights.read_tensor(key)
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.weights.close()
+
+    def __enter__(self) -> "FixSources":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_fix_source(src: str | Path, checkpoint: str | Path | None = None) -> FixSources:
+    """The export's weights file (safetensors, or a .bin loaded through the allow-list), by key; with
+    `checkpoint`, the run's DCP checkpoint whose trained full tensors fill what the export lacks."""
     src = Path(src)
     if not src.is_dir():
         raise UsageError("not an adapter directory", path=src)
     register(src)   # the whole export dir is an input: no OUT inside it
     parse_peft_config(src / ADAPTER_CONFIG)   # refuses non-LoRA peft_type, DoRA, lora_bias, ... before the weights
-    return TensorFileSource(_weights_file(src))
+    weights = TensorFileSource(_weights_file(src))
+    if checkpoint is None:
+        return FixSources(weights)
+    try:   # alpha comes from the export's own resolution; the checkpoint's LoRA scale is not used
+        return FixSources(weights, DcpLoraSource(Path(checkpoint), alpha=1.0, run_config=None))
+    except BaseException:
+        weights.close()
+        raise
 
 
-def plan_fix(weights: TensorFileSource, src: str | Path, options: FixOptions) -> FixPlan:
+def _check_same_state(sources: FixSources, modules: dict[str, tuple[str, str]], wpath: Path) -> int:
+    """The checkpoint must be the state the export was written from: every LoRA factor the two share
+    (dense modules) bitwise equal. Returns how many were compared."""
+    ck = sources.ckpt
+    compared = 0
+    for mod, keys in sorted(modules.items()):
+        spec = ck.modules.get(mod)
+        if spec is None or spec.expert is not None:
+            continue
+        for ab, key in zip("AB", keys):
+            theirs = ck.read_factor(mod, ab)
+            mine = sources.weights.read_tensor(key)
+            if tuple(theirs.shape) != tuple(mine.shape) or not torch.equal(theirs.to(mine.dtype), mine):
+                raise FormatError(f"--checkpoint {ck.path} is not the state this export was written from: "
+                                  f"{mod} lora_{ab} differs", path=wpath, key=key,
+                                  hint="pass the checkpoint of the same step as the broadcast "
+                                       "(outputs/checkpoints/step_N/trainer for broadcasts/step_N)")
+            compared += 1
+    return compared
+
+
+def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPlan:
     """Validate SRC completely (config, every key, shapes, the base) and decide the output."""
     src, out = Path(src), Path(options.out)
+    if isinstance(weights, TensorFileSource):
+        weights = FixSources(weights)
     base, slot, alpha, run_config = options.base, options.slot, options.alpha, options.run_config
     cfg = parse_peft_config(src / ADAPTER_CONFIG)
     if cfg.use_rslora or cfg.rank_pattern or cfg.alpha_pattern:
@@ -262,10 +331,47 @@ def plan_fix(weights: TensorFileSource, src: str | Path, options: FixOptions) ->
         warnings.append(twarn)
 
     kept_full: list[str] = []
+    filled: dict[str, str] = {}     # HF name -> checkpoint ref, for modules_to_save the export lacks
     missing = [t for t in cfg.modules_to_save if not any(_belongs_to(n, t) for n in full)]
-    if missing:
+    if weights.ckpt is not None:
+        trained = weights.ckpt.full_tensors
+        same = _check_same_state(weights, modules, wpath)
+        if not same:
+            warnings.append(f"--checkpoint {weights.ckpt.path}: no LoRA factor in common with the export to prove it "
+                            "is the same step; check it is")
+        unlisted = sorted(n for n in trained if n not in full and not any(_belongs_to(n, t) for t in cfg.modules_to_save))
+        for t in missing:
+            hits = sorted(n for n in trained if _belongs_to(n, t))
+            if not hits:
+                raise FormatError(f"modules_to_save {t!r} is listed but --checkpoint trained no such tensor "
+                                  f"(its trained full tensors: {sorted(trained) or 'none'})", path=cfg.path,
+                                  hint="pass the run's own checkpoint of the same step")
+            filled.update((n, trained[n]) for n in hits)
+        filled.update((n, trained[n]) for n in unlisted)
+        if filled:
+            fixes.append(f"filled modules_to_save {sorted(filled)} from --checkpoint's trained fp32 masters (prime-rl's "
+                         "broadcast lists them in adapter_config.json but holds none of their tensors)")
+        if unlisted:
+            warnings.append(f"--checkpoint also trained {unlisted}, which the export's config does not list: added")
+        for name, ref in filled.items():
+            f = weights.ckpt.key_facts(ref)
+            if base_shapes is not None and tuple(base_shapes.get(name, ())) != tuple(f.shape):
+                raise FormatError(f"trained tensor {name} is {list(f.shape)} in --checkpoint, the base's is "
+                                  f"{list(base_shapes.get(name, [])) or 'absent'}", path=weights.ckpt.path, key=ref)
+    elif missing:
+        configs = find_run_configs(src)
+        if configs and configs[0].suffix == ".json":   # a prime-rl HEAD run: they were trained
+            raise FormatError(f"modules_to_save {missing} are listed but the export holds none of their tensors: "
+                              "prime-rl HEAD trains them (lora.modules_to_save) and its broadcast does not save them, "
+                              "so an adapter without them would load with the base's UNTRAINED modules", path=cfg.path,
+                              hint="pass --checkpoint outputs/checkpoints/step_N/trainer (the same step) to fill them, "
+                                   "or merge the checkpoint instead (`ckpt merge BASE CKPT`)")
         fixes.append(f"modules_to_save {missing} are listed but absent from the weights (PEFT raises KeyError): "
                      "dropped from the config")
+        warnings.append(f"modules_to_save {missing} are listed but the export holds none of their tensors: the output "
+                        "uses the base's values for them. Right for prime-rl 16e747c (its optimizer updates the LoRA "
+                        "only); if the run trained them (prime-rl HEAD lora.modules_to_save) pass --checkpoint CKPT "
+                        "of the same step to fill them")
     for name in sorted(full):
         if base_dir is None:
             kept_full.append(name)
@@ -278,13 +384,19 @@ def plan_fix(weights: TensorFileSource, src: str | Path, options: FixOptions) ->
             kept_full.append(name)
             warnings.append(f"kept modules_to_save tensor {name}: it differs from the base. vLLM rejects adapters "
                             "with embed_tokens/lm_head modules_to_save; PEFT loads it")
-    mts = sorted({t for t in cfg.modules_to_save for n in kept_full if _belongs_to(n, t)})
+    mts = exact_modules_to_save(kept_full + sorted(filled), base_shapes)
+    fw = full_tensor_warning(mts) if filled else None
+    if fw:
+        warnings.append(fw)
 
     tensors = [OutTensor(peft_key(m, ab), shapes[k], short_name(dtypes[k]), k)
                for m, keys in modules.items() for ab, k in zip("AB", keys)]
     for name in kept_full:
         k = full[name]
         tensors.append(OutTensor(PEFT_PREFIX + name, shapes[k], short_name(dtypes[k]), k))
+    for name, ref in sorted(filled.items()):
+        f = weights.ckpt.key_facts(ref)
+        tensors.append(OutTensor(PEFT_PREFIX + name, tuple(f.shape), short_name(f.dtype) or "fp32", CKPT_REF + ref))
     tensors.sort(key=lambda t: t.name)
     if wpath.name == BIN_NAME:
         fixes.append(f"{BIN_NAME} (a pickle) -> {SAFETENSORS_NAME}")
@@ -323,10 +435,13 @@ class FixReport:
         return rep
 
 
-def run_fix(plan: FixPlan, weights: TensorFileSource, progress: Progress | None = None, *,
+def run_fix(plan: FixPlan, weights: FixSources, progress: Progress | None = None, *,
             overwrite: bool = False) -> FixReport:
     t0 = time.perf_counter()
-    inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
+    if isinstance(weights, TensorFileSource):
+        weights = FixSources(weights)
+    inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else []) + \
+        ([weights.ckpt.path] if weights.ckpt is not None else [])   # --base and --checkpoint are read too
     size = write_adapter(plan.out, plan.tensors, lambda t: weights.read_tensor(t.source), plan.config, inputs=inputs,
                          overwrite=overwrite, progress=progress, stage="fix")
     return FixReport(plan, size, round(time.perf_counter() - t0, 3))

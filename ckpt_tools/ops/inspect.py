@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import AlphaError, CkptError, MissingPathError, UsageError
-from ..core.keys import classify
+from ..core.keys import classify, trainable_params
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.dcp.model import TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
@@ -66,6 +66,12 @@ def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | No
         "training": "full fine-tune" if s.full_finetune else ("LoRA" if lora.modules else None),
         "warnings": [],
     }
+    # LoRA runs: the base weights trained whole (prime-rl HEAD lora.modules_to_save), known only by their
+    # optimizer state; `extract-adapter` writes them as modules_to_save, `merge` applies them
+    trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+    report["modules_to_save"] = sorted(i.hf_name or i.key.removeprefix("app.model.") for i in infos
+                                       if i.group == "base" and i.key.removeprefix("app.model.") in trained) \
+        if lora.modules else []
     report.update(run_facts(ckpt.dir, s, infos, ckpt))
     report["slim"] = is_slim(ckpt.dir)
     if report["slim"]:

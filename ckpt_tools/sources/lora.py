@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ..core.errors import FormatError, UsageError
-from ..core.keys import classify, expert_module, lora_key, require_known, stacked_lora_key
+from ..core.keys import classify, expert_hf_name, expert_module, lora_key, require_known, stacked_lora_key, \
+    trainable_params
 from ..core.lora_math import check_alpha, lora_scale
 from ..formats.dcp.layout import METADATA_NAME, is_checkpoint_path
 from ..formats.dcp.reader import DcpCheckpoint
@@ -25,7 +26,8 @@ from ..formats.primerl.alpha import AlphaResolution, resolve_alpha
 from .base import TensorFacts
 from .dcp import DcpKeySource
 
-__all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "NoLoraSource", "open_lora_source"]
+__all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "NoLoraSource", "open_lora_source",
+           "trained_full_tensors"]
 
 
 
@@ -191,8 +193,9 @@ class DcpLoraSource(LoraSource):
         self.modules = {m: LoraModule(m, a_shape[0], lora_scale(res.alpha, a_shape[0]), ka, kb, a_shape, b_shape,
                                       False, a_dtype, x)
                         for m, (ka, kb, a_shape, b_shape, a_dtype, x) in shapes.items()}
-        self.full_tensors = {}
-        self._rows = DcpKeySource(ckpt=self.ckpt) if any(x is not None for *_, x in found) else None
+        self.full_tensors = trained_full_tensors(self.ckpt)
+        stacked = any(x is not None for *_, x in found) or any(v.endswith("]") for v in self.full_tensors.values())
+        self._rows = DcpKeySource(ckpt=self.ckpt) if stacked else None
 
     def _stacked_experts(self, ka: str, kb: str) -> int:
         ea, eb = self.ckpt.entries.get(ka), self.ckpt.entries.get(kb)
@@ -212,11 +215,15 @@ class DcpLoraSource(LoraSource):
         return self._rows.read_tensor(self._rows.expert_name(key, m.expert))   # exactly that expert's bytes
 
     def read_key(self, key: str) -> torch.Tensor:
-        return self.ckpt.read_tensor(key)
+        stem, expert = _split_ref(key)
+        if expert is None:
+            return self.ckpt.read_tensor(key)
+        return self._rows.read_tensor(self._rows.expert_name(stem, expert))
 
     def key_facts(self, key: str) -> TensorFacts:
-        e = self.ckpt.entry(key)
-        return TensorFacts(key, e.dtype, tuple(e.shape))
+        stem, expert = _split_ref(key)
+        e = self.ckpt.entry(stem)
+        return TensorFacts(key, e.dtype, tuple(e.shape) if expert is None else tuple(e.shape[1:]))
 
     def lora_keys(self) -> list[str]:
         """The DCP keys of the LoRA factors (a stacked key once)."""
@@ -226,13 +233,44 @@ class DcpLoraSource(LoraSource):
         self.ckpt.close()
 
 
+def _split_ref(ref: str) -> tuple[str, int | None]:
+    """`key` -> (key, None); `key[e]` (one expert's slice of a stacked tensor) -> (key, e)."""
+    if ref.endswith("]") and "[" in ref:
+        stem, _, idx = ref[:-1].rpartition("[")
+        if idx.isdigit():
+            return stem, int(idx)
+    return ref, None
+
+
+def trained_full_tensors(ckpt: DcpCheckpoint) -> dict[str, str]:
+    """The base weights of a LoRA checkpoint that were trained whole: prime-rl HEAD's
+    `lora.modules_to_save` (e.g. lm_head and model.norm), HF name -> DCP key (`key[e]` for one expert of
+    a stacked tensor). Found from the optimizer state, the only mark training leaves: prime-rl optimizes
+    every `requires_grad` param and freezes all else (HEAD trainer/lora.py, optim/__init__.py), so a base
+    weight with `app.optimizers.state.<fqn>.*` was trained; never guessed from names. 16e747c's
+    optimizer holds the LoRA only, so its checkpoints have none."""
+    trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+    out: dict[str, str] = {}
+    for key, e in ckpt.entries.items():
+        ki = classify(key, e.path)
+        if ki.group != "base" or key.removeprefix("app.model.") not in trained:
+            continue
+        if ki.stacked:
+            for x in range(e.shape[0] if e.shape else 0):
+                out[expert_hf_name(ki, x)] = f"{key}[{x}]"
+        else:
+            out[ki.hf_name] = key
+    return dict(sorted(out.items()))
+
+
 class NoLoraSource(LoraSource):
     """The "adapter" of a full fine-tune's export: no LoRA at all, the checkpoint's weights are the model."""
     kind = "none"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, tied_aliases: tuple[str, ...] = ()):
         self.path = Path(path)
         self.config_path = self.weights_path = self.path / METADATA_NAME
+        self.tied_aliases = tied_aliases    # output embeddings trained as the input embedding (tied)
         self.modules, self.full_tensors = {}, {}
         self.alpha, self.alpha_source = None, "none (a full fine-tune: the trained weights are exported)"
 

@@ -18,7 +18,7 @@ launched from ``out_dir`` with ``model.name = "base_model"``::
 
 The checkpoints come from ``spec.world_size`` gloo processes running FSDP2 (and expert parallelism) and
 torch's ``dcp.save`` (``head_train``); at the genuine fixtures' settings (``HeadSpec.e_dense()``,
-``f_moe()``, ``g_fullft()``) their ``.metadata`` equal the genuine E, F and G checkpoints' in keys, dtypes,
+``f_moe()``, ``g_fullft()``; ``e_mts()`` adds ``modules_to_save``, ``g_fullft_tied()`` ties) their ``.metadata`` equal the genuine E, F and G checkpoints' in keys, dtypes,
 shapes, chunks, the rank file of every chunk and the byte items. Nothing here is used by the toolkit at
 runtime; it makes test and benchmark inputs.
 
@@ -86,6 +86,8 @@ _PRESETS = {
     "moe": HeadSpec.f_moe,
     "fullft": HeadSpec.g_fullft,
     "moe-fullft": lambda **kw: HeadSpec.f_moe(**{"lora": False, **kw}),
+    "dense-mts": HeadSpec.e_mts,
+    "fullft-tied": HeadSpec.g_fullft_tied,
 }
 
 # CLI flag -> HeadSpec field (value types come from argparse)
@@ -113,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("out", type=Path)
     p.add_argument("--kind", choices=sorted(_PRESETS), default="dense",
-                   help="preset: dense = genuine E, moe = genuine F, fullft = genuine G, moe-fullft")
+                   help="preset: dense = genuine E, moe = genuine F, fullft = genuine G, moe-fullft, "
+                        "dense-mts = dense LoRA with modules_to_save lm_head,norm, fullft-tied = G tied")
     for flag in ("world_size", "layers", "experts", "top_k", "hidden_size", "intermediate_size",
                  "moe_intermediate_size", "vocab_size", "rank", "max_steps", "warmup_steps", "decay_steps", "seed"):
         p.add_argument("--" + flag.replace("_", "-"), type=int)
@@ -124,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-interval", type=_optional_int, default=argparse.SUPPRESS, help="steps between checkpoints, or 'none'")
     p.add_argument("--targets", help="comma-separated LoRA target names, e.g. q_proj,v_proj,experts")
     p.add_argument("--tied", action="store_true", help="tie word embeddings")
+    p.add_argument("--modules-to-save", help="comma-separated lora.modules_to_save, e.g. lm_head,norm")
     p.add_argument("--base-max-shard-size", help="e.g. 200KB: write a sharded base model")
     return p
 
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides[field] = getattr(a, field)
     if a.targets is not None:
         overrides["targets"] = tuple(t for t in a.targets.split(",") if t)
+    if a.modules_to_save is not None:
+        overrides["modules_to_save"] = tuple(t for t in a.modules_to_save.split(",") if t)
     if a.tied:
         overrides["tie_word_embeddings"] = True
     try:

@@ -150,7 +150,7 @@ def trainer_config(spec: HeadSpec) -> dict[str, Any]:
     lora = None
     if spec.lora:
         lora = {"rank": spec.lora_rank, "alpha": float(spec.lora_alpha), "dropout": 0.0,
-                "target_modules": list(spec.config_targets), "modules_to_save": []}
+                "target_modules": list(spec.config_targets), "modules_to_save": list(spec.modules_to_save)}
     model = {
         "name": BASE_NAME, "trust_remote_code": False, "vlm": None, "conversion_dir": spec.conversion_dir,
         "seq_len": spec.seq_len, "attn": "flash_attention_2", "compile": None,
@@ -196,12 +196,22 @@ def trainer_config(spec: HeadSpec) -> dict[str, Any]:
     }
 
 
-def adapter_config(spec: HeadSpec) -> dict[str, Any]:
-    """prime-rl's ``save_lora_config``: the trainer's r/alpha, the wrapped modules' suffixes, sorted."""
+def saved_module_suffixes(trainable_names: list[str]) -> list[str] | None:
+    """``save_lora_config``'s ``modules_to_save``: the last component of each trainable non-LoRA param's
+    module, sorted (``["lm_head", "norm"]``); None when there is none. prime-rl writes only this list: the
+    broadcast holds none of those tensors."""
+    names = {n.rsplit(".", 1)[0].split(".")[-1] for n in trainable_names if "lora_A" not in n and "lora_B" not in n}
+    return sorted(names) if names else None
+
+
+def adapter_config(spec: HeadSpec, trainable_names: list[str] | None = None) -> dict[str, Any]:
+    """prime-rl's ``save_lora_config``: the trainer's r/alpha, the wrapped modules' suffixes, sorted, and
+    the suffixes of the fully trained modules (``trainable_names``: the model's ``requires_grad`` params)."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": BASE_NAME,
         "r": spec.lora_rank, "lora_alpha": float(spec.lora_alpha), "lora_dropout": 0.0, "bias": "none",
-        "target_modules": sorted(spec.lora_modules_suffixes()), "modules_to_save": None,
+        "target_modules": sorted(spec.lora_modules_suffixes()),
+        "modules_to_save": saved_module_suffixes(trainable_names or []),
     }
 
 

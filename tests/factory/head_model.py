@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from tests.factory.head_spec import EXPERT_PROJ, HeadSpec
+from tests.factory.head_spec import EXPERT_PROJ, HeadSpec, keep_trainable
 
 _BASE = "base_layer."
 
@@ -226,8 +226,12 @@ def _apply_lora(model: nn.Module, spec: HeadSpec) -> None:
 
 
 def _freeze(model: nn.Module, spec: HeadSpec) -> None:
+    """prime-rl's ``freeze_all_except_lora_and_specified`` (run before FSDP, on the wrapped names)."""
     for name, p in model.named_parameters():
-        p.requires_grad_(not spec.lora or "lora_A" in name or "lora_B" in name)
+        if not spec.lora or "lora_A" in name or "lora_B" in name:
+            p.requires_grad_(True)
+        else:
+            p.requires_grad_(keep_trainable(name, spec.modules_to_save))
 
 
 def _apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:

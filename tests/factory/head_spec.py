@@ -9,6 +9,7 @@ training child (``head_train``) all read the same ``HeadSpec``. Facts mirrored h
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,9 @@ class HeadSpec:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     targets: tuple[str, ...] | None = ATTN_TARGETS + DENSE_MLP_TARGETS
+    # lora.modules_to_save: params kept fully trainable by prime-rl's rule (``keep_trainable``), e.g.
+    # ("lm_head", "norm") trains lm_head.weight and model.norm.weight (not q_norm / input_layernorm)
+    modules_to_save: tuple[str, ...] = ()
     # --- training ---
     max_steps: int = 3
     ckpt_interval: int | None = 2
@@ -97,6 +101,7 @@ class HeadSpec:
         object.__setattr__(self, "betas", tuple(self.betas))
         if self.targets is not None:
             object.__setattr__(self, "targets", tuple(self.targets))
+        object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
         problems = self._problems()
         if problems:
             raise ValueError("invalid HeadSpec: " + "; ".join(problems))
@@ -130,6 +135,8 @@ class HeadSpec:
             if self.arch in ARCHES and not self.lora_modules_suffixes():
                 p.append(f"targets={self.targets!r} match no module of a {self.arch} model "
                          f"(choose from {ARCH_TARGETS[self.arch]})")
+        if self.modules_to_save and not self.lora:
+            p.append("modules_to_save is a LoRA setting (a full fine-tune trains every parameter)")
         if self.max_steps < 1:
             p.append(f"max_steps={self.max_steps} must be >= 1 (prime-rl saves only after a step)")
         if self.ckpt_interval is not None and self.ckpt_interval < 1:
@@ -177,6 +184,21 @@ class HeadSpec:
         )
         kw.update(overrides)
         return cls(**kw)
+
+    @classmethod
+    def e_mts(cls, **overrides: Any) -> HeadSpec:
+        """Dense LoRA with ``modules_to_save = ["lm_head", "norm"]`` (untied): lm_head and model.norm train."""
+        kw: dict[str, Any] = dict(
+            world_size=2, intermediate_size=128, num_layers=2, modules_to_save=("lm_head", "norm"),
+            ckpt_interval=None,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def g_fullft_tied(cls, **overrides: Any) -> HeadSpec:
+        """``G_head_fullft`` with tied embeddings: lm_head is the embedding Parameter (one optimizer state)."""
+        return cls.g_fullft(**{"tie_word_embeddings": True, **overrides})
 
     # ---- derived facts ----
     @property
@@ -258,6 +280,7 @@ class HeadSpec:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         d["targets"] = None if self.targets is None else list(self.targets)
+        d["modules_to_save"] = list(self.modules_to_save)
         return d
 
     @classmethod
@@ -267,6 +290,29 @@ class HeadSpec:
         if unknown:
             raise ValueError(f"unknown HeadSpec fields {unknown}")
         return cls(**d)
+
+
+def _has_regex_metacharacters(pattern: str) -> bool:
+    return any(c in pattern for c in ".*+?^$[]{}|()\\")
+
+
+def matches_pattern(name: str, pattern: str) -> bool:
+    """prime-rl's ``trainer/lora.py: _matches_pattern`` (559b447), verbatim in effect.
+
+    A simple name (no regex metacharacter) matches a whole dot-component of ``name`` ("norm" matches
+    ``model.norm.weight``, not ``q_norm`` or ``input_layernorm``); a regex is ``re.search``-ed anywhere.
+    """
+    if _has_regex_metacharacters(pattern):
+        return re.search(pattern, name) is not None
+    return pattern in name.split(".")
+
+
+def keep_trainable(param_name: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """prime-rl's ``_should_keep_trainable``: the parameter name, then its module name, against each pattern."""
+    if any(matches_pattern(param_name, p) for p in patterns):
+        return True
+    module_name = param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+    return any(matches_pattern(module_name, p) for p in patterns)
 
 
 def lr_factor_floor(spec: HeadSpec) -> float:

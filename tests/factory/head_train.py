@@ -140,7 +140,8 @@ def broadcast_adapter(model, spec: HeadSpec, step: int, rank: int) -> dict[str, 
         d = _broadcast_dir(step)
         d.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
-        write_json(d / "adapter_config.json", adapter_config(spec))
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        write_json(d / "adapter_config.json", adapter_config(spec, trainable))
         (d / "STABLE").touch()
     return tensors
 

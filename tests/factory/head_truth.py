@@ -8,8 +8,9 @@ its last broadcast wrote; ``write_truth`` turns them into:
   ``live_fp32.<fqn>`` every non-LoRA tensor (the fp32 masters), ``optim.<fqn>.<exp_avg|exp_avg_sq|step>``;
   LoRA runs: ``lora.<hf module>.A|B``, ``lora.<experts>.<e>.<gate|up|down>_proj.A|B`` and
   ``lora_stacked.<experts>.<w1|w2|w3>_lora_<A|B>``, ``adapter_export.<key>``, ``delta_fp32.<hf weight>``
-  (scale * B @ A) and ``merged_bf16.<hf weight>`` (bf16(W + delta), per expert for MoE); full fine-tunes:
-  ``trained_bf16.<hf weight>``;
+  (scale * B @ A) and ``merged_bf16.<hf weight>`` (bf16(W + delta), per expert for MoE), and for
+  ``modules_to_save`` (the non-LoRA params with optimizer state) ``trained_bf16.<hf weight>``, which
+  ``expected_merged_hf`` holds in place of the base's; full fine-tunes: ``trained_bf16.<hf weight>``;
 - ``expected_merged_hf/`` (LoRA) or ``expected_trained_hf/`` (full FT): the base dir with those weights;
 - ``run_info.json``: the spec, parallel layout, the facts of every save (progress, lr, scheduler) and step.
 
@@ -38,7 +39,8 @@ NAMES = {
     "delta_fp32.<hf weight>": "scale * (B @ A) fp32",
     "merged_bf16.<hf weight>": "expected merged weight (bf16)",
     "adapter_export.<key>": "what the final step's filesystem broadcast wrote (LoRAState.adapter_state_dict())",
-    "trained_bf16.<hf weight>": "bf16 cast of the trained fp32 masters in HF naming",
+    "trained_bf16.<hf weight>": "bf16 cast of the trained fp32 masters in HF naming (full FT: every weight; "
+                                "LoRA: the modules_to_save params, which replace the base's in the merge)",
 }
 MERGE_FORMULA = "merged = bf16(fp32(W_base) + scale * (B.float() @ A.float())) computed in fp32"
 
@@ -90,17 +92,29 @@ def write_truth(paths: HeadRunPaths, spec: HeadSpec, raw_tensors: Path, raw_fact
     if spec.lora:
         ref.update(_lora_reference(live, spec))
         frozen_ok, changed = True, 0
+        # modules_to_save: the non-LoRA params the optimizer holds state for (its only mark of training)
+        saved = sorted({k[len("optim."):].rsplit(".", 1)[0] for k in raw if k.startswith("optim.")}
+                       - {k for k in live if "lora_A" in k or "lora_B" in k})
+        saved_changed = 0
         for k, v in live.items():
-            if "lora_A" not in k and "lora_B" not in k:
+            if "lora_A" not in k and "lora_B" not in k and k not in saved:
                 # (a tied lm_head.weight has no key of its own in the HF file)
                 frozen_ok &= all(torch.equal(t, base[h].float()) for h, t in prime_to_hf(k, v, spec) if h in base)
+        for k in saved:
+            for hf_name, t in prime_to_hf(k, live[k], spec):
+                trained = t.to(torch.bfloat16)
+                ref[f"trained_bf16.{hf_name}"] = trained
+                if hf_name in expected:
+                    saved_changed += int(not torch.equal(trained, base[hf_name]))
+                    expected[hf_name] = trained
         for hf_name, (a, b) in _lora_pairs(live, spec).items():
             delta = spec.scale * (b.float() @ a.float())
             merged = (base[hf_name].float() + delta).to(torch.bfloat16)
             ref[f"delta_fp32.{hf_name}"], ref[f"merged_bf16.{hf_name}"] = delta, merged
             changed += int(not torch.equal(merged, base[hf_name]))
             expected[hf_name] = merged
-        checks = {"frozen_base_equals_bf16_upcast": bool(frozen_ok), "n_merged_tensors_changed": changed}
+        checks = {"frozen_base_equals_bf16_upcast": bool(frozen_ok), "n_merged_tensors_changed": changed,
+                  "modules_to_save_params": saved, "n_modules_to_save_changed": saved_changed}
     else:
         changed = 0
         for k, v in live.items():
@@ -120,7 +134,8 @@ def write_truth(paths: HeadRunPaths, spec: HeadSpec, raw_tensors: Path, raw_fact
     if spec.lora:
         info.update(scale=spec.scale, rank=spec.lora_rank, alpha=float(spec.lora_alpha),
                     scale_source="bf16(trainer model.lora.alpha / rank), as prime-rl's LoRAState.scaling_factors",
-                    merge_formula=MERGE_FORMULA, lora_targets=spec.lora_modules())
+                    merge_formula=MERGE_FORMULA, lora_targets=spec.lora_modules(),
+                    modules_to_save=list(spec.modules_to_save), modules_to_save_params=checks["modules_to_save_params"])
     save_file({k: v.contiguous() for k, v in sorted(ref.items())}, str(paths.reference),
               metadata={"info": json.dumps(info)})
     _write_expected_dir(paths, expected)

@@ -21,28 +21,35 @@ __all__ = ["command"]
               help="Base model to check every LoRA module against (default: the export's "
                    "base_model_name_or_path, looked up next to the run).")
 @click.option("--slot", type=int, default=None, help="Adapter slot to keep from a multi-slot export (default 0).")
+@click.option("--checkpoint", "checkpoint", type=InputPath(), default=None, metavar="CKPT",
+              help="The run's DCP checkpoint of the same step: fills the modules_to_save tensors prime-rl's "
+                   "broadcast lists but does not hold (HEAD lora.modules_to_save).")
 @alpha_options
 @overwrite_option
 @dry_run_option
 @json_option
-def command(src: Path, out: Path, base, slot, alpha, run_config, overwrite: bool, dry_run: bool, as_json: bool) -> None:
+def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, overwrite: bool, dry_run: bool,
+            as_json: bool) -> None:
     """Repair a prime-rl adapter export into a PEFT adapter that really applies.
 
     SRC is a broadcast dir (outputs/<run>/broadcasts/step_N: keys lack `base_model.model.`) or a
     weight export (outputs/weights/step_N/lora_adapters: adapter_model.bin with `lora_A.<slot>`).
     PEFT loads both without an error and applies NOTHING. OUT gets the renamed tensors (values
     unchanged) as safetensors and a config with the training lora_alpha (the run's orch.toml, or
-    --alpha / --run-config) and only the modules_to_save that are really there.
+    --alpha / --run-config) and only the modules_to_save that are really there, under their exact
+    module names; with --checkpoint, the trained ones the export lacks are filled from it.
 
     \b
     Example:
       ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
+      ckpt fix-adapter outputs/broadcasts/step_95 adapter-step95 --checkpoint outputs/checkpoints/step_95/trainer
     """
-    check_roles("fix-adapter", {"SRC": src, "OUT": out, "--base": base})
+    check_roles("fix-adapter", {"SRC": src, "OUT": out, "--base": base, "--checkpoint": checkpoint})
     with op_imports():
         from ...ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
-    options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config))
-    report = plan_and_run(lambda: open_fix_source(src), lambda weights: plan_fix(weights, src, options),
+    options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config),
+                         None if checkpoint is None else str(checkpoint))
+    report = plan_and_run(lambda: open_fix_source(src, checkpoint), lambda weights: plan_fix(weights, src, options),
                           lambda plan, weights, progress: run_fix(plan, weights, progress, overwrite=overwrite),
                           FixReport, dry_run=dry_run)
     finish(report, as_json, lambda rep: _render(rep, dry_run))

@@ -138,5 +138,8 @@ def _render_dcp(r: dict) -> None:
         else:
             click.echo(f"  alpha: unknown ({r.get('alpha_unresolved', '')})")
             click.echo(f"  rule: {r['scale_rule']}")
+    if r.get("modules_to_save"):
+        click.echo(f"  trained full tensors (modules_to_save, from their optimizer state): "
+                   f"{', '.join(r['modules_to_save'])}")
     if r["slim"]:
         click.echo("  SLIM checkpoint: base weights removed; `ckpt rehydrate` before resuming")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,8 @@ from ..safetensors.writer import StreamingSafetensorsWriter, build_header
 from .config import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
 
 __all__ = ["PEFT_CONFIG_DEFAULTS", "SAFETENSORS_METADATA", "peft_key", "peft_config", "config_json",
-           "target_modules_for", "OutTensor", "safetensors_file_bytes", "write_adapter"]
+           "target_modules_for", "OutTensor", "safetensors_file_bytes", "write_adapter", "VLLM_REFUSED_FULL",
+           "exact_modules_to_save", "full_tensor_warning"]
 
 SAFETENSORS_METADATA = {"format": "pt"}
 
@@ -75,6 +76,18 @@ def peft_key(module: str, ab: str) -> str:
     return f"{PEFT_PREFIX}{module}.lora_{ab}.weight"
 
 
+def full_tensor_warning(modules: Sequence[str]) -> str | None:
+    """The consumer warning for an adapter with these modules_to_save (None when it has none)."""
+    if not modules:
+        return None
+    refused = [m for m in modules if m.rsplit(".", 1)[-1] in VLLM_REFUSED_FULL]
+    text = f"the adapter holds trained full tensors (modules_to_save {list(modules)}): PEFT loads them"
+    if refused:
+        text += (f"; vLLM refuses an adapter whose modules_to_save holds embed_tokens/lm_head ({refused}): serve the "
+                 "merged model there (`ckpt merge` / `ckpt export`)")
+    return text
+
+
 def peft_config(*, r: int, lora_alpha: float, target_modules: list[str], base_model_name_or_path: str | None,
                 modules_to_save: list[str] | None = None) -> dict:
     cfg = dict(PEFT_CONFIG_DEFAULTS)
@@ -103,6 +116,30 @@ def target_modules_for(modules: list[str], base_shapes: dict[str, tuple[int, ...
     return sorted(modules), (f"the LoRA covers {len(modules)} of the {len(selected)} base modules named "
                              f"{', '.join(suffixes)}; target_modules lists the {len(modules)} module names "
                              "explicitly")
+
+
+# vLLM's LoRA loader refuses an adapter whose modules_to_save holds these (it supports LoRA deltas only).
+VLLM_REFUSED_FULL = ("embed_tokens", "lm_head", "wte")
+
+
+def exact_modules_to_save(names: Sequence[str], base_names: Collection[str] | None) -> list[str]:
+    """PEFT `modules_to_save` entries that select exactly the modules of `names` (HF tensor names, e.g.
+    `lm_head.weight`, `model.norm.weight`): each tensor's full module name.
+
+    PEFT 0.21 wraps every module whose name *ends with* an entry as a string (`peft.utils.other._set_trainable`:
+    `key.endswith(target_key)`), so `["norm"]` would wrap model.norm, every `q_norm` and every
+    `input_layernorm`; the full name `model.norm` ends no other module's name. With `base_names` (the base's
+    tensor names) that is checked: an entry another base module's name also ends with is an error."""
+    mods = sorted({n.rsplit(".", 1)[0] if n.endswith((".weight", ".bias")) else n for n in names})
+    if base_names is not None:
+        all_modules = {".".join(n.split(".")[:i]) for n in base_names for i in range(1, n.count(".") + 1)}
+        for m in mods:
+            others = sorted(o for o in all_modules if o != m and o.endswith(m))
+            if others:
+                raise FormatError(f"modules_to_save entry {m!r} cannot select only {m}: PEFT matches entries as name "
+                                  f"suffixes and {others[0]} also ends with it", key=m,
+                                  hint="merge the checkpoint instead (`ckpt merge` / `ckpt export`)")
+    return mods
 
 
 @dataclass(frozen=True)

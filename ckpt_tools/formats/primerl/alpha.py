@@ -13,7 +13,8 @@ A DCP checkpoint stores A and B but not alpha, rank or scale. The scale training
 One order, the same for every command: --alpha; --run-config FILE (orch.toml, trainer.json or
 rl.json); the run's configs, found only where prime-rl writes them for the artifact
 (`run_outputs_dir`: `<outputs>/run_*/configs/orch.toml` beside `<outputs>/checkpoints/step_N/trainer`,
-or `configs/{trainer,rl}.json` in `<outputs>` or the run dir above it; exactly one run); otherwise an
+or `configs/{trainer,rl}.json` in `<outputs>` or the run dir above it, or under `configs/resolved/` or
+`configs/latest/resolved/` there (`files.CONFIG_DIRS`); exactly one run); otherwise an
 error that says how to pass it. Never a guess; the file and the rule that gave the scale are always
 reported. Every alpha is validated: finite, in (0, MAX_ALPHA].
 """
@@ -29,6 +30,7 @@ from ...core.errors import AlphaError, CkptError, FormatError, UsageError
 from ...core.lora_math import check_alpha, lora_scale
 from ...io.inputs import read_json, read_toml
 from .config import HEAD_JSON, config_files, load_run_config, lora_settings
+from .files import head_config_files
 
 __all__ = ["ORCH_DEFAULT_ALPHA", "AlphaResolution", "run_outputs_dir", "find_run_configs", "read_orch_lora",
            "run_adapter_configs", "adapter_config_disagreements", "resolve_alpha", "orch_model_name",
@@ -83,7 +85,8 @@ def _head_configs(outputs: Path) -> list[Path]:
     dir or the run dir just above it (the rl entrypoint writes `<run_dir>/configs/`); trainer.json
     first (it holds the trainer's LoRA), one dir only."""
     for d in (outputs, outputs.parent):
-        found = [d / "configs" / n for n in ("trainer.json", "rl.json") if (d / "configs" / n).is_file()]
+        found = sorted((f for f in head_config_files(d) if f.name in ("trainer.json", "rl.json")),
+                       key=lambda f: f.name != "trainer.json")
         if found:
             return found
     return []

@@ -20,13 +20,16 @@ from ...io import inputs
 from ...core.errors import FormatError, UsageError
 
 __all__ = ["GEN_16E747C", "GEN_HEAD", "SECTIONS", "HEAD_JSON", "ConfigFile", "RunFiles", "read_toml",
-    "read_json", "config_files", "locate_run_configs"]
+    "read_json", "config_files", "locate_run_configs", "CONFIG_DIRS", "head_config_files", "config_run_dir"]
 
 GEN_16E747C = "16e747c"
 GEN_HEAD = "head"
 SECTIONS = ("trainer", "orchestrator", "inference")
 HEAD_JSON = {"rl.json": "", "trainer.json": "trainer", "orchestrator.json": "orchestrator",
              "inference.json": "inference"}
+# Where a run dir holds its resolved JSON configs, in lookup order (entrypoints/rl.py writes configs/;
+# later prime-rl writes configs/resolved/ and configs/latest/resolved/).
+CONFIG_DIRS = ("configs", "configs/resolved", "configs/latest/resolved")
 _SEARCH_LEVELS = 5   # trainer -> step_N -> checkpoints -> outputs -> run/launch dir
 
 
@@ -131,8 +134,26 @@ def config_files(files: list[Path], sections: Mapping[str, Path] | None = None) 
     return RunFiles(gens.pop() if gens else GEN_16E747C, tuple(seen), None, tuple(ignored))
 
 
-def _head_files(d: Path) -> list[Path]:
-    return [d / "configs" / n for n in HEAD_JSON if (d / "configs" / n).is_file()]
+def head_config_files(d: Path) -> list[Path]:
+    """The HEAD JSON configs of run dir `d`, from the first of `CONFIG_DIRS` that holds any (prime-rl
+    writes `<run_dir>/configs/*.json`; later versions write the resolved configs under `configs/resolved/`
+    and `configs/latest/resolved/`)."""
+    for sub in CONFIG_DIRS:
+        found = [d / sub / n for n in HEAD_JSON if (d / sub / n).is_file()]
+        if found:
+            return found
+    return []
+
+
+def config_run_dir(config: Path) -> Path:
+    """The run dir a found config file belongs to: `<run>` for `<run>/<one of CONFIG_DIRS>/x.json`, and
+    `<outputs>/run_x` for 16e747c's `<outputs>/run_x/configs/orch.toml`."""
+    p = Path(config).resolve()
+    for sub in sorted(CONFIG_DIRS, key=lambda s: -len(Path(s).parts)):   # the longest layout first
+        n = len(Path(sub).parts)
+        if len(p.parents) > n and Path(*p.parent.parts[-n:]) == Path(sub):
+            return p.parents[n]
+    return p.parent.parent
 
 
 def _orch_tomls(d: Path) -> list[Path]:
@@ -150,7 +171,7 @@ def locate_run_configs(path: str | Path) -> RunFiles | None:
         return config_files([p])
     d = p.resolve()
     for _ in range(_SEARCH_LEVELS + 1):
-        head, old = _head_files(d), _orch_tomls(d)
+        head, old = head_config_files(d), _orch_tomls(d)
         if head:
             order = sorted(head, key=lambda f: list(HEAD_JSON).index(f.name))   # rl.json first
             return RunFiles(GEN_HEAD, tuple(ConfigFile(f, HEAD_JSON[f.name], "run dir") for f in order), d)

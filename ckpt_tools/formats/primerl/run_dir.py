@@ -18,11 +18,16 @@ from pathlib import Path
 
 from ...io import inputs
 from ...core.errors import CkptError, UsageError
-from ..hf_dir.hub import resolve_model_dir
-from .config import GEN_HEAD, RunConfig
+from ..hf_dir.hub import locate_model, resolve_model_dir
+from ..safetensors.header import read_header
+from .alpha import find_run_configs, orch_model_name
+from .config import GEN_HEAD, RunConfig, config_files, load_run_config
+from .files import config_run_dir
 
-__all__ = ["step_number", "step_dirs", "checkpoints_dir_of", "launch_dir", "outputs_dir", "model_name",
-    "BaseModel", "resolve_base", "adapter_config_files", "read_adapter_config", "weights_exports",
+__all__ = ["step_number", "step_dirs", "checkpoints_dir_of", "launch_dir", "launch_dir_of", "run_base_of",
+    "outputs_dir", "model_name",
+    "BaseModel", "resolve_base", "adapter_config_files", "read_adapter_config", "absent_modules_to_save",
+    "weights_exports",
     "dir_bytes"]
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -63,19 +68,54 @@ def launch_dir(cfg: RunConfig) -> Path | None:
     files = cfg.files
     if files.run_dir is None:
         return Path.cwd()
-    f = files.files[0].path.resolve()
+    f = files.files[0].path
     if cfg.generation == GEN_HEAD:
-        run = f.parent.parent                       # <run>/configs/trainer.json
-        out = cfg.value("trainer.output_dir")
+        return launch_dir_of(f, cfg.value("trainer.output_dir"))
+    return launch_dir_of(f, cfg.value("orchestrator.output_dir"))
+
+
+def launch_dir_of(config: Path, output_dir: object = None) -> Path:
+    """THE run-dir rule (every command's): where a run config found in a run dir says prime-rl was
+    launched from, i.e. where its relative `model.name` and `output_dir` point.
+
+    - HEAD `<run>/configs[/resolved | /latest/resolved]/trainer.json`: `<run>`, or the dir above it when
+      the trainer's relative `output_dir` lies there (`rl` runs write `<output_dir>/<run.name>/configs`);
+    - 16e747c `<launch>/<orchestrator.output_dir>/configs/orch.toml` (default `outputs/run_default`)."""
+    run = config_run_dir(config)
+    if Path(config).suffix == ".json":
         for cand in (run, run.parent):
-            if out and (cand / str(out)).is_dir():
+            if output_dir and (cand / str(output_dir)).is_dir():
                 return cand
         return run
-    out = Path(str(cfg.value("orchestrator.output_dir") or "outputs/run_default"))
-    run = f.parent.parent                           # <outputs>/run_default/configs/orch.toml
+    out = Path(str(output_dir or "outputs/run_default"))
     if not out.is_absolute() and run.parts[-len(out.parts):] == out.parts:
         return Path(*run.parts[:-len(out.parts)])
     return run.parent.parent
+
+
+def run_base_of(artifact: str | Path) -> BaseModel | None:
+    """The base model of the run that wrote `artifact` (a checkpoint, step or broadcast dir), from the one
+    run config prime-rl wrote for it (`alpha.find_run_configs`), found as prime-rl resolved it: relative to
+    the launch dir (`launch_dir_of`), else a local dir or hub id in the local HF cache. None when the run
+    has no (or several) configs or names no model; `dir` None when the model is not on this machine."""
+    configs = find_run_configs(Path(artifact))
+    if len(configs) != 1:
+        return None
+    cfg_path = configs[0]
+    name = orch_model_name(cfg_path)
+    if name is None:
+        return None
+    try:
+        cfg = load_run_config(config_files([cfg_path]))
+        key = "trainer.output_dir" if cfg_path.suffix == ".json" else "orchestrator.output_dir"
+        out = cfg.value(key) if key.split(".")[0] in cfg.sections else None
+    except CkptError:
+        out = None
+    launch = launch_dir_of(cfg_path, out)
+    found, why = locate_model(name, run_root=launch)
+    how = f"the run config {cfg_path}'s model.name {name!r}" + (f" (relative to {launch})" if found is not None
+                                                                 and found == launch / name else "")
+    return BaseModel(name, found, how, why)
 
 
 def outputs_dir(cfg: RunConfig | None, target: Path | None) -> Path | None:
@@ -153,6 +193,23 @@ def read_adapter_config(path: Path) -> tuple[int, float] | None:
         return int(cfg["r"]), float(cfg["lora_alpha"])
     except (CkptError, ValueError, KeyError, TypeError, OverflowError):
         return None
+
+
+def absent_modules_to_save(path: Path) -> tuple[str, ...]:
+    """The `modules_to_save` an adapter_config.json lists whose tensors its adapter_model.safetensors does
+    not hold (prime-rl HEAD's broadcast lists them and saves none: PEFT then loads the base's modules);
+    () when it lists none, or the files cannot be read (other checks report those)."""
+    try:
+        cfg = inputs.read_json(path, what="adapter_config.json")
+        listed = cfg.get("modules_to_save") or []
+        weights = Path(path).parent / "adapter_model.safetensors"
+        if not listed or not isinstance(listed, list) or not weights.is_file():
+            return ()
+        names = [k.removeprefix("base_model.model.") for k in read_header(weights).tensors]
+    except (CkptError, AttributeError, TypeError, ValueError):
+        return ()
+    held = [n.rsplit(".", 1)[0] for n in names if "lora_" not in n]
+    return tuple(t for t in listed if isinstance(t, str) and not any(h == t or h.endswith("." + t) for h in held))
 
 
 def weights_exports(outputs: Path) -> list[tuple[int, Path]]:

@@ -66,6 +66,7 @@ class AdapterConfig:
     path: str
     r: int
     lora_alpha: float
+    absent_full: tuple[str, ...] = ()   # modules_to_save it lists but holds no tensor of
 
 
 @dataclass(frozen=True)

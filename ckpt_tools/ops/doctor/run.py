@@ -27,7 +27,7 @@ from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
 from ...formats.primerl.config import GEN_HEAD, RunConfig, config_files, load_run_config, locate_run_configs
 from ...formats.primerl.run_dir import (
-    adapter_config_files, dir_bytes, model_name, outputs_dir, read_adapter_config, resolve_base, step_dirs,
+    absent_modules_to_save, adapter_config_files, dir_bytes, model_name, outputs_dir, read_adapter_config, resolve_base, step_dirs,
     weights_exports,
 )
 from ...formats.slim.manifest import SLIM_MANIFEST
@@ -199,7 +199,7 @@ def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
         for f in adapter_config_files(out_dir):
             ra = read_adapter_config(f)
             if ra is not None:
-                adapters.append(AdapterConfig(str(f), ra[0], ra[1]))
+                adapters.append(AdapterConfig(str(f), ra[0], ra[1], absent_modules_to_save(f)))
     fresh = None
     if cfg is not None and cfg.generation == GEN_HEAD and steps and cfg.value("trainer.model.optim_cpu_offload"):
         fresh = _fresh_lr(cfg, notes)

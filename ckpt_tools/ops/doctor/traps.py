@@ -26,7 +26,8 @@ from .traps_config import (
     tokenizer_default, unknown_keys, world_size,
 )
 from .traps_run import (
-    client_timeout, disk_space, dist_timeout, no_retention, resume_lr_offload, resume_lr_restored, weights_are_base,
+    broadcast_modules_to_save, client_timeout, disk_space, dist_timeout, no_retention, resume_lr_offload,
+    resume_lr_restored, weights_are_base,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ TRAPS: tuple[tuple[str, Callable[[RunFacts], list[Finding]]], ...] = (
     ("resume-lr-offload", resume_lr_offload),
     ("lora-alpha", lora_alpha),
     ("weights-are-base", weights_are_base),
+    ("broadcast-modules-to-save", broadcast_modules_to_save),
     ("linear-decay-crash", linear_decay_crash),
     ("max-model-len-noop", max_model_len_noop),
     ("max-tokens", max_tokens_unset),

@@ -10,7 +10,8 @@ from ...formats.primerl.config import GEN_16E747C, GEN_HEAD, RunConfig
 from .facts import ERROR, INFO, WARNING, Finding, RunFacts, StepFacts, finding, section_config, toml_fix
 
 __all__ = ["LARGE_CHECKPOINT_BYTES", "DIST_TIMEOUT_TRAP_S", "dist_timeout", "client_timeout", "saves_after",
-    "no_retention", "disk_space", "resume_lr_restored", "resume_lr_offload", "weights_are_base"]
+    "no_retention", "disk_space", "resume_lr_restored", "resume_lr_offload", "weights_are_base",
+    "broadcast_modules_to_save"]
 
 # A checkpoint this large makes the start-up and checkpoint collectives slow enough to matter.
 LARGE_CHECKPOINT_BYTES = 10 * 2**30
@@ -250,3 +251,24 @@ def weights_are_base(facts: RunFacts) -> list[Finding]:
                             "outputs/checkpoints/step_N/trainer OUT", "trainer/config.py:379-415, trainer/weights.py:114-140",
                             value="on (default)", default="on", use_config=False))
     return out
+
+
+def broadcast_modules_to_save(facts: RunFacts) -> list[Finding]:
+    """prime-rl HEAD trains `lora.modules_to_save` and its broadcast's adapter_config.json lists them, but
+    the broadcast holds none of their tensors: PEFT loads it with the base's untrained modules, silently."""
+    bad = [a for a in facts.adapter_configs if a.absent_full]
+    if not bad:
+        return []
+    cfg = facts.config
+    head = cfg is not None and cfg.generation == GEN_HEAD
+    a = bad[-1]
+    step = a.path.rsplit("step_", 1)[-1].split("/", 1)[0] if "step_" in a.path else "N"
+    why = (f"{len(bad)} adapter_config.json file(s) such as {a.path} list modules_to_save {list(a.absent_full)} but "
+           "hold none of their tensors: " + ("this run trains them (lora.modules_to_save), so PEFT loading the "
+           "broadcast uses the base's UNTRAINED modules" if head else "PEFT raises or uses the base's modules"))
+    ck = f"{facts.checkpoints_dir or 'outputs/checkpoints'}/step_{step}/trainer"
+    return [Finding("broadcast-modules-to-save", ERROR if head else WARNING, "trainer.model.lora.modules_to_save",
+                    "[trainer.model.lora] modules_to_save", list(a.absent_full), None, why,
+                    f"ckpt fix-adapter {a.path.rsplit('/', 1)[0]} adapter-step{step} --checkpoint {ck}  ; or "
+                    f"ckpt merge {facts.base or 'BASE'} {ck} merged-step{step}",
+                    "trainer/lora.py: save_lora_config, transports/weights/filesystem.py (559b447)")]

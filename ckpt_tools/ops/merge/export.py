@@ -19,10 +19,10 @@ from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
 from ...core.keys import classify, trainable_params
+from ...core.tied import TIED_PAIRS
 from ...formats.dcp.layout import METADATA_NAME
 from ...formats.dcp.reader import DcpCheckpoint
-from ...formats.hf_dir.hub import locate_model
-from ...formats.primerl.alpha import find_run_configs, orch_model_name
+from ...formats.primerl.run_dir import run_base_of
 from ...sources.dcp import DcpBaseSource
 from ...sources.lora import DcpLoraSource, NoLoraSource
 from .pipeline import run_merge
@@ -68,11 +68,15 @@ def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeS
                                   "optimizer state for any app.model tensor): exporting it would write an "
                                   "untrained model", path=ckpt.dir / METADATA_NAME,
                                   hint="export a checkpoint of a LoRA or full fine-tuning run")
-            if base_fqns - trained:
-                raise FormatError(f"{len(base_fqns - trained)} base weight(s) have no optimizer state (e.g. "
-                                  f"{sorted(base_fqns - trained)[0]}) and there is no LoRA: a partial fine-tune "
+            # A tied output embedding is the input embedding's Parameter: FSDP's state dict lists it under both
+            # names, the optimizer (named_parameters, deduplicated) only under the input embedding's.
+            tied = {o for o, i in TIED_PAIRS if o in base_fqns - trained and i in trained}
+            untrained = base_fqns - trained - tied
+            if untrained:
+                raise FormatError(f"{len(untrained)} base weight(s) have no optimizer state (e.g. "
+                                  f"{sorted(untrained)[0]}) and there is no LoRA: a partial fine-tune "
                                   "this export does not know how to treat", path=ckpt.dir / METADATA_NAME)
-            adapter = NoLoraSource(ckpt.dir)
+            adapter = NoLoraSource(ckpt.dir, tied_aliases=tuple(sorted(tied)))
         base = DcpBaseSource(ckpt.dir, str(ckpt.dir), ckpt=ckpt)
     except BaseException:
         ckpt.close()
@@ -82,16 +86,10 @@ def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeS
 
 def run_base_model(ckpt_dir: Path) -> str | None:
     """The base model the run trained, from its own config where prime-rl writes it (HEAD trainer.json
-    `model.name`, or 16e747c orch.toml `[model] name`), resolved the way prime-rl did: relative to the
-    launch dir first, else a local dir or a hub id in the local HF cache. None when not found."""
-    configs = find_run_configs(ckpt_dir)
-    if len(configs) != 1:
-        return None
-    cfg = configs[0].resolve()
-    # trainer.json: <run>/configs/trainer.json; orch.toml: <run>/outputs/run_x/configs/orch.toml
-    root = cfg.parents[1] if cfg.suffix == ".json" else (cfg.parents[3] if len(cfg.parents) > 3 else None)
-    found, _why = locate_model(orch_model_name(configs[0]), run_root=root)
-    return None if found is None else str(found)
+    `model.name`, or 16e747c orch.toml `[model] name`), resolved the way prime-rl did
+    (`formats.primerl.run_dir.run_base_of`, the one run-dir rule). None when not found."""
+    found = run_base_of(ckpt_dir)
+    return None if found is None or found.dir is None else str(found.dir)
 
 
 def plan_export(sources: MergeSources, options: ExportOptions) -> MergePlan:
@@ -104,7 +102,24 @@ def plan_export(sources: MergeSources, options: ExportOptions) -> MergePlan:
                              "run's config names no base model found locally", path=sources.base.path,
                              hint="pass --config-from DIR_OR_HUB_ID: the HF base model the run trained")
         options = dataclasses.replace(options, config_from=found)
-    return plan_merge(sources, options.merge_options())
+    plan = plan_merge(sources, options.merge_options())
+    _check_tie_convention(sources, plan)
+    return plan
+
+
+def _check_tie_convention(sources: MergeSources, plan: MergePlan) -> None:
+    """A full fine-tune whose output embedding has no optimizer state trained it as the input embedding
+    (tied): the config must tie them too, or the export would ship the untrained alias as lm_head."""
+    aliases = getattr(sources.adapter, "tied_aliases", ())
+    if not aliases:
+        return
+    flag = plan.tie_word_embeddings[0]
+    written = {j.name for j in plan.jobs}
+    if flag is not True or written & set(aliases):
+        raise FormatError(f"{', '.join(aliases)} has no optimizer state: the run trained it tied to the input "
+                          f"embedding, but the config (tie_word_embeddings={flag!r}) does not tie them",
+                          path=sources.base.path,
+                          hint="pass --config-from the tied base model the run trained (tie_word_embeddings: true)")
 
 
 def run_export(plan: MergePlan, sources: MergeSources, progress=None, **kw):

@@ -188,6 +188,13 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
             return by_name[pair[1]]
         return None
 
+    not_linear = sorted(t for t in lora_by_target if base_for(t) is not None and len(base_for(t).shape) != 2)
+    if not_linear:
+        raise FormatError(f"{len(not_linear)} LoRA module(s) target a weight that is not a 2-D linear weight: "
+                          + ", ".join(f"{t} {list(base_for(t).shape)}" for t in not_linear[:8])
+                          + ": B @ A is a matrix, a LoRA cannot apply to it", path=adapter.path, key=not_linear[0],
+                          hint="drop these modules from the adapter (keys and target_modules); a trained norm or "
+                               "embedding belongs in modules_to_save as a full tensor")
     modified: set[str] = set()
     for target, m in sorted(lora_by_target.items()):
         src = base_for(target)

@@ -102,6 +102,10 @@ def plan_merge(sources: MergeSources, options: MergeOptions) -> MergePlan:
     masters = None
     if isinstance(sources.base, DcpBaseSource):
         bfacts = dcp_base_facts(sources.base, options.config_from)
+        if Path(sources.base.path).resolve() == Path(sources.adapter.path).resolve():
+            # the checkpoint's trained full tensors (modules_to_save) ARE its base weights here: no replacement
+            base_keys = {t.key for t in bfacts.tensors}
+            afacts = dataclasses.replace(afacts, full=tuple(f for f in afacts.full if f.key not in base_keys))
     else:
         bfacts = hf_base_facts(sources.base)
         if isinstance(sources.adapter, DcpLoraSource):
