@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ SPECS = {
                               decay_steps=2),
     "moe": HeadSpec.f_moe(max_steps=4, ckpt_interval=1),            # cosine after 1 warmup step
     "fullft": HeadSpec.g_fullft(max_steps=3, ckpt_interval=1, scheduler="linear", warmup_steps=2),
+    "mts": HeadSpec.e_mts(max_steps=3, ckpt_interval=1),           # LoRA + modules_to_save lm_head, norm
 }
 
 
@@ -93,12 +96,15 @@ def moment_truth(optim_state: dict, group_of) -> dict[str, dict[str, float]]:
 
 
 def lora_group(fqn: str) -> str:
-    """`model.layers.0.self_attn.q_proj.lora_A.0` -> `self_attn.q_proj`; experts' `w1_lora_A.0` -> `mlp.experts.gate_proj`."""
+    """An optimizer param's module kind: `model.layers.0.self_attn.q_proj.lora_A.0` -> `self_attn.q_proj`;
+    experts' `w1_lora_A.0` -> `mlp.experts.gate_proj`; `model.norm.weight` -> `norm`; `lm_head.weight` -> `lm_head`."""
+    if not fqn.startswith("model.layers."):
+        return fqn.removeprefix("model.").removesuffix(".weight")
     rest = fqn.split(".", 3)[3]
     if ".experts." in rest:
         part, w = rest.split(".experts.")
         return f"{part}.experts.{EXPERT_PROJ[w.split('_lora_')[0]]}"
-    return rest.rsplit(".lora_", 1)[0]
+    return rest.rsplit(".lora_", 1)[0].removesuffix(".weight")
 
 
 def report_json(path, *args) -> dict:
@@ -156,6 +162,32 @@ def test_a_full_fine_tune_is_measured_from_its_masters_against_the_base(runs, dc
             m = got["modules"][module]
             assert close(m["delta_fro"], fro(w - w0)) and close(m["weight_fro"], fro(w0)), (step, module)
             assert m["max_abs_delta"] == float((w - w0).abs().max())
+        moments = moment_truth(dcp_truth(ckpt)["optimizers"]["state"], lora_group)
+        for g, v in moments.items():
+            assert close(got["groups"][g]["exp_avg_fro"], v["exp_avg"]), (step, g)
+            assert close(got["groups"][g]["exp_avg_sq_fro"], v["exp_avg_sq"]), (step, g)
+
+
+def test_modules_to_save_are_measured_from_their_masters_beside_the_lora(runs, dcp_truth):
+    spec, paths = runs["mts"]
+    res = report_json(paths.root / "outputs" / "checkpoints")
+    base = load_file(str(paths.base_model / "model.safetensors"))
+    for step, ckpt in paths.checkpoints.items():
+        app = dcp_truth(ckpt)
+        got = res["steps"][str(step)]["modules"]
+        saved = {k.removesuffix(".weight") for k in app["optimizers"]["state"] if ".lora_" not in k}
+        assert saved == {"lm_head", "model.norm"}
+        assert sorted(got) == sorted(set(lora_truth(app["model"], spec)) | saved)
+        for module, (d, w) in lora_truth(app["model"], spec).items():
+            assert close(got[module]["delta_fro"], d) and close(got[module]["weight_fro"], w), (step, module)
+        for module in saved:
+            w, w0 = app["model"][module + ".weight"], base[module + ".weight"].float()
+            assert close(got[module]["delta_fro"], fro(w - w0)), (step, module)
+            assert fro(w - w0) > 0 or step == 1, (step, module)    # step 1 ran at the warmup's lr 1e-10
+            assert close(got[module]["weight_fro"], fro(w0))
+        moments = moment_truth(app["optimizers"]["state"], lora_group)
+        for g, v in moments.items():
+            assert close(res["steps"][str(step)]["groups"][g]["exp_avg_fro"], v["exp_avg"]), (step, g)
 
 
 def test_every_past_step_ran_at_the_reported_lr_and_the_later_steps_at_the_planned_one(runs):
@@ -243,3 +275,42 @@ def test_diff_vs_base_report_draws_the_comparison(runs, tmp_path):
     text = page.read_text()
     assert changed and all(t["name"] in text for t in changed)
     assert "<svg" in text and "<script" not in text.lower()
+
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--enable-logging=stderr", "--v=0"]
+
+
+def chromium(page: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    profile = tmp / f"profile-{len(list(tmp.glob('profile-*')))}"
+    profile.mkdir()
+    return subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, page.as_uri()],
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it: "
+                                             "apt-get install -y chromium)")
+def test_the_page_renders_in_headless_chromium_not_blank_and_without_console_errors(runs, tmp_path):
+    from PIL import Image, ImageStat
+    _spec, paths = runs["moe"]
+    page = tmp_path / "report.html"
+    r = CliRunner().invoke(main, ["report", str(paths.root / "outputs" / "checkpoints"), "-o", str(page),
+                                  "--scale", "0.5"])
+    assert r.exit_code == 0, r.output
+    shot = tmp_path / "shot.png"
+    run = chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1280,2400")
+    assert shot.is_file(), run.stderr[-2000:]
+    with Image.open(shot) as im:
+        assert im.size == (1280, 2400)
+        gray = im.convert("L")
+        assert ImageStat.Stat(gray).var[0] > 100          # not a blank page
+        # the plots are drawn: a good share of the pixels is neither the page's background nor white
+        hist = gray.histogram()
+        assert sum(hist[:200]) > 0.05 * im.size[0] * im.size[1]
+    console = [ln for ln in run.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
+    assert console == [], console
+    dom = chromium(page, tmp_path, "--dump-dom")
+    assert dom.returncode == 0 and "<svg" in dom.stdout and "<script" not in dom.stdout.lower()
+    assert [ln for ln in dom.stderr.splitlines() if "CONSOLE" in ln] == []
