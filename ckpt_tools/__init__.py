@@ -1,12 +1,12 @@
 """ckpt-tools: LoRA merge and checkpoint surgery for prime-rl DCP checkpoints.
 
 The operations are functions of this package (docs/api.md): `ckpt_tools.merge(...)`, `.inspect`,
-`.open`, `.extract_adapter`, `.diff_vs_base`, `.verify`, `.slim`, `.rehydrate`, `.set_lr`, each
+`.open`, `.extract_adapter`, `.diff_vs_base`, `.verify`, `.slim`, `.rehydrate`, `.set_lr`, `.report`, each
 returning a typed report with `to_json()`. They are loaded on first use (`ckpt_tools.api`), so
 `import ckpt_tools` and `ckpt --version` stay instant (no torch).
 """
 __all__ = ["__version__", "open", "inspect", "extract_adapter", "merge", "diff_vs_base", "verify", "slim",
-           "rehydrate", "set_lr"]
+           "rehydrate", "set_lr", "report"]
 
 __version__ = "0.1.0"
 

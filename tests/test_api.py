@@ -12,7 +12,7 @@ from .conftest import REPO
 
 def test_the_package_exports_every_operation_and_importing_it_needs_no_torch():
     assert set(ckpt_tools.__all__) == {"__version__", "open", "inspect", "extract_adapter", "merge", "diff_vs_base",
-                                       "verify", "slim", "rehydrate", "set_lr"}
+                                       "verify", "slim", "rehydrate", "set_lr", "report"}
     from ckpt_tools import api
     assert set(ckpt_tools.__all__) - {"__version__"} <= set(api.__all__)
     for name in set(ckpt_tools.__all__) - {"__version__"}:
