@@ -134,13 +134,15 @@ def set_lr(ckpt: str | Path, out: str | Path | None, *, lr: float | None = None,
 
 def report(path: str | Path, *, base: str | Path | None = None, out: str | Path | None = None,
            png_dir: str | Path | None = None, set_lr: float | None = None, scale: float | None = None,
-           alpha: float | None = None, run_config: str | Path | None = None, overwrite: bool = False,
-           trust_pickle: bool = False, progress: Progress | None = None) -> ReportReport:
+           alpha: float | None = None, run_config: str | Path | None = None, dry_run: bool = False,
+           overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None) -> ReportReport:
     """What a run changed and its learning rate (`ckpt report`): `.result.steps[step].modules[name]`
     (delta_fro, weight_fro, rel_delta), `.result.lr` (past, planned, set_lr); the page written to `out`
-    and one PNG per plot into `png_dir` when given (nothing is written otherwise)."""
+    and one PNG per plot into `png_dir` when given (nothing is written otherwise). `dry_run`: the plan only
+    (what PATH is, its steps, the base, max_steps), `.result` None."""
     options = ReportOptions(base=None if base is None else str(base), out=None if out is None else str(out),
                             png_dir=None if png_dir is None else str(png_dir), set_lr=set_lr, scale=scale,
                             alpha=alpha, run_config=None if run_config is None else str(run_config),
                             overwrite=overwrite, trust_pickle=trust_pickle)
-    return run_report(plan_report(path, options), progress)
+    plan = plan_report(path, options)
+    return ReportReport(plan) if dry_run else run_report(plan, progress)

@@ -7,7 +7,7 @@ import click
 
 from ..flow import finish, op_imports
 from ..mistakes import check_roles
-from ..options import InputPath, ModelPath, alpha_options, json_option, overwrite_option, trust_option
+from ..options import InputPath, ModelPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import warn, warn_trust
 
 __all__ = ["command"]
@@ -27,10 +27,11 @@ DEFAULT_PAGE = "report.html"
 @click.option("--scale", type=float, help="Overlay the lr curve `ckpt set-lr --scale F` would give.")
 @alpha_options
 @overwrite_option
+@dry_run_option
 @json_option
 @trust_option
-def command(path: Path, base, out, png_dir, set_lr, scale, alpha, run_config, overwrite: bool, as_json: bool,
-            trust_pickle: bool) -> None:
+def command(path: Path, base, out, png_dir, set_lr, scale, alpha, run_config, overwrite: bool, dry_run: bool,
+            as_json: bool, trust_pickle: bool) -> None:
     """See what a run changed, and its learning rate, as a picture.
 
     PATH: a checkpoint (step_N/trainer, full or slim), a run's outputs/checkpoints dir (every step), or
@@ -52,8 +53,8 @@ def command(path: Path, base, out, png_dir, set_lr, scale, alpha, run_config, ov
         out = Path(DEFAULT_PAGE)
     result = report(path, base=None if base is None else str(base), out=None if out is None else str(out),
                     png_dir=None if png_dir is None else str(png_dir), set_lr=set_lr, scale=scale, alpha=alpha,
-                    run_config=None if run_config is None else str(run_config), overwrite=overwrite,
-                    trust_pickle=trust_pickle)
+                    run_config=None if run_config is None else str(run_config), dry_run=dry_run,
+                    overwrite=overwrite, trust_pickle=trust_pickle)
     finish(result, as_json, _render)
 
 
@@ -61,7 +62,14 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _render(r: dict) -> None:
+def _render(report: dict) -> None:
+    p, r = report["plan"], report["result"]
+    if r is None:
+        click.echo(f"report {p['path']} ({p['kind']}): {len(p['steps'])} step(s) "
+                   f"{', '.join(str(s['step'] if s['step'] is not None else '?') for s in p['steps'])}; base "
+                   f"{p['base'] or '-'}; max_steps {p['max_steps'] or '-'} (from {p['max_steps_from']}); "
+                   f"would write {p['out'] or 'no page'}{', ' + p['png_dir'] if p['png_dir'] else ''} (dry run)")
+        return
     click.echo(f"report {r['path']} ({r['kind']}, {len(r['steps'])} step(s): {', '.join(r['steps'])})")
     for step, s in r["steps"].items():
         groups = ", ".join(f"{g} {_fmt(v['rel_delta'])}" for g, v in s["groups"].items() if v["rel_delta"] is not None)

@@ -22,14 +22,16 @@ __all__ = ["ReportOptions", "ReportPlan", "StepInput", "ReportReport", "ReportRe
 @dataclass(frozen=True)
 class ReportReport:
     plan: ReportPlan
-    result: ReportResult
-    page: str | None                 # the HTML file written
-    pngs: tuple[str, ...]            # the PNG files written
+    result: ReportResult | None = None   # None: a dry run
+    page: str | None = None              # the HTML file written
+    pngs: tuple[str, ...] = ()           # the PNG files written
 
     def to_json(self) -> dict:
+        if self.result is None:
+            return {"plan": self.plan.to_json(), "result": None}
         out = self.result.to_json()
         out["page"], out["pngs"] = self.page, list(self.pngs)
-        return out
+        return {"plan": self.plan.to_json(), "result": out}
 
 
 def write_page(html_text: str, figures: list, out: str | Path | None, png_dir: str | Path | None, *,
@@ -69,6 +71,7 @@ def run_report(plan: ReportPlan, progress: Progress | None = None) -> ReportRepo
     return ReportReport(plan, result, page, pngs)
 
 
-def report(path: str | Path, **options) -> ReportReport:
+def report(path: str | Path, *, dry_run: bool = False, **options) -> ReportReport:
     """Library entry point of `ckpt report` (`options`: the fields of `ReportOptions`)."""
-    return run_report(plan_report(path, ReportOptions(**options)))
+    plan = plan_report(path, ReportOptions(**options))
+    return ReportReport(plan) if dry_run else run_report(plan)
