@@ -3,13 +3,13 @@
 The operations are functions of this package (docs/api.md), one per command: `ckpt_tools.merge(...)`,
 `.inspect`, `.open`, `.extract_adapter`, `.export`, `.diff_vs_base`, `.verify`, `.slim`, `.rehydrate`, `.set_lr`,
 `.set_values`, `.adapter_to_dcp`, `.fix_adapter`, `.restart_prep`, `.gc`, `.doctor`, `.average`,
-`.resize_adapter`, each returning its report (a typed report with `to_json()`, or the command's JSON dict).
+`.resize_adapter`, `.report`, each returning its report (a typed report with `to_json()`, or the command's JSON dict).
 They are loaded on first use (`ckpt_tools.api`), so `import ckpt_tools` and `ckpt --version` stay instant
 (no torch).
 """
 __all__ = ["__version__", "open", "inspect", "extract_adapter", "merge", "export", "diff_vs_base", "verify", "slim",
            "rehydrate", "set_lr", "set_values", "adapter_to_dcp", "fix_adapter", "restart_prep", "gc", "doctor",
-           "average", "resize_adapter"]
+           "average", "resize_adapter", "report"]
 
 __version__ = "0.1.0"
 

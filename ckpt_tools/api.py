@@ -37,6 +37,7 @@ from .ops.inspect import InspectOptions, InspectReport, plan_inspect, run_inspec
 from .ops.merge import ExportOptions, MergeOptions, MergeReport, check_output, open_export_sources, open_merge_sources, \
     plan_export, plan_merge, run_export, run_merge
 from .ops.rehydrate import RehydrateReport
+from .ops.report import ReportOptions, ReportReport, plan_report, run_report
 from .ops.rehydrate import rehydrate as _rehydrate
 from .ops.resize_adapter import ResizeOptions, ResizeReport, open_resize_sources, plan_resize, run_resize
 from .ops.set_lr import PatchReport
@@ -51,7 +52,7 @@ from .workflows.restart_prep import restart_prep as _restart_prep
 
 __all__ = ["open", "inspect", "extract_adapter", "merge", "export", "diff_vs_base", "verify", "slim", "rehydrate",
            "set_lr", "set_values", "adapter_to_dcp", "fix_adapter", "restart_prep", "gc", "doctor", "average",
-           "resize_adapter", "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
+           "resize_adapter", "report", "ReportReport", "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
            "RehydrateReport", "PatchReport", "ToDcpReport", "FixReport", "DoctorReport", "SchedulerSpec", "AverageReport",
            "AverageMergeReport", "ResizeReport"]
 
@@ -256,6 +257,22 @@ def resize_adapter(adapter: str | Path, out: str | Path, *, rank: int | None = N
     with open_resize_sources(adapter, options) as src:
         plan = plan_resize(src, options)
         return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)
+
+
+def report(path: str | Path, *, base: str | Path | None = None, out: str | Path | None = None,
+           png_dir: str | Path | None = None, set_lr: float | None = None, scale: float | None = None,
+           alpha: float | None = None, run_config: str | Path | None = None, dry_run: bool = False,
+           overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None) -> ReportReport:
+    """What a run changed and its learning rate (`ckpt report`): `.result.steps[step].modules[name]`
+    (delta_fro, weight_fro, rel_delta), `.result.lr` (past, planned, set_lr); the page written to `out`
+    and one PNG per plot into `png_dir` when given (nothing is written otherwise). `dry_run`: the plan only
+    (what PATH is, its steps, the base, max_steps), `.result` None."""
+    options = ReportOptions(base=None if base is None else str(base), out=None if out is None else str(out),
+                            png_dir=None if png_dir is None else str(png_dir), set_lr=set_lr, scale=scale,
+                            alpha=alpha, run_config=None if run_config is None else str(run_config),
+                            overwrite=overwrite, trust_pickle=trust_pickle)
+    plan = plan_report(path, options)
+    return ReportReport(plan) if dry_run else run_report(plan, progress)
 
 
 def _as_command(fn, command: str):

@@ -104,6 +104,10 @@ CASES: list[Case] = [
            lambda t: [TRAINER, t / "restart", "--base", BASE], 2),
     *_pair("gc", lambda t: [_gc_run(t), "--keep-full", "1"],
            lambda t: [_gc_run(t, with_base=False), "--keep-full", "1"], 2),
+    Case("report", "success", lambda t: [E / "outputs" / "checkpoints", "--scale", "0.5"]),
+    Case("report", "dry_run", lambda t: [E / "outputs" / "checkpoints", "-o", t / "r.html", "--dry-run"]),
+    Case("report", "success", lambda t: [MERGED, "--base", BASE], name="merged"),
+    Case("report", "failure", lambda t: [MERGED], 2),
     Case("doctor", "success", lambda t: [FIXTURE], 3),
     Case("doctor", "failure", lambda t: [t / "missing.toml"], 2),
 ]

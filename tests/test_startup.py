@@ -14,7 +14,7 @@ from ckpt_tools.cli import COMMANDS, main
 
 from .conftest import BASE, FIXTURE, HEAD_FIXTURES, REPO, TRAINER
 
-HEAVY = ("torch", "transformers", "peft", "safetensors", "numpy", "huggingface_hub", "accelerate")
+HEAVY = ("torch", "transformers", "peft", "safetensors", "numpy", "huggingface_hub", "accelerate", "matplotlib", "PIL")
 
 PROBE = """
 import sys

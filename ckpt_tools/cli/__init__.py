@@ -50,6 +50,7 @@ COMMANDS = {
     "restart-prep": ("restart_prep", "Prepare a fresh-LR restart of a prime-rl LoRA run."),
     "gc": ("gc", "Keep every checkpoint of a run: the newest N whole, every older one slim, in place."),
     "doctor": ("doctor", "Find a prime-rl run's config and disk traps."),
+    "report": ("report", "See what a run changed, and its learning rate, as a picture."),
 }
 COMMAND_MODULES = tuple(m for m, _ in COMMANDS.values())
 

@@ -64,6 +64,7 @@ ROLES: dict[str, Roles] = {
     # OUT is a model dir in merge mode, a checkpoint in adapter mode: not in the table
     "restart-prep": Roles("restart-prep RUN_OR_CKPT OUT", {"RUN_OR_CKPT": (DCP, CHECKPOINTS), "--base": (HF,)}),
     "gc": Roles("gc CHECKPOINTS_DIR", {"CHECKPOINTS_DIR": (CHECKPOINTS,), "--base": (HF,)}),
+    "report": Roles("report PATH", {"PATH": (DCP, SLIM, CHECKPOINTS, HF), "--base": (HF,)}),
 }
 
 

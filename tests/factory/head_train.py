@@ -243,6 +243,7 @@ def train_child(rank: int, world: int, spec_dict: dict, root: str) -> None:
         for p in expert_params:  # FSDP divided by dp_shard_mod_ep; prime-rl's factor is the whole dp_shard
             p.grad.mul_(1.0 / spec.resolved_ep)
         grad_norm = clip_grad_norm(trainable, spec.max_norm)
+        lr_used = float(optimizer.param_groups[0]["lr"])  # this step's update; "lr" below is after scheduler.step()
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -254,7 +255,7 @@ def train_child(rank: int, world: int, spec_dict: dict, root: str) -> None:
         progress.total_tokens += spec.tokens_per_step()
         progress.total_samples += spec.micro_batches
         steps_log.append({"step": progress.step, "loss_rank0": loss_sum, "grad_norm": grad_norm,
-                          "lr": float(optimizer.param_groups[0]["lr"])})
+                          "lr": float(optimizer.param_groups[0]["lr"]), "lr_used": lr_used})
         if rank == 0:  # the "optim" line of prime-rl's file monitor (the other metric lines are not mirrored)
             with open(Path("outputs") / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": progress.step, "time": time.time(), "optim/lr": steps_log[-1]["lr"],

@@ -32,11 +32,14 @@ __all__ = ["command", "render"]
               help="Read only the tensors the adapter targets (needs --adapter).")
 @click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
               help="How many changed tensors to list (largest relative change first); --json lists all.")
+@click.option("--report", "report_file", type=click.Path(path_type=Path),
+              help="Also write the comparison as a self-contained HTML page (changed fraction and max |delta| "
+                   "per tensor; the page of `ckpt report`). A new file.")
 @json_option
 @trust_option
 @click.pass_context
 def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, alpha, run_config,
-            targeted_only: bool, top: int, as_json: bool, trust_pickle: bool) -> None:
+            targeted_only: bool, top: int, report_file: Path | None, as_json: bool, trust_pickle: bool) -> None:
     """Tell whether WEIGHTS differ from BASE, tensor by tensor; with --adapter, whether WEIGHTS is
     exactly BASE + the LoRA.
 
@@ -64,6 +67,13 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
         finally:
             if progress is not None:
                 progress.close()
+    if report_file is not None:
+        with op_imports():
+            from ...ops.report import write_diff_page
+        page = write_diff_page(report.to_json(), report_file,
+                               inputs=[p for p in (weights, base, adapter) if p is not None and Path(p).exists()])
+        if not as_json:
+            click.echo(f"wrote {page}")
     if as_json:
         emit(report, exit_code=report.exit_code)   # warnings are in it
     else:

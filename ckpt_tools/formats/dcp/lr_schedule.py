@@ -12,11 +12,11 @@ import torch
 from ...core.errors import FormatError, UsageError
 from ...core.keys import classify
 from ...core.primerl_state import scheduler_class
-from ...formats.dcp.model import BytesEntry
-from ...formats.dcp.reader import DcpCheckpoint
+from .model import BytesEntry
+from .reader import DcpCheckpoint
 
 __all__ = ["SchedState", "read_sched_state", "uniform", "decays", "apply_to_state", "describe", "old_value",
-           "preview_schedule"]
+           "preview_schedule", "trace_schedule", "schedule_end"]
 
 
 @dataclass(frozen=True)
@@ -128,39 +128,72 @@ def _sched_end(kind: str, f: dict) -> int:
     return int(f.get("total_iters", f.get("T_max", 0)))
 
 
-def preview_schedule(st: SchedState, steps: int | None = None) -> dict:
-    """Replay the remaining schedule with torch's own schedulers loaded from this state (exactly
-    what a resumed run does, minus the model): the lr now, at the peak, and at the end."""
-    import warnings
+def _optimizer(st: SchedState, fresh: bool):
+    """A dummy SGD with the checkpoint's param groups: at their current lr, or (fresh) at the base lr
+    the schedule started from (`initial_lr`, else the scheduler's `base_lrs`)."""
+    groups = []
+    base_lrs = list(st.top.get("base_lrs") or [])
+    for n, i in enumerate(sorted(st.groups)):
+        g = st.groups[i]
+        start = g.get("initial_lr", base_lrs[n] if n < len(base_lrs) else g["lr"])
+        groups.append({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": start if fresh else g["lr"]}
+                      | ({} if fresh else {"initial_lr": g.get("initial_lr", g["lr"])}))
+    return torch.optim.SGD(groups, lr=1.0)
 
-    n_groups = len(st.groups)
-    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(n_groups)]
-    opt = torch.optim.SGD([{"params": [p], "lr": st.groups[i]["lr"], "initial_lr": st.groups[i].get("initial_lr",
-                           st.groups[i]["lr"])} for i, p in zip(sorted(st.groups), params)], lr=1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if st.kind == "SequentialLR":
-            subs = [_build_scheduler(opt, st.sub_kind(j), st.subs[j]) for j in sorted(st.subs)]
-            sched = torch.optim.lr_scheduler.SequentialLR(opt, subs, milestones=list(st.top["_milestones"]))
-            state = dict(st.top)
-            state["_schedulers"] = [dict(st.subs[j]) for j in sorted(st.subs)]
-            last = max(st.subs)
-            end = int(st.top["_milestones"][-1]) + _sched_end(st.sub_kind(last), st.subs[last])
-        else:
-            sched = _build_scheduler(opt, st.kind, st.top)
-            state = dict(st.top)
-            end = _sched_end(st.kind, st.top)
+
+def _scheduler(st: SchedState, opt, fresh: bool):
+    """torch's own scheduler of this state's kind and fields on `opt`: loaded with the state (a resumed
+    run), or built fresh at step 0 (the run's start)."""
+    if st.kind == "SequentialLR":
+        subs = [_build_scheduler(opt, st.sub_kind(j), st.subs[j]) for j in sorted(st.subs)]
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, subs, milestones=list(st.top["_milestones"]))
+        state = dict(st.top)
+        state["_schedulers"] = [dict(st.subs[j]) for j in sorted(st.subs)]
+    else:
+        sched = _build_scheduler(opt, st.kind, st.top)
+        state = dict(st.top)
+    if not fresh:
         sched.load_state_dict(state)
         for i, g in zip(sorted(st.groups), opt.param_groups):
             g["lr"] = st.groups[i]["lr"]
             g["initial_lr"] = st.groups[i].get("initial_lr", g["lr"])
-        now_epoch = int(st.top.get("last_epoch", 0))
-        n = steps if steps is not None else max(1, min(_PREVIEW_STEPS_MAX, end - now_epoch + 1))
+    return sched
+
+
+def schedule_end(st: SchedState) -> int:
+    """The scheduler epoch the schedule's last phase ends at (e.g. warmup + T_max)."""
+    if st.kind == "SequentialLR":
+        last = max(st.subs)
+        return int(st.top["_milestones"][-1]) + _sched_end(st.sub_kind(last), st.subs[last])
+    return _sched_end(st.kind, st.top)
+
+
+def trace_schedule(st: SchedState, steps: int, *, from_start: bool = False) -> list[float]:
+    """Param group 0's lr over `steps` scheduler epochs, replayed by torch's own schedulers: from this
+    state on (`[lr now, after 1 step, ...]`: what a resumed run uses), or (`from_start`) from epoch 0
+    of the schedule these fields describe, built fresh as the run built it (`[lr at epoch 0, 1, ...]`:
+    what its steps used). No optimizer step is taken: the lr does not depend on it."""
+    import warnings
+
+    if not 0 <= steps <= _PREVIEW_STEPS_MAX:
+        raise UsageError(f"{steps} scheduler steps to replay: more than {_PREVIEW_STEPS_MAX}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # stepping a scheduler without optimizer steps warns
+        opt = _optimizer(st, from_start)
+        sched = _scheduler(st, opt, from_start)
         trace = []
-        for _ in range(n):   # no opt.step(): the lr does not depend on it (and its first call is slow)
-            sched.step()
+        for n in range(steps):
+            if n:
+                sched.step()
             trace.append(float(opt.param_groups[0]["lr"]))
+    return trace
+
+
+def preview_schedule(st: SchedState, steps: int | None = None) -> dict:
+    """Replay the remaining schedule with torch's own schedulers loaded from this state (exactly
+    what a resumed run does, minus the model): the lr now, at the peak, and at the end."""
+    now_epoch = int(st.top.get("last_epoch", 0))
+    n = steps if steps is not None else max(1, min(_PREVIEW_STEPS_MAX, schedule_end(st) - now_epoch + 1))
+    trace = trace_schedule(st, n + 1)[1:]
     return {"now": float(st.groups[min(st.groups)]["lr"]), "steps": n, "peak": max(trace), "end": trace[-1],
             "trace_head": trace[:8]}
-
-

@@ -1,0 +1,77 @@
+"""`ckpt report`: what a run changed, and its learning rate, as a picture (docs/report.md).
+
+One contract: `plan_report(path, options) -> ReportPlan` (metadata only: what PATH is, its steps, the
+base, the run's config), `run_report(plan, progress) -> ReportReport` (the numbers, `run.compute_report`;
+then the page and PNGs, `page`, written atomically; nothing is written for --json alone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.progress import Progress
+from ...io.files import atomic_write_bytes, write_new_file
+from ...io.staging import AtomicOutputDir, check_against_inputs, check_output_file
+from .plan import CHECKPOINT, MERGED, RUN, ReportOptions, ReportPlan, StepInput, plan_report
+from .run import ReportResult, StepNumbers, compute_report
+
+__all__ = ["ReportOptions", "ReportPlan", "StepInput", "ReportReport", "ReportResult", "StepNumbers", "plan_report",
+           "run_report", "report", "write_page", "write_diff_page", "CHECKPOINT", "RUN", "MERGED"]
+
+
+@dataclass(frozen=True)
+class ReportReport:
+    plan: ReportPlan
+    result: ReportResult | None = None   # None: a dry run
+    page: str | None = None              # the HTML file written
+    pngs: tuple[str, ...] = ()           # the PNG files written
+
+    def to_json(self) -> dict:
+        if self.result is None:
+            return {"plan": self.plan.to_json(), "result": None}
+        out = self.result.to_json()
+        out["page"], out["pngs"] = self.page, list(self.pngs)
+        return {"plan": self.plan.to_json(), "result": out}
+
+
+def write_page(html_text: str, figures: list, out: str | Path | None, png_dir: str | Path | None, *,
+               inputs: list, overwrite: bool) -> tuple[str | None, tuple[str, ...]]:
+    """The page at `out` (a new file, or replaced under `overwrite`) and one PNG per figure in the new
+    directory `png_dir` (atomic: it appears whole)."""
+    from .page import figure_png
+    page, pngs = None, []
+    if out is not None:
+        p = check_against_inputs(out, inputs) if overwrite else check_output_file(out, inputs, what="report page")
+        atomic_write_bytes(p, html_text.encode("utf-8"))
+        page = str(p)
+    if png_dir is not None:
+        with AtomicOutputDir(png_dir, inputs=inputs, overwrite=overwrite) as tmp:
+            for stem, _caption, fig in figures:
+                write_new_file(Path(tmp) / f"{stem}.png", figure_png(fig))
+                pngs.append(str(Path(png_dir).expanduser().resolve() / f"{stem}.png"))
+    return page, tuple(pngs)
+
+
+def write_diff_page(diff_json: dict, out: str | Path, *, inputs: list, overwrite: bool = False) -> str:
+    """`diff-vs-base --report FILE`: the report page of a comparison (changed fraction, max |Δ| per tensor)."""
+    from .page import diff_page
+    text, figs = diff_page(diff_json)
+    return write_page(text, figs, out, None, inputs=inputs, overwrite=overwrite)[0]
+
+
+def run_report(plan: ReportPlan, progress: Progress | None = None) -> ReportReport:
+    o = plan.options
+    result = compute_report(plan, progress)
+    page, pngs = None, ()
+    if o.out is not None or o.png_dir is not None:
+        from .page import report_page   # matplotlib: only when a picture is asked for
+        text, figs = report_page(result.to_json())
+        inputs = [plan.path, *(s.path for s in plan.steps), *([plan.base] if plan.base else [])]
+        page, pngs = write_page(text, figs, o.out, o.png_dir, inputs=inputs, overwrite=o.overwrite)
+    return ReportReport(plan, result, page, pngs)
+
+
+def report(path: str | Path, *, dry_run: bool = False, **options) -> ReportReport:
+    """Library entry point of `ckpt report` (`options`: the fields of `ReportOptions`)."""
+    plan = plan_report(path, ReportOptions(**options))
+    return ReportReport(plan) if dry_run else run_report(plan)

@@ -1,0 +1,132 @@
+"""`ckpt report`, planned from metadata alone: what PATH is (one checkpoint, a run's checkpoints dir, or a
+merged / HF model dir against --base), its steps (full or slim), where the weights' norms and the trained
+weights' base come from (the fp32 masters in a full checkpoint, else the bf16 base), the run's config
+(max_steps for the planned lr curve) and what is written (-o page, --png dir)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.errors import CkptError, UsageError
+from ...formats.dcp.layout import METADATA_NAME
+from ...formats.primerl.config import load_run_config
+from ...formats.primerl.files import locate_run_configs
+from ...formats.primerl.run_dir import checkpoints_dir_of, resolve_base, step_dirs
+from ...formats.slim.manifest import is_slim
+from ...formats.sniff import CHECKPOINTS, DCP, HF, sniff
+
+__all__ = ["ReportOptions", "StepInput", "ReportPlan", "plan_report", "CHECKPOINT", "RUN", "MERGED"]
+
+CHECKPOINT, RUN, MERGED = "checkpoint", "checkpoints", "merged"
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    base: str | None = None          # bf16 HF base (dir or hub id): W0 of trained weights, ||W|| for slim steps
+    out: str | None = None           # the HTML page (None: none written)
+    png_dir: str | None = None       # one PNG per plot
+    set_lr: float | None = None      # overlay the lr curve `ckpt set-lr --lr X` would give
+    scale: float | None = None       # ... or `--scale F`
+    alpha: float | None = None
+    run_config: str | None = None
+    overwrite: bool = False
+    trust_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class StepInput:
+    step: int | None                 # None: a single checkpoint's step is read from its progress
+    path: str
+    slim: bool
+
+
+@dataclass(frozen=True)
+class ReportPlan:
+    path: str
+    kind: str                        # checkpoint | checkpoints | merged
+    steps: tuple[StepInput, ...]
+    base: str | None                 # resolved base dir, or None
+    base_how: str | None
+    base_problem: str | None
+    run_config: tuple[str, ...]
+    max_steps: int | None
+    max_steps_from: str
+    options: ReportOptions
+
+    def to_json(self) -> dict:
+        o = self.options
+        return {"path": self.path, "kind": self.kind, "base": self.base, "base_from": self.base_how,
+                "steps": [{"step": s.step, "path": s.path, "slim": s.slim} for s in self.steps],
+                "run_config": list(self.run_config), "max_steps": self.max_steps, "max_steps_from": self.max_steps_from,
+                "out": o.out, "png_dir": o.png_dir, "set_lr": o.set_lr, "scale": o.scale}
+
+
+def _trainer(step_dir: Path) -> Path:
+    return step_dir / "trainer" if (step_dir / "trainer" / METADATA_NAME).is_file() else step_dir
+
+
+def plan_report(path: str | Path, options: ReportOptions) -> ReportPlan:
+    p = Path(path)
+    kind = sniff(p) if p.exists() else None
+    if options.set_lr is not None and options.scale is not None:
+        raise UsageError("give one of --set-lr or --scale, not both")
+    if kind == DCP:
+        report_kind = CHECKPOINT
+        ck = p / "trainer" if (p / "trainer" / METADATA_NAME).is_file() else p
+        steps = (StepInput(None, str(ck), is_slim(ck)),)
+    elif kind == CHECKPOINTS or (p.is_dir() and kind is None and (p / "checkpoints").is_dir()):
+        report_kind = RUN
+        root = checkpoints_dir_of(p)
+        steps = tuple(StepInput(n, str(_trainer(d)), is_slim(_trainer(d))) for n, d in step_dirs(root)
+                      if (_trainer(d) / METADATA_NAME).is_file())
+        if not steps:
+            raise UsageError("holds no complete step_N checkpoint (step_N/trainer/.metadata)", path=root,
+                             hint="pass a run's outputs/checkpoints directory, or one step's trainer dir")
+    elif kind == HF:
+        report_kind = MERGED
+        if options.base is None:
+            raise UsageError("a model dir is reported against its base: give --base", path=p,
+                             hint="e.g. ckpt report merged/ --base Qwen/Qwen3-8B")
+        steps = (StepInput(None, str(p), False),)
+    elif not p.exists():
+        raise UsageError("no such checkpoint, checkpoints dir or model dir", path=p)
+    else:
+        raise UsageError("not a DCP checkpoint, a run's checkpoints dir or an HF model dir", path=p,
+                         hint="ckpt report takes step_N/trainer, outputs/checkpoints, or a merged dir with --base")
+    if options.set_lr is not None or options.scale is not None:
+        if report_kind == MERGED:
+            raise UsageError("--set-lr / --scale draw a checkpoint's lr schedule; a model dir has none")
+    cfg, configs = None, ()
+    if report_kind != MERGED:
+        try:
+            files = locate_run_configs(options.run_config or steps[-1].path)
+            if files is not None:
+                configs = tuple(str(c.path) for c in files.files)
+                cfg = load_run_config(files)
+        except CkptError:
+            cfg = None
+    max_steps, max_from = None, "the end of the scheduler's last phase (no run config found)"
+    if cfg is not None:
+        for key in ("trainer.max_steps", "orchestrator.max_steps", "max_steps"):
+            section = key.split(".")[0]
+            if section in cfg.sections or "." not in key:
+                try:
+                    v = cfg.value(key)
+                except (CkptError, KeyError):
+                    continue
+                if isinstance(v, int) and not isinstance(v, bool):
+                    max_steps, max_from = v, f"{key} of the run config"
+                    break
+    base_dir, base_how, base_problem = None, None, None
+    needs_base = report_kind == MERGED or options.base is not None or any(s.slim for s in steps) or cfg is not None
+    if needs_base:
+        try:
+            b = resolve_base(options.base, cfg)
+        except CkptError as exc:
+            if options.base is not None:
+                raise
+            b, base_problem = None, exc.message
+        if b is not None:
+            base_dir, base_how, base_problem = (str(b.dir) if b.dir else None), b.how, b.problem or base_problem
+    return ReportPlan(str(p), report_kind, steps, base_dir, base_how, base_problem, configs, max_steps, max_from,
+                      options)
