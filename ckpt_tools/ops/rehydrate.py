@@ -303,7 +303,7 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
                 if not writer.owns(fi):
                     writer.skip(key)
                     continue
-                raw = ckpt.read_item_bytes(rel, offset, length, key)
+                raw = ckpt.read_item_checked(rel, offset, length, key)
                 e = ckpt.entries[key]
                 if isinstance(e, BytesEntry):
                     writer.copy_bytes_item(key, e.path, raw, file_index=fi)

@@ -137,7 +137,7 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
             if not writer.owns(file_index[k.file]):
                 writer.skip(k.key)
                 continue
-            raw = ckpt.read_item_bytes(k.file, k.offset, k.length, k.key)
+            raw = ckpt.read_item_checked(k.file, k.offset, k.length, k.key)
             if k.kind == "bytes":
                 writer.copy_bytes_item(k.key, k.path, raw, file_index=file_index[k.file])
             else:
