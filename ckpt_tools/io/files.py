@@ -16,7 +16,7 @@ from pathlib import Path
 
 __all__ = [
     "create_new", "open_new", "write_new_file", "fsync_path", "fsync_tree", "start_writeback", "atomic_write_bytes",
-    "atomic_write_text", "exchange_paths", "remove_path", "temp_name",
+    "atomic_write_text", "exchange_paths", "remove_path", "temp_name", "hash_written_file",
 ]
 
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -49,6 +49,27 @@ def write_new_file(path: str | os.PathLike, data: bytes | str) -> int:
     finally:
         os.close(fd)
     return len(raw)
+
+
+def hash_written_file(path: str | os.PathLike, *, algorithm: str = "sha256", block_bytes: int = 8 << 20) -> str:
+    """The hex digest of a file this command has just written (its bytes are in the page cache), read
+    sequentially in `block_bytes` blocks (memory: one block). Not for inputs: those are read through
+    `inputs`."""
+    import hashlib
+
+    h = hashlib.new(algorithm)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        buf = bytearray(block_bytes)
+        view = memoryview(buf)
+        while True:
+            n = os.readv(fd, [view])
+            if not n:
+                break
+            h.update(view[:n])
+    finally:
+        os.close(fd)
+    return h.hexdigest()
 
 
 def fsync_path(path: str | os.PathLike) -> None:

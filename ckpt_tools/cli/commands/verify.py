@@ -79,7 +79,12 @@ def render(r: VerifyReport) -> None:
         if "base" in c:
             what += f", fits base {c['base']['label']}"
     kind = {"dcp": "DCP checkpoint", "hf": "HF model dir", "peft": "PEFT adapter"}[r.format]
-    if r.ok:
-        click.echo(f"OK: {r.path}: {kind}, {what}")
+    proven = r.integrity is None or r.integrity.get("proven")
+    if r.ok and proven:
+        tail = f"; {r.integrity['statement']}" if r.integrity else ""
+        click.echo(f"OK: {r.path}: {kind}, {what}{tail}")
+    elif r.ok:
+        # well formed (and finite, with --deep), but nothing proves the bytes are the ones written
+        click.echo(f"STRUCTURE OK, INTEGRITY NOT PROVEN: {r.path}: {kind}, {what}; {r.integrity['statement']}")
     else:
         click.echo(f"FAILED: {r.path}: {len(r.problems)} problem(s) in this {kind} ({what})")

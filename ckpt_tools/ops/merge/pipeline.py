@@ -28,11 +28,12 @@ from ...core.errors import FormatError, UsageError
 from ...core.progress import Progress, ProgressEvent
 from ...dist import Group, SoloGroup
 from ...formats.hf_dir.config import rewrite_config
+from ...formats.hf_dir.digests import SUMS_NAME, format_sums
 from ...formats.hf_dir.names import INDEX_NAME
 from ...formats.hf_dir.shards import index_json
 from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...io.copy import copy_input_file
-from ...io.files import atomic_write_text, fsync_path
+from ...io.files import atomic_write_text, fsync_path, hash_written_file, write_new_file
 from ...io.inputs import read_json
 from ...io.staging import SharedOutputDir
 from ...sources.hf import HFSource
@@ -160,13 +161,15 @@ def run_merge(plan: MergePlan, sources: MergeSources, progress: Progress | None 
     mine = {plan.units[i].file_name for i in group.part.mine([s.data_bytes for s in plan.units])}
     jobs = tuple(j for j in plan.jobs if j.out_file in mine)
     with SharedOutputDir(out, group, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite) as tmp:
-        zero = _write_tensors(plan, jobs, sources, tmp, progress, slow, t0)
+        zero, digests = _write_tensors(plan, jobs, sources, tmp, progress, slow, t0)
         # a merge equal to its base is refused before OUT appears: counted over every rank's tensors
         zero.merged, zero.unchanged, zero.zero_factor = group.sum(
             [zero.merged, zero.unchanged, zero.zero_factor], "the zero-delta check")
         zero.check(plan)
+        every = group.gather(digests, "the shards' sha256")
         if group.leader:
             _write_files(plan, tmp)
+            _write_sums(tmp, {k: v for d in every for k, v in d.items()})
     names = tuple(sorted(os.listdir(out)))
     written = sum(os.path.getsize(out / n) for n in names)
     result = MergeResult(str(out), time.perf_counter() - t0, len(plan.jobs), plan.merged_modules, plan.read_bytes,
@@ -186,9 +189,28 @@ def _write_files(plan: MergePlan, tmp: Path) -> None:
         atomic_write_text(tmp / INDEX_NAME, index_json(plan.index))
 
 
+def _write_sums(tmp: Path, shard_digests: dict[str, str]) -> None:
+    """SHA256SUMS over every file of the output (`formats.hf_dir.digests`): the shards' digests as the
+    workers' shards were hashed, the small files (config, tokenizer, index) hashed here."""
+    digests = dict(shard_digests)
+    for name in sorted(os.listdir(tmp)):
+        if name not in digests and name != SUMS_NAME and not name.startswith(".") and (tmp / name).is_file():
+            digests[name] = hash_written_file(tmp / name)
+    write_new_file(tmp / SUMS_NAME, format_sums(digests))
+
+
+def _hash_and_sync(path: Path) -> tuple[str, str]:
+    """A closed shard: its sha256 (read back from the page cache: the workers wrote its tensors out of
+    order, and copied ones never entered our memory), then fsync."""
+    digest = hash_written_file(path)
+    fsync_path(path)
+    return path.name, digest
+
+
 def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeSources, tmp: Path,
-                   progress: Progress | None, slow: float, t0: float) -> ZeroDelta:
-    """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally."""
+                   progress: Progress | None, slow: float, t0: float) -> tuple[ZeroDelta, dict[str, str]]:
+    """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally and each
+    written shard's sha256."""
     runner = JobRunner(plan, sources)
     total_bytes = sum(j.out_bytes for j in jobs)
     shard_entries = {s.file_name: s for s in plan.shards}
@@ -224,9 +246,10 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     pool = _DaemonPool(plan.threads, "ckpt-merge")
-    # A finished shard is fsynced by this thread while the next shard is written, so the pipeline
-    # does not stall for a whole shard's flush (the disk, not the CPU, is then busy).
-    flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-merge-fsync")
+    # A finished shard is hashed (SHA256SUMS) and fsynced by these threads while the next shards are
+    # written, so the pipeline does not stall for a whole shard's hash or flush.
+    flusher = ThreadPoolExecutor(max_workers=max(1, min(plan.threads, len(shard_entries))),
+                                 thread_name_prefix="ckpt-merge-fsync")
     flushes: list[Future] = []
     pending: dict[int, Future] = {}             # submitted, not yet accounted for in write order
     running: dict[Future, int] = {}             # submitted and not finished: these hold memory
@@ -259,14 +282,13 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             if not left[job.out_file]:
                 w = writers.pop(job.out_file)
                 w.close()                 # checks every byte is there; the fsync runs in the background
-                flushes.append(flusher.submit(fsync_path, w.path))
+                flushes.append(flusher.submit(_hash_and_sync, w.path))
             done_bytes += job.out_bytes
             if progress:
                 progress(event(i + 1, done_bytes, job))
             if slow:
                 time.sleep(slow)
-        for f in flushes:
-            f.result()                    # every shard is on disk before OUT may be renamed into place
+        digests = dict(f.result() for f in flushes)   # every shard is on disk before OUT may be renamed
         ok = True
     except BaseException:
         ok = False
@@ -282,4 +304,4 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
         pool.shutdown(wait=ok)            # (the futures not started were cancelled above)
         flusher.shutdown(wait=ok)
         torch.set_num_threads(intra_op)
-    return runner.zero
+    return runner.zero, digests
