@@ -291,14 +291,18 @@ def test_an_old_manifest_without_kept_crcs_still_rehydrates_saying_so_and_still_
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("outs")
-    made = {"merged": ("merge", BASE, TRAINER, d / "merged"), "exported": ("export", TRAINER, d / "exported")}
+    made = {"merged": ("merge", BASE, TRAINER, d / "merged"), "exported": ("export", TRAINER, d / "exported"),
+            "adapter": ("extract-adapter", TRAINER, d / "adapter")}
     for name, args in made.items():
         r = run(*args)
         assert r.exit_code == 0, r.output
     return {name: d / name for name in made}
 
 
-@pytest.mark.parametrize("which", ["merged", "exported"])
+WEIGHTS = {"merged": "model.safetensors", "exported": "model.safetensors", "adapter": "adapter_model.safetensors"}
+
+
+@pytest.mark.parametrize("which", list(WEIGHTS))
 def test_written_hf_dirs_carry_sha256sums_of_every_other_file_and_sha256sum_reads_it(outputs, which):
     out = outputs[which]
     sums = parse_sums((out / SUMS_NAME).read_text(), out / SUMS_NAME)
@@ -310,18 +314,22 @@ def test_written_hf_dirs_carry_sha256sums_of_every_other_file_and_sha256sum_read
         assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_the_merged_shard_bytes_are_unchanged_by_the_digest_file(outputs):
+def test_the_written_files_are_unchanged_by_the_digest_file(outputs):
     for name in os.listdir(EXPECTED):
         assert (outputs["merged"] / name).read_bytes() == (EXPECTED / name).read_bytes(), name
+    ref = FIXTURE / "reference_peft_adapter" / "adapter_model.safetensors"
+    from safetensors.torch import load_file
+    got, want = load_file(outputs["adapter"] / WEIGHTS["adapter"]), load_file(ref)
+    assert sorted(got) == sorted(want)
 
 
-@pytest.mark.parametrize("which", ["merged", "exported"])
+@pytest.mark.parametrize("which", list(WEIGHTS))
 def test_a_flipped_bit_in_a_written_hf_dir_fails_verify_deep_naming_the_file(outputs, which, tmp_path):
     clean = json_payload(run("verify", outputs[which], "--deep", "--json").stdout)
     assert clean["ok"] and clean["integrity"]["proven"] and clean["integrity"]["by"] == [SUMS_NAME]
     d = writable_copy(outputs[which], tmp_path / which)
-    shard = d / "model.safetensors"
-    flip_bit(shard, shard.stat().st_size - 1000, 0x01)     # inside a tensor; a value that stays finite
+    shard = d / WEIGHTS[which]
+    flip_bit(shard, shard.stat().st_size - 100, 0x01)      # inside a tensor; a value that stays finite
     r = run("verify", d, "--deep")
     assert r.exit_code == 1 and f"problem: {shard}: sha256" in r.output, r.output
     rep = json_payload(run("verify", d, "--deep", "--json").stdout)

@@ -22,7 +22,7 @@ from ...dist import Group, map_units
 from ...formats.hf_dir.digests import SUMS_NAME, blob_digests, parse_sums
 from ...io.inputs import OpenFiles, read_text
 
-__all__ = ["NO_DIGEST", "expected_digests", "check_digests"]
+__all__ = ["NO_DIGEST", "expected_digests", "check_digests", "prove"]
 
 NO_DIGEST = ("no digest covers these files (no SHA256SUMS, not a Hugging Face cache snapshot): verify proves "
              "structure and finite values only; a flipped bit that leaves a value finite is not detectable")
@@ -150,3 +150,30 @@ def check_digests(path: Path, expected: dict, tensors_by_file: dict[str, list], 
         for tensor, count in r[2]:
             report.problem(path / name, tensor, f"{count} non-finite value(s) (inf/nan)")
     return matched
+
+
+def prove(path: Path, report: VerifyReport, *, deep: bool, weight_files: set[str], tensors_by_file: dict,
+          counter_for, progress: Progress | None = None, group: Group | None = None) -> set[str]:
+    """The integrity part of verifying the dir `path` (HF model or PEFT adapter): with `deep`, every file
+    with a digest read once against it (`check_digests`); `report.integrity` says, in words, what is
+    proven: every weight file (`weight_files`) matched, or why not. Returns the files read here."""
+    present = os.path.lexists(path / SUMS_NAME) or bool(blob_digests(path))
+    if not deep:
+        report.integrity = {"proven": False, "by": None, "statement":
+                            "digests are present; `--deep` reads every byte against them" if present else NO_DIGEST}
+        return set()
+    expected, sources = expected_digests(path, report)
+    matched = check_digests(path, expected, tensors_by_file, counter_for, report, progress, group) if expected else 0
+    uncovered = sorted(weight_files - set(expected))
+    report.checked.update({"files_digested": len(expected), "files_digest_matched": matched})
+    if not expected:
+        report.integrity = {"proven": False, "by": None, "statement": NO_DIGEST}
+    elif uncovered or matched != len(expected):
+        report.integrity = {"proven": False, "by": sources,
+                            "statement": f"{matched} of {len(expected)} digested file(s) matched"
+                                         + (f"; {len(uncovered)} weight file(s) have no digest, e.g. {uncovered[0]}"
+                                            if uncovered else "")}
+    else:
+        report.integrity = {"proven": True, "by": sources,
+                            "statement": f"every byte of {matched} file(s) matched {' and '.join(sources)}"}
+    return set(expected)

@@ -4,7 +4,6 @@ float read and checked for inf/nan, and every file with a digest (SHA256SUMS, a 
 against it (`digests`)."""
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
@@ -13,12 +12,11 @@ from ...core.errors import CkptError
 from ...core.progress import Progress
 from ...core.progress import report as report_progress
 from ...formats.hf_dir.config import dtype_disagreement, shape_problems
-from ...formats.hf_dir.digests import SUMS_NAME, blob_digests
 from ...formats.safetensors.header import read_header
 from ...io.inputs import OpenFiles, is_plain_file_name, read_json
 from ...core.problems import VerifyReport
 from ...dist import Group, map_units
-from .digests import NO_DIGEST, check_digests, expected_digests
+from .digests import prove
 
 __all__ = ["FINITE_BLOCK_BYTES", "PIECE_BYTES", "verify_hf"]
 
@@ -112,34 +110,16 @@ def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progres
 
 
 def _integrity(path: Path, tensors: dict, report: VerifyReport, deep: bool, progress, group) -> None:
-    """With --deep: every digested file read once against its digests (and its floats counted), the rest
-    read for inf/nan only; `report.integrity` says what that proves."""
-    sums = os.path.lexists(path / SUMS_NAME) or bool(blob_digests(path))
-    if not deep:
-        if sums:
-            report.integrity = {"proven": False, "by": None,
-                                "statement": "digests are present; `--deep` reads every byte against them"}
-        else:
-            report.integrity = {"proven": False, "by": None, "statement": NO_DIGEST}
-        return
-    expected, sources = expected_digests(path, report)
+    """With --deep: every digested file read once against its digests (its floats counted on the way),
+    the other tensors read for inf/nan only; `report.integrity` says what that proves."""
     by_file: dict[str, list] = {}
     for t in tensors.values():
         by_file.setdefault(t.path.name, []).append(t)
-    matched = check_digests(path, expected, by_file, _nonfinite_counter, report, progress, group) if expected else 0
-    _deep_finite(path, {n: t for n, t in tensors.items() if t.path.name not in expected}, report, progress, group)
-    uncovered = sorted(set(by_file) - set(expected))
-    report.checked.update({"files_digested": len(expected), "files_digest_matched": matched})
-    if not expected:
-        report.integrity = {"proven": False, "by": None, "statement": NO_DIGEST}
-    elif uncovered or matched != len(expected):
-        report.integrity = {"proven": False, "by": sources,
-                            "statement": f"{matched} of {len(expected)} digested file(s) matched"
-                                         + (f"; {len(uncovered)} weight file(s) have no digest, e.g. {uncovered[0]}"
-                                            if uncovered else "")}
-    else:
-        report.integrity = {"proven": True, "by": sources,
-                            "statement": f"every byte of {matched} file(s) matched {' and '.join(sources)}"}
+    digested = prove(path, report, deep=deep, weight_files=set(by_file), tensors_by_file=by_file,
+                     counter_for=_nonfinite_counter, progress=progress, group=group)
+    if deep:
+        _deep_finite(path, {n: t for n, t in tensors.items() if t.path.name not in digested}, report, progress,
+                     group)
 
 
 def _header(p: Path, report: VerifyReport, read_header=read_header):
