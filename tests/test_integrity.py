@@ -34,6 +34,7 @@ from ckpt_tools.formats.hf_dir.digests import SUMS_NAME, parse_sums
 from ckpt_tools.formats.slim.manifest import SLIM_MANIFEST, kept_item_id
 from ckpt_tools.ops.merge import produce
 
+from . import hardening_util as hu
 from .conftest import BASE, FIXTURE, TRAINER, json_payload
 
 REL = Path("outputs/checkpoints/step_3/trainer")
@@ -72,10 +73,14 @@ def damage(trainer: Path, key: str) -> Path:
 
 
 def assert_refused(r, file: Path, key: str) -> None:
+    """A damaged DCP item refused: exit 1, one line naming the file, the key, the CRC and the fix.
+    Counted for docs/reliability.md (`hu.record("integrity")`)."""
+    hu.record("integrity", damaged_runs=1)
     assert r.exit_code == 1, r.output
     assert "CRC-32" in r.output and str(file) in r.output and repr(key) in r.output, r.output
     assert "re-copy" in r.output, r.output       # the fix
     assert "Traceback" not in r.output
+    hu.record("integrity", refused_naming_file_key=1)
 
 
 # ------------------------------------------------------------------------------------ the CRC math
@@ -269,8 +274,10 @@ def test_a_self_consistent_replaced_kept_item_is_caught_by_the_manifest(slim_dir
     file = _rewrite_item_consistently(slim, LORA_KEY)
     assert DcpCheckpoint.open(slim).read_tensor(LORA_KEY) is not None    # its own CRC now passes
     r = run("rehydrate", slim, tmp_path / "full", "--base", BASE)
+    hu.record("integrity", damaged_runs=1)
     assert r.exit_code == 1 and "manifest recorded" in r.output and str(file) in r.output, r.output
     assert not (tmp_path / "full").exists()
+    hu.record("integrity", refused_naming_file_key=1, self_consistent_replacements_caught=1)
 
 
 def test_an_old_manifest_without_kept_crcs_still_rehydrates_saying_so_and_still_checks_zip_crcs(slim_dir, tmp_path):
@@ -327,11 +334,14 @@ def test_the_written_files_are_unchanged_by_the_digest_file(outputs):
 def test_a_flipped_bit_in_a_written_hf_dir_fails_verify_deep_naming_the_file(outputs, which, tmp_path):
     clean = json_payload(run("verify", outputs[which], "--deep", "--json").stdout)
     assert clean["ok"] and clean["integrity"]["proven"] and clean["integrity"]["by"] == [SUMS_NAME]
+    hu.record("digests", intact_outputs_proven=1)
     d = writable_copy(outputs[which], tmp_path / which)
     shard = d / WEIGHTS[which]
     flip_bit(shard, shard.stat().st_size - 100, 0x01)      # inside a tensor; a value that stays finite
     r = run("verify", d, "--deep")
+    hu.record("digests", damaged_outputs=1)
     assert r.exit_code == 1 and f"problem: {shard}: sha256" in r.output, r.output
+    hu.record("digests", damaged_outputs_failed_naming_file=1)
     rep = json_payload(run("verify", d, "--deep", "--json").stdout)
     assert not rep["ok"] and not rep["integrity"]["proven"]
     assert [p["file"] for p in rep["problems"]] == [str(shard)]
@@ -364,8 +374,11 @@ def test_a_hub_cache_model_is_checked_against_its_blob_names(tmp_path, target):
     assert clean["integrity"]["by"] == ["Hub cache blob names"]
     blob = Path(os.path.realpath(snap / target))
     flip_bit(blob, blob.stat().st_size - 200 if target.endswith(".safetensors") else 10, 0x01)
+    hu.record("digests", intact_outputs_proven=1)
     r = run("verify", snap, "--deep")
+    hu.record("digests", damaged_outputs=1)
     assert r.exit_code == 1 and f"problem: {snap / target}:" in r.output and "blob name" in r.output, r.output
+    hu.record("digests", damaged_outputs_failed_naming_file=1)
 
 
 def test_an_undigested_dir_is_never_called_ok_for_integrity():
@@ -376,3 +389,4 @@ def test_an_undigested_dir_is_never_called_ok_for_integrity():
     rep = json_payload(run("verify", BASE, "--deep", "--json").stdout)
     assert rep["ok"] and rep["integrity"]["proven"] is False and rep["integrity"]["by"] is None
     assert "structure and finite values only" in rep["integrity"]["statement"]
+    hu.record("digests", undigested_said_so=1)

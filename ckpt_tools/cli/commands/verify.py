@@ -21,7 +21,9 @@ __all__ = ["command", "render"]
 @click.argument("path", type=ModelPath())
 @click.option("--deep", is_flag=True,
               help="Also read every payload byte: DCP recomputes each zip record's CRC32 (torch never "
-                   "checks it); HF and PEFT check every float for inf/nan.")
+                   "checks it); HF and PEFT check every float for inf/nan and every file against its "
+                   "SHA256SUMS or Hub cache blob name (without one, only structure and finite values "
+                   "are proven).")
 @click.option("--base", help="PEFT adapters only: a base model (dir, hub id or DCP checkpoint) that every "
                              "target module must exist in, with matching shapes.")
 @json_option
