@@ -33,7 +33,7 @@ from ...formats.hf_dir.names import INDEX_NAME
 from ...formats.hf_dir.shards import index_json
 from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...io.copy import copy_input_file
-from ...io.files import atomic_write_text, fsync_path, hash_written_file, write_new_file
+from ...io.files import WrittenFileHasher, atomic_write_text, fsync_path, hash_written_file, write_new_file
 from ...io.inputs import read_json
 from ...io.staging import SharedOutputDir
 from ...sources.hf import HFSource
@@ -199,10 +199,46 @@ def _write_sums(tmp: Path, shard_digests: dict[str, str]) -> None:
     write_new_file(tmp / SUMS_NAME, format_sums(digests))
 
 
-def _hash_and_sync(path: Path) -> tuple[str, str]:
-    """A closed shard: its sha256 (read back from the page cache: the workers wrote its tensors out of
-    order, and copied ones never entered our memory), then fsync."""
-    digest = hash_written_file(path)
+class _ShardHash:
+    """The sha256 of one shard, computed on its own thread behind the workers: each time a job is
+    accounted for (its tensor's bytes are all written), the shard's prefix of finished tensors is hashed
+    up to there, read back from the page cache (workers write a shard's tensors out of order, and copied
+    tensors never pass through our memory); at close only the last tensors are left."""
+
+    def __init__(self, writer: StreamingSafetensorsWriter):
+        self.hasher = WrittenFileHasher(writer.path)
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-merge-sha256")
+        self.last: Future | None = None
+        self._order = sorted(writer.entries, key=lambda e: e.begin)   # file order
+        self._start = writer.data_start
+        self._done: set[str] = set()
+        self._next = 0
+
+    def tensor_done(self, name: str) -> None:
+        self._done.add(name)
+        before = self._next
+        while self._next < len(self._order) and self._order[self._next].name in self._done:
+            self._next += 1
+        if self._next == before:
+            return
+        end = self._start + (self._order[self._next].begin if self._next < len(self._order) else
+                             self._order[-1].begin + self._order[-1].nbytes)
+        if self.last is not None and self.last.done():
+            self.last.result()            # a failed read is raised now
+        self.last = self.thread.submit(self.hasher.hash_to, end)
+
+    def finish(self, end: int) -> str:
+        self.thread.submit(self.hasher.hash_to, end).result()
+        self.thread.shutdown(wait=True)
+        return self.hasher.hexdigest()
+
+    def abort(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _finish_shard(path: Path, sha: _ShardHash, end: int) -> tuple[str, str]:
+    """A closed shard: the rest of its sha256, then fsync."""
+    digest = sha.finish(end)
     fsync_path(path)
     return path.name, digest
 
@@ -225,6 +261,7 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
                              elapsed_s=time.perf_counter() - t0)
 
     writers: dict[str, StreamingSafetensorsWriter] = {}
+    hashes: dict[str, _ShardHash] = {}
 
     def writer_for(file_name: str) -> StreamingSafetensorsWriter:
         # opened when its first job is submitted; each job writes at its own offset (any order)
@@ -236,6 +273,7 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             # disk works from the first block, not from the first closed 5 GB shard
             writers[file_name] = StreamingSafetensorsWriter(tmp / file_name, entries, OUTPUT_METADATA,
                                                             strict_order=False, fsync=False, writeback=True)
+            hashes[file_name] = _ShardHash(writers[file_name])
         return writers[file_name]
 
     if progress:
@@ -246,8 +284,9 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     pool = _DaemonPool(plan.threads, "ckpt-merge")
-    # A finished shard is hashed (SHA256SUMS) and fsynced by these threads while the next shards are
-    # written, so the pipeline does not stall for a whole shard's hash or flush.
+    # A finished shard's hash is completed (SHA256SUMS; each shard is hashed behind its writers by its
+    # own thread, `_ShardHash`) and it is fsynced by these threads while the next shards are written,
+    # so the pipeline does not stall for a whole shard's hash or flush.
     flusher = ThreadPoolExecutor(max_workers=max(1, min(plan.threads, len(shard_entries))),
                                  thread_name_prefix="ckpt-merge-fsync")
     flushes: list[Future] = []
@@ -281,8 +320,10 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             left[job.out_file] -= 1
             if not left[job.out_file]:
                 w = writers.pop(job.out_file)
-                w.close()                 # checks every byte is there; the fsync runs in the background
-                flushes.append(flusher.submit(_hash_and_sync, w.path))
+                w.close()                 # checks every byte is there; the hash's end and fsync run in the background
+                flushes.append(flusher.submit(_finish_shard, w.path, hashes.pop(job.out_file), w.file_bytes))
+            else:
+                hashes[job.out_file].tensor_done(job.name)
             done_bytes += job.out_bytes
             if progress:
                 progress(event(i + 1, done_bytes, job))
@@ -296,6 +337,8 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             f.cancel()
         for w in writers.values():        # a worker still writing finishes into the unlinked file
             w.abort()
+        for h in hashes.values():
+            h.abort()
         raise
     finally:
         # On an error or a signal, never wait for the workers: each is bounded (one tensor, inputs
