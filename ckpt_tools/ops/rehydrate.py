@@ -1,6 +1,7 @@
 """`ckpt rehydrate`: slim checkpoint + the bf16 HF base -> the full checkpoint prime-rl resumes from.
 
-Every item of the slim checkpoint is copied verbatim by byte range. Every tensor the slim manifest
+Every item of the slim checkpoint is copied verbatim by byte range, checked against its zip CRC-32s
+and the manifest's CRC of it (`kept_crc32`; an older manifest has none, and the plan says so). Every tensor the slim manifest
 lists as dropped is rebuilt from the base model (bf16 -> the checkpoint's fp32, an exact upcast),
 its sha256 is compared with the manifest's, and the first mismatch aborts the whole run (nothing
 appears at OUT: the output is atomic, and the temp dir is removed). The rebuilt tensors are written as row

@@ -6,7 +6,9 @@ tensor, and the router `mlp.router.gate.weight` as `mlp.gate.weight` (the key ru
 `core.keys`). `DcpKeySource`: any tensor under its DCP key (the LoRA sources read expert rows of a
 stacked factor through it). FSDP2 / expert-parallel row-block chunks are contiguous extents of the
 tensor (each item decoded once, `formats.dcp.item`); any other chunk layout is read whole once,
-through the checkpoint reader's torch.load fallback."""
+through the checkpoint reader's torch.load fallback. Every payload byte read through an extent is
+checked against its item's zip CRC-32 as it arrives (`DcpCheckpoint.check_piece`): a damaged item is
+a ChecksumError, never a tensor."""
 from __future__ import annotations
 
 import math

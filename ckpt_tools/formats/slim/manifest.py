@@ -3,7 +3,8 @@
 A slim checkpoint is a DCP dir holding every storage item of the original but the frozen base weights
 (copied verbatim), plus `ckpt-slim-manifest.json` beside `.metadata`: for every dropped tensor its
 key, planner path, shape, dtype, original chunk layout and the sha256 of its bytes in row-major order
-(`HASH_INPUT`), and the identity of the base model it came from. It is NOT loadable by prime-rl's
+(`HASH_INPUT`), the identity of the base model it came from, and the CRC-32 of every kept item's stored
+bytes (`kept_crc32`, by `kept_item_id`; optional, so manifests written before it still read). It is NOT loadable by prime-rl's
 strict DCP loader on its own (`Missing key in checkpoint state_dict`): the manifest says so, `ckpt
 inspect` says so; `ckpt rehydrate` rebuilds the full checkpoint from the base and proves each tensor
 against its hash.

@@ -7,7 +7,9 @@ Each worker makes one tensor and writes it itself, in bounded blocks, at its off
 from the job (`plan.job_working_bytes`), never a tensor: at most `threads` jobs run at once, within
 the plan's `window_budget` (a job over the budget runs alone). A finished job holds nothing, so one
 slow job does not stall the others. The main thread accounts for the jobs in write order, reports progress, and closes a shard once its last tensor
-is in; the shard is fsynced in the background while the next ones are written.
+is in; the shard is fsynced in the background while the next ones are written. Each shard's sha256
+(the output's SHA256SUMS, `formats.hf_dir.digests`) is computed behind the workers on its own thread
+(`_ShardHash`).
 
 Test-only hook: env CKPT_TOOLS_TEST_SLOW_WRITE=<seconds> sleeps after each tensor is written, so a
 test can kill a merge midway. It has no other use.
