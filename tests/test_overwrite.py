@@ -102,15 +102,16 @@ def test_an_earlier_output_is_replaced_and_the_dry_run_says_what_goes(tmp_path):
     out = tmp_path / "adapter"
     assert hu.invoke(["extract-adapter", TRAINER, out]).exit_code == 0
     marker = json.loads((out / OUTPUT_MARKER).read_text())
-    assert marker["command"] == "extract-adapter" and marker["entries"] == ["adapter_config.json",
+    assert marker["command"] == "extract-adapter" and marker["entries"] == ["SHA256SUMS",
+                                                                             "adapter_config.json",
                                                                              "adapter_model.safetensors"]
     size = sum(p.stat().st_size for p in out.iterdir() if p.name != OUTPUT_MARKER)
     dry = hu.invoke([*_argv(out), "--dry-run"])
     assert dry.exit_code == 0, dry.output
     assert dry.stdout.splitlines()[-1].startswith(
-        f"  --overwrite would remove {out}: an earlier output of `ckpt extract-adapter`, 2 entries"), dry.stdout
+        f"  --overwrite would remove {out}: an earlier output of `ckpt extract-adapter`, 3 entries"), dry.stdout
     plan = json.loads(hu.invoke([*_argv(out), "--dry-run", "--json"]).stdout)["plan"]
-    assert plan["output"]["exists"] is True and plan["output"]["replaces"]["entries"] == 2
+    assert plan["output"]["exists"] is True and plan["output"]["replaces"]["entries"] == 3
     assert plan["output"]["replaces"]["bytes"] >= size
     fresh = json.loads(hu.invoke(["extract-adapter", TRAINER, tmp_path / "new", "--dry-run", "--json"]).stdout)
     assert fresh["plan"]["output"] == {"out": str(tmp_path / "new"), "exists": False, "replaces": None}

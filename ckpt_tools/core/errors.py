@@ -7,7 +7,7 @@ from pathlib import Path
 
 __all__ = ["CkptError", "UsageError", "FormatError", "MissingFileError", "TruncatedFileError", "UnsafePickleError",
            "UnsafeInputError", "DiskSpaceError", "OutputExistsError", "LockedError", "AlphaError", "MissingPathError",
-           "RankFailed",
+           "RankFailed", "ChecksumError",
            "MAX_PATH_CHARS", "MAX_KEY_CHARS", "MAX_MESSAGE_CHARS"]
 
 
@@ -81,6 +81,11 @@ class TruncatedFileError(FormatError):
 
 class UnsafePickleError(FormatError):
     pass
+
+
+class ChecksumError(FormatError):
+    """Bytes that disagree with the checksum stored for them (a DCP item's zip CRC-32, a slim manifest's
+    kept-item CRC, a SHA256SUMS line, a Hub blob's name): damaged after they were written."""
 
 
 class UnsafeInputError(FormatError):

@@ -28,6 +28,8 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
     checked: dict = field(default_factory=dict)
+    # what the checks prove about the bytes: {"proven": bool, "by": [digest sources] or None, "statement"}
+    integrity: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -42,7 +44,7 @@ class VerifyReport:
     def to_json(self) -> dict:
         return {"path": self.path, "format": self.format, "deep": self.deep, "ok": self.ok,
                 "problems": [asdict(p) for p in self.problems], "warnings": [asdict(w) for w in self.warnings],
-                "checked": self.checked}
+                "checked": self.checked, "integrity": self.integrity}
 
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 __all__ = [
     "create_new", "open_new", "write_new_file", "fsync_path", "fsync_tree", "start_writeback", "atomic_write_bytes",
-    "atomic_write_text", "exchange_paths", "remove_path", "remove_file", "link_entry", "rename_entry", "remove_empty_dir", "make_dirs",
-    "stdout_to_devnull", "temp_name",
+    "atomic_write_text", "exchange_paths", "remove_path", "remove_file", "link_entry", "rename_entry",
+    "remove_empty_dir", "make_dirs", "stdout_to_devnull", "temp_name", "hash_written_file", "WrittenFileHasher",
 ]
 
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -51,6 +51,72 @@ def write_new_file(path: str | os.PathLike, data: bytes | str) -> int:
     finally:
         os.close(fd)
     return len(raw)
+
+
+def hash_written_file(path: str | os.PathLike, *, algorithm: str = "sha256", block_bytes: int = 8 << 20) -> str:
+    """The hex digest of a file this command has just written (its bytes are in the page cache), read
+    sequentially in `block_bytes` blocks (memory: one block). Not for inputs: those are read through
+    `inputs`."""
+    import hashlib
+
+    h = hashlib.new(algorithm)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        buf = bytearray(block_bytes)
+        view = memoryview(buf)
+        while True:
+            n = os.readv(fd, [view])
+            if not n:
+                break
+            h.update(view[:n])
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+class WrittenFileHasher:
+    """The digest of a file this command is writing, hashed as its prefix becomes final: `hash_to(end)`
+    reads bytes [hashed so far, end) back (from the page cache: they were just written) and hashes them;
+    `hexdigest()` ends it. Calls come from one thread at a time (a writer's own hashing thread), so a
+    file written out of order by many workers is hashed in order, behind them, and only what was
+    written last is left to hash when it closes. Memory: one block."""
+
+    def __init__(self, path: str | os.PathLike, *, algorithm: str = "sha256", block_bytes: int = 8 << 20):
+        import hashlib
+
+        self.path = Path(path)
+        self._h = hashlib.new(algorithm)
+        self._pos = 0
+        self._fd: int | None = None
+        self._block = block_bytes
+        self._buf: memoryview | None = None
+
+    def hash_to(self, end: int) -> None:
+        from .pread import pread_into
+
+        if end <= self._pos:
+            return
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            self._buf = memoryview(bytearray(self._block))
+        while self._pos < end:
+            view = self._buf[:min(self._block, end - self._pos)]
+            pread_into(self._fd, view, self._pos, path=self.path)
+            self._h.update(view)
+            self._pos += len(view)
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._h.hexdigest()
+
+    def close(self) -> None:
+        fd, self._fd, self._buf = self._fd, None, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def fsync_path(path: str | os.PathLike) -> None:

@@ -1,6 +1,7 @@
 """`ckpt rehydrate`: slim checkpoint + the bf16 HF base -> the full checkpoint prime-rl resumes from.
 
-Every item of the slim checkpoint is copied verbatim by byte range. Every tensor the slim manifest
+Every item of the slim checkpoint is copied verbatim by byte range, checked against its zip CRC-32s
+and the manifest's CRC of it (`kept_crc32`; an older manifest has none, and the plan says so). Every tensor the slim manifest
 lists as dropped is rebuilt from the base model (bf16 -> the checkpoint's fp32, an exact upcast),
 its sha256 is compared with the manifest's, and the first mismatch aborts the whole run (nothing
 appears at OUT: the output is atomic, and the temp dir is removed). The rebuilt tensors are written as row
@@ -19,7 +20,8 @@ from pathlib import Path
 import torch
 
 from ..core.dtypes import torch_dtype
-from ..core.errors import FormatError, UsageError
+from ..core.crc import crc32
+from ..core.errors import ChecksumError, FormatError, UsageError
 from ..core.keys import expert_names, is_stacked_pattern
 from ..core.parts import assign_units
 from ..dist import Group, SoloGroup
@@ -30,7 +32,7 @@ from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
 from ..formats.hf_dir.hub import resolve_model_dir
-from ..formats.slim.manifest import SLIM_MANIFEST, read_manifest
+from ..formats.slim.manifest import SLIM_MANIFEST, kept_item_id, read_manifest
 from ..formats.slim.partition import base_identity, map_to_base
 from ..formats.slim.writer import copy_extra_entries
 from ..io.staging import SharedOutputDir
@@ -70,6 +72,7 @@ class RehydratePlan:
     rebuild_bytes: int
     extra_files: tuple[str, ...]
     warnings: tuple[str, ...]
+    kept_crc32: tuple[int, ...] | None = None     # the manifest's CRC of each copy item; None: an old manifest
 
     @property
     def units(self) -> tuple[int, ...]:
@@ -82,6 +85,7 @@ class RehydratePlan:
                 "copied_items": len(self.copy_items), "copied_bytes": self.copy_bytes,
                 "rebuilt_tensors": len(self.rebuild), "rebuilt_bytes": self.rebuild_bytes,
                 "extra_files": list(self.extra_files), "warnings": list(self.warnings),
+                "kept_items_in_manifest": self.kept_crc32 is not None,
                 "rebuild": [{"key": r.key, "from": r.base_name, "shape": list(r.shape), "dtype": r.dtype,
                              "chunks": len(r.chunks)} for r in self.rebuild]}
 
@@ -159,6 +163,11 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         else:
             copy_items.append((key, e.file, e.offset, e.length, _file_index(e.file, fallback)))
     copy_items.sort(key=lambda t: (t[1], t[2]))
+    kept_crc = _kept_crcs(ckpt, manifest, copy_items)
+    if kept_crc is None:
+        warnings.append(f"{manifest.path.name} records no CRC-32 of the kept items (an older ckpt-tools wrote "
+                        "it): each copied item is checked against its own zip CRC-32 only; the dropped tensors "
+                        "are still proven against their sha256")
 
     rebuild = []
     for d in manifest.dropped:
@@ -182,7 +191,32 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         slim=str(ckpt.dir), out=str(out), base=str(hf.path),
         layout="original" if world_size is None else f"world_size={world_size}", files=files,
         copy_items=tuple(copy_items), rebuild=tuple(rebuild), copy_bytes=sum(t[3] for t in copy_items),
-        rebuild_bytes=sum(r.nbytes for r in rebuild), extra_files=tuple(extra), warnings=tuple(warnings))
+        rebuild_bytes=sum(r.nbytes for r in rebuild), extra_files=tuple(extra), warnings=tuple(warnings),
+        kept_crc32=kept_crc)
+
+
+def _item_id(ckpt: DcpCheckpoint, key: str, rel: str, offset: int) -> str:
+    e = ckpt.entries[key]
+    if isinstance(e, BytesEntry):
+        return kept_item_id(key, None)
+    return kept_item_id(key, next(c for c in e.chunks if c.file == rel and c.offset == offset).offsets)
+
+
+def _kept_crcs(ckpt: DcpCheckpoint, manifest, copy_items) -> tuple[int, ...] | None:
+    """The manifest's CRC-32 of each item to copy, in `copy_items` order; None for a manifest without
+    them. The slim must hold exactly the items the manifest lists (else a FormatError naming one)."""
+    if manifest.kept_crc32 is None:
+        return None
+    ids = [_item_id(ckpt, key, rel, off) for key, rel, off, _n, _fi in copy_items]
+    missing = sorted(set(manifest.kept_crc32) - set(ids))
+    extra = sorted(set(ids) - set(manifest.kept_crc32))
+    if missing or extra:
+        what = (f"{len(missing)} kept item(s) of the manifest are not in the checkpoint, e.g. {missing[0]}"
+                if missing else f"{len(extra)} item(s) of the checkpoint are not in the manifest, e.g. {extra[0]}")
+        raise FormatError(f"the slim checkpoint does not hold the items it was written with: {what}",
+                          path=manifest.path, hint="the slim was edited or damaged after `ckpt slim` wrote it; "
+                                                   "slim the original again")
+    return tuple(manifest.kept_crc32[i] for i in ids)
 
 
 def _row_blocks_in_order(r: RebuildItem):
@@ -299,11 +333,18 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
         writer = DcpWriter(tmp, files=plan.files,
                            owned_files=group.part.mine(_file_weights(plan)) if split else None)
         try:
-            for key, rel, offset, length, fi in plan.copy_items:
+            for n, (key, rel, offset, length, fi) in enumerate(plan.copy_items):
                 if not writer.owns(fi):
                     writer.skip(key)
                     continue
-                raw = ckpt.read_item_bytes(rel, offset, length, key)
+                raw = ckpt.read_item_checked(rel, offset, length, key)
+                if plan.kept_crc32 is not None and crc32(raw) != plan.kept_crc32[n]:
+                    raise ChecksumError(
+                        f"the item's bytes differ from what `ckpt slim` copied (CRC-32 {crc32(raw):#010x}, the "
+                        f"manifest recorded {plan.kept_crc32[n]:#010x}); OUT was not created",
+                        path=ckpt.dir / rel, key=key, hint="the slim checkpoint is damaged: rehydrate an intact "
+                                                           "copy of it (after gc it may be the only copy of the run's "
+                                                           "trained state)")
                 e = ckpt.entries[key]
                 if isinstance(e, BytesEntry):
                     writer.copy_bytes_item(key, e.path, raw, file_index=fi)

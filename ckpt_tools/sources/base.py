@@ -50,11 +50,15 @@ class TensorFacts(ShapedBytes):
 
 @dataclass(frozen=True)
 class Extent:
-    """Bytes [start, start + nbytes) of a tensor's row-major contents live at `offset` of `file`."""
+    """Bytes [start, start + nbytes) of a tensor's row-major contents live at `offset` of `file`.
+    Where a checksum covers them (a DCP item's payload record: `record` = (its offset in the file, its
+    size, its stored CRC-32)), the extent's first byte is byte `record_pos` of that record."""
     start: int
     nbytes: int
     file: str
     offset: int
+    record: tuple[int, int, int] | None = None
+    record_pos: int = 0
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -114,6 +118,10 @@ class Source:
     def _read_whole(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def _check_piece(self, e: Extent, pos: int, data, name: str) -> None:
+        """Bytes [pos, pos + len(data)) of extent `e` were just read: a kind with checksums checks them
+        (the DCP sources: each item's zip CRC-32, once all its pieces are in)."""
+
     # ---------------------------------------------------------------- bytes
     def extents(self, name: str) -> list[Extent] | None:
         with self._lock:
@@ -149,7 +157,10 @@ class Source:
         for e in extents:
             lo, hi = max(start, e.start), min(end, e.start + e.nbytes)
             if lo < hi:
-                self._pread(e.file, e.offset + (lo - e.start), out[lo - start:hi - start], name)
+                view = out[lo - start:hi - start]
+                self._pread(e.file, e.offset + (lo - e.start), view, name)
+                if e.record is not None:
+                    self._check_piece(e, lo - e.start, view, name)
 
     def read_into(self, name: str, buffer, rows: tuple[int, int] | None = None) -> None:
         """Fill `buffer` (a contiguous CPU tensor, or anything a memoryview takes) with the stored bytes

@@ -6,7 +6,9 @@ tensor, and the router `mlp.router.gate.weight` as `mlp.gate.weight` (the key ru
 `core.keys`). `DcpKeySource`: any tensor under its DCP key (the LoRA sources read expert rows of a
 stacked factor through it). FSDP2 / expert-parallel row-block chunks are contiguous extents of the
 tensor (each item decoded once, `formats.dcp.item`); any other chunk layout is read whole once,
-through the checkpoint reader's torch.load fallback."""
+through the checkpoint reader's torch.load fallback. Every payload byte read through an extent is
+checked against its item's zip CRC-32 as it arrives (`DcpCheckpoint.check_piece`): a damaged item is
+a ChecksumError, never a tensor."""
 from __future__ import annotations
 
 import math
@@ -39,7 +41,8 @@ def row_block_extents(ckpt: DcpCheckpoint, key: str) -> list[Extent] | None:
         if not dec.payload_is(e.dtype, ch.sizes):
             return None
         start = (ch.offsets[0] * row_bytes) if ch.offsets else 0
-        out.append(Extent(start, dec.payload_size, ch.file, ch.offset + dec.payload_offset))
+        at = ch.offset + dec.payload_offset
+        out.append(Extent(start, dec.payload_size, ch.file, at, (at, dec.payload_size, dec.layout.data_crc)))
     # the extents must tile the tensor exactly; anything else is for the reader to diagnose
     pos = 0
     for x in out:
@@ -55,7 +58,8 @@ def _slice_extents(extents: list[Extent], start: int, nbytes: int) -> list[Exten
     for x in extents:
         lo, hi = max(start, x.start), min(start + nbytes, x.start + x.nbytes)
         if lo < hi:
-            out.append(Extent(lo - start, hi - lo, x.file, x.offset + (lo - x.start)))
+            out.append(Extent(lo - start, hi - lo, x.file, x.offset + (lo - x.start), x.record,
+                              x.record_pos + (lo - x.start)))
     return out
 
 
@@ -111,6 +115,11 @@ class _DcpSource(Source):
 
     def _pread(self, file: str, offset: int, buf: memoryview, name: str) -> None:
         self.ckpt.files.read_into(file, offset, buf, self._keys[name][0] if name in self._keys else name)
+
+    def _check_piece(self, e: Extent, pos: int, data, name: str) -> None:
+        at, size, crc = e.record
+        self.ckpt.check_piece(e.file, at, size, crc, e.record_pos + pos, data,
+                              self._keys[name][0] if name in self._keys else name)
 
     def close(self) -> None:
         super().close()

@@ -21,7 +21,9 @@ __all__ = ["command", "render"]
 @click.argument("path", type=ModelPath())
 @click.option("--deep", is_flag=True,
               help="Also read every payload byte: DCP recomputes each zip record's CRC32 (torch never "
-                   "checks it); HF and PEFT check every float for inf/nan.")
+                   "checks it); HF and PEFT check every float for inf/nan and every file against its "
+                   "SHA256SUMS or Hub cache blob name (without one, only structure and finite values "
+                   "are proven).")
 @click.option("--base", help="PEFT adapters only: a base model (dir, hub id or DCP checkpoint) that every "
                              "target module must exist in, with matching shapes.")
 @json_option
@@ -79,7 +81,12 @@ def render(r: VerifyReport) -> None:
         if "base" in c:
             what += f", fits base {c['base']['label']}"
     kind = {"dcp": "DCP checkpoint", "hf": "HF model dir", "peft": "PEFT adapter"}[r.format]
-    if r.ok:
-        click.echo(f"OK: {r.path}: {kind}, {what}")
+    proven = r.integrity is None or r.integrity.get("proven")
+    if r.ok and proven:
+        tail = f"; {r.integrity['statement']}" if r.integrity else ""
+        click.echo(f"OK: {r.path}: {kind}, {what}{tail}")
+    elif r.ok:
+        # well formed (and finite, with --deep), but nothing proves the bytes are the ones written
+        click.echo(f"STRUCTURE OK, INTEGRITY NOT PROVEN: {r.path}: {kind}, {what}; {r.integrity['statement']}")
     else:
         click.echo(f"FAILED: {r.path}: {len(r.problems)} problem(s) in this {kind} ({what})")

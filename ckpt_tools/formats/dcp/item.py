@@ -24,14 +24,28 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ...core.crc import crc32
 from ...core.dtypes import ITEMSIZE, STORAGE_CLASSES
-from ...core.errors import FormatError, UnsafePickleError
+from ...core.errors import ChecksumError, FormatError, UnsafePickleError
 from ...io.safe_pickle import check_pickle_bounds
 
 __all__ = [
     "SMALL_ITEM_BYTES", "ItemError", "TensorRecord", "ItemLayout", "DecodedChunk", "window", "parse_item",
     "decode_tensor_pickle", "decode_chunk", "is_row_block", "archive_pickle", "load_plain_item", "load_byte_item",
+    "CRC_HINT", "crc_error", "check_record_crcs",
 ]
+
+CRC_HINT = ("the file's bytes changed after torch.save wrote them (disk, copy or transfer damage): re-copy the "
+            "checkpoint from where it was written, or use another step; `ckpt verify --deep` lists every "
+            "damaged item")
+
+
+def crc_error(record: str, stored: int, got: int, *, path=None, key: str | None = None,
+              where: str = "") -> ChecksumError:
+    """The error for a record whose bytes fail its stored CRC-32."""
+    return ChecksumError(f"{where}zip record {record} fails its CRC-32 check (stored {stored:#010x}, computed "
+                         f"{got:#010x}): its bytes are damaged; nothing was written from them", path=path, key=key,
+                         hint=CRC_HINT)
 
 # Items up to this size are read with one pread and parsed in memory (one syscall beats three
 # scattered ones for the thousands of tiny LoRA/optimizer chunks); larger ones are parsed from their
@@ -112,10 +126,11 @@ def window(read: Callable[[int, int], bytes], base: int, length: int) -> io.Buff
     return io.BufferedReader(_Window(read, base, length))
 
 
-def archive_pickle(raw: bytes) -> bytes:
+def archive_pickle(raw: bytes, *, path=None, key: str | None = None) -> bytes:
     """The `data.pkl` of the torch.save archive `raw`, after checking what `torch.load` would
     otherwise trust: every record STORED (torch.save never compresses, and torch.load inflates a
-    DEFLATE'd record without a limit: 3 MB became 3.4 GB) and inside the archive. ItemError if not."""
+    DEFLATE'd record without a limit: 3 MB became 3.4 GB), inside the archive, and equal to its
+    CRC-32 (ChecksumError). ItemError if not."""
     try:
         zf = zipfile.ZipFile(io.BytesIO(raw))
         infos = zf.infolist()
@@ -131,6 +146,12 @@ def archive_pickle(raw: bytes) -> bytes:
     pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
     if len(pkl) != 1:
         raise ItemError("archive has no single */data.pkl record")
+    try:   # every record's CRC-32 (torch.load checks none of them); the bytes are in memory
+        check_record_crcs(raw, path=path, key=key)
+    except ChecksumError:
+        raise
+    except Exception as exc:
+        raise ItemError(f"archive records do not read: {type(exc).__name__}: {exc}") from None
     try:
         return zf.read(pkl[0])
     except Exception as exc:
@@ -173,6 +194,23 @@ def parse_item(src) -> ItemLayout:
     return ItemLayout(prefix=prefix, pkl_offset=p[1], pkl_size=p[2],
                       data_offset=data[1] if data else None, data_size=data[2] if data else None,
                       data_crc=data[3] if data else None, records=tuple(records))
+
+
+def check_record_crcs(raw, layout: ItemLayout | None = None, *, path=None, key: str | None = None) -> int:
+    """Every record of the item `raw` (read whole: its bytes are in memory) against its stored CRC-32;
+    a ChecksumError naming the first that fails. A stored CRC of 0 is torch.save's "not computed"
+    (`torch.serialization.set_crc32_options(False)`) unless the record is empty: not checked. Returns
+    the records checked."""
+    if layout is None:
+        layout = parse_item(io.BytesIO(raw))
+    mv = memoryview(raw)
+    n = 0
+    for name, off, size, crc in layout.records:
+        got = crc32(mv[off:off + size])
+        if got != crc and crc != 0:
+            raise crc_error(name, crc, got, path=path, key=key)
+        n += 1
+    return n
 
 
 class _RecordingUnpickler(pickle.Unpickler):
@@ -252,9 +290,11 @@ class DecodedChunk:
 def decode_chunk(read: Callable[[int, int], bytes], offset: int, length: int, *,
                  small_bytes: int | None = None) -> DecodedChunk:
     """Decode the tensor item at [offset, offset + length) of a file read by `read(offset, n)`: read
-    whole when it is small (one syscall), else parsed from its tail. Raises ItemError (a layout this
-    decoder does not read: fall back on `load_byte_item`) or UnsafePickleError (its data.pkl is not a
-    plain tensor record: never fall back)."""
+    whole when it is small (one syscall), else parsed from its tail. A small item's records are all
+    checked against their CRC-32 here (its bytes are in memory); a large one's data.pkl is, and its
+    payload's CRC (`layout.data_crc`) is for the reader to check as it reads the payload. Raises
+    ItemError (a layout this decoder does not read: fall back on `load_byte_item`), UnsafePickleError
+    (its data.pkl is not a plain tensor record) or ChecksumError (damaged): never fall back on those."""
     small = length <= (SMALL_ITEM_BYTES if small_bytes is None else small_bytes)
     try:
         if small:
@@ -266,9 +306,16 @@ def decode_chunk(read: Callable[[int, int], bytes], offset: int, length: int, *,
         layout = parse_item(src)
         if layout.data_offset is None:
             raise ItemError("item holds no tensor data")
+        if raw is not None:      # in memory already: every record checked now
+            check_record_crcs(raw, layout)
         src.seek(layout.pkl_offset)
-        record = decode_tensor_pickle(src.read(layout.pkl_size))
-    except (ItemError, UnsafePickleError):
+        pkl = src.read(layout.pkl_size)
+        if raw is None:          # data.pkl's own CRC; the payload's is the reader's, as it reads it
+            for name, _off, _size, crc in layout.records:
+                if name.endswith("/data.pkl") and crc and crc32(pkl) != crc:
+                    raise crc_error(name, crc, crc32(pkl))
+        record = decode_tensor_pickle(pkl)
+    except (ItemError, UnsafePickleError, ChecksumError):
         raise
     except (ValueError, KeyError, EOFError, IndexError, TypeError, struct.error) as exc:
         raise ItemError(f"{type(exc).__name__}: {exc}") from None
@@ -317,7 +364,7 @@ def load_plain_item(raw: bytes, *, path, key: str):
     torch (2-3 s). The archive and pickle checks are `load_byte_item`'s; the values are the ones
     `torch.load(weights_only=True)` returns for them. ItemError for anything else (a tensor, a global):
     the caller falls back on `load_byte_item`."""
-    pkl = archive_pickle(raw)
+    pkl = archive_pickle(raw, path=path, key=key)
     try:
         check_pickle_bounds(pkl, str(path), "the item's data.pkl")
     except UnsafePickleError:
@@ -340,7 +387,7 @@ def load_byte_item(raw: bytes, *, trust: bool, path, key: str):
     import torch
 
     try:
-        pkl = archive_pickle(raw)
+        pkl = archive_pickle(raw, path=path, key=key)
     except ItemError as exc:
         raise FormatError(f"cannot decode item: {exc}", path=path, key=key,
                           hint="the file is corrupt or crafted; run `ckpt verify`") from None

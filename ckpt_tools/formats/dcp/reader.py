@@ -10,17 +10,19 @@ read one at a time by `pread` of exactly their chunks' byte ranges: FSDP2 row-bl
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from ...core.crc import PieceChecker, crc32
 from ...core.dtypes import torch_dtype
-from ...core.errors import CkptError, FormatError, UnsafePickleError, UsageError
+from ...core.errors import ChecksumError, CkptError, FormatError, UnsafePickleError, UsageError
 from ...core.keys import classify, require_known
 from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input, register
-from .item import ItemError, decode_chunk, is_row_block, load_byte_item, load_plain_item
+from .item import CRC_HINT, ItemError, check_record_crcs, crc_error, decode_chunk, is_row_block, load_byte_item, load_plain_item
 from .layout import METADATA_NAME, resolve_checkpoint_dir
 from .metadata import load_metadata
 from .model import BytesEntry, Chunk, Entry, TensorEntry, parse_metadata
@@ -54,6 +56,9 @@ class DcpCheckpoint:
             raise FormatError(bad.message, path=meta_path if bad.file is None else self.dir / bad.file, key=bad.key,
                               hint=bad.hint)
         self.entries: dict[str, Entry] = parsed.entries
+        # payloads read in pieces (row blocks, expert slices), checked against their zip CRC-32 as the
+        # pieces arrive (`check_piece`)
+        self.crc = PieceChecker()
         if known_keys_only:   # every command but the ones that list what is there (inspect, verify)
             require_known([classify(k, e.path) for k, e in self.entries.items()], meta_path)
 
@@ -116,6 +121,21 @@ class DcpCheckpoint:
         """Raw bytes of one storage item (verbatim copies in surgery)."""
         return self.files.read(rel, offset, length, key)
 
+    def read_item_checked(self, rel: str, offset: int, length: int, key: str) -> bytes:
+        """Raw bytes of one storage item, every zip record checked against its CRC-32 (the bytes are in
+        memory: no second read): what a verbatim copy (slim, rehydrate) writes. A ChecksumError names
+        the file and key. An item that is not a zip archive at all (DCP writes a BytesIO state value as
+        its raw bytes) has no CRC to check and is returned as it is."""
+        raw = self.read_item_bytes(rel, offset, length, key)
+        try:
+            check_record_crcs(raw, path=self.dir / rel, key=key)
+        except ItemError:
+            pass
+        except (ValueError, EOFError, struct.error, KeyError, IndexError) as exc:   # a zip that half-parses
+            raise FormatError(f"storage item at byte {offset:,} is a damaged zip archive: "
+                              f"{type(exc).__name__}: {exc}", path=self.dir / rel, key=key, hint=CRC_HINT) from None
+        return raw
+
     def read_object(self, key: str):
         """A byte item (lr, scheduler field, progress...): plain values without torch, anything else with
         torch.load(weights_only=True)."""
@@ -133,10 +153,23 @@ class DcpCheckpoint:
         ItemError for a layout to read through torch.load instead; UnsafePickleError never falls back."""
         try:
             return decode_chunk(lambda off, n: self.read_item_bytes(ch.file, off, n, key), ch.offset, ch.length)
+        except ChecksumError as exc:
+            raise ChecksumError(f"chunk at {list(ch.offsets)}: {exc.message}", path=self.dir / ch.file, key=key,
+                                hint=exc.hint) from None
         except UnsafePickleError as exc:
             raise UnsafePickleError(exc.message, path=self.dir / ch.file, key=key,
                                     hint="the item's data.pkl is not a plain tensor record; the checkpoint is "
                                          "damaged or crafted") from None
+
+    def check_piece(self, rel: str, payload_offset: int, payload_size: int, crc: int, pos: int, data,
+                    key: str) -> None:
+        """Bytes [pos, pos + len(data)) of the payload record at `payload_offset` of data file `rel`
+        (`payload_size` bytes, stored CRC `crc`), just read: once every piece of it is in, its CRC-32
+        is compared (`core.crc.PieceChecker`); a mismatch is a ChecksumError naming the file and key."""
+        if crc and not self.crc.feed((rel, payload_offset), payload_size, crc, pos, data):
+            raise ChecksumError(f"the payload of the item at byte {payload_offset:,} fails its zip CRC-32 check "
+                                f"(stored {crc:#010x}): its bytes are damaged; nothing was written from them",
+                                path=self.dir / rel, key=key, hint=CRC_HINT)
 
     def read_tensor(self, key: str) -> torch.Tensor:
 
@@ -197,9 +230,14 @@ class DcpCheckpoint:
         start = (ch.offsets[0] * row_bytes) if ch.offsets else 0
         target = flat[start:start + dec.payload_size].numpy()
         if dec.raw is not None:
-            target[:] = dec.payload()
+            target[:] = dec.payload()   # (its CRC was checked by the decoder)
         else:
             self.files.read_into(ch.file, ch.offset + dec.payload_offset, memoryview(target), key)
+            got = crc32(target)
+            if dec.layout.data_crc and got != dec.layout.data_crc:
+                raise ChecksumError(f"chunk at {list(ch.offsets)}: "
+                                    + crc_error(f"{dec.layout.prefix}/data/0", dec.layout.data_crc, got).message,
+                                    path=self.dir / ch.file, key=key, hint=CRC_HINT)
 
     def _fallback_chunk(self, e: TensorEntry, ch: Chunk, dest: torch.Tensor, why: str) -> None:
         """Any chunk layout torch.save can express: let torch decode it (weights_only)."""

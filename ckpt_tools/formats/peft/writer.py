@@ -16,8 +16,9 @@ from ...core.dtypes import SHORT_NAMES, itemsize, torch_dtype
 from ...core.errors import FormatError
 from ...core.keys import peft_target
 from ...core.progress import Progress, report
-from ...io.files import write_new_file
+from ...io.files import hash_written_file, write_new_file
 from ...io.staging import AtomicOutputDir
+from ..hf_dir.digests import SUMS_NAME, format_sums
 from ..safetensors.writer import StreamingSafetensorsWriter, build_header
 from .config import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
 
@@ -203,6 +204,9 @@ def _write_files(directory: Path, tensors: list[OutTensor], read: Callable[[OutT
             del value
         size = w.file_bytes
     write_new_file(directory / ADAPTER_CONFIG, config_json(config))
+    # SHA256SUMS (`formats.hf_dir.digests`): `verify --deep` and `sha256sum -c` prove the bytes later
+    write_new_file(directory / SUMS_NAME, format_sums({n: hash_written_file(directory / n)
+                                                       for n in (SAFETENSORS_NAME, ADAPTER_CONFIG)}))
     return size
 
 

@@ -3,7 +3,8 @@
 A slim checkpoint is a DCP dir holding every storage item of the original but the frozen base weights
 (copied verbatim), plus `ckpt-slim-manifest.json` beside `.metadata`: for every dropped tensor its
 key, planner path, shape, dtype, original chunk layout and the sha256 of its bytes in row-major order
-(`HASH_INPUT`), and the identity of the base model it came from. It is NOT loadable by prime-rl's
+(`HASH_INPUT`), the identity of the base model it came from, and the CRC-32 of every kept item's stored
+bytes (`kept_crc32`, by `kept_item_id`; optional, so manifests written before it still read). It is NOT loadable by prime-rl's
 strict DCP loader on its own (`Missing key in checkpoint state_dict`): the manifest says so, `ckpt
 inspect` says so; `ckpt rehydrate` rebuilds the full checkpoint from the base and proves each tensor
 against its hash.
@@ -20,7 +21,7 @@ from ...core.errors import CkptError, FormatError, UsageError
 from ...io.inputs import read_json
 
 __all__ = ["SLIM_MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "NOT_LOADABLE", "HASH_INPUT", "ChunkLayout",
-           "DroppedTensor", "Manifest", "build_manifest", "read_manifest", "is_slim"]
+           "DroppedTensor", "Manifest", "build_manifest", "read_manifest", "is_slim", "kept_item_id", "KEPT_CRC_INPUT"]
 
 SLIM_MANIFEST = "ckpt-slim-manifest.json"   # beside .metadata
 MANIFEST_FORMAT = "ckpt-tools/slim-manifest"
@@ -29,6 +30,13 @@ NOT_LOADABLE = ("SLIM checkpoint: the frozen base weights were removed. It is NO
                 "strict loader on its own; run `ckpt rehydrate SLIM OUT --base BASE` to rebuild the full "
                 "checkpoint, then resume from OUT.")
 HASH_INPUT = "the tensor's bytes in its stored dtype, row-major (C order), little-endian"
+KEPT_CRC_INPUT = "the storage item's bytes as stored in the data file (the whole torch.save archive)"
+
+
+def kept_item_id(key: str, chunk_offsets) -> str:
+    """How the manifest names one kept storage item: its key, and for a tensor chunk its offsets
+    (`key@0,0`): a tensor of several chunks has one item per chunk."""
+    return key if chunk_offsets is None else f"{key}@{','.join(str(int(o)) for o in chunk_offsets)}"
 
 
 def is_slim(ckpt_dir: Path) -> bool:
@@ -53,10 +61,14 @@ class DroppedTensor:
     nbytes: int
 
 
-def build_manifest(layout, base: dict | None, hashes: dict[str, str], base_verified: bool) -> dict:
+def build_manifest(layout, base: dict | None, hashes: dict[str, str], base_verified: bool,
+                   kept_crc32: dict[str, int] | None = None) -> dict:
     """The manifest of a slim checkpoint (`layout`: a `partition.SlimLayout`): every dropped tensor (key,
-    path, shape, dtype, chunk layout, sha256) and the base it can be rebuilt from."""
+    path, shape, dtype, chunk layout, sha256), the base it can be rebuilt from, and every kept item's
+    CRC-32 (`kept_item_id` -> CRC of its stored bytes: rehydrate proves what it copies)."""
     plan = layout
+    kept = {} if kept_crc32 is None else {"kept_crc32": {"algorithm": "crc32", "input": KEPT_CRC_INPUT,
+                                                        "items": dict(sorted(kept_crc32.items()))}}
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -75,6 +87,7 @@ def build_manifest(layout, base: dict | None, hashes: dict[str, str], base_verif
              "sha256": hashes[d.key]}
             for d in plan.dropped
         ],
+        **kept,
     }
 
 
@@ -87,6 +100,7 @@ class Manifest:
     world_size: int | None
     base: dict | None
     data_files: tuple[str, ...]
+    kept_crc32: dict[str, int] | None = None     # None: an older manifest, without kept-item CRCs
 
 
 def read_manifest(ckpt_dir: Path) -> Manifest:
@@ -136,7 +150,15 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
                               key=key, hint="the manifest was edited or damaged; slim the original again") from None
     if not dropped:
         raise FormatError("lists no dropped tensors", path=p)
+    kept = None
+    if "kept_crc32" in m:
+        items = m["kept_crc32"].get("items") if isinstance(m["kept_crc32"], dict) else None
+        if not isinstance(items, dict) or not all(isinstance(k, str) and isinstance(v, int) and not
+                                                  isinstance(v, bool) and 0 <= v < 2**32 for k, v in items.items()):
+            raise FormatError("kept_crc32.items is not a map of item names to CRC-32 values", path=p,
+                              hint="the manifest was edited or damaged; slim the original again")
+        kept = dict(items)
     return Manifest(p, m, tuple(dropped), hashes, m.get("world_size"), m.get("base"),
-                    tuple((m.get("source") or {}).get("data_files") or ()))
+                    tuple((m.get("source") or {}).get("data_files") or ()), kept)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...core.crc import crc32
 from ...core.errors import FormatError
 from ...core.parts import SOLO
 from ...dist import map_units
@@ -25,7 +26,7 @@ from ..dcp.layout import extra_bytes
 from ..dcp.model import TensorEntry
 from ..dcp.reader import DcpCheckpoint
 from ..dcp.writer import DcpWriter
-from .manifest import SLIM_MANIFEST, DroppedTensor, build_manifest
+from .manifest import SLIM_MANIFEST, DroppedTensor, build_manifest, kept_item_id
 from .partition import SlimLayout
 
 __all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "write_slim", "copy_extra_entries"]
@@ -37,6 +38,7 @@ BaseHash = Callable[[DroppedTensor], tuple[str, str]]
 @dataclass
 class SlimWritten:
     hashes: dict[str, str]
+    kept_crc32: dict[str, int]
     bytes_written: int
     base_verified: bool
     seconds: dict = field(default_factory=dict)
@@ -131,13 +133,15 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
             weights[file_index[k.file] % files] += k.length
         owned = part.mine(weights)
     writer = DcpWriter(out_dir, files=files, owned_files=owned)
+    kept_crc: dict[str, int] = {}        # kept_item_id -> CRC-32 of the item's bytes, for the manifest
     try:
         done = 0
         for k in layout.kept:   # source order: sequential reads
             if not writer.owns(file_index[k.file]):
                 writer.skip(k.key)
                 continue
-            raw = ckpt.read_item_bytes(k.file, k.offset, k.length, k.key)
+            raw = ckpt.read_item_checked(k.file, k.offset, k.length, k.key)
+            kept_crc[kept_item_id(k.key, k.chunk_offsets)] = crc32(raw)
             if k.kind == "bytes":
                 writer.copy_bytes_item(k.key, k.path, raw, file_index=file_index[k.file])
             else:
@@ -175,12 +179,15 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
         bytes_written = writer.bytes_written
         if part.world > 1:
             (bytes_written,) = group.sum([bytes_written], "the bytes written")
+            every_crc = group.gather(kept_crc, "the kept items' CRC-32")
+            if every_crc is not None:
+                kept_crc = {k: v for d in every_crc for k, v in d.items()}
         writer.finish(group)
     except BaseException:
         writer.abort()
         raise
     if part.leader:
-        manifest = build_manifest(layout, base, hashes, base_verified=base_hash is not None)
+        manifest = build_manifest(layout, base, hashes, base_verified=base_hash is not None, kept_crc32=kept_crc)
         write_new_file(out_dir / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
         copy_extra_entries(ckpt.dir, out_dir, layout.extra_files)
-    return SlimWritten(hashes, bytes_written, base_hash is not None, seconds)
+    return SlimWritten(hashes, kept_crc, bytes_written, base_hash is not None, seconds)

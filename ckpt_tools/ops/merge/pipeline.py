@@ -7,7 +7,9 @@ Each worker makes one tensor and writes it itself, in bounded blocks, at its off
 from the job (`plan.job_working_bytes`), never a tensor: at most `threads` jobs run at once, within
 the plan's `window_budget` (a job over the budget runs alone). A finished job holds nothing, so one
 slow job does not stall the others. The main thread accounts for the jobs in write order, reports progress, and closes a shard once its last tensor
-is in; the shard is fsynced in the background while the next ones are written.
+is in; the shard is fsynced in the background while the next ones are written. Each shard's sha256
+(the output's SHA256SUMS, `formats.hf_dir.digests`) is computed behind the workers on its own thread
+(`_ShardHash`).
 
 Test-only hook: env CKPT_TOOLS_TEST_SLOW_WRITE=<seconds> sleeps after each tensor is written, so a
 test can kill a merge midway. It has no other use.
@@ -28,11 +30,12 @@ from ...core.errors import FormatError, UsageError
 from ...core.progress import Progress, ProgressEvent
 from ...dist import Group, SoloGroup
 from ...formats.hf_dir.config import rewrite_config
+from ...formats.hf_dir.digests import SUMS_NAME, format_sums
 from ...formats.hf_dir.names import INDEX_NAME
 from ...formats.hf_dir.shards import index_json
 from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...io.copy import copy_input_file
-from ...io.files import atomic_write_text, fsync_path
+from ...io.files import WrittenFileHasher, atomic_write_text, fsync_path, hash_written_file, write_new_file
 from ...io.inputs import read_json
 from ...io.staging import SharedOutputDir
 from ...sources.hf import HFSource
@@ -160,13 +163,15 @@ def run_merge(plan: MergePlan, sources: MergeSources, progress: Progress | None 
     mine = {plan.units[i].file_name for i in group.part.mine([s.data_bytes for s in plan.units])}
     jobs = tuple(j for j in plan.jobs if j.out_file in mine)
     with SharedOutputDir(out, group, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite) as tmp:
-        zero = _write_tensors(plan, jobs, sources, tmp, progress, slow, t0)
+        zero, digests = _write_tensors(plan, jobs, sources, tmp, progress, slow, t0)
         # a merge equal to its base is refused before OUT appears: counted over every rank's tensors
         zero.merged, zero.unchanged, zero.zero_factor = group.sum(
             [zero.merged, zero.unchanged, zero.zero_factor], "the zero-delta check")
         zero.check(plan)
+        every = group.gather(digests, "the shards' sha256")
         if group.leader:
             _write_files(plan, tmp)
+            _write_sums(tmp, {k: v for d in every for k, v in d.items()})
     names = tuple(sorted(os.listdir(out)))
     written = sum(os.path.getsize(out / n) for n in names)
     result = MergeResult(str(out), time.perf_counter() - t0, len(plan.jobs), plan.merged_modules, plan.read_bytes,
@@ -186,9 +191,64 @@ def _write_files(plan: MergePlan, tmp: Path) -> None:
         atomic_write_text(tmp / INDEX_NAME, index_json(plan.index))
 
 
+def _write_sums(tmp: Path, shard_digests: dict[str, str]) -> None:
+    """SHA256SUMS over every file of the output (`formats.hf_dir.digests`): the shards' digests as the
+    workers' shards were hashed, the small files (config, tokenizer, index) hashed here."""
+    digests = dict(shard_digests)
+    for name in sorted(os.listdir(tmp)):
+        if name not in digests and name != SUMS_NAME and not name.startswith(".") and (tmp / name).is_file():
+            digests[name] = hash_written_file(tmp / name)
+    write_new_file(tmp / SUMS_NAME, format_sums(digests))
+
+
+class _ShardHash:
+    """The sha256 of one shard, computed on its own thread behind the workers: each time a job is
+    accounted for (its tensor's bytes are all written), the shard's prefix of finished tensors is hashed
+    up to there, read back from the page cache (workers write a shard's tensors out of order, and copied
+    tensors never pass through our memory); at close only the last tensors are left."""
+
+    def __init__(self, writer: StreamingSafetensorsWriter):
+        self.hasher = WrittenFileHasher(writer.path)
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-merge-sha256")
+        self.last: Future | None = None
+        self._order = sorted(writer.entries, key=lambda e: e.begin)   # file order
+        self._start = writer.data_start
+        self._done: set[str] = set()
+        self._next = 0
+
+    def tensor_done(self, name: str) -> None:
+        self._done.add(name)
+        before = self._next
+        while self._next < len(self._order) and self._order[self._next].name in self._done:
+            self._next += 1
+        if self._next == before:
+            return
+        end = self._start + (self._order[self._next].begin if self._next < len(self._order) else
+                             self._order[-1].begin + self._order[-1].nbytes)
+        if self.last is not None and self.last.done():
+            self.last.result()            # a failed read is raised now
+        self.last = self.thread.submit(self.hasher.hash_to, end)
+
+    def finish(self, end: int) -> str:
+        self.thread.submit(self.hasher.hash_to, end).result()
+        self.thread.shutdown(wait=True)
+        return self.hasher.hexdigest()
+
+    def abort(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _finish_shard(path: Path, sha: _ShardHash, end: int) -> tuple[str, str]:
+    """A closed shard: the rest of its sha256, then fsync."""
+    digest = sha.finish(end)
+    fsync_path(path)
+    return path.name, digest
+
+
 def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeSources, tmp: Path,
-                   progress: Progress | None, slow: float, t0: float) -> ZeroDelta:
-    """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally."""
+                   progress: Progress | None, slow: float, t0: float) -> tuple[ZeroDelta, dict[str, str]]:
+    """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally and each
+    written shard's sha256."""
     runner = JobRunner(plan, sources)
     total_bytes = sum(j.out_bytes for j in jobs)
     shard_entries = {s.file_name: s for s in plan.shards}
@@ -203,6 +263,7 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
                              elapsed_s=time.perf_counter() - t0)
 
     writers: dict[str, StreamingSafetensorsWriter] = {}
+    hashes: dict[str, _ShardHash] = {}
 
     def writer_for(file_name: str) -> StreamingSafetensorsWriter:
         # opened when its first job is submitted; each job writes at its own offset (any order)
@@ -214,6 +275,7 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             # disk works from the first block, not from the first closed 5 GB shard
             writers[file_name] = StreamingSafetensorsWriter(tmp / file_name, entries, OUTPUT_METADATA,
                                                             strict_order=False, fsync=False, writeback=True)
+            hashes[file_name] = _ShardHash(writers[file_name])
         return writers[file_name]
 
     if progress:
@@ -224,9 +286,11 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     pool = _DaemonPool(plan.threads, "ckpt-merge")
-    # A finished shard is fsynced by this thread while the next shard is written, so the pipeline
-    # does not stall for a whole shard's flush (the disk, not the CPU, is then busy).
-    flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-merge-fsync")
+    # A finished shard's hash is completed (SHA256SUMS; each shard is hashed behind its writers by its
+    # own thread, `_ShardHash`) and it is fsynced by these threads while the next shards are written,
+    # so the pipeline does not stall for a whole shard's hash or flush.
+    flusher = ThreadPoolExecutor(max_workers=max(1, min(plan.threads, len(shard_entries))),
+                                 thread_name_prefix="ckpt-merge-fsync")
     flushes: list[Future] = []
     pending: dict[int, Future] = {}             # submitted, not yet accounted for in write order
     running: dict[Future, int] = {}             # submitted and not finished: these hold memory
@@ -258,15 +322,16 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             left[job.out_file] -= 1
             if not left[job.out_file]:
                 w = writers.pop(job.out_file)
-                w.close()                 # checks every byte is there; the fsync runs in the background
-                flushes.append(flusher.submit(fsync_path, w.path))
+                w.close()                 # checks every byte is there; the hash's end and fsync run in the background
+                flushes.append(flusher.submit(_finish_shard, w.path, hashes.pop(job.out_file), w.file_bytes))
+            else:
+                hashes[job.out_file].tensor_done(job.name)
             done_bytes += job.out_bytes
             if progress:
                 progress(event(i + 1, done_bytes, job))
             if slow:
                 time.sleep(slow)
-        for f in flushes:
-            f.result()                    # every shard is on disk before OUT may be renamed into place
+        digests = dict(f.result() for f in flushes)   # every shard is on disk before OUT may be renamed
         ok = True
     except BaseException:
         ok = False
@@ -274,6 +339,8 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             f.cancel()
         for w in writers.values():        # a worker still writing finishes into the unlinked file
             w.abort()
+        for h in hashes.values():
+            h.abort()
         raise
     finally:
         # On an error or a signal, never wait for the workers: each is bounded (one tensor, inputs
@@ -282,4 +349,4 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
         pool.shutdown(wait=ok)            # (the futures not started were cancelled above)
         flusher.shutdown(wait=ok)
         torch.set_num_threads(intra_op)
-    return runner.zero
+    return runner.zero, digests

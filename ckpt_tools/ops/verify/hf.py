@@ -1,6 +1,7 @@
 """`ckpt verify` of an HF model dir: config.json, the index and every shard header checked against each
 other (every disagreement listed), shapes against what the config implies, and with `--deep` every
-float read and checked for inf/nan."""
+float read and checked for inf/nan, and every file with a digest (SHA256SUMS, a Hub blob name) read
+against it (`digests`)."""
 from __future__ import annotations
 
 import threading
@@ -15,6 +16,7 @@ from ...formats.safetensors.header import read_header
 from ...io.inputs import OpenFiles, is_plain_file_name, read_json
 from ...core.problems import VerifyReport
 from ...dist import Group, map_units
+from .digests import prove
 
 __all__ = ["FINITE_BLOCK_BYTES", "PIECE_BYTES", "verify_hf"]
 
@@ -102,10 +104,22 @@ def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progres
         warning = dtype_disagreement(config, {t.dtype for t in tensors.values()})
         if warning:
             report.warn(path / "config.json", None, warning)
-    if deep:
-        _deep_finite(path, tensors, report, progress, group)
+    _integrity(path, tensors, report, deep, progress, group)
     report.checked.update({"files": len(headers), "tensors": len(tensors),
                            "tensor_bytes": sum(t.nbytes for t in tensors.values())})
+
+
+def _integrity(path: Path, tensors: dict, report: VerifyReport, deep: bool, progress, group) -> None:
+    """With --deep: every digested file read once against its digests (its floats counted on the way),
+    the other tensors read for inf/nan only; `report.integrity` says what that proves."""
+    by_file: dict[str, list] = {}
+    for t in tensors.values():
+        by_file.setdefault(t.path.name, []).append(t)
+    digested = prove(path, report, deep=deep, weight_files=set(by_file), tensors_by_file=by_file,
+                     counter_for=_nonfinite_counter, progress=progress, group=group)
+    if deep:
+        _deep_finite(path, {n: t for n, t in tensors.items() if t.path.name not in digested}, report, progress,
+                     group)
 
 
 def _header(p: Path, report: VerifyReport, read_header=read_header):

@@ -11,6 +11,7 @@ from ...formats.peft.adapter import open_peft_adapter
 from ...formats.peft.config import ADAPTER_CONFIG, PEFT_PREFIX, matches_target_modules, parse_peft_config
 from ...sources.open import open_weights
 from ...core.problems import VerifyReport
+from .digests import prove
 
 __all__ = ["verify_peft"]
 
@@ -58,6 +59,9 @@ def verify_peft(path: Path, report: VerifyReport, *, deep: bool, base=None, trus
     if isinstance(targets, list) and any(m.view is None for m in adapter.modules.values()):
         for t in sorted(set(targets) - matched_targets):
             report.warn(cfg_path, None, f"target_modules entry {t!r} matches no module in the weights")
+    # the adapter's files against SHA256SUMS (extract-adapter and fix-adapter write it); PEFT's values
+    # are counted below, through the adapter reader
+    prove(path, report, deep=deep, weight_files={wpath.name}, tensors_by_file={}, counter_for=lambda _d: None)
     if deep:
         from ...core.tensor_math import count_nonfinite   # lazy: torch, for --deep only (2-3 s of start-up)
         for key in sorted(adapter.shapes):
