@@ -26,7 +26,8 @@ try:
 except ImportError:   # installed without a C compiler: the Python scan alone
     accelerator = None
 
-__all__ = ["MAX_PICKLE_DEPTH", "MIN_TREE_NODES", "TREE_NODES_PER_BYTE", "MAX_INT_BITS", "check_pickle_bounds",
+__all__ = ["MAX_PICKLE_DEPTH", "MIN_TREE_NODES", "TREE_NODES_PER_BYTE", "MAX_INT_BITS", "MAX_VALUE_KEYS",
+           "check_pickle_bounds",
            "reference_scan", "tree_budget", "accelerator", "gc_paused"]
 
 
@@ -60,6 +61,13 @@ MAX_PICKLE_DEPTH = 64
 MIN_TREE_NODES = 1 << 16          # tree budget: max(this, TREE_NODES_PER_BYTE * len(data))
 TREE_NODES_PER_BYTE = 4
 MAX_INT_BITS = 256                 # LONG1/LONG4: a 64-bit offset needs 65; a 100 MB int is a bomb
+# Dict keys and set members whose hash an attacker chooses: numbers (hash(k * (2**61 - 1)) == 0 for
+# every k), tuples and REDUCE results (a tuple's hash is its members'), unlike str and bytes (seeded
+# SipHash). Inserting N keys of one hash into a dict costs N^2/2 comparisons inside the C unpickler,
+# where no signal is delivered (40,000 int keys: 18 s). A genuine DCP `.metadata` or item pickle has
+# none (its keys are str and MetadataIndex; tested on every fixture), so a small count per pickle
+# bounds that work to milliseconds.
+MAX_VALUE_KEYS = 1000
 
 _LEAF_OPS = frozenset({
     "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
@@ -88,6 +96,11 @@ _OP_KINDS: dict[str, int] = {
 # counted: what hashing, repr or a recursive walk of it costs), depth, shared]. Every leaf is the one
 # list _LEAF, marked shared so that it can never be changed.
 _LEAF = [1, 0, True]
+# A number: a leaf whose hash the pickle chooses. Tuples and REDUCE results carry a fourth field (1):
+# those three kinds are what `MAX_VALUE_KEYS` counts among dict keys and set members.
+_NUM = [1, 0, True]
+_NUM_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+_VALUE_HASHED = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE"})
 _U32 = struct.Struct("<I").unpack_from
 # The fast loop's branch (1, 2, ...) of each opcode byte, 0 for the general one (the opcodes' names are
 # beside each branch in `_scan`).
@@ -118,6 +131,8 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
         signal is delivered (N=60 ignored SIGTERM);
       - a container changed after it was put into another one (a cycle, or a way to grow an object
         the scan already counted; pickle.dump never does it for acyclic data such as DCP's);
+      - more than MAX_VALUE_KEYS dict keys and set members that are numbers, tuples or REDUCE results
+        (hashes a pickle can make collide: 40,000 int keys of one hash took the C unpickler 18 s);
       - ints wider than MAX_INT_BITS, and anything that is not a sequence of valid opcodes.
     The scan runs in Python (signals are delivered), in time linear in the pickle. Returns the
     (tree size, depth) of the object the pickle builds.
@@ -130,7 +145,7 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
     `accelerator` (the C fast path) answers first where it is built; wherever it does not vouch for
     the pickle, `reference_scan` decides."""
     if accelerator is not None:
-        vouched = accelerator.scan(data, tree_budget(len(data)), MAX_PICKLE_DEPTH)
+        vouched = accelerator.scan(data, tree_budget(len(data)), MAX_PICKLE_DEPTH, MAX_VALUE_KEYS)
         if vouched is not None:
             return vouched
     return reference_scan(data, source, what)
@@ -153,7 +168,8 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
     budget = tree_budget(len(data))
     n = len(data)
     f = io.BytesIO(data)
-    max_depth, leaf = MAX_PICKLE_DEPTH, _LEAF
+    max_depth, leaf, num = MAX_PICKLE_DEPTH, _LEAF, _NUM
+    hashed = 0    # dict keys and set members seen that are numbers, tuples or REDUCE results
 
     def refuse(why: str, pos: int) -> UnsafePickleError:
         return UnsafePickleError(f"refusing to unpickle: {why} (at byte {pos} of {n}): a crafted or corrupt "
@@ -165,6 +181,15 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
 
     def too_deep(pos: int) -> UnsafePickleError:
         return refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
+
+    def count_keys(keys, pos: int) -> None:
+        nonlocal hashed
+        for a in keys:
+            if a is num or len(a) > 3:
+                hashed += 1
+        if hashed > MAX_VALUE_KEYS:
+            raise refuse(f"more than {MAX_VALUE_KEYS:,} dict keys or set members are numbers or tuples, whose "
+                         "hashes a pickle can make collide (building its dicts would take quadratic time)", pos)
 
     stack: list[list] = []
     marks: list[int] = []
@@ -219,7 +244,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
         if kind == _K_LEAF:
             if isinstance(arg, int) and name in ("LONG1", "LONG4") and arg.bit_length() > MAX_INT_BITS:
                 raise refuse(f"an integer of {arg.bit_length()} bits", pos)
-            stack.append(leaf)
+            stack.append(num if name in _NUM_OPS else leaf)
         elif kind == _K_PUT:
             memo_put(len(memo) if name == "MEMOIZE" else arg, pos)
         elif kind == _K_GET:
@@ -234,17 +259,29 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 raise refuse(f"{name} on a stack of {len(stack)}", pos)
             items = stack[-k:]
             del stack[-k:]
-            stack.append(leaf if name == "STACK_GLOBAL" else new(items, pos))
+            o = leaf if name == "STACK_GLOBAL" else new(items, pos)
+            if name in _VALUE_HASHED:
+                o.append(1)
+            stack.append(o)
         elif kind == _K_FROM_MARK:
-            stack.append(new(pop_mark(pos), pos))
+            items = pop_mark(pos)
+            if name in ("DICT", "FROZENSET"):
+                count_keys(items[::2] if name == "DICT" else items, pos)
+            o = new(items, pos)
+            if name == "TUPLE":
+                o.append(1)
+            stack.append(o)
         elif kind == _K_MUTATE_FROM_MARK:
             items = pop_mark(pos)
+            if name != "APPENDS":
+                count_keys(items[::2] if name == "SETITEMS" else items, pos)
             mutate(stack[-1], items, pos)
         elif kind == _K_MUTATE1:
             item = stack.pop()
             mutate(stack[-1], (item,), pos)
         elif kind == _K_SETITEM:
             v, k = stack.pop(), stack.pop()
+            count_keys((k,), pos)
             mutate(stack[-1], (k, v), pos)
         elif kind == _K_STOP:
             return -1
@@ -285,7 +322,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 if depth >= max_depth:
                     raise too_deep(p)
                 del stack[-1]
-                stack[-1] = o = [size, depth + 1, False]
+                stack[-1] = o = [size, depth + 1, False] if c == 0x81 else [size, depth + 1, False, 1]
                 p += 1
                 if data[p] == 0x94:
                     memo[len(memo)] = o
@@ -295,13 +332,13 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 p += 2
             elif k == 4:                                         # BININT1
                 if p + 4 < n and data[p + 2] == 0x4b and data[p + 4] == 0x86:   # BININT1 BININT1 TUPLE2
-                    stack.append(o := [3, 1, False])
+                    stack.append(o := [3, 1, False, 1])
                     p += 5
                     if data[p] == 0x94:
                         memo[len(memo)] = o
                         p += 1
                 else:
-                    stack.append(leaf)
+                    stack.append(num)
                     p += 2
             elif k == 5:                                         # EMPTY_TUPLE / DICT / LIST / SET
                 if c == 0x29 and p + 1 < n and data[p + 1] == 0x81 and stack:   # EMPTY_TUPLE NEWOBJ: cls()
@@ -356,7 +393,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                     raise too_big(p)
                 if a[1] >= max_depth:
                     raise too_deep(p)
-                stack[-1] = o = [a[0] + 1, a[1] + 1, False]
+                stack[-1] = o = [a[0] + 1, a[1] + 1, False, 1]
                 p += 1
                 if data[p] == 0x94:
                     memo[len(memo)] = o
@@ -367,6 +404,8 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 k = marks.pop()
                 items = stack[k:]
                 del stack[k:]
+                if c == 0x75:
+                    count_keys(items[::2], p)
                 t = stack[-1]
                 if t[2]:
                     raise changed(p)
@@ -419,7 +458,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                     memo[len(memo)] = leaf
                     p += 1
             elif k == 12:                                        # BININT2 / BININT / BINFLOAT
-                stack.append(leaf)
+                stack.append(num)
                 p += 3 if c == 0x4d else 5 if c == 0x4a else 9
             elif k == 13:                                        # NEWFALSE / NEWTRUE / NONE
                 stack.append(leaf)
@@ -431,7 +470,12 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                     del stack[-3:]
                 else:
                     items = pop_mark(p)
-                stack.append(o := new(items, p))
+                    if c == 0x64:
+                        count_keys(items[::2], p)
+                o = new(items, p)
+                if c != 0x6c and c != 0x64:
+                    o.append(1)
+                stack.append(o)
                 p += 1
                 if data[p] == 0x94:
                     memo[len(memo)] = o
