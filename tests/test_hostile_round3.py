@@ -128,3 +128,47 @@ def test_storage_keys_of_one_hash_cost_nothing_to_build(space):
     assert not r.timed_out and r.wall_s < 10, f"{r.wall_s:.1f} s"
     assert r.exit_code == 1 and "share the hash" in r.output, r.output
     hu.record("round3", hash_pickles=1)
+
+
+# ============================================================================ JSON / TOML: object counts
+ORCH_REL = Path("outputs/run_default/configs/orch.toml")
+
+
+def test_a_config_json_of_millions_of_objects_is_refused_before_it_is_parsed(space):
+    """39 MB of `{}` in a model's config.json: 13M dicts, 1.85 GiB of RSS and 18 s to parse (the size
+    limit is 256 MB). Refused from a count on the text, naming the file; the index of a model may
+    hold more values than a config (MAX_TABLE_VALUES), so a genuine one still opens."""
+    root = space()
+    base = root / "base_model"
+    cfg = base / "config.json"
+    genuine = cfg.read_text()
+    cfg.write_text('{"bomb": [' + ",".join(["{}"] * 13_000_000) + "]}")
+    assert cfg.stat().st_size > 38_000_000
+    r = run(["inspect", base], root, timeout=60)
+    hu.assert_safe_refusal(r, names=cfg, expect="values")
+    assert r.rss_bytes < 600 << 20 and r.wall_s < 10, (r.rss_bytes >> 20, r.wall_s)
+    cfg.write_text(genuine)
+    ok = run(["inspect", base], root, timeout=60)
+    assert ok.exit_code == 0, ok.output
+    hu.record("round3", json_toml_bombs=1, refused=1, genuine_ok=1)
+
+
+def test_a_toml_integer_past_4300_digits_is_a_clean_error_and_inspect_still_reports(space):
+    """Python refuses to convert an int of more than 4,300 digits (ValueError, not TOMLDecodeError):
+    every command reading the run's config ended in an internal error, `inspect` too."""
+    root = space()
+    trainer, orch = root / TRAINER_REL, root / ORCH_REL
+    orch.write_text(orch.read_text() + "\nbig = " + "1" * 5000 + "\n")
+    rs = hu.run_measured_many({
+        "inspect": ["inspect", trainer],
+        "merge": ["merge", root / "base_model", trainer, root / "merged"],
+        "doctor": ["doctor", root / "outputs"],
+    }, workdir=root / "runs", timeout=60)
+    i = rs["inspect"]
+    no_traceback(i)
+    assert i.exit_code == 0 and "unreadable" in i.output and str(orch) in i.output, i.output
+    hu.assert_safe_refusal(rs["merge"], names=orch, expect="4300 digits")
+    no_traceback(rs["doctor"])
+    assert "4300 digits" in rs["doctor"].output, rs["doctor"].output
+    assert not (root / "merged").exists()
+    hu.record("round3", json_toml_bombs=1, refused=2, runs=3)
