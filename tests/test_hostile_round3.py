@@ -8,7 +8,9 @@ RSS). Figures for docs/reliability.md: `hu.record("round3", ...)`.
 """
 from __future__ import annotations
 
+import os
 import pickle
+import shutil
 import signal
 import struct
 import time
@@ -172,3 +174,80 @@ def test_a_toml_integer_past_4300_digits_is_a_clean_error_and_inspect_still_repo
     assert "4300 digits" in rs["doctor"].output, rs["doctor"].output
     assert not (root / "merged").exists()
     hu.record("round3", json_toml_bombs=1, refused=2, runs=3)
+
+
+# ============================================================================ hub ids: refs and revisions
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hf_cache(base: Path, cache: Path, repo: str = "org/tiny") -> Path:
+    """`base` laid out as `hf download` leaves it: blobs/, snapshots/<commit>/ of symlinks into blobs,
+    refs/main holding the commit. Returns the repo's cache dir."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    snap = folder / "snapshots" / COMMIT
+    (folder / "blobs").mkdir(parents=True)
+    (folder / "refs").mkdir()
+    snap.mkdir(parents=True)
+    for f in sorted(base.iterdir()):
+        blob = folder / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    (folder / "refs" / "main").write_text(COMMIT)
+    return folder
+
+
+def test_hub_refs_and_revisions_are_read_through_the_input_checks(space):
+    """A FIFO as refs/main blocked every hub-id command (huggingface_hub opened it); a revision with
+    `..`, or a ref holding a path, resolved a hub id to a model outside the cache; a ref that is a
+    directory or not UTF-8 ended in an internal error. The genuine layout still resolves."""
+    root = space()
+    outside = root / "outside_model"          # what an attacker would have a hub id resolve to
+    shutil.copytree(root / "base_model", outside)
+    caches = {}
+
+    def case(name: str, edit) -> Path:
+        cache = root / "caches" / name / "hub"
+        folder = hf_cache(root / "base_model", cache)
+        edit(folder)
+        caches[name] = cache
+        return folder
+
+    def fifo(folder):
+        (folder / "refs" / "main").unlink()
+        os.mkfifo(folder / "refs" / "main")
+
+    def dotdot_revision(folder):
+        # org/tiny@../../../evilref: refs/../../../evilref is a file beside the cache naming `outside`
+        (folder.parent.parent / "evilref").write_text("../../../../outside_model")
+
+    def snapshot_outside(folder):
+        snap = folder / "snapshots" / COMMIT
+        shutil.rmtree(snap)
+        snap.symlink_to(outside)
+
+    edits = {
+        "genuine": lambda folder: None,
+        "fifo ref": fifo,
+        "dotdot revision": dotdot_revision,
+        "ref holds a path": lambda folder: (folder / "refs" / "main").write_text("../../../../../outside_model"),
+        "ref is a directory": lambda folder: ((folder / "refs" / "main").unlink(), (folder / "refs" / "main").mkdir()),
+        "ref is not utf-8": lambda folder: (folder / "refs" / "main").write_bytes(b"\xff\xfe" + COMMIT.encode()),
+        "snapshot outside": snapshot_outside,
+    }
+    folders = {name: case(name, edit) for name, edit in edits.items()}
+    spec = {"dotdot revision": "org/tiny@../../../evilref"}
+    rs = {}
+    for name in edits:   # each with its own HF_HUB_CACHE
+        rs[name] = run(["inspect", spec.get(name, "org/tiny")], root, timeout=30,
+                       env={"HF_HUB_CACHE": str(caches[name]), "HF_HUB_OFFLINE": "1"}, fresh=True)
+    g = rs.pop("genuine")
+    assert g.exit_code == 0 and COMMIT in g.output, g.output
+    hu.assert_safe_refusal(rs["fifo ref"], names=folders["fifo ref"] / "refs" / "main", expect="FIFO")
+    hu.assert_safe_refusal(rs["dotdot revision"], expect="'..'", code=2)
+    hu.assert_safe_refusal(rs["ref holds a path"], expect="not a commit hash")
+    hu.assert_safe_refusal(rs["ref is a directory"], expect="a directory")
+    hu.assert_safe_refusal(rs["ref is not utf-8"], expect="not UTF-8")
+    hu.assert_safe_refusal(rs["snapshot outside"], expect="outside")
+    for name, r in rs.items():
+        assert str(outside) not in r.stdout, f"{name}: resolved outside the cache: {r.output}"
+    hu.record("round3", hub_cases=len(rs), refused=len(rs), genuine_ok=1)
