@@ -8,11 +8,13 @@ RSS). Figures for docs/reliability.md: `hu.record("round3", ...)`.
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
 import signal
 import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -85,13 +87,14 @@ def test_int_dict_keys_of_one_hash_in_the_metadata_are_refused_quickly(space):
 
 
 def test_sigterm_ends_a_run_on_a_hash_bomb_metadata_at_once(space):
-    """SIGTERM one second into `verify` of 60,000 colliding int keys: exit 143 or the refusal, within
-    seconds (it was honoured only after 27-41 s)."""
+    """SIGTERM 1.5 s into `verify` of 60,000 colliding int keys (the warm runner: imports done, so the
+    run is past its scan by then): exit 143 or the refusal, within seconds (the unpickler held the
+    signal for 27-41 s)."""
     root = space()
     trainer = root / TRAINER_REL
     replace_in_metadata(trainer, colliding_int_dict(60_000), lambda md, ph: setattr(md.storage_meta, "modules", [ph]))
-    p = hu.MeasuredRun(["verify", trainer], workdir=root / "runs", timeout=90)
-    time.sleep(1.0)
+    p = hu.WarmRun(["verify", trainer], workdir=root / "runs", timeout=90)
+    time.sleep(1.5)
     t0 = time.monotonic()
     p.signal(signal.SIGTERM)
     r = p.result()
@@ -251,3 +254,65 @@ def test_hub_refs_and_revisions_are_read_through_the_input_checks(space):
     for name, r in rs.items():
         assert str(outside) not in r.stdout, f"{name}: resolved outside the cache: {r.output}"
     hu.record("round3", hub_cases=len(rs), refused=len(rs), genuine_ok=1)
+
+
+# ============================================================================ doctor: fix lines, odd configs
+ORCH_NAME = 'name = "base_model"'
+
+
+def test_doctor_fix_lines_pasted_into_sh_run_no_command_from_the_run(space, tmp_path):
+    """A downloaded run whose model.name is `base_model;touch${IFS}PWNED;` (and a directory of that name
+    beside it, so the base resolves and the weights-are-base fix names it): every `ckpt ...` fix line
+    doctor prints, run with sh (a dummy `ckpt` on PATH), must create no PWNED file."""
+    root = space()
+    evil = "base_model;touch${IFS}PWNED;"
+    orch = root / ORCH_REL
+    text = orch.read_text()
+    assert text.count(ORCH_NAME) == 1
+    orch.write_text(text.replace(ORCH_NAME, f'name = "{evil}"'))
+    shutil.copytree(root / "base_model", root / evil)
+    r = run(["doctor", "--json", root / "outputs"], root, timeout=60)
+    no_traceback(r)
+    fixes = [f["fix"] for f in json.loads(r.stdout)["result"]["findings"]]
+    lines = [ln for fix in fixes for ln in fix.splitlines() if ln.startswith("ckpt ")]
+    assert any(evil in ln for ln in lines), fixes     # the finding that names the base is there
+    bin_dir, work = tmp_path / "bin", tmp_path / "sh-work"
+    bin_dir.mkdir()
+    work.mkdir()
+    (bin_dir / "ckpt").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "ckpt").chmod(0o755)
+    for ln in lines:
+        subprocess.run(["sh", "-c", ln], cwd=work, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "IFS": " "},
+                       capture_output=True, timeout=30)
+    assert not list(work.iterdir()), f"a fix line ran a command of the run: {sorted(work.iterdir())} from {lines}"
+    hu.record("round3", doctor_cases=1, injections_run=0)
+
+
+@pytest.mark.parametrize("alpha", ["1979-05-27T07:32:00", "[1, 2]", "{ x = 1 }", "true"])
+def test_doctor_on_an_alpha_that_is_not_a_number_is_one_clean_line(space, alpha):
+    root = space()
+    orch = root / ORCH_REL
+    text = orch.read_text()
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("[model.lora]"))
+    lines.insert(at + 1, f"alpha = {alpha}")
+    orch.write_text("\n".join(ln for i, ln in enumerate(lines) if i == at + 1 or not (
+        i > at + 1 and ln.startswith("alpha ="))) + "\n")
+    rs = hu.run_measured_many({c: [c, root / TRAINER_REL] if c == "inspect" else [c, root / "outputs"]
+                               for c in ("doctor", "inspect")}, workdir=root / "runs", timeout=60)
+    for name, r in rs.items():
+        no_traceback(r)
+        assert r.exit_code in (0, 1, 3) and "alpha" in r.output, f"{name}: {r.output}"
+    assert "not a finite number" in rs["doctor"].output, rs["doctor"].output
+    hu.record("round3", doctor_cases=1, runs=2)
+
+
+def test_doctor_on_a_symlink_loop_in_toml_files_is_one_clean_line(tmp_path):
+    from .conftest import FIXTURES
+    cfg = tmp_path / "rl.toml"
+    cfg.write_text('toml_files = ["loop.toml"]\n' + (FIXTURES / "configs" / "good.toml").read_text())
+    (tmp_path / "loop.toml").symlink_to("loop2.toml")
+    (tmp_path / "loop2.toml").symlink_to("loop.toml")
+    r = run(["doctor", cfg], tmp_path, timeout=60)
+    hu.assert_safe_refusal(r, names=tmp_path / "loop.toml", expect="symbolic links")
+    hu.record("round3", doctor_cases=1, refused=1)
