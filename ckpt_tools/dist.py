@@ -292,9 +292,46 @@ def map_units(fn: Callable[[int], T], weights: Sequence[int], group: Group | Non
 
 
 def current() -> Group:
-    """This process's group: a `TorchGroup` under torchrun with 2+ ranks (created once), else solo."""
+    """This process's group: a `TorchGroup` under torchrun with 2+ ranks (created once), else solo.
+    Commands ask for it once their inputs are open and planned, before any work: the ranks then check
+    that they read the same inputs (`same_inputs`)."""
     global _CURRENT
     if _CURRENT is None:
         part = env_part()
-        _CURRENT = TorchGroup(part) if part.world > 1 else SoloGroup()
+        group = TorchGroup(part) if part.world > 1 else SoloGroup()
+        if part.world > 1:
+            same_inputs(group)
+        _CURRENT = group
     return _CURRENT
+
+
+def same_inputs(group: Group) -> None:
+    """Refuse, on every rank, to start when the ranks did not open the same inputs: the same files (a
+    hub id resolves from each node's own HF cache: two snapshots of one repo id gave a merge of two
+    bases, exit 0), of the same sizes, with the same first and last bytes (`io.inputs.input_identity`)."""
+    from .io.inputs import input_identity
+
+    mine = input_identity()
+    every = group.gather(mine, "the identity of every input")
+    why = None
+    if every is not None:
+        ref = {e[0]: e[1:] for e in every[0]}
+        for rank, other in enumerate(every[1:], 1):
+            theirs = {e[0]: e[1:] for e in other}
+            if theirs == ref:
+                continue
+            only0 = sorted(set(ref) - set(theirs))
+            only_r = sorted(set(theirs) - set(ref))
+            changed = sorted(k for k in set(ref) & set(theirs) if ref[k] != theirs[k])
+            what = (f"{changed[0]} differs (size/digest {ref[changed[0]]} on rank 0, {theirs[changed[0]]} on rank "
+                    f"{rank})" if changed else
+                    f"rank 0 reads {only0[0] if only0 else 'nothing more'}, rank {rank} reads "
+                    f"{only_r[0] if only_r else 'nothing more'}")
+            why = (f"rank {rank} does not read the same inputs as rank 0: {what}; {len(only0) + len(only_r)} "
+                   f"file(s) seen by one rank only, {len(changed)} differing")
+            break
+    why = group.broadcast(why, "the verdict on the inputs")
+    if why:
+        raise UsageError(why + "; nothing was written",
+                         hint="give every rank the same files (a local directory on a shared filesystem, or the "
+                              "same revision in every node's HF cache: org/name@<commit>)")

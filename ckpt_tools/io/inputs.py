@@ -39,7 +39,7 @@ from .pread import pread_exact, pread_into
 
 __all__ = [
     "ReadPolicy", "set_policy", "policy", "tracking", "register", "registered", "input_tree", "check_input",
-    "open_input", "read_input", "read_text", "read_json", "read_toml", "scan_tree", "kind_of", "is_plain_file_name", "ReadStats",
+    "open_input", "read_input", "input_identity", "IDENTITY_EDGE_BYTES", "read_text", "read_json", "read_toml", "scan_tree", "kind_of", "is_plain_file_name", "ReadStats",
     "OpenFiles", "MAX_JSON_BYTES", "MAX_TOML_BYTES", "MAX_METADATA_BYTES", "MAX_JSON_DEPTH",
     "MAX_CONFIG_VALUES", "MAX_TABLE_VALUES",
 ]
@@ -103,6 +103,52 @@ def register(path: str | os.PathLike) -> None:
 def registered() -> tuple[Path, ...]:
     seen = _INPUTS.get()
     return tuple(Path(p) for p in sorted(seen)) if seen else ()
+
+
+IDENTITY_EDGE_BYTES = 64 << 10
+
+
+def _identity_name(real: str) -> str:
+    """A path as ranks on different nodes can compare it: inside a Hugging Face cache, from the repo's
+    `models--org--name` on (blobs are named by their content's hash, snapshots by their commit), so
+    two nodes' caches at different places agree where they hold the same revision; elsewhere the
+    real path (multi-rank outputs and inputs live on a filesystem every node sees at one path)."""
+    parts = Path(real).parts
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].startswith(("models--", "datasets--", "spaces--")) and i + 1 < len(parts) and \
+                parts[i + 1] in ("blobs", "snapshots", "refs"):
+            return "hf-cache:" + "/".join(parts[i:])
+    return real
+
+
+def input_identity() -> list[list]:
+    """The identity of every input read so far (`registered`), JSON-able, for ranks to compare before
+    work: [name, size, sha256 of the first and last IDENTITY_EDGE_BYTES] per file (the headers of
+    safetensors and zip items are at the start), [name, "dir"] per tree root."""
+    import hashlib
+
+    out = []
+    for p in registered():
+        real = str(p)
+        name = _identity_name(real)
+        try:
+            st = os.stat(real)
+        except OSError:
+            out.append([name, "gone"])
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            out.append([name, "dir"])
+            continue
+        fd = open_input(real, what="input")
+        try:
+            h = hashlib.sha256(pread_exact(fd, 0, min(st.st_size, IDENTITY_EDGE_BYTES), path=real))
+            if st.st_size > IDENTITY_EDGE_BYTES:
+                tail = max(IDENTITY_EDGE_BYTES, st.st_size - IDENTITY_EDGE_BYTES)
+                h.update(pread_exact(fd, tail, st.st_size - tail, path=real))
+        finally:
+            os.close(fd)
+        out.append([name, st.st_size, h.hexdigest()])
+    return out
 
 
 # ------------------------------------------------------------------------------------ checks

@@ -5,11 +5,9 @@ build, hash or walk than its size allows (docs/reliability.md). The opcodes DCP 
 are decoded inline, the rest by pickletools; tests/test_pickle_scan.py holds the replay over
 `pickletools.genops` this replaced and checks both agree.
 
-`pickle_scan_c` (ckpt_tools/io/pickle_scan_c.c, built at install where a C compiler is at hand) runs
-the same model over the opcodes of a genuine DCP `.metadata` about 30x faster, and answers only
-"within bounds, with these figures" or "ask the Python scan": it never refuses anything itself, so
-every refusal, figure and message is this module's. Without it, this module alone gives the same
-answers, slower.
+`pickle_scan_c` (pickle_scan_c.c, built at install where a C compiler is at hand) runs the same model
+~30x faster and answers only "within bounds, with these figures" or "ask the Python scan": every
+refusal, figure and message is this module's. Without it, this module alone gives the same answers.
 """
 from __future__ import annotations
 
@@ -33,12 +31,10 @@ __all__ = ["MAX_PICKLE_DEPTH", "MIN_TREE_NODES", "TREE_NODES_PER_BYTE", "MAX_INT
 
 @contextlib.contextmanager
 def gc_paused():
-    """The scan's model and a DCP metadata are a million small acyclic objects (the scan refuses
-    cycles): the cyclic GC would re-walk them for nothing (half of the unpickling, a fifth of the scan).
-    On the way out they go straight to the oldest generation (freeze, then unfreeze): otherwise the
-    first allocation after `gc.enable()` walks all of them at once as young objects (0.15-0.4 s after a
-    32B checkpoint's metadata, more than the unpickling). Where the program froze objects of its own
-    (`gc.freeze()` before a fork), that is left alone and the walk is paid."""
+    """The cyclic GC paused: the scan's model and a metadata are ~10^6 small acyclic objects it would
+    re-walk for nothing. On the way out they go to the oldest generation (freeze, unfreeze), else the
+    first allocation after `gc.enable()` walks them all (0.15-0.4 s after a 32B checkpoint's metadata);
+    unless the program froze objects of its own (`gc.freeze()` before a fork)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -61,12 +57,9 @@ MAX_PICKLE_DEPTH = 64
 MIN_TREE_NODES = 1 << 16          # tree budget: max(this, TREE_NODES_PER_BYTE * len(data))
 TREE_NODES_PER_BYTE = 4
 MAX_INT_BITS = 256                 # LONG1/LONG4: a 64-bit offset needs 65; a 100 MB int is a bomb
-# Dict keys and set members whose hash an attacker chooses: numbers (hash(k * (2**61 - 1)) == 0 for
-# every k), tuples and REDUCE results (a tuple's hash is its members'), unlike str and bytes (seeded
-# SipHash). Inserting N keys of one hash into a dict costs N^2/2 comparisons inside the C unpickler,
-# where no signal is delivered (40,000 int keys: 18 s). A genuine DCP `.metadata` or item pickle has
-# none (its keys are str and MetadataIndex; tested on every fixture), so a small count per pickle
-# bounds that work to milliseconds.
+# Dict keys / set members whose hash the pickle chooses (numbers: hash(k * (2**61 - 1)) == 0; tuples and
+# REDUCE results: their members'), unlike str/bytes (seeded): N of one hash cost N^2/2 compares in the C
+# unpickler, signals held (40,000 int keys: 18 s). Genuine DCP pickles have none (tested on every fixture).
 MAX_VALUE_KEYS = 1000
 
 _LEAF_OPS = frozenset({
@@ -96,9 +89,7 @@ _OP_KINDS: dict[str, int] = {
 # counted: what hashing, repr or a recursive walk of it costs), depth, shared]. Every leaf is the one
 # list _LEAF, marked shared so that it can never be changed.
 _LEAF = [1, 0, True]
-# A number: a leaf whose hash the pickle chooses. Tuples and REDUCE results carry a fourth field (1):
-# those three kinds are what `MAX_VALUE_KEYS` counts among dict keys and set members.
-_NUM = [1, 0, True]
+_NUM = [1, 0, True]   # a number; tuples and REDUCE results carry a 4th field: what MAX_VALUE_KEYS counts
 _NUM_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
 _VALUE_HASHED = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE"})
 _U32 = struct.Struct("<I").unpack_from
@@ -134,16 +125,11 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
       - more than MAX_VALUE_KEYS dict keys and set members that are numbers, tuples or REDUCE results
         (hashes a pickle can make collide: 40,000 int keys of one hash took the C unpickler 18 s);
       - ints wider than MAX_INT_BITS, and anything that is not a sequence of valid opcodes.
-    The scan runs in Python (signals are delivered), in time linear in the pickle. Returns the
-    (tree size, depth) of the object the pickle builds.
-
-    The opcodes DCP metadata is made of are decoded inline (a branch table on the opcode byte, the
-    commonest sequences in one step, strings only checked for UTF-8); every other opcode, every failure, goes
-    through pickletools' own reader at that position, so the verdict, the figures and the message
-    are those of a replay over pickletools.genops (tests/test_pickle_scan.py compares the two).
-
-    `accelerator` (the C fast path) answers first where it is built; wherever it does not vouch for
-    the pickle, `reference_scan` decides."""
+    Linear in the pickle, in Python (signals are delivered). Returns (tree size, depth) of its object.
+    DCP's opcodes are decoded inline (a branch table; strings only checked for UTF-8); any other opcode
+    or failure goes through pickletools' reader at that position, so verdict, figures and message are
+    a replay over pickletools.genops' (tests/test_pickle_scan.py). `accelerator` (the C fast path)
+    answers first where built; wherever it does not vouch, `reference_scan` decides."""
     if accelerator is not None:
         vouched = accelerator.scan(data, tree_budget(len(data)), MAX_PICKLE_DEPTH, MAX_VALUE_KEYS)
         if vouched is not None:
@@ -176,17 +162,14 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                                  "pickle", path=source, hint="nothing was unpickled; use an intact copy of the file")
 
     def too_big(pos: int) -> UnsafePickleError:
-        return refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references "
-                      "repeated)", pos)
+        return refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references repeated)", pos)
 
     def too_deep(pos: int) -> UnsafePickleError:
         return refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
 
     def count_keys(keys, pos: int) -> None:
         nonlocal hashed
-        for a in keys:
-            if a is num or len(a) > 3:
-                hashed += 1
+        hashed += sum(1 for a in keys if a is num or len(a) > 3)
         if hashed > MAX_VALUE_KEYS:
             raise refuse(f"more than {MAX_VALUE_KEYS:,} dict keys or set members are numbers or tuples, whose "
                          "hashes a pickle can make collide (building its dicts would take quadratic time)", pos)
@@ -260,17 +243,12 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
             items = stack[-k:]
             del stack[-k:]
             o = leaf if name == "STACK_GLOBAL" else new(items, pos)
-            if name in _VALUE_HASHED:
-                o.append(1)
-            stack.append(o)
+            stack.append(o + [1] if name in _VALUE_HASHED else o)
         elif kind == _K_FROM_MARK:
             items = pop_mark(pos)
             if name in ("DICT", "FROZENSET"):
                 count_keys(items[::2] if name == "DICT" else items, pos)
-            o = new(items, pos)
-            if name == "TUPLE":
-                o.append(1)
-            stack.append(o)
+            stack.append(new(items, pos) + [1] if name == "TUPLE" else new(items, pos))
         elif kind == _K_MUTATE_FROM_MARK:
             items = pop_mark(pos)
             if name != "APPENDS":
