@@ -33,9 +33,14 @@ from .core.errors import RankFailed, UsageError
 from .core.parts import SOLO, Part
 
 __all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "env_part", "current",
-           "TIMEOUT_ENV", "local_workers", "map_units"]
+           "TIMEOUT_ENV", "RENDEZVOUS_ENV", "DEFAULT_RENDEZVOUS_S", "check_env", "local_workers", "map_units"]
 
 TIMEOUT_ENV = "CKPT_TOOLS_DIST_TIMEOUT_S"   # how long a rank waits for the others (default 6 h)
+# How long a rank waits for all ranks to join at the start (the rendezvous): a process that finds
+# WORLD_SIZE=2 exported without peers (every process of a SLURM or PyTorchJob pod inherits it) must not
+# wait for torch's default (our 6 h collective timeout, in C++ where no signal is handled).
+RENDEZVOUS_ENV = "CKPT_TOOLS_DIST_RENDEZVOUS_S"
+DEFAULT_RENDEZVOUS_S = 300.0
 _POLL_S = 0.02
 
 
@@ -48,6 +53,38 @@ def env_part(environ=os.environ) -> Part:
     except ValueError as exc:
         raise UsageError(f"RANK={environ.get('RANK')!r} WORLD_SIZE={environ.get('WORLD_SIZE')!r} do not name a "
                          f"rank: {exc}", hint="launch with `torchrun --nproc-per-node N -m ckpt_tools ...`") from None
+
+
+def _seconds(environ, name: str, default: float) -> float:
+    raw = environ.get(name)
+    try:
+        v = float(raw) if raw not in (None, "") else default
+    except ValueError:
+        v = -1.0
+    if not v > 0:
+        raise UsageError(f"{name}={raw!r} is not a number of seconds > 0", hint=f"unset {name} for the default")
+    return v
+
+
+def check_env(environ=os.environ) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT) for a group of 2+ ranks, checked before anything waits on them: a
+    UsageError naming the variable when WORLD_SIZE is set without them (torch would raise a ValueError
+    deep inside its rendezvous)."""
+    part = env_part(environ)
+    addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    fix = ("launch with `torchrun --nproc-per-node N -m ckpt_tools ...` (it sets them), or unset WORLD_SIZE and "
+           "RANK to run in one process")
+    for name, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)):
+        if not v:
+            raise UsageError(f"WORLD_SIZE={part.world} (rank {part.rank}) is set but {name} is not: the ranks have "
+                             "no address to meet at", hint=fix)
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"MASTER_PORT={port!r} is not a TCP port (1-65535)", hint=fix)
+    if not 0 <= part.rank < part.world:
+        raise UsageError(f"RANK={part.rank} is outside WORLD_SIZE={part.world}", hint=fix)
+    _seconds(environ, RENDEZVOUS_ENV, DEFAULT_RENDEZVOUS_S)
+    _seconds(environ, TIMEOUT_ENV, 6 * 3600)
+    return addr, int(port)
 
 
 def under_torchrun(environ=os.environ) -> bool:
@@ -93,10 +130,58 @@ class TorchGroup(Group):
         import torch.distributed as tdist
         self.part = part
         self._torch, self._dist = torch, tdist
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, 6 * 3600))
-        if not tdist.is_initialized():
-            tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        timeout_s = _seconds(os.environ, TIMEOUT_ENV, 6 * 3600)
         self._timeout_s = timeout_s
+        if not tdist.is_initialized():
+            store = self._rendezvous()
+            tdist.init_process_group("gloo", store=store, rank=part.rank, world_size=part.world,
+                                     timeout=datetime.timedelta(seconds=timeout_s))
+
+    def _rendezvous(self):
+        """The ranks' TCPStore, with every rank arrived, as torch's env:// rendezvous makes it (rank 0
+        hosts it, or torchrun's agent does), but waited for here in Python: each blocking call into C++
+        lasts at most a second, so SIGTERM and Ctrl-C are handled while a rank waits, and a rank whose
+        peers never come gives up after RENDEZVOUS_ENV seconds with one line."""
+        from torch.distributed import TCPStore
+        addr, port = check_env()
+        part, env = self.part, os.environ
+        limit = _seconds(env, RENDEZVOUS_ENV, DEFAULT_RENDEZVOUS_S)
+        deadline = time.monotonic() + limit
+        where = f"MASTER_ADDR={addr} MASTER_PORT={port}"
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = None
+        if part.rank == 0 and not agent:
+            try:
+                store = TCPStore(addr, port, part.world, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                 timeout=datetime.timedelta(seconds=limit))
+            except (RuntimeError, OSError, ValueError) as exc:   # DistNetworkError is a RuntimeError
+                busy = "in use" in str(exc).lower() or "errno: 98" in str(exc).lower()
+                raise UsageError((f"MASTER_PORT={port} is already in use on this host: rank 0 cannot listen "
+                                  "on it" if busy else f"rank 0 cannot listen on {where}: "
+                                  f"{str(exc).splitlines()[0][:200]}"),
+                                 hint="pick a free port (torchrun --master-port P) or stop what holds it") from None
+        while store is None:
+            try:
+                store = TCPStore(addr, port, part.world, is_master=False, timeout=datetime.timedelta(seconds=1))
+            except (RuntimeError, OSError, ValueError):
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"rank {part.rank}: no rank 0 answered at {where} within {limit:.0f} s; "
+                                     "nothing was written",
+                                     hint=f"start every rank (torchrun), check the address, or raise {RENDEZVOUS_ENV}"
+                                     ) from None
+                time.sleep(0.2)
+        key = f"ckpt_tools/arrived/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store.add(key, 1)
+        while (n := store.add(key, 0)) < part.world:
+            if time.monotonic() > deadline:
+                raise RankFailed(f"rank {part.rank}: only {n} of WORLD_SIZE={part.world} ranks joined at {where} "
+                                 f"within {limit:.0f} s; nothing was written",
+                                 hint="WORLD_SIZE and RANK exported without their peers (a SLURM or PyTorchJob "
+                                      "environment)? Launch with torchrun, or unset WORLD_SIZE to run in one "
+                                      f"process; {RENDEZVOUS_ENV} sets this wait")
+            time.sleep(0.05)
+        store.set_timeout(datetime.timedelta(seconds=self._timeout_s))
+        return store
 
     def _wait(self, work, what: str) -> None:
         # Poll rather than block in C++: a blocked main thread would not run the SIGTERM handler, and
@@ -207,9 +292,46 @@ def map_units(fn: Callable[[int], T], weights: Sequence[int], group: Group | Non
 
 
 def current() -> Group:
-    """This process's group: a `TorchGroup` under torchrun with 2+ ranks (created once), else solo."""
+    """This process's group: a `TorchGroup` under torchrun with 2+ ranks (created once), else solo.
+    Commands ask for it once their inputs are open and planned, before any work: the ranks then check
+    that they read the same inputs (`same_inputs`)."""
     global _CURRENT
     if _CURRENT is None:
         part = env_part()
-        _CURRENT = TorchGroup(part) if part.world > 1 else SoloGroup()
+        group = TorchGroup(part) if part.world > 1 else SoloGroup()
+        if part.world > 1:
+            same_inputs(group)
+        _CURRENT = group
     return _CURRENT
+
+
+def same_inputs(group: Group) -> None:
+    """Refuse, on every rank, to start when the ranks did not open the same inputs: the same files (a
+    hub id resolves from each node's own HF cache: two snapshots of one repo id gave a merge of two
+    bases, exit 0), of the same sizes, with the same first and last bytes (`io.inputs.input_identity`)."""
+    from .io.inputs import input_identity
+
+    mine = input_identity()
+    every = group.gather(mine, "the identity of every input")
+    why = None
+    if every is not None:
+        ref = {e[0]: e[1:] for e in every[0]}
+        for rank, other in enumerate(every[1:], 1):
+            theirs = {e[0]: e[1:] for e in other}
+            if theirs == ref:
+                continue
+            only0 = sorted(set(ref) - set(theirs))
+            only_r = sorted(set(theirs) - set(ref))
+            changed = sorted(k for k in set(ref) & set(theirs) if ref[k] != theirs[k])
+            what = (f"{changed[0]} differs (size/digest {ref[changed[0]]} on rank 0, {theirs[changed[0]]} on rank "
+                    f"{rank})" if changed else
+                    f"rank 0 reads {only0[0] if only0 else 'nothing more'}, rank {rank} reads "
+                    f"{only_r[0] if only_r else 'nothing more'}")
+            why = (f"rank {rank} does not read the same inputs as rank 0: {what}; {len(only0) + len(only_r)} "
+                   f"file(s) seen by one rank only, {len(changed)} differing")
+            break
+    why = group.broadcast(why, "the verdict on the inputs")
+    if why:
+        raise UsageError(why + "; nothing was written",
+                         hint="give every rank the same files (a local directory on a shared filesystem, or the "
+                              "same revision in every node's HF cache: org/name@<commit>)")

@@ -9,6 +9,7 @@ commands themselves are rendered by the error edge in `cli` (one line, or JSON u
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -70,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _workers_alive() -> bool:
+    """A daemon worker thread still running: the merge pipeline's workers are daemons on purpose (an
+    interrupted command does not wait for them: ops/merge/pipeline.py), and one may be inside torch or
+    BLAS at this moment."""
+    import threading   # already loaded by the commands that start threads; cheap otherwise
+
+    main_thread = threading.main_thread()
+    return any(t.daemon and t.is_alive() for t in threading.enumerate() if t is not main_thread)
+
+
 def run() -> None:
     """Console-script entry point."""
     code = main()
@@ -78,4 +89,15 @@ def run() -> None:
     except BrokenPipeError:   # `ckpt ... | head`: the reader left
         from .io.files import stdout_to_devnull
         stdout_to_devnull()
+    if code in (130, 143) or (code and _workers_alive()):
+        # Interrupted (or failed) with workers possibly inside torch/BLAS: the interpreter's
+        # finalization would tear down native thread pools under them and abort with SIGABRT
+        # ("terminate called without an active exception", 9 of 10 Ctrl-C of a 400M-parameter merge).
+        # The command has already removed its temporary files, released its locks and said its one
+        # line: end the process here, with its exit code.
+        try:
+            sys.stderr.flush()
+        except Exception:   # stderr gone: the exit code still says it
+            pass
+        os._exit(code)
     sys.exit(code)

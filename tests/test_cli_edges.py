@@ -274,6 +274,8 @@ LEGIT = {   # ROLES key -> argument sets each command accepts (their ops run the
     "average --merge": [{"CKPT_OR_ADAPTER": TRAINER, "OUT": MERGED, "--merge": BASE},
                         {"CKPT_OR_ADAPTER": ADAPTER, "OUT": None, "--merge": BASE}],
     "resize-adapter": [{"ADAPTER": ADAPTER, "OUT": ADAPTER}, {"ADAPTER": TRAINER, "OUT": None}],
+    "report": [{"PATH": TRAINER, "--base": BASE}, {"PATH": CHECKPOINTS, "--base": None}, {"PATH": "SLIM", "--base": BASE},
+               {"PATH": MERGED, "--base": BASE}],
     "verify --base": [{"PATH": ADAPTER, "--base": BASE}, {"PATH": ADAPTER, "--base": TRAINER}],
     "restart-prep": [{"RUN_OR_CKPT": TRAINER, "--base": BASE}, {"RUN_OR_CKPT": CHECKPOINTS, "--base": BASE},
                      {"RUN_OR_CKPT": FIXTURE / "outputs", "--base": BASE}, {"RUN_OR_CKPT": FIXTURE, "--base": BASE}],

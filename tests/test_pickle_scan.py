@@ -18,6 +18,7 @@ import pytest
 from ckpt_tools.core.accel import pure_python
 from ckpt_tools.core.errors import UnsafePickleError
 from ckpt_tools.io import pickle_scan
+from ckpt_tools.io.pickle_scan import MAX_VALUE_KEYS
 from ckpt_tools.io.safe_pickle import MAX_INT_BITS, MAX_PICKLE_DEPTH, MIN_TREE_NODES, TREE_NODES_PER_BYTE, \
     check_pickle_bounds
 
@@ -52,13 +53,18 @@ _OP_KINDS: dict[str, int] = {
 class _Obj:
     """What the scan knows of one object the pickle builds: its tree size (every reference of a
     shared child counted: what hashing, repr or a recursive walk of it costs) and depth."""
-    __slots__ = ("size", "depth", "shared")
+    __slots__ = ("size", "depth", "shared", "hashv")
 
-    def __init__(self, size: int, depth: int):
-        self.size, self.depth, self.shared = size, depth, False
+    def __init__(self, size: int, depth: int, hashv: bool = False):
+        self.size, self.depth, self.shared, self.hashv = size, depth, False, hashv
 
 
 _LEAF = _Obj(1, 0)
+# Added with issue 27 (MAX_VALUE_KEYS): numbers, tuples and REDUCE results (hashes a pickle chooses)
+# are counted where they become dict keys or set members.
+_NUM = _Obj(1, 0, True)
+_NUM_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+_VALUE_HASHED = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE"})
 
 
 def reference_scan(data: bytes, source: str, what: str = "pickle") -> tuple[int, int]:
@@ -73,6 +79,13 @@ def reference_scan(data: bytes, source: str, what: str = "pickle") -> tuple[int,
     stack: list[_Obj] = []
     marks: list[int] = []
     memo: dict[int, _Obj] = {}
+    hashed = [0]
+
+    def count_keys(keys, pos: int) -> None:
+        hashed[0] += sum(1 for k in keys if k.hashv)
+        if hashed[0] > MAX_VALUE_KEYS:
+            raise refuse(f"more than {MAX_VALUE_KEYS:,} dict keys or set members are numbers or tuples, whose "
+                         "hashes a pickle can make collide (building its dicts would take quadratic time)", pos)
 
     def new(children, pos: int) -> _Obj:
         size, depth = 1, 0
@@ -117,7 +130,7 @@ def reference_scan(data: bytes, source: str, what: str = "pickle") -> tuple[int,
             if kind == _K_LEAF:
                 if isinstance(arg, int) and op.name in ("LONG1", "LONG4") and arg.bit_length() > MAX_INT_BITS:
                     raise refuse(f"an integer of {arg.bit_length()} bits", pos)
-                stack.append(_LEAF)
+                stack.append(_NUM if op.name in _NUM_OPS else _LEAF)
             elif kind == _K_PUT:
                 idx = len(memo) if op.name == "MEMOIZE" else arg
                 if not isinstance(idx, int) or not 0 <= idx <= n:
@@ -135,17 +148,28 @@ def reference_scan(data: bytes, source: str, what: str = "pickle") -> tuple[int,
                     raise refuse(f"{op.name} on a stack of {len(stack)}", pos)
                 items = stack[-k:]
                 del stack[-k:]
-                stack.append(_LEAF if op.name == "STACK_GLOBAL" else new(items, pos))
+                o = _LEAF if op.name == "STACK_GLOBAL" else new(items, pos)
+                if op.name in _VALUE_HASHED:
+                    o.hashv = True
+                stack.append(o)
             elif kind == _K_FROM_MARK:
-                stack.append(new(pop_mark(pos), pos))
+                items = pop_mark(pos)
+                if op.name in ("DICT", "FROZENSET"):
+                    count_keys(items[::2] if op.name == "DICT" else items, pos)
+                o = new(items, pos)
+                o.hashv = op.name == "TUPLE"
+                stack.append(o)
             elif kind == _K_MUTATE_FROM_MARK:
                 items = pop_mark(pos)
+                if op.name != "APPENDS":
+                    count_keys(items[::2] if op.name == "SETITEMS" else items, pos)
                 mutate(stack[-1], items, pos)
             elif kind == _K_MUTATE1:
                 item = stack.pop()
                 mutate(stack[-1], (item,), pos)
             elif kind == _K_SETITEM:
                 v, k = stack.pop(), stack.pop()
+                count_keys((k,), pos)
                 mutate(stack[-1], (k, v), pos)
             elif kind == _K_NOOP:
                 continue
@@ -185,7 +209,7 @@ def vouched(data: bytes):
     it is not loaded: CKPT_TOOLS_PURE_PYTHON=1)."""
     if pickle_scan.accelerator is None:
         return None
-    return pickle_scan.accelerator.scan(data, pickle_scan.tree_budget(len(data)), MAX_PICKLE_DEPTH)
+    return pickle_scan.accelerator.scan(data, pickle_scan.tree_budget(len(data)), MAX_PICKLE_DEPTH, MAX_VALUE_KEYS)
 
 
 def same(data: bytes, name: str) -> tuple:
@@ -283,6 +307,18 @@ def test_the_same_on_every_hostile_pickle(tmp_path):
         token = b"X" + struct.pack("<I", 15) + b"ZZPLACEHOLDERZZ"
         cases[f"tuple-DAG key {levels}"] = data.replace(token, b")" + b"2\x86" * levels)
         cases[f"200k-deep list {levels}"] = data.replace(token, b"(" * 200_000 + b"]" + b"l" * 200_000)
+    m61 = 2 ** 61 - 1       # issue 27: keys of one hash (hash(k * m61) == 0)
+    for proto in (2, 4):
+        for n in (MAX_VALUE_KEYS, MAX_VALUE_KEYS + 1, 5000):
+            cases[f"{n} int keys p{proto}"] = pickle.dumps({k * m61: 0 for k in range(min(n, 1200))} if n < 2000
+                                                           else dict.fromkeys(range(n)), protocol=proto)
+            cases[f"{n} tuple keys p{proto}"] = pickle.dumps(dict.fromkeys((k, "x") for k in range(n)), protocol=proto)
+            cases[f"{n} float set p{proto}"] = pickle.dumps({k + 0.5 for k in range(n)}, protocol=proto)
+            cases[f"{n} int frozenset p{proto}"] = pickle.dumps([frozenset(range(n))], protocol=proto)
+            cases[f"{n} str keys p{proto}"] = pickle.dumps({str(k): k for k in range(n)}, protocol=proto)
+        md = _small_metadata()
+        md.planner_data["x"] = dict.fromkeys(range(MAX_VALUE_KEYS + 1))
+        cases[f"int keys in a metadata p{proto}"] = pickle.dumps(md, protocol=proto)
     cases["empty"] = b""
     cases["just STOP"] = b"."
     cases["ok"] = pickle.dumps({"a": [1, 2, (3, 4)], "b": "x" * 100}, protocol=4)

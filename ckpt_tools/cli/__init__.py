@@ -162,6 +162,7 @@ class _Group(click.Group):
         if name not in MULTI_RANK_COMMANDS:
             raise UsageError(f"`ckpt {name}` runs in one process, not under torchrun ({part.world} ranks)",
                              hint=f"run it without torchrun; multi-rank commands: {', '.join(MULTI_RANK_COMMANDS)}")
+        dist.check_env()
         if not part.leader:   # the ranks' reports are the same: the leader's is the one shown (errors stay on stderr)
             stdout_to_devnull()
 

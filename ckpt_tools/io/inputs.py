@@ -39,8 +39,10 @@ from .pread import pread_exact, pread_into
 
 __all__ = [
     "ReadPolicy", "set_policy", "policy", "tracking", "register", "registered", "input_tree", "check_input",
-    "identity", "ancestry", "open_input", "read_input", "read_text", "read_json", "read_toml", "scan_tree", "kind_of", "is_plain_file_name", "ReadStats",
+    "identity", "ancestry", "open_input", "read_input", "input_identity", "IDENTITY_EDGE_BYTES", "read_text",
+    "read_json", "read_toml", "scan_tree", "kind_of", "is_plain_file_name", "ReadStats",
     "OpenFiles", "MAX_JSON_BYTES", "MAX_TOML_BYTES", "MAX_METADATA_BYTES", "MAX_JSON_DEPTH",
+    "MAX_CONFIG_VALUES", "MAX_TABLE_VALUES",
 ]
 
 # Whole-file read limits, each far above what a genuine file of that kind holds: a DCP `.metadata`
@@ -49,6 +51,12 @@ MAX_METADATA_BYTES = 1 << 30
 MAX_JSON_BYTES = 256 << 20
 MAX_TOML_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64
+# Values (containers and scalars) a JSON/TOML file may hold, counted on its text before it is parsed
+# (`_values_ok`): parsing is ~140 bytes of RSS per value (39 MB of `{}`: 13M dicts, 1.85 GiB, 18 s).
+# A run config, `config.json` or `adapter_config.json` holds hundreds; an `index.json` or a slim
+# manifest holds a few per tensor (the largest public models have ~10^5 tensors).
+MAX_CONFIG_VALUES = 200_000
+MAX_TABLE_VALUES = 4_000_000
 SPARSE_MIN_BYTES = 64 << 20      # files below this are never called sparse
 SPARSE_RATIO = 64                # allocated * SPARSE_RATIO < size: mostly holes
 
@@ -121,6 +129,52 @@ def ancestry(path: str | os.PathLike) -> set[tuple[int, int]]:
             i = identity(d)
             if i is not None:
                 out.add(i)
+    return out
+
+
+IDENTITY_EDGE_BYTES = 64 << 10
+
+
+def _identity_name(real: str) -> str:
+    """A path as ranks on different nodes can compare it: inside a Hugging Face cache, from the repo's
+    `models--org--name` on (blobs are named by their content's hash, snapshots by their commit), so
+    two nodes' caches at different places agree where they hold the same revision; elsewhere the
+    real path (multi-rank outputs and inputs live on a filesystem every node sees at one path)."""
+    parts = Path(real).parts
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].startswith(("models--", "datasets--", "spaces--")) and i + 1 < len(parts) and \
+                parts[i + 1] in ("blobs", "snapshots", "refs"):
+            return "hf-cache:" + "/".join(parts[i:])
+    return real
+
+
+def input_identity() -> list[list]:
+    """The identity of every input read so far (`registered`), JSON-able, for ranks to compare before
+    work: [name, size, sha256 of the first and last IDENTITY_EDGE_BYTES] per file (the headers of
+    safetensors and zip items are at the start), [name, "dir"] per tree root."""
+    import hashlib
+
+    out = []
+    for p in registered():
+        real = str(p)
+        name = _identity_name(real)
+        try:
+            st = os.stat(real)
+        except OSError:
+            out.append([name, "gone"])
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            out.append([name, "dir"])
+            continue
+        fd = open_input(real, what="input")
+        try:
+            h = hashlib.sha256(pread_exact(fd, 0, min(st.st_size, IDENTITY_EDGE_BYTES), path=real))
+            if st.st_size > IDENTITY_EDGE_BYTES:
+                tail = max(IDENTITY_EDGE_BYTES, st.st_size - IDENTITY_EDGE_BYTES)
+                h.update(pread_exact(fd, tail, st.st_size - tail, path=real))
+        finally:
+            os.close(fd)
+        out.append([name, st.st_size, h.hexdigest()])
     return out
 
 
@@ -264,12 +318,24 @@ def _depth_ok(obj, limit: int) -> bool:
     return True
 
 
+def _values_ok(text: str, p: Path, what: str, limit: int, seps: str) -> None:
+    """Refuse, before parsing, text that could hold more than `limit` values: every container opens with
+    `{` or `[` and every further value follows a separator (`,`, or a newline in TOML). An upper bound:
+    the characters are counted inside strings too."""
+    n = text.count("{") + text.count("[") + sum(text.count(c) for c in seps)
+    if n > limit:
+        raise FormatError(f"{what} could hold {n:,} values (a genuine one holds far fewer than {limit:,}); it is "
+                          "not parsed", path=p, hint="the file is crafted or damaged; use an intact copy")
+
+
 def read_json(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "JSON file",
-              max_bytes: int = MAX_JSON_BYTES):
+              max_bytes: int = MAX_JSON_BYTES, max_values: int = MAX_CONFIG_VALUES):
     """Parse a JSON file: valid UTF-8 JSON, no NaN/Infinity, at most MAX_JSON_DEPTH levels deep
-    (a 100,000-deep array is a RecursionError in every walk of it), else a FormatError."""
+    (a 100,000-deep array is a RecursionError in every walk of it), at most `max_values` values
+    (MAX_TABLE_VALUES for an index of tensors), else a FormatError."""
     p = Path(path)
     text = read_text(p, root=root, what=what, max_bytes=max_bytes)
+    _values_ok(text, p, what, max_values, ",")
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
@@ -283,15 +349,20 @@ def read_json(path: str | os.PathLike, *, root: str | os.PathLike | None = None,
 
 def read_toml(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "TOML file",
               max_bytes: int = MAX_TOML_BYTES) -> tuple[dict, str]:
-    """(parsed, text) of a TOML file; a FormatError for anything that is not valid, shallow TOML."""
+    """(parsed, text) of a TOML file; a FormatError for anything that is not valid, shallow TOML of at
+    most MAX_CONFIG_VALUES values, integers within Python's 4,300 digits."""
     p = Path(path)
     text = read_text(p, root=root, what=what, max_bytes=max_bytes)
+    _values_ok(text, p, what, MAX_CONFIG_VALUES, ",\n")
     try:
         data = tomllib.loads(text)
     except RecursionError:
         raise FormatError(f"not valid TOML: nested too deeply (over {MAX_JSON_DEPTH} levels)", path=p) from None
     except tomllib.TOMLDecodeError as exc:
         raise FormatError(f"not valid TOML: {exc}", path=p) from None
+    except ValueError as exc:   # an integer past sys.get_int_max_str_digits() (4,300 digits)
+        raise FormatError(f"not valid TOML: {str(exc).split(';')[0]}", path=p,
+                          hint="the file is crafted or damaged; use an intact copy") from None
     if not _depth_ok(data, MAX_JSON_DEPTH):
         raise FormatError(f"not valid TOML for a {what}: nested more than {MAX_JSON_DEPTH} levels deep", path=p)
     return data, text

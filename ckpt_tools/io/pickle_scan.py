@@ -5,11 +5,9 @@ build, hash or walk than its size allows (docs/reliability.md). The opcodes DCP 
 are decoded inline, the rest by pickletools; tests/test_pickle_scan.py holds the replay over
 `pickletools.genops` this replaced and checks both agree.
 
-`pickle_scan_c` (ckpt_tools/io/pickle_scan_c.c, built at install where a C compiler is at hand) runs
-the same model over the opcodes of a genuine DCP `.metadata` about 30x faster, and answers only
-"within bounds, with these figures" or "ask the Python scan": it never refuses anything itself, so
-every refusal, figure and message is this module's. Without it, this module alone gives the same
-answers, slower.
+`pickle_scan_c` (pickle_scan_c.c, built at install where a C compiler is at hand) runs the same model
+~30x faster and answers only "within bounds, with these figures" or "ask the Python scan": every
+refusal, figure and message is this module's. Without it, this module alone gives the same answers.
 """
 from __future__ import annotations
 
@@ -25,18 +23,17 @@ from ..core.errors import UnsafePickleError
 # Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the Python scan alone.
 accelerator = load_accelerator("ckpt_tools.io.pickle_scan_c")
 
-__all__ = ["MAX_PICKLE_DEPTH", "MIN_TREE_NODES", "TREE_NODES_PER_BYTE", "MAX_INT_BITS", "check_pickle_bounds",
+__all__ = ["MAX_PICKLE_DEPTH", "MIN_TREE_NODES", "TREE_NODES_PER_BYTE", "MAX_INT_BITS", "MAX_VALUE_KEYS",
+           "check_pickle_bounds",
            "reference_scan", "tree_budget", "accelerator", "gc_paused"]
 
 
 @contextlib.contextmanager
 def gc_paused():
-    """The scan's model and a DCP metadata are a million small acyclic objects (the scan refuses
-    cycles): the cyclic GC would re-walk them for nothing (half of the unpickling, a fifth of the scan).
-    On the way out they go straight to the oldest generation (freeze, then unfreeze): otherwise the
-    first allocation after `gc.enable()` walks all of them at once as young objects (0.15-0.4 s after a
-    32B checkpoint's metadata, more than the unpickling). Where the program froze objects of its own
-    (`gc.freeze()` before a fork), that is left alone and the walk is paid."""
+    """The cyclic GC paused: the scan's model and a metadata are ~10^6 small acyclic objects it would
+    re-walk for nothing. On the way out they go to the oldest generation (freeze, unfreeze), else the
+    first allocation after `gc.enable()` walks them all (0.15-0.4 s after a 32B checkpoint's metadata);
+    unless the program froze objects of its own (`gc.freeze()` before a fork)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -59,6 +56,10 @@ MAX_PICKLE_DEPTH = 64
 MIN_TREE_NODES = 1 << 16          # tree budget: max(this, TREE_NODES_PER_BYTE * len(data))
 TREE_NODES_PER_BYTE = 4
 MAX_INT_BITS = 256                 # LONG1/LONG4: a 64-bit offset needs 65; a 100 MB int is a bomb
+# Dict keys / set members whose hash the pickle chooses (numbers: hash(k * (2**61 - 1)) == 0; tuples and
+# REDUCE results: their members'), unlike str/bytes (seeded): N of one hash cost N^2/2 compares in the C
+# unpickler, signals held (40,000 int keys: 18 s). Genuine DCP pickles have none (tested on every fixture).
+MAX_VALUE_KEYS = 1000
 
 _LEAF_OPS = frozenset({
     "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
@@ -87,6 +88,9 @@ _OP_KINDS: dict[str, int] = {
 # counted: what hashing, repr or a recursive walk of it costs), depth, shared]. Every leaf is the one
 # list _LEAF, marked shared so that it can never be changed.
 _LEAF = [1, 0, True]
+_NUM = [1, 0, True]   # a number; tuples and REDUCE results carry a 4th field: what MAX_VALUE_KEYS counts
+_NUM_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+_VALUE_HASHED = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE"})
 _U32 = struct.Struct("<I").unpack_from
 # The fast loop's branch (1, 2, ...) of each opcode byte, 0 for the general one (the opcodes' names are
 # beside each branch in `_scan`).
@@ -117,19 +121,16 @@ def check_pickle_bounds(data: bytes, source: str, what: str = "pickle") -> tuple
         signal is delivered (N=60 ignored SIGTERM);
       - a container changed after it was put into another one (a cycle, or a way to grow an object
         the scan already counted; pickle.dump never does it for acyclic data such as DCP's);
+      - more than MAX_VALUE_KEYS dict keys and set members that are numbers, tuples or REDUCE results
+        (hashes a pickle can make collide: 40,000 int keys of one hash took the C unpickler 18 s);
       - ints wider than MAX_INT_BITS, and anything that is not a sequence of valid opcodes.
-    The scan runs in Python (signals are delivered), in time linear in the pickle. Returns the
-    (tree size, depth) of the object the pickle builds.
-
-    The opcodes DCP metadata is made of are decoded inline (a branch table on the opcode byte, the
-    commonest sequences in one step, strings only checked for UTF-8); every other opcode, every failure, goes
-    through pickletools' own reader at that position, so the verdict, the figures and the message
-    are those of a replay over pickletools.genops (tests/test_pickle_scan.py compares the two).
-
-    `accelerator` (the C fast path) answers first where it is built; wherever it does not vouch for
-    the pickle, `reference_scan` decides."""
+    Linear in the pickle, in Python (signals are delivered). Returns (tree size, depth) of its object.
+    DCP's opcodes are decoded inline (a branch table; strings only checked for UTF-8); any other opcode
+    or failure goes through pickletools' reader at that position, so verdict, figures and message are
+    a replay over pickletools.genops' (tests/test_pickle_scan.py). `accelerator` (the C fast path)
+    answers first where built; wherever it does not vouch, `reference_scan` decides."""
     if accelerator is not None:
-        vouched = accelerator.scan(data, tree_budget(len(data)), MAX_PICKLE_DEPTH)
+        vouched = accelerator.scan(data, tree_budget(len(data)), MAX_PICKLE_DEPTH, MAX_VALUE_KEYS)
         if vouched is not None:
             return vouched
     return reference_scan(data, source, what)
@@ -152,18 +153,25 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
     budget = tree_budget(len(data))
     n = len(data)
     f = io.BytesIO(data)
-    max_depth, leaf = MAX_PICKLE_DEPTH, _LEAF
+    max_depth, leaf, num = MAX_PICKLE_DEPTH, _LEAF, _NUM
+    hashed = 0    # dict keys and set members seen that are numbers, tuples or REDUCE results
 
     def refuse(why: str, pos: int) -> UnsafePickleError:
         return UnsafePickleError(f"refusing to unpickle: {why} (at byte {pos} of {n}): a crafted or corrupt "
                                  "pickle", path=source, hint="nothing was unpickled; use an intact copy of the file")
 
     def too_big(pos: int) -> UnsafePickleError:
-        return refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references "
-                      "repeated)", pos)
+        return refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references repeated)", pos)
 
     def too_deep(pos: int) -> UnsafePickleError:
         return refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
+
+    def count_keys(keys, pos: int) -> None:
+        nonlocal hashed
+        hashed += sum(1 for a in keys if a is num or len(a) > 3)
+        if hashed > MAX_VALUE_KEYS:
+            raise refuse(f"more than {MAX_VALUE_KEYS:,} dict keys or set members are numbers or tuples, whose "
+                         "hashes a pickle can make collide (building its dicts would take quadratic time)", pos)
 
     stack: list[list] = []
     marks: list[int] = []
@@ -218,7 +226,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
         if kind == _K_LEAF:
             if isinstance(arg, int) and name in ("LONG1", "LONG4") and arg.bit_length() > MAX_INT_BITS:
                 raise refuse(f"an integer of {arg.bit_length()} bits", pos)
-            stack.append(leaf)
+            stack.append(num if name in _NUM_OPS else leaf)
         elif kind == _K_PUT:
             memo_put(len(memo) if name == "MEMOIZE" else arg, pos)
         elif kind == _K_GET:
@@ -233,17 +241,24 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 raise refuse(f"{name} on a stack of {len(stack)}", pos)
             items = stack[-k:]
             del stack[-k:]
-            stack.append(leaf if name == "STACK_GLOBAL" else new(items, pos))
+            o = leaf if name == "STACK_GLOBAL" else new(items, pos)
+            stack.append(o + [1] if name in _VALUE_HASHED else o)
         elif kind == _K_FROM_MARK:
-            stack.append(new(pop_mark(pos), pos))
+            items = pop_mark(pos)
+            if name in ("DICT", "FROZENSET"):
+                count_keys(items[::2] if name == "DICT" else items, pos)
+            stack.append(new(items, pos) + [1] if name == "TUPLE" else new(items, pos))
         elif kind == _K_MUTATE_FROM_MARK:
             items = pop_mark(pos)
+            if name != "APPENDS":
+                count_keys(items[::2] if name == "SETITEMS" else items, pos)
             mutate(stack[-1], items, pos)
         elif kind == _K_MUTATE1:
             item = stack.pop()
             mutate(stack[-1], (item,), pos)
         elif kind == _K_SETITEM:
             v, k = stack.pop(), stack.pop()
+            count_keys((k,), pos)
             mutate(stack[-1], (k, v), pos)
         elif kind == _K_STOP:
             return -1
@@ -284,7 +299,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 if depth >= max_depth:
                     raise too_deep(p)
                 del stack[-1]
-                stack[-1] = o = [size, depth + 1, False]
+                stack[-1] = o = [size, depth + 1, False] if c == 0x81 else [size, depth + 1, False, 1]
                 p += 1
                 if data[p] == 0x94:
                     memo[len(memo)] = o
@@ -294,13 +309,13 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 p += 2
             elif k == 4:                                         # BININT1
                 if p + 4 < n and data[p + 2] == 0x4b and data[p + 4] == 0x86:   # BININT1 BININT1 TUPLE2
-                    stack.append(o := [3, 1, False])
+                    stack.append(o := [3, 1, False, 1])
                     p += 5
                     if data[p] == 0x94:
                         memo[len(memo)] = o
                         p += 1
                 else:
-                    stack.append(leaf)
+                    stack.append(num)
                     p += 2
             elif k == 5:                                         # EMPTY_TUPLE / DICT / LIST / SET
                 if c == 0x29 and p + 1 < n and data[p + 1] == 0x81 and stack:   # EMPTY_TUPLE NEWOBJ: cls()
@@ -355,7 +370,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                     raise too_big(p)
                 if a[1] >= max_depth:
                     raise too_deep(p)
-                stack[-1] = o = [a[0] + 1, a[1] + 1, False]
+                stack[-1] = o = [a[0] + 1, a[1] + 1, False, 1]
                 p += 1
                 if data[p] == 0x94:
                     memo[len(memo)] = o
@@ -366,6 +381,8 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 k = marks.pop()
                 items = stack[k:]
                 del stack[k:]
+                if c == 0x75:
+                    count_keys(items[::2], p)
                 t = stack[-1]
                 if t[2]:
                     raise changed(p)
@@ -418,7 +435,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                     memo[len(memo)] = leaf
                     p += 1
             elif k == 12:                                        # BININT2 / BININT / BINFLOAT
-                stack.append(leaf)
+                stack.append(num)
                 p += 3 if c == 0x4d else 5 if c == 0x4a else 9
             elif k == 13:                                        # NEWFALSE / NEWTRUE / NONE
                 stack.append(leaf)
@@ -430,7 +447,12 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                     del stack[-3:]
                 else:
                     items = pop_mark(p)
-                stack.append(o := new(items, p))
+                    if c == 0x64:
+                        count_keys(items[::2], p)
+                o = new(items, p)
+                if c != 0x6c and c != 0x64:
+                    o.append(1)
+                stack.append(o)
                 p += 1
                 if data[p] == 0x94:
                     memo[len(memo)] = o

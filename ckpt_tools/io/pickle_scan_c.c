@@ -28,6 +28,7 @@ typedef struct {
     int64_t size;      /* tree size: every reference of a shared child counted */
     int32_t depth;
     uint8_t shared;    /* put into another object: may never change again */
+    uint8_t hashv;     /* a number, tuple or REDUCE result: a hash the pickle can choose (MAX_VALUE_KEYS) */
 } Node;
 
 typedef struct {
@@ -37,9 +38,11 @@ typedef struct {
     int32_t *memo;  Py_ssize_t n_memo, cap_memo;    /* keys are always exactly 0 .. n_memo-1 */
     int64_t budget;
     int32_t max_depth;
+    int64_t hashed, max_keys;   /* dict keys and set members with hashv seen; the most allowed */
 } Scan;
 
 #define LEAF 0   /* node 0: every leaf, shared from the start (it can never be changed) */
+#define NUM 1    /* node 1: every number (a leaf whose hash the pickle chooses), shared from the start */
 
 static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     if (need <= *cap) return 0;
@@ -58,6 +61,7 @@ static int32_t new_node(Scan *s, int64_t size, int32_t depth) {
     nd->size = size;
     nd->depth = depth;
     nd->shared = 0;
+    nd->hashv = 0;
     return (int32_t)s->n_nodes++;
 }
 
@@ -108,6 +112,14 @@ static int utf8_ok(const unsigned char *b, Py_ssize_t len) {
         }
     }
     return 1;
+}
+
+/* The reference's `count_keys` over stack[from:sp] (every `step`-th item: 2 for a dict's keys): 0, or
+ * -2 past MAX_VALUE_KEYS (the reference refuses). */
+static int count_keys(Scan *s, Py_ssize_t from, Py_ssize_t step) {
+    for (Py_ssize_t i = from; i < s->sp; i += step)
+        s->hashed += s->nodes[s->stack[i]].hashv;
+    return s->hashed > s->max_keys ? -2 : 0;
 }
 
 static uint32_t u32(const unsigned char *b) {
@@ -179,12 +191,12 @@ static int run(Scan *s, const unsigned char *d, Py_ssize_t n, int64_t *out_size,
             break;
         case 0x4b:                                  /* BININT1 */
             NEED(2);
-            PUSH(LEAF);
+            PUSH(NUM);
             p += 2;
             break;
-        case 0x4d: NEED(3); PUSH(LEAF); p += 3; break;   /* BININT2 */
-        case 0x4a: NEED(5); PUSH(LEAF); p += 5; break;   /* BININT */
-        case 0x47: NEED(9); PUSH(LEAF); p += 9; break;   /* BINFLOAT */
+        case 0x4d: NEED(3); PUSH(NUM); p += 3; break;    /* BININT2 */
+        case 0x4a: NEED(5); PUSH(NUM); p += 5; break;    /* BININT */
+        case 0x47: NEED(9); PUSH(NUM); p += 9; break;    /* BINFLOAT */
         case 0x89: case 0x88: case 0x4e:            /* NEWFALSE, NEWTRUE, NONE */
             PUSH(LEAF);
             p += 1;
@@ -194,7 +206,7 @@ static int run(Scan *s, const unsigned char *d, Py_ssize_t n, int64_t *out_size,
             Py_ssize_t len = d[p + 1];
             NEED(2 + len);
             if (len > 32) return DEFER;
-            PUSH(LEAF);
+            PUSH(NUM);
             p += 2 + len;
             break;
         }
@@ -264,9 +276,12 @@ static int run(Scan *s, const unsigned char *d, Py_ssize_t n, int64_t *out_size,
                 if (s->sp < k) return DEFER;
                 from = s->sp - k;
             }
+            if (c == 0x64 && count_keys(s, from, 2) < 0) return DEFER;
             int32_t o = container(s, from);
             if (o == -2) return DEFER;
             if (o < 0) return NOMEM;
+            /* TUPLE*, REDUCE: hashed by value (NEWOBJ, LIST, DICT, BINPERSID: not, or not hashable) */
+            s->nodes[o].hashv = c != 0x81 && c != 0x6c && c != 0x64 && c != 0x51;
             s->sp = from;
             PUSH(o);
             p += 1;
@@ -289,6 +304,7 @@ static int run(Scan *s, const unsigned char *d, Py_ssize_t n, int64_t *out_size,
             if (s->n_marks == 0) return DEFER;
             Py_ssize_t from = s->marks[--s->n_marks];
             if (from > s->sp) from = s->sp;
+            if (c == 0x75 && count_keys(s, from, 2) < 0) return DEFER;
             if (from == 0) return DEFER;            /* no target below the items */
             int32_t target = s->stack[from - 1];
             Node *t = &s->nodes[target];
@@ -327,9 +343,9 @@ static int run(Scan *s, const unsigned char *d, Py_ssize_t n, int64_t *out_size,
 
 static PyObject *scan(PyObject *self, PyObject *args) {
     Py_buffer buf;
-    long long budget;
+    long long budget, max_keys;
     int max_depth;
-    if (!PyArg_ParseTuple(args, "y*Li", &buf, &budget, &max_depth)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*LiL", &buf, &budget, &max_depth, &max_keys)) return NULL;
     if (buf.len > INT32_MAX / 2) {   /* node ids are int32 (inputs.MAX_METADATA_BYTES is 1 GiB) */
         PyBuffer_Release(&buf);
         Py_RETURN_NONE;
@@ -338,11 +354,14 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     memset(&s, 0, sizeof s);
     s.budget = budget;
     s.max_depth = max_depth;
+    s.max_keys = max_keys;
     int64_t size = 0;
     int32_t depth = 0;
-    int rc = new_node(&s, 1, 0) < 0 ? NOMEM : OK;   /* node 0: the shared leaf */
+    int rc = new_node(&s, 1, 0) < 0 || new_node(&s, 1, 0) < 0 ? NOMEM : OK;   /* nodes 0, 1: the shared leaves */
     if (rc == OK) {
         s.nodes[LEAF].shared = 1;
+        s.nodes[NUM].shared = 1;
+        s.nodes[NUM].hashv = 1;
         rc = run(&s, (const unsigned char *)buf.buf, buf.len, &size, &depth);
     }
     PyMem_Free(s.nodes);
@@ -357,7 +376,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
-     "scan(data, budget, max_depth) -> (tree_size, depth) | None: io.pickle_scan's model over the opcodes "
+     "scan(data, budget, max_depth, max_value_keys) -> (tree_size, depth) | None: io.pickle_scan's model over the opcodes "
      "of a genuine DCP .metadata; None wherever the Python scan must decide."},
     {NULL, NULL, 0, NULL},
 };

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import AlphaError, CkptError, MissingPathError, UsageError
+from ..core.errors import AlphaError, CkptError, FormatError, MissingPathError, UnsafeInputError, UsageError
 from ..core.keys import classify, trainable_params
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.slim.manifest import SLIM_MANIFEST
@@ -87,6 +87,13 @@ def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | No
         except AlphaError as exc:
             report["alpha"] = None
             report["alpha_unresolved"] = exc.message
+        except FormatError as exc:
+            if isinstance(exc, UnsafeInputError):   # a FIFO, a link out of the tree: refused, not read
+                raise
+            # a run config that opens but does not parse: the checkpoint is still reported
+            report["alpha"] = None
+            report["alpha_unresolved"] = f"the run config is unreadable: {exc.render()}"
+            report["warnings"].append(f"run config unreadable, alpha not resolved: {exc.render()}")
     if report["other_keys"]:
         report["warnings"].append(f"{len(report['other_keys'])} key(s) are not part of prime-rl's layout "
                                   "(group 'other')")

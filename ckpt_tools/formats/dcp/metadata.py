@@ -115,7 +115,10 @@ class StorageMeta(_StandIn):
 
 
 class MetadataIndex(_StandIn):
-    """A key of `storage_data`: equal and hashed by (fqn, offset), like DCP's (its `index` is a hint)."""
+    """A key of `storage_data`: equal by (fqn, offset), like DCP's (its `index` is a hint). Hashed by the
+    offset's text, not its ints: an int's hash is the pickle's choice (`k * (2**61 - 1)` hashes to 0
+    for every k), so 10,000 chunks of one fqn at such offsets would cost 5e7 `__eq__` calls while the
+    dict is built; a str's hash is seeded."""
     _fields = ("fqn", "offset", "index")
     fqn = None
     offset = None
@@ -125,7 +128,7 @@ class MetadataIndex(_StandIn):
         return isinstance(other, MetadataIndex) and (self.fqn, self.offset) == (other.fqn, other.offset)
 
     def __hash__(self) -> int:
-        return hash((self.fqn, self.offset))
+        return hash((self.fqn, repr(self.offset)))
 
 
 class StorageInfo(_StandIn):

@@ -132,8 +132,26 @@ def _ints(x) -> tuple[int, ...]:
     return x if type(x) is Dims else tuple(map(int, x))
 
 
-def _index_storage(storage: dict, out: ParsedMetadata) -> None:
+# The most storage keys (fqn, offsets) of one hash. An int's hash is the file's choice (k * (2**61 - 1)
+# hashes to 0), so a crafted `.metadata` can give 10^4 chunks one hash, and indexing them would cost
+# 10^8 comparisons; genuine keys collide only by 64-bit chance.
+MAX_SHARED_HASHES = 16
+
+
+def _index_storage(storage: dict, out: ParsedMetadata) -> bool:
+    """`out.storage` from `storage_data`; False (one finding) where its keys were made to collide."""
     plain: dict[str, bool] = {}   # a checkpoint has one data file per rank and ~10^4 items in them
+    keys = []
+    for idx in storage:
+        try:
+            keys.append(hash((idx.fqn, None if idx.offset is None else _ints(idx.offset))))
+        except Exception:   # a damaged entry: the loop below names it
+            pass
+    if len(keys) - len(set(keys)) > MAX_SHARED_HASHES:
+        out.findings.append(Finding(None, None, f"{len(keys) - len(set(keys)):,} storage entries share the hash of "
+                                                "another one's (fqn, offsets): a crafted metadata (indexing them "
+                                                "would take quadratic time)", hint=CORRUPT_HINT))
+        return False
     for idx, info in storage.items():
         try:
             fqn = idx.fqn
@@ -164,6 +182,7 @@ def _index_storage(storage: dict, out: ParsedMetadata) -> None:
             out.findings.append(Finding(rel, fqn, f"item uses transforms {list(transforms)} (compression?), which "
                                                   "we do not read", severity=UNSUPPORTED))
         out.storage[(fqn, off)] = StorageLoc(rel, offset, length)
+    return True
 
 
 def _overlaps(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], ndim: int) -> Iterable[tuple]:
@@ -285,7 +304,8 @@ def _parse(md) -> ParsedMetadata:
         out.findings.append(Finding(None, None, "malformed metadata: state_dict_metadata / storage_data / "
                                                 "planner_data are not dicts", hint=CORRUPT_HINT))
         return out
-    _index_storage(storage, out)
+    if not _index_storage(storage, out):
+        return out
     tensors = byte_items = 0
     keys = list(sdm)
     if all(type(k) is str for k in keys):

@@ -6,7 +6,8 @@ import os
 import re
 from pathlib import Path
 
-from ...core.errors import CkptError, MissingFileError, MissingPathError, UsageError
+from ...core.errors import CkptError, FormatError, MissingFileError, MissingPathError, UsageError
+from ...io.inputs import check_input, read_text
 
 __all__ = ["resolve_model_dir", "is_hub_id", "split_revision", "locate_model"]
 
@@ -35,27 +36,61 @@ def resolve_model_dir(name_or_dir: str | os.PathLike, *, cache_dir: str | os.Pat
     text = str(name_or_dir)
     if not is_hub_id(text):
         raise MissingPathError(p, hint="pass an existing model directory or a hub id (org/name[@revision]) in the local HF cache")
-    # lazy: importing huggingface_hub costs ~0.18 s (measured on the 2-core test machine), paid only
-    # when a name is not a local directory
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
     repo, revision = split_revision(text)
-    try:
-        snap = snapshot_download(repo, revision=revision, local_files_only=True, cache_dir=cache_dir)
-    except HFValidationError as e:
-        raise UsageError(f"{text!r} is neither an existing directory nor a valid hub id ({e})") from None
-    except (LocalEntryNotFoundError, FileNotFoundError):
+    snap = _cached_snapshot(text, repo, revision, Path(cache_dir) if cache_dir is not None else None)
+    if snap is None:
         where = cache_dir if cache_dir is not None else _default_cache()
         raise MissingFileError(
             f"{text!r} is not a local directory and not in the local HF cache ({where})",
             hint=f"download it with `hf download {repo}" + (f" --revision {revision}" if revision else "")
-                 + "` or pass a directory") from None
-    return Path(snap)
+                 + "` or pass a directory")
+    return snap
+
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+MAX_REF_BYTES = 1024
+
+
+def _cached_snapshot(text: str, repo: str, revision: str | None, cache: Path | None) -> Path | None:
+    """The snapshot dir of `repo` at `revision` (default `main`) in the HF cache, as huggingface_hub's
+    `snapshot_download(local_files_only=True)` finds it (a commit hash names its snapshot; anything else
+    is read from `refs/<revision>`), but read through `io.inputs`: the ref must be a regular file
+    inside the repo's cache dir (a FIFO there blocked every hub-id command inside huggingface_hub's own
+    open), hold a commit hash, and the snapshot must be a directory inside the repo's cache dir.
+    None where the cache has no such repo or revision."""
+    if "--" in repo or ".." in repo or repo.endswith(".git") or len(repo) > 96:
+        raise UsageError(f"{text!r} is neither an existing directory nor a valid hub id (a repo id has no '--' "
+                         "or '..' and is at most 96 characters)")
+    rev = revision or "main"
+    if rev.startswith("/") or any(part in ("", ".", "..") for part in rev.split("/")):
+        raise UsageError(f"{text!r}: revision {rev!r} is not a branch, tag or commit (no '.', '..' or empty "
+                         "path components: a revision may not leave the cache)",
+                         hint="pass a branch, tag or commit hash, e.g. org/name@main")
+    folder = (cache if cache is not None else Path(_default_cache())) / ("models--" + repo.replace("/", "--"))
+    if not folder.is_dir():
+        return None
+    ref = folder / "refs" / rev
+    if os.path.lexists(ref):
+        raw = read_text(ref, root=folder, what="HF cache ref", max_bytes=MAX_REF_BYTES)
+        commit = raw.strip()
+        if not _COMMIT.match(commit):
+            raise FormatError(f"HF cache ref holds {commit[:80]!r}, not a commit hash", path=ref,
+                              hint="the cache is damaged or crafted; re-download the model with `hf download`")
+    elif _COMMIT.match(rev):
+        commit = rev
+    else:
+        return None
+    snap = folder / "snapshots" / commit
+    if not os.path.lexists(snap):
+        return None
+    check_input(snap, root=folder, what="HF cache snapshot", want="dir", register_as_input=False)
+    return snap
 
 
 def _default_cache() -> str:
-    from huggingface_hub import constants   # lazy: see resolve_model_dir (imported there already)
+    # lazy: importing huggingface_hub's constants is paid only when a name is not a local directory;
+    # read at each call (HF_HUB_CACHE / HF_HOME, as `hf download` wrote there)
+    from huggingface_hub import constants
 
     return str(constants.HF_HUB_CACHE)
 

@@ -13,7 +13,7 @@ from typing import Sequence
 from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, MissingFileError
-from ...io.inputs import OpenFiles, is_plain_file_name, read_json, register
+from ...io.inputs import MAX_TABLE_VALUES, OpenFiles, is_plain_file_name, read_json, register
 from ..safetensors.header import ByteCounter, SafetensorsHeader, TensorInfo, read_header
 from ..safetensors.read import read_raw, read_tensor
 from .carry import carry_files, classify_entries
@@ -144,7 +144,7 @@ class HFModelDir:
 
 
 def _open_index(root: Path, index_path: Path) -> tuple[dict[str, SafetensorsHeader], dict]:
-    index = read_json(index_path, root=root, what=index_path.name)
+    index = read_json(index_path, root=root, what=index_path.name, max_values=MAX_TABLE_VALUES)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FormatError("has no non-empty 'weight_map' object", path=index_path)

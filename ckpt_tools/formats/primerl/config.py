@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...core.errors import FormatError
 from .files import (
     GEN_16E747C, GEN_HEAD, HEAD_JSON, SECTIONS, ConfigFile, RunFiles, config_files, locate_run_configs, read_json,
     read_toml,
@@ -371,12 +372,33 @@ class LoraSettings:
         return math.isclose(self.training_scale, self.served_scale, rel_tol=1e-9)
 
 
+def _number(cfg: RunConfig, path: str, kind):
+    """The value at `path` as `kind` (float for an alpha, int for a rank), as pydantic's lax mode
+    takes it (a number, or a string of one); anything else (a TOML datetime, an array, a table, a
+    bool) is a FormatError naming the key and its file, not a TypeError."""
+    v = cfg.value(path)
+    if v is None:
+        return None
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise TypeError
+        out = kind(v)
+        if kind is float and not math.isfinite(out):
+            raise ValueError
+        return out
+    except (TypeError, ValueError, OverflowError):
+        where = cfg.where(path)
+        raise FormatError(f"{toml_key(path)} = {str(v)[:80]!r} ({type(v).__name__}) is not "
+                          f"{'a finite number' if kind is float else 'an integer'}", path=where, key=path,
+                          hint="prime-rl's config validation refuses it too; fix the value") from None
+
+
 def lora_settings(cfg: RunConfig) -> LoraSettings | None:
     """None when the run has no LoRA (or the files do not say)."""
     if cfg.generation == GEN_HEAD:
         if not cfg.enabled("trainer.model.lora"):
             return None
-        r, a = int(cfg.value("trainer.model.lora.rank")), float(cfg.value("trainer.model.lora.alpha"))
+        r, a = _number(cfg, "trainer.model.lora.rank", int), _number(cfg, "trainer.model.lora.alpha", float)
         return LoraSettings(GEN_HEAD, r, a, None, None, a, r, a, r,
                             "HEAD: scale = trainer model.lora.alpha / rank (trainer lora.py:35-45); the "
                             "orchestrator inherits both, conflicts raise (configs/rl.py:538-573)")
@@ -386,10 +408,10 @@ def lora_settings(cfg: RunConfig) -> LoraSettings | None:
         return None
     if not have_trainer and not (have_orch and cfg.enabled("orchestrator.model.lora")):
         return None
-    o_rank = cfg.value("orchestrator.model.lora.rank") if have_orch else None
-    o_alpha = float(cfg.value("orchestrator.model.lora.alpha")) if have_orch else None
+    o_rank = _number(cfg, "orchestrator.model.lora.rank", int) if have_orch else None
+    o_alpha = _number(cfg, "orchestrator.model.lora.alpha", float) if have_orch else None
     if have_trainer:
-        t_rank, t_alpha = int(cfg.value("trainer.model.lora.rank")), float(cfg.value("trainer.model.lora.alpha"))
+        t_rank, t_alpha = _number(cfg, "trainer.model.lora.rank", int), _number(cfg, "trainer.model.lora.alpha", float)
     else:   # a run dir's orch.toml: the trainer's LoRA is in the generated name r{rank}-a{alpha}
         m = re.fullmatch(r"r(\d+)-a([0-9.eE+-]+)", str(cfg.value("orchestrator.model.lora.name") or ""))
         if not m:

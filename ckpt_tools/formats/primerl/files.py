@@ -99,7 +99,10 @@ def config_files(files: list[Path], sections: Mapping[str, Path] | None = None) 
 
     def add(path: Path, section: str, origin: str) -> None:
         path = Path(path)
-        if any(c.path.resolve() == path.resolve() and c.section == section for c in seen):
+        # realpath, not Path.resolve: a symlink loop is then refused by the read below (one clean
+        # line naming it), not a RuntimeError here
+        real = os.path.realpath(path)
+        if any(os.path.realpath(c.path) == real and c.section == section for c in seen):
             return
         if path.suffix == ".json":
             if section:

@@ -28,7 +28,7 @@ from typing import Union
 
 from ...core.dtypes import SAFETENSORS, torch_dtype
 from ...core.errors import CkptError, FormatError, TruncatedFileError
-from ...io.inputs import open_input
+from ...io.inputs import MAX_TABLE_VALUES, open_input
 from ...io.pread import pread_into
 
 __all__ = ["MAX_HEADER_BYTES", "LEN_BYTES", "TensorInfo", "SafetensorsHeader", "ByteCounter", "Source",
@@ -193,6 +193,10 @@ def parse_header(raw: bytes, *, path: Path, file_bytes: int) -> SafetensorsHeade
         raise _header_error(path, f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     if not text.lstrip().startswith("{"):
         raise _header_error(path, "header is not a JSON object")
+    n_values = text.count("{") + text.count("[") + text.count(",")
+    if n_values > MAX_TABLE_VALUES:   # parsing costs ~140 bytes of RSS per value: bounded before it
+        raise _header_error(path, f"header could hold {n_values:,} JSON values, far more than a header of tensors "
+                                  f"(the limit is {MAX_TABLE_VALUES:,})")
     try:
         obj = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...core.dtypes import ITEMSIZE
 from ...core.errors import CkptError, FormatError, UsageError
-from ...io.inputs import read_json
+from ...io.inputs import MAX_TABLE_VALUES, read_json
 
 __all__ = ["SLIM_MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "NOT_LOADABLE", "HASH_INPUT", "ChunkLayout",
            "DroppedTensor", "Manifest", "build_manifest", "read_manifest", "is_slim", "kept_item_id", "KEPT_CRC_INPUT"]
@@ -110,7 +110,7 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
     if not os.path.lexists(p):
         raise UsageError(f"not a slim checkpoint: no {SLIM_MANIFEST}", path=ckpt_dir,
                          hint="rehydrate takes the output of `ckpt slim`")
-    m = read_json(p, root=ckpt_dir, what="slim manifest")
+    m = read_json(p, root=ckpt_dir, what="slim manifest", max_values=MAX_TABLE_VALUES)
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise FormatError(f"not a slim manifest (format is {m.get('format') if isinstance(m, dict) else None!r})",
                           path=p)

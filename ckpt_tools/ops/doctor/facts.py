@@ -7,13 +7,15 @@ the exact fix (a TOML snippet or a ckpt command). No I/O here.
 """
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...formats.primerl.config import RunConfig, toml_key
 
 __all__ = ["PROBLEM_SEVERITIES", "DEFAULT_DECODE_RATE", "Finding", "StepFacts", "WeightsExport",
-    "AdapterConfig", "RunFacts", "toml_value", "toml_fix", "finding", "section_config"]
+    "AdapterConfig", "RunFacts", "toml_value", "toml_fix", "ckpt_command", "finding", "section_config"]
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 PROBLEM_SEVERITIES = (ERROR, WARNING)   # what makes `ckpt doctor` exit 3
@@ -90,8 +92,8 @@ class RunFacts:
 def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):   # a TOML basic string: JSON's escapes, newlines and controls included
+        return json.dumps(v, ensure_ascii=False)
     if isinstance(v, float):
         return repr(v)
     if isinstance(v, (list, tuple)):
@@ -106,6 +108,13 @@ def toml_fix(path: str, value) -> str:
     table, _, leaf = path.rpartition(".")
     line = f"{leaf} = {toml_value(value)}"
     return f"[{table}]\n{line}" if table else line
+
+
+def ckpt_command(*args) -> str:
+    """A `ckpt` command line to paste into a shell: every argument `shlex.quote`d, since paths and
+    names come from the run's own files (a downloaded run whose model.name is
+    `base_model;touch${IFS}PWNED;` must not become a command)."""
+    return " ".join(["ckpt", *(shlex.quote(str(a)) for a in args)])
 
 
 def finding(cfg: RunConfig | None, trap, severity, path, why, fix, source, *, value=None, default=None,

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 from ...formats.primerl.config import GEN_16E747C, GEN_HEAD, lora_settings, toml_key
-from .facts import ERROR, INFO, WARNING, Finding, RunFacts, finding, section_config, toml_fix, toml_value
+from .facts import ERROR, INFO, WARNING, Finding, RunFacts, ckpt_command, finding, section_config, toml_fix, \
+    toml_value
 
 __all__ = ["unknown_keys", "shadowed_tables", "tokenizer_default", "lora_alpha", "linear_decay_crash",
     "max_model_len_noop", "max_tokens_unset", "world_size", "output_dir_overridden"]
@@ -109,7 +110,8 @@ def lora_alpha(facts: RunFacts) -> list[Finding]:
                          f"{ls.training_scale:g}, but {len(bad)} adapter_config.json file(s) such as {a.path} say "
                          f"lora_alpha {a.lora_alpha:g} / r {a.r} = {a.lora_alpha / a.r:g}: vLLM served a different "
                          "policy than the one trained, and PEFT loads the adapter at the wrong scale",
-                         f"ckpt fix-adapter {Path(a.path).parent} OUT  (writes lora_alpha {ls.training_alpha:g}); for "
+                         f"{ckpt_command('fix-adapter', Path(a.path).parent, 'OUT')}  (writes lora_alpha "
+                         f"{ls.training_alpha:g}); for "
                          f"the next run: {toml_fix('orchestrator.model.lora.alpha', fix_alpha)}", src)]
     if ls.consistent or "trainer" not in cfg.sections:
         return []

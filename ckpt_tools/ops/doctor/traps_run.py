@@ -7,7 +7,8 @@ import math
 
 from ...core.units import human_bytes
 from ...formats.primerl.config import GEN_16E747C, GEN_HEAD, RunConfig
-from .facts import ERROR, INFO, WARNING, Finding, RunFacts, StepFacts, finding, section_config, toml_fix
+from .facts import ERROR, INFO, WARNING, Finding, RunFacts, StepFacts, ckpt_command, finding, section_config, \
+    toml_fix
 
 __all__ = ["LARGE_CHECKPOINT_BYTES", "DIST_TIMEOUT_TRAP_S", "dist_timeout", "client_timeout", "saves_after",
     "no_retention", "disk_space", "resume_lr_restored", "resume_lr_offload", "weights_are_base",
@@ -124,7 +125,7 @@ def no_retention(facts: RunFacts) -> list[Finding]:
     return [finding(cfg, "no-retention", WARNING, f"{table}.keep_last",
                      f"keep_last and keep_interval are unset: prime-rl deletes no checkpoint, {count}{each}",
                      f"{toml_fix(f'{table}.keep_last', 2)} ; or keep every step at its unique size: "
-                     f"ckpt gc {ckdir} --keep-full 2" + (f" --base {facts.base}" if facts.base else ""),
+                     + ckpt_command("gc", ckdir, "--keep-full", 2, *(("--base", facts.base) if facts.base else ())),
                      "trainer/ckpt.py:202-205 (16e747c), trainer/ckpt.py:275-276 (HEAD)")]
 
 
@@ -151,8 +152,8 @@ def disk_space(facts: RunFacts) -> list[Finding]:
                      f"{extra} more checkpoint(s) of {human_bytes(size)} (steps {done + 1}..{ms}) need "
                      f"{human_bytes(need)}, {human_bytes(facts.free_bytes)} are free ({human_bytes(on_disk)} already "
                      f"in {facts.checkpoints_dir}): the run dies of a full disk mid-save",
-                     f"ckpt gc {facts.checkpoints_dir} --keep-full {keep}" + (f" --base {facts.base}" if facts.base
-                                                                             else "")
+                     ckpt_command("gc", facts.checkpoints_dir, "--keep-full", keep,
+                                  *(("--base", facts.base) if facts.base else ()))
                      + (f"  (older steps shrink to ~{human_bytes(unique)} each)" if unique else ""),
                      "trainer/ckpt.py:56-69, 202-233 (16e747c)")]
 
@@ -196,8 +197,10 @@ def resume_lr_restored(facts: RunFacts) -> list[Finding]:
     return [finding(cfg, "resume-lr", ERROR, "trainer.optim.lr",
                      f"resuming from step_{s.step} restores its optimizer and scheduler: it trains at the checkpoint's "
                      f"lr {s.lr:g} (base {s.initial_lr:g}), not this lr {lr:g}; RL has no skip_scheduler",
-                     f"ckpt set-lr {s.path} --in-place --scale {lr / s.initial_lr:.6g}  ; or a fresh-LR restart: "
-                     f"ckpt restart-prep {s.path} OUT --base {facts.base or 'BASE'} --lr {lr:g}", src)]
+                     f"{ckpt_command('set-lr', s.path, '--in-place', '--scale', f'{lr / s.initial_lr:.6g}')}  ; or a "
+                     "fresh-LR restart: "
+                     + ckpt_command("restart-prep", s.path, "OUT", "--base", facts.base or "BASE", "--lr", f"{lr:g}"),
+                     src)]
 
 
 
@@ -239,7 +242,7 @@ def weights_are_base(facts: RunFacts) -> list[Finding]:
                            w.path, None,
                            f"{w.path} is bitwise the base model: prime-rl's weight export drops the LoRA instead of "
                            "merging it, so this is not the trained model",
-                           f"ckpt merge {w.base or facts.base or 'BASE'} {src_ckpt} merged-step{w.step}",
+                           ckpt_command("merge", w.base or facts.base or "BASE", src_ckpt, f"merged-step{w.step}"),
                            "trainer/weights.py:114-140, trainer/lora.py:220-234"))
     if out or cfg is None or cfg.generation != GEN_16E747C or "trainer" not in cfg.sections:
         return out

@@ -13,7 +13,7 @@ from ...core.progress import Progress
 from ...core.progress import report as report_progress
 from ...formats.hf_dir.config import dtype_disagreement, shape_problems
 from ...formats.safetensors.header import read_header
-from ...io.inputs import OpenFiles, is_plain_file_name, read_json
+from ...io.inputs import MAX_CONFIG_VALUES, MAX_TABLE_VALUES, OpenFiles, is_plain_file_name, read_json
 from ...core.problems import VerifyReport
 from ...dist import Group, map_units
 from .digests import prove
@@ -23,7 +23,8 @@ __all__ = ["FINITE_BLOCK_BYTES", "PIECE_BYTES", "verify_hf"]
 
 def _load_json(path: Path, report: VerifyReport):
     try:
-        return read_json(path, root=path.parent, what=path.name)
+        return read_json(path, root=path.parent, what=path.name,
+                         max_values=MAX_TABLE_VALUES if path.name.endswith("index.json") else MAX_CONFIG_VALUES)
     except CkptError as exc:
         report.problem(path, None, exc.message)
     return None
