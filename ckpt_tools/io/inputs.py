@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import FormatError, MissingFileError, TruncatedFileError, UnsafeInputError
+from . import remote
 from .pread import pread_exact, pread_into
 
 __all__ = [
@@ -168,6 +169,8 @@ def check_input(path: str | os.PathLike, *, root: str | os.PathLike | None = Non
 def _check_sparse(p: Path, st: os.stat_result, what: str) -> None:
     allocated = getattr(st, "st_blocks", None)
     if allocated is None or _POLICY.allow_sparse or st.st_size < SPARSE_MIN_BYTES:
+        return
+    if remote.object_of_stat(st) is not None:   # a remote object's placeholder: its bytes are fetched by range
         return
     allocated *= 512
     if allocated * SPARSE_RATIO < st.st_size:

@@ -27,6 +27,7 @@ from typing import Iterable
 
 from ..core.errors import DiskSpaceError, OutputExistsError, RankFailed, UsageError
 from ..core.units import human_bytes
+from . import remote
 from .inputs import registered as registered_inputs
 from .files import fsync_path, fsync_tree, remove_path
 from .lock import OutputLock, lock_path_for, pid_alive
@@ -153,6 +154,8 @@ class AtomicOutputDir:
             return False
         try:
             fsync_tree(self.tmp)
+            if remote.active():   # a remote input rewritten while we read it: no OUT (io.remote)
+                remote.check_unchanged()
             with signals_deferred():
                 self._commit()
         except BaseException as e:
