@@ -272,7 +272,7 @@ def mount(value, *, what: str = "input") -> Path:
             return known[0]
         from .remote_backends import backend_for
         backend = backend_for(url)
-        entries = backend.list(url)      # [(rel path or "" for the object itself, size, version, ref)]
+        entries = _listed(backend, url)   # [(rel path or "" for the object itself, size, version, ref)]
         root = _shadow_dir() / url.name
         for rel, size, version, ref in entries:
             p = root / rel if rel else root
@@ -293,6 +293,25 @@ def mount(value, *, what: str = "input") -> Path:
         _MOUNTS[url.text] = (root, url)
         add_display(root, url.text)
         return root
+
+
+def _listed(backend, url: RemoteUrl):
+    """`backend.list(url)`, transient failures retried with backoff as reads are."""
+    cfg, failures = settings(), 0
+    while True:
+        try:
+            return backend.list(url)
+        except RemoteRetry as exc:
+            failures += 1
+            if failures > cfg["retries"]:
+                raise CkptError(f"listing failed {failures} times in a row: {exc}", path=url.text,
+                                hint="the server or the link is failing; retry later") from None
+            time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
+        except RemoteDenied as exc:
+            raise UsageError(str(exc), path=url.text) from None
+        except RemoteMissing:
+            from ..core.errors import MissingPathError
+            raise MissingPathError(url.text) from None
 
 
 def bytes_fetched() -> int:
@@ -351,6 +370,7 @@ def reset() -> None:
         _BY_INODE.clear()
         _MOUNTS.clear()
         _DISPLAY.clear()
+        _STATS.bytes = 0
         while _SHADOW:
             d = _SHADOW.pop()
             for dirpath, dirnames, _ in os.walk(d):

@@ -6,6 +6,7 @@ version is gone), `RemoteMissing`, `RemoteDenied` (naming the variable to set) a
 from __future__ import annotations
 
 import asyncio
+import os
 import posixpath
 
 from ..core.errors import MissingPathError, UsageError
@@ -182,7 +183,12 @@ class HttpBackend(Backend):
     def _info(self, u: str) -> dict:
         try:
             return self.fs.info(u)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:   # fsspec says "not found" for any failed HEAD and GET: a 503 too
+            cause = exc.__cause__
+            if cause is not None and getattr(cause, "status", 404) != 404:
+                raise _http_error(cause, u) from None
+            if cause is not None and not hasattr(cause, "status"):
+                raise RemoteRetry(f"{type(cause).__name__}: {cause}") from None
             raise RemoteMissing(u) from None
         except Exception as exc:
             raise _http_error(exc, u) from None
@@ -279,7 +285,7 @@ class HfBackend(Backend):
     def __init__(self):
         hf = _need("huggingface_hub", "hf")
         self.hf = hf
-        self.fs = hf.HfFileSystem(skip_instance_cache=True)
+        self.fs = hf.HfFileSystem(skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None)
 
     def list(self, url):
         errors = self.hf.errors

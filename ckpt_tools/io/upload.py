@@ -194,7 +194,7 @@ class _S3Writer:
 class _HfWriter:
     def upload(self, url: RemoteUrl, files, *, overwrite: bool) -> Uploaded:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfFileSystem
-        fs = HfFileSystem(skip_instance_cache=True)
+        fs = HfFileSystem(skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None)
         try:
             res = fs.resolve_path(url.path)
         except FileNotFoundError:

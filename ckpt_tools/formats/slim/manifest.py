@@ -63,7 +63,8 @@ def build_manifest(layout, base: dict | None, hashes: dict[str, str], base_verif
         "version": MANIFEST_VERSION,
         "loadable_by_prime_rl": False,
         "note": NOT_LOADABLE,
-        "source": {"path": display(plan.source),   # a URL's local stand-in shown as the URL (io.remote) "bytes": plan.source_bytes, "data_files": list(plan.data_files)},
+        # (a URL's local stand-in shown as the URL: io.remote)
+        "source": {"path": display(plan.source), "bytes": plan.source_bytes, "data_files": list(plan.data_files)},
         "base": dict(base or {}, verified=base_verified) if base else None,
         "world_size": plan.world_size,
         "hash": {"algorithm": "sha256", "input": HASH_INPUT},
