@@ -142,8 +142,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_plain(503, "slow down")
             return True
         tok = f.get("require_token")
-        if tok and self.headers.get("Authorization") != f"Bearer {tok}":
-            self.send_plain(401, "unauthorized", {"X-Error-Code": "RepoNotFound"} if self.server_obj.hub else None)
+        given = self.headers.get("Authorization")
+        if tok and given != f"Bearer {tok}":   # as the Hub answers: a wrong token, or none for a private repo
+            if given:
+                self.send_plain(401, "Invalid credentials in Authorization header")
+            else:
+                self.send_plain(401, "Repository not found", {"X-Error-Code": "RepoNotFound"})
             return True
         return False
 
@@ -229,12 +233,12 @@ class _HubHandler(_Handler):
         u = urllib.parse.urlparse(self.path)
         path = urllib.parse.unquote(u.path)
         q = urllib.parse.parse_qs(u.query)
-        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/revision/([^/]+)", path)
+        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)(?:/revision/([^/]+))?", path)
         if m and method == "GET":
             repo = srv.repos.get(f"{m[1]}/{m[2]}")
             if repo is None:
                 return self.send_json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
-            if m[3] not in (repo["sha"], "main"):
+            if m[3] not in (repo["sha"], "main", None):
                 return self.send_json({"error": "Invalid rev id"}, 404, {"X-Error-Code": "RevisionNotFound"})
             sib = [{"rfilename": r} for r, _ in srv.files(repo)]
             return self.send_json({"id": f"{m[1]}/{m[2]}", "sha": repo["sha"], "siblings": sib, "private": False,
@@ -270,7 +274,7 @@ class _HubHandler(_Handler):
                                              for f in body.get("files", [])]})
         m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/([^/]+)", path)
         if m and method == "POST":
-            return self._commit(srv.repos[f"{m[1]}/{m[2]}"])
+            return self._commit(srv.repos[f"{m[1]}/{m[2]}"], f"{m[1]}/{m[2]}")
         m = re.fullmatch(r"/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)
         if m and method in ("GET", "HEAD"):
             repo = srv.repos.get(f"{m[1]}/{m[2]}")
@@ -282,7 +286,8 @@ class _HubHandler(_Handler):
             if not p.is_file():
                 return self.send_json({"error": "Entry not found"}, 404, {"X-Error-Code": "EntryNotFound"})
             return self.send_file(p, head=method == "HEAD", extra_headers={"X-Repo-Commit": repo["sha"]})
-        srv.unknown.append((method, self.path))
+        if not path.startswith("/api/agent-harnesses"):   # (huggingface_hub asks; not an endpoint we serve)
+            srv.unknown.append((method, self.path))
         return self.send_json({"error": f"not implemented by the test hub: {method} {path}"}, 404)
 
     def _body(self) -> bytes:
@@ -295,7 +300,7 @@ class _HubHandler(_Handler):
             return json.loads(raw)
         return {k: v for k, v in urllib.parse.parse_qs(raw.decode()).items()}
 
-    def _commit(self, repo):
+    def _commit(self, repo, repo_id):
         srv = self.server_obj
         lines = [json.loads(x) for x in self._body().decode().splitlines() if x.strip()]
         adds, deletes = [], []
@@ -316,7 +321,7 @@ class _HubHandler(_Handler):
                 p.unlink()
         repo["sha"] = hashlib.sha1(f"{repo['sha']}{time.time_ns()}".encode()).hexdigest()
         srv.commits.append([r for r, _ in adds])
-        return self.send_json({"commitUrl": f"{srv.url}/commit/{repo['sha']}", "commitOid": repo["sha"],
+        return self.send_json({"commitUrl": f"{srv.url}/{repo_id}/commit/{repo['sha']}", "commitOid": repo["sha"],
                                "commitMessage": "", "pullRequestUrl": None})
 
 

@@ -265,11 +265,14 @@ def test_hub_commands_equal_the_local_runs(hub_env, local, tmp_path):
 def test_hub_refused_token_names_the_variable(hub_env, tmp_path):
     hub_env.faults["require_token"] = "hf_right"
     try:
-        r = ckpt("inspect", "hf://org/run/step_3/trainer", code=2)
+        wrong = ckpt("inspect", "hf://org/run/step_3/trainer", code=2).output.strip().splitlines()
+        remote.reset()
+        os.environ.pop("HF_TOKEN")
+        none = ckpt("inspect", "hf://org/run/step_3/trainer", code=2).output.strip().splitlines()
     finally:
         hub_env.faults.clear()
-    line = r.output.strip().splitlines()[-1]
-    assert "HF_TOKEN" in line and len(r.output.strip().splitlines()) == 1
+    for lines in (wrong, none):
+        assert len(lines) == 1 and "HF_TOKEN" in lines[0], lines
 
 
 def test_hub_slim_is_one_commit(hub_env, local, tmp_path):

@@ -295,7 +295,11 @@ class HfBackend(Backend):
                 raise UsageError("hf:// buckets are not supported yet; use a model or dataset repo", path=url.text)
             sha = self.fs._api.repo_info(res.repo_id, repo_type=res.repo_type, revision=res.revision).sha
             found = self.fs.find(_with_revision(res, sha), detail=True)
-        except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, FileNotFoundError):
+        except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, FileNotFoundError) as exc:
+            cause = exc if isinstance(exc, errors.HfHubHTTPError) else exc.__cause__
+            if getattr(getattr(cause, "response", None), "status_code", None) in (401, 403):
+                raise UsageError(f"the Hub refused access to {url.text} (no such repo, or it needs a token): "
+                                 f"{_HF_VARS}") from None
             raise MissingPathError(url.text) from None
         except UsageError:
             raise
@@ -306,9 +310,9 @@ class HfBackend(Backend):
         for name, info in found.items():
             if info.get("type") != "file":
                 continue
-            in_repo = in_repo(name)
-            rel = "" if in_repo == prefix else in_repo[len(prefix) + 1:] if prefix else in_repo
-            out.append((rel, int(info["size"]), sha, (res.repo_id, res.repo_type, sha, in_repo)))
+            where = in_repo(name)
+            rel = "" if where == prefix else where[len(prefix) + 1:] if prefix else where
+            out.append((rel, int(info["size"]), sha, (res.repo_id, res.repo_type, sha, where)))
         if not out:
             raise MissingPathError(url.text)
         return out
