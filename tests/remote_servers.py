@@ -369,7 +369,7 @@ class S3Server:
         from werkzeug.serving import make_server
         self.counter = _Counting()
         self.on_upload_part = None
-        app = DomainDispatcherApplication(create_backend_app, service="s3")
+        app = DomainDispatcherApplication(create_backend_app)
         counter = self
 
         def middleware(environ, start_response):
