@@ -366,7 +366,13 @@ class S3Server:
 
     def __init__(self):
         from moto.server import DomainDispatcherApplication, create_backend_app
-        from werkzeug.serving import make_server
+        from werkzeug.serving import WSGIRequestHandler, make_server
+
+        class Handler(WSGIRequestHandler):
+            disable_nagle_algorithm = True   # else each small response waits out a delayed ACK (~40 ms)
+
+            def log_request(self, *a, **k):
+                pass
         self.counter = _Counting()
         self.on_upload_part = None
         app = DomainDispatcherApplication(create_backend_app)
@@ -382,7 +388,7 @@ class S3Server:
                 return body
             return counter._count(environ.get("PATH_INFO", ""), body)
 
-        self.httpd = make_server("127.0.0.1", 0, middleware, threaded=True)
+        self.httpd = make_server("127.0.0.1", 0, middleware, threaded=True, request_handler=Handler)
         self.port = self.httpd.server_port
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

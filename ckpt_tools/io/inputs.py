@@ -372,6 +372,19 @@ class OpenFiles:
         pread_into(fd, buf, offset, path=self.root / rel, key=key, hint=self.truncated_hint)
         self.stats.add(rel, offset, n)
 
+    def hint(self, ranges) -> None:
+        """`ranges` ([(rel, offset, length)]) are about to be read, roughly in this order: a remote file
+        (`io.remote`) fetches adjacent ones in one request. Nothing for a local file."""
+        if not remote.active():
+            return
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for rel, offset, length in ranges:
+            by_file.setdefault(rel, []).append((offset, length))
+        for rel, spans in by_file.items():
+            obj = remote.object_of_fd(self.fd(rel))
+            if obj is not None:
+                obj.hint(spans)
+
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}

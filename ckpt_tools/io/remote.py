@@ -46,6 +46,7 @@ __all__ = ["RemoteUrl", "RemoteObject", "RemoteChanged", "RemoteMissing", "Remot
            "CONCURRENCY", "RETRIES", "settings"]
 
 PART_BYTES = 8 << 20
+RUN_BYTES = 16 << 20     # adjacent hinted ranges fetched as one request, up to this much
 CONCURRENCY = 8
 RETRIES = 5
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://(.*)$", re.S)
@@ -136,6 +137,27 @@ class RemoteObject:
     ref: object                          # what the backend needs to address it
     fetched: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _runs: dict = field(default_factory=dict, repr=False)        # hinted range start -> its run's end
+    _cache: tuple | None = field(default=None, repr=False)       # (start, bytes) of the run being read
+    _run_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def hint(self, ranges) -> None:
+        """`ranges` ([(offset, length)]) are about to be read, in this order: consecutive ones that are
+        adjacent in the object are fetched as one request (a run, at most RUN_BYTES) when the first of
+        them is read, and served from it. Nothing outside the hinted ranges is ever fetched."""
+        spans = [(o, o + n) for o, n in ranges if n > 0]   # in the order they will be read
+        runs: dict[int, int] = {}
+        i = 0
+        while i < len(spans):
+            j, end = i, spans[i][1]
+            while j + 1 < len(spans) and spans[j + 1][0] == end and spans[j + 1][1] - spans[i][0] <= RUN_BYTES:
+                j += 1
+                end = spans[j][1]
+            if j > i:
+                runs[spans[i][0]] = end
+            i = j + 1
+        with self._run_lock:
+            self._runs.update(runs)
 
     def read_into(self, buf, offset: int) -> None:
         mv = memoryview(buf).cast("B")
@@ -144,6 +166,28 @@ class RemoteObject:
             from ..core.errors import TruncatedFileError
             raise TruncatedFileError(f"bytes [{offset}, {offset + n}) lie beyond the end of the object "
                                      f"({self.size} bytes)", path=self.url)
+        if (self._runs or self._cache is not None) and self._from_run(mv, offset, n):
+            return
+        self._fetch(mv, offset, n)
+
+    def _from_run(self, mv, offset: int, n: int) -> bool:
+        with self._run_lock:
+            c = self._cache
+            if c is not None and c[0] <= offset and offset + n <= c[0] + len(c[1]):
+                mv[:] = memoryview(c[1])[offset - c[0]:offset - c[0] + n]
+                if offset + n == c[0] + len(c[1]):
+                    self._cache = None
+                return True
+            end = self._runs.pop(offset, None)
+            if end is None or end <= offset + n:
+                return False
+            run = bytearray(end - offset)
+            self._fetch(memoryview(run), offset, len(run))
+            mv[:] = memoryview(run)[:n]
+            self._cache = (offset, run)
+            return True
+
+    def _fetch(self, mv, offset: int, n: int) -> None:
         parts = [(s, min(s + PART_BYTES, n)) for s in range(0, n, PART_BYTES)]
         if len(parts) <= 1:
             if n:

@@ -193,6 +193,9 @@ class DcpLoraSource(LoraSource):
                         for m, (ka, kb, a_shape, b_shape, a_dtype, x) in shapes.items()}
         self.full_tensors = {}
         self._rows = DcpKeySource(ckpt=self.ckpt) if any(x is not None for *_, x in found) else None
+        # every factor is read: a remote checkpoint fetches adjacent items in one request (io.remote)
+        self.ckpt.files.hint((c.file, c.offset, c.length) for _m, ka, kb, _x in found for k in (ka, kb)
+                             for c in self.ckpt.entries[k].chunks if c.numel)
 
     def _stacked_experts(self, ka: str, kb: str) -> int:
         ea, eb = self.ckpt.entries.get(ka), self.ckpt.entries.get(kb)

@@ -181,6 +181,7 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
     writer = DcpWriter(out_dir, files=files, owned_files=owned)
     try:
         done = 0
+        ckpt.files.hint((k.file, k.offset, k.length) for k in layout.kept if writer.owns(file_index[k.file]))
         for k in layout.kept:   # source order: sequential reads
             if not writer.owns(file_index[k.file]):
                 writer.skip(k.key)
