@@ -28,6 +28,9 @@ from ckpt_tools.formats.dcp.reader import DcpCheckpoint  # noqa: E402
 from ckpt_tools.io import remote, upload  # noqa: E402
 
 from .remote_servers import HttpServer, HubServer, S3Server  # noqa: E402
+from .test_json_envelope import SCHEMAS  # noqa: E402
+
+jsonschema = pytest.importorskip("jsonschema")
 
 FX = Path(__file__).parent / "fixtures" / "primerl-tiny"
 TRAINER = FX / "outputs/checkpoints/step_3/trainer"
@@ -128,6 +131,7 @@ def check_commands(url: str, counter, local, tmp: Path, *, slim_to: str | None =
     assert digest(tmp / "adapter") == digest(local["dir"] / "adapter")
     assert counter.bytes <= (LORA_BYTES + META) * 1.02, (counter.bytes, LORA_BYTES, META)
     assert r["remote"]["bytes_fetched"] == counter.bytes and r["remote"]["input_bytes"] > counter.bytes
+    jsonschema.validate(r, SCHEMAS["envelope"], cls=jsonschema.Draft202012Validator)
     remote.reset()
 
     counter.reset()
@@ -175,6 +179,17 @@ def http_server():
 
 def test_http_commands_equal_the_local_runs(http_server, local, tmp_path):
     check_commands(f"{http_server.url}/trainer", http_server.counter, local, tmp_path)
+
+
+def test_http_merge_reads_a_peft_adapter_from_a_url(local, tmp_path):
+    srv = HttpServer(local["dir"])
+    try:
+        ckpt("merge", BASE, f"{srv.url}/adapter", tmp_path / "merged")
+        remote.reset()
+        ckpt("merge", BASE, local["dir"] / "adapter", tmp_path / "merged-local")
+    finally:
+        srv.close()
+    assert digest(tmp_path / "merged") == digest(tmp_path / "merged-local")
 
 
 def test_http_dropped_connection_mid_body_resumes(http_server, local, tmp_path):
