@@ -155,6 +155,7 @@ def test_a_url_lookalike_is_refused_not_created(tmp_path, monkeypatch):
         r = ckpt("slim", TRAINER, bad, code=2)
         assert "looks like a URL" in r.output and "://" in r.output
     assert list(tmp_path.iterdir()) == []
+    remote.refuse_url_lookalike("step:3")   # a local name with a colon is not a URL look-alike
     assert remote.parse_url("C:/x") is None and remote.parse_url("./s3://x") is None
     u = remote.parse_url("hf://org/name@main/step_3/trainer/")
     assert (u.scheme, u.path, u.name) == ("hf", "org/name@main/step_3/trainer", "trainer")

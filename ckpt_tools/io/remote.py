@@ -52,6 +52,9 @@ RETRIES = 5
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://(.*)$", re.S)
 _LOOKALIKE_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(/{0,1}[^/].*|/{3,}.*|)$", re.S)
 _LOCAL_SCHEMES = ("file", "local")
+# schemes whose look-alikes (`s3:/x`) are refused; any other `name:rest` is a local name with a colon
+_URL_SCHEMES = frozenset(("hf", "s3", "s3a", "gs", "gcs", "http", "https", "az", "abfs", "abfss", "adl", "oss", "r2",
+                          "ftp", "sftp", "ssh", "hdfs", "webhdfs", "dbfs", "lakefs", "github", "memory"))
 
 
 def settings() -> dict:
@@ -102,7 +105,7 @@ def refuse_url_lookalike(value) -> None:
     if not isinstance(text, str) or parse_url(text) or os.path.lexists(text):
         return
     m = _LOOKALIKE_RE.match(text)
-    if m and not (os.name == "nt" and len(m.group(1)) == 1):
+    if m and m.group(1).lower() in _URL_SCHEMES:
         scheme = m.group(1).lower()
         raise UsageError(f"{text!r} looks like a URL but is not one (a URL is `{scheme}://...`, two slashes); "
                          "refusing to treat it as a local path", path=text,
