@@ -375,6 +375,7 @@ class S3Server:
                 pass
         self.counter = _Counting()
         self.on_upload_part = None
+        self.after_get = None
         app = DomainDispatcherApplication(create_backend_app)
         counter = self
 
@@ -386,6 +387,8 @@ class S3Server:
             body = app(environ, start_response)
             if environ["REQUEST_METHOD"] != "GET" or q:   # an object's body (a listing has a query)
                 return body
+            if counter.after_get is not None:
+                counter.after_get(environ.get("PATH_INFO", ""))
             return counter._count(environ.get("PATH_INFO", ""), body)
 
         self.httpd = make_server("127.0.0.1", 0, middleware, threaded=True, request_handler=Handler)

@@ -340,6 +340,24 @@ def test_s3_slim_to_a_bucket_then_rehydrate_from_it(s3_env, local, tmp_path):
     assert digest(tmp_path / "full") == digest(local["dir"] / "full")
 
 
+def test_s3_object_rewritten_mid_read_is_an_error_naming_it(s3_env, tmp_path):
+    key = "step_3/trainer/__2_0.distcp"
+    original = (TRAINER / "__2_0.distcp").read_bytes()
+
+    def rewrite(path):
+        if path.endswith("__0_0.distcp"):
+            s3_env.after_get = None
+            s3_env.client.put_object(Bucket="runs", Key=key, Body=original[:-1] + bytes([original[-1] ^ 1]))
+    s3_env.after_get = rewrite
+    try:
+        r = ckpt("extract-adapter", "s3://runs/step_3/trainer", tmp_path / "a", "--alpha", "16", code=1)
+    finally:
+        s3_env.after_get = None
+        s3_env.client.put_object(Bucket="runs", Key=key, Body=original)
+    assert "changed while it was being read" in r.output and f"s3://runs/{key}" in r.output, r.output
+    assert not (tmp_path / "a").exists()
+
+
 def test_s3_missing_key_is_the_usual_error(s3_env):
     r = ckpt("inspect", "s3://runs/step_9/trainer", code=2)
     assert "no such file or directory: s3://runs/step_9/trainer" in r.output
