@@ -24,7 +24,7 @@ import click
 from .. import __version__
 from .. import dist
 from ..core.errors import CkptError, UsageError
-from ..io import inputs, owned
+from ..io import inputs, owned, remote
 from ..io.files import stdout_to_devnull
 from ..io.signals import Terminated, install_signal_handlers
 from .render import STATE, clear_progress, emit_failure
@@ -109,6 +109,7 @@ class _Group(click.Group):
 
         def fail(kind: str, line: str, code: int, exc: CkptError | None = None):
             clear_progress()   # Ctrl-C mid-run: the message on its own line, not after the bar
+            line = remote.display(line)   # a URL's local stand-in path shown as the URL (io.remote)
             click.echo(line, err=True)
             if as_json and not STATE.emitted:   # the failure envelope on stdout (the line stays on stderr)
                 emit_failure(line.split(": ", 1)[-1], code, exc, kind, command=command)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import click
 
+from ..core.units import human_bytes
 from ..io.signals import signals_deferred
 from .progress import ProgressLine
-from .render import emit
+from .render import STATE, emit
 
 __all__ = ["plan_and_run", "finish", "op_imports", "DryRunReport", "dry_run_output"]
 
@@ -76,15 +77,26 @@ def plan_and_run(open_sources: Callable, plan: Callable, run: Callable, dry_repo
 
 
 def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: int = 0) -> None:
-    """The envelope under --json, else `render(report.to_json())`."""
+    """The envelope under --json, else `render(report.to_json())`. An OUT bound for a URL is uploaded
+    and committed first (io.upload): the report is only printed once the output is there."""
+    from ..io import remote, upload
+    if upload.pending():
+        ctx = click.get_current_context(silent=True)
+        params = ctx.params if ctx is not None else {}
+        STATE.uploaded = upload.commit_pending(overwrite=bool(params.get("overwrite")))
     if as_json:
         emit(report, exit_code=exit_code)
         return
-    render(report.to_json() if hasattr(report, "to_json") else report)
+    payload = report.to_json() if hasattr(report, "to_json") else report
+    render(remote.display(payload))
     rep = getattr(report, "output", None) if isinstance(report, DryRunReport) else None
     if rep and rep.get("replaces") is not None:
         r = rep["replaces"]
         what = f"an earlier output of `ckpt {r['command']}`" if r.get("command") else "an empty directory"
-        from ..core.units import human_bytes
         click.echo(f"  --overwrite would remove {rep['out']}: {what}, {r['entries']} entries, "
                    f"{human_bytes(r['bytes'])}")
+    for u in STATE.uploaded:
+        click.echo(f"uploaded {u.files} file(s), {human_bytes(u.bytes)}, to {u.url} ({u.method})")
+    if remote.active():
+        click.echo(f"fetched {human_bytes(remote.bytes_fetched())} of {human_bytes(remote.mounted_bytes())} "
+                   "held remotely")

@@ -8,8 +8,9 @@ import click
 
 from ..core.errors import MissingPathError
 from ..formats.hf_dir.hub import is_hub_id
+from ..io import remote
 
-__all__ = ["InputPath", "ModelPath", "json_option", "trust_option", "dry_run_option", "overwrite_option",
+__all__ = ["InputPath", "ModelPath", "OutputPath", "input_arg", "json_option", "trust_option", "dry_run_option", "overwrite_option",
            "alpha_options"]
 
 
@@ -22,9 +23,40 @@ class InputPath(click.Path):
         super().__init__(exists=True, **kw)
 
     def convert(self, value, param, ctx):
+        if remote.parse_url(value):   # a URL: its local shadow tree, read by range (io.remote)
+            return remote.mount(value)
+        remote.refuse_url_lookalike(value)
         if not os.path.lexists(os.fspath(value)):
             raise MissingPathError(value)
         return super().convert(value, param, ctx)
+
+
+def input_arg(value):
+    """An input given as a plain string (an option naming a model dir or hub id, a path the op resolves):
+    a URL becomes its local shadow path (str), a URL look-alike is refused, anything else is unchanged."""
+    if value is None:
+        return None
+    if remote.parse_url(value):
+        return str(remote.mount(value))
+    remote.refuse_url_lookalike(value)
+    return value
+
+
+class OutputPath(click.ParamType):
+    """OUT: a local path, or a URL (s3://, hf://, gs://, ...) the output is uploaded to once complete
+    (written locally first, then committed in one step: `io.upload`). A URL look-alike (`s3:/x`) is
+    refused rather than created as a local dir named `s3:`."""
+    name = "out"
+
+    def __init__(self, path_type=Path):
+        self.path_type = path_type
+
+    def convert(self, value, param, ctx):
+        if remote.parse_url(value):
+            from ..io.upload import stage_output   # lazy: only a URL imports the remote packages
+            return self.path_type(stage_output(value))
+        remote.refuse_url_lookalike(value)
+        return self.path_type(value)
 
 
 class ModelPath(click.ParamType):
@@ -35,6 +67,9 @@ class ModelPath(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, Path) or os.path.lexists(os.fspath(value)):
             return Path(value)
+        if remote.parse_url(value):
+            return remote.mount(value)
+        remote.refuse_url_lookalike(value)
         if is_hub_id(str(value)):
             # lazy: resolving a hub id imports huggingface_hub (~0.2 s); a local path never does
             from ..formats.hf_dir.hub import resolve_model_dir

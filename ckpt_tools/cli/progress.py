@@ -19,6 +19,7 @@ import click
 from ..core.progress import ProgressEvent
 from ..dist import env_part
 from ..core.units import human_bytes
+from ..io import remote
 from .render import STATE, is_tty
 
 __all__ = ["ProgressLine"]
@@ -55,8 +56,9 @@ class ProgressLine:
         frac = done / total if total else 1.0
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (total - done) / rate if rate > 0 else 0.0
+        fetched = f"  fetched {human_bytes(remote.bytes_fetched())}" if remote.active() else ""
         return (f"  {ev.phase} {count}{human_bytes(done):>10} / {human_bytes(total)} ({100 * frac:.0f}%)  "
-                f"{human_bytes(rate)}/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}  {name:<40}")
+                f"{human_bytes(rate)}/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}{fetched}  {name:<40}")
 
     def close(self) -> None:
         if STATE.progress_shown:

@@ -43,6 +43,7 @@ class CliState:
         self.warnings: list[str] = []
         self.emitted = False
         self.progress_shown = False     # a progress line is on stderr (cli.progress): clear it before a message
+        self.uploaded: list = []        # outputs committed to URLs (io.upload.Uploaded)
 
 
 STATE = CliState()
@@ -92,7 +93,7 @@ def emit(report, *, exit_code: int = 0) -> None:
     command, dry_run = _context_facts()
     payload = report.to_json() if hasattr(report, "to_json") else report
     doc = envelope(command, payload, dry_run=dry_run, exit_code=exit_code, warnings=STATE.warnings)
-    emit_json(doc)
+    emit_json(_with_remote(doc))
     STATE.emitted = True
     for w in doc["warnings"]:   # stderr carries every warning in either mode (a person watching a script)
         if w not in STATE.warnings:
@@ -102,9 +103,21 @@ def emit(report, *, exit_code: int = 0) -> None:
 def emit_failure(message: str, exit_code: int, exc=None, kind: str | None = None, command: str | None = None) -> None:
     """Print a failure as the command's envelope (error filled, plan and result null)."""
     name, dry_run = _context_facts()
-    emit_json(envelope(command or name, None, dry_run=dry_run, exit_code=exit_code,
-                       error=error_object(message, exc, kind), warnings=STATE.warnings))
+    emit_json(_with_remote(envelope(command or name, None, dry_run=dry_run, exit_code=exit_code,
+                                    error=error_object(message, exc, kind), warnings=STATE.warnings)))
     STATE.emitted = True
+
+
+def _with_remote(doc: dict) -> dict:
+    """A command that read or wrote a URL: its local stand-in paths shown as the URLs, and `remote`:
+    the bytes fetched next to the remote inputs' size, and what was uploaded (docs/remote.md)."""
+    from ..io import remote
+    if not remote.active() and not STATE.uploaded:
+        return doc
+    doc = remote.display(doc)
+    doc["remote"] = {"bytes_fetched": remote.bytes_fetched(), "input_bytes": remote.mounted_bytes(),
+                     "uploaded": [u.to_json() for u in STATE.uploaded]}
+    return doc
 
 
 def emit_json(obj) -> None:

@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 
 from ..core.errors import TruncatedFileError
-from . import inputs
+from . import inputs, remote
 from .files import create_new
-from .pread import pread_into
+from .pread import pread_exact, pread_into
 
 __all__ = ["copy_input_file", "copy_input_tree", "link_or_copy", "copy_range"]
 
@@ -28,6 +28,13 @@ def copy_input_file(src: str | os.PathLike, dst: str | os.PathLike, *, root: str
         out = create_new(dst)
         try:
             done = 0
+            if remote.object_of_fd(fd) is not None:   # a remote object: fetched by range, written here
+                size = os.fstat(fd).st_size
+                while done < size:
+                    b = pread_exact(fd, done, min(1 << 24, size - done), path=src)
+                    os.write(out, b)
+                    done += len(b)
+                return done
             while True:
                 n = os.sendfile(out, fd, done, 1 << 30) if hasattr(os, "sendfile") else 0
                 if n == 0:
@@ -72,7 +79,10 @@ def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
     """Hard link the data file `src` (of the tree `root`, checked as an input: no symlink out of it,
     no FIFO) at the new path `dst`; across filesystems (or where links are refused) a reflink, else a
     copy. Returns the method used. Never opens `src` for writing; `dst` is new."""
-    real, _st = inputs.check_input(src, root=root, what="data file")
+    real, st = inputs.check_input(src, root=root, what="data file")
+    if remote.object_of_stat(st) is not None:   # a remote object's placeholder: never linked, its bytes fetched
+        copy_input_file(src, dst, root=root, what="data file")
+        return "copy"
     try:
         os.link(real, dst, follow_symlinks=False)   # the checked file itself, never a link's target
         return "hardlink"
@@ -110,7 +120,7 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbyte
     of at most `block_bytes`. Calls move at most `block_bytes` each, so a signal is seen between them.
     The source ending first is a TruncatedFileError naming `path` and `key`. Returns the method."""
     done = 0
-    if hasattr(os, "copy_file_range"):
+    if hasattr(os, "copy_file_range") and remote.object_of_fd(src_fd) is None:
         try:
             while done < nbytes:
                 n = os.copy_file_range(src_fd, dst_fd, min(block_bytes, nbytes - done),

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import FormatError, MissingFileError, TruncatedFileError, UnsafeInputError
+from . import remote
 from .pread import pread_exact, pread_into
 
 __all__ = [
@@ -248,6 +249,8 @@ def check_input(path: str | os.PathLike, *, root: str | os.PathLike | None = Non
 def _check_sparse(p: Path, st: os.stat_result, what: str) -> None:
     allocated = getattr(st, "st_blocks", None)
     if allocated is None or _POLICY.allow_sparse or st.st_size < SPARSE_MIN_BYTES:
+        return
+    if remote.object_of_stat(st) is not None:   # a remote object's placeholder: its bytes are fetched by range
         return
     allocated *= 512
     if allocated * SPARSE_RATIO < st.st_size:
@@ -465,6 +468,19 @@ class OpenFiles:
         fd = self.check_range(rel, offset, n, key)
         pread_into(fd, buf, offset, path=self.root / rel, key=key, hint=self.truncated_hint)
         self.stats.add(rel, offset, n)
+
+    def hint(self, ranges) -> None:
+        """`ranges` ([(rel, offset, length)]) are about to be read, roughly in this order: a remote file
+        (`io.remote`) fetches adjacent ones in one request. Nothing for a local file."""
+        if not remote.active():
+            return
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for rel, offset, length in ranges:
+            by_file.setdefault(rel, []).append((offset, length))
+        for rel, spans in by_file.items():
+            obj = remote.object_of_fd(self.fd(rel))
+            if obj is not None:
+                obj.hint(spans)
 
     def close(self) -> None:
         with self._lock:

@@ -34,6 +34,7 @@ from typing import Iterable
 
 from ..core.errors import DiskSpaceError, OutputExistsError, RankFailed, UsageError
 from ..core.units import human_bytes
+from . import remote
 from .inputs import ancestry, identity, registered as registered_inputs
 from .owned import check_not_cwd, replace_check, write_marker
 from .files import fsync_path, fsync_tree, remove_path
@@ -179,6 +180,8 @@ class AtomicOutputDir:
             if self.marker:
                 write_marker(self.tmp)
             fsync_tree(self.tmp)
+            if remote.active():   # a remote input rewritten while we read it: no OUT (io.remote)
+                remote.check_unchanged()
             with signals_deferred():
                 self._commit()
         except BaseException as e:

@@ -333,6 +333,7 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
         writer = DcpWriter(tmp, files=plan.files,
                            owned_files=group.part.mine(_file_weights(plan)) if split else None)
         try:
+            ckpt.files.hint((rel, offset, length) for _k, rel, offset, length, fi in plan.copy_items if writer.owns(fi))
             for n, (key, rel, offset, length, fi) in enumerate(plan.copy_items):
                 if not writer.owns(fi):
                     writer.skip(key)

@@ -14,17 +14,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..core.errors import CkptError
 from ..core.progress import Progress
 from ..dist import Group, SoloGroup, local_workers
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.hub import resolve_model_dir
-from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_outputs_dir
+from ..formats.primerl.alpha import find_run_configs, orch_model_name
 from ..formats.slim.partition import SlimLayout, base_identity, partition
 from ..formats.slim.writer import need_bytes, write_slim
-from ..io.inputs import read_toml
 from ..io.staging import SharedOutputDir
-from ..sources.hashing import BASE_BLOCK_BYTES, base_hash_check
+from ..io.remote import is_remote_path
+from ..sources.hashing import BASE_BLOCK_BYTES, base_crc_check, base_hash_check
 from ..sources.hf import HFSource
 
 __all__ = ["SlimOptions", "SlimSources", "open_slim_sources", "SlimPlan", "SlimResult", "SlimReport", "plan_slim",
@@ -159,12 +158,14 @@ def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = N
     t0 = time.perf_counter()
     ckpt, base = sources.ckpt, sources.base
     base_hash = base_hash_check(base, plan.layout.dropped) if base is not None else None
+    # a remote checkpoint's dropped tensors are not fetched: proven against the base by their items' CRC-32
+    base_crcs = base_crc_check(base, plan.layout.dropped) if base is not None and is_remote_path(ckpt.dir) else None
     inputs = [ckpt.dir] + ([base.path] if base is not None else [])   # --base is an input too
     with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=need_bytes(ckpt.dir, plan.layout),
                          overwrite=overwrite) as tmp:
         written = write_slim(ckpt, tmp, plan.layout, base=plan.base, base_hash=base_hash,
                              base_path=base.path if base is not None else None, progress=progress, group=group,
-                             hash_threads=hash_threads(plan.layout))
+                             hash_threads=hash_threads(plan.layout), base_crcs=base_crcs)
         (bytes_read,) = group.sum([ckpt.stats.bytes_read], "the bytes read")
     out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
     seconds = dict(written.seconds, total=round(time.perf_counter() - t0, 3))

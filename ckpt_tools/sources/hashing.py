@@ -3,6 +3,7 @@ manifest records for a frozen tensor is that of the base's tensor upcast to the 
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 import torch
 
@@ -13,7 +14,8 @@ from ..formats.slim.partition import map_to_base
 from .base import Source
 from .hf import HFSource
 
-__all__ = ["BASE_BLOCK_BYTES", "read_rows_as", "read_as", "upcast_sha256", "base_hash_check"]
+__all__ = ["BASE_BLOCK_BYTES", "read_rows_as", "read_as", "upcast_sha256", "base_hash_check", "upcast_sha256_crc32s",
+           "base_crc_check"]
 
 # Rows per block when a base tensor is streamed: bounded scratch whatever the tensor's size.
 BASE_BLOCK_BYTES = 64 << 20
@@ -78,3 +80,35 @@ def base_hash_check(base: HFSource, dropped):
     def base_hash(d) -> tuple[str, str]:
         return mapping[d.key], upcast_sha256(base, mapping[d.key], d.dtype)
     return base_hash
+
+
+def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks) -> tuple[str, list[int]]:
+    """(sha256 of tensor `name` cast to `dtype`, the CRC-32 of each row block [start, start + count) of
+    `row_blocks`, which tile its rows in order): one streamed pass over the base (memory: one block)."""
+    info = src.facts(name)
+    n = info.shape[0] if info.shape else 1
+    row_out = max(1, (info.numel // max(1, n)) * itemsize(dtype))
+    step = max(1, BASE_BLOCK_BYTES // row_out)
+    h, crcs = hashlib.sha256(), []
+    for start, count in row_blocks:
+        crc = 0
+        for s in range(start, start + count, step):
+            t = read_rows_as(src, name, dtype, s, min(step, start + count - s))
+            if t.numel():
+                b = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                h.update(b)
+                crc = zlib.crc32(b, crc)
+        crcs.append(crc)
+    return h.hexdigest(), crcs
+
+
+def base_crc_check(base: HFSource, dropped):
+    """As `base_hash_check`, for a checkpoint whose dropped tensors are not read (a remote one): for each,
+    given the row blocks of its chunks, (its base tensor's name, the sha256 of the upcast, the CRC-32 of
+    each block's upcast bytes), to compare with the CRC-32 the checkpoint's items store."""
+    mapping = map_to_base(dropped, {n: base.facts(n).shape for n in base.names()}, base.config, base.path)
+
+    def base_crcs(d, row_blocks) -> tuple[str, str, list[int]]:
+        sha, crcs = upcast_sha256_crc32s(base, mapping[d.key], d.dtype, row_blocks)
+        return mapping[d.key], sha, crcs
+    return base_crcs

@@ -210,6 +210,9 @@ class DcpLoraSource(LoraSource):
         self.full_tensors = trained_full_tensors(self.ckpt)
         stacked = any(x is not None for *_, x in found) or any(v.endswith("]") for v in self.full_tensors.values())
         self._rows = DcpKeySource(ckpt=self.ckpt) if stacked else None
+        # every factor is read: a remote checkpoint fetches adjacent items in one request (io.remote)
+        self.ckpt.files.hint((c.file, c.offset, c.length) for _m, ka, kb, _x in found for k in (ka, kb)
+                             for c in self.ckpt.entries[k].chunks if c.numel)
 
     def _stacked_experts(self, ka: str, kb: str) -> int:
         ea, eb = self.ckpt.entries.get(ka), self.ckpt.entries.get(kb)

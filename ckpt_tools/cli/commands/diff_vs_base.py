@@ -11,7 +11,7 @@ from ..flow import op_imports
 from ... import dist
 from ...core.units import human_bytes
 from ..mistakes import check_roles
-from ..options import InputPath, alpha_options, json_option, trust_option
+from ..options import InputPath, input_arg, alpha_options, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
 
@@ -54,6 +54,7 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     Example:
       ckpt diff-vs-base outputs/weights/step_100 Qwen/Qwen3-8B
     """
+    weights, base = input_arg(weights), input_arg(base)
     check_roles("diff-vs-base", {"WEIGHTS": weights, "BASE": base, "--adapter": adapter})
     with op_imports():
         from ...ops.diff import EXIT_DIFFERS, DiffOptions, open_diff_sources, plan_diff, run_diff

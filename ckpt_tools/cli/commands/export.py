@@ -6,7 +6,7 @@ import click
 from ...core.units import human_bytes
 from ..flow import finish, op_imports
 from ..mistakes import check_roles
-from ..options import alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import OutputPath, alpha_options, input_arg, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import warn_trust
 from .merge import dry_run_or_run
 
@@ -15,7 +15,7 @@ __all__ = ["command"]
 
 @click.command("export")
 @click.argument("ckpt", type=click.Path(path_type=str))
-@click.argument("out", type=click.Path(path_type=str))
+@click.argument("out", type=OutputPath(str))
 @click.option("--config-from", metavar="DIR",
               help="HF model dir or hub id (local HF cache) giving config.json, tokenizer and the other "
                    "non-weight files: the checkpoint holds none (default: the run config's base model, when "
@@ -48,6 +48,7 @@ def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_d
     Example:
       ckpt export outputs/checkpoints/step_95/trainer exported-95 --config-from Qwen/Qwen3-8B
     """
+    ckpt, config_from = input_arg(ckpt), input_arg(config_from)
     check_roles("export", {"CKPT": ckpt, "OUT": out, "--config-from": config_from})
     with op_imports():
         from ...ops.merge import ExportOptions, open_export_sources, plan_export, run_export

@@ -8,7 +8,7 @@ import click
 from ...core.units import human_bytes
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -16,7 +16,7 @@ __all__ = ["command"]
 
 @click.command("extract-adapter")
 @click.argument("ckpt", type=InputPath(file_okay=False))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @alpha_options
 @click.option("--base", "base", metavar="NAME_OR_DIR",
               help="Base model for base_model_name_or_path (default: the run's orch.toml [model] name); "

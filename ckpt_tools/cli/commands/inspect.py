@@ -8,6 +8,7 @@ import click
 from ...core.units import human_bytes, human_number
 from ...ops.inspect import InspectOptions, plan_inspect, run_inspect
 from ..options import ModelPath, alpha_options, json_option, trust_option
+from ...io import remote
 from ..render import emit, warn, warn_trust
 
 __all__ = ["command"]
@@ -42,7 +43,7 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
             shape = "bytes" if row["dtype"] is None else f"{row['dtype']} {row['shape']}"
             click.echo(f"{row['key']}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
         return
-    render(report)
+    render(remote.display(report))   # a URL shown as itself, not its local stand-in (io.remote)
     for w in report.get("warnings", []):
         warn(w)
 

@@ -12,7 +12,7 @@ from ...core.units import human_bytes, human_bytes_si, human_number
 from ...io.signals import install_signal_handlers
 from ..flow import DryRunReport, dry_run_output, finish, op_imports
 from ..mistakes import check_roles
-from ..options import ModelPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import ModelPath, OutputPath, alpha_options, input_arg, dry_run_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
@@ -78,6 +78,8 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
     # a missing path is "no such file or directory: P" (exit 2), whichever argument it is; a hub id is
     # looked up in the local HF cache
     adapter = ModelPath().convert(adapter, None, None)
+    base, config_from, out = input_arg(base), input_arg(config_from), OutputPath(str).convert(out, None, None)
+    options = dataclasses.replace(options, out=str(out), config_from=config_from)
     if base_from_checkpoint:
         check_roles("merge --base-from-checkpoint",
                     {"BASE": base, "ADAPTER": adapter, "OUT": out, "--config-from": config_from})

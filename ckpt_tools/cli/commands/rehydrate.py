@@ -9,7 +9,7 @@ from ... import dist
 from ...core.units import human_bytes
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, input_arg, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -17,7 +17,7 @@ __all__ = ["command"]
 
 @click.command("rehydrate")
 @click.argument("slim_ckpt", metavar="SLIM", type=InputPath())
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @click.option("--base", required=True, help="The bf16 HF base model the run trained on (dir or hub id in the "
                                             "local HF cache).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Write base weights as row chunks for W ranks "
@@ -38,6 +38,7 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
     Example:
       ckpt rehydrate step_95-slim step_95-full --base Qwen/Qwen3-32B
     """
+    base = input_arg(base)
     check_roles("rehydrate", {"SLIM": slim_ckpt, "OUT": out, "--base": base})
     with op_imports():
         from ...ops.rehydrate import (

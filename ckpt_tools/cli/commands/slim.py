@@ -7,9 +7,10 @@ import click
 
 from ... import dist
 from ...core.units import human_bytes
+from ...io import remote
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, input_arg, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -17,7 +18,7 @@ __all__ = ["command"]
 
 @click.command("slim")
 @click.argument("ckpt", type=InputPath())
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @click.option("--base", help="The bf16 HF base model (dir or hub id in the local cache). Recorded in the "
                              "manifest and checked now: every dropped tensor must equal its upcast.")
 @overwrite_option
@@ -40,7 +41,10 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
     with op_imports():
         from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
     warn_trust(trust_pickle)
-    options = SlimOptions(out, base, overwrite, trust_pickle)
+    if base is None and remote.is_remote_path(ckpt):
+        warn("CKPT is remote and no --base is given: every dropped tensor is fetched to be hashed; with --base "
+             "they are proven against the base by the CRC-32 their items store, and never fetched")
+    options = SlimOptions(out, input_arg(base), overwrite, trust_pickle)
     report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
                           lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite, group=dist.current()),
                           SlimReport,

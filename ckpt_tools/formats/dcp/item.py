@@ -30,6 +30,7 @@ from ...core.errors import ChecksumError, FormatError, UnsafePickleError
 from ...io.safe_pickle import check_pickle_bounds
 
 __all__ = [
+    "DataCrcReader",
     "SMALL_ITEM_BYTES", "ItemError", "TensorRecord", "ItemLayout", "DecodedChunk", "window", "parse_item",
     "decode_tensor_pickle", "decode_chunk", "is_row_block", "archive_pickle", "load_plain_item", "load_byte_item",
     "CRC_HINT", "crc_error", "check_record_crcs",
@@ -410,3 +411,68 @@ def load_byte_item(raw: bytes, *, trust: bool, path, key: str):
     except Exception as exc:
         raise FormatError(f"cannot decode item: {type(exc).__name__}: {str(exc)[:300]}", path=path, key=key,
                           hint="the file is corrupt; run `ckpt verify`") from None
+
+
+# ---- the data record's CRC-32 from the zip central directory alone (slim of a remote checkpoint)
+_CD_SIG, _EOCD_SIG, _Z64_LOC_SIG = b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x07"
+
+
+class DataCrcReader:
+    """The CRC-32 that a tensor item's zip stores for its `data/0` record, read from the item's central
+    directory (tens of bytes), never from its payload: how a slim of a remote checkpoint identifies the
+    tensors it drops without fetching them. The first item is parsed from its end (EOCD, zip64 locator,
+    the whole central directory); the `data/0` entry's distance from the item's end is then learned, and
+    every later item costs one read of that one entry, checked (signature, name, sizes, stored) before
+    it is trusted, else parsed from its end again. ItemError for anything but a stored `data/0` of the
+    expected size."""
+
+    def __init__(self):
+        self._back: int | None = None
+        self._name: bytes | None = None
+
+    @staticmethod
+    def _entry(buf: bytes, pos: int):
+        if buf[pos:pos + 4] != _CD_SIG or len(buf) < pos + 46:
+            return None
+        (method,) = struct.unpack_from("<H", buf, pos + 10)
+        crc, csize, usize = struct.unpack_from("<III", buf, pos + 16)
+        nlen, xlen, clen = struct.unpack_from("<HHH", buf, pos + 28)
+        return method, crc, csize, usize, bytes(buf[pos + 46:pos + 46 + nlen]), 46 + nlen + xlen + clen
+
+    def crc(self, read: Callable[[int, int], bytes], offset: int, length: int, payload_bytes: int) -> int:
+        back, name = self._back, self._name
+        if back is not None and name is not None and back <= length:
+            e = self._entry(read(offset + length - back, 46 + len(name)), 0)
+            if e is not None and e[4] == name and e[0] == 0 and e[2] == e[3] == payload_bytes \
+                    and e[5] == 46 + len(name):
+                return e[1]
+        return self._from_end(read, offset, length, payload_bytes)
+
+    def _from_end(self, read, offset: int, length: int, payload_bytes: int) -> int:
+        n = min(length, 22 + 20 + 56)
+        tail = read(offset + length - n, n)
+        at = n - 22
+        if at < 0 or tail[at:at + 4] != _EOCD_SIG:
+            raise ItemError("no zip end record at the item's end (a comment, or not a zip)")
+        cd_size, cd_off = struct.unpack_from("<II", tail, at + 12)
+        if 0xFFFFFFFF in (cd_size, cd_off):   # zip64: the locator names the zip64 end record
+            if at < 20 or tail[at - 20:at - 16] != _Z64_LOC_SIG:
+                raise ItemError("zip64 end record locator missing")
+            (z64,) = struct.unpack_from("<Q", tail, at - 12)
+            rec = read(offset + z64, 56)
+            cd_size, cd_off = struct.unpack_from("<QQ", rec, 40)
+        if cd_off + cd_size > length:
+            raise ItemError("central directory lies beyond the item")
+        cd = read(offset + cd_off, cd_size)
+        pos = 0
+        while pos < len(cd):
+            e = self._entry(cd, pos)
+            if e is None:
+                break
+            if e[4].endswith(b"/data/0"):
+                if e[0] != 0 or e[2] != e[3] or e[3] != payload_bytes:
+                    raise ItemError(f"data record is not {payload_bytes} stored bytes (method {e[0]}, size {e[3]})")
+                self._back, self._name = length - (cd_off + pos), e[4]
+                return e[1]
+            pos += e[5]
+        raise ItemError("no data/0 record in the central directory")

@@ -19,6 +19,7 @@ from pathlib import Path
 from ...core.dtypes import ITEMSIZE
 from ...core.errors import CkptError, FormatError, UsageError
 from ...io.inputs import MAX_TABLE_VALUES, read_json
+from ...io.remote import display
 
 __all__ = ["SLIM_MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "NOT_LOADABLE", "HASH_INPUT", "ChunkLayout",
            "DroppedTensor", "Manifest", "build_manifest", "read_manifest", "is_slim", "kept_item_id", "KEPT_CRC_INPUT"]
@@ -74,7 +75,8 @@ def build_manifest(layout, base: dict | None, hashes: dict[str, str], base_verif
         "version": MANIFEST_VERSION,
         "loadable_by_prime_rl": False,
         "note": NOT_LOADABLE,
-        "source": {"path": plan.source, "bytes": plan.source_bytes, "data_files": list(plan.data_files)},
+        # (a URL's local stand-in shown as the URL: io.remote)
+        "source": {"path": display(plan.source), "bytes": plan.source_bytes, "data_files": list(plan.data_files)},
         "base": dict(base or {}, verified=base_verified) if base else None,
         "world_size": plan.world_size,
         "hash": {"algorithm": "sha256", "input": HASH_INPUT},

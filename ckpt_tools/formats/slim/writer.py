@@ -21,7 +21,8 @@ from ...core.progress import Progress, report
 from ...core.tensor_math import sha256_of_tensor
 from ...io.copy import copy_input_tree
 from ...io.files import write_new_file
-from ..dcp.item import ItemError
+from ...core.dtypes import itemsize
+from ..dcp.item import DataCrcReader, ItemError
 from ..dcp.layout import extra_bytes
 from ..dcp.model import TensorEntry
 from ..dcp.reader import DcpCheckpoint
@@ -29,10 +30,12 @@ from ..dcp.writer import DcpWriter
 from .manifest import SLIM_MANIFEST, DroppedTensor, build_manifest, kept_item_id
 from .partition import SlimLayout
 
-__all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "write_slim", "copy_extra_entries"]
+__all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "checked_by_crc", "write_slim", "copy_extra_entries"]
 
 # Base tensor hash for a dropped tensor: (the base tensor's name, sha256 of it upcast to the dtype).
 BaseHash = Callable[[DroppedTensor], tuple[str, str]]
+# The same with the CRC-32 of each row block given: (name, sha256, [crc32 per block]) (sources.hashing).
+BaseCrcs = Callable[[DroppedTensor, list], tuple[str, str, list]]
 
 
 @dataclass
@@ -89,6 +92,45 @@ def _row_block_payloads(ckpt: DcpCheckpoint, e: TensorEntry):
     return gen()
 
 
+def _row_block_chunks(e: TensorEntry):
+    """The non-empty chunks of `e` in row order when they are dim-0 row blocks tiling it, else None."""
+    chunks = sorted((c for c in e.chunks if c.numel), key=lambda c: c.offsets[0] if c.offsets else 0)
+    expect_row = 0
+    for c in chunks:
+        if not c.sizes or any(o != 0 for o in c.offsets[1:]) or c.sizes[1:] != e.shape[1:] \
+                or c.offsets[0] != expect_row:
+            return None
+        expect_row += c.sizes[0]
+    return chunks if e.shape and expect_row == e.shape[0] else None
+
+
+def checked_by_crc(ckpt: DcpCheckpoint, e: TensorEntry, d: DroppedTensor, base_crcs: BaseCrcs,
+                   crc_reader: DataCrcReader, base_path) -> str | None:
+    """A dropped tensor proven equal to its base upcast without reading its bytes: the CRC-32 each of its
+    items stores (read from the zip central directory, `DataCrcReader`) against that of the base's rows;
+    returns the upcast's sha256 (= the tensor's), or None when its layout is not row blocks (then it is
+    read and hashed as usual)."""
+    chunks = _row_block_chunks(e)
+    if chunks is None:
+        return None
+    size = itemsize(d.dtype)
+    try:
+        stored = [crc_reader.crc(lambda off, n, c=c: ckpt.read_item_bytes(c.file, off, n, e.key), c.offset, c.length,
+                                 c.numel * size) for c in chunks]
+    except ItemError:
+        return None
+    name, sha, got = base_crcs(d, [(c.offsets[0], c.sizes[0]) for c in chunks])
+    for c, want, have in zip(chunks, stored, got):
+        if want != have:
+            raise FormatError(
+                f"the base model's {name} upcast to {d.dtype} differs from the checkpoint's frozen tensor (rows "
+                f"{c.offsets[0]}..{c.offsets[0] + c.sizes[0]}: CRC-32 {have:#010x} vs the item's {want:#010x})",
+                path=base_path, key=d.key,
+                hint="this is not the base the run trained on (another revision?), or the tensor was trained; "
+                     "pass the right --base")
+    return sha
+
+
 def checkpoint_tensor_sha256(ckpt: DcpCheckpoint, e: TensorEntry) -> str:
     """sha256 of a checkpoint tensor's row-major bytes. Row-block chunks are hashed chunk by chunk
     straight from their items (memory: one chunk); any other layout is assembled first."""
@@ -113,15 +155,21 @@ def copy_extra_entries(src_dir: Path, dst_dir: Path, names) -> None:
 
 def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: dict | None,
                base_hash: BaseHash | None = None, base_path: Path | None = None,
-               progress: Progress | None = None, group=None, hash_threads: int = 1) -> SlimWritten:
+               progress: Progress | None = None, group=None, hash_threads: int = 1,
+               base_crcs: BaseCrcs | None = None) -> SlimWritten:
     """Write the slim of `ckpt` into the (new, empty) dir `out_dir`. With `base_hash`, every dropped
     tensor must hash equal to its base tensor's upcast, else nothing is finished (FormatError naming
     `base_path` and the key) and the manifest records the base as verified.
 
     Split over ranks (`group`, a `ckpt_tools.dist.Group` of 2+): each rank copies the kept items of
     its share of the output files and hashes its share of the dropped tensors; rank 0 gathers the
-    hashes and writes `.metadata`, the manifest and the extra entries."""
+    hashes and writes `.metadata`, the manifest and the extra entries.
+
+    With `base_crcs` (the checkpoint is remote and a base is given), a dropped tensor is not read: the
+    CRC-32 its items store is compared with the base's (`checked_by_crc`), and the manifest records the
+    base upcast's sha256, the same manifest a local slim writes from the tensor's own bytes."""
     t0 = time.perf_counter()
+    crc_reader = DataCrcReader()
     file_index = output_file_index(layout.data_files)
     files = max(1, len(layout.data_files))
     part = group.part if group is not None else SOLO
@@ -136,6 +184,7 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
     kept_crc: dict[str, int] = {}        # kept_item_id -> CRC-32 of the item's bytes, for the manifest
     try:
         done = 0
+        ckpt.files.hint((k.file, k.offset, k.length) for k in layout.kept if writer.owns(file_index[k.file]))
         for k in layout.kept:   # source order: sequential reads
             if not writer.owns(file_index[k.file]):
                 writer.skip(k.key)
@@ -155,6 +204,10 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
 
         def hash_one(i: int) -> str:
             d = layout.dropped[i]
+            if base_crcs is not None:
+                sha = checked_by_crc(ckpt, ckpt.entries[d.key], d, base_crcs, crc_reader, base_path)
+                if sha is not None:
+                    return sha
             got_ckpt = checkpoint_tensor_sha256(ckpt, ckpt.entries[d.key])
             if base_hash is not None:
                 name, got = base_hash(d)

@@ -1,0 +1,426 @@
+"""Remote inputs: a URL read by byte range through the same read side as a local file.
+
+`mount(url)` lists the object (or the tree of objects) at `url` once, pins each object's version
+(S3 ETag/VersionId, an HTTP ETag, the Hub's commit sha, a GCS generation) and stands a local shadow
+tree beside it in a private temp dir: every remote file is there as a sparse placeholder of its exact
+size, registered by inode. `inputs.open_input` opens the placeholder (checks unchanged: inside its
+tree, a regular file; the sparse check is skipped, the size is the remote one) and every
+`pread.pread_into` / `pread_exact` of that fd is served by `RemoteObject.read_into`: exactly the bytes
+asked for, by HTTP range request. So every format, source and op reads a URL without knowing it: what
+a command reads of a local checkpoint is what it fetches of a remote one, no more.
+
+A read is split into parts of `PART_BYTES`, fetched concurrently (at most `CONCURRENCY` requests in
+flight over the whole process, `CKPT_REMOTE_CONCURRENCY`); a part whose body breaks (connection
+dropped, a timeout, a 5xx/429) is retried with exponential backoff from the byte where it stopped
+(`RETRIES` attempts without progress, `CKPT_REMOTE_RETRIES`; timeout `CKPT_REMOTE_TIMEOUT` s). Every
+request carries the pinned version (If-Match, VersionId, the commit in the URL): an object rewritten
+mid-read is an error naming it, never a mix of two versions; `check_unchanged()` re-checks the
+version of every object read before an output is committed (for servers that ignore If-Match).
+
+The URL forms (parsed here only, `parse_url`): `hf://[datasets/|spaces/]org/name[@rev]/path` through
+huggingface_hub's `HfFileSystem`, `s3://bucket/key` (s3fs), `gs://bucket/key` (gcsfs), `http(s)://`
+(fsspec's HTTP) and any other protocol fsspec knows and has installed. Credentials come from each
+ecosystem's own configuration (HF_TOKEN / `hf auth login`; AWS_PROFILE, AWS_ACCESS_KEY_ID,
+AWS_ENDPOINT_URL; gcloud ADC), never a flag. The packages are the `remote` extra, imported only when
+a URL is used. Backends: `remote_backends.py`.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.errors import CkptError, FormatError, MissingFileError, UsageError
+
+__all__ = ["RemoteUrl", "RemoteObject", "RemoteChanged", "RemoteMissing", "RemoteDenied", "RemoteRetry",
+           "parse_url", "refuse_url_lookalike", "mount", "object_of_fd", "object_of_stat", "is_remote_path",
+           "active", "bytes_fetched", "mounted_bytes", "display", "add_display", "check_unchanged", "reset", "PART_BYTES",
+           "CONCURRENCY", "RETRIES", "settings"]
+
+PART_BYTES = 8 << 20
+RUN_BYTES = 16 << 20     # adjacent hinted ranges fetched as one request, up to this much
+CONCURRENCY = 8
+RETRIES = 5
+_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://(.*)$", re.S)
+_LOOKALIKE_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(/{0,1}[^/].*|/{3,}.*|)$", re.S)
+_LOCAL_SCHEMES = ("file", "local")
+# schemes whose look-alikes (`s3:/x`) are refused; any other `name:rest` is a local name with a colon
+_URL_SCHEMES = frozenset(("hf", "s3", "s3a", "gs", "gcs", "http", "https", "az", "abfs", "abfss", "adl", "oss", "r2",
+                          "ftp", "sftp", "ssh", "hdfs", "webhdfs", "dbfs", "lakefs", "github", "memory"))
+
+
+def settings() -> dict:
+    """(concurrency, retries, timeout_s, backoff_s) from the environment (tests shorten them)."""
+    def num(name, default, kind=float):
+        try:
+            return kind(os.environ.get(name, default))
+        except ValueError:
+            raise UsageError(f"{name}={os.environ[name]!r} is not a number", hint=f"unset {name}") from None
+    return {"concurrency": max(1, num("CKPT_REMOTE_CONCURRENCY", CONCURRENCY, int)),
+            "retries": max(0, num("CKPT_REMOTE_RETRIES", RETRIES, int)),
+            "timeout_s": max(0.1, num("CKPT_REMOTE_TIMEOUT", 60.0)),
+            "backoff_s": max(0.0, num("CKPT_REMOTE_BACKOFF", 0.5))}
+
+
+# ------------------------------------------------------------------------------------ URLs
+@dataclass(frozen=True)
+class RemoteUrl:
+    text: str        # as the user wrote it (trailing slashes dropped)
+    scheme: str      # lower case: hf, s3, gs, http, https, ...
+    path: str        # what follows `scheme://`
+
+    @property
+    def name(self) -> str:
+        """The last path component (the shadow tree's directory name)."""
+        tail = self.path.rstrip("/").rsplit("/", 1)[-1]
+        tail = tail.split("@", 1)[0] if self.scheme == "hf" and "/" not in self.path.rstrip("/") else tail
+        return re.sub(r"[^A-Za-z0-9._@-]", "_", tail) or self.scheme
+
+
+def parse_url(value) -> RemoteUrl | None:
+    """A URL (`scheme://...`, scheme of 2+ characters, not file://), else None (a local path)."""
+    if not isinstance(value, str):
+        value = os.fspath(value) if isinstance(value, os.PathLike) else None
+        if not isinstance(value, str):
+            return None
+    m = _URL_RE.match(value)
+    if not m or m.group(1).lower() in _LOCAL_SCHEMES:
+        return None
+    text = value.rstrip("/") if value.rstrip("/") != f"{m.group(1)}:" else value
+    return RemoteUrl(text, m.group(1).lower(), m.group(2).rstrip("/"))
+
+
+def refuse_url_lookalike(value) -> None:
+    """A path that is not a URL but looks like one (`s3:/bucket/x`, `hf:org/name`, `https:/host`) and
+    does not exist is refused: writing it would create a local dir named `s3:`."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str) or parse_url(text) or os.path.lexists(text):
+        return
+    m = _LOOKALIKE_RE.match(text)
+    if m and m.group(1).lower() in _URL_SCHEMES:
+        scheme = m.group(1).lower()
+        raise UsageError(f"{text!r} looks like a URL but is not one (a URL is `{scheme}://...`, two slashes); "
+                         "refusing to treat it as a local path", path=text,
+                         hint=f"write {scheme}://{m.group(2).lstrip('/')}, or ./{text} for a local path")
+
+
+# ------------------------------------------------------------------------------------ errors
+class RemoteChanged(Exception):
+    """The object's version is not the one pinned at open (412, another ETag or generation)."""
+
+
+class RemoteMissing(Exception):
+    """No such object (404)."""
+
+
+class RemoteDenied(Exception):
+    """Credentials missing or refused (401/403); the message names what to set."""
+
+
+class RemoteRetry(Exception):
+    """A transient failure (connection dropped, timeout, 5xx, 429): retried with backoff."""
+
+
+# ------------------------------------------------------------------------------------ objects
+@dataclass
+class RemoteObject:
+    """One remote file: its URL, size and version pinned at `mount`, read by range."""
+    url: str
+    size: int
+    version: str | None
+    backend: object                      # remote_backends.Backend
+    ref: object                          # what the backend needs to address it
+    fetched: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _runs: dict = field(default_factory=dict, repr=False)        # hinted range start -> its run's end
+    _cache: tuple | None = field(default=None, repr=False)       # (start, bytes) of the run being read
+    _run_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def hint(self, ranges) -> None:
+        """`ranges` ([(offset, length)]) are about to be read, in this order: consecutive ones that are
+        adjacent in the object are fetched as one request (a run, at most RUN_BYTES) when the first of
+        them is read, and served from it. Nothing outside the hinted ranges is ever fetched."""
+        spans = [(o, o + n) for o, n in ranges if n > 0]   # in the order they will be read
+        runs: dict[int, int] = {}
+        i = 0
+        while i < len(spans):
+            j, end = i, spans[i][1]
+            while j + 1 < len(spans) and spans[j + 1][0] == end and spans[j + 1][1] - spans[i][0] <= RUN_BYTES:
+                j += 1
+                end = spans[j][1]
+            if j > i:
+                runs[spans[i][0]] = end
+            i = j + 1
+        with self._run_lock:
+            self._runs.update(runs)
+
+    def read_into(self, buf, offset: int) -> None:
+        mv = memoryview(buf).cast("B")
+        n = len(mv)
+        if offset < 0 or offset + n > self.size:
+            from ..core.errors import TruncatedFileError
+            raise TruncatedFileError(f"bytes [{offset}, {offset + n}) lie beyond the end of the object "
+                                     f"({self.size} bytes)", path=self.url)
+        if (self._runs or self._cache is not None) and self._from_run(mv, offset, n):
+            return
+        self._fetch(mv, offset, n)
+
+    def _from_run(self, mv, offset: int, n: int) -> bool:
+        with self._run_lock:
+            c = self._cache
+            if c is not None and c[0] <= offset and offset + n <= c[0] + len(c[1]):
+                mv[:] = memoryview(c[1])[offset - c[0]:offset - c[0] + n]
+                if offset + n == c[0] + len(c[1]):
+                    self._cache = None
+                return True
+            end = self._runs.pop(offset, None)
+            if end is None or end <= offset + n:
+                return False
+            run = bytearray(end - offset)
+            self._fetch(memoryview(run), offset, len(run))
+            mv[:] = memoryview(run)[:n]
+            self._cache = (offset, run)
+            return True
+
+    def _fetch(self, mv, offset: int, n: int) -> None:
+        parts = [(s, min(s + PART_BYTES, n)) for s in range(0, n, PART_BYTES)]
+        if len(parts) <= 1:
+            if n:
+                self._part(mv, offset, 0, n)
+            return
+        futures = [_pool().submit(self._part, mv, offset, s, e) for s, e in parts]
+        for f in futures:
+            f.result()
+
+    def _part(self, mv, offset: int, start: int, end: int) -> None:
+        got = 0
+        want = end - start
+        cfg = settings()
+        failures = 0
+
+        def sink(chunk) -> None:
+            nonlocal got
+            k = len(chunk)
+            if got + k > want:
+                raise RemoteRetry(f"the server sent more than the {want} bytes asked for")
+            mv[start + got:start + got + k] = chunk
+            got += k
+            with self._lock:
+                self.fetched += k
+            _STATS.add(k)
+
+        while got < want:
+            before = got
+            try:
+                self.backend.fetch(self, offset + start + got, offset + end, sink, cfg["timeout_s"])
+                if got < want:
+                    raise RemoteRetry(f"the body ended after {got} of {want} bytes")
+            except RemoteChanged as exc:
+                raise FormatError(f"the object changed while it was being read (pinned version {self.version}, "
+                                  f"now {exc or 'another'}); nothing read from it is used", path=self.url,
+                                  hint="rerun once the writer has finished; a remote input must not change "
+                                       "during a command") from None
+            except RemoteMissing:
+                raise MissingFileError("the object is gone (it was listed when the command started)",
+                                       path=self.url, hint="it was deleted mid-read; rerun") from None
+            except RemoteDenied as exc:
+                raise UsageError(str(exc), path=self.url) from None
+            except RemoteRetry as exc:
+                failures = 0 if got > before else failures + 1
+                if failures > cfg["retries"]:
+                    raise CkptError(f"reading bytes [{offset + start + got}, {offset + end}) failed "
+                                    f"{failures} times in a row: {exc}", path=self.url,
+                                    hint="the server or the link is failing; retry later (CKPT_REMOTE_RETRIES, "
+                                         "CKPT_REMOTE_TIMEOUT raise the patience)") from None
+                time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
+
+
+class _Stats:
+    def __init__(self):
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.bytes += n
+
+
+_STATS = _Stats()
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=settings()["concurrency"], thread_name_prefix="ckpt-fetch")
+        return _POOL
+
+
+# ------------------------------------------------------------------------------------ the shadow trees
+_BY_INODE: dict[tuple[int, int], RemoteObject] = {}
+_MOUNTS: dict[str, tuple[Path, RemoteUrl]] = {}     # url text -> (shadow root, url)
+_SHADOW: list[Path] = []                             # the temp dirs holding shadow trees
+_MOUNT_LOCK = threading.Lock()
+
+
+def active() -> bool:
+    """Whether any URL is mounted in this process (the local-only fast path checks this first)."""
+    return bool(_BY_INODE)
+
+
+def object_of_stat(st: os.stat_result) -> RemoteObject | None:
+    return _BY_INODE.get((st.st_dev, st.st_ino)) if _BY_INODE else None
+
+
+def object_of_fd(fd: int) -> RemoteObject | None:
+    """The remote object behind `fd` (a placeholder opened by `inputs.open_input`), else None."""
+    if not _BY_INODE:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return _BY_INODE.get((st.st_dev, st.st_ino))
+
+
+def is_remote_path(path) -> bool:
+    if not _BY_INODE:
+        return False
+    real = os.path.realpath(path)
+    return any(real == str(root) or real.startswith(str(root) + os.sep) for root, _ in _MOUNTS.values())
+
+
+def _shadow_dir() -> Path:
+    d = Path(tempfile.mkdtemp(prefix="ckpt-remote-"))
+    _SHADOW.append(d)
+    if len(_SHADOW) == 1:
+        atexit.register(reset)
+    return d
+
+
+def mount(value, *, what: str = "input") -> Path:
+    """The local shadow path standing for the URL `value` (a file or a tree); listed and pinned once."""
+    url = parse_url(value)
+    if url is None:
+        raise UsageError(f"not a URL: {value!r}")
+    with _MOUNT_LOCK:
+        known = _MOUNTS.get(url.text)
+        if known is not None:
+            return known[0]
+        from .remote_backends import backend_for
+        backend = backend_for(url)
+        entries = _listed(backend, url)   # [(rel path or "" for the object itself, size, version, ref)]
+        root = _shadow_dir() / url.name
+        for rel, size, version, ref in entries:
+            p = root / rel if rel else root
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+            try:
+                os.ftruncate(fd, size)
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            shown = url.text + ("/" + rel if rel else "")
+            _BY_INODE[(st.st_dev, st.st_ino)] = RemoteObject(shown, size, version, backend, ref)
+        if not entries:
+            raise MissingFileError("no such file or directory (nothing at this URL)", path=url.text,
+                                   hint="check the bucket/repo, the revision and the path")
+        if root.is_dir():
+            os.chmod(root, 0o500)
+        _MOUNTS[url.text] = (root, url)
+        add_display(root, url.text)
+        return root
+
+
+def _listed(backend, url: RemoteUrl):
+    """`backend.list(url)`, transient failures retried with backoff as reads are."""
+    cfg, failures = settings(), 0
+    while True:
+        try:
+            return backend.list(url)
+        except RemoteRetry as exc:
+            failures += 1
+            if failures > cfg["retries"]:
+                raise CkptError(f"listing failed {failures} times in a row: {exc}", path=url.text,
+                                hint="the server or the link is failing; retry later") from None
+            time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
+        except RemoteDenied as exc:
+            raise UsageError(str(exc), path=url.text) from None
+        except RemoteMissing:
+            from ..core.errors import MissingPathError
+            raise MissingPathError(url.text) from None
+
+
+def bytes_fetched() -> int:
+    """Bytes received from every remote object so far (retried bytes counted again)."""
+    return _STATS.bytes
+
+
+def mounted_bytes() -> int:
+    """The total size of every mounted remote object (the inputs' size)."""
+    return sum(o.size for o in _BY_INODE.values())
+
+
+_DISPLAY: dict[str, str] = {}     # a local stand-in path -> the URL shown for it
+
+
+def add_display(local, url_text: str) -> None:
+    """Show `local` (a shadow tree, a staged output) as `url_text` in messages and reports."""
+    _DISPLAY[str(local)] = url_text
+    real = os.path.realpath(local)
+    if real != str(local):
+        _DISPLAY[real] = url_text
+
+
+def display(text):
+    """`text` (a string, or a JSON-able structure of them) with every local stand-in path shown as the
+    URL it stands for (errors, reports)."""
+    if not _DISPLAY:
+        return text
+    if isinstance(text, dict):
+        return {k: display(v) for k, v in text.items()}
+    if isinstance(text, (list, tuple)):
+        return type(text)(display(v) for v in text)
+    if not isinstance(text, str):
+        return text
+    for local in sorted(_DISPLAY, key=len, reverse=True):
+        if local in text:
+            text = text.replace(local, _DISPLAY[local])
+    return text
+
+
+def check_unchanged() -> None:
+    """Every object read so far still has the version pinned at open, else a FormatError naming it
+    (called before an output is committed)."""
+    for obj in list(_BY_INODE.values()):
+        if obj.fetched and obj.version is not None:
+            now = obj.backend.version_now(obj)
+            if now is not None and now != obj.version:
+                raise FormatError(f"the object changed while the command ran (version {obj.version} at open, "
+                                  f"{now} now); nothing was written", path=obj.url,
+                                  hint="rerun once the writer has finished")
+
+
+def reset() -> None:
+    """Forget every mount and remove the shadow trees (atexit; tests)."""
+    with _MOUNT_LOCK:
+        _BY_INODE.clear()
+        _MOUNTS.clear()
+        _DISPLAY.clear()
+        _STATS.bytes = 0
+        while _SHADOW:
+            d = _SHADOW.pop()
+            for dirpath, dirnames, _ in os.walk(d):
+                for name in dirnames:
+                    os.chmod(os.path.join(dirpath, name), stat.S_IRWXU)
+            shutil.rmtree(d, ignore_errors=True)

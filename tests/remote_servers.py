@@ -1,0 +1,413 @@
+"""Real servers on 127.0.0.1 for the remote tests (tests/test_remote.py), each counting the body
+bytes it serves:
+
+  - `HttpServer(root)`: files of a local dir over HTTP/1.1 with single byte ranges, ETags and
+    If-Match (412), directories as an HTML index; faults on demand (`faults`): 503 answers, a
+    connection dropped mid-body, a stalled body, a file rewritten after N range requests, auth.
+  - `HubServer(repos)`: the Hugging Face Hub endpoints HfFileSystem and HfApi call (repo info by
+    revision, the recursive tree, paths-info, resolve with ranges, preupload, commit), for
+    `HF_ENDPOINT`; each repo a local dir at one commit sha (a commit makes a new sha).
+  - `S3Server()`: moto's standalone S3 app (`moto[server]`) behind a counting WSGI middleware that
+    can also fire a callback on the first multipart part uploaded (the Ctrl-C test).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import json
+import re
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+__all__ = ["HttpServer", "HubServer", "S3Server"]
+
+
+class _Counting:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.bytes = 0
+        self.requests: list[tuple[str, str, int]] = []   # (method, path, body bytes)
+
+    def count(self, method, path, n):
+        with self.lock:
+            self.bytes += n
+            self.requests.append((method, path, n))
+
+    def reset(self):
+        with self.lock:
+            self.bytes = 0
+            self.requests.clear()
+
+
+def _etag(p: Path) -> str:
+    st = p.stat()
+    return '"' + hashlib.sha1(f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}".encode()).hexdigest()[:16] + '"'
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    server_obj = None   # set per server class
+
+    def log_message(self, *a):
+        pass
+
+    # ---- shared: send a file with ranges
+    def send_file(self, p: Path, *, head: bool, extra_headers: dict | None = None):
+        srv = self.server_obj
+        etag = _etag(p)
+        im = self.headers.get("If-Match")
+        if im and im != etag and im != "*":
+            return self.send_plain(412, "precondition failed")
+        size = p.stat().st_size
+        start, end, status = 0, size, 200
+        rng = self.headers.get("Range")
+        if rng:
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
+            if not m:
+                return self.send_plain(416, "bad range")
+            start = int(m.group(1))
+            end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+            if start >= size and size:
+                return self.send_plain(416, "range not satisfiable")
+            status = 206
+        self.send_response(status)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        for k, v in (extra_headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if head:
+            return
+        f = srv.faults
+        with open(p, "rb") as fh:
+            fh.seek(start)
+            left, sent = end - start, 0
+            while left:
+                chunk = fh.read(min(left, 64 * 1024))
+                if not chunk:
+                    break
+                if f.get("drop_after") is not None and sent + len(chunk) > f["drop_after"] and f.get("drops", 0) > 0:
+                    cut = max(0, f["drop_after"] - sent)
+                    self.wfile.write(chunk[:cut])
+                    srv.counter.count("GET", self.path, sent + cut)
+                    f["drops"] -= 1
+                    self.close_connection = True
+                    self.wfile.flush()
+                    self.connection.shutdown(2)
+                    return
+                if f.get("stall_s") and f.get("stalls", 0) > 0:
+                    f["stalls"] -= 1
+                    time.sleep(f["stall_s"])
+                self.wfile.write(chunk)
+                sent += len(chunk)
+                left -= len(chunk)
+        srv.counter.count("GET", self.path, sent)
+        hook = srv.faults.get("after_get")
+        if hook:
+            hook(self.path)
+
+    def send_plain(self, status, text, headers=None):
+        body = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Type", "text/plain")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_json(self, obj, status=200, headers=None):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Type", "application/json")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def injected_fault(self) -> bool:
+        f = self.server_obj.faults
+        if f.get("status_503", 0) > 0:
+            f["status_503"] -= 1
+            self.send_plain(503, "slow down")
+            return True
+        tok = f.get("require_token")
+        given = self.headers.get("Authorization")
+        if tok and given != f"Bearer {tok}":   # as the Hub answers: a wrong token, or none for a private repo
+            if given:
+                self.send_plain(401, "Invalid credentials in Authorization header")
+            else:
+                self.send_plain(401, "Repository not found", {"X-Error-Code": "RepoNotFound"})
+            return True
+        return False
+
+
+class _Server:
+    hub = False
+
+    def __init__(self):
+        self.counter = _Counting()
+        self.faults: dict = {}
+        handler = type("H", (self.handler_base(),), {"server_obj": self})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def handler_base(self):
+        return _Handler
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# ------------------------------------------------------------------------------------ plain HTTP
+class _HttpHandler(_Handler):
+    def do_HEAD(self):
+        self.serve(head=True)
+
+    def do_GET(self):
+        self.serve(head=False)
+
+    def serve(self, head):
+        if self.injected_fault():
+            return
+        rel = urllib.parse.unquote(urllib.parse.urlparse(self.path).path).lstrip("/")
+        p = (self.server_obj.root / rel) if rel else self.server_obj.root
+        if ".." in Path(rel).parts or not p.exists():
+            return self.send_plain(404, "not found")
+        if p.is_dir():
+            links = "".join(f'<a href="{html.escape(c.name)}{"/" if c.is_dir() else ""}">{html.escape(c.name)}</a>\n'
+                            for c in sorted(p.iterdir()))
+            body = f"<html><body>\n{links}</body></html>".encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+            return
+        self.send_file(p, head=head)
+
+
+class HttpServer(_Server):
+    def __init__(self, root):
+        self.root = Path(root)
+        super().__init__()
+
+    def handler_base(self):
+        return _HttpHandler
+
+
+# ------------------------------------------------------------------------------------ the Hub
+class _HubHandler(_Handler):
+    def _repo(self, kind, org, name):
+        return self.server_obj.repos.get(f"{org}/{name}") if kind in ("models", None) else None
+
+    def do_HEAD(self):
+        self.route("HEAD")
+
+    def do_GET(self):
+        self.route("GET")
+
+    def do_POST(self):
+        self.route("POST")
+
+    def route(self, method):
+        if self.injected_fault():
+            return
+        srv = self.server_obj
+        u = urllib.parse.urlparse(self.path)
+        path = urllib.parse.unquote(u.path)
+        q = urllib.parse.parse_qs(u.query)
+        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)(?:/revision/([^/]+))?", path)
+        if m and method == "GET":
+            repo = srv.repos.get(f"{m[1]}/{m[2]}")
+            if repo is None:
+                return self.send_json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
+            if m[3] not in (repo["sha"], "main", None):
+                return self.send_json({"error": "Invalid rev id"}, 404, {"X-Error-Code": "RevisionNotFound"})
+            sib = [{"rfilename": r} for r, _ in srv.files(repo)]
+            return self.send_json({"id": f"{m[1]}/{m[2]}", "sha": repo["sha"], "siblings": sib, "private": False,
+                                   "lastModified": "2026-01-01T00:00:00.000Z"})
+        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/tree/([^/]+)(?:/(.*))?", path)
+        if m and method == "GET":
+            repo = srv.repos.get(f"{m[1]}/{m[2]}")
+            if repo is None:
+                return self.send_json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
+            sub = (m[4] or "").strip("/")
+            recursive = q.get("recursive", ["false"])[0].lower() in ("true", "1")
+            base = repo["dir"] / sub if sub else repo["dir"]
+            if not base.is_dir():
+                return self.send_json({"error": "not a dir"}, 404, {"X-Error-Code": "EntryNotFound"})
+            return self.send_json(srv.tree(repo, sub, recursive))
+        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/paths-info/([^/]+)", path)
+        if m and method == "POST":
+            repo = srv.repos.get(f"{m[1]}/{m[2]}")
+            form = self._form()
+            paths = form.get("paths", [])
+            out = []
+            for rel in paths:
+                p = repo["dir"] / rel
+                if p.is_file():
+                    out.append(srv.entry(repo, rel))
+                elif p.is_dir():
+                    out.append({"type": "directory", "path": rel, "oid": "0" * 40})
+            return self.send_json(out)
+        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/preupload/([^/]+)", path)
+        if m and method == "POST":
+            body = json.loads(self._body() or b"{}")
+            return self.send_json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                             for f in body.get("files", [])]})
+        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/([^/]+)", path)
+        if m and method == "POST":
+            return self._commit(srv.repos[f"{m[1]}/{m[2]}"], f"{m[1]}/{m[2]}")
+        m = re.fullmatch(r"/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)
+        if m and method in ("GET", "HEAD"):
+            repo = srv.repos.get(f"{m[1]}/{m[2]}")
+            if repo is None:
+                return self.send_json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
+            if m[3] not in (repo["sha"], "main"):
+                return self.send_json({"error": "Invalid rev id"}, 404, {"X-Error-Code": "RevisionNotFound"})
+            p = repo["dir"] / m[4]
+            if not p.is_file():
+                return self.send_json({"error": "Entry not found"}, 404, {"X-Error-Code": "EntryNotFound"})
+            return self.send_file(p, head=method == "HEAD", extra_headers={"X-Repo-Commit": repo["sha"]})
+        if not path.startswith("/api/agent-harnesses"):   # (huggingface_hub asks; not an endpoint we serve)
+            srv.unknown.append((method, self.path))
+        return self.send_json({"error": f"not implemented by the test hub: {method} {path}"}, 404)
+
+    def _body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _form(self) -> dict:
+        raw = self._body()
+        if self.headers.get("Content-Type", "").startswith("application/json"):
+            return json.loads(raw)
+        return {k: v for k, v in urllib.parse.parse_qs(raw.decode()).items()}
+
+    def _commit(self, repo, repo_id):
+        srv = self.server_obj
+        lines = [json.loads(x) for x in self._body().decode().splitlines() if x.strip()]
+        adds, deletes = [], []
+        for ln in lines:
+            if ln["key"] == "file":
+                adds.append((ln["value"]["path"], base64.b64decode(ln["value"]["content"])))
+            elif ln["key"] in ("deletedFile", "deletedFolder"):
+                deletes.append(ln["value"]["path"])
+            elif ln["key"] == "lfsFile":
+                return self.send_json({"error": "LFS is not implemented by the test hub"}, 400)
+        for rel, data in adds:
+            p = repo["dir"] / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        for rel in deletes:
+            p = repo["dir"] / rel
+            if p.is_file():
+                p.unlink()
+        repo["sha"] = hashlib.sha1(f"{repo['sha']}{time.time_ns()}".encode()).hexdigest()
+        srv.commits.append([r for r, _ in adds])
+        return self.send_json({"commitUrl": f"{srv.url}/{repo_id}/commit/{repo['sha']}", "commitOid": repo["sha"],
+                               "commitMessage": "", "pullRequestUrl": None})
+
+
+class HubServer(_Server):
+    hub = True
+
+    def __init__(self, repos: dict[str, Path]):
+        """`repos`: repo id -> a local dir holding its files (the dir is the repo: commits write into it)."""
+        self.repos = {rid: {"dir": Path(d), "sha": hashlib.sha1(rid.encode()).hexdigest()} for rid, d in repos.items()}
+        self.commits: list[list[str]] = []
+        self.unknown: list = []
+        super().__init__()
+
+    def handler_base(self):
+        return _HubHandler
+
+    @staticmethod
+    def files(repo):
+        return sorted((p.relative_to(repo["dir"]).as_posix(), p) for p in repo["dir"].rglob("*") if p.is_file())
+
+    def entry(self, repo, rel):
+        p = repo["dir"] / rel
+        oid = hashlib.sha1(p.read_bytes()).hexdigest()
+        return {"type": "file", "path": rel, "size": p.stat().st_size, "oid": oid}
+
+    def tree(self, repo, sub, recursive):
+        base = repo["dir"] / sub if sub else repo["dir"]
+        items = base.rglob("*") if recursive else base.iterdir()
+        out = []
+        for p in sorted(items):
+            rel = p.relative_to(repo["dir"]).as_posix()
+            if p.is_dir():
+                out.append({"type": "directory", "path": rel, "oid": "0" * 40})
+            else:
+                out.append(self.entry(repo, rel))
+        return out
+
+
+# ------------------------------------------------------------------------------------ S3 (moto)
+class S3Server:
+    """moto's S3 app, served threaded on 127.0.0.1, every GET body counted."""
+
+    def __init__(self):
+        from moto.server import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import WSGIRequestHandler, make_server
+
+        class Handler(WSGIRequestHandler):
+            disable_nagle_algorithm = True   # else each small response waits out a delayed ACK (~40 ms)
+
+            def log_request(self, *a, **k):
+                pass
+        self.counter = _Counting()
+        self.on_upload_part = None
+        self.after_get = None
+        app = DomainDispatcherApplication(create_backend_app)
+        counter = self
+
+        def middleware(environ, start_response):
+            q = environ.get("QUERY_STRING", "")
+            if environ["REQUEST_METHOD"] == "PUT" and "uploadId=" in q and "partNumber=" in q and counter.on_upload_part:
+                cb, counter.on_upload_part = counter.on_upload_part, None
+                cb()
+            body = app(environ, start_response)
+            if environ["REQUEST_METHOD"] != "GET" or q:   # an object's body (a listing has a query)
+                return body
+            if counter.after_get is not None:
+                counter.after_get(environ.get("PATH_INFO", ""))
+            return counter._count(environ.get("PATH_INFO", ""), body)
+
+        self.httpd = make_server("127.0.0.1", 0, middleware, threaded=True, request_handler=Handler)
+        self.port = self.httpd.server_port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def _count(self, path, body):
+        n = 0
+        try:
+            for chunk in body:
+                n += len(chunk)
+                yield chunk
+        finally:
+            self.counter.count("GET", path, n)
+            if hasattr(body, "close"):
+                body.close()
+
+    def close(self):
+        self.httpd.shutdown()
+
