@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c ckpt_t
 	# torch first and pinned: where pip's config serves the CPU build (our dev and CI machines) this
 	# takes it; elsewhere PyPI's Linux wheel is the CUDA build unless TORCH_PIP_ARGS points at a CPU index.
 	$(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,remote,remote-test]'
 	touch $@
 
 install: $(VENV)/.installed
