@@ -230,14 +230,14 @@ def doctor(target: str | Path | None = None, **options) -> DoctorReport:
 def average(inputs: list[str | Path], out: str | Path, *, weights: list[float] | None = None, ema: float | None = None,
             rank: int | None = None, energy: float | None = None, merge: str | Path | None = None,
             dtype: str | None = None, allow_mismatch: tuple[str, ...] = (), alpha: float | None = None,
-            dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
+            layout: str = "peft", dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
             progress: Progress | None = None) -> AverageReport | AverageMergeReport:
     """The weighted mean of LoRA steps (DCP checkpoints, PEFT adapters) in delta space, as a PEFT adapter
     at `out` (`ckpt average`), exact at rank sum(r_i) or brought down by `rank` / `energy`; with `merge`
     (an HF base), the merged model instead (`.result` None in a dry run). docs/delta-space.md."""
     options = AverageOptions(out=str(out), weights=None if weights is None else tuple(float(w) for w in weights),
                              ema=ema, rank=rank, energy=energy, allow=frozenset(allow_mismatch), alpha=alpha,
-                             trust_pickle=trust_pickle)
+                             trust_pickle=trust_pickle, layout=layout)
     if merge is not None:
         return average_merge(list(inputs), merge, out, options=options,
                              merge_options=MergeOptions(dtype=dtype, trust_pickle=trust_pickle), dry_run=dry_run,
@@ -248,12 +248,12 @@ def average(inputs: list[str | Path], out: str | Path, *, weights: list[float] |
 
 
 def resize_adapter(adapter: str | Path, out: str | Path, *, rank: int | None = None, energy: float | None = None,
-                   alpha: float | None = None, dry_run: bool = False, overwrite: bool = False,
+                   alpha: float | None = None, layout: str = "peft", dry_run: bool = False, overwrite: bool = False,
                    trust_pickle: bool = False, progress: Progress | None = None) -> ResizeReport:
     """Each module of `adapter` (PEFT dir or DCP checkpoint) at its best rank `rank` (or the smallest rank
     keeping `energy` of its squared norm), written as a PEFT adapter at `out` (`ckpt resize-adapter`);
     `.plan.truncations` has each module's kept energy and error."""
-    options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle)
+    options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle, layout=layout)
     with open_resize_sources(adapter, options) as src:
         plan = plan_resize(src, options)
         return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)

@@ -5,6 +5,7 @@ safetensors and loaded by PEFT; the merged average is compared with `ckpt merge`
 from __future__ import annotations
 
 import json
+import re
 import math
 
 import pytest
@@ -320,20 +321,53 @@ def test_runs_that_train_different_full_tensors_are_refused_even_when_targets_ma
 def test_moe_average_and_resize_are_exact_per_expert(moe, tmp_path):
     spec, run = moe
     ckpts = [run.checkpoints[s] for s in (1, 2, 3)]
-    avg = ckpt("average", *ckpts, tmp_path / "avg")["result"]
+    avg = ckpt("average", *ckpts, tmp_path / "avg", "--layout", "prime-rl")["result"]   # per-expert modules
     steps = [dcp_deltas(c, spec) for c in ckpts]
     got = peft_deltas(tmp_path / "avg")
     experts = [m for m in got if ".experts." in m]
     assert len(experts) == spec.num_layers * spec.num_experts * 3 and avg["modules"] == len(got) == len(steps[0])
     for m, d in got.items():
         assert rel(d, sum(st[m] for st in steps) / 3) < 1e-6, m
-    res = ckpt("resize-adapter", ckpts[-1], tmp_path / "r2", "--rank", 2)["result"]
+    res = ckpt("resize-adapter", ckpts[-1], tmp_path / "r2", "--rank", 2, "--layout", "prime-rl")["result"]
     small = peft_deltas(tmp_path / "r2")
     for m in experts:
         sv = torch.linalg.svdvals(steps[-1][m])
         err = float(sv[2:].square().sum().sqrt())
         assert res["truncations"][m]["error"] == pytest.approx(err, rel=1e-6), m
         assert float((steps[-1][m] - small[m]).norm()) == pytest.approx(err, rel=1e-6), m
+
+
+def test_moe_average_in_the_peft_layout_loads_in_peft_and_applies_every_expert(moe, tmp_path):
+    """The default layout: gate and up of every expert as PEFT's fused expert LoRA (target_parameters). The
+    same factors as the per-expert layout, read back by ckpt's reader; PEFT applies them: its logits are
+    an fp32 merge's of the average, far from the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ckpt_tools.sources.lora import PeftLoraSource
+
+    spec, run = moe
+    ckpts = [run.checkpoints[s] for s in (1, 2, 3)]
+    for layout in ("peft", "prime-rl"):
+        ckpt("average", *ckpts, tmp_path / layout, "--layout", layout)
+    cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    keys = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert cfg["target_parameters"] and not any(re.search(r"\.experts\.\d+\.", k) for k in keys), sorted(keys)[:4]
+    with PeftLoraSource(tmp_path / "peft") as fused, PeftLoraSource(tmp_path / "prime-rl") as per_expert:
+        assert sorted(fused.modules) == sorted(per_expert.modules)
+        for m in per_expert.modules:
+            for x, y in zip(fused.read_pair(m), per_expert.read_pair(m)):
+                assert torch.equal(x, y), m
+    ckpt("merge", run.base_model, tmp_path / "peft", tmp_path / "merged", "--dtype", "fp32")
+    ids = torch.arange(0, 24).remainder(spec.vocab_size).reshape(2, 12)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(run.base_model), dtype=torch.float32).eval()
+        base_logits = base(input_ids=ids).logits
+        peft_logits = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+        merged_logits = merged(input_ids=ids).logits
+    moved = float((merged_logits - base_logits).abs().max())
+    assert moved > 1e-3 and float((peft_logits - merged_logits).abs().max()) < 1e-3 * moved
 
 
 # ------------------------------------------------------------------------------------ refusals

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..core.delta_math import ema_weights, normalize_weights
 from ..core.errors import FormatError, UsageError
+from ..core.keys import DEFAULT_LAYOUT
 from ..core.progress import Progress
 from ..formats.dcp.layout import is_checkpoint_path
 from ..formats.peft.writer import OutTensor, safetensors_file_bytes, write_adapter
@@ -44,6 +45,7 @@ class AverageOptions:
     allow: frozenset[str] = frozenset()          # of MISMATCH_KINDS: what may differ between the inputs
     alpha: float | None = None                   # of the DCP inputs (over their run config's); adapters keep theirs
     trust_pickle: bool = False
+    layout: str = DEFAULT_LAYOUT                 # how MoE expert LoRA is written (core.keys.LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,7 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
         src.truncate_to(rank=options.rank, energy=options.energy)
     sources.delta = src
     tensors, cfg, full_warnings = peft_outputs(src, base_model_name_or_path=facts[0].base,
-                                               target_modules=shared_peft_targets(srcs))
+                                               target_modules=shared_peft_targets(srcs), layout=options.layout)
     return AveragePlan(
         out=str(options.out), method=method, ema=options.ema, inputs=tuple(facts), rank_rule=rule,
         modules=len(src.modules), modules_to_save=tuple(src.full_tensors), ranks={m: s.rank for m, s in src.modules.items()},

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import UsageError
+from ..core.keys import DEFAULT_LAYOUT
 from ..core.progress import Progress
 from ..formats.peft.writer import OutTensor, safetensors_file_bytes, write_adapter
 from ..sources.delta import DeltaSource, Term, lora_base_name, peft_outputs, shared_peft_targets
@@ -31,6 +32,7 @@ class ResizeOptions:
     energy: float | None = None
     alpha: float | None = None          # a DCP input without a run config
     trust_pickle: bool = False
+    layout: str = DEFAULT_LAYOUT        # how MoE expert LoRA is written (core.keys.LAYOUTS)
 
 
 def open_resize_sources(path: str | Path, options: ResizeOptions) -> DeltaSource:
@@ -77,7 +79,8 @@ def plan_resize(src: DeltaSource, options: ResizeOptions) -> ResizePlan:
         raise UsageError("pass exactly one of --rank K or --energy E", hint="e.g. --rank 8 or --energy 0.99")
     inner = src.inputs[0]
     truncs = src.truncate_to(rank=options.rank, energy=options.energy)
-    tensors, cfg, full_warnings = peft_outputs(src, base_model_name_or_path=lora_base_name(inner), target_modules=shared_peft_targets([inner]))
+    tensors, cfg, full_warnings = peft_outputs(src, base_model_name_or_path=lora_base_name(inner),
+                                               target_modules=shared_peft_targets([inner]), layout=options.layout)
     total = sum(t.energy_total for t in truncs.values())
     kept = sum(t.energy_kept for t in truncs.values())
     warnings = list(inner.warnings) + list(full_warnings)

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from ..core.delta_math import Truncation, stack_terms, truncate
-from ..core.errors import CkptError, FormatError
-from ..core.keys import PROGRESS_STEP_KEY
+from ..core.errors import CkptError, FormatError, UsageError
+from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, PROGRESS_STEP_KEY, expert_parts
 from ..formats.peft.config import PEFT_PREFIX
+from ..formats.peft.experts import build_fused, fused_config, plan_fused
 from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
     target_modules_for
 from .base import TensorFacts
@@ -58,6 +59,7 @@ class DeltaSource(LoraSource):
         # modules_to_save (trained full tensors): sum_i coef_i * T_i, no LoRA scale; HF name -> our key
         self.full_terms = {n: tuple(t) for n, t in sorted((full_terms or {}).items())}
         self.full_tensors = {n: n + FULL_SUFFIX for n in self.full_terms}
+        self.fused: dict[str, tuple] = {}   # output key -> (FusedParam, "A" | "B"), set by `peft_outputs`
         self._full_facts: dict[str, tuple[int, ...]] = {}
         for n, ts in self.full_terms.items():
             shapes = {tuple(self.inputs[t.input].key_facts(self.inputs[t.input].full_tensors[n]).shape) for t in ts}
@@ -134,6 +136,9 @@ class DeltaSource(LoraSource):
         return a if ab == "A" else b
 
     def read_key(self, key: str) -> torch.Tensor:
+        if key in self.fused:   # a fused expert LoRA (the peft layout): placed from every expert's factors
+            f, ab = self.fused[key]
+            return build_fused(f, ab, self.read_factor)
         if key.endswith(FULL_SUFFIX):
             return self.full(key[:-len(FULL_SUFFIX)]).to(torch.float32)
         module, ab = key.rsplit(".lora_", 1)
@@ -220,24 +225,44 @@ def shared_peft_targets(srcs: list[LoraSource]) -> list[str] | None:
     return lists[0] if all(x == lists[0] for x in lists) and isinstance(lists[0], list) else None
 
 
-def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, target_modules: list[str] | None = None
-                 ) -> tuple[tuple[OutTensor, ...], dict, tuple[str, ...]]:
+def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, target_modules: list[str] | None = None,
+                 layout: str = DEFAULT_LAYOUT) -> tuple[tuple[OutTensor, ...], dict, tuple[str, ...]]:
     """The tensors (fp32, sorted by key), adapter_config.json and warnings of `src` as a PEFT adapter: each
     module at its own rank with scale 1 (lora_alpha = r; modules at another rank than the most common one
     in rank_pattern / alpha_pattern); trained full tensors under their exact module names in
-    modules_to_save (as `ckpt extract-adapter` writes them)."""
-    ranks = {m: spec.rank for m, spec in src.modules.items()}
-    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 1
+    modules_to_save (as `ckpt extract-adapter` writes them). `layout` (`core.keys.LAYOUTS`): grouped-expert
+    modules as PEFT's fused expert LoRA (`peft`, `formats.peft.experts`: gate and up one exact block LoRA; it
+    needs one rank across the experts of a projection, as an exact average or `--rank K` gives) or per expert
+    (`vllm`, `prime-rl`); a dense LoRA is the same file in every layout."""
+    if layout not in LAYOUTS:
+        raise UsageError(f"--layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    experts = [m for m in src.modules if expert_parts(m) is not None]
+    try:
+        fused = plan_fused({m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in experts}, src.path) \
+            if layout == "peft" and experts else []
+    except FormatError as exc:   # --energy gave the experts of one projection different ranks
+        raise FormatError(exc.message, path=src.path,
+                          hint="PEFT's fused expert LoRA needs one rank across the experts: pass --rank K instead "
+                               "of --energy, or --layout vllm (per-expert modules)") from None
+    per_module = [m for m in src.modules if not fused or m not in set(experts)]
+    ranks = {m: src.modules[m].rank for m in per_module}
+    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else (fused[0].part_rank if fused else 1)
     others = {m: k for m, k in sorted(ranks.items()) if k != r}
     targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
+    if fused:   # the expert modules are reached through target_parameters, not target_modules
+        targets = target_modules_for(sorted(per_module), None)[0] if per_module else []
     mts = exact_modules_to_save(sorted(src.full_tensors), None) if src.full_tensors else []
     cfg = peft_config(r=r, lora_alpha=float(r), target_modules=targets,
-                      base_model_name_or_path=base_model_name_or_path, modules_to_save=mts or None)
+                      base_model_name_or_path=base_model_name_or_path, modules_to_save=mts or None,
+                      fused=fused_config(fused, 1.0) if fused else None)
     cfg["fan_in_fan_out"] = any(spec.fan_in_fan_out for spec in src.modules.values())
-    cfg["rank_pattern"] = dict(others)
-    cfg["alpha_pattern"] = {m: float(k) for m, k in others.items()}
-    outs = [OutTensor(peft_key(m, ab), spec.a_shape if ab == "A" else spec.b_shape, "fp32", f"{m}.lora_{ab}")
-            for m, spec in src.modules.items() for ab in "AB"]
+    cfg["rank_pattern"] = {**cfg.get("rank_pattern", {}), **others}
+    cfg["alpha_pattern"] = {**cfg.get("alpha_pattern", {}), **{m: float(k) for m, k in others.items()}}
+    outs = [OutTensor(peft_key(m, ab), src.modules[m].a_shape if ab == "A" else src.modules[m].b_shape, "fp32",
+                      f"{m}.lora_{ab}") for m in per_module for ab in "AB"]
+    outs += [OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, "fp32", f.source(ab))
+             for f in fused for ab in "AB"]
+    src.fused = {f.source(ab): (f, ab) for f in fused for ab in "AB"}
     outs += [OutTensor(PEFT_PREFIX + n, src.key_facts(key).shape, "fp32", key) for n, key in src.full_tensors.items()]
     warning = full_tensor_warning(mts)
     return tuple(sorted(outs, key=lambda t: t.name)), cfg, (warning,) if warning else ()

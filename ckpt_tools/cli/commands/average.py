@@ -43,13 +43,16 @@ def parse_weights(text: str | None) -> tuple[float, ...] | None:
 @click.option("--allow-mismatch", "allow", multiple=True, type=click.Choice(MISMATCH_CHOICES),
               help="Average inputs that differ in this (repeatable): base (base model name), targets (a module "
                    "missing from an input is a zero delta there), alpha (each input keeps its own scale).")
+@click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", metavar="LAYOUT",
+              help="peft (default), vllm or prime-rl: how MoE expert LoRA is written (as extract-adapter --layout); "
+                   "a dense LoRA is the same file in every layout.")
 @click.option("--alpha", type=float, help="LoRA alpha the DCP inputs trained with (default: each run's config); "
               "PEFT adapters keep their own.")
 @overwrite_option
 @dry_run_option
 @json_option
 @trust_option
-def command(paths, weights, ema, rank, energy, merge_base, dtype, allow, alpha, overwrite, dry_run, as_json,
+def command(paths, weights, ema, rank, energy, merge_base, dtype, allow, layout, alpha, overwrite, dry_run, as_json,
             trust_pickle) -> None:
     """Average LoRA steps of one run in delta space; write a PEFT adapter (or, with --merge, the merged model).
 
@@ -78,7 +81,7 @@ def command(paths, weights, ema, rank, energy, merge_base, dtype, allow, alpha, 
         from ...ops.average import AverageOptions, AverageReport, open_average_sources, plan_average, run_average
     warn_trust(trust_pickle)
     options = AverageOptions(out=str(out), weights=parse_weights(weights), ema=ema, rank=rank, energy=energy,
-                             allow=frozenset(allow), alpha=alpha, trust_pickle=trust_pickle)
+                             allow=frozenset(allow), alpha=alpha, trust_pickle=trust_pickle, layout=layout)
     if merge_base is not None:
         with op_imports():
             from ...ops.merge import MergeOptions

@@ -21,12 +21,15 @@ __all__ = ["command"]
 @click.option("--rank", type=click.IntRange(min=1), help="Each module's best rank-K delta (Eckart-Young).")
 @click.option("--energy", type=float, metavar="E", help="Each module at the smallest rank keeping E (e.g. 0.99) of "
               "its squared Frobenius norm.")
+@click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", metavar="LAYOUT",
+              help="peft (default), vllm or prime-rl: how MoE expert LoRA is written (as extract-adapter --layout); "
+                   "a dense LoRA is the same file in every layout.")
 @click.option("--alpha", type=float, help="LoRA alpha of a DCP checkpoint whose run config cannot be found.")
 @overwrite_option
 @dry_run_option
 @json_option
 @trust_option
-def command(adapter: Path, out: Path, rank, energy, alpha, overwrite: bool, dry_run: bool, as_json: bool,
+def command(adapter: Path, out: Path, rank, energy, layout, alpha, overwrite: bool, dry_run: bool, as_json: bool,
             trust_pickle: bool) -> None:
     """Bring each LoRA module of an adapter to its best lower rank; write a PEFT adapter.
 
@@ -45,7 +48,8 @@ def command(adapter: Path, out: Path, rank, energy, alpha, overwrite: bool, dry_
     with op_imports():
         from ...ops.resize_adapter import ResizeOptions, ResizeReport, open_resize_sources, plan_resize, run_resize
     warn_trust(trust_pickle)
-    options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle)
+    options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle,
+                            layout=layout)
     report = plan_and_run(lambda: open_resize_sources(adapter, options), lambda s: plan_resize(s, options),
                           lambda plan, s, progress: run_resize(plan, s, progress, overwrite=overwrite),
                           ResizeReport, dry_run=dry_run)
