@@ -81,3 +81,25 @@ def test_export_of_an_moe_full_finetune_converts_the_prime_format_weights(tmp_pa
     assert r.exit_code == 0, r.output
     assert_equal_files(out, p.expected_hf)
     assert "model.layers.0.mlp.experts.0.gate_proj.weight" in load_file(out / "model.safetensors")
+
+
+def test_a_tied_runs_extracted_adapter_applies_in_peft(tmp_path, runs):
+    """The tied dense run's adapter (the default layout) loaded by the pinned PEFT on the tied base: its logits
+    are the expected merged model's (to its bf16 rounding) and far from the base's (the delta is applied)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    p = runs("dense-tied-world3")
+    ad = tmp_path / "adapter"
+    r = run("extract-adapter", p.checkpoint, ad, "--base", p.base_model)
+    assert r.exit_code == 0, r.output
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(p.base_model), dtype=torch.float32).eval()
+        assert base.config.tie_word_embeddings
+        ids = torch.arange(24).remainder(base.config.vocab_size).reshape(2, 12)
+        base_logits = base(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(p.expected_hf), dtype=torch.float32).eval()
+        merged_logits = merged(input_ids=ids).logits
+        peft_logits = PeftModel.from_pretrained(base, str(ad)).eval()(input_ids=ids).logits
+    moved = float((merged_logits - base_logits).abs().max())
+    assert moved > 1e-3 and float((peft_logits - merged_logits).abs().max()) < 0.1 * moved, moved
