@@ -25,7 +25,7 @@ from ..core.errors import FormatError, UsageError
 from ..core.keys import DEFAULT_LAYOUT
 from ..core.progress import Progress
 from ..formats.dcp.layout import is_checkpoint_path
-from ..formats.peft.writer import OutTensor, safetensors_file_bytes, write_adapter
+from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_bytes, write_adapter
 from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, shared_peft_targets
 from ..sources.lora import LoraSource, open_lora_source
 
@@ -249,18 +249,8 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
 
 
 @dataclass(frozen=True)
-class AverageReport:
+class AverageReport(AdapterDirReport):
     plan: AveragePlan
-    written_file_bytes: int | None = None     # None: a dry run
-    seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        rep = self.plan.to_json()
-        if self.written_file_bytes is None:
-            rep["dry_run"] = True
-        else:
-            rep.update(written_file_bytes=self.written_file_bytes, seconds=self.seconds)
-        return rep
 
 
 def run_average(plan: AveragePlan, sources: AverageSources, progress: Progress | None = None, *,

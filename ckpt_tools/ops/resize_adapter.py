@@ -18,7 +18,7 @@ from pathlib import Path
 from ..core.errors import UsageError
 from ..core.keys import DEFAULT_LAYOUT
 from ..core.progress import Progress
-from ..formats.peft.writer import OutTensor, safetensors_file_bytes, write_adapter
+from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_bytes, write_adapter
 from ..sources.delta import DeltaSource, Term, lora_base_name, peft_outputs, shared_peft_targets
 from ..sources.lora import open_lora_source
 
@@ -98,18 +98,8 @@ def plan_resize(src: DeltaSource, options: ResizeOptions) -> ResizePlan:
 
 
 @dataclass(frozen=True)
-class ResizeReport:
+class ResizeReport(AdapterDirReport):
     plan: ResizePlan
-    written_file_bytes: int | None = None     # None: a dry run
-    seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        rep = self.plan.to_json()
-        if self.written_file_bytes is None:
-            rep["dry_run"] = True
-        else:
-            rep.update(written_file_bytes=self.written_file_bytes, seconds=self.seconds)
-        return rep
 
 
 def run_resize(plan: ResizePlan, src: DeltaSource, progress: Progress | None = None, *,

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from .config import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
 
 __all__ = ["PEFT_CONFIG_DEFAULTS", "SAFETENSORS_METADATA", "peft_key", "peft_config", "config_json",
            "target_modules_for", "OutTensor", "safetensors_file_bytes", "write_adapter", "VLLM_REFUSED_FULL",
-           "exact_modules_to_save", "full_tensor_warning"]
+           "exact_modules_to_save", "full_tensor_warning", "AdapterDirReport"]
 
 SAFETENSORS_METADATA = {"format": "pt"}
 
@@ -210,3 +211,18 @@ def _write_files(directory: Path, tensors: list[OutTensor], read: Callable[[OutT
     return size
 
 
+@dataclass(frozen=True)
+class AdapterDirReport:
+    """What a command that writes one PEFT adapter dir reports (fix-adapter, average, resize-adapter): its
+    plan's JSON, and unless a dry run the bytes written and the seconds. Each op subclasses it with its plan."""
+    plan: Any
+    written_file_bytes: int | None = None   # None: a dry run
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        rep = self.plan.to_json()
+        if self.written_file_bytes is None:
+            rep["dry_run"] = True
+        else:
+            rep.update(written_file_bytes=self.written_file_bytes, seconds=self.seconds)
+        return rep

@@ -44,8 +44,8 @@ from ...formats.hf_dir.model_dir import HFModelDir, tensor_shapes
 from ...formats.peft.config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
 from ...formats.peft.experts import build_fused, fused_config, fused_params_of_config, parse_fused, plan_fused, \
     read_view
-from ...formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
-    safetensors_file_bytes, target_modules_for, write_adapter
+from ...formats.peft.writer import AdapterDirReport, OutTensor, exact_modules_to_save, full_tensor_warning, \
+    peft_config, peft_key, safetensors_file_bytes, target_modules_for, write_adapter
 from ...formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
 from ...formats.primerl.run_dir import artifact_launch_dir
 from ...io.inputs import check_input
@@ -402,18 +402,8 @@ def _equals_base(weights: TensorFileSource, key: str, name: str, base_dir: Path,
 
 
 @dataclass(frozen=True)
-class FixReport:
+class FixReport(AdapterDirReport):
     plan: FixPlan
-    written_file_bytes: int | None = None   # None: a dry run
-    seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        rep = self.plan.to_json()
-        if self.written_file_bytes is None:
-            rep["dry_run"] = True
-        else:
-            rep.update(written_file_bytes=self.written_file_bytes, seconds=self.seconds)
-        return rep
 
 
 def run_fix(plan: FixPlan, weights: FixSources, progress: Progress | None = None, *,
