@@ -862,3 +862,19 @@ def fixture_and_slim(root: Path) -> tuple[Path, Path]:
     r = invoke(["slim", fx / "outputs/checkpoints/step_3/trainer", slim])
     assert r.exit_code == 0, r.output
     return fx, slim
+
+
+def hf_cache(base: Path, cache: Path, commit: str, repo: str = "org/tiny") -> Path:
+    """`base` laid out as `hf download` leaves it in the HF cache `cache`: blobs/, snapshots/<commit>/ of
+    symlinks into blobs, refs/main holding the commit. Returns the repo's cache dir."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    snap = folder / "snapshots" / commit
+    (folder / "blobs").mkdir(parents=True)
+    (folder / "refs").mkdir()
+    snap.mkdir(parents=True)
+    for f in sorted(base.iterdir()):
+        blob = folder / "blobs" / f"{commit[:8]}-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    (folder / "refs" / "main").write_text(commit)
+    return folder

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -90,19 +89,6 @@ def test_a_busy_master_port_and_a_missing_master_addr_are_clean_errors():
     hu.record("multirank", env_cases=2, clean_errors=2)
 
 
-def _hf_cache(cache: Path, base: Path, commit: str) -> None:
-    folder = cache / "models--org--tiny"
-    snap = folder / "snapshots" / commit
-    (folder / "blobs").mkdir(parents=True)
-    (folder / "refs").mkdir()
-    snap.mkdir(parents=True)
-    for f in sorted(base.iterdir()):
-        blob = folder / "blobs" / f"{commit[:8]}-{f.name}"
-        blob.write_bytes(f.read_bytes())
-        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
-    (folder / "refs" / "main").write_text(commit)
-
-
 def test_ranks_resolving_a_hub_id_to_two_snapshots_refuse_before_writing(tmp_path):
     """`torchrun -m ckpt_tools merge org/tiny ...` on two nodes (two torchrun agents on localhost), each
     with its own HF cache holding a different snapshot of org/tiny (the second: the base with its final
@@ -114,8 +100,8 @@ def test_ranks_resolving_a_hub_id_to_two_snapshots_refuse_before_writing(tmp_pat
     w = load_file(str(BASE / "model.safetensors"))
     w["model.norm.weight"] = (w["model.norm.weight"].float() * 1.5).to(w["model.norm.weight"].dtype)
     save_file(w, str(other / "model.safetensors"), metadata={"format": "pt"})
-    _hf_cache(tmp_path / "cache0", BASE, "a" * 40)
-    _hf_cache(tmp_path / "cache1", other, "b" * 40)
+    hu.hf_cache(BASE, tmp_path / "cache0", "a" * 40)
+    hu.hf_cache(other, tmp_path / "cache1", "b" * 40)
     out = tmp_path / "merged"
     port = free_port()
     agents = [subprocess.Popen(torchrun_cmd("merge", "org/tiny", TRAINER, out, "--max-shard-size", "100KB", nproc=1,

@@ -183,22 +183,6 @@ def test_a_toml_integer_past_4300_digits_is_a_clean_error_and_inspect_still_repo
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def hf_cache(base: Path, cache: Path, repo: str = "org/tiny") -> Path:
-    """`base` laid out as `hf download` leaves it: blobs/, snapshots/<commit>/ of symlinks into blobs,
-    refs/main holding the commit. Returns the repo's cache dir."""
-    folder = cache / ("models--" + repo.replace("/", "--"))
-    snap = folder / "snapshots" / COMMIT
-    (folder / "blobs").mkdir(parents=True)
-    (folder / "refs").mkdir()
-    snap.mkdir(parents=True)
-    for f in sorted(base.iterdir()):
-        blob = folder / "blobs" / f"blob-{f.name}"
-        blob.write_bytes(f.read_bytes())
-        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
-    (folder / "refs" / "main").write_text(COMMIT)
-    return folder
-
-
 def test_hub_refs_and_revisions_are_read_through_the_input_checks(space):
     """A FIFO as refs/main blocked every hub-id command (huggingface_hub opened it); a revision with
     `..`, or a ref holding a path, resolved a hub id to a model outside the cache; a ref that is a
@@ -210,7 +194,7 @@ def test_hub_refs_and_revisions_are_read_through_the_input_checks(space):
 
     def case(name: str, edit) -> Path:
         cache = root / "caches" / name / "hub"
-        folder = hf_cache(root / "base_model", cache)
+        folder = hu.hf_cache(root / "base_model", cache, COMMIT)
         edit(folder)
         caches[name] = cache
         return folder
