@@ -140,15 +140,7 @@ def generate(a) -> int:
     for step in range(spec.steps):
         g = torch.Generator(device=device).manual_seed(a.seed * 7919 + step * 104729 + rank)
         ids = torch.randint(0, spec.vocab_size, (spec.batch_size, spec.seq_len), generator=g, device=device)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in lora], max_norm=1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        progress.step += 1
-        progress.total_tokens += spec.batch_size * spec.seq_len * world
-        progress.total_samples += spec.batch_size * world
+        F.train_step(model, optimizer, scheduler, progress, [p for _, p in lora], ids, spec, world)
     t_train = time.perf_counter()
 
     paths.checkpoint.mkdir(parents=True, exist_ok=True)

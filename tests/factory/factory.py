@@ -845,6 +845,28 @@ def run_distributed(fn_name: str, world: int, args: tuple = (), timeout_s: float
 # --------------------------------------------------------------------------------------------------------
 
 
+def train_step(model, optimizer, scheduler, progress: Progress, lora_params, input_ids, spec: FactorySpec,
+               world: int) -> tuple[float, float | None]:
+    """One prime-rl optimizer step on `input_ids` (cross entropy on themselves): backward, grad-norm clip of
+    the LoRA params at spec.max_norm, AdamW and scheduler steps, progress counted over `world` ranks.
+    Returns (this rank's loss, the clipped grad norm or None)."""
+    import torch
+
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    grad_norm = None
+    if spec.max_norm is not None:
+        gn = torch.nn.utils.clip_grad_norm_(lora_params, max_norm=spec.max_norm)
+        grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    progress.step += 1
+    progress.total_tokens += spec.batch_size * spec.seq_len * world
+    progress.total_samples += spec.batch_size * world
+    return float(out.loss.detach()), grad_norm
+
+
 def train_child(rank: int, world: int, spec_dict: dict, root: str) -> None:
     import torch
     import torch.distributed as dist
@@ -863,20 +885,9 @@ def train_child(rank: int, world: int, spec_dict: dict, root: str) -> None:
     for step in range(spec.steps):
         g = torch.Generator().manual_seed(spec.seed * 7919 + step * 104729 + rank)
         input_ids = torch.randint(0, spec.vocab_size, (spec.batch_size, spec.seq_len), generator=g)
-        out = model(input_ids=input_ids, labels=input_ids)
-        out.loss.backward()
-        grad_norm = None
-        if spec.max_norm is not None:
-            gn = torch.nn.utils.clip_grad_norm_(lora_params, max_norm=spec.max_norm)
-            grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        progress.step += 1
-        progress.total_tokens += spec.batch_size * spec.seq_len * world
-        progress.total_samples += spec.batch_size * world
+        loss, grad_norm = train_step(model, optimizer, scheduler, progress, lora_params, input_ids, spec, world)
         steps_log.append({
-            "step": step, "loss_rank0": float(out.loss.detach()), "grad_norm": grad_norm,
+            "step": step, "loss_rank0": loss, "grad_norm": grad_norm,
             "lr_after_scheduler_step": float(optimizer.param_groups[0]["lr"]),
         })
 
