@@ -248,9 +248,10 @@ def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, targe
     ranks = {m: src.modules[m].rank for m in per_module}
     r = Counter(ranks.values()).most_common(1)[0][0] if ranks else (fused[0].part_rank if fused else 1)
     others = {m: k for m, k in sorted(ranks.items()) if k != r}
-    targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
     if fused:   # the expert modules are reached through target_parameters, not target_modules
         targets = target_modules_for(sorted(per_module), None)[0] if per_module else []
+    else:
+        targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
     mts = exact_modules_to_save(sorted(src.full_tensors), None) if src.full_tensors else []
     cfg = peft_config(r=r, lora_alpha=float(r), target_modules=targets,
                       base_model_name_or_path=base_model_name_or_path, modules_to_save=mts or None,
