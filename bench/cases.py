@@ -12,6 +12,7 @@ LoRA checkpoint), slim (`ckpt slim` of it).
 """
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -93,6 +94,14 @@ def cp_sync(kind: str) -> Contender:
                      lambda p: _sh('cp -r "$1" "$2" && sync', getattr(p, kind), p.out), reads=(kind,), writes=kind)
 
 
+def cat_then_cp(read: str, write: str) -> Contender:
+    """Issue 22's floor of a command that reads `read` once and writes a `write`-sized tree: both, in turn."""
+    return Contender(f"cat {read} + cp -r {write} && sync", "floor",
+                     lambda p: _sh('find "$1" -type f -exec cat {} + >/dev/null && cp -r "$2" "$3" && sync',
+                                   getattr(p, read), getattr(p, write), p.out),
+                     reads=(read, write), writes=write)
+
+
 CP_LINK_DCP = Contender("cp -rl dcp (hard links)", "floor", lambda p: _sh('cp -rl "$1" "$2" && sync', p.dcp, p.out),
                         volume=())
 PY_PASS = Contender("python -c pass", "floor", lambda p: [p.python, "-c", "pass"], volume=())
@@ -123,6 +132,17 @@ DCP_LOAD_LORA = Contender("torch _load_state_dict_from_keys (LoRA keys)", "peer"
                           _peer("dcp-load-lora", "dcp", "out"), reads=("dcp",), writes="adapter",
                           volume=("adapter", "adapter"))
 
+def _lora_ranges(p: Paths) -> list[str]:
+    """`cat-ranges` of the DCP's LoRA items; their byte ranges are found first, untimed (a torch import)."""
+    ranges = Path(str(p.dcp).rstrip("/") + ".lora-ranges.json")
+    if not ranges.exists() or ranges.stat().st_mtime < (Path(p.dcp) / ".metadata").stat().st_mtime:
+        subprocess.run([p.python, str(p.bench / "peers.py"), "lora-ranges", str(p.dcp), str(ranges)], check=True)
+    return [p.python, str(p.bench / "peers.py"), "cat-ranges", str(ranges)]
+
+
+# issue 22's floor of extract-adapter: exactly the bytes of the model's LoRA items, by range
+CAT_LORA_ITEMS = Contender("cat LoRA items", "floor", _lora_ranges, reads=("dcp",), volume=("adapter",))
+
 STARTUP = (PY_PASS, PY_TORCH)
 
 # ------------------------------------------------------------------------------------- cases
@@ -152,18 +172,19 @@ CASES: tuple[Case, ...] = (
          volume=()),
     # reads only the LoRA items of the checkpoint: as many bytes as the adapter it writes
     Case("extract-adapter", lambda p: ["extract-adapter", p.dcp, p.out, "--alpha", ALPHA, "--json"], ("dcp",),
-         "adapter", floors=(PY_PASS, cp_sync("adapter")), peers=(DCP_LOAD_LORA,), volume=("adapter", "adapter")),
+         "adapter", floors=(PY_PASS, PY_TORCH, cp_sync("adapter"), CAT_LORA_ITEMS), peers=(DCP_LOAD_LORA,), volume=("adapter", "adapter")),
     Case("merge --base-from-checkpoint",
          lambda p: ["merge", p.dcp, p.out, "--base-from-checkpoint", "--config-from", p.base, "--alpha", ALPHA,
-                    "--max-shard-size", p.shard_bytes, "--json"],
-         ("dcp", "base"), "base", floors=(cat("dcp"), cp_sync("base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True,
-         volume=("dcp", "base")),  # the base dir gives config files only: it reads the DCP, writes a base
-    Case("export", lambda p: ["export", p.dcp, p.out, "--config-from", p.base, "--json"], ("dcp", "base"), "base",
-         floors=(cat("dcp"), cp_sync("base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True, subcommand="export",
+                    "--max-shard-size", p.shard_bytes, "--allow-zero-delta", "--json"],  # (a 1-step factory run's
+         # delta rounds away at small sizes; the work is the same either way)
+         ("dcp", "base"), "base", floors=(cat("dcp"), cp_sync("base"), cat_then_cp("dcp", "base")),
+         peers=(DCP_TO_TORCH_SAVE,), multi_rank=True, volume=("dcp", "base")),  # the base dir gives config files only: it reads the DCP, writes a base
+    Case("export", lambda p: ["export", p.dcp, p.out, "--config-from", p.base, "--allow-zero-delta", "--json"], ("dcp", "base"), "base",
+         floors=(cat("dcp"), cp_sync("base"), cat_then_cp("dcp", "base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True, subcommand="export",
          volume=("dcp", "base")),
     Case("verify --deep DCP", lambda p: ["verify", p.dcp, "--deep", "--json"], ("dcp",), None,
          floors=(cat("dcp"),), multi_rank=True),
-    Case("slim", lambda p: ["slim", p.dcp, p.out, "--json"], ("dcp",), "slim", floors=(cat("dcp"),),
+    Case("slim", lambda p: ["slim", p.dcp, p.out, "--json"], ("dcp",), "slim", floors=(cat("dcp"), PY_TORCH),
          multi_rank=True, provides="slim"),
     Case("slim --base", lambda p: ["slim", p.dcp, p.out, "--base", p.base, "--json"], ("dcp", "base"), "slim",
          floors=(cat("dcp", "base"),), volume=("dcp", "base", "slim")),

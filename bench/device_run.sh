@@ -29,6 +29,12 @@
 # device_run.log and the plots; back here, one section per call:
 #   python bench/report.py $FILES_AT/results.json --label "16-core GPU host, $PHASE" --plots docs/bench \
 #          --record docs/benchmarks.md
+# Issue 22 (the checkpoint side at 8B, each command beside its issue-22 floor, 5 runs for a verdict) is
+# three more calls, made back to back so the warm host keeps the inputs in WORK/DCP_DIR:
+#   PHASE=i22-ckpt  slim, rehydrate (floors: cat dcp, cp -r dcp && sync)
+#   PHASE=i22-out   export, merge --base-from-checkpoint, extract-adapter (floors: cat dcp + cp -r base && sync,
+#                   cat LoRA items)
+#   PHASE=i22-ranks N = 1, 2, 4, 8 of slim, rehydrate, export, diff-vs-base (--ranks-only, 1 run each)
 # Knobs (environment) override a phase: SIZES, RANKS, REPEAT, BUDGET_S, CASES, EXTRA, LABEL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,7 +76,13 @@ case "$PHASE" in
                D_CASES="merge,diff-vs-base,diff-vs-base --adapter,verify --deep HF dir" ;;
     ranks-dcp) D_SIZES=8b;      D_RANKS=1,2,4,8; D_EXTRA=--ranks-only
                D_CASES="adapter-to-dcp,verify --deep DCP,slim,rehydrate,merge --base-from-checkpoint" ;;
-    *) echo "PHASE must be floors, ranks-hf or ranks-dcp (got $PHASE)"; exit 2 ;;
+    i22-ckpt)  D_SIZES=8b;      D_RANKS=1;       D_EXTRA="--skip-contenders=torch dcp,cat slim base"
+               D_CASES="slim,rehydrate" ;;
+    i22-out)   D_SIZES=8b;      D_RANKS=1;       D_EXTRA="--skip-contenders=torch dcp,torch _load,python -c pass,cp -r adapter,=cp -r base && sync,=cat dcp"
+               D_CASES="extract-adapter,export,merge --base-from-checkpoint" ;;
+    i22-ranks) D_SIZES=8b;      D_RANKS=1,2,4,8; D_EXTRA=--ranks-only
+               D_CASES="slim,rehydrate,export,diff-vs-base" ;;
+    *) echo "PHASE must be floors, ranks-hf, ranks-dcp, i22-ckpt, i22-out or i22-ranks (got $PHASE)"; exit 2 ;;
 esac
 SIZES=${SIZES:-$D_SIZES}
 RANKS=${RANKS:-$D_RANKS}

@@ -45,6 +45,11 @@ WARM_CHUNK = 16 << 20
 KEEP_FOR_FLOORS_BYTES = 2 * 10**9  # --free-inputs keeps inputs up to this size for later floors and peers
 
 
+def skipped(pattern: str, label: str) -> bool:
+    """Whether --skip-contenders' `pattern` names `label`: `=LABEL` exactly, else as a substring."""
+    return label == pattern[1:] if pattern.startswith("=") else pattern in label
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -56,7 +61,7 @@ def parse_args(argv):
                     help="seed of the contenders' shuffled order in each repetition (default: random, recorded)")
     ap.add_argument("--cases", help="comma list of case names (default: all); see bench/cases.py")
     ap.add_argument("--skip-cases", default="", help="comma list of case names to leave out")
-    ap.add_argument("--skip-contenders", default="", help="comma list of contender labels (substrings) to leave out")
+    ap.add_argument("--skip-contenders", default="", help="comma list of contender labels to leave out: substrings, or =LABEL for exactly that label")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ckpt-bench"))
     ap.add_argument("--dcp-dir", type=Path, help="where DCP inputs live (default: --workdir); e.g. /dev/shm")
     ap.add_argument("--results", type=Path, help="results JSON (default: WORKDIR/results.json)")
@@ -230,7 +235,7 @@ class Harness:
         paths = self.paths(inputs)
         warmed = self.warmed.setdefault(size.name, set()) if self.a.warm == "once" else set()
         others = [] if self.a.ranks_only else [*case.floors, *case.peers]
-        others = [c for c in others if not any(s in c.label for s in self.a.skip_contenders)]
+        others = [c for c in others if not any(skipped(s, c.label) for s in self.a.skip_contenders)]
         deferred = [(case, c) for c in others if self.a.defer_peers and c.role == "peer"]
         contenders = [ckpt_contender(case, 1)] + [c for c in others if (case, c) not in deferred]
         for rep in range(self.a.repeat):

@@ -4,6 +4,8 @@
     python bench/peers.py peft-merge BASE ADAPTER OUT SHARD_BYTES
     python bench/peers.py dcp-to-torch-save DCP OUT     # torch's own DCP -> one torch.save file
     python bench/peers.py dcp-load-lora DCP OUT         # torch's _load_state_dict_from_keys, LoRA keys only
+    python bench/peers.py lora-ranges DCP OUT.json      # (untimed) the model LoRA items' byte ranges
+    python bench/peers.py cat-ranges RANGES.json        # floor: exactly those byte ranges read, no torch
 
 Each is what a user would write with the library in question; each fsyncs what it writes, as ckpt's
 commands do, so the comparison is between durable outputs.
@@ -87,8 +89,49 @@ def dcp_load_lora(dcp: str, out: str) -> None:
     _fsync_tree(Path(out))
 
 
+def lora_ranges(dcp: str, out: str) -> None:
+    """The model LoRA items' byte ranges as torch's own `.metadata` places them, as JSON (untimed: the
+    harness makes it before the floor `cat-ranges` runs, so the floor pays no torch import)."""
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(dcp).read_metadata()
+    ranges = sorted((info.relative_path, info.offset, info.length) for idx, info in meta.storage_data.items()
+                    if idx.fqn.startswith("app.model.") and ".lora_" in idx.fqn)
+    if not ranges:
+        raise SystemExit(f"{dcp}: no LoRA items in .metadata")
+    Path(out).write_text(json.dumps({"dcp": dcp, "ranges": ranges}))
+
+
+def cat_ranges(ranges_json: str) -> None:
+    """The floor of extract-adapter (issue 22): the byte ranges of `lora-ranges` read once into a reused
+    buffer, what `cat` of exactly those items costs."""
+    import json
+
+    spec = json.loads(Path(ranges_json).read_text())
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    fds: dict[str, int] = {}
+    try:
+        for rel, off, length in spec["ranges"]:
+            fd = fds.get(rel)
+            if fd is None:
+                fd = fds[rel] = os.open(Path(spec["dcp"]) / rel, os.O_RDONLY)
+            end = off + length
+            while off < end:
+                n = os.preadv(fd, [view[:min(len(buf), end - off)]], off)
+                if n <= 0:
+                    raise SystemExit(f"{rel}: short read at {off}")
+                off += n
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 PEERS = {"st-rewrite": st_rewrite, "peft-merge": peft_merge, "dcp-to-torch-save": dcp_to_torch_save,
-         "dcp-load-lora": dcp_load_lora}
+         "dcp-load-lora": dcp_load_lora,
+         "lora-ranges": lora_ranges, "cat-ranges": cat_ranges}
 
 
 if __name__ == "__main__":
