@@ -134,8 +134,8 @@ DCP_LOAD_LORA = Contender("torch _load_state_dict_from_keys (LoRA keys)", "peer"
 
 def _lora_ranges(p: Paths) -> list[str]:
     """`cat-ranges` of the DCP's LoRA items; their byte ranges are found first, untimed (a torch import)."""
-    ranges = Path(str(p.dcp).rstrip("/") + ".lora-ranges.json")
-    if not ranges.exists() or ranges.stat().st_mtime < (Path(p.dcp) / ".metadata").stat().st_mtime:
+    ranges, meta = Path(str(p.dcp).rstrip("/") + ".lora-ranges.json"), Path(p.dcp) / ".metadata"
+    if meta.exists() and (not ranges.exists() or ranges.stat().st_mtime < meta.stat().st_mtime):
         subprocess.run([p.python, str(p.bench / "peers.py"), "lora-ranges", str(p.dcp), str(ranges)], check=True)
     return [p.python, str(p.bench / "peers.py"), "cat-ranges", str(ranges)]
 
