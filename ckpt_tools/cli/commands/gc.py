@@ -11,7 +11,7 @@ from ...core.progress import ProgressEvent
 from ...core.units import human_bytes
 from ...io.signals import Terminated
 from ..mistakes import check_roles
-from ..options import InputPath, dry_run_option, json_option, trust_option
+from ..options import InputPath, dry_run_option, download_option, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, json_errors, warn, warn_trust
 
@@ -28,6 +28,7 @@ __all__ = ["command"]
               help="Seconds since a checkpoint's last write before gc touches it (younger ones may be "
                    "being written).")
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bool, as_json: bool,
