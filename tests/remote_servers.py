@@ -8,7 +8,8 @@ bytes it serves:
     revision, the recursive tree, paths-info, resolve with ranges, preupload, commit), for
     `HF_ENDPOINT`; each repo a local dir at one commit sha (a commit makes a new sha).
   - `S3Server()`: moto's standalone S3 app (`moto[server]`) behind a counting WSGI middleware that
-    can also fire a callback on the first multipart part uploaded (the Ctrl-C test).
+    can also fire a callback on the first multipart part uploaded (the Ctrl-C test), answer PUTs with
+    503 SlowDown (`fail_puts`) or slow them down (`throttle_puts_s`).
 """
 from __future__ import annotations
 
@@ -376,11 +377,23 @@ class S3Server:
         self.counter = _Counting()
         self.on_upload_part = None
         self.after_get = None
+        self.fail_puts = 0       # answer this many PUTs (part and object uploads) with 503 SlowDown
+        self.throttle_puts_s = 0.0   # sleep this long before each PUT is handled (a slow uplink)
         app = DomainDispatcherApplication(create_backend_app)
         counter = self
 
         def middleware(environ, start_response):
             q = environ.get("QUERY_STRING", "")
+            if environ["REQUEST_METHOD"] == "PUT" and counter.throttle_puts_s:
+                time.sleep(counter.throttle_puts_s)
+            if environ["REQUEST_METHOD"] == "PUT" and counter.fail_puts > 0:
+                counter.fail_puts -= 1
+                counter.puts_failed = getattr(counter, "puts_failed", 0) + 1
+                body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                        b'<Message>Please reduce your request rate.</Message></Error>')
+                start_response("503 Slow Down", [("Content-Type", "application/xml"),
+                                                 ("Content-Length", str(len(body)))])
+                return [body]
             if environ["REQUEST_METHOD"] == "PUT" and "uploadId=" in q and "partNumber=" in q and counter.on_upload_part:
                 cb, counter.on_upload_part = counter.on_upload_part, None
                 cb()

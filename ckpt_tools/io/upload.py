@@ -13,6 +13,8 @@ then uploaded and committed in one step, so that a reader never sees half an out
 
 `stage_output(url)` gives the command its local OUT; `commit_pending()` (the CLI's `finish`) uploads
 what the command wrote there; `discard_pending()` removes the staging dirs (atexit too).
+`upload_tree(local, url)` uploads one finished local tree the same way (gc's `--slim-to`, one commit
+per step), every failure a CkptError naming the URL.
 """
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import OutputExistsError, UsageError
+from ..core.errors import CkptError, OutputExistsError, UsageError
 from .remote import RemoteUrl, parse_url
 from .signals import signals_deferred
 
-__all__ = ["stage_output", "pending", "commit_pending", "discard_pending", "Uploaded", "COMMIT_LAST"]
+__all__ = ["stage_output", "pending", "commit_pending", "discard_pending", "upload_tree", "check_writable",
+           "Uploaded", "COMMIT_LAST"]
 
 UPLOAD_PART_BYTES = 64 << 20
 # written last: what a reader opens first, and that names the other files
@@ -50,14 +53,24 @@ _PENDING: list[tuple[RemoteUrl, Path]] = []
 _DIRS: list[Path] = []
 
 
-def stage_output(value) -> Path:
-    """The local path a command writes the output bound for the URL `value` to."""
+def check_writable(value) -> RemoteUrl:
+    """`value` as a URL an output can be uploaded to, else a UsageError naming what can."""
     url = parse_url(value)
     if url is None:
         raise UsageError(f"not a URL: {value!r}")
     if url.scheme in ("http", "https"):
         raise UsageError(f"cannot write to {url.scheme}:// (plain HTTP has no upload)", path=url.text,
                          hint="write to s3://, hf:// or gs://, or to a local path")
+    if url.scheme == "hf" and url.path.startswith("buckets/"):
+        raise UsageError("writing to an hf:// bucket is not supported: bucket uploads go through Xet "
+                         "(HfApi.batch_bucket_files), which ckpt does not drive", path=url.text,
+                         hint="write to an hf:// model or dataset repo (one commit), or to s3://")
+    return url
+
+
+def stage_output(value) -> Path:
+    """The local path a command writes the output bound for the URL `value` to."""
+    url = check_writable(value)
     from . import remote
     d = Path(tempfile.mkdtemp(prefix="ckpt-upload-", dir=os.environ.get("CKPT_UPLOAD_STAGING")))
     _DIRS.append(d)
@@ -95,6 +108,22 @@ def commit_pending(*, overwrite: bool) -> list[Uploaded]:
     finally:
         discard_pending()
     return done
+
+
+def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:
+    """Upload the finished local file or tree `local` to the URL `value`, committed in one step (as
+    `commit_pending` does). A failure (the server gone, 5xx after the client's retries, refused
+    credentials) is a CkptError naming the URL; nothing is committed then."""
+    url = check_writable(value)
+    files = _files(local) if local.is_dir() else [("", local, local.stat().st_size)]
+    try:
+        return _writer(url).upload(url, files, overwrite=overwrite)
+    except CkptError:
+        raise
+    except Exception as exc:
+        raise CkptError(f"uploading to {url.text} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                        path=url.text, hint="nothing was committed there; check the endpoint and credentials, "
+                                            "then rerun") from None
 
 
 def discard_pending() -> None:
