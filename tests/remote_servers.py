@@ -271,10 +271,16 @@ class _HubHandler(_Handler):
         m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/preupload/([^/]+)", path)
         if m and method == "POST":
             body = json.loads(self._body() or b"{}")
+            hook, srv.on_preupload = srv.on_preupload, None
+            if hook:   # the Ctrl-C test: the client is interrupted while its contents are being uploaded
+                hook()
             return self.send_json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
                                              for f in body.get("files", [])]})
         m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/([^/]+)", path)
         if m and method == "POST":
+            hook, srv.on_commit = srv.on_commit, None
+            if hook:
+                hook()
             return self._commit(srv.repos[f"{m[1]}/{m[2]}"], f"{m[1]}/{m[2]}")
         m = re.fullmatch(r"/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)
         if m and method in ("GET", "HEAD"):
@@ -334,6 +340,8 @@ class HubServer(_Server):
         self.repos = {rid: {"dir": Path(d), "sha": hashlib.sha1(rid.encode()).hexdigest()} for rid, d in repos.items()}
         self.commits: list[list[str]] = []
         self.unknown: list = []
+        self.on_preupload = None   # called once, when the next preupload request arrives
+        self.on_commit = None      # called once, when the next commit request arrives
         super().__init__()
 
     def handler_base(self):

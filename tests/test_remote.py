@@ -386,6 +386,48 @@ def test_s3_ctrl_c_during_upload_commits_nothing(s3_env, tmp_path):
     s3_env.on_upload_part = interrupt
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
-    assert "interrupted" in out
+    assert_one_interrupt_line(out)
     assert s3_env.client.list_objects_v2(Bucket="runs", Prefix="interrupted").get("KeyCount", 0) == 0
     assert not s3_env.client.list_multipart_uploads(Bucket="runs").get("Uploads")
+
+
+def local_slim(tmp: Path) -> Path:
+    ckpt("slim", TRAINER, tmp / "local-slim", "--base", BASE)
+    return tmp / "local-slim"
+
+
+def assert_one_interrupt_line(out: str) -> None:
+    """The CLI's interrupt message, as for every other interrupt: one line, no traceback."""
+    lines = [x for x in out.strip().splitlines() if x.strip()]
+    assert lines == ["interrupted: nothing was written (temporary files removed)"], out
+
+
+@pytest.mark.parametrize("when", ["upload", "commit"])
+def test_hub_ctrl_c_during_upload_commits_nothing(hub_env, tmp_path, when):
+    """Ctrl-C while the contents go up: nothing is committed. Ctrl-C once the commit request is out: it is
+    held until the commit is made, and the message says the output is there, complete."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), CKPT_REMOTE_BACKOFF="0.05", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    out_dir = Path(hub_env.repos["org/out"]["dir"])
+    before, sha = sorted(p.relative_to(out_dir) for p in out_dir.rglob("*")), hub_env.repos["org/out"]["sha"]
+    commits = len(hub_env.commits)
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", "slim", str(TRAINER), f"hf://org/out/int-{when}",
+                             "--base", str(BASE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def interrupt():
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)   # the answer arrives after the interrupt
+    setattr(hub_env, f"on_{'preupload' if when == 'upload' else 'commit'}", interrupt)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert hub_env.on_preupload is None and hub_env.on_commit is None   # it was interrupted there
+    if when == "commit":
+        lines = [x for x in out.strip().splitlines() if x.strip()]
+        assert lines == ["interrupted: hf://org/out/int-commit had been uploaded and committed, complete, when "
+                         "the interrupt arrived"], out
+        assert len(hub_env.commits) == commits + 1
+        assert digest(out_dir / "int-commit") == digest(local_slim(tmp_path))
+        return
+    assert_one_interrupt_line(out)
+    assert len(hub_env.commits) == commits and hub_env.repos["org/out"]["sha"] == sha
+    assert sorted(p.relative_to(out_dir) for p in out_dir.rglob("*")) == before

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..core.errors import CkptError, OutputExistsError, UsageError
 from .remote import RemoteUrl, parse_url
-from .signals import signals_deferred
+from .signals import Terminated, signals_deferred
 
 __all__ = ["stage_output", "pending", "commit_pending", "discard_pending", "upload_tree", "check_writable",
            "Uploaded", "COMMIT_LAST"]
@@ -104,7 +104,13 @@ def commit_pending(*, overwrite: bool) -> list[Uploaded]:
                 continue
             files = _files(local) if local.is_dir() else [("", local, local.stat().st_size)]
             writer = _writer(url)
-            done.append(writer.upload(url, files, overwrite=overwrite))
+            try:
+                done.append(writer.upload(url, files, overwrite=overwrite))
+            except BaseException as exc:   # an interrupt held through the commit arrives after it
+                if getattr(writer, "committed", False) and isinstance(exc, (KeyboardInterrupt, Terminated)):
+                    exc.summary = (f"{url.text} had been uploaded and committed, complete, when the interrupt "
+                                   "arrived")
+                raise
     finally:
         discard_pending()
     return done
@@ -116,14 +122,20 @@ def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:
     credentials) is a CkptError naming the URL; nothing is committed then."""
     url = check_writable(value)
     files = _files(local) if local.is_dir() else [("", local, local.stat().st_size)]
+    writer = None
     try:
-        return _writer(url).upload(url, files, overwrite=overwrite)
+        writer = _writer(url)
+        return writer.upload(url, files, overwrite=overwrite)
     except CkptError:
         raise
-    except Exception as exc:
-        raise CkptError(f"uploading to {url.text} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                        path=url.text, hint="nothing was committed there; check the endpoint and credentials, "
-                                            "then rerun") from None
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):   # say whether the commit was made
+            if getattr(writer, "committed", False):
+                exc.summary = f"{url.text} had been uploaded and committed, complete, when the interrupt arrived"
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CkptError(f"uploading to {url.text} failed: {type(exc).__name__}: {first}", path=url.text,
+                        hint="nothing was committed there; check the endpoint and credentials, then rerun") from None
 
 
 def discard_pending() -> None:
@@ -217,6 +229,7 @@ class _S3Writer:
             for key in old:
                 if key not in new:
                     self._call(self.client.delete_object(Bucket=bucket, Key=key))
+            self.committed = True
         return Uploaded(url.text, len(files), total, "s3 multipart, completed at the end")
 
 
@@ -241,8 +254,14 @@ class _HfWriter:
         new = {o.path_in_repo for o in ops}
         from .remote_backends import in_repo
         ops += [CommitOperationDelete(path_in_repo=in_repo(o)) for o in old if in_repo(o) not in new]
-        fs._api.create_commit(res.repo_id, ops, repo_type=res.repo_type, revision=res.revision,
-                              commit_message=f"ckpt: write {prefix}")
+        adds = [o for o in ops if isinstance(o, CommitOperationAdd)]
+        # the contents first (LFS/Xet uploads; interruptible: nothing is committed), then the commit itself,
+        # which holds the small files inline, with Ctrl-C held: it is made whole or not at all
+        fs._api.preupload_lfs_files(res.repo_id, adds, repo_type=res.repo_type, revision=res.revision)
+        with signals_deferred():
+            fs._api.create_commit(res.repo_id, ops, repo_type=res.repo_type, revision=res.revision,
+                                  commit_message=f"ckpt: write {prefix}")
+            self.committed = True
         return Uploaded(url.text, len(files), sum(s for _, _, s in files), "one Hub commit")
 
 
