@@ -4,9 +4,10 @@ bytes it serves:
   - `HttpServer(root)`: files of a local dir over HTTP/1.1 with single byte ranges, ETags and
     If-Match (412), directories as an HTML index; faults on demand (`faults`): 503 answers, a
     connection dropped mid-body, a stalled body, a file rewritten after N range requests, auth.
-  - `HubServer(repos)`: the Hugging Face Hub endpoints HfFileSystem and HfApi call (repo info by
-    revision, the recursive tree, paths-info, resolve with ranges, preupload, commit), for
-    `HF_ENDPOINT`; each repo a local dir at one commit sha (a commit makes a new sha).
+  - `HubServer(repos, buckets)`: the Hugging Face Hub endpoints HfFileSystem and HfApi call (repo info
+    by revision, the recursive tree, paths-info, resolve with ranges, preupload, commit; a bucket's
+    info, tree, paths-info and resolve), for `HF_ENDPOINT`; each repo a local dir at one commit sha
+    (a commit makes a new sha), each bucket a local dir.
   - `S3Server()`: moto's standalone S3 app (`moto[server]`) behind a counting WSGI middleware that
     can also fire a callback on the first multipart part uploaded (the Ctrl-C test), answer PUTs with
     503 SlowDown (`fail_puts`) or slow them down (`throttle_puts_s`).
@@ -234,6 +235,8 @@ class _HubHandler(_Handler):
         u = urllib.parse.urlparse(self.path)
         path = urllib.parse.unquote(u.path)
         q = urllib.parse.parse_qs(u.query)
+        if path.startswith("/api/buckets/") or path.startswith("/buckets/"):
+            return self._bucket(method, path)
         m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)(?:/revision/([^/]+))?", path)
         if m and method == "GET":
             repo = srv.repos.get(f"{m[1]}/{m[2]}")
@@ -297,6 +300,37 @@ class _HubHandler(_Handler):
             srv.unknown.append((method, self.path))
         return self.send_json({"error": f"not implemented by the test hub: {method} {path}"}, 404)
 
+    def _bucket(self, method, path):
+        """The bucket endpoints huggingface_hub calls to read one (bucket_info, list_bucket_tree,
+        get_bucket_paths_info, resolve): each file's `xetHash` is the sha256 of its bytes."""
+        srv = self.server_obj
+        m = re.fullmatch(r"/(?:api/)?buckets/([^/]+)/([^/]+)(/.*)?", path)
+        root = srv.buckets.get(f"{m[1]}/{m[2]}") if m else None
+        if root is None:
+            return self.send_json({"error": "Bucket not found"}, 404, {"X-Error-Code": "BucketNotFound"})
+        rest = m[3] or ""
+        if path.startswith("/api/") and rest == "" and method == "GET":
+            files = [p for p in root.rglob("*") if p.is_file()]
+            return self.send_json({"id": f"{m[1]}/{m[2]}", "private": False, "createdAt": "2026-01-01T00:00:00.000Z",
+                                   "size": sum(p.stat().st_size for p in files), "totalFiles": len(files)})
+        t = re.fullmatch(r"/tree(?:/(.*))?", rest)
+        if path.startswith("/api/") and t and method == "GET":
+            prefix = urllib.parse.unquote(t[1] or "")
+            return self.send_json([srv.bucket_entry(root, p) for p in sorted(root.rglob("*"))
+                                   if p.is_file() and p.relative_to(root).as_posix().startswith(prefix)])
+        if path.startswith("/api/") and rest == "/paths-info" and method == "POST":
+            want = json.loads(self._body() or b"{}").get("paths", [])
+            return self.send_json([srv.bucket_entry(root, root / w) for w in want if (root / w).is_file()])
+        r = re.fullmatch(r"/resolve/(.+)", rest)
+        if not path.startswith("/api/") and r and method in ("GET", "HEAD"):
+            p = root / r[1]
+            if ".." in Path(r[1]).parts or not p.is_file():
+                return self.send_json({"error": "Entry not found"}, 404, {"X-Error-Code": "EntryNotFound"})
+            return self.send_file(p, head=method == "HEAD",
+                                  extra_headers={"X-Xet-Hash": hashlib.sha256(p.read_bytes()).hexdigest()})
+        srv.unknown.append((method, self.path))
+        return self.send_json({"error": f"not implemented by the test hub: {method} {path}"}, 404)
+
     def _body(self) -> bytes:
         n = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(n) if n else b""
@@ -335,9 +369,11 @@ class _HubHandler(_Handler):
 class HubServer(_Server):
     hub = True
 
-    def __init__(self, repos: dict[str, Path]):
-        """`repos`: repo id -> a local dir holding its files (the dir is the repo: commits write into it)."""
+    def __init__(self, repos: dict[str, Path], buckets: dict[str, Path] | None = None):
+        """`repos`: repo id -> a local dir holding its files (the dir is the repo: commits write into it);
+        `buckets`: bucket id -> a local dir (hf://buckets/<id>/...)."""
         self.repos = {rid: {"dir": Path(d), "sha": hashlib.sha1(rid.encode()).hexdigest()} for rid, d in repos.items()}
+        self.buckets = {bid: Path(d) for bid, d in (buckets or {}).items()}
         self.commits: list[list[str]] = []
         self.unknown: list = []
         self.on_preupload = None   # called once, when the next preupload request arrives
@@ -350,6 +386,12 @@ class HubServer(_Server):
     @staticmethod
     def files(repo):
         return sorted((p.relative_to(repo["dir"]).as_posix(), p) for p in repo["dir"].rglob("*") if p.is_file())
+
+    @staticmethod
+    def bucket_entry(root, p):
+        return {"type": "file", "path": p.relative_to(root).as_posix(), "size": p.stat().st_size,
+                "xetHash": hashlib.sha256(p.read_bytes()).hexdigest(), "mtime": "2026-01-01T00:00:00.000Z",
+                "uploadedAt": "2026-01-01T00:00:00.000Z"}
 
     def entry(self, repo, rel):
         p = repo["dir"] / rel

@@ -260,7 +260,8 @@ def hub(tmp_path_factory):
     repo = tmp_path_factory.mktemp("hub") / "run"
     shutil.copytree(TRAINER, repo / "step_3" / "trainer")
     (tmp_path_factory.getbasetemp() / "out-repo").mkdir()
-    srv = HubServer({"org/run": repo, "org/out": tmp_path_factory.getbasetemp() / "out-repo"})
+    srv = HubServer({"org/run": repo, "org/out": tmp_path_factory.getbasetemp() / "out-repo"},
+                    buckets={"org/ckpts": repo})
     yield srv
     srv.close()
 
@@ -276,6 +277,42 @@ def hub_env(hub, monkeypatch):
 def test_hub_commands_equal_the_local_runs(hub_env, local, tmp_path):
     check_commands("hf://org/run/step_3/trainer", hub_env.counter, local, tmp_path)
     assert hub_env.unknown == []
+
+
+def test_hub_bucket_commands_equal_the_local_runs(hub_env, local, tmp_path):
+    check_commands("hf://buckets/org/ckpts/step_3/trainer", hub_env.counter, local, tmp_path)
+    assert hub_env.unknown == []
+    r = ckpt("inspect", "hf://buckets/org/ckpts/step_9", code=2)
+    assert "no such file or directory: hf://buckets/org/ckpts/step_9" in r.output
+    r = ckpt("inspect", "hf://buckets/org/nothing/step_3", code=2)
+    assert "no such file or directory: hf://buckets/org/nothing/step_3" in r.output
+
+
+def test_hub_bucket_file_replaced_mid_read_is_an_error_naming_it(hub_env, tmp_path):
+    root = tmp_path / "bucket"
+    shutil.copytree(TRAINER, root / "trainer")
+    hub_env.buckets["org/scratch"] = root
+    victim = root / "trainer" / "__2_0.distcp"
+    original = victim.read_bytes()
+
+    def rewrite(path):
+        if path.endswith("__0_0.distcp"):
+            hub_env.faults.pop("after_get")
+            victim.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))   # another content: another Xet hash
+    hub_env.faults["after_get"] = rewrite
+    try:
+        r = ckpt("extract-adapter", "hf://buckets/org/scratch/trainer", tmp_path / "a", "--alpha", "16", code=1)
+    finally:
+        hub_env.faults.pop("after_get", None)
+        del hub_env.buckets["org/scratch"]
+    assert "changed while" in r.output and "hf://buckets/org/scratch/trainer/__2_0.distcp" in r.output, r.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_hub_bucket_as_out_is_refused_naming_what_works(hub_env, tmp_path):
+    r = ckpt("slim", TRAINER, "hf://buckets/org/ckpts/slim-3", "--base", BASE, code=2)
+    assert "hf:// bucket is not supported" in r.output and "model or dataset repo" in r.output, r.output
+    assert not (Path(hub_env.buckets["org/ckpts"]) / "slim-3").exists()
 
 
 def test_hub_refused_token_names_the_variable(hub_env, tmp_path):
