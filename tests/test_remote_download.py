@@ -127,7 +127,6 @@ def test_config_from_downloads_no_weights_and_a_partial_cache_is_completed(env, 
 
 def test_without_download_a_missing_id_is_the_usual_error_naming_download(env, tmp_path):
     r = ckpt("merge", "org/base", TRAINER, tmp_path / "m", "--alpha", "16", code=1)
-    line = r.output.strip().splitlines()
     assert "not in the local HF cache" in r.output and "--download" in r.output, r.output
     assert env.counter.requests == [] and not (tmp_path / "m").exists()
 
@@ -135,6 +134,20 @@ def test_without_download_a_missing_id_is_the_usual_error_naming_download(env, t
 def test_download_of_a_repo_the_hub_does_not_have(env, tmp_path):
     r = ckpt("inspect", "org/nothing", "--download", code=1)
     assert "no such model repo" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_download_under_hf_hub_offline_is_one_line(env, tmp_path):
+    import os
+    import subprocess
+    import sys
+    repo_root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "ckpt_tools", "inspect", "org/base", "--download"], cwd=repo_root,
+                       env=dict(os.environ, PYTHONPATH=str(repo_root), HF_HUB_OFFLINE="1"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --download cannot fetch org/base: HF_HUB_OFFLINE is set (unset HF_HUB_OFFLINE, or download it "
+        "elsewhere with `hf download`)"], r.stderr
+    assert env.counter.requests == []
 
 
 def test_the_api_takes_download(env, tmp_path):

@@ -55,6 +55,18 @@ def test_gc_slim_to_s3_uploads_each_slim_before_freeing_and_it_rehydrates_bit_ex
         assert rr.exit_code == 0, rr.output
         assert_bit_equal_checkpoints(originals / f"step_{n}" / "trainer", out)
     assert keys(s3_env, "gc-run/step_3") == [] and keys(s3_env, "gc-run/step_4") == []
+    jsonschema = pytest.importorskip("jsonschema")
+    from .test_json_envelope import SCHEMAS
+    for name in ("envelope", "gc"):
+        jsonschema.validate(doc, SCHEMAS[name], cls=jsonschema.Draft202012Validator)
+
+    other = make_run(tmp_path / "other", steps=(1, 2))   # a step already at the URL is refused, not replaced
+    kept = {k: s3_env.client.head_object(Bucket="runs", Key=k)["ETag"] for k in keys(s3_env, "gc-run/step_1/")}
+    r = gc(other, "--keep-full", "1", "--slim-to", "s3://runs/gc-run")
+    assert r.exit_code == 1 and "already exists" in r.output and "the step stays full" in r.output, r.output
+    assert {k: s3_env.client.head_object(Bucket="runs", Key=k)["ETag"] for k in keys(s3_env, "gc-run/step_1/")} == kept
+    assert sorted(p.name for p in (other / "step_1").iterdir()) == ["trainer"]
+    assert not (other / "step_1" / "trainer" / "ckpt-slim-manifest.json").exists()
 
 
 @pytest.mark.parametrize("fault", ["503", "server gone"])

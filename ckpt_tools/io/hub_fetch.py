@@ -103,10 +103,7 @@ def download(repo: str, revision: str | None, choose, *, cache_dir: Path | None 
     except errors.RevisionNotFoundError:
         raise MissingFileError(f"{where!r}: no such revision on the Hub ({api.endpoint})",
                                hint="pass an existing branch, tag or commit: org/name@REV") from None
-    except errors.RepositoryNotFoundError as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status in (401, 403) or os.environ.get("HF_TOKEN") is None and status == 401:
-            raise UsageError(f"the Hub refused access to {where}: {_HF_VARS}") from None
+    except errors.RepositoryNotFoundError:   # the Hub says this for a private repo without a token too
         raise MissingFileError(f"{where!r} is not in the local HF cache and the Hub ({api.endpoint}) has no such "
                                "model repo (or it is private)",
                                hint=f"check the id; a private repo needs a token: {_HF_VARS}") from None
