@@ -157,3 +157,27 @@ def test_the_api_takes_download(env, tmp_path):
     rep = ckpt_tools.inspect("org/base", download=True)
     assert rep.data["format"] == "hf" and rep.data["tensors"] == len(load_file(BASE / "model.safetensors"))
     assert served(env) == sorted(NON_WEIGHTS + ["model.safetensors.index.json"] + SHARDS)
+
+
+@pytest.fixture(scope="module")
+def a_slim(tmp_path_factory):
+    out = tmp_path_factory.mktemp("slim") / "slim"
+    ckpt("slim", TRAINER, out, "--base", BASE)
+    return out
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "diff-vs-base", "extract-adapter", "rehydrate"])
+def test_every_command_taking_a_model_honours_download(env, tmp_path, a_slim, command):
+    args = {"inspect": ["inspect", "org/base"], "verify": ["verify", "org/base"],
+            "diff-vs-base": ["diff-vs-base", "org/base", BASE],
+            "extract-adapter": ["extract-adapter", TRAINER, tmp_path / "a", "--alpha", "16", "--base", "org/base"],
+            "rehydrate": ["rehydrate", a_slim, tmp_path / "full", "--base", "org/base"]}[command]
+    code = 3 if command == "diff-vs-base" else 0   # diff-vs-base: the same weights as the base (exit 3)
+    if command == "extract-adapter":   # not cached: a warning (the shapes go unchecked), the adapter written
+        assert "not found locally" in ckpt(*args).output
+        shutil.rmtree(tmp_path / "a")
+    else:
+        ckpt(*args, code=1)   # not cached: the usual error
+    r = ckpt(*args, "--download", code=code)
+    assert served(env) == sorted(NON_WEIGHTS + ["model.safetensors.index.json"] + SHARDS), r.output
+    assert f"downloaded {len(served(env))} file(s)" in r.output
