@@ -34,6 +34,9 @@ def keys(s3, prefix):
 
 def test_gc_slim_to_s3_uploads_each_slim_before_freeing_and_it_rehydrates_bit_exactly(s3_env, tmp_path):
     ck = make_run(tmp_path / "run")
+    for bad, why in (("backups/run", "not a URL"), ("https://host/run", "plain HTTP has no upload")):
+        r = gc(ck, "--keep-full", "2", "--slim-to", bad)
+        assert r.exit_code == 2 and why in r.output and "s3://" in r.output, r.output
     originals = tmp_path / "originals"
     shutil.copytree(ck, originals)
     r = gc(ck, "--keep-full", "2", "--slim-to", "s3://runs/gc-run", "--json")

@@ -57,7 +57,8 @@ def check_writable(value) -> RemoteUrl:
     """`value` as a URL an output can be uploaded to, else a UsageError naming what can."""
     url = parse_url(value)
     if url is None:
-        raise UsageError(f"not a URL: {value!r}")
+        raise UsageError(f"not a URL: {value!r}", hint="give a URL to upload to: s3://BUCKET/PREFIX, "
+                                                        "hf://ORG/REPO/DIR or gs://BUCKET/PREFIX")
     if url.scheme in ("http", "https"):
         raise UsageError(f"cannot write to {url.scheme}:// (plain HTTP has no upload)", path=url.text,
                          hint="write to s3://, hf:// or gs://, or to a local path")
