@@ -7,7 +7,8 @@
 Each function opens its inputs, plans from metadata and, unless `dry_run`, runs: the same three calls
 the command makes (`open_X_sources -> plan_X -> run_X`), so a script gets the CLI's checks, atomic
 outputs and errors (`ckpt_tools.core.errors.CkptError`: `.message`, `.path`, `.key`, `.hint`). Every
-result has `.to_json()`: the `plan` / `result` of the command's `--json` envelope. `progress`, where
+result has `.to_json()`: the `plan` / `result` of the command's `--json` envelope. Every function
+taking a hub id takes `download=True` (the commands' `--download`). `progress`, where
 taken, is called with `ckpt_tools.core.progress.ProgressEvent`s.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .formats.hf_dir.hub import resolve_model_dir
 from .formats.hf_dir.model_dir import HFModelDir
 from .formats.peft.adapter import PeftAdapter, open_peft_adapter
 from .formats.sniff import DCP, HF, PEFT, sniff
+from .io import hub_fetch
 from .io.owned import command_scope
 from .ops.adapter_to_dcp import ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, \
     run_adapter_to_dcp
@@ -276,10 +278,12 @@ def report(path: str | Path, *, base: str | Path | None = None, out: str | Path 
 
 
 def _as_command(fn, command: str):
-    """`fn` recording `command` in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI does."""
+    """`fn` recording `command` in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI does;
+    `download=True` is the command's `--download` (a hub id missing from the HF cache is fetched into it,
+    only the files the command needs: `io.hub_fetch`)."""
     @functools.wraps(fn)
-    def run_as_command(*args, **kwargs):
-        with command_scope(command):
+    def run_as_command(*args, download: bool = False, **kwargs):
+        with command_scope(command), hub_fetch.allowing(download):
             return fn(*args, **kwargs)
     return run_as_command
 

@@ -4,11 +4,13 @@ bytes it serves:
   - `HttpServer(root)`: files of a local dir over HTTP/1.1 with single byte ranges, ETags and
     If-Match (412), directories as an HTML index; faults on demand (`faults`): 503 answers, a
     connection dropped mid-body, a stalled body, a file rewritten after N range requests, auth.
-  - `HubServer(repos)`: the Hugging Face Hub endpoints HfFileSystem and HfApi call (repo info by
-    revision, the recursive tree, paths-info, resolve with ranges, preupload, commit), for
-    `HF_ENDPOINT`; each repo a local dir at one commit sha (a commit makes a new sha).
+  - `HubServer(repos, buckets)`: the Hugging Face Hub endpoints HfFileSystem and HfApi call (repo info
+    by revision, the recursive tree, paths-info, resolve with ranges, preupload, commit; a bucket's
+    info, tree, paths-info and resolve), for `HF_ENDPOINT`; each repo a local dir at one commit sha
+    (a commit makes a new sha), each bucket a local dir.
   - `S3Server()`: moto's standalone S3 app (`moto[server]`) behind a counting WSGI middleware that
-    can also fire a callback on the first multipart part uploaded (the Ctrl-C test).
+    can also fire a callback on the first multipart part uploaded (the Ctrl-C test), answer PUTs with
+    503 SlowDown (`fail_puts`) or slow them down (`throttle_puts_s`).
 """
 from __future__ import annotations
 
@@ -233,6 +235,8 @@ class _HubHandler(_Handler):
         u = urllib.parse.urlparse(self.path)
         path = urllib.parse.unquote(u.path)
         q = urllib.parse.parse_qs(u.query)
+        if path.startswith("/api/buckets/") or path.startswith("/buckets/"):
+            return self._bucket(method, path)
         m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)(?:/revision/([^/]+))?", path)
         if m and method == "GET":
             repo = srv.repos.get(f"{m[1]}/{m[2]}")
@@ -270,10 +274,16 @@ class _HubHandler(_Handler):
         m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/preupload/([^/]+)", path)
         if m and method == "POST":
             body = json.loads(self._body() or b"{}")
+            hook, srv.on_preupload = srv.on_preupload, None
+            if hook:   # the Ctrl-C test: the client is interrupted while its contents are being uploaded
+                hook()
             return self.send_json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
                                              for f in body.get("files", [])]})
         m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/([^/]+)", path)
         if m and method == "POST":
+            hook, srv.on_commit = srv.on_commit, None
+            if hook:
+                hook()
             return self._commit(srv.repos[f"{m[1]}/{m[2]}"], f"{m[1]}/{m[2]}")
         m = re.fullmatch(r"/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)
         if m and method in ("GET", "HEAD"):
@@ -288,6 +298,37 @@ class _HubHandler(_Handler):
             return self.send_file(p, head=method == "HEAD", extra_headers={"X-Repo-Commit": repo["sha"]})
         if not path.startswith("/api/agent-harnesses"):   # (huggingface_hub asks; not an endpoint we serve)
             srv.unknown.append((method, self.path))
+        return self.send_json({"error": f"not implemented by the test hub: {method} {path}"}, 404)
+
+    def _bucket(self, method, path):
+        """The bucket endpoints huggingface_hub calls to read one (bucket_info, list_bucket_tree,
+        get_bucket_paths_info, resolve): each file's `xetHash` is the sha256 of its bytes."""
+        srv = self.server_obj
+        m = re.fullmatch(r"/(?:api/)?buckets/([^/]+)/([^/]+)(/.*)?", path)
+        root = srv.buckets.get(f"{m[1]}/{m[2]}") if m else None
+        if root is None:
+            return self.send_json({"error": "Bucket not found"}, 404, {"X-Error-Code": "BucketNotFound"})
+        rest = m[3] or ""
+        if path.startswith("/api/") and rest == "" and method == "GET":
+            files = [p for p in root.rglob("*") if p.is_file()]
+            return self.send_json({"id": f"{m[1]}/{m[2]}", "private": False, "createdAt": "2026-01-01T00:00:00.000Z",
+                                   "size": sum(p.stat().st_size for p in files), "totalFiles": len(files)})
+        t = re.fullmatch(r"/tree(?:/(.*))?", rest)
+        if path.startswith("/api/") and t and method == "GET":
+            prefix = urllib.parse.unquote(t[1] or "")
+            return self.send_json([srv.bucket_entry(root, p) for p in sorted(root.rglob("*"))
+                                   if p.is_file() and p.relative_to(root).as_posix().startswith(prefix)])
+        if path.startswith("/api/") and rest == "/paths-info" and method == "POST":
+            want = json.loads(self._body() or b"{}").get("paths", [])
+            return self.send_json([srv.bucket_entry(root, root / w) for w in want if (root / w).is_file()])
+        r = re.fullmatch(r"/resolve/(.+)", rest)
+        if not path.startswith("/api/") and r and method in ("GET", "HEAD"):
+            p = root / r[1]
+            if ".." in Path(r[1]).parts or not p.is_file():
+                return self.send_json({"error": "Entry not found"}, 404, {"X-Error-Code": "EntryNotFound"})
+            return self.send_file(p, head=method == "HEAD",
+                                  extra_headers={"X-Xet-Hash": hashlib.sha256(p.read_bytes()).hexdigest()})
+        srv.unknown.append((method, self.path))
         return self.send_json({"error": f"not implemented by the test hub: {method} {path}"}, 404)
 
     def _body(self) -> bytes:
@@ -328,11 +369,15 @@ class _HubHandler(_Handler):
 class HubServer(_Server):
     hub = True
 
-    def __init__(self, repos: dict[str, Path]):
-        """`repos`: repo id -> a local dir holding its files (the dir is the repo: commits write into it)."""
+    def __init__(self, repos: dict[str, Path], buckets: dict[str, Path] | None = None):
+        """`repos`: repo id -> a local dir holding its files (the dir is the repo: commits write into it);
+        `buckets`: bucket id -> a local dir (hf://buckets/<id>/...)."""
         self.repos = {rid: {"dir": Path(d), "sha": hashlib.sha1(rid.encode()).hexdigest()} for rid, d in repos.items()}
+        self.buckets = {bid: Path(d) for bid, d in (buckets or {}).items()}
         self.commits: list[list[str]] = []
         self.unknown: list = []
+        self.on_preupload = None   # called once, when the next preupload request arrives
+        self.on_commit = None      # called once, when the next commit request arrives
         super().__init__()
 
     def handler_base(self):
@@ -341,6 +386,12 @@ class HubServer(_Server):
     @staticmethod
     def files(repo):
         return sorted((p.relative_to(repo["dir"]).as_posix(), p) for p in repo["dir"].rglob("*") if p.is_file())
+
+    @staticmethod
+    def bucket_entry(root, p):
+        return {"type": "file", "path": p.relative_to(root).as_posix(), "size": p.stat().st_size,
+                "xetHash": hashlib.sha256(p.read_bytes()).hexdigest(), "mtime": "2026-01-01T00:00:00.000Z",
+                "uploadedAt": "2026-01-01T00:00:00.000Z"}
 
     def entry(self, repo, rel):
         p = repo["dir"] / rel
@@ -376,11 +427,23 @@ class S3Server:
         self.counter = _Counting()
         self.on_upload_part = None
         self.after_get = None
+        self.fail_puts = 0       # answer this many PUTs (part and object uploads) with 503 SlowDown
+        self.throttle_puts_s = 0.0   # sleep this long before each PUT is handled (a slow uplink)
         app = DomainDispatcherApplication(create_backend_app)
         counter = self
 
         def middleware(environ, start_response):
             q = environ.get("QUERY_STRING", "")
+            if environ["REQUEST_METHOD"] == "PUT" and counter.throttle_puts_s:
+                time.sleep(counter.throttle_puts_s)
+            if environ["REQUEST_METHOD"] == "PUT" and counter.fail_puts > 0:
+                counter.fail_puts -= 1
+                counter.puts_failed = getattr(counter, "puts_failed", 0) + 1
+                body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                        b'<Message>Please reduce your request rate.</Message></Error>')
+                start_response("503 Slow Down", [("Content-Type", "application/xml"),
+                                                 ("Content-Length", str(len(body)))])
+                return [body]
             if environ["REQUEST_METHOD"] == "PUT" and "uploadId=" in q and "partNumber=" in q and counter.on_upload_part:
                 cb, counter.on_upload_part = counter.on_upload_part, None
                 cb()

@@ -379,8 +379,9 @@ def test_hub_ids_and_revisions_from_the_local_cache_work_for_every_command_takin
     assert ckpt("merge", f"{repo}@{commit}", TRAINER, tmp_path / "m", "--dry-run").returncode == 0
     r = ckpt("inspect", f"{repo}@v2")
     assert r.returncode == 1 and r.stderr.strip() == (
-        f"error: '{repo}@v2' is not a local directory and not in the local HF cache ({cache}) (download it with "
-        f"`hf download {repo} --revision v2` or pass a directory)")
+        f"error: '{repo}@v2' is not a local directory and not in the local HF cache ({cache}) (pass --download to "
+        f"fetch only the files this command needs into the cache, or download it with `hf download {repo} "
+        "--revision v2`, or pass a directory)")
 
 
 # ------------------------------------------------------------------------------ readable output

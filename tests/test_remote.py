@@ -260,7 +260,8 @@ def hub(tmp_path_factory):
     repo = tmp_path_factory.mktemp("hub") / "run"
     shutil.copytree(TRAINER, repo / "step_3" / "trainer")
     (tmp_path_factory.getbasetemp() / "out-repo").mkdir()
-    srv = HubServer({"org/run": repo, "org/out": tmp_path_factory.getbasetemp() / "out-repo"})
+    srv = HubServer({"org/run": repo, "org/out": tmp_path_factory.getbasetemp() / "out-repo"},
+                    buckets={"org/ckpts": repo})
     yield srv
     srv.close()
 
@@ -276,6 +277,42 @@ def hub_env(hub, monkeypatch):
 def test_hub_commands_equal_the_local_runs(hub_env, local, tmp_path):
     check_commands("hf://org/run/step_3/trainer", hub_env.counter, local, tmp_path)
     assert hub_env.unknown == []
+
+
+def test_hub_bucket_commands_equal_the_local_runs(hub_env, local, tmp_path):
+    check_commands("hf://buckets/org/ckpts/step_3/trainer", hub_env.counter, local, tmp_path)
+    assert hub_env.unknown == []
+    r = ckpt("inspect", "hf://buckets/org/ckpts/step_9", code=2)
+    assert "no such file or directory: hf://buckets/org/ckpts/step_9" in r.output
+    r = ckpt("inspect", "hf://buckets/org/nothing/step_3", code=2)
+    assert "no such file or directory: hf://buckets/org/nothing/step_3" in r.output
+
+
+def test_hub_bucket_file_replaced_mid_read_is_an_error_naming_it(hub_env, tmp_path):
+    root = tmp_path / "bucket"
+    shutil.copytree(TRAINER, root / "trainer")
+    hub_env.buckets["org/scratch"] = root
+    victim = root / "trainer" / "__2_0.distcp"
+    original = victim.read_bytes()
+
+    def rewrite(path):
+        if path.endswith("__0_0.distcp"):
+            hub_env.faults.pop("after_get")
+            victim.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))   # another content: another Xet hash
+    hub_env.faults["after_get"] = rewrite
+    try:
+        r = ckpt("extract-adapter", "hf://buckets/org/scratch/trainer", tmp_path / "a", "--alpha", "16", code=1)
+    finally:
+        hub_env.faults.pop("after_get", None)
+        del hub_env.buckets["org/scratch"]
+    assert "changed while" in r.output and "hf://buckets/org/scratch/trainer/__2_0.distcp" in r.output, r.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_hub_bucket_as_out_is_refused_naming_what_works(hub_env, tmp_path):
+    r = ckpt("slim", TRAINER, "hf://buckets/org/ckpts/slim-3", "--base", BASE, code=2)
+    assert "hf:// bucket is not supported" in r.output and "model or dataset repo" in r.output, r.output
+    assert not (Path(hub_env.buckets["org/ckpts"]) / "slim-3").exists()
 
 
 def test_hub_refused_token_names_the_variable(hub_env, tmp_path):
@@ -386,6 +423,48 @@ def test_s3_ctrl_c_during_upload_commits_nothing(s3_env, tmp_path):
     s3_env.on_upload_part = interrupt
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
-    assert "interrupted" in out
+    assert_one_interrupt_line(out)
     assert s3_env.client.list_objects_v2(Bucket="runs", Prefix="interrupted").get("KeyCount", 0) == 0
     assert not s3_env.client.list_multipart_uploads(Bucket="runs").get("Uploads")
+
+
+def local_slim(tmp: Path) -> Path:
+    ckpt("slim", TRAINER, tmp / "local-slim", "--base", BASE)
+    return tmp / "local-slim"
+
+
+def assert_one_interrupt_line(out: str) -> None:
+    """The CLI's interrupt message, as for every other interrupt: one line, no traceback."""
+    lines = [x for x in out.strip().splitlines() if x.strip()]
+    assert lines == ["interrupted: nothing was written (temporary files removed)"], out
+
+
+@pytest.mark.parametrize("when", ["upload", "commit"])
+def test_hub_ctrl_c_during_upload_commits_nothing(hub_env, tmp_path, when):
+    """Ctrl-C while the contents go up: nothing is committed. Ctrl-C once the commit request is out: it is
+    held until the commit is made, and the message says the output is there, complete."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), CKPT_REMOTE_BACKOFF="0.05", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    out_dir = Path(hub_env.repos["org/out"]["dir"])
+    before, sha = sorted(p.relative_to(out_dir) for p in out_dir.rglob("*")), hub_env.repos["org/out"]["sha"]
+    commits = len(hub_env.commits)
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", "slim", str(TRAINER), f"hf://org/out/int-{when}",
+                             "--base", str(BASE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def interrupt():
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)   # the answer arrives after the interrupt
+    setattr(hub_env, f"on_{'preupload' if when == 'upload' else 'commit'}", interrupt)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert hub_env.on_preupload is None and hub_env.on_commit is None   # it was interrupted there
+    if when == "commit":
+        lines = [x for x in out.strip().splitlines() if x.strip()]
+        assert lines == ["interrupted: hf://org/out/int-commit had been uploaded and committed, complete, when "
+                         "the interrupt arrived"], out
+        assert len(hub_env.commits) == commits + 1
+        assert digest(out_dir / "int-commit") == digest(local_slim(tmp_path))
+        return
+    assert_one_interrupt_line(out)
+    assert len(hub_env.commits) == commits and hub_env.repos["org/out"]["sha"] == sha
+    assert sorted(p.relative_to(out_dir) for p in out_dir.rglob("*")) == before

@@ -11,7 +11,7 @@ from ..formats.hf_dir.hub import is_hub_id
 from ..io import remote
 
 __all__ = ["InputPath", "ModelPath", "OutputPath", "input_arg", "json_option", "trust_option", "dry_run_option", "overwrite_option",
-           "alpha_options"]
+           "alpha_options", "download_option"]
 
 
 class InputPath(click.Path):
@@ -61,7 +61,8 @@ class OutputPath(click.ParamType):
 
 class ModelPath(click.ParamType):
     """A checkpoint, model or adapter: an existing path, else a hub id (`org/name[@revision]`) found in the
-    local HF cache (offline, never downloaded); anything else is `no such file or directory: P`."""
+    local HF cache (offline; fetched into it under `--download`); anything else is `no such file or
+    directory: P`."""
     name = "path_or_hub_id"
 
     def convert(self, value, param, ctx):
@@ -76,6 +77,28 @@ class ModelPath(click.ParamType):
             return resolve_model_dir(str(value))
         raise MissingPathError(value)
 
+def _download_on(ctx, _param, value):
+    """--download: hub ids missing from the HF cache are fetched into it for this command (io.hub_fetch)."""
+    if value:
+        from ..io import hub_fetch
+        cm = hub_fetch.allowing(True)
+        cm.__enter__()
+
+        def done():
+            cm.__exit__(None, None, None)
+            for f in hub_fetch.fetched():
+                click.echo(f"downloaded {len(f.files)} file(s), {f.bytes:,} bytes, of {f.repo}@{f.revision} "
+                           f"({f.commit[:12]}) into the HF cache", err=True)
+            hub_fetch.reset_log()
+        ctx.call_on_close(done)
+    return value
+
+
+# eager: on before any argument naming a hub id is converted; not a parameter of the command
+download_option = click.option(
+    "--download", is_flag=True, is_eager=True, expose_value=False, callback=_download_on,
+    help="Fetch a hub id (org/name[@rev]) missing from the local HF cache into it first: only the files this "
+         "command needs (config and tokenizer files; the safetensors index and shards where it reads weights).")
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print one JSON envelope on stdout instead of text (docs/json.md).")
 trust_option = click.option(

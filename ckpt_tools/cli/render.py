@@ -111,7 +111,9 @@ def emit_failure(message: str, exit_code: int, exc=None, kind: str | None = None
 def _with_remote(doc: dict) -> dict:
     """A command that read or wrote a URL: its local stand-in paths shown as the URLs, and `remote`:
     the bytes fetched next to the remote inputs' size, and what was uploaded (docs/remote.md)."""
-    from ..io import remote
+    from ..io import hub_fetch, remote
+    if hub_fetch.fetched():   # --download fetched hub files into the HF cache (docs/remote.md)
+        doc["downloaded"] = [f.to_json() for f in hub_fetch.fetched()]
     if not remote.active() and not STATE.uploaded:
         return doc
     doc = remote.display(doc)

@@ -278,8 +278,10 @@ def _http_error(exc: Exception, where: str) -> Exception:
 
 # ------------------------------------------------------------------------------------ Hugging Face
 class HfBackend(Backend):
-    """huggingface_hub's HfFileSystem (HF_TOKEN / `hf auth login`, HF_ENDPOINT): the revision resolved
-    to its commit at open and every read made at that commit (an immutable snapshot)."""
+    """huggingface_hub's HfFileSystem (HF_TOKEN / `hf auth login`, HF_ENDPOINT): a repo's revision resolved
+    to its commit at open and every read made at that commit (an immutable snapshot); a bucket's files
+    (hf://buckets/ns/name/path) listed through the bucket tree API, each pinned by its Xet hash (checked
+    on every read's answer and before an output is committed)."""
     scheme = "hf"
 
     def __init__(self):
@@ -289,10 +291,10 @@ class HfBackend(Backend):
 
     def list(self, url):
         errors = self.hf.errors
+        if url.path.startswith("buckets/"):
+            return self._list_bucket(url)
         try:
             res = self.fs.resolve_path(url.path)
-            if not hasattr(res, "repo_id"):
-                raise UsageError("hf:// buckets are not supported yet; use a model or dataset repo", path=url.text)
             sha = self.fs._api.repo_info(res.repo_id, repo_type=res.repo_type, revision=res.revision).sha
             found = self.fs.find(_with_revision(res, sha), detail=True)
         except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, FileNotFoundError) as exc:
@@ -317,10 +319,51 @@ class HfBackend(Backend):
             raise MissingPathError(url.text)
         return out
 
+    def _list_bucket(self, url):
+        """hf://buckets/ns/name[/prefix]: every file under the prefix (or the file itself), each pinned by
+        its Xet hash (a bucket has no commits: each file is one content-addressed object)."""
+        parts = url.path.split("/")
+        if len(parts) < 3 or not parts[1] or not parts[2]:
+            raise UsageError("a bucket URL is hf://buckets/NAMESPACE/NAME[/PATH]", path=url.text)
+        bucket_id, prefix = f"{parts[1]}/{parts[2]}", "/".join(parts[3:]).strip("/")
+        try:
+            self.fs._api.bucket_info(bucket_id)
+            found = [f for f in self.fs._api.list_bucket_tree(bucket_id, prefix or None, recursive=True)
+                     if f.type == "file" and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))]
+        except self.hf.errors.HfHubHTTPError as exc:
+            status = getattr(getattr(exc, "response", None), "status_code", None)
+            if status in (401, 403):
+                raise UsageError(f"the Hub refused access to {url.text}: {_HF_VARS}") from None
+            if status == 404 or type(exc).__name__ == "BucketNotFoundError":
+                raise MissingPathError(url.text) from None
+            raise _hf_error(exc, url.text) from None
+        except Exception as exc:
+            raise _hf_error(exc, url.text) from None
+        out = [("" if f.path == prefix else f.path[len(prefix) + 1:] if prefix else f.path, int(f.size), f.xet_hash,
+                (bucket_id, "bucket", f.xet_hash, f.path)) for f in found]
+        if not out:
+            raise MissingPathError(url.text)
+        return out
+
+    def version_now(self, obj):
+        repo_id, repo_type, _pinned, in_repo = obj.ref
+        if repo_type != "bucket":
+            return None   # a repo file is read at its pinned commit: immutable
+        try:
+            got = list(self.fs._api.get_bucket_paths_info(repo_id, [in_repo]))
+        except Exception:
+            return None
+        return got[0].xet_hash if got else "(deleted)"
+
     def fetch(self, obj, start, end, sink, timeout_s):
         repo_id, repo_type, sha, in_repo = obj.ref
+        from urllib.parse import quote
+
         from huggingface_hub.utils import get_session
-        url = self.hf.hf_hub_url(repo_id, in_repo, repo_type=repo_type, revision=sha, endpoint=self.fs.endpoint)
+        if repo_type == "bucket":
+            url = f"{self.fs.endpoint}/buckets/{repo_id}/resolve/{quote(in_repo)}"
+        else:
+            url = self.hf.hf_hub_url(repo_id, in_repo, repo_type=repo_type, revision=sha, endpoint=self.fs.endpoint)
         headers = {**self.fs._api._build_hf_headers(), "Range": f"bytes={start}-{end - 1}",
                    "Accept-Encoding": "identity"}
         try:
@@ -328,6 +371,9 @@ class HfBackend(Backend):
                 if r.status_code in (401, 403):
                     raise RemoteDenied(f"the Hub refused access to {obj.url}: {_HF_VARS}")
                 _http_status(r.status_code, obj.url)
+                now = r.headers.get("X-Xet-Hash")
+                if repo_type == "bucket" and now and now != sha:   # the file was replaced since it was listed
+                    raise RemoteChanged(now)
                 if r.status_code != 206 and not (r.status_code == 200 and start == 0 and end == obj.size):
                     raise RemoteRetry(f"HTTP {r.status_code} to a byte-range request")
                 for chunk in r.iter_bytes(1 << 20):

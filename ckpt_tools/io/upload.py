@@ -13,6 +13,8 @@ then uploaded and committed in one step, so that a reader never sees half an out
 
 `stage_output(url)` gives the command its local OUT; `commit_pending()` (the CLI's `finish`) uploads
 what the command wrote there; `discard_pending()` removes the staging dirs (atexit too).
+`upload_tree(local, url)` uploads one finished local tree the same way (gc's `--slim-to`, one commit
+per step), every failure a CkptError naming the URL.
 """
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import OutputExistsError, UsageError
+from ..core.errors import CkptError, OutputExistsError, UsageError
 from .remote import RemoteUrl, parse_url
-from .signals import signals_deferred
+from .signals import Terminated, signals_deferred
 
-__all__ = ["stage_output", "pending", "commit_pending", "discard_pending", "Uploaded", "COMMIT_LAST"]
+__all__ = ["stage_output", "pending", "commit_pending", "discard_pending", "upload_tree", "check_writable",
+           "Uploaded", "COMMIT_LAST"]
 
 UPLOAD_PART_BYTES = 64 << 20
 # written last: what a reader opens first, and that names the other files
@@ -50,14 +53,25 @@ _PENDING: list[tuple[RemoteUrl, Path]] = []
 _DIRS: list[Path] = []
 
 
-def stage_output(value) -> Path:
-    """The local path a command writes the output bound for the URL `value` to."""
+def check_writable(value) -> RemoteUrl:
+    """`value` as a URL an output can be uploaded to, else a UsageError naming what can."""
     url = parse_url(value)
     if url is None:
-        raise UsageError(f"not a URL: {value!r}")
+        raise UsageError(f"not a URL: {value!r}", hint="give a URL to upload to: s3://BUCKET/PREFIX, "
+                                                        "hf://ORG/REPO/DIR or gs://BUCKET/PREFIX")
     if url.scheme in ("http", "https"):
         raise UsageError(f"cannot write to {url.scheme}:// (plain HTTP has no upload)", path=url.text,
                          hint="write to s3://, hf:// or gs://, or to a local path")
+    if url.scheme == "hf" and url.path.startswith("buckets/"):
+        raise UsageError("writing to an hf:// bucket is not supported: bucket uploads go through Xet "
+                         "(HfApi.batch_bucket_files), which ckpt does not drive", path=url.text,
+                         hint="write to an hf:// model or dataset repo (one commit), or to s3://")
+    return url
+
+
+def stage_output(value) -> Path:
+    """The local path a command writes the output bound for the URL `value` to."""
+    url = check_writable(value)
     from . import remote
     d = Path(tempfile.mkdtemp(prefix="ckpt-upload-", dir=os.environ.get("CKPT_UPLOAD_STAGING")))
     _DIRS.append(d)
@@ -91,10 +105,38 @@ def commit_pending(*, overwrite: bool) -> list[Uploaded]:
                 continue
             files = _files(local) if local.is_dir() else [("", local, local.stat().st_size)]
             writer = _writer(url)
-            done.append(writer.upload(url, files, overwrite=overwrite))
+            try:
+                done.append(writer.upload(url, files, overwrite=overwrite))
+            except BaseException as exc:   # an interrupt held through the commit arrives after it
+                if getattr(writer, "committed", False) and isinstance(exc, (KeyboardInterrupt, Terminated)):
+                    exc.summary = (f"{url.text} had been uploaded and committed, complete, when the interrupt "
+                                   "arrived")
+                raise
     finally:
         discard_pending()
     return done
+
+
+def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:
+    """Upload the finished local file or tree `local` to the URL `value`, committed in one step (as
+    `commit_pending` does). A failure (the server gone, 5xx after the client's retries, refused
+    credentials) is a CkptError naming the URL; nothing is committed then."""
+    url = check_writable(value)
+    files = _files(local) if local.is_dir() else [("", local, local.stat().st_size)]
+    writer = None
+    try:
+        writer = _writer(url)
+        return writer.upload(url, files, overwrite=overwrite)
+    except CkptError:
+        raise
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):   # say whether the commit was made
+            if getattr(writer, "committed", False):
+                exc.summary = f"{url.text} had been uploaded and committed, complete, when the interrupt arrived"
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CkptError(f"uploading to {url.text} failed: {type(exc).__name__}: {first}", path=url.text,
+                        hint="nothing was committed there; check the endpoint and credentials, then rerun") from None
 
 
 def discard_pending() -> None:
@@ -188,6 +230,7 @@ class _S3Writer:
             for key in old:
                 if key not in new:
                     self._call(self.client.delete_object(Bucket=bucket, Key=key))
+            self.committed = True
         return Uploaded(url.text, len(files), total, "s3 multipart, completed at the end")
 
 
@@ -212,8 +255,14 @@ class _HfWriter:
         new = {o.path_in_repo for o in ops}
         from .remote_backends import in_repo
         ops += [CommitOperationDelete(path_in_repo=in_repo(o)) for o in old if in_repo(o) not in new]
-        fs._api.create_commit(res.repo_id, ops, repo_type=res.repo_type, revision=res.revision,
-                              commit_message=f"ckpt: write {prefix}")
+        adds = [o for o in ops if isinstance(o, CommitOperationAdd)]
+        # the contents first (LFS/Xet uploads; interruptible: nothing is committed), then the commit itself,
+        # which holds the small files inline, with Ctrl-C held: it is made whole or not at all
+        fs._api.preupload_lfs_files(res.repo_id, adds, repo_type=res.repo_type, revision=res.revision)
+        with signals_deferred():
+            fs._api.create_commit(res.repo_id, ops, repo_type=res.repo_type, revision=res.revision,
+                                  commit_message=f"ckpt: write {prefix}")
+            self.committed = True
         return Uploaded(url.text, len(files), sum(s for _, _, s in files), "one Hub commit")
 
 

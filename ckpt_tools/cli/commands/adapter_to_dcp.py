@@ -11,7 +11,7 @@ from ...core.primerl_state import SCHEDULER_TYPES, SchedulerSpec
 from ...core.units import human_bytes, human_number
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -40,6 +40,7 @@ __all__ = ["command"]
               help="Steps the schedule has advanced (default: --step). 0 restarts the warmup at the resume.")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, optimizer_from, scheduler: str,

@@ -9,7 +9,7 @@ from ...core.errors import UsageError
 from ...core.units import human_bytes
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, ModelPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, ModelPath, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
@@ -50,6 +50,7 @@ def parse_weights(text: str | None) -> tuple[float, ...] | None:
               "PEFT adapters keep their own.")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(paths, weights, ema, rank, energy, merge_base, dtype, allow, layout, alpha, overwrite, dry_run, as_json,

@@ -11,7 +11,7 @@ from ..flow import op_imports
 from ... import dist
 from ...core.units import human_bytes
 from ..mistakes import check_roles
-from ..options import InputPath, input_arg, alpha_options, json_option, trust_option
+from ..options import InputPath, input_arg, alpha_options, download_option, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
 
@@ -35,6 +35,7 @@ __all__ = ["command", "render"]
 @click.option("--report", "report_file", type=click.Path(path_type=Path),
               help="Also write the comparison as a self-contained HTML page (changed fraction and max |delta| "
                    "per tensor; the page of `ckpt report`). A new file.")
+@download_option
 @json_option
 @trust_option
 @click.pass_context

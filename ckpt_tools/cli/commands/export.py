@@ -6,7 +6,7 @@ import click
 from ...core.units import human_bytes
 from ..flow import finish, op_imports
 from ..mistakes import check_roles
-from ..options import OutputPath, alpha_options, input_arg, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import OutputPath, alpha_options, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import warn_trust
 from .merge import dry_run_or_run
 
@@ -33,6 +33,7 @@ __all__ = ["command"]
               help="Tensors read and computed in parallel ahead of the writer (default: 2, or 4 with 4+ cores).")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_delta, max_shard_size, threads,

@@ -8,7 +8,7 @@ import click
 from ...core.units import human_bytes
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, OutputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -31,6 +31,7 @@ __all__ = ["command"]
                    "(docs/adapters.md).")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: str, layout: str, overwrite: bool,

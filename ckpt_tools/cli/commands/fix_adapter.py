@@ -8,7 +8,7 @@ import click
 from ...core.units import human_bytes, human_number
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option
+from ..options import InputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option
 from ..render import dry_run_label, warn
 
 __all__ = ["command"]
@@ -30,6 +30,7 @@ __all__ = ["command"]
                    "--layout; any layout is read). A dense adapter is the same file in every layout.")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, layout: str, overwrite: bool, dry_run: bool,
             as_json: bool) -> None:

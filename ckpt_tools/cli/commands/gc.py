@@ -11,7 +11,7 @@ from ...core.progress import ProgressEvent
 from ...core.units import human_bytes
 from ...io.signals import Terminated
 from ..mistakes import check_roles
-from ..options import InputPath, dry_run_option, json_option, trust_option
+from ..options import InputPath, dry_run_option, download_option, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, json_errors, warn, warn_trust
 
@@ -27,10 +27,14 @@ __all__ = ["command"]
 @click.option("--min-age", "min_age", type=click.FloatRange(min=0), default=600, show_default=True,
               help="Seconds since a checkpoint's last write before gc touches it (younger ones may be "
                    "being written).")
+@click.option("--slim-to", "slim_to", metavar="URL",
+              help="Also upload each slim to URL/step_N/trainer (s3://, hf://org/repo/DIR, gs://), committed before "
+                   "the step's full copy is deleted; a failed upload leaves the step full (docs/remote.md).")
 @dry_run_option
+@download_option
 @json_option
 @trust_option
-def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bool, as_json: bool,
+def command(checkpoints: Path, keep_full: int, base, min_age: float, slim_to, dry_run: bool, as_json: bool,
             trust_pickle: bool) -> None:
     """Keep every checkpoint of a run: the newest N whole, every older one slim, in place.
 
@@ -65,7 +69,7 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
     try:
         with json_errors(as_json):
             report = gc(checkpoints, keep_full=keep_full, base=base, dry_run=dry_run, min_age_s=min_age,
-                        trust_pickle=trust_pickle, progress=progress)
+                        trust_pickle=trust_pickle, progress=progress, slim_to=slim_to)
     except (KeyboardInterrupt, Terminated) as exc:
         if bar is not None:
             bar.close()
@@ -89,7 +93,8 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
 def _echo_step(r) -> None:
     if r.result in ("slimmed", "finished", "restored"):
         click.echo(f"  step_{r.step}: {r.result}, {human_bytes(r.bytes_before)} -> {human_bytes(r.bytes_after)} "
-                   f"(freed {human_bytes(r.freed_bytes)}, {r.seconds:.1f}s)", err=True)
+                   f"(freed {human_bytes(r.freed_bytes)}, {r.seconds:.1f}s)"
+                   + (f"; uploaded to {r.uploaded['url']}" if r.uploaded else ""), err=True)
     elif r.result == "skipped" and r.action in ("slim", "finish", "restore"):   # the plan said yes, the run no
         click.echo(f"  step_{r.step}: skipped: {r.reason}", err=True)
 

@@ -7,7 +7,7 @@ import click
 
 from ...core.units import human_bytes, human_number
 from ...ops.inspect import InspectOptions, plan_inspect, run_inspect
-from ..options import ModelPath, alpha_options, json_option, trust_option
+from ..options import ModelPath, alpha_options, download_option, json_option, trust_option
 from ...io import remote
 from ..render import emit, warn, warn_trust
 
@@ -18,6 +18,7 @@ __all__ = ["command"]
 @click.argument("path", type=ModelPath())
 @alpha_options
 @click.option("--keys", "list_keys", is_flag=True, help="List every key with its group, dtype, shape and chunks.")
+@download_option
 @json_option
 @trust_option
 def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust_pickle: bool) -> None:

@@ -12,7 +12,7 @@ from ...core.units import human_bytes, human_bytes_si, human_number
 from ...io.signals import install_signal_handlers
 from ..flow import DryRunReport, dry_run_output, finish, op_imports
 from ..mistakes import check_roles
-from ..options import ModelPath, OutputPath, alpha_options, input_arg, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import ModelPath, OutputPath, alpha_options, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
@@ -43,6 +43,7 @@ __all__ = ["command", "render_plan", "dry_run_or_run"]
                    "with it: see the plan's memory bound.")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, dtype, allow_zero_delta,

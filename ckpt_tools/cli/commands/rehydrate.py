@@ -9,7 +9,7 @@ from ... import dist
 from ...core.units import human_bytes
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, OutputPath, input_arg, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -24,6 +24,7 @@ __all__ = ["command"]
               "(default: the original checkpoint's exact chunk layout and rank files).")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, dry_run: bool, as_json: bool,

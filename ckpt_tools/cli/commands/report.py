@@ -7,7 +7,7 @@ import click
 
 from ..flow import finish, op_imports
 from ..mistakes import check_roles
-from ..options import InputPath, ModelPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, ModelPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import warn, warn_trust
 
 __all__ = ["command"]
@@ -28,6 +28,7 @@ DEFAULT_PAGE = "report.html"
 @alpha_options
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(path: Path, base, out, png_dir, set_lr, scale, alpha, run_config, overwrite: bool, dry_run: bool,

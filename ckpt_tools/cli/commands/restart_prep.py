@@ -8,7 +8,7 @@ import click
 from ...core.units import human_bytes, human_number
 from ..flow import finish, op_imports
 from ..mistakes import check_roles
-from ..options import InputPath, alpha_options, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
@@ -36,6 +36,7 @@ __all__ = ["command"]
               help="adapter mode: position of the restarted schedule (0 = warm up again).")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: str, alpha, run_config, world_size,

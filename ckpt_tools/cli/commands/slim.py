@@ -10,7 +10,7 @@ from ...core.units import human_bytes
 from ...io import remote
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
-from ..options import InputPath, OutputPath, input_arg, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -23,6 +23,7 @@ __all__ = ["command"]
                              "manifest and checked now: every dropped tensor must equal its upcast.")
 @overwrite_option
 @dry_run_option
+@download_option
 @json_option
 @trust_option
 def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json: bool, trust_pickle: bool) -> None:

@@ -10,7 +10,7 @@ from ...core.units import human_bytes
 from ...core.problems import group_problems
 from ...ops.verify import VerifyOptions, VerifyReport, plan_verify, run_verify
 from ..mistakes import check_roles
-from ..options import ModelPath, json_option, trust_option
+from ..options import ModelPath, download_option, json_option, trust_option
 from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
 
@@ -26,6 +26,7 @@ __all__ = ["command", "render"]
                    "are proven).")
 @click.option("--base", help="PEFT adapters only: a base model (dir, hub id or DCP checkpoint) that every "
                              "target module must exist in, with matching shapes.")
+@download_option
 @json_option
 @trust_option
 @click.pass_context

@@ -41,6 +41,7 @@ class StepResult:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     error: bool = False            # skipped because something failed (the reason says what)
+    uploaded: dict | None = None   # with --slim-to: the slim's upload ({url, files, bytes, method})
 
     @property
     def freed_bytes(self) -> int:
@@ -106,7 +107,23 @@ def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bo
             write_slim(ckpt, tmp, layout, base=info, base_hash=check, base_path=hf.path, progress=progress)
 
 
-def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress | None) -> list[str]:
+def _upload_slim(staged: Path, slim_to: str, step_dir: Path, res) -> None:
+    """The verified slim of one step committed at `slim_to/step_N/trainer` (io.upload: one commit), before
+    anything local is deleted; a failure removes the staged slim and leaves the step full."""
+    from ...io.upload import upload_tree   # lazy: only a URL imports the remote packages
+    url = f"{slim_to.rstrip('/')}/{step_dir.name}/{TRAINER}"
+    try:
+        res.uploaded = upload_tree(staged, url).to_json()
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            remove_tree(staged)
+        if isinstance(exc, CkptError):
+            raise CkptError(f"{exc.message}; the step stays full", path=exc.path, hint=exc.hint) from None
+        raise
+
+
+def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress | None,
+              slim_to: str | None = None, res=None) -> list[str]:
     trainer, staged = step_dir / TRAINER, step_dir / STAGED
     notes = []
     with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ck:
@@ -129,6 +146,8 @@ def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress 
         except CkptError:
             remove_tree(staged)
             raise
+    if slim_to is not None:
+        _upload_slim(staged, slim_to, step_dir, res)
     try:
         swap_in_slim(step_dir)
     except OSError:
@@ -141,8 +160,10 @@ def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress 
     return notes
 
 
-def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | None = None) -> list[StepResult]:
-    """Execute a plan. Every step is re-checked under its lock before anything is written. `progress`
+def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | None = None,
+           slim_to: str | None = None) -> list[StepResult]:
+    """Execute a plan (with `slim_to`, a URL: each slim is uploaded to `slim_to/step_N/trainer` and
+    committed before the step's full copy is deleted; a failed upload leaves the step full). Every step is re-checked under its lock before anything is written. `progress`
     gets each slim's events (phase `step_N copy` / `step_N hash`) and, as each step is done, one
     `ProgressEvent("gc", i, n, unit="steps", name="step_N", finished=StepResult)`."""
     todo = plan.to_do
@@ -168,7 +189,7 @@ def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | Non
         if sp.action in ("slim", "finish", "restore"):
             t0 = time.perf_counter()
             try:
-                _run_step(sp, step_dir, res, plan, trust_pickle, progress)
+                _run_step(sp, step_dir, res, plan, trust_pickle, progress, slim_to)
             except (CkptError, OSError) as exc:   # this step is left as it is (full or slim); the others go on
                 trainer = step_dir / TRAINER
                 slim_now = is_complete(trainer) and is_slim(trainer)
@@ -187,7 +208,8 @@ def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | Non
     return results
 
 
-def _run_step(sp, step_dir: Path, res: StepResult, plan: GcPlan, trust_pickle: bool, progress) -> None:
+def _run_step(sp, step_dir: Path, res: StepResult, plan: GcPlan, trust_pickle: bool, progress,
+              slim_to: str | None = None) -> None:
     """One planned step, under its lock, re-checked first."""
     lock = OutputLock(step_dir / STEP_LOCK, step_dir / TRAINER)
     try:
@@ -201,7 +223,7 @@ def _run_step(sp, step_dir: Path, res: StepResult, plan: GcPlan, trust_pickle: b
         if (sp.action == "slim" or sp.then_slim) and is_complete(trainer) and not is_slim(trainer):
             step_progress = (lambda ev, _s=sp.step: progress(
                 ProgressEvent(f"step_{_s} {ev.phase}", ev.done, ev.total))) if progress else None
-            res.notes += _slim_one(step_dir, plan.base["dir"], trust_pickle, step_progress)
+            res.notes += _slim_one(step_dir, plan.base["dir"], trust_pickle, step_progress, slim_to, res)
             res.result = "slimmed"
         elif sp.action == "slim":
             res.result, res.reason = "skipped", "changed since the plan (not a full checkpoint now)"
@@ -212,14 +234,19 @@ def _run_step(sp, step_dir: Path, res: StepResult, plan: GcPlan, trust_pickle: b
 
 
 def gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None = None, dry_run: bool = False,
-       min_age_s: float = DEFAULT_MIN_AGE_S, trust_pickle: bool = False, progress: Progress | None = None) -> dict:
-    """Library entry point: plan, and unless `dry_run` execute. Returns a JSON-able report."""
+       min_age_s: float = DEFAULT_MIN_AGE_S, trust_pickle: bool = False, progress: Progress | None = None,
+       slim_to: str | None = None) -> dict:
+    """Library entry point: plan, and unless `dry_run` execute. Returns a JSON-able report. `slim_to`: a
+    URL (s3://, hf://, gs://) each slim is also uploaded to, as `slim_to/step_N/trainer`."""
+    if slim_to is not None:
+        from ...io.upload import check_writable
+        check_writable(slim_to)
     plan = plan_gc(checkpoints_dir, keep_full=keep_full, base=base, min_age_s=min_age_s, trust_pickle=trust_pickle)
-    report = {"plan": plan.to_json(), "dry_run": dry_run}
+    report = {"plan": dict(plan.to_json(), slim_to=slim_to), "dry_run": dry_run}
     if dry_run:
         return report
     before = dir_bytes(Path(plan.checkpoints))
-    results = run_gc(plan, trust_pickle=trust_pickle, progress=progress)
+    results = run_gc(plan, trust_pickle=trust_pickle, progress=progress, slim_to=slim_to)
     after = dir_bytes(Path(plan.checkpoints))
     report["result"] = {"steps": [r.to_json() for r in results], "bytes_before": before, "bytes_after": after,
                         "freed_bytes": before - after,

@@ -105,7 +105,7 @@ def dcp_base_facts(src: DcpBaseSource, config_from: str | Path | None) -> BaseFa
             hint += f" (e.g. {cands[-1].parent})"
         raise UsageError("--base-from-checkpoint needs --config-from: the checkpoint holds no config or tokenizer",
                          path=ckpt_dir, hint=hint)
-    cdir = resolve_model_dir(config_from)
+    cdir = resolve_model_dir(config_from, need="config")
     config, cfg_path = load_config(cdir, required=True,
                                    hint="--config-from needs an HF model dir or the run's outputs/weights/step_N")
     carry, skipped = carry_files(cdir)
