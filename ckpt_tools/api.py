@@ -46,7 +46,6 @@ from .ops.set_lr import set_values as _set_values
 from .ops.slim import SlimReport
 from .ops.slim import slim as _slim
 from .ops.verify import VerifyReport, verify_path
-from .sources.lora import DcpLoraSource
 from .workflows.average_merge import AverageMergeReport, average_merge
 from .workflows.restart_prep import restart_prep as _restart_prep
 
@@ -92,8 +91,8 @@ def extract_adapter(ckpt: str | Path, out: str | Path, *, alpha: float | None = 
                     layout: str = "peft") -> ExtractReport:
     """A prime-rl DCP checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`; `layout`:
     peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
-    with DcpLoraSource(Path(ckpt), alpha=alpha, run_config=None if run_config is None else Path(run_config),
-                       slot=slot, trust_pickle=trust_pickle) as src:
+    with DcpCheckpoint.open(Path(ckpt), trust_pickle=trust_pickle).lora(
+            alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot) as src:
         plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
         return ExtractReport(plan) if dry_run else run_extract(plan, src, progress, overwrite=overwrite)
 
