@@ -57,10 +57,12 @@ __all__ = ["open", "inspect", "extract_adapter", "merge", "export", "diff_vs_bas
 
 
 def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:  # noqa: A001
-    """The lazy handle of what `path` is (metadata read, tensors on demand): a `DcpCheckpoint`
-    (`.entries`, `.read_object(key)`, `.read_tensor(key)`), an `HFModelDir` (`.keys()`, `.info(name)`,
-    `.read_tensor(name)`) or a `PeftAdapter` (`.modules`, `.read_pair(module)`). A hub id
-    (`org/name[@revision]`) is looked up in the local HF cache. Use it as a context manager."""
+    """The format's one lazy handle of what `path` is (metadata read, tensors on demand): a `DcpCheckpoint`
+    (`.entries`, `.read_object(key)`, `.read_tensor(key)`; its tensors as `Source`s: `.base_weights()`,
+    `.by_key()`; its LoRA: `.lora(alpha=...)`), an `HFModelDir`, itself a `Source` (`.names()`, `.facts(name)`,
+    `.read_tensor(name)`, `.read_rows(name, start, count)`, `.info(name)`) or a `PeftAdapter` (`.modules`,
+    `.read_pair(module)`; `.lora()`). A hub id (`org/name[@revision]`) is looked up in the local HF cache.
+    Use it as a context manager: leaving the block closes its files."""
     p = Path(path)
     if not p.exists():
         p = resolve_model_dir(str(path))
