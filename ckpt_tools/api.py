@@ -48,7 +48,6 @@ from .ops.set_lr import set_values as _set_values
 from .ops.slim import SlimReport
 from .ops.slim import slim as _slim
 from .ops.verify import VerifyReport, verify_path
-from .sources.lora import DcpLoraSource
 from .workflows.average_merge import AverageMergeReport, average_merge
 from .workflows.restart_prep import restart_prep as _restart_prep
 
@@ -60,10 +59,12 @@ __all__ = ["open", "inspect", "extract_adapter", "merge", "export", "diff_vs_bas
 
 
 def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:  # noqa: A001
-    """The lazy handle of what `path` is (metadata read, tensors on demand): a `DcpCheckpoint`
-    (`.entries`, `.read_object(key)`, `.read_tensor(key)`), an `HFModelDir` (`.keys()`, `.info(name)`,
-    `.read_tensor(name)`) or a `PeftAdapter` (`.modules`, `.read_pair(module)`). A hub id
-    (`org/name[@revision]`) is looked up in the local HF cache. Use it as a context manager."""
+    """The format's one lazy handle of what `path` is (metadata read, tensors on demand): a `DcpCheckpoint`
+    (`.entries`, `.read_object(key)`, `.read_tensor(key)`; its tensors as `Source`s: `.base_weights()`,
+    `.by_key()`; its LoRA: `.lora(alpha=...)`), an `HFModelDir`, itself a `Source` (`.names()`, `.facts(name)`,
+    `.read_tensor(name)`, `.read_rows(name, start, count)`, `.info(name)`) or a `PeftAdapter` (`.modules`,
+    `.read_pair(module)`; `.lora()`). A hub id (`org/name[@revision]`) is looked up in the local HF cache.
+    Use it as a context manager: leaving the block closes its files."""
     p = Path(path)
     if not p.exists():
         p = resolve_model_dir(str(path))
@@ -94,8 +95,8 @@ def extract_adapter(ckpt: str | Path, out: str | Path, *, alpha: float | None = 
                     layout: str = "peft") -> ExtractReport:
     """A prime-rl DCP checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`; `layout`:
     peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
-    with DcpLoraSource(Path(ckpt), alpha=alpha, run_config=None if run_config is None else Path(run_config),
-                       slot=slot, trust_pickle=trust_pickle) as src:
+    with DcpCheckpoint.open(Path(ckpt), trust_pickle=trust_pickle).lora(
+            alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot) as src:
         plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
         return ExtractReport(plan) if dry_run else run_extract(plan, src, progress, overwrite=overwrite)
 

@@ -122,3 +122,40 @@ def test_the_api_reports_what_the_command_reports(tmp_path):
     r = _cli("restart-prep", TRAINER, tmp_path / "m", "--base", BASE, "--lr", "5e-3", "--dry-run", "--json")
     assert r.returncode == 0, r.stderr
     assert json_payload(r.stdout) == json.loads(json.dumps(prep))
+
+
+def test_open_returns_each_formats_one_handle_as_a_context_manager_that_closes_it():
+    """`ckpt_tools.open` gives the format's handle (a DCP checkpoint, an HF dir that is a `Source`, a PEFT
+    adapter); `with` closes what it opened, and the handle offers the views the ops read through."""
+    import torch
+    from safetensors import safe_open
+
+    from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+    from ckpt_tools.formats.handle import LoraSource, Source
+    from ckpt_tools.formats.hf_dir.model_dir import HFModelDir
+    from ckpt_tools.formats.peft.adapter import PeftAdapter
+
+    with ckpt_tools.open(TRAINER) as ckpt:
+        assert type(ckpt) is DcpCheckpoint
+        base = ckpt.base_weights()
+        assert isinstance(base, Source) and base.masters and len(base) > 0
+        name = base.names()[0]
+        assert base.read_tensor(name).shape == base.facts(name).shape
+        assert ckpt.files._fds                       # a data file was opened for that read
+    assert not ckpt.files._fds                       # and closed on leaving the block
+    with ckpt_tools.open(BASE) as hf:
+        assert type(hf) is HFModelDir and isinstance(hf, Source) and not hf.masters
+        name = hf.disk_order()[0]
+        with safe_open(str(hf.path / hf.file_of(name)), "pt") as f:
+            assert torch.equal(hf.read_tensor(name), f.get_tensor(name))
+        r = hf.copy_range(name)
+        assert (r.offset, r.nbytes) == (hf.info(name).begin, hf.facts(name).nbytes)
+        assert hf.files._fds
+    assert not hf.files._fds
+    with ckpt_tools.open(FIXTURE / "reference_peft_adapter") as peft:
+        assert type(peft) is PeftAdapter
+        lora = peft.lora()
+        assert isinstance(lora, LoraSource) and lora.adapter is peft and lora.ckpt is None and lora.modules
+        module = sorted(lora.modules)[0]
+        a, _b = lora.read_pair(module)
+        assert a.dtype == torch.float32 and tuple(a.shape) == lora.modules[module].a_shape

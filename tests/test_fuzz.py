@@ -95,7 +95,7 @@ def consume_dcp(path: Path, only=None) -> None:
 def consume_hf(path: Path) -> None:
     with HFModelDir.open(path) as d:
         for k in d.keys():
-            d.read_tensor(k)
+            d.read_stored(k)
 
 
 def consume_peft(path: Path) -> None:

@@ -80,7 +80,7 @@ def test_sharded_dir_opens_and_reads_every_tensor_bit_identically(saved, model):
         for k in m.keys():
             info = m.info(k)
             assert info.path == d / index["weight_map"][k]
-            t = m.read_tensor(k)
+            t = m.read_stored(k)
             assert t.dtype == torch.bfloat16 and torch.equal(t, ref[k])
             with safe_open(info.path, "pt") as f:
                 assert bytes(m.read_raw(k)) == bytes(f.get_tensor(k).view(torch.uint8).reshape(-1).tolist())
@@ -95,7 +95,7 @@ def test_keys_are_in_disk_order_shard_by_shard(saved):
 def test_single_file_dir_opens_without_an_index(saved, model):
     m = HFModelDir.open(saved / "single")
     assert [p.name for p in m.weight_files] == [WEIGHTS_NAME] and m.index_metadata is None
-    assert torch.equal(m.read_tensor("lm_head.weight"), state(model)["lm_head.weight"])
+    assert torch.equal(m.read_stored("lm_head.weight"), state(model)["lm_head.weight"])
 
 
 def test_opening_reads_headers_only(saved, monkeypatch):
@@ -105,7 +105,7 @@ def test_opening_reads_headers_only(saved, monkeypatch):
     m = HFModelDir.open(saved / "sharded")
     assert sum(asked) == sum(h.data_start for h in m.headers.values())
     c = ByteCounter()
-    m.read_tensor("model.norm.weight", counter=c)
+    m.read_stored("model.norm.weight", counter=c)
     assert c.bytes_read == 64
 
 

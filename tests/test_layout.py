@@ -196,3 +196,63 @@ def test_the_io_rule_sees_each_kind_of_call(tmp_path):
                    "open('f', 'w')\nopen('f', 'rb')\n'a'.replace('a', 'b')\n")
     assert [w for _, w in _fs_calls(src)] == ["os.rename", "shutil.rmtree", "fcntl.flock", ".unlink()",
                                                "open(..., mode)"]
+
+
+# --- ops and workflows ask a source for capabilities, never its class or its insides -------------------------
+# The concrete handles and sources: every class of formats/ and sources/ that is (or derives from) a `Source`
+# or `LoraSource`, and the formats' handles. An op that branches on one of them, or reaches into a handle's
+# files (`x.model_dir.`, `x.files.read_into(...)`), breaks when a format gains a second layout or a remote
+# reader; it asks `formats.handle`'s capabilities instead (`masters`, `copy_range`, `ckpt`, `adapter`, ...).
+_HANDLES = {"HFModelDir", "DcpCheckpoint", "PeftAdapter"}
+_PROTOCOLS = {"Source", "LoraSource"}
+_OPEN_FILES_METHODS = {"fd", "size", "check_range", "read", "read_into", "hint", "close", "stats"}
+
+
+def concrete_source_classes() -> set[str]:
+    bases: dict[str, set[str]] = {}
+    for p in modules(PKG / "formats") + modules(PKG / "sources"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.ClassDef):
+                bases[n.name] = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in n.bases}
+    found = set(_HANDLES)
+    changed = True
+    while changed:
+        changed = False
+        for name, bs in bases.items():
+            if name not in found and name not in _PROTOCOLS and bs & (found | _PROTOCOLS):
+                found.add(name)
+                changed = True
+    return found
+
+
+def _source_class_uses(p: Path, concrete: set[str]):
+    for n in ast.walk(ast.parse(p.read_text())):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("isinstance", "issubclass") \
+                and len(n.args) == 2:
+            for c in ast.walk(n.args[1]):
+                name = c.id if isinstance(c, ast.Name) else c.attr if isinstance(c, ast.Attribute) else None
+                if name in concrete:
+                    yield n.lineno, f"isinstance(..., {name})"
+        elif isinstance(n, ast.Attribute) and n.attr == "model_dir" and not isinstance(n.ctx, ast.Store):
+            yield n.lineno, ".model_dir"
+        elif isinstance(n, ast.Attribute) and n.attr in _OPEN_FILES_METHODS and isinstance(n.value, ast.Attribute) \
+                and n.value.attr == "files":
+            yield n.lineno, f".files.{n.attr}"
+
+
+def test_ops_and_workflows_never_branch_on_a_concrete_source_or_reach_into_a_handle():
+    concrete = concrete_source_classes()
+    assert {"HFModelDir", "DcpCheckpoint", "PeftAdapter", "DcpBaseSource", "DcpKeySource", "DcpLoraSource",
+            "PeftLoraSource", "TensorFileSource", "NoLoraSource", "DeltaSource"} <= concrete, concrete
+    found = [f"{rel(p)}:{line}: {what}" for p in modules(PKG / "ops") + modules(PKG / "workflows")
+             for line, what in _source_class_uses(p, concrete)]
+    assert not found, "\n".join(found)
+
+
+def test_the_source_rule_sees_each_kind_of_use(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("if isinstance(base, HFModelDir): pass\nif isinstance(s, (int, lora.DcpLoraSource)): pass\n"
+                   "fd = base.model_dir.fd('x')\nckpt.files.hint([])\nn = cfg.files.files\n"
+                   "if isinstance(s, Source): pass\n")
+    assert [w for _, w in sorted(_source_class_uses(src, concrete_source_classes()))] == [
+        "isinstance(..., HFModelDir)", "isinstance(..., DcpLoraSource)", ".model_dir", ".files.hint"]

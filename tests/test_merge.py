@@ -192,11 +192,11 @@ def test_progress_callback_reports_every_tensor_and_all_bytes(tmp_path):
 
 def test_no_tensor_is_read_whole_merges_go_in_row_blocks_untouched_ones_by_the_kernel(tmp_path, monkeypatch):
     from ckpt_tools.formats.safetensors.writer import StreamingSafetensorsWriter
-    from ckpt_tools.sources.hf import HFSource
+    from ckpt_tools.formats.hf_dir.model_dir import HFModelDir
 
     reads, copied = [], []
-    real_read, real_copy = HFSource.read_into, StreamingSafetensorsWriter.copy_range_from
-    monkeypatch.setattr(HFSource, "read_into", lambda self, name, buf, rows=None: reads.append((name, rows)) or
+    real_read, real_copy = HFModelDir.read_into, StreamingSafetensorsWriter.copy_range_from
+    monkeypatch.setattr(HFModelDir, "read_into", lambda self, name, buf, rows=None: reads.append((name, rows)) or
                         real_read(self, name, buf, rows))
     monkeypatch.setattr(StreamingSafetensorsWriter, "copy_range_from", lambda self, n, *a, **kw:
                         copied.append((n, real_copy(self, n, *a, **kw))))

@@ -56,10 +56,11 @@ from ..formats.dcp.layout import row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
+from ..formats.peft.adapter import open_peft_adapter
 from ..io.staging import SharedOutputDir
 from ..sources.hashing import read_rows_as
-from ..sources.hf import HFSource
-from ..sources.lora import LoraSource, PeftLoraSource
+from ..formats.hf_dir.model_dir import HFModelDir
+from ..sources.lora import LoraSource
 
 __all__ = ["ToDcpOptions", "ToDcpSources", "open_to_dcp_sources", "ToDcpJob", "ToDcpPlan", "ToDcpReport",
            "plan_adapter_to_dcp", "run_adapter_to_dcp"]
@@ -160,7 +161,7 @@ class ToDcpOptions:
 @dataclass
 class ToDcpSources:
     lora: LoraSource                       # a PEFT adapter, or a checkpoint's own LoRA (slot 0)
-    base: HFSource
+    base: HFModelDir
     optimizer_from: DcpCheckpoint | None = None
 
     def close(self) -> None:
@@ -179,10 +180,10 @@ def open_to_dcp_sources(adapter: str | Path, base: str | Path, *, optimizer_from
                         trust_pickle: bool = False) -> ToDcpSources:
     """A PEFT adapter (refused: DoRA, bias, unknown peft_type, bad keys...), the HF base, and the
     checkpoint to carry AdamW state from (headers and metadata only)."""
-    lora = PeftLoraSource(Path(adapter))
+    lora = open_peft_adapter(Path(adapter), strict=True).lora()
     opened = [lora]
     try:
-        hf = HFSource.open(base)
+        hf = HFModelDir.open_ref(base)
         opened.append(hf)
         ck = DcpCheckpoint.open(optimizer_from, trust_pickle=trust_pickle) if optimizer_from is not None else None
     except BaseException:
@@ -397,7 +398,7 @@ def _write_stack(w: DcpWriter, job: ToDcpJob, read_rows) -> None:
         del piece
 
 
-def _write_base_streaming(w: DcpWriter, job: ToDcpJob, hf: HFSource, name: str) -> None:
+def _write_base_streaming(w: DcpWriter, job: ToDcpJob, hf: HFModelDir, name: str) -> None:
     """One base tensor as its fp32 master, one row chunk at a time (read those rows' bytes, upcast,
     append, drop): memory is one fp32 chunk plus its source rows."""
     shape = hf.facts(name).shape

@@ -31,13 +31,12 @@ from ..formats.dcp.layout import extra_bytes, extra_entries, row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
-from ..formats.hf_dir.hub import resolve_model_dir
 from ..formats.slim.manifest import SLIM_MANIFEST, kept_item_id, read_manifest
 from ..formats.slim.partition import base_identity, map_to_base
 from ..formats.slim.writer import copy_extra_entries
 from ..io.staging import SharedOutputDir
 from ..sources.hashing import read_as, read_rows_as
-from ..sources.hf import HFSource
+from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["RehydrateOptions", "RehydrateSources", "open_rehydrate_sources", "RebuildItem", "RehydratePlan",
            "RehydrateResult", "RehydrateReport", "plan_rehydrate", "run_rehydrate", "rehydrate"]
@@ -107,7 +106,7 @@ class RehydrateOptions:
 @dataclass
 class RehydrateSources:
     slim: DcpCheckpoint
-    base: HFSource
+    base: HFModelDir
 
     def close(self) -> None:
         self.base.close()
@@ -123,7 +122,7 @@ class RehydrateSources:
 def open_rehydrate_sources(slim_path: str | Path, options: RehydrateOptions) -> RehydrateSources:
     ckpt = DcpCheckpoint.open(slim_path, trust_pickle=options.trust_pickle)
     try:
-        return RehydrateSources(ckpt, HFSource(resolve_model_dir(options.base), str(options.base)))
+        return RehydrateSources(ckpt, HFModelDir.open_ref(options.base))
     except BaseException:
         ckpt.close()
         raise
@@ -146,7 +145,7 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
     warnings = []
     mb = manifest.base or {}
     if mb.get("headers_sha256"):
-        now = base_identity(hf.model_dir, base_name)
+        now = base_identity(hf, base_name)
         if now["headers_sha256"] != mb["headers_sha256"]:
             warnings.append(f"the base model's weight headers differ from the one recorded at slim time "
                             f"({mb.get('name') or mb.get('path')}); every tensor is still checked by hash")
@@ -237,7 +236,7 @@ def _row_blocks_in_order(r: RebuildItem):
     return chunks if expect == r.shape[0] else None
 
 
-def _rebuild_one(writer, hf: HFSource, r: RebuildItem, verify: bool = True) -> str | None:
+def _rebuild_one(writer, hf: HFModelDir, r: RebuildItem, verify: bool = True) -> str | None:
     """Write this rank's chunks of one dropped tensor rebuilt from the base (every chunk, in one
     process); with `verify`, return the sha256 of the whole tensor (split over ranks, one rank per
     tensor hashes it, reading all its rows). Row-block layouts (FSDP's) stream chunk by chunk: memory
@@ -333,7 +332,7 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
         writer = DcpWriter(tmp, files=plan.files,
                            owned_files=group.part.mine(_file_weights(plan)) if split else None)
         try:
-            ckpt.files.hint((rel, offset, length) for _k, rel, offset, length, fi in plan.copy_items if writer.owns(fi))
+            ckpt.hint_reads((rel, offset, length) for _k, rel, offset, length, fi in plan.copy_items if writer.owns(fi))
             for n, (key, rel, offset, length, fi) in enumerate(plan.copy_items):
                 if not writer.owns(fi):
                     writer.skip(key)

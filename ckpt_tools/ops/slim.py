@@ -17,14 +17,13 @@ from pathlib import Path
 from ..core.progress import Progress
 from ..dist import Group, SoloGroup, local_workers
 from ..formats.dcp.reader import DcpCheckpoint
-from ..formats.hf_dir.hub import resolve_model_dir
 from ..formats.primerl.alpha import find_run_configs, orch_model_name
 from ..formats.slim.partition import SlimLayout, base_identity, partition
 from ..formats.slim.writer import need_bytes, write_slim
 from ..io.staging import SharedOutputDir
 from ..io.remote import is_remote_path
 from ..sources.hashing import BASE_BLOCK_BYTES, base_crc_check, base_hash_check
-from ..sources.hf import HFSource
+from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["SlimOptions", "SlimSources", "open_slim_sources", "SlimPlan", "SlimResult", "SlimReport", "plan_slim",
            "run_slim", "slim"]
@@ -41,7 +40,7 @@ class SlimOptions:
 @dataclass
 class SlimSources:
     ckpt: DcpCheckpoint
-    base: HFSource | None = None
+    base: HFModelDir | None = None
 
     def close(self) -> None:
         if self.base is not None:
@@ -58,7 +57,7 @@ class SlimSources:
 def open_slim_sources(ckpt_path: str | Path, options: SlimOptions) -> SlimSources:
     ckpt = DcpCheckpoint.open(ckpt_path, trust_pickle=options.trust_pickle)
     try:
-        base = HFSource(resolve_model_dir(options.base), str(options.base)) if options.base is not None else None
+        base = HFModelDir.open_ref(options.base) if options.base is not None else None
     except BaseException:
         ckpt.close()
         raise
@@ -135,7 +134,7 @@ def _base_from_run_config(ckpt_dir: Path) -> dict | None:
 def plan_slim(sources: SlimSources, options: SlimOptions) -> SlimPlan:
     """What slim will keep and drop, from metadata alone (and the base's headers, with --base)."""
     base = sources.base
-    info = base_identity(base.model_dir, str(options.base)) if base is not None else \
+    info = base_identity(base, str(options.base)) if base is not None else \
         _base_from_run_config(sources.ckpt.dir)
     return SlimPlan(str(options.out), partition(sources.ckpt), info, base is not None)
 

@@ -1,4 +1,5 @@
-"""Named tensors, read one at a time by range, whatever holds them: the `Source` protocol (`base`) over
-an HF dir or hub id (`hf`), a DCP checkpoint's base weights (`dcp`), a single weights file (`files`),
-and LoRA factors from a PEFT dir or a DCP checkpoint (`lora`); `open` picks the kind of a path;
-`compare` and `hashing` stream over sources (bitwise identity, the slim manifest's hashes)."""
+"""What is built over the formats' handles (each format's one handle implements the `Source` protocol of
+`formats.handle`, or offers `Source` / `LoraSource` views): `open` picks the handle of a path (an HF dir or
+hub id, a DCP checkpoint's base weights), `lora` a LoRA of a PEFT dir or a DCP checkpoint (and a full
+fine-tune's none), `files` a single weights file, `delta` a LoRA computed in delta space; `compare` and
+`hashing` stream over sources (bitwise identity, the slim manifest's hashes). `base` re-exports the protocol."""

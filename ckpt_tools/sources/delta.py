@@ -32,7 +32,7 @@ from .base import TensorFacts
 from ..formats.hf_dir.hub import locate_model
 from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_outputs_dir
 from ..formats.primerl.run_dir import step_number
-from .lora import DcpLoraSource, LoraModule, LoraSource, PeftLoraSource
+from .lora import LoraModule, LoraSource
 
 FULL_SUFFIX = "#full"    # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
 
@@ -169,7 +169,7 @@ def lora_step(src: LoraSource) -> int | None:
         n = step_number(c)
         if n is not None:
             return n
-    if isinstance(src, DcpLoraSource) and PROGRESS_STEP_KEY in src.ckpt.entries:
+    if src.ckpt is not None and PROGRESS_STEP_KEY in src.ckpt.entries:
         try:
             v = src.ckpt.read_object(PROGRESS_STEP_KEY)
             return v if isinstance(v, int) and not isinstance(v, bool) else None
@@ -192,11 +192,11 @@ def lora_base(src: LoraSource) -> tuple[str | None, Path | None]:
     model name) and the local dir it resolves to (a relative name against the run's launch dir, as
     prime-rl resolved it; None when not found here)."""
     name, root = None, None
-    if isinstance(src, PeftLoraSource):
+    if src.adapter is not None:
         name = src.adapter.config.base_model_name_or_path
         outputs = run_outputs_dir(src.path)
         root = outputs.parent if outputs is not None else None
-    elif isinstance(src, DcpLoraSource):
+    elif src.ckpt is not None:
         cfg = src.resolution.config_path
         if cfg is None:
             found = find_run_configs(src.path)
@@ -218,7 +218,7 @@ def shared_peft_targets(srcs: list[LoraSource]) -> list[str] | None:
     """The inputs' own PEFT target_modules when they all name the same list, else None (the suffixes)."""
     lists = []
     for s in srcs:
-        if not isinstance(s, PeftLoraSource):
+        if s.adapter is None:
             return None
         t = s.adapter.config.target_modules
         lists.append(sorted(t) if isinstance(t, (list, tuple, set)) else t)

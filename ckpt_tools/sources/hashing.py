@@ -12,7 +12,7 @@ from ..core.keys import expert_names, is_stacked_pattern
 from ..core.tensor_math import sha256_of_tensor, update_hash
 from ..formats.slim.partition import map_to_base
 from .base import Source
-from .hf import HFSource
+from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["BASE_BLOCK_BYTES", "read_rows_as", "read_as", "upcast_sha256", "base_hash_check", "upcast_sha256_crc32s",
            "base_crc_check"]
@@ -71,7 +71,7 @@ def upcast_sha256(src: Source, name: str, dtype) -> str:
     return h.hexdigest()
 
 
-def base_hash_check(base: HFSource, dropped):
+def base_hash_check(base: HFModelDir, dropped):
     """What a slim's dropped tensors are proven against: for each, (its base tensor's name, the sha256 of
     that tensor upcast to its dtype). Names and shapes are checked for every tensor at once first: one
     error listing every problem, before a single tensor byte is read."""
@@ -102,7 +102,7 @@ def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks) -> tuple[str
     return h.hexdigest(), crcs
 
 
-def base_crc_check(base: HFSource, dropped):
+def base_crc_check(base: HFModelDir, dropped):
     """As `base_hash_check`, for a checkpoint whose dropped tensors are not read (a remote one): for each,
     given the row blocks of its chunks, (its base tensor's name, the sha256 of the upcast, the CRC-32 of
     each block's upcast bytes), to compare with the CRC-32 the checkpoint's items store."""

@@ -8,8 +8,8 @@ from pathlib import Path
 from ..core.errors import UsageError
 from ..formats.sniff import DCP, PEFT, has_hf_weights, sniff
 from .base import Source
-from .dcp import DcpBaseSource
-from .hf import HFSource
+from ..formats.dcp.reader import DcpCheckpoint
+from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["open_weights"]
 
@@ -20,11 +20,11 @@ def open_weights(spec: str | os.PathLike, *, trust_pickle: bool = False) -> Sour
     if p.exists():
         kind = sniff(p)
         if kind == DCP:
-            return DcpBaseSource(p, label, trust_pickle=trust_pickle)
+            return DcpCheckpoint.open(p, trust_pickle=trust_pickle).base_weights(label, owned=True)
         if kind == PEFT and not has_hf_weights(p):
             raise UsageError("is a PEFT adapter, not model weights", path=p,
                              hint="pass it as --adapter, and the model directories as WEIGHTS and BASE")
         if not p.is_dir():
             raise UsageError("expected a model directory, a hub id or a DCP checkpoint, got a file", path=p)
-        return HFSource(p, label)
-    return HFSource.open(label, label)
+        return HFModelDir.open(p, label)
+    return HFModelDir.open_ref(label, label)

@@ -21,8 +21,7 @@ from ..core.progress import Progress
 from ..io.staging import AtomicOutputDir
 from ..ops.average import AverageOptions, AveragePlan, AverageSources, open_average_sources, plan_average
 from ..ops.merge import MergeOptions, MergePlan, MergeSources, MergeResult, plan_merge, run_merge
-from ..sources.hf import HFSource
-from ..sources.lora import DcpLoraSource
+from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["AverageMergeReport", "average_merge"]
 
@@ -51,9 +50,9 @@ class AverageMergeReport:
         return d
 
 
-def _check_trained_on(base: HFSource, src: AverageSources) -> None:
+def _check_trained_on(base: HFModelDir, src: AverageSources) -> None:
     for s in src.inputs:
-        if isinstance(s, DcpLoraSource):
+        if s.ckpt is not None:   # a checkpoint's LoRA records the base it trained on
             plan_merge(MergeSources(base, s), MergeOptions())
 
 
@@ -64,7 +63,7 @@ def average_merge(paths: list[str | Path], base: str | Path, out: str | Path, *,
     mopts = dataclasses.replace(merge_options or MergeOptions(), out=str(out))
     with open_average_sources(paths, options) as sources:
         avg = plan_average(sources, options)
-        hf = HFSource.open(base)
+        hf = HFModelDir.open_ref(base)
         try:
             _check_trained_on(hf, sources)
             mplan = plan_merge(MergeSources(hf, sources.delta), mopts)

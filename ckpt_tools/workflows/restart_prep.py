@@ -34,7 +34,7 @@ from ..io.staging import OVERWRITE_HINT, check_output_file, describe_output
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..ops.extract_adapter import ExtractOptions, plan_extract
 from ..ops.merge import MergeOptions, MergeSources, check_output, plan_merge, run_merge
-from ..sources.hf import HFSource
+from ..formats.hf_dir.model_dir import HFModelDir
 from ..sources.lora import DcpLoraSource
 
 __all__ = ["MODES", "find_checkpoint", "default_config_out", "restart_prep"]
@@ -127,7 +127,7 @@ def _write_config(cfg_out: Path, text: str) -> None:
 
 
 def _lora(ckpt: DcpCheckpoint, alpha, run_config) -> DcpLoraSource:
-    return DcpLoraSource(ckpt.dir, alpha=alpha, run_config=Path(run_config) if run_config else None, ckpt=ckpt)
+    return ckpt.lora(alpha=alpha, run_config=Path(run_config) if run_config else None)
 
 
 def _merge_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_out, alpha, run_config, dtype,
@@ -142,7 +142,7 @@ def _merge_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_out
     options = MergeOptions(out=str(out), alpha=alpha, run_config=None if run_config is None else str(run_config),
                            dtype=dtype, max_shard_size=max_shard_size, trust_pickle=trust_pickle)
     lora = _lora(ckpt, alpha, run_config)
-    with MergeSources(HFSource.open(base), lora) as sources:
+    with MergeSources(HFModelDir.open_ref(base), lora) as sources:
         plan = plan_merge(sources, options)
         ad = plan.adapter or {}
         report["merge_plan"] = {"merged_modules": plan.merged_modules, "alpha": ad.get("alpha"),
@@ -203,7 +203,7 @@ def _adapter_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_o
     make_dirs(out.parent)
     if out.exists() and not overwrite:
         raise OutputExistsError("already exists", path=out, hint=OVERWRITE_HINT)
-    with ToDcpSources(lora, HFSource.open(base)) as sources:
+    with ToDcpSources(lora, HFModelDir.open_ref(base)) as sources:
         plan = plan_adapter_to_dcp(sources, ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=spec,
                                                          scheduler_step=scheduler_step, trust_pickle=trust_pickle))
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ from typing import Any
 
 from ckpt_tools.core.tensor_math import bf16_round
 from ckpt_tools.formats.dcp.layout import row_chunks
-from ckpt_tools.sources.hf import HFSource
+from ckpt_tools.formats.hf_dir.model_dir import HFModelDir
 
 logger = logging.getLogger(__name__)
 
@@ -461,7 +461,7 @@ def build_fsdp_model(spec: FactorySpec, base_dir: Path, rank: int, world: int):
         if not name.startswith("model.rotary_emb."):
             raise RuntimeError(f"unexpected buffer {name!r}: the meta-device build does not know how to init it")
 
-    base = HFSource(base_dir)   # the library's reader: each rank reads only its own rows
+    base = HFModelDir.open(base_dir)   # the library's reader: each rank reads only its own rows
     lora_index = {m: i for i, m in enumerate(spec.target_modules())}
     with torch.no_grad():
         for name, p in model.named_parameters():

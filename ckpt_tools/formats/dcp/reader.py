@@ -1,4 +1,7 @@
 """An open DCP checkpoint: `.metadata` parsed, data files opened on first use, items read by range.
+`DcpCheckpoint` is the format's one handle: its items by key here, its tensors as `Source` views
+(`base_weights()`: the base weights under their HF names; `by_key()`: every tensor under its DCP key,
+`formats.dcp.views`) and its LoRA (`lora(...)`: `formats.dcp.lora`).
 
 Opening reads `.metadata` only (allow-list unpickling into torch-free stand-ins) and refuses the
 first finding of the metadata model that makes it unreadable (`formats.dcp.model`). Tensors are
@@ -96,6 +99,27 @@ class DcpCheckpoint:
         except Exception:
             pass
 
+    # ---------------------------------------------------------------- views (each shares this handle's files)
+    def base_weights(self, label: str | None = None, *, owned: bool = False, **kw):
+        """The base weights (`app.model.<name>`, not LoRA) under their HF names: a `Source`
+        (`views.DcpBaseSource`; `empty_hint=` what to say when there are none). `owned`: closing the view
+        closes this checkpoint."""
+        from .views import DcpBaseSource
+        src = DcpBaseSource(self.dir, str(self.dir) if label is None else label, ckpt=self, **kw)
+        src.owns_checkpoint(owned)
+        return src
+
+    def by_key(self):
+        """Every tensor under its DCP key, and `key[e]` slices of stacked ones on request: a `Source`."""
+        from .views import DcpKeySource
+        return DcpKeySource(ckpt=self)
+
+    def lora(self, *, alpha: float | None = None, run_config: Path | None = None, slot: int = 0):
+        """The LoRA factors of adapter `slot`, alpha resolved (`formats.primerl.alpha`): a `LoraSource`
+        (`lora.DcpLoraSource`), which closes this checkpoint when it is closed."""
+        from .lora import DcpLoraSource
+        return DcpLoraSource(self.dir, alpha=alpha, run_config=run_config, slot=slot, ckpt=self)
+
     # ---------------------------------------------------------------- queries
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -115,6 +139,11 @@ class DcpCheckpoint:
 
     def file_size(self, rel: str, key: str = "") -> int:
         return self.files.size(rel, key)
+
+    def hint_reads(self, ranges) -> None:
+        """`ranges` ([(data file, offset, length)]) are about to be read, roughly in this order: a remote
+        checkpoint (`io.remote`) fetches adjacent ones in one request; nothing for a local one."""
+        self.files.hint(ranges)
 
     # ---------------------------------------------------------------- reading
     def read_item_bytes(self, rel: str, offset: int, length: int, key: str) -> bytes:

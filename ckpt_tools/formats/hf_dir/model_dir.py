@@ -1,8 +1,10 @@
-"""Hugging Face model directories, opened by their headers only.
+"""Hugging Face model directories, opened by their headers only: `HFModelDir`, the format's one handle
+and a `Source` (`formats.handle`): every tensor is one extent of one shard, read by range.
 
 `HFModelDir.open` reads config.json, the shard index and every shard's safetensors header (a few
 KB each), validates them against each other, and reads no tensor bytes; tensors are then read one
-at a time by name (the fds of the dir through `inputs.OpenFiles`).
+at a time by name (the fds of the dir through `inputs.OpenFiles`, where a remote input plugs in).
+`HFModelDir.open_ref` takes a hub id too (the local HF cache, offline).
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from typing import TYPE_CHECKING
 from ...core.errors import FormatError, MissingFileError
 from ...io.inputs import MAX_TABLE_VALUES, OpenFiles, is_plain_file_name, read_json, register
 from ..safetensors.header import ByteCounter, SafetensorsHeader, TensorInfo, read_header
+from ..handle import ByteRange, Extent, Source, TensorFacts
 from ..safetensors.read import read_raw, read_tensor
 from .carry import carry_files, classify_entries
 from .config import load_config
+from .hub import resolve_model_dir
 from .names import INDEX_NAME, WEIGHTS_NAME
 
 if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
@@ -35,15 +39,18 @@ def _listing(problems: Sequence[str]) -> str:
     return shown
 
 
-class HFModelDir:
-    """An opened model directory: headers and config in memory, tensor bytes on disk.
+class HFModelDir(Source):
+    """An opened model directory: headers and config in memory, tensor bytes on disk; a `Source`.
 
     `keys()` lists tensors in disk order (shard files by name, then data offset). Shard files are
     opened on first read and kept open until `close()` (or the end of a `with` block)."""
+    kind = "hf"
 
     def __init__(self, path: Path, config: dict | None, headers: dict[str, SafetensorsHeader],
-                 index_metadata: dict | None):
+                 index_metadata: dict | None, label: str | None = None):
+        super().__init__()
         self.path = path
+        self.label = str(path) if label is None else label
         self.config = config                      # parsed config.json, None when absent
         self.headers = headers                    # shard file name -> header, sorted by name
         self.index_metadata = index_metadata      # the index's "metadata", None when unsharded
@@ -53,10 +60,19 @@ class HFModelDir:
         self.files = OpenFiles(path, what="safetensors shard",
                                missing_hint="the shard disappeared after the model was opened",
                                truncated_hint="the shard shrank or is truncated; run `ckpt verify`")
+        for name, ti in self.tensors.items():   # disk order: shard files by name, then offset
+            self._facts[name] = TensorFacts(name, ti.dtype_name, tuple(ti.shape))
 
     # -- construction
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "HFModelDir":
+    def open_ref(cls, name_or_dir: str | os.PathLike, label: str | None = None) -> "HFModelDir":
+        """A model dir, or a hub id resolved from the local HF cache (offline); `label` defaults to what
+        was asked for."""
+        return cls.open(resolve_model_dir(name_or_dir), str(name_or_dir) if label is None else label)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, label: str | None = None) -> "HFModelDir":
+        label = str(path) if label is None else label
         path = Path(path)
         if not path.is_dir():
             raise MissingFileError("not a directory", path=path, hint="pass an HF model directory")
@@ -69,10 +85,10 @@ class HFModelDir:
             raise FormatError(f"has both {WEIGHTS_NAME} and {INDEX_NAME}; loaders disagree on which wins",
                               path=path, hint="delete the stale one")
         if os.path.lexists(single):
-            return cls(path, config, {WEIGHTS_NAME: read_header(single)}, None)
+            return cls(path, config, {WEIGHTS_NAME: read_header(single)}, None, label)
         if os.path.lexists(index):
             headers, metadata = _open_index(path, index)
-            return cls(path, config, headers, metadata)
+            return cls(path, config, headers, metadata, label)
         pickles = sorted(n for n in os.listdir(path) if n.endswith(".bin"))
         hint = (f"it only has pickle weights ({', '.join(pickles[:3])}); convert them to safetensors first"
                 if pickles else "is this a Hugging Face model directory?")
@@ -119,25 +135,47 @@ class HFModelDir:
         """This model's weight files and index."""
         return set(self.headers) | ({INDEX_NAME} if self.index_metadata is not None else set())
 
-    # -- tensor bytes
+    # -- tensor bytes (the `Source` reads: `read_into`, `read_rows`, `read_tensor`, ... through `_pread`)
     def fd(self, name: str) -> int:
         """An open read-only fd for the file holding tensor `name` (owned by this object)."""
         return self.files.fd(self.info(name).path.name, name)
 
-    def read_tensor(self, name: str, *, counter: ByteCounter | None = None) -> torch.Tensor:
+    def read_stored(self, name: str, *, counter: ByteCounter | None = None) -> torch.Tensor:
+        """Tensor `name` read from its shard's fd in one pread (`safetensors.read.read_tensor`)."""
         return read_tensor(self.info(name), self.fd(name), counter=counter)
 
     def read_raw(self, name: str, *, counter: ByteCounter | None = None) -> bytearray:
         return read_raw(self.info(name), self.fd(name), counter=counter)
 
+    def file_of(self, name: str) -> str:
+        return self.info(name).path.name
+
+    def copy_range(self, name: str) -> ByteRange:
+        info = self.info(name)
+        fd = self.files.check_range(info.path.name, info.begin, info.nbytes, name)
+        return ByteRange(fd, info.begin, info.nbytes, info.path)
+
+    def disk_order(self) -> list[str]:
+        return list(self.tensors)
+
+    def open_all(self) -> None:
+        for header in self.headers.values():
+            if header.tensors:
+                self.fd(next(iter(header.tensors)))
+
+    def _extents(self, name: str) -> list[Extent]:
+        ti = self.info(name)
+        return [Extent(0, ti.nbytes, ti.path.name, ti.begin)]
+
+    def _pread(self, file: str, offset: int, buf: memoryview, name: str) -> None:
+        self.files.read_into(file, offset, buf, name)
+
+    def _read_whole(self, name: str) -> torch.Tensor:
+        return self.read_stored(name)
+
     def close(self) -> None:
+        super().close()
         self.files.close()
-
-    def __enter__(self) -> "HFModelDir":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"HFModelDir({str(self.path)!r}, {len(self)} tensors in {len(self.headers)} file(s))"

@@ -1,4 +1,5 @@
-"""PEFT LoRA adapter dirs, read: `adapter_config.json` (validated, `formats.peft.config`) and
+"""PEFT LoRA adapter dirs, read: `PeftAdapter`, the format's one handle (a context manager; its LoRA view for
+the ops: `lora()`, `formats.peft.lora`). `adapter_config.json` (validated, `formats.peft.config`) and
 `adapter_model.safetensors` (read by range) or `adapter_model.bin` (a torch pickle, loaded through the
 allow-list and held whole: a .bin cannot be read by range). Every weight key is classified: LoRA A/B
 of a module, a `modules_to_save` replacement, or unrecognized (refused when strict). A fused MoE expert
@@ -113,6 +114,21 @@ class PeftAdapter:
                               hint="prime-rl exports need `ckpt fix-adapter SRC OUT` first" if fixable else
                               "expected keys base_model.model.<module>.lora_A.weight / lora_B.weight")
         self.problems = problems
+
+    def lora(self):
+        """The adapter as a `LoraSource` (`formats.peft.lora.PeftLoraSource`) over this handle."""
+        from .lora import PeftLoraSource
+        return PeftLoraSource(self.dir, adapter=self)
+
+    def close(self) -> None:
+        """Drop the fused tensors held for per-expert views (a safetensors adapter holds no open file)."""
+        self._cache.clear()
+
+    def __enter__(self) -> "PeftAdapter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def read(self, key: str) -> torch.Tensor:
         return self._load(key)

@@ -152,8 +152,6 @@ class FixOptions:
 def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPlan:
     """Validate SRC completely (config, every key, shapes, the base) and decide the output."""
     src, out = Path(src), Path(options.out)
-    if isinstance(weights, TensorFileSource):
-        weights = FixSources(weights)
     base, slot, alpha, run_config = options.base, options.slot, options.alpha, options.run_config
     cfg = parse_peft_config(src / ADAPTER_CONFIG)
     if options.layout not in LAYOUTS:
@@ -396,7 +394,7 @@ def _equals_base(weights: TensorFileSource, key: str, name: str, base_dir: Path,
     if base_shapes.get(name) != weights.facts(key).shape:
         return False
     with HFModelDir.open(base_dir) as m:
-        b = m.read_tensor(name)
+        b = m.read_stored(name)
     t = weights.read_tensor(key)
     return bool(torch.equal(b.to(t.dtype), t))
 
@@ -409,8 +407,6 @@ class FixReport(AdapterDirReport):
 def run_fix(plan: FixPlan, weights: FixSources, progress: Progress | None = None, *,
             overwrite: bool = False) -> FixReport:
     t0 = time.perf_counter()
-    if isinstance(weights, TensorFileSource):
-        weights = FixSources(weights)
     inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else []) + \
         ([weights.ckpt.path] if weights.ckpt is not None else [])   # --base and --checkpoint are read too
     rp = plan.read_plan

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ...core.errors import FormatError, UsageError
+from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.peft.config import ADAPTER_CONFIG, BIN_NAME, SAFETENSORS_NAME, parse_peft_config
 from ...io.inputs import register
 from ...sources.files import TensorFileSource
@@ -73,7 +74,7 @@ def open_fix_source(src: str | Path, checkpoint: str | Path | None = None) -> Fi
     if checkpoint is None:
         return FixSources(weights)
     try:   # alpha comes from the export's own resolution; the checkpoint's LoRA scale is not used
-        return FixSources(weights, DcpLoraSource(Path(checkpoint), alpha=1.0, run_config=None))
+        return FixSources(weights, DcpCheckpoint.open(Path(checkpoint)).lora(alpha=1.0))
     except BaseException:
         weights.close()
         raise

@@ -13,7 +13,6 @@ from ...core.errors import CkptError, DiskSpaceError, LockedError, UsageError
 from ...core.progress import Progress, ProgressEvent
 from ...core.units import human_bytes
 from ...formats.dcp.reader import DcpCheckpoint
-from ...formats.hf_dir.hub import resolve_model_dir
 from ...formats.primerl.run_dir import dir_bytes
 from ...formats.slim.partition import base_identity, partition
 from ...formats.slim.writer import need_bytes, write_slim
@@ -22,7 +21,7 @@ from ...io.inputs import tracking
 from ...io.lock import OutputLock
 from ...io.staging import AtomicOutputDir, mount_point
 from ...sources.hashing import base_hash_check
-from ...sources.hf import HFSource
+from ...formats.hf_dir.model_dir import HFModelDir
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
 from .plan import DEFAULT_MIN_AGE_S, GcPlan, plan_gc, unknown_entries
 from .swap import check_slim, recover_step, remove_tree, swap_in_slim
@@ -98,9 +97,9 @@ def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bo
     """The slim of `trainer` at the new path `out` (atomically), every dropped tensor proven equal to
     the base's upcast (`formats.slim.writer`: what `ckpt slim --base` writes)."""
     with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ckpt, \
-            HFSource(resolve_model_dir(base), str(base)) as hf:
+            HFModelDir.open_ref(base) as hf:
         layout = partition(ckpt)
-        info = base_identity(hf.model_dir, str(base))
+        info = base_identity(hf, str(base))
         check = base_hash_check(hf, layout.dropped)
         with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout),
                              marker=False) as tmp:

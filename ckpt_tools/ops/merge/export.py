@@ -4,7 +4,7 @@
   in fp32, one rounding, per expert for MoE);
 - a full fine-tune (optimizer state on the base weights, no LoRA): the trained fp32 masters, rounded
   once to bf16 (or `--dtype`);
-prime-format MoE weights come out under the HF per-expert names (`sources.dcp.DcpBaseSource`).
+prime-format MoE weights come out under the HF per-expert names (`DcpCheckpoint.base_weights`).
 
 The same contract and pipeline as merge, not a copy: `open_export_sources` opens the checkpoint once
 (a `MergeSources` whose adapter is the checkpoint's LoRA, or `NoLoraSource`), `plan_export` returns a
@@ -23,8 +23,7 @@ from ...core.tied import TIED_PAIRS
 from ...formats.dcp.layout import METADATA_NAME
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.run_dir import run_base_of
-from ...sources.dcp import DcpBaseSource
-from ...sources.lora import DcpLoraSource, NoLoraSource
+from ...sources.lora import NoLoraSource
 from .pipeline import run_merge
 from .plan import DEFAULT_MAX_SHARD, MergePlan
 from .prepare import MergeOptions, MergeSources, plan_merge
@@ -58,8 +57,8 @@ def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeS
     try:
         infos = [classify(k, e.path) for k, e in ckpt.entries.items()]
         if any(i.group == "lora" for i in infos):
-            adapter = DcpLoraSource(ckpt.dir, alpha=options.alpha, run_config=Path(options.run_config)
-                                    if options.run_config else None, slot=options.slot, ckpt=ckpt)
+            adapter = ckpt.lora(alpha=options.alpha, run_config=Path(options.run_config)
+                                if options.run_config else None, slot=options.slot)
         else:
             trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
             base_fqns = {i.key.removeprefix("app.model.") for i in infos if i.group == "base"}
@@ -77,7 +76,7 @@ def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeS
                                   f"{sorted(untrained)[0]}) and there is no LoRA: a partial fine-tune "
                                   "this export does not know how to treat", path=ckpt.dir / METADATA_NAME)
             adapter = NoLoraSource(ckpt.dir, tied_aliases=tuple(sorted(tied)))
-        base = DcpBaseSource(ckpt.dir, str(ckpt.dir), ckpt=ckpt)
+        base = ckpt.base_weights()
     except BaseException:
         ckpt.close()
         raise

@@ -12,8 +12,8 @@ from ...core.tied import TIED_PAIRS
 from ...formats.hf_dir.carry import carry_files
 from ...formats.hf_dir.config import config_mismatches, load_config
 from ...formats.hf_dir.hub import resolve_model_dir
-from ...sources.dcp import DcpBaseSource
-from ...sources.hf import HFSource
+from ...sources.base import Source
+from ...formats.hf_dir.model_dir import HFModelDir
 from ...sources.lora import LoraSource
 
 __all__ = ["SourceTensor", "LoraFact", "FullFact", "BaseFacts", "AdapterFacts", "hf_base_facts", "dcp_base_facts",
@@ -78,8 +78,8 @@ def _with_sizes(paths) -> tuple[tuple[str, int], ...]:
     return tuple((str(p), os.path.getsize(p)) for p in paths)
 
 
-def hf_base_facts(src: HFSource) -> BaseFacts:
-    model = src.model_dir
+def hf_base_facts(src: HFModelDir) -> BaseFacts:
+    model = src
     tensors = []
     for name in model.keys():
         info = model.info(name)
@@ -91,7 +91,7 @@ def hf_base_facts(src: HFSource) -> BaseFacts:
     return BaseFacts("hf", str(src.path), tuple(tensors), config, cfg_path, files, skipped)
 
 
-def dcp_base_facts(src: DcpBaseSource, config_from: str | Path | None) -> BaseFacts:
+def dcp_base_facts(src: Source, config_from: str | Path | None) -> BaseFacts:
     """Base = the checkpoint's own fp32 masters (`app.model.<HF name>`); config/tokenizer from
     `config_from`, which must describe the checkpoint's model."""
     ckpt_dir = src.path
@@ -129,7 +129,7 @@ def adapter_facts(src: LoraSource) -> AdapterFacts:
                         src.resident_bytes, tuple(src.warnings))
 
 
-def trained_on_problems(base: BaseFacts, ckpt_base: DcpBaseSource) -> list[str]:
+def trained_on_problems(base: BaseFacts, ckpt_base: Source) -> list[str]:
     """A DCP adapter records the base it trained on (fp32 masters): their names and shapes must
     match the HF base, or the merge would silently pair a LoRA with the wrong model."""
     by_name = {t.name: t for t in base.tensors}

@@ -24,8 +24,7 @@ from ...core.errors import FormatError
 from ...core.keys import trainable_params
 from ...formats.peft.adapter import PeftAdapter
 from ...formats.peft.config import matches_target_modules
-from ...sources.dcp import DcpBaseSource
-from ...sources.hf import HFSource
+from ...formats.hf_dir.model_dir import HFModelDir
 from .facts import AdapterFacts, BaseFacts
 
 __all__ = ["MASTER_SAMPLE_TENSORS", "MASTER_SAMPLE_ROW_ELEMS", "MASTER_MISMATCH_FRACTION", "check_target_modules",
@@ -66,13 +65,13 @@ def _sample_names(dcp, hf, trained: set[str]) -> list[str]:
     return sorted({names[round(i * step)] for i in range(MASTER_SAMPLE_TENSORS)})
 
 
-def check_masters_match_base(hf: HFSource, ckpt) -> dict:
+def check_masters_match_base(hf: HFModelDir, ckpt) -> dict:
     """Compare the first and last row of a few of the checkpoint's frozen fp32 masters with the HF
     base's, both rounded to bf16 (so an fp16 or fp32 export of the same weights agrees). Raises a
     FormatError naming the first tensor that disagrees in more than MASTER_MISMATCH_FRACTION of its
     sample. Cheap: a few KB read from each side. Returns what was compared (for the plan)."""
     base_path = hf.path
-    dcp = DcpBaseSource(ckpt.dir, str(ckpt.dir), ckpt=ckpt)
+    dcp = ckpt.base_weights()
     try:
         names = _sample_names(dcp, hf, trainable_params({k: e.path for k, e in ckpt.entries.items()}))
         compared = 0

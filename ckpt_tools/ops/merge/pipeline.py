@@ -38,7 +38,6 @@ from ...io.copy import copy_input_file
 from ...io.files import WrittenFileHasher, atomic_write_text, fsync_path, hash_written_file, write_new_file
 from ...io.inputs import read_json
 from ...io.staging import SharedOutputDir
-from ...sources.hf import HFSource
 from .guards import ZeroDelta
 from .plan import OUTPUT_METADATA, MergePlan, TensorJob, job_working_bytes, window_budget
 from .prepare import MergeSources
@@ -78,7 +77,7 @@ def check_unchanged(plan: MergePlan, sources: MergeSources) -> None:
     """The sources still hold what the plan was made from (names, shapes, dtypes, shards)."""
     problems = []
     base = sources.base
-    refs = {} if isinstance(base, HFSource) else {base.ref(n): base.facts(n) for n in base.names()}
+    refs = {base.ref(n): n for n in base.names()}   # a job names its base tensor by `ref` (a DCP key)
     for j in plan.jobs:
         if j.action == "replace":
             try:
@@ -87,15 +86,13 @@ def check_unchanged(plan: MergePlan, sources: MergeSources) -> None:
                 f = None
             if f is None or tuple(f.shape) != j.shape or f.dtype != j.src_dtype:
                 problems.append(f"adapter tensor {j.src}")
-        elif isinstance(base, HFSource):
-            info = base.model_dir.tensors.get(j.src)
-            if info is None or info.path.name != j.src_file or tuple(info.shape) != j.shape \
-                    or info.dtype_name != j.src_dtype:
-                problems.append(f"base tensor {j.src}")
-        else:
-            f = refs.get(j.src)
-            if f is None or tuple(f.shape) != j.shape or f.dtype != j.src_dtype:
-                problems.append(f"checkpoint tensor {j.src}")
+            continue
+        name = refs.get(j.src)
+        f = None if name is None else base.facts(name)
+        if f is None or tuple(f.shape) != j.shape or f.dtype != j.src_dtype or \
+                (j.src_file is not None and base.file_of(name) != j.src_file):
+            # an HF base's jobs name the shard of their tensor
+            problems.append(f"{'base' if j.src_file is not None else 'checkpoint'} tensor {j.src}")
     if problems:
         raise FormatError("the inputs changed since the merge was planned: " + ", ".join(problems[:6]),
                           path=plan.base_path, hint="plan again (rerun the command)")
@@ -158,8 +155,7 @@ def run_merge(plan: MergePlan, sources: MergeSources, progress: Progress | None 
     out = Path(plan.out)
     slow = _slow_write_seconds()
     check_unchanged(plan, sources)
-    if isinstance(sources.base, HFSource):
-        sources.base.open_all()   # every shard fd now, before worker threads start
+    sources.base.open_all()   # every shard fd now, before worker threads start
     mine = {plan.units[i].file_name for i in group.part.mine([s.data_bytes for s in plan.units])}
     jobs = tuple(j for j in plan.jobs if j.out_file in mine)
     with SharedOutputDir(out, group, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite) as tmp:

@@ -12,10 +12,10 @@ from ...core.errors import FormatError, UsageError
 from ...core.units import parse_size
 from ...formats.dcp.layout import is_checkpoint_path, resolve_checkpoint_dir
 from ...io.staging import AtomicOutputDir
+from ...formats.dcp.reader import DcpCheckpoint
+from ...formats.hf_dir.model_dir import HFModelDir
 from ...sources.base import Source
-from ...sources.dcp import DcpBaseSource
-from ...sources.hf import HFSource
-from ...sources.lora import DcpLoraSource, LoraSource, PeftLoraSource, open_lora_source
+from ...sources.lora import LoraSource, open_lora_source
 from .facts import adapter_facts, dcp_base_facts, hf_base_facts, trained_on_problems
 from .guards import check_masters_match_base, check_target_modules, default_out_dtype
 from .plan import DEFAULT_MAX_SHARD, DEFAULT_THREADS, MergePlan, plan_from_facts
@@ -46,8 +46,8 @@ class MergeOptions:
 
 @dataclass
 class MergeSources:
-    base: Source                    # HFSource, or DcpBaseSource (--base-from-checkpoint)
-    adapter: LoraSource             # PeftLoraSource or DcpLoraSource
+    base: Source                    # an HF dir, or a checkpoint's base weights (--base-from-checkpoint)
+    adapter: LoraSource             # a PEFT adapter's or a checkpoint's LoRA
 
     def close(self) -> None:
         for s in {id(x): x for x in (self.adapter, self.base)}.values():
@@ -76,14 +76,15 @@ def open_merge_sources(base: str | Path | None, adapter: str | Path, options: Me
     lora = open_lora_source(adapter, alpha=options.alpha, run_config=options.run_config, slot=options.slot,
                             trust_pickle=options.trust_pickle)
     try:
-        if isinstance(lora, PeftLoraSource):
+        if lora.adapter is not None:
             check_target_modules(lora.adapter)
         if options.base_from_checkpoint:
-            same = isinstance(lora, DcpLoraSource) and Path(lora.path).resolve() == resolve_checkpoint_dir(base).resolve()
-            src = DcpBaseSource(lora.path, str(lora.path), ckpt=lora.ckpt, empty_hint=_NO_BASE_HINT) if same else \
-                DcpBaseSource(base, str(base), trust_pickle=options.trust_pickle, empty_hint=_NO_BASE_HINT)
+            same = lora.ckpt is not None and Path(lora.path).resolve() == resolve_checkpoint_dir(base).resolve()
+            src = lora.ckpt.base_weights(str(lora.path), empty_hint=_NO_BASE_HINT) if same else \
+                DcpCheckpoint.open(base, trust_pickle=options.trust_pickle).base_weights(
+                    str(base), owned=True, empty_hint=_NO_BASE_HINT)
         else:
-            src = HFSource.open(base)
+            src = HFModelDir.open_ref(base)
     except BaseException:
         lora.close()
         raise
@@ -100,7 +101,7 @@ def plan_merge(sources: MergeSources, options: MergeOptions) -> MergePlan:
     threads = DEFAULT_THREADS if options.threads is None else int(options.threads)
     afacts = adapter_facts(sources.adapter)
     masters = None
-    if isinstance(sources.base, DcpBaseSource):
+    if sources.base.masters:   # a checkpoint's own fp32 masters are the base
         bfacts = dcp_base_facts(sources.base, options.config_from)
         if Path(sources.base.path).resolve() == Path(sources.adapter.path).resolve():
             # the checkpoint's trained full tensors (modules_to_save) ARE its base weights here: no replacement
@@ -108,8 +109,8 @@ def plan_merge(sources: MergeSources, options: MergeOptions) -> MergePlan:
             afacts = dataclasses.replace(afacts, full=tuple(f for f in afacts.full if f.key not in base_keys))
     else:
         bfacts = hf_base_facts(sources.base)
-        if isinstance(sources.adapter, DcpLoraSource):
-            ckpt_base = DcpBaseSource(sources.adapter.path, ckpt=sources.adapter.ckpt)
+        if sources.adapter.ckpt is not None:   # a checkpoint's LoRA records the base it trained on
+            ckpt_base = sources.adapter.ckpt.base_weights(str(sources.adapter.path))
             problems = trained_on_problems(bfacts, ckpt_base)
             if problems:
                 raise FormatError(f"the checkpoint was not trained on this base: {len(problems)} difference(s): "

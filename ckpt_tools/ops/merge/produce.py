@@ -31,7 +31,6 @@ from ...core.tensor_math import count_nonfinite, merge_weight_into, nonfinite_er
 from ...formats.safetensors.read import COPY_BLOCK_BYTES
 from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...sources.base import tensor_bytes
-from ...sources.hf import HFSource
 from .guards import ZeroDelta
 from .plan import COPY_THROUGH_BLOCK_BYTES, MergePlan, TensorJob, merge_row_blocks, streamed_by_writer
 from .prepare import MergeSources
@@ -49,8 +48,7 @@ class JobRunner:
         self.zero = ZeroDelta()   # merged tensors that came out equal to their base
         # the base's name of each job's source (a DCP base names tensors by HF name, jobs by DCP key)
         base = sources.base
-        self._name = {} if isinstance(base, HFSource) else {base.ref(n): n for n in base.names()}
-        self.hf_base = base if isinstance(base, HFSource) else None
+        self._name = {base.ref(n): n for n in base.names()}
 
     def base_name(self, job: TensorJob) -> str:
         return self._name.get(job.src, job.src)
@@ -72,7 +70,7 @@ class JobRunner:
     def run(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
         if job.action == "merge":
             self._merge(job, writer)
-        elif job.action == "copy" and self.hf_base is not None:
+        elif job.action == "copy" and job.src_file is not None:   # an HF base's tensor: its shard's bytes
             self._copy_through(job, writer)
         elif streamed_by_writer(job, self.plan.base_kind):
             self._cast_rows(job, writer)
@@ -112,19 +110,20 @@ class JobRunner:
         self.zero.add(unchanged, zero_factor)
 
     def _copy_through(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
-        """A verbatim copy of an HF base tensor: its bytes from the base shard, by the kernel."""
+        """A verbatim copy of a base tensor stored as one byte range (an HF shard's): by the kernel."""
+        base, name = self.sources.base, self.base_name(job)
         e = writer.declared(job.name)
-        f = self.hf_base.facts(job.src)
+        f = base.facts(name)
         if (dtype_name(f.dtype), tuple(f.shape)) != (job.out_dtype, e.shape):
-            raise FormatError(f"declared {e.dtype}{list(e.shape)} but the source {self.hf_base.path} holds "
+            raise FormatError(f"declared {e.dtype}{list(e.shape)} but the source {base.path} holds "
                               f"{f.dtype}{list(f.shape)}", path=writer.path, key=job.name)
         if f.nbytes == 0:
             writer.write(job.name, b"")
             return
-        info = self.hf_base.info(job.src)
-        fd = self.hf_base.model_dir.files.check_range(info.path.name, info.begin, info.nbytes, job.src)
-        writer.copy_range_from(job.name, fd, info.begin, info.nbytes, path=info.path,
-                               block_bytes=COPY_THROUGH_BLOCK_BYTES)
+        r = base.copy_range(name)
+        if r is None:   # not stored as one range: read and write it
+            return self._cast_rows(job, writer) if job.shape and job.shape[0] else self._whole(job, writer)
+        writer.copy_range_from(job.name, r.fd, r.offset, r.nbytes, path=r.path, block_bytes=COPY_THROUGH_BLOCK_BYTES)
 
     def _cast_rows(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
         """A copy or cast of any base tensor with rows, in blocks of about COPY_BLOCK_BYTES of the source:

@@ -11,8 +11,6 @@ from ...core.errors import FormatError, UsageError
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
 from ...sources.base import Source
-from ...sources.dcp import DcpBaseSource, DcpKeySource
-from ...sources.lora import DcpLoraSource
 from ...sources.open import open_weights
 from .lr import lr_curves
 from .numbers import MOMENT_FIELDS, ModuleChange, lora_delta_sq, module_group, param_module, trained_delta, weight_sq
@@ -92,7 +90,7 @@ class _Norms:
 
 
 def _moments(ckpt: DcpCheckpoint, infos) -> dict[str, dict[str, float]]:
-    keys = DcpKeySource(ckpt=ckpt)
+    keys = ckpt.by_key()
     out: dict[str, dict[str, float]] = {}
     for i in infos:
         if i.group == "optimizer_state" and i.field in MOMENT_FIELDS:
@@ -103,8 +101,7 @@ def _moments(ckpt: DcpCheckpoint, infos) -> dict[str, dict[str, float]]:
 
 def _lora_step(ckpt, plan, norms: _Norms, weights: Source, num: StepNumbers) -> None:
     o = plan.options
-    lora = DcpLoraSource(ckpt.dir, alpha=o.alpha, run_config=Path(o.run_config) if o.run_config else None,
-                         ckpt=ckpt)
+    lora = ckpt.lora(alpha=o.alpha, run_config=Path(o.run_config) if o.run_config else None)
     scales = {m.scale for m in lora.modules.values()}
     num.scale = scales.pop() if len(scales) == 1 else None
     for name, m in sorted(lora.modules.items()):
@@ -149,7 +146,8 @@ def compute_report(plan: ReportPlan, progress=None) -> ReportResult:
         else:
             norms = _Norms()
             first_full = next((s for s in plan.steps if not s.slim), None)
-            norm_src = DcpBaseSource(first_full.path, trust_pickle=plan.options.trust_pickle) if first_full else base
+            norm_src = DcpCheckpoint.open(first_full.path, trust_pickle=plan.options.trust_pickle).base_weights(
+                str(first_full.path), owned=True) if first_full else base
             if norm_src is None:
                 raise UsageError("every step is slim (no base weights in them) and the base was not found: give --base",
                                  path=plan.path, hint=plan.base_problem or "e.g. --base Qwen/Qwen3-8B")
@@ -185,7 +183,7 @@ def _step(plan, s, norms, norm_src, base, warnings):
         trained = {i.param for i in summ.infos if i.group == "optimizer_state"} & \
             {i.key.removeprefix("app.model.") for i in summ.infos if i.group == "base"}
         if trained:
-            _trained_step(DcpBaseSource(ckpt.dir, ckpt=ckpt), base, trained, num, warnings)
+            _trained_step(ckpt.base_weights(), base, trained, num, warnings)
         num.moments = _moments(ckpt, summ.infos)
         curves = lr_curves(ckpt, progress_step=summ.step if isinstance(summ.step, int) else None,
                            max_steps=plan.max_steps, max_steps_from=plan.max_steps_from,

@@ -1,4 +1,5 @@
-"""The tensors of a DCP checkpoint as `Source`s. `DcpBaseSource`: the base weights (`app.model.<name>`
+"""The tensors of a DCP checkpoint as `Source`s: the views its handle offers (`DcpCheckpoint.base_weights()`,
+`.by_key()`). `DcpBaseSource`: the base weights (`app.model.<name>`
 tensors that are not LoRA params, fp32 masters in prime-rl) under their HF names, whatever the
 generation wrote: prime-format stacked experts (`mlp.experts.w1` [E, inter, hidden]) appear as the HF
 per-expert weights (`mlp.experts.<e>.gate_proj.weight`), each a contiguous slice of the stacked
@@ -14,13 +15,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..core.errors import FormatError
-from ..core.keys import classify, expert_hf_name
-from ..formats.dcp.item import ItemError, is_row_block
-from ..formats.dcp.layout import METADATA_NAME
-from ..formats.dcp.model import TensorEntry
-from ..formats.dcp.reader import DcpCheckpoint
-from .base import Extent, Source, TensorFacts
+from ...core.errors import FormatError
+from ...core.keys import classify, expert_hf_name
+from ..handle import Extent, Source, TensorFacts
+from .item import ItemError, is_row_block
+from .layout import METADATA_NAME
+from .model import TensorEntry
+from .reader import DcpCheckpoint
 
 __all__ = ["DcpBaseSource", "DcpKeySource", "row_block_extents"]
 
@@ -76,6 +77,10 @@ class _DcpSource(Source):
         self._keys: dict[str, tuple[str, int | None]] = {}
         self._stacked_extents: dict[str, list[Extent] | None] = {}
 
+    def owns_checkpoint(self, owned: bool) -> None:
+        """Whether closing this view closes its checkpoint."""
+        self._owns = owned
+
     def _add(self, name: str, key: str, e: TensorEntry, expert: int | None = None) -> None:
         self._keys[name] = (key, expert)
         shape = tuple(e.shape) if expert is None else tuple(e.shape[1:])
@@ -128,6 +133,8 @@ class _DcpSource(Source):
 
 
 class DcpBaseSource(_DcpSource):
+    masters = True   # prime-rl's checkpoint holds the fp32 masters of the weights it trained
+
     def __init__(self, path: str | Path, label: str | None = None, *, trust_pickle: bool = False,
                  ckpt: DcpCheckpoint | None = None,
                  empty_hint: str = "a slim checkpoint has none: `ckpt rehydrate` it, or compare the HF base instead"):

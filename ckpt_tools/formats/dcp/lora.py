@@ -1,0 +1,144 @@
+"""The LoRA view of a DCP checkpoint (`DcpCheckpoint.lora(...)`): prime-rl stores A/B but not alpha,
+resolved by `formats.primerl.alpha`, never guessed. Grouped-expert factors ([E, r, in] / [E, out, r]) are
+read one expert's rows at a time through the checkpoint's key view (`views.DcpKeySource`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from ...core.errors import FormatError, UsageError
+from ...core.keys import classify, expert_hf_name, expert_module, lora_key, require_known, stacked_lora_key, \
+    trainable_params
+from ...core.lora_math import lora_scale
+from ..handle import LoraModule, LoraSource, TensorFacts
+from ..primerl.alpha import AlphaResolution, resolve_alpha
+from .layout import METADATA_NAME
+from .reader import DcpCheckpoint
+from .views import DcpKeySource
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
+
+__all__ = ["DcpLoraSource", "trained_full_tensors"]
+
+
+class DcpLoraSource(LoraSource):
+    kind = "dcp"
+
+    def __init__(self, path: Path, *, alpha: float | None, run_config: Path | None, slot: int = 0,
+                 trust_pickle: bool = False, ckpt: DcpCheckpoint | None = None):
+        self.ckpt = ckpt or DcpCheckpoint.open(path, trust_pickle=trust_pickle)
+        self.path = self.ckpt.dir
+        self.config_path = self.weights_path = self.ckpt.dir / METADATA_NAME
+        self.slot = slot
+        infos = [classify(k, e.path) for k, e in self.ckpt.entries.items()]
+        require_known(infos, self.path / METADATA_NAME)
+        lora = [i for i in infos if i.group == "lora"]
+        slots = sorted({i.slot for i in lora})
+        if not lora:
+            raise FormatError("the checkpoint holds no LoRA parameters (no app.model.*.lora_A.<i> keys)",
+                              path=self.path / METADATA_NAME,
+                              hint="this is not a LoRA run; there is nothing to extract or merge")
+        if slot not in slots:
+            raise UsageError(f"adapter slot {slot} is not in the checkpoint (slots present: {slots})",
+                             path=self.path, hint=f"pass --slot {slots[0]}")
+        # (module, a key, b key, expert): a dense module's own keys, or one expert's slice of stacked keys
+        found: list[tuple[str, str, str, int | None]] = []
+        for m in sorted({i.module for i in lora if i.slot == slot and not i.stacked}):
+            found.append((m, lora_key(m, "A", slot), lora_key(m, "B", slot), None))
+        for experts, proj in sorted({(i.module, i.expert_proj) for i in lora if i.slot == slot and i.stacked}):
+            ka, kb = stacked_lora_key(experts, proj, "A", slot), stacked_lora_key(experts, proj, "B", slot)
+            n = self._stacked_experts(ka, kb)
+            found.extend((expert_module(experts, x, proj), ka, kb, x) for x in range(n))
+        shapes = {}
+        for m, ka, kb, x in found:
+            if ka not in self.ckpt.entries or kb not in self.ckpt.entries:
+                raise FormatError(f"module {m} lacks lora_A.{slot} or lora_B.{slot}", path=self.path / METADATA_NAME)
+            ea, eb = self.ckpt.entries[ka], self.ckpt.entries[kb]
+            sa, sb = (tuple(ea.shape), tuple(eb.shape)) if x is None else (tuple(ea.shape[1:]), tuple(eb.shape[1:]))
+            if len(sa) != 2 or len(sb) != 2 or sa[0] != sb[1]:
+                raise FormatError(f"A {list(ea.shape)} and B {list(eb.shape)} do not share a rank",
+                                  path=self.path / METADATA_NAME, key=ka)
+            shapes[m] = (ka, kb, sa, sb, ea.dtype, x)
+        uniq = sorted({s[2][0] for s in shapes.values()})
+        res: AlphaResolution = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=self.path,
+                                             rank=uniq[0] if len(uniq) == 1 else None)
+        self.alpha = res.alpha
+        self.alpha_source = res.source
+        self.resolution = res
+        self.warnings = res.warnings
+        self.modules = {m: LoraModule(m, a_shape[0], lora_scale(res.alpha, a_shape[0]), ka, kb, a_shape, b_shape,
+                                      False, a_dtype, x)
+                        for m, (ka, kb, a_shape, b_shape, a_dtype, x) in shapes.items()}
+        self.full_tensors = trained_full_tensors(self.ckpt)
+        stacked = any(x is not None for *_, x in found) or any(v.endswith("]") for v in self.full_tensors.values())
+        self._rows = DcpKeySource(ckpt=self.ckpt) if stacked else None
+        # every factor is read: a remote checkpoint fetches adjacent items in one request (io.remote)
+        self.ckpt.hint_reads((c.file, c.offset, c.length) for _m, ka, kb, _x in found for k in (ka, kb)
+                             for c in self.ckpt.entries[k].chunks if c.numel)
+
+    def _stacked_experts(self, ka: str, kb: str) -> int:
+        ea, eb = self.ckpt.entries.get(ka), self.ckpt.entries.get(kb)
+        if ea is None or eb is None:
+            raise FormatError("grouped-expert LoRA lacks its A or B factor", path=self.path / METADATA_NAME,
+                              key=ka if ea is None else kb)
+        if len(ea.shape) != 3 or len(eb.shape) != 3 or ea.shape[0] != eb.shape[0]:
+            raise FormatError(f"grouped-expert LoRA A {list(ea.shape)} / B {list(eb.shape)} are not [E, r, in] / "
+                              "[E, out, r] over the same experts", path=self.path / METADATA_NAME, key=ka)
+        return ea.shape[0]
+
+    def read_factor(self, module: str, ab: str) -> torch.Tensor:
+        m = self.modules[module]
+        key = m.a_key if ab == "A" else m.b_key
+        if m.expert is None:
+            return self.read_key(key)
+        return self._rows.read_tensor(self._rows.expert_name(key, m.expert))   # exactly that expert's bytes
+
+    def read_key(self, key: str) -> torch.Tensor:
+        stem, expert = _split_ref(key)
+        if expert is None:
+            return self.ckpt.read_tensor(key)
+        return self._rows.read_tensor(self._rows.expert_name(stem, expert))
+
+    def key_facts(self, key: str) -> TensorFacts:
+        stem, expert = _split_ref(key)
+        e = self.ckpt.entry(stem)
+        return TensorFacts(key, e.dtype, tuple(e.shape) if expert is None else tuple(e.shape[1:]))
+
+    def lora_keys(self) -> list[str]:
+        """The DCP keys of the LoRA factors (a stacked key once)."""
+        return sorted({k for m in self.modules.values() for k in (m.a_key, m.b_key)})
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def _split_ref(ref: str) -> tuple[str, int | None]:
+    """`key` -> (key, None); `key[e]` (one expert's slice of a stacked tensor) -> (key, e)."""
+    if ref.endswith("]") and "[" in ref:
+        stem, _, idx = ref[:-1].rpartition("[")
+        if idx.isdigit():
+            return stem, int(idx)
+    return ref, None
+
+
+def trained_full_tensors(ckpt: DcpCheckpoint) -> dict[str, str]:
+    """The base weights of a LoRA checkpoint that were trained whole: prime-rl HEAD's
+    `lora.modules_to_save` (e.g. lm_head and model.norm), HF name -> DCP key (`key[e]` for one expert of
+    a stacked tensor). Found from the optimizer state, the only mark training leaves: prime-rl optimizes
+    every `requires_grad` param and freezes all else (HEAD trainer/lora.py, optim/__init__.py), so a base
+    weight with `app.optimizers.state.<fqn>.*` was trained; never guessed from names. 16e747c's
+    optimizer holds the LoRA only, so its checkpoints have none."""
+    trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+    out: dict[str, str] = {}
+    for key, e in ckpt.entries.items():
+        ki = classify(key, e.path)
+        if ki.group != "base" or key.removeprefix("app.model.") not in trained:
+            continue
+        if ki.stacked:
+            for x in range(e.shape[0] if e.shape else 0):
+                out[expert_hf_name(ki, x)] = f"{key}[{x}]"
+        else:
+            out[ki.hf_name] = key
+    return dict(sorted(out.items()))
