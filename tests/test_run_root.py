@@ -37,6 +37,7 @@ def head_rl_layout(dst: Path, variant: Path = E, configs: str = "configs") -> Pa
     shutil.copytree(variant / "base_model", dst / "base_model")
     out = dst / "outputs" / "myrun"
     shutil.copytree(variant / "outputs" / "checkpoints", out / "checkpoints")
+    shutil.copytree(variant / "outputs" / "broadcasts", out / "broadcasts")
     cfg = json.loads((variant / "configs" / "trainer.json").read_text())
     cfg["output_dir"] = "outputs/myrun"
     (out / configs).mkdir(parents=True)
@@ -98,3 +99,84 @@ def test_average_finds_the_base_of_a_run_with_resolved_configs(tmp_path, configs
     inputs = json_payload(r.stdout)["inputs"]
     assert [i["base"] for i in inputs] == ["base_model"] * 2
     assert [Path(i["base_dir"]) for i in inputs] == [Path(export)] * 2
+
+
+# ------------------------------------------------------------------------------------ the resolver itself
+def run_dirs(outputs: Path, launch: Path) -> dict[str, Path]:
+    """Every dir of a run a command may be given: trainer, step, checkpoints, outputs, launch, broadcast."""
+    step = steps(outputs)[-1]
+    dirs = {"trainer": step / "trainer", "step": step, "checkpoints": outputs / "checkpoints", "outputs": outputs}
+    if (launch / "outputs" / "checkpoints").is_dir():
+        dirs["launch"] = launch
+    broadcasts = sorted(outputs.glob("broadcasts/step_*")) + sorted(outputs.glob("run_*/broadcasts/step_*"))
+    if broadcasts:
+        dirs["broadcast"] = broadcasts[-1]
+    return dirs
+
+
+def gc_base_dir(checkpoints: Path) -> Path | None:
+    """What `ckpt gc` finds (its own config discovery, `resolve_base` over the loaded RunConfig)."""
+    from ckpt_tools.formats.primerl.config import load_run_config, locate_run_configs
+    found = locate_run_configs(checkpoints)
+    b = run_dir.resolve_base(None, load_run_config(found) if found is not None else None)
+    return None if b is None or b.dir is None else b.dir.resolve()
+
+
+def check_run(outputs: Path, launch: Path, config: Path) -> None:
+    launch, config = launch.resolve(), config.resolve()
+    for what, d in run_dirs(outputs, launch).items():
+        run = run_dir.resolve_run(d)
+        assert run.outputs == outputs.resolve(), what
+        assert run.configs == (config,) and run.config == config and not run.named, what
+        assert run.launch == launch and run.model_root == launch, what
+        assert run.base_name == "base_model", what
+        base = run_dir.run_base(run)
+        assert base is not None and base.dir == launch / "base_model" and base.problem is None, what
+    trainer = steps(outputs)[-1] / "trainer"
+    assert run_dir.run_base_of(trainer).dir == launch / "base_model"      # export's, extract-adapter's
+    assert gc_base_dir(outputs / "checkpoints") == launch / "base_model"  # gc's, doctor's, report's
+    named = run_dir.resolve_run(trainer, config=config)
+    assert named.named and named.launch == launch and run_dir.run_base(named).how == "--run-config"
+
+
+GENUINE = {"16e747c tiny": (FIXTURE, "outputs/run_default/configs/orch.toml"),
+           "head dense": (E, "configs/trainer.json"), "head moe": (F, "configs/trainer.json"),
+           "head fullft": (G, "configs/trainer.json")}
+
+
+@pytest.mark.parametrize("name", list(GENUINE))
+def test_the_resolver_on_every_genuine_fixture(name):
+    root, config = GENUINE[name]
+    check_run(root / "outputs", root, root / config)
+
+
+@pytest.mark.parametrize("configs", ["configs", "configs/resolved", "configs/latest/resolved"])
+def test_the_resolver_on_the_layouts_of_newer_runs(tmp_path, configs):
+    outputs = head_rl_layout(tmp_path / "rl", G, configs)         # outputs/<run.name>/{configs, checkpoints}
+    check_run(outputs, tmp_path / "rl", outputs / configs / "trainer.json")
+    root = head_resolved_layout(tmp_path / "resolved", F, configs)
+    check_run(root / "outputs", root, root / configs / "trainer.json")
+
+
+def test_outside_a_run_the_resolver_finds_nothing_and_never_climbs(tmp_path):
+    lonely = tmp_path / "outputs" / "ckpt"      # an `outputs` dir above it, but not prime-rl's layout
+    shutil.copytree(E / "outputs" / "checkpoints" / "step_3" / "trainer", lonely)
+    shutil.copytree(E / "configs", tmp_path / "configs")    # a run config two levels up: not this one's
+    run = run_dir.resolve_run(lonely)
+    assert (run.outputs, run.configs, run.launch, run.base_name) == (None, (), None, None)
+    assert run_dir.run_base(run) is None and run.model_root == tmp_path   # the export guess (fix-adapter's)
+
+
+@pytest.fixture(scope="module")
+def factory_runs(tmp_path_factory):
+    from tests.factory.factory import FactorySpec, make_run
+    from tests.factory.head_factory import HeadSpec, make_head_run
+    old = make_run(tmp_path_factory.mktemp("old") / "run", FactorySpec.tiny(steps=1))
+    head = make_head_run(tmp_path_factory.mktemp("head") / "run", HeadSpec.e_dense(max_steps=2))
+    return old, head
+
+
+def test_the_resolver_on_the_factorys_runs(factory_runs):
+    old, head = factory_runs
+    check_run(old.root / "outputs", old.root, old.orch_toml)
+    check_run(head.root / "outputs", head.root, head.trainer_config)
