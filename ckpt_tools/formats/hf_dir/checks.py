@@ -64,6 +64,8 @@ def header_finding(path: Path, exc: BaseException) -> Finding:
 
 
 def check_index(root: Path, index_path: Path) -> IndexCheck:
+    """Every rule of the module docstring checked on the sharded dir `root` (its index `index_path`); never
+    raises for a damaged input: the index, the headers that read, and the findings."""
     out = IndexCheck()
     name = index_path.name
 
@@ -165,8 +167,8 @@ def check_index(root: Path, index_path: Path) -> IndexCheck:
         if h is not None and k not in h.tensors and k not in owner:
             problem(root / f, k, f"{name} maps the tensor to {f}, which does not hold it")
     out.tensors = {k: out.headers[f].tensors[k] for k, f in owner.items()}
-    if not out.refusals and len(out.headers) == len(out.files):   # every header read: the same disagreements,
-        # as one line
+    if not out.refusals and len(out.headers) == len(out.files):
+        # every header read: an open lists the disagreements on one line, each seen from both sides
         lines = [f"index maps {k!r} to {f}, which has no such tensor" for k, f in weight_map.items()
                  if k not in out.headers[f].tensors]
         for f, header in out.headers.items():

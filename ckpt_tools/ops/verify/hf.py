@@ -1,7 +1,7 @@
 """`ckpt verify` of an HF model dir: config.json, the index and every shard header checked against each
 other (every disagreement listed: `formats.hf_dir.checks`, the rules HFModelDir.open refuses), shapes
-against what the config implies, and with `--deep` every float read and checked for inf/nan, and every file with a digest (SHA256SUMS, a Hub blob name) read
-against it (`digests`)."""
+against what the config implies, and with `--deep` every float read and checked for inf/nan, and every
+file with a digest (SHA256SUMS, a Hub blob name) read against it (`digests`)."""
 from __future__ import annotations
 
 import threading
