@@ -6,7 +6,29 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["group_problems", "Problem", "VerifyReport"]
+__all__ = ["group_problems", "Problem", "VerifyReport", "Finding", "first_fatal", "PROBLEM", "WARNING", "UNSUPPORTED"]
+
+PROBLEM, WARNING, UNSUPPORTED = "problem", "warning", "unsupported"   # unsupported: readable by torch, not by us
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One broken rule of a format, found by the format's one check of it (`formats.dcp.model.parse_metadata`,
+    `formats.hf_dir.checks.check_index`): `ckpt verify` lists every finding, the format's open raises the
+    first fatal one (`first_fatal`). `file` is as the format names it (DCP: a data file relative to the
+    checkpoint, None for `.metadata`; HF: the file's path). `error`: the exact error an open raises for it,
+    where the format keeps one (the reader's own, or a one-line refusal grouping a rule's findings)."""
+    file: str | None
+    key: str | None
+    message: str
+    severity: str = PROBLEM
+    hint: str | None = None
+    error: BaseException | None = field(default=None, compare=False, repr=False)
+
+
+def first_fatal(findings) -> Finding | None:
+    """The first finding that makes the input unreadable here (warnings are not)."""
+    return next((f for f in findings if f.severity in (PROBLEM, UNSUPPORTED)), None)
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ from ..formats.peft.config import PEFT_PREFIX
 from ..formats.peft.experts import FusedParam, build_fused, fused_config, plan_fused
 from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
     safetensors_file_bytes, target_modules_for, write_adapter
-from ..formats.primerl.alpha import orch_model_name, run_adapter_configs, run_outputs_dir
-from ..formats.primerl.run_dir import BaseModel, launch_dir_of, run_base_of
+from ..formats.primerl import run_dir
+from ..formats.primerl.alpha import run_adapter_configs, run_outputs_dir
+from ..formats.primerl.run_dir import run_base_of
 from ..io.inputs import read_json
 from ..sources.lora import DcpLoraSource
 
@@ -122,11 +123,7 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     else:
         run_base = run_base_of(ckpt.dir)
         if run_base is None and src.resolution.config_path is not None:   # --run-config named elsewhere
-            run_base = BaseModel(str(orch_model_name(src.resolution.config_path)), None, "--run-config") \
-                if orch_model_name(src.resolution.config_path) else None
-            if run_base is not None:
-                found_dir, why0 = locate_model(run_base.name, run_root=launch_dir_of(src.resolution.config_path))
-                run_base = BaseModel(run_base.name, found_dir, run_base.how, why0)
+            run_base = run_dir.run_base(run_dir.resolve_run(ckpt.dir, config=src.resolution.config_path))
         base_name = run_base.name if run_base is not None else None
         base_dir, why = (run_base.dir, run_base.problem) if run_base is not None else (None, None)
     if base_name is None:

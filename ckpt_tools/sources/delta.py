@@ -30,8 +30,7 @@ from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_
     target_modules_for
 from .base import TensorFacts
 from ..formats.hf_dir.hub import locate_model
-from ..formats.primerl.alpha import find_run_configs, orch_model_name, run_outputs_dir
-from ..formats.primerl.run_dir import step_number
+from ..formats.primerl.run_dir import resolve_run, step_number
 from .lora import LoraModule, LoraSource
 
 FULL_SUFFIX = "#full"    # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
@@ -178,15 +177,6 @@ def lora_step(src: LoraSource) -> int | None:
     return None
 
 
-def _config_run_root(cfg: Path) -> Path | None:
-    """The launch dir a run config's relative model name is relative to: HEAD `<run>/configs/trainer.json`,
-    16e747c `<root>/outputs/run_*/configs/orch.toml`."""
-    p = Path(cfg).resolve()
-    if p.suffix == ".json":
-        return p.parent.parent
-    return p.parents[3] if len(p.parents) > 3 else None
-
-
 def lora_base(src: LoraSource) -> tuple[str | None, Path | None]:
     """The base model an input names (a PEFT adapter's base_model_name_or_path, a checkpoint's run config
     model name) and the local dir it resolves to (a relative name against the run's launch dir, as
@@ -194,15 +184,10 @@ def lora_base(src: LoraSource) -> tuple[str | None, Path | None]:
     name, root = None, None
     if src.adapter is not None:
         name = src.adapter.config.base_model_name_or_path
-        outputs = run_outputs_dir(src.path)
-        root = outputs.parent if outputs is not None else None
+        root = resolve_run(src.path).model_root
     elif src.ckpt is not None:
-        cfg = src.resolution.config_path
-        if cfg is None:
-            found = find_run_configs(src.path)
-            cfg = found[0] if len(found) == 1 else None
-        name = orch_model_name(cfg)
-        root = _config_run_root(cfg) if cfg is not None else None
+        run = resolve_run(src.path, config=src.resolution.config_path)
+        name, root = run.base_name, run.launch
     if not name:
         return None, None
     found, _why = locate_model(name, run_root=root)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ...core.dtypes import ITEMSIZE, ShapedBytes
+from ...core.problems import PROBLEM, UNSUPPORTED, WARNING, Finding, first_fatal
 from ...io.inputs import is_plain_file_name
 from ...io.pickle_scan import gc_paused
 from .metadata import Dims, DtypeName
@@ -31,17 +32,7 @@ __all__ = [
     "ParsedMetadata", "parse_metadata",
 ]
 
-PROBLEM, WARNING, UNSUPPORTED = "problem", "warning", "unsupported"   # unsupported: readable by torch, not by us
 CORRUPT_HINT = "the metadata is corrupt or crafted; run `ckpt verify`"
-
-
-@dataclass(frozen=True)
-class Finding:
-    file: str | None           # a data file of the checkpoint (relative), None for `.metadata` itself
-    key: str | None
-    message: str
-    severity: str = PROBLEM
-    hint: str | None = None
 
 
 class Chunk(NamedTuple):
@@ -124,7 +115,7 @@ class ParsedMetadata:
 
     def fatal(self) -> Finding | None:
         """The first finding that makes the checkpoint unreadable here (warnings are not)."""
-        return next((f for f in self.findings if f.severity in (PROBLEM, UNSUPPORTED)), None)
+        return first_fatal(self.findings)
 
 
 def _ints(x) -> tuple[int, ...]:

@@ -2,24 +2,24 @@
 and a `Source` (`formats.handle`): every tensor is one extent of one shard, read by range.
 
 `HFModelDir.open` reads config.json, the shard index and every shard's safetensors header (a few
-KB each), validates them against each other, and reads no tensor bytes; tensors are then read one
-at a time by name (the fds of the dir through `inputs.OpenFiles`, where a remote input plugs in).
-`HFModelDir.open_ref` takes a hub id too (the local HF cache, offline).
+KB each), validates them against each other (`checks.check_index`: the rules `ckpt verify` lists),
+and reads no tensor bytes; tensors are then read one at a time by name (the fds of the dir through
+`inputs.OpenFiles`, where a remote input plugs in). `HFModelDir.open_ref` takes a hub id too (the local
+HF cache, offline).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
-
 from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, MissingFileError
-from ...io.inputs import MAX_TABLE_VALUES, OpenFiles, is_plain_file_name, read_json, register
+from ...io.inputs import OpenFiles, register
 from ..safetensors.header import ByteCounter, SafetensorsHeader, TensorInfo, read_header
 from ..handle import ByteRange, Extent, Source, TensorFacts
 from ..safetensors.read import read_raw, read_tensor
 from .carry import carry_files, classify_entries
+from .checks import check_index
 from .config import load_config
 from .hub import resolve_model_dir
 from .names import INDEX_NAME, WEIGHTS_NAME
@@ -28,15 +28,6 @@ if TYPE_CHECKING:   # annotations only: torch is imported where tensors are buil
     import torch
 
 __all__ = ["HFModelDir", "tensor_shapes"]
-
-_MAX_LISTED = 20
-
-
-def _listing(problems: Sequence[str]) -> str:
-    shown = "; ".join(problems[:_MAX_LISTED])
-    if len(problems) > _MAX_LISTED:
-        shown += f"; and {len(problems) - _MAX_LISTED} more"
-    return shown
 
 
 class HFModelDir(Source):
@@ -182,42 +173,12 @@ class HFModelDir(Source):
 
 
 def _open_index(root: Path, index_path: Path) -> tuple[dict[str, SafetensorsHeader], dict]:
-    index = read_json(index_path, root=root, what=index_path.name, max_values=MAX_TABLE_VALUES)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise FormatError("has no non-empty 'weight_map' object", path=index_path)
-    metadata = index.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        raise FormatError("'metadata' is not an object", path=index_path)
-
-    # 1. names: plain file names inside the directory, checked before any file is touched.
-    unsafe = sorted({repr(f) for f in weight_map.values() if not is_plain_file_name(f)})
-    if unsafe:
-        raise FormatError(f"weight_map points outside the model directory or at non-file names: {_listing(unsafe)}",
-                          path=index_path, hint="weight_map values must be plain shard file names")
-    # 2. files exist.
-    files = sorted(set(weight_map.values()))
-    missing = [f for f in files if not os.path.lexists(root / f)]
-    if missing:
-        raise MissingFileError(f"{len(missing)} shard(s) listed in the index are missing: {_listing(missing)}",
-                               path=index_path, hint="re-download the model or restore the missing shards")
-    # 3. headers agree with the index both ways.
-    headers = {f: read_header(root / f) for f in files}
-    problems = []
-    for key, f in weight_map.items():
-        if key not in headers[f].tensors:
-            problems.append(f"index maps {key!r} to {f}, which has no such tensor")
-    for f, header in headers.items():
-        for key in header.tensors:
-            mapped = weight_map.get(key)
-            if mapped is None:
-                problems.append(f"{f} holds {key!r}, which the index does not list")
-            elif mapped != f:
-                problems.append(f"{f} holds {key!r}, which the index maps to {mapped}")
-    if problems:
-        raise FormatError(f"index and shard headers disagree: {_listing(problems)}", path=index_path,
-                          hint="the directory mixes files from different saves; re-download or re-export it")
-    return headers, metadata
+    """The shard headers and index metadata of a sharded dir; its first broken invariant raised (`checks`)."""
+    check = check_index(root, index_path)
+    bad = check.fatal()
+    if bad is not None:
+        raise bad.error
+    return check.headers, check.metadata
 
 
 def tensor_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from ...core.errors import AlphaError, CkptError, FormatError, UsageError
 from ...core.lora_math import check_alpha, lora_scale
 from ...io.inputs import read_json, read_toml
 from .config import HEAD_JSON, config_files, load_run_config, lora_settings
-from .files import head_config_files
+from .run_dir import find_run_configs, orch_model_name, run_outputs_dir
 
 __all__ = ["ORCH_DEFAULT_ALPHA", "AlphaResolution", "run_outputs_dir", "find_run_configs", "read_orch_lora",
            "run_adapter_configs", "adapter_config_disagreements", "resolve_alpha", "orch_model_name",
@@ -52,55 +51,10 @@ class AlphaResolution:
         return lora_scale(self.alpha, rank, rslora)
 
 
-_STEP = re.compile(r"^step_\d+$")
-
-
-def run_outputs_dir(path: str | Path) -> Path | None:
-    """The prime-rl trainer `output_dir` that `path` was written into, recognised only by where
-    prime-rl writes (16e747c, docs/format.md §2): `<outputs>/checkpoints/step_N/trainer` (or its
-    step dir), `<outputs>/weights/step_N[/lora_adapters]`, `<outputs>/<run>/broadcasts/step_N`.
-    None anywhere else: we never climb further to look for configs (an unrelated sibling's
-    `run_*/configs/orch.toml` two levels up once set the scale)."""
-    p = Path(path).resolve()
-    parents = p.parents
-    if p.name == "trainer" and _STEP.match(p.parent.name) and p.parent.parent.name == "checkpoints":
-        return parents[2]
-    if p.name == "lora_adapters" and _STEP.match(p.parent.name) and p.parent.parent.name == "weights":
-        return parents[2]
-    if _STEP.match(p.name) and p.parent.name in ("checkpoints", "weights") and len(parents) > 1:
-        return parents[1]
-    if _STEP.match(p.name) and p.parent.name == "broadcasts" and len(parents) > 2:
-        return parents[2]
-    return None
-
-
 RULE_16E747C = ("16e747c: scale = orchestrator [model.lora] alpha / rank (default alpha 16.0, not the trainer's; "
                 "rl/train.py:101-116)")
 RULE_HEAD = ("HEAD: scale = trainer model.lora.alpha / rank, held as a bf16 tensor in training "
              "(trainer lora.py:35-45; the orchestrator inherits it, configs/rl.py:538-573)")
-
-
-def _head_configs(outputs: Path) -> list[Path]:
-    """The HEAD JSON configs of the run that owns `outputs`: `configs/{trainer,rl}.json` in the outputs
-    dir or the run dir just above it (the rl entrypoint writes `<run_dir>/configs/`); trainer.json
-    first (it holds the trainer's LoRA), one dir only."""
-    for d in (outputs, outputs.parent):
-        found = sorted((f for f in head_config_files(d) if f.name in ("trainer.json", "rl.json")),
-                       key=lambda f: f.name != "trainer.json")
-        if found:
-            return found
-    return []
-
-
-def find_run_configs(ckpt_dir: Path) -> list[Path]:
-    """The run configs of the run(s) that wrote `ckpt_dir`, where prime-rl writes them for the `<outputs>`
-    of `run_outputs_dir`: HEAD's `configs/trainer.json` (else rl.json), else 16e747c's
-    `<outputs>/run_*/configs/orch.toml` (one per run); [] elsewhere."""
-    outputs = run_outputs_dir(ckpt_dir)
-    if outputs is None:
-        return []
-    head = _head_configs(outputs)
-    return head[:1] if head else sorted(outputs.glob("run_*/configs/orch.toml"))
 
 
 def read_head_lora(path: Path) -> tuple[float, int, str]:
@@ -256,24 +210,3 @@ def _alpha_contradiction(alpha: float, run_config, ckpt_dir) -> list[str]:
     how = "" if not lora.get("_alpha_defaulted") else " (prime-rl's default: the file sets none)"
     return [f"--alpha {alpha:g} contradicts the run's config {path}: [model.lora] alpha = {lora['alpha']:g}{how}; "
             f"using --alpha {alpha:g} (scale alpha / rank), drop --alpha to use the run's"]
-
-
-def orch_model_name(path: Path | None) -> str | None:
-    """The `[model] name` of an orchestrator config (None when it has none or cannot be read: it is
-    only a default, for base_model_name_or_path and for the base a slim records)."""
-    if path is None:
-        return None
-    if Path(path).suffix == ".json":   # HEAD: the trainer's model.name
-        try:
-            cfg = load_run_config(config_files([Path(path)]))
-            name = cfg.value("trainer.model.name") if "trainer" in cfg.sections else None
-        except CkptError:
-            return None
-        return name if isinstance(name, str) and name else None
-    try:
-        data, _ = read_toml(path, root=run_outputs_dir(path) if run_outputs_dir(path) else None,
-                            what="orchestrator config")
-        name = (data.get("model") or {}).get("name") if isinstance(data.get("model"), dict) else None
-    except CkptError:
-        return None
-    return name if isinstance(name, str) and name else None

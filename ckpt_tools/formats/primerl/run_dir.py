@@ -1,12 +1,19 @@
-"""A prime-rl run directory on disk: where its outputs, checkpoints, exports and base model are.
+"""A prime-rl run directory on disk: where its outputs, checkpoints, exports, configs and base model are.
 
 Layouts (shared/docs/primerl-config-traps.md §9, primerl-head-format.md §3):
 
 - 16e747c: `<launch>/outputs/{checkpoints/step_N/trainer, weights/step_N, run_default/{configs/orch.toml,
   broadcasts/step_N}}`; the orchestrator's `output_dir` (`outputs/run_default`) is relative to the
   launch directory, and so is a relative `model.name` (trainer/model.py:207-213).
-- HEAD: `<run_dir>/configs/*.json` and the trainer's `output_dir` (relative to the launch directory)
-  with `checkpoints/step_N/trainer` and `broadcasts/step_N`.
+- HEAD: `<run_dir>/configs/*.json` (or `configs/resolved/`, `configs/latest/resolved/`) and the trainer's
+  `output_dir` (relative to the launch directory) with `checkpoints/step_N/trainer` and `broadcasts/step_N`;
+  the `rl` entrypoint's named run is `outputs/<run.name>/{configs, checkpoints, broadcasts}`.
+
+THE rule, for every command: `resolve_run(path)` (a trainer, step, checkpoints, outputs or launch dir, a
+broadcast or a weights export; optionally the run config the user named) -> `RunRoot`: the outputs dir it
+lies in (`run_outputs_dir`: only where prime-rl writes, never a climb), the run configs prime-rl wrote for
+it (`find_run_configs`), the launch dir that config says (`launch_of_config`), the base model name; and
+`run_base(run)` finds that base as prime-rl resolved it.
 
 Reads directory listings and small JSON files only.
 """
@@ -17,14 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...io import inputs
+from ...io.inputs import read_toml
 from ...core.errors import CkptError, UsageError
 from ..hf_dir.hub import locate_model, resolve_model_dir
 from ..safetensors.header import read_header
-from .alpha import find_run_configs, orch_model_name
 from .config import GEN_HEAD, RunConfig, config_files, load_run_config
-from .files import config_run_dir
+from .files import config_run_dir, head_config_files
 
 __all__ = ["step_number", "step_dirs", "checkpoints_dir_of", "launch_dir", "launch_dir_of", "artifact_launch_dir", "run_base_of",
+    "RunRoot", "resolve_run", "run_base", "launch_of_config", "run_outputs_dir", "find_run_configs", "orch_model_name",
     "outputs_dir", "model_name",
     "BaseModel", "resolve_base", "adapter_config_files", "read_adapter_config", "absent_modules_to_save",
     "weights_exports",
@@ -63,6 +71,159 @@ def checkpoints_dir_of(path: str | Path) -> Path:
                      hint="pass prime-rl's outputs/checkpoints directory (it holds step_N/trainer)")
 
 
+# ------------------------------------------------------------------------------------ the one resolver
+def run_outputs_dir(path: str | Path) -> Path | None:
+    """The prime-rl trainer `output_dir` that `path` was written into, recognised only by where
+    prime-rl writes (docs/format.md §2): `<outputs>/checkpoints/step_N/trainer` (or its step dir),
+    `<outputs>/weights/step_N[/lora_adapters]`, `<outputs>/run_*/broadcasts/step_N` (16e747c),
+    `<outputs>/broadcasts/step_N` (HEAD).
+    None anywhere else: we never climb further to look for configs (an unrelated sibling's
+    `run_*/configs/orch.toml` two levels up once set the scale)."""
+    p = Path(path).resolve()
+    parents = p.parents
+    if p.name == "trainer" and _STEP.match(p.parent.name) and p.parent.parent.name == "checkpoints":
+        return parents[2]
+    if p.name == "lora_adapters" and _STEP.match(p.parent.name) and p.parent.parent.name == "weights":
+        return parents[2]
+    if _STEP.match(p.name) and p.parent.name in ("checkpoints", "weights") and len(parents) > 1:
+        return parents[1]
+    if _STEP.match(p.name) and p.parent.name == "broadcasts" and len(parents) > 2:
+        # 16e747c: <outputs>/run_*/broadcasts/step_N (the orchestrator's output_dir); HEAD: <outputs>/broadcasts
+        return parents[2] if p.parent.parent.name.startswith("run_") else parents[1]
+    return None
+
+
+def _head_configs(outputs: Path) -> list[Path]:
+    """The HEAD JSON configs of the run that owns `outputs`: `configs/{trainer,rl}.json` in the outputs
+    dir or the run dir just above it (the rl entrypoint writes `<run_dir>/configs/`); trainer.json
+    first (it holds the trainer's LoRA), one dir only."""
+    for d in (outputs, outputs.parent):
+        found = sorted((f for f in head_config_files(d) if f.name in ("trainer.json", "rl.json")),
+                       key=lambda f: f.name != "trainer.json")
+        if found:
+            return found
+    return []
+
+
+def find_run_configs(ckpt_dir: Path) -> list[Path]:
+    """The run configs of the run(s) that wrote `ckpt_dir`, where prime-rl writes them for the `<outputs>`
+    of `run_outputs_dir`: HEAD's `configs/trainer.json` (else rl.json), else 16e747c's
+    `<outputs>/run_*/configs/orch.toml` (one per run); [] elsewhere."""
+    outputs = run_outputs_dir(ckpt_dir)
+    return [] if outputs is None else _configs_of(outputs)
+
+
+def _configs_of(outputs: Path) -> list[Path]:
+    head = _head_configs(outputs)
+    return head[:1] if head else sorted(outputs.glob("run_*/configs/orch.toml"))
+
+
+def orch_model_name(path: Path | None) -> str | None:
+    """The `[model] name` of an orchestrator config (None when it has none or cannot be read: it is
+    only a default, for base_model_name_or_path and for the base a slim records)."""
+    if path is None:
+        return None
+    if Path(path).suffix == ".json":   # HEAD: the trainer's model.name
+        try:
+            cfg = load_run_config(config_files([Path(path)]))
+            name = cfg.value("trainer.model.name") if "trainer" in cfg.sections else None
+        except CkptError:
+            return None
+        return name if isinstance(name, str) and name else None
+    try:
+        data, _ = read_toml(path, root=run_outputs_dir(path) if run_outputs_dir(path) else None,
+                            what="orchestrator config")
+        name = (data.get("model") or {}).get("name") if isinstance(data.get("model"), dict) else None
+    except CkptError:
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def _outputs_of_run_dir(p: Path) -> Path | None:
+    """The outputs dir of a run dir given whole: a `checkpoints` dir's parent, an outputs dir (it holds
+    `checkpoints/`), a launch dir with prime-rl's default `output_dir` (`outputs/checkpoints`)."""
+    p = p.resolve()
+    if p.name == "checkpoints" and p.is_dir():
+        return p.parent
+    if (p / "checkpoints").is_dir():
+        return p
+    if (p / "outputs" / "checkpoints").is_dir():
+        return p / "outputs"
+    return None
+
+
+@dataclass(frozen=True)
+class RunRoot:
+    """Where the run of an artifact is, by the one rule (`resolve_run`)."""
+    path: Path                       # what was given
+    outputs: Path | None             # the trainer output_dir it lies in (or is)
+    configs: tuple[Path, ...]        # the run configs prime-rl wrote for it, or the one the user named
+    named: bool                      # the config was named (--run-config), not found
+    launch: Path | None              # where that config says prime-rl was launched from (None without one)
+    base_name: str | None            # the one config's model.name
+
+    @property
+    def config(self) -> Path | None:
+        return self.configs[0] if len(self.configs) == 1 else None
+
+    @property
+    def model_root(self) -> Path | None:
+        """Where a relative model name is looked up: the launch dir; without a run config, the parent of
+        the outputs dir (prime-rl's default `output_dir` is `outputs` in the launch dir), else of the
+        nearest dir named `outputs` above the path (an export whose run wrote no config)."""
+        if self.launch is not None:
+            return self.launch
+        if self.outputs is not None:
+            return self.outputs.parent
+        for p in self.path.resolve().parents:
+            if p.name == "outputs":
+                return p.parent
+        return None
+
+
+def resolve_run(path: str | Path, *, config: str | Path | None = None) -> RunRoot:
+    """The run `path` belongs to (see the module docstring). `config`: the run config the user named
+    (--run-config), which then says the launch dir and the model name."""
+    p = Path(path)
+    outputs = run_outputs_dir(p)
+    if outputs is None and p.is_dir():
+        outputs = _outputs_of_run_dir(p)
+    if config is not None:
+        configs: tuple[Path, ...] = (Path(config),)
+    else:
+        configs = tuple(_configs_of(outputs)) if outputs is not None else ()
+    one = configs[0] if len(configs) == 1 else None
+    return RunRoot(p, outputs, configs, config is not None, None if one is None else launch_of_config(one),
+                   None if one is None else orch_model_name(one))
+
+
+def launch_of_config(cfg_path: str | Path) -> Path:
+    """The launch dir a run config says (`launch_dir_of` with the config's own output_dir)."""
+    cfg_path = Path(cfg_path)
+    try:
+        cfg = load_run_config(config_files([cfg_path]))
+        key = "trainer.output_dir" if cfg_path.suffix == ".json" else "orchestrator.output_dir"
+        out = cfg.value(key) if key.split(".")[0] in cfg.sections else None
+    except CkptError:
+        out = None
+    return launch_dir_of(cfg_path, out)
+
+
+def run_base(run: RunRoot) -> BaseModel | None:
+    """The base model of `run`, found as prime-rl resolved it: relative to the launch dir, else a local dir
+    or hub id in the local HF cache. None when the run has no (or several) configs or names no model;
+    `dir` None when the model is not on this machine."""
+    name = run.base_name
+    if name is None:
+        return None
+    found, why = locate_model(name, run_root=run.launch)
+    if run.named:
+        return BaseModel(name, found, "--run-config", why)
+    how = f"the run config {run.config}'s model.name {name!r}" + (
+        f" (relative to {run.launch})" if found is not None and found == run.launch / name else "")
+    return BaseModel(name, found, how, why)
+
+
 def launch_dir(cfg: RunConfig) -> Path | None:
     """The directory prime-rl was launched from, where relative paths of the config point."""
     files = cfg.files
@@ -75,8 +236,8 @@ def launch_dir(cfg: RunConfig) -> Path | None:
 
 
 def launch_dir_of(config: Path, output_dir: object = None) -> Path:
-    """THE run-dir rule (every command's): where a run config found in a run dir says prime-rl was
-    launched from, i.e. where its relative `model.name` and `output_dir` point.
+    """The launch-dir rule: where a run config found in a run dir says prime-rl was launched from, i.e.
+    where its relative `model.name` and `output_dir` point.
 
     - HEAD `<run>/configs[/resolved | /latest/resolved]/trainer.json`: `<run>`, or the nearest dir above it
       that holds the trainer's relative `output_dir` (`rl` runs write `outputs/<run.name>/configs` with the
@@ -96,38 +257,14 @@ def launch_dir_of(config: Path, output_dir: object = None) -> Path:
 
 
 def artifact_launch_dir(artifact: str | Path) -> Path | None:
-    """The launch dir of the run that wrote `artifact`, from the one run config prime-rl wrote for it
-    (`alpha.find_run_configs`) and `launch_dir_of`; None without exactly one such config."""
-    configs = find_run_configs(Path(artifact))
-    if len(configs) != 1:
-        return None
-    cfg_path = configs[0]
-    try:
-        cfg = load_run_config(config_files([cfg_path]))
-        key = "trainer.output_dir" if cfg_path.suffix == ".json" else "orchestrator.output_dir"
-        out = cfg.value(key) if key.split(".")[0] in cfg.sections else None
-    except CkptError:
-        out = None
-    return launch_dir_of(cfg_path, out)
+    """The launch dir of the run that wrote `artifact` (`resolve_run`); None without exactly one config."""
+    return resolve_run(artifact).launch
 
 
 def run_base_of(artifact: str | Path) -> BaseModel | None:
-    """The base model of the run that wrote `artifact` (a checkpoint, step or broadcast dir), from the one
-    run config prime-rl wrote for it (`alpha.find_run_configs`), found as prime-rl resolved it: relative to
-    the launch dir (`launch_dir_of`), else a local dir or hub id in the local HF cache. None when the run
-    has no (or several) configs or names no model; `dir` None when the model is not on this machine."""
-    configs = find_run_configs(Path(artifact))
-    if len(configs) != 1:
-        return None
-    cfg_path = configs[0]
-    name = orch_model_name(cfg_path)
-    if name is None:
-        return None
-    launch = artifact_launch_dir(artifact)
-    found, why = locate_model(name, run_root=launch)
-    how = f"the run config {cfg_path}'s model.name {name!r}" + (f" (relative to {launch})" if found is not None
-                                                                 and found == launch / name else "")
-    return BaseModel(name, found, how, why)
+    """The base model of the run that wrote `artifact` (a checkpoint, step or broadcast dir):
+    `run_base(resolve_run(artifact))`."""
+    return run_base(resolve_run(artifact))
 
 
 def outputs_dir(cfg: RunConfig | None, target: Path | None) -> Path | None:

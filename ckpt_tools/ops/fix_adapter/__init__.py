@@ -47,7 +47,7 @@ from ...formats.peft.experts import build_fused, fused_config, fused_params_of_c
 from ...formats.peft.writer import AdapterDirReport, OutTensor, exact_modules_to_save, full_tensor_warning, \
     peft_config, peft_key, safetensors_file_bytes, target_modules_for, write_adapter
 from ...formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
-from ...formats.primerl.run_dir import artifact_launch_dir
+from ...formats.primerl.run_dir import resolve_run
 from ...io.inputs import check_input
 from ...sources.files import TensorFileSource
 from .sources import CKPT_REF, FixSources, check_same_state, open_fix_source
@@ -102,18 +102,6 @@ class FixPlan:
         for k in ("fixes", "slots_present", "modules_to_save", "warnings"):
             d[k] = list(d[k])
         return d
-
-
-def _run_root_above(src: Path) -> Path | None:
-    """The run's launch dir: from its config (`run_dir.artifact_launch_dir`, the one rule), else the parent of
-    the `outputs` dir SRC lies in (an export whose run wrote no config)."""
-    found = artifact_launch_dir(src)
-    if found is not None:
-        return found
-    for p in Path(src).resolve().parents:
-        if p.name == "outputs":
-            return p.parent
-    return None
 
 
 def _resolve_alpha(src: Path, *, alpha, run_config, rank: int, cfg_alpha: float, cfg_scale: float,
@@ -273,7 +261,7 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
     # ---- the base: shapes of every module, modules_to_save against it
     name_for_cfg = base if base is not None else cfg.base_model_name_or_path
     base_dir, why = locate_model(base, run_root=None) if base is not None else \
-        locate_model(cfg.base_model_name_or_path, run_root=_run_root_above(src))
+        locate_model(cfg.base_model_name_or_path, run_root=resolve_run(src).model_root)
     base_shapes = None
     if base_dir is not None:
         base_shapes, _ = tensor_shapes(base_dir)

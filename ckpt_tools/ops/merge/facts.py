@@ -12,6 +12,7 @@ from ...core.tied import TIED_PAIRS
 from ...formats.hf_dir.carry import carry_files
 from ...formats.hf_dir.config import config_mismatches, load_config
 from ...formats.hf_dir.hub import resolve_model_dir
+from ...formats.primerl.run_dir import resolve_run
 from ...sources.base import Source
 from ...formats.hf_dir.model_dir import HFModelDir
 from ...sources.lora import LoraSource
@@ -98,8 +99,8 @@ def dcp_base_facts(src: Source, config_from: str | Path | None) -> BaseFacts:
     tensors = [SourceTensor(name, f.dtype, tuple(f.shape), None, src.ref(name)) for name, f in
                ((n, src.facts(n)) for n in src.names())]
     if config_from is None:
-        cands = sorted(Path(ckpt_dir).resolve().parents[2].glob("weights/step_*/config.json")) \
-            if len(Path(ckpt_dir).resolve().parents) > 2 else []
+        outputs = resolve_run(ckpt_dir).outputs
+        cands = sorted(outputs.glob("weights/step_*/config.json")) if outputs is not None else []
         hint = "pass --config-from DIR: the HF base model dir or hub id, or the run's outputs/weights/step_N"
         if cands:
             hint += f" (e.g. {cands[-1].parent})"

@@ -1,7 +1,7 @@
 """`ckpt verify` of an HF model dir: config.json, the index and every shard header checked against each
-other (every disagreement listed), shapes against what the config implies, and with `--deep` every
-float read and checked for inf/nan, and every file with a digest (SHA256SUMS, a Hub blob name) read
-against it (`digests`)."""
+other (every disagreement listed: `formats.hf_dir.checks`, the rules HFModelDir.open refuses), shapes
+against what the config implies, and with `--deep` every float read and checked for inf/nan, and every
+file with a digest (SHA256SUMS, a Hub blob name) read against it (`digests`)."""
 from __future__ import annotations
 
 import threading
@@ -11,10 +11,11 @@ from ...core.dtypes import EXPONENT_MASKS, is_floating, itemsize, torch_dtype
 from ...core.errors import CkptError
 from ...core.progress import Progress
 from ...core.progress import report as report_progress
+from ...formats.hf_dir.checks import check_index, header_finding
 from ...formats.hf_dir.config import dtype_disagreement, shape_problems
 from ...formats.safetensors.header import read_header
-from ...io.inputs import MAX_CONFIG_VALUES, MAX_TABLE_VALUES, OpenFiles, is_plain_file_name, read_json
-from ...core.problems import VerifyReport
+from ...io.inputs import MAX_CONFIG_VALUES, OpenFiles, read_json
+from ...core.problems import PROBLEM, VerifyReport
 from ...dist import Group, map_units
 from .digests import prove
 
@@ -23,8 +24,7 @@ __all__ = ["FINITE_BLOCK_BYTES", "PIECE_BYTES", "verify_hf"]
 
 def _load_json(path: Path, report: VerifyReport):
     try:
-        return read_json(path, root=path.parent, what=path.name,
-                         max_values=MAX_TABLE_VALUES if path.name.endswith("index.json") else MAX_CONFIG_VALUES)
+        return read_json(path, root=path.parent, what=path.name, max_values=MAX_CONFIG_VALUES)
     except CkptError as exc:
         report.problem(path, None, exc.message)
     return None
@@ -44,61 +44,15 @@ def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progres
     if single.is_file() and index_path.is_file():
         report.problem(path, None, "has both model.safetensors and model.safetensors.index.json; loaders "
                                    "disagree on which wins (delete the stale one)")
-    headers = {}
-    weight_map = None
     if index_path.is_file() and not single.is_file():
-        index = _load_json(index_path, report)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if index is not None and (not isinstance(weight_map, dict) or not weight_map):
-            report.problem(index_path, None, "has no non-empty 'weight_map' object")
-            weight_map = None
-        files: dict[str, list[str]] = {}
-        for k, f in (weight_map or {}).items():
-            if not is_plain_file_name(f):
-                report.problem(index_path, k, f"weight_map points at {f!r}, not a file inside the model dir")
-                continue
-            files.setdefault(f, []).append(k)
-        for f in sorted(files):
-            if not (path / f).is_file():
-                keys = sorted(files[f])
-                report.problem(path / f, keys[0], f"shard listed in {index_path.name} is missing "
-                                                  f"({len(keys)} tensor(s) map to it; this is the first)")
-                continue
-            headers[f] = _header(path / f, report, read_header)
-        listed = set(files)
-        for extra in sorted(n.name for n in path.glob("*.safetensors")):
-            if extra not in listed:
-                report.warn(path / extra, None, f"not referenced by {index_path.name}; loaders ignore it")
-        meta = index.get("metadata") if isinstance(index, dict) else None
-        total = meta.get("total_size") if isinstance(meta, dict) else None
-        if isinstance(total, int) and all(h is not None for h in headers.values()) and len(headers) == len(files):
-            have = sum(t.nbytes for h in headers.values() for t in h.tensors.values())
-            if have != total:
-                report.warn(index_path, None, f"metadata.total_size is {total} but the shards hold {have} "
-                                              "bytes of tensor data")
-    elif single.is_file():
-        headers[single.name] = _header(single, report, read_header)
-    # index <-> headers, duplicates
-    owner: dict[str, str] = {}
-    for f, h in sorted(headers.items()):
-        if h is None:
-            continue
-        for k in h.tensors:
-            if k in owner:
-                report.problem(path / f, k, f"tensor also stored in {owner[k]}")
-            owner.setdefault(k, f)
-            if weight_map is not None:
-                mapped = weight_map.get(k)
-                if mapped is None:
-                    report.problem(path / f, k, f"tensor is not listed in {index_path.name}: loaders will not find it")
-                elif mapped != f:
-                    report.problem(path / f, k, f"tensor is in {f} but {index_path.name} maps it to {mapped}")
-    if weight_map is not None:
-        for k, f in sorted(weight_map.items()):
-            h = headers.get(f)
-            if h is not None and k not in h.tensors and k not in owner:
-                report.problem(path / f, k, f"{index_path.name} maps the tensor to {f}, which does not hold it")
-    tensors = {k: headers[f].tensors[k] for k, f in owner.items()}
+        # the index and every shard header against each other: the rules HFModelDir.open refuses, all listed
+        check = check_index(path, index_path)
+        for f in check.findings:
+            (report.problem if f.severity == PROBLEM else report.warn)(f.file, f.key, f.message)
+        files, tensors = len(check.headers) + len(check.unreadable), check.tensors
+    else:
+        header = _header(single, report, read_header) if single.is_file() else None
+        files, tensors = int(single.is_file()), dict(header.tensors) if header is not None else {}
     if config is not None:
         for name, message in shape_problems(config, {n: t.shape for n, t in tensors.items()}):
             report.problem(tensors[name].path, name, message)
@@ -106,7 +60,7 @@ def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progres
         if warning:
             report.warn(path / "config.json", None, warning)
     _integrity(path, tensors, report, deep, progress, group)
-    report.checked.update({"files": len(headers), "tensors": len(tensors),
+    report.checked.update({"files": files, "tensors": len(tensors),
                            "tensor_bytes": sum(t.nbytes for t in tensors.values())})
 
 
@@ -126,10 +80,9 @@ def _integrity(path: Path, tensors: dict, report: VerifyReport, deep: bool, prog
 def _header(p: Path, report: VerifyReport, read_header=read_header):
     try:
         return read_header(p)
-    except CkptError as exc:
-        report.problem(exc.path or p, exc.key, exc.message)
-    except OSError as exc:
-        report.problem(p, None, f"cannot read: {exc.strerror}")
+    except (CkptError, OSError) as exc:
+        f = header_finding(p, exc)
+        report.problem(f.file, f.key, f.message)
     return None
 
 

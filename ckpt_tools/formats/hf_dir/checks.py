@@ -1,0 +1,185 @@
+"""The invariants of a sharded HF model dir, checked once: `check_index(dir, index_path)` reads the index
+and every shard's header (never a tensor byte) and returns each broken rule as a `core.problems.Finding`.
+`ckpt verify` lists them all (`ops.verify.hf`); `HFModelDir.open` raises the first fatal one
+(`IndexCheck.fatal`), the one-line refusal it always gave.
+
+The rules, in the order an open refuses them:
+  1. the index is JSON with a non-empty `weight_map` object (and a `metadata` object, when present);
+  2. every `weight_map` value is a plain file name inside the dir (checked before any file is touched);
+  3. every listed shard exists, and its header reads;
+  4. the index and the headers agree both ways: each key in the file the index names, each tensor listed
+     under its own file, no tensor in two shards.
+Listed only (warnings): a `.safetensors` the index does not reference, a `metadata.total_size` other than
+the headers' bytes.
+
+The two readers phrase a broken rule differently: verify lists each key or file (`Finding.message`), an
+open lists a rule's findings on one line (`Finding.error`, on the first fatal finding): both are written
+here, where the rule is checked.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ...core.errors import CkptError, FormatError, MissingFileError
+from ...core.problems import WARNING, Finding
+from ...io.inputs import MAX_TABLE_VALUES, is_plain_file_name, read_json
+from ..safetensors.header import SafetensorsHeader, TensorInfo, read_header
+
+__all__ = ["IndexCheck", "check_index", "header_finding"]
+
+_MAX_LISTED = 20
+
+
+def _listing(problems: Sequence[str]) -> str:
+    shown = "; ".join(problems[:_MAX_LISTED])
+    if len(problems) > _MAX_LISTED:
+        shown += f"; and {len(problems) - _MAX_LISTED} more"
+    return shown
+
+
+@dataclass
+class IndexCheck:
+    findings: list[Finding] = field(default_factory=list)    # every broken rule, as verify lists them
+    refusals: list[Finding] = field(default_factory=list)    # the rules an open refuses, first broken first
+    headers: dict[str, SafetensorsHeader] = field(default_factory=dict)   # the shards whose header read
+    files: list[str] = field(default_factory=list)           # the plain shard names the index lists, sorted
+    unreadable: list[str] = field(default_factory=list)      # those that are files whose header did not read
+    weight_map: dict | None = None
+    metadata: dict | None = None
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)   # name -> its first shard's entry
+
+    def fatal(self) -> Finding | None:
+        """The finding an open raises (its `error`), None when the dir opens."""
+        return self.refusals[0] if self.refusals else None
+
+
+def header_finding(path: Path, exc: BaseException) -> Finding:
+    """A shard header that did not read: verify's line and the reader's own error."""
+    if isinstance(exc, CkptError):
+        return Finding(exc.path or str(path), exc.key, exc.message, error=exc)
+    return Finding(str(path), None, f"cannot read: {exc.strerror}", error=exc)
+
+
+def check_index(root: Path, index_path: Path) -> IndexCheck:
+    """Every rule of the module docstring checked on the sharded dir `root` (its index `index_path`); never
+    raises for a damaged input: the index, the headers that read, and the findings."""
+    out = IndexCheck()
+    name = index_path.name
+
+    def problem(file, key, message, **kw) -> None:
+        out.findings.append(Finding(str(file), key, message, **kw))
+
+    def refuse(error: CkptError) -> None:
+        out.refusals.append(Finding(error.path, error.key, error.message, hint=error.hint, error=error))
+
+    # 1. the index (verify goes on without it: every .safetensors is then unreferenced)
+    try:
+        index = read_json(index_path, root=root, what=name, max_values=MAX_TABLE_VALUES)
+    except CkptError as exc:
+        problem(index_path, None, exc.message, error=exc)
+        out.refusals.append(out.findings[-1])
+        index = None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if index is not None and (not isinstance(weight_map, dict) or not weight_map):
+        problem(index_path, None, "has no non-empty 'weight_map' object")
+        refuse(FormatError("has no non-empty 'weight_map' object", path=index_path))
+    if not isinstance(weight_map, dict) or not weight_map:
+        weight_map = None
+    out.weight_map = weight_map
+    metadata = (index.get("metadata") or {}) if isinstance(index, dict) else None
+    if weight_map is not None and not isinstance(metadata, dict):   # loaders ignore it; an open refuses it
+        refuse(FormatError("'metadata' is not an object", path=index_path))
+    out.metadata = metadata if isinstance(metadata, dict) else None
+
+    # 2. names
+    keys_of: dict[str, list[str]] = {}
+    for k, f in (weight_map or {}).items():
+        if not is_plain_file_name(f):
+            problem(index_path, k, f"weight_map points at {f!r}, not a file inside the model dir")
+            continue
+        keys_of.setdefault(f, []).append(k)
+    unsafe = sorted({repr(f) for f in (weight_map or {}).values() if not is_plain_file_name(f)})
+    if unsafe:
+        refuse(FormatError(f"weight_map points outside the model directory or at non-file names: {_listing(unsafe)}",
+                           path=index_path, hint="weight_map values must be plain shard file names"))
+
+    # 3. shards exist, headers read (an open reads a listed name that is not a regular file, and the
+    #    reader refuses it by name; verify calls it missing)
+    out.files = sorted(keys_of)
+    failed: dict[str, Finding] = {}
+    for f in out.files:
+        p = root / f
+        if not p.is_file():
+            keys = sorted(keys_of[f])
+            problem(p, keys[0], f"shard listed in {name} is missing ({len(keys)} tensor(s) map to it; this is "
+                                "the first)")
+            continue
+        try:
+            out.headers[f] = read_header(p)
+        except (CkptError, OSError) as exc:
+            failed[f] = header_finding(p, exc)
+            out.findings.append(failed[f])
+            out.unreadable.append(f)
+    for extra in sorted(n.name for n in root.glob("*.safetensors")):
+        if extra not in keys_of:
+            problem(root / extra, None, f"not referenced by {name}; loaders ignore it", severity=WARNING)
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if isinstance(total, int) and not failed and len(out.headers) == len(out.files):
+        have = sum(t.nbytes for h in out.headers.values() for t in h.tensors.values())
+        if have != total:
+            problem(index_path, None, f"metadata.total_size is {total} but the shards hold {have} bytes of tensor "
+                                      "data", severity=WARNING)
+    missing = [f for f in out.files if not os.path.lexists(root / f)]
+    if missing:
+        refuse(MissingFileError(f"{len(missing)} shard(s) listed in the index are missing: {_listing(missing)}",
+                                path=index_path, hint="re-download the model or restore the missing shards"))
+    elif not out.refusals:
+        for f in out.files:
+            if f in failed:
+                out.refusals.append(failed[f])
+                break
+            if f not in out.headers:   # there, but not a regular file: the reader's refusal
+                try:
+                    read_header(root / f)
+                except (CkptError, OSError) as exc:
+                    out.refusals.append(header_finding(root / f, exc))
+                    break
+
+    # 4. index <-> headers
+    owner: dict[str, str] = {}
+    for f, h in sorted(out.headers.items()):
+        for k in h.tensors:
+            if k in owner:
+                problem(root / f, k, f"tensor also stored in {owner[k]}")
+            owner.setdefault(k, f)
+            if weight_map is None:
+                continue
+            mapped = weight_map.get(k)
+            if mapped is None:
+                problem(root / f, k, f"tensor is not listed in {name}: loaders will not find it")
+            elif mapped != f:
+                problem(root / f, k, f"tensor is in {f} but {name} maps it to {mapped}")
+    for k, f in sorted((weight_map or {}).items()):
+        h = out.headers.get(f)
+        if h is not None and k not in h.tensors and k not in owner:
+            problem(root / f, k, f"{name} maps the tensor to {f}, which does not hold it")
+    out.tensors = {k: out.headers[f].tensors[k] for k, f in owner.items()}
+    if not out.refusals and len(out.headers) == len(out.files):
+        # every header read: an open lists the disagreements on one line, each seen from both sides
+        lines = [f"index maps {k!r} to {f}, which has no such tensor" for k, f in weight_map.items()
+                 if k not in out.headers[f].tensors]
+        for f, header in out.headers.items():
+            for k in header.tensors:
+                mapped = weight_map.get(k)
+                if mapped is None:
+                    lines.append(f"{f} holds {k!r}, which the index does not list")
+                elif mapped != f:
+                    lines.append(f"{f} holds {k!r}, which the index maps to {mapped}")
+        if lines:
+            refuse(FormatError(f"index and shard headers disagree: {_listing(lines)}", path=index_path,
+                               hint="the directory mixes files from different saves; re-download or re-export it"))
+    return out
+
