@@ -62,7 +62,7 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, dry_run: bo
     try:
         with json_errors(as_json):
             report = api.gc(checkpoints, keep_full=keep_full, base=base, dry_run=dry_run, min_age_s=min_age,
-                        trust_pickle=trust_pickle, progress=progress)
+                            trust_pickle=trust_pickle, progress=progress)
     except (KeyboardInterrupt, Terminated) as exc:
         if bar is not None:
             bar.close()
