@@ -1,7 +1,7 @@
 """The `ckpt` command line. Commands live in ckpt_tools/cli/commands/<name>.py, each a thin click
 wrapper, a client of the library (arguments -> one `ckpt_tools.api` call -> render); this module only
-wires them up and owns the error edge: every CkptError is printed as one line naming the file/key and the fix, with its exit code (and as
-the failure envelope under --json: `render.emit_failure`).
+wires them up and owns the error edge: every CkptError is printed as one line naming the file/key and
+the fix, with its exit code (and as the failure envelope under --json: `render.emit_failure`).
 
 Commands are imported when they run, not before: `ckpt --help`, `--version` and the metadata
 commands (`inspect`, `verify`) never import torch (measured: `ckpt --version` 3.3-4.7 s -> ~0.15 s on
