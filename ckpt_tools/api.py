@@ -4,58 +4,131 @@
     report = ckpt_tools.merge("Qwen/Qwen3-8B", "outputs/checkpoints/step_95/trainer", "merged-95")
     print(report.result.merged_modules, report.to_json())
 
-Each function opens its inputs, plans from metadata and, unless `dry_run`, runs: the same three calls
-the command makes (`open_X_sources -> plan_X -> run_X`), so a script gets the CLI's checks, atomic
-outputs and errors (`ckpt_tools.core.errors.CkptError`: `.message`, `.path`, `.key`, `.hint`). Every
-result has `.to_json()`: the `plan` / `result` of the command's `--json` envelope. Every function
-taking a hub id takes `download=True` (the commands' `--download`). `progress`, where
-taken, is called with `ckpt_tools.core.progress.ProgressEvent`s.
+Each function is its command: it opens the inputs, plans from metadata and, unless `dry_run`, runs
+(`open_X_sources -> plan_X -> run_X`, the op's one path), so a script gets the CLI's checks, atomic
+outputs and errors (`ckpt_tools.core.errors.CkptError`: `.message`, `.path`, `.key`, `.hint`). The CLI
+is a thin client of these functions: each `ckpt` command parses its arguments, makes one call here and
+renders the report. Every result has `.to_json()`: the `plan` / `result` of the command's `--json`
+envelope; a dry run that would write OUT returns a `DryRunReport` (the report, plus what writing OUT
+would do). `progress`, where taken, is called with `ckpt_tools.core.progress.ProgressEvent`s; `group`
+(the commands that split their work over torchrun's ranks) is a `ckpt_tools.dist.Group`, by default
+`dist.current()` (solo outside torchrun). Every function taking a hub id takes `download=True` (the
+commands' `--download`: a hub id missing from the HF cache is fetched into it, only the files the command
+needs).
+
+This module imports no op until one is called (`import ckpt_tools.api` is torch-free, so `ckpt
+--help` and the metadata commands stay fast): each function imports its op with SIGINT/SIGTERM held
+(`io.signals.signals_deferred`: a signal inside numpy's initialization leaves it half-loaded). The
+report classes named in `__all__` are loaded on first access.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .core.primerl_state import SchedulerSpec
 from .core.progress import Progress
-from .formats.dcp.reader import DcpCheckpoint
-from .formats.hf_dir.hub import resolve_model_dir
-from .formats.hf_dir.model_dir import HFModelDir
-from .formats.peft.adapter import PeftAdapter, open_peft_adapter
-from .formats.sniff import DCP, HF, PEFT, sniff
 from .io import hub_fetch
 from .io.owned import command_scope
-from .ops.adapter_to_dcp import ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, \
-    run_adapter_to_dcp
-from .ops.average import AverageOptions, AverageReport, open_average_sources, plan_average, run_average
-from .ops.diff import DiffReport
-from .ops.diff import diff_vs_base as _diff_vs_base
-from .ops.doctor import DoctorReport
-from .ops.doctor import doctor as _doctor
-from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
-from .ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
-from .ops.gc import gc as _gc
-from .ops.inspect import InspectOptions, InspectReport, plan_inspect, run_inspect
-from .ops.merge import ExportOptions, MergeOptions, MergeReport, check_output, open_export_sources, open_merge_sources, \
-    plan_export, plan_merge, run_export, run_merge
-from .ops.rehydrate import RehydrateReport
-from .ops.report import ReportOptions, ReportReport, plan_report, run_report
-from .ops.rehydrate import rehydrate as _rehydrate
-from .ops.resize_adapter import ResizeOptions, ResizeReport, open_resize_sources, plan_resize, run_resize
-from .ops.set_lr import PatchReport
-from .ops.set_lr import set_lr as _set_lr
-from .ops.set_lr import set_values as _set_values
-from .ops.slim import SlimReport
-from .ops.slim import slim as _slim
-from .ops.verify import VerifyReport, verify_path
-from .workflows.average_merge import AverageMergeReport, average_merge
-from .workflows.restart_prep import restart_prep as _restart_prep
+from .io.signals import signals_deferred as _loading
+
+if TYPE_CHECKING:   # loaded on first use (see `__getattr__`)
+    from .core.primerl_state import SchedulerSpec
+    from .dist import Group
+    from .formats.dcp.reader import DcpCheckpoint
+    from .formats.hf_dir.model_dir import HFModelDir
+    from .formats.peft.adapter import PeftAdapter
+    from .ops.adapter_to_dcp import ToDcpReport
+    from .ops.average import AverageReport
+    from .ops.diff import SAME as DIFF_SAME, SKIPPED as DIFF_SKIPPED, DiffReport  # noqa: F401
+    from .ops.doctor import DoctorReport
+    from .ops.doctor.traps import DEFAULT_DECODE_RATE as DOCTOR_DEFAULT_DECODE_RATE  # noqa: F401
+    from .ops.doctor.traps import ERROR as DOCTOR_ERROR, INFO as DOCTOR_INFO, WARNING as DOCTOR_WARNING  # noqa: F401
+    from .ops.doctor.traps import toml_value as doctor_toml_value  # noqa: F401
+    from .ops.extract_adapter import ExtractReport
+    from .ops.fix_adapter import FixReport
+    from .ops.inspect import InspectReport
+    from .ops.merge import MergeReport
+    from .ops.rehydrate import RehydrateReport
+    from .ops.report import ReportReport
+    from .ops.resize_adapter import ResizeReport
+    from .ops.set_lr import PatchReport
+    from .ops.slim import SlimReport
+    from .ops.verify import VerifyReport
+    from .workflows.average_merge import AverageMergeReport
 
 __all__ = ["open", "inspect", "extract_adapter", "merge", "export", "diff_vs_base", "verify", "slim", "rehydrate",
            "set_lr", "set_values", "adapter_to_dcp", "fix_adapter", "restart_prep", "gc", "doctor", "average",
-           "resize_adapter", "report", "ReportReport", "InspectReport", "ExtractReport", "MergeReport", "DiffReport", "VerifyReport", "SlimReport",
-           "RehydrateReport", "PatchReport", "ToDcpReport", "FixReport", "DoctorReport", "SchedulerSpec", "AverageReport",
-           "AverageMergeReport", "ResizeReport"]
+           "resize_adapter", "report", "DryRunReport", "ReportReport", "InspectReport", "ExtractReport", "MergeReport",
+           "DiffReport", "VerifyReport", "SlimReport", "RehydrateReport", "PatchReport", "ToDcpReport", "FixReport",
+           "DoctorReport", "SchedulerSpec", "AverageReport", "AverageMergeReport", "ResizeReport",
+           "DOCTOR_DEFAULT_DECODE_RATE", "DOCTOR_ERROR", "DOCTOR_WARNING", "DOCTOR_INFO", "doctor_toml_value",
+           "DIFF_SAME", "DIFF_SKIPPED"]
+
+# name -> "module:attribute" it is loaded from on first access (`from ckpt_tools.api import MergeReport`);
+# the doctor's severities, --decode-rate default and TOML value rendering, and the statuses of a
+# diff's tensors, are what `ckpt doctor` and `ckpt diff-vs-base` render with
+_LAZY = {"SchedulerSpec": "core.primerl_state", "ReportReport": "ops.report", "InspectReport": "ops.inspect",
+         "ExtractReport": "ops.extract_adapter", "MergeReport": "ops.merge", "DiffReport": "ops.diff",
+         "VerifyReport": "ops.verify", "SlimReport": "ops.slim", "RehydrateReport": "ops.rehydrate",
+         "PatchReport": "ops.set_lr", "ToDcpReport": "ops.adapter_to_dcp", "FixReport": "ops.fix_adapter",
+         "DoctorReport": "ops.doctor", "AverageReport": "ops.average", "AverageMergeReport": "workflows.average_merge",
+         "ResizeReport": "ops.resize_adapter", "DOCTOR_DEFAULT_DECODE_RATE": "ops.doctor.traps:DEFAULT_DECODE_RATE",
+         "DOCTOR_ERROR": "ops.doctor.traps:ERROR", "DOCTOR_WARNING": "ops.doctor.traps:WARNING",
+         "DOCTOR_INFO": "ops.doctor.traps:INFO", "doctor_toml_value": "ops.doctor.traps:toml_value",
+         "DIFF_SAME": "ops.diff:SAME", "DIFF_SKIPPED": "ops.diff:SKIPPED"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, _, attr = _LAZY[name].partition(":")
+        with _loading():
+            return getattr(importlib.import_module(f"{__package__}.{module}"), attr or name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclass
+class DryRunReport:
+    """A dry run's report with what writing OUT would do (`io.staging.describe_output`: it refuses the
+    OUTs the real run refuses): its JSON plan gains `output` = {"out", "exists", "replaces"}. Every
+    other attribute is the report's (`.plan`, `.result` None, ...)."""
+    report: object
+    output: dict | None
+
+    def __getattr__(self, name: str):
+        if name in ("report", "output"):   # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.report, name)
+
+    def to_json(self) -> dict:
+        d = self.report.to_json() if hasattr(self.report, "to_json") else dict(self.report)
+        if self.output is None:
+            return d
+        if isinstance(d.get("plan"), dict):
+            return {**d, "plan": {**d["plan"], "output": self.output}}
+        return {**d, "output": self.output}
+
+
+def _dry(report, out, overwrite: bool) -> DryRunReport:
+    """`report` (a dry run's) with OUT checked as the real run checks it, and described."""
+    from .io.staging import describe_output
+    return DryRunReport(report, None if out is None else describe_output(out, overwrite=overwrite))
+
+
+def _group(group: Group | None) -> Group:
+    """The group the run's work units are split over: `group`, else this process's (`dist.current()`:
+    asked for once the inputs are open and planned, since the ranks then compare them)."""
+    from . import dist
+    return dist.current() if group is None else group
+
+
+def _str(p) -> str | None:
+    return None if p is None else str(p)
 
 
 def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:  # noqa: A001
@@ -65,6 +138,13 @@ def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFM
     `.read_tensor(name)`, `.read_rows(name, start, count)`, `.info(name)`) or a `PeftAdapter` (`.modules`,
     `.read_pair(module)`; `.lora()`). A hub id (`org/name[@revision]`) is looked up in the local HF cache.
     Use it as a context manager: leaving the block closes its files."""
+    with _loading():
+        from .formats.dcp.reader import DcpCheckpoint
+        from .formats.hf_dir.hub import resolve_model_dir
+        from .formats.hf_dir.model_dir import HFModelDir
+        from .formats.peft.adapter import open_peft_adapter
+        from .formats.sniff import DCP, HF, PEFT, sniff
+        from .ops.inspect import InspectOptions, plan_inspect
     p = Path(path)
     if not p.exists():
         p = resolve_model_dir(str(path))
@@ -83,126 +163,195 @@ def inspect(path: str | Path, *, alpha: float | None = None, run_config: str | P
             keys: bool = False, trust_pickle: bool = False) -> InspectReport:
     """What `ckpt inspect` prints, from metadata alone: `.plan.kind` (dcp | checkpoints | hf | peft)
     and `.data` (the description, or with `keys` one row per DCP key)."""
+    with _loading():
+        from .formats.hf_dir.hub import resolve_model_dir
+        from .ops.inspect import InspectOptions, plan_inspect, run_inspect
     p = Path(path) if Path(path).exists() else resolve_model_dir(str(path))
-    options = InspectOptions(alpha, None if run_config is None else str(run_config), keys, trust_pickle)
-    return run_inspect(plan_inspect(p, options))
+    return run_inspect(plan_inspect(p, InspectOptions(alpha, _str(run_config), keys, trust_pickle)))
 
 
 def extract_adapter(ckpt: str | Path, out: str | Path, *, alpha: float | None = None,
                     run_config: str | Path | None = None, base: str | None = None, slot: int = 0,
                     dtype: str = "fp32", dry_run: bool = False, overwrite: bool = False,
                     trust_pickle: bool = False, progress: Progress | None = None,
-                    layout: str = "peft") -> ExtractReport:
+                    layout: str = "peft") -> ExtractReport | DryRunReport:
     """A prime-rl DCP checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`; `layout`:
     peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
+    with _loading():
+        from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
+        from .formats.dcp.reader import DcpCheckpoint
     with DcpCheckpoint.open(Path(ckpt), trust_pickle=trust_pickle).lora(
             alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot) as src:
         plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
-        return ExtractReport(plan) if dry_run else run_extract(plan, src, progress, overwrite=overwrite)
+        if dry_run:
+            return _dry(ExtractReport(plan), out, overwrite)
+        return run_extract(plan, src, progress, overwrite=overwrite)
+
+
+def _merge_contract(plan, sources, out, run: Callable, *, dry_run: bool, overwrite: bool, progress, group,
+                    on_plan):
+    """The end of merge and export (one plan, one pipeline): a dry run reports what the real run would
+    refuse (too little disk) as a warning; the real run refuses it, calls `on_plan(plan)` and runs."""
+    from .core.errors import DiskSpaceError
+    from .io.staging import describe_output
+    from .ops.merge import MergeReport, check_output
+    if dry_run:
+        output = describe_output(out, overwrite=overwrite)   # refuses the OUTs the real run refuses
+        try:
+            check_output(plan, out, overwrite=overwrite)
+        except DiskSpaceError as exc:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
+        return DryRunReport(MergeReport(plan), output)
+    check_output(plan, out, overwrite=overwrite)
+    if on_plan is not None:
+        on_plan(plan)
+    return run(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
 def merge(base: str | Path | None, adapter: str | Path, out: str | Path, *, dry_run: bool = False,
-          overwrite: bool = False, progress: Progress | None = None, **options) -> MergeReport:
+          overwrite: bool = False, progress: Progress | None = None, group: Group | None = None,
+          on_plan: Callable | None = None, **options) -> MergeReport | DryRunReport:
     """The LoRA of `adapter` (PEFT dir or DCP checkpoint) merged into `base` (HF dir or hub id), written
     to `out` (`ckpt merge`). `options`: the fields of `ops.merge.MergeOptions` (alpha, run_config,
     dtype, max_shard_size, base_from_checkpoint, config_from, slot, threads, allow_zero_delta, ...).
-    `.result` is None in a dry run."""
+    `on_plan(plan)` is called with the `MergePlan` once OUT is checked, before a byte is written (the
+    CLI prints the plan's warnings there). `.result` is None in a dry run."""
+    with _loading():
+        from .ops.merge import MergeOptions, open_merge_sources, plan_merge, run_merge
     opts = MergeOptions(out=str(out), **{k: str(v) if k in ("config_from", "run_config") and v is not None else v
                                          for k, v in options.items()})
-    with open_merge_sources(None if base is None else str(base), str(adapter), opts) as sources:
-        plan = plan_merge(sources, opts)
-        check_output(plan, out, overwrite=overwrite)
-        if dry_run:
-            return MergeReport(plan)
-        return run_merge(plan, sources, progress, overwrite=overwrite)
+    with open_merge_sources(_str(base), str(adapter), opts) as sources:
+        return _merge_contract(plan_merge(sources, opts), sources, out, run_merge, dry_run=dry_run,
+                               overwrite=overwrite, progress=progress, group=group, on_plan=on_plan)
 
 
 def export(ckpt: str | Path, out: str | Path, *, config_from: str | Path | None = None, dry_run: bool = False,
-           overwrite: bool = False, progress: Progress | None = None, **options) -> MergeReport:
+           overwrite: bool = False, progress: Progress | None = None, group: Group | None = None,
+           on_plan: Callable | None = None, **options) -> MergeReport | DryRunReport:
     """A DCP checkpoint as an HF model dir (`ckpt export`): a full fine-tune's trained weights, or a LoRA
     run's merged model, from the checkpoint's fp32 masters. `options`: the fields of
     `ops.merge.ExportOptions` (alpha, run_config, slot, dtype, max_shard_size, threads, allow_zero_delta,
-    trust_pickle). `.result` is None in a dry run."""
-    opts = ExportOptions(out=str(out), config_from=None if config_from is None else str(config_from), **options)
+    trust_pickle). `on_plan` as `merge`'s. `.result` is None in a dry run."""
+    with _loading():
+        from .ops.merge import ExportOptions, open_export_sources, plan_export, run_export
+    opts = ExportOptions(out=str(out), config_from=_str(config_from), **options)
     with open_export_sources(ckpt, opts) as sources:
-        plan = plan_export(sources, opts)
-        check_output(plan, out, overwrite=overwrite)
-        if dry_run:
-            return MergeReport(plan)
-        return run_export(plan, sources, progress, overwrite=overwrite)
+        return _merge_contract(plan_export(sources, opts), sources, out, run_export, dry_run=dry_run,
+                               overwrite=overwrite, progress=progress, group=group, on_plan=on_plan)
 
 
 def adapter_to_dcp(adapter: str | Path, out: str | Path, *, base: str | Path, lr: float | None = None,
                    step: int | None = None, world_size: int = 4, optimizer_from: str | Path | None = None,
                    scheduler: SchedulerSpec | None = None, scheduler_step: int | None = None, dry_run: bool = False,
-                   overwrite: bool = False, trust_pickle: bool = False,
-                   progress: Progress | None = None) -> ToDcpReport:
+                   overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None,
+                   group: Group | None = None) -> ToDcpReport | DryRunReport:
     """A prime-rl trainer checkpoint that resumes from a PEFT adapter and the HF base (`ckpt adapter-to-dcp`);
     `scheduler`: a `SchedulerSpec` (constant | linear | cosine, with prime-rl's own validation)."""
+    with _loading():
+        from .ops.adapter_to_dcp import ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, \
+            run_adapter_to_dcp
     options = ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=scheduler,
                            scheduler_step=scheduler_step, trust_pickle=trust_pickle)
     with open_to_dcp_sources(adapter, str(base), optimizer_from=optimizer_from, trust_pickle=trust_pickle) as sources:
         plan = plan_adapter_to_dcp(sources, options)
         if dry_run:
-            return ToDcpReport(plan, full=True)
-        return run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite)
+            return _dry(ToDcpReport(plan, full=True), out, overwrite)
+        return run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
 def fix_adapter(src: str | Path, out: str | Path, *, base: str | Path | None = None, slot: int | None = None,
-                alpha: float | None = None, run_config: str | Path | None = None, dry_run: bool = False,
-                overwrite: bool = False, progress: Progress | None = None) -> FixReport:
+                alpha: float | None = None, run_config: str | Path | None = None,
+                checkpoint: str | Path | None = None, layout: str = "peft", dry_run: bool = False,
+                overwrite: bool = False, progress: Progress | None = None) -> FixReport | DryRunReport:
     """prime-rl's own adapter export (a broadcast dir or a weights export) as a PEFT dir that applies
-    (`ckpt fix-adapter`)."""
-    options = FixOptions(out, None if base is None else str(base), slot, alpha,
-                         None if run_config is None else str(run_config))
-    with open_fix_source(src) as weights:
+    (`ckpt fix-adapter`); `checkpoint`: the run's DCP checkpoint of that step, filling the trained full
+    tensors (modules_to_save) the export lacks; `layout` as `extract_adapter`'s."""
+    with _loading():
+        from .ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
+    options = FixOptions(out, _str(base), slot, alpha, _str(run_config), checkpoint=_str(checkpoint), layout=layout)
+    with open_fix_source(src, checkpoint) as weights:
         plan = plan_fix(weights, src, options)
-        return FixReport(plan) if dry_run else run_fix(plan, weights, progress, overwrite=overwrite)
+        if dry_run:
+            return _dry(FixReport(plan), out, overwrite)
+        return run_fix(plan, weights, progress, overwrite=overwrite)
 
 
 def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path | None = None,
                  alpha: float | None = None, run_config: str | Path | None = None, targeted_only: bool = False,
-                 trust_pickle: bool = False, progress: Progress | None = None) -> DiffReport:
+                 trust_pickle: bool = False, progress: Progress | None = None, group: Group | None = None,
+                 page: str | Path | None = None) -> DiffReport:
     """Whether `weights` differ from `base`, tensor by tensor (`ckpt diff-vs-base`): `.verdict`,
-    `.exit_code` (0 differ, 3 identical, 4 adapter check failed), `.tensors`."""
-    return _diff_vs_base(weights, base, adapter=adapter, alpha=alpha, run_config=run_config,
-                         targeted_only=targeted_only, trust_pickle=trust_pickle, progress=progress)
+    `.exit_code` (0 differ, 3 identical, 4 adapter check failed), `.tensors`. `page`: also write the
+    comparison as an HTML page there (a new file; `--report`), its path then in `.page`."""
+    with _loading():
+        from .ops.diff import DiffOptions, open_diff_sources, plan_diff, run_diff
+    options = DiffOptions(_str(adapter), alpha, _str(run_config), targeted_only, trust_pickle)
+    with open_diff_sources(weights, base, options) as sources:
+        report = run_diff(plan_diff(sources, options), sources, progress, group=_group(group))
+    if page is not None:
+        with _loading():
+            from .ops.report import write_diff_page
+        report.page = write_diff_page(report.to_json(), page, inputs=[p for p in (weights, base, adapter)
+                                                                       if p is not None and Path(p).exists()])
+    return report
 
 
 def verify(path: str | Path, *, deep: bool = False, base: str | Path | None = None, trust_pickle: bool = False,
-           progress: Progress | None = None) -> VerifyReport:
+           progress: Progress | None = None, group: Group | None = None) -> VerifyReport:
     """Integrity of a DCP checkpoint, HF dir or PEFT adapter (`ckpt verify`): `.ok`, `.problems`."""
-    return verify_path(path, deep=deep, base=base, trust_pickle=trust_pickle, progress=progress)
+    with _loading():
+        from .ops.verify import VerifyOptions, plan_verify, run_verify
+    return run_verify(plan_verify(path, VerifyOptions(deep, _str(base), trust_pickle)), progress, group=_group(group))
 
 
 def slim(ckpt: str | Path, out: str | Path, *, base: str | Path | None = None, dry_run: bool = False,
-         overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None) -> SlimReport:
+         overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None,
+         group: Group | None = None) -> SlimReport | DryRunReport:
     """The checkpoint without its frozen base weights (`ckpt slim`)."""
-    return _slim(ckpt, out, base=base, dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle,
-                 progress=progress)
+    with _loading():
+        from .ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
+    options = SlimOptions(out, _str(base), overwrite, trust_pickle)
+    with open_slim_sources(ckpt, options) as sources:
+        plan = plan_slim(sources, options)
+        if dry_run:
+            return _dry(SlimReport(plan), out, overwrite)
+        return run_slim(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
 def rehydrate(slim_ckpt: str | Path, out: str | Path, *, base: str | Path, world_size: int | None = None,
               dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
-              progress: Progress | None = None) -> RehydrateReport:
+              progress: Progress | None = None, group: Group | None = None) -> RehydrateReport | DryRunReport:
     """The full checkpoint rebuilt bit-exactly from a slim one and the base (`ckpt rehydrate`)."""
-    return _rehydrate(slim_ckpt, out, base=base, world_size=world_size, dry_run=dry_run, overwrite=overwrite,
-                      trust_pickle=trust_pickle, progress=progress)
+    with _loading():
+        from .ops.rehydrate import RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, \
+            run_rehydrate
+    options = RehydrateOptions(out, str(base), world_size, overwrite, trust_pickle)
+    with open_rehydrate_sources(slim_ckpt, options) as sources:
+        plan = plan_rehydrate(sources, options)
+        if dry_run:
+            return _dry(RehydrateReport(plan), out, overwrite)
+        return run_rehydrate(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
 def set_lr(ckpt: str | Path, out: str | Path | None, *, lr: float | None = None, scale: float | None = None,
            min_lr: float | None = None, in_place: bool = False, dry_run: bool = False, overwrite: bool = False,
-           trust_pickle: bool = False) -> PatchReport:
+           trust_pickle: bool = False) -> PatchReport | DryRunReport:
     """A checkpoint with a new learning rate, Adam moments kept (`ckpt set-lr`)."""
-    return _set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
-                   overwrite=overwrite, trust_pickle=trust_pickle)
+    with _loading():
+        from .ops.set_lr import set_lr as run
+    report = run(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
+                 overwrite=overwrite, trust_pickle=trust_pickle)
+    return _dry(report, out, overwrite) if dry_run and out is not None else report
 
 
 def set_values(ckpt: str | Path, out: str | Path | None, assignments: list[str], *, in_place: bool = False,
-               dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False) -> PatchReport:
+               dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False) -> PatchReport | DryRunReport:
     """Scalar byte items of a checkpoint set by surgery, `KEY=VALUE` each (`ckpt set`)."""
-    return _set_values(ckpt, out, list(assignments), in_place=in_place, dry_run=dry_run, overwrite=overwrite,
-                       trust_pickle=trust_pickle)
+    with _loading():
+        from .ops.set_lr import set_values as run
+    report = run(ckpt, out, list(assignments), in_place=in_place, dry_run=dry_run, overwrite=overwrite,
+                 trust_pickle=trust_pickle)
+    return _dry(report, out, overwrite) if dry_run and out is not None else report
 
 
 def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, lr: float | None,
@@ -211,14 +360,19 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
     mode (a resumable checkpoint with fresh AdamW). `options`: config, mode, alpha, run_config, dtype,
     max_shard_size, world_size, scheduler_step, config_out, dry_run, overwrite, trust_pickle. Returns the
     command's JSON report, with "next" (what to run next)."""
-    return _restart_prep(run_or_ckpt, out, base=base, lr=lr, progress=progress, **options)
+    with _loading():
+        from .workflows.restart_prep import restart_prep as run
+    return run(run_or_ckpt, out, base=base, lr=lr, progress=progress, **options)
 
 
 def gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None = None, dry_run: bool = False,
        trust_pickle: bool = False, progress: Progress | None = None, **options) -> dict:
     """A run's checkpoints kept: the newest `keep_full` whole, older ones slim in place (`ckpt gc`).
-    `options`: min_age_s. Returns the command's JSON report (`plan`, and `steps` unless `dry_run`)."""
-    return _gc(checkpoints_dir, keep_full=keep_full, base=base, dry_run=dry_run, trust_pickle=trust_pickle,
+    `options`: min_age_s, slim_to (a URL each slimmed step is uploaded to first: docs/remote.md). Returns the command's JSON report (`plan`, and `steps` unless `dry_run`);
+    `progress` is also given each step's outcome as it finishes (`ProgressEvent.finished`)."""
+    with _loading():
+        from .ops.gc import gc as run
+    return run(checkpoints_dir, keep_full=keep_full, base=base, dry_run=dry_run, trust_pickle=trust_pickle,
                progress=progress, **options)
 
 
@@ -227,7 +381,9 @@ def doctor(target: str | Path | None = None, **options) -> DoctorReport:
     `target`: a run dir, outputs dir or checkpoint; or None with `files=[...]` (config files in `rl @`
     order) and `sections`. `options`: files, sections, outputs, base, decode_rate, compare_weights,
     trust_pickle."""
-    return _doctor(target, **options)
+    with _loading():
+        from .ops.doctor import doctor as run
+    return run(target, **options)
 
 
 def average(inputs: list[str | Path], out: str | Path, *, weights: list[float] | None = None, ema: float | None = None,
@@ -238,13 +394,19 @@ def average(inputs: list[str | Path], out: str | Path, *, weights: list[float] |
     """The weighted mean of LoRA steps (DCP checkpoints, PEFT adapters) in delta space, as a PEFT adapter
     at `out` (`ckpt average`), exact at rank sum(r_i) or brought down by `rank` / `energy`; with `merge`
     (an HF base), the merged model instead (`.result` None in a dry run). docs/delta-space.md."""
+    with _loading():
+        from .ops.average import AverageOptions, AverageReport, open_average_sources, plan_average, run_average
     options = AverageOptions(out=str(out), weights=None if weights is None else tuple(float(w) for w in weights),
                              ema=ema, rank=rank, energy=energy, allow=frozenset(allow_mismatch), alpha=alpha,
                              trust_pickle=trust_pickle, layout=layout)
     if merge is not None:
-        return average_merge(list(inputs), merge, out, options=options,
-                             merge_options=MergeOptions(dtype=dtype, trust_pickle=trust_pickle), dry_run=dry_run,
-                             overwrite=overwrite, progress=progress)
+        with _loading():
+            from .ops.merge import MergeOptions
+            from .workflows.average_merge import average_merge
+        # the merge stage reads no pickle (an HF base and the averaged LoRA): the inputs' trust is the
+        # average stage's
+        return average_merge(list(inputs), merge, out, options=options, merge_options=MergeOptions(dtype=dtype),
+                             dry_run=dry_run, overwrite=overwrite, progress=progress)
     with open_average_sources(list(inputs), options) as sources:
         plan = plan_average(sources, options)
         return AverageReport(plan) if dry_run else run_average(plan, sources, progress, overwrite=overwrite)
@@ -256,6 +418,8 @@ def resize_adapter(adapter: str | Path, out: str | Path, *, rank: int | None = N
     """Each module of `adapter` (PEFT dir or DCP checkpoint) at its best rank `rank` (or the smallest rank
     keeping `energy` of its squared norm), written as a PEFT adapter at `out` (`ckpt resize-adapter`);
     `.plan.truncations` has each module's kept energy and error."""
+    with _loading():
+        from .ops.resize_adapter import ResizeOptions, ResizeReport, open_resize_sources, plan_resize, run_resize
     options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle, layout=layout)
     with open_resize_sources(adapter, options) as src:
         plan = plan_resize(src, options)
@@ -270,26 +434,25 @@ def report(path: str | Path, *, base: str | Path | None = None, out: str | Path 
     (delta_fro, weight_fro, rel_delta), `.result.lr` (past, planned, set_lr); the page written to `out`
     and one PNG per plot into `png_dir` when given (nothing is written otherwise). `dry_run`: the plan only
     (what PATH is, its steps, the base, max_steps), `.result` None."""
-    options = ReportOptions(base=None if base is None else str(base), out=None if out is None else str(out),
-                            png_dir=None if png_dir is None else str(png_dir), set_lr=set_lr, scale=scale,
-                            alpha=alpha, run_config=None if run_config is None else str(run_config),
-                            overwrite=overwrite, trust_pickle=trust_pickle)
+    with _loading():
+        from .ops.report import ReportOptions, ReportReport, plan_report, run_report
+    options = ReportOptions(base=_str(base), out=_str(out), png_dir=_str(png_dir), set_lr=set_lr, scale=scale,
+                            alpha=alpha, run_config=_str(run_config), overwrite=overwrite, trust_pickle=trust_pickle)
     plan = plan_report(path, options)
     return ReportReport(plan) if dry_run else run_report(plan, progress)
 
 
 def _as_command(fn, command: str):
-    """`fn` recording `command` in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI does;
-    `download=True` is the command's `--download` (a hub id missing from the HF cache is fetched into it,
-    only the files the command needs: `io.hub_fetch`)."""
+    """`fn` recording `command` in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI does."""
     @functools.wraps(fn)
-    def run_as_command(*args, download: bool = False, **kwargs):
-        with command_scope(command), hub_fetch.allowing(download):
+    def run_as_command(*args, download: bool | None = None, **kwargs):
+        # None: as the caller set it (the CLI's --download turns it on around the whole command)
+        with command_scope(command), (contextlib.nullcontext() if download is None else hub_fetch.allowing(download)):
             return fn(*args, **kwargs)
     return run_as_command
 
 
 # each function is its command (`set_values` is `ckpt set`: `set` is Python's builtin)
-for _name in [n for n in __all__ if n[0].islower() and n != "open"]:
+for _name in [n for n in __all__ if n[0].islower() and n not in ("open", "doctor_toml_value")]:
     globals()[_name] = _as_command(globals()[_name], "set" if _name == "set_values" else _name.replace("_", "-"))
 del _name

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Merge a LoRA adapter into a base model and write an HF model directory.
 
-The standalone form of `ckpt merge`: the same flags, the same library function
-(`ckpt_tools.ops.merge`: open_merge_sources, plan_merge, run_merge), runnable from a checkout without
-installing the package.
+The standalone form of `ckpt merge`, runnable from a checkout without installing the package: it runs
+that command (the same flags, output and exit codes), which parses the arguments and makes one call of
+the library, `ckpt_tools.api.merge` (= `ckpt_tools.merge`; docs/api.md), so the script is a client of
+the api as the CLI is. A script of your own calls `ckpt_tools.merge(base, adapter, out, ...)` directly.
 
     python scripts/merge_lora.py BASE ADAPTER OUT [--alpha A | --run-config ORCH_TOML] [--slot i]
         [--dtype bf16|fp16|fp32] [--max-shard-size 5GB] [--threads N] [--dry-run] [--json]

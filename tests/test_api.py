@@ -87,6 +87,12 @@ CASES = {
                                     "--lr", "1e-3", "--step", "3")),
     "set": (lambda out: ckpt_tools.set_values(TRAINER, out, ["progress.step=7"]),
             lambda out: ("set", TRAINER, out, "progress.step=7")),
+    "merge": (lambda out: ckpt_tools.merge(BASE, TRAINER, out), lambda out: ("merge", BASE, TRAINER, out)),
+    "extract-adapter": (lambda out: ckpt_tools.extract_adapter(TRAINER, out),
+                        lambda out: ("extract-adapter", TRAINER, out)),
+    "slim": (lambda out: ckpt_tools.slim(TRAINER, out, base=BASE), lambda out: ("slim", TRAINER, out, "--base", BASE)),
+    "set-lr": (lambda out: ckpt_tools.set_lr(TRAINER, out, scale=0.5), lambda out: ("set-lr", TRAINER, out,
+                                                                                    "--scale", "0.5")),
 }
 
 
@@ -159,3 +165,72 @@ def test_open_returns_each_formats_one_handle_as_a_context_manager_that_closes_i
         module = sorted(lora.modules)[0]
         a, _b = lora.read_pair(module)
         assert a.dtype == torch.float32 and tuple(a.shape) == lora.modules[module].a_shape
+
+
+# a dry run: the api's report is the command's --json plan, byte for byte (with what writing OUT would do)
+DRY = {
+    "merge": (lambda out: ckpt_tools.merge(BASE, TRAINER, out, dry_run=True), lambda out: ("merge", BASE, TRAINER, out)),
+    "extract-adapter": (lambda out: ckpt_tools.extract_adapter(TRAINER, out, dry_run=True),
+                        lambda out: ("extract-adapter", TRAINER, out)),
+    "adapter-to-dcp": (lambda out: ckpt_tools.adapter_to_dcp(FIXTURE / "reference_peft_adapter", out, base=BASE,
+                                                              lr=1e-3, dry_run=True),
+                       lambda out: ("adapter-to-dcp", FIXTURE / "reference_peft_adapter", out, "--base", BASE, "--lr",
+                                    "1e-3")),
+    "slim": (lambda out: ckpt_tools.slim(TRAINER, out, base=BASE, dry_run=True), lambda out: ("slim", TRAINER, out, "--base", BASE)),
+    "set-lr": (lambda out: ckpt_tools.set_lr(TRAINER, out, lr=5e-3, dry_run=True),
+               lambda out: ("set-lr", TRAINER, out, "--lr", "5e-3")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DRY))
+def test_a_dry_run_reports_what_the_commands_dry_run_reports(name, tmp_path):
+    from ckpt_tools.cli.render import envelope
+    by_api, by_cli = DRY[name]
+    out = tmp_path / "out"
+    report = by_api(out)
+    assert report.plan is not None and not out.exists()       # the report's own attributes, through the wrapper
+    assert "output" in report.to_json().get("plan", report.to_json())   # what writing OUT would do
+    r = _cli(*by_cli(out), "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    cli, api = json.loads(r.stdout), envelope(name, report.to_json(), dry_run=True)
+    for doc in (cli, api):
+        doc.get("plan", {}).pop("seconds", None)
+        (doc["plan"].get("output") or {}).pop("free_bytes", None)
+    assert json.dumps(api["plan"], sort_keys=True) == json.dumps(cli["plan"], sort_keys=True)
+    assert api["warnings"] == cli["warnings"]
+
+
+def test_on_plan_is_called_once_out_is_checked_before_anything_is_written(tmp_path):
+    """The CLI prints a merge's plan warnings there: between the plan and the first byte written."""
+    seen = []
+    out = tmp_path / "m"
+
+    def on_plan(plan):
+        seen.append((plan.merged_modules, out.exists(), list(tmp_path.iterdir())))
+
+    report = ckpt_tools.merge(BASE, TRAINER, out, on_plan=on_plan)
+    assert seen == [(21, False, [])] and report.result.merged_modules == 21
+    seen.clear()
+    with pytest.raises(ckpt_tools.core.errors.CkptError, match="already exists"):
+        ckpt_tools.merge(BASE, TRAINER, out, on_plan=on_plan)   # OUT is refused before on_plan
+    assert seen == []
+    ckpt_tools.merge(BASE, TRAINER, tmp_path / "d", dry_run=True, on_plan=on_plan)
+    assert seen == []                                             # a dry run runs nothing
+
+
+def test_the_run_is_split_over_the_group_it_is_given(tmp_path):
+    """`group=`: the ranks' share of the work is the group's (a group of one here; the default is
+    `dist.current()`, solo outside torchrun); the ops ask it for their part and agree through it."""
+    from ckpt_tools import dist
+    asked = []
+
+    class Recording(dist.SoloGroup):
+        @property
+        def part(self):
+            asked.append("part")
+            return dist.SOLO
+
+    assert ckpt_tools.verify(TRAINER, deep=True, group=Recording()).ok and asked
+    asked.clear()
+    slim = ckpt_tools.slim(TRAINER, tmp_path / "s", base=BASE, group=Recording())
+    assert slim.result is not None and asked

@@ -15,7 +15,7 @@ from ckpt_tools.core.budget import ByteBudget
 from ckpt_tools.ops.diff import run as diff_run
 from ckpt_tools.ops.diff.run import diff_vs_base
 from ckpt_tools.ops.verify import hf as verify_hf
-from ckpt_tools.ops.verify import verify_path
+from ckpt_tools import verify as verify_path
 
 from .conftest import BASE, FIXTURE, TRAINER
 

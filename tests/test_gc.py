@@ -277,7 +277,7 @@ def test_without_an_atomic_exchange_gc_swaps_by_two_renames_and_a_kill_between_t
     step = run_dir / "step_2"
     original = run_dir.parent / "step_2-original"
     shutil.copytree(step / "trainer", original)
-    from ckpt_tools.ops.slim import slim
+    from ckpt_tools import slim
 
     slim(step / "trainer", step / ".trainer.gc-slim", base=run_dir.parent.parent / "base_model")
     os.rename(step / "trainer", step / ".trainer.gc-old")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from ckpt_tools.core.errors import CkptError
 from ckpt_tools.formats.hf_dir.checks import check_index
 from ckpt_tools.formats.hf_dir.model_dir import HFModelDir
-from ckpt_tools.ops.verify import verify_path
+from ckpt_tools import verify as verify_path
 
 from .conftest import BASE
 

@@ -256,3 +256,62 @@ def test_the_source_rule_sees_each_kind_of_use(tmp_path):
                    "if isinstance(s, Source): pass\n")
     assert [w for _, w in sorted(_source_class_uses(src, concrete_source_classes()))] == [
         "isinstance(..., HFModelDir)", "isinstance(..., DcpLoraSource)", ".model_dir", ".files.hint"]
+
+
+# --- every command is a thin client of ckpt_tools.api ------------------------------------------------------
+# A command module parses its arguments, makes one `ckpt_tools.api` call and renders the report: it imports
+# nothing that does the work (ops, sources, formats, workflows, io, dist), only the api, the CLI's own helpers
+# (cli/*: flow, render, options, mistakes, progress, and a sibling command's renderer), the core facts it
+# renders with or converts arguments to, io.signals (SIGTERM as the run starts, the interrupt it catches),
+# and the standard library and click.
+COMMAND_MAY_IMPORT = ("ckpt_tools.api", "ckpt_tools.cli", "ckpt_tools.core.errors", "ckpt_tools.core.units",
+                      "ckpt_tools.core.progress", "ckpt_tools.core.problems", "ckpt_tools.core.primerl_state",
+                      "ckpt_tools.io.signals")
+
+
+def command_import_violations(source: str, where: str = "ckpt_tools/cli/commands/x.py") -> list[str]:
+    """Every import in a command module's `source` (lazy ones included) that is not one of
+    COMMAND_MAY_IMPORT (or below it), the standard library or click."""
+    pkg = where.split("/")[:-1]
+    bad = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.ImportFrom):
+            mod = (pkg[:len(pkg) - (n.level - 1)] + (n.module.split(".") if n.module else [])) if n.level \
+                else (n.module or "").split(".")
+            # `from ckpt_tools import api`: the names are modules
+            names = [".".join(mod + [a.name]) for a in n.names] if mod == ["ckpt_tools"] else [".".join(mod)]
+        elif isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top != "ckpt_tools":
+                ok = top in sys.stdlib_module_names or top == "click"
+            else:
+                ok = any(name == m or name.startswith(m + ".") for m in COMMAND_MAY_IMPORT)
+            if not ok:
+                bad.append(f"{where}:{n.lineno}: imports {name}")
+    return bad
+
+
+def test_every_command_is_a_thin_client_of_the_api():
+    commands = sorted((PKG / "cli" / "commands").glob("*.py"))
+    assert len(commands) >= 18
+    bad = [v for p in commands for v in command_import_violations(p.read_text(), rel(p))]
+    assert bad == [], "\n".join(bad)
+    # each command calls the api (its one call, `api.<command>(...)`; export's through merge's `finish_merge`)
+    assert [rel(p) for p in commands if p.name != "__init__.py" and "api." not in p.read_text()] == []
+
+
+def test_the_thin_client_rule_sees_each_kind_of_import():
+    src = ("from __future__ import annotations\nimport click\nfrom pathlib import Path\nfrom ... import api\n"
+           "from ...api import MergeReport\nfrom ..flow import finish\nfrom ...core.units import human_bytes\n"
+           "from ...io.signals import Terminated\n"
+           # the work done behind the api's back, each way it can be written:
+           "from ...ops.merge import plan_merge\nfrom ...sources.lora import DcpLoraSource\n"
+           "from ... import dist\nfrom ...io import remote\nimport ckpt_tools.formats.sniff\n"
+           "def f():\n    from ...workflows.restart_prep import restart_prep\n    import torch\n")
+    got = [v.split(": imports ")[1] for v in command_import_violations(src)]
+    assert got == ["ckpt_tools.ops.merge", "ckpt_tools.sources.lora", "ckpt_tools.dist", "ckpt_tools.io",
+                   "ckpt_tools.formats.sniff", "ckpt_tools.workflows.restart_prep", "torch"]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from ckpt_tools.cli import main
-from ckpt_tools.ops.verify import verify_path
+from ckpt_tools import verify as verify_path
 
 from .conftest import BASE, FIXTURE, TRAINER, json_payload
 

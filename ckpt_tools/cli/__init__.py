@@ -1,16 +1,17 @@
 """The `ckpt` command line. Commands live in ckpt_tools/cli/commands/<name>.py, each a thin click
-wrapper (arguments -> one op -> render); this module only wires them up and owns the error edge:
-every CkptError is printed as one line naming the file/key and the fix, with its exit code (and as
-the failure envelope under --json: `render.emit_failure`).
+wrapper, a client of the library (arguments -> one `ckpt_tools.api` call -> render); this module only
+wires them up and owns the error edge: every CkptError is printed as one line naming the file/key and
+the fix, with its exit code (and as the failure envelope under --json: `render.emit_failure`).
 
 Commands are imported when they run, not before: `ckpt --help`, `--version` and the metadata
 commands (`inspect`, `verify`) never import torch (measured: `ckpt --version` 3.3-4.7 s -> ~0.15 s on
-2 cores; bench/startup.py). Nor does `ckpt <command> --help`: a command module imports its op (torch,
-for most) inside the command function (`ckpt merge --help` 2.3 s -> 0.18 s, median of 5 on 2 cores).
+2 cores; bench/startup.py). Nor does `ckpt <command> --help`: a command module imports only
+`ckpt_tools.api`, which imports an op (torch, for most) when it is called (`ckpt merge --help` 2.3 s ->
+0.18 s, median of 5 on 2 cores).
 The group's listing takes each command's one-line help from `COMMANDS` (a test checks it equals the
 command's own).
 
-The layers below, one way: cli -> workflows -> ops -> sources -> formats -> io -> core
+The layers below, one way: cli -> api -> workflows -> ops -> sources -> formats -> io -> core
 (docs/architecture.md)."""
 from __future__ import annotations
 

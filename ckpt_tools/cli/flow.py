@@ -1,79 +1,47 @@
-"""The one shape of a writing command, from the CLI's side: open the sources, plan, then either the
-dry-run report or the run with the one progress line; then the envelope (--json) or the text.
+"""The one shape of a command, from the CLI's side: arguments -> one `ckpt_tools.api` call (with the
+progress line) -> the envelope (--json) or the text.
 
-    report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
-                          lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite),
-                          SlimReport, dry_run=dry_run)
+    with progress_line(not dry_run) as bar:
+        report = api.slim(ckpt, out, base=base, dry_run=dry_run, overwrite=overwrite, progress=bar)
     finish(report, as_json, render)
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import click
 
+from ..api import DryRunReport
 from ..core.units import human_bytes
-from ..io.signals import signals_deferred
 from .progress import ProgressLine
 from .render import STATE, emit
 
-__all__ = ["plan_and_run", "finish", "op_imports", "DryRunReport", "dry_run_output"]
+__all__ = ["progress_line", "finish", "shown", "is_remote", "DryRunReport"]
 
 
 @contextlib.contextmanager
-def op_imports():
-    """Where a command imports its op, and torch with it. The import sits inside the command
-    function, so that `ckpt <cmd> --help` stays torch-free (tests/test_startup.py); SIGINT/SIGTERM
-    are held until the imports are done and delivered right after, as `entry.py` holds them while
-    the CLI itself is imported. A signal raised inside numpy's initialization (under torch) leaves it
-    half-loaded, and the error path's next import of it fails ("cannot load module more than once
-    per process") instead of the one line a Ctrl-C should give (tests/test_hostile_files.py, signals
-    during start-up)."""
-    with signals_deferred():
-        yield
+def progress_line(enabled: bool = True):
+    """The one progress line for an api call's `progress=` (None when stderr is not a terminal, under
+    -q / --json, or not `enabled`), ended when the call returns or raises."""
+    bar = ProgressLine.for_terminal(enabled)
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()
 
 
-@dataclass
-class DryRunReport:
-    """A dry run's report with what writing OUT would do (`io.staging.describe_output`): its JSON
-    plan gains `output` = {"out", "exists", "replaces"}."""
-    report: object
-    output: dict | None
-
-    def to_json(self) -> dict:
-        d = self.report.to_json() if hasattr(self.report, "to_json") else dict(self.report)
-        if self.output is None:
-            return d
-        if isinstance(d.get("plan"), dict):
-            return {**d, "plan": {**d["plan"], "output": self.output}}
-        return {**d, "output": self.output}
+def shown(payload):
+    """`payload` with each remote input's local stand-in path shown as its URL (`io.remote.display`)."""
+    from ..io import remote
+    return remote.display(payload)
 
 
-def dry_run_output(out, overwrite: bool) -> dict | None:
-    """What the real run would do at OUT, refusing what it would refuse (None: no OUT)."""
-    if out is None:
-        return None
-    from ..io.staging import describe_output
-    return describe_output(out, overwrite=overwrite)
-
-
-def plan_and_run(open_sources: Callable, plan: Callable, run: Callable, dry_report: Callable, *, dry_run: bool,
-                 out=None, overwrite: bool = False):
-    """`open_sources()` (a context manager) -> `plan(sources)` -> `dry_report(plan)` in a dry run (with
-    OUT checked as the real run checks it: `dry_run_output`), else `run(plan, sources, progress)` with
-    the progress line drawn (on a terminal, not under -q/--json)."""
-    with open_sources() as sources:
-        planned = plan(sources)
-        if dry_run:
-            return DryRunReport(dry_report(planned), dry_run_output(out, overwrite))
-        progress = ProgressLine.for_terminal()
-        try:
-            return run(planned, sources, progress)
-        finally:
-            if progress is not None:
-                progress.close()
+def is_remote(path) -> bool:
+    """Whether `path` is a URL's local stand-in (`io.remote.is_remote_path`)."""
+    from ..io import remote
+    return remote.is_remote_path(path)
 
 
 def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: int = 0) -> None:

@@ -39,7 +39,7 @@ from ..sources.hashing import read_as, read_rows_as
 from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["RehydrateOptions", "RehydrateSources", "open_rehydrate_sources", "RebuildItem", "RehydratePlan",
-           "RehydrateResult", "RehydrateReport", "plan_rehydrate", "run_rehydrate", "rehydrate"]
+           "RehydrateResult", "RehydrateReport", "plan_rehydrate", "run_rehydrate"]
 
 # Per-item overhead of a torch.save archive (zip records, data.pkl): ~1.5 KB measured; 4 KB is safe.
 _ITEM_OVERHEAD_BYTES = 4096
@@ -388,15 +388,3 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
     return RehydrateReport(plan, RehydrateResult(
         out=plan.out, copied_items=len(plan.copy_items), rebuilt_tensors=len(plan.rebuild), verified_tensors=verified,
         bytes_written=bytes_written, base_bytes_read=base_read, out_bytes=out_bytes, seconds=seconds))
-
-
-def rehydrate(slim_path: str | Path, out: str | Path, *, base: str | Path, world_size: int | None = None,
-              dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
-              progress: Progress | None = None) -> RehydrateReport:
-    """Library entry point: plan (and unless `dry_run`, execute) a rehydrate."""
-    options = RehydrateOptions(out, str(base), world_size, overwrite, trust_pickle)
-    with open_rehydrate_sources(slim_path, options) as sources:
-        plan = plan_rehydrate(sources, options)
-        if dry_run:
-            return RehydrateReport(plan)
-        return run_rehydrate(plan, sources, progress, overwrite=overwrite)

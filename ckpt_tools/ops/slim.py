@@ -26,7 +26,7 @@ from ..sources.hashing import BASE_BLOCK_BYTES, base_crc_check, base_hash_check
 from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["SlimOptions", "SlimSources", "open_slim_sources", "SlimPlan", "SlimResult", "SlimReport", "plan_slim",
-           "run_slim", "slim"]
+           "run_slim"]
 
 
 @dataclass(frozen=True)
@@ -173,14 +173,3 @@ def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = N
                                        bytes_written=written.bytes_written, bytes_read=bytes_read,
                                        source_bytes=x.source_bytes, out_bytes=out_bytes,
                                        base_verified=written.base_verified, seconds=seconds))
-
-
-def slim(ckpt_path: str | Path, out: str | Path, *, base: str | Path | None = None, dry_run: bool = False,
-         overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None) -> SlimReport:
-    """Library entry point: plan (and unless `dry_run`, execute) a slim."""
-    options = SlimOptions(out, None if base is None else str(base), overwrite, trust_pickle)
-    with open_slim_sources(ckpt_path, options) as sources:
-        plan = plan_slim(sources, options)
-        if dry_run:
-            return SlimReport(plan)
-        return run_slim(plan, sources, progress, overwrite=overwrite)

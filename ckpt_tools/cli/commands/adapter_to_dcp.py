@@ -1,15 +1,15 @@
-"""`ckpt adapter-to-dcp`: arguments -> `ops.adapter_to_dcp` -> text or JSON."""
+"""`ckpt adapter-to-dcp`: arguments -> `api.adapter_to_dcp` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from ... import dist
+from ... import api
 from ...core.errors import UsageError
 from ...core.primerl_state import SCHEDULER_TYPES, SchedulerSpec
 from ...core.units import human_bytes, human_number
-from ..flow import finish, op_imports, plan_and_run
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -62,24 +62,16 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
     """
     check_roles("adapter-to-dcp", {"ADAPTER": adapter, "OUT": out, "--base": base,
                                     "--optimizer-from": optimizer_from})
-    with op_imports():
-        from ...ops.adapter_to_dcp import (
-            ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, run_adapter_to_dcp,
-        )
     warn_trust(trust_pickle)
     try:
         spec = SchedulerSpec(scheduler, warmup_steps=warmup_steps, decay_steps=decay_steps, max_steps=max_steps,
                              min_lr=min_lr)
     except ValueError as exc:
         raise UsageError(f"--scheduler {scheduler}: {exc}") from None
-    options = ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=spec, scheduler_step=scheduler_step,
-                           trust_pickle=trust_pickle)
-    report = plan_and_run(
-        lambda: open_to_dcp_sources(adapter, base, optimizer_from=optimizer_from, trust_pickle=trust_pickle),
-        lambda sources: plan_adapter_to_dcp(sources, options),
-        lambda plan, sources, progress: run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite,
-                                                            group=dist.current()),
-        lambda plan: ToDcpReport(plan, full=as_json), dry_run=dry_run, out=out, overwrite=overwrite)
+    with progress_line(not dry_run) as bar:
+        report = api.adapter_to_dcp(adapter, out, base=base, lr=lr, step=step, world_size=world_size,
+                                    optimizer_from=optimizer_from, scheduler=spec, scheduler_step=scheduler_step,
+                                    dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle, progress=bar)
     finish(report, as_json, lambda rep: _render(rep, dry_run))
 
 

@@ -1,16 +1,16 @@
-"""`ckpt average`: arguments -> `ops.average` (or, with --merge, `workflows.average_merge`) -> text or JSON."""
+"""`ckpt average`: arguments -> `api.average` (with --merge: the averaged LoRA merged) -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from ... import api
 from ...core.errors import UsageError
 from ...core.units import human_bytes
-from ..flow import finish, op_imports, plan_and_run
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, ModelPath, dry_run_option, download_option, json_option, overwrite_option, trust_option
-from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command", "parse_weights", "rule_text", "render_truncations"]
@@ -78,28 +78,12 @@ def command(paths, weights, ema, rank, energy, merge_base, dtype, allow, layout,
                 {"CKPT_OR_ADAPTER": inputs[-1], "OUT": out, **({"--merge": merge_base} if merge_base is not None else {})})
     if dtype is not None and merge_base is None:
         raise UsageError("--dtype applies only with --merge (the adapter is written in fp32)")
-    with op_imports():
-        from ...ops.average import AverageOptions, AverageReport, open_average_sources, plan_average, run_average
     warn_trust(trust_pickle)
-    options = AverageOptions(out=str(out), weights=parse_weights(weights), ema=ema, rank=rank, energy=energy,
-                             allow=frozenset(allow), alpha=alpha, trust_pickle=trust_pickle, layout=layout)
-    if merge_base is not None:
-        with op_imports():
-            from ...ops.merge import MergeOptions
-            from ...workflows.average_merge import average_merge
-        bar = None if dry_run else ProgressLine.for_terminal()
-        try:
-            report = average_merge(inputs, merge_base, out, options=options, merge_options=MergeOptions(dtype=dtype),
-                                   dry_run=dry_run, overwrite=overwrite, progress=bar)
-        finally:
-            if bar is not None:
-                bar.close()
-        finish(report, as_json, _render_merge)
-        return
-    report = plan_and_run(lambda: open_average_sources(inputs, options), lambda s: plan_average(s, options),
-                          lambda plan, s, progress: run_average(plan, s, progress, overwrite=overwrite),
-                          AverageReport, dry_run=dry_run)
-    finish(report, as_json, _render)
+    with progress_line(not dry_run) as bar:
+        report = api.average(inputs, out, weights=parse_weights(weights), ema=ema, rank=rank, energy=energy,
+                             merge=merge_base, dtype=dtype, allow_mismatch=tuple(allow), alpha=alpha, layout=layout,
+                             dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle, progress=bar)
+    finish(report, as_json, _render if merge_base is None else _render_merge)
 
 
 def _rank_text(r: dict) -> str:

@@ -1,4 +1,4 @@
-"""`ckpt diff-vs-base`: arguments -> `ops.diff` -> text or JSON, and the verdict as the exit status."""
+"""`ckpt diff-vs-base`: arguments -> `api.diff_vs_base` -> text or JSON, and the verdict as the exit status."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,17 +6,15 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..flow import op_imports
-
-from ... import dist
+from ... import api
 from ...core.units import human_bytes
+from ..flow import progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, input_arg, alpha_options, download_option, json_option, trust_option
-from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
 
-if TYPE_CHECKING:   # the op imports torch: its names are imported where the command runs
-    from ...ops.diff import DiffReport
+if TYPE_CHECKING:
+    from ...api import DiffReport
 
 __all__ = ["command", "render"]
 
@@ -57,32 +55,20 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     """
     weights, base = input_arg(weights), input_arg(base)
     check_roles("diff-vs-base", {"WEIGHTS": weights, "BASE": base, "--adapter": adapter})
-    with op_imports():
-        from ...ops.diff import EXIT_DIFFERS, DiffOptions, open_diff_sources, plan_diff, run_diff
     warn_trust(trust_pickle)
-    options = DiffOptions(None if adapter is None else str(adapter), alpha,
-                          None if run_config is None else str(run_config), targeted_only, trust_pickle)
-    progress = ProgressLine.for_terminal(not as_json)
-    with open_diff_sources(weights, base, options) as sources:
-        try:
-            report = run_diff(plan_diff(sources, options), sources, progress, group=dist.current())
-        finally:
-            if progress is not None:
-                progress.close()
-    if report_file is not None:
-        with op_imports():
-            from ...ops.report import write_diff_page
-        page = write_diff_page(report.to_json(), report_file,
-                               inputs=[p for p in (weights, base, adapter) if p is not None and Path(p).exists()])
-        if not as_json:
-            click.echo(f"wrote {page}")
+    with progress_line(not as_json) as bar:
+        report = api.diff_vs_base(weights, base, adapter=adapter, alpha=alpha, run_config=run_config,
+                                  targeted_only=targeted_only, trust_pickle=trust_pickle, progress=bar,
+                                  page=report_file)
+    if report_file is not None and not as_json:
+        click.echo(f"wrote {report.page}")
     if as_json:
         emit(report, exit_code=report.exit_code)   # warnings are in it
     else:
         render(report, top)
         for w in report.warnings:
             warn(w)
-    if report.exit_code != EXIT_DIFFERS:
+    if report.exit_code != 0:   # 0: WEIGHTS differ from BASE (the adapter check passed)
         ctx.exit(report.exit_code)
 
 
@@ -91,7 +77,7 @@ def _fmt(x) -> str:
 
 
 def render(r: DiffReport, top: int) -> None:
-    from ...ops.diff import SAME, SKIPPED
+    from ...api import DIFF_SAME as SAME, DIFF_SKIPPED as SKIPPED
     p = r.plan
     click.echo(f"WEIGHTS {p.weights['label']} ({p.weights['kind']}, {p.weights['tensors']} tensors, "
                f"{'/'.join(p.weights['dtypes'])})")

@@ -1,14 +1,14 @@
-"""`ckpt doctor`: arguments -> `ops.doctor` -> findings (text or JSON), exit 3 when any."""
+"""`ckpt doctor`: arguments -> `api.doctor` -> findings (text or JSON), exit 3 when any."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from ..flow import op_imports
-
+from ... import api
+from ...api import DOCTOR_DEFAULT_DECODE_RATE as DEFAULT_DECODE_RATE, DOCTOR_ERROR as ERROR, DOCTOR_INFO as INFO, \
+    DOCTOR_WARNING as WARNING, doctor_toml_value as toml_value
 from ...core.errors import UsageError
-from ...ops.doctor.traps import DEFAULT_DECODE_RATE, ERROR, INFO, WARNING, toml_value
 from ..options import InputPath, json_option, trust_option
 from ..render import emit, json_errors, warn_trust
 
@@ -52,8 +52,6 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
     Example:
       ckpt doctor rl.toml --outputs outputs
     """
-    with op_imports():
-        from ...ops.doctor import doctor
     warn_trust(trust_pickle)
     sections = {k: v for k, v in (("trainer", trainer_file), ("orchestrator", orch_file),
                                   ("inference", inference_file)) if v is not None}
@@ -65,9 +63,9 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
         kw = dict(outputs=outputs, base=base, decode_rate=decode_rate, compare_weights=not no_weights_check,
                   trust_pickle=trust_pickle)
         if dirs:
-            report = doctor(dirs[0], **kw)
+            report = api.doctor(dirs[0], **kw)
         else:
-            report = doctor(None, files=list(run_or_config), sections=sections, **kw)
+            report = api.doctor(None, files=list(run_or_config), sections=sections, **kw)
     if as_json:
         emit(report, exit_code=report.exit_code)
     else:

@@ -1,14 +1,14 @@
-"""`ckpt export`: arguments -> `ops.merge` export (open, plan, run: merge's contract) -> text or JSON."""
+"""`ckpt export`: arguments -> `api.export` (merge's contract) -> text or JSON."""
 from __future__ import annotations
 
 import click
 
+from ... import api
 from ...core.units import human_bytes
-from ..flow import finish, op_imports
 from ..mistakes import check_roles
 from ..options import OutputPath, alpha_options, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import warn_trust
-from .merge import dry_run_or_run
+from .merge import finish_merge
 
 __all__ = ["command"]
 
@@ -51,19 +51,12 @@ def command(ckpt, out, config_from, alpha, run_config, slot, dtype, allow_zero_d
     """
     ckpt, config_from = input_arg(ckpt), input_arg(config_from)
     check_roles("export", {"CKPT": ckpt, "OUT": out, "--config-from": config_from})
-    with op_imports():
-        from ...ops.merge import ExportOptions, open_export_sources, plan_export, run_export
     warn_trust(trust_pickle)
-    options = ExportOptions(out=str(out), config_from=config_from, alpha=alpha,
-                            run_config=None if run_config is None else str(run_config), slot=slot, dtype=dtype,
-                            max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
-                            allow_zero_delta=allow_zero_delta)
-    with open_export_sources(ckpt, options) as sources:
-        plan = plan_export(sources, options)
-        report = dry_run_or_run(plan, sources, out, run_export, dry_run=dry_run, as_json=as_json,
-                                overwrite=overwrite)
-    if report is not None:
-        finish(report, as_json, lambda _: _render_result(plan, report.result, out))
+    options = dict(alpha=alpha, run_config=None if run_config is None else str(run_config), slot=slot, dtype=dtype,
+                   max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
+                   allow_zero_delta=allow_zero_delta)
+    finish_merge(lambda **kw: api.export(ckpt, out, config_from=config_from, **options, **kw), out, _render_result,
+                 dry_run=dry_run, as_json=as_json, overwrite=overwrite)
 
 
 def _render_result(plan, result, out) -> None:

@@ -1,12 +1,13 @@
-"""`ckpt extract-adapter`: arguments -> `ops.extract_adapter` -> text or JSON."""
+"""`ckpt extract-adapter`: arguments -> `api.extract_adapter` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from ... import api
 from ...core.units import human_bytes
-from ..flow import finish, op_imports, plan_and_run
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, OutputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -50,15 +51,11 @@ def command(ckpt: Path, out: Path, alpha, run_config, base, slot: int, dtype: st
       ckpt extract-adapter outputs/checkpoints/step_95/trainer adapter-step95
     """
     check_roles("extract-adapter", {"CKPT": ckpt, "OUT": out, "--base": base})
-    with op_imports():
-        from ...ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
-        from ...sources.lora import DcpLoraSource
     warn_trust(trust_pickle)
-    report = plan_and_run(
-        lambda: DcpLoraSource(ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle),
-        lambda src: plan_extract(src, ExtractOptions(out, base, dtype, layout)),
-        lambda plan, src, progress: run_extract(plan, src, progress, overwrite=overwrite), ExtractReport,
-        dry_run=dry_run, out=out, overwrite=overwrite)
+    with progress_line(not dry_run) as bar:
+        report = api.extract_adapter(ckpt, out, alpha=alpha, run_config=run_config, base=base, slot=slot, dtype=dtype,
+                                     layout=layout, dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle,
+                                     progress=bar)
     finish(report, as_json, _render)
 
 

@@ -1,12 +1,13 @@
-"""`ckpt fix-adapter`: arguments -> `ops.fix_adapter` -> text or JSON."""
+"""`ckpt fix-adapter`: arguments -> `api.fix_adapter` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from ... import api
 from ...core.units import human_bytes, human_number
-from ..flow import finish, op_imports, plan_and_run
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option
 from ..render import dry_run_label, warn
@@ -49,13 +50,10 @@ def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, lay
       ckpt fix-adapter outputs/broadcasts/step_9 ad9 --checkpoint outputs/checkpoints/step_9
     """
     check_roles("fix-adapter", {"SRC": src, "OUT": out, "--base": base, "--checkpoint": checkpoint})
-    with op_imports():
-        from ...ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
-    options = FixOptions(out, base, slot, alpha, None if run_config is None else str(run_config),
-                         checkpoint=None if checkpoint is None else str(checkpoint), layout=layout)
-    report = plan_and_run(lambda: open_fix_source(src, checkpoint), lambda weights: plan_fix(weights, src, options),
-                          lambda plan, weights, progress: run_fix(plan, weights, progress, overwrite=overwrite),
-                          FixReport, dry_run=dry_run, out=out, overwrite=overwrite)
+    with progress_line(not dry_run) as bar:
+        report = api.fix_adapter(src, out, base=base, slot=slot, alpha=alpha, run_config=run_config,
+                                 checkpoint=checkpoint, layout=layout, dry_run=dry_run, overwrite=overwrite,
+                                 progress=bar)
     finish(report, as_json, lambda rep: _render(rep, dry_run))
 
 

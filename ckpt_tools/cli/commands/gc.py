@@ -1,12 +1,11 @@
-"""`ckpt gc`: arguments -> `ops.gc` -> text or JSON."""
+"""`ckpt gc`: arguments -> `api.gc` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from ..flow import op_imports
-
+from ... import api
 from ...core.progress import ProgressEvent
 from ...core.units import human_bytes
 from ...io.signals import Terminated
@@ -50,8 +49,6 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, slim_to, dr
       ckpt gc outputs/checkpoints --keep-full 2 --base Qwen/Qwen3-32B --dry-run
     """
     check_roles("gc", {"CHECKPOINTS_DIR": checkpoints, "--base": base})
-    with op_imports():
-        from ...ops.gc import gc
     warn_trust(trust_pickle)
     bar = ProgressLine.for_terminal(not as_json)
     done: list = []   # the steps finished so far, for the interrupt message
@@ -68,8 +65,8 @@ def command(checkpoints: Path, keep_full: int, base, min_age: float, slim_to, dr
 
     try:
         with json_errors(as_json):
-            report = gc(checkpoints, keep_full=keep_full, base=base, dry_run=dry_run, min_age_s=min_age,
-                        trust_pickle=trust_pickle, progress=progress, slim_to=slim_to)
+            report = api.gc(checkpoints, keep_full=keep_full, base=base, dry_run=dry_run, min_age_s=min_age,
+                            trust_pickle=trust_pickle, progress=progress, slim_to=slim_to)
     except (KeyboardInterrupt, Terminated) as exc:
         if bar is not None:
             bar.close()

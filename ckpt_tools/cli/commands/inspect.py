@@ -1,14 +1,14 @@
-"""`ckpt inspect`: arguments -> `ops.inspect` -> text or JSON."""
+"""`ckpt inspect`: arguments -> `api.inspect` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from ... import api
 from ...core.units import human_bytes, human_number
-from ...ops.inspect import InspectOptions, plan_inspect, run_inspect
+from ..flow import shown
 from ..options import ModelPath, alpha_options, download_option, json_option, trust_option
-from ...io import remote
 from ..render import emit, warn, warn_trust
 
 __all__ = ["command"]
@@ -32,19 +32,17 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
       ckpt inspect outputs/checkpoints/step_95/trainer
     """
     warn_trust(trust_pickle)
-    plan = plan_inspect(path, InspectOptions(alpha, None if run_config is None else str(run_config), list_keys,
-                                             trust_pickle))
-    result = run_inspect(plan)
+    result = api.inspect(path, alpha=alpha, run_config=run_config, keys=list_keys, trust_pickle=trust_pickle)
     if as_json:
         emit(result)
         return
     report = result.to_json()
-    if plan.kind == "dcp" and list_keys:
+    if result.plan.kind == "dcp" and list_keys:
         for row in report:
             shape = "bytes" if row["dtype"] is None else f"{row['dtype']} {row['shape']}"
             click.echo(f"{row['key']}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
         return
-    render(remote.display(report))   # a URL shown as itself, not its local stand-in (io.remote)
+    render(shown(report))   # a URL shown as itself, not its local stand-in (io.remote)
     for w in report.get("warnings", []):
         warn(w)
 

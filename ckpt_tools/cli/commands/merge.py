@@ -1,22 +1,20 @@
-"""`ckpt merge`: arguments -> `ops.merge` (open sources, plan, run) -> text or JSON."""
+"""`ckpt merge`: arguments -> `api.merge` -> text or JSON."""
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import click
 
-from ... import dist
-from ...core.errors import DiskSpaceError, UsageError
+from ... import api
+from ...core.errors import UsageError
 from ...core.units import human_bytes, human_bytes_si, human_number
 from ...io.signals import install_signal_handlers
-from ..flow import DryRunReport, dry_run_output, finish, op_imports
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import ModelPath, OutputPath, alpha_options, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
-from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
-__all__ = ["command", "render_plan", "dry_run_or_run"]
+__all__ = ["command", "render_plan", "finish_merge"]
 
 
 @click.command("merge")
@@ -61,8 +59,6 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
     Example:
       ckpt merge Qwen/Qwen3-8B outputs/checkpoints/step_95/trainer merged-step95
     """
-    with op_imports():
-        from ...ops.merge import MergeOptions, open_merge_sources, plan_merge, run_merge
     warn_trust(trust_pickle)
     if len(paths) == 3:
         base, adapter, out = paths
@@ -72,53 +68,40 @@ def command(paths, base_from_checkpoint, config_from, alpha, run_config, slot, d
         need = "ADAPTER OUT (or BASE ADAPTER OUT)" if base_from_checkpoint else "BASE ADAPTER OUT"
         raise UsageError(f"expected {need}, got {len(paths)} path(s)",
                          hint="see `ckpt merge --help`")
-    options = MergeOptions(out=str(out), base_from_checkpoint=base_from_checkpoint, config_from=config_from,
-                           alpha=alpha, run_config=None if run_config is None else str(run_config), slot=slot,
-                           dtype=dtype, max_shard_size=max_shard_size, threads=threads, trust_pickle=trust_pickle,
-                           allow_zero_delta=allow_zero_delta)
     # a missing path is "no such file or directory: P" (exit 2), whichever argument it is; a hub id is
     # looked up in the local HF cache
     adapter = ModelPath().convert(adapter, None, None)
     base, config_from, out = input_arg(base), input_arg(config_from), OutputPath(str).convert(out, None, None)
-    options = dataclasses.replace(options, out=str(out), config_from=config_from)
     if base_from_checkpoint:
         check_roles("merge --base-from-checkpoint",
                     {"BASE": base, "ADAPTER": adapter, "OUT": out, "--config-from": config_from})
     else:
         check_roles("merge", {"BASE": base, "ADAPTER": adapter, "OUT": out})
-    with open_merge_sources(base, adapter, options) as sources:
-        plan = plan_merge(sources, options)
-        report = dry_run_or_run(plan, sources, out, run_merge, dry_run=dry_run, as_json=as_json, overwrite=overwrite)
-    if report is None:
-        return
-    finish(report, as_json, lambda _: _render_result(plan, report.result, out))
+    options = dict(base_from_checkpoint=base_from_checkpoint, config_from=config_from, alpha=alpha,
+                   run_config=run_config, slot=slot, dtype=dtype, max_shard_size=max_shard_size, threads=threads,
+                   trust_pickle=trust_pickle, allow_zero_delta=allow_zero_delta)
+    finish_merge(lambda **kw: api.merge(base, adapter, out, **options, **kw), out, _render_result,
+                 dry_run=dry_run, as_json=as_json, overwrite=overwrite)
 
 
-def dry_run_or_run(plan, sources, out, run, *, dry_run: bool, as_json: bool, overwrite: bool):
-    """A merge-contract plan (merge, export): a dry run rendered and finished here (returns None), or the
-    real run with the progress line, under torchrun's group (returns its report, for the caller's
-    `finish`)."""
-    from ...ops.merge import MergeReport, check_output
-    if dry_run:
-        output = dry_run_output(out, overwrite)   # refuses the OUTs the real run refuses
-        try:
-            check_output(plan, out, overwrite=overwrite)
-        except DiskSpaceError as exc:
-            plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
-        finish(DryRunReport(MergeReport(plan), output), as_json, lambda _: render_plan(plan, out, dry_run=True))
+def finish_merge(call, out, render_result, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
+    """A merge-contract command (merge, export): `call(**kw)` is its api call; a dry run rendered as the
+    plan (with what the real run would refuse among its warnings), else the plan's warnings printed
+    before the run (`on_plan`), the run with the progress line, and `render_result(plan, result, out)`."""
+    def on_plan(plan) -> None:
         for w in () if as_json else plan.warnings:
             warn(w)
-        return None
-    check_output(plan, out, overwrite=overwrite)
-    for w in () if as_json else plan.warnings:
-        warn(w)
-    install_signal_handlers()
-    bar = ProgressLine.for_terminal()
-    try:
-        return run(plan, sources, bar, overwrite=overwrite, group=dist.current())
-    finally:
-        if bar:
-            bar.close()
+        install_signal_handlers()
+
+    with progress_line(not dry_run) as bar:
+        report = call(dry_run=dry_run, overwrite=overwrite, progress=bar, on_plan=on_plan)
+    plan = report.plan
+    if dry_run:
+        finish(report, as_json, lambda _: render_plan(plan, out, dry_run=True))
+        for w in () if as_json else plan.warnings:
+            warn(w)
+        return
+    finish(report, as_json, lambda _: render_result(plan, report.result, out))
 
 
 def _render_result(plan, result, out) -> None:

@@ -1,13 +1,13 @@
-"""`ckpt rehydrate`: arguments -> `ops.rehydrate` -> text or JSON."""
+"""`ckpt rehydrate`: arguments -> `api.rehydrate` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from ... import dist
+from ... import api
 from ...core.units import human_bytes
-from ..flow import finish, op_imports, plan_and_run
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, OutputPath, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -41,16 +41,10 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
     """
     base = input_arg(base)
     check_roles("rehydrate", {"SLIM": slim_ckpt, "OUT": out, "--base": base})
-    with op_imports():
-        from ...ops.rehydrate import (
-            RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, run_rehydrate,
-        )
     warn_trust(trust_pickle)
-    options = RehydrateOptions(out, base, world_size, overwrite, trust_pickle)
-    report = plan_and_run(lambda: open_rehydrate_sources(slim_ckpt, options), lambda s: plan_rehydrate(s, options),
-                          lambda plan, s, progress: run_rehydrate(plan, s, progress, overwrite=overwrite,
-                                                                   group=dist.current()),
-                          RehydrateReport, dry_run=dry_run, out=out, overwrite=overwrite)
+    with progress_line(not dry_run) as bar:
+        report = api.rehydrate(slim_ckpt, out, base=base, world_size=world_size, dry_run=dry_run,
+                               overwrite=overwrite, trust_pickle=trust_pickle, progress=bar)
     finish(report, as_json, lambda r: _render(r, dry_run))
 
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import click
 
-from ..flow import finish, op_imports
+from ... import api
+from ..flow import finish
 from ..mistakes import check_roles
 from ..options import InputPath, ModelPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import warn, warn_trust
@@ -47,15 +48,13 @@ def command(path: Path, base, out, png_dir, set_lr, scale, alpha, run_config, ov
       ckpt report outputs/checkpoints -o report.html --scale 0.5
     """
     check_roles("report", {"PATH": path, "--base": base})
-    with op_imports():
-        from ...api import report
     warn_trust(trust_pickle)
     if out is None and not as_json:
         out = Path(DEFAULT_PAGE)
-    result = report(path, base=None if base is None else str(base), out=None if out is None else str(out),
-                    png_dir=None if png_dir is None else str(png_dir), set_lr=set_lr, scale=scale, alpha=alpha,
-                    run_config=None if run_config is None else str(run_config), dry_run=dry_run,
-                    overwrite=overwrite, trust_pickle=trust_pickle)
+    result = api.report(path, base=None if base is None else str(base), out=None if out is None else str(out),
+                        png_dir=None if png_dir is None else str(png_dir), set_lr=set_lr, scale=scale, alpha=alpha,
+                        run_config=None if run_config is None else str(run_config), dry_run=dry_run,
+                        overwrite=overwrite, trust_pickle=trust_pickle)
     finish(result, as_json, _render)
 
 

@@ -1,12 +1,13 @@
-"""`ckpt resize-adapter`: arguments -> `ops.resize_adapter` -> text or JSON."""
+"""`ckpt resize-adapter`: arguments -> `api.resize_adapter` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from ... import api
 from ...core.units import human_bytes
-from ..flow import finish, op_imports, plan_and_run
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -45,14 +46,10 @@ def command(adapter: Path, out: Path, rank, energy, layout, alpha, overwrite: bo
       ckpt resize-adapter adapter-step95 adapter-step95-r8 --rank 8
     """
     check_roles("resize-adapter", {"ADAPTER": adapter, "OUT": out})
-    with op_imports():
-        from ...ops.resize_adapter import ResizeOptions, ResizeReport, open_resize_sources, plan_resize, run_resize
     warn_trust(trust_pickle)
-    options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle,
-                            layout=layout)
-    report = plan_and_run(lambda: open_resize_sources(adapter, options), lambda s: plan_resize(s, options),
-                          lambda plan, s, progress: run_resize(plan, s, progress, overwrite=overwrite),
-                          ResizeReport, dry_run=dry_run)
+    with progress_line(not dry_run) as bar:
+        report = api.resize_adapter(adapter, out, rank=rank, energy=energy, alpha=alpha, layout=layout,
+                                    dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle, progress=bar)
     finish(report, as_json, _render)
 
 

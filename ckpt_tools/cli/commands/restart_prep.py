@@ -1,15 +1,15 @@
-"""`ckpt restart-prep`: arguments -> `workflows.restart_prep` -> text or JSON."""
+"""`ckpt restart-prep`: arguments -> `api.restart_prep` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from ... import api
 from ...core.units import human_bytes, human_number
-from ..flow import finish, op_imports
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
-from ..progress import ProgressLine
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -55,18 +55,12 @@ def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: st
         --lr 5e-6 --config rl.toml
     """
     check_roles("restart-prep", {"RUN_OR_CKPT": run_or_ckpt, "--base": base})
-    with op_imports():
-        from ...workflows.restart_prep import restart_prep
     warn_trust(trust_pickle)
-    bar = ProgressLine.for_terminal()
-    try:
-        rep = restart_prep(run_or_ckpt, out, base=base, lr=lr, config=config, mode=mode, alpha=alpha,
-                           run_config=run_config, world_size=world_size, scheduler_step=scheduler_step,
-                           config_out=config_out, dry_run=dry_run, trust_pickle=trust_pickle, overwrite=overwrite,
-                           progress=bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    with progress_line() as bar:
+        rep = api.restart_prep(run_or_ckpt, out, base=base, lr=lr, config=config, mode=mode, alpha=alpha,
+                               run_config=run_config, world_size=world_size, scheduler_step=scheduler_step,
+                               config_out=config_out, dry_run=dry_run, trust_pickle=trust_pickle, overwrite=overwrite,
+                               progress=bar)
     finish(rep, as_json, lambda r: _render(r, dry_run))
 
 

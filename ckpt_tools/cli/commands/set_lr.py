@@ -1,12 +1,13 @@
-"""`ckpt set-lr`: arguments -> `ops.set_lr` -> text or JSON (and the change/result renderers `ckpt set` shares)."""
+"""`ckpt set-lr`: arguments -> `api.set_lr` -> text or JSON (and the change/result renderers `ckpt set` shares)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from ... import api
 from ...core.units import human_bytes, human_number
-from ..flow import DryRunReport, dry_run_output, finish, op_imports
+from ..flow import finish
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
@@ -64,13 +65,9 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
     Example:
       ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
     """
-    with op_imports():
-        from ...ops.set_lr import set_lr
     warn_trust(trust_pickle)
-    result = set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
-                    overwrite=overwrite, trust_pickle=trust_pickle)
-    if dry_run and out is not None:   # OUT checked as the real run checks it
-        result = DryRunReport(result, dry_run_output(out, overwrite))
+    result = api.set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
+                        overwrite=overwrite, trust_pickle=trust_pickle)
     finish(result, as_json, lambda r: _render(r, dry_run))
 
 

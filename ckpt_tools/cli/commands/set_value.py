@@ -1,11 +1,12 @@
-"""`ckpt set`: arguments -> `ops.set_lr.set_values` -> text or JSON."""
+"""`ckpt set`: arguments -> `api.set_values` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from ..flow import DryRunReport, dry_run_output, finish, op_imports
+from ... import api
+from ..flow import finish
 from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 from .set_lr import render_changes, render_result
@@ -33,12 +34,9 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
     Example:
       ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
     """
-    with op_imports():
-        from ...ops.set_lr import set_values
     warn_trust(trust_pickle)
-    result = set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle)
-    if dry_run and out is not None:   # OUT checked as the real run checks it
-        result = DryRunReport(result, dry_run_output(out, overwrite))
+    result = api.set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite,
+                            trust_pickle=trust_pickle)
     finish(result, as_json, lambda r: _render(r, dry_run))
 
 

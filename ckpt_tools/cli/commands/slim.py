@@ -1,14 +1,13 @@
-"""`ckpt slim`: arguments -> `ops.slim` -> text or JSON."""
+"""`ckpt slim`: arguments -> `api.slim` -> text or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from ... import dist
+from ... import api
 from ...core.units import human_bytes
-from ...io import remote
-from ..flow import finish, op_imports, plan_and_run
+from ..flow import finish, is_remote, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, OutputPath, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -39,17 +38,13 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
       ckpt slim outputs/checkpoints/step_95/trainer step_95-slim --base Qwen/Qwen3-32B
     """
     check_roles("slim", {"CKPT": ckpt, "OUT": out, "--base": base})
-    with op_imports():
-        from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
     warn_trust(trust_pickle)
-    if base is None and remote.is_remote_path(ckpt):
+    if base is None and is_remote(ckpt):
         warn("CKPT is remote and no --base is given: every dropped tensor is fetched to be hashed; with --base "
              "they are proven against the base by the CRC-32 their items store, and never fetched")
-    options = SlimOptions(out, input_arg(base), overwrite, trust_pickle)
-    report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
-                          lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite, group=dist.current()),
-                          SlimReport,
-                          dry_run=dry_run, out=out, overwrite=overwrite)
+    with progress_line(not dry_run) as bar:
+        report = api.slim(ckpt, out, base=input_arg(base), dry_run=dry_run, overwrite=overwrite,
+                          trust_pickle=trust_pickle, progress=bar)
     finish(report, as_json, lambda r: _render(r, dry_run))
 
 

@@ -1,18 +1,21 @@
-"""`ckpt verify`: arguments -> `ops.verify` -> one line per problem (or JSON), exit 1 on any."""
+"""`ckpt verify`: arguments -> `api.verify` -> one line per problem (or JSON), exit 1 on any."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from ... import dist
+from ... import api
 from ...core.units import human_bytes
 from ...core.problems import group_problems
-from ...ops.verify import VerifyOptions, VerifyReport, plan_verify, run_verify
+from ..flow import progress_line
 from ..mistakes import check_roles
 from ..options import ModelPath, download_option, json_option, trust_option
-from ..progress import ProgressLine
 from ..render import emit, warn, warn_trust
+
+if TYPE_CHECKING:
+    from ...api import VerifyReport
 
 __all__ = ["command", "render"]
 
@@ -44,13 +47,8 @@ def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_jso
     if base is not None:
         check_roles("verify --base", {"PATH": path, "--base": base})
     warn_trust(trust_pickle)
-    plan = plan_verify(path, VerifyOptions(deep, base, trust_pickle))
-    progress = ProgressLine.for_terminal(not as_json)
-    try:
-        report = run_verify(plan, progress, group=dist.current())
-    finally:
-        if progress is not None:
-            progress.close()
+    with progress_line(not as_json) as bar:
+        report = api.verify(path, deep=deep, base=base, trust_pickle=trust_pickle, progress=bar)
     if as_json:
         emit(report, exit_code=0 if report.ok else 1)
     else:

@@ -4,7 +4,7 @@ Plan, then execute, one contract: `open_merge_sources(base, adapter, options)` o
 `plan_merge(sources, options) -> MergePlan` (frozen, `to_json()`) decides every output tensor's source,
 action, shard and bytes from facts (`plan.plan_from_facts`, pure); `run_merge(plan, sources, progress)
 -> MergeReport` writes OUT through the bounded pipeline (`pipeline`). The one entry point that does all
-three is `ckpt_tools.api.merge` (the CLI composes them itself to render the plan and the progress line). `--dry-run` / `--json` print the
+three is `ckpt_tools.api.merge` (and `api.export`), which `ckpt merge` / `ckpt export` call. `--dry-run` / `--json` print the
 plan. Modules: `facts` (what the planner sees), `plan` (the pure planner), `guards` (merges that would
 be wrong), `prepare` (sources and options), `pipeline` (execution), `export` (`ckpt export`: a
 checkpoint's own model as an HF dir, the same plan and pipeline).

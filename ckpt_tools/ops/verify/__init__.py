@@ -18,7 +18,7 @@ from ...formats.dcp.checks import verify_dcp
 from .hf import verify_hf
 from .peft import verify_peft
 
-__all__ = ["VerifyOptions", "VerifyPlan", "plan_verify", "run_verify", "verify_path", "Problem", "VerifyReport"]
+__all__ = ["VerifyOptions", "VerifyPlan", "plan_verify", "run_verify", "Problem", "VerifyReport"]
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,3 @@ def run_verify(plan: VerifyPlan, progress: Progress | None = None, *, group: Gro
     else:
         verify_peft(p, report, deep=o.deep, base=o.base, trust_pickle=o.trust_pickle)
     return report
-
-
-def verify_path(path: str | Path, *, deep: bool = False, base: str | Path | None = None,
-                trust_pickle: bool = False, progress: Progress | None = None) -> VerifyReport:
-    """Plan and run (the library entry point)."""
-    opts = VerifyOptions(deep, None if base is None else str(base), trust_pickle)
-    return run_verify(plan_verify(path, opts), progress)
