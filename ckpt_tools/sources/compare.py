@@ -34,6 +34,7 @@ import torch
 from ..core.accel import load_accelerator
 from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
+from ..core.tensor_math import LoraFactors64, MergeCheck, check_merged_values, lora_bound_rows
 from .base import Source, TensorFacts
 
 # Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the torch statistics alone.
@@ -42,7 +43,7 @@ accelerator = load_accelerator("ckpt_tools.sources.delta_stats_c")
 __all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch", "ChunkStats", "chunk_stats",
            "identical_chunk_stats", "reference_chunk_stats", "accelerator", "DeltaStats", "chunk_map", "shared_names",
            "block_ranges", "stat_chunks", "chunk_scratch_bytes", "read_chunk", "stream_stats", "tensors_identical",
-           "identical"]
+           "identical", "value_check_chunk"]
 
 # Elements per block of a tensor's statistics (`block_bytes` of the wider side), each folded in
 # STATS_BLOCK_ELEMS pieces: 2 MB of fp64 per temporary, which stays in the CPU's cache.
@@ -288,6 +289,28 @@ def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -
     if nbytes:
         src.read_span(facts.name, start * facts.itemsize, raw)
     return raw, u8.view(torch_dtype(facts.dtype))
+
+
+def value_check_chunk(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, factors: LoraFactors64, r0: int,
+                      first: int, scale: float, *, w_raw=None, w0_raw=None) -> MergeCheck:
+    """`core.tensor_math.check_merged_values` of one chunk: elements [first, first + n) of the row block that
+    starts at row `r0` (`prod`: the chunk's fp64 P), in one pass of the C kernel with the GIL released (the
+    bound computed per element, never stored) where it covers W's dtype (bf16, fp32), else the torch
+    definition over the chunk's rows. `w_raw`/`w0_raw`: the chunks' bytearrays as `read_chunk` read them."""
+    n, cols = w.numel(), int(factors.right_norms.numel())
+    rows = (r0 + first // cols, r0 + (first + n + cols - 1) // cols) if n else (r0, r0)
+    code_w = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
+    code_w0 = _DTYPE_CODES.get(w0.dtype)
+    if code_w in (0, 2) and code_w0 is not None and prod.dtype == torch.float64 and prod.is_contiguous():
+        got = accelerator.value_check(w_raw if w_raw is not None else _raw(w), code_w,
+                                      w0_raw if w0_raw is not None else _raw(w0), code_w0, _raw(prod),
+                                      _raw(factors.left_norms[rows[0]:rows[1]]), _raw(factors.right_norms),
+                                      first % cols, cols, float(scale), factors.gamma)
+        if got is not None:
+            return MergeCheck(*got)
+    lead = first % cols
+    bound = lora_bound_rows(factors, *rows)[lead:lead + n]
+    return check_merged_values(w, w0, prod, bound, scale)
 
 
 def _same_bytes(a: bytearray, b: bytearray) -> bool:

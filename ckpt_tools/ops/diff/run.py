@@ -39,12 +39,11 @@ from ...core.budget import ByteBudget
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.lora_math import check_shapes
 from ...core.progress import Progress, report
-from ...core.tensor_math import MergeCheck, check_merged_values, lora_factors_fp64, lora_rows_fp64, merge_weight_into, \
-    ulps_apart
+from ...core.tensor_math import MergeCheck, lora_factors_fp64, lora_product_rows_fp64, merge_weight_into, ulps_apart
 from ...dist import Group, SoloGroup, local_workers, map_units
 from ...sources.compare import (
     BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, chunk_map,
-    chunk_scratch_bytes, chunk_stats, common_dtype, read_chunk, stat_chunks, stream_stats,
+    chunk_scratch_bytes, chunk_stats, common_dtype, read_chunk, stat_chunks, stream_stats, value_check_chunk,
 )
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
@@ -174,13 +173,14 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
     def check(block: tuple[int, int]) -> list[tuple[ChunkStats, MergeCheck]]:
         start, n = block
         r0, r1 = start // cols, (start + n) // cols
-        prod, bound = lora_rows_fp64(factors, r0, r1)
+        prod = lora_product_rows_fp64(factors, r0, r1)
         out = []
         for s, k in stat_chunks(n, n):
-            w = read_chunk(weights, fw, start + s, k, "w")[1]
-            w0 = read_chunk(base, fb, start + s, k, "w0")[1]
+            xw, w = read_chunk(weights, fw, start + s, k, "w")
+            xb, w0 = read_chunk(base, fb, start + s, k, "w0")
             part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
-            out.append((part, check_merged_values(w, w0, prod[s:s + k], bound[s:s + k], spec.scale)))
+            out.append((part, value_check_chunk(w, w0, prod[s:s + k], factors, r0, s, spec.scale, w_raw=xw,
+                                                w0_raw=xb)))
         return out
 
     st, found = DeltaStats(), MergeCheck()
