@@ -187,10 +187,14 @@ def lora_factors_fp64(a: torch.Tensor, b: torch.Tensor, *, fan_in_fan_out: bool 
     return LoraFactors64(left, right, left.norm(dim=1), right.norm(dim=0), int(a.shape[0]))
 
 
-def lora_product_rows_fp64(f: LoraFactors64, r0: int, r1: int) -> torch.Tensor:
+def lora_product_rows_fp64(f: LoraFactors64, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """P = L @ R for rows [r0, r1), flattened, in fp64 (its own error ~2^-53 relative: inside the check's
-    slack, whatever kernel or threads the BLAS uses)."""
-    return (f.left[r0:r1] @ f.right).reshape(-1)
+    slack, whatever kernel or threads the BLAS uses). `out`: an fp64 buffer of (r1 - r0) * cols elements to
+    write it into (reused across blocks, it saves page-faulting a fresh 4 MiB per block)."""
+    if out is None:
+        return (f.left[r0:r1] @ f.right).reshape(-1)
+    torch.matmul(f.left[r0:r1], f.right, out=out.view(r1 - r0, f.right.shape[1]))
+    return out
 
 
 def lora_bound_rows(f: LoraFactors64, r0: int, r1: int) -> torch.Tensor:

@@ -173,7 +173,7 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
     def check(block: tuple[int, int]) -> list[tuple[ChunkStats, MergeCheck]]:
         start, n = block
         r0, r1 = start // cols, (start + n) // cols
-        prod = lora_product_rows_fp64(factors, r0, r1)
+        prod = lora_product_rows_fp64(factors, r0, r1, out=_SCRATCH.tensor("prod", n, torch.float64))
         out = []
         for s, k in stat_chunks(n, n):
             xw, w = read_chunk(weights, fw, start + s, k, "w")
