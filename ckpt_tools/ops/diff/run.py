@@ -40,7 +40,7 @@ from ...core.dtypes import dtype_name, torch_dtype
 from ...core.lora_math import check_shapes
 from ...core.progress import Progress, report
 from ...core.tensor_math import MergeCheck, lora_factors_fp64, lora_product_rows_fp64, merge_weight_into, ulps_apart
-from ...dist import Group, SoloGroup, local_workers, map_units
+from ...dist import Group, SoloGroup, local_workers, map_units, working
 from ...sources.compare import (
     BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, chunk_map,
     chunk_scratch_bytes, chunk_stats, common_dtype, read_chunk, stat_chunks, stream_stats, value_check_chunk,
@@ -340,7 +340,10 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     weights, base, lora = sources.weights, sources.base, sources.lora
     t0 = time.perf_counter()
     total = len(plan.pairs)
-    threads = local_workers()
+    group = group or SoloGroup()
+    sizes = [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs]
+    # under torchrun, only the ranks that get work (`dist.working`: a tiny job runs on rank 0) share the cores
+    threads = local_workers(n_working=working(sizes, group))
     if any(src.extents(p.name) is None for p in plan.pairs if p.read for src in (weights, base)):
         threads = 1   # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
     # Two levels: `threads` units in flight (map_units), and their chunks on one pool of `threads`
@@ -350,8 +353,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     scratch = max((_scratch_bytes(p) for p in plan.pairs), default=0)
     budget = ByteBudget(max(1, WORKING_BUDGET_BYTES - threads * scratch))
     state = {"done": 0, "bytes": 0}
-    # the bytes both sides hold, for the progress line's bytes, rate and ETA (what the reads take)
-    sizes = [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs]
+    # (sizes: the bytes both sides hold, for the progress line's bytes, rate and ETA: what the reads take)
     bytes_total = sum(sizes)
 
     def compare(i: int) -> dict:
@@ -388,7 +390,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     tensors = [TensorDiff(**d) for d in results]
     verdict, code, summary, adapter_summary = _verdict(plan, tensors, lora)
     warnings = list(getattr(lora, "warnings", ()) or ()) if lora is not None else []
-    (bytes_read,) = (group or SoloGroup()).sum([weights.bytes_read + base.bytes_read], "the bytes read")
+    (bytes_read,) = group.sum([weights.bytes_read + base.bytes_read], "the bytes read")
     return DiffReport(plan, tensors, verdict, code, summary, adapter_summary, warnings,
                       bytes_read=bytes_read, seconds=time.perf_counter() - t0)
 
