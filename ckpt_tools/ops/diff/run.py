@@ -4,8 +4,8 @@ exactly BASE + the LoRA?
 Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
 marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
 before any tensor byte is read. `run_diff` then compares the pairs on this rank's workers, each
-pair in chunks (`sources.compare.stat_chunks`) spread over one pool of chunk workers, so a big
-tensor uses every core; every side is read once:
+pair in blocks (each side read in one piece, folded in `sources.compare.stat_chunks`) spread over one
+pool of block workers, so a big tensor uses every core; every side is read once:
 
 - same dtype and shape: raw byte comparison per chunk (memcmp, no decoding); the chunks that differ
   give the statistics of W - W0 (fp64 accumulation), the equal ones only ||W0||^2;
@@ -43,7 +43,7 @@ from ...core.tensor_math import MergeCheck, lora_factors_fp64, lora_product_rows
 from ...dist import Group, SoloGroup, local_workers, map_units, working
 from ...sources.compare import (
     BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, chunk_map,
-    chunk_scratch_bytes, chunk_stats, common_dtype, read_chunk, stat_chunks, stream_stats, value_check_chunk,
+    block_chunks, chunk_scratch_bytes, chunk_stats, common_dtype, read_block, stream_stats, value_check_chunk,
 )
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
@@ -174,10 +174,13 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
         start, n = block
         r0, r1 = start // cols, (start + n) // cols
         prod = lora_product_rows_fp64(factors, r0, r1, out=_SCRATCH.tensor("prod", n, torch.float64))
+        xw_all, w_all = read_block(weights, fw, start, n, "w")
+        xb_all, w0_all = read_block(base, fb, start, n, "w0")
+        iw, ib = fw.itemsize, fb.itemsize
         out = []
-        for s, k in stat_chunks(n, n):
-            xw, w = read_chunk(weights, fw, start + s, k, "w")
-            xb, w0 = read_chunk(base, fb, start + s, k, "w0")
+        for s, k in block_chunks(n):
+            w, w0 = w_all[s:s + k], w0_all[s:s + k]
+            xw, xb = xw_all[s * iw:(s + k) * iw], xb_all[s * ib:(s + k) * ib]
             part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
             out.append((part, value_check_chunk(w, w0, prod[s:s + k], factors, r0, s, spec.scale, w_raw=xw,
                                                 w0_raw=xb)))
