@@ -116,15 +116,6 @@ def _jsonable(x):
     return x
 
 
-def _whole_stats(w: torch.Tensor, w0: torch.Tensor, block_elems: int) -> DeltaStats:
-    ct = common_dtype(w.dtype, w0.dtype)
-    fw, fb = w.reshape(-1), w0.reshape(-1)
-    st = DeltaStats()
-    for start in range(0, fw.numel(), block_elems):
-        st.add(fw[start:start + block_elems].to(ct), fb[start:start + block_elems].to(ct))
-    return st
-
-
 def _result(p: PairPlan, status: str, st: DeltaStats | None) -> TensorDiff:
     td = TensorDiff(p.name, status, dtype_name(p.weights.dtype), dtype_name(p.base.dtype),
                     list(p.weights.shape), list(p.base.shape), p.weights.numel, role=p.role)
@@ -208,20 +199,10 @@ def _ulps_result(off: int, max_ulps: int, floating: bool) -> dict:
     return {"ok": False, "max_ulps": max_ulps if floating else None, "elements_off": off}
 
 
-def _ulps_check(w: torch.Tensor, expected: torch.Tensor, block_elems: int) -> dict:
-    """Bitwise equality first (one cheap pass); the ulps distance only where they differ, in blocks."""
-    fw, fe = w.reshape(-1), expected.reshape(-1)
-    off = int(torch.count_nonzero(bits(fw) != bits(fe)))
-    max_ulps = 0
-    if off and w.dtype.is_floating_point:
-        for s in range(0, fw.numel(), block_elems):
-            max_ulps = max(max_ulps, int(ulps_apart(fw[s:s + block_elems], fe[s:s + block_elems]).max()))
-    return _ulps_result(off, max_ulps, w.dtype.is_floating_point)
-
-
 def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
     """Targeted / replaced tensors. A targeted one streams (`_check_targeted_streaming`); a replaced
-    one (modules_to_save) is read whole on both sides and compared bit for bit."""
+    one (modules_to_save) streams its statistics, and W is compared bit for bit with the adapter's
+    tensor (read whole: `LoraSource.read_full`) block by block (`_replaced_check`)."""
     if p.mode == "shape":
         td = _result(p, SHAPE_CHANGED, None)
         td.adapter_check = {"ok": False, "expected": "same shape as BASE",
@@ -229,20 +210,34 @@ def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, po
         return td
     if p.role == TARGETED:
         return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool)
-    w = weights.read_tensor(p.name)
-    w0 = base.read_tensor(p.name)
-    st = _whole_stats(w, w0, max(1, block_bytes // 8))
+    st = stream_stats(weights, base, p.name, block_bytes, skip_identical=p.mode == "raw", pool=pool)
     td = _result(p, _status(p, st), st)
-    expected = lora.read_full(p.name).to(w.dtype)
-    check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(w.dtype)}"}
-    if tuple(expected.shape) != tuple(w.shape):
-        check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(w.shape)}")
+    fw = p.weights
+    expected = lora.read_full(p.name)   # (the adapter's tensor, whole: LoraSource reads it so)
+    check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(fw.dtype)}"}
+    if tuple(expected.shape) != tuple(fw.shape):
+        check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(fw.shape)}")
         td.adapter_check = check
         return td
-    del w0
-    check.update(_ulps_check(w, expected, max(1, block_bytes // 8)))
+    check.update(_replaced_check(weights, fw, expected.reshape(-1), block_bytes))
     td.adapter_check = check
     return td
+
+
+def _replaced_check(weights, fw, expected: torch.Tensor, block_bytes: int) -> dict:
+    """W against the adapter's tensor cast to W's dtype, block by block (W read by blocks, the cast made
+    per block): bitwise equality, and the ulps distance where they differ."""
+    dt = torch_dtype(fw.dtype)
+    off = max_ulps = 0
+    for start, n in block_ranges(fw.numel, max(1, block_bytes // max(fw.itemsize, expected.element_size()))):
+        w = read_block(weights, fw, start, n, "w")[1]
+        e = expected[start:start + n].to(dt)
+        differ = bits(w) != bits(e)
+        k = int(torch.count_nonzero(differ))
+        if k and dt.is_floating_point:
+            max_ulps = max(max_ulps, int(ulps_apart(w[differ], e[differ]).max()))
+        off += k
+    return _ulps_result(off, max_ulps, dt.is_floating_point)
 
 
 def _one_sided(plan: DiffPlan) -> str:
@@ -328,11 +323,11 @@ def _working_bytes(p: PairPlan, lora) -> int:
         return 0
     if p.role not in (TARGETED, REPLACED):
         return 0   # streamed: the worker's chunk buffers only
-    numel, whole = p.weights.numel, p.weights.nbytes + p.base.nbytes
+    numel = p.weights.numel
     if p.role == TARGETED:
         spec = lora.modules[p.module]
         return 12 * (math.prod(spec.a_shape) + math.prod(spec.b_shape))   # A, B (<= fp32) and in fp64
-    return whole + 4 * numel + p.weights.nbytes + numel   # W, W0, the adapter's tensor (<= fp32) as W, the xor
+    return 4 * numel + 3 * BLOCK_BYTES   # the adapter's tensor (<= fp32); a block of W, its cast and the mask
 
 
 def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = None, *,
