@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .test_merge_memory import _LAUNCH
-
 HIDDEN, RANK, MiB = 2048, 8, 2**20
+# Runs the command and prints its peak RSS (as test_merge_memory's launcher: Linux carries a process's peak
+# RSS across exec, so a child forked from this pytest process would report pytest's size).
+_LAUNCH = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL); "
+           "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 
 
 def _write(root: Path, rows: int) -> tuple[Path, Path]:
