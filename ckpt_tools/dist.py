@@ -30,10 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from .core.errors import RankFailed, UsageError
-from .core.parts import SOLO, Part
+from .core.parts import SOLO, Part, working_ranks
 
 __all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "env_part", "current",
-           "TIMEOUT_ENV", "RENDEZVOUS_ENV", "DEFAULT_RENDEZVOUS_S", "check_env", "local_workers", "map_units"]
+           "TIMEOUT_ENV", "RENDEZVOUS_ENV", "DEFAULT_RENDEZVOUS_S", "check_env", "local_workers", "map_units",
+           "MIN_BYTES_PER_RANK_ENV", "DEFAULT_MIN_BYTES_PER_RANK", "min_bytes_per_rank", "working"]
 
 TIMEOUT_ENV = "CKPT_TOOLS_DIST_TIMEOUT_S"   # how long a rank waits for the others (default 6 h)
 # How long a rank waits for all ranks to join at the start (the rendezvous): a process that finds
@@ -42,6 +43,11 @@ TIMEOUT_ENV = "CKPT_TOOLS_DIST_TIMEOUT_S"   # how long a rank waits for the othe
 RENDEZVOUS_ENV = "CKPT_TOOLS_DIST_RENDEZVOUS_S"
 DEFAULT_RENDEZVOUS_S = 300.0
 _POLL_S = 0.02
+# Read-only work is split over the ranks only when each gets at least this much (`core.parts.working_ranks`):
+# below it, a rank's start-up and collectives cost more than its share of the reads saves, and N ranks were
+# slower than one (the ranks past the number stay idle; the working ones take the node's cores).
+MIN_BYTES_PER_RANK_ENV = "CKPT_TOOLS_MIN_BYTES_PER_RANK"
+DEFAULT_MIN_BYTES_PER_RANK = 256 * 2**20
 
 
 def env_part(environ=os.environ) -> Part:
@@ -239,28 +245,59 @@ _CURRENT: Group | None = None
 T = TypeVar("T")
 
 
-def local_workers(cap: int = 16, environ=os.environ) -> int:
+def local_workers(cap: int = 16, environ=os.environ, n_working: int | None = None) -> int:
     """Threads for a read-bound job on this rank: this process's cores shared by the ranks of its node
-    (torchrun's LOCAL_WORLD_SIZE), at most `cap` (each holds one read block)."""
+    (torchrun's LOCAL_WORLD_SIZE) that work, at most `cap` (each holds one read block). `n_working`:
+    only ranks 0 .. n_working - 1 of the world work (`working`); torchrun numbers a node's ranks
+    contiguously, so this node's working ones are those of its LOCAL_WORLD_SIZE below that number."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    per_rank = max(1, cores // max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if n_working is not None and local > 1:
+        first_here = int(environ.get("RANK", "0") or 0) - int(environ.get("LOCAL_RANK", "0") or 0)
+        local = max(1, min(local, n_working - first_here))
+    per_rank = max(1, cores // local)
     return max(1, min(cap, per_rank))
+
+
+def min_bytes_per_rank(environ=os.environ) -> int:
+    """The work a rank must get before read-only work is split (MIN_BYTES_PER_RANK_ENV; 0: always split)."""
+    raw = environ.get(MIN_BYTES_PER_RANK_ENV, "")
+    if raw == "":
+        return DEFAULT_MIN_BYTES_PER_RANK
+    try:
+        v = int(raw)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise UsageError(f"{MIN_BYTES_PER_RANK_ENV}={raw!r} is not a number of bytes >= 0",
+                         hint=f"unset {MIN_BYTES_PER_RANK_ENV} for the default ({DEFAULT_MIN_BYTES_PER_RANK})")
+    return v
+
+
+def working(weights: Sequence[int], group: Group | None = None, environ=os.environ) -> int:
+    """How many ranks of `group` take units of a read-only job weighing `weights` (`core.parts.working_ranks`
+    with `min_bytes_per_rank`); 1 outside torchrun."""
+    group = group or SoloGroup()
+    return working_ranks(weights, group.part.world, min_bytes_per_rank(environ)) if group.part.world > 1 else 1
 
 
 def map_units(fn: Callable[[int], T], weights: Sequence[int], group: Group | None = None, *,
               threads: int | None = None, done: Callable[[int, T], None] | None = None,
               everywhere: bool = False) -> list[T] | None:
-    """`fn(i)` for every independent unit i (weights: its bytes), split over the group's ranks
-    (`Part.mine`) and this rank's threads; `done(i, result)` runs in this thread as results arrive in
+    """`fn(i)` for every independent unit i (weights: its bytes), split over the group's working ranks
+    (`working`: the first ones, one per `min_bytes_per_rank` of work; then `Part.mine`) and this rank's threads; `done(i, result)` runs in this thread as results arrive in
     order (progress). Returns every unit's result in unit order on the leader (on every rank with
     `everywhere`), None on the others (results cross ranks as JSON). Read-only work: nothing to
     commit, so no staging."""
     group = group or SoloGroup()
-    mine = group.part.mine(weights)
-    threads = threads or local_workers()
+    # below `min_bytes_per_rank` a rank costs more than it saves: only the first `n` ranks take units
+    n = working(weights, group)
+    part = group.part
+    mine = Part(part.rank, n).mine(weights) if part.rank < n else ()
+    threads = threads or local_workers(n_working=n)
     results: dict[int, T] = {}
 
     def ordered() -> Iterator[tuple[int, T]]:

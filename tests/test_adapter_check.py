@@ -25,8 +25,8 @@ def ckpt(*args):
                           cwd=REPO, timeout=600)
 
 
-def check(merged, adapter=TRAINER):
-    r = ckpt("diff-vs-base", merged, BASE, "--adapter", adapter, "--json")
+def check(merged, adapter=TRAINER, base=BASE):
+    r = ckpt("diff-vs-base", merged, base, "--adapter", adapter, "--json")
     return r.returncode, json.loads(r.stdout)
 
 
@@ -139,3 +139,15 @@ def test_another_steps_adapter_fails(made, tmp_path):
     assert ckpt("fix-adapter", STEP2_BROADCAST, tmp_path / "step2").returncode == 0
     code, doc = check(made / "merged", tmp_path / "step2")
     assert code == 4 and len(doc["result"]["adapter_check"]["off"]) == 21, doc["result"]["adapter_check"]
+
+
+def test_against_the_checkpoints_fp32_base_weights_the_same_merges_pass_and_fail():
+    """BASE = the DCP checkpoint: W0 is its fp32 copy of the base (bf16 values upcast), so the check
+    runs on fp32 W0 beside bf16 W, and must give the bf16 base's verdicts."""
+    code, doc = check(FIXTURE / "expected_merged_hf", base=TRAINER)
+    summary = doc["result"]["adapter_check"]
+    assert code == 0 and summary["passed"] and summary["exact"] == 21, summary
+    assert summary["ties"] == check(FIXTURE / "expected_merged_hf")[1]["result"]["adapter_check"]["ties"]
+    r = ckpt("diff-vs-base", FIXTURE / "expected_merged_hf", TRAINER, "--adapter", TRAINER, "--alpha", "16.16",
+             "--json")   # the check's alpha 1% off the merge's
+    assert r.returncode == 4 and len(json.loads(r.stdout)["result"]["adapter_check"]["off"]) == 21

@@ -58,7 +58,7 @@ def test_the_byte_budget_never_holds_more_than_its_limit_and_admits_an_oversized
 
 
 def _report(monkeypatch, workers: int, **kw) -> dict:
-    monkeypatch.setattr(diff_run, "local_workers", lambda: workers)
+    monkeypatch.setattr(diff_run, "local_workers", lambda **kw: workers)
     d = diff_vs_base(MERGED, BASE, block_bytes=4096, **kw).to_json()
     d.pop("seconds")
     return d

@@ -251,3 +251,28 @@ def test_modules_to_save_entries_are_exact_module_names_and_ambiguous_ones_are_r
     assert exact_modules_to_save(["model.norm.weight", "lm_head.weight"], base) == ["lm_head", "model.norm"]
     with pytest.raises(FormatError, match="input_layernorm also ends with it"):   # PEFT's str.endswith match
         exact_modules_to_save(["norm.weight"], base + ["norm.weight"])
+
+
+# ------------------------------------------------------------------------------------------ diff-vs-base
+def test_diff_vs_base_checks_the_trained_tensors_bit_for_bit_and_one_changed_element_fails(mts, adapter, tmp_path):
+    """`diff-vs-base --adapter`: lm_head and model.norm (modules_to_save) must be the adapter's tensors in
+    W's dtype, compared block by block; the LoRA modules by value."""
+    from safetensors.torch import save_file
+    _, paths, _ = mts
+    r = run("diff-vs-base", paths.expected_hf, paths.base_model, "--adapter", adapter[0], "--json")
+    doc = json_payload(r.stdout)
+    assert r.exit_code == 0, doc
+    replaced = {t["name"]: t["adapter_check"] for t in doc["tensors"] if t["role"] == "replaced"}
+    assert sorted(replaced) == SAVED and all(c["ok"] and c["elements_off"] == 0 for c in replaced.values())
+    bad = tmp_path / "bad"
+    shutil.copytree(paths.expected_hf, bad)
+    for f in bad.glob("*.safetensors"):
+        sd = load_file(str(f))
+        if "lm_head.weight" in sd:
+            sd["lm_head.weight"].view(-1).view(torch.int16)[12345] += 1   # one ulp of one element
+            save_file(sd, str(f), metadata={"format": "pt"})
+    for extra in bad.glob("SHA256SUMS*"):
+        extra.unlink()
+    r = run("diff-vs-base", bad, paths.base_model, "--adapter", adapter[0], "--json")
+    off = json_payload(r.stdout)["adapter_check"]["off"]
+    assert r.exit_code == 4 and off == [{"name": "lm_head.weight", "max_ulps": 1, "elements_off": 1, "problem": None}]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Part", "SOLO", "assign_units"]
+__all__ = ["Part", "SOLO", "assign_units", "working_ranks"]
 
 
 def assign_units(weights: Sequence[int], world: int) -> tuple[int, ...]:
@@ -24,6 +24,19 @@ def assign_units(weights: Sequence[int], world: int) -> tuple[int, ...]:
         owners[i] = r
         load[r] += int(weights[i])
     return tuple(owners)
+
+
+def working_ranks(weights: Sequence[int], world: int, min_bytes_per_rank: int) -> int:
+    """How many of `world` ranks get units of a read-only job weighing `weights` (bytes): one per
+    `min_bytes_per_rank` of work, at least 1, at most one per unit. A rank costs its start-up, the
+    collectives and a share of the node's cores; below that much work it saves less than it costs, so
+    the ranks past this number stay idle and the working ones take the cores (`dist.local_workers`).
+    `min_bytes_per_rank` <= 0: every rank works."""
+    if world <= 1:
+        return 1
+    if min_bytes_per_rank <= 0:
+        return max(1, min(world, len(weights)))
+    return max(1, min(world, len(weights), sum(int(w) for w in weights) // min_bytes_per_rank))
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Two sources' tensors compared bitwise, chunk by chunk (memory: a few chunks per thread).
 
 Every tensor pair is walked in the chunks the statistics fold (`stat_chunks`): blocks of
-`block_bytes`, each cut into STATS_BLOCK_ELEMS elements. Each chunk of each side is read straight
-into this thread's reused buffers (`Scratch`: no allocation, so no page faults, per chunk; the
-buffers stay in the CPU's cache). Same dtype: raw byte comparison first (memcmp, no decoding); a
-chunk that differs gets its statistics from the bytes just read. An identical tensor is read once
-and costs no arithmetic; in a tensor where only some chunks differ, the identical ones are read
-again from BASE alone for what they add (||W0||^2), which a LoRA merge never causes (its delta
-reaches every row of a targeted tensor).
+`block_bytes`, each cut into STATS_BLOCK_ELEMS elements. Each block of each side is read in one
+piece straight into this thread's reused buffers (`Scratch`: no allocation, so no page faults, per
+block), then walked chunk by chunk (slices of it: no copy). Same dtype: raw byte comparison first
+(memcmp, no decoding); a chunk that differs gets its statistics from the bytes just read. An
+identical tensor is read once and costs no arithmetic; in a tensor where only some blocks differ,
+the identical ones are read again from BASE alone for what they add (||W0||^2), which a LoRA merge
+never causes (its delta reaches every row of a targeted tensor).
 Different dtypes: both sides upcast exactly to a common dtype (bf16/fp16/fp32 -> fp32, anything
 with fp64 -> fp64) and compared bitwise there, with the statistics of W - W0 (`DeltaStats`, fp64
 accumulation). `ckpt diff-vs-base` reports these per tensor (its worker threads compare tensors in
@@ -34,6 +34,7 @@ import torch
 from ..core.accel import load_accelerator
 from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
+from ..core.tensor_math import LoraFactors64, MergeCheck, check_merged_values, lora_bound_rows
 from .base import Source, TensorFacts
 
 # Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the torch statistics alone.
@@ -41,8 +42,9 @@ accelerator = load_accelerator("ckpt_tools.sources.delta_stats_c")
 
 __all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch", "ChunkStats", "chunk_stats",
            "identical_chunk_stats", "reference_chunk_stats", "accelerator", "DeltaStats", "chunk_map", "shared_names",
-           "block_ranges", "stat_chunks", "chunk_scratch_bytes", "read_chunk", "stream_stats", "tensors_identical",
-           "identical"]
+           "block_ranges", "stat_chunks", "block_chunks", "chunk_scratch_bytes", "read_chunk", "read_block",
+           "stream_stats", "tensors_identical",
+           "identical", "value_check_chunk"]
 
 # Elements per block of a tensor's statistics (`block_bytes` of the wider side), each folded in
 # STATS_BLOCK_ELEMS pieces: 2 MB of fp64 per temporary, which stays in the CPU's cache.
@@ -169,9 +171,9 @@ def chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
     return reference_chunk_stats(w, w0)
 
 
-def _chunk_stats_read(xw: bytearray, xb: bytearray, w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
-    """`chunk_stats` of two chunks `read_chunk` read, their bytearrays handed to the C kernel as they
-    are (a view of each tensor as a buffer is 2 us with the GIL held: a third of the kernel's own
+def _chunk_stats_read(xw, xb, w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
+    """`chunk_stats` of two chunks `read_chunk` / `read_block` read, their bytes (a bytearray, or a slice
+    of a block's memoryview) handed to the C kernel as they are (a view of each tensor as a buffer is 2 us with the GIL held: a third of the kernel's own
     time at 16 threads)."""
     code = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
     if code is not None:
@@ -181,7 +183,7 @@ def _chunk_stats_read(xw: bytearray, xb: bytearray, w: torch.Tensor, w0: torch.T
     return chunk_stats(w, w0)
 
 
-def _identical_chunk_stats_read(xb: bytearray, w0: torch.Tensor) -> ChunkStats:
+def _identical_chunk_stats_read(xb, w0: torch.Tensor) -> ChunkStats:
     """`identical_chunk_stats` of a chunk `read_chunk` read (its bytearray as it is)."""
     code = _DTYPE_CODES.get(w0.dtype) if accelerator is not None else None
     base_sq = accelerator.base_sq(xb, code) if code is not None else None
@@ -273,11 +275,11 @@ def stat_chunks(numel: int, block_elems: int) -> Iterator[tuple[int, int]]:
             yield s, min(STATS_BLOCK_ELEMS, b + n - s)
 
 
-def chunk_scratch_bytes(*itemsizes: int) -> int:
+def chunk_scratch_bytes(*itemsizes: int, block_bytes: int = BLOCK_BYTES) -> int:
     """What one thread's `Scratch` holds at most for chunked comparisons of sides with these item
-    sizes: a chunk of each side's bytes and its upcast, the xors, two fp64 temporaries."""
+    sizes: a block of each side's bytes (`read_block`), a chunk's upcast, the xors, two fp64 temporaries."""
     widest = max(itemsizes, default=8)
-    return STATS_BLOCK_ELEMS * (3 * sum(itemsizes) + 2 * widest + 16)
+    return (block_bytes // widest) * sum(itemsizes) + STATS_BLOCK_ELEMS * (3 * sum(itemsizes) + 2 * widest + 16)
 
 
 def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -> tuple[bytearray, torch.Tensor]:
@@ -290,10 +292,32 @@ def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -
     return raw, u8.view(torch_dtype(facts.dtype))
 
 
-def _same_bytes(a: bytearray, b: bytearray) -> bool:
-    # bytearray == bytearray is one memcmp (memoryview == compares item by item: 60x slower; torch.equal 40x),
-    # with the GIL held; the C one releases it
-    return accelerator.same_bytes(a, b) if accelerator is not None else a == b
+def value_check_chunk(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, factors: LoraFactors64, r0: int,
+                      first: int, scale: float, *, w_raw=None, w0_raw=None) -> MergeCheck:
+    """`core.tensor_math.check_merged_values` of one chunk: elements [first, first + n) of the row block that
+    starts at row `r0` (`prod`: the chunk's fp64 P), in one pass of the C kernel with the GIL released (the
+    bound computed per element, never stored) where it covers W's dtype (bf16, fp32), else the torch
+    definition over the chunk's rows. `w_raw`/`w0_raw`: the chunks' bytearrays as `read_chunk` read them."""
+    n, cols = w.numel(), int(factors.right_norms.numel())
+    rows = (r0 + first // cols, r0 + (first + n + cols - 1) // cols) if n else (r0, r0)
+    code_w = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
+    code_w0 = _DTYPE_CODES.get(w0.dtype)
+    if code_w in (0, 2) and code_w0 is not None and prod.dtype == torch.float64 and prod.is_contiguous():
+        got = accelerator.value_check(w_raw if w_raw is not None else _raw(w), code_w,
+                                      w0_raw if w0_raw is not None else _raw(w0), code_w0, _raw(prod),
+                                      _raw(factors.left_norms[rows[0]:rows[1]]), _raw(factors.right_norms),
+                                      first % cols, cols, float(scale), factors.gamma)
+        if got is not None:
+            return MergeCheck(*got)
+    lead = first % cols
+    bound = lora_bound_rows(factors, *rows)[lead:lead + n]
+    return check_merged_values(w, w0, prod, bound, scale)
+
+
+def _same_bytes(a: memoryview, b: memoryview) -> bool:
+    # the C one is a memcmp with the GIL released; without it, bytes == bytes is one memcmp (memoryview ==
+    # compares item by item: 60x slower) after a copy of each side
+    return accelerator.same_bytes(a, b) if accelerator is not None else a.tobytes() == b.tobytes()
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype, role: str) -> torch.Tensor:
@@ -312,38 +336,67 @@ def chunk_map(pool: Executor | None, fn: Callable[[T], R], items: Sequence[T]) -
     return list(pool.map(fn, items))
 
 
+def read_block(src: Source, facts: TensorFacts, start: int, n: int, role: str) -> tuple[memoryview, torch.Tensor]:
+    """`read_chunk` of a whole block (one read per side, however many statistics chunks it holds: the
+    Python around each read holds the GIL, and at 16 threads reads of 512 KB serialized on it), as a
+    memoryview (sliced per chunk at no cost) and a tensor of the tensor's dtype."""
+    raw, t = read_chunk(src, facts, start, n, role)
+    return memoryview(raw), t
+
+
+def block_chunks(n: int) -> list[tuple[int, int]]:
+    """The statistics chunks of a block of `n` elements, relative to its start (`stat_chunks`' order)."""
+    return [(s, min(STATS_BLOCK_ELEMS, n - s)) for s in range(0, n, STATS_BLOCK_ELEMS)]
+
+
 def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BLOCK_BYTES, *,
                  skip_identical: bool = False, pool: Executor | None = None) -> DeltaStats:
     """The statistics of W - W0 for tensor `name` of both sources (same shape), in the common dtype,
-    its chunks on `pool`'s threads. `skip_identical` (same dtypes): each chunk's raw bytes compared
-    first; an identical pair's statistics are only its numel, and if some chunks differ, the equal
-    ones are folded from BASE alone."""
+    its blocks on `pool`'s threads, each side of a block read in one piece and folded in its statistics
+    chunks (`stat_chunks`). `skip_identical` (same dtypes): each chunk's raw bytes compared first; an
+    identical pair's statistics are only its numel; a block with a differing chunk folds its equal ones
+    from BASE's bytes at hand, and if only some blocks differ, the equal blocks are read again from BASE
+    alone for what they add (||W0||^2), which a LoRA merge never causes (its delta reaches every row)."""
     fw, fb = weights.facts(name), base.facts(name)
     ct = common_dtype(fw.dtype, fb.dtype)
-    chunks = list(stat_chunks(fw.numel, block_bytes // max(fw.itemsize, fb.itemsize)))
+    blocks = block_ranges(fw.numel, max(1, block_bytes // max(fw.itemsize, fb.itemsize)))
     if skip_identical and fw.dtype == fb.dtype:
-        def raw(c: tuple[int, int]) -> ChunkStats | None:
-            xw, w = read_chunk(weights, fw, *c, "w")
-            xb, w0 = read_chunk(base, fb, *c, "w0")
-            return None if _same_bytes(xw, xb) else _chunk_stats_read(xw, xb, w, w0)
+        size = fw.itemsize
 
-        parts = chunk_map(pool, raw, chunks)
+        def raw(block: tuple[int, int]) -> list[ChunkStats] | None:
+            xw, w = read_block(weights, fw, *block, "w")
+            xb, w0 = read_block(base, fb, *block, "w0")
+            chunks = block_chunks(block[1])
+            same = [_same_bytes(xw[s * size:(s + k) * size], xb[s * size:(s + k) * size]) for s, k in chunks]
+            if all(same):
+                return None
+            return [_identical_chunk_stats_read(xb[s * size:(s + k) * size], w0[s:s + k]) if eq else
+                    _chunk_stats_read(xw[s * size:(s + k) * size], xb[s * size:(s + k) * size], w[s:s + k],
+                                      w0[s:s + k]) for (s, k), eq in zip(chunks, same)]
+
+        def base_only(block: tuple[int, int]) -> list[ChunkStats]:
+            xb, w0 = read_block(base, fb, *block, "w0")
+            return [_identical_chunk_stats_read(xb[s * size:(s + k) * size], w0[s:s + k])
+                    for s, k in block_chunks(block[1])]
+
+        parts = chunk_map(pool, raw, blocks)
         same = [i for i, part in enumerate(parts) if part is None]
-        if len(same) == len(chunks):
+        if len(same) == len(blocks):
             return DeltaStats(numel=fw.numel)
-        for i, part in zip(same, chunk_map(pool, lambda c: _identical_chunk_stats_read(*read_chunk(base, fb, *c, "w0")),
-                                           [chunks[i] for i in same])):
+        for i, part in zip(same, chunk_map(pool, base_only, [blocks[i] for i in same])):
             parts[i] = part
     else:
-        def upcast(c: tuple[int, int]) -> ChunkStats:
-            w = _as(read_chunk(weights, fw, *c, "w")[1], ct, "w_ct")
-            w0 = _as(read_chunk(base, fb, *c, "w0")[1], ct, "w0_ct")
-            return chunk_stats(w, w0)
+        def upcast(block: tuple[int, int]) -> list[ChunkStats]:
+            w_all = read_block(weights, fw, *block, "w")[1]
+            w0_all = read_block(base, fb, *block, "w0")[1]
+            return [chunk_stats(_as(w_all[s:s + k], ct, "w_ct"), _as(w0_all[s:s + k], ct, "w0_ct"))
+                    for s, k in block_chunks(block[1])]
 
-        parts = chunk_map(pool, upcast, chunks)
+        parts = chunk_map(pool, upcast, blocks)
     st = DeltaStats()
     for part in parts:
-        st.fold(part)
+        for c in part:
+            st.fold(c)
     return st
 
 

@@ -378,6 +378,148 @@ static PyObject *py_same_bytes(PyObject *self, PyObject *args) {
     return PyBool_FromLong(same);
 }
 
+/* ---- the adapter check by value, one chunk in one pass (compare.py: merged_values_check) ----
+ *
+ * The definition is core/tensor_math.check_merged_values (torch); this is the same sequence of IEEE
+ * operations per element, nothing fused (-ffp-contract=off), so both give the same counts:
+ *   sp = P * s;  x = W0 + sp;  bound = (|L_i| * |R_j|) * gamma;  e = ((|sp| + |x|) * u + bound * |s|) * 2
+ *   lo = round(x - e), hi = round(x + e), expected = round(x)  (fp64 -> fp32 -> W's dtype, as torch's .to())
+ *   off: W outside [lo, hi]; tie: lo != hi; max_ulps: over the off elements whose expected value is
+ *   finite, |W - expected| in ulps.
+ * W is bf16 or fp32 here (any other dtype: None, the torch path); W0 any of the four dtypes. */
+static inline uint16_t bf16_from_f32(float f) {   /* c10's round_to_nearest_even */
+    if (isnan(f)) return 0x7fc0;
+    uint32_t u = bits_from_f32(f);
+    return (uint16_t)((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
+}
+static inline double round_to(double x, int code) {
+    float f = (float)x;
+    return code == BF16 ? (double)f32_from_bits((uint32_t)bf16_from_f32(f) << 16) : (double)f;
+}
+static inline int64_t monotone_bits(double v, int code) {   /* tensor_math.ulps_apart's integer line */
+    float f = (float)v;
+    if (code == BF16) {
+        int64_t b = (int16_t)bf16_from_f32(f);
+        return b < 0 ? -(b + 32768) : b;
+    }
+    int64_t b = (int32_t)bits_from_f32(f);
+    return b < 0 ? -(b + 2147483648LL) : b;
+}
+
+typedef struct {
+    int64_t off, ties, max_ulps;
+    int finite;
+} ValueCheck;
+
+static inline double load_w_bf16(const void *p, Py_ssize_t i) { return load_bf16(p, i); }
+static inline double load_w_fp32(const void *p, Py_ssize_t i) { return load_fp32(p, i); }
+static inline int64_t w_bits_bf16(const void *p, Py_ssize_t i) { return (int16_t)((const uint16_t *)p)[i]; }
+static inline int64_t w_bits_fp32(const void *p, Py_ssize_t i) { return (int32_t)((const uint32_t *)p)[i]; }
+
+/* One kernel per (W dtype, W0 dtype): the loads inlined. Most elements are no tie (lo == hi), and then
+ * round(x) == lo (rounding is monotone and x lies in [x - e, x + e]): round(x) is computed only for the
+ * others. */
+#define DEFINE_VALUE_CHECK(WN, WCODE, BN)                                                          \
+    static void value_check_##WN##_##BN(const void *w, const void *w0, const double *prod,         \
+                                        Py_ssize_t n, const double *left, const double *right,     \
+                                        Py_ssize_t first, Py_ssize_t cols, double scale,           \
+                                        double gamma, ValueCheck *out) {                           \
+        const double u = 5.9604644775390625e-08; /* 2^-24 */                                       \
+        const double abs_s = fabs(scale);                                                          \
+        const int64_t top = WCODE == BF16 ? 32768 : 2147483648LL;                                  \
+        int64_t off = 0, ties = 0, max_ulps = 0;                                                   \
+        int finite = 1;                                                                            \
+        Py_ssize_t k = 0;                                                                          \
+        while (k < n) {                                                                            \
+            Py_ssize_t row = (first + k) / cols, col = (first + k) % cols;                         \
+            Py_ssize_t stop = k + (cols - col) < n ? k + (cols - col) : n;                         \
+            const double li = left[row];                                                           \
+            const double *rj = right + col - k;                                                    \
+            for (; k < stop; k++) {                                                                \
+                double sp = prod[k] * scale;                                                       \
+                double x = load_##BN(w0, k) + sp;                                                  \
+                double bound = (li * rj[k]) * gamma;                                               \
+                double e = ((fabs(sp) + fabs(x)) * u + bound * abs_s) * 2.0;                       \
+                double lo = round_to(x - e, WCODE), hi = round_to(x + e, WCODE), ex = lo;          \
+                double wv = load_w_##WN(w, k);                                                     \
+                if (lo != hi) {                                                                    \
+                    ties++;                                                                        \
+                    ex = round_to(x, WCODE);                                                       \
+                }                                                                                  \
+                if (!isfinite(ex)) finite = 0;                                                     \
+                if (!(wv >= lo && wv <= hi)) {                                                     \
+                    off++;                                                                         \
+                    if (!isfinite(ex)) continue;   /* (a NaN's bits are the kernel's choice) */    \
+                    int64_t wb = w_bits_##WN(w, k);                                                \
+                    wb = wb < 0 ? -(wb + top) : wb;                                                \
+                    int64_t d = wb - monotone_bits(ex, WCODE);                                     \
+                    if (d < 0) d = -d;                                                             \
+                    if (d > max_ulps) max_ulps = d;                                                \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        out->off = off;                                                                            \
+        out->ties = ties;                                                                          \
+        out->max_ulps = max_ulps;                                                                  \
+        out->finite = finite;                                                                      \
+    }
+
+DEFINE_VALUE_CHECK(bf16, BF16, bf16)
+DEFINE_VALUE_CHECK(bf16, BF16, fp16)
+DEFINE_VALUE_CHECK(bf16, BF16, fp32)
+DEFINE_VALUE_CHECK(bf16, BF16, fp64)
+DEFINE_VALUE_CHECK(fp32, FP32, bf16)
+DEFINE_VALUE_CHECK(fp32, FP32, fp16)
+DEFINE_VALUE_CHECK(fp32, FP32, fp32)
+DEFINE_VALUE_CHECK(fp32, FP32, fp64)
+
+typedef void (*ValueKernel)(const void *, const void *, const double *, Py_ssize_t, const double *,
+                            const double *, Py_ssize_t, Py_ssize_t, double, double, ValueCheck *);
+static const ValueKernel VALUE_KERNELS[2][N_CODES] = {
+    {value_check_bf16_bf16, value_check_bf16_fp16, value_check_bf16_fp32, value_check_bf16_fp64},
+    {value_check_fp32_bf16, value_check_fp32_fp16, value_check_fp32_fp32, value_check_fp32_fp64},
+};
+
+static PyObject *py_value_check(PyObject *self, PyObject *args) {
+    Py_buffer w, w0, prod, left, right;
+    int w_code, w0_code;
+    Py_ssize_t first, cols;
+    double scale, gamma;
+    if (!PyArg_ParseTuple(args, "y*iy*iy*y*y*nndd", &w, &w_code, &w0, &w0_code, &prod, &left, &right, &first,
+                          &cols, &scale, &gamma))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = elements(&w, w_code);
+    Py_ssize_t n0 = n >= 0 ? elements(&w0, w0_code) : -1;
+    Py_ssize_t np = n0 >= 0 ? elements(&prod, FP64) : -1;
+    Py_ssize_t nl = np >= 0 ? elements(&left, FP64) : -1;
+    Py_ssize_t nr = nl >= 0 ? elements(&right, FP64) : -1;
+    if (nr >= 0 && (n0 != n || np != n || cols < 1 || nr != cols || first < 0 ||
+                    (n && (first + n - 1) / cols >= nl))) {
+        PyErr_SetString(PyExc_ValueError, "value_check: the buffers do not describe one chunk of the block");
+        nr = -1;
+    }
+    if (nr >= 0 && ((w_code != BF16 && w_code != FP32) || !readable(&w, w_code) || !readable(&w0, w0_code) ||
+                    !readable(&prod, FP64) || !readable(&left, FP64) || !readable(&right, FP64))) {
+        result = Py_NewRef(Py_None);
+    } else if (nr >= 0) {
+        ValueCheck vc;
+        Py_BEGIN_ALLOW_THREADS
+        VALUE_KERNELS[w_code == FP32][w0_code](w.buf, w0.buf, (const double *)prod.buf, n,
+                                               (const double *)left.buf, (const double *)right.buf, first, cols,
+                                               scale, gamma, &vc);
+        Py_END_ALLOW_THREADS
+        result = Py_BuildValue("LLLO", (long long)vc.off, (long long)vc.ties, (long long)vc.max_ulps,
+                               vc.finite ? Py_True : Py_False);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&w0);
+    PyBuffer_Release(&prod);
+    PyBuffer_Release(&left);
+    PyBuffer_Release(&right);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"same_bytes", py_same_bytes, METH_VARARGS,
      "same_bytes(a, b) -> whether two C-contiguous buffers hold the same bytes (memcmp, GIL released)."},
@@ -388,6 +530,11 @@ static PyMethodDef methods[] = {
     {"base_sq", py_base_sq, METH_VARARGS,
      "base_sq(w0, code) -> sum of fp64(w0)^2 over every element (non-finite where inf/nan are), in the "
      "same order as chunk_stats's; None for a buffer not aligned to its elements."},
+    {"value_check", py_value_check, METH_VARARGS,
+     "value_check(w, w_code, w0, w0_code, prod, left_norms, right_norms, first, cols, scale, gamma) -> (off, "
+     "ties, max_ulps, finite): core.tensor_math.check_merged_values over one chunk (elements [first, first + n) "
+     "of a row block whose row norms are left_norms), the bound computed per element; None where W is not bf16 "
+     "or fp32 or a buffer is not aligned (use the torch path)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,8 +4,8 @@ exactly BASE + the LoRA?
 Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
 marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
 before any tensor byte is read. `run_diff` then compares the pairs on this rank's workers, each
-pair in chunks (`sources.compare.stat_chunks`) spread over one pool of chunk workers, so a big
-tensor uses every core; every side is read once:
+pair in blocks (each side read in one piece, folded in `sources.compare.stat_chunks`) spread over one
+pool of block workers, so a big tensor uses every core; every side is read once:
 
 - same dtype and shape: raw byte comparison per chunk (memcmp, no decoding); the chunks that differ
   give the statistics of W - W0 (fp64 accumulation), the equal ones only ||W0||^2;
@@ -39,12 +39,11 @@ from ...core.budget import ByteBudget
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.lora_math import check_shapes
 from ...core.progress import Progress, report
-from ...core.tensor_math import MergeCheck, check_merged_values, lora_factors_fp64, lora_rows_fp64, merge_weight_into, \
-    ulps_apart
-from ...dist import Group, SoloGroup, local_workers, map_units
+from ...core.tensor_math import MergeCheck, lora_factors_fp64, lora_product_rows_fp64, merge_weight_into, ulps_apart
+from ...dist import Group, SoloGroup, local_workers, map_units, working
 from ...sources.compare import (
     BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, chunk_map,
-    chunk_scratch_bytes, chunk_stats, common_dtype, read_chunk, stat_chunks, stream_stats,
+    block_chunks, chunk_scratch_bytes, chunk_stats, common_dtype, read_block, stream_stats, value_check_chunk,
 )
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
@@ -117,15 +116,6 @@ def _jsonable(x):
     return x
 
 
-def _whole_stats(w: torch.Tensor, w0: torch.Tensor, block_elems: int) -> DeltaStats:
-    ct = common_dtype(w.dtype, w0.dtype)
-    fw, fb = w.reshape(-1), w0.reshape(-1)
-    st = DeltaStats()
-    for start in range(0, fw.numel(), block_elems):
-        st.add(fw[start:start + block_elems].to(ct), fb[start:start + block_elems].to(ct))
-    return st
-
-
 def _result(p: PairPlan, status: str, st: DeltaStats | None) -> TensorDiff:
     td = TensorDiff(p.name, status, dtype_name(p.weights.dtype), dtype_name(p.base.dtype),
                     list(p.weights.shape), list(p.base.shape), p.weights.numel, role=p.role)
@@ -174,13 +164,17 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
     def check(block: tuple[int, int]) -> list[tuple[ChunkStats, MergeCheck]]:
         start, n = block
         r0, r1 = start // cols, (start + n) // cols
-        prod, bound = lora_rows_fp64(factors, r0, r1)
+        prod = lora_product_rows_fp64(factors, r0, r1, out=_SCRATCH.tensor("prod", n, torch.float64))
+        xw_all, w_all = read_block(weights, fw, start, n, "w")
+        xb_all, w0_all = read_block(base, fb, start, n, "w0")
+        iw, ib = fw.itemsize, fb.itemsize
         out = []
-        for s, k in stat_chunks(n, n):
-            w = read_chunk(weights, fw, start + s, k, "w")[1]
-            w0 = read_chunk(base, fb, start + s, k, "w0")[1]
+        for s, k in block_chunks(n):
+            w, w0 = w_all[s:s + k], w0_all[s:s + k]
+            xw, xb = xw_all[s * iw:(s + k) * iw], xb_all[s * ib:(s + k) * ib]
             part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
-            out.append((part, check_merged_values(w, w0, prod[s:s + k], bound[s:s + k], spec.scale)))
+            out.append((part, value_check_chunk(w, w0, prod[s:s + k], factors, r0, s, spec.scale, w_raw=xw,
+                                                w0_raw=xb)))
         return out
 
     st, found = DeltaStats(), MergeCheck()
@@ -205,20 +199,10 @@ def _ulps_result(off: int, max_ulps: int, floating: bool) -> dict:
     return {"ok": False, "max_ulps": max_ulps if floating else None, "elements_off": off}
 
 
-def _ulps_check(w: torch.Tensor, expected: torch.Tensor, block_elems: int) -> dict:
-    """Bitwise equality first (one cheap pass); the ulps distance only where they differ, in blocks."""
-    fw, fe = w.reshape(-1), expected.reshape(-1)
-    off = int(torch.count_nonzero(bits(fw) != bits(fe)))
-    max_ulps = 0
-    if off and w.dtype.is_floating_point:
-        for s in range(0, fw.numel(), block_elems):
-            max_ulps = max(max_ulps, int(ulps_apart(fw[s:s + block_elems], fe[s:s + block_elems]).max()))
-    return _ulps_result(off, max_ulps, w.dtype.is_floating_point)
-
-
 def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
     """Targeted / replaced tensors. A targeted one streams (`_check_targeted_streaming`); a replaced
-    one (modules_to_save) is read whole on both sides and compared bit for bit."""
+    one (modules_to_save) streams its statistics, and W is compared bit for bit with the adapter's
+    tensor (read whole: `LoraSource.read_full`) block by block (`_replaced_check`)."""
     if p.mode == "shape":
         td = _result(p, SHAPE_CHANGED, None)
         td.adapter_check = {"ok": False, "expected": "same shape as BASE",
@@ -226,20 +210,34 @@ def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, po
         return td
     if p.role == TARGETED:
         return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool)
-    w = weights.read_tensor(p.name)
-    w0 = base.read_tensor(p.name)
-    st = _whole_stats(w, w0, max(1, block_bytes // 8))
+    st = stream_stats(weights, base, p.name, block_bytes, skip_identical=p.mode == "raw", pool=pool)
     td = _result(p, _status(p, st), st)
-    expected = lora.read_full(p.name).to(w.dtype)
-    check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(w.dtype)}"}
-    if tuple(expected.shape) != tuple(w.shape):
-        check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(w.shape)}")
+    fw = p.weights
+    expected = lora.read_full(p.name)   # (the adapter's tensor, whole: LoraSource reads it so)
+    check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(fw.dtype)}"}
+    if tuple(expected.shape) != tuple(fw.shape):
+        check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(fw.shape)}")
         td.adapter_check = check
         return td
-    del w0
-    check.update(_ulps_check(w, expected, max(1, block_bytes // 8)))
+    check.update(_replaced_check(weights, fw, expected.reshape(-1), block_bytes))
     td.adapter_check = check
     return td
+
+
+def _replaced_check(weights, fw, expected: torch.Tensor, block_bytes: int) -> dict:
+    """W against the adapter's tensor cast to W's dtype, block by block (W read by blocks, the cast made
+    per block): bitwise equality, and the ulps distance where they differ."""
+    dt = torch_dtype(fw.dtype)
+    off = max_ulps = 0
+    for start, n in block_ranges(fw.numel, max(1, block_bytes // max(fw.itemsize, expected.element_size()))):
+        w = read_block(weights, fw, start, n, "w")[1]
+        e = expected[start:start + n].to(dt)
+        differ = bits(w) != bits(e)
+        k = int(torch.count_nonzero(differ))
+        if k and dt.is_floating_point:
+            max_ulps = max(max_ulps, int(ulps_apart(w[differ], e[differ]).max()))
+        off += k
+    return _ulps_result(off, max_ulps, dt.is_floating_point)
 
 
 def _one_sided(plan: DiffPlan) -> str:
@@ -325,11 +323,11 @@ def _working_bytes(p: PairPlan, lora) -> int:
         return 0
     if p.role not in (TARGETED, REPLACED):
         return 0   # streamed: the worker's chunk buffers only
-    numel, whole = p.weights.numel, p.weights.nbytes + p.base.nbytes
+    numel = p.weights.numel
     if p.role == TARGETED:
         spec = lora.modules[p.module]
         return 12 * (math.prod(spec.a_shape) + math.prod(spec.b_shape))   # A, B (<= fp32) and in fp64
-    return whole + 4 * numel + p.weights.nbytes + numel   # W, W0, the adapter's tensor (<= fp32) as W, the xor
+    return 4 * numel + 3 * BLOCK_BYTES   # the adapter's tensor (<= fp32); a block of W, its cast and the mask
 
 
 def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = None, *,
@@ -340,7 +338,10 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     weights, base, lora = sources.weights, sources.base, sources.lora
     t0 = time.perf_counter()
     total = len(plan.pairs)
-    threads = local_workers()
+    group = group or SoloGroup()
+    sizes = [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs]
+    # under torchrun, only the ranks that get work (`dist.working`: a tiny job runs on rank 0) share the cores
+    threads = local_workers(n_working=working(sizes, group))
     if any(src.extents(p.name) is None for p in plan.pairs if p.read for src in (weights, base)):
         threads = 1   # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
     # Two levels: `threads` units in flight (map_units), and their chunks on one pool of `threads`
@@ -350,8 +351,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     scratch = max((_scratch_bytes(p) for p in plan.pairs), default=0)
     budget = ByteBudget(max(1, WORKING_BUDGET_BYTES - threads * scratch))
     state = {"done": 0, "bytes": 0}
-    # the bytes both sides hold, for the progress line's bytes, rate and ETA (what the reads take)
-    sizes = [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs]
+    # (sizes: the bytes both sides hold, for the progress line's bytes, rate and ETA: what the reads take)
     bytes_total = sum(sizes)
 
     def compare(i: int) -> dict:
@@ -388,7 +388,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     tensors = [TensorDiff(**d) for d in results]
     verdict, code, summary, adapter_summary = _verdict(plan, tensors, lora)
     warnings = list(getattr(lora, "warnings", ()) or ()) if lora is not None else []
-    (bytes_read,) = (group or SoloGroup()).sum([weights.bytes_read + base.bytes_read], "the bytes read")
+    (bytes_read,) = group.sum([weights.bytes_read + base.bytes_read], "the bytes read")
     return DiffReport(plan, tensors, verdict, code, summary, adapter_summary, warnings,
                       bytes_read=bytes_read, seconds=time.perf_counter() - t0)
 
