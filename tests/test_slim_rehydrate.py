@@ -145,24 +145,72 @@ def test_slim_refuses_a_slim_checkpoint(fixture_slim, tmp_path):
     assert r.exit_code == 2 and "already a slim checkpoint" in r.output
 
 
-def test_slim_refuses_a_corrupt_frozen_chunk_instead_of_hashing_it(fixture_copy, tmp_path):
-    trainer = fixture_copy / TRAINER.relative_to(TRAINER.parents[3])
+def _frozen_item(trainer: Path, key: str, chunk: int = 1):
     ck = DcpCheckpoint.open(trainer)
-    chunk = ck.entries["app.model.model.layers.1.mlp.up_proj.weight"].chunks[1]
-    with open(trainer / chunk.file, "rb") as f:
-        f.seek(chunk.offset)
-        import io
-        layout = parse_item(io.BytesIO(f.read(chunk.length)))
-    with open(trainer / chunk.file, "r+b") as f:   # flip one bit of the tensor payload
-        f.seek(chunk.offset + layout.data_offset + 40)
+    c = ck.entries[key].chunks[chunk]
+    with open(trainer / c.file, "rb") as f:
+        f.seek(c.offset)
+        raw = f.read(c.length)
+    return c, raw
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 1]))
+
+
+def test_slim_never_reads_a_frozen_payload_so_a_damaged_one_still_rehydrates_to_the_original(fixture_copy, tmp_path):
+    """A dropped tensor is identified by the CRC-32 its item stored when torch.save wrote it (read from the
+    zip central directory): damage to its payload after the save is not copied, not recorded, and the
+    rehydrated checkpoint is the original one."""
+    import io
+    trainer = fixture_copy / TRAINER.relative_to(TRAINER.parents[3])
+    key = "app.model.model.layers.1.mlp.up_proj.weight"
+    c, raw = _frozen_item(trainer, key)
+    _flip(trainer / c.file, c.offset + parse_item(io.BytesIO(raw)).data_offset + 40)   # one bit of the payload
     out = tmp_path / "slim"
-    r = run("slim", trainer, out)
-    assert r.exit_code == 1
-    assert "app.model.model.layers.1.mlp.up_proj.weight" in r.output and "CRC-32" in r.output
-    assert not out.exists() and no_leftovers(tmp_path, "slim")
+    r = run("slim", trainer, out, "--json")
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / SLIM_MANIFEST).read_text())
+    d = next(d for d in m["dropped"] if d["key"] == key)
+    assert "sha256" not in d and m["version"] == 2
+    assert d["crc32"][1] == parse_item(io.BytesIO(raw)).data_crc
+    full = tmp_path / "full"
+    r = run("rehydrate", out, full, "--base", BASE)
+    assert r.exit_code == 0, r.output
+    assert assert_bit_equal_checkpoints(TRAINER, full) == 229   # the original, not the damaged copy
+
+
+def _central_crc_at(raw: bytes) -> int:
+    """Offset in the item of the CRC field of data/0's central directory entry."""
+    at = raw.index(b"PK\x01\x02", raw.index(b"PK\x01\x02"))
+    while True:
+        name_len = int.from_bytes(raw[at + 28:at + 30], "little")
+        if raw[at + 46:at + 46 + name_len].endswith(b"/data/0"):
+            return at + 16
+        at = raw.index(b"PK\x01\x02", at + 46)
+
+
+def test_a_frozen_item_whose_stored_crc_is_wrong_is_refused_by_slim_base_and_by_rehydrate(fixture_copy, tmp_path):
+    """The one thing slim trusts of a dropped item, its stored CRC-32: wrong, `slim --base` refuses it against
+    the base, and a slim without a base records it and rehydrate refuses the rebuilt rows, naming the key."""
+    trainer = fixture_copy / TRAINER.relative_to(TRAINER.parents[3])
+    key = "app.model.model.layers.1.mlp.up_proj.weight"
+    c, raw = _frozen_item(trainer, key)
+    _flip(trainer / c.file, c.offset + _central_crc_at(raw))
+    r = run("slim", trainer, tmp_path / "checked", "--base", BASE)
+    assert r.exit_code == 1 and f"key '{key}'" in r.output and "CRC-32" in r.output, r.output
+    assert not (tmp_path / "checked").exists() and no_leftovers(tmp_path, "checked")
+    r = run("slim", trainer, tmp_path / "slim")
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "full"
+    r = run("rehydrate", tmp_path / "slim", out, "--base", BASE)
+    assert r.exit_code == 1 and f"key '{key}'" in r.output and "CRC-32" in r.output, r.output
+    assert "does not match the original" in r.output
+    assert not out.exists() and no_leftovers(tmp_path, "full")
 
 
 # ------------------------------------------------------------------------------------------ rehydrate
@@ -172,6 +220,12 @@ def test_rehydrate_rebuilds_every_item_bit_equal_in_the_original_layout(fixture_
     assert r.exit_code == 0, r.output
     assert "36/36 rebuilt tensors match" in r.output
     assert assert_bit_equal_checkpoints(TRAINER, out) == 229
+    a, b = DcpCheckpoint.open(TRAINER), DcpCheckpoint.open(out)   # streamed items: torch.save's bytes exactly
+    for key, e in a.entries.items():
+        if isinstance(e, TensorEntry):
+            for c, d in zip(e.chunks, b.entries[key].chunks):
+                assert a.read_item_bytes(c.file, c.offset, c.length, key) == \
+                       b.read_item_bytes(d.file, d.offset, d.length, key), key
     assert not (out / SLIM_MANIFEST).exists()
     assert sorted(p.name for p in out.iterdir()) == sorted([*(p.name for p in TRAINER.iterdir()), ".ckpt-tools-output"])
 

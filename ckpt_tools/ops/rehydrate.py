@@ -1,17 +1,18 @@
 """`ckpt rehydrate`: slim checkpoint + the bf16 HF base -> the full checkpoint prime-rl resumes from.
 
-Every item of the slim checkpoint is copied verbatim by byte range, checked against its zip CRC-32s
-and the manifest's CRC of it (`kept_crc32`; an older manifest has none, and the plan says so). Every tensor the slim manifest
-lists as dropped is rebuilt from the base model (bf16 -> the checkpoint's fp32, an exact upcast),
-its sha256 is compared with the manifest's, and the first mismatch aborts the whole run (nothing
-appears at OUT: the output is atomic, and the temp dir is removed). The rebuilt tensors are written as row
-chunks: by default in the exact original chunk layout and rank files recorded in the manifest, or
-for `--world-size W` ranks. Row chunks are streamed from the base one at a time: memory is one
-chunk in bf16 + fp32, not the tensor.
+Every item of the slim checkpoint is copied verbatim by byte range (a large one by `copy_file_range`),
+checked against its zip CRC-32s and the manifest's CRC of it (`kept_crc32`; an older manifest has none,
+and the plan says so). Every tensor the slim manifest lists as dropped is rebuilt from the base model
+(bf16 -> the checkpoint's fp32, an exact upcast) and checked against the manifest's identification of
+it (`formats.slim.rowcheck`: each original chunk's CRC-32 and/or the whole tensor's sha256); the first
+mismatch aborts the whole run (nothing appears at OUT: the output is atomic, and the temp dir is
+removed). The rebuilt tensors are written as row chunks: by default in the exact original chunk layout
+and rank files recorded in the manifest, or for `--world-size W` ranks. Each chunk item is streamed
+(`formats.dcp.stream_item`: the bytes torch.save writes, its payload from the base in blocks of
+`BASE_BLOCK_BYTES`): memory is one block in bf16 + fp32, not the chunk, not the tensor.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,23 +21,24 @@ from pathlib import Path
 import torch
 
 from ..core.dtypes import torch_dtype
-from ..core.crc import crc32
 from ..core.errors import ChecksumError, FormatError, UsageError
 from ..core.keys import expert_names, is_stacked_pattern
 from ..core.parts import assign_units
 from ..dist import Group, SoloGroup
 from ..core.progress import Progress, report
-from ..core.tensor_math import sha256_of_tensor, update_hash
+from ..formats.dcp.item_copy import copy_checked_item
 from ..formats.dcp.layout import extra_bytes, extra_entries, row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
+from ..formats.dcp.stream_item import tensor_item_parts
 from ..formats.dcp.writer import DcpWriter
 from ..formats.hf_dir.hub import resolve_model_dir
 from ..formats.slim.manifest import SLIM_MANIFEST, kept_item_id, read_manifest
 from ..formats.slim.partition import base_identity, map_to_base
+from ..formats.slim.rowcheck import RowCheck, Segment, segments_of
 from ..formats.slim.writer import copy_extra_entries
 from ..io.staging import SharedOutputDir
-from ..sources.hashing import read_as, read_rows_as
+from ..sources.hashing import BASE_BLOCK_BYTES, read_as, read_rows_as
 from ..sources.hf import HFSource
 
 __all__ = ["RehydrateOptions", "RehydrateSources", "open_rehydrate_sources", "RebuildItem", "RehydratePlan",
@@ -55,8 +57,9 @@ class RebuildItem:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]   # (offsets, sizes, file index)
-    sha256: str
+    sha256: str | None              # of the whole tensor (None: identified by its chunks' CRC-32s only)
     nbytes: int
+    segments: tuple[Segment, ...] | None = None   # the original chunks' rows and CRC-32s
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,9 @@ class RehydratePlan:
                 "extra_files": list(self.extra_files), "warnings": list(self.warnings),
                 "kept_items_in_manifest": self.kept_crc32 is not None,
                 "rebuild": [{"key": r.key, "from": r.base_name, "shape": list(r.shape), "dtype": r.dtype,
-                             "chunks": len(r.chunks)} for r in self.rebuild]}
+                             "chunks": len(r.chunks),
+                             "checked_by": [n for n, v in (("sha256", r.sha256), ("crc32", r.segments)) if v]}
+                            for r in self.rebuild]}
 
 
 def _file_index(rel: str, fallback: dict[str, int]) -> int:
@@ -178,8 +183,9 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         else:
             chunks = tuple(((s,) + (0,) * (len(d.shape) - 1), (n,) + tuple(d.shape[1:]), k)
                            for k, (s, n) in enumerate(row_chunks(d.shape[0], world_size)))
-        rebuild.append(RebuildItem(d.key, d.path, mapping[d.key], d.dtype, d.shape, chunks, manifest.hashes[d.key],
-                                   d.nbytes))
+        ident = manifest.ids[d.key]
+        rebuild.append(RebuildItem(d.key, d.path, mapping[d.key], d.dtype, d.shape, chunks, ident.sha256,
+                                   d.nbytes, segments_of(d.chunks, ident.crc32)))
     # Read the base in file order (sequential I/O on the base shards).
     infos = {r.key: hf.info(expert_names(r.base_name, 0, 1)[0] if is_stacked_pattern(r.base_name) else r.base_name)
              for r in rebuild}
@@ -237,43 +243,68 @@ def _row_blocks_in_order(r: RebuildItem):
     return chunks if expect == r.shape[0] else None
 
 
-def _rebuild_one(writer, hf: HFSource, r: RebuildItem, verify: bool = True) -> str | None:
-    """Write this rank's chunks of one dropped tensor rebuilt from the base (every chunk, in one
-    process); with `verify`, return the sha256 of the whole tensor (split over ranks, one rank per
-    tensor hashes it, reading all its rows). Row-block layouts (FSDP's) stream chunk by chunk: memory
-    is one chunk, not the tensor. The caller compares the hash before finishing; a mismatch aborts
-    the whole (atomic) output."""
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _rows(hf: HFSource, r: RebuildItem, dtype, start: int, count: int, check: RowCheck):
+    """Rows [start, start + count) of `r` from the base as `dtype`, in blocks of at most BASE_BLOCK_BYTES,
+    each fed to `check` on the way."""
+    row_bytes = r.nbytes // max(1, r.shape[0])
+    step = max(1, BASE_BLOCK_BYTES // max(1, row_bytes))
+    for s in range(start, start + count, step):
+        block = _bytes_of(read_rows_as(hf, r.base_name, dtype, s, min(step, start + count - s)))
+        check.feed(s, block)
+        yield block
+        del block
+
+
+def _rebuild_one(writer, hf: HFSource, r: RebuildItem, verify: bool = True) -> RowCheck:
+    """Write this rank's chunks of one dropped tensor rebuilt from the base (every chunk, in one process)
+    and return the check of what was rebuilt against the manifest (`RowCheck`). With `verify` (split
+    over ranks, one rank per tensor) every row is read, so the check is complete; without, only the
+    original chunks this rank rebuilt whole are checked. Row-block layouts (FSDP's) stream block by block
+    into streamed items: memory is one block, not the chunk. The caller raises on a failed check before
+    finishing; a mismatch aborts the whole (atomic) output."""
     dtype = torch_dtype(r.dtype)
+    rows = r.shape[0] if r.shape else 1
+    check = RowCheck(r.nbytes // max(1, rows), rows, r.sha256 if verify else None, r.segments)
     chunks = _row_blocks_in_order(r)
     if chunks is None:
         if not verify and not any(writer.owns(fi) for _o, _s, fi in r.chunks):
             for _chunk in r.chunks:
                 writer.skip(r.key)
-            return None
+            return check
         t = read_as(hf, r.base_name, dtype)
         for offsets, sizes, fi in r.chunks:
             if writer.owns(fi):
                 writer.write_tensor(r.key, r.path, t, chunks=[(offsets, sizes)], file_index=fi)
             else:
                 writer.skip(r.key)
-        return sha256_of_tensor(t) if verify else None
-    h = hashlib.sha256()
+        check.feed(0, _bytes_of(t))
+        return check
     for offsets, sizes, fi in chunks:
         mine = writer.owns(fi)
-        if sizes[0] == 0:
-            piece = torch.empty(sizes, dtype=dtype)
-        elif mine or verify:
-            piece = read_rows_as(hf, r.base_name, dtype, offsets[0], sizes[0])
-            if verify:
-                update_hash(h, piece)
-        else:
-            piece = None
-        if mine:
+        if sizes[0] == 0 or not (mine or verify):
+            if mine:
+                writer.write_chunk(r.key, r.path, torch.empty(sizes, dtype=dtype), size=r.shape, offsets=offsets,
+                                   file_index=fi)
+            else:
+                writer.skip(r.key)
+            continue
+        blocks = _rows(hf, r, dtype, offsets[0], sizes[0], check)
+        parts = tensor_item_parts(r.dtype, tuple(sizes)) if mine else None
+        if parts is not None:
+            writer.write_streamed_chunk(r.key, r.path, r.dtype, r.shape, offsets, sizes, parts, blocks, file_index=fi)
+        elif mine:   # this torch's torch.save is not what stream_item writes: the chunk through torch.save
+            piece = torch.cat([torch.frombuffer(b, dtype=torch.uint8) for b in blocks]).view(dtype).reshape(sizes)
             writer.write_chunk(r.key, r.path, piece, size=r.shape, offsets=offsets, file_index=fi)
+            del piece
         else:
             writer.skip(r.key)
-        del piece
-    return h.hexdigest() if verify else None
+            for _b in blocks:
+                pass
+    return check
 
 
 def _file_weights(plan: "RehydratePlan") -> list[int]:
@@ -338,34 +369,41 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
                 if not writer.owns(fi):
                     writer.skip(key)
                     continue
-                raw = ckpt.read_item_checked(rel, offset, length, key)
-                if plan.kept_crc32 is not None and crc32(raw) != plan.kept_crc32[n]:
+                e = ckpt.entries[key]
+                chunk = None if isinstance(e, BytesEntry) else next(
+                    c for c in e.chunks if c.file == rel and c.offset == offset)
+                got = copy_checked_item(ckpt, writer, key, rel, offset, length, file_index=fi, chunk=chunk)
+                if plan.kept_crc32 is not None and got != plan.kept_crc32[n]:
                     raise ChecksumError(
-                        f"the item's bytes differ from what `ckpt slim` copied (CRC-32 {crc32(raw):#010x}, the "
+                        f"the item's bytes differ from what `ckpt slim` copied (CRC-32 {got:#010x}, the "
                         f"manifest recorded {plan.kept_crc32[n]:#010x}); OUT was not created",
                         path=ckpt.dir / rel, key=key, hint="the slim checkpoint is damaged: rehydrate an intact "
                                                            "copy of it (after gc it may be the only copy of the run's "
                                                            "trained state)")
-                e = ckpt.entries[key]
-                if isinstance(e, BytesEntry):
-                    writer.copy_bytes_item(key, e.path, raw, file_index=fi)
-                else:
-                    c = next(c for c in e.chunks if c.file == rel and c.offset == offset)
-                    writer.copy_tensor_chunk(key, e.path, e.dtype, e.shape, c.offsets, c.sizes, raw, file_index=fi)
             seconds["copy"] = round(time.perf_counter() - t0, 3)
             t1 = time.perf_counter()
             done = 0
             for i, r in enumerate(plan.rebuild):
                 verify = verifier[i] == group.part.rank
-                got = _rebuild_one(writer, hf, r, verify)
-                if verify and got != r.sha256:
+                check = _rebuild_one(writer, hf, r, verify)
+                if check.failed:
+                    raise FormatError(
+                        f"rebuilt tensor does not match the original: {check.failed[0]} ({r.base_name} from the "
+                        f"base, as {r.dtype}; {verified} of {len(plan.rebuild)} tensors matched before this one); OUT "
+                        "was not created", path=Path(plan.base), key=r.key,
+                        hint="this is not the base model the run trained on (another revision or a "
+                             "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
+                got = check.sha256_done()
+                if verify and r.sha256 is not None and got != r.sha256:
                     raise FormatError(
                         f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, as "
-                        f"{r.dtype}, is {got[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
+                        f"{r.dtype}, is {(got or '?')[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
                         f"({verified} of {len(plan.rebuild)} tensors matched before this one); OUT was not created",
                         path=Path(plan.base), key=r.key,
                         hint="this is not the base model the run trained on (another revision or a "
                              "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
+                if verify and not check.complete():   # an internal invariant: the verifier reads every row
+                    raise FormatError("rebuilt tensor was not checked whole", path=plan.out, key=r.key)
                 verified += verify
                 done += r.nbytes
                 report(progress, "rebuild", done, plan.rebuild_bytes)

@@ -4,9 +4,12 @@ A prime-rl LoRA checkpoint is ~97% frozen base weights: fp32 masters that are ex
 public bf16 base model (docs/primerl-format.md §0). `plan_slim` decides, from metadata alone, what a
 slim keeps (LoRA, AdamW state, param_groups, scheduler, progress, anything unrecognised: copied
 VERBATIM by byte range) and drops (`formats.slim.partition`); `run_slim` writes it into an
-`AtomicOutputDir` (`formats.slim.writer`): every dropped tensor hashed into the manifest and, with
-`--base`, proven equal to the base's upcast. The slim checkpoint format, and why prime-rl cannot
-resume from one until `ckpt rehydrate`, is `formats.slim.manifest`'s.
+`AtomicOutputDir` (`formats.slim.writer`): every dropped tensor identified in the manifest by the
+CRC-32s its items store (read from their zip headers: its payload is never read) and, with `--base`,
+proven equal to the base's upcast (CRC-32 per chunk) whose sha256 is recorded. So a slim reads the
+checkpoint at most once: the kept items, and a few header bytes of each dropped one. The slim
+checkpoint format, what each identification guarantees, and why prime-rl cannot resume from one until
+`ckpt rehydrate`, are `formats.slim.manifest`'s.
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ from ..formats.primerl.alpha import find_run_configs, orch_model_name
 from ..formats.slim.partition import SlimLayout, base_identity, partition
 from ..formats.slim.writer import need_bytes, write_slim
 from ..io.staging import SharedOutputDir
-from ..io.remote import is_remote_path
 from ..sources.hashing import BASE_BLOCK_BYTES, base_crc_check, base_hash_check
 from ..sources.hf import HFSource
 
@@ -158,8 +160,8 @@ def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = N
     t0 = time.perf_counter()
     ckpt, base = sources.ckpt, sources.base
     base_hash = base_hash_check(base, plan.layout.dropped) if base is not None else None
-    # a remote checkpoint's dropped tensors are not fetched: proven against the base by their items' CRC-32
-    base_crcs = base_crc_check(base, plan.layout.dropped) if base is not None and is_remote_path(ckpt.dir) else None
+    # dropped tensors are not read (local or remote): proven against the base by the CRC-32 their items store
+    base_crcs = base_crc_check(base, plan.layout.dropped) if base is not None else None
     inputs = [ckpt.dir] + ([base.path] if base is not None else [])   # --base is an input too
     with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=need_bytes(ckpt.dir, plan.layout),
                          overwrite=overwrite) as tmp:
