@@ -23,7 +23,7 @@ from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.hub import resolve_model_dir
 from ..formats.primerl.alpha import find_run_configs, orch_model_name
 from ..formats.slim.partition import SlimLayout, base_identity, partition
-from ..formats.slim.writer import need_bytes, write_slim
+from ..formats.slim.writer import need_bytes, reads_payload, write_slim
 from ..io.staging import SharedOutputDir
 from ..sources.hashing import BASE_BLOCK_BYTES, base_crc_check, base_hash_check
 from ..sources.hf import HFSource
@@ -145,11 +145,14 @@ def plan_slim(sources: SlimSources, options: SlimOptions) -> SlimPlan:
 HASH_BUDGET_BYTES = 640 * 2**20   # what one rank's hashing threads hold at once
 
 
-def hash_threads(layout: SlimLayout) -> int:
-    """Threads hashing dropped tensors: this rank's cores, as many as fit HASH_BUDGET_BYTES when each
-    holds one checkpoint chunk (row-block layouts stream chunk by chunk) and one base block."""
-    most = max((d.nbytes // max(1, len(d.chunks)) + BASE_BLOCK_BYTES for d in layout.dropped), default=1)
-    return max(1, min(local_workers(), HASH_BUDGET_BYTES // most))
+def hash_threads(layout: SlimLayout, with_base: bool = True) -> int:
+    """Threads identifying dropped tensors: this rank's cores, as many as fit HASH_BUDGET_BYTES when each
+    holds one base block upcast (bf16 + fp32: 1.5 BASE_BLOCK_BYTES; a row-block tensor's own bytes are never
+    read) or, for a tensor that is read (`reads_payload`), one checkpoint chunk and one base block."""
+    block = BASE_BLOCK_BYTES * 3 // 2 if with_base else 0
+    most = max((block + (d.nbytes // max(1, len(d.chunks)) + BASE_BLOCK_BYTES if reads_payload(d) else 0)
+                for d in layout.dropped), default=1)
+    return max(1, min(local_workers(), HASH_BUDGET_BYTES // max(1, most)))
 
 
 def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = None, *,
@@ -167,7 +170,7 @@ def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = N
                          overwrite=overwrite) as tmp:
         written = write_slim(ckpt, tmp, plan.layout, base=plan.base, base_hash=base_hash,
                              base_path=base.path if base is not None else None, progress=progress, group=group,
-                             hash_threads=hash_threads(plan.layout), base_crcs=base_crcs)
+                             hash_threads=hash_threads(plan.layout, base is not None), base_crcs=base_crcs)
         (bytes_read,) = group.sum([ckpt.stats.bytes_read], "the bytes read")
     out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
     seconds = dict(written.seconds, total=round(time.perf_counter() - t0, 3))

@@ -88,7 +88,6 @@ def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks, shape=None) 
     `row_blocks`, which tile its rows in order): one streamed pass over the base (memory: one block).
     `shape`: the tensor's (needed for a `stacked_hf_pattern` name, whose rows are experts)."""
     shape = tuple(shape) if shape is not None else tuple(src.facts(name).shape)
-    n = shape[0] if shape else 1
     row_out = max(1, (math.prod(shape[1:]) if shape else 1) * itemsize(dtype))
     step = max(1, BASE_BLOCK_BYTES // row_out)
     h, crcs = hashlib.sha256(), []
@@ -100,6 +99,8 @@ def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks, shape=None) 
                 b = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
                 h.update(b)
                 crc = crc32(b, crc)
+                del b
+            del t   # before the next block is read: one block in memory, not two
         crcs.append(crc)
     return h.hexdigest(), crcs
 

@@ -200,6 +200,7 @@ class DcpWriter:
                 fh.write(b)
                 crc = crc32(b, crc)
                 n += len(memoryview(b).cast("B"))
+                del b   # before the next block is made: one in memory, not two
             if n != parts.payload_bytes:
                 raise UsageError(f"chunk at {list(offsets)} got {n:,} payload bytes, expected {parts.payload_bytes:,}",
                                  key=key)

@@ -33,7 +33,8 @@ from ..dcp.writer import DcpWriter
 from .manifest import SLIM_MANIFEST, DroppedId, DroppedTensor, build_manifest, kept_item_id
 from .partition import SlimLayout
 
-__all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "checked_by_crc", "write_slim", "copy_extra_entries"]
+__all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "checked_by_crc", "stored_crcs", "reads_payload",
+           "write_slim", "copy_extra_entries"]
 
 # Base tensor hash for a dropped tensor: (the base tensor's name, sha256 of it upcast to the dtype).
 BaseHash = Callable[[DroppedTensor], tuple[str, str]]
@@ -105,6 +106,19 @@ def _row_block_chunks(e: TensorEntry):
             return None
         expect_row += c.sizes[0]
     return chunks if e.shape and expect_row == e.shape[0] else None
+
+
+def reads_payload(d: DroppedTensor) -> bool:
+    """Whether a slim reads this dropped tensor's bytes: its chunks are not dim-0 row blocks tiling it (every
+    other tensor is identified by the CRC-32s its items store, `stored_crcs`)."""
+    if not d.shape:
+        return True
+    expect = 0
+    for c in sorted((c for c in d.chunks if all(c.sizes)), key=lambda c: c.offsets[0]):
+        if any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(d.shape[1:]) or c.offsets[0] != expect:
+            return True
+        expect += c.sizes[0]
+    return expect != d.shape[0]
 
 
 def _aligned(e: TensorEntry, chunks, crcs) -> list[int]:
