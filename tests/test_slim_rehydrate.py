@@ -241,6 +241,25 @@ def test_rehydrate_for_another_world_size_writes_row_chunks_for_it(fixture_slim,
         ((0, 0), (81, 64), "__0_0.distcp"), ((81, 0), (81, 64), "__1_0.distcp")]
 
 
+def test_a_slim_without_base_rehydrates_bit_equal_for_another_world_size_checked_by_its_chunks_crc32(tmp_path):
+    """No sha256 (version 2): the rebuilt rows are checked against the CRC-32 of every original chunk, though
+    the new chunks straddle them; another base revision is refused."""
+    slim = tmp_path / "slim"
+    r = run("slim", TRAINER, slim)
+    assert r.exit_code == 0, r.output
+    m = json.loads((slim / SLIM_MANIFEST).read_text())
+    assert m["version"] == 2 and m["base"]["verified"] is False
+    assert all("sha256" not in d and len(d["crc32"]) == len(d["chunks"]) for d in m["dropped"])
+    r = run("rehydrate", slim, tmp_path / "full", "--base", BASE, "--world-size", "3")
+    assert r.exit_code == 0, r.output
+    assert "36/36 rebuilt tensors match" in r.output
+    assert assert_bit_equal_checkpoints(TRAINER, tmp_path / "full", same_layout=False) == 229
+    other = _perturbed_base(tmp_path, "model.layers.2.self_attn.o_proj.weight")
+    r = run("rehydrate", slim, tmp_path / "bad", "--base", other, "--world-size", "3")
+    assert r.exit_code == 1 and "key 'app.model.model.layers.2.self_attn.o_proj.weight'" in r.output, r.output
+    assert "CRC-32" in r.output and not (tmp_path / "bad").exists()
+
+
 def _perturbed_base(tmp_path: Path, name: str) -> Path:
     """A real copy of the base saved by safetensors with one weight changed by one bf16 ulp: the
     "same model, another revision" trap."""

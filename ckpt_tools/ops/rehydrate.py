@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -247,14 +248,32 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _rows(hf: HFSource, r: RebuildItem, dtype, start: int, count: int, check: RowCheck):
-    """Rows [start, start + count) of `r` from the base as `dtype`, in blocks of at most BASE_BLOCK_BYTES,
-    each fed to `check` on the way."""
+def _ahead(make, args):
+    """`make(a)` for each of `args`, in order, the next one made on a worker thread while the caller uses
+    the current one (preadv, the upcast, hashing and writes release the GIL): memory two results."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
+        for a in args:
+            nxt = pool.submit(make, a)
+            if pending is not None:
+                yield pending.result()
+            pending = nxt
+            del nxt
+        if pending is not None:
+            yield pending.result()
+
+
+def _rows(hf: HFSource, r: RebuildItem, dtype, start: int, count: int, check: RowCheck, segments: bool = True):
+    """Rows [start, start + count) of `r` from the base as `dtype`, in blocks of at most BASE_BLOCK_BYTES
+    (the next one read and upcast meanwhile), each fed to `check` on the way (`segments=False`: to its
+    sha256 only)."""
     row_bytes = r.nbytes // max(1, r.shape[0])
     step = max(1, BASE_BLOCK_BYTES // max(1, row_bytes))
-    for s in range(start, start + count, step):
-        block = _bytes_of(read_rows_as(hf, r.base_name, dtype, s, min(step, start + count - s)))
-        check.feed(s, block)
+
+    def make(s: int):
+        return s, _bytes_of(read_rows_as(hf, r.base_name, dtype, s, min(step, start + count - s)))
+    for s, block in _ahead(make, range(start, start + count, step)):
+        check.feed(s, block, segments=segments)
         yield block
         del block
 
@@ -292,10 +311,14 @@ def _rebuild_one(writer, hf: HFSource, r: RebuildItem, verify: bool = True) -> R
             else:
                 writer.skip(r.key)
             continue
-        blocks = _rows(hf, r, dtype, offsets[0], sizes[0], check)
         parts = tensor_item_parts(r.dtype, tuple(sizes)) if mine else None
-        if parts is not None:
-            writer.write_streamed_chunk(r.key, r.path, r.dtype, r.shape, offsets, sizes, parts, blocks, file_index=fi)
+        seg = check.segment_of(offsets[0], sizes[0]) if parts is not None else None
+        blocks = _rows(hf, r, dtype, offsets[0], sizes[0], check, segments=seg is None)
+        if parts is not None:   # (the item's CRC-32 is the original chunk's when the chunk is one: not computed twice)
+            crc = writer.write_streamed_chunk(r.key, r.path, r.dtype, r.shape, offsets, sizes, parts, blocks,
+                                              file_index=fi)
+            if seg is not None:
+                check.segment_crc(seg, crc)
         elif mine:   # this torch's torch.save is not what stream_item writes: the chunk through torch.save
             piece = torch.cat([torch.frombuffer(b, dtype=torch.uint8) for b in blocks]).view(dtype).reshape(sizes)
             writer.write_chunk(r.key, r.path, piece, size=r.shape, offsets=offsets, file_index=fi)
@@ -305,6 +328,15 @@ def _rebuild_one(writer, hf: HFSource, r: RebuildItem, verify: bool = True) -> R
             for _b in blocks:
                 pass
     return check
+
+
+def _checked_by_owners(r: RebuildItem) -> bool:
+    """Whether the rebuilt chunks are exactly the original chunks whose CRC-32s identify the tensor (and no
+    sha256 needs every row in one process): then each chunk's writer checks it, no rank reads rows twice."""
+    if r.sha256 is not None or r.segments is None or _row_blocks_in_order(r) is None:
+        return False
+    rows = sorted((o[0], s[0]) for o, s, _fi in r.chunks if s and s[0])
+    return rows == [(g.start, g.rows) for g in r.segments]
 
 
 def _file_weights(plan: "RehydratePlan") -> list[int]:
@@ -358,8 +390,11 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             + _ITEM_OVERHEAD_BYTES * (1 + sum(len(r.chunks) for r in plan.rebuild)))
     seconds = {}
     verified = 0
-    # which rank hashes each rebuilt tensor (all of them, in one process)
+    # which rank checks each rebuilt tensor whole, reading all its rows (every one, in one process); a tensor
+    # identified by CRC-32s of exactly its output chunks needs none: each chunk's writer checks it
     verifier = assign_units([r.nbytes for r in plan.rebuild], group.part.world)
+    by_owner = [_checked_by_owners(r) for r in plan.rebuild]
+    owner_checks = [0, sum(len(r.segments) for r, own in zip(plan.rebuild, by_owner) if own)]
     with SharedOutputDir(plan.out, group, inputs=[ckpt.dir, hf.path], need_bytes=need, overwrite=overwrite) as tmp:
         writer = DcpWriter(tmp, files=plan.files,
                            owned_files=group.part.mine(_file_weights(plan)) if split else None)
@@ -384,12 +419,14 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             t1 = time.perf_counter()
             done = 0
             for i, r in enumerate(plan.rebuild):
-                verify = verifier[i] == group.part.rank
+                verify = verifier[i] == group.part.rank and not by_owner[i]
                 check = _rebuild_one(writer, hf, r, verify)
+                if by_owner[i]:
+                    owner_checks[0] += check.checked
                 if check.failed:
                     raise FormatError(
                         f"rebuilt tensor does not match the original: {check.failed[0]} ({r.base_name} from the "
-                        f"base, as {r.dtype}; {verified} of {len(plan.rebuild)} tensors matched before this one); OUT "
+                        f"base, as {r.dtype}; {i} of {len(plan.rebuild)} tensors matched before this one); OUT "
                         "was not created", path=Path(plan.base), key=r.key,
                         hint="this is not the base model the run trained on (another revision or a "
                              "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
@@ -398,7 +435,7 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
                     raise FormatError(
                         f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, as "
                         f"{r.dtype}, is {(got or '?')[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
-                        f"({verified} of {len(plan.rebuild)} tensors matched before this one); OUT was not created",
+                        f"({i} of {len(plan.rebuild)} tensors matched before this one); OUT was not created",
                         path=Path(plan.base), key=r.key,
                         hint="this is not the base model the run trained on (another revision or a "
                              "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
@@ -412,7 +449,11 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             if writer.keys() != expected:   # an internal invariant: every key exactly once
                 raise FormatError(f"output would hold {len(writer.keys())} keys, expected {len(expected)}",
                                   path=plan.out)
-            verified, bytes_written = group.sum([verified, writer.bytes_written], "the rehydrate totals")
+            verified, bytes_written, owned = group.sum([verified, writer.bytes_written, owner_checks[0]],
+                                                       "the rehydrate totals")
+            if owned != owner_checks[1]:   # an internal invariant: every chunk checked by its writer
+                raise FormatError(f"{owned} of {owner_checks[1]} rebuilt chunks were checked", path=plan.out)
+            verified += sum(by_owner)
             writer.finish(group)
         except BaseException:
             writer.abort()

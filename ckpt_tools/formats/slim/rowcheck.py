@@ -46,7 +46,8 @@ class RowCheck:
         if self.sha256 is not None:
             self._h = hashlib.sha256()
 
-    def feed(self, row: int, data) -> None:
+    def feed(self, row: int, data, *, segments: bool = True) -> None:
+        """`segments=False`: the sha256 only (the caller reports the segment's CRC itself, `segment_crc`)."""
         view = memoryview(data).cast("B")
         n = len(view) // max(1, self.row_bytes) if self.row_bytes else 0
         if self._h is not None:
@@ -55,7 +56,7 @@ class RowCheck:
                 self._next = row + n
             else:
                 self._next = -1
-        for i, s in enumerate(self.segments or ()):
+        for i, s in enumerate(self.segments if segments and self.segments else ()):
             a, b = max(row, s.start), min(row + n, s.start + s.rows)
             if a >= b:
                 continue
@@ -66,10 +67,22 @@ class RowCheck:
             crc = crc32(view[(a - row) * self.row_bytes:(b - row) * self.row_bytes], crc)
             self._seg[i] = (b, crc)
             if b == s.start + s.rows:
-                self.checked += 1
-                if crc != s.crc:
-                    self.failed.append(f"rows {s.start}..{s.start + s.rows} have CRC-32 {crc:#010x}, the slim "
-                                       f"manifest recorded {s.crc:#010x}")
+                self._compare(s, crc)
+
+    def segment_of(self, start: int, rows: int) -> int | None:
+        """The index of the segment of exactly rows [start, start + rows), if any."""
+        return next((i for i, s in enumerate(self.segments or ()) if (s.start, s.rows) == (start, rows)), None)
+
+    def segment_crc(self, index: int, crc: int) -> None:
+        """The CRC-32 of segment `index`'s rows, computed by the caller (a writer that has it anyway)."""
+        self._seg[index] = (-1, 0)
+        self._compare(self.segments[index], crc)
+
+    def _compare(self, s: Segment, crc: int) -> None:
+        self.checked += 1
+        if crc != s.crc:
+            self.failed.append(f"rows {s.start}..{s.start + s.rows} have CRC-32 {crc:#010x}, the slim "
+                               f"manifest recorded {s.crc:#010x}")
 
     def sha256_done(self) -> str | None:
         """The sha256 of what was fed, when every row was fed in order; else None."""
