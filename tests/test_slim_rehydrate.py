@@ -194,6 +194,27 @@ def _central_crc_at(raw: bytes) -> int:
         at = raw.index(b"PK\x01\x02", at + 46)
 
 
+def test_a_frozen_item_that_stores_no_crc_is_read_and_identified_by_its_sha256(fixture_copy, tmp_path):
+    """torch.save writes CRC 0 when told not to compute CRCs: such an item cannot be identified by its
+    headers, so slim reads it and records its sha256 (the rest keep their CRC-32s)."""
+    trainer = fixture_copy / TRAINER.relative_to(TRAINER.parents[3])
+    key = "app.model.model.layers.1.mlp.up_proj.weight"
+    c, raw = _frozen_item(trainer, key)
+    at = c.offset + _central_crc_at(raw)
+    with open(trainer / c.file, "r+b") as f:
+        f.seek(at)
+        f.write(b"\0\0\0\0")
+    r = run("slim", trainer, tmp_path / "slim")
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "slim" / SLIM_MANIFEST).read_text())
+    d = next(d for d in m["dropped"] if d["key"] == key)
+    assert "crc32" not in d and len(d["sha256"]) == 64
+    assert all("crc32" in x for x in m["dropped"] if x["key"] != key)
+    r = run("rehydrate", tmp_path / "slim", tmp_path / "full", "--base", BASE)
+    assert r.exit_code == 0, r.output
+    assert assert_bit_equal_checkpoints(TRAINER, tmp_path / "full") == 229
+
+
 def test_a_frozen_item_whose_stored_crc_is_wrong_is_refused_by_slim_base_and_by_rehydrate(fixture_copy, tmp_path):
     """The one thing slim trusts of a dropped item, its stored CRC-32: wrong, `slim --base` refuses it against
     the base, and a slim without a base records it and rehydrate refuses the rebuilt rows, naming the key."""

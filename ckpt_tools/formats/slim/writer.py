@@ -87,7 +87,7 @@ def _row_block_payloads(ckpt: DcpCheckpoint, e: TensorEntry):
                 return
             payload = dec.payload() if dec.raw is not None else memoryview(
                 ckpt.read_item_bytes(c.file, c.offset + dec.payload_offset, dec.payload_size, e.key))
-            if zlib.crc32(payload) != dec.layout.data_crc:
+            if dec.layout.data_crc and zlib.crc32(payload) != dec.layout.data_crc:   # (0: not computed)
                 raise FormatError(f"chunk at {list(c.offsets)} fails its CRC-32 check (stored "
                                   f"{dec.layout.data_crc:#010x})", path=ckpt.dir / c.file, key=e.key,
                                   hint="the checkpoint is corrupt; slim an intact copy")
@@ -130,8 +130,8 @@ def _aligned(e: TensorEntry, chunks, crcs) -> list[int]:
 def stored_crcs(ckpt: DcpCheckpoint, e: TensorEntry, crc_reader: DataCrcReader) -> list[int] | None:
     """The CRC-32 each chunk item of `e` stores for its payload (its `data/0` record), read from the item's
     zip central directory, never from the payload (`DataCrcReader`: tens of bytes per item), in `e.chunks`'
-    order; None when the chunks are not row blocks tiling the tensor, or an item's records are not a
-    plain stored payload of the chunk's size (then the tensor is read and hashed)."""
+    order; None when the chunks are not row blocks tiling the tensor, an item's records are not a plain
+    stored payload of the chunk's size, or one stores no CRC (0) (then the tensor is read and hashed)."""
     chunks = _row_block_chunks(e)
     if chunks is None:
         return None
@@ -140,6 +140,8 @@ def stored_crcs(ckpt: DcpCheckpoint, e: TensorEntry, crc_reader: DataCrcReader) 
         got = [crc_reader.crc(lambda off, n, c=c: ckpt.read_item_bytes(c.file, off, n, e.key), c.offset, c.length,
                               c.numel * size) for c in chunks]
     except ItemError:
+        return None
+    if 0 in got:   # torch.save's "not computed" (`set_crc32_options(False)`): nothing to identify it by
         return None
     return _aligned(e, chunks, got)
 
