@@ -7,7 +7,6 @@ import click
 
 from ... import dist
 from ...core.units import human_bytes
-from ...io import remote
 from ..flow import finish, op_imports, plan_and_run
 from ..mistakes import check_roles
 from ..options import InputPath, OutputPath, input_arg, dry_run_option, json_option, overwrite_option, trust_option
@@ -41,9 +40,6 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
     with op_imports():
         from ...ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
     warn_trust(trust_pickle)
-    if base is None and remote.is_remote_path(ckpt):
-        warn("CKPT is remote and no --base is given: every dropped tensor is fetched to be hashed; with --base "
-             "they are proven against the base by the CRC-32 their items store, and never fetched")
     options = SlimOptions(out, input_arg(base), overwrite, trust_pickle)
     report = plan_and_run(lambda: open_slim_sources(ckpt, options), lambda s: plan_slim(s, options),
                           lambda plan, s, progress: run_slim(plan, s, progress, overwrite=overwrite, group=dist.current()),
@@ -57,7 +53,7 @@ def _render(report: dict, dry_run: bool) -> None:
     click.echo(f"slim {p['source']} -> {p['out']}{dry_run_label(dry_run)}")
     click.echo(f"  keep {p['kept_keys']} keys ({p['kept_items']} items, {human_bytes(p['kept_bytes'])}) verbatim")
     click.echo(f"  drop {p['dropped_keys']} frozen base tensors ({human_bytes(p['dropped_bytes'])}), "
-               f"hashed into the manifest")
+               f"identified in the manifest by their items' stored CRC-32s")
     base_info = p.get("base")
     if base_info:
         click.echo(f"  base: {base_info.get('name')}{' (checked)' if p['verify_base'] else ' (from the run config, unchecked)'}")
