@@ -76,6 +76,7 @@ MERGES = {
 
 DCP_WRITERS = {
     "slim --base": ["slim", TRAINER, "{out}", "--base", BASE],
+    "slim (no base: the items' stored CRC-32s)": ["slim", TRAINER, "{out}"],
     "rehydrate (original layout)": ["rehydrate", "{slim}", "{out}", "--base", BASE],
     "adapter-to-dcp": ["adapter-to-dcp", REF_ADAPTER, "{out}", "--base", BASE, "--lr", "1e-4", "--step", "3"],
 }
@@ -128,6 +129,22 @@ def test_two_gloo_ranks_write_the_same_checkpoint_as_one_process(tmp_path, case,
     assert len([n for n in digest(two) if n.endswith(".distcp")]) >= 3   # both ranks wrote rank files
     assert digest(two) == digest(one)
     assert sorted(os.listdir(tmp_path)) == ["one", "two"]
+
+
+@pytest.mark.parametrize("layout", [[], ["--world-size", "2"]], ids=["original layout", "world size 2"])
+def test_two_gloo_ranks_rehydrate_a_slim_identified_by_crc32_only_as_one_process(tmp_path, layout):
+    """No sha256 in the manifest: in the original layout each chunk's writer checks its CRC-32 (no rank reads
+    another's rows); in another layout one rank per tensor reads it whole to check every original chunk."""
+    slim = tmp_path / "slim"
+    r = solo("slim", TRAINER, slim)
+    assert r.returncode == 0, r.stderr
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = solo("rehydrate", slim, one, "--base", BASE, *layout)
+    assert r.returncode == 0, r.stderr
+    r = torchrun("rehydrate", slim, two, "--base", BASE, *layout)
+    assert r.returncode == 0, r.stderr
+    assert "36/36 rebuilt tensors match" in r.stdout
+    assert digest(two) == digest(one)
 
 
 READERS = {

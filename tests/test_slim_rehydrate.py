@@ -145,24 +145,93 @@ def test_slim_refuses_a_slim_checkpoint(fixture_slim, tmp_path):
     assert r.exit_code == 2 and "already a slim checkpoint" in r.output
 
 
-def test_slim_refuses_a_corrupt_frozen_chunk_instead_of_hashing_it(fixture_copy, tmp_path):
-    trainer = fixture_copy / TRAINER.relative_to(TRAINER.parents[3])
+def _frozen_item(trainer: Path, key: str, chunk: int = 1):
     ck = DcpCheckpoint.open(trainer)
-    chunk = ck.entries["app.model.model.layers.1.mlp.up_proj.weight"].chunks[1]
-    with open(trainer / chunk.file, "rb") as f:
-        f.seek(chunk.offset)
-        import io
-        layout = parse_item(io.BytesIO(f.read(chunk.length)))
-    with open(trainer / chunk.file, "r+b") as f:   # flip one bit of the tensor payload
-        f.seek(chunk.offset + layout.data_offset + 40)
+    c = ck.entries[key].chunks[chunk]
+    with open(trainer / c.file, "rb") as f:
+        f.seek(c.offset)
+        raw = f.read(c.length)
+    return c, raw
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 1]))
+
+
+def test_slim_never_reads_a_frozen_payload_so_a_damaged_one_still_rehydrates_to_the_original(fixture_copy, tmp_path):
+    """A dropped tensor is identified by the CRC-32 its item stored when torch.save wrote it (read from the
+    zip central directory): damage to its payload after the save is not copied, not recorded, and the
+    rehydrated checkpoint is the original one."""
+    import io
+    trainer = fixture_copy / TRAINER.relative_to(TRAINER.parents[3])
+    key = "app.model.model.layers.1.mlp.up_proj.weight"
+    c, raw = _frozen_item(trainer, key)
+    _flip(trainer / c.file, c.offset + parse_item(io.BytesIO(raw)).data_offset + 40)   # one bit of the payload
     out = tmp_path / "slim"
-    r = run("slim", trainer, out)
-    assert r.exit_code == 1
-    assert "app.model.model.layers.1.mlp.up_proj.weight" in r.output and "CRC-32" in r.output
-    assert not out.exists() and no_leftovers(tmp_path, "slim")
+    r = run("slim", trainer, out, "--json")
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / SLIM_MANIFEST).read_text())
+    d = next(d for d in m["dropped"] if d["key"] == key)
+    assert "sha256" not in d and m["version"] == 2
+    assert d["crc32"][1] == parse_item(io.BytesIO(raw)).data_crc
+    full = tmp_path / "full"
+    r = run("rehydrate", out, full, "--base", BASE)
+    assert r.exit_code == 0, r.output
+    assert assert_bit_equal_checkpoints(TRAINER, full) == 229   # the original, not the damaged copy
+
+
+def _central_crc_at(raw: bytes) -> int:
+    """Offset in the item of the CRC field of data/0's central directory entry."""
+    at = raw.index(b"PK\x01\x02", raw.index(b"PK\x01\x02"))
+    while True:
+        name_len = int.from_bytes(raw[at + 28:at + 30], "little")
+        if raw[at + 46:at + 46 + name_len].endswith(b"/data/0"):
+            return at + 16
+        at = raw.index(b"PK\x01\x02", at + 46)
+
+
+def test_a_frozen_item_that_stores_no_crc_is_read_and_identified_by_its_sha256(fixture_copy, tmp_path):
+    """torch.save writes CRC 0 when told not to compute CRCs: such an item cannot be identified by its
+    headers, so slim reads it and records its sha256 (the rest keep their CRC-32s)."""
+    trainer = fixture_copy / TRAINER.relative_to(TRAINER.parents[3])
+    key = "app.model.model.layers.1.mlp.up_proj.weight"
+    c, raw = _frozen_item(trainer, key)
+    at = c.offset + _central_crc_at(raw)
+    with open(trainer / c.file, "r+b") as f:
+        f.seek(at)
+        f.write(b"\0\0\0\0")
+    r = run("slim", trainer, tmp_path / "slim")
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "slim" / SLIM_MANIFEST).read_text())
+    d = next(d for d in m["dropped"] if d["key"] == key)
+    assert "crc32" not in d and len(d["sha256"]) == 64
+    assert all("crc32" in x for x in m["dropped"] if x["key"] != key)
+    r = run("rehydrate", tmp_path / "slim", tmp_path / "full", "--base", BASE)
+    assert r.exit_code == 0, r.output
+    assert assert_bit_equal_checkpoints(TRAINER, tmp_path / "full") == 229
+
+
+def test_a_frozen_item_whose_stored_crc_is_wrong_is_refused_by_slim_base_and_by_rehydrate(fixture_copy, tmp_path):
+    """The one thing slim trusts of a dropped item, its stored CRC-32: wrong, `slim --base` refuses it against
+    the base, and a slim without a base records it and rehydrate refuses the rebuilt rows, naming the key."""
+    trainer = fixture_copy / TRAINER.relative_to(TRAINER.parents[3])
+    key = "app.model.model.layers.1.mlp.up_proj.weight"
+    c, raw = _frozen_item(trainer, key)
+    _flip(trainer / c.file, c.offset + _central_crc_at(raw))
+    r = run("slim", trainer, tmp_path / "checked", "--base", BASE)
+    assert r.exit_code == 1 and f"key '{key}'" in r.output and "CRC-32" in r.output, r.output
+    assert not (tmp_path / "checked").exists() and no_leftovers(tmp_path, "checked")
+    r = run("slim", trainer, tmp_path / "slim")
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "full"
+    r = run("rehydrate", tmp_path / "slim", out, "--base", BASE)
+    assert r.exit_code == 1 and f"key '{key}'" in r.output and "CRC-32" in r.output, r.output
+    assert "does not match the original" in r.output
+    assert not out.exists() and no_leftovers(tmp_path, "full")
 
 
 # ------------------------------------------------------------------------------------------ rehydrate
@@ -172,6 +241,12 @@ def test_rehydrate_rebuilds_every_item_bit_equal_in_the_original_layout(fixture_
     assert r.exit_code == 0, r.output
     assert "36/36 rebuilt tensors match" in r.output
     assert assert_bit_equal_checkpoints(TRAINER, out) == 229
+    a, b = DcpCheckpoint.open(TRAINER), DcpCheckpoint.open(out)   # streamed items: torch.save's bytes exactly
+    for key, e in a.entries.items():
+        if isinstance(e, TensorEntry):
+            for c, d in zip(e.chunks, b.entries[key].chunks):
+                assert a.read_item_bytes(c.file, c.offset, c.length, key) == \
+                       b.read_item_bytes(d.file, d.offset, d.length, key), key
     assert not (out / SLIM_MANIFEST).exists()
     assert sorted(p.name for p in out.iterdir()) == sorted([*(p.name for p in TRAINER.iterdir()), ".ckpt-tools-output"])
 
@@ -185,6 +260,25 @@ def test_rehydrate_for_another_world_size_writes_row_chunks_for_it(fixture_slim,
     gate = ck.entries["app.model.model.layers.0.mlp.gate_proj.weight"]
     assert [(c.offsets, c.sizes, c.file) for c in gate.chunks] == [
         ((0, 0), (81, 64), "__0_0.distcp"), ((81, 0), (81, 64), "__1_0.distcp")]
+
+
+def test_a_slim_without_base_rehydrates_bit_equal_for_another_world_size_checked_by_its_chunks_crc32(tmp_path):
+    """No sha256 (version 2): the rebuilt rows are checked against the CRC-32 of every original chunk, though
+    the new chunks straddle them; another base revision is refused."""
+    slim = tmp_path / "slim"
+    r = run("slim", TRAINER, slim)
+    assert r.exit_code == 0, r.output
+    m = json.loads((slim / SLIM_MANIFEST).read_text())
+    assert m["version"] == 2 and m["base"]["verified"] is False
+    assert all("sha256" not in d and len(d["crc32"]) == len(d["chunks"]) for d in m["dropped"])
+    r = run("rehydrate", slim, tmp_path / "full", "--base", BASE, "--world-size", "3")
+    assert r.exit_code == 0, r.output
+    assert "36/36 rebuilt tensors match" in r.output
+    assert assert_bit_equal_checkpoints(TRAINER, tmp_path / "full", same_layout=False) == 229
+    other = _perturbed_base(tmp_path, "model.layers.2.self_attn.o_proj.weight")
+    r = run("rehydrate", slim, tmp_path / "bad", "--base", other, "--world-size", "3")
+    assert r.exit_code == 1 and "key 'app.model.model.layers.2.self_attn.o_proj.weight'" in r.output, r.output
+    assert "CRC-32" in r.output and not (tmp_path / "bad").exists()
 
 
 def _perturbed_base(tmp_path: Path, name: str) -> Path:

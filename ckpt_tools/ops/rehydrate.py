@@ -1,41 +1,44 @@
 """`ckpt rehydrate`: slim checkpoint + the bf16 HF base -> the full checkpoint prime-rl resumes from.
 
-Every item of the slim checkpoint is copied verbatim by byte range, checked against its zip CRC-32s
-and the manifest's CRC of it (`kept_crc32`; an older manifest has none, and the plan says so). Every tensor the slim manifest
-lists as dropped is rebuilt from the base model (bf16 -> the checkpoint's fp32, an exact upcast),
-its sha256 is compared with the manifest's, and the first mismatch aborts the whole run (nothing
-appears at OUT: the output is atomic, and the temp dir is removed). The rebuilt tensors are written as row
-chunks: by default in the exact original chunk layout and rank files recorded in the manifest, or
-for `--world-size W` ranks. Row chunks are streamed from the base one at a time: memory is one
-chunk in bf16 + fp32, not the tensor.
+Every item of the slim checkpoint is copied verbatim by byte range (a large one by `copy_file_range`),
+checked against its zip CRC-32s and the manifest's CRC of it (`kept_crc32`; an older manifest has none,
+and the plan says so). Every tensor the slim manifest lists as dropped is rebuilt from the base model
+(bf16 -> the checkpoint's fp32, an exact upcast) and checked against the manifest's identification of
+it (`formats.slim.rowcheck`: each original chunk's CRC-32 and/or the whole tensor's sha256); the first
+mismatch aborts the whole run (nothing appears at OUT: the output is atomic, and the temp dir is
+removed). The rebuilt tensors are written as row chunks: by default in the exact original chunk layout
+and rank files recorded in the manifest, or for `--world-size W` ranks. Each chunk item is streamed
+(`formats.dcp.stream_item`: the bytes torch.save writes, its payload from the base in blocks of
+`BASE_BLOCK_BYTES`): memory is one block in bf16 + fp32, not the chunk, not the tensor.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..core.dtypes import torch_dtype
-from ..core.crc import crc32
 from ..core.errors import ChecksumError, FormatError, UsageError
 from ..core.keys import expert_names, is_stacked_pattern
 from ..core.parts import assign_units
 from ..dist import Group, SoloGroup
 from ..core.progress import Progress, report
-from ..core.tensor_math import sha256_of_tensor, update_hash
+from ..formats.dcp.item_copy import copy_checked_item
 from ..formats.dcp.layout import extra_bytes, extra_entries, row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
+from ..formats.dcp.stream_item import tensor_item_parts
 from ..formats.dcp.writer import DcpWriter
 from ..formats.slim.manifest import SLIM_MANIFEST, kept_item_id, read_manifest
 from ..formats.slim.partition import base_identity, map_to_base
+from ..formats.slim.rowcheck import RowCheck, Segment, segments_of
 from ..formats.slim.writer import copy_extra_entries
 from ..io.staging import SharedOutputDir
-from ..sources.hashing import read_as, read_rows_as
+from ..sources.hashing import BASE_BLOCK_BYTES, read_as, read_rows_as
 from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["RehydrateOptions", "RehydrateSources", "open_rehydrate_sources", "RebuildItem", "RehydratePlan",
@@ -54,8 +57,9 @@ class RebuildItem:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]   # (offsets, sizes, file index)
-    sha256: str
+    sha256: str | None              # of the whole tensor (None: identified by its chunks' CRC-32s only)
     nbytes: int
+    segments: tuple[Segment, ...] | None = None   # the original chunks' rows and CRC-32s
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,9 @@ class RehydratePlan:
                 "extra_files": list(self.extra_files), "warnings": list(self.warnings),
                 "kept_items_in_manifest": self.kept_crc32 is not None,
                 "rebuild": [{"key": r.key, "from": r.base_name, "shape": list(r.shape), "dtype": r.dtype,
-                             "chunks": len(r.chunks)} for r in self.rebuild]}
+                             "chunks": len(r.chunks),
+                             "checked_by": [n for n, v in (("sha256", r.sha256), ("crc32", r.segments)) if v]}
+                            for r in self.rebuild]}
 
 
 def _file_index(rel: str, fallback: dict[str, int]) -> int:
@@ -177,8 +183,9 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         else:
             chunks = tuple(((s,) + (0,) * (len(d.shape) - 1), (n,) + tuple(d.shape[1:]), k)
                            for k, (s, n) in enumerate(row_chunks(d.shape[0], world_size)))
-        rebuild.append(RebuildItem(d.key, d.path, mapping[d.key], d.dtype, d.shape, chunks, manifest.hashes[d.key],
-                                   d.nbytes))
+        ident = manifest.ids[d.key]
+        rebuild.append(RebuildItem(d.key, d.path, mapping[d.key], d.dtype, d.shape, chunks, ident.sha256,
+                                   d.nbytes, segments_of(d.chunks, ident.crc32)))
     # Read the base in file order (sequential I/O on the base shards).
     infos = {r.key: hf.info(expert_names(r.base_name, 0, 1)[0] if is_stacked_pattern(r.base_name) else r.base_name)
              for r in rebuild}
@@ -236,43 +243,99 @@ def _row_blocks_in_order(r: RebuildItem):
     return chunks if expect == r.shape[0] else None
 
 
-def _rebuild_one(writer, hf: HFModelDir, r: RebuildItem, verify: bool = True) -> str | None:
-    """Write this rank's chunks of one dropped tensor rebuilt from the base (every chunk, in one
-    process); with `verify`, return the sha256 of the whole tensor (split over ranks, one rank per
-    tensor hashes it, reading all its rows). Row-block layouts (FSDP's) stream chunk by chunk: memory
-    is one chunk, not the tensor. The caller compares the hash before finishing; a mismatch aborts
-    the whole (atomic) output."""
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _ahead(make, args):
+    """`make(a)` for each of `args`, in order, the next one made on a worker thread while the caller uses
+    the current one (preadv, the upcast, hashing and writes release the GIL): memory two results."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
+        for a in args:
+            nxt = pool.submit(make, a)
+            if pending is not None:
+                yield pending.result()
+            pending = nxt
+            del nxt
+        if pending is not None:
+            yield pending.result()
+
+
+def _rows(hf: HFModelDir, r: RebuildItem, dtype, start: int, count: int, check: RowCheck, segments: bool = True):
+    """Rows [start, start + count) of `r` from the base as `dtype`, in blocks of at most BASE_BLOCK_BYTES
+    (the next one read and upcast meanwhile), each fed to `check` on the way (`segments=False`: to its
+    sha256 only)."""
+    row_bytes = r.nbytes // max(1, r.shape[0])
+    step = max(1, BASE_BLOCK_BYTES // max(1, row_bytes))
+
+    def make(s: int):
+        return s, _bytes_of(read_rows_as(hf, r.base_name, dtype, s, min(step, start + count - s)))
+    for s, block in _ahead(make, range(start, start + count, step)):
+        check.feed(s, block, segments=segments)
+        yield block
+        del block
+
+
+def _rebuild_one(writer, hf: HFModelDir, r: RebuildItem, verify: bool = True) -> RowCheck:
+    """Write this rank's chunks of one dropped tensor rebuilt from the base (every chunk, in one process)
+    and return the check of what was rebuilt against the manifest (`RowCheck`). With `verify` (split
+    over ranks, one rank per tensor) every row is read, so the check is complete; without, only the
+    original chunks this rank rebuilt whole are checked. Row-block layouts (FSDP's) stream block by block
+    into streamed items: memory is one block, not the chunk. The caller raises on a failed check before
+    finishing; a mismatch aborts the whole (atomic) output."""
     dtype = torch_dtype(r.dtype)
+    rows = r.shape[0] if r.shape else 1
+    check = RowCheck(r.nbytes // max(1, rows), rows, r.sha256 if verify else None, r.segments)
     chunks = _row_blocks_in_order(r)
     if chunks is None:
         if not verify and not any(writer.owns(fi) for _o, _s, fi in r.chunks):
             for _chunk in r.chunks:
                 writer.skip(r.key)
-            return None
+            return check
         t = read_as(hf, r.base_name, dtype)
         for offsets, sizes, fi in r.chunks:
             if writer.owns(fi):
                 writer.write_tensor(r.key, r.path, t, chunks=[(offsets, sizes)], file_index=fi)
             else:
                 writer.skip(r.key)
-        return sha256_of_tensor(t) if verify else None
-    h = hashlib.sha256()
+        check.feed(0, _bytes_of(t))
+        return check
     for offsets, sizes, fi in chunks:
         mine = writer.owns(fi)
-        if sizes[0] == 0:
-            piece = torch.empty(sizes, dtype=dtype)
-        elif mine or verify:
-            piece = read_rows_as(hf, r.base_name, dtype, offsets[0], sizes[0])
-            if verify:
-                update_hash(h, piece)
-        else:
-            piece = None
-        if mine:
+        if sizes[0] == 0 or not (mine or verify):
+            if mine:
+                writer.write_chunk(r.key, r.path, torch.empty(sizes, dtype=dtype), size=r.shape, offsets=offsets,
+                                   file_index=fi)
+            else:
+                writer.skip(r.key)
+            continue
+        parts = tensor_item_parts(r.dtype, tuple(sizes)) if mine else None
+        seg = check.segment_of(offsets[0], sizes[0]) if parts is not None else None
+        blocks = _rows(hf, r, dtype, offsets[0], sizes[0], check, segments=seg is None)
+        if parts is not None:   # (the item's CRC-32 is the original chunk's when the chunk is one: not computed twice)
+            crc = writer.write_streamed_chunk(r.key, r.path, r.dtype, r.shape, offsets, sizes, parts, blocks,
+                                              file_index=fi)
+            if seg is not None:
+                check.segment_crc(seg, crc)
+        elif mine:   # this torch's torch.save is not what stream_item writes: the chunk through torch.save
+            piece = torch.cat([torch.frombuffer(b, dtype=torch.uint8) for b in blocks]).view(dtype).reshape(sizes)
             writer.write_chunk(r.key, r.path, piece, size=r.shape, offsets=offsets, file_index=fi)
+            del piece
         else:
             writer.skip(r.key)
-        del piece
-    return h.hexdigest() if verify else None
+            for _b in blocks:
+                pass
+    return check
+
+
+def _checked_by_owners(r: RebuildItem) -> bool:
+    """Whether the rebuilt chunks are exactly the original chunks whose CRC-32s identify the tensor (and no
+    sha256 needs every row in one process): then each chunk's writer checks it, no rank reads rows twice."""
+    if r.sha256 is not None or r.segments is None or _row_blocks_in_order(r) is None:
+        return False
+    rows = sorted((o[0], s[0]) for o, s, _fi in r.chunks if s and s[0])
+    return rows == [(g.start, g.rows) for g in r.segments]
 
 
 def _file_weights(plan: "RehydratePlan") -> list[int]:
@@ -326,8 +389,11 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             + _ITEM_OVERHEAD_BYTES * (1 + sum(len(r.chunks) for r in plan.rebuild)))
     seconds = {}
     verified = 0
-    # which rank hashes each rebuilt tensor (all of them, in one process)
+    # which rank checks each rebuilt tensor whole, reading all its rows (every one, in one process); a tensor
+    # identified by CRC-32s of exactly its output chunks needs none: each chunk's writer checks it
     verifier = assign_units([r.nbytes for r in plan.rebuild], group.part.world)
+    by_owner = [_checked_by_owners(r) for r in plan.rebuild]
+    owner_checks = [0, sum(len(r.segments) for r, own in zip(plan.rebuild, by_owner) if own)]
     with SharedOutputDir(plan.out, group, inputs=[ckpt.dir, hf.path], need_bytes=need, overwrite=overwrite) as tmp:
         writer = DcpWriter(tmp, files=plan.files,
                            owned_files=group.part.mine(_file_weights(plan)) if split else None)
@@ -337,34 +403,43 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
                 if not writer.owns(fi):
                     writer.skip(key)
                     continue
-                raw = ckpt.read_item_checked(rel, offset, length, key)
-                if plan.kept_crc32 is not None and crc32(raw) != plan.kept_crc32[n]:
+                e = ckpt.entries[key]
+                chunk = None if isinstance(e, BytesEntry) else next(
+                    c for c in e.chunks if c.file == rel and c.offset == offset)
+                got = copy_checked_item(ckpt, writer, key, rel, offset, length, file_index=fi, chunk=chunk)
+                if plan.kept_crc32 is not None and got != plan.kept_crc32[n]:
                     raise ChecksumError(
-                        f"the item's bytes differ from what `ckpt slim` copied (CRC-32 {crc32(raw):#010x}, the "
+                        f"the item's bytes differ from what `ckpt slim` copied (CRC-32 {got:#010x}, the "
                         f"manifest recorded {plan.kept_crc32[n]:#010x}); OUT was not created",
                         path=ckpt.dir / rel, key=key, hint="the slim checkpoint is damaged: rehydrate an intact "
                                                            "copy of it (after gc it may be the only copy of the run's "
                                                            "trained state)")
-                e = ckpt.entries[key]
-                if isinstance(e, BytesEntry):
-                    writer.copy_bytes_item(key, e.path, raw, file_index=fi)
-                else:
-                    c = next(c for c in e.chunks if c.file == rel and c.offset == offset)
-                    writer.copy_tensor_chunk(key, e.path, e.dtype, e.shape, c.offsets, c.sizes, raw, file_index=fi)
             seconds["copy"] = round(time.perf_counter() - t0, 3)
             t1 = time.perf_counter()
             done = 0
             for i, r in enumerate(plan.rebuild):
-                verify = verifier[i] == group.part.rank
-                got = _rebuild_one(writer, hf, r, verify)
-                if verify and got != r.sha256:
+                verify = verifier[i] == group.part.rank and not by_owner[i]
+                check = _rebuild_one(writer, hf, r, verify)
+                if by_owner[i]:
+                    owner_checks[0] += check.checked
+                if check.failed:
+                    raise FormatError(
+                        f"rebuilt tensor does not match the original: {check.failed[0]} ({r.base_name} from the "
+                        f"base, as {r.dtype}; {i} of {len(plan.rebuild)} tensors matched before this one); OUT "
+                        "was not created", path=Path(plan.base), key=r.key,
+                        hint="this is not the base model the run trained on (another revision or a "
+                             "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
+                got = check.sha256_done()
+                if verify and r.sha256 is not None and got != r.sha256:
                     raise FormatError(
                         f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, as "
-                        f"{r.dtype}, is {got[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
-                        f"({verified} of {len(plan.rebuild)} tensors matched before this one); OUT was not created",
+                        f"{r.dtype}, is {(got or '?')[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
+                        f"({i} of {len(plan.rebuild)} tensors matched before this one); OUT was not created",
                         path=Path(plan.base), key=r.key,
                         hint="this is not the base model the run trained on (another revision or a "
                              "re-export?); pass the exact base, e.g. the snapshot recorded in the manifest")
+                if verify and not check.complete():   # an internal invariant: the verifier reads every row
+                    raise FormatError("rebuilt tensor was not checked whole", path=plan.out, key=r.key)
                 verified += verify
                 done += r.nbytes
                 report(progress, "rebuild", done, plan.rebuild_bytes)
@@ -373,7 +448,11 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             if writer.keys() != expected:   # an internal invariant: every key exactly once
                 raise FormatError(f"output would hold {len(writer.keys())} keys, expected {len(expected)}",
                                   path=plan.out)
-            verified, bytes_written = group.sum([verified, writer.bytes_written], "the rehydrate totals")
+            verified, bytes_written, owned = group.sum([verified, writer.bytes_written, owner_checks[0]],
+                                                       "the rehydrate totals")
+            if owned != owner_checks[1]:   # an internal invariant: every chunk checked by its writer
+                raise FormatError(f"{owned} of {owner_checks[1]} rebuilt chunks were checked", path=plan.out)
+            verified += sum(by_owner)
             writer.finish(group)
         except BaseException:
             writer.abort()

@@ -4,9 +4,12 @@ A prime-rl LoRA checkpoint is ~97% frozen base weights: fp32 masters that are ex
 public bf16 base model (docs/primerl-format.md §0). `plan_slim` decides, from metadata alone, what a
 slim keeps (LoRA, AdamW state, param_groups, scheduler, progress, anything unrecognised: copied
 VERBATIM by byte range) and drops (`formats.slim.partition`); `run_slim` writes it into an
-`AtomicOutputDir` (`formats.slim.writer`): every dropped tensor hashed into the manifest and, with
-`--base`, proven equal to the base's upcast. The slim checkpoint format, and why prime-rl cannot
-resume from one until `ckpt rehydrate`, is `formats.slim.manifest`'s.
+`AtomicOutputDir` (`formats.slim.writer`): every dropped tensor identified in the manifest by the
+CRC-32s its items store (read from their zip headers: its payload is never read) and, with `--base`,
+proven equal to the base's upcast (CRC-32 per chunk) whose sha256 is recorded. So a slim reads the
+checkpoint at most once: the kept items, and a few header bytes of each dropped one. The slim
+checkpoint format, what each identification guarantees, and why prime-rl cannot resume from one until
+`ckpt rehydrate`, are `formats.slim.manifest`'s.
 """
 from __future__ import annotations
 
@@ -19,9 +22,8 @@ from ..dist import Group, SoloGroup, local_workers
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.primerl.alpha import find_run_configs, orch_model_name
 from ..formats.slim.partition import SlimLayout, base_identity, partition
-from ..formats.slim.writer import need_bytes, write_slim
+from ..formats.slim.writer import need_bytes, reads_payload, write_slim
 from ..io.staging import SharedOutputDir
-from ..io.remote import is_remote_path
 from ..sources.hashing import BASE_BLOCK_BYTES, base_crc_check, base_hash_check
 from ..formats.hf_dir.model_dir import HFModelDir
 
@@ -142,11 +144,14 @@ def plan_slim(sources: SlimSources, options: SlimOptions) -> SlimPlan:
 HASH_BUDGET_BYTES = 640 * 2**20   # what one rank's hashing threads hold at once
 
 
-def hash_threads(layout: SlimLayout) -> int:
-    """Threads hashing dropped tensors: this rank's cores, as many as fit HASH_BUDGET_BYTES when each
-    holds one checkpoint chunk (row-block layouts stream chunk by chunk) and one base block."""
-    most = max((d.nbytes // max(1, len(d.chunks)) + BASE_BLOCK_BYTES for d in layout.dropped), default=1)
-    return max(1, min(local_workers(), HASH_BUDGET_BYTES // most))
+def hash_threads(layout: SlimLayout, with_base: bool = True) -> int:
+    """Threads identifying dropped tensors: this rank's cores, as many as fit HASH_BUDGET_BYTES when each
+    holds one base block upcast (bf16 + fp32: 1.5 BASE_BLOCK_BYTES; a row-block tensor's own bytes are never
+    read) or, for a tensor that is read (`reads_payload`), one checkpoint chunk and one base block."""
+    block = BASE_BLOCK_BYTES * 3 // 2 if with_base else 0
+    most = max((block + (d.nbytes // max(1, len(d.chunks)) + BASE_BLOCK_BYTES if reads_payload(d) else 0)
+                for d in layout.dropped), default=1)
+    return max(1, min(local_workers(), HASH_BUDGET_BYTES // max(1, most)))
 
 
 def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = None, *,
@@ -157,14 +162,14 @@ def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = N
     t0 = time.perf_counter()
     ckpt, base = sources.ckpt, sources.base
     base_hash = base_hash_check(base, plan.layout.dropped) if base is not None else None
-    # a remote checkpoint's dropped tensors are not fetched: proven against the base by their items' CRC-32
-    base_crcs = base_crc_check(base, plan.layout.dropped) if base is not None and is_remote_path(ckpt.dir) else None
+    # dropped tensors are not read (local or remote): proven against the base by the CRC-32 their items store
+    base_crcs = base_crc_check(base, plan.layout.dropped) if base is not None else None
     inputs = [ckpt.dir] + ([base.path] if base is not None else [])   # --base is an input too
     with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=need_bytes(ckpt.dir, plan.layout),
                          overwrite=overwrite) as tmp:
         written = write_slim(ckpt, tmp, plan.layout, base=plan.base, base_hash=base_hash,
                              base_path=base.path if base is not None else None, progress=progress, group=group,
-                             hash_threads=hash_threads(plan.layout), base_crcs=base_crcs)
+                             hash_threads=hash_threads(plan.layout, base is not None), base_crcs=base_crcs)
         (bytes_read,) = group.sum([ckpt.stats.bytes_read], "the bytes read")
     out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
     seconds = dict(written.seconds, total=round(time.perf_counter() - t0, 3))

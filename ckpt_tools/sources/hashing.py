@@ -3,10 +3,11 @@ manifest records for a frozen tensor is that of the base's tensor upcast to the 
 from __future__ import annotations
 
 import hashlib
-import zlib
+import math
 
 import torch
 
+from ..core.crc import crc32
 from ..core.dtypes import itemsize, torch_dtype
 from ..core.keys import expert_names, is_stacked_pattern
 from ..core.tensor_math import sha256_of_tensor, update_hash
@@ -82,12 +83,12 @@ def base_hash_check(base: HFModelDir, dropped):
     return base_hash
 
 
-def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks) -> tuple[str, list[int]]:
+def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks, shape=None) -> tuple[str, list[int]]:
     """(sha256 of tensor `name` cast to `dtype`, the CRC-32 of each row block [start, start + count) of
-    `row_blocks`, which tile its rows in order): one streamed pass over the base (memory: one block)."""
-    info = src.facts(name)
-    n = info.shape[0] if info.shape else 1
-    row_out = max(1, (info.numel // max(1, n)) * itemsize(dtype))
+    `row_blocks`, which tile its rows in order): one streamed pass over the base (memory: one block).
+    `shape`: the tensor's (needed for a `stacked_hf_pattern` name, whose rows are experts)."""
+    shape = tuple(shape) if shape is not None else tuple(src.facts(name).shape)
+    row_out = max(1, (math.prod(shape[1:]) if shape else 1) * itemsize(dtype))
     step = max(1, BASE_BLOCK_BYTES // row_out)
     h, crcs = hashlib.sha256(), []
     for start, count in row_blocks:
@@ -97,7 +98,9 @@ def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks) -> tuple[str
             if t.numel():
                 b = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
                 h.update(b)
-                crc = zlib.crc32(b, crc)
+                crc = crc32(b, crc)
+                del b
+            del t   # before the next block is read: one block in memory, not two
         crcs.append(crc)
     return h.hexdigest(), crcs
 
@@ -109,6 +112,6 @@ def base_crc_check(base: HFModelDir, dropped):
     mapping = map_to_base(dropped, {n: base.facts(n).shape for n in base.names()}, base.config, base.path)
 
     def base_crcs(d, row_blocks) -> tuple[str, str, list[int]]:
-        sha, crcs = upcast_sha256_crc32s(base, mapping[d.key], d.dtype, row_blocks)
+        sha, crcs = upcast_sha256_crc32s(base, mapping[d.key], d.dtype, row_blocks, d.shape)
         return mapping[d.key], sha, crcs
     return base_crcs

@@ -57,6 +57,6 @@ def _render(report: dict, dry_run: bool) -> None:
         warn(w)
     r = report.get("result")
     if r:
-        click.echo(f"  {r['verified_tensors']}/{r['rebuilt_tensors']} rebuilt tensors match the manifest's sha256; "
+        click.echo(f"  {r['verified_tensors']}/{r['rebuilt_tensors']} rebuilt tensors match the manifest (sha256 / chunk CRC-32); "
                    f"wrote {human_bytes(r['out_bytes'])} in {r['seconds']['total']:.2f}s")
         click.echo(f"  resumable: point prime-rl at {r['out']}")

@@ -7,7 +7,7 @@ import click
 
 from ... import api
 from ...core.units import human_bytes
-from ..flow import finish, is_remote, progress_line
+from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import InputPath, OutputPath, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
@@ -39,9 +39,6 @@ def command(ckpt: Path, out: Path, base, overwrite: bool, dry_run: bool, as_json
     """
     check_roles("slim", {"CKPT": ckpt, "OUT": out, "--base": base})
     warn_trust(trust_pickle)
-    if base is None and is_remote(ckpt):
-        warn("CKPT is remote and no --base is given: every dropped tensor is fetched to be hashed; with --base "
-             "they are proven against the base by the CRC-32 their items store, and never fetched")
     with progress_line(not dry_run) as bar:
         report = api.slim(ckpt, out, base=input_arg(base), dry_run=dry_run, overwrite=overwrite,
                           trust_pickle=trust_pickle, progress=bar)
@@ -53,7 +50,7 @@ def _render(report: dict, dry_run: bool) -> None:
     click.echo(f"slim {p['source']} -> {p['out']}{dry_run_label(dry_run)}")
     click.echo(f"  keep {p['kept_keys']} keys ({p['kept_items']} items, {human_bytes(p['kept_bytes'])}) verbatim")
     click.echo(f"  drop {p['dropped_keys']} frozen base tensors ({human_bytes(p['dropped_bytes'])}), "
-               f"hashed into the manifest")
+               f"identified in the manifest by their items' stored CRC-32s")
     base_info = p.get("base")
     if base_info:
         click.echo(f"  base: {base_info.get('name')}{' (checked)' if p['verify_base'] else ' (from the run config, unchecked)'}")

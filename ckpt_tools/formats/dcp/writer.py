@@ -6,7 +6,8 @@ is simple enough to write directly: each storage item is one `torch.save` archiv
 `.distcp` file; `.metadata` (a pickled `Metadata`) is written last, atomically. Tensors are split
 into dim-0 row chunks with `torch.chunk` boundaries for the consumer's world size, so each
 resuming FSDP2 rank reads only its own rows; chunk k goes to file `__k_0.distcp` like a real save.
-Memory: one tensor plus one chunk copy at a time.
+Memory: one tensor plus one chunk copy at a time (`write_tensor`); `write_streamed_chunk` holds one block
+of the payload, and a `FileRange` copy none (in the kernel).
 
 Split over ranks (`owned_files`: the data files this rank writes, `ckpt_tools.dist`): every rank makes
 the same sequence of write calls from the same plan; a call whose file is another rank's is only
@@ -42,15 +43,40 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.errors import UsageError
+from ...core.crc import crc32
+from ...io.copy import copy_range
 from ...io.files import atomic_write_bytes, make_dirs, open_new
 from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
+from .stream_item import TensorItemParts
 
-__all__ = ["DcpWriter", "DCP_VERSION"]
+__all__ = ["DcpWriter", "DCP_VERSION", "FileRange"]
 
 DCP_VERSION = "1.0.0"
 # `.metadata` names this class `torch.distributed.checkpoint.filesystem._StorageInfo`, and torch has
 # no public name for it: a genuine metadata can only be written with it.
 StorageInfo = dcp_filesystem._StorageInfo
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """A stored item to copy verbatim from bytes [offset, offset + length) of the open input `fd` (in the
+    kernel, `io.copy.copy_range`: the bytes never pass through this process)."""
+    fd: int
+    offset: int
+    length: int
+    path: object
+    key: str
+
+
+def _write_raw(fh, raw) -> None:
+    if isinstance(raw, FileRange):
+        fh.flush()
+        start = fh.tell()
+        copy_range(raw.fd, raw.offset, fh.fileno(), start, raw.length, path=raw.path, key=raw.key,
+                   block_bytes=1 << 30)
+        fh.seek(start + raw.length)
+    else:
+        fh.write(raw)
 
 
 @dataclass
@@ -152,12 +178,37 @@ class DcpWriter:
                              data_file_name(file_index % self.files), lambda fh: torch.save(p, fh))
 
     def copy_tensor_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
-                          offsets: tuple[int, ...], sizes: tuple[int, ...], raw_item: bytes,
+                          offsets: tuple[int, ...], sizes: tuple[int, ...], raw_item,
                           file_index: int = 0) -> None:
         """Append a storage item verbatim (no decode/encode): slim, rehydrate, surgery. `dtype`: a name
-        or a torch dtype."""
+        or a torch dtype; `raw_item`: its bytes, or a `FileRange` of an input to copy them from."""
         self._add_chunk_item(key, path, torch_dtype(dtype), tuple(size), tuple(offsets), tuple(sizes),
-                             data_file_name(file_index % self.files), lambda fh: fh.write(raw_item))
+                             data_file_name(file_index % self.files), lambda fh: _write_raw(fh, raw_item))
+
+    def write_streamed_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...], offsets: tuple[int, ...],
+                             sizes: tuple[int, ...], parts: TensorItemParts, blocks, file_index: int = 0) -> int | None:
+        """Write one row chunk as torch.save would, its payload taken from `blocks` (buffers, in order,
+        `parts.payload_bytes` in all) without ever holding it whole (`stream_item`). Returns the payload's
+        CRC-32 (None: another rank's file, nothing read from `blocks`). Fewer or more bytes than the
+        chunk holds is a UsageError; the caller checks the CRC and aborts the output on a mismatch."""
+        got = {}
+
+        def write(fh) -> None:
+            fh.write(parts.head)
+            crc, n = 0, 0
+            for b in blocks:
+                fh.write(b)
+                crc = crc32(b, crc)
+                n += len(memoryview(b).cast("B"))
+                del b   # before the next block is made: one in memory, not two
+            if n != parts.payload_bytes:
+                raise UsageError(f"chunk at {list(offsets)} got {n:,} payload bytes, expected {parts.payload_bytes:,}",
+                                 key=key)
+            fh.write(parts.tail(crc))
+            got["crc"] = crc
+        self._add_chunk_item(key, path, torch_dtype(dtype), tuple(size), tuple(offsets), tuple(sizes),
+                             data_file_name(file_index % self.files), write)
+        return got.get("crc")
 
     def _add_chunk_item(self, key, path, dtype, size, offs, sizes, rel, write) -> None:
         decl = self._tensors.get(key)
@@ -196,7 +247,7 @@ class DcpWriter:
         torch.save(obj, buf)
         self.copy_bytes_item(key, path, buf.getvalue(), file_index=file_index)
 
-    def copy_bytes_item(self, key: str, path: tuple, raw_item: bytes, *, file_index: int = 0,
+    def copy_bytes_item(self, key: str, path: tuple, raw_item, *, file_index: int = 0,
                         rel: str | None = None) -> None:
         if key in self._bytes or key in self._tensors:
             raise UsageError("written twice", key=key)
@@ -206,7 +257,7 @@ class DcpWriter:
         if not self._owns_rel(rel):   # another rank's file: counted, not written
             self._seq += 1
             return
-        start, length = self._append(rel, lambda fh: fh.write(raw_item))
+        start, length = self._append(rel, lambda fh: _write_raw(fh, raw_item))
         self._storage[MetadataIndex(key)] = StorageInfo(rel, start, length)
         self._record("bytes", key, path, rel, start, length)
 

@@ -2,12 +2,25 @@
 
 A slim checkpoint is a DCP dir holding every storage item of the original but the frozen base weights
 (copied verbatim), plus `ckpt-slim-manifest.json` beside `.metadata`: for every dropped tensor its
-key, planner path, shape, dtype, original chunk layout and the sha256 of its bytes in row-major order
-(`HASH_INPUT`), the identity of the base model it came from, and the CRC-32 of every kept item's stored
-bytes (`kept_crc32`, by `kept_item_id`; optional, so manifests written before it still read). It is NOT loadable by prime-rl's
-strict DCP loader on its own (`Missing key in checkpoint state_dict`): the manifest says so, `ckpt
-inspect` says so; `ckpt rehydrate` rebuilds the full checkpoint from the base and proves each tensor
-against its hash.
+key, planner path, shape, dtype, original chunk layout and its identification, the identity of the base
+model it came from, and the CRC-32 of every kept item's stored bytes (`kept_crc32`, by `kept_item_id`;
+optional, so manifests written before it still read). It is NOT loadable by prime-rl's strict DCP loader
+on its own (`Missing key in checkpoint state_dict`): the manifest says so, `ckpt inspect` says so; `ckpt
+rehydrate` rebuilds the full checkpoint from the base and proves each tensor against its identification.
+
+A dropped tensor is identified by one or both of (`IDENTIFICATION`, recorded in the manifest too):
+- `crc32`: per chunk (in `chunks` order), the CRC-32 its item's zip stores for the chunk's payload (the
+  chunk's bytes in row-major order, `CRC_INPUT`), read from the item's central directory (tens of bytes;
+  the payload is not read). Recorded for every tensor whose chunks are row blocks. It detects accidental
+  change (another base revision, a damaged or wrong file): two different payloads share a CRC-32 with
+  probability 2^-32; it is no defence against a crafted input.
+- `sha256`: of the whole tensor's row-major bytes (`HASH_INPUT`). With `--base` it is the sha256 of the
+  base's upcast, which slim proved equal (chunk by chunk, by CRC-32) to the checkpoint's items: rehydrate
+  then proves cryptographically that it rebuilt exactly that upcast. Without a base it is recorded only
+  for a tensor whose chunks are not row blocks (read and hashed).
+Version 1 manifests have a sha256 for every tensor and no crc32; a manifest where some tensor has no
+sha256 is version 2 (a version-1 reader would call it damaged); one where every tensor has a sha256 is
+still written as version 1, which every reader of version 1 reads correctly (it ignores `crc32`).
 """
 from __future__ import annotations
 
@@ -21,17 +34,27 @@ from ...core.errors import CkptError, FormatError, UsageError
 from ...io.inputs import MAX_TABLE_VALUES, read_json
 from ...io.remote import display
 
-__all__ = ["SLIM_MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "NOT_LOADABLE", "HASH_INPUT", "ChunkLayout",
-           "DroppedTensor", "Manifest", "build_manifest", "read_manifest", "is_slim", "kept_item_id", "KEPT_CRC_INPUT"]
+__all__ = ["SLIM_MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "READABLE_VERSIONS", "NOT_LOADABLE", "HASH_INPUT",
+           "CRC_INPUT", "IDENTIFICATION", "ChunkLayout", "DroppedTensor", "DroppedId", "Manifest", "build_manifest",
+           "read_manifest", "is_slim", "kept_item_id", "KEPT_CRC_INPUT"]
 
 SLIM_MANIFEST = "ckpt-slim-manifest.json"   # beside .metadata
 MANIFEST_FORMAT = "ckpt-tools/slim-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2              # the newest; a manifest readable by version-1 readers is written as 1
+READABLE_VERSIONS = (1, 2)
 NOT_LOADABLE = ("SLIM checkpoint: the frozen base weights were removed. It is NOT loadable by prime-rl's "
                 "strict loader on its own; run `ckpt rehydrate SLIM OUT --base BASE` to rebuild the full "
                 "checkpoint, then resume from OUT.")
 HASH_INPUT = "the tensor's bytes in its stored dtype, row-major (C order), little-endian"
 KEPT_CRC_INPUT = "the storage item's bytes as stored in the data file (the whole torch.save archive)"
+CRC_INPUT = ("per chunk, in `chunks` order: the CRC-32 its item's zip stores for the chunk's data/0 record (the "
+             "chunk's bytes in its stored dtype, row-major, little-endian), read from the item's central directory")
+IDENTIFICATION = {
+    "crc32": "detects accidental change of a chunk (a wrong base revision, damage): two different payloads share "
+             "a CRC-32 with probability 2^-32; not a defence against a crafted input",
+    "sha256": "cryptographic identity of the whole tensor; with a verified base it is the base upcast's, which slim "
+              "proved equal to the checkpoint's items chunk by chunk (by CRC-32)",
+}
 
 
 def kept_item_id(key: str, chunk_offsets) -> str:
@@ -52,6 +75,14 @@ class ChunkLayout:
 
 
 @dataclass(frozen=True)
+class DroppedId:
+    """How one dropped tensor is identified: the sha256 of its row-major bytes and/or the CRC-32 its items
+    store per chunk (in its `chunks` order); at least one."""
+    sha256: str | None
+    crc32: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
 class DroppedTensor:
     key: str
     path: tuple
@@ -62,17 +93,23 @@ class DroppedTensor:
     nbytes: int
 
 
-def build_manifest(layout, base: dict | None, hashes: dict[str, str], base_verified: bool,
+def _id_json(ident: DroppedId) -> dict:
+    return {**({"sha256": ident.sha256} if ident.sha256 is not None else {}),
+            **({"crc32": list(ident.crc32)} if ident.crc32 is not None else {})}
+
+
+def build_manifest(layout, base: dict | None, ids: dict[str, DroppedId], base_verified: bool,
                    kept_crc32: dict[str, int] | None = None) -> dict:
     """The manifest of a slim checkpoint (`layout`: a `partition.SlimLayout`): every dropped tensor (key,
-    path, shape, dtype, chunk layout, sha256), the base it can be rebuilt from, and every kept item's
-    CRC-32 (`kept_item_id` -> CRC of its stored bytes: rehydrate proves what it copies)."""
+    path, shape, dtype, chunk layout, its `DroppedId`), the base it can be rebuilt from, and every kept
+    item's CRC-32 (`kept_item_id` -> CRC of its stored bytes: rehydrate proves what it copies)."""
     plan = layout
+    version = 1 if all(ids[d.key].sha256 is not None for d in plan.dropped) else MANIFEST_VERSION
     kept = {} if kept_crc32 is None else {"kept_crc32": {"algorithm": "crc32", "input": KEPT_CRC_INPUT,
                                                         "items": dict(sorted(kept_crc32.items()))}}
     return {
         "format": MANIFEST_FORMAT,
-        "version": MANIFEST_VERSION,
+        "version": version,
         "loadable_by_prime_rl": False,
         "note": NOT_LOADABLE,
         # (a URL's local stand-in shown as the URL: io.remote)
@@ -80,13 +117,15 @@ def build_manifest(layout, base: dict | None, hashes: dict[str, str], base_verif
         "base": dict(base or {}, verified=base_verified) if base else None,
         "world_size": plan.world_size,
         "hash": {"algorithm": "sha256", "input": HASH_INPUT},
+        "chunk_crc32": {"algorithm": "crc32", "input": CRC_INPUT},
+        "identification": IDENTIFICATION,
         "dropped_bytes": plan.dropped_bytes,
         "dropped_tensor_bytes": plan.dropped_tensor_bytes,
         "kept_bytes": plan.kept_bytes,
         "dropped": [
             {"key": d.key, "path": list(d.path), "hf_name": d.hf_name, "shape": list(d.shape), "dtype": d.dtype,
              "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file} for c in d.chunks],
-             "sha256": hashes[d.key]}
+             **_id_json(ids[d.key])}
             for d in plan.dropped
         ],
         **kept,
@@ -98,7 +137,7 @@ class Manifest:
     path: Path
     raw: dict
     dropped: tuple[DroppedTensor, ...]
-    hashes: dict[str, str]
+    ids: dict[str, DroppedId]
     world_size: int | None
     base: dict | None
     data_files: tuple[str, ...]
@@ -116,10 +155,10 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise FormatError(f"not a slim manifest (format is {m.get('format') if isinstance(m, dict) else None!r})",
                           path=p)
-    if m.get("version") != MANIFEST_VERSION:
-        raise FormatError(f"manifest version {m.get('version')!r}; this ckpt-tools reads version "
-                          f"{MANIFEST_VERSION}", path=p, hint="use the ckpt-tools version that wrote it")
-    dropped, hashes = [], {}
+    if m.get("version") not in READABLE_VERSIONS:
+        raise FormatError(f"manifest version {m.get('version')!r}; this ckpt-tools reads versions "
+                          f"{', '.join(map(str, READABLE_VERSIONS))}", path=p, hint="use the ckpt-tools version that wrote it")
+    dropped, ids = [], {}
     for i, d in enumerate(m.get("dropped") or []):
         key = d.get("key") if isinstance(d, dict) else None
         try:
@@ -139,12 +178,15 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
             covered = sum(math.prod(c.sizes) for c in chunks if all(c.sizes))
             if covered != math.prod(shape) and shape:
                 raise ValueError(f"chunks cover {covered} of {math.prod(shape)} elements")
-            digest = str(d["sha256"])
-            if len(digest) != 64:
+            digest = str(d["sha256"]) if "sha256" in d or m.get("version") == 1 else None
+            if digest is not None and (len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest)):
                 raise ValueError("sha256 is not 64 hex digits")
+            crcs = _crc_list(d.get("crc32"), chunks, shape) if "crc32" in d else None
+            if digest is None and crcs is None:
+                raise ValueError("has neither a sha256 nor chunk CRC-32s")
             dropped.append(DroppedTensor(key, path, str(d["hf_name"]), shape, dtype, chunks,
                                          math.prod(shape) * ITEMSIZE[dtype]))
-            hashes[key] = digest
+            ids[key] = DroppedId(digest, crcs)
         except CkptError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -160,7 +202,17 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
             raise FormatError("kept_crc32.items is not a map of item names to CRC-32 values", path=p,
                               hint="the manifest was edited or damaged; slim the original again")
         kept = dict(items)
-    return Manifest(p, m, tuple(dropped), hashes, m.get("world_size"), m.get("base"),
+    return Manifest(p, m, tuple(dropped), ids, m.get("world_size"), m.get("base"),
                     tuple((m.get("source") or {}).get("data_files") or ()), kept)
+
+
+def _crc_list(value, chunks, shape) -> tuple[int, ...]:
+    """A dropped entry's `crc32`: one CRC-32 per chunk, the chunks dim-0 row blocks (what it identifies)."""
+    if not isinstance(value, list) or len(value) != len(chunks) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in value):
+        raise ValueError("crc32 is not one CRC-32 per chunk")
+    if not shape or any(any(o != 0 for o in c.offsets[1:]) or c.sizes[1:] != shape[1:] for c in chunks):
+        raise ValueError("crc32 is given for chunks that are not row blocks")
+    return tuple(value)
 
 

@@ -1,7 +1,10 @@
 """A slim checkpoint, written: every kept storage item copied verbatim by byte range (output file i
-receives source file i's items: rank files stay rank files), every dropped tensor hashed (and, when a
-base is given, proven equal to the base's upcast), the manifest, the extra entries. Memory: one item
-or one chunk at a time.
+receives source file i's items: rank files stay rank files; checked against its zip CRC-32s, a large one
+copied by `copy_file_range`: `dcp.item_copy`), every dropped tensor identified without reading its
+payload (the CRC-32 each of its items stores, from its zip central directory; with a base, compared with
+the CRC-32 of the base's upcast, whose sha256 is recorded too), the manifest, the extra entries. Only a
+dropped tensor whose chunks are not row blocks is read (and sha256-hashed). So a slim reads the kept items
+once and a few header bytes of each dropped item. Memory: one small item or one block at a time.
 """
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...core.crc import crc32
 from ...core.errors import FormatError
 from ...core.parts import SOLO
 from ...dist import map_units
@@ -23,14 +25,16 @@ from ...io.copy import copy_input_tree
 from ...io.files import write_new_file
 from ...core.dtypes import itemsize
 from ..dcp.item import DataCrcReader, ItemError
+from ..dcp.item_copy import copy_checked_item
 from ..dcp.layout import extra_bytes
 from ..dcp.model import TensorEntry
 from ..dcp.reader import DcpCheckpoint
 from ..dcp.writer import DcpWriter
-from .manifest import SLIM_MANIFEST, DroppedTensor, build_manifest, kept_item_id
+from .manifest import SLIM_MANIFEST, DroppedId, DroppedTensor, build_manifest, kept_item_id
 from .partition import SlimLayout
 
-__all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "checked_by_crc", "write_slim", "copy_extra_entries"]
+__all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "checked_by_crc", "stored_crcs", "reads_payload",
+           "write_slim", "copy_extra_entries"]
 
 # Base tensor hash for a dropped tensor: (the base tensor's name, sha256 of it upcast to the dtype).
 BaseHash = Callable[[DroppedTensor], tuple[str, str]]
@@ -83,7 +87,7 @@ def _row_block_payloads(ckpt: DcpCheckpoint, e: TensorEntry):
                 return
             payload = dec.payload() if dec.raw is not None else memoryview(
                 ckpt.read_item_bytes(c.file, c.offset + dec.payload_offset, dec.payload_size, e.key))
-            if zlib.crc32(payload) != dec.layout.data_crc:
+            if dec.layout.data_crc and zlib.crc32(payload) != dec.layout.data_crc:   # (0: not computed)
                 raise FormatError(f"chunk at {list(c.offsets)} fails its CRC-32 check (stored "
                                   f"{dec.layout.data_crc:#010x})", path=ckpt.dir / c.file, key=e.key,
                                   hint="the checkpoint is corrupt; slim an intact copy")
@@ -104,23 +108,57 @@ def _row_block_chunks(e: TensorEntry):
     return chunks if e.shape and expect_row == e.shape[0] else None
 
 
-def checked_by_crc(ckpt: DcpCheckpoint, e: TensorEntry, d: DroppedTensor, base_crcs: BaseCrcs,
-                   crc_reader: DataCrcReader, base_path) -> str | None:
-    """A dropped tensor proven equal to its base upcast without reading its bytes: the CRC-32 each of its
-    items stores (read from the zip central directory, `DataCrcReader`) against that of the base's rows;
-    returns the upcast's sha256 (= the tensor's), or None when its layout is not row blocks (then it is
-    read and hashed as usual)."""
+def reads_payload(d: DroppedTensor) -> bool:
+    """Whether a slim reads this dropped tensor's bytes: its chunks are not dim-0 row blocks tiling it (every
+    other tensor is identified by the CRC-32s its items store, `stored_crcs`)."""
+    if not d.shape:
+        return True
+    expect = 0
+    for c in sorted((c for c in d.chunks if all(c.sizes)), key=lambda c: c.offsets[0]):
+        if any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(d.shape[1:]) or c.offsets[0] != expect:
+            return True
+        expect += c.sizes[0]
+    return expect != d.shape[0]
+
+
+def _aligned(e: TensorEntry, chunks, crcs) -> list[int]:
+    """`crcs` of the non-empty row-block `chunks`, as a list in `e.chunks`' order (an empty chunk: 0)."""
+    by_chunk = {id(c): v for c, v in zip(chunks, crcs)}
+    return [by_chunk.get(id(c), 0) for c in e.chunks]
+
+
+def stored_crcs(ckpt: DcpCheckpoint, e: TensorEntry, crc_reader: DataCrcReader) -> list[int] | None:
+    """The CRC-32 each chunk item of `e` stores for its payload (its `data/0` record), read from the item's
+    zip central directory, never from the payload (`DataCrcReader`: tens of bytes per item), in `e.chunks`'
+    order; None when the chunks are not row blocks tiling the tensor, an item's records are not a plain
+    stored payload of the chunk's size, or one stores no CRC (0) (then the tensor is read and hashed)."""
     chunks = _row_block_chunks(e)
     if chunks is None:
         return None
-    size = itemsize(d.dtype)
+    size = itemsize(e.dtype)
     try:
-        stored = [crc_reader.crc(lambda off, n, c=c: ckpt.read_item_bytes(c.file, off, n, e.key), c.offset, c.length,
-                                 c.numel * size) for c in chunks]
+        got = [crc_reader.crc(lambda off, n, c=c: ckpt.read_item_bytes(c.file, off, n, e.key), c.offset, c.length,
+                              c.numel * size) for c in chunks]
     except ItemError:
         return None
+    if 0 in got:   # torch.save's "not computed" (`set_crc32_options(False)`): nothing to identify it by
+        return None
+    return _aligned(e, chunks, got)
+
+
+def checked_by_crc(ckpt: DcpCheckpoint, e: TensorEntry, d: DroppedTensor, base_crcs: BaseCrcs,
+                   crc_reader: DataCrcReader, base_path) -> tuple[str, list[int]] | None:
+    """A dropped tensor proven equal to its base upcast without reading its bytes: the CRC-32 each of its
+    items stores (`stored_crcs`) against that of the base's rows; returns (the upcast's sha256, the chunks'
+    CRC-32s), or None when its layout is not row blocks (then it is read and hashed as usual)."""
+    stored = stored_crcs(ckpt, e, crc_reader)
+    if stored is None:
+        return None
+    chunks = _row_block_chunks(e)
     name, sha, got = base_crcs(d, [(c.offsets[0], c.sizes[0]) for c in chunks])
-    for c, want, have in zip(chunks, stored, got):
+    want_by = dict(zip(map(id, e.chunks), stored))
+    for c, have in zip(chunks, got):
+        want = want_by[id(c)]
         if want != have:
             raise FormatError(
                 f"the base model's {name} upcast to {d.dtype} differs from the checkpoint's frozen tensor (rows "
@@ -128,7 +166,7 @@ def checked_by_crc(ckpt: DcpCheckpoint, e: TensorEntry, d: DroppedTensor, base_c
                 path=base_path, key=d.key,
                 hint="this is not the base the run trained on (another revision?), or the tensor was trained; "
                      "pass the right --base")
-    return sha
+    return sha, stored
 
 
 def checkpoint_tensor_sha256(ckpt: DcpCheckpoint, e: TensorEntry) -> str:
@@ -158,17 +196,19 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
                progress: Progress | None = None, group=None, hash_threads: int = 1,
                base_crcs: BaseCrcs | None = None) -> SlimWritten:
     """Write the slim of `ckpt` into the (new, empty) dir `out_dir`. With `base_hash`, every dropped
-    tensor must hash equal to its base tensor's upcast, else nothing is finished (FormatError naming
-    `base_path` and the key) and the manifest records the base as verified.
+    tensor must equal its base tensor's upcast, else nothing is finished (FormatError naming
+    `base_path` and the key) and the manifest records the base as verified. Without a base, a dropped
+    tensor is identified by the CRC-32 each of its items stores (`stored_crcs`: its payload is not read).
 
     Split over ranks (`group`, a `ckpt_tools.dist.Group` of 2+): each rank copies the kept items of
     its share of the output files and hashes its share of the dropped tensors; rank 0 gathers the
     hashes and writes `.metadata`, the manifest and the extra entries.
 
-    With `base_crcs` (the checkpoint is remote and a base is given), a dropped tensor is not read: the
-    CRC-32 its items store is compared with the base's (`checked_by_crc`), and the manifest records the
-    base upcast's sha256, the same manifest a local slim writes from the tensor's own bytes."""
+    With `base_crcs` (given with `base_hash`), a dropped tensor is not read: the CRC-32 its items store is
+    compared with that of the base's upcast rows (`checked_by_crc`), and the manifest records both the
+    chunks' CRC-32s and the upcast's sha256; `base_hash` alone (gc) reads and hashes every dropped tensor."""
     t0 = time.perf_counter()
+    verified = base_hash is not None
     crc_reader = DataCrcReader()
     file_index = output_file_index(layout.data_files)
     files = max(1, len(layout.data_files))
@@ -189,26 +229,28 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
             if not writer.owns(file_index[k.file]):
                 writer.skip(k.key)
                 continue
-            raw = ckpt.read_item_checked(k.file, k.offset, k.length, k.key)
-            kept_crc[kept_item_id(k.key, k.chunk_offsets)] = crc32(raw)
-            if k.kind == "bytes":
-                writer.copy_bytes_item(k.key, k.path, raw, file_index=file_index[k.file])
-            else:
-                writer.copy_tensor_chunk(k.key, k.path, k.dtype, k.shape, k.chunk_offsets, k.chunk_sizes, raw,
-                                         file_index=file_index[k.file])
+            chunk = None if k.kind == "bytes" else next(
+                c for c in ckpt.entries[k.key].chunks if c.file == k.file and c.offset == k.offset)
+            kept_crc[kept_item_id(k.key, k.chunk_offsets)] = copy_checked_item(
+                ckpt, writer, k.key, k.file, k.offset, k.length, file_index=file_index[k.file], chunk=chunk)
             done += k.length
             report(progress, "copy", done, layout.kept_bytes)
         seconds["copy"] = round(time.perf_counter() - t0, 3)
         t1 = time.perf_counter()
         state = {"done": 0}
 
-        def hash_one(i: int) -> str:
+        def identify(i: int) -> tuple:   # (sha256 or None, [CRC-32 per chunk] or None): plain values, for gather
             d = layout.dropped[i]
-            if base_crcs is not None:
-                sha = checked_by_crc(ckpt, ckpt.entries[d.key], d, base_crcs, crc_reader, base_path)
-                if sha is not None:
-                    return sha
-            got_ckpt = checkpoint_tensor_sha256(ckpt, ckpt.entries[d.key])
+            e = ckpt.entries[d.key]
+            if base_crcs is not None:   # proven against the base by the CRC-32s its items store: not read
+                got = checked_by_crc(ckpt, e, d, base_crcs, crc_reader, base_path)
+                if got is not None:
+                    return got[0], list(got[1])
+            elif base_hash is None:     # no base: identified by the CRC-32s its items store
+                stored = stored_crcs(ckpt, e, crc_reader)
+                if stored is not None:
+                    return None, list(stored)
+            got_ckpt = checkpoint_tensor_sha256(ckpt, e)   # another layout: read and hashed
             if base_hash is not None:
                 name, got = base_hash(d)
                 if got != got_ckpt:
@@ -218,16 +260,17 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
                         path=base_path, key=d.key,
                         hint="this is not the base the run trained on (another revision?), or the "
                              "tensor was trained; pass the right --base, or slim without --base")
-            return got_ckpt
+            return got_ckpt, None
 
-        def hashed(i: int, _h: str) -> None:
+        def identified(i: int, _h) -> None:
             state["done"] += layout.dropped[i].nbytes
             report(progress, "hash", state["done"], layout.dropped_tensor_bytes)
 
-        # Dropped tensors are hashed in parallel (hashlib, zlib and preadv release the GIL) on `hash_threads`
-        # threads and split over torchrun's ranks; rank 0 gets every hash, in the layout's order.
-        every = map_units(hash_one, [d.nbytes for d in layout.dropped], group, threads=hash_threads, done=hashed)
-        hashes = {} if every is None else {d.key: h for d, h in zip(layout.dropped, every)}
+        # Dropped tensors are identified in parallel (hashlib, zlib and preadv release the GIL) on
+        # `hash_threads` threads and split over torchrun's ranks; rank 0 gets every result, in the layout's order.
+        every = map_units(identify, [d.nbytes for d in layout.dropped], group, threads=hash_threads, done=identified)
+        ids = {} if every is None else {d.key: DroppedId(h[0], None if h[1] is None else tuple(h[1]))
+                                        for d, h in zip(layout.dropped, every)}
         seconds["hash"] = round(time.perf_counter() - t1, 3)
         bytes_written = writer.bytes_written
         if part.world > 1:
@@ -240,7 +283,7 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
         writer.abort()
         raise
     if part.leader:
-        manifest = build_manifest(layout, base, hashes, base_verified=base_hash is not None, kept_crc32=kept_crc)
+        manifest = build_manifest(layout, base, ids, base_verified=verified, kept_crc32=kept_crc)
         write_new_file(out_dir / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
         copy_extra_entries(ckpt.dir, out_dir, layout.extra_files)
-    return SlimWritten(hashes, kept_crc, bytes_written, base_hash is not None, seconds)
+    return SlimWritten(ids, kept_crc, bytes_written, verified, seconds)

@@ -20,7 +20,7 @@ from ...io.files import fsync_path
 from ...io.inputs import tracking
 from ...io.lock import OutputLock
 from ...io.staging import AtomicOutputDir, mount_point
-from ...sources.hashing import base_hash_check
+from ...sources.hashing import base_crc_check, base_hash_check
 from ...formats.hf_dir.model_dir import HFModelDir
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
 from .plan import DEFAULT_MIN_AGE_S, GcPlan, plan_gc, unknown_entries
@@ -103,7 +103,8 @@ def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bo
         check = base_hash_check(hf, layout.dropped)
         with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout),
                              marker=False) as tmp:
-            write_slim(ckpt, tmp, layout, base=info, base_hash=check, base_path=hf.path, progress=progress)
+            write_slim(ckpt, tmp, layout, base=info, base_hash=check, base_path=hf.path, progress=progress,
+                       base_crcs=base_crc_check(hf, layout.dropped))
 
 
 def _upload_slim(staged: Path, slim_to: str, step_dir: Path, res) -> None:
