@@ -179,7 +179,7 @@ CASES: tuple[Case, ...] = (
          # delta rounds away at small sizes; the work is the same either way)
          ("dcp", "base"), "base", floors=(cat("dcp"), cp_sync("base"), cat_then_cp("dcp", "base")),
          peers=(DCP_TO_TORCH_SAVE,), multi_rank=True, volume=("dcp", "base")),  # the base dir gives config files only: it reads the DCP, writes a base
-    Case("export", lambda p: ["export", p.dcp, p.out, "--config-from", p.base, "--allow-zero-delta", "--json"], ("dcp", "base"), "base",
+    Case("export", lambda p: ["export", p.dcp, p.out, "--config-from", p.base, "--alpha", ALPHA, "--allow-zero-delta", "--json"], ("dcp", "base"), "base",
          floors=(cat("dcp"), cp_sync("base"), cat_then_cp("dcp", "base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True, subcommand="export",
          volume=("dcp", "base")),
     Case("verify --deep DCP", lambda p: ["verify", p.dcp, "--deep", "--json"], ("dcp",), None,

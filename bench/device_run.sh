@@ -76,9 +76,9 @@ case "$PHASE" in
                D_CASES="merge,diff-vs-base,diff-vs-base --adapter,verify --deep HF dir" ;;
     ranks-dcp) D_SIZES=8b;      D_RANKS=1,2,4,8; D_EXTRA=--ranks-only
                D_CASES="adapter-to-dcp,verify --deep DCP,slim,rehydrate,merge --base-from-checkpoint" ;;
-    i22-ckpt)  D_SIZES=8b;      D_RANKS=1;       D_EXTRA="--skip-contenders=torch dcp,cat slim base"
+    i22-ckpt)  D_SIZES=8b;      D_RANKS=1;       D_EXTRA=; D_SKIP="torch dcp,cat slim base"
                D_CASES="slim,rehydrate" ;;
-    i22-out)   D_SIZES=8b;      D_RANKS=1;       D_EXTRA="--skip-contenders=torch dcp,torch _load,python -c pass,cp -r adapter,=cp -r base && sync,=cat dcp"
+    i22-out)   D_SIZES=8b;      D_RANKS=1;       D_EXTRA=; D_SKIP="torch dcp,torch _load,python -c pass,cp -r adapter,=cp -r base && sync,=cat dcp"
                D_CASES="extract-adapter,export,merge --base-from-checkpoint" ;;
     i22-ranks) D_SIZES=8b;      D_RANKS=1,2,4,8; D_EXTRA=--ranks-only
                D_CASES="slim,rehydrate,export,diff-vs-base" ;;
@@ -90,6 +90,7 @@ REPEAT=${REPEAT:-1}
 BUDGET_S=${BUDGET_S:-480}
 CASES=${CASES:-$D_CASES}
 EXTRA=${EXTRA:-$D_EXTRA}
+SKIP=${SKIP:-${D_SKIP:-}}
 LABEL=${LABEL:-16-core GPU host}
 WORK=${WORK:-/tmp/ckpt-bench-device}
 export PYTHONUNBUFFERED=1
@@ -136,7 +137,8 @@ fi
 echo "== harness (DCP inputs in $DCP_DIR)"
 args=(--sizes "$SIZES" --ranks "$RANKS" --repeat "$REPEAT" --dcp ckpt --workdir "$WORK" --dcp-dir "$DCP_DIR"
       --free-inputs --defer-peers --budget-s "$BUDGET_S" --results "$OUT/results.json" --python "$PY")
-[ -n "$CASES" ] && args+=("--cases=$CASES")  # = form: a case may begin with "--"
+[ -n "$CASES" ] && args+=("--cases=$CASES")
+[ -n "$SKIP" ] && args+=("--skip-contenders=$SKIP")  # = form: a case may begin with "--"
 [ -n "$MERGEKIT" ] && args+=(--mergekit "$MERGEKIT")
 # shellcheck disable=SC2086
 timeout $((BUDGET_S + 60)) "$PY" bench/harness.py "${args[@]}" $EXTRA
