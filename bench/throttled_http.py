@@ -8,7 +8,7 @@ If-Match, directory index pages) behind a throttled link, for bench/remote_size.
   MB/s (10^6 bytes) in total, paced per 64 KiB, no burst beyond 50 ms of credit;
 - `--latency-ms` before each response (a request's round trip to a far object store);
 - every GET counted with its Range header and body bytes: `GET /__stats__` answers them as JSON,
-  `GET /__reset__` clears them (neither throttled nor counted).
+  `GET /__reset__` clears them (not counted).
 """
 from __future__ import annotations
 
@@ -90,6 +90,10 @@ class ThrottledHttpServer(HttpServer):
 
 
 class _ThrottledHandler(_HttpHandler):
+    def setup(self):
+        super().setup()
+        self.wfile = _Paced(self.wfile, self.server_obj.link)   # once per connection (kept alive across requests)
+
     def serve(self, head):
         srv = self.server_obj
         if self.path in ("/__stats__", "/__reset__"):
@@ -101,7 +105,6 @@ class _ThrottledHandler(_HttpHandler):
             return self.send_json(body)
         if srv.latency_s:
             time.sleep(srv.latency_s)
-        self.wfile = _Paced(self.wfile, srv.link)
         srv.counter.local.last = 0
         try:
             return super().serve(head)
