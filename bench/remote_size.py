@@ -126,6 +126,7 @@ def measure(a) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     sizes = item_bytes(ckpt)
+    digest = tree_digest()   # the code measured, as it is now
     limit = bounds(sizes)
     py = [sys.executable, "-m", "ckpt_tools", "--allow-sparse"]   # the local base is sparse (remote: no effect)
     env = {"PYTHONPATH": str(REPO), "CKPT_REMOTE_CONCURRENCY": str(a.concurrency)}
@@ -191,7 +192,7 @@ def measure(a) -> int:
                        "loadavg_start": os.getloadavg()},
            "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True).stdout.strip(),
-           "tree_sha256": tree_digest(),
+           "tree_sha256": digest,
            "link": {"rate_bytes_per_s": a.rate_mb * 1e6, "latency_s": a.latency_ms / 1000,
                     "concurrency": a.concurrency},
            "order_seed": seed, "repeat": a.repeat, "checkpoint": info, "sizes": sizes, "bounds": limit,

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
 
-from tests.remote_servers import HttpServer, _Counting, _HttpHandler  # noqa: E402
+from tests.remote_servers import HttpServer  # noqa: E402
 
 PIECE = 64 * 1024
 BURST_S = 0.05
@@ -64,54 +64,52 @@ class _Paced:
         return getattr(self.raw, name)
 
 
-class _ThreadCounting(_Counting):
-    """The tests' counter, also keeping what the calling thread's last response counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.local = threading.local()
-
-    def count(self, method, path, n):
-        super().count(method, path, n)
-        self.local.last = n
-
-
 class ThrottledHttpServer(HttpServer):
     def __init__(self, root, rate_bytes: float, latency_s: float):
         self.link = Link(rate_bytes)
         self.latency_s = latency_s
         self.log: list[tuple[str, str | None, int]] = []   # (path, Range header, body bytes) of each GET
         self.log_lock = threading.Lock()
+        self.last = threading.local()   # what the calling thread's last response counted
         super().__init__(root)
-        self.counter = _ThreadCounting()
+        count = self.counter.count
+
+        def count_and_keep(method, path, n):
+            count(method, path, n)
+            self.last.n = n
+        self.counter.count = count_and_keep
 
     def handler_base(self):
-        return _ThrottledHandler
+        return throttled_handler(super().handler_base())
 
 
-class _ThrottledHandler(_HttpHandler):
-    def setup(self):
-        super().setup()
-        self.wfile = _Paced(self.wfile, self.server_obj.link)   # once per connection (kept alive across requests)
+def throttled_handler(base):
+    """The tests' HTTP handler class `base`, paced by the server's link, its GETs logged."""
 
-    def serve(self, head):
-        srv = self.server_obj
-        if self.path in ("/__stats__", "/__reset__"):
-            with srv.log_lock:
-                if self.path == "/__reset__":
-                    srv.log.clear()
-                    srv.counter.reset()
-                body = {"bytes": srv.counter.bytes, "requests": len(srv.log), "log": srv.log}
-            return self.send_json(body)
-        if srv.latency_s:
-            time.sleep(srv.latency_s)
-        srv.counter.local.last = 0
-        try:
-            return super().serve(head)
-        finally:
-            if not head:
+    class ThrottledHandler(base):
+        def setup(self):
+            super().setup()
+            self.wfile = _Paced(self.wfile, self.server_obj.link)   # once per connection (kept alive)
+
+        def serve(self, head):
+            srv = self.server_obj
+            if self.path in ("/__stats__", "/__reset__"):
                 with srv.log_lock:
-                    srv.log.append((self.path, self.headers.get("Range"), srv.counter.local.last))
+                    if self.path == "/__reset__":
+                        srv.log.clear()
+                        srv.counter.reset()
+                    body = {"bytes": srv.counter.bytes, "requests": len(srv.log), "log": srv.log}
+                return self.send_json(body)
+            if srv.latency_s:
+                time.sleep(srv.latency_s)
+            srv.last.n = 0
+            try:
+                return super().serve(head)
+            finally:
+                if not head:
+                    with srv.log_lock:
+                        srv.log.append((self.path, self.headers.get("Range"), srv.last.n))
+    return ThrottledHandler
 
 
 def main(argv=None) -> int:
