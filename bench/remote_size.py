@@ -162,6 +162,23 @@ def measure(a) -> int:
         print(json.dumps(row), flush=True)
         return row, st
 
+    res = {"schema": SCHEMA, "date": datetime.date.today().isoformat(),
+           "machine": {"host": a.host, "cpu_count": os.cpu_count(), "kernel": platform.release(),
+                       "python": platform.python_version(), "curl": subprocess.run(
+                           ["curl", "--version"], capture_output=True, text=True).stdout.split("\n")[0],
+                       "loadavg_start": os.getloadavg()},
+           "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip(),
+           "tree_sha256": digest,
+           "link": {"rate_bytes_per_s": a.rate_mb * 1e6, "latency_s": a.latency_ms / 1000,
+                    "concurrency": a.concurrency},
+           "order_seed": None, "repeat": a.repeat, "checkpoint": info, "sizes": sizes, "bounds": limit,
+           "whole_download_s": round(info["checkpoint_bytes"] / (a.rate_mb * 1e6), 1),
+           "warmup": warm, "runs": runs}
+
+    def save():   # after every run: a run cut short keeps what it measured
+        res["loadavg_now"] = os.getloadavg()
+        Path(a.results).write_text(json.dumps(res, indent=1))
     try:
         for case in cases:   # warm-up: the GETs each command makes, for curl to replay
             row, st = one(case, "ckpt", -1, f"warm-{case.replace(' ', '_')}")
@@ -175,6 +192,7 @@ def measure(a) -> int:
                 warm[case]["identical_to_local_run"] = remote_tree == tree_sha(local)
                 shutil.rmtree(local)
         seed = a.seed if a.seed is not None else random.randrange(2**31)
+        res["order_seed"] = seed
         rng = random.Random(seed)
         pairs = [(c, k) for c in cases for k in ("ckpt", "curl")]
         for rep in range(a.repeat):
@@ -182,23 +200,11 @@ def measure(a) -> int:
             rng.shuffle(order)
             for case, contender in order:
                 runs.append(one(case, contender, rep, f"{case.replace(' ', '_')}-{contender}-{rep}")[0])
+                save()
     finally:
         server.close()
         shutil.rmtree(out, ignore_errors=True)
-    res = {"schema": SCHEMA, "date": datetime.date.today().isoformat(),
-           "machine": {"host": a.host, "cpu_count": os.cpu_count(), "kernel": platform.release(),
-                       "python": platform.python_version(), "curl": subprocess.run(
-                           ["curl", "--version"], capture_output=True, text=True).stdout.split("\n")[0],
-                       "loadavg_start": os.getloadavg()},
-           "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip(),
-           "tree_sha256": digest,
-           "link": {"rate_bytes_per_s": a.rate_mb * 1e6, "latency_s": a.latency_ms / 1000,
-                    "concurrency": a.concurrency},
-           "order_seed": seed, "repeat": a.repeat, "checkpoint": info, "sizes": sizes, "bounds": limit,
-           "whole_download_s": round(info["checkpoint_bytes"] / (a.rate_mb * 1e6), 1),
-           "warmup": warm, "runs": runs}
-    Path(a.results).write_text(json.dumps(res, indent=1))
+    save()
     shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r["status"] == "ok" for r in runs) else 1
 
@@ -248,13 +254,13 @@ def report(a) -> int:
         f"medians (min-max), seconds; a bound is met only when every run is within it. Downloading the whole "
         f"checkpoint at this rate: {res['whole_download_s']:.0f} s (computed, not run).",
         "",
-        "| command | bytes fetched (max) | bound | met | of checkpoint | requests | ckpt s | curl s (same ranges) "
+        "| command | runs | bytes fetched (max) | bound | met | of checkpoint | requests | ckpt s | curl s (same ranges) "
         "| ckpt / curl (worst) | whole download / ckpt | peak RSS |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summarize(res):
         lines.append(
-            f"| `{s['case']}` | {s['bytes_max']:,} | {s['bound']:,} | {'met' if s['met'] else '**not met**'} "
+            f"| `{s['case']}` | {s['runs']} | {s['bytes_max']:,} | {s['bound']:,} | {'met' if s['met'] else '**not met**'} "
             f"| {100 * s['share_of_checkpoint']:.3f}% | {s['requests']:.0f} | {secs(s['ckpt_s'])} "
             f"| {secs(s['curl_s']) if s['curl_s'] else 'n/a'} "
             f"| {s['ratio']:.2f}x ({s['ratio_worst']:.2f}x) | {s['whole_ratio']:.0f}x | {s['rss'] / 2**30:.2f} GiB |")

@@ -398,3 +398,47 @@ def test_the_throttled_server_paces_the_link_and_curl_replays_the_same_ranges(tm
         assert st["bytes"] == 2_000_010 and sorted(map(tuple, st["log"])) == sorted(map(tuple, log))
     finally:
         srv.close()
+
+
+def test_hinted_small_reads_of_a_remote_object_are_fetched_ahead_concurrently_and_nothing_else():
+    """What the at-size bench found: extract-adapter of a 126 GB checkpoint made one round trip per
+    LoRA item, one at a time (1,794 requests, 84 s for 1.08 GB on a 200 MB/s link). Hinted ranges are
+    now fetched ahead of the reader, CONCURRENCY at a time, exactly the hinted bytes."""
+    import threading
+    import time
+
+    from ckpt_tools.io import remote
+
+    data = os.urandom(1 << 20)
+
+    class Backend:
+        def __init__(self):
+            self.lock, self.now, self.peak, self.got = threading.Lock(), 0, 0, []
+
+        def fetch(self, obj, start, end, sink, timeout_s):
+            with self.lock:
+                self.now += 1
+                self.peak = max(self.peak, self.now)
+                self.got.append((start, end))
+            time.sleep(0.05)   # a round trip
+            sink(data[start:end])
+            with self.lock:
+                self.now -= 1
+
+    be = Backend()
+    obj = remote.RemoteObject("http://x/f", len(data), None, be, None)
+    spans = [(i * 10_000, 3_000) for i in range(40)] + [(500_000, 100), (500_100, 200)]   # the last two adjacent
+    obj.hint(spans)
+    t0 = time.monotonic()
+    for off, n in spans[:-1] + [(500_100, 200)]:
+        buf = bytearray(n)
+        obj.read_into(buf, off)
+        assert bytes(buf) == data[off:off + n]
+    took = time.monotonic() - t0
+    assert sorted(be.got) == sorted([(o, o + n) for o, n in spans[:40]] + [(500_000, 500_300)])
+    assert obj.fetched == sum(n for _o, n in spans)
+    assert be.peak > 1 and took < 41 * 0.05 / 2, (be.peak, took)
+    # a read out of the hinted order, or of a range never hinted, is fetched as it comes, exactly
+    buf = bytearray(10)
+    obj.read_into(buf, 123)
+    assert bytes(buf) == data[123:133] and be.got[-1] == (123, 133)
