@@ -234,41 +234,50 @@ def summarize(res: dict) -> list[dict]:
 
 
 def report(a) -> int:
-    res = json.loads(Path(a.results).read_text())
+    """The markdown table of one or more results files (the same checkpoint and link)."""
+    all_res = [json.loads(Path(p).read_text()) for p in a.results]
+    res = all_res[0]
     info, link = res["checkpoint"], res["link"]
     gb = 1e9
 
     def secs(t):
         med, lo, hi = t
         return f"{med:.1f} ({lo:.1f}-{hi:.1f})" if hi - lo >= 0.05 else f"{med:.1f}"
+    runs_of = "; ".join(
+        f"{', '.join(sorted({r['case'] for r in x['runs']}))}: {x['repeat']} repetitions, seed {x['order_seed']}, "
+        f"commit {x['commit']}, files sha256 {x['tree_sha256'][:16]}, load average "
+        f"{x['machine']['loadavg_start'][0]:.1f} at the start" for x in all_res)
     lines = [
-        f"Checkpoint: Qwen3-{info['size'].upper()}-shaped prime-rl LoRA DCP (r={info['lora_rank']}, alpha {info['lora_alpha']:g}, "
-        f"{len(info['targets'])} targets, {info['layers']} layers, hidden {info['hidden']}, "
-        f"{info['world_size']} FSDP2 ranks), {info['checkpoint_bytes'] / gb:.1f} GB "
+        f"Checkpoint: Qwen3-{info['size'].upper()}-shaped prime-rl LoRA DCP (r={info['lora_rank']}, alpha "
+        f"{info['lora_alpha']:g}, {len(info['targets'])} targets, {info['layers']} layers, hidden {info['hidden']}, "
+        f"{info['world_size']} FSDP2 ranks), {info['checkpoint_bytes']:,} B = {info['checkpoint_bytes'] / gb:.1f} GB "
         f"({info['checkpoint_allocated_bytes'] / gb:.2f} GB on disk: the zero fp32 masters are holes); "
         f".metadata {res['sizes']['metadata']:,} B, LoRA items {res['sizes']['lora_items']:,} B, unique items "
-        f"{res['sizes']['unique_items']:,} B. Link: {link['rate_bytes_per_s'] / 1e6:g} MB/s shared, "
-        f"{link['latency_s'] * 1000:g} ms per request, {link['concurrency']} requests in flight (ckpt and curl). "
-        f"{res['repeat']} repetitions, contenders in a new shuffled order each (seed {res['order_seed']}); "
-        f"{res['machine']['host']}, commit {res['commit']}, files sha256 {res['tree_sha256'][:16]}. Times are "
-        f"medians (min-max), seconds; a bound is met only when every run is within it. Downloading the whole "
-        f"checkpoint at this rate: {res['whole_download_s']:.0f} s (computed, not run).",
+        f"{res['sizes']['unique_items']:,} B. Link: {link['rate_bytes_per_s'] / 1e6:g} MB/s shared by all "
+        f"connections, {link['latency_s'] * 1000:g} ms before each response, {link['concurrency']} requests in "
+        f"flight (ckpt and curl). Every (case, contender) pair in a new shuffled order each repetition ({runs_of}); "
+        f"{res['machine']['host']} ({res['machine']['cpu_count']} cores, shared). Times are medians (min-max), "
+        f"seconds, of the whole process (ckpt's includes its ~1 s start-up); a bound is met only when every run "
+        f"is within it. Downloading the whole checkpoint at this rate: {res['whole_download_s']:.0f} s "
+        f"(computed, not run).",
         "",
         "| command | runs | bytes fetched (max) | bound | met | of checkpoint | requests | ckpt s | curl s (same ranges) "
         "| ckpt / curl (worst) | whole download / ckpt | peak RSS |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for s in summarize(res):
-        lines.append(
-            f"| `{s['case']}` | {s['runs']} | {s['bytes_max']:,} | {s['bound']:,} | {'met' if s['met'] else '**not met**'} "
-            f"| {100 * s['share_of_checkpoint']:.3f}% | {s['requests']:.0f} | {secs(s['ckpt_s'])} "
-            f"| {secs(s['curl_s']) if s['curl_s'] else 'n/a'} "
-            f"| {s['ratio']:.2f}x ({s['ratio_worst']:.2f}x) | {s['whole_ratio']:.0f}x | {s['rss'] / 2**30:.2f} GiB |")
-    w = res["warmup"].get("extract-adapter", {})
-    if "identical_to_local_run" in w:
-        lines += ["", "The remote extract-adapter's output is " +
-                  ("byte-identical" if w["identical_to_local_run"] else "**not** identical") +
-                  " to the local run's on the same files (sha256 of every file)."]
+    for x in all_res:
+        for s in summarize(x):
+            lines.append(
+                f"| `{s['case']}` | {s['runs']} | {s['bytes_max']:,} | {s['bound']:,} "
+                f"| {'met' if s['met'] else '**not met**'} | {100 * s['share_of_checkpoint']:.3f}% "
+                f"| {s['requests']:.0f} | {secs(s['ckpt_s'])} | {secs(s['curl_s']) if s['curl_s'] else 'n/a'} "
+                f"| {s['ratio']:.2f}x ({s['ratio_worst']:.2f}x) | {s['whole_ratio']:.0f}x | {s['rss'] / 2**30:.2f} GiB |")
+    for x in all_res:
+        w = x["warmup"].get("extract-adapter", {})
+        if "identical_to_local_run" in w:
+            lines += ["", "The remote extract-adapter's output is " +
+                      ("byte-identical" if w["identical_to_local_run"] else "**not** identical") +
+                      " to a local run's on the same files (sha256 of every file)."]
     print("\n".join(lines))
     return 0
 
@@ -289,7 +298,7 @@ def main(argv=None) -> int:
     m.add_argument("--host", default=platform.node())
     m.add_argument("--timeout-s", type=float, default=1800)
     r = sub.add_parser("report")
-    r.add_argument("results")
+    r.add_argument("results", nargs="+")
     a = ap.parse_args(argv)
     return measure(a) if a.cmd == "measure" else report(a)
 
