@@ -239,7 +239,9 @@ def verdict(s: dict, repeat: int) -> str:
     if s["met"]:
         return "met"
     if s["within_all"]:   # a run cut short: say what was measured, never "met"
-        return (f"within on all {s['runs']} runs" + (" and the warm-up" if s["warmup_within"] else "")
+        n = s["runs"]
+        return (f"within on {'all ' if n > 1 else 'its '}{n} run{'s' if n > 1 else ''}"
+                + (" and the warm-up" if s["warmup_within"] else "")
                 + f" ({repeat} planned: **not met**)")
     return "**not met**"
 
@@ -255,7 +257,8 @@ def report(a) -> int:
         med, lo, hi = t
         return f"{med:.1f} ({lo:.1f}-{hi:.1f})" if hi - lo >= 0.05 else f"{med:.1f}"
     runs_of = "; ".join(
-        f"{', '.join(sorted({r['case'] for r in x['runs']}))}: {x['repeat']} repetitions, seed {x['order_seed']}, "
+        f"{', '.join(sorted({r['case'] for r in x['runs']}))}: "
+        f"{len({r['rep'] for r in x['runs'] if r['contender'] == 'ckpt'})} of {x['repeat']} repetitions, seed {x['order_seed']}, "
         f"commit {x['commit']}, files sha256 {x['tree_sha256'][:16]}, load average "
         f"{x['machine']['loadavg_start'][0]:.1f} at the start" for x in all_res)
     lines = [
