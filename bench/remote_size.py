@@ -258,7 +258,8 @@ def report(a) -> int:
         return f"{med:.1f} ({lo:.1f}-{hi:.1f})" if hi - lo >= 0.05 else f"{med:.1f}"
     runs_of = "; ".join(
         f"{', '.join(sorted({r['case'] for r in x['runs']}))}: "
-        f"{len({r['rep'] for r in x['runs'] if r['contender'] == 'ckpt'})} of {x['repeat']} repetitions, seed {x['order_seed']}, "
+        f"{len({r['rep'] for r in x['runs'] if r['contender'] == 'ckpt'})} of {x['repeat']} repetitions, "
+        f"seed {x['order_seed']}, "
         f"commit {x['commit']}, files sha256 {x['tree_sha256'][:16]}, load average "
         f"{x['machine']['loadavg_start'][0]:.1f} at the start" for x in all_res)
     lines = [
@@ -275,7 +276,8 @@ def report(a) -> int:
         f"is within it. Downloading the whole checkpoint at this rate: {res['whole_download_s']:.0f} s "
         f"(computed, not run).",
         "",
-        "| command | runs | bytes fetched (max) | bound | met | of checkpoint | requests | ckpt s | curl s (same ranges) "
+        "| command | runs | bytes fetched (max) | bound | met | of checkpoint | requests | ckpt s "
+        "| curl s (same ranges) "
         "| ckpt / curl (worst) | whole download / ckpt | peak RSS |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -285,7 +287,8 @@ def report(a) -> int:
                 f"| `{s['case']}` | {s['runs']} | {s['bytes_max']:,} | {s['bound']:,} "
                 f"| {verdict(s, x['repeat'])} | {100 * s['share_of_checkpoint']:.3f}% "
                 f"| {s['requests']:.0f} | {secs(s['ckpt_s'])} | {secs(s['curl_s']) if s['curl_s'] else 'n/a'} "
-                f"| {s['ratio']:.2f}x ({s['ratio_worst']:.2f}x) | {s['whole_ratio']:.0f}x | {s['rss'] / 2**30:.2f} GiB |")
+                f"| {s['ratio']:.2f}x ({s['ratio_worst']:.2f}x) | {s['whole_ratio']:.0f}x "
+                f"| {s['rss'] / 2**30:.2f} GiB |")
     for x in all_res:
         w = x["warmup"].get("extract-adapter", {})
         if "identical_to_local_run" in w:
