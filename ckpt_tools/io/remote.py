@@ -47,6 +47,7 @@ __all__ = ["RemoteUrl", "RemoteObject", "RemoteChanged", "RemoteMissing", "Remot
 
 PART_BYTES = 8 << 20
 RUN_BYTES = 16 << 20     # adjacent hinted ranges fetched as one request, up to this much
+AHEAD_BYTES = 64 << 20   # hinted ranges fetched ahead of the reader, per object, up to this much
 CONCURRENCY = 8
 RETRIES = 5
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://(.*)$", re.S)
@@ -140,27 +141,34 @@ class RemoteObject:
     ref: object                          # what the backend needs to address it
     fetched: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _runs: dict = field(default_factory=dict, repr=False)        # hinted range start -> its run's end
-    _cache: tuple | None = field(default=None, repr=False)       # (start, bytes) of the run being read
+    _plan: list = field(default_factory=list, repr=False)        # hinted units [(start, end)], in read order
+    _plan_at: dict = field(default_factory=dict, repr=False)     # a unit's start -> its index in _plan
+    _ahead: dict = field(default_factory=dict, repr=False)       # unit index -> (buffer, its part futures)
+    _cache: tuple | None = field(default=None, repr=False)       # (start, bytes) of the unit being read
     _run_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def hint(self, ranges) -> None:
         """`ranges` ([(offset, length)]) are about to be read, in this order: consecutive ones that are
-        adjacent in the object are fetched as one request (a run, at most RUN_BYTES) when the first of
-        them is read, and served from it. Nothing outside the hinted ranges is ever fetched."""
+        adjacent are fetched as one request (a unit of up to `RUN_BYTES`), and the units are fetched
+        ahead of the reader, up to `CONCURRENCY` of them and `AHEAD_BYTES` at once, so small items cost
+        the link's bandwidth, not one round trip each. A unit is fetched in full when its first byte is
+        read, and served from it. Nothing outside the hinted ranges is ever fetched."""
         spans = [(o, o + n) for o, n in ranges if n > 0]   # in the order they will be read
-        runs: dict[int, int] = {}
+        units = []
         i = 0
         while i < len(spans):
             j, end = i, spans[i][1]
             while j + 1 < len(spans) and spans[j + 1][0] == end and spans[j + 1][1] - spans[i][0] <= RUN_BYTES:
                 j += 1
                 end = spans[j][1]
-            if j > i:
-                runs[spans[i][0]] = end
+            if end - spans[i][0] <= RUN_BYTES:   # a bigger item is read straight into the reader's buffer
+                units.append((spans[i][0], end))
             i = j + 1
         with self._run_lock:
-            self._runs.update(runs)
+            for u in units:
+                if u[0] not in self._plan_at:
+                    self._plan_at[u[0]] = len(self._plan)
+                    self._plan.append(u)
 
     def read_into(self, buf, offset: int) -> None:
         mv = memoryview(buf).cast("B")
@@ -169,11 +177,11 @@ class RemoteObject:
             from ..core.errors import TruncatedFileError
             raise TruncatedFileError(f"bytes [{offset}, {offset + n}) lie beyond the end of the object "
                                      f"({self.size} bytes)", path=self.url)
-        if (self._runs or self._cache is not None) and self._from_run(mv, offset, n):
+        if (self._plan_at or self._cache is not None) and self._from_plan(mv, offset, n):
             return
         self._fetch(mv, offset, n)
 
-    def _from_run(self, mv, offset: int, n: int) -> bool:
+    def _from_plan(self, mv, offset: int, n: int) -> bool:
         with self._run_lock:
             c = self._cache
             if c is not None and c[0] <= offset and offset + n <= c[0] + len(c[1]):
@@ -181,14 +189,39 @@ class RemoteObject:
                 if offset + n == c[0] + len(c[1]):
                     self._cache = None
                 return True
-            end = self._runs.pop(offset, None)
-            if end is None or end <= offset + n:
+            i = self._plan_at.get(offset)
+            if i is None or self._plan[i][1] < offset + n:
                 return False
-            run = bytearray(end - offset)
-            self._fetch(memoryview(run), offset, len(run))
-            mv[:] = memoryview(run)[:n]
-            self._cache = (offset, run)
-            return True
+            del self._plan_at[offset]
+            self._launch(i)
+            buf, futures = self._ahead.pop(i)
+            for k in [k for k in self._ahead if k < i]:   # units the reader skipped
+                del self._ahead[k]
+            self._launch(i + 1)
+        for f in futures:
+            f.result()
+        mv[:] = memoryview(buf)[:n]
+        if len(buf) > n:
+            with self._run_lock:
+                self._cache = (offset, buf)
+        return True
+
+    def _launch(self, i: int) -> None:
+        """Start fetching unit i and the ones after it (still unread), within the read-ahead bounds
+        (`_run_lock` held)."""
+        window, budget = settings()["concurrency"], AHEAD_BYTES
+        for k in range(i, len(self._plan)):
+            start, end = self._plan[k]
+            if k - i >= window or (k > i and budget < end - start):
+                break
+            budget -= end - start
+            if k in self._ahead or self._plan_at.get(start) not in (k, None) or \
+                    (k > i and start not in self._plan_at):
+                continue
+            buf = bytearray(end - start)
+            view = memoryview(buf)
+            self._ahead[k] = (buf, [_pool().submit(self._part, view, start, s, min(s + PART_BYTES, end - start))
+                                    for s in range(0, end - start, PART_BYTES)])
 
     def _fetch(self, mv, offset: int, n: int) -> None:
         parts = [(s, min(s + PART_BYTES, n)) for s in range(0, n, PART_BYTES)]
