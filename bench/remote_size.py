@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -45,7 +44,7 @@ BENCH = REPO / "bench"
 sys.path[:0] = [str(BENCH), str(REPO)]
 
 from harness import tree_digest  # noqa: E402
-from runner import run_measured  # noqa: E402
+from runner import run_measured, tree_digests  # noqa: E402
 
 SCHEMA = "ckpt-remote-size/1"
 KIB = 1024
@@ -105,17 +104,6 @@ def curl_config(server_url: str, log: list, path: Path) -> None:
             lines.append(f'range = "{rng.removeprefix("bytes=")}"')
         lines.append("next")
     path.write_text("\n".join(lines[:-1]) + "\n")
-
-
-def tree_sha(root: Path) -> dict:
-    out = {}
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 24), b""):
-                h.update(block)
-        out[str(f.relative_to(root))] = h.hexdigest()
-    return out
 
 
 def measure(a) -> int:
@@ -185,11 +173,11 @@ def measure(a) -> int:
             warm[case] = row
             curl_config(server.url, st["log"], work / f"{case.replace(' ', '_')}.curl")
             if case == "extract-adapter" and row["status"] == "ok":
-                remote_tree = tree_sha(out)
+                remote_tree = tree_digests(out)
                 local = work / "local-extract"
                 subprocess.run(py + ["extract-adapter", str(ckpt), str(local), "--alpha", alpha, "--base", str(base)],
                                env=dict(os.environ, **env), cwd=REPO, check=True, capture_output=True)
-                warm[case]["identical_to_local_run"] = remote_tree == tree_sha(local)
+                warm[case]["identical_to_local_run"] = remote_tree == tree_digests(local)
                 shutil.rmtree(local)
         seed = a.seed if a.seed is not None else random.randrange(2**31)
         res["order_seed"] = seed

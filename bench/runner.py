@@ -55,6 +55,20 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def tree_digests(root: Path) -> dict[str, str]:
+    """name -> sha256 of every file under `root` (two outputs are the same when these are equal)."""
+    import hashlib
+
+    out = {}
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+        out[str(f.relative_to(root))] = h.hexdigest()
+    return out
+
+
 def run_measured(argv: list[str], log_dir: Path, name: str, timeout_s: float, env: dict[str, str] | None = None,
                  cwd: Path | None = None) -> dict:
     """Run argv under the launcher; return its measurements plus rc, stdout JSON and the output tails."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import shutil
@@ -52,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path[:0] = [str(BENCH), str(REPO)]
 
-from runner import run_measured, tree_bytes  # noqa: E402
+from runner import run_measured, tree_bytes, tree_digests  # noqa: E402
 from sizes import LORA_ALPHA, LORA_RANK, SIZES, factory_spec_kwargs  # noqa: E402
 
 SCHEMA = "ckpt-seed-scale/1"
@@ -77,9 +76,7 @@ def generate(a) -> int:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+    from transformers import GenerationConfig
 
     from tests.factory import factory as F
 
@@ -94,26 +91,7 @@ def generate(a) -> int:
     root = Path(a.root).resolve()
     paths = F.run_paths(root, spec)
 
-    config = F.qwen3_config(spec)
-    config.use_cache = False
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    model.to(torch.float32)
-    lora_cls = F.lora_module_class()
-    for module in spec.target_modules():
-        parent_name, child_name = module.rsplit(".", 1)
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child_name, lora_cls(getattr(parent, child_name), spec.lora_rank, 1, [spec.scale]))
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard_cp",))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    layers = model.model.layers
-    for i, block in enumerate(layers):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    model.to_empty(device=device)
-    with torch.device(device):
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    model, config = F.sharded_lora_skeleton(spec, world, device.type)
 
     named = list(model.named_parameters())
     with torch.no_grad():
@@ -213,18 +191,6 @@ def generate(a) -> int:
 
 
 # -------------------------------------------------------------------------------------------- measure
-
-
-def _digest_tree(root: Path) -> dict[str, str]:
-    """name -> sha256 of every file (an HF dir: the same model twice is the same bytes)."""
-    out = {}
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 24), b""):
-                h.update(block)
-        out[str(f.relative_to(root))] = h.hexdigest()
-    return out
 
 
 def _same_checkpoint(a_dir: Path, b_dir: Path) -> bool:
@@ -393,7 +359,7 @@ class Measure:
         for n in self.ranks:
             shutil.rmtree(merged, ignore_errors=True)
             row = self.timed("merge", ["merge", base, ck, str(merged)], ranks=n)
-            digest = _digest_tree(merged) if merged.exists() else None
+            digest = tree_digests(merged) if merged.exists() else None
             reference = reference or digest
             self.check(row, digest is not None and digest == reference, "the same bytes at every N")
         for n in self.ranks:

@@ -196,10 +196,7 @@ def generate(a) -> int:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
-    from transformers import Qwen3ForCausalLM
 
     from tests.factory import factory as F
 
@@ -210,25 +207,7 @@ def generate(a) -> int:
     root = Path(a.root).resolve()
     paths = F.run_paths(root, spec)
 
-    config = F.qwen3_config(spec)
-    config.use_cache = False
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    model.to(torch.float32)
-    lora_cls = F.lora_module_class()
-    for module in spec.target_modules():
-        parent_name, child_name = module.rsplit(".", 1)
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child_name, lora_cls(getattr(parent, child_name), spec.lora_rank, 1, [spec.scale]))
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    layers = model.model.layers
-    for i, block in enumerate(layers):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    model.to_empty(device="cpu")
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    model, config = F.sharded_lora_skeleton(spec, world, "cpu")
 
     named = list(model.named_parameters())
     zeroed = 0   # frozen bytes that were not fresh zero pages and had to be written (small allocations)

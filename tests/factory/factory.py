@@ -487,6 +487,38 @@ def build_fsdp_model(spec: FactorySpec, base_dir: Path, rank: int, world: int):
     return model, mesh
 
 
+def sharded_lora_skeleton(spec: FactorySpec, world: int, device: str = "cpu"):
+    """The FSDP2 LoRA model of `spec` (one LoRA slot, prime-rl's bf16/fp32 mixed precision), built on the
+    meta device, sharded and materialized empty on `device`: the bench generators (bench/seed_scale.py,
+    bench/sparse_ckpt.py) fill its parameters themselves. Returns ``(model, config)``."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import Qwen3ForCausalLM
+
+    config = qwen3_config(spec)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model.to(torch.float32)
+    lora_cls = lora_module_class()
+    for module in spec.target_modules():
+        parent_name, child_name = module.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child_name, lora_cls(getattr(parent, child_name), spec.lora_rank, 1, [spec.scale]))
+    mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp_shard_cp",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layers = model.model.layers
+    for i, block in enumerate(layers):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    model.to_empty(device=device)
+    with torch.device(device):   # non-persistent buffers (rotary inv_freq) were never materialized
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    return model, config
+
+
 def lora_named_parameters(model) -> list[tuple[str, Any]]:
     """LoRA params in prime-rl's optimizer order: per layer q,k,v,o,gate,up,down; per module slot by slot,
     A before B. (prime-rl's single-run optimizer holds slot 0 only; with more slots we keep them all.)"""
