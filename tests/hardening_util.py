@@ -402,9 +402,24 @@ class MeasuredRun:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, sig)
 
+    def _own_peak(self) -> int:
+        """The child's own peak RSS so far (VmHWM of its current address space): the kernel's ru_maxrss of
+        a child carries the parent's high-water mark across fork+exec, so a test process that has grown
+        past the bound (pytest after many in-process tests) would be charged to every command it starts."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        return 0
+
     def result(self) -> Measured:
         timed_out = False
+        own = 0
         while True:
+            own = max(own, self._own_peak())
             pid, status, ru = os.wait4(self.proc.pid, os.WNOHANG)
             if pid:
                 break
@@ -417,7 +432,9 @@ class MeasuredRun:
         self.proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.monotonic() - self.t0
         return Measured(self.proc.returncode, self.out_path.read_text(errors="replace"),
-                        self.err_path.read_text(errors="replace"), None, ru.ru_maxrss * 1024, wall, timed_out)
+                        self.err_path.read_text(errors="replace"), None,
+                        # the sampled peak (every 20 ms until exit); ru_maxrss when nothing could be sampled
+                        own or ru.ru_maxrss * 1024, wall, timed_out)
 
 
 # A warm runner: one process that imported ckpt_tools (torch and click included) ONCE, then forks a

@@ -163,7 +163,7 @@ def check_index(root: Path, index_path: Path) -> IndexCheck:
             elif mapped != f:
                 problem(root / f, k, f"tensor is in {f} but {name} maps it to {mapped}")
     for k, f in sorted((weight_map or {}).items()):
-        h = out.headers.get(f)
+        h = out.headers.get(f) if isinstance(f, str) else None   # a non-name value is refused above
         if h is not None and k not in h.tensors and k not in owner:
             problem(root / f, k, f"{name} maps the tensor to {f}, which does not hold it")
     out.tensors = {k: out.headers[f].tensors[k] for k, f in owner.items()}
