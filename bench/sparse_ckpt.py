@@ -239,12 +239,7 @@ def generate(a) -> int:
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                     run_check=False)
     torch.nn.utils.clip_grad_norm_([p for _, p in lora], max_norm=spec.max_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad()
-    progress.step += 1
-    progress.total_tokens += spec.batch_size * spec.seq_len * world
-    progress.total_samples += spec.batch_size * world
+    F.apply_step(optimizer, scheduler, progress, spec, world)
     t_train = time.perf_counter()
 
     paths.checkpoint.mkdir(parents=True, exist_ok=True)

@@ -890,13 +890,19 @@ def train_step(model, optimizer, scheduler, progress: Progress, lora_params, inp
     if spec.max_norm is not None:
         gn = torch.nn.utils.clip_grad_norm_(lora_params, max_norm=spec.max_norm)
         grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+    apply_step(optimizer, scheduler, progress, spec, world)
+    return float(out.loss.detach()), grad_norm
+
+
+def apply_step(optimizer, scheduler, progress: Progress, spec: FactorySpec, world: int) -> None:
+    """The end of an optimizer step once the gradients are in: AdamW and scheduler steps, progress counted
+    over `world` ranks (train_step's, and bench/sparse_ckpt.py's after its random gradient)."""
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
     progress.step += 1
     progress.total_tokens += spec.batch_size * spec.seq_len * world
     progress.total_samples += spec.batch_size * world
-    return float(out.loss.detach()), grad_norm
 
 
 def train_child(rank: int, world: int, spec_dict: dict, root: str) -> None:
