@@ -51,3 +51,15 @@ def pytest_report_header(config):
     state = {True: "loaded", False: "not loaded"}
     return (f"ckpt_tools C fast paths: pickle_scan_c {state[pickle_scan.accelerator is not None]}, "
             f"delta_stats_c {state[compare.accelerator is not None]}")
+
+
+def write_sharded_base(d: Path) -> Path:
+    """The tiny base model in 3 shards + index at the new dir `d`, written by huggingface_hub's sharded
+    writer (a pristine sharded HF dir for the verify and HF-check tests to damage)."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    d.mkdir()
+    save_torch_state_dict(load_file(str(BASE / "model.safetensors")), str(d), max_shard_size="200KB")
+    shutil.copy(BASE / "config.json", d / "config.json")
+    return d

@@ -9,26 +9,20 @@ import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from ckpt_tools.core.errors import CkptError
 from ckpt_tools.formats.hf_dir.checks import check_index
 from ckpt_tools.formats.hf_dir.model_dir import HFModelDir
 from ckpt_tools import verify as verify_path
 
-from .conftest import BASE
+from .conftest import write_sharded_base
 
 INDEX = "model.safetensors.index.json"
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
-    from huggingface_hub import save_torch_state_dict
-    d = tmp_path_factory.mktemp("hf") / "model"
-    d.mkdir()
-    save_torch_state_dict(load_file(str(BASE / "model.safetensors")), str(d), max_shard_size="200KB")
-    shutil.copy(BASE / "config.json", d / "config.json")
-    return d
+    return write_sharded_base(tmp_path_factory.mktemp("hf") / "model")
 
 
 def _map(fn):

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from ckpt_tools.cli import main
 from ckpt_tools import verify as verify_path
 
-from .conftest import BASE, FIXTURE, TRAINER, json_payload
+from .conftest import BASE, FIXTURE, TRAINER, json_payload, write_sharded_base
 
 REL_TRAINER = TRAINER.relative_to(FIXTURE)
 PEFT = FIXTURE / "reference_peft_adapter"
@@ -47,13 +47,7 @@ def torch_items(trainer: Path) -> list[tuple[str, str, int, int]]:
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
     """The base model in 3 shards + index, written by huggingface_hub's sharded writer (pristine)."""
-    from huggingface_hub import save_torch_state_dict
-
-    d = tmp_path_factory.mktemp("sharded") / "model"
-    d.mkdir()
-    save_torch_state_dict(load_file(str(BASE / "model.safetensors")), str(d), max_shard_size="200KB")
-    shutil.copy(BASE / "config.json", d / "config.json")
-    return d
+    return write_sharded_base(tmp_path_factory.mktemp("sharded") / "model")
 
 
 def copy_of(src: Path, tmp_path: Path) -> Path:
