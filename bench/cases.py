@@ -202,17 +202,25 @@ def case_by_name(name: str) -> Case:
     raise KeyError(f"no case {name!r}: choose from {[c.name for c in CASES]}")
 
 
-def ckpt_contender(case: Case, ranks: int) -> Contender:
-    """The ckpt command of a case as a contender: `python -m ckpt_tools ...`, or under torchrun."""
+def ckpt_contender(case: Case, ranks: int, torchrun: bool | None = None) -> Contender:
+    """The ckpt command of a case as a contender: `python -m ckpt_tools ...`, or under torchrun (always for
+    N > 1; for N = 1 when `torchrun`: the rank sweep's baseline, which pays the same launcher as N > 1)."""
+    torchrun = ranks > 1 if torchrun is None else torchrun
+
     def argv(p: Paths) -> list[str]:
         tail = [str(a) for a in case.ckpt_args(p)]
-        if ranks == 1:
+        if not torchrun:
             return [p.python, "-m", "ckpt_tools", *tail]
         return [p.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                 "-m", "ckpt_tools", *tail]
 
-    label = f"ckpt {case.name}" if ranks == 1 else f"ckpt {case.name} (torchrun x{ranks})"
+    label = f"ckpt {case.name} (torchrun x{ranks})" if torchrun else f"ckpt {case.name}"
     return Contender(label, "ckpt", argv, reads=case.reads, writes=case.writes, volume=case.volume)
+
+
+def is_torchrun_label(label: str) -> bool:
+    """Whether a ckpt contender's label is a torchrun launch (`ckpt_contender(..., torchrun=True)`)."""
+    return label.endswith(")") and "(torchrun x" in label
 
 
 def mergekit_config_text(p: Paths) -> str:

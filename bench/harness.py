@@ -247,13 +247,17 @@ class Harness:
         if not (case.multi_rank and multi):
             return deferred
         probe = self.probe(case)
-        for n in multi:
-            if not probe["supported"]:
+        if not probe["supported"]:
+            for n in multi:
                 self.record({**base, "contender": ckpt_contender(case, n).label, "role": "ckpt", "ranks": n,
                              "rep": 0, "status": "n/a", "reason": probe["reason"]})
-                continue
-            for rep in range(self.a.repeat):
-                self.run_one(size, inputs, case, ckpt_contender(case, n), n, rep, paths, warmed)
+            return deferred
+        # The sweep: torchrun with 1 rank (the same launcher as N > 1: its start-up is not the ranks' doing)
+        # and each N, in a new shuffled order each repetition.
+        sweep = [(1, ckpt_contender(case, 1, torchrun=True))] + [(n, ckpt_contender(case, n)) for n in multi]
+        for rep in range(self.a.repeat):
+            for n, c in self.order.sample(sweep, len(sweep)):
+                self.run_one(size, inputs, case, c, n, rep, paths, warmed)
         return deferred
 
     def run_one(self, size, inputs: SizeInputs, case: Case, c: Contender, ranks: int, rep: int, paths: Paths,
