@@ -32,7 +32,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 from .core.errors import RankFailed, UsageError
 from .core.parts import SOLO, Part, working_ranks
 
-__all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "env_part", "current",
+__all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "launched_part", "env_part", "idle_rank",
+           "working_per_node", "RANKS_ENV", "THREADS_PER_RANK", "current",
            "TIMEOUT_ENV", "RENDEZVOUS_ENV", "DEFAULT_RENDEZVOUS_S", "check_env", "local_workers", "map_units",
            "MIN_BYTES_PER_RANK_ENV", "DEFAULT_MIN_BYTES_PER_RANK", "min_bytes_per_rank", "working"]
 
@@ -48,10 +49,16 @@ _POLL_S = 0.02
 # slower than one (the ranks past the number stay idle; the working ones take the node's cores).
 MIN_BYTES_PER_RANK_ENV = "CKPT_TOOLS_MIN_BYTES_PER_RANK"
 DEFAULT_MIN_BYTES_PER_RANK = 256 * 2**20
+# How many ranks of a node work: `auto` (one per THREADS_PER_RANK cores, at least one) or `all`. Every command
+# runs its units on threads over the cores it is given (up to THREADS_PER_RANK: `local_workers`), so on a
+# 16-core node one process already uses the node, and each rank more only adds its start-up (a torch
+# import, seconds with a CUDA build) and the rendezvous: with `auto` the other ranks end at once.
+RANKS_ENV = "CKPT_TOOLS_RANKS"
+THREADS_PER_RANK = 16
 
 
-def env_part(environ=os.environ) -> Part:
-    """This process's rank and world size as torchrun set them (`Part(0, 1)` outside torchrun)."""
+def launched_part(environ=os.environ) -> Part:
+    """This process's rank and world size as the launcher set them (`Part(0, 1)` outside torchrun)."""
     try:
         world = int(environ.get("WORLD_SIZE", "1"))
         rank = int(environ.get("RANK", "0"))
@@ -59,6 +66,67 @@ def env_part(environ=os.environ) -> Part:
     except ValueError as exc:
         raise UsageError(f"RANK={environ.get('RANK')!r} WORLD_SIZE={environ.get('WORLD_SIZE')!r} do not name a "
                          f"rank: {exc}", hint="launch with `torchrun --nproc-per-node N -m ckpt_tools ...`") from None
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _node_layout(environ) -> tuple[int, int, int] | None:
+    """(nodes, this node's index, this rank's index on its node) when torchrun's LOCAL_WORLD_SIZE and
+    LOCAL_RANK describe nodes of equal size with contiguous ranks (how torchrun numbers them); else None."""
+    part = launched_part(environ)
+    try:
+        local = int(environ.get("LOCAL_WORLD_SIZE", "") or 0)
+        local_rank = int(environ.get("LOCAL_RANK", "") or -1)
+    except ValueError:
+        return None
+    if local < 1 or part.world % local or local_rank != part.rank % local:
+        return None
+    return part.world // local, part.rank // local, local_rank
+
+
+def working_per_node(environ=os.environ, cores: int | None = None) -> int | None:
+    """How many ranks of each node work (RANKS_ENV): `auto`, one per THREADS_PER_RANK cores (at least one),
+    since one process already runs its work on threads over the node's cores, and a rank more on the same
+    cores only adds its start-up; `all`, every rank. None: every rank works (`all`, or a launch whose node
+    layout is unknown: no LOCAL_WORLD_SIZE)."""
+    mode = environ.get(RANKS_ENV, "auto") or "auto"
+    if mode not in ("auto", "all"):
+        raise UsageError(f"{RANKS_ENV}={mode!r} is not `auto` or `all`",
+                         hint=f"unset {RANKS_ENV} (auto: one working rank per {THREADS_PER_RANK} cores of a node)")
+    layout = _node_layout(environ)
+    if mode == "all" or layout is None:
+        return None
+    local = launched_part(environ).world // layout[0]
+    return max(1, min(local, (cores or _cores()) // THREADS_PER_RANK))
+
+
+def env_part(environ=os.environ) -> Part:
+    """This process's share among the ranks that work (`Part(0, 1)` outside torchrun): its index and their
+    number, from the launch (`launched_part`) and `working_per_node`. An idle rank (`idle_rank`) has none."""
+    part = launched_part(environ)
+    per_node = working_per_node(environ) if part.world > 1 else None
+    if per_node is None:
+        return part
+    nodes, node, local_rank = _node_layout(environ)
+    if local_rank >= per_node:
+        raise UsageError(f"rank {part.rank} takes no part in this run (it idles: {per_node} working rank(s) per node)",
+                         hint=f"ask `dist.idle_rank()` first; {RANKS_ENV}=all makes every rank work")
+    return Part(node * per_node + local_rank, nodes * per_node)
+
+
+def idle_rank(environ=os.environ) -> bool:
+    """Whether this process is a rank that takes no part in the run (`working_per_node`): the CLI ends it
+    at once, with exit 0 and no output, before it imports or opens anything."""
+    part = launched_part(environ)
+    if part.world == 1:
+        return False
+    per_node = working_per_node(environ)
+    return per_node is not None and _node_layout(environ)[2] >= per_node
 
 
 def _seconds(environ, name: str, default: float) -> float:
@@ -76,7 +144,7 @@ def check_env(environ=os.environ) -> tuple[str, int]:
     """(MASTER_ADDR, MASTER_PORT) for a group of 2+ ranks, checked before anything waits on them: a
     UsageError naming the variable when WORLD_SIZE is set without them (torch would raise a ValueError
     deep inside its rendezvous)."""
-    part = env_part(environ)
+    part = launched_part(environ)
     addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
     fix = ("launch with `torchrun --nproc-per-node N -m ckpt_tools ...` (it sets them), or unset WORLD_SIZE and "
            "RANK to run in one process")
@@ -95,7 +163,7 @@ def check_env(environ=os.environ) -> tuple[str, int]:
 
 def under_torchrun(environ=os.environ) -> bool:
     """True when torchrun launched this process with more than one rank."""
-    return env_part(environ).world > 1
+    return launched_part(environ).world > 1
 
 
 class Group:
@@ -245,18 +313,21 @@ _CURRENT: Group | None = None
 T = TypeVar("T")
 
 
-def local_workers(cap: int = 16, environ=os.environ, n_working: int | None = None) -> int:
+def local_workers(cap: int = THREADS_PER_RANK, environ=os.environ, n_working: int | None = None) -> int:
     """Threads for a read-bound job on this rank: this process's cores shared by the ranks of its node
-    (torchrun's LOCAL_WORLD_SIZE) that work, at most `cap` (each holds one read block). `n_working`:
-    only ranks 0 .. n_working - 1 of the world work (`working`); torchrun numbers a node's ranks
-    contiguously, so this node's working ones are those of its LOCAL_WORLD_SIZE below that number."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    that work (`working_per_node`; every rank of torchrun's LOCAL_WORLD_SIZE when all do), at most `cap`
+    (each holds one read block). `n_working`: only ranks 0 .. n_working - 1 of the working ones take units
+    of this job (`working`); a node's working ranks are numbered contiguously, so this node's are those
+    below that number."""
+    cores = _cores()
+    per_node = working_per_node(environ, cores) if launched_part(environ).world > 1 else None
+    local = per_node or max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     if n_working is not None and local > 1:
-        first_here = int(environ.get("RANK", "0") or 0) - int(environ.get("LOCAL_RANK", "0") or 0)
+        if per_node is None:
+            first_here = int(environ.get("RANK", "0") or 0) - int(environ.get("LOCAL_RANK", "0") or 0)
+        else:
+            rank = env_part(environ).rank
+            first_here = rank - rank % per_node
         local = max(1, min(local, n_working - first_here))
     per_rank = max(1, cores // local)
     return max(1, min(cap, per_rank))

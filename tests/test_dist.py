@@ -23,7 +23,8 @@ from .conftest import BASE, REPO, TRAINER
 WEIGHTS = BASE.parents[0] / "outputs" / "weights" / "step_3"
 REF_ADAPTER = BASE.parents[0] / "reference_peft_adapter"
 SHARD = ["--max-shard-size", "100KB"]   # 5 output shards from the tiny base: both ranks have work
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+# every rank works (dist.RANKS_ENV=all): on one node `auto` runs one rank per 16 cores and these tests are of the split
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CKPT_TOOLS_RANKS="all")
 
 
 def digest(root: Path) -> dict[str, str]:

@@ -20,7 +20,8 @@ from . import hardening_util as hu
 from .conftest import BASE, REPO, TRAINER
 from .test_dist import free_port, torchrun_cmd
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+# every rank works (dist.RANKS_ENV=all): on one node `auto` runs one rank per 16 cores and these tests are of the split
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CKPT_TOOLS_RANKS="all")
 
 
 def lone_rank(port: int, **extra) -> dict:

@@ -13,7 +13,7 @@ from ckpt_tools.core.errors import UsageError
 from ckpt_tools.core.parts import Part, working_ranks
 
 from .conftest import BASE
-from .test_dist import ENV, REF_ADAPTER, solo, torchrun
+from .test_dist import ENV, REF_ADAPTER, digest, free_port, solo, torchrun
 
 MiB = 2**20
 
@@ -62,11 +62,11 @@ def test_below_the_minimum_rank_1_runs_no_unit_and_rank_0_runs_them_all(monkeypa
 
 def test_the_working_ranks_take_the_cores_of_the_idle_ones(monkeypatch):
     monkeypatch.setattr(dist.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    env = {"LOCAL_WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1", dist.RANKS_ENV: "all"}
     assert dist.local_workers(environ=env) == 4                  # 4 working ranks on the node: 16 / 4
     assert dist.local_workers(environ=env, n_working=2) == 8     # ranks 0, 1 work: 16 / 2
     assert dist.local_workers(environ=env, n_working=1) == 16    # (rank 1 then has no unit to run)
-    second_node = {"LOCAL_WORLD_SIZE": "4", "RANK": "5", "LOCAL_RANK": "1"}
+    second_node = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5", "LOCAL_RANK": "1", dist.RANKS_ENV: "all"}
     assert dist.local_workers(environ=second_node, n_working=6) == 8   # ranks 4, 5 of node 1 work
 
 
@@ -90,3 +90,60 @@ def test_two_ranks_on_a_tiny_diff_report_what_one_process_reports_in_no_more_tim
     a.pop("bytes_read"), b.pop("bytes_read")   # (read-ahead cut short is not deterministic: test_dist.py)
     assert a == b and a["adapter_check"]["passed"]
     assert s2 <= s1 + 1.0, (s1, s2)
+
+
+# ---------------------------------------------------------------- how many ranks of a node work (RANKS_ENV)
+def _launch(world: int, local: int, rank: int, **extra) -> dict:
+    return {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_WORLD_SIZE": str(local),
+            "LOCAL_RANK": str(rank % local), **extra}
+
+
+def test_one_rank_per_16_cores_of_a_node_works_unless_every_rank_is_asked_to():
+    one_node = _launch(8, 8, 0)
+    assert dist.working_per_node(one_node, cores=16) == 1          # 16 cores: one process uses the node
+    assert dist.working_per_node(one_node, cores=2) == 1
+    assert dist.working_per_node(one_node, cores=64) == 4          # 64 cores: four processes of 16 threads
+    assert dist.working_per_node(one_node, cores=1024) == 8        # never more than the node's ranks
+    assert dist.working_per_node({**one_node, dist.RANKS_ENV: "all"}, cores=16) is None
+    assert dist.working_per_node({"WORLD_SIZE": "2", "RANK": "1"}, cores=16) is None   # no node layout: all work
+    with pytest.raises(UsageError, match="CKPT_TOOLS_RANKS='some'"):
+        dist.working_per_node({**one_node, dist.RANKS_ENV: "some"})
+
+
+def test_the_working_ranks_are_numbered_node_by_node_and_the_others_idle(monkeypatch):
+    monkeypatch.setattr(dist.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    two_nodes = [_launch(16, 8, r) for r in range(16)]           # 2 nodes x 8 ranks, 32 cores each: 2 work per node
+    working = {r: dist.env_part(e) for r, e in enumerate(two_nodes) if not dist.idle_rank(e)}
+    assert sorted(working) == [0, 1, 8, 9]
+    assert [working[r] for r in (0, 1, 8, 9)] == [Part(0, 4), Part(1, 4), Part(2, 4), Part(3, 4)]
+    with pytest.raises(UsageError, match="idles"):
+        dist.env_part(two_nodes[5])
+    assert dist.local_workers(environ=two_nodes[9]) == 16         # the node's 32 cores over its 2 working ranks
+    assert dist.env_part(dict(two_nodes[5], CKPT_TOOLS_RANKS="all")) == Part(5, 16)
+
+
+def _alone(tmp_path, rank: int, port: int):
+    """Rank `rank` of a 2-rank, one-node launch, started without its peer (and nothing listening at
+    MASTER_PORT): a working rank that needed a rendezvous would wait for it until the time-out."""
+    import socket
+    import subprocess
+    import sys
+    env = dict(ENV, **_launch(2, 2, rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+               CKPT_TOOLS_RANKS="auto", CKPT_TOOLS_DIST_RENDEZVOUS_S="60")
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+    out = tmp_path / f"merged{rank}"
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tools", "merge", BASE, REF_ADAPTER, out,
+                           "--json"], env=env, capture_output=True, text=True, timeout=50), out
+
+
+def test_on_a_node_of_few_cores_rank_1_ends_at_once_and_rank_0_runs_as_one_process(tmp_path):
+    port = free_port()
+    idle, idle_out = _alone(tmp_path, 1, port)
+    assert idle.returncode == 0 and idle.stdout == "" and not idle_out.exists(), idle.stderr[-2000:]
+    assert "| torch" not in idle.stderr and "ckpt_tools.api" not in idle.stderr   # nothing imported or opened
+    lead, lead_out = _alone(tmp_path, 0, port)       # no peer, no rendezvous: the whole merge, exit 0
+    assert lead.returncode == 0, lead.stderr[-2000:]
+    solo_out = tmp_path / "solo"
+    assert solo("merge", BASE, REF_ADAPTER, solo_out).returncode == 0
+    assert digest(lead_out) == digest(solo_out)

@@ -158,14 +158,16 @@ class _Group(click.Group):
     @staticmethod
     def _check_ranks(name: str | None) -> None:
         """Under torchrun with 2+ ranks: refuse a command that does not split its work; rank 0 alone prints."""
-        part = dist.env_part()
+        part = dist.launched_part()
         if part.world == 1:
             return
         if name not in MULTI_RANK_COMMANDS:
             raise UsageError(f"`ckpt {name}` runs in one process, not under torchrun ({part.world} ranks)",
                              hint=f"run it without torchrun; multi-rank commands: {', '.join(MULTI_RANK_COMMANDS)}")
         dist.check_env()
-        if not part.leader:   # the ranks' reports are the same: the leader's is the one shown (errors stay on stderr)
+        if dist.idle_rank():   # a node's ranks past its working ones (dist.working_per_node): nothing to do
+            raise SystemExit(0)
+        if not dist.env_part().leader:   # the ranks' reports are the same: the leader's is shown (errors on stderr)
             stdout_to_devnull()
 
 
