@@ -155,9 +155,9 @@ CASES: tuple[Case, ...] = (
          ("base", "adapter"), "base", floors=(cat("base", "adapter"), cp_sync("base"), ST_REWRITE),
          peers=(PEFT_MERGE, MERGEKIT), multi_rank=True, provides="merged"),
     Case("diff-vs-base", lambda p: ["diff-vs-base", p.merged, p.base, "--json"], ("merged", "base"), None,
-         floors=(cat("merged", "base"),), multi_rank=True),
+         floors=(cat("merged", "base"), PY_TORCH), multi_rank=True),   # (issue 22: the floor + one torch import)
     Case("diff-vs-base --adapter", lambda p: ["diff-vs-base", p.merged, p.base, "--adapter", p.adapter, "--json"],
-         ("merged", "base", "adapter"), None, floors=(cat("merged", "base", "adapter"),), multi_rank=True),
+         ("merged", "base", "adapter"), None, floors=(cat("merged", "base", "adapter"), PY_TORCH), multi_rank=True),
     Case("verify --deep HF dir", lambda p: ["verify", p.base, "--deep", "--json"], ("base",), None,
          floors=(cat("base"),), multi_rank=True),
     Case("adapter-to-dcp", lambda p: ["adapter-to-dcp", p.adapter, p.out, "--base", p.base, "--lr", "1e-5", "--json"],

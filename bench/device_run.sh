@@ -34,7 +34,10 @@
 #   PHASE=i22-ckpt  slim, rehydrate (floors: cat dcp, cp -r dcp && sync)
 #   PHASE=i22-out   export, merge --base-from-checkpoint, extract-adapter (floors: cat dcp + cp -r base && sync,
 #                   cat LoRA items)
-#   PHASE=i22-ranks N = 1, 2, 4, 8 of slim, rehydrate, export, diff-vs-base (--ranks-only, 1 run each)
+#   PHASE=i22-diff  diff-vs-base, diff-vs-base --adapter (floors: cat merged base [adapter]; with
+#                   DEVICE_TESTS="tests/test_value_check_cuda.py" the CUDA check's tests first)
+#   PHASE=i22-ranks N = 1 (plain and under torchrun), 2, 4, 8 of slim, rehydrate, export, diff-vs-base
+#                   (--ranks-only; every N shuffled per repetition)
 # Knobs (environment) override a phase: SIZES, RANKS, REPEAT, BUDGET_S, CASES, EXTRA, LABEL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,9 +83,11 @@ case "$PHASE" in
                D_CASES="slim,rehydrate" ;;
     i22-out)   D_SIZES=8b;      D_RANKS=1;       D_EXTRA=; D_SKIP="torch dcp,torch _load,python -c pass,cp -r adapter,=cp -r base && sync,=cat dcp"
                D_CASES="extract-adapter,export,merge --base-from-checkpoint" ;;
+    i22-diff)  D_SIZES=8b;      D_RANKS=1;       D_EXTRA=; D_SKIP=
+               D_CASES="diff-vs-base,diff-vs-base --adapter" ;;
     i22-ranks) D_SIZES=8b;      D_RANKS=1,2,4,8; D_EXTRA=--ranks-only
                D_CASES="slim,rehydrate,export,diff-vs-base" ;;
-    *) echo "PHASE must be floors, ranks-hf, ranks-dcp, i22-ckpt, i22-out or i22-ranks (got $PHASE)"; exit 2 ;;
+    *) echo "PHASE must be floors, ranks-hf, ranks-dcp, i22-ckpt, i22-out, i22-diff or i22-ranks (got $PHASE)"; exit 2 ;;
 esac
 SIZES=${SIZES:-$D_SIZES}
 RANKS=${RANKS:-$D_RANKS}
