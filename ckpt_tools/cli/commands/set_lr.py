@@ -8,7 +8,7 @@ import click
 from ... import api
 from ...core.units import human_bytes, human_number
 from ..flow import finish
-from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command", "render_changes", "render_result"]
@@ -40,7 +40,7 @@ def render_result(r: dict) -> None:
 
 @click.command("set-lr")
 @click.argument("ckpt", type=InputPath())
-@click.argument("out", type=click.Path(path_type=Path), required=False)
+@click.argument("out", type=OutputPath(), required=False)
 @click.option("--lr", type=float, help="New current lr; every lr value of the optimizer and scheduler is "
                                        "scaled by lr / current lr.")
 @click.option("--scale", type=float, help="Multiply every lr value of the optimizer and scheduler by F.")
