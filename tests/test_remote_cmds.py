@@ -255,6 +255,22 @@ def test_doctor_of_a_run_or_config_at_a_url_finds_what_the_local_one_finds(http,
     assert f"outputs: {url_of(http, TINY / 'outputs')} " in text and "/ckpt-remote-" not in text
 
 
+def test_a_run_at_a_url_finds_its_config_inside_the_url_and_never_above_it(http, tmp_path, monkeypatch):
+    """A run root's URL: its checkpoint's alpha from the run config inside it. A checkpoints dir's URL: no
+    run config is looked for above it, not even in the local temp dir that holds its shadow tree (a stray
+    configs/trainer.json there would have set the scale)."""
+    r = run("restart-prep", url_of(http, TINY), tmp_path / "o", "--base", BASE, "--lr", "5e-3")
+    assert f"alpha 16, from run config {url_of(http, ORCH)}" in r.stdout
+    stray = tmp_path / "tmp"
+    (stray / "configs").mkdir(parents=True)
+    shutil.copy(E / "configs" / "trainer.json", stray / "configs" / "trainer.json")
+    monkeypatch.setattr("tempfile.tempdir", str(stray))
+    r = run("report", url_of(http, E_CKPT), "--json", code=1)
+    assert "LoRA alpha is not stored in a DCP checkpoint" in r.stdout and str(stray) not in r.stdout
+    r = run("report", url_of(http, E_CKPT), "--run-config", stray / "configs" / "trainer.json", "--json")
+    assert json.loads(r.stdout)["ok"] is True
+
+
 # ------------------------------------------------------------------------------------ set-lr / set into a store
 def test_set_lr_within_one_s3_store_copies_the_data_files_server_side(s3_env, tmp_path):
     run("set-lr", TRAINER, tmp_path / "local", "--scale", "0.5")

@@ -23,9 +23,9 @@ __all__ = ["command"]
 @click.option("--lr", type=float, required=True, help="The learning rate of the restarted run.")
 @click.option("--config", type=InputPath(dir_okay=False),
               help="Your prime-rl TOML (rl or trainer config): a patched copy is written next to OUT.")
-@click.option("--config-out", type=OutputPath(),
-              help="Where to write the patched config (default: merge mode OUT.<config name> beside OUT; adapter "
-                   "mode <config stem>.restart.toml beside the config).")
+@click.option("--config-out", type=OutputPath(), metavar="FILE",
+              help="Where to write the patched config, a path or a URL (default: merge mode OUT.<config name> beside "
+                   "OUT, at OUT's URL too; adapter mode <config stem>.restart.toml beside a local config).")
 @click.option("--mode", type=click.Choice(("merge", "adapter")), default="merge", show_default=True,
               help="merge: merged bf16 model + config for a fresh LoRA run. adapter: resumable checkpoint with "
                    "the adapter kept, fresh AdamW, lr X, step kept.")

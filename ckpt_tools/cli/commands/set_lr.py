@@ -59,7 +59,8 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
     prime-rl's resume restores the checkpoint's lr and ignores the config's. This patches
     param_groups lr/initial_lr and the scheduler's base_lrs/_last_lr/eta_min (SequentialLR's
     sub-schedulers too), so the remaining schedule scales consistently. OUT hard-links the data
-    files and adds one small patch file and a new .metadata: O(KB) written.
+    files and adds one small patch file and a new .metadata: O(KB) written (an s3:// CKPT to an
+    s3:// OUT: the data files are copied server-side, O(KB) fetched and sent).
 
     \b
     Example:
