@@ -8,7 +8,12 @@ a missing URL is the usual missing-path error and a URL look-alike OUT is refuse
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ from ckpt_tools.formats.dcp.reader import DcpCheckpoint  # noqa: E402
 from ckpt_tools.io import remote, upload  # noqa: E402
 
 from .remote_servers import HttpServer, HubServer, S3Server  # noqa: E402
-from .test_remote import ckpt, digest  # noqa: E402
+from .test_remote import REPO, assert_one_interrupt_line, ckpt, digest  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "primerl-tiny"
@@ -329,6 +334,32 @@ def test_a_source_rewritten_during_the_server_side_copy_commits_nothing(s3_env):
     line = r.output.strip().splitlines()[-1]
     assert "changed while it was being copied" in line and f"s3://runs/{key}" in line, r.output
     assert s3_env.client.list_objects_v2(Bucket="runs", Prefix="lr-changed").get("KeyCount", 0) == 0
+    assert not s3_env.client.list_multipart_uploads(Bucket="runs").get("Uploads")
+
+
+def test_an_out_that_is_or_holds_the_input_url_is_refused_the_input_untouched(s3_env):
+    before = {o["Key"]: o["ETag"] for o in s3_env.client.list_objects_v2(Bucket="runs", Prefix="step_3/")["Contents"]}
+    for out in ("s3://runs/step_3/trainer", "s3://runs/step_3"):
+        r = run("set-lr", "s3://runs/step_3/trainer", out, "--scale", "0.5", "--overwrite", code=2)
+        assert "OUT is an input of this command, or holds or lies inside one (s3://runs/step_3/trainer" in r.output
+    after = {o["Key"]: o["ETag"] for o in s3_env.client.list_objects_v2(Bucket="runs", Prefix="step_3/")["Contents"]}
+    assert after == before and not s3_env.client.list_multipart_uploads(Bucket="runs").get("Uploads")
+
+
+def test_ctrl_c_during_an_upload_within_one_store_commits_nothing(s3_env):
+    env = dict(os.environ, PYTHONPATH=str(REPO), CKPT_REMOTE_BACKOFF="0.05")
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", "set-lr", "s3://runs/step_3/trainer",
+                             "s3://runs/lr-interrupted", "--scale", "0.5"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+    def interrupt():
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)   # the part arrives after the interrupt; the copies would come next
+    s3_env.on_upload_part = interrupt
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert_one_interrupt_line(out)
+    assert s3_env.client.list_objects_v2(Bucket="runs", Prefix="lr-interrupted").get("KeyCount", 0) == 0
     assert not s3_env.client.list_multipart_uploads(Bucket="runs").get("Uploads")
 
 

@@ -163,6 +163,7 @@ def commit_pending(*, overwrite: bool) -> list[Uploaded]:
         for url, local in list(_PENDING):
             if not local.exists():
                 continue
+            _check_not_an_input(url)
             files = _files(local) if local.is_dir() else [("", local, local.stat().st_size)]
             writer = _writer(url)
             try:
@@ -175,6 +176,20 @@ def commit_pending(*, overwrite: bool) -> list[Uploaded]:
     finally:
         discard_pending()
     return done
+
+
+def _check_not_an_input(url: RemoteUrl) -> None:
+    """OUT may not be, hold or lie inside an input the command read (as a local OUT may not:
+    `staging.check_against_inputs`): `set-lr s3://b/x s3://b/x --overwrite` would patch x with no way back."""
+    from .inputs import registered
+    for path in registered():
+        read = parse_url(remote.display(str(path)))
+        if read is None or read.scheme != url.scheme:
+            continue
+        a, b = read.path.rstrip("/"), url.path.rstrip("/")
+        if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
+            raise UsageError(f"OUT is an input of this command, or holds or lies inside one ({read.text})",
+                             path=url.text, hint="write OUT to another prefix; an input is never replaced")
 
 
 def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:

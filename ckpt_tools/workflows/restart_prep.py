@@ -120,8 +120,10 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
 
 
 def _rebase(config: Path, cfg_out: Path) -> Path | None:
+    """The dir relative `toml_files` of the copy are made absolute from; None: left as written (the copy
+    beside its source, or a source at a URL: its local stand-in is gone once the command ends)."""
     src, dst = config.resolve().parent, cfg_out.resolve().parent
-    return None if src == dst else src
+    return None if src == dst or is_remote_path(config) else src
 
 
 def _write_config(cfg_out: Path, text: str) -> None:
