@@ -362,7 +362,8 @@ class _S3Writer:
                                   path=obj.url, hint="rerun once the writer has finished") from None
             if isinstance(err, remote.RemoteDenied):
                 raise UsageError(str(err)) from None
-            raise
+            raise CkptError(f"the store's copy of it into {key} failed: {err}", path=obj.url,
+                            hint="nothing was committed; retry later") from None
         return True
 
 
