@@ -1,7 +1,6 @@
 """`ckpt average`: arguments -> `api.average` (with --merge: the averaged LoRA merged) -> text or JSON."""
 from __future__ import annotations
 
-
 import click
 
 from ... import api
