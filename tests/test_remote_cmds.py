@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -296,6 +297,36 @@ def test_set_lr_within_one_s3_store_copies_the_data_files_server_side(s3_env, tm
 
 
 META_TINY = (TRAINER / ".metadata").stat().st_size
+
+
+def test_free_space_is_asked_for_the_data_files_only_where_they_are_written(s3_env, tmp_path):
+    """A remote checkpoint's data files cost no local disk when OUT is bound for a URL (stand-ins), and
+    their whole size when OUT is local (fetched): the free-space check of set-lr / set counts them so."""
+    from ckpt_tools.io.copy import link_writes_bytes
+    shadow = remote.mount("s3://runs/step_3/trainer")
+    staged = upload.stage_output("s3://runs/elsewhere")
+    assert link_writes_bytes(shadow, staged.parent) is False
+    assert link_writes_bytes(shadow, tmp_path) is True
+    assert link_writes_bytes(TRAINER, tmp_path) is (os.stat(TRAINER).st_dev != os.stat(tmp_path).st_dev)
+
+
+def test_staging_on_another_filesystem_still_copies_server_side(s3_env, tmp_path, monkeypatch):
+    """CKPT_UPLOAD_STAGING on another filesystem than the shadow tree: no hard link of a placeholder there,
+    a new placeholder stands in for the object instead (registered, then forgotten with the staging dir)."""
+    other = Path("/dev/shm")
+    if not other.is_dir() or os.stat(other).st_dev == os.stat(tempfile.gettempdir()).st_dev:
+        pytest.skip("no second filesystem (/dev/shm) here")
+    staging = Path(tempfile.mkdtemp(dir=other, prefix="ckpt-test-"))
+    monkeypatch.setenv("CKPT_UPLOAD_STAGING", str(staging))
+    try:
+        run("set-lr", TRAINER, tmp_path / "local", "--scale", "0.25")
+        doc = json.loads(run("set-lr", "s3://runs/step_3/trainer", "s3://runs/lr-shm", "--scale", "0.25",
+                             "--json").stdout)
+        assert doc["remote"]["uploaded"][0]["copied_bytes"] == size_of(*TRAINER.glob("*.distcp"))
+        assert digest(s3_tree(s3_env, "lr-shm", tmp_path / "got")) == digest(tmp_path / "local")
+        assert list(staging.iterdir()) == []
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def test_set_from_another_store_into_s3_streams_the_data_files(s3_env, http, tmp_path):

@@ -98,7 +98,7 @@ def stage_output(value) -> Path:
 def is_staged(path) -> bool:
     """Whether `path` lies in a staging dir of an output bound for a URL (`stage_output`)."""
     real = os.path.realpath(path)
-    return any(real.startswith(os.path.realpath(d) + os.sep) for d in _DIRS)
+    return any(real == os.path.realpath(d) or real.startswith(os.path.realpath(d) + os.sep) for d in _DIRS)
 
 
 def pending() -> bool:
