@@ -8,9 +8,11 @@ bytes it serves:
     by revision, the recursive tree, paths-info, resolve with ranges, preupload, commit; a bucket's
     info, tree, paths-info and resolve), for `HF_ENDPOINT`; each repo a local dir at one commit sha
     (a commit makes a new sha), each bucket a local dir.
-  - `S3Server()`: moto's standalone S3 app (`moto[server]`) behind a counting WSGI middleware that
-    can also fire a callback on the first multipart part uploaded (the Ctrl-C test), answer PUTs with
-    503 SlowDown (`fail_puts`) or slow them down (`throttle_puts_s`).
+  - `S3Server()`: moto's standalone S3 app (`moto[server]`) behind a counting WSGI middleware (GET
+    bodies sent, PUT bodies received: `put_bytes`) that can also fire a callback on the first multipart
+    part uploaded (the Ctrl-C test), answer PUTs with 503 SlowDown (`fail_puts`), slow them down
+    (`throttle_puts_s`), or answer UploadPartCopy 501 NotImplemented as a store without it does
+    (`refuse_part_copy`).
 """
 from __future__ import annotations
 
@@ -428,6 +430,9 @@ class S3Server:
         self.on_upload_part = None
         self.after_get = None
         self.fail_puts = 0       # answer this many PUTs (part and object uploads) with 503 SlowDown
+        self.put_bytes = 0       # request bodies of PUTs (object and part uploads; a part copy sends none)
+        self.part_copies = 0     # UploadPartCopy requests
+        self.refuse_part_copy = False
         self.throttle_puts_s = 0.0   # sleep this long before each PUT is handled (a slow uplink)
         app = DomainDispatcherApplication(create_backend_app)
         counter = self
@@ -443,6 +448,16 @@ class S3Server:
                         b'<Message>Please reduce your request rate.</Message></Error>')
                 start_response("503 Slow Down", [("Content-Type", "application/xml"),
                                                  ("Content-Length", str(len(body)))])
+                return [body]
+            if environ["REQUEST_METHOD"] == "PUT":
+                with counter.counter.lock:
+                    counter.put_bytes += int(environ.get("CONTENT_LENGTH") or 0)
+                    counter.part_copies += "HTTP_X_AMZ_COPY_SOURCE" in environ and "uploadId=" in q
+            if environ["REQUEST_METHOD"] == "PUT" and "HTTP_X_AMZ_COPY_SOURCE" in environ and counter.refuse_part_copy:
+                body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
+                        b'<Message>A header you provided implies functionality that is not implemented</Message></Error>')
+                start_response("501 Not Implemented", [("Content-Type", "application/xml"),
+                                                       ("Content-Length", str(len(body)))])
                 return [body]
             if environ["REQUEST_METHOD"] == "PUT" and "uploadId=" in q and "partNumber=" in q and counter.on_upload_part:
                 cb, counter.on_upload_part = counter.on_upload_part, None

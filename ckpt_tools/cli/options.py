@@ -10,7 +10,7 @@ from ..core.errors import MissingPathError
 from ..formats.hf_dir.hub import is_hub_id
 from ..io import remote
 
-__all__ = ["InputPath", "ModelPath", "OutputPath", "input_arg", "json_option", "trust_option", "dry_run_option", "overwrite_option",
+__all__ = ["InputPath", "ModelPath", "OutputPath", "input_arg", "output_beside", "json_option", "trust_option", "dry_run_option", "overwrite_option",
            "alpha_options", "download_option"]
 
 
@@ -57,6 +57,14 @@ class OutputPath(click.ParamType):
             return self.path_type(stage_output(value))
         remote.refuse_url_lookalike(value)
         return self.path_type(value)
+
+
+def output_beside(out, suffix: str):
+    """For an OUT bound for a URL, a second output at that URL + `suffix` (restart-prep's patched config
+    beside its merged model), uploaded after OUT; None for a local OUT (the command's own default)."""
+    if out is None or not remote.parse_url(remote.display(str(out))):
+        return None
+    return OutputPath().convert(remote.display(str(out)) + suffix, None, None)
 
 
 class ModelPath(click.ParamType):

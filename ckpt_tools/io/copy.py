@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 
 from ..core.errors import TruncatedFileError
-from . import inputs, remote
+from . import inputs, remote, upload
 from .files import create_new
 from .pread import pread_exact, pread_into
 
-__all__ = ["copy_input_file", "copy_input_tree", "link_or_copy", "copy_range"]
+__all__ = ["copy_input_file", "copy_input_tree", "link_or_copy", "link_writes_bytes", "copy_range"]
 
 _FICLONE = 0x40049409   # linux/fs.h: _IOW(0x94, 9, int)
 
@@ -78,9 +78,16 @@ def copy_input_tree(src: str | os.PathLike, dst: str | os.PathLike, *, root: str
 def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
     """Hard link the data file `src` (of the tree `root`, checked as an input: no symlink out of it,
     no FIFO) at the new path `dst`; across filesystems (or where links are refused) a reflink, else a
-    copy. Returns the method used. Never opens `src` for writing; `dst` is new."""
+    copy. Returns the method used. Never opens `src` for writing; `dst` is new.
+
+    A remote object's placeholder (`io.remote`) is never linked as a local file: into an output bound
+    for a URL it becomes a stand-in for the object ("remote": the upload copies the object, server-side
+    where the store offers it, and nothing is fetched here); anywhere else its bytes are fetched."""
     real, st = inputs.check_input(src, root=root, what="data file")
-    if remote.object_of_stat(st) is not None:   # a remote object's placeholder: never linked, its bytes fetched
+    if remote.object_of_stat(st) is not None:
+        if upload.is_staged(dst):
+            remote.link_stand_in(real, dst)
+            return "remote"
         copy_input_file(src, dst, root=root, what="data file")
         return "copy"
     try:
@@ -105,6 +112,17 @@ def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
             dst.unlink()
     copy_input_file(src, dst, root=root, what="data file")
     return "copy"
+
+
+def link_writes_bytes(src_root: Path, dst_dir: Path) -> bool:
+    """Whether `link_or_copy` of the files of `src_root` into `dst_dir` writes their bytes there (for the
+    free-space check): another filesystem, or a remote input going to a local output."""
+    if remote.is_remote_path(src_root):
+        return not upload.is_staged(dst_dir)
+    try:
+        return os.stat(src_root).st_dev != os.stat(dst_dir).st_dev
+    except OSError:
+        return True
 
 
 # copy_file_range refused for this pair of files (another filesystem, an old kernel, a filesystem

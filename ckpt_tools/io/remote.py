@@ -27,6 +27,7 @@ a URL is used. Backends: `remote_backends.py`.
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import re
 import shutil
@@ -42,6 +43,7 @@ from ..core.errors import CkptError, FormatError, MissingFileError, UsageError
 
 __all__ = ["RemoteUrl", "RemoteObject", "RemoteChanged", "RemoteMissing", "RemoteDenied", "RemoteRetry",
            "parse_url", "refuse_url_lookalike", "mount", "object_of_fd", "object_of_stat", "is_remote_path",
+           "mount_root_of", "link_stand_in", "forget_under",
            "active", "bytes_fetched", "mounted_bytes", "display", "add_display", "check_unchanged", "reset", "PART_BYTES",
            "CONCURRENCY", "RETRIES", "settings"]
 
@@ -248,7 +250,6 @@ class RemoteObject:
             got += k
             with self._lock:
                 self.fetched += k
-            _STATS.add(k)
 
         while got < want:
             before = got
@@ -276,17 +277,6 @@ class RemoteObject:
                 time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
 
 
-class _Stats:
-    def __init__(self):
-        self.bytes = 0
-        self.lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self.lock:
-            self.bytes += n
-
-
-_STATS = _Stats()
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -303,6 +293,7 @@ def _pool() -> ThreadPoolExecutor:
 _BY_INODE: dict[tuple[int, int], RemoteObject] = {}
 _MOUNTS: dict[str, tuple[Path, RemoteUrl]] = {}     # url text -> (shadow root, url)
 _SHADOW: list[Path] = []                             # the temp dirs holding shadow trees
+_STAND_INS: dict[tuple[int, int], str] = {}          # placeholders made outside a shadow tree -> their path
 _MOUNT_LOCK = threading.Lock()
 
 
@@ -327,10 +318,55 @@ def object_of_fd(fd: int) -> RemoteObject | None:
 
 
 def is_remote_path(path) -> bool:
+    return mount_root_of(path) is not None
+
+
+def mount_root_of(path) -> Path | None:
+    """The root of the shadow tree `path` lies in (a mounted URL), else None. What is above that root
+    stands for nothing: a resolver looking around an input (a run's configs) must stop there."""
     if not _BY_INODE:
-        return False
+        return None
     real = os.path.realpath(path)
-    return any(real == str(root) or real.startswith(str(root) + os.sep) for root, _ in _MOUNTS.values())
+    for root, _ in _MOUNTS.values():
+        if real == str(root) or real.startswith(str(root) + os.sep):
+            return root
+    return None
+
+
+def link_stand_in(src, dst) -> RemoteObject:
+    """`dst` (new) made a second name of the remote object whose placeholder is `src`, so that an output
+    bound for a URL holding an input's file unchanged (set-lr's data files) has `io.upload` copy the object
+    (server-side where the store can), nothing fetched here: a hard link of the placeholder, else (another
+    filesystem) a new placeholder registered until `forget_under` its dir. Either reads as the object."""
+    obj = object_of_stat(os.stat(src))
+    if obj is None:
+        raise ValueError(f"{src} is not a remote object's placeholder")
+    try:
+        os.link(src, dst, follow_symlinks=False)
+        return obj
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+    try:
+        os.ftruncate(fd, obj.size)
+        new = os.fstat(fd)
+    finally:
+        os.close(fd)
+    with _MOUNT_LOCK:
+        _BY_INODE[(new.st_dev, new.st_ino)] = obj
+        _STAND_INS[(new.st_dev, new.st_ino)] = os.path.realpath(dst)
+    return obj
+
+
+def forget_under(directory) -> None:
+    """Unregister the new placeholders of `link_stand_in` under `directory`, before it is removed (a
+    freed inode must never be taken for a remote object later)."""
+    top = os.path.realpath(directory) + os.sep
+    with _MOUNT_LOCK:
+        for ident in [i for i, where in _STAND_INS.items() if where.startswith(top)]:
+            del _STAND_INS[ident]
+            _BY_INODE.pop(ident, None)
 
 
 def _shadow_dir() -> Path:
@@ -396,12 +432,17 @@ def _listed(backend, url: RemoteUrl):
 
 def bytes_fetched() -> int:
     """Bytes received from every remote object so far (retried bytes counted again)."""
-    return _STATS.bytes
+    return sum(o.fetched for o in _objects())
 
 
 def mounted_bytes() -> int:
     """The total size of every mounted remote object (the inputs' size)."""
-    return sum(o.size for o in _BY_INODE.values())
+    return sum(o.size for o in _objects())
+
+
+def _objects() -> list[RemoteObject]:
+    """Every mounted object once (a stand-in is a second inode of one)."""
+    return list({id(o): o for o in list(_BY_INODE.values())}.values())
 
 
 _DISPLAY: dict[str, str] = {}     # a local stand-in path -> the URL shown for it
@@ -435,7 +476,7 @@ def display(text):
 def check_unchanged() -> None:
     """Every object read so far still has the version pinned at open, else a FormatError naming it
     (called before an output is committed)."""
-    for obj in list(_BY_INODE.values()):
+    for obj in _objects():
         if obj.fetched and obj.version is not None:
             now = obj.backend.version_now(obj)
             if now is not None and now != obj.version:
@@ -448,9 +489,9 @@ def reset() -> None:
     """Forget every mount and remove the shadow trees (atexit; tests)."""
     with _MOUNT_LOCK:
         _BY_INODE.clear()
+        _STAND_INS.clear()
         _MOUNTS.clear()
         _DISPLAY.clear()
-        _STATS.bytes = 0
         while _SHADOW:
             d = _SHADOW.pop()
             for dirpath, dirnames, _ in os.walk(d):

@@ -30,6 +30,7 @@ from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
 from ..io.files import atomic_write_text, make_dirs
 from ..io.inputs import read_toml
+from ..io.remote import display, is_remote_path, parse_url
 from ..io.staging import OVERWRITE_HINT, check_output_file, describe_output
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..ops.extract_adapter import ExtractOptions, plan_extract
@@ -95,6 +96,9 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
             config = Path(config)
             _doc, cfg_text = read_toml(config, what="prime-rl config")
             cfg_out = Path(config_out) if config_out is not None else default_config_out(mode, out, config)
+            if config_out is None and is_remote_path(config):
+                raise UsageError("the patched config goes beside --config by default, and that is at a URL",
+                                 path=cfg_out, hint="pass --config-out (a local path, or a URL to upload it to)")
             if cfg_out.resolve() == config.resolve():
                 raise UsageError("the patched config would overwrite the source config", path=cfg_out,
                                  hint="pass another --config-out")
@@ -116,8 +120,10 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
 
 
 def _rebase(config: Path, cfg_out: Path) -> Path | None:
+    """The dir relative `toml_files` of the copy are made absolute from; None: left as written (the copy
+    beside its source, or a source at a URL: its local stand-in is gone once the command ends)."""
     src, dst = config.resolve().parent, cfg_out.resolve().parent
-    return None if src == dst else src
+    return None if src == dst or is_remote_path(config) else src
 
 
 def _write_config(cfg_out: Path, text: str) -> None:
@@ -135,7 +141,8 @@ def _merge_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_out
     report: dict = {"mode": "merge", "checkpoint": str(ckpt.dir), "out": str(out), "lr": lr, "dry_run": dry_run}
     new_text = None
     if cfg_text is not None:   # validate the config before the (long) merge
-        new_text, changes = patch_config_text(cfg_text, model_name=str(out.resolve()), lr=lr, remove_resume=True,
+        # OUT at a URL (its local staging dir, uploaded once written: io.upload): the config names the URL
+        new_text, changes = patch_config_text(cfg_text, model_name=display(str(out.resolve())), lr=lr, remove_resume=True,
                                               rebase_from=_rebase(config, cfg_out), where=config)
         report["config"] = {"source": str(config), "out": str(cfg_out), "changes": [c.to_json() for c in changes],
                             "diff": unified_diff(cfg_text, new_text, config.name)}
@@ -163,9 +170,13 @@ def _merge_mode(ckpt: DcpCheckpoint, out, *, base, lr, cfg_text, config, cfg_out
         report["notes"] = ["the restart trains a NEW LoRA on the merged weights from step 0, with the config's "
                            "scheduler (warmup included); use a fresh output_dir so old checkpoints are not mixed in"]
     else:
-        report["next"] = [f"set [model] name = \"{out.resolve()}\" and [trainer.optim] lr = {lr!r} (or [optim] lr for a "
+        report["next"] = [f"set [model] name = \"{display(str(out.resolve()))}\" and [trainer.optim] lr = {lr!r} (or [optim] lr for a "
                           "trainer config), remove ckpt.resume_step, then start the run as before"]
         report["notes"] = ["pass --config YOUR.toml to have these edits written for you"]
+    if parse_url(display(str(out.resolve()))):
+        report.setdefault("notes", []).append(
+            "OUT is at a URL, and prime-rl loads [model] name from a local dir or a Hub repo id: download OUT "
+            "where the run starts and set [model] name to that dir")
     return report
 
 

@@ -11,7 +11,7 @@ from ...core.primerl_state import SCHEDULER_TYPES, SchedulerSpec
 from ...core.units import human_bytes, human_number
 from ..flow import finish, progress_line
 from ..mistakes import check_roles
-from ..options import InputPath, dry_run_option, download_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, input_arg, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -19,7 +19,7 @@ __all__ = ["command"]
 
 @click.command("adapter-to-dcp")
 @click.argument("adapter", type=InputPath(file_okay=False))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @click.option("--base", required=True, metavar="NAME_OR_DIR",
               help="The HF base model the adapter was trained on (a dir, or a hub id in the local HF cache).")
 @click.option("--lr", type=float, help="Base learning rate of the resumed run (default with --optimizer-from: "
@@ -60,6 +60,7 @@ def command(adapter: Path, out: Path, base: str, lr, step, world_size: int, opti
         --base Qwen/Qwen3-32B --lr 5e-6 --step 95 \\
         --scheduler linear --warmup-steps 10 --scheduler-step 0
     """
+    base = input_arg(base)
     check_roles("adapter-to-dcp", {"ADAPTER": adapter, "OUT": out, "--base": base,
                                     "--optimizer-from": optimizer_from})
     warn_trust(trust_pickle)

@@ -1,8 +1,6 @@
 """`ckpt average`: arguments -> `api.average` (with --merge: the averaged LoRA merged) -> text or JSON."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from ... import api
@@ -10,7 +8,7 @@ from ...core.errors import UsageError
 from ...core.units import human_bytes
 from ..flow import finish, progress_line
 from ..mistakes import check_roles
-from ..options import InputPath, ModelPath, dry_run_option, download_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, ModelPath, OutputPath, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command", "parse_weights", "rule_text", "render_truncations"]
@@ -73,7 +71,7 @@ def command(paths, weights, ema, rank, energy, merge_base, dtype, allow, layout,
                          hint="see `ckpt average --help`")
     *inputs, out = paths
     inputs = [InputPath().convert(p, None, None) for p in inputs]
-    out = Path(out)
+    out = OutputPath().convert(out, None, None)
     check_roles("average --merge" if merge_base is not None else "average",
                 {"CKPT_OR_ADAPTER": inputs[-1], "OUT": out, **({"--merge": merge_base} if merge_base is not None else {})})
     if dtype is not None and merge_base is None:

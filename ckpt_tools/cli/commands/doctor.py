@@ -9,7 +9,8 @@ from ... import api
 from ...api import DOCTOR_DEFAULT_DECODE_RATE as DEFAULT_DECODE_RATE, DOCTOR_ERROR as ERROR, DOCTOR_INFO as INFO, \
     DOCTOR_WARNING as WARNING, doctor_toml_value as toml_value
 from ...core.errors import UsageError
-from ..options import InputPath, json_option, trust_option
+from ..flow import shown
+from ..options import InputPath, input_arg, json_option, trust_option
 from ..render import emit, json_errors, warn_trust
 
 __all__ = ["command", "render"]
@@ -60,7 +61,7 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
         if dirs and (len(run_or_config) > 1 or sections):
             raise UsageError("pass either one run dir, or config files (with --trainer/--orchestrator/--inference)",
                              hint="use --outputs DIR to point config files at the run's outputs")
-        kw = dict(outputs=outputs, base=base, decode_rate=decode_rate, compare_weights=not no_weights_check,
+        kw = dict(outputs=outputs, base=input_arg(base), decode_rate=decode_rate, compare_weights=not no_weights_check,
                   trust_pickle=trust_pickle)
         if dirs:
             report = api.doctor(dirs[0], **kw)
@@ -69,7 +70,7 @@ def command(ctx: click.Context, run_or_config: tuple[Path, ...], trainer_file, o
     if as_json:
         emit(report, exit_code=report.exit_code)
     else:
-        render(report)
+        render(report, echo=lambda text, **kw: click.secho(shown(text), **kw))   # a URL shown as itself
     ctx.exit(report.exit_code)
 
 
@@ -80,25 +81,25 @@ def _value(v) -> str:
     return "unset" if v is None else toml_value(v)
 
 
-def render(r) -> None:
+def render(r, echo=click.secho) -> None:
     files = ", ".join(f"{c['path']}" + (f" (as [{c['section']}])" if c["section"] not in ("(rl)", "") else "")
                       for c in r.config_files) or "none"
-    click.echo(f"doctor: prime-rl {r.generation or '?'} run; configs: {files}")
+    echo(f"doctor: prime-rl {r.generation or '?'} run; configs: {files}")
     if r.outputs:
         full = sum(1 for c in r.checkpoints if c["complete"] and not c["slim"])
-        click.echo(f"  outputs: {r.outputs} ({len(r.checkpoints)} checkpoint(s), {full} full)")
+        echo(f"  outputs: {r.outputs} ({len(r.checkpoints)} checkpoint(s), {full} full)")
     for f in r.findings:
         label, color = _LABEL[f.severity]
         dflt = "not a key there" if f.trap == "unknown-key" else f"default {_value(f.default)}"
-        click.secho(f"{label:<8}{f.trap}: {f.toml} = {_value(f.value)} ({dflt})"
+        echo(f"{label:<8}{f.trap}: {f.toml} = {_value(f.value)} ({dflt})"
                     + (f"  [{f.file}]" if f.file else ""), fg=color)
-        click.echo(f"        why: {f.why}")
+        echo(f"        why: {f.why}")
         fix = f.fix.replace("\n", "\n             ")
-        click.echo(f"        fix: {fix}")
+        echo(f"        fix: {fix}")
         if f.source:
-            click.echo(f"        prime-rl: {f.source}")
+            echo(f"        prime-rl: {f.source}")
     for n in r.notes:
-        click.echo(f"note: {n}")
+        echo(f"note: {n}")
     errors = sum(1 for f in r.findings if f.severity == ERROR)
     warnings = sum(1 for f in r.findings if f.severity == WARNING)
-    click.echo("no problem found" if not r.problems else f"{errors} error(s), {warnings} warning(s)")
+    echo("no problem found" if not r.problems else f"{errors} error(s), {warnings} warning(s)")

@@ -9,7 +9,7 @@ from ... import api
 from ...core.units import human_bytes, human_number
 from ..flow import finish, progress_line
 from ..mistakes import check_roles
-from ..options import InputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option
+from ..options import InputPath, OutputPath, input_arg, alpha_options, dry_run_option, download_option, json_option, overwrite_option
 from ..render import dry_run_label, warn
 
 __all__ = ["command"]
@@ -17,7 +17,7 @@ __all__ = ["command"]
 
 @click.command("fix-adapter")
 @click.argument("src", type=InputPath(file_okay=False))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @click.option("--base", metavar="DIR",
               help="Base model to check every LoRA module against (default: the export's "
                    "base_model_name_or_path, looked up next to the run).")
@@ -49,6 +49,7 @@ def command(src: Path, out: Path, base, slot, checkpoint, alpha, run_config, lay
       ckpt fix-adapter outputs/run_default/broadcasts/step_95 adapter-step95
       ckpt fix-adapter outputs/broadcasts/step_9 ad9 --checkpoint outputs/checkpoints/step_9
     """
+    base = input_arg(base)
     check_roles("fix-adapter", {"SRC": src, "OUT": out, "--base": base, "--checkpoint": checkpoint})
     with progress_line(not dry_run) as bar:
         report = api.fix_adapter(src, out, base=base, slot=slot, alpha=alpha, run_config=run_config,

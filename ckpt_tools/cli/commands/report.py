@@ -8,7 +8,7 @@ import click
 from ... import api
 from ..flow import finish
 from ..mistakes import check_roles
-from ..options import InputPath, ModelPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, ModelPath, OutputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import warn, warn_trust
 
 __all__ = ["command"]
@@ -21,9 +21,11 @@ DEFAULT_PAGE = "report.html"
 @click.option("--base", type=ModelPath(), help="The bf16 HF base (dir or hub id in the local HF cache): W0 of "
               "trained weights (full fine-tune, modules_to_save, a merged dir) and ||W|| for slim steps "
               "(default: the run config's model.name, when found).")
-@click.option("-o", "--out", type=click.Path(path_type=Path),
-              help=f"The HTML page to write (default {DEFAULT_PAGE}; none under --json unless given).")
-@click.option("--png", "png_dir", type=click.Path(path_type=Path), help="Also write each plot as a PNG into this new directory.")
+@click.option("-o", "--out", type=OutputPath(), metavar="FILE",
+              help=f"The HTML page to write (default {DEFAULT_PAGE}; none under --json unless given); a URL "
+                   "(s3://, hf://, gs://) is uploaded to.")
+@click.option("--png", "png_dir", type=OutputPath(), metavar="DIR",
+              help="Also write each plot as a PNG into this new directory (or URL).")
 @click.option("--set-lr", "set_lr", type=float, help="Overlay the lr curve `ckpt set-lr --lr X` would give.")
 @click.option("--scale", type=float, help="Overlay the lr curve `ckpt set-lr --scale F` would give.")
 @alpha_options

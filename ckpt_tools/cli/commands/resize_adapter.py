@@ -9,7 +9,7 @@ from ... import api
 from ...core.units import human_bytes
 from ..flow import finish, progress_line
 from ..mistakes import check_roles
-from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 from .average import render_truncations, rule_text
 
@@ -18,7 +18,7 @@ __all__ = ["command"]
 
 @click.command("resize-adapter")
 @click.argument("adapter", type=InputPath(file_okay=False))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @click.option("--rank", type=click.IntRange(min=1), help="Each module's best rank-K delta (Eckart-Young).")
 @click.option("--energy", type=float, metavar="E", help="Each module at the smallest rank keeping E (e.g. 0.99) of "
               "its squared Frobenius norm.")

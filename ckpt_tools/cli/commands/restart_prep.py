@@ -9,7 +9,7 @@ from ... import api
 from ...core.units import human_bytes, human_number
 from ..flow import finish, progress_line
 from ..mistakes import check_roles
-from ..options import InputPath, alpha_options, dry_run_option, download_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, alpha_options, input_arg, output_beside, dry_run_option, download_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command"]
@@ -17,15 +17,15 @@ __all__ = ["command"]
 
 @click.command("restart-prep")
 @click.argument("run_or_ckpt", metavar="RUN_OR_CKPT", type=InputPath())
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @click.option("--base", required=True, help="The HF base model the run trained on (dir or hub id in the local HF "
                                             "cache).")
 @click.option("--lr", type=float, required=True, help="The learning rate of the restarted run.")
 @click.option("--config", type=InputPath(dir_okay=False),
               help="Your prime-rl TOML (rl or trainer config): a patched copy is written next to OUT.")
-@click.option("--config-out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Where to write the patched config (default: merge mode OUT.<config name> beside OUT; adapter "
-                   "mode <config stem>.restart.toml beside the config).")
+@click.option("--config-out", type=OutputPath(), metavar="FILE",
+              help="Where to write the patched config, a path or a URL (default: merge mode OUT.<config name> beside "
+                   "OUT, at OUT's URL too; adapter mode <config stem>.restart.toml beside a local config).")
 @click.option("--mode", type=click.Choice(("merge", "adapter")), default="merge", show_default=True,
               help="merge: merged bf16 model + config for a fresh LoRA run. adapter: resumable checkpoint with "
                    "the adapter kept, fresh AdamW, lr X, step kept.")
@@ -54,6 +54,9 @@ def command(run_or_ckpt: Path, out: Path, base, lr, config, config_out, mode: st
       ckpt restart-prep outputs/checkpoints/step_95/trainer merged-95 --base Qwen/Qwen3-32B \\
         --lr 5e-6 --config rl.toml
     """
+    base = input_arg(base)
+    if mode == "merge" and config is not None and config_out is None:   # OUT at a URL: the config beside it there
+        config_out = output_beside(out, f".{config.name}")
     check_roles("restart-prep", {"RUN_OR_CKPT": run_or_ckpt, "--base": base})
     warn_trust(trust_pickle)
     with progress_line() as bar:

@@ -8,7 +8,7 @@ import click
 from ... import api
 from ...core.units import human_bytes, human_number
 from ..flow import finish
-from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 
 __all__ = ["command", "render_changes", "render_result"]
@@ -40,7 +40,7 @@ def render_result(r: dict) -> None:
 
 @click.command("set-lr")
 @click.argument("ckpt", type=InputPath())
-@click.argument("out", type=click.Path(path_type=Path), required=False)
+@click.argument("out", type=OutputPath(), required=False)
 @click.option("--lr", type=float, help="New current lr; every lr value of the optimizer and scheduler is "
                                        "scaled by lr / current lr.")
 @click.option("--scale", type=float, help="Multiply every lr value of the optimizer and scheduler by F.")
@@ -59,7 +59,8 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
     prime-rl's resume restores the checkpoint's lr and ignores the config's. This patches
     param_groups lr/initial_lr and the scheduler's base_lrs/_last_lr/eta_min (SequentialLR's
     sub-schedulers too), so the remaining schedule scales consistently. OUT hard-links the data
-    files and adds one small patch file and a new .metadata: O(KB) written.
+    files and adds one small patch file and a new .metadata: O(KB) written (an s3:// CKPT to an
+    s3:// OUT: the data files are copied server-side, O(KB) fetched and sent).
 
     \b
     Example:

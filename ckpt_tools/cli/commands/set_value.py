@@ -7,7 +7,7 @@ import click
 
 from ... import api
 from ..flow import finish
-from ..options import InputPath, dry_run_option, json_option, overwrite_option, trust_option
+from ..options import InputPath, OutputPath, dry_run_option, json_option, overwrite_option, trust_option
 from ..render import dry_run_label, warn, warn_trust
 from .set_lr import render_changes, render_result
 
@@ -16,7 +16,7 @@ __all__ = ["command"]
 
 @click.command("set")
 @click.argument("ckpt", type=InputPath())
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @click.argument("assignments", metavar="KEY=VALUE...", nargs=-1, required=True)
 @overwrite_option
 @dry_run_option

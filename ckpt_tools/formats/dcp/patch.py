@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from ...core.errors import UsageError
-from ...io.copy import copy_input_tree, link_or_copy
+from ...io.copy import copy_input_tree, link_or_copy, link_writes_bytes
 from ...io.files import fsync_path, link_entry, remove_file
 from ...io.inputs import MAX_METADATA_BYTES, read_input, scan_tree
 from ...io.lock import OutputLock, lock_path_for, pid_alive
+from ...io.remote import is_remote_path
 from ...io.staging import AtomicOutputDir
 from .layout import METADATA_NAME, METADATA_TMP_TAG, PATCH_PREFIX, extra_entries
 from .metadata import load_metadata
@@ -69,13 +70,6 @@ def _patch_file_name(ckpt_dir: Path) -> str:
     return f"{PATCH_PREFIX}{n}.distcp"
 
 
-def _same_filesystem(a: Path, b: Path) -> bool:
-    try:
-        return os.stat(a).st_dev == os.stat(b).st_dev
-    except OSError:
-        return False
-
-
 def _register_all(writer, ckpt: DcpCheckpoint, new_values: dict[str, Any], patch_rel: str) -> None:
     for key, e in ckpt.entries.items():
         if key in new_values:
@@ -104,6 +98,10 @@ def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str
     value. `out=None` with `in_place=True` patches `ckpt` itself (backup of `.metadata` kept)."""
     _check_patchable(ckpt, new_values)
     t0 = time.perf_counter()
+    if in_place and is_remote_path(ckpt.dir):
+        raise UsageError("--in-place patches a local checkpoint, and this one is at a URL", path=ckpt.dir,
+                         hint="write OUT instead: a URL in the same S3 store copies the data files server-side "
+                              "(O(KB) sent)")
     if in_place:
         return _patch_in_place(ckpt, new_values, t0)
     if out is None:
@@ -112,10 +110,11 @@ def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str
     keep = {f for k, e in ckpt.entries.items() if k not in new_values for f in e.files}
     extras = extra_entries(ckpt.dir, keep)
     # Free space for what is really written: the patch and metadata, the copied extra entries,
-    # and, when OUT is on another filesystem (no hard links), every data file too.
+    # and, when the data files cannot be linked (another filesystem; a remote checkpoint to a local OUT),
+    # every data file too.
     need = (1 << 20) + sum(size for n in extras for _p, size in scan_tree(ckpt.dir / n, root=ckpt.dir))
     parent = Path(out).expanduser().resolve().parent
-    if not _same_filesystem(ckpt.dir, parent if parent.is_dir() else parent.parent):
+    if link_writes_bytes(ckpt.dir, parent if parent.is_dir() else parent.parent):
         need += sum(ckpt.file_size(rel) for rel in keep)
     counts: dict[str, int] = {}
     with AtomicOutputDir(out, inputs=[ckpt.dir], need_bytes=need, overwrite=overwrite) as tmp:
@@ -133,7 +132,10 @@ def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str
             raise
         written = (tmp / patch_rel).stat().st_size + (tmp / METADATA_NAME).stat().st_size
     warnings = []
-    if counts.get("copy"):
+    if counts.get("copy") and is_remote_path(ckpt.dir):
+        warnings.append(f"{counts['copy']} data file(s) were fetched from the URL: a local OUT holds the whole "
+                        "checkpoint (an OUT in the same S3 store is copied server-side, nothing fetched)")
+    elif counts.get("copy"):
         warnings.append(f"{counts['copy']} data file(s) were copied, not linked (output on another filesystem?)")
     return PatchResult(out=str(out), in_place=False, patch_file=patch_rel, changed_keys=len(new_values),
                        bytes_written=written, linked=counts, backup=None,

@@ -18,6 +18,7 @@ from ...core.errors import FormatError
 from ...core.keys import peft_target
 from ...core.progress import Progress, report
 from ...io.files import hash_written_file, write_new_file
+from ...io.remote import display
 from ...io.staging import AtomicOutputDir
 from ..hf_dir.digests import SUMS_NAME, format_sums
 from ..safetensors.writer import StreamingSafetensorsWriter, build_header
@@ -96,7 +97,8 @@ def peft_config(*, r: int, lora_alpha: float, target_modules: list[str], base_mo
     (`formats.peft.experts.fused_config`)."""
     cfg = dict(PEFT_CONFIG_DEFAULTS)
     cfg.update(r=int(r), lora_alpha=float(lora_alpha), target_modules=list(target_modules),
-               base_model_name_or_path=base_model_name_or_path,
+               # a base given as a URL is named as the URL, never by its local stand-in (io.remote)
+               base_model_name_or_path=display(base_model_name_or_path),
                modules_to_save=sorted(modules_to_save) if modules_to_save else None)
     if fused:
         cfg.update(target_parameters=list(fused["target_parameters"]), rank_pattern=dict(fused["rank_pattern"]),

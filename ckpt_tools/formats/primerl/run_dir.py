@@ -19,12 +19,14 @@ Reads directory listings and small JSON files only.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...io import inputs
 from ...io.inputs import read_toml
+from ...io.remote import mount_root_of
 from ...core.errors import CkptError, UsageError
 from ..hf_dir.hub import locate_model, resolve_model_dir
 from ..safetensors.header import read_header
@@ -78,8 +80,11 @@ def run_outputs_dir(path: str | Path) -> Path | None:
     `<outputs>/weights/step_N[/lora_adapters]`, `<outputs>/run_*/broadcasts/step_N` (16e747c),
     `<outputs>/broadcasts/step_N` (HEAD).
     None anywhere else: we never climb further to look for configs (an unrelated sibling's
-    `run_*/configs/orch.toml` two levels up once set the scale)."""
-    p = Path(path).resolve()
+    `run_*/configs/orch.toml` two levels up once set the scale), nor above a URL (`_within`)."""
+    return _within(_outputs_by_layout(Path(path).resolve()), path)
+
+
+def _outputs_by_layout(p: Path) -> Path | None:
     parents = p.parents
     if p.name == "trainer" and _STEP.match(p.parent.name) and p.parent.parent.name == "checkpoints":
         return parents[2]
@@ -97,7 +102,9 @@ def _head_configs(outputs: Path) -> list[Path]:
     """The HEAD JSON configs of the run that owns `outputs`: `configs/{trainer,rl}.json` in the outputs
     dir or the run dir just above it (the rl entrypoint writes `<run_dir>/configs/`); trainer.json
     first (it holds the trainer's LoRA), one dir only."""
-    for d in (outputs, outputs.parent):
+    for d in (outputs, _within(outputs.parent, outputs)):
+        if d is None:
+            continue
         found = sorted((f for f in head_config_files(d) if f.name in ("trainer.json", "rl.json")),
                        key=lambda f: f.name != "trainer.json")
         if found:
@@ -139,12 +146,23 @@ def orch_model_name(path: Path | None) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
+def _within(found: Path | None, path) -> Path | None:
+    """`found` (a dir found around the input `path`), or None where `path` is a URL (`io.remote`'s shadow
+    tree) and `found` lies above its root: nothing above a URL is mounted, and the local temp dir holding
+    the shadow tree is no part of the run."""
+    root = mount_root_of(path) if found is not None else None
+    if root is None:
+        return found
+    real = Path(os.path.realpath(found))
+    return found if real == root or root in real.parents else None
+
+
 def _outputs_of_run_dir(p: Path) -> Path | None:
     """The outputs dir of a run dir given whole: a `checkpoints` dir's parent, an outputs dir (it holds
     `checkpoints/`), a launch dir with prime-rl's default `output_dir` (`outputs/checkpoints`)."""
     p = p.resolve()
     if p.name == "checkpoints" and p.is_dir():
-        return p.parent
+        return _within(p.parent, p)
     if (p / "checkpoints").is_dir():
         return p
     if (p / "outputs" / "checkpoints").is_dir():
@@ -172,12 +190,12 @@ class RunRoot:
         the outputs dir (prime-rl's default `output_dir` is `outputs` in the launch dir), else of the
         nearest dir named `outputs` above the path (an export whose run wrote no config)."""
         if self.launch is not None:
-            return self.launch
+            return _within(self.launch, self.path)
         if self.outputs is not None:
-            return self.outputs.parent
+            return _within(self.outputs.parent, self.path)
         for p in self.path.resolve().parents:
             if p.name == "outputs":
-                return p.parent
+                return _within(p.parent, self.path)
         return None
 
 

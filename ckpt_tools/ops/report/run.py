@@ -92,10 +92,12 @@ class _Norms:
 def _moments(ckpt: DcpCheckpoint, infos) -> dict[str, dict[str, float]]:
     keys = ckpt.by_key()
     out: dict[str, dict[str, float]] = {}
-    for i in infos:
-        if i.group == "optimizer_state" and i.field in MOMENT_FIELDS:
-            g = out.setdefault(module_group(param_module(i.param)), {})
-            g[i.field] = g.get(i.field, 0.0) + weight_sq(keys, i.key)
+    moments = [i for i in infos if i.group == "optimizer_state" and i.field in MOMENT_FIELDS]
+    # every moment is read whole: a remote checkpoint fetches adjacent items in one request (io.remote)
+    ckpt.hint_reads((c.file, c.offset, c.length) for i in moments for c in ckpt.entry(i.key).chunks if c.numel)
+    for i in moments:
+        g = out.setdefault(module_group(param_module(i.param)), {})
+        g[i.field] = g.get(i.field, 0.0) + weight_sq(keys, i.key)
     return out
 
 
