@@ -188,12 +188,19 @@ def test_a_commit_the_hub_refuses_leaves_nothing_under_the_path(hub):
     assert any(op["type"] == "copyFile" and op["path"].endswith(".distcp") for b in hub.batches for op in b)
 
 
-def test_a_missing_bucket_or_no_path_inside_is_refused_and_nothing_is_uploaded(hub, tmp_path):
+def test_a_missing_bucket_no_path_inside_or_a_refused_token_is_one_line_and_nothing_is_uploaded(hub):
     r = ckpt("slim", TRAINER, "hf://buckets/org/nothing/slim", "--base", BASE, code=2)
     assert "the bucket does not exist" in r.output and "hf buckets create org/nothing" in r.output, r.output
     r = ckpt("slim", TRAINER, f"hf://buckets/{BUCKET}", "--base", BASE, code=2)
     assert "name a folder inside the bucket" in r.output, r.output
-    assert hub.batches == []
+    hub.faults["require_token"] = "hf_right"   # HF_TOKEN is another one
+    try:
+        r = ckpt("slim", TRAINER, f"hf://buckets/{BUCKET}/denied", "--base", BASE, code=2)
+    finally:
+        hub.faults.clear()
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "refused access" in lines[0] and "HF_TOKEN" in lines[0], r.output
+    assert hub.batches == [] and files_under(hub.root, "denied") == []
 
 
 def test_gc_slim_to_a_bucket_uploads_each_slim_and_it_rehydrates_bit_exactly(hub, tmp_path):
