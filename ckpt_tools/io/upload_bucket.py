@@ -63,11 +63,12 @@ class HfBucketWriter:
                         self._commit(bucket_id, files, dest, {rel: hashes[staged[rel]] for rel in staged},
                                      old if overwrite else [], COMMIT_LAST)
                     except Exception as exc:
-                        self._delete(bucket_id, sorted({*dest.values(), *(old if overwrite else [])}))
-                        raise CkptError(
-                            f"uploading to {url.text} failed while putting it in place: {_describe(exc)}",
-                            hint="nothing is left there" + (" (the earlier output, partly replaced, was removed "
-                                                            "too)" if old and overwrite else "") + "; rerun") from None
+                        cleared = self._delete(bucket_id, sorted({*dest.values(), *(old if overwrite else [])}))
+                        hint = ("nothing is left there" + (" (the earlier output, partly replaced, was removed too)"
+                                                           if old and overwrite else "") + "; rerun" if cleared else
+                                "removing what had been put there failed too: delete it in the bucket, then rerun")
+                        raise CkptError(f"uploading to {url.text} failed while putting it in place: "
+                                        f"{_describe(exc)}", hint=hint) from None
                     self.committed = True
                     self._delete(bucket_id, list(staged.values()))
             except BaseException:
@@ -111,14 +112,15 @@ class HfBucketWriter:
                                 f"({'missing' if f is None else f'{f.size} bytes, not {size}'})")
         return {path: got[path].xet_hash for path in want}
 
-    def _delete(self, bucket_id, paths) -> None:
-        """Best effort: a cleanup that fails (the server gone) leaves files under the staging prefix only,
-        or an output without its marker files."""
+    def _delete(self, bucket_id, paths) -> bool:
+        """Best effort (whether it worked): a cleanup that fails (the server gone) leaves files under the
+        staging prefix, or under PATH files that the error then says to delete."""
         if paths:
             try:
                 self.api.batch_bucket_files(bucket_id, delete=list(paths))
             except Exception:
-                pass
+                return False
+        return True
 
 
 class _hub_errors:
