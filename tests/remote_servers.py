@@ -7,7 +7,10 @@ bytes it serves:
   - `HubServer(repos, buckets)`: the Hugging Face Hub endpoints HfFileSystem and HfApi call (repo info
     by revision, the recursive tree, paths-info, resolve with ranges, preupload, commit; a bucket's
     info, tree, paths-info and resolve), for `HF_ENDPOINT`; each repo a local dir at one commit sha
-    (a commit makes a new sha), each bucket a local dir.
+    (a commit makes a new sha), each bucket a local dir. Bucket writes (`HfApi.batch_bucket_files`:
+    the xet write token, then the batch of adds, copies and deletes) go through a real Xet CAS:
+    xet-core's own local CAS, which hf_xet reaches from the token's `casUrl: local://DIR`
+    (`XetBucketStore`).
   - `S3Server()`: moto's standalone S3 app (`moto[server]`) behind a counting WSGI middleware (GET
     bodies sent, PUT bodies received: `put_bytes`) that can also fire a callback on the first multipart
     part uploaded (the Ctrl-C test), answer PUTs with 503 SlowDown (`fail_puts`), slow them down
@@ -20,14 +23,17 @@ import base64
 import hashlib
 import html
 import json
+import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-__all__ = ["HttpServer", "HubServer", "S3Server"]
+__all__ = ["HttpServer", "HubServer", "S3Server", "XetBucketStore"]
 
 
 class _Counting:
@@ -323,13 +329,25 @@ class _HubHandler(_Handler):
         if path.startswith("/api/") and rest == "/paths-info" and method == "POST":
             want = json.loads(self._body() or b"{}").get("paths", [])
             return self.send_json([srv.bucket_entry(root, root / w) for w in want if (root / w).is_file()])
+        if path.startswith("/api/") and re.fullmatch(r"/xet-(write|read)-token", rest) and method == "GET":
+            hook, srv.on_xet_token = srv.on_xet_token, None
+            if hook:   # the Ctrl-C test: the client is interrupted as its Xet upload starts
+                hook()
+            return self.send_json(srv.xet.token())
+        if path.startswith("/api/") and rest == "/batch" and method == "POST":
+            ops = [json.loads(x) for x in self._body().decode().splitlines() if x.strip()]
+            hook, srv.on_batch = srv.on_batch, None
+            if hook:
+                hook(ops)
+            failed = srv.apply_batch(root, ops)
+            return self.send_json({"success": not failed, "failed": failed}, 422 if ops and len(failed) == len(ops)
+                                  else 200)
         r = re.fullmatch(r"/resolve/(.+)", rest)
         if not path.startswith("/api/") and r and method in ("GET", "HEAD"):
             p = root / r[1]
             if ".." in Path(r[1]).parts or not p.is_file():
                 return self.send_json({"error": "Entry not found"}, 404, {"X-Error-Code": "EntryNotFound"})
-            return self.send_file(p, head=method == "HEAD",
-                                  extra_headers={"X-Xet-Hash": hashlib.sha256(p.read_bytes()).hexdigest()})
+            return self.send_file(p, head=method == "HEAD", extra_headers={"X-Xet-Hash": srv.xet_hash_of(p)})
         srv.unknown.append((method, self.path))
         return self.send_json({"error": f"not implemented by the test hub: {method} {path}"}, 404)
 
@@ -380,7 +398,16 @@ class HubServer(_Server):
         self.unknown: list = []
         self.on_preupload = None   # called once, when the next preupload request arrives
         self.on_commit = None      # called once, when the next commit request arrives
+        self.on_xet_token = None   # called once, when a client next asks for a bucket's xet token
+        self.on_batch = None       # called once with the ops of the next bucket batch request
+        self.fail_batch_op = None  # op -> an error string (the op fails, as the Hub lists it) or None
+        self.batches: list[list[dict]] = []   # every bucket batch request's ops, in order
+        self.xet = XetBucketStore()
         super().__init__()
+
+    def close(self):
+        super().close()
+        self.xet.close()
 
     def handler_base(self):
         return _HubHandler
@@ -389,11 +416,60 @@ class HubServer(_Server):
     def files(repo):
         return sorted((p.relative_to(repo["dir"]).as_posix(), p) for p in repo["dir"].rglob("*") if p.is_file())
 
-    @staticmethod
-    def bucket_entry(root, p):
+    def bucket_entry(self, root, p):
         return {"type": "file", "path": p.relative_to(root).as_posix(), "size": p.stat().st_size,
-                "xetHash": hashlib.sha256(p.read_bytes()).hexdigest(), "mtime": "2026-01-01T00:00:00.000Z",
+                "xetHash": self.xet_hash_of(p), "mtime": "2026-01-01T00:00:00.000Z",
                 "uploadedAt": "2026-01-01T00:00:00.000Z"}
+
+    def xet_hash_of(self, p: Path) -> str:
+        """A bucket file's Xet hash: the one it was added with through a batch, else (a file the test put
+        there) a stand-in, the sha256 of its bytes (any change of the bytes changes it, as a Xet hash)."""
+        return self.xet.hash_of(p) or hashlib.sha256(p.read_bytes()).hexdigest()
+
+    def apply_batch(self, root: Path, ops: list[dict]) -> list[dict]:
+        """A bucket batch (`POST /api/buckets/ID/batch`, NDJSON), applied op by op in order as the Hub
+        does, not as one transaction: each failed op is listed (`{"path", "error"}`), the others applied.
+        `addFile`/`copyFile` put the file with that Xet hash (read back from the CAS) at its path; a copy's
+        source must hold a file with that hash; `deleteFile` of a missing path is a no-op."""
+        self.batches.append(ops)
+        failed, wanted = [], []
+        for op in ops:
+            rel = op.get("path", "")
+            bad = (not rel or rel.startswith("/") or ".." in Path(rel).parts
+                   or (self.fail_batch_op(op) if self.fail_batch_op else None))
+            if not bad and op["type"] == "copyFile":
+                src = self.buckets.get(op.get("sourceRepoId")) if op.get("sourceRepoType") == "bucket" else None
+                if src is None or not any(self.xet_hash_of(p) == op["xetHash"] for p in src.rglob("*") if p.is_file()):
+                    bad = f"no file with Xet hash {op['xetHash']} in {op.get('sourceRepoType')} {op.get('sourceRepoId')}"
+            if bad:
+                failed.append({"path": rel, "error": bad if isinstance(bad, str) else "invalid path"})
+            elif op["type"] in ("addFile", "copyFile"):
+                wanted.append(op["xetHash"])
+        try:
+            files = self.xet.read_back(wanted)
+        except Exception as exc:   # a hash the CAS does not hold: every add of this batch fails
+            return failed + [{"path": op["path"], "error": f"xet: {exc}"} for op in ops
+                             if op["type"] in ("addFile", "copyFile")]
+        bad_paths = {f["path"] for f in failed}
+        for op in ops:
+            if op.get("path") in bad_paths:
+                continue
+            dest = root / op["path"]
+            if op["type"] == "deleteFile":
+                if dest.is_file():
+                    dest.unlink()
+                    self.xet.forget(dest)
+                    for parent in dest.parents:   # a bucket has no folders: none is left empty
+                        if parent == root or any(parent.iterdir()):
+                            break
+                        parent.rmdir()
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.batch-tmp")
+            shutil.copyfile(files[op["xetHash"]], tmp)
+            os.replace(tmp, dest)
+            self.xet.remember(dest, op["xetHash"])
+        return failed
 
     def entry(self, repo, rel):
         p = repo["dir"] / rel
@@ -411,6 +487,75 @@ class HubServer(_Server):
             else:
                 out.append(self.entry(repo, rel))
         return out
+
+
+class XetBucketStore:
+    """The Xet side of the test Hub's buckets. The xet token endpoints answer `casUrl: local://DIR`: hf_xet
+    then stores what a client uploads in xet-core's local CAS (`LocalClient`, the CAS its own tests use) in
+    DIR, chunked, deduplicated and hashed as for the Hub's CAS. A batch's `addFile`/`copyFile` names a file
+    by its Xet hash; `read_back` reconstructs those files from the CAS through hf_xet's downloader.
+
+    The CAS's index (a redb database) is locked by the process that has it open: a client in another
+    process (the CLI run by a Ctrl-C test) holds it while it waits for the batch's answer. So each read
+    goes through a copy of the CAS taken then (everything a batch names was finalized before the batch
+    was sent)."""
+
+    EMPTY = "0" * 64   # the Xet hash of an empty file
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="test-hub-cas-"))
+        self.cas = self.dir / "cas"
+        self.cas.mkdir()
+        self.lock = threading.Lock()
+        self.hashes: dict[Path, tuple[str, int, int]] = {}   # file -> (xet hash, size, mtime_ns) it was added with
+
+    def token(self) -> dict:
+        return {"accessToken": "xet-test-token", "exp": int(time.time()) + 3600, "casUrl": f"local://{self.cas}"}
+
+    def read_back(self, hashes: list[str]) -> dict[str, Path]:
+        """Each Xet hash's file, reconstructed from (a copy of) the CAS into this store's dir."""
+        import hf_xet
+        out, todo = {}, []
+        for h in dict.fromkeys(hashes):
+            p = self.dir / "files" / h
+            out[h] = p
+            if p.exists():
+                continue
+            if h == self.EMPTY:
+                p.parent.mkdir(exist_ok=True)
+                p.write_bytes(b"")
+            else:
+                todo.append((h, p))
+        if not todo:
+            return out
+        with self.lock:
+            snap = Path(tempfile.mkdtemp(prefix="snap-", dir=self.dir)) / "cas"
+            try:
+                shutil.copytree(self.cas, snap, ignore=shutil.ignore_patterns("shard-session", "*.tmp*"))
+                (self.dir / "files").mkdir(exist_ok=True)
+                with hf_xet.XetSession().new_file_download_group(endpoint=f"local://{snap}") as group:
+                    for h, p in todo:
+                        group.start_download_file(hf_xet.XetFileInfo(h, None), str(p) + ".part")
+                for _h, p in todo:
+                    os.replace(str(p) + ".part", p)
+            finally:
+                shutil.rmtree(snap.parent, ignore_errors=True)
+        return out
+
+    def remember(self, p: Path, xet_hash: str) -> None:
+        st = p.stat()
+        self.hashes[p] = (xet_hash, st.st_size, st.st_mtime_ns)
+
+    def forget(self, p: Path) -> None:
+        self.hashes.pop(p, None)
+
+    def hash_of(self, p: Path) -> str | None:
+        known = self.hashes.get(p)
+        st = p.stat()
+        return known[0] if known and known[1:] == (st.st_size, st.st_mtime_ns) else None
+
+    def close(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ S3 (moto)

@@ -309,12 +309,6 @@ def test_hub_bucket_file_replaced_mid_read_is_an_error_naming_it(hub_env, tmp_pa
     assert not (tmp_path / "a").exists()
 
 
-def test_hub_bucket_as_out_is_refused_naming_what_works(hub_env, tmp_path):
-    r = ckpt("slim", TRAINER, "hf://buckets/org/ckpts/slim-3", "--base", BASE, code=2)
-    assert "hf:// bucket is not supported" in r.output and "model or dataset repo" in r.output, r.output
-    assert not (Path(hub_env.buckets["org/ckpts"]) / "slim-3").exists()
-
-
 def test_hub_refused_token_names_the_variable(hub_env, tmp_path):
     hub_env.faults["require_token"] = "hf_right"
     try:

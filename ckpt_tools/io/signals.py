@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 
 __all__ = ["Terminated", "install_signal_handlers", "signals_deferred"]
 
@@ -29,10 +30,27 @@ def install_signal_handlers() -> None:
 @contextlib.contextmanager
 def signals_deferred():
     """Hold SIGINT/SIGTERM while a rename sequence or cleanup runs, so a second Ctrl-C cannot
-    leave it half done; they are delivered (and raise) right after."""
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    leave it half done; they are delivered (and raise) right after.
+
+    Blocking them in this thread is not enough: a signal sent to the process goes to any thread that
+    does not block it (an HTTP client's or hf_xet's worker threads), and Python then runs the handler
+    in the main thread all the same. So in the main thread the handlers are swapped for one that only
+    records the signal, and the recorded one is raised again once the old handlers are back."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(sigs))
+    caught: list[int] = []
+    old_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in sigs:
+            if signal.getsignal(s) is not None:   # None: a handler set outside Python, left alone
+                old_handlers[s] = signal.signal(s, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)   # one pending here is recorded
+        finally:
+            for s, handler in old_handlers.items():
+                signal.signal(s, handler)
+        if caught:
+            signal.raise_signal(caught[0])

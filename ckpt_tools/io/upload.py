@@ -8,6 +8,8 @@ then uploaded and committed in one step, so that a reader never sees half an out
     under the prefix that the new output does not replace, after the commit.
   - `hf://[datasets/]org/name[@branch]/path`: one Hub commit holding every file (`HfApi.create_commit`):
     the file contents are uploaded first, the commit is made last; an interruption commits nothing.
+  - `hf://buckets/ns/name/path`: a bucket has no commits: uploaded under a staging prefix, then copied
+    into place by Xet hash, the marker files last (io/upload_bucket.py).
   - any other fsspec protocol that writes (gs://, ...): `put` inside an fsspec transaction (files
     committed when it closes, discarded on failure).
 
@@ -75,14 +77,11 @@ def check_writable(value) -> RemoteUrl:
     url = parse_url(value)
     if url is None:
         raise UsageError(f"not a URL: {value!r}", hint="give a URL to upload to: s3://BUCKET/PREFIX, "
-                                                        "hf://ORG/REPO/DIR or gs://BUCKET/PREFIX")
+                                                        "hf://ORG/REPO/DIR, hf://buckets/NS/NAME/DIR or "
+                                                        "gs://BUCKET/PREFIX")
     if url.scheme in ("http", "https"):
         raise UsageError(f"cannot write to {url.scheme}:// (plain HTTP has no upload)", path=url.text,
                          hint="write to s3://, hf:// or gs://, or to a local path")
-    if url.scheme == "hf" and url.path.startswith("buckets/"):
-        raise UsageError("writing to an hf:// bucket is not supported: bucket uploads go through Xet "
-                         "(HfApi.batch_bucket_files), which ckpt does not drive", path=url.text,
-                         hint="write to an hf:// model or dataset repo (one commit), or to s3://")
     return url
 
 
@@ -225,6 +224,9 @@ def discard_pending() -> None:
 def _writer(url: RemoteUrl):
     if url.scheme == "s3":
         return _S3Writer()
+    if url.scheme == "hf" and url.path.startswith("buckets/"):
+        from .upload_bucket import HfBucketWriter
+        return HfBucketWriter()
     if url.scheme == "hf":
         return _HfWriter()
     return _FsspecWriter(url.scheme)
