@@ -8,7 +8,9 @@ then uploaded and committed in one step, so that a reader never sees half an out
     under the prefix that the new output does not replace, after the commit.
   - `hf://[datasets/]org/name[@branch]/path`: one Hub commit holding every file (`HfApi.create_commit`):
     the file contents are uploaded first, the commit is made last; an interruption commits nothing.
-  - any other fsspec protocol that writes (gs://, ...): `put` inside an fsspec transaction (files
+  - `gs://bucket/prefix`: every file a resumable upload, all data sent first but each file's last piece,
+    then the uploads ended in one burst with signals held, the markers last (`remote_gcs.GcsWriter`).
+  - any other fsspec protocol that writes (az://, ...): `put` inside an fsspec transaction (files
     committed when it closes, discarded on failure).
 
 `stage_output(url)` gives the command its local OUT; `commit_pending()` (the CLI's `finish`) uploads
@@ -150,6 +152,9 @@ def _writer(url: RemoteUrl):
         return _S3Writer()
     if url.scheme == "hf":
         return _HfWriter()
+    if url.scheme in ("gs", "gcs"):
+        from .remote_gcs import GcsWriter
+        return GcsWriter()
     return _FsspecWriter(url.scheme)
 
 
