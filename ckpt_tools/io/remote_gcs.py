@@ -121,8 +121,8 @@ class GcsBackend(Backend):
         head = f"{self.endpoint}/download" if media else self.endpoint
         return f"{head}/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
 
-    def call(self, method: str, url: str, *, params=None, headers=None, data=None, timeout_s: float = 60.0,
-             where: str = "") -> tuple[int, dict, bytes]:
+    def call(self, method: str, url: str, *, params=None, headers=None, data=None,
+             timeout_s: float = 60.0) -> tuple[int, dict, bytes]:
         """One request, its whole answer: (status, headers, body). A failed connection or a timeout is
         RemoteRetry; the status is the caller's to map (`_status`)."""
         import aiohttp
@@ -142,7 +142,7 @@ class GcsBackend(Backend):
             raise RemoteRetry(f"{type(exc).__name__}: {exc}") from None
 
     def json_call(self, method: str, url: str, where: str, **kw) -> dict:
-        status, _h, body = self.call(method, url, where=where, **kw)
+        status, _h, body = self.call(method, url, **kw)
         _status(status, where, body)
         return json.loads(body) if body else {}
 
@@ -274,7 +274,7 @@ class GcsWriter:
 
         def go():
             status, hdrs, body = self.b.call("POST", f"{self.b.endpoint}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
-                                             params=params, where=self.url_text,
+                                             params=params,
                                              headers={"Content-Type": "application/json",
                                                       "X-Upload-Content-Type": "application/octet-stream"},
                                              data=json.dumps({"name": s.key}).encode())
@@ -290,18 +290,19 @@ class GcsWriter:
         if s.location is None:
             return
         try:
-            self.b.call("DELETE", s.location, timeout_s=30, where=self.url_text)   # GCS answers 499
+            self.b.call("DELETE", s.location, timeout_s=30)   # GCS answers 499
         except Exception:
             pass
         s.location = None
 
     def _chunk(self, s: _Session, data: bytes, end_total: int | None):
         """Send `data` at `s.sent`; `end_total` (the file's size) ends the upload. Returns the object's
-        metadata when it ended it."""
+        metadata when it ended it, None when the server holds the data and waits for more."""
         last = s.sent + len(data) - 1
         rng = f"bytes */{end_total}" if not data else f"bytes {s.sent}-{last}/{end_total if end_total is not None else '*'}"
-        status, hdrs, body = self.b.call("PUT", s.location, headers={"Content-Range": rng}, data=data,
-                                         timeout_s=max(settings()["timeout_s"], 60.0), where=self.url_text)
+        # the body's time on the wire counts too: a slow uplink (32 KB/s) must not time a chunk out
+        wait_s = max(settings()["timeout_s"], 60.0, len(data) / (32 << 10) / 4)
+        status, hdrs, body = self.b.call("PUT", s.location, headers={"Content-Range": rng}, data=data, timeout_s=wait_s)
         if status == 404 or status == 410:
             raise RemoteMissing(s.key)   # the session is gone (expired, cancelled, or already finished)
         _status(status, self.url_text, body)
@@ -313,8 +314,6 @@ class GcsWriter:
             s.md5.update(data[:kept - s.sent])
             s.sent = kept
             return None
-        s.md5.update(data)
-        s.sent += len(data)
         return json.loads(body) if body else {}
 
     def _send_body(self, bucket: str, s: _Session, *, overwrite: bool) -> None:
@@ -344,6 +343,9 @@ class GcsWriter:
         with open(s.path, "rb") as fh:
             fh.seek(s.body_end)
             tail = fh.read(s.size - s.body_end)
+        whole = s.md5.copy()
+        whole.update(tail)
+        want_md5 = base64.b64encode(whole.digest()).decode()
         attempts = [0]
 
         def go():
@@ -359,8 +361,7 @@ class GcsWriter:
         meta = self._retried(f"finishing the upload of {s.key}", go)
         if meta is None:
             raise CkptError(f"the server did not end the upload of {s.key} at its last byte", path=self.url_text)
-        want_md5 = base64.b64encode(s.md5.digest()).decode()
-        if int(meta.get("size", -1)) != s.size or (meta.get("md5Hash") and attempts[0] == 1 and meta["md5Hash"] != want_md5):
+        if int(meta.get("size", -1)) != s.size or (meta.get("md5Hash") and meta["md5Hash"] != want_md5):
             raise CkptError(f"{s.key} arrived as {meta.get('size')} bytes (md5 {meta.get('md5Hash')}), "
                             f"{s.size} bytes (md5 {want_md5}) were sent", path=self.url_text,
                             hint="the upload was corrupted on the way; rerun")
@@ -406,7 +407,7 @@ class GcsWriter:
 
     def _delete(self, bucket: str, key: str, generation: str | None) -> None:
         params = {"ifGenerationMatch": generation} if generation else None
-        status, _h, body = self.b.call("DELETE", self.b.object_url(bucket, key), params=params, where=self.url_text)
+        status, _h, body = self.b.call("DELETE", self.b.object_url(bucket, key), params=params)
         if status not in (404, 412):
             _status(status, self.url_text, body)
 
