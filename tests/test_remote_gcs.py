@@ -122,18 +122,21 @@ def test_gcs_503s_and_stalls_are_retried(gcs_env, local, tmp_path, monkeypatch):
     assert digest(tmp_path / "a") == digest(local["dir"] / "adapter")
 
 
-def test_gcs_503s_forever_end_in_a_clear_error(gcs_env, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault", ["503", "stall"])
+def test_gcs_failures_forever_end_in_a_clear_error(gcs_env, tmp_path, monkeypatch, fault):
     monkeypatch.setenv("CKPT_REMOTE_RETRIES", "2")
-    url = own_copy(gcs_env, "failing")
+    monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "0.5")
+    url = own_copy(gcs_env, f"failing-{fault}")
 
     def fail_from_now_on(path):
-        if "/failing/" in path:
-            gcs_env.faults.update(status_503=10 ** 6)
+        if f"/failing-{fault}/" in path:
+            gcs_env.faults.update(status_503=10 ** 6) if fault == "503" else \
+                gcs_env.faults.update(stall_s=2.0, stalls=10 ** 6)
     gcs_env.faults["after_get"] = fail_from_now_on
     r = ckpt("extract-adapter", url, tmp_path / "a", "--alpha", "16", code=1)
     line = r.output.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "HTTP 503" in line and "times in a row" in line, r.output
-    assert f"{url}/" in line
+    assert line.startswith("error: ") and "times in a row" in line and f"{url}/" in line, r.output
+    assert ("HTTP 503" in line) if fault == "503" else ("Timeout" in line or "timed out" in line), line
     assert not (tmp_path / "a").exists()
 
 
@@ -165,6 +168,10 @@ def test_gcs_missing_key_or_bucket_is_the_usual_error(gcs_env):
     remote.reset()
     r = ckpt("inspect", "gs://no-such-bucket/step_3/trainer", code=2)
     assert "no such file or directory: gs://no-such-bucket/step_3/trainer" in r.output
+    remote.reset()
+    line = one_line(ckpt("slim", TRAINER, "gs://no-such-bucket/slim", "--base", BASE, code=2).output)
+    assert line.startswith("error: gs://no-such-bucket/slim: listing the output prefix: not found") \
+        and "bucket exists" in line, line
 
 
 def fetched(gcs, prefix: str, dest: Path) -> Path:

@@ -266,6 +266,13 @@ class GcsWriter:
                 time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
             except RemoteDenied as exc:
                 raise UsageError(str(exc), path=self.url_text) from None
+            except RemoteMissing as exc:
+                raise UsageError(f"{what}: not found ({exc})", path=self.url_text,
+                                 hint="check that the bucket exists: gcloud storage buckets create gs://BUCKET") from None
+            except RemoteChanged:   # an ifGenerationMatch=0 that failed: the object appeared meanwhile
+                raise CkptError(f"{what}: the object was created by another writer meanwhile", path=self.url_text,
+                                hint="another process writes the same output; rerun (--overwrite replaces it)") \
+                    from None
 
     def _start(self, bucket: str, s: _Session, *, overwrite: bool) -> None:
         params = {"uploadType": "resumable", "name": s.key}
@@ -290,7 +297,7 @@ class GcsWriter:
         if s.location is None:
             return
         try:
-            self.b.call("DELETE", s.location, timeout_s=30)   # GCS answers 499
+            self.b.call("DELETE", s.location, timeout_s=10)   # GCS answers 499
         except Exception:
             pass
         s.location = None
@@ -357,7 +364,11 @@ class GcsWriter:
                     raise CkptError(f"the upload session of {s.key} was lost before it was finished",
                                     path=self.url_text, hint="rerun") from None
                 # an earlier try ended the upload but its answer was lost: the object says
-                return self.b.meta(bucket, s.key, self.url_text)
+                try:
+                    return self.b.meta(bucket, s.key, self.url_text)
+                except RemoteMissing:
+                    raise CkptError(f"the upload session of {s.key} was lost before it was finished",
+                                    path=self.url_text, hint="rerun") from None
         meta = self._retried(f"finishing the upload of {s.key}", go)
         if meta is None:
             raise CkptError(f"the server did not end the upload of {s.key} at its last byte", path=self.url_text)
