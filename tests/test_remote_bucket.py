@@ -249,3 +249,16 @@ def test_signals_deferred_holds_a_ctrl_c_that_another_thread_receives():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert out.stdout.split() == ["held", "delivered", "after"], (out.stdout, out.stderr)
+
+
+def test_set_lr_from_a_bucket_into_a_bucket_uploads_the_data_files_not_their_stand_ins(hub, tmp_path):
+    """set-lr keeps the input's data files unchanged: from a URL they are stand-ins for the remote objects
+    (io.remote), and a bucket takes local files only, so they are fetched first; uploading a stand-in
+    itself would put a file of zeros there."""
+    ckpt("set-lr", TRAINER, tmp_path / "lr1", "--scale", "0.5")
+    ckpt("set-lr", tmp_path / "lr1", tmp_path / "lr2", "--scale", "0.5")
+    ckpt("set-lr", TRAINER, f"hf://buckets/{BUCKET}/lr1", "--scale", "0.5")
+    remote.reset()
+    r = ckpt("set-lr", f"hf://buckets/{BUCKET}/lr1", f"hf://buckets/{BUCKET}/lr2", "--scale", "0.5", "--json")
+    assert digest(hub.root / "lr2") == digest(tmp_path / "lr2")
+    assert "fetched from the inputs first" in json.loads(r.stdout)["remote"]["uploaded"][0]["method"]

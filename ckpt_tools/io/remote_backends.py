@@ -48,6 +48,9 @@ def backend_for(url: RemoteUrl) -> Backend:
         return HttpBackend()
     if url.scheme == "hf":
         return HfBackend()
+    if url.scheme in ("gs", "gcs"):
+        from .remote_gcs import GcsBackend
+        return GcsBackend()
     return FsspecBackend(url.scheme)
 
 

@@ -10,7 +10,9 @@ then uploaded and committed in one step, so that a reader never sees half an out
     the file contents are uploaded first, the commit is made last; an interruption commits nothing.
   - `hf://buckets/ns/name/path`: a bucket has no commits: uploaded under a staging prefix, then copied
     into place by Xet hash, the marker files last (io/upload_bucket.py).
-  - any other fsspec protocol that writes (gs://, ...): `put` inside an fsspec transaction (files
+  - `gs://bucket/prefix`: every file a resumable upload, all data sent first but each file's last piece,
+    then the uploads ended in one burst with signals held, the markers last (`remote_gcs.GcsWriter`).
+  - any other fsspec protocol that writes (az://, ...): `put` inside an fsspec transaction (files
     committed when it closes, discarded on failure).
 
 A file of the output that is a remote input's object unchanged (a stand-in, `remote.link_stand_in`:
@@ -117,9 +119,11 @@ def _object_of(path: Path):
     return remote.object_of_stat(os.stat(path)) if remote.active() else None
 
 
-def _fetched_locally(files) -> tuple[list, int]:
+def fetched_locally(files) -> tuple[list, int]:
     """`files` with every stand-in for a remote object replaced by a local copy of it, fetched by range into
-    a staging dir (for writers that take local files only). Returns the files and the bytes fetched."""
+    a staging dir (for writers that take local files only: every writer but S3's, which copies them
+    server-side). Returns the files and the bytes fetched. A writer that skipped it would upload the
+    stand-in itself: a placeholder of zeros."""
     out, fetched, where = [], 0, None
     for rel, path, size in files:
         obj = _object_of(path)
@@ -229,6 +233,9 @@ def _writer(url: RemoteUrl):
         return HfBucketWriter()
     if url.scheme == "hf":
         return _HfWriter()
+    if url.scheme in ("gs", "gcs"):
+        from .remote_gcs import GcsWriter
+        return GcsWriter()
     return _FsspecWriter(url.scheme)
 
 
@@ -385,7 +392,7 @@ class _HfWriter:
         if old and not overwrite:
             raise OutputExistsError("already exists in the repo", path=url.text,
                                     hint="pass --overwrite to replace it, or another output path")
-        files, fetched = _fetched_locally(files)
+        files, fetched = fetched_locally(files)
         ops = [CommitOperationAdd(path_in_repo=f"{prefix}/{rel}" if rel else prefix, path_or_fileobj=str(p))
                for rel, p, _ in files]
         new = {o.path_in_repo for o in ops}
@@ -399,7 +406,7 @@ class _HfWriter:
             fs._api.create_commit(res.repo_id, ops, repo_type=res.repo_type, revision=res.revision,
                                   commit_message=f"ckpt: write {prefix}")
             self.committed = True
-        return Uploaded(url.text, len(files), sum(s for _, _, s in files), "one Hub commit" + _fetched_note(fetched))
+        return Uploaded(url.text, len(files), sum(s for _, _, s in files), "one Hub commit" + fetched_note(fetched))
 
 
 class _FsspecWriter:
@@ -412,12 +419,12 @@ class _FsspecWriter:
         if self.fs.exists(target) and not overwrite:
             raise OutputExistsError("already exists", path=url.text,
                                     hint="pass --overwrite to replace it, or another output path")
-        files, fetched = _fetched_locally(files)
+        files, fetched = fetched_locally(files)
         with self.fs.transaction:
             for rel, p, _ in files:
                 self.fs.put_file(str(p), f"{target}/{rel}" if rel else target)
-        return Uploaded(url.text, len(files), sum(s for _, _, s in files), "fsspec transaction" + _fetched_note(fetched))
+        return Uploaded(url.text, len(files), sum(s for _, _, s in files), "fsspec transaction" + fetched_note(fetched))
 
 
-def _fetched_note(fetched: int) -> str:
+def fetched_note(fetched: int) -> str:
     return f"; {human_bytes(fetched)} of it fetched from the inputs first (no server-side copy there)" if fetched else ""

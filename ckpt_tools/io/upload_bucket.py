@@ -40,7 +40,7 @@ class HfBucketWriter:
         self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
 
     def upload(self, url, files, *, overwrite: bool):
-        from .upload import COMMIT_LAST, Uploaded
+        from .upload import COMMIT_LAST, Uploaded, fetched_locally, fetched_note
         parts = url.path.split("/")
         if len(parts) < 4 or not parts[1] or not parts[2] or not "/".join(parts[3:]).strip("/"):
             raise UsageError("name a folder inside the bucket (hf://buckets/NAMESPACE/NAME/PATH)", path=url.text)
@@ -52,6 +52,7 @@ class HfBucketWriter:
             if old and not overwrite:
                 raise OutputExistsError("already exists in the bucket", path=url.text,
                                         hint="pass --overwrite to replace it, or another output path")
+            files, fetched = fetched_locally(files)   # a remote input's unchanged object (set-lr's data files)
             staging = f"{STAGING_ROOT}/{secrets.token_hex(8)}"
             dest = {rel: f"{prefix}/{rel}" if rel else prefix for rel, _, _ in files}
             staged = {rel: f"{staging}/{rel}" if rel else f"{staging}/{url.name}" for rel, _, _ in files}
@@ -77,7 +78,8 @@ class HfBucketWriter:
                         self._delete(bucket_id, list(staged.values()))
                 raise
         return Uploaded(url.text, len(files), sum(s for _, _, s in files),
-                        "hf bucket: uploaded to a staging prefix, then copied into place by Xet hash")
+                        "hf bucket: uploaded to a staging prefix, then copied into place by Xet hash"
+                        + fetched_note(fetched))
 
     def _commit(self, bucket_id, files, dest, hashes, old_to_replace, commit_last):
         """Copies into place: the data files, checked, then the marker files; the old output's markers
