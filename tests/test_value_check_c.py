@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckpt_tools.core.tensor_math import (
-    check_merged_values, lora_bound_rows, lora_factors_fp64, lora_product_rows_fp64,
+    check_merged_values, check_merged_values_bounded, lora_factors_fp64, lora_product_rows_fp64,
 )
 from ckpt_tools.sources import compare
 from ckpt_tools.sources.compare import value_check_chunk
@@ -36,9 +36,8 @@ def _setup(w0_dtype, out_dtype, seed, *, fan_in_fan_out=False):
     return a, b, w0, merged, lora_factors_fp64(a, b, fan_in_fan_out=fan_in_fan_out), g
 
 
-def _reference(w, w0, prod, f, first, n, scale):
-    bound = lora_bound_rows(f, 0, ROWS)[first:first + n]
-    return check_merged_values(w, w0, prod, bound, scale)
+def _reference(w, w0, f, first, scale):
+    return check_merged_values(w, w0, f, 0, first, scale)
 
 
 def _both(w, w0, f, scale):
@@ -49,7 +48,7 @@ def _both(w, w0, f, scale):
     for first, n in CHUNKS:
         sl = slice(first, first + n)
         got = value_check_chunk(wf[sl], w0f[sl], prod_all[sl], f, 0, first, scale)
-        want = _reference(wf[sl], w0f[sl], prod_all[sl], f, first, n, scale)
+        want = _reference(wf[sl], w0f[sl], f, first, scale)
         assert got == want, (first, n, got, want)
     return value_check_chunk(wf, w0f, prod_all, f, 0, 0, scale)
 
@@ -104,9 +103,9 @@ def test_the_c_kernel_runs_for_bf16_and_fp32_weights_and_defers_for_fp16(monkeyp
 
     def reference(*args, **kw):
         calls.append(1)
-        return check_merged_values(*args, **kw)
+        return check_merged_values_bounded(*args, **kw)
 
-    monkeypatch.setattr(compare, "check_merged_values", reference)
+    monkeypatch.setattr(compare, "check_merged_values_bounded", reference)
     value_check_chunk(merged.reshape(-1), w0.reshape(-1), prod, f, 0, 0, 1.7)
     value_check_chunk(merged.float().reshape(-1), w0.reshape(-1), prod, f, 0, 0, 1.7)
     assert calls == []
@@ -125,7 +124,10 @@ def test_the_c_kernel_refuses_buffers_that_do_not_describe_a_chunk():
     prod = torch.zeros(8, dtype=torch.float64)
     with pytest.raises(ValueError, match="do not describe one chunk"):   # 8 elements from col 1: 3 rows, 2 norms
         compare.accelerator.value_check(raw(w), 0, raw(w), 0, raw(prod), raw(f.left_norms[:2]),
-                                        raw(f.right_norms), 1, 4, 1.0, f.gamma)
+                                        raw(f.right_norms), raw(f.left[:2]), raw(f.right), 1, 4, 1.0, f.gamma)
     with pytest.raises(ValueError, match="do not describe one chunk"):   # P shorter than W
         compare.accelerator.value_check(raw(w), 0, raw(w), 0, raw(prod[:4]), raw(f.left_norms),
-                                        raw(f.right_norms), 0, 4, 1.0, f.gamma)
+                                        raw(f.right_norms), raw(f.left), raw(f.right), 0, 4, 1.0, f.gamma)
+    with pytest.raises(ValueError, match="do not describe one chunk"):   # L's rows do not match their norms
+        compare.accelerator.value_check(raw(w[:4]), 0, raw(w[:4]), 0, raw(prod[:4]), raw(f.left_norms),
+                                        raw(f.right_norms), raw(f.left[:1]), raw(f.right), 0, 4, 1.0, f.gamma)

@@ -42,8 +42,8 @@ from ...core.progress import Progress, report
 from ...core.tensor_math import MergeCheck, lora_factors_fp64, lora_product_rows_fp64, merge_weight_into, ulps_apart
 from ...dist import Group, SoloGroup, local_workers, map_units, working
 from ...sources.compare import (
-    BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, chunk_map,
-    block_chunks, chunk_scratch_bytes, chunk_stats, common_dtype, read_block, stream_stats, value_check_chunk,
+    BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, block_stats, chunk_map,
+    chunk_scratch_bytes, common_dtype, read_block, stream_stats, value_check_chunk,
 )
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
@@ -161,27 +161,21 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
     cols = fw.shape[1] if len(fw.shape) > 1 else 1
     block_elems = max(cols, max(1, block_bytes // 8) // cols * cols)   # whole rows: P is computed by rows
 
-    def check(block: tuple[int, int]) -> list[tuple[ChunkStats, MergeCheck]]:
+    def check(block: tuple[int, int]) -> tuple[list[ChunkStats], MergeCheck]:
         start, n = block
         r0, r1 = start // cols, (start + n) // cols
         prod = lora_product_rows_fp64(factors, r0, r1, out=_SCRATCH.tensor("prod", n, torch.float64))
-        xw_all, w_all = read_block(weights, fw, start, n, "w")
-        xb_all, w0_all = read_block(base, fb, start, n, "w0")
-        iw, ib = fw.itemsize, fb.itemsize
-        out = []
-        for s, k in block_chunks(n):
-            w, w0 = w_all[s:s + k], w0_all[s:s + k]
-            xw, xb = xw_all[s * iw:(s + k) * iw], xb_all[s * ib:(s + k) * ib]
-            part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
-            out.append((part, value_check_chunk(w, w0, prod[s:s + k], factors, r0, s, spec.scale, w_raw=xw,
-                                                w0_raw=xb)))
-        return out
+        xw, w = read_block(weights, fw, start, n, "w")
+        xb, w0 = read_block(base, fb, start, n, "w0")
+        # one C call each for the block's statistics chunks and its value check (the block starts a row)
+        return block_stats(xw, xb, w, w0, ct), value_check_chunk(w, w0, prod, factors, r0, 0, spec.scale, w_raw=xw,
+                                                                  w0_raw=xb)
 
     st, found = DeltaStats(), MergeCheck()
-    for parts in chunk_map(pool, check, list(block_ranges(fw.numel, block_elems))):
-        for part, mc in parts:
+    for parts, mc in chunk_map(pool, check, list(block_ranges(fw.numel, block_elems))):
+        for part in parts:
             st.fold(part)
-            found.fold(mc)
+        found.fold(mc)
     if not found.finite:   # the merge would refuse it: the whole-tensor merge raises its error, naming the tensor
         merge_weight_into(torch.empty(fw.shape, dtype=out_dtype), base.read_tensor(p.name), a, b, spec.scale,
                           fan_in_fan_out=spec.fan_in_fan_out, name=p.name)
