@@ -110,7 +110,8 @@ def test_on_the_gpu_random_merges_with_planted_errors_count_as_the_c_kernel_and_
     fd = f.to(cuda)
     prod_gpu = (fd.left @ fd.right).reshape(-1)   # cuBLAS: other kernels, other last bits
     assert check_merged_values_bounded(merged.to(cuda), w0f.to(cuda), prod_gpu, fd, 0, 0, 1.7) == on_cpu
-    assert on_cpu.off >= 20 and on_cpu.max_ulps >= 5
+    # (an fp32 window holds a few fp32 values: there only the sign flips are off)
+    assert on_cpu.off >= (20 if out_dtype == torch.bfloat16 else 5) and on_cpu.max_ulps >= 5
 
 
 @needs_cuda
