@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     site = os.environ.get("PYTHONPATH")           # e.g. the device host's carried wheels
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), site]))  # inputs: this checkout's ckpt
     size = SIZES[a.size]
-    dcp_mode = "factory" if size.params <= 2e9 else "ckpt"
+    needs_dcp = any(kind in ("dcp", "slim") for case in a.cases for kind in CASES[case][0])
+    dcp_mode = ("factory" if size.params <= 2e9 else "ckpt") if needs_dcp else "none"   # (the harness's --dcp none)
     inputs = SizeInputs(size, a.workdir, a.workdir, dcp_mode, 4, a.python, None, {})
     for case in a.cases:
         for kind in CASES[case][0]:
