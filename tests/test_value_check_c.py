@@ -135,15 +135,15 @@ def test_the_c_kernel_refuses_buffers_that_do_not_describe_a_chunk():
 
 
 # --- the counts do not depend on which kernel computed P ------------------------------------------------------
-def _one_by_one(l: float) -> LoraFactors64:
+def one_by_one_factors(l: float) -> LoraFactors64:
     """Rank-1 factors of one element: P = l * 1, exactly l in its fixed order (0 + l*1)."""
     left, right = torch.tensor([[l]], dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
     return LoraFactors64(left, right, left.norm(dim=1), right.norm(dim=0), 1)
 
 
-def _lower_end(l: float, w0: float, scale: float) -> float:
+def window_lower_end(l: float, w0: float, scale: float) -> float:
     """round_bf16(x - e) for P = l (the definition's window, one IEEE operation at a time)."""
-    f = _one_by_one(l)
+    f = one_by_one_factors(l)
     sp = torch.tensor([l], dtype=torch.float64) * scale
     x = torch.tensor([w0], dtype=torch.float64) + sp
     e = ((sp.abs() + x.abs()) * FP32_UNIT_ROUNDOFF + ((f.left_norms * f.right_norms) * f.gamma) * abs(scale)) * 2.0
@@ -156,11 +156,11 @@ def boundary_pair(lo: float, hi: float, w0: float = 0.0, scale: float = 1.0) -> 
     bits = lambda v: torch.tensor([v], dtype=torch.float64).view(torch.int64).item()   # noqa: E731
     value = lambda b: torch.tensor([b], dtype=torch.int64).view(torch.float64).item()  # noqa: E731
     a, b = sorted((bits(lo), bits(hi)))   # (adjacent patterns are adjacent values, for either sign)
-    first = _lower_end(value(a), w0, scale)
-    assert _lower_end(value(b), w0, scale) != first
+    first = window_lower_end(value(a), w0, scale)
+    assert window_lower_end(value(b), w0, scale) != first
     while b - a > 1:
         m = (a + b) // 2
-        a, b = (m, b) if _lower_end(value(m), w0, scale) == first else (a, m)
+        a, b = (m, b) if window_lower_end(value(m), w0, scale) == first else (a, m)
     return value(a), value(b)
 
 
@@ -176,17 +176,17 @@ def test_where_ps_last_bit_moves_a_rounding_every_kernels_p_gives_the_fixed_orde
     pa, pb = boundary_pair(lo, hi, w0, scale)
     base = torch.tensor([w0], dtype=torch.float32)
     for truth in (pa, pb):
-        f = _one_by_one(truth)
-        for w in (_lower_end(pa, w0, scale), _lower_end(pb, w0, scale)):
+        f = one_by_one_factors(truth)
+        for w in (window_lower_end(pa, w0, scale), window_lower_end(pb, w0, scale)):
             merged = torch.tensor([w], dtype=torch.bfloat16)
             want = check_merged_values(merged, base, f, 0, 0, scale)
             for given in (pa, pb):
                 prod = torch.tensor([given], dtype=torch.float64)
                 assert check_merged_values_bounded(merged, base, prod, f, 0, 0, scale) == want, (truth, w, given)
                 assert value_check_chunk(merged, base, prod, f, 0, 0, scale) == want, (truth, w, given)
-    merged = torch.tensor([_lower_end(pa, w0, scale)], dtype=torch.bfloat16)
-    assert check_merged_values(merged, base, _one_by_one(pa), 0, 0, scale) != \
-        check_merged_values(merged, base, _one_by_one(pb), 0, 0, scale)   # (P's last bit matters to the window)
+    merged = torch.tensor([window_lower_end(pa, w0, scale)], dtype=torch.bfloat16)
+    assert check_merged_values(merged, base, one_by_one_factors(pa), 0, 0, scale) != \
+        check_merged_values(merged, base, one_by_one_factors(pb), 0, 0, scale)   # (P's last bit matters to the window)
 
 
 def test_a_p_from_a_row_blocked_product_gives_the_same_counts_as_the_blas_p():

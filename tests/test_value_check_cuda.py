@@ -27,7 +27,7 @@ from ckpt_tools.ops.diff.run import diff_vs_base
 from ckpt_tools.sources.compare import value_check_chunk
 
 from .conftest import BASE, FIXTURE, REPO, TRAINER
-from .test_value_check_c import BOUNDARY_CASES, _one_by_one, _lower_end, boundary_pair
+from .test_value_check_c import BOUNDARY_CASES, boundary_pair, one_by_one_factors, window_lower_end
 
 MERGED = FIXTURE / "expected_merged_hf"
 needs_cuda = pytest.mark.skipif(
@@ -121,8 +121,8 @@ def test_on_the_gpu_a_value_at_a_rounding_boundary_counts_as_on_the_cpu(lo, hi, 
     base = torch.tensor([w0], dtype=torch.float32)
     cuda = torch.device("cuda")
     for truth in (pa, pb):
-        f = _one_by_one(truth)
-        for w in (_lower_end(pa, w0, scale), _lower_end(pb, w0, scale)):
+        f = one_by_one_factors(truth)
+        for w in (window_lower_end(pa, w0, scale), window_lower_end(pb, w0, scale)):
             merged = torch.tensor([w], dtype=torch.bfloat16)
             want = value_check_chunk(merged, base, torch.tensor([truth], dtype=torch.float64), f, 0, 0, scale)
             for given in (pa, pb):
