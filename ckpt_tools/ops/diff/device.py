@@ -105,12 +105,14 @@ class DeviceCheck:
         """The factors and their norms on the device, bit for bit (the norms are not recomputed there)."""
         return f.to(self.device)
 
+    def upload(self, w: torch.Tensor, w0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start copying a unit's W and W0 (host tensors over a slot's pinned bytes) to the device: the copies
+        run while this thread computes the unit's statistics (the slot's bytes are only read meanwhile)."""
+        return w.to(self.device, non_blocking=True), w0.to(self.device, non_blocking=True)
+
     def check(self, w: torch.Tensor, w0: torch.Tensor, f: LoraFactors64, r0: int, r1: int,
               scale: float) -> MergeCheck:
-        """Rows [r0, r1) of a targeted tensor (`w`, `w0`: host tensors over a slot's pinned bytes; `f`: the
-        device's factors): the counts of `check_merged_values` (returned when the device is done, so the slot
-        may be reused)."""
-        wd = w.to(self.device, non_blocking=True)
-        w0d = w0.to(self.device, non_blocking=True)
+        """Rows [r0, r1) of a targeted tensor (`w`, `w0`: `upload`'s device tensors; `f`: the device's factors):
+        the counts of `check_merged_values` (returned when the device is done, so the slot may be reused)."""
         prod = (f.left[r0:r1] @ f.right).reshape(-1)
-        return check_merged_values_bounded(wd, w0d, prod, f, r0, 0, scale)
+        return check_merged_values_bounded(w, w0, prod, f, r0, 0, scale)

@@ -226,11 +226,12 @@ def _device_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: 
             base.read_span(fb.name, start * ib, bb[:n * ib].numpy())
             xw, xb = memoryview(bw.numpy()), memoryview(bb.numpy())
             w, w0 = bw[:n * iw].view(torch_dtype(fw.dtype)), bb[:n * ib].view(torch_dtype(fb.dtype))
+            uploaded = device.upload(w, w0)   # (copying while the statistics are computed here)
             parts: list[ChunkStats] = []
             for s, k in unit:
                 o = s - start
                 parts += block_stats(xw[o * iw:(o + k) * iw], xb[o * ib:(o + k) * ib], w[o:o + k], w0[o:o + k], ct)
-            return parts, device.check(w, w0, on_device, start // cols, (start + n) // cols, scale)
+            return parts, device.check(*uploaded, on_device, start // cols, (start + n) // cols, scale)
 
     return check
 
