@@ -18,9 +18,11 @@ With an adapter, each targeted tensor is checked by value: every element of W mu
 (to W's dtype) of W0_32 + s*B@A as any fp32 merge can compute it, whatever its kernel or blocking
 (`core.tensor_math.check_merged_values`: the exact value in fp64, a proven bound on fp32's error, and
 the elements within that bound of a rounding boundary, "ties", where either neighbour passes). P = B@A
-is computed in fp64 by row blocks on every worker. Replaced tensors (modules_to_save) must equal the
-adapter's bit for bit; untargeted tensors must be unchanged. Memory: a byte budget
-(`WORKING_BUDGET_BYTES`) that each unit acquires its working set from (`core.budget.ByteBudget`).
+is computed in fp64 by row blocks on every worker, by any kernel: the counts are those of P in one fixed order
+(`check_merged_values_bounded`), so they do not depend on the BLAS, and `device="cuda"` (`ops.diff.device`)
+gives the same ones from a GPU. Replaced tensors (modules_to_save) must equal the adapter's bit for bit;
+untargeted tensors must be unchanged. Memory: one byte budget (`WORKING_BUDGET_BYTES`) that the workers'
+buffers are set aside from and each unit acquires its working set from (`core.budget.ByteBudget`).
 
 Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is bitwise identical
 (after exact upcast), else ADAPTER_MISMATCH (4) when an adapter check failed, else DIFFERS (0).
