@@ -8,7 +8,9 @@ The inputs are the harness's (bench/inputs.py, cached in --workdir), made once b
 repeat runs every (case, tree) pair in turn, each in its own process through bench/launch.py, with
 PYTHONPATH set to that tree, so the trees see the same page cache and machine load. Prints, per case, the
 median wall and peak RSS of each tree and its ratio to the first tree; writes the records to --results.
-Cases: merge (HF base + PEFT adapter), slim, rehydrate, the three the refactors promised not to slow.
+Cases: merge (HF base + PEFT adapter), slim, rehydrate, the three the refactors promised not to slow; diff
+(diff-vs-base merged base), diff-adapter (with --adapter) and diff-adapter-cuda (--device cuda: a tree without it
+fails that case).
 """
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ CASES = {
     "slim": (("dcp",), lambda p, out, shard: ["slim", p["dcp"], out, "--json"]),
     "rehydrate": (("slim", "base"), lambda p, out, shard: ["rehydrate", p["slim"], out, "--base", p["base"],
                                                            "--json"]),
+    "diff": (("merged", "base"), lambda p, out, shard: ["diff-vs-base", p["merged"], p["base"], "--json"]),
+    "diff-adapter": (("merged", "base", "adapter"), lambda p, out, shard: [
+        "diff-vs-base", p["merged"], p["base"], "--adapter", p["adapter"], "--json"]),
+    "diff-adapter-cuda": (("merged", "base", "adapter"), lambda p, out, shard: [
+        "diff-vs-base", p["merged"], p["base"], "--adapter", p["adapter"], "--device", "cuda", "--json"]),
 }
 
 
@@ -68,7 +75,8 @@ def main(argv=None) -> int:
     site = os.environ.get("PYTHONPATH")           # e.g. the device host's carried wheels
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), site]))  # inputs: this checkout's ckpt
     size = SIZES[a.size]
-    dcp_mode = "factory" if size.params <= 2e9 else "ckpt"
+    needs_dcp = any(kind in ("dcp", "slim") for case in a.cases for kind in CASES[case][0])
+    dcp_mode = ("factory" if size.params <= 2e9 else "ckpt") if needs_dcp else "none"   # (the harness's --dcp none)
     inputs = SizeInputs(size, a.workdir, a.workdir, dcp_mode, 4, a.python, None, {})
     for case in a.cases:
         for kind in CASES[case][0]:
@@ -86,9 +94,11 @@ def main(argv=None) -> int:
                                    cwd=inputs.root)
                 _remove(out)
                 runs.append({"case": case, "tree": label, "rep": rep, **{k: rec.get(k) for k in
-                             ("status", "reason", "wall_s", "peak_rss_bytes", "stderr_tail")}})
-                print(f"{case:10s} {label:14s} rep {rep}: {rec.get('status')} "
-                      f"{rec.get('wall_s') or 0:.2f} s, {(rec.get('peak_rss_bytes') or 0) / 2**20:.0f} MiB", flush=True)
+                             ("status", "reason", "wall_s", "cpu_s", "user_s", "sys_s", "peak_rss_bytes",
+                                                     "stderr_tail")}})
+                print(f"{case:10s} {label:14s} rep {rep}: {rec.get('status')} {rec.get('wall_s') or 0:.2f} s "
+                      f"(CPU {rec.get('cpu_s') or 0:.1f} s), {(rec.get('peak_rss_bytes') or 0) / 2**20:.0f} MiB",
+                      flush=True)
                 save(a, runs)   # after every run: a run cut short keeps what it measured
     print(save(a, runs))
     return 0 if all(r["status"] == "ok" for r in runs) else 1

@@ -279,15 +279,17 @@ def fix_adapter(src: str | Path, out: str | Path, *, base: str | Path | None = N
 def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path | None = None,
                  alpha: float | None = None, run_config: str | Path | None = None, targeted_only: bool = False,
                  trust_pickle: bool = False, progress: Progress | None = None, group: Group | None = None,
-                 page: str | Path | None = None) -> DiffReport:
+                 page: str | Path | None = None, device: str | None = None) -> DiffReport:
     """Whether `weights` differ from `base`, tensor by tensor (`ckpt diff-vs-base`): `.verdict`,
     `.exit_code` (0 differ, 3 identical, 4 adapter check failed), `.tensors`. `page`: also write the
-    comparison as an HTML page there (a new file; `--report`), its path then in `.page`."""
+    comparison as an HTML page there (a new file; `--report`), its path then in `.page`. `device`: "cuda" (or
+    "cuda:N") runs the adapter check's value check on that GPU, with the same verdicts and counts as the CPU
+    (the default); a `UsageError` where there is none."""
     with _loading():
         from .ops.diff import DiffOptions, open_diff_sources, plan_diff, run_diff
-    options = DiffOptions(_str(adapter), alpha, _str(run_config), targeted_only, trust_pickle)
+    options = DiffOptions(_str(adapter), alpha, _str(run_config), targeted_only, trust_pickle, device)
     with open_diff_sources(weights, base, options) as sources:
-        report = run_diff(plan_diff(sources, options), sources, progress, group=_group(group))
+        report = run_diff(plan_diff(sources, options), sources, progress, group=_group(group), device=device)
     if page is not None:
         with _loading():
             from .ops.report import write_diff_page

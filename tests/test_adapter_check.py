@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.core.tensor_math import check_merged_values, lora_factors_fp64, lora_rows_fp64
+from ckpt_tools.core.tensor_math import check_merged_values, lora_factors_fp64
 
 from .conftest import BASE, FIXTURE, REPO, TRAINER
 
@@ -111,14 +111,14 @@ def test_one_ulp_off_outside_a_tie_fails(made):
     name = f"{module}.weight"
     w = load_file(made / "merged" / "model.safetensors")[name].reshape(-1).clone()
     w0 = base[name].reshape(-1)
-    prod, bound = lora_rows_fp64(lora_factors_fp64(f[module]["A"], f[module]["B"]), 0, base[name].shape[0])
+    factors = lora_factors_fp64(f[module]["A"], f[module]["B"])
     # the first element whose window holds one value only (not a tie)
     for i in range(w.numel()):
-        one = check_merged_values(w[i:i + 1], w0[i:i + 1], prod[i:i + 1], bound[i:i + 1], SCALE)
+        one = check_merged_values(w[i:i + 1], w0[i:i + 1], factors, 0, i, SCALE)
         if one.ties == 0 and one.off == 0:
             break
     w.view(torch.int16)[i] += 1
-    assert check_merged_values(w[i:i + 1], w0[i:i + 1], prod[i:i + 1], bound[i:i + 1], SCALE).off == 1
+    assert check_merged_values(w[i:i + 1], w0[i:i + 1], factors, 0, i, SCALE).off == 1
     variant = _variant(made, "one-ulp", _fp64)
     tensors = load_file(variant / "model.safetensors")
     tensors[name] = w.view(base[name].shape)

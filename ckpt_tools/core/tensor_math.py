@@ -26,7 +26,8 @@ from .lora_math import check_shapes
 
 __all__ = ["lora_delta", "merge_weight", "merge_weight_into", "check_finite", "nonfinite_error", "ulps_apart", "count_nonfinite",
            "bf16_round", "rounds_to_base", "update_hash", "sha256_of_tensor", "FP32_UNIT_ROUNDOFF", "LoraFactors64", "lora_factors_fp64",
-           "lora_rows_fp64", "lora_product_rows_fp64", "lora_bound_rows", "MergeCheck", "check_merged_values"]
+           "lora_rows_fp64", "lora_product_rows_fp64", "lora_product_fixed_order", "lora_bound_rows", "MergeCheck",
+           "check_merged_values", "check_merged_values_bounded", "FP64_UNIT_ROUNDOFF", "MARGIN_ROUNDING", "MARGIN_FLOOR"]
 
 
 def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, *, fan_in_fan_out: bool = False) -> torch.Tensor:
@@ -162,6 +163,14 @@ def sha256_of_tensor(t: torch.Tensor) -> str:
 
 # --- the adapter check by value ----------------------------------------------------------------------------
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
+FP64_UNIT_ROUNDOFF = 2.0 ** -53
+# The margin over which a given P's roundings are trusted to be the fixed-order P's (`check_merged_values_bounded`):
+# m = (|L_i| |R_j|) * 4 |s| gamma64_r + (|sp| + |x| + e) * MARGIN_ROUNDING + MARGIN_FLOOR. Two products of any
+# order differ by at most 2 gamma64_r |L_i| |R_j| (doubled for the norms' own rounding); the roundings of sp, x, e
+# and x -/+ e after it move the result by at most 16 u64 (|sp| + |x| + e) (doubled: 2^-48); subnormal results
+# carry an absolute error of up to 2^-1075 per operation.
+MARGIN_ROUNDING = 2.0 ** -48
+MARGIN_FLOOR = 2.0 ** -1060
 
 
 @dataclass(frozen=True)
@@ -180,21 +189,43 @@ class LoraFactors64:
         ru = self.rank * FP32_UNIT_ROUNDOFF
         return ru / (1.0 - ru)
 
+    def margin_per_norms(self, scale: float) -> float:
+        """4 |s| gamma64_r: the margin's share per |L_i| |R_j| (`MARGIN_ROUNDING`'s comment)."""
+        ru = self.rank * FP64_UNIT_ROUNDOFF
+        return 4.0 * abs(scale) * (ru / (1.0 - ru))
+
+    def to(self, device) -> "LoraFactors64":
+        """The same factors and norms on `device` (copied bit for bit: the norms are not recomputed there)."""
+        return LoraFactors64(self.left.to(device), self.right.to(device), self.left_norms.to(device),
+                             self.right_norms.to(device), self.rank)
+
 
 def lora_factors_fp64(a: torch.Tensor, b: torch.Tensor, *, fan_in_fan_out: bool = False) -> LoraFactors64:
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    left, right = (a64.T.contiguous(), b64.T.contiguous()) if fan_in_fan_out else (b64, a64)
-    return LoraFactors64(left, right, left.norm(dim=1), right.norm(dim=0), int(a.shape[0]))
+    left, right = (a64.T.contiguous(), b64.T.contiguous()) if fan_in_fan_out else (b64, a64.contiguous())
+    return LoraFactors64(left.contiguous(), right, left.norm(dim=1), right.norm(dim=0), int(a.shape[0]))
 
 
 def lora_product_rows_fp64(f: LoraFactors64, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """P = L @ R for rows [r0, r1), flattened, in fp64 (its own error ~2^-53 relative: inside the check's
-    slack, whatever kernel or threads the BLAS uses). `out`: an fp64 buffer of (r1 - r0) * cols elements to
-    write it into (reused across blocks, it saves page-faulting a fresh 4 MiB per block)."""
+    """P = L @ R for rows [r0, r1), flattened, in fp64, by the BLAS (any kernel, any threads: the check's
+    counts do not depend on P's last bits, `check_merged_values_bounded`). `out`: an fp64 buffer of
+    (r1 - r0) * cols elements to write it into (reused across blocks, it saves page-faulting a fresh 4 MiB
+    per block)."""
     if out is None:
         return (f.left[r0:r1] @ f.right).reshape(-1)
     torch.matmul(f.left[r0:r1], f.right, out=out.view(r1 - r0, f.right.shape[1]))
     return out
+
+
+def lora_product_fixed_order(f: LoraFactors64, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """P at the elements (rows[k], cols[k]) in its one fixed order: p = 0, then p = p + L_ik * R_kj for k = 0,
+    1, ..., r-1, each one rounded fp64 operation (a multiplication, then an addition: nothing fused). The same
+    bits on any machine and device; `sources/delta_stats_c.c: canonical_p` is the same loop."""
+    left, right = f.left[rows], f.right[:, cols]
+    p = torch.zeros(rows.shape, dtype=torch.float64, device=left.device)
+    for k in range(f.rank):
+        p = p + left[:, k] * right[k]
+    return p
 
 
 def lora_bound_rows(f: LoraFactors64, r0: int, r1: int) -> torch.Tensor:
@@ -223,32 +254,84 @@ class MergeCheck:
         self.finite = self.finite and other.finite
 
 
-def check_merged_values(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, bound: torch.Tensor,
-                        scale: float) -> MergeCheck:
-    """Is each merged element `w` (its output dtype) a correct rounding of y, for some y that a correct fp32
-    merge round(W0_32 + s * fl32(B@A)) can compute? x = W0 + s*P in fp64 is the exact value (W0's upcast is
-    exact); an fp32 merge's y is within e_32 = |s|*bound + u*|s*P| + u*|x| (+ second-order terms) of x: the
-    product's error, then one rounding each for s*P and for the sum. Rounding is monotone, so the values a
-    correct merge can give are exactly those between round(x - e) and round(x + e); with e = 2*e_32 the
-    second-order terms, fp64's own errors and the fp64 -> fp32 -> bf16 conversion's double rounding are
-    covered. A wrong alpha, factors or base moves x by far more than e for most elements.
+def _elements(f: LoraFactors64, n: int, r0: int, first: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of elements [first, first + n) of the row block that starts at row r0."""
+    cols = f.right.shape[1]
+    idx = torch.arange(first, first + n, dtype=torch.int64, device=device)
+    return idx // cols + r0, idx % cols
 
-    This is the definition; `sources/delta_stats_c.c: value_check` runs the same IEEE operations in the
-    same order (one op per line below, nothing fused) in one pass and gives the same counts."""
-    sp = prod * scale
+
+def _round_to(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp64 -> fp32 -> `dtype` (round to nearest even each time), as the C kernel and torch's own .to() do."""
+    v32 = v.to(torch.float32)
+    return v32 if dtype == torch.float32 else v32.to(dtype)
+
+
+def _window(w0: torch.Tensor, sp: torch.Tensor, lr: torch.Tensor, f: LoraFactors64, scale: float):
+    """x = W0 + sp and e = ((|sp| + |x|) * u + (|L_i||R_j| * gamma) * |s|) * 2, one IEEE operation at a time in
+    this order (the C kernel's), and |sp| + |x|."""
     x = w0.to(torch.float64) + sp
-    e = sp.abs_()
-    e.add_(x.abs()).mul_(FP32_UNIT_ROUNDOFF).add_(bound * abs(scale)).mul_(2.0)
-    dt = w.dtype
-    expected = x.to(dt)
-    lo, hi = (x - e).to(dt), (x + e).to(dt)
+    mag = sp.abs() + x.abs()
+    e = ((mag * FP32_UNIT_ROUNDOFF) + (lr * f.gamma) * abs(scale)) * 2.0
+    return x, e, mag
+
+
+def _counts(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, expected: torch.Tensor) -> MergeCheck:
     wd = w.to(torch.float64)
     ok = (wd >= lo.to(torch.float64)) & (wd <= hi.to(torch.float64))
     off = int(ok.numel() - torch.count_nonzero(ok))
-    finite = bool(torch.isfinite(expected).all()) if dt.is_floating_point else True
+    floating = w.dtype.is_floating_point
+    finite = bool(torch.isfinite(expected).all()) if floating else True
     ties = int(torch.count_nonzero(lo != hi))
     # (over the off elements whose expected value is finite: a NaN's bits are the kernel's choice, and a
     # non-finite expected value makes the check an error anyway, as the merge refuses it)
-    far = ~ok & torch.isfinite(expected) if off and dt.is_floating_point else ~ok
+    far = ~ok & torch.isfinite(expected) if off and floating else ~ok
     max_ulps = int(ulps_apart(w[far], expected[far]).max()) if off and bool(far.any()) else 0
     return MergeCheck(off, ties, max_ulps, finite)
+
+
+def check_merged_values(w: torch.Tensor, w0: torch.Tensor, f: LoraFactors64, r0: int, first: int,
+                        scale: float) -> MergeCheck:
+    """The definition. Is each merged element `w` (elements [first, first + n) of the row block that starts at
+    row r0, in its output dtype) a correct rounding of y, for some y that a correct fp32 merge round(W0_32 +
+    s * fl32(B@A)) can compute? x = W0 + s*P in fp64 is the exact value to within fp64's rounding (W0's upcast
+    is exact; P is `lora_product_fixed_order`, so x has the same bits on every machine); an fp32 merge's y is
+    within e_32 = |s|*bound + u*|s*P| + u*|x| (+ second-order terms) of x: the product's error, then one
+    rounding each for s*P and for the sum. Rounding is monotone, so the values a correct merge can give are
+    exactly those between round(x - e) and round(x + e); with e = 2*e_32 the second-order terms, fp64's own
+    errors and the fp64 -> fp32 -> bf16 conversion's double rounding are covered. A wrong alpha, factors or
+    base moves x by far more than e for most elements. Any device (the tensors' own).
+
+    `check_merged_values_bounded` and `sources/delta_stats_c.c: value_check` give these counts from a P of
+    any kernel; this computes the fixed-order P of every element (slow: a reference)."""
+    rows, cols = _elements(f, w.numel(), r0, first, w.device)
+    sp = lora_product_fixed_order(f, rows, cols) * scale
+    x, e, _mag = _window(w0, sp, f.left_norms[rows] * f.right_norms[cols], f, scale)
+    return _counts(w, _round_to(x - e, w.dtype), _round_to(x + e, w.dtype), _round_to(x, w.dtype))
+
+
+def check_merged_values_bounded(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, f: LoraFactors64, r0: int,
+                                first: int, scale: float) -> MergeCheck:
+    """`check_merged_values`' counts, from `prod`: P of these elements by any kernel (a BLAS, a GPU's), which is
+    within 2 gamma64_r |L_i||R_j| of the fixed-order P. Each rounding is made at both ends of a margin m that
+    covers that and every fp64 rounding after it (`MARGIN_ROUNDING`); where both ends round alike, that is the
+    fixed-order P's rounding too (rounding is monotone), and where they do not (a value within ~1e-15 relative of
+    a rounding boundary), the fixed-order P is computed for that element. Any device (the tensors' own): the GPU
+    path of the check, and the CPU's where the C kernel does not run."""
+    rows, cols = _elements(f, w.numel(), r0, first, w.device)
+    lr = f.left_norms[rows] * f.right_norms[cols]
+    sp = prod * scale
+    x, e, mag = _window(w0, sp, lr, f, scale)
+    m = (lr * f.margin_per_norms(scale) + (mag + e) * MARGIN_ROUNDING) + MARGIN_FLOOR
+    a, b, dt = x - e, x + e, w.dtype
+    lo, hi = _round_to(a - m, dt), _round_to(b + m, dt)
+    tie = lo != hi
+    expected = torch.where(tie, _round_to(x - m, dt), lo)
+    sure = (lo == _round_to(a + m, dt)) & (hi == _round_to(b - m, dt)) & (~tie | (expected == _round_to(x + m, dt)))
+    unsure = torch.nonzero(~sure).reshape(-1)
+    if unsure.numel():   # within the margin of a boundary: the fixed-order product decides
+        sp_u = lora_product_fixed_order(f, rows[unsure], cols[unsure]) * scale
+        x_u, e_u, _mag = _window(w0[unsure], sp_u, lr[unsure], f, scale)
+        lo[unsure], hi[unsure] = _round_to(x_u - e_u, dt), _round_to(x_u + e_u, dt)
+        expected[unsure] = _round_to(x_u, dt)
+    return _counts(w, lo, hi, expected)

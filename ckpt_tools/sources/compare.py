@@ -27,14 +27,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from ..core.accel import load_accelerator
 from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
-from ..core.tensor_math import LoraFactors64, MergeCheck, check_merged_values, lora_bound_rows
+from ..core.tensor_math import LoraFactors64, MergeCheck, check_merged_values_bounded
 from .base import Source, TensorFacts
 
 # Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the torch statistics alone.
@@ -44,7 +44,7 @@ __all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch"
            "identical_chunk_stats", "reference_chunk_stats", "accelerator", "DeltaStats", "chunk_map", "shared_names",
            "block_ranges", "stat_chunks", "block_chunks", "chunk_scratch_bytes", "read_chunk", "read_block",
            "stream_stats", "tensors_identical",
-           "identical", "value_check_chunk"]
+           "identical", "value_check_chunk", "block_stats", "FactorBuffers", "factor_buffers"]
 
 # Elements per block of a tensor's statistics (`block_bytes` of the wider side), each folded in
 # STATS_BLOCK_ELEMS pieces: 2 MB of fp64 per temporary, which stays in the CPU's cache.
@@ -77,7 +77,7 @@ class Scratch(threading.local):
 
     def __init__(self) -> None:
         self._tensors: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-        self._bytes: dict[str, dict[int, tuple[bytearray, torch.Tensor]]] = {}
+        self._bytes: dict[str, tuple[memoryview, torch.Tensor]] = {}
 
     def tensor(self, role: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         """The first `n` elements of this thread's `role` buffer (starting at its aligned start)."""
@@ -86,19 +86,15 @@ class Scratch(threading.local):
             t = self._tensors[(role, dtype)] = torch.empty(max(n, 1), dtype=dtype)
         return t[:n]
 
-    def bytes(self, role: str, n: int) -> tuple[bytearray, torch.Tensor]:
-        """A bytearray of exactly `n` bytes (so that == of two is one memcmp: a slice would be a copy,
-        36x the memcmp at 512 KB) and a uint8 tensor over it. The last few sizes are kept per role:
-        a tensor's full chunks share one size, its last chunk is the odd one."""
-        sizes = self._bytes.setdefault(role, {})
-        got = sizes.pop(n, None)
-        if got is None:
-            buf = bytearray(n)
-            got = (buf, torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8))
-            while len(sizes) >= 4:
-                sizes.pop(next(iter(sizes)))
-        sizes[n] = got   # (most recent last)
-        return got
+    def bytes(self, role: str, n: int) -> tuple[memoryview, torch.Tensor]:
+        """The first `n` bytes of this thread's `role` buffer, as a memoryview and a uint8 tensor over them: one
+        buffer per role, grown to the largest block asked for (so what a worker holds is counted by
+        `chunk_scratch_bytes`, whatever the mix of block sizes it is handed)."""
+        got = self._bytes.get(role)
+        if got is None or len(got[0]) < n:
+            buf = bytearray(max(n, 1))
+            got = self._bytes[role] = (memoryview(buf), torch.frombuffer(buf, dtype=torch.uint8))
+        return got[0][:n], got[1][:n]
 
 
 _SCRATCH = Scratch()
@@ -276,15 +272,21 @@ def stat_chunks(numel: int, block_elems: int) -> Iterator[tuple[int, int]]:
 
 
 def chunk_scratch_bytes(*itemsizes: int, block_bytes: int = BLOCK_BYTES) -> int:
-    """What one thread's `Scratch` holds at most for chunked comparisons of sides with these item
-    sizes: a block of each side's bytes (`read_block`), a chunk's upcast, the xors, two fp64 temporaries."""
+    """What one thread's `Scratch` holds at most for chunked comparisons of sides with these item sizes: a
+    block of each side's bytes (`read_block`); for sides of two dtypes, a chunk of each upcast; without the C
+    kernels, the torch statistics' temporaries too (the xors, two fp64 chunks)."""
     widest = max(itemsizes, default=8)
-    return (block_bytes // widest) * sum(itemsizes) + STATS_BLOCK_ELEMS * (3 * sum(itemsizes) + 2 * widest + 16)
+    held = (block_bytes // widest) * sum(itemsizes)
+    if len(set(itemsizes)) > 1:
+        held += STATS_BLOCK_ELEMS * 2 * 8
+    if accelerator is None:
+        held += STATS_BLOCK_ELEMS * (3 * sum(itemsizes) + 2 * widest + 16)
+    return held
 
 
-def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -> tuple[bytearray, torch.Tensor]:
-    """Elements [start, start + n) of `facts.name` into this thread's `role` buffer: (the bytearray,
-    a tensor of the tensor's dtype over its first n elements)."""
+def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -> tuple[memoryview, torch.Tensor]:
+    """Elements [start, start + n) of `facts.name` into this thread's `role` buffer: (its bytes, a tensor of
+    the tensor's dtype over them)."""
     nbytes = n * facts.itemsize
     raw, u8 = _SCRATCH.bytes(role, nbytes)
     if nbytes:
@@ -292,26 +294,72 @@ def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -
     return raw, u8.view(torch_dtype(facts.dtype))
 
 
+class FactorBuffers(NamedTuple):
+    """A tensor's factors and norms as byte buffers for the C kernel (made once per tensor: a view of a tensor
+    as a buffer costs microseconds with the GIL held)."""
+    left: Any
+    right: Any
+    left_norms: Any
+    right_norms: Any
+    rank: int
+
+
+def factor_buffers(f: LoraFactors64) -> FactorBuffers:
+    return FactorBuffers(_raw(f.left.reshape(-1)), _raw(f.right.reshape(-1)), _raw(f.left_norms), _raw(f.right_norms),
+                         f.rank)
+
+
 def value_check_chunk(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, factors: LoraFactors64, r0: int,
-                      first: int, scale: float, *, w_raw=None, w0_raw=None) -> MergeCheck:
-    """`core.tensor_math.check_merged_values` of one chunk: elements [first, first + n) of the row block that
-    starts at row `r0` (`prod`: the chunk's fp64 P), in one pass of the C kernel with the GIL released (the
-    bound computed per element, never stored) where it covers W's dtype (bf16, fp32), else the torch
-    definition over the chunk's rows. `w_raw`/`w0_raw`: the chunks' bytearrays as `read_chunk` read them."""
+                      first: int, scale: float, *, w_raw=None, w0_raw=None,
+                      factors_raw: FactorBuffers | None = None) -> MergeCheck:
+    """`core.tensor_math.check_merged_values`' counts for one chunk: elements [first, first + n) of the row block
+    that starts at row `r0` (`prod`: the chunk's fp64 P, by any kernel), in one pass of the C kernel with the GIL
+    released (the bound and margin computed per element, never stored) where it covers W's dtype (bf16, fp32),
+    else `check_merged_values_bounded` in torch. `w_raw`/`w0_raw`: the chunks' bytes as `read_block` read them
+    (a view of a tensor as a buffer costs microseconds with the GIL held)."""
     n, cols = w.numel(), int(factors.right_norms.numel())
-    rows = (r0 + first // cols, r0 + (first + n + cols - 1) // cols) if n else (r0, r0)
     code_w = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
     code_w0 = _DTYPE_CODES.get(w0.dtype)
     if code_w in (0, 2) and code_w0 is not None and prod.dtype == torch.float64 and prod.is_contiguous():
+        lo, hi = (r0 + first // cols, r0 + (first + n + cols - 1) // cols) if n else (r0, r0)
+        fb = factors_raw or factor_buffers(factors)
         got = accelerator.value_check(w_raw if w_raw is not None else _raw(w), code_w,
                                       w0_raw if w0_raw is not None else _raw(w0), code_w0, _raw(prod),
-                                      _raw(factors.left_norms[rows[0]:rows[1]]), _raw(factors.right_norms),
+                                      fb.left_norms[8 * lo:8 * hi], fb.right_norms,
+                                      fb.left[8 * fb.rank * lo:8 * fb.rank * hi], fb.right,
                                       first % cols, cols, float(scale), factors.gamma)
         if got is not None:
             return MergeCheck(*got)
-    lead = first % cols
-    bound = lora_bound_rows(factors, *rows)[lead:lead + n]
-    return check_merged_values(w, w0, prod, bound, scale)
+    found = MergeCheck()   # (the torch path over statistics chunks: its fp64 temporaries stay a few MiB)
+    for s, k in block_chunks(n) or [(0, 0)]:
+        found.fold(check_merged_values_bounded(w[s:s + k], w0[s:s + k], prod[s:s + k], factors, r0, first + s, scale))
+    return found
+
+
+def block_stats(xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *,
+                skip_identical: bool = False) -> list[ChunkStats] | None:
+    """The statistics chunks of one block (`block_chunks`) as `read_block` read both sides (bytes and tensors),
+    in one C call where both sides share a dtype it covers (the Python around each call holds the GIL: one per
+    block, not two or three per chunk), else chunk by chunk in the common dtype `ct`. `skip_identical` (same
+    dtypes): each chunk's bytes compared first; an identical chunk adds only ||W0||^2, and a block whose
+    chunks are all identical gives None."""
+    code = _DTYPE_CODES.get(w.dtype) if accelerator is not None and w.dtype == w0.dtype else None
+    if code is not None:
+        got = accelerator.block_stats(xw, xb, code, STATS_BLOCK_ELEMS, skip_identical)
+        if got is True:
+            return None
+        if got is not None:
+            return [ChunkStats(min(STATS_BLOCK_ELEMS, w.numel() - i * STATS_BLOCK_ELEMS), *c) for i, c in enumerate(got)]
+    chunks = block_chunks(w.numel())
+    if skip_identical and w.dtype == w0.dtype:
+        size = w.element_size()
+        same = [_same_bytes(xw[s * size:(s + k) * size], xb[s * size:(s + k) * size]) for s, k in chunks]
+        if all(same):
+            return None
+        return [_identical_chunk_stats_read(xb[s * size:(s + k) * size], w0[s:s + k]) if eq else
+                _chunk_stats_read(xw[s * size:(s + k) * size], xb[s * size:(s + k) * size], w[s:s + k], w0[s:s + k])
+                for (s, k), eq in zip(chunks, same)]
+    return [chunk_stats(_as(w[s:s + k], ct, "w_ct"), _as(w0[s:s + k], ct, "w0_ct")) for s, k in chunks]
 
 
 def _same_bytes(a: memoryview, b: memoryview) -> bool:
@@ -340,8 +388,7 @@ def read_block(src: Source, facts: TensorFacts, start: int, n: int, role: str) -
     """`read_chunk` of a whole block (one read per side, however many statistics chunks it holds: the
     Python around each read holds the GIL, and at 16 threads reads of 512 KB serialized on it), as a
     memoryview (sliced per chunk at no cost) and a tensor of the tensor's dtype."""
-    raw, t = read_chunk(src, facts, start, n, role)
-    return memoryview(raw), t
+    return read_chunk(src, facts, start, n, role)
 
 
 def block_chunks(n: int) -> list[tuple[int, int]]:
@@ -366,13 +413,7 @@ def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BL
         def raw(block: tuple[int, int]) -> list[ChunkStats] | None:
             xw, w = read_block(weights, fw, *block, "w")
             xb, w0 = read_block(base, fb, *block, "w0")
-            chunks = block_chunks(block[1])
-            same = [_same_bytes(xw[s * size:(s + k) * size], xb[s * size:(s + k) * size]) for s, k in chunks]
-            if all(same):
-                return None
-            return [_identical_chunk_stats_read(xb[s * size:(s + k) * size], w0[s:s + k]) if eq else
-                    _chunk_stats_read(xw[s * size:(s + k) * size], xb[s * size:(s + k) * size], w[s:s + k],
-                                      w0[s:s + k]) for (s, k), eq in zip(chunks, same)]
+            return block_stats(xw, xb, w, w0, ct, skip_identical=True)
 
         def base_only(block: tuple[int, int]) -> list[ChunkStats]:
             xb, w0 = read_block(base, fb, *block, "w0")
@@ -387,10 +428,9 @@ def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BL
             parts[i] = part
     else:
         def upcast(block: tuple[int, int]) -> list[ChunkStats]:
-            w_all = read_block(weights, fw, *block, "w")[1]
-            w0_all = read_block(base, fb, *block, "w0")[1]
-            return [chunk_stats(_as(w_all[s:s + k], ct, "w_ct"), _as(w0_all[s:s + k], ct, "w0_ct"))
-                    for s, k in block_chunks(block[1])]
+            xw, w_all = read_block(weights, fw, *block, "w")
+            xb, w0_all = read_block(base, fb, *block, "w0")
+            return block_stats(xw, xb, w_all, w0_all, ct)
 
         parts = chunk_map(pool, upcast, blocks)
     st = DeltaStats()

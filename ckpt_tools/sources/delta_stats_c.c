@@ -21,6 +21,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -378,23 +379,109 @@ static PyObject *py_same_bytes(PyObject *self, PyObject *args) {
     return PyBool_FromLong(same);
 }
 
-/* ---- the adapter check by value, one chunk in one pass (compare.py: merged_values_check) ----
+/* A block's statistics in one call: its chunks (`chunk` elements each, the last one shorter) each compared
+ * bytewise first when `skip_identical` (an identical chunk adds ||W0||^2 alone, `base_sq`, as compare.py's
+ * `identical_chunk_stats`), else through `chunk_stats`. One call per block rather than two or three per
+ * chunk: the Python around each call holds the GIL, and at 16 workers that was what they queued on. */
+static PyObject *chunk_tuple(const Stats *st) {
+    return Py_BuildValue("LddLdO", (long long)st->changed, st->base_sq, st->delta_sq, (long long)st->nonfinite,
+                         st->max_abs, st->finite ? Py_True : Py_False);
+}
+
+static PyObject *py_block_stats(PyObject *self, PyObject *args) {
+    Py_buffer w, w0;
+    int code, skip_identical;
+    Py_ssize_t chunk;
+    if (!PyArg_ParseTuple(args, "y*y*inp", &w, &w0, &code, &chunk, &skip_identical)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = elements(&w, code);
+    if (n >= 0 && (w.len != w0.len || chunk < 1)) {
+        PyErr_Format(PyExc_ValueError, "block_stats: buffers of %zd and %zd bytes, chunks of %zd", w.len, w0.len,
+                     chunk);
+        n = -1;
+    }
+    if (n >= 0 && !(readable(&w, code) && readable(&w0, code))) {
+        result = Py_NewRef(Py_None);
+        n = -1;
+    }
+    if (n >= 0) {
+        Py_ssize_t chunks = n ? (n + chunk - 1) / chunk : 0, size = ITEMSIZE[code];
+        Stats *st = PyMem_Calloc(chunks ? chunks : 1, sizeof(Stats));
+        int all_same = 1;
+        if (st == NULL) {
+            PyErr_NoMemory();
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t c = 0; c < chunks; c++) {
+                Py_ssize_t s = c * chunk, k = n - s < chunk ? n - s : chunk;
+                const char *a = (const char *)w.buf + s * size, *b = (const char *)w0.buf + s * size;
+                if (skip_identical && memcmp(a, b, (size_t)(k * size)) == 0) {
+                    st[c].base_sq = BASE_KERNELS[code](b, k);
+                    st[c].finite = isfinite(st[c].base_sq);
+                    st[c].changed = -1;   /* (identical: filled below) */
+                } else {
+                    all_same = 0;
+                    CHUNK_KERNELS[code](a, b, k, &st[c]);
+                }
+            }
+            Py_END_ALLOW_THREADS
+            if (skip_identical && all_same) {
+                result = Py_NewRef(Py_None);
+            } else if ((result = PyList_New(chunks)) != NULL) {
+                for (Py_ssize_t c = 0; c < chunks; c++) {
+                    if (st[c].changed < 0) {
+                        st[c].changed = st[c].nonfinite = 0;
+                        st[c].delta_sq = st[c].max_abs = 0.0;
+                    }
+                    PyObject *t = chunk_tuple(&st[c]);
+                    if (t == NULL) {
+                        Py_CLEAR(result);
+                        break;
+                    }
+                    PyList_SET_ITEM(result, c, t);
+                }
+            }
+            PyMem_Free(st);
+        }
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&w0);
+    return result;
+}
+
+/* ---- the adapter check by value (core/tensor_math.py: check_merged_values defines it) ----
  *
- * The definition is core/tensor_math.check_merged_values (torch); this is the same sequence of IEEE
- * operations per element, nothing fused (-ffp-contract=off), so both give the same counts:
+ * Per element, with P the product in its one fixed order (`canonical_p`: p = 0, then p = p + L_ik * R_kj for
+ * k = 0 .. r-1, each a rounded fp64 operation, nothing fused):
  *   sp = P * s;  x = W0 + sp;  bound = (|L_i| * |R_j|) * gamma;  e = ((|sp| + |x|) * u + bound * |s|) * 2
  *   lo = round(x - e), hi = round(x + e), expected = round(x)  (fp64 -> fp32 -> W's dtype, as torch's .to())
- *   off: W outside [lo, hi]; tie: lo != hi; max_ulps: over the off elements whose expected value is
- *   finite, |W - expected| in ulps.
+ *   off: W outside [lo, hi]; tie: lo != hi; max_ulps: over the off elements whose expected value is finite,
+ *   |W - expected| in ulps.
+ * The P given (`prod`) is any fp64 product (any BLAS kernel, blocking or threads, a GPU's): it is within
+ * 2 * gamma64_r * |L_i| * |R_j| of the fixed-order one. So each rounding is made at both ends of a margin m
+ * (`margin`) that covers that difference and every fp64 rounding after it: where both ends round alike, that
+ * is the fixed-order P's rounding too (rounding is monotone); where they do not (a value within m, ~1e-15
+ * relative, of a rounding boundary), the fixed-order P is computed for that element. The counts are thus a
+ * function of W, W0, the factors and s alone, whatever computed P: the same from any BLAS and on a GPU
+ * (tensor_math.check_merged_values_bounded is this in torch).
+ *
+ * The pass over most elements is branch-free (`fast_*`: the compiler vectorizes it, with AVX2 / AVX-512
+ * clones where the CPU has them; the same IEEE operations in every clone, -ffp-contract=off); a run of
+ * SEGMENT elements with anything unusual in it (an element off, a rounding within the margin, a non-finite
+ * bound) is done again element by element (`slow_*`), which also gives max_ulps.
  * W is bf16 or fp32 here (any other dtype: None, the torch path); W0 any of the four dtypes. */
+static inline double round_w(double x, int code) {   /* branch-free, as bf16_from_f32 */
+    float f = (float)x;
+    if (code != BF16) return (double)f;
+    uint32_t u = bits_from_f32(f);
+    uint32_t r = (u + (((u >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
+    uint32_t nan = -(uint32_t)((u & 0x7fffffffu) > 0x7f800000u);   /* (a mask, not a branch: vectorized) */
+    return (double)f32_from_bits((r & ~nan) | (0x7fc00000u & nan));
+}
 static inline uint16_t bf16_from_f32(float f) {   /* c10's round_to_nearest_even */
     if (isnan(f)) return 0x7fc0;
     uint32_t u = bits_from_f32(f);
     return (uint16_t)((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
-}
-static inline double round_to(double x, int code) {
-    float f = (float)x;
-    return code == BF16 ? (double)f32_from_bits((uint32_t)bf16_from_f32(f) << 16) : (double)f;
 }
 static inline int64_t monotone_bits(double v, int code) {   /* tensor_math.ulps_apart's integer line */
     float f = (float)v;
@@ -411,57 +498,147 @@ typedef struct {
     int finite;
 } ValueCheck;
 
+typedef struct {
+    double scale, abs_s, gamma;   /* s, |s|, gamma_r of fp32 */
+    double k_prod, k_round;       /* the margin: m = (|L_i| |R_j|) k_prod + (|sp| + |x| + e) k_round + MARGIN_FLOOR */
+    const double *left;           /* L's rows of the chunk, [rows, rank] */
+    const double *right;          /* R, [rank, cols] */
+    Py_ssize_t rank, cols;
+} Ctx;
+
+#define U32 5.9604644775390625e-08   /* 2^-24 */
+#define SEGMENT 256
+/* (subnormal results carry an absolute error of up to 2^-1075 per operation) */
+#define MARGIN_FLOOR 0x1p-1060
+
+static Ctx make_ctx(double scale, double gamma, const double *left, const double *right, Py_ssize_t rank,
+                    Py_ssize_t cols) {
+    Ctx c;
+    double ru = (double)rank * 0x1p-53;
+    c.scale = scale;
+    c.abs_s = fabs(scale);
+    c.gamma = gamma;
+    /* |P_given - P_fixed| <= 2 gamma64_r |L_i| |R_j| (both within gamma64_r sum_k |L_ik R_kj| of the exact
+     * product, for any order, FMA or not), doubled for the norms' own rounding; the roundings of sp, x, e and
+     * x -/+ e move the result by at most 16 u64 (|sp| + |x| + e): doubled, 2^-48. */
+    c.k_prod = 4.0 * c.abs_s * (ru / (1.0 - ru));
+    c.k_round = 0x1p-48;
+    c.left = left;
+    c.right = right;
+    c.rank = rank;
+    c.cols = cols;
+    return c;
+}
+
+static inline double canonical_p(const Ctx *c, Py_ssize_t row, Py_ssize_t col) {
+    const double *l = c->left + row * c->rank;
+    double p = 0.0;
+    for (Py_ssize_t k = 0; k < c->rank; k++) p = p + l[k] * c->right[k * c->cols + col];
+    return p;
+}
+
 static inline double load_w_bf16(const void *p, Py_ssize_t i) { return load_bf16(p, i); }
 static inline double load_w_fp32(const void *p, Py_ssize_t i) { return load_fp32(p, i); }
 static inline int64_t w_bits_bf16(const void *p, Py_ssize_t i) { return (int16_t)((const uint16_t *)p)[i]; }
 static inline int64_t w_bits_fp32(const void *p, Py_ssize_t i) { return (int32_t)((const uint32_t *)p)[i]; }
 
-/* One kernel per (W dtype, W0 dtype): the loads inlined. Most elements are no tie (lo == hi), and then
- * round(x) == lo (rounding is monotone and x lies in [x - e, x + e]): round(x) is computed only for the
- * others. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* One kernel pair per (W dtype, W0 dtype), the loads inlined. `fast`: elements [k0, k1) of one row (li its
+ * |L_i|, rj[k] the |R_j| of element k), 1 when any element needs `slow`, else the ties added to *ties. */
 #define DEFINE_VALUE_CHECK(WN, WCODE, BN)                                                          \
-    static void value_check_##WN##_##BN(const void *w, const void *w0, const double *prod,         \
-                                        Py_ssize_t n, const double *left, const double *right,     \
-                                        Py_ssize_t first, Py_ssize_t cols, double scale,           \
-                                        double gamma, ValueCheck *out) {                           \
-        const double u = 5.9604644775390625e-08; /* 2^-24 */                                       \
-        const double abs_s = fabs(scale);                                                          \
+    VECTOR_CLONES                                                                                  \
+    static int fast_##WN##_##BN(const void *w, const void *w0, const double *prod, const double *rj, \
+                                double li, Py_ssize_t k0, Py_ssize_t k1, const Ctx *c,             \
+                                int64_t *ties) {                                                   \
+        const double s = c->scale, abs_s = c->abs_s, gamma = c->gamma;                             \
+        const double kp = c->k_prod, kr = c->k_round;                                              \
+        int64_t t = 0, bad = 0;                                                                    \
+        for (Py_ssize_t k = k0; k < k1; k++) {                                                     \
+            double sp = prod[k] * s;                                                               \
+            double x = load_##BN(w0, k) + sp;                                                      \
+            double lr = li * rj[k];                                                                \
+            double mag = fabs(sp) + fabs(x);                                                       \
+            double e = (mag * U32 + (lr * gamma) * abs_s) * 2.0;                                   \
+            double m = (lr * kp + (mag + e) * kr) + MARGIN_FLOOR;                                  \
+            double a = x - e, b = x + e;                                                           \
+            double lo1 = round_w(a - m, WCODE), lo2 = round_w(a + m, WCODE);                       \
+            double hi1 = round_w(b - m, WCODE), hi2 = round_w(b + m, WCODE);                       \
+            double wv = load_w_##WN(w, k);                                                         \
+            int64_t fine = (lo1 == lo2) & (hi1 == hi2) & (wv >= lo1) & (wv <= hi1) &               \
+                           (fabs(lo1) <= DBL_MAX) & (fabs(hi1) <= DBL_MAX);                        \
+            bad |= fine ^ 1;                                                                       \
+            t += lo1 != hi1;                                                                       \
+        }                                                                                          \
+        if (bad) return 1;                                                                         \
+        *ties += t;                                                                                \
+        return 0;                                                                                  \
+    }                                                                                              \
+    static void slow_##WN##_##BN(const void *w, const void *w0, const double *prod, const double *rj, \
+                                 double li, Py_ssize_t k0, Py_ssize_t k1, Py_ssize_t lrow,         \
+                                 Py_ssize_t col0, const Ctx *c, ValueCheck *out) {                 \
+        const double s = c->scale, abs_s = c->abs_s, gamma = c->gamma;                             \
         const int64_t top = WCODE == BF16 ? 32768 : 2147483648LL;                                  \
-        int64_t off = 0, ties = 0, max_ulps = 0;                                                   \
-        int finite = 1;                                                                            \
-        Py_ssize_t k = 0;                                                                          \
+        for (Py_ssize_t k = k0; k < k1; k++) {                                                     \
+            double w0v = load_##BN(w0, k);                                                         \
+            double sp = prod[k] * s;                                                               \
+            double x = w0v + sp;                                                                   \
+            double lr = li * rj[k];                                                                \
+            double mag = fabs(sp) + fabs(x);                                                       \
+            double e = (mag * U32 + (lr * gamma) * abs_s) * 2.0;                                   \
+            double m = (lr * c->k_prod + (mag + e) * c->k_round) + MARGIN_FLOOR;                   \
+            double lo = round_w((x - e) - m, WCODE), hi = round_w((x + e) + m, WCODE), ex = lo;    \
+            int sure = lo == round_w((x - e) + m, WCODE) && hi == round_w((x + e) - m, WCODE);     \
+            if (sure && lo != hi) {                                                                \
+                ex = round_w(x - m, WCODE);                                                        \
+                sure = ex == round_w(x + m, WCODE);                                                \
+            }                                                                                      \
+            if (!sure) {   /* within the margin of a boundary: the fixed-order product decides */  \
+                sp = canonical_p(c, lrow, col0 + (k - k0)) * s;                                    \
+                x = w0v + sp;                                                                      \
+                e = ((fabs(sp) + fabs(x)) * U32 + (lr * gamma) * abs_s) * 2.0;                     \
+                lo = round_w(x - e, WCODE);                                                        \
+                hi = round_w(x + e, WCODE);                                                        \
+                ex = round_w(x, WCODE);                                                            \
+            }                                                                                      \
+            double wv = load_w_##WN(w, k);                                                         \
+            if (lo != hi) out->ties++;                                                             \
+            if (!isfinite(ex)) out->finite = 0;                                                    \
+            if (!(wv >= lo && wv <= hi)) {                                                         \
+                out->off++;                                                                        \
+                if (!isfinite(ex)) continue;   /* (a NaN's bits are the kernel's choice) */        \
+                int64_t wb = w_bits_##WN(w, k);                                                    \
+                wb = wb < 0 ? -(wb + top) : wb;                                                    \
+                int64_t d = wb - monotone_bits(ex, WCODE);                                         \
+                if (d < 0) d = -d;                                                                 \
+                if (d > out->max_ulps) out->max_ulps = d;                                          \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    static void value_check_##WN##_##BN(const void *w, const void *w0, const double *prod,         \
+                                        Py_ssize_t n, const double *left_norms,                    \
+                                        const double *right_norms, Py_ssize_t first,               \
+                                        const Ctx *c, ValueCheck *out) {                           \
+        out->off = out->ties = out->max_ulps = 0;                                                  \
+        out->finite = 1;                                                                           \
+        Py_ssize_t k = 0, cols = c->cols;                                                          \
         while (k < n) {                                                                            \
             Py_ssize_t row = (first + k) / cols, col = (first + k) % cols;                         \
             Py_ssize_t stop = k + (cols - col) < n ? k + (cols - col) : n;                         \
-            const double li = left[row];                                                           \
-            const double *rj = right + col - k;                                                    \
-            for (; k < stop; k++) {                                                                \
-                double sp = prod[k] * scale;                                                       \
-                double x = load_##BN(w0, k) + sp;                                                  \
-                double bound = (li * rj[k]) * gamma;                                               \
-                double e = ((fabs(sp) + fabs(x)) * u + bound * abs_s) * 2.0;                       \
-                double lo = round_to(x - e, WCODE), hi = round_to(x + e, WCODE), ex = lo;          \
-                double wv = load_w_##WN(w, k);                                                     \
-                if (lo != hi) {                                                                    \
-                    ties++;                                                                        \
-                    ex = round_to(x, WCODE);                                                       \
-                }                                                                                  \
-                if (!isfinite(ex)) finite = 0;                                                     \
-                if (!(wv >= lo && wv <= hi)) {                                                     \
-                    off++;                                                                         \
-                    if (!isfinite(ex)) continue;   /* (a NaN's bits are the kernel's choice) */    \
-                    int64_t wb = w_bits_##WN(w, k);                                                \
-                    wb = wb < 0 ? -(wb + top) : wb;                                                \
-                    int64_t d = wb - monotone_bits(ex, WCODE);                                     \
-                    if (d < 0) d = -d;                                                             \
-                    if (d > max_ulps) max_ulps = d;                                                \
-                }                                                                                  \
+            const double li = left_norms[row];                                                     \
+            const double *rj = right_norms + col - k;                                              \
+            const Py_ssize_t k_row = k;                                                            \
+            for (; k < stop; k += SEGMENT) {                                                       \
+                Py_ssize_t end = k + SEGMENT < stop ? k + SEGMENT : stop;                          \
+                if (fast_##WN##_##BN(w, w0, prod, rj, li, k, end, c, &out->ties))                  \
+                    slow_##WN##_##BN(w, w0, prod, rj, li, k, end, row, col + (k - k_row), c, out); \
             }                                                                                      \
+            k = stop;                                                                              \
         }                                                                                          \
-        out->off = off;                                                                            \
-        out->ties = ties;                                                                          \
-        out->max_ulps = max_ulps;                                                                  \
-        out->finite = finite;                                                                      \
     }
 
 DEFINE_VALUE_CHECK(bf16, BF16, bf16)
@@ -474,40 +651,45 @@ DEFINE_VALUE_CHECK(fp32, FP32, fp32)
 DEFINE_VALUE_CHECK(fp32, FP32, fp64)
 
 typedef void (*ValueKernel)(const void *, const void *, const double *, Py_ssize_t, const double *,
-                            const double *, Py_ssize_t, Py_ssize_t, double, double, ValueCheck *);
+                            const double *, Py_ssize_t, const Ctx *, ValueCheck *);
 static const ValueKernel VALUE_KERNELS[2][N_CODES] = {
     {value_check_bf16_bf16, value_check_bf16_fp16, value_check_bf16_fp32, value_check_bf16_fp64},
     {value_check_fp32_bf16, value_check_fp32_fp16, value_check_fp32_fp32, value_check_fp32_fp64},
 };
 
 static PyObject *py_value_check(PyObject *self, PyObject *args) {
-    Py_buffer w, w0, prod, left, right;
+    Py_buffer w, w0, prod, left_norms, right_norms, left, right;
     int w_code, w0_code;
     Py_ssize_t first, cols;
     double scale, gamma;
-    if (!PyArg_ParseTuple(args, "y*iy*iy*y*y*nndd", &w, &w_code, &w0, &w0_code, &prod, &left, &right, &first,
-                          &cols, &scale, &gamma))
+    if (!PyArg_ParseTuple(args, "y*iy*iy*y*y*y*y*nndd", &w, &w_code, &w0, &w0_code, &prod, &left_norms,
+                          &right_norms, &left, &right, &first, &cols, &scale, &gamma))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = elements(&w, w_code);
     Py_ssize_t n0 = n >= 0 ? elements(&w0, w0_code) : -1;
     Py_ssize_t np = n0 >= 0 ? elements(&prod, FP64) : -1;
-    Py_ssize_t nl = np >= 0 ? elements(&left, FP64) : -1;
-    Py_ssize_t nr = nl >= 0 ? elements(&right, FP64) : -1;
-    if (nr >= 0 && (n0 != n || np != n || cols < 1 || nr != cols || first < 0 ||
-                    (n && (first + n - 1) / cols >= nl))) {
+    Py_ssize_t nl = np >= 0 ? elements(&left_norms, FP64) : -1;
+    Py_ssize_t nr = nl >= 0 ? elements(&right_norms, FP64) : -1;
+    Py_ssize_t nf = nr >= 0 ? elements(&left, FP64) : -1;
+    Py_ssize_t ng = nf >= 0 ? elements(&right, FP64) : -1;
+    Py_ssize_t rank = ng > 0 && cols > 0 ? ng / cols : 0;
+    if (ng >= 0 && (n0 != n || np != n || cols < 1 || nr != cols || first < 0 || rank < 1 || rank * cols != ng ||
+                    nf != nl * rank || (n && (first + n - 1) / cols >= nl))) {
         PyErr_SetString(PyExc_ValueError, "value_check: the buffers do not describe one chunk of the block");
-        nr = -1;
+        ng = -1;
     }
-    if (nr >= 0 && ((w_code != BF16 && w_code != FP32) || !readable(&w, w_code) || !readable(&w0, w0_code) ||
-                    !readable(&prod, FP64) || !readable(&left, FP64) || !readable(&right, FP64))) {
+    if (ng >= 0 && ((w_code != BF16 && w_code != FP32) || !readable(&w, w_code) || !readable(&w0, w0_code) ||
+                    !readable(&prod, FP64) || !readable(&left_norms, FP64) || !readable(&right_norms, FP64) ||
+                    !readable(&left, FP64) || !readable(&right, FP64))) {
         result = Py_NewRef(Py_None);
-    } else if (nr >= 0) {
+    } else if (ng >= 0) {
         ValueCheck vc;
+        Ctx c = make_ctx(scale, gamma, (const double *)left.buf, (const double *)right.buf, rank, cols);
         Py_BEGIN_ALLOW_THREADS
         VALUE_KERNELS[w_code == FP32][w0_code](w.buf, w0.buf, (const double *)prod.buf, n,
-                                               (const double *)left.buf, (const double *)right.buf, first, cols,
-                                               scale, gamma, &vc);
+                                               (const double *)left_norms.buf, (const double *)right_norms.buf,
+                                               first, &c, &vc);
         Py_END_ALLOW_THREADS
         result = Py_BuildValue("LLLO", (long long)vc.off, (long long)vc.ties, (long long)vc.max_ulps,
                                vc.finite ? Py_True : Py_False);
@@ -515,6 +697,8 @@ static PyObject *py_value_check(PyObject *self, PyObject *args) {
     PyBuffer_Release(&w);
     PyBuffer_Release(&w0);
     PyBuffer_Release(&prod);
+    PyBuffer_Release(&left_norms);
+    PyBuffer_Release(&right_norms);
     PyBuffer_Release(&left);
     PyBuffer_Release(&right);
     return result;
@@ -530,11 +714,15 @@ static PyMethodDef methods[] = {
     {"base_sq", py_base_sq, METH_VARARGS,
      "base_sq(w0, code) -> sum of fp64(w0)^2 over every element (non-finite where inf/nan are), in the "
      "same order as chunk_stats's; None for a buffer not aligned to its elements."},
+    {"block_stats", py_block_stats, METH_VARARGS,
+     "block_stats(w, w0, code, chunk, skip_identical) -> a list of chunk_stats tuples, one per chunk of `chunk` "
+     "elements (an identical chunk's from base_sq alone when skip_identical), None when skip_identical and every "
+     "chunk is identical, or None for a buffer not aligned to its elements (use the torch path)."},
     {"value_check", py_value_check, METH_VARARGS,
-     "value_check(w, w_code, w0, w0_code, prod, left_norms, right_norms, first, cols, scale, gamma) -> (off, "
-     "ties, max_ulps, finite): core.tensor_math.check_merged_values over one chunk (elements [first, first + n) "
-     "of a row block whose row norms are left_norms), the bound computed per element; None where W is not bf16 "
-     "or fp32 or a buffer is not aligned (use the torch path)."},
+     "value_check(w, w_code, w0, w0_code, prod, left_norms, right_norms, left, right, first, cols, scale, gamma) "
+     "-> (off, ties, max_ulps, finite): core.tensor_math.check_merged_values over one chunk (elements [first, "
+     "first + n) of a row block whose rows of L and their norms are left and left_norms; R [rank, cols]), for any "
+     "fp64 P given; None where W is not bf16 or fp32 or a buffer is not aligned (use the torch path)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,12 +33,16 @@ __all__ = ["command", "render"]
 @click.option("--report", "report_file", type=click.Path(path_type=Path),
               help="Also write the comparison as a self-contained HTML page (changed fraction and max |delta| "
                    "per tensor; the page of `ckpt report`). A new file.")
+@click.option("--device", metavar="cpu|cuda[:N]",
+              help="Where --adapter's value check runs: the CPU's cores (the default), or a CUDA GPU (the expected "
+                   "values computed there; the same verdicts and counts).")
 @download_option
 @json_option
 @trust_option
 @click.pass_context
 def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, alpha, run_config,
-            targeted_only: bool, top: int, report_file: Path | None, as_json: bool, trust_pickle: bool) -> None:
+            targeted_only: bool, top: int, report_file: Path | None, device: str | None, as_json: bool,
+            trust_pickle: bool) -> None:
     """Tell whether WEIGHTS differ from BASE, tensor by tensor; with --adapter, whether WEIGHTS is
     exactly BASE + the LoRA.
 
@@ -59,7 +63,7 @@ def command(ctx: click.Context, weights: str, base: str, adapter: Path | None, a
     with progress_line(not as_json) as bar:
         report = api.diff_vs_base(weights, base, adapter=adapter, alpha=alpha, run_config=run_config,
                                   targeted_only=targeted_only, trust_pickle=trust_pickle, progress=bar,
-                                  page=report_file)
+                                  page=report_file, device=device)
     if report_file is not None and not as_json:
         click.echo(f"wrote {report.page}")
     if as_json:

@@ -12,6 +12,7 @@ from ...sources.base import Source, TensorFacts
 from ...sources.compare import shared_names
 from ...sources.lora import LoraSource, open_lora_source
 from ...sources.open import open_weights
+from .device import resolve_device
 
 __all__ = ["EXIT_DIFFERS", "EXIT_IDENTICAL", "EXIT_ADAPTER_MISMATCH", "IDENTICAL", "IDENTICAL_UPCAST", "DIFFERS",
            "SHAPE_CHANGED", "SKIPPED", "SAME", "TARGETED", "REPLACED", "UNTARGETED", "DiffOptions", "DiffSources",
@@ -42,6 +43,7 @@ class DiffOptions:
     run_config: str | None = None
     targeted_only: bool = False
     trust_pickle: bool = False
+    device: str | None = None    # where the adapter check's value check runs: None / "cpu", or "cuda[:N]"
 
 
 @dataclass
@@ -65,6 +67,11 @@ class DiffSources:
 def open_diff_sources(weights: str | Path, base: str | Path, options: DiffOptions) -> DiffSources:
     if options.adapter is None and (options.alpha is not None or options.run_config is not None):
         raise UsageError("--alpha/--run-config only apply with --adapter")
+    if options.device not in (None, "cpu"):
+        if options.adapter is None:
+            raise UsageError(f"--device {options.device} only applies with --adapter (it runs the adapter check's "
+                             "value check; the plain comparison reads and compares bytes on the CPU)")
+        resolve_device(options.device)   # no such device: refused before anything is opened
     opened = []
     try:
         w = open_weights(weights, trust_pickle=options.trust_pickle)

@@ -18,9 +18,11 @@ With an adapter, each targeted tensor is checked by value: every element of W mu
 (to W's dtype) of W0_32 + s*B@A as any fp32 merge can compute it, whatever its kernel or blocking
 (`core.tensor_math.check_merged_values`: the exact value in fp64, a proven bound on fp32's error, and
 the elements within that bound of a rounding boundary, "ties", where either neighbour passes). P = B@A
-is computed in fp64 by row blocks on every worker. Replaced tensors (modules_to_save) must equal the
-adapter's bit for bit; untargeted tensors must be unchanged. Memory: a byte budget
-(`WORKING_BUDGET_BYTES`) that each unit acquires its working set from (`core.budget.ByteBudget`).
+is computed in fp64 by row blocks on every worker, by any kernel: the counts are those of P in one fixed order
+(`check_merged_values_bounded`), so they do not depend on the BLAS, and `device="cuda"` (`ops.diff.device`)
+gives the same ones from a GPU. Replaced tensors (modules_to_save) must equal the adapter's bit for bit;
+untargeted tensors must be unchanged. Memory: one byte budget (`WORKING_BUDGET_BYTES`) that the workers'
+buffers are set aside from and each unit acquires its working set from (`core.budget.ByteBudget`).
 
 Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is bitwise identical
 (after exact upcast), else ADAPTER_MISMATCH (4) when an adapter check failed, else DIFFERS (0).
@@ -42,9 +44,10 @@ from ...core.progress import Progress, report
 from ...core.tensor_math import MergeCheck, lora_factors_fp64, lora_product_rows_fp64, merge_weight_into, ulps_apart
 from ...dist import Group, SoloGroup, local_workers, map_units, working
 from ...sources.compare import (
-    BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, chunk_map,
-    block_chunks, chunk_scratch_bytes, chunk_stats, common_dtype, read_block, stream_stats, value_check_chunk,
+    BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, block_stats, chunk_map,
+    accelerator, chunk_scratch_bytes, common_dtype, factor_buffers, read_block, stream_stats, value_check_chunk,
 )
+from .device import DeviceCheck, resolve_device, units_of
 from .plan import (
     DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
     SHAPE_CHANGED, SKIPPED, TARGETED, UNTARGETED, DiffOptions, DiffPlan, DiffSources, PairPlan, open_diff_sources,
@@ -144,13 +147,14 @@ def _compare_streaming(weights, base, p: PairPlan, block_bytes: int, pool) -> Te
 _SCRATCH = Scratch()
 
 
-def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
+def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int, pool,
+                              device: DeviceCheck | None = None) -> TensorDiff:
     """A targeted tensor checked by value, block by block on `pool`'s threads: each block of rows gets its
     P = B@A rows in fp64 (any kernel, any threads: the check does not replay the merge's bits) and a
     proven bound on an fp32 product's error; W and W0 are read once, in the statistics' chunks, each
     chunk's share of the statistics of W - W0 computed and its W checked to be a correct rounding of
     W0 + s*P within that bound (`core.tensor_math.check_merged_values`). Memory: the factors in fp64 and
-    one block's P per thread."""
+    one block's P per thread. With `device` (a GPU), the value check runs there (`_device_unit_check`)."""
     spec = lora.modules[p.module]
     check_shapes(tuple(p.base.shape), tuple(spec.a_shape), tuple(spec.b_shape), fan_in_fan_out=spec.fan_in_fan_out,
                  name=p.name)
@@ -161,27 +165,18 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
     cols = fw.shape[1] if len(fw.shape) > 1 else 1
     block_elems = max(cols, max(1, block_bytes // 8) // cols * cols)   # whole rows: P is computed by rows
 
-    def check(block: tuple[int, int]) -> list[tuple[ChunkStats, MergeCheck]]:
-        start, n = block
-        r0, r1 = start // cols, (start + n) // cols
-        prod = lora_product_rows_fp64(factors, r0, r1, out=_SCRATCH.tensor("prod", n, torch.float64))
-        xw_all, w_all = read_block(weights, fw, start, n, "w")
-        xb_all, w0_all = read_block(base, fb, start, n, "w0")
-        iw, ib = fw.itemsize, fb.itemsize
-        out = []
-        for s, k in block_chunks(n):
-            w, w0 = w_all[s:s + k], w0_all[s:s + k]
-            xw, xb = xw_all[s * iw:(s + k) * iw], xb_all[s * ib:(s + k) * ib]
-            part = chunk_stats(w if w.dtype == ct else w.to(ct), w0 if w0.dtype == ct else w0.to(ct))
-            out.append((part, value_check_chunk(w, w0, prod[s:s + k], factors, r0, s, spec.scale, w_raw=xw,
-                                                w0_raw=xb)))
-        return out
-
+    blocks = block_ranges(fw.numel, block_elems)
+    if device is None:
+        check = _cpu_unit_check(weights, base, p, factors, spec.scale, cols, ct)
+        units = units_of(blocks, max(fw.itemsize, fb.itemsize), block_bytes)
+    else:   # the same blocks' statistics; each unit's value check on the GPU
+        check = _device_unit_check(weights, base, p, factors, spec.scale, cols, ct, device)
+        units = units_of(blocks, max(fw.itemsize, fb.itemsize), device.unit_bytes)
     st, found = DeltaStats(), MergeCheck()
-    for parts in chunk_map(pool, check, list(block_ranges(fw.numel, block_elems))):
-        for part, mc in parts:
+    for parts, mc in chunk_map(pool, check, units):
+        for part in parts:
             st.fold(part)
-            found.fold(mc)
+        found.fold(mc)
     if not found.finite:   # the merge would refuse it: the whole-tensor merge raises its error, naming the tensor
         merge_weight_into(torch.empty(fw.shape, dtype=out_dtype), base.read_tensor(p.name), a, b, spec.scale,
                           fan_in_fan_out=spec.fan_in_fan_out, name=p.name)
@@ -193,13 +188,64 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
     return td
 
 
+def _cpu_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: int, ct):
+    """A unit's check on this thread: its blocks (whole rows) read in one piece a side, then per block its P rows
+    (fp64, the BLAS on this thread), its statistics chunks and its value check, one C call each (the Python
+    around each call holds the GIL: a unit of several blocks keeps it to a few percent at 16 workers)."""
+    fw, fb = p.weights, p.base
+    iw, ib = fw.itemsize, fb.itemsize
+    raw_factors = factor_buffers(factors)
+
+    def check(unit: list[tuple[int, int]]) -> tuple[list[ChunkStats], MergeCheck]:
+        start, n = unit[0][0], sum(k for _, k in unit)
+        xw, w = read_block(weights, fw, start, n, "w")
+        xb, w0 = read_block(base, fb, start, n, "w0")
+        parts: list[ChunkStats] = []
+        found = MergeCheck()
+        for s, k in unit:
+            o, r0 = s - start, s // cols
+            prod = lora_product_rows_fp64(factors, r0, (s + k) // cols, out=_SCRATCH.tensor("prod", k, torch.float64))
+            bw, bb, tw, tb = xw[o * iw:(o + k) * iw], xb[o * ib:(o + k) * ib], w[o:o + k], w0[o:o + k]
+            parts += block_stats(bw, bb, tw, tb, ct)
+            found.fold(value_check_chunk(tw, tb, prod, factors, r0, 0, scale, w_raw=bw, w0_raw=bb,
+                                         factors_raw=raw_factors))
+        return parts, found
+
+    return check
+
+
+def _device_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: int, ct, device: DeviceCheck):
+    """A unit's check on the GPU: its blocks read into one of the device's pinned slots, their statistics chunks
+    on this thread (the CPU path's chunks: the same bits), the value check of the whole unit on the device."""
+    fw, fb = p.weights, p.base
+    iw, ib = fw.itemsize, fb.itemsize
+    on_device = device.factors(factors)
+
+    def check(unit: list[tuple[int, int]]) -> tuple[list[ChunkStats], MergeCheck]:
+        start, n = unit[0][0], sum(k for _, k in unit)
+        with device.slot() as (bw, bb):
+            weights.read_span(fw.name, start * iw, bw[:n * iw].numpy())
+            base.read_span(fb.name, start * ib, bb[:n * ib].numpy())
+            xw, xb = memoryview(bw.numpy()), memoryview(bb.numpy())
+            w, w0 = bw[:n * iw].view(torch_dtype(fw.dtype)), bb[:n * ib].view(torch_dtype(fb.dtype))
+            uploaded = device.upload(w, w0)   # (copying while the statistics are computed here)
+            parts: list[ChunkStats] = []
+            for s, k in unit:
+                o = s - start
+                parts += block_stats(xw[o * iw:(o + k) * iw], xb[o * ib:(o + k) * ib], w[o:o + k], w0[o:o + k], ct)
+            return parts, device.check(*uploaded, on_device, start // cols, (start + n) // cols, scale)
+
+    return check
+
+
 def _ulps_result(off: int, max_ulps: int, floating: bool) -> dict:
     if not off:
         return {"ok": True, "max_ulps": 0, "elements_off": 0}
     return {"ok": False, "max_ulps": max_ulps if floating else None, "elements_off": off}
 
 
-def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool) -> TensorDiff:
+def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool,
+                          device: DeviceCheck | None = None) -> TensorDiff:
     """Targeted / replaced tensors. A targeted one streams (`_check_targeted_streaming`); a replaced
     one (modules_to_save) streams its statistics, and W is compared bit for bit with the adapter's
     tensor (read whole: `LoraSource.read_full`) block by block (`_replaced_check`)."""
@@ -209,7 +255,7 @@ def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, po
                             "problem": f"shape {list(p.weights.shape)} != BASE {list(p.base.shape)}"}
         return td
     if p.role == TARGETED:
-        return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool)
+        return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool, device)
     st = stream_stats(weights, base, p.name, block_bytes, skip_identical=p.mode == "raw", pool=pool)
     td = _result(p, _status(p, st), st)
     fw = p.weights
@@ -301,16 +347,19 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
     return "differs", EXIT_DIFFERS, text, adapter_summary
 
 
-# The working set of a rank: what its units hold at once, whatever the model size (peak RSS under
-# 1 GiB: this, torch itself and the reads in flight). Each unit acquires its own estimate from it
-# (`core.budget.ByteBudget`), so the small units run on every worker while a big adapter check waits
-# until its bytes fit; each worker's chunk buffers are set aside from it first.
-WORKING_BUDGET_BYTES = 640 * 2**20
+# The working set of a rank, whatever the model size and the number of cores (peak RSS under 1 GiB: this,
+# torch itself, ~620 MiB with a CUDA build, and the interpreter): first each worker's buffers
+# (`_scratch_bytes`: a block of each side, a targeted block's P) and a GPU's pinned slots are set aside, as many
+# workers as leave UNITS_MIN_BYTES; then each unit acquires what it holds beyond its worker's buffers from the
+# rest (`core.budget.ByteBudget`), so the small units run on every worker while a big one waits until its bytes
+# fit.
+WORKING_BUDGET_BYTES = 352 * 2**20
+UNITS_MIN_BYTES = 64 * 2**20
 
 
-# what one worker holds for a targeted tensor's block beyond its chunk buffers: the block's P and bound
-# (fp64), and over one statistics chunk x, e, W as fp64, the three roundings and the mask
-_VALUE_CHECK_BYTES = 2 * 8 * (BLOCK_BYTES // 8) + (4 * 8 + 3 * 8 + 1) * STATS_BLOCK_ELEMS
+# what one worker holds for a targeted tensor's block beyond its reads: the block's P in fp64 (BLOCK_BYTES);
+# without the C kernel, the torch check's temporaries over one statistics chunk too (about 100 bytes an element)
+_VALUE_CHECK_BYTES = BLOCK_BYTES + (100 * STATS_BLOCK_ELEMS if accelerator is None else 0)
 
 
 def _scratch_bytes(p: PairPlan) -> int:
@@ -330,12 +379,23 @@ def _working_bytes(p: PairPlan, lora) -> int:
     return 4 * numel + 3 * BLOCK_BYTES   # the adapter's tensor (<= fp32); a block of W, its cast and the mask
 
 
+def _one_intra_op_thread() -> None:
+    """A worker's own BLAS and OpenMP threads off: `torch.set_num_threads` is per thread for them (OpenMP's
+    thread count and MKL's are thread-local), so a pool worker's fp64 matmul would otherwise start a team of
+    every core's threads, each worker its own: on 16 cores, 16 teams of 16 spinning threads (the 16-core GPU
+    host's 1.7B --adapter took 25 s of CPU before this)."""
+    torch.set_num_threads(1)
+
+
 def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = None, *,
-             block_bytes: int = BLOCK_BYTES, group: Group | None = None) -> DiffReport:
+             block_bytes: int = BLOCK_BYTES, group: Group | None = None, device: str | None = None) -> DiffReport:
     """Compare every pair (independent units: on this rank's threads, and under torchrun split over the
     ranks by bytes, every rank getting every result); a `ProgressEvent("compare", i, n, unit="tensors",
-    name=...)` after each in order (its `finished` the pair's TensorDiff)."""
+    name=...)` after each in order (its `finished` the pair's TensorDiff). `device` "cuda" (or "cuda:N"): the
+    adapter check's value check on that GPU (`ops.diff.device`), with the same verdicts and counts."""
     weights, base, lora = sources.weights, sources.base, sources.lora
+    on_device = resolve_device(device)
+    checker = DeviceCheck(on_device) if on_device is not None and lora is not None else None
     t0 = time.perf_counter()
     total = len(plan.pairs)
     group = group or SoloGroup()
@@ -347,9 +407,15 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     # Two levels: `threads` units in flight (map_units), and their chunks on one pool of `threads`
     # workers, so a single big tensor uses every core and the units' working sets (the adapter
     # check's P) are what the byte budget admits. Only the pool's workers hold chunk buffers.
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks") if threads > 1 else None
-    scratch = max((_scratch_bytes(p) for p in plan.pairs), default=0)
-    budget = ByteBudget(max(1, WORKING_BUDGET_BYTES - threads * scratch))
+    # Memory by construction: the workers are as many as the working budget affords beside the device's
+    # buffers and the units' minimum, so the total never grows with the cores (nor with the largest tensor:
+    # every unit streams in blocks, and holds from the rest of the budget what it holds beyond its worker's).
+    scratch = max((_scratch_bytes(p) for p in plan.pairs if p.read), default=0)
+    reserved = checker.host_bytes if checker is not None else 0
+    threads = max(1, min(threads, (WORKING_BUDGET_BYTES - reserved - UNITS_MIN_BYTES) // max(1, scratch)))
+    budget = ByteBudget(max(UNITS_MIN_BYTES, WORKING_BUDGET_BYTES - reserved - threads * scratch))
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks",
+                              initializer=_one_intra_op_thread) if threads > 1 else None
     state = {"done": 0, "bytes": 0}
     # (sizes: the bytes both sides hold, for the progress line's bytes, rate and ETA: what the reads take)
     bytes_total = sum(sizes)
@@ -360,7 +426,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
             td = _result(p, SKIPPED, None)
         elif p.role in (TARGETED, REPLACED):
             with budget.hold(_working_bytes(p, lora)):
-                td = _compare_with_adapter(weights, base, lora, p, block_bytes, pool)
+                td = _compare_with_adapter(weights, base, lora, p, block_bytes, pool, checker)
         else:
             td = _compare_streaming(weights, base, p, block_bytes, pool)
         if threads == 1:   # (with threads, pages are released when the sources close)
@@ -395,11 +461,11 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
 
 def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path | None = None,
                  alpha: float | None = None, run_config: str | Path | None = None, targeted_only: bool = False,
-                 trust_pickle: bool = False, block_bytes: int = BLOCK_BYTES,
+                 trust_pickle: bool = False, block_bytes: int = BLOCK_BYTES, device: str | None = None,
                  progress: Progress | None = None) -> DiffReport:
     """Open both sides (and the adapter), plan from metadata, then compare one pair at a time."""
     options = DiffOptions(None if adapter is None else str(adapter), alpha,
-                          None if run_config is None else str(run_config), targeted_only, trust_pickle)
+                          None if run_config is None else str(run_config), targeted_only, trust_pickle, device)
     with open_diff_sources(weights, base, options) as sources:
         plan = plan_diff(sources, options)
-        return run_diff(plan, sources, progress, block_bytes=block_bytes)
+        return run_diff(plan, sources, progress, block_bytes=block_bytes, device=device)
