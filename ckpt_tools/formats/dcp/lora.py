@@ -101,14 +101,18 @@ class DcpLoraSource(LoraSource):
             return self.ckpt.read_tensor(key)
         return self._rows.read_tensor(self._rows.expert_name(stem, expert))
 
-    # -- as bytes, without torch: each factor's row-block extents read by range (`DcpKeySource.read_span`, every
-    # payload's CRC-32 checked); a layout without extents is assembled by the reader's torch fallback
+    # -- as bytes, without torch: the reads `read_key` makes (`DcpCheckpoint.read_tensor_bytes`; an expert's slice
+    # by its row-block extents, `DcpKeySource.read_span`), every payload's CRC-32 checked; a layout the reader
+    # cannot place by rows is assembled by its torch fallback
     def read_raw_key(self, key: str) -> RawTensor:
         """`read_key`'s tensor as a `RawTensor` (a DCP key, or `key[e]`: one expert's slice)."""
+        stem, expert = _split_ref(key)
+        if expert is None:
+            e = self.ckpt.entry(key)
+            return RawTensor(e.dtype, tuple(e.shape), self.ckpt.read_tensor_bytes(key))
         if self._rows is None:
             self._rows = DcpKeySource(ckpt=self.ckpt)
-        stem, expert = _split_ref(key)
-        name = stem if expert is None else self._rows.expert_name(stem, expert)
+        name = self._rows.expert_name(stem, expert)
         f = self._rows.facts(name)
         buf = bytearray(f.nbytes)
         if buf:
