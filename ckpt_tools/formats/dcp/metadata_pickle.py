@@ -12,8 +12,8 @@ globals, each object is rebuilt the way torch's would be (NEWOBJ and BUILD with 
 The bytes are those Python's reference pickler (`pickle._Pickler`) writes for torch's objects holding
 the same strings: the same opcodes, memo (strings by identity, as it memoizes them; torch's module-name
 strings as torch's classes share them) and 64 KiB framing (tests/test_metadata_pickle.py compares them
-byte for byte, and torch's loader unpickles them to equal objects). The C pickler frames a few bytes
-differently, which no reader sees.
+byte for byte, and torch's loader unpickles them to equal objects). The C pickler, which the old writer
+used, can close a frame a few bytes elsewhere in a large pickle; frames are invisible to every reader.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ _DTYPES: dict[str, _Global] = {}
 _STRIDED, _CONTIGUOUS = object(), object()
 _STRIDED_NAME = "torch.strided"
 
-# the field names of torch's dataclasses, in their __dict__ order (MetadataIndex sets index before offset)
+# the field names of torch's dataclasses, one string object each (memoized once, as the interned names are)
 _F = {n: n for n in ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version", "properties",
                      "size", "chunks", "offsets", "sizes", "checkpoint_id", "save_id", "load_id", "modules", "fqn",
                      "index", "offset", "relative_path", "length")}

@@ -45,6 +45,7 @@ if TYPE_CHECKING:   # annotations only: torch is imported where a tensor is save
 
 __all__ = ["DcpWriter", "DCP_VERSION", "FileRange"]
 
+
 @dataclass(frozen=True)
 class FileRange:
     """A stored item to copy verbatim from bytes [offset, offset + length) of the open input `fd` (in the
