@@ -8,9 +8,9 @@ The inputs are the harness's (bench/inputs.py, cached in --workdir), made once b
 repeat runs every (case, tree) pair in turn, each in its own process through bench/launch.py, with
 PYTHONPATH set to that tree, so the trees see the same page cache and machine load. Prints, per case, the
 median wall and peak RSS of each tree and its ratio to the first tree; writes the records to --results.
-Cases: merge (HF base + PEFT adapter), slim, rehydrate, the three the refactors promised not to slow; diff
-(diff-vs-base merged base), diff-adapter (with --adapter) and diff-adapter-cuda (--device cuda: a tree without it
-fails that case).
+Cases: merge (HF base + PEFT adapter), slim, rehydrate, the three the refactors promised not to slow; slim --base
+and extract-adapter (issue 22: the byte movers without torch); diff (diff-vs-base merged base), diff-adapter (with
+--adapter) and diff-adapter-cuda (--device cuda: a tree without it fails that case). Records wall, CPU and peak RSS.
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ CASES = {
     "merge": (("base", "adapter"), lambda p, out, shard: ["merge", p["base"], p["adapter"], out,
                                                           "--max-shard-size", shard, "--json"]),
     "slim": (("dcp",), lambda p, out, shard: ["slim", p["dcp"], out, "--json"]),
+    "slim --base": (("dcp", "base"), lambda p, out, shard: ["slim", p["dcp"], out, "--base", p["base"], "--json"]),
+    "extract-adapter": (("dcp",), lambda p, out, shard: ["extract-adapter", p["dcp"], out, "--alpha", "64", "--json"]),
     "rehydrate": (("slim", "base"), lambda p, out, shard: ["rehydrate", p["slim"], out, "--base", p["base"],
                                                            "--json"]),
     "diff": (("merged", "base"), lambda p, out, shard: ["diff-vs-base", p["merged"], p["base"], "--json"]),
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
                 runs.append({"case": case, "tree": label, "rep": rep, **{k: rec.get(k) for k in
                              ("status", "reason", "wall_s", "cpu_s", "user_s", "sys_s", "peak_rss_bytes",
                                                      "stderr_tail")}})
-                print(f"{case:10s} {label:14s} rep {rep}: {rec.get('status')} {rec.get('wall_s') or 0:.2f} s "
+                print(f"{case:15s} {label:14s} rep {rep}: {rec.get('status')} {rec.get('wall_s') or 0:.2f} s "
                       f"(CPU {rec.get('cpu_s') or 0:.1f} s), {(rec.get('peak_rss_bytes') or 0) / 2**20:.0f} MiB",
                       flush=True)
                 save(a, runs)   # after every run: a run cut short keeps what it measured
@@ -114,7 +116,7 @@ def save(a, runs: list[dict]) -> str:
 
 
 def summarize(runs: list[dict], trees, cases) -> str:
-    lines = ["| case | " + " | ".join(f"{l} wall (RSS)" for l, _ in trees) + " | " +
+    lines = ["| case | " + " | ".join(f"{l} wall, CPU (RSS)" for l, _ in trees) + " | " +
              " | ".join(f"{l}/{trees[0][0]}" for l, _ in trees[1:]) + " |",
              "|---" * (1 + 2 * len(trees) - 1) + "|"]
     for case in cases:
@@ -122,9 +124,10 @@ def summarize(runs: list[dict], trees, cases) -> str:
         for label, _ in trees:
             ok = [r for r in runs if r["case"] == case and r["tree"] == label and r["status"] == "ok"]
             med[label] = (statistics.median(r["wall_s"] for r in ok) if ok else None,
-                          max(r["peak_rss_bytes"] or 0 for r in ok) if ok else None)
+                          max(r["peak_rss_bytes"] or 0 for r in ok) if ok else None,
+                          statistics.median(r.get("cpu_s") or 0 for r in ok) if ok else None)
         ref = med[trees[0][0]][0]
-        cells = [f"{w:.2f} s ({m / 2**20:.0f} MiB)" if w else "failed" for w, m in med.values()]
+        cells = [f"{w:.2f} s, cpu {c:.2f} s ({m / 2**20:.0f} MiB)" if w else "failed" for w, m, c in med.values()]
         ratios = [f"{med[l][0] / ref:.2f}x" if ref and med[l][0] else "n/a" for l, _ in trees[1:]]
         lines.append(f"| {case} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """`ckpt --help`, `--version`, `ckpt <command> --help` of every command, `inspect` of every format and
-`verify` never import torch (nor transformers, peft, safetensors, numpy, huggingface_hub): each runs in a
-fresh interpreter and sys.modules is checked after it. Their wall time is measured by bench/
+`verify` never import torch (nor transformers, peft, safetensors, numpy, huggingface_hub); `slim` (with or
+without --base) and `extract-adapter`, which move and cast bytes, import numpy but never torch: each runs in
+a fresh interpreter and sys.modules is checked after it. Their wall time is measured by bench/
 (docs/benchmarks.md), not asserted here."""
 from __future__ import annotations
 
@@ -81,8 +82,33 @@ def test_inspect_of_a_slim_checkpoint_never_imports_torch(slim_ckpt):
     assert rc == 0 and "SLIM" in out.upper() and heavy == []
 
 
-def test_a_command_that_moves_tensor_bytes_still_gets_torch(tmp_path):
-    rc, heavy, _ = heavy_modules("extract-adapter", TRAINER, tmp_path / "a")
+MOE = HEAD_FIXTURES / "F_head_moe" / "outputs" / "checkpoints" / "step_3" / "trainer"
+DENSE_HEAD = HEAD_FIXTURES / "E_head_dense" / "outputs" / "checkpoints" / "step_2" / "trainer"
+
+# Commands that only move, check and cast bytes (issue 22): numpy, never torch (a CUDA build's import is seconds).
+BYTE_MOVERS = {
+    "slim": lambda out: ["slim", TRAINER, out],
+    "slim --base": lambda out: ["slim", TRAINER, out, "--base", BASE],
+    "slim of a HEAD MoE run": lambda out: ["slim", MOE, out],
+    "extract-adapter": lambda out: ["extract-adapter", TRAINER, out],
+    "extract-adapter --dtype bf16": lambda out: ["extract-adapter", TRAINER, out, "--dtype", "bf16"],
+    "extract-adapter of a HEAD dense run": lambda out: ["extract-adapter", DENSE_HEAD, out],
+    "extract-adapter of a MoE run (fused PEFT layout)": lambda out: ["extract-adapter", MOE, out],
+    "extract-adapter --layout vllm --dtype bf16": lambda out: ["extract-adapter", MOE, out, "--layout", "vllm",
+                                                               "--dtype", "bf16"],
+}
+
+
+@pytest.mark.parametrize("name", list(BYTE_MOVERS))
+def test_the_commands_that_move_bytes_never_import_torch(name, tmp_path):
+    rc, heavy, out = heavy_modules(*BYTE_MOVERS[name](tmp_path / "out"))
+    assert rc == 0, out
+    assert "torch" not in heavy and set(heavy) <= {"numpy"}, f"{name} imported {heavy}"
+    assert any((tmp_path / "out").iterdir())
+
+
+def test_a_command_that_computes_with_tensors_still_gets_torch(tmp_path):
+    rc, heavy, _ = heavy_modules("merge", BASE, FIXTURE / "reference_peft_adapter", tmp_path / "m")
     assert rc == 0 and "torch" in heavy
 
 

@@ -10,7 +10,7 @@ of W32 + s*B@A computed in fp32 by any kernel, i.e. when it lies between the rou
 where x is the exact value (computed in fp64) and e a proven bound on any fp32 computation's error.
 
 Also here: ulps between tensors, counting non-finite values from the bits, the bf16 rounding of a
-Python float, and whether a merged tensor rounds back to its base.
+Python float (`core.casts`'s, without torch), and whether a merged tensor rounds back to its base.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .casts import bf16_round
 from .dtypes import EXPONENT_MASKS, ITEMSIZE, torch_dtype
 from .errors import FormatError
 from .lora_math import check_shapes
@@ -125,11 +126,6 @@ def count_nonfinite(t: torch.Tensor) -> int:
         int_dtype, mask = spec
         return int(torch.count_nonzero((t.view(int_dtype) & mask) == mask))
     return int(t.numel() - torch.count_nonzero(torch.isfinite(t.float() if t.element_size() == 1 else t)))
-
-
-def bf16_round(x: float) -> float:
-    """x rounded to fp32, then to bf16 (what prime-rl's bf16 compute does to a scale), as a float."""
-    return float(torch.tensor(float(x), dtype=torch.float32).to(torch.bfloat16).float())
 
 
 def rounds_to_base(out: torch.Tensor, weight: torch.Tensor, block_elems: int = 1 << 18) -> bool:

@@ -31,6 +31,7 @@ of an open file, for a verbatim copy by the kernel, or None), `disk_order()`, `o
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,7 +48,8 @@ if TYPE_CHECKING:   # annotations only: torch is imported where tensors are buil
     from .dcp.reader import DcpCheckpoint
     from .peft.adapter import PeftAdapter
 
-__all__ = ["TensorFacts", "Extent", "ByteRange", "Source", "tensor_bytes", "LoraModule", "LoraSource"]
+__all__ = ["TensorFacts", "Extent", "ByteRange", "RawTensor", "is_torch_tensor", "Source", "tensor_bytes", "LoraModule",
+           "LoraSource"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,70 @@ class ByteRange:
     offset: int
     nbytes: int
     path: Path
+
+
+def is_torch_tensor(x) -> bool:
+    """Whether `x` is a torch.Tensor, without importing torch (no tensor exists before torch is imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+_UINTS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+@dataclass(frozen=True)
+class RawTensor(ShapedBytes):
+    """A tensor as its dtype's name, its shape and its row-major little-endian bytes: what the commands that
+    only move or cast bytes (extract-adapter) read and write without torch."""
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytearray | memoryview | bytes
+
+    def __post_init__(self) -> None:
+        if len(memoryview(self.data).cast("B")) != self.nbytes:
+            raise ValueError(f"{len(memoryview(self.data).cast('B'))} bytes for a {self.dtype} {list(self.shape)}")
+
+    @classmethod
+    def of(cls, value) -> "RawTensor":
+        """`value` itself, or a CPU torch.Tensor's bytes (copied, row-major)."""
+        if isinstance(value, RawTensor):
+            return value
+        if not is_torch_tensor(value):
+            raise TypeError(f"not a tensor: {type(value).__name__}")
+        from ..core.dtypes import dtype_name
+        t = value.detach().cpu().contiguous()
+        return cls(dtype_name(t.dtype), tuple(t.shape), bytearray(tensor_bytes(t.reshape(-1))))
+
+    def bits(self):
+        """The values' bits as a numpy array of this shape (unsigned ints of the item size): for placing values,
+        never arithmetic."""
+        import numpy as np   # lazy, as torch: the metadata side imports neither
+        if self.itemsize not in _UINTS:
+            raise FormatError(f"no bit view of {self.dtype}")
+        return np.frombuffer(self.data, dtype=_UINTS[self.itemsize]).reshape(self.shape)
+
+    @classmethod
+    def from_bits(cls, dtype: str, bits) -> "RawTensor":
+        return cls(dtype, tuple(bits.shape), bytearray(bits.tobytes()))
+
+    def cast(self, dtype: str) -> "RawTensor":
+        """The values cast to `dtype` exactly as torch casts them (`core.casts`; a pair it does not cast
+        exactly goes through torch)."""
+        from ..core.casts import cast_into, exact_cast
+        from ..core.dtypes import dtype_name, itemsize
+        dtype = dtype_name(dtype)
+        if dtype == self.dtype:
+            return self
+        out = bytearray(self.numel * itemsize(dtype))
+        if not out:
+            pass
+        elif exact_cast(self.dtype, dtype):
+            cast_into(self.dtype, dtype, self.data, out)
+        else:
+            import torch
+            t = torch.frombuffer(bytearray(self.data), dtype=torch_dtype(self.dtype)).to(torch_dtype(dtype))
+            out[:] = tensor_bytes(t)
+        return RawTensor(dtype, self.shape, out)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -30,7 +30,7 @@ from ..core.errors import CkptError, FormatError, UsageError
 from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, expert_parts
 from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
 from ..core.progress import Progress
-from ..core.tensor_math import bf16_round
+from ..core.casts import bf16_round
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import tensor_shapes
 from ..formats.peft.config import PEFT_PREFIX
@@ -221,11 +221,13 @@ def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None
     full_refs = set(src.full_tensors.values())
     fused = {f.source(ab): (f, ab) for f in plan.fused for ab in "AB"}
 
-    def read(t: OutTensor):
+    refs = {m.factor_ref(ab): (name, ab) for name, m in src.modules.items() for ab in "AB"}
+
+    def read(t: OutTensor):   # bytes (`RawTensor`): no torch; write_adapter casts them to the planned dtype
         if t.source in fused:   # a fused expert LoRA: placed from every expert's factor of the block
             f, ab = fused[t.source]
-            return build_fused(f, ab, src.read_factor)
-        return src.read_key(t.source) if t.source in full_refs else src.read_ref(t.source)
+            return build_fused(f, ab, src.read_raw_factor)
+        return src.read_raw_key(t.source) if t.source in full_refs else src.read_raw_factor(*refs[t.source])
 
     size = write_adapter(plan.out, plan.tensors, read, plan.config, inputs=inputs,
                          overwrite=overwrite, progress=progress, stage="extract")

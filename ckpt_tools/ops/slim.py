@@ -24,7 +24,7 @@ from ..formats.primerl.alpha import find_run_configs, orch_model_name
 from ..formats.slim.partition import SlimLayout, base_identity, partition
 from ..formats.slim.writer import need_bytes, reads_payload, write_slim
 from ..io.staging import SharedOutputDir
-from ..sources.hashing import BASE_BLOCK_BYTES, base_crc_check, base_hash_check
+from ..sources.hashing import BASE_BLOCK_BYTES, PIECE_VALUES, READ_BLOCK_BYTES, base_crc_check, base_hash_check
 from ..formats.hf_dir.model_dir import HFModelDir
 
 __all__ = ["SlimOptions", "SlimSources", "open_slim_sources", "SlimPlan", "SlimResult", "SlimReport", "plan_slim",
@@ -146,9 +146,9 @@ HASH_BUDGET_BYTES = 640 * 2**20   # what one rank's hashing threads hold at once
 
 def hash_threads(layout: SlimLayout, with_base: bool = True) -> int:
     """Threads identifying dropped tensors: this rank's cores, as many as fit HASH_BUDGET_BYTES when each
-    holds one base block upcast (bf16 + fp32: 1.5 BASE_BLOCK_BYTES; a row-block tensor's own bytes are never
+    holds one base read block and one cast piece (`sources.hashing`; a row-block tensor's own bytes are never
     read) or, for a tensor that is read (`reads_payload`), one checkpoint chunk and one base block."""
-    block = BASE_BLOCK_BYTES * 3 // 2 if with_base else 0
+    block = READ_BLOCK_BYTES + 4 * PIECE_VALUES if with_base else 0
     most = max((block + (d.nbytes // max(1, len(d.chunks)) + BASE_BLOCK_BYTES if reads_payload(d) else 0)
                 for d in layout.dropped), default=1)
     return max(1, min(local_workers(), HASH_BUDGET_BYTES // max(1, most)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from ..core.errors import FormatError, UsageError
 from ..formats.dcp.layout import METADATA_NAME, is_checkpoint_path
@@ -24,6 +24,9 @@ from ..formats.handle import LoraModule, LoraSource
 from ..formats.peft.adapter import open_peft_adapter
 from ..formats.peft.config import ADAPTER_CONFIG
 from ..formats.peft.lora import PeftLoraSource
+
+if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+    import torch
 
 __all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "NoLoraSource", "open_lora_source",
            "trained_full_tensors"]

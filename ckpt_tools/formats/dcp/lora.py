@@ -11,7 +11,7 @@ from ...core.errors import FormatError, UsageError
 from ...core.keys import classify, expert_hf_name, expert_module, lora_key, require_known, stacked_lora_key, \
     trainable_params
 from ...core.lora_math import lora_scale
-from ..handle import LoraModule, LoraSource, TensorFacts
+from ..handle import LoraModule, LoraSource, RawTensor, TensorFacts
 from ..primerl.alpha import AlphaResolution, resolve_alpha
 from .layout import METADATA_NAME
 from .reader import DcpCheckpoint
@@ -100,6 +100,30 @@ class DcpLoraSource(LoraSource):
         if expert is None:
             return self.ckpt.read_tensor(key)
         return self._rows.read_tensor(self._rows.expert_name(stem, expert))
+
+    # -- as bytes, without torch: the reads `read_key` makes (`DcpCheckpoint.read_tensor_bytes`; an expert's slice
+    # by its row-block extents, `DcpKeySource.read_span`), every payload's CRC-32 checked; a layout the reader
+    # cannot place by rows is assembled by its torch fallback
+    def read_raw_key(self, key: str) -> RawTensor:
+        """`read_key`'s tensor as a `RawTensor` (a DCP key, or `key[e]`: one expert's slice)."""
+        stem, expert = _split_ref(key)
+        if expert is None:
+            e = self.ckpt.entry(key)
+            return RawTensor(e.dtype, tuple(e.shape), self.ckpt.read_tensor_bytes(key))
+        if self._rows is None:
+            self._rows = DcpKeySource(ckpt=self.ckpt)
+        name = self._rows.expert_name(stem, expert)
+        f = self._rows.facts(name)
+        buf = bytearray(f.nbytes)
+        if buf:
+            self._rows.read_span(name, 0, buf)
+        return RawTensor(f.dtype, tuple(f.shape), buf)
+
+    def read_raw_factor(self, module: str, ab: str) -> RawTensor:
+        """`read_factor` as a `RawTensor`."""
+        m = self.modules[module]
+        key = m.a_key if ab == "A" else m.b_key
+        return self.read_raw_key(key if m.expert is None else f"{key}[{m.expert}]")
 
     def key_facts(self, key: str) -> TensorFacts:
         stem, expert = _split_ref(key)

@@ -244,20 +244,45 @@ class DcpCheckpoint:
             # end on their own): the command must stop now
             pool.shutdown(wait=ok, cancel_futures=True)
 
+    def read_tensor_bytes(self, key: str) -> bytearray:
+        """`read_tensor`'s row-major bytes, without torch: FSDP2 row-block chunks straight into their rows of a
+        new buffer, each checked against its CRC-32 (the same reads as `read_tensor`'s); a chunk of any other
+        layout makes it `read_tensor`'s (through torch)."""
+        e = self.entry(key)
+        if not isinstance(e, TensorEntry):
+            raise UsageError("is a byte item, not a tensor", key=key)
+        for ch in e.chunks:   # every item inside its file BEFORE the destination is allocated
+            if ch.numel:
+                self.files.check_range(ch.file, ch.offset, ch.length, key)
+        dest = bytearray(e.nbytes)
+        flat = memoryview(dest)
+        for ch in sorted(e.chunks, key=lambda c: (c.file, c.offset)):
+            if ch.numel and self._read_chunk_bytes(e, ch, flat) is not None:
+                del flat
+                from ..handle import tensor_bytes
+                return bytearray(tensor_bytes(self.read_tensor(key).contiguous()))
+        return dest
+
     def _read_chunk_into(self, e: TensorEntry, ch: Chunk, dest: torch.Tensor) -> None:
 
         import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+        why = self._read_chunk_bytes(e, ch, memoryview(dest.reshape(-1).view(torch.uint8).numpy()))
+        if why is not None:
+            self._fallback_chunk(e, ch, dest, why)
+
+    def _read_chunk_bytes(self, e: TensorEntry, ch: Chunk, flat: memoryview) -> str | None:
+        """A row-block chunk's payload into its rows of `flat` (the tensor's bytes); else why it cannot be
+        (the caller lets torch decode it)."""
         key = e.key
         try:
             dec = self.decode_chunk(key, ch)
         except ItemError as exc:
-            return self._fallback_chunk(e, ch, dest, str(exc))
+            return str(exc)
         if not (dec.payload_is(e.dtype, ch.sizes) and is_row_block(ch.offsets, ch.sizes, e.shape)):
-            return self._fallback_chunk(e, ch, dest, "non row-block layout")
-        flat = dest.reshape(-1).view(torch.uint8)
+            return "non row-block layout"
         row_bytes = (math.prod(e.shape[1:]) if e.shape else 1) * e.itemsize
         start = (ch.offsets[0] * row_bytes) if ch.offsets else 0
-        target = flat[start:start + dec.payload_size].numpy()
+        target = flat[start:start + dec.payload_size]
         if dec.raw is not None:
             target[:] = dec.payload()   # (its CRC was checked by the decoder)
         else:
@@ -267,6 +292,7 @@ class DcpCheckpoint:
                 raise ChecksumError(f"chunk at {list(ch.offsets)}: "
                                     + crc_error(f"{dec.layout.prefix}/data/0", dec.layout.data_crc, got).message,
                                     path=self.dir / ch.file, key=key, hint=CRC_HINT)
+        return None
 
     def _fallback_chunk(self, e: TensorEntry, ch: Chunk, dest: torch.Tensor, why: str) -> None:
         """Any chunk layout torch.save can express: let torch decode it (weights_only)."""

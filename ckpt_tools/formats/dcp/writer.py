@@ -16,45 +16,34 @@ every rank. `finish(group)` gathers every rank's item records on rank 0, which r
 sequence order, exactly the single-process insertion order, and writes `.metadata`.
 
 Paths are never stored in the metadata (`checkpoint_id=None`): Python <= 3.12 cannot unpickle
-Python 3.13's pathlib objects, and prime-rl runs 3.12. The metadata is built from torch's own DCP
-classes (what prime-rl's loader unpickles), not the reader's stand-ins.
+Python 3.13's pathlib objects, and prime-rl runs 3.12. The metadata names torch's own DCP classes (what
+prime-rl's loader unpickles), encoded without torch (`metadata_pickle`): a command that copies items
+verbatim (slim, rehydrate's copies, set-lr) needs no torch; torch is imported where a tensor is saved.
 """
 from __future__ import annotations
 
 import io
 import os
-import pickle
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from typing import TYPE_CHECKING
 
-from ...core.dtypes import dtype_name, torch_dtype
+from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import UsageError
 from ...core.crc import crc32
 from ...io.copy import copy_range
 from ...io.files import atomic_write_bytes, make_dirs, open_new
 from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
+from .metadata_pickle import DCP_VERSION, StorageRecord, TensorRecord, metadata_pickle
 from .stream_item import TensorItemParts
 
-__all__ = ["DcpWriter", "DCP_VERSION", "FileRange"]
+if TYPE_CHECKING:   # annotations only: torch is imported where a tensor is saved (torch.save)
+    import torch
 
-DCP_VERSION = "1.0.0"
-# `.metadata` names this class `torch.distributed.checkpoint.filesystem._StorageInfo`, and torch has
-# no public name for it: a genuine metadata can only be written with it.
-StorageInfo = dcp_filesystem._StorageInfo
+__all__ = ["DcpWriter", "DCP_VERSION", "FileRange"]
 
 
 @dataclass(frozen=True)
@@ -82,9 +71,14 @@ def _write_raw(fh, raw) -> None:
 @dataclass
 class _TensorDecl:
     path: tuple
-    dtype: torch.dtype
+    dtype: str                 # a dtype name ("float32")
     size: tuple[int, ...]
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _torch_save(obj, fh) -> None:
+    import torch   # lazy: copying items verbatim and writing `.metadata` need no torch
+    torch.save(obj, fh)
 
 
 class DcpWriter:
@@ -102,7 +96,8 @@ class DcpWriter:
         self._tensors: dict[str, _TensorDecl] = {}
         self._bytes: set[str] = set()
         self._planner: dict[str, tuple] = {}
-        self._storage: dict[MetadataIndex, StorageInfo] = {}
+        # (fqn, chunk offsets or None) -> where the item lies: DCP's MetadataIndex compares so
+        self._storage: dict[tuple, StorageRecord] = {}
         self._finished = False
         self.bytes_written = 0
 
@@ -123,6 +118,15 @@ class DcpWriter:
         if self._owned is not None:
             self._records.append([self._seq, kind, key, list(path), rel, start, length, chunk])
         self._seq += 1
+
+    def _put_storage(self, key: str, offsets, index, rel: str, start: int, length: int) -> None:
+        """storage_data[MetadataIndex(key, offsets, index)] = _StorageInfo(rel, start, length): an index equal
+        to one already there (same key and offsets) keeps its place and its first `index`, as a dict keyed by
+        DCP's MetadataIndex (equal by fqn and offset) does."""
+        at = (key, None if offsets is None else tuple(offsets))
+        old = self._storage.get(at)
+        fqn, index = (key, index) if old is None else (old.fqn, old.index)
+        self._storage[at] = StorageRecord(fqn, at[1], index, rel, start, length)
 
     # ---------------------------------------------------------------- low level
     def _file(self, rel: str) -> io.BufferedWriter:
@@ -164,8 +168,8 @@ class DcpWriter:
             piece = region.contiguous().clone() if region.data_ptr() != t.data_ptr() or \
                 region.numel() != t.numel() else region.contiguous()
             fi = (file_index if file_index is not None else i) % self.files
-            self._add_chunk_item(key, path, t.dtype, tuple(t.shape), tuple(offs), tuple(sizes),
-                                 data_file_name(fi), lambda fh, p=piece: torch.save(p, fh))
+            self._add_chunk_item(key, path, dtype_name(t.dtype), tuple(t.shape), tuple(offs), tuple(sizes),
+                                 data_file_name(fi), lambda fh, p=piece: _torch_save(p, fh))
 
     def write_chunk(self, key: str, path: tuple, piece: torch.Tensor, *, size: tuple[int, ...],
                     offsets: tuple[int, ...], file_index: int = 0) -> None:
@@ -174,15 +178,15 @@ class DcpWriter:
         p = piece.detach().cpu().contiguous()
         if p.untyped_storage().nbytes() != p.numel() * p.element_size():
             p = p.clone()  # torch.save of a view would store its whole base storage
-        self._add_chunk_item(key, path, p.dtype, tuple(size), tuple(offsets), tuple(p.shape),
-                             data_file_name(file_index % self.files), lambda fh: torch.save(p, fh))
+        self._add_chunk_item(key, path, dtype_name(p.dtype), tuple(size), tuple(offsets), tuple(p.shape),
+                             data_file_name(file_index % self.files), lambda fh: _torch_save(p, fh))
 
     def copy_tensor_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
                           offsets: tuple[int, ...], sizes: tuple[int, ...], raw_item,
                           file_index: int = 0) -> None:
         """Append a storage item verbatim (no decode/encode): slim, rehydrate, surgery. `dtype`: a name
         or a torch dtype; `raw_item`: its bytes, or a `FileRange` of an input to copy them from."""
-        self._add_chunk_item(key, path, torch_dtype(dtype), tuple(size), tuple(offsets), tuple(sizes),
+        self._add_chunk_item(key, path, dtype_name(dtype), tuple(size), tuple(offsets), tuple(sizes),
                              data_file_name(file_index % self.files), lambda fh: _write_raw(fh, raw_item))
 
     def write_streamed_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...], offsets: tuple[int, ...],
@@ -206,11 +210,12 @@ class DcpWriter:
                                  key=key)
             fh.write(parts.tail(crc))
             got["crc"] = crc
-        self._add_chunk_item(key, path, torch_dtype(dtype), tuple(size), tuple(offsets), tuple(sizes),
+        self._add_chunk_item(key, path, dtype_name(dtype), tuple(size), tuple(offsets), tuple(sizes),
                              data_file_name(file_index % self.files), write)
         return got.get("crc")
 
     def _add_chunk_item(self, key, path, dtype, size, offs, sizes, rel, write) -> None:
+        itemsize(dtype)   # a dtype torch has (else a FormatError naming it)
         decl = self._tensors.get(key)
         if decl is None:
             if key in self._bytes:
@@ -226,25 +231,26 @@ class DcpWriter:
             self._seq += 1
             return
         start, length = self._append(rel, write)
-        self._storage[MetadataIndex(key, torch.Size(offs), index)] = StorageInfo(rel, start, length)
-        self._record("chunk", key, path, rel, start, length, [dtype_name(dtype), list(size), list(offs), list(sizes)])
+        self._put_storage(key, offs, index, rel, start, length)
+        self._record("chunk", key, path, rel, start, length, [dtype, list(size), list(offs), list(sizes)])
 
     def register_existing_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
                                 offsets: tuple[int, ...], sizes: tuple[int, ...], rel: str, offset: int,
                                 length: int) -> None:
         """Point at an item already present in this dir (a hard-linked source file)."""
+        itemsize(dtype)
         decl = self._tensors.get(key)
         if decl is None:
             self._declare(key, path)
-            decl = self._tensors[key] = _TensorDecl(tuple(path), torch_dtype(dtype), tuple(size), [])
+            decl = self._tensors[key] = _TensorDecl(tuple(path), dtype_name(dtype), tuple(size), [])
         index = len(decl.chunks)
         decl.chunks.append((tuple(offsets), tuple(sizes)))
-        self._storage[MetadataIndex(key, torch.Size(offsets), index)] = StorageInfo(rel, offset, length)
+        self._put_storage(key, tuple(offsets), index, rel, offset, length)
 
     # ---------------------------------------------------------------- byte items
     def write_object(self, key: str, path: tuple, obj, *, file_index: int = 0) -> None:
         buf = io.BytesIO()
-        torch.save(obj, buf)
+        _torch_save(obj, buf)
         self.copy_bytes_item(key, path, buf.getvalue(), file_index=file_index)
 
     def copy_bytes_item(self, key: str, path: tuple, raw_item, *, file_index: int = 0,
@@ -258,34 +264,26 @@ class DcpWriter:
             self._seq += 1
             return
         start, length = self._append(rel, lambda fh: _write_raw(fh, raw_item))
-        self._storage[MetadataIndex(key)] = StorageInfo(rel, start, length)
+        self._put_storage(key, None, None, rel, start, length)
         self._record("bytes", key, path, rel, start, length)
 
     def register_existing_bytes(self, key: str, path: tuple, rel: str, offset: int, length: int) -> None:
         self._declare(key, path)
         self._bytes.add(key)
-        self._storage[MetadataIndex(key)] = StorageInfo(rel, offset, length)
+        self._put_storage(key, None, None, rel, offset, length)
 
     # ---------------------------------------------------------------- finish
     def keys(self) -> set[str]:
         """Every key written (or, split over ranks, counted)."""
         return set(self._tensors) | self._bytes | self._seen
 
-    def build_metadata(self) -> Metadata:
-        sdm = {}
-        for key in sorted(self.keys()):
-            if key in self._bytes:
-                sdm[key] = BytesStorageMetadata()
-            else:
-                d = self._tensors[key]
-                sdm[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=d.dtype), size=torch.Size(d.size),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in d.chunks])
-        return Metadata(state_dict_metadata=sdm, planner_data=dict(self._planner), storage_data=dict(self._storage),
-                        storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
-                        version=DCP_VERSION)
+    def metadata_bytes(self, save_id: str | None = None) -> bytes:
+        """`.metadata` for every item written: torch's `Metadata` pickled (`metadata_pickle`), without torch."""
+        tensors = {k: TensorRecord(d.dtype, d.size, d.chunks) for k, d in self._tensors.items()}
+        return metadata_pickle(tensors, self._bytes, dict(self._planner), list(self._storage.values()),
+                               save_id=str(uuid.uuid4()) if save_id is None else save_id, version=DCP_VERSION)
 
-    def finish(self, group=None) -> Metadata | None:
+    def finish(self, group=None) -> None:
         """fsync every data file, then write `.metadata` atomically (last: without it the
         directory is not a checkpoint): a fresh temp name `.metadata.tmp-<pid>-<hex>` (in-place surgery
         writes into a stranger's directory, where a `.metadata.tmp` may already be a symlink to
@@ -299,14 +297,12 @@ class DcpWriter:
             gathered = group.gather(self._records, "the checkpoint's item records")
             if gathered is None:
                 self._finished = True
-                return None
-            md = self._replayed([r for part in gathered for r in part]).build_metadata()
+                return
+            data = self._replayed([r for part in gathered for r in part]).metadata_bytes()
         else:
-            md = self.build_metadata()
-        atomic_write_bytes(self.dir / METADATA_NAME, pickle.dumps(md, protocol=4),
-                           temp_prefix=f"{METADATA_NAME}{METADATA_TMP_TAG}")
+            data = self.metadata_bytes()
+        atomic_write_bytes(self.dir / METADATA_NAME, data, temp_prefix=f"{METADATA_NAME}{METADATA_TMP_TAG}")
         self._finished = True
-        return md
 
     def _replayed(self, records: list[list]) -> "DcpWriter":
         """A writer whose items are `records` (every rank's), registered in sequence order."""

@@ -19,8 +19,8 @@ Reading inverts this, exactly: each per-expert projection's own A and B come bac
 checked to be zero). A gate_up LoRA that is not in block form (a PEFT-trained one: one shared A) is read
 as gate = (A_e, B_e[:I]) and up = (A_e, B_e[I:]), rank R each, which is also exact.
 
-The names and shapes here are pure (the metadata side imports no torch); `build_fused` and
-`read_view` take the tensors.
+The names and shapes here are pure (the metadata side imports no torch); `build_fused` places the
+factors' bits with numpy (no torch), `read_view` takes torch tensors.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from ...core.keys import (
     module_suffix,
 )
 from ...core.lora_math import lora_alpha_for_scale
+from ..handle import RawTensor
 
 if TYPE_CHECKING:
     import torch
@@ -148,32 +149,34 @@ def fused_config(fused: list[FusedParam], scale: float) -> dict:
     return {"target_parameters": sorted(targets), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
 
 
-def build_fused(f: FusedParam, ab: str, read_factor: Callable[[str, str], "torch.Tensor"]) -> "torch.Tensor":
-    """The fused A [R*E, in] or B [out, R*E] of `f` from the per-expert factors (`read_factor(module, ab)`),
-    in the factors' dtype: placement only, no arithmetic."""
-    import torch
+def build_fused(f: FusedParam, ab: str, read_factor: Callable[[str, str], "torch.Tensor | RawTensor"]) -> RawTensor:
+    """The fused A [R*E, in] or B [out, R*E] of `f` from the per-expert factors (`read_factor(module, ab)`: torch
+    tensors or `RawTensor`s), in the factors' dtype: placement only, no arithmetic (the values' bits are moved
+    with numpy; the zero blocks are +0.0)."""
+    import numpy as np   # lazy: the names and shapes above are the metadata side's
     E, R, r = f.num_experts, f.rank, f.part_rank
+    out = dtype = None
     if ab == "A":
-        out = None
         for e in range(E):
             for j, proj in enumerate(f.projs):
-                a = read_factor(expert_module(f.experts, e, proj), "A")
+                a = RawTensor.of(read_factor(expert_module(f.experts, e, proj), "A"))
                 if out is None:
-                    out = torch.zeros((E, R, f.in_features), dtype=a.dtype)
-                out[e, j * r:(j + 1) * r] = a
+                    dtype = a.dtype
+                    out = np.zeros((E, R, f.in_features), dtype=a.bits().dtype)
+                out[e, j * r:(j + 1) * r] = a.bits()
                 del a
-        return out.reshape(R * E, f.in_features)
-    out = None
+        return RawTensor.from_bits(dtype, out.reshape(R * E, f.in_features))
     row = 0
     for j, (proj, rows) in enumerate(zip(f.projs, f.out_rows)):
         for e in range(E):
-            b = read_factor(expert_module(f.experts, e, proj), "B")
+            b = RawTensor.of(read_factor(expert_module(f.experts, e, proj), "B"))
             if out is None:
-                out = torch.zeros((sum(f.out_rows), R, E), dtype=b.dtype)
-            out[row:row + rows, j * r:(j + 1) * r, e] = b
+                dtype = b.dtype
+                out = np.zeros((sum(f.out_rows), R, E), dtype=b.bits().dtype)
+            out[row:row + rows, j * r:(j + 1) * r, e] = b.bits()
             del b
         row += rows
-    return out.reshape(sum(f.out_rows), R * E)
+    return RawTensor.from_bits(dtype, out.reshape(sum(f.out_rows), R * E))
 
 
 def fused_params_of_config(target_parameters) -> set[str]:

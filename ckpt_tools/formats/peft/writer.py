@@ -9,9 +9,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ...core.dtypes import SHORT_NAMES, itemsize, torch_dtype
 from ...core.errors import FormatError
@@ -20,9 +18,13 @@ from ...core.progress import Progress, report
 from ...io.files import hash_written_file, write_new_file
 from ...io.remote import display
 from ...io.staging import AtomicOutputDir
+from ..handle import RawTensor, is_torch_tensor
 from ..hf_dir.digests import SUMS_NAME, format_sums
 from ..safetensors.writer import StreamingSafetensorsWriter, build_header
 from .config import ADAPTER_CONFIG, PEFT_PREFIX, SAFETENSORS_NAME
+
+if TYPE_CHECKING:   # annotations only: a caller that reads torch tensors has imported torch
+    import torch
 
 __all__ = ["PEFT_CONFIG_DEFAULTS", "SAFETENSORS_METADATA", "peft_key", "peft_config", "config_json",
            "target_modules_for", "OutTensor", "safetensors_file_bytes", "write_adapter", "VLLM_REFUSED_FULL",
@@ -172,17 +174,19 @@ def safetensors_file_bytes(tensors: list[OutTensor]) -> int:
     return len(build_header(entries, SAFETENSORS_METADATA)) + sum(t.nbytes for t in tensors)
 
 
-def write_adapter(out: Path, tensors: Sequence[OutTensor], read: Callable[[OutTensor], torch.Tensor], config: dict,
-                  *, inputs: list[Path], overwrite: bool = False, progress: Progress | None = None, stage: str) -> int:
+def write_adapter(out: Path, tensors: Sequence[OutTensor], read: Callable[[OutTensor], torch.Tensor | RawTensor],
+                  config: dict, *, inputs: list[Path], overwrite: bool = False, progress: Progress | None = None,
+                  stage: str) -> int:
     """Write the PEFT adapter dir `out`: adapter_model.safetensors (tensors in the given order, which
-    callers sort by name; `read` returns one at a time, cast to its planned dtype here) and
+    callers sort by name; `read` returns one at a time, a torch.Tensor or a `RawTensor` (bytes: no torch),
+    cast to its planned dtype here, identically either way) and
     adapter_config.json from `config`. Staged in an `AtomicOutputDir` (disk space checked first; OUT
     may not be or hold any of `inputs`; replaced only under `overwrite`) and renamed into place when
     complete. `progress` gets one `stage` event per tensor. Returns the safetensors file size."""
     tensors = list(tensors)
     done = 0
 
-    def read_counted(t: OutTensor) -> torch.Tensor:
+    def read_counted(t: OutTensor) -> torch.Tensor | RawTensor:
         nonlocal done
         value = read(t)
         done += 1
@@ -195,15 +199,20 @@ def write_adapter(out: Path, tensors: Sequence[OutTensor], read: Callable[[OutTe
     return size
 
 
-def _write_files(directory: Path, tensors: list[OutTensor], read: Callable[[OutTensor], torch.Tensor],
+def _write_files(directory: Path, tensors: list[OutTensor], read: Callable[[OutTensor], torch.Tensor | RawTensor],
                  config: dict) -> int:
     entries = [(t.name, SHORT_NAMES[t.dtype], t.shape) for t in tensors]
     with StreamingSafetensorsWriter(directory / SAFETENSORS_NAME, entries, SAFETENSORS_METADATA) as w:
         for t in tensors:
-            value = read(t).to(torch_dtype(SHORT_NAMES[t.dtype])).contiguous()
+            got = read(t)
+            if is_torch_tensor(got):
+                value = got.to(torch_dtype(SHORT_NAMES[t.dtype])).contiguous()
+            else:   # bytes, cast as torch casts them (`core.casts`)
+                value = RawTensor.of(got).cast(SHORT_NAMES[t.dtype])
+            del got
             if tuple(value.shape) != t.shape:
                 raise FormatError(f"read {list(value.shape)}, planned {list(t.shape)}", key=t.source)
-            w.write(t.name, value)
+            w.write(t.name, value if is_torch_tensor(value) else value.data)
             del value
         size = w.file_bytes
     write_new_file(directory / ADAPTER_CONFIG, config_json(config))

@@ -16,12 +16,11 @@ import json
 import math
 import os
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ...core.dtypes import SAFETENSORS, dtype_name, safetensors_code
 from ...core.errors import FormatError, OutputExistsError
@@ -29,6 +28,9 @@ from ...io.copy import copy_range
 from ...io.files import create_new, remove_file, start_writeback
 from ...io.pread import MAX_IO_BYTES
 from .header import is_int, require_little_endian
+
+if TYPE_CHECKING:   # a tensor passed in means its caller imported torch; bytes need none
+    import torch
 
 __all__ = ["WriteEntry", "EntrySpec", "safetensors_save_order", "build_header", "StreamingSafetensorsWriter"]
 
@@ -248,7 +250,8 @@ class StreamingSafetensorsWriter:
         e = self.entries[i]
         if self._written[i]:
             raise self._error("tensor was partly written with write_chunk; finish it with write_chunk", key=name)
-        if isinstance(data, torch.Tensor):
+        torch = sys.modules.get("torch")   # (no tensor exists before torch is imported)
+        if torch is not None and isinstance(data, torch.Tensor):
             code = safetensors_code(data.dtype) if dtype_name(data.dtype) in _NAMES else None
             if code != e.dtype:
                 raise self._error(f"declared {e.dtype}, got a tensor of {data.dtype}", key=name)

@@ -20,7 +20,6 @@ from ...core.errors import FormatError
 from ...core.parts import SOLO
 from ...dist import map_units
 from ...core.progress import Progress, report
-from ...core.tensor_math import sha256_of_tensor
 from ...io.copy import copy_input_tree
 from ...io.files import write_new_file
 from ...core.dtypes import itemsize
@@ -38,8 +37,9 @@ __all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "checked_by_
 
 # Base tensor hash for a dropped tensor: (the base tensor's name, sha256 of it upcast to the dtype).
 BaseHash = Callable[[DroppedTensor], tuple[str, str]]
-# The same with the CRC-32 of each row block given: (name, sha256, [crc32 per block]) (sources.hashing).
-BaseCrcs = Callable[[DroppedTensor, list], tuple[str, str, list]]
+# The same with the CRC-32 of each row block given: (name, sha256, [crc32 per block]) (sources.hashing),
+# `threads=` splitting one tensor's CRC-32s over more threads.
+BaseCrcs = Callable[..., tuple[str, str, list]]
 
 
 @dataclass
@@ -147,15 +147,16 @@ def stored_crcs(ckpt: DcpCheckpoint, e: TensorEntry, crc_reader: DataCrcReader) 
 
 
 def checked_by_crc(ckpt: DcpCheckpoint, e: TensorEntry, d: DroppedTensor, base_crcs: BaseCrcs,
-                   crc_reader: DataCrcReader, base_path) -> tuple[str, list[int]] | None:
+                   crc_reader: DataCrcReader, base_path, threads: int = 1) -> tuple[str, list[int]] | None:
     """A dropped tensor proven equal to its base upcast without reading its bytes: the CRC-32 each of its
     items stores (`stored_crcs`) against that of the base's rows; returns (the upcast's sha256, the chunks'
-    CRC-32s), or None when its layout is not row blocks (then it is read and hashed as usual)."""
+    CRC-32s), or None when its layout is not row blocks (then it is read and hashed as usual). `threads`: how
+    many threads compute the base's side (`sources.hashing.upcast_sha256_crc32s`)."""
     stored = stored_crcs(ckpt, e, crc_reader)
     if stored is None:
         return None
     chunks = _row_block_chunks(e)
-    name, sha, got = base_crcs(d, [(c.offsets[0], c.sizes[0]) for c in chunks])
+    name, sha, got = base_crcs(d, [(c.offsets[0], c.sizes[0]) for c in chunks], threads=threads)
     want_by = dict(zip(map(id, e.chunks), stored))
     for c, have in zip(chunks, got):
         want = want_by[id(c)]
@@ -182,6 +183,7 @@ def checkpoint_tensor_sha256(ckpt: DcpCheckpoint, e: TensorEntry) -> str:
             del p
         else:
             return h.hexdigest()
+    from ...core.tensor_math import sha256_of_tensor   # lazy: an unusual layout, assembled by torch
     return sha256_of_tensor(ckpt.read_tensor(e.key))
 
 
@@ -238,12 +240,17 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
         seconds["copy"] = round(time.perf_counter() - t0, 3)
         t1 = time.perf_counter()
         state = {"done": 0}
+        # largest first (each rank's share too), so the biggest tensor is not the last one to start; a tensor
+        # bigger than one thread's share of the whole splits its base CRC-32s over every thread
+        order = sorted(range(len(layout.dropped)), key=lambda i: (-layout.dropped[i].nbytes, i))
+        share = sum(d.nbytes for d in layout.dropped) / max(1, hash_threads)
 
         def identify(i: int) -> tuple:   # (sha256 or None, [CRC-32 per chunk] or None): plain values, for gather
             d = layout.dropped[i]
             e = ckpt.entries[d.key]
             if base_crcs is not None:   # proven against the base by the CRC-32s its items store: not read
-                got = checked_by_crc(ckpt, e, d, base_crcs, crc_reader, base_path)
+                got = checked_by_crc(ckpt, e, d, base_crcs, crc_reader, base_path,
+                                     threads=hash_threads if hash_threads > 1 and d.nbytes > share else 1)
                 if got is not None:
                     return got[0], list(got[1])
             elif base_hash is None:     # no base: identified by the CRC-32s its items store
@@ -268,7 +275,10 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
 
         # Dropped tensors are identified in parallel (hashlib, zlib and preadv release the GIL) on
         # `hash_threads` threads and split over torchrun's ranks; rank 0 gets every result, in the layout's order.
-        every = map_units(identify, [d.nbytes for d in layout.dropped], group, threads=hash_threads, done=identified)
+        got = map_units(lambda j: identify(order[j]), [layout.dropped[i].nbytes for i in order], group,
+                        threads=hash_threads, done=lambda j, h: identified(order[j], h))
+        by_unit = None if got is None else dict(zip(order, got))
+        every = None if by_unit is None else [by_unit[i] for i in range(len(order))]
         ids = {} if every is None else {d.key: DroppedId(h[0], None if h[1] is None else tuple(h[1]))
                                         for d, h in zip(layout.dropped, every)}
         seconds["hash"] = round(time.perf_counter() - t1, 3)
