@@ -128,6 +128,10 @@ def measure(a) -> int:
                                              "--json"],
         "slim --base": lambda: py + ["slim", url, str(out), "--base", str(base), "--json"],
     }
+    unknown = sorted(set(a.cases.split(",")) - set(cases))
+    if unknown:   # (an empty run would write a results file that measured nothing)
+        server.close()
+        raise SystemExit(f"unknown case(s) {unknown}: choose from {sorted(cases)}")
     cases = {k: v for k, v in cases.items() if k in a.cases.split(",")}
     runs, warm = [], {}
 
