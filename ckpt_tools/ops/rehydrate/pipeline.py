@@ -63,9 +63,9 @@ class Pipeline:
     is kept (`error`); the units not started yet then do nothing, the main thread stops submitting, and
     `drain` raises it."""
 
-    def __init__(self, threads: int, *, budget_bytes: int = BUDGET_BYTES, slot_bytes: int = SLOT_BYTES):
-        self.budget = ByteBudget(budget_bytes)
-        self.slot_bytes = slot_bytes
+    def __init__(self, threads: int, *, budget_bytes: int | None = None, slot_bytes: int | None = None):
+        self.budget = ByteBudget(budget_bytes or BUDGET_BYTES)
+        self.slot_bytes = slot_bytes or SLOT_BYTES
         self.lock = threading.Lock()
         self._idle = threading.Condition(self.lock)
         self._free: list[memoryview] = []

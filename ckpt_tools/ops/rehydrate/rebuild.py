@@ -97,7 +97,7 @@ class TensorRun:
         self.lock = threading.Lock()
 
     # ---------------------------------------------------------------- main thread
-    def start(self, pipe: Pipeline, slot_bytes: int) -> None:
+    def start(self, pipe: Pipeline) -> None:
         """Register the chunks and hand the blocks to `pipe` (or rebuild inline, see the module)."""
         r, writer = self.r, self.writer
         out_item, in_item = ITEMSIZE[r.dtype], self.in_dtype.itemsize
@@ -109,7 +109,7 @@ class TensorRun:
         scratch_row = max(out_row * in_item // out_item if cast else 0, out_row if box else 0)
         self.scratch_row = scratch_row
         layout = tensor_layout(r.shape, out_item, r.chunks, r.segments,
-                               slot_bytes * out_row // max(1, out_row + scratch_row))
+                               pipe.slot_bytes * out_row // max(1, out_row + scratch_row))
         parts = None
         if layout is not None:
             parts = [tensor_item_parts(r.dtype, c.sizes) if not c.empty and writer.owns(c.file_index) else None

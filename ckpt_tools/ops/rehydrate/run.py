@@ -32,7 +32,7 @@ from ...formats.dcp.writer import DcpWriter
 from ...formats.slim.writer import copy_extra_entries
 from ...io.staging import SharedOutputDir
 from .blocks import row_blocks_in_order
-from .pipeline import SLOT_BYTES, Pipeline
+from .pipeline import Pipeline
 from .plan import ITEM_OVERHEAD_BYTES, RebuildItem, RehydratePlan, RehydrateSources
 from .rebuild import Tally, TensorRun
 
@@ -122,7 +122,7 @@ def _register_copies(plan: RehydratePlan, ckpt: DcpCheckpoint, writer, pipe: Pip
         # a large item is read in blocks of a slot's buffer, a small one (or a remote one) whole
         large = length > (1 << 20)
         if not pipe.submit(_copy_one(ckpt, slot, n, key, rel, offset, length, want),
-                           min(length, SLOT_BYTES) if large else length, buffer=large):
+                           min(length, pipe.slot_bytes) if large else length, buffer=large):
             pipe.raise_failure()
 
 
@@ -164,7 +164,7 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             for i, r in enumerate(plan.rebuild):
                 verify = verifier[i] == group.part.rank and not by_owner[i]
                 TensorRun(i, len(plan.rebuild), r, hf, writer, verify=verify, by_owner=by_owner[i], tally=tally,
-                          base_path=Path(plan.base)).start(pipe, SLOT_BYTES)
+                          base_path=Path(plan.base)).start(pipe)
                 tick()
             seconds["registered"] = round(time.perf_counter() - t0, 3)
             pipe.drain(tick)
