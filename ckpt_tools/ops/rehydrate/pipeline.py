@@ -151,5 +151,9 @@ class Pipeline:
 
     def close(self, wait: bool) -> None:
         """Stop the workers; on an error or a signal they are not waited for (each unit is bounded, and they
-        are daemon threads: a write stuck in a hung filesystem cannot keep the command alive)."""
+        are daemon threads: a write stuck in a hung filesystem cannot keep the command alive), and the units
+        not started yet do nothing."""
+        if not wait:
+            with self.lock:
+                self.error = self.error or RuntimeError("the rehydrate was stopped")
         self._pool.shutdown(wait=wait)
