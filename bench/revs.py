@@ -64,6 +64,8 @@ def parse_args(argv):
     ap.add_argument("--timeout-s", type=float, default=900.0)
     ap.add_argument("--dcp", choices=("auto", "factory", "ckpt"), default="auto",
                     help="the DCP input: the factory's (auto: up to 2B params) or `ckpt adapter-to-dcp`'s")
+    ap.add_argument("--dcp-dir", type=Path, default=None, help="where the DCP input lives (default: --workdir); "
+                    "e.g. /dev/shm, where the disk holds the base and the output but not the checkpoint too")
     ap.add_argument("--floors", action="store_true",
                     help="also run each case's floor and `python -c 'import torch'` in the shuffled order")
     ap.add_argument("--order-seed", type=int, default=None, help="seed of the shuffled order (default: random)")
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     dcp_mode = a.dcp if a.dcp != "auto" else ("factory" if size.params <= 2e9 else "ckpt")
     a.order_seed = a.order_seed if a.order_seed is not None else random.randrange(1 << 30)
     order = random.Random(a.order_seed)
-    inputs = SizeInputs(size, a.workdir, a.workdir, dcp_mode, 4, a.python, None, {})
+    inputs = SizeInputs(size, a.workdir, (a.dcp_dir or a.workdir).resolve(), dcp_mode, 4, a.python, None, {})
     for case in a.cases:
         for kind in CASES[case][0] + (("dcp", "base") if a.floors else ()):
             inputs.ensure(kind)
@@ -100,11 +102,12 @@ def main(argv=None) -> int:
     if a.floors:
         contenders += [(case, FLOORS[case][0], None) for case in a.cases if case in FLOORS]
         contenders.append((None, IMPORT_TORCH, None))
+    (inputs.root / "out").mkdir(parents=True, exist_ok=True)
     for rep in range(a.repeat):
         turn = list(contenders)
         order.shuffle(turn)
         for case, label, root in turn:
-            out = inputs.root / "out" / f"rev-{label.replace(' ', '_').replace('/', '_')}"
+            out = inputs.root / "out" / f"rev-{contenders.index((case, label, root))}"
             env = None
             if root is not None:
                 argv = [a.python, "-m", "ckpt_tools",
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
             else:
                 argv = [a.python, "-c", "import torch"]
             # cwd outside every tree: `python -m` puts the cwd first on sys.path
-            rec = run_measured(argv, inputs.root / "logs", f"rev-{case}-{label}-{rep}".replace(" ", "_"), a.timeout_s,
+            rec = run_measured(argv, inputs.root / "logs", f"rev-{case}-{contenders.index((case, label, root))}-{rep}", a.timeout_s,
                                env=env, cwd=inputs.root)
             _remove(out)
             runs.append({"case": case, "tree": label, "rep": rep, **{k: rec.get(k) for k in
