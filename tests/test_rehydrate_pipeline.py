@@ -22,7 +22,7 @@ import ckpt_tools.ops.rehydrate.pipeline as pipeline
 import ckpt_tools.ops.rehydrate.rebuild as rebuild
 
 from .conftest import BASE, TRAINER
-from .test_slim_rehydrate import _perturbed_base, assert_bit_equal_checkpoints
+from .test_slim_rehydrate import perturbed_base, assert_bit_equal_checkpoints
 
 # A slot of 6 KiB: blocks of a few rows, so every chunk of the fixture is made of several blocks by several
 # workers, and the blocks are cut where the original chunks end (the fixture's rows are 64 or 162 floats).
@@ -81,7 +81,7 @@ def test_every_rebuilt_item_is_what_torch_save_writes_for_its_chunk(slims, tmp_p
 
 def test_a_failing_block_aborts_the_run_with_many_workers(slims, tmp_path, monkeypatch):
     _small_blocks(monkeypatch)
-    other = _perturbed_base(tmp_path, "model.layers.1.mlp.up_proj.weight")
+    other = perturbed_base(tmp_path, "model.layers.1.mlp.up_proj.weight")
     for slim in ("sha", "crc"):
         out = tmp_path / f"bad-{slim}"
         with pytest.raises(FormatError) as exc:
@@ -137,7 +137,7 @@ def test_a_column_split_tensor_streams_from_row_blocks_to_torch_saves_bytes(tmp_
         assert (c.offsets, c.sizes, c.file) == (e.offsets, e.sizes, e.file)
         assert a.read_item_bytes(c.file, c.offset, c.length, COLS_KEY) == \
                b.read_item_bytes(e.file, e.offset, e.length, COLS_KEY)
-    other = _perturbed_base(tmp_path, "model.layers.0.mlp.down_proj.weight")
+    other = perturbed_base(tmp_path, "model.layers.0.mlp.down_proj.weight")
     with pytest.raises(FormatError) as exc:
         ckpt_tools.rehydrate(slim, tmp_path / "bad", base=other, threads=4)
     assert exc.value.key == COLS_KEY and "sha256" in str(exc.value) and not (tmp_path / "bad").exists()
