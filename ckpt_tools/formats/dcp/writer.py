@@ -6,14 +6,16 @@ is simple enough to write directly: each storage item is one `torch.save` archiv
 `.distcp` file; `.metadata` (a pickled `Metadata`) is written last, atomically. Tensors are split
 into dim-0 row chunks with `torch.chunk` boundaries for the consumer's world size, so each
 resuming FSDP2 rank reads only its own rows; chunk k goes to file `__k_0.distcp` like a real save.
-Memory: one tensor plus one chunk copy at a time (`write_tensor`); `write_streamed_chunk` holds one block
-of the payload, and a `FileRange` copy none (in the kernel).
+Memory: one tensor plus one chunk copy at a time (`write_tensor`); a `FileRange` copy none (in the kernel);
+a reserved item (below) whatever its writers hold.
 
 Every byte is written at its place (`pwrite`), never through a shared file position: the items of a file
 are registered in order (which fixes each one's offset), and an item whose length is known beforehand can
 be reserved (`reserve_chunk`, `reserve_bytes`: an `ItemSlot`) and its bytes written later, from any thread
-and in any order (`ItemSlot.write_at`, `copy_at`), while the next items are registered behind it. The file
-is then byte for byte what writing the items one after another gives.
+and in any order (`ItemSlot.write_at`, `copy_at`), while the next items are registered behind it: a
+streamed tensor item (`stream_item.TensorItemParts`: its head, its payload block by block, its tail once
+the payload's CRC-32 is known), or a verbatim copy. The file is then byte for byte what writing the items
+one after another gives.
 
 Split over ranks (`owned_files`: the data files this rank writes, `ckpt_tools.dist`): every rank makes
 the same sequence of write calls from the same plan; a call whose file is another rank's is only
@@ -50,11 +52,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.errors import UsageError
-from ...core.crc import crc32
 from ...io.copy import copy_range
 from ...io.files import atomic_write_bytes, create_new, make_dirs, pwrite_all, start_writeback
 from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
-from .stream_item import TensorItemParts
 
 __all__ = ["DcpWriter", "DCP_VERSION", "FileRange", "ItemSlot"]
 
@@ -299,31 +299,6 @@ class DcpWriter:
         or a torch dtype; `raw_item`: its bytes, or a `FileRange` of an input to copy them from."""
         self._add_chunk_item(key, path, torch_dtype(dtype), tuple(size), tuple(offsets), tuple(sizes),
                              data_file_name(file_index % self.files), lambda fh: _write_raw(fh, raw_item))
-
-    def write_streamed_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...], offsets: tuple[int, ...],
-                             sizes: tuple[int, ...], parts: TensorItemParts, blocks, file_index: int = 0) -> int | None:
-        """Write one row chunk as torch.save would, its payload taken from `blocks` (buffers, in order,
-        `parts.payload_bytes` in all) without ever holding it whole (`stream_item`). Returns the payload's
-        CRC-32 (None: another rank's file, nothing read from `blocks`). Fewer or more bytes than the
-        chunk holds is a UsageError; the caller checks the CRC and aborts the output on a mismatch."""
-        got = {}
-
-        def write(fh) -> None:
-            fh.write(parts.head)
-            crc, n = 0, 0
-            for b in blocks:
-                fh.write(b)
-                crc = crc32(b, crc)
-                n += len(memoryview(b).cast("B"))
-                del b   # before the next block is made: one in memory, not two
-            if n != parts.payload_bytes:
-                raise UsageError(f"chunk at {list(offsets)} got {n:,} payload bytes, expected {parts.payload_bytes:,}",
-                                 key=key)
-            fh.write(parts.tail(crc))
-            got["crc"] = crc
-        self._add_chunk_item(key, path, torch_dtype(dtype), tuple(size), tuple(offsets), tuple(sizes),
-                             data_file_name(file_index % self.files), write)
-        return got.get("crc")
 
     def reserve_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...], offsets: tuple[int, ...],
                       sizes: tuple[int, ...], length: int, *, file_index: int = 0) -> ItemSlot | None:
