@@ -5,18 +5,25 @@
     python bench/revs.py --tree pre-redesign=.trees/pre-redesign --tree now=. --size 0.6b --repeat 3
 
 The inputs are the harness's (bench/inputs.py, cached in --workdir), made once by this checkout. Each
-repeat runs every (case, tree) pair in turn, each in its own process through bench/launch.py, with
+repeat runs every (case, tree) pair, and with --floors each case's floor and `python -c 'import torch'`,
+in a new shuffled order (the seed is recorded), each in its own process through bench/launch.py, with
 PYTHONPATH set to that tree, so the trees see the same page cache and machine load. Prints, per case, the
-median wall and peak RSS of each tree and its ratio to the first tree; writes the records to --results.
-Cases: merge (HF base + PEFT adapter), slim, rehydrate, the three the refactors promised not to slow; slim --base
-and extract-adapter (issue 22: the byte movers without torch); diff (diff-vs-base merged base), diff-adapter (with
---adapter) and diff-adapter-cuda (--device cuda: a tree without it fails that case). Records wall, CPU and peak RSS.
+median wall and peak RSS of each tree and its ratio to the first tree, and with --floors each tree's ratio
+to (floor + import torch), median and worst (the slowest run over the fastest floor and import); writes the
+records (wall, CPU, RSS) to --results. Cases: merge (HF base + PEFT adapter), slim, rehydrate, the three
+the refactors promised not to slow; slim --base and extract-adapter (issue 22: the byte movers without
+torch); diff (diff-vs-base merged base), diff-adapter (with --adapter) and diff-adapter-cuda (--device cuda:
+a tree without it fails that case).
+
+    python bench/revs.py --tree main=.trees/main --tree now=. --size 1.7b --dcp ckpt --cases rehydrate \
+        --floors --repeat 5
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -28,6 +35,14 @@ from runner import run_measured
 from sizes import SIZES
 
 REPO = Path(__file__).resolve().parents[1]
+
+# each case's floor (issue 22's): what the same bytes cost without ckpt (a shell command on the inputs)
+FLOORS = {
+    "merge": ("cp -r base && sync", lambda p, out: ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", p["base"], out]),
+    "slim": ("cat dcp", lambda p, out: ["sh", "-c", 'find "$1" -type f -exec cat {} + >/dev/null', "sh", p["dcp"]]),
+    "rehydrate": ("cp -r dcp && sync", lambda p, out: ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", p["dcp"], out]),
+}
+IMPORT_TORCH = "python -c 'import torch'"
 
 CASES = {
     "merge": (("base", "adapter"), lambda p, out, shard: ["merge", p["base"], p["adapter"], out,
@@ -56,6 +71,13 @@ def parse_args(argv):
     ap.add_argument("--results", type=Path, default=None)
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--timeout-s", type=float, default=900.0)
+    ap.add_argument("--dcp", choices=("auto", "factory", "ckpt"), default="auto",
+                    help="the DCP input: the factory's (auto: up to 2B params) or `ckpt adapter-to-dcp`'s")
+    ap.add_argument("--dcp-dir", type=Path, default=None, help="where the DCP input lives (default: --workdir); "
+                    "e.g. /dev/shm, where the disk holds the base and the output but not the checkpoint too")
+    ap.add_argument("--floors", action="store_true",
+                    help="also run each case's floor and `python -c 'import torch'` in the shuffled order")
+    ap.add_argument("--order-seed", type=int, default=None, help="seed of the shuffled order (default: random)")
     a = ap.parse_args(argv)
     a.trees = []
     for t in a.tree:
@@ -77,31 +99,44 @@ def main(argv=None) -> int:
     site = os.environ.get("PYTHONPATH")           # e.g. the device host's carried wheels
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), site]))  # inputs: this checkout's ckpt
     size = SIZES[a.size]
-    needs_dcp = any(kind in ("dcp", "slim") for case in a.cases for kind in CASES[case][0])
-    dcp_mode = ("factory" if size.params <= 2e9 else "ckpt") if needs_dcp else "none"   # (the harness's --dcp none)
-    inputs = SizeInputs(size, a.workdir, a.workdir, dcp_mode, 4, a.python, None, {})
+    needs_dcp = any(kind in ("dcp", "slim") for case in a.cases for kind in CASES[case][0]) or a.floors
+    dcp_mode = a.dcp if a.dcp != "auto" else ("factory" if size.params <= 2e9 else "ckpt")
+    dcp_mode = dcp_mode if needs_dcp else "none"   # (the harness's --dcp none: no DCP input is built)
+    a.order_seed = a.order_seed if a.order_seed is not None else random.randrange(1 << 30)
+    order = random.Random(a.order_seed)
+    inputs = SizeInputs(size, a.workdir, (a.dcp_dir or a.workdir).resolve(), dcp_mode, 4, a.python, None, {})
     for case in a.cases:
-        for kind in CASES[case][0]:
+        for kind in CASES[case][0] + (("dcp", "base") if a.floors else ()):
             inputs.ensure(kind)
     runs = []
+    contenders = [(case, label, root) for case in a.cases for label, root in a.trees]
+    if a.floors:
+        contenders += [(case, FLOORS[case][0], None) for case in a.cases if case in FLOORS]
+        contenders.append((None, IMPORT_TORCH, None))
+    (inputs.root / "out").mkdir(parents=True, exist_ok=True)
     for rep in range(a.repeat):
-        for case in a.cases:
-            for label, root in a.trees:
-                out = inputs.root / "out" / f"rev-{label}"
+        turn = list(contenders)
+        order.shuffle(turn)
+        for case, label, root in turn:
+            out = inputs.root / "out" / f"rev-{contenders.index((case, label, root))}"
+            env = None
+            if root is not None:
                 argv = [a.python, "-m", "ckpt_tools",
                         *map(str, CASES[case][1](inputs.paths, out, inputs.shard_bytes))]
-                # cwd outside every tree: `python -m` puts the cwd first on sys.path
-                rec = run_measured(argv, inputs.root / "logs", f"rev-{case}-{label}-{rep}", a.timeout_s,
-                                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(root), site]))},
-                                   cwd=inputs.root)
-                _remove(out)
-                runs.append({"case": case, "tree": label, "rep": rep, **{k: rec.get(k) for k in
-                             ("status", "reason", "wall_s", "cpu_s", "user_s", "sys_s", "peak_rss_bytes",
-                                                     "stderr_tail")}})
-                print(f"{case:15s} {label:14s} rep {rep}: {rec.get('status')} {rec.get('wall_s') or 0:.2f} s "
-                      f"(CPU {rec.get('cpu_s') or 0:.1f} s), {(rec.get('peak_rss_bytes') or 0) / 2**20:.0f} MiB",
-                      flush=True)
-                save(a, runs)   # after every run: a run cut short keeps what it measured
+                env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), site]))}
+            elif case is not None:
+                argv = FLOORS[case][1]({k: str(v) for k, v in inputs.paths.items()}, str(out))
+            else:
+                argv = [a.python, "-c", "import torch"]
+            # cwd outside every tree: `python -m` puts the cwd first on sys.path
+            rec = run_measured(argv, inputs.root / "logs", f"rev-{case}-{contenders.index((case, label, root))}-{rep}", a.timeout_s,
+                               env=env, cwd=inputs.root)
+            _remove(out)
+            runs.append({"case": case, "tree": label, "rep": rep, **{k: rec.get(k) for k in
+                         ("status", "reason", "wall_s", "cpu_s", "user_s", "sys_s", "peak_rss_bytes", "stderr_tail")}})
+            print(f"{case or '-':10s} {label:20s} rep {rep}: {rec.get('status')} {rec.get('wall_s') or 0:.2f} s, "
+                  f"CPU {rec.get('cpu_s') or 0:.1f} s, {(rec.get('peak_rss_bytes') or 0) / 2**20:.0f} MiB", flush=True)
+            save(a, runs)   # after every run: a run cut short keeps what it measured
     print(save(a, runs))
     return 0 if all(r["status"] == "ok" for r in runs) else 1
 
@@ -110,6 +145,7 @@ def save(a, runs: list[dict]) -> str:
     table = summarize(runs, a.trees, a.cases)
     results = a.results or a.workdir / a.size / "revs.json"
     results.write_text(json.dumps({"size": a.size, "trees": [[l, str(r)] for l, r in a.trees],
+                                   "order_seed": a.order_seed, "floors": a.floors,
                                    "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": runs,
                                    "nproc": os.cpu_count(), "table": table}, indent=1))
     return table
@@ -119,18 +155,42 @@ def summarize(runs: list[dict], trees, cases) -> str:
     lines = ["| case | " + " | ".join(f"{l} wall, CPU (RSS)" for l, _ in trees) + " | " +
              " | ".join(f"{l}/{trees[0][0]}" for l, _ in trees[1:]) + " |",
              "|---" * (1 + 2 * len(trees) - 1) + "|"]
+
+    def ok(case, label):
+        return [r for r in runs if r["case"] == case and r["tree"] == label and r["status"] == "ok"]
     for case in cases:
         med = {}
         for label, _ in trees:
-            ok = [r for r in runs if r["case"] == case and r["tree"] == label and r["status"] == "ok"]
-            med[label] = (statistics.median(r["wall_s"] for r in ok) if ok else None,
-                          max(r["peak_rss_bytes"] or 0 for r in ok) if ok else None,
-                          statistics.median(r.get("cpu_s") or 0 for r in ok) if ok else None)
+            got = ok(case, label)
+            med[label] = (statistics.median(r["wall_s"] for r in got) if got else None,
+                          max(r["peak_rss_bytes"] or 0 for r in got) if got else None,
+                          statistics.median(r.get("cpu_s") or 0 for r in got) if got else None)
         ref = med[trees[0][0]][0]
         cells = [f"{w:.2f} s, cpu {c:.2f} s ({m / 2**20:.0f} MiB)" if w else "failed" for w, m, c in med.values()]
         ratios = [f"{med[l][0] / ref:.2f}x" if ref and med[l][0] else "n/a" for l, _ in trees[1:]]
         lines.append(f"| {case} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    return "\n".join(lines)
+    floor_lines = []
+    torch_runs = ok(None, IMPORT_TORCH)
+    for case in cases:
+        floor = ok(case, FLOORS[case][0]) if case in FLOORS else []
+        if not floor or not torch_runs:
+            continue
+        fmed = statistics.median(r["wall_s"] for r in floor)
+        tmed = statistics.median(r["wall_s"] for r in torch_runs)
+        fmin, tmin = min(r["wall_s"] for r in floor), min(r["wall_s"] for r in torch_runs)
+        floor_lines.append(f"{case}: floor `{FLOORS[case][0]}` {fmed:.2f} s ({fmin:.2f}-"
+                           f"{max(r['wall_s'] for r in floor):.2f}), CPU {statistics.median(r['cpu_s'] for r in floor):.1f} s;"
+                           f" `import torch` {tmed:.2f} s ({tmin:.2f}-{max(r['wall_s'] for r in torch_runs):.2f})")
+        for label, _ in trees:
+            got = ok(case, label)
+            if got:
+                w = [r["wall_s"] for r in got]
+                floor_lines.append(
+                    f"  {label}: {statistics.median(w):.2f} s ({min(w):.2f}-{max(w):.2f}), CPU "
+                    f"{statistics.median(r['cpu_s'] for r in got):.1f} s, RSS {max(r['peak_rss_bytes'] for r in got) / 2**20:.0f} MiB: "
+                    f"{statistics.median(w) / (fmed + tmed):.2f}x (floor + import torch), worst "
+                    f"{max(w) / (fmin + tmin):.2f}x")
+    return "\n".join(lines + floor_lines)
 
 
 def _remove(path: Path) -> None:

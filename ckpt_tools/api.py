@@ -321,13 +321,14 @@ def slim(ckpt: str | Path, out: str | Path, *, base: str | Path | None = None, d
 
 
 def rehydrate(slim_ckpt: str | Path, out: str | Path, *, base: str | Path, world_size: int | None = None,
-              dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
+              dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False, threads: int | None = None,
               progress: Progress | None = None, group: Group | None = None) -> RehydrateReport | DryRunReport:
-    """The full checkpoint rebuilt bit-exactly from a slim one and the base (`ckpt rehydrate`)."""
+    """The full checkpoint rebuilt bit-exactly from a slim one and the base (`ckpt rehydrate`). `threads`:
+    the workers (default: this rank's cores + 2); memory does not grow with them (`plan.memory_bound_bytes`)."""
     with _loading():
         from .ops.rehydrate import RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, \
             run_rehydrate
-    options = RehydrateOptions(out, str(base), world_size, overwrite, trust_pickle)
+    options = RehydrateOptions(out, str(base), world_size, overwrite, trust_pickle, threads)
     with open_rehydrate_sources(slim_ckpt, options) as sources:
         plan = plan_rehydrate(sources, options)
         if dry_run:

@@ -3,9 +3,12 @@ for every command at any size). Two genuine factory checkpoints (one FSDP2 rank,
 tensor) that differ only in their vocabulary, so their largest tensors (the fp32 embedding and lm_head) are
 64 MiB and 256 MiB, are slimmed and rehydrated in subprocesses; the kernel's peak RSS of each (`wait4`,
 as tests/test_merge_memory.py measures it) may differ by less than two base blocks (`BASE_BLOCK_BYTES`: the
-big tensor streams block by block with the next one read ahead, the small one is one block). A slim that
-reads the dropped tensors whole, or a rehydrate that builds a chunk (here: a tensor) before writing it,
-grows by >= 192 MiB and fails."""
+big tensor streams block by block, the small one fits a few blocks). A slim that reads the dropped tensors
+whole, or a rehydrate that builds a chunk (here: a tensor) before writing it, grows by >= 192 MiB and fails.
+
+Nor does rehydrate's memory grow with its workers: the blocks in flight share one budget
+(`ops/rehydrate/pipeline.BUDGET_BYTES`, 16 slots of `SLOT_BYTES`), so 32 workers hold less than that budget
+more than 2 do; one block per worker (no budget) would hold 30 slots (360 MiB) more and fail."""
 from __future__ import annotations
 
 import subprocess
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.ops.rehydrate.pipeline import BUDGET_BYTES, SLOT_BYTES
 from ckpt_tools.sources.hashing import BASE_BLOCK_BYTES
 
 HIDDEN = 64
@@ -63,3 +67,18 @@ def test_slim_and_rehydrate_peak_rss_stay_flat_as_the_largest_tensor_grows_4x(ru
         assert big - small < 2 * BASE_BLOCK_BYTES, (f"{what}: peak RSS {big / 2**20:.0f} MiB with a {largest >> 20} MiB "
                                             f"tensor, {small / 2**20:.0f} MiB with a {largest >> 22} MiB one")
         assert big < 1 << 30, f"{what}: peak RSS {big / 2**20:.0f} MiB, over the 1 GiB budget"
+
+
+def test_rehydrate_peak_rss_does_not_grow_with_its_workers(runs, tmp_path):
+    import ckpt_tools
+
+    paths = runs[BIG_VOCAB]
+    slim = tmp_path / "slim"
+    ckpt_tools.slim(paths.checkpoint, slim, base=paths.base_model)
+    peaks = {n: peak_rss("rehydrate", slim, tmp_path / f"full{n}", "--base", paths.base_model, "--threads", n,
+                         cwd=tmp_path) for n in (2, 32)}
+    grew = peaks[32] - peaks[2]
+    assert 32 * SLOT_BYTES - 2 * SLOT_BYTES > BUDGET_BYTES   # (what one block per worker would hold more)
+    assert grew < BUDGET_BYTES, (f"peak RSS {peaks[32] / 2**20:.0f} MiB with 32 workers, {peaks[2] / 2**20:.0f} MiB "
+                                 f"with 2: +{grew / 2**20:.0f} MiB, over the {BUDGET_BYTES >> 20} MiB budget")
+    assert peaks[32] < 1 << 30

@@ -275,13 +275,13 @@ def test_a_slim_without_base_rehydrates_bit_equal_for_another_world_size_checked
     assert r.exit_code == 0, r.output
     assert "36/36 rebuilt tensors match" in r.output
     assert assert_bit_equal_checkpoints(TRAINER, tmp_path / "full", same_layout=False) == 229
-    other = _perturbed_base(tmp_path, "model.layers.2.self_attn.o_proj.weight")
+    other = perturbed_base(tmp_path, "model.layers.2.self_attn.o_proj.weight")
     r = run("rehydrate", slim, tmp_path / "bad", "--base", other, "--world-size", "3")
     assert r.exit_code == 1 and "key 'app.model.model.layers.2.self_attn.o_proj.weight'" in r.output, r.output
     assert "CRC-32" in r.output and not (tmp_path / "bad").exists()
 
 
-def _perturbed_base(tmp_path: Path, name: str) -> Path:
+def perturbed_base(tmp_path: Path, name: str) -> Path:
     """A real copy of the base saved by safetensors with one weight changed by one bf16 ulp: the
     "same model, another revision" trap."""
     d = tmp_path / "other-revision"
@@ -298,7 +298,7 @@ def _perturbed_base(tmp_path: Path, name: str) -> Path:
 
 
 def test_rehydrate_with_another_base_revision_fails_naming_the_key_and_writes_nothing(fixture_slim, tmp_path):
-    other = _perturbed_base(tmp_path, "model.layers.2.self_attn.o_proj.weight")
+    other = perturbed_base(tmp_path, "model.layers.2.self_attn.o_proj.weight")
     out = tmp_path / "full"
     r = run("rehydrate", fixture_slim, out, "--base", other)
     assert r.exit_code == 1, r.output
@@ -330,7 +330,7 @@ def test_rehydrate_refuses_a_manifest_whose_hash_was_tampered(fixture_slim, tmp_
 
 
 def test_slim_with_a_base_that_is_not_the_runs_refuses(tmp_path):
-    other = _perturbed_base(tmp_path, "model.embed_tokens.weight")
+    other = perturbed_base(tmp_path, "model.embed_tokens.weight")
     r = run("slim", TRAINER, tmp_path / "slim", "--base", other)
     assert r.exit_code == 1 and "key 'app.model.model.embed_tokens.weight'" in r.output
     assert not (tmp_path / "slim").exists() and no_leftovers(tmp_path, "slim")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 __all__ = ["ByteBudget"]
 
@@ -36,14 +36,20 @@ class ByteBudget:
         # a unit larger than the budget is admitted alone (else it would wait forever)
         return self.held + n <= self.limit or self._units == 0
 
-    def acquire(self, n: int) -> None:
-        """Wait until `n` more bytes fit, then hold them."""
+    def acquire(self, n: int, cancelled: Callable[[], bool] | None = None) -> bool:
+        """Wait until `n` more bytes fit, then hold them (True). With `cancelled`, the wait also ends,
+        holding nothing (False), once it returns True: a pipeline whose worker failed stops waiting for
+        bytes that worker will never give back."""
         n = max(0, int(n))
         with self._cond:
-            self._cond.wait_for(lambda: self._fits(n))
+            while not self._fits(n):
+                if cancelled is not None and cancelled():
+                    return False
+                self._cond.wait(None if cancelled is None else 0.05)
             self.held += n
             self._units += 1
             self.peak = max(self.peak, self.held)
+            return True
 
     def release(self, n: int) -> None:
         n = max(0, int(n))

@@ -29,8 +29,8 @@ if TYPE_CHECKING:   # annotations only: torch is imported where tensors are buil
 
     from ..formats.hf_dir.model_dir import HFModelDir
 
-__all__ = ["BASE_BLOCK_BYTES", "READ_BLOCK_BYTES", "PIECE_VALUES", "read_rows_as", "read_as", "upcast_sha256", "base_hash_check",
-           "upcast_sha256_crc32s", "base_crc_check"]
+__all__ = ["BASE_BLOCK_BYTES", "READ_BLOCK_BYTES", "PIECE_VALUES", "read_rows_as", "read_rows_into", "read_as",
+           "upcast_sha256", "base_hash_check", "upcast_sha256_crc32s", "base_crc_check"]
 
 # Rows per block when a base tensor is streamed: bounded scratch whatever the tensor's size.
 BASE_BLOCK_BYTES = 64 << 20
@@ -63,6 +63,21 @@ def read_rows_as(src: Source, name: str, dtype, start: int, count: int) -> torch
     t = _stacked(src, name, start, count) if is_stacked_pattern(name) else src.read_rows(name, start, count)
     dt = torch_dtype(dtype)   # (imports torch)
     return t if t.dtype == dt else t.to(dt)
+
+
+def read_rows_into(src: Source, name: str, start: int, count: int, out) -> None:
+    """Rows [start, start + count) of `name` as stored, into the caller's buffer `out` (exactly their bytes;
+    no allocation: what a pipeline of pooled buffers reads into). A `stacked_hf_pattern` name reads experts
+    start.. of the base's per-expert weights, one after another."""
+    view = memoryview(out).cast("B")
+    if not is_stacked_pattern(name):
+        src.read_into(name, view, rows=(start, count))
+        return
+    at = 0
+    for expert in expert_names(name, start, count):
+        n = src.facts(expert).nbytes
+        src.read_into(expert, view[at:at + n])
+        at += n
 
 
 def read_as(src: Source, name: str, dtype) -> torch.Tensor:

@@ -22,18 +22,22 @@ __all__ = ["command"]
                                             "local HF cache).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Write base weights as row chunks for W ranks "
               "(default: the original checkpoint's exact chunk layout and rank files).")
+@click.option("--threads", type=click.IntRange(1, 64), default=None,
+              help="Workers reading, casting, checking and writing blocks in parallel (default: the cores + 2). "
+                   "Memory does not grow with them: the blocks in flight share one budget (the plan's memory "
+                   "bound).")
 @overwrite_option
 @dry_run_option
 @download_option
 @json_option
 @trust_option
-def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, dry_run: bool, as_json: bool,
-            trust_pickle: bool) -> None:
+def command(slim_ckpt: Path, out: Path, base: str, world_size, threads, overwrite: bool, dry_run: bool,
+            as_json: bool, trust_pickle: bool) -> None:
     """Rebuild the full checkpoint prime-rl resumes from, from a slim one and the base model.
 
     Slim items are copied verbatim; each dropped tensor is rebuilt as the exact fp32 upcast of the
-    base weight and checked against the sha256 in the slim manifest before it is written. Any
-    mismatch (a different base revision) aborts and OUT is not created.
+    base weight and checked against the slim manifest (each original chunk's CRC-32, the tensor's
+    sha256 where recorded). Any mismatch (a different base revision) aborts and OUT is not created.
 
     \b
     Example:
@@ -44,7 +48,7 @@ def command(slim_ckpt: Path, out: Path, base: str, world_size, overwrite: bool, 
     warn_trust(trust_pickle)
     with progress_line(not dry_run) as bar:
         report = api.rehydrate(slim_ckpt, out, base=base, world_size=world_size, dry_run=dry_run,
-                               overwrite=overwrite, trust_pickle=trust_pickle, progress=bar)
+                               overwrite=overwrite, trust_pickle=trust_pickle, threads=threads, progress=bar)
     finish(report, as_json, lambda r: _render(r, dry_run))
 
 

@@ -13,18 +13,18 @@ from ...io.remote import is_remote_path
 from .item import CRC_HINT, SMALL_ITEM_BYTES, ItemError, crc_error, parse_item, window
 from .model import BytesEntry
 from .reader import DcpCheckpoint
-from .writer import DcpWriter, FileRange
+from .writer import DcpWriter, FileRange, ItemSlot
 
-__all__ = ["BLOCK_BYTES", "checked_item_crc", "copy_checked_item"]
+__all__ = ["BLOCK_BYTES", "checked_item_crc", "copy_checked_item", "write_checked_item"]
 
 BLOCK_BYTES = 16 << 20   # one read of a large item
 
 
 def checked_item_crc(ckpt: DcpCheckpoint, rel: str, offset: int, length: int, key: str,
-                     block_bytes: int = BLOCK_BYTES) -> int:
+                     block_bytes: int = BLOCK_BYTES, buf: memoryview | None = None) -> int:
     """The CRC-32 of the item's bytes, each of its zip records checked against its stored CRC-32 on the way
-    (ChecksumError naming the file and key), read in blocks of `block_bytes`. An item that is not a zip
-    (DCP stores a BytesIO value raw) has only the whole CRC."""
+    (ChecksumError naming the file and key), read in blocks of `block_bytes` (or of the caller's `buf`). An
+    item that is not a zip (DCP stores a BytesIO value raw) has only the whole CRC."""
     path = ckpt.dir / rel
     read = lambda off, n: ckpt.read_item_bytes(rel, off, n, key)   # noqa: E731
     try:
@@ -36,7 +36,7 @@ def checked_item_crc(ckpt: DcpCheckpoint, rel: str, offset: int, length: int, ke
                           path=path, key=key, hint=CRC_HINT) from None
     got = [0] * len(records)
     whole, pos = 0, 0
-    buf = memoryview(bytearray(min(block_bytes, max(1, length))))
+    buf = memoryview(bytearray(min(block_bytes, max(1, length)))) if buf is None else memoryview(buf).cast("B")
     while pos < length:
         n = min(len(buf), length - pos)
         view = buf[:n]
@@ -68,4 +68,18 @@ def copy_checked_item(ckpt: DcpCheckpoint, writer: DcpWriter, key: str, rel: str
         writer.copy_bytes_item(key, e.path, raw, file_index=file_index)
     else:
         writer.copy_tensor_chunk(key, e.path, e.dtype, e.shape, chunk.offsets, chunk.sizes, raw, file_index=file_index)
+    return crc
+
+
+def write_checked_item(ckpt: DcpCheckpoint, slot: ItemSlot, key: str, rel: str, offset: int, length: int, *,
+                       buf: memoryview | None = None) -> int:
+    """`copy_checked_item` into an item already registered (`DcpWriter.reserve_chunk` / `reserve_bytes`: any
+    thread may run it): the item checked as it is read (a large one in blocks of the caller's `buf`, then
+    copied by `copy_file_range`), written at its place; returns the CRC-32 of its bytes."""
+    if length <= SMALL_ITEM_BYTES or is_remote_path(ckpt.dir):
+        raw = ckpt.read_item_checked(rel, offset, length, key)
+        slot.write_at(0, raw)
+        return crc32(raw)
+    crc = checked_item_crc(ckpt, rel, offset, length, key, buf=buf)
+    slot.copy_at(0, FileRange(ckpt.files.check_range(rel, offset, length, key), offset, length, ckpt.dir / rel, key))
     return crc

@@ -29,11 +29,12 @@ from ...core.crc import crc32
 from ...core.dtypes import ITEMSIZE, STORAGE_CLASSES
 from .item import ItemError, parse_item
 
-__all__ = ["TensorItemParts", "tensor_item_parts"]
+__all__ = ["TensorItemParts", "tensor_item_parts", "MAX_STREAMED_BYTES"]
 
 _ALIGN = 64
 _PREFIX = "archive/"
 _LIMIT = 0xFFFFFFFF - (1 << 20)      # below this, no zip64 record: miniz's 32-bit fields hold every size
+MAX_STREAMED_BYTES = _LIMIT          # the largest payload `tensor_item_parts` streams
 _STORAGE_CLASS = {dtype: cls for cls, dtype in STORAGE_CLASSES.items()}
 _CHECKED: dict[str, tuple | None] = {}   # dtype -> (name hash digits, constant records) or None: not ours
 

@@ -6,8 +6,16 @@ is simple enough to write directly: each storage item is one `torch.save` archiv
 `.distcp` file; `.metadata` (a pickled `Metadata`) is written last, atomically. Tensors are split
 into dim-0 row chunks with `torch.chunk` boundaries for the consumer's world size, so each
 resuming FSDP2 rank reads only its own rows; chunk k goes to file `__k_0.distcp` like a real save.
-Memory: one tensor plus one chunk copy at a time (`write_tensor`); `write_streamed_chunk` holds one block
-of the payload, and a `FileRange` copy none (in the kernel).
+Memory: one tensor plus one chunk copy at a time (`write_tensor`); a `FileRange` copy none (in the kernel);
+a reserved item (below) whatever its writers hold.
+
+Every byte is written at its place (`pwrite`), never through a shared file position: the items of a file
+are registered in order (which fixes each one's offset), and an item whose length is known beforehand can
+be reserved (`reserve_chunk`, `reserve_bytes`: an `ItemSlot`) and its bytes written later, from any thread
+and in any order (`ItemSlot.write_at`, `copy_at`), while the next items are registered behind it: a
+streamed tensor item (`stream_item.TensorItemParts`: its head, its payload block by block, its tail once
+the payload's CRC-32 is known), or a verbatim copy. The file is then byte for byte what writing the items
+one after another gives.
 
 Split over ranks (`owned_files`: the data files this rank writes, `ckpt_tools.dist`): every rank makes
 the same sequence of write calls from the same plan; a call whose file is another rank's is only
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -33,17 +42,15 @@ from typing import TYPE_CHECKING
 
 from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import UsageError
-from ...core.crc import crc32
 from ...io.copy import copy_range
-from ...io.files import atomic_write_bytes, make_dirs, open_new
+from ...io.files import atomic_write_bytes, create_new, make_dirs, pwrite_all, start_writeback
 from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
 from .metadata_pickle import DCP_VERSION, StorageRecord, TensorRecord, metadata_pickle
-from .stream_item import TensorItemParts
 
 if TYPE_CHECKING:   # annotations only: torch is imported where a tensor is saved (torch.save)
     import torch
 
-__all__ = ["DcpWriter", "DCP_VERSION", "FileRange"]
+__all__ = ["DcpWriter", "DCP_VERSION", "FileRange", "ItemSlot"]
 
 
 @dataclass(frozen=True)
@@ -57,15 +64,76 @@ class FileRange:
     key: str
 
 
-def _write_raw(fh, raw) -> None:
-    if isinstance(raw, FileRange):
-        fh.flush()
-        start = fh.tell()
-        copy_range(raw.fd, raw.offset, fh.fileno(), start, raw.length, path=raw.path, key=raw.key,
+_GATHER_BYTES = 1 << 16    # writes smaller than this are gathered into one pwrite
+_WRITEBACK_BYTES = 1 << 20  # a write at least this large starts its writeback to disk at once
+
+
+class _Sink:
+    """A file object over bytes [start, ...) of the output file `fd`, written at their place: what torch.save
+    and the verbatim copies write an item through. Small writes are gathered (torch.save writes each zip
+    header apart); `pos` is the item's length so far."""
+
+    def __init__(self, fd: int, start: int):
+        self.fd, self.start, self.pos = fd, start, 0
+        self._buf = bytearray()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if len(self._buf) + n <= _GATHER_BYTES:
+            self._buf += view
+        else:
+            self.flush()
+            pwrite_all(self.fd, view, self.start + self.pos)
+        self.pos += n
+        return n
+
+    def flush(self) -> None:
+        if self._buf:
+            pwrite_all(self.fd, self._buf, self.start + self.pos - len(self._buf))
+            self._buf.clear()
+
+    def tell(self) -> int:
+        return self.pos
+
+    def copy(self, raw: FileRange) -> None:
+        """The bytes of `raw` appended, copied in the kernel (`io.copy.copy_range`)."""
+        self.flush()
+        copy_range(raw.fd, raw.offset, self.fd, self.start + self.pos, raw.length, path=raw.path, key=raw.key,
                    block_bytes=1 << 30)
-        fh.seek(start + raw.length)
+        self.pos += raw.length
+
+
+def _write_raw(sink: _Sink, raw) -> None:
+    if isinstance(raw, FileRange):
+        sink.copy(raw)
     else:
-        fh.write(raw)
+        sink.write(raw)
+
+
+@dataclass(frozen=True)
+class ItemSlot:
+    """Bytes [start, start + length) of output data file `rel`, reserved for one item (`DcpWriter.reserve_chunk`,
+    `reserve_bytes`): its bytes are written at their place, from any thread, in any order."""
+    writer: "DcpWriter"
+    rel: str
+    start: int
+    length: int
+
+    def _range(self, pos: int, n: int) -> int:
+        if pos < 0 or pos + n > self.length:   # an internal invariant: an item never spills into the next
+            raise UsageError(f"bytes [{pos}, {pos + n}) outside the item's {self.length} bytes at {self.start} of "
+                             f"{self.rel}")
+        return self.start + pos
+
+    def write_at(self, pos: int, data) -> None:
+        """Bytes `data` at byte `pos` of the item."""
+        view = memoryview(data).cast("B")
+        self.writer._pwrite(self.rel, self._range(pos, len(view)), view)
+
+    def copy_at(self, pos: int, raw: FileRange) -> None:
+        """The stored bytes `raw` of an input at byte `pos` of the item, copied in the kernel."""
+        self.writer._copy(self.rel, self._range(pos, raw.length), raw)
 
 
 @dataclass
@@ -92,7 +160,11 @@ class DcpWriter:
         self._seq = 0                      # the next item's sequence number (the same on every rank)
         self._records: list[list] = []     # this rank's items, for rank 0's .metadata (split mode)
         self._seen: set[str] = set()       # keys of items counted but written by another rank
-        self._fh: dict[str, io.BufferedWriter] = {}
+        self._fds: dict[str, int] = {}     # data file -> its fd (created new)
+        self._end: dict[str, int] = {}     # data file -> the end of its last registered item
+        self._lock = threading.Lock()      # the slots' writes against abort/finish (`_active`, `_closed`)
+        self._active = 0                   # slot writes in flight (other threads)
+        self._closed = False
         self._tensors: dict[str, _TensorDecl] = {}
         self._bytes: set[str] = set()
         self._planner: dict[str, tuple] = {}
@@ -129,20 +201,63 @@ class DcpWriter:
         self._storage[at] = StorageRecord(fqn, at[1], index, rel, start, length)
 
     # ---------------------------------------------------------------- low level
-    def _file(self, rel: str) -> io.BufferedWriter:
-        fh = self._fh.get(rel)
-        if fh is None:
-            fh = open_new(self.dir / rel)  # new files only: never write through a link
-            self._fh[rel] = fh
-        return fh
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            fd = create_new(self.dir / rel)  # new files only: never write through a link
+            self._fds[rel] = fd
+            self._end[rel] = 0
+        return fd
 
     def _append(self, rel: str, write) -> tuple[int, int]:
-        fh = self._file(rel)
-        start = fh.tell()
-        write(fh)
-        length = fh.tell() - start
-        self.bytes_written += length
-        return start, length
+        """The next item of `rel`, `write(sink)` writing its bytes at their place (`_Sink`)."""
+        sink = _Sink(self._fd(rel), self._end[rel])
+        write(sink)
+        sink.flush()
+        self._end[rel] = sink.start + sink.pos
+        self.bytes_written += sink.pos
+        return sink.start, sink.pos
+
+    def _reserve(self, length: int):
+        def write(sink: _Sink) -> None:   # nothing yet: the slot's owner writes the bytes at their place
+            sink.pos = length
+        return write
+
+    def _begin(self, rel: str) -> int:
+        with self._lock:
+            if self._closed:
+                raise UsageError(f"write into {rel} after the checkpoint was finished or aborted")
+            self._active += 1
+            return self._fds[rel]
+
+    def _end_write(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._closed and not self._active:
+                self._close_fds()
+
+    def _pwrite(self, rel: str, offset: int, view: memoryview) -> None:
+        fd = self._begin(rel)
+        try:
+            pwrite_all(fd, view, offset)
+            if len(view) >= _WRITEBACK_BYTES:
+                start_writeback(fd, offset, len(view))
+        finally:
+            self._end_write()
+
+    def _copy(self, rel: str, offset: int, raw: FileRange) -> None:
+        fd = self._begin(rel)
+        try:
+            copy_range(raw.fd, raw.offset, fd, offset, raw.length, path=raw.path, key=raw.key, block_bytes=1 << 30)
+            if raw.length >= _WRITEBACK_BYTES:
+                start_writeback(fd, offset, raw.length)
+        finally:
+            self._end_write()
+
+    def _close_fds(self) -> None:   # (under the lock, or with no write in flight)
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
     def _declare(self, key: str, path: tuple) -> None:
         if not path or ".".join(map(str, path)) != key:
@@ -189,32 +304,18 @@ class DcpWriter:
         self._add_chunk_item(key, path, dtype_name(dtype), tuple(size), tuple(offsets), tuple(sizes),
                              data_file_name(file_index % self.files), lambda fh: _write_raw(fh, raw_item))
 
-    def write_streamed_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...], offsets: tuple[int, ...],
-                             sizes: tuple[int, ...], parts: TensorItemParts, blocks, file_index: int = 0) -> int | None:
-        """Write one row chunk as torch.save would, its payload taken from `blocks` (buffers, in order,
-        `parts.payload_bytes` in all) without ever holding it whole (`stream_item`). Returns the payload's
-        CRC-32 (None: another rank's file, nothing read from `blocks`). Fewer or more bytes than the
-        chunk holds is a UsageError; the caller checks the CRC and aborts the output on a mismatch."""
-        got = {}
+    def reserve_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...], offsets: tuple[int, ...],
+                      sizes: tuple[int, ...], length: int, *, file_index: int = 0) -> ItemSlot | None:
+        """Register one chunk item of `length` bytes now, in item order, and return its place (`ItemSlot`)
+        for its bytes to be written later, from any thread (None: another rank's file, only counted)."""
+        return self._add_chunk_item(key, path, dtype_name(dtype), tuple(size), tuple(offsets), tuple(sizes),
+                                    data_file_name(file_index % self.files), self._reserve(length))
 
-        def write(fh) -> None:
-            fh.write(parts.head)
-            crc, n = 0, 0
-            for b in blocks:
-                fh.write(b)
-                crc = crc32(b, crc)
-                n += len(memoryview(b).cast("B"))
-                del b   # before the next block is made: one in memory, not two
-            if n != parts.payload_bytes:
-                raise UsageError(f"chunk at {list(offsets)} got {n:,} payload bytes, expected {parts.payload_bytes:,}",
-                                 key=key)
-            fh.write(parts.tail(crc))
-            got["crc"] = crc
-        self._add_chunk_item(key, path, dtype_name(dtype), tuple(size), tuple(offsets), tuple(sizes),
-                             data_file_name(file_index % self.files), write)
-        return got.get("crc")
+    def reserve_bytes(self, key: str, path: tuple, length: int, *, file_index: int = 0) -> ItemSlot | None:
+        """`reserve_chunk` for a byte item."""
+        return self._add_bytes_item(key, path, data_file_name(file_index % self.files), self._reserve(length))
 
-    def _add_chunk_item(self, key, path, dtype, size, offs, sizes, rel, write) -> None:
+    def _add_chunk_item(self, key, path, dtype, size, offs, sizes, rel, write) -> ItemSlot | None:
         itemsize(dtype)   # a dtype torch has (else a FormatError naming it)
         decl = self._tensors.get(key)
         if decl is None:
@@ -229,10 +330,11 @@ class DcpWriter:
         decl.chunks.append((offs, sizes))
         if not self._owns_rel(rel):   # another rank's file: counted, not written
             self._seq += 1
-            return
+            return None
         start, length = self._append(rel, write)
         self._put_storage(key, offs, index, rel, start, length)
         self._record("chunk", key, path, rel, start, length, [dtype, list(size), list(offs), list(sizes)])
+        return ItemSlot(self, rel, start, length)
 
     def register_existing_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
                                 offsets: tuple[int, ...], sizes: tuple[int, ...], rel: str, offset: int,
@@ -255,17 +357,21 @@ class DcpWriter:
 
     def copy_bytes_item(self, key: str, path: tuple, raw_item, *, file_index: int = 0,
                         rel: str | None = None) -> None:
+        self._add_bytes_item(key, path, rel or data_file_name(file_index % self.files),
+                             lambda fh: _write_raw(fh, raw_item))
+
+    def _add_bytes_item(self, key: str, path: tuple, rel: str, write) -> ItemSlot | None:
         if key in self._bytes or key in self._tensors:
             raise UsageError("written twice", key=key)
         self._declare(key, path)
         self._bytes.add(key)
-        rel = rel or data_file_name(file_index % self.files)
         if not self._owns_rel(rel):   # another rank's file: counted, not written
             self._seq += 1
-            return
-        start, length = self._append(rel, lambda fh: _write_raw(fh, raw_item))
+            return None
+        start, length = self._append(rel, write)
         self._put_storage(key, None, None, rel, start, length)
         self._record("bytes", key, path, rel, start, length)
+        return ItemSlot(self, rel, start, length)
 
     def register_existing_bytes(self, key: str, path: tuple, rel: str, offset: int, length: int) -> None:
         self._declare(key, path)
@@ -288,11 +394,17 @@ class DcpWriter:
         directory is not a checkpoint): a fresh temp name `.metadata.tmp-<pid>-<hex>` (in-place surgery
         writes into a stranger's directory, where a `.metadata.tmp` may already be a symlink to
         anywhere: it is never followed), fsync, rename over `.metadata`, fsync the directory."""
-        for fh in self._fh.values():
-            fh.flush()
-            os.fsync(fh.fileno())
-            fh.close()
-        self._fh.clear()
+        with self._lock:
+            if self._active:   # an internal invariant: the slots' writers finish first
+                raise UsageError("finish while a write into the checkpoint is in flight")
+            self._closed = True
+        for rel, fd in self._fds.items():
+            size = os.fstat(fd).st_size
+            if size != self._end[rel]:   # an internal invariant: every reserved byte was written
+                raise UsageError(f"{rel} is {size:,} bytes, its items end at {self._end[rel]:,}")
+            os.fsync(fd)
+        with self._lock:
+            self._close_fds()
         if self._owned is not None:   # split over ranks: rank 0 registers every rank's items in order
             gathered = group.gather(self._records, "the checkpoint's item records")
             if gathered is None:
@@ -317,6 +429,9 @@ class DcpWriter:
         return whole
 
     def abort(self) -> None:
-        for fh in self._fh.values():
-            fh.close()
-        self._fh.clear()
+        """Stop writing: the files are closed (after the last slot write still in flight, which finishes into
+        a file the caller's staging directory removes)."""
+        with self._lock:
+            self._closed = True
+            if not self._active:
+                self._close_fds()

@@ -17,8 +17,6 @@ test can kill a merge midway. It has no other use.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
@@ -27,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ...core.errors import FormatError, UsageError
+from ...core.pool import DaemonPool
 from ...core.progress import Progress, ProgressEvent
 from ...dist import Group, SoloGroup
 from ...formats.hf_dir.config import rewrite_config
@@ -96,41 +95,6 @@ def check_unchanged(plan: MergePlan, sources: MergeSources) -> None:
     if problems:
         raise FormatError("the inputs changed since the merge was planned: " + ", ".join(problems[:6]),
                           path=plan.base_path, hint="plan again (rerun the command)")
-
-
-class _DaemonPool:
-    """`threads` daemon worker threads running submitted calls as Futures. Daemon, because the workers
-    write: on an error or a signal the command exits without joining them, so a worker stuck in a write
-    (a hung filesystem) cannot keep the process alive (a ThreadPoolExecutor's workers are joined at
-    interpreter exit). A command that succeeds has waited for every future before it returns."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue                  # cancelled before it started
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to the waiting main thread
-                future.set_exception(exc)
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def shutdown(self, wait: bool) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        if wait:
-            for t in self._threads:
-                t.join()
 
 
 def _slow_write_seconds() -> float:
@@ -281,7 +245,7 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     # busy machine (measured: 122 s vs 15 s of CPU for a 1.7B merge), so they are off meanwhile.
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
-    pool = _DaemonPool(plan.threads, "ckpt-merge")
+    pool = DaemonPool(plan.threads, "ckpt-merge")
     # A finished shard's hash is completed (SHA256SUMS; each shard is hashed behind its writers by its
     # own thread, `_ShardHash`) and it is fsynced by these threads while the next shards are written,
     # so the pipeline does not stall for a whole shard's hash or flush.
