@@ -397,6 +397,18 @@ class MeasuredRun:
             self.t0 = time.monotonic()
             self.proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", *self.args], stdout=out, stderr=err,
                                          stdin=subprocess.DEVNULL, env=e, cwd=REPO)
+        # Sampled from the start, not only once result() is called: a run that ends before the caller
+        # waits (a torch-free command is done in 0.3 s) would otherwise leave only ru_maxrss, which is
+        # the test process's own high-water mark (see _own_peak).
+        self._peak = 0
+        self._done = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self._peak = max(self._peak, self._own_peak())
+            self._done.wait(0.005)
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -417,9 +429,7 @@ class MeasuredRun:
 
     def result(self) -> Measured:
         timed_out = False
-        own = 0
         while True:
-            own = max(own, self._own_peak())
             pid, status, ru = os.wait4(self.proc.pid, os.WNOHANG)
             if pid:
                 break
@@ -429,11 +439,14 @@ class MeasuredRun:
                 pid, status, ru = os.wait4(self.proc.pid, 0)
                 break
             time.sleep(0.02)
+        self._done.set()
+        self._sampler.join()
+        own = self._peak
         self.proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.monotonic() - self.t0
         return Measured(self.proc.returncode, self.out_path.read_text(errors="replace"),
                         self.err_path.read_text(errors="replace"), None,
-                        # the sampled peak (every 20 ms until exit); ru_maxrss when nothing could be sampled
+                        # the sampled peak (every 5 ms from the start until exit); ru_maxrss when nothing could be sampled
                         own or ru.ru_maxrss * 1024, wall, timed_out)
 
 
