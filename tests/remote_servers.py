@@ -69,6 +69,33 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 
+    # ---- shared: a body sent in chunks, with the faults the tests inject
+    def send_body(self, read) -> bool:
+        """Write the chunks `read()` gives until an empty one, counting the bytes sent. The faults: a
+        connection dropped after `drop_after` bytes (`drops` times), a stall of `stall_s` before a chunk
+        (`stalls` times). False when the connection was dropped."""
+        srv, f, sent = self.server_obj, self.server_obj.faults, 0
+        while True:
+            chunk = read()
+            if not chunk:
+                break
+            if f.get("drop_after") is not None and f.get("drops", 0) > 0 and sent + len(chunk) > f["drop_after"]:
+                cut = max(0, f["drop_after"] - sent)
+                self.wfile.write(chunk[:cut])
+                srv.counter.count("GET", self.path, sent + cut)
+                f["drops"] -= 1
+                self.close_connection = True
+                self.wfile.flush()
+                self.connection.shutdown(2)
+                return False
+            if f.get("stall_s") and f.get("stalls", 0) > 0:
+                f["stalls"] -= 1
+                time.sleep(f["stall_s"])
+            self.wfile.write(chunk)
+            sent += len(chunk)
+        srv.counter.count("GET", self.path, sent)
+        return True
+
     # ---- shared: send a file with ranges
     def send_file(self, p: Path, *, head: bool, extra_headers: dict | None = None):
         srv = self.server_obj
@@ -100,30 +127,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        f = srv.faults
         with open(p, "rb") as fh:
             fh.seek(start)
-            left, sent = end - start, 0
-            while left:
-                chunk = fh.read(min(left, 64 * 1024))
-                if not chunk:
-                    break
-                if f.get("drop_after") is not None and sent + len(chunk) > f["drop_after"] and f.get("drops", 0) > 0:
-                    cut = max(0, f["drop_after"] - sent)
-                    self.wfile.write(chunk[:cut])
-                    srv.counter.count("GET", self.path, sent + cut)
-                    f["drops"] -= 1
-                    self.close_connection = True
-                    self.wfile.flush()
-                    self.connection.shutdown(2)
-                    return
-                if f.get("stall_s") and f.get("stalls", 0) > 0:
-                    f["stalls"] -= 1
-                    time.sleep(f["stall_s"])
-                self.wfile.write(chunk)
-                sent += len(chunk)
-                left -= len(chunk)
-        srv.counter.count("GET", self.path, sent)
+            left = [end - start]
+
+            def read() -> bytes:
+                chunk = fh.read(min(left[0], 64 * 1024))
+                left[0] -= len(chunk)
+                return chunk
+            if not self.send_body(read):
+                return
         hook = srv.faults.get("after_get")
         if hook:
             hook(self.path)
@@ -760,14 +773,7 @@ class _QuietServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class _GcsProxyHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
-    server_obj = None
-
-    def log_message(self, *a):
-        pass
-
+class _GcsProxyHandler(_Handler):
     def do_GET(self):
         self.relay("GET")
 
@@ -869,26 +875,8 @@ class _GcsProxyHandler(BaseHTTPRequestHandler):
                 if k.lower() not in hidden:
                     self.send_header(k, v)
             self.end_headers()
-            sent = 0
-            while True:
-                chunk = r.read(64 * 1024)
-                if not chunk:
-                    break
-                if f.get("drop_after") is not None and f.get("drops", 0) > 0 and sent + len(chunk) > f["drop_after"]:
-                    cut = max(0, f["drop_after"] - sent)
-                    self.wfile.write(chunk[:cut])
-                    srv.counter.count("GET", self.path, sent + cut)
-                    f["drops"] -= 1
-                    self.close_connection = True
-                    self.wfile.flush()
-                    self.connection.shutdown(2)
-                    return
-                if f.get("stall_s") and f.get("stalls", 0) > 0:
-                    f["stalls"] -= 1
-                    time.sleep(f["stall_s"])
-                self.wfile.write(chunk)
-                sent += len(chunk)
-            srv.counter.count("GET", self.path, sent)
+            if not self.send_body(lambda: r.read(64 * 1024)):
+                return
         finally:
             up.close()
         hook = f.get("after_get")

@@ -352,6 +352,8 @@ def s3_env(s3, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3.counter.reset()   # each test counts its own requests
+    s3.put_bytes = s3.part_copies = 0
     return s3
 
 

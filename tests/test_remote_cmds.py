@@ -28,6 +28,7 @@ from ckpt_tools.io import remote, upload  # noqa: E402
 
 from .remote_servers import HttpServer, HubServer, S3Server  # noqa: E402
 from .test_remote import REPO, assert_one_interrupt_line, ckpt, digest  # noqa: E402
+from .test_remote import _fresh, s3, s3_env  # noqa: E402,F401  (fixtures: the same servers and settings)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "primerl-tiny"
@@ -50,15 +51,6 @@ def group_bytes(trainer: Path, groups: set[str]) -> int:
     with DcpCheckpoint.open(trainer, known_keys_only=False) as c:
         items = sum(e.stored_bytes for k, e in c.entries.items() if classify(k, e.path).group in groups)
     return items + (trainer / ".metadata").stat().st_size
-
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.setenv("CKPT_REMOTE_BACKOFF", "0.05")
-    monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "5")
-    yield
-    remote.reset()
-    upload.discard_pending()
 
 
 def run(*args, code=0):
@@ -100,32 +92,6 @@ def http():
 
 def url_of(srv, p: Path) -> str:
     return f"{srv.url}/{p.relative_to(FIXTURES).as_posix()}"
-
-
-@pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    srv = S3Server()
-    import boto3
-    c = boto3.client("s3", endpoint_url=srv.url, aws_access_key_id="k", aws_secret_access_key="s",
-                     region_name="us-east-1")
-    c.create_bucket(Bucket="runs")
-    for p in sorted(TRAINER.iterdir()):
-        c.upload_file(str(p), "runs", f"step_3/trainer/{p.name}")
-    srv.client = c
-    yield srv
-    srv.close()
-
-
-@pytest.fixture()
-def s3_env(s3, monkeypatch):
-    for k, v in {"AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    s3.counter.reset()
-    s3.put_bytes = s3.part_copies = 0
-    return s3
 
 
 def s3_tree(s3, prefix: str, dest: Path) -> Path:

@@ -28,18 +28,9 @@ from ckpt_tools.io import remote, upload  # noqa: E402
 
 from .remote_servers import GcsServer  # noqa: E402
 from .test_remote import (  # noqa: E402,F401  (local: the fixture of the local runs)
-    BASE, REPO, TRAINER, assert_one_interrupt_line, check_commands, ckpt, digest, local, local_slim)
+    BASE, REPO, TRAINER, _fresh, assert_one_interrupt_line, check_commands, ckpt, digest, local, local_slim)
 
 TOKEN = "ya29.ckpt-test-token"
-
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.setenv("CKPT_REMOTE_BACKOFF", "0.05")
-    monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "5")
-    yield
-    remote.reset()
-    upload.discard_pending()
 
 
 @pytest.fixture(scope="module")

@@ -200,15 +200,21 @@ class DcpCheckpoint:
                                 f"(stored {crc:#010x}): its bytes are damaged; nothing was written from them",
                                 path=self.dir / rel, key=key, hint=CRC_HINT)
 
-    def read_tensor(self, key: str) -> torch.Tensor:
-
-        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+    def _tensor_entry_in_bounds(self, key: str) -> TensorEntry:
+        """The tensor entry of `key`, every chunk of it checked to lie inside its file: before the
+        destination is allocated, so a header's claim never sizes an allocation beyond the bytes on disk."""
         e = self.entry(key)
         if not isinstance(e, TensorEntry):
             raise UsageError("is a byte item, not a tensor", key=key)
-        for ch in e.chunks:   # every item inside its file BEFORE the destination is allocated
+        for ch in e.chunks:
             if ch.numel:
                 self.files.check_range(ch.file, ch.offset, ch.length, key)
+        return e
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+
+        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+        e = self._tensor_entry_in_bounds(key)
         dest = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
         for ch in sorted(e.chunks, key=lambda c: (c.file, c.offset)):
             if ch.numel:   # FSDP ranks past the end of dim 0 hold empty chunks
@@ -248,12 +254,7 @@ class DcpCheckpoint:
         """`read_tensor`'s row-major bytes, without torch: FSDP2 row-block chunks straight into their rows of a
         new buffer, each checked against its CRC-32 (the same reads as `read_tensor`'s); a chunk of any other
         layout makes it `read_tensor`'s (through torch)."""
-        e = self.entry(key)
-        if not isinstance(e, TensorEntry):
-            raise UsageError("is a byte item, not a tensor", key=key)
-        for ch in e.chunks:   # every item inside its file BEFORE the destination is allocated
-            if ch.numel:
-                self.files.check_range(ch.file, ch.offset, ch.length, key)
+        e = self._tensor_entry_in_bounds(key)
         dest = bytearray(e.nbytes)
         flat = memoryview(dest)
         for ch in sorted(e.chunks, key=lambda c: (c.file, c.offset)):
