@@ -28,7 +28,8 @@ from ckpt_tools.io import remote, upload  # noqa: E402
 
 from .remote_servers import HttpServer, HubServer, S3Server  # noqa: E402
 from .test_remote import REPO, assert_one_interrupt_line, ckpt, digest  # noqa: E402
-from .test_remote import _fresh, s3, s3_env  # noqa: E402,F401  (fixtures: the same servers and settings)
+# fixtures: the same servers and settings (hub_env takes this module's own `hub`, which holds an adapter too)
+from .test_remote import _fresh, hub_env, s3, s3_env  # noqa: E402,F401
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "primerl-tiny"
@@ -112,14 +113,6 @@ def hub(tmp_path_factory):
     srv = HubServer({"org/run": repo, "org/out": out})
     yield srv
     srv.close()
-
-
-@pytest.fixture()
-def hub_env(hub, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setenv("HF_TOKEN", "hf_test")
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    return hub
 
 
 # ------------------------------------------------------------------------------------ remote runs = local runs
