@@ -239,9 +239,34 @@ class HttpServer(_Server):
 
 
 # ------------------------------------------------------------------------------------ the Hub
+class _RepoMatch:
+    """A route's match in a model or dataset repo: m[1], m[2] (org, name), ... as re's, and `repo_id`, the
+    key of `HubServer.repos` ("org/name", or "datasets/org/name")."""
+
+    def __init__(self, m: re.Match, dataset: bool):
+        self._m = m
+        self.repo_id = ("datasets/" if dataset else "") + f"{m[1]}/{m[2]}"
+
+    def __getitem__(self, i):
+        return self._m[i]
+
+
 class _HubHandler(_Handler):
-    def _repo(self, kind, org, name):
-        return self.server_obj.repos.get(f"{org}/{name}") if kind in ("models", None) else None
+    @staticmethod
+    def _api(rest: str, path: str) -> _RepoMatch | None:
+        """`/api/models/<rest>` or `/api/datasets/<rest>`."""
+        m = re.fullmatch(r"/api/(models|datasets)/" + rest, path)
+        if m is None:
+            return None
+        inner = re.fullmatch("/" + rest, path[len(f"/api/{m[1]}"):])
+        return _RepoMatch(inner, m[1] == "datasets")
+
+    @staticmethod
+    def _in_repo(pattern: str, path: str) -> _RepoMatch | None:
+        """A file route: `/org/name/...` in a model repo, `/datasets/org/name/...` in a dataset repo."""
+        dataset = path.startswith("/datasets/")
+        m = re.fullmatch(pattern, path[len("/datasets"):] if dataset else path)
+        return _RepoMatch(m, dataset) if m else None
 
     def do_HEAD(self):
         self.route("HEAD")
@@ -261,9 +286,9 @@ class _HubHandler(_Handler):
         q = urllib.parse.parse_qs(u.query)
         if path.startswith("/api/buckets/") or path.startswith("/buckets/"):
             return self._bucket(method, path)
-        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)(?:/revision/([^/]+))?", path)
+        m = self._api(r"([^/]+)/([^/]+)(?:/revision/([^/]+))?", path)
         if m and method == "GET":
-            repo = srv.repos.get(f"{m[1]}/{m[2]}")
+            repo = srv.repos.get(m.repo_id)
             if repo is None:
                 return self.send_json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
             if m[3] not in (repo["sha"], "main", None):
@@ -271,9 +296,9 @@ class _HubHandler(_Handler):
             sib = [{"rfilename": r} for r, _ in srv.files(repo)]
             return self.send_json({"id": f"{m[1]}/{m[2]}", "sha": repo["sha"], "siblings": sib, "private": False,
                                    "lastModified": "2026-01-01T00:00:00.000Z"})
-        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/tree/([^/]+)(?:/(.*))?", path)
+        m = self._api(r"([^/]+)/([^/]+)/tree/([^/]+)(?:/(.*))?", path)
         if m and method == "GET":
-            repo = srv.repos.get(f"{m[1]}/{m[2]}")
+            repo = srv.repos.get(m.repo_id)
             if repo is None:
                 return self.send_json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
             sub = (m[4] or "").strip("/")
@@ -282,9 +307,9 @@ class _HubHandler(_Handler):
             if not base.is_dir():
                 return self.send_json({"error": "not a dir"}, 404, {"X-Error-Code": "EntryNotFound"})
             return self.send_json(srv.tree(repo, sub, recursive))
-        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/paths-info/([^/]+)", path)
+        m = self._api(r"([^/]+)/([^/]+)/paths-info/([^/]+)", path)
         if m and method == "POST":
-            repo = srv.repos.get(f"{m[1]}/{m[2]}")
+            repo = srv.repos.get(m.repo_id)
             form = self._form()
             paths = form.get("paths", [])
             out = []
@@ -295,7 +320,7 @@ class _HubHandler(_Handler):
                 elif p.is_dir():
                     out.append({"type": "directory", "path": rel, "oid": "0" * 40})
             return self.send_json(out)
-        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/preupload/([^/]+)", path)
+        m = self._api(r"([^/]+)/([^/]+)/preupload/([^/]+)", path)
         if m and method == "POST":
             body = json.loads(self._body() or b"{}")
             hook, srv.on_preupload = srv.on_preupload, None
@@ -303,15 +328,15 @@ class _HubHandler(_Handler):
                 hook()
             return self.send_json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
                                              for f in body.get("files", [])]})
-        m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/([^/]+)", path)
+        m = self._api(r"([^/]+)/([^/]+)/commit/([^/]+)", path)
         if m and method == "POST":
             hook, srv.on_commit = srv.on_commit, None
             if hook:
                 hook()
-            return self._commit(srv.repos[f"{m[1]}/{m[2]}"], f"{m[1]}/{m[2]}")
-        m = re.fullmatch(r"/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)
+            return self._commit(srv.repos[m.repo_id], m.repo_id)
+        m = self._in_repo(r"/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)
         if m and method in ("GET", "HEAD"):
-            repo = srv.repos.get(f"{m[1]}/{m[2]}")
+            repo = srv.repos.get(m.repo_id)
             if repo is None:
                 return self.send_json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
             if m[3] not in (repo["sha"], "main"):
@@ -406,7 +431,8 @@ class HubServer(_Server):
     hub = True
 
     def __init__(self, repos: dict[str, Path], buckets: dict[str, Path] | None = None):
-        """`repos`: repo id -> a local dir holding its files (the dir is the repo: commits write into it);
+        """`repos`: repo id ("org/name"; "datasets/org/name" for a dataset repo) -> a local dir holding its
+        files (the dir is the repo: commits write into it);
         `buckets`: bucket id -> a local dir (hf://buckets/<id>/...)."""
         self.repos = {rid: {"dir": Path(d), "sha": hashlib.sha1(rid.encode()).hexdigest()} for rid, d in repos.items()}
         self.buckets = {bid: Path(d) for bid, d in (buckets or {}).items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -260,8 +261,8 @@ def hub(tmp_path_factory):
     repo = tmp_path_factory.mktemp("hub") / "run"
     shutil.copytree(TRAINER, repo / "step_3" / "trainer")
     (tmp_path_factory.getbasetemp() / "out-repo").mkdir()
-    srv = HubServer({"org/run": repo, "org/out": tmp_path_factory.getbasetemp() / "out-repo"},
-                    buckets={"org/ckpts": repo})
+    srv = HubServer({"org/run": repo, "org/out": tmp_path_factory.getbasetemp() / "out-repo",
+                     "datasets/org/runs": repo}, buckets={"org/ckpts": repo})
     yield srv
     srv.close()
 
@@ -307,6 +308,48 @@ def test_hub_bucket_file_replaced_mid_read_is_an_error_naming_it(hub_env, tmp_pa
         del hub_env.buckets["org/scratch"]
     assert "changed while" in r.output and "hf://buckets/org/scratch/trainer/__2_0.distcp" in r.output, r.output
     assert not (tmp_path / "a").exists()
+
+
+def test_hub_dataset_repos_and_pinned_revisions_read_as_the_local_run(hub_env, local, tmp_path):
+    sha = hub_env.repos["org/run"]["sha"]
+    for url in ("hf://datasets/org/runs/step_3/trainer", f"hf://org/run@{sha}/step_3/trainer",
+                "hf://org/run@main/step_3/trainer"):
+        assert inspect_json(url) == local["inspect"], url
+        remote.reset()
+    ckpt("extract-adapter", "hf://datasets/org/runs/step_3/trainer", tmp_path / "a", "--alpha", "16")
+    assert digest(tmp_path / "a") == digest(local["dir"] / "adapter")
+    remote.reset()
+    r = ckpt("inspect", "hf://org/run@" + "0" * 40 + "/step_3/trainer", "--json", code=2)
+    err = json.dumps(json.loads(r.stdout)["error"])
+    assert "0" * 40 in err and "no such revision" in err, err
+    remote.reset()
+    err = json.dumps(json.loads(ckpt("inspect", "hf://org/nope/step_3/trainer", "--json", code=2).stdout)["error"])
+    assert "no such repo" in err, err
+
+
+def test_progress_over_a_url_shows_the_bytes_fetched_rate_and_eta(http_server, tmp_path):
+    """On a terminal (a pty here) the progress line of a command reading a URL carries the bytes fetched."""
+    import pty
+    leader, follower = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", "verify", f"{http_server.url}/trainer", "--deep"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower, env=env)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:   # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    proc.wait(timeout=60)
+    os.close(leader)
+    assert proc.returncode == 0, seen
+    lines = [ln for ln in seen.decode(errors="replace").replace("\x1b[K", "").split("\r") if "fetched" in ln]
+    assert lines, seen[-2000:]
+    assert re.search(r"/s  ETA \d+:\d\d  fetched [\d.]+ (B|KiB|MiB)", lines[-1]), lines[-1]
 
 
 def test_hub_refused_token_names_the_variable(hub_env, tmp_path):

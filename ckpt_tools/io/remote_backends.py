@@ -305,7 +305,7 @@ class HfBackend(Backend):
             if getattr(getattr(cause, "response", None), "status_code", None) in (401, 403):
                 raise UsageError(f"the Hub refused access to {url.text} (no such repo, or it needs a token): "
                                  f"{_HF_VARS}") from None
-            raise MissingPathError(url.text) from None
+            raise MissingPathError(url.text, hint=_hf_missing_hint(exc, cause, errors)) from None
         except UsageError:
             raise
         except Exception as exc:
@@ -397,6 +397,15 @@ def in_repo(name: str) -> str:
     head = name.split("/")
     skip = 2 + (1 if head[0] in ("datasets", "spaces") else 0)
     return "/".join(head[skip:])
+
+
+def _hf_missing_hint(exc, cause, errors) -> str | None:
+    """What is missing in a Hub URL that names nothing: the revision or the repo (the path itself needs no hint)."""
+    if isinstance(exc, errors.RevisionNotFoundError) or isinstance(cause, errors.RevisionNotFoundError):
+        return "the repo has no such revision: give a branch, a tag or a commit after '@'"
+    if isinstance(exc, errors.RepositoryNotFoundError) or isinstance(cause, errors.RepositoryNotFoundError):
+        return "no such repo (a dataset's URL is hf://datasets/org/name/...)"
+    return None
 
 
 def _hf_error(exc: Exception, where: str) -> Exception:
