@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 from .core.errors import RankFailed, UsageError
 from .core.parts import SOLO, Part, working_ranks
+from .core.pool import one_intra_op_thread
 
 __all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "launched_part", "env_part", "idle_rank",
            "working_per_node", "RANKS_ENV", "THREADS_PER_RANK", "current",
@@ -377,7 +378,7 @@ def map_units(fn: Callable[[int], T], weights: Sequence[int], group: Group | Non
                 yield i, fn(i)
             return
         # the ordered map of a pool reads ahead `threads` units; preadv, zlib and torch release the GIL
-        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-units")
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-units", initializer=one_intra_op_thread)
         try:
             yield from zip(mine, pool.map(fn, mine))
         finally:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ...core.budget import ByteBudget
+from ...core.pool import one_intra_op_thread
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.lora_math import check_shapes
 from ...core.progress import Progress, report
@@ -379,14 +380,6 @@ def _working_bytes(p: PairPlan, lora) -> int:
     return 4 * numel + 3 * BLOCK_BYTES   # the adapter's tensor (<= fp32); a block of W, its cast and the mask
 
 
-def _one_intra_op_thread() -> None:
-    """A worker's own BLAS and OpenMP threads off: `torch.set_num_threads` is per thread for them (OpenMP's
-    thread count and MKL's are thread-local), so a pool worker's fp64 matmul would otherwise start a team of
-    every core's threads, each worker its own: on 16 cores, 16 teams of 16 spinning threads (the 16-core GPU
-    host's 1.7B --adapter took 25 s of CPU before this)."""
-    torch.set_num_threads(1)
-
-
 def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = None, *,
              block_bytes: int = BLOCK_BYTES, group: Group | None = None, device: str | None = None) -> DiffReport:
     """Compare every pair (independent units: on this rank's threads, and under torchrun split over the
@@ -415,7 +408,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     threads = max(1, min(threads, (WORKING_BUDGET_BYTES - reserved - UNITS_MIN_BYTES) // max(1, scratch)))
     budget = ByteBudget(max(UNITS_MIN_BYTES, WORKING_BUDGET_BYTES - reserved - threads * scratch))
     pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks",
-                              initializer=_one_intra_op_thread) if threads > 1 else None
+                              initializer=one_intra_op_thread) if threads > 1 else None
     state = {"done": 0, "bytes": 0}
     # (sizes: the bytes both sides hold, for the progress line's bytes, rate and ETA: what the reads take)
     bytes_total = sum(sizes)

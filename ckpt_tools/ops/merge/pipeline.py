@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ...core.errors import FormatError, UsageError
-from ...core.pool import DaemonPool
+from ...core.pool import DaemonPool, one_intra_op_thread
 from ...core.progress import Progress, ProgressEvent
 from ...dist import Group, SoloGroup
 from ...formats.hf_dir.config import rewrite_config
@@ -245,7 +245,7 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     # busy machine (measured: 122 s vs 15 s of CPU for a 1.7B merge), so they are off meanwhile.
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
-    pool = DaemonPool(plan.threads, "ckpt-merge")
+    pool = DaemonPool(plan.threads, "ckpt-merge", initializer=one_intra_op_thread)
     # A finished shard's hash is completed (SHA256SUMS; each shard is hashed behind its writers by its
     # own thread, `_ShardHash`) and it is fsynced by these threads while the next shards are written,
     # so the pipeline does not stall for a whole shard's hash or flush.

@@ -20,7 +20,7 @@ import threading
 from typing import Callable
 
 from ...core.budget import ByteBudget
-from ...core.pool import DaemonPool
+from ...core.pool import DaemonPool, one_intra_op_thread
 
 __all__ = ["SLOT_BYTES", "BUDGET_BYTES", "Hold", "Pipeline"]
 
@@ -72,7 +72,7 @@ class Pipeline:
         self._outstanding = 0
         self.buffers_made = 0              # slots allocated (tests: the working set actually used)
         self.error: BaseException | None = None
-        self._pool = DaemonPool(threads, "ckpt-rehydrate")
+        self._pool = DaemonPool(threads, "ckpt-rehydrate", initializer=one_intra_op_thread)
 
     def failed(self) -> bool:
         return self.error is not None
