@@ -56,7 +56,7 @@ UNIQUE_BYTES = _group_bytes({"lora", "optimizer_state", "param_groups", "schedul
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
+def fresh_remote_state(monkeypatch):
     monkeypatch.setenv("CKPT_REMOTE_BACKOFF", "0.05")
     monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "5")
     yield

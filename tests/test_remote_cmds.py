@@ -29,7 +29,7 @@ from ckpt_tools.io import remote, upload  # noqa: E402
 from .remote_servers import HttpServer, HubServer, S3Server  # noqa: E402
 from .test_remote import REPO, assert_one_interrupt_line, ckpt, digest  # noqa: E402
 # fixtures: the same servers and settings (hub_env takes this module's own `hub`, which holds an adapter too)
-from .test_remote import _fresh, hub_env, s3, s3_env  # noqa: E402,F401
+from .test_remote import fresh_remote_state, hub_env, s3, s3_env  # noqa: E402,F401
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "primerl-tiny"

@@ -28,7 +28,7 @@ from ckpt_tools.io import remote, upload  # noqa: E402
 
 from .remote_servers import GcsServer  # noqa: E402
 from .test_remote import (  # noqa: E402,F401  (local: the fixture of the local runs)
-    BASE, REPO, TRAINER, _fresh, assert_one_interrupt_line, check_commands, ckpt, digest, local, local_slim)
+    BASE, REPO, TRAINER, fresh_remote_state, assert_one_interrupt_line, check_commands, ckpt, digest, local, local_slim)
 
 TOKEN = "ya29.ckpt-test-token"
 
