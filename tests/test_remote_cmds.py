@@ -64,12 +64,23 @@ def run(*args, code=0):
 
 
 def standalone(p: Path, tmp: Path) -> Path:
-    """A copy of the input `p` on its own, as its URL is mounted: nothing around it (no run dir, so no
-    run config found by its place)."""
+    """A copy of the input `p` with only what a URL of it shows: nothing around it, but for a checkpoint in
+    prime-rl's layout (`<outputs>/checkpoints/step_N/trainer`) the run configs where prime-rl writes them,
+    which are looked up above a URL too (`configs/` of the outputs or the run dir, `run_default/configs/`);
+    never the base model beside them (a URL's run says no launch dir here)."""
     root = tmp / "standalone"
     root.mkdir(exist_ok=True)
-    dest = root / str(len(list(root.iterdir()))) / p.name
-    dest.parent.mkdir()
+    top = root / str(len(list(root.iterdir())))
+    in_layout = p.name == "trainer" and p.parent.name.startswith("step_") and p.parent.parent.name == "checkpoints"
+    if in_layout:
+        outputs = p.parents[2]
+        for rel in ("configs", "../configs", "run_default/configs"):
+            if (outputs / rel).is_dir():
+                shutil.copytree(outputs / rel, top / "run" / "outputs" / rel)
+        dest = top / "run" / "outputs" / p.relative_to(outputs)
+    else:
+        dest = top / p.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
     if p.is_dir():
         shutil.copytree(p, dest)
     else:
@@ -220,20 +231,51 @@ def test_doctor_of_a_run_or_config_at_a_url_finds_what_the_local_one_finds(http,
     assert f"outputs: {url_of(http, TINY / 'outputs')} " in text and "/ckpt-remote-" not in text
 
 
-def test_a_run_at_a_url_finds_its_config_inside_the_url_and_never_above_it(http, tmp_path, monkeypatch):
-    """A run root's URL: its checkpoint's alpha from the run config inside it. A checkpoints dir's URL: no
-    run config is looked for above it, not even in the local temp dir that holds its shadow tree (a stray
-    configs/trainer.json there would have set the scale)."""
+def test_a_run_at_a_url_finds_its_config_where_prime_rl_writes_it_and_never_in_the_local_temp_dir(
+        http, tmp_path, monkeypatch):
+    """A run root's URL: its checkpoint's alpha from the run config inside it. A checkpoints dir's URL: the
+    run config above it, at the URL where prime-rl writes it (HEAD: the run dir's configs/trainer.json),
+    never in the local temp dir that holds the shadow tree (a stray configs/trainer.json there would have
+    set the scale). A checkpoint's URL outside prime-rl's layout: no config is looked for around it."""
     r = run("restart-prep", url_of(http, TINY), tmp_path / "o", "--base", BASE, "--lr", "5e-3")
     assert f"alpha 16, from run config {url_of(http, ORCH)}" in r.stdout
     stray = tmp_path / "tmp"
     (stray / "configs").mkdir(parents=True)
     shutil.copy(E / "configs" / "trainer.json", stray / "configs" / "trainer.json")
     monkeypatch.setattr("tempfile.tempdir", str(stray))
-    r = run("report", url_of(http, E_CKPT), "--json", code=1)
+    http.counter.reset()
+    r = run("report", url_of(http, E_CKPT), "--json")
+    assert json.loads(r.stdout)["ok"] is True and str(stray) not in r.stdout
+    assert "/E_head_dense/configs/trainer.json" in " ".join(p for _m, p, _n in http.counter.requests)
+    remote.reset()
+    alone = standalone(E_CKPT / "step_3" / "trainer", tmp_path)   # in the layout, with its configs ...
+    shutil.rmtree(alone.parents[3] / "configs")                     # ... taken away: nothing where they go
+    srv = HttpServer(tmp_path / "standalone")
+    try:
+        r = run("report", f"{srv.url}/{alone.relative_to(tmp_path / 'standalone').as_posix()}", "--json", code=1)
+    finally:
+        srv.close()
     assert "LoRA alpha is not stored in a DCP checkpoint" in r.stdout and str(stray) not in r.stdout
+    remote.reset()
     r = run("report", url_of(http, E_CKPT), "--run-config", stray / "configs" / "trainer.json", "--json")
     assert json.loads(r.stdout)["ok"] is True
+
+
+def test_a_checkpoints_url_in_prime_rls_layout_finds_its_run_config_as_locally(http, tmp_path):
+    """`extract-adapter URL-of-.../checkpoints/step_N/trainer` with no --alpha: the run config is found at
+    the URL where prime-rl wrote it (16e747c: outputs/run_default/configs/orch.toml; HEAD: the run dir's
+    configs/trainer.json), read by range, and the adapter is the local run's, byte for byte."""
+    for trainer, cfg in ((TRAINER, ORCH), (E_CKPT / "step_3" / "trainer", E / "configs" / "trainer.json")):
+        local = json.loads(run("extract-adapter", trainer, tmp_path / f"local-{cfg.name}", "--json").stdout)
+        remote.reset()
+        http.counter.reset()
+        got = json.loads(run("extract-adapter", url_of(http, trainer), tmp_path / f"url-{cfg.name}", "--json").stdout)
+        assert digest(tmp_path / f"url-{cfg.name}") == digest(tmp_path / f"local-{cfg.name}")
+        assert url_of(http, cfg) in json.dumps(got), got
+        assert local["result"]["alpha"] == got["result"]["alpha"]
+        # the config file read whole, and nothing else beside the checkpoint's own bytes
+        assert cfg.name in " ".join(p for _m, p, _n in http.counter.requests)
+        remote.reset()
 
 
 # ------------------------------------------------------------------------------------ set-lr / set into a store

@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import CkptError, FormatError, MissingFileError, UsageError
+from .remote_display import add_display, clear_display, display  # noqa: F401  (this module's api too)
 
 __all__ = ["RemoteUrl", "RemoteObject", "RemoteChanged", "RemoteMissing", "RemoteDenied", "RemoteRetry",
            "parse_url", "refuse_url_lookalike", "mount", "object_of_fd", "object_of_stat", "is_remote_path",
-           "mount_root_of", "link_stand_in", "forget_under",
+           "mount_root_of", "url_of", "link_stand_in", "forget_under",
            "active", "bytes_fetched", "mounted_bytes", "display", "add_display", "check_unchanged", "reset", "PART_BYTES",
            "CONCURRENCY", "RETRIES", "settings"]
 
@@ -324,12 +325,25 @@ def is_remote_path(path) -> bool:
 def mount_root_of(path) -> Path | None:
     """The root of the shadow tree `path` lies in (a mounted URL), else None. What is above that root
     stands for nothing: a resolver looking around an input (a run's configs) must stop there."""
-    if not _BY_INODE:
+    found = _mount_of(path) if _BY_INODE else None
+    return found[0] if found else None
+
+
+def url_of(path) -> str | None:
+    """The URL a path in a shadow tree stands for (the mounted URL, or a file or dir below it), else None."""
+    found = _mount_of(path)
+    if not found:
         return None
+    root, text, rel = found
+    return text if rel == "." else text.rstrip("/") + "/" + rel.replace(os.sep, "/")
+
+
+def _mount_of(path) -> tuple[Path, str, str] | None:
+    """(root, URL, path relative to the root) of the mount `path` lies in."""
     real = os.path.realpath(path)
-    for root, _ in _MOUNTS.values():
+    for text, (root, _url) in list(_MOUNTS.items()):
         if real == str(root) or real.startswith(str(root) + os.sep):
-            return root
+            return root, text, os.path.relpath(real, root)
     return None
 
 
@@ -445,34 +459,6 @@ def _objects() -> list[RemoteObject]:
     return list({id(o): o for o in list(_BY_INODE.values())}.values())
 
 
-_DISPLAY: dict[str, str] = {}     # a local stand-in path -> the URL shown for it
-
-
-def add_display(local, url_text: str) -> None:
-    """Show `local` (a shadow tree, a staged output) as `url_text` in messages and reports."""
-    _DISPLAY[str(local)] = url_text
-    real = os.path.realpath(local)
-    if real != str(local):
-        _DISPLAY[real] = url_text
-
-
-def display(text):
-    """`text` (a string, or a JSON-able structure of them) with every local stand-in path shown as the
-    URL it stands for (errors, reports)."""
-    if not _DISPLAY:
-        return text
-    if isinstance(text, dict):
-        return {k: display(v) for k, v in text.items()}
-    if isinstance(text, (list, tuple)):
-        return type(text)(display(v) for v in text)
-    if not isinstance(text, str):
-        return text
-    for local in sorted(_DISPLAY, key=len, reverse=True):
-        if local in text:
-            text = text.replace(local, _DISPLAY[local])
-    return text
-
-
 def check_unchanged() -> None:
     """Every object read so far still has the version pinned at open, else a FormatError naming it
     (called before an output is committed)."""
@@ -491,7 +477,7 @@ def reset() -> None:
         _BY_INODE.clear()
         _STAND_INS.clear()
         _MOUNTS.clear()
-        _DISPLAY.clear()
+        clear_display()
         while _SHADOW:
             d = _SHADOW.pop()
             for dirpath, dirnames, _ in os.walk(d):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...io import inputs
+from ...io.remote import mount_root_of
 from ...core.errors import FormatError, UsageError
 
 __all__ = ["GEN_16E747C", "GEN_HEAD", "SECTIONS", "HEAD_JSON", "ConfigFile", "RunFiles", "read_toml",
@@ -173,6 +174,9 @@ def locate_run_configs(path: str | Path) -> RunFiles | None:
     if p.is_file():
         return config_files([p])
     d = p.resolve()
+    # a URL's shadow tree (io.remote): nothing above its root stands for the run (the local temp dir that
+    # holds it could hold anything); the run configs above a URL are `run_dir.find_run_configs`'s
+    top = mount_root_of(p)
     for _ in range(_SEARCH_LEVELS + 1):
         head, old = head_config_files(d), _orch_tomls(d)
         if head:
@@ -183,7 +187,7 @@ def locate_run_configs(path: str | Path) -> RunFiles | None:
                              hint="pass the run's orch.toml (or its run_* dir) to pick one")
         if old:
             return RunFiles(GEN_16E747C, (ConfigFile(old[0], "orchestrator", "run dir"),), d)
-        if d.parent == d:
+        if d.parent == d or (top is not None and d == top):
             break
         d = d.parent
     return None

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ...io import inputs
 from ...io.inputs import read_toml
+from ...io import remote
 from ...io.remote import mount_root_of
 from ...core.errors import CkptError, UsageError
 from ..hf_dir.hub import locate_model, resolve_model_dir
@@ -117,7 +118,48 @@ def find_run_configs(ckpt_dir: Path) -> list[Path]:
     of `run_outputs_dir`: HEAD's `configs/trainer.json` (else rl.json), else 16e747c's
     `<outputs>/run_*/configs/orch.toml` (one per run); [] elsewhere."""
     outputs = run_outputs_dir(ckpt_dir)
-    return [] if outputs is None else _configs_of(outputs)
+    return _configs_above_url(ckpt_dir) if outputs is None else _configs_of(outputs)
+
+
+def _configs_above_url(path) -> list[Path]:
+    """For a URL input (a shadow tree of `io.remote`), the run configs where prime-rl writes them above it,
+    by the layout of the URL's own path (`<outputs>/checkpoints/step_N/trainer`, ...): HEAD's
+    `configs/{trainer,rl}.json` of the outputs dir, else of the run dir just above it, else 16e747c's
+    `<outputs>/run_default/configs/orch.toml` (a URL cannot be globbed for other `run_*`: name one with
+    --run-config). Each candidate dir is listed (mounted) only when the one before it holds nothing;
+    nothing but what the layout names is listed, and a candidate that is not there is skipped. [] for a
+    local path or a URL outside the layout."""
+    if mount_root_of(path) is None:
+        return []
+    url = remote.url_of(path)
+    if url is None or "?" in url or "#" in url or "://" not in url:
+        return []
+    scheme, rest = url.split("://", 1)
+    where = Path("/" + rest.strip("/"))
+    outputs = _outputs_by_layout(where)
+    if outputs is None:
+        return []
+
+    def url_at(p: Path) -> str | None:   # None above the URL's host / repo
+        return f"{scheme}://{p.as_posix().lstrip('/')}" if len(p.parts) > 2 else None
+
+    def listed(dir_url: str | None) -> Path | None:
+        if dir_url is None:
+            return None
+        try:
+            return remote.mount(dir_url, what="run config")
+        except CkptError:   # not there (or not listable): the next candidate
+            return None
+
+    for run in (outputs, outputs.parent):
+        got = listed(url_at(run / "configs"))
+        if got is not None:
+            found = sorted((f for f in head_config_files(got.parent) if f.name in ("trainer.json", "rl.json")),
+                           key=lambda f: f.name != "trainer.json")
+            if found:
+                return found[:1]
+    got = listed(url_at(outputs / "run_default" / "configs"))
+    return [got / "orch.toml"] if got is not None and (got / "orch.toml").is_file() else []
 
 
 def _configs_of(outputs: Path) -> list[Path]:
@@ -209,10 +251,11 @@ def resolve_run(path: str | Path, *, config: str | Path | None = None) -> RunRoo
     if config is not None:
         configs: tuple[Path, ...] = (Path(config),)
     else:
-        configs = tuple(_configs_of(outputs)) if outputs is not None else ()
+        configs = tuple(_configs_of(outputs) if outputs is not None else _configs_above_url(p))
     one = configs[0] if len(configs) == 1 else None
-    return RunRoot(p, outputs, configs, config is not None, None if one is None else launch_of_config(one),
-                   None if one is None else orch_model_name(one))
+    # a config found above a URL says no launch dir here: its relative paths are on the machine that trained
+    launch = None if one is None or (outputs is None and config is None) else launch_of_config(one)
+    return RunRoot(p, outputs, configs, config is not None, launch, None if one is None else orch_model_name(one))
 
 
 def launch_of_config(cfg_path: str | Path) -> Path:

@@ -11,6 +11,7 @@ from ...core.errors import CkptError, UsageError
 from ...formats.dcp.layout import METADATA_NAME
 from ...formats.primerl.config import load_run_config
 from ...formats.primerl.files import locate_run_configs
+from ...formats.primerl.run_dir import find_run_configs
 from ...formats.primerl.run_dir import checkpoints_dir_of, resolve_base, step_dirs
 from ...formats.slim.manifest import is_slim
 from ...formats.sniff import CHECKPOINTS, DCP, HF, sniff
@@ -100,6 +101,9 @@ def plan_report(path: str | Path, options: ReportOptions) -> ReportPlan:
     if report_kind != MERGED:
         try:
             files = locate_run_configs(options.run_config or steps[-1].path)
+            if files is None and options.run_config is None:   # a URL's run configs lie above it
+                above = find_run_configs(Path(steps[-1].path))
+                files = locate_run_configs(above[0]) if len(above) == 1 else None
             if files is not None:
                 configs = tuple(str(c.path) for c in files.files)
                 cfg = load_run_config(files)
