@@ -131,9 +131,8 @@ def _lora_etc(trainer: Path) -> int:
     return group_bytes(trainer, {"lora"} | SCALARS)
 
 
-# command -> (argv with `at(path)` for each input and OUT for the output, what it may fetch: bytes). Inputs
-# that would find a run config by their place pass --alpha / --run-config instead: a URL of a trainer dir
-# has no run dir around it (docs/remote.md).
+# command -> (argv with `at(path)` for each input and OUT for the output, what it may fetch: bytes). The
+# local run is of a `standalone` copy: what a URL of the input shows (docs/remote.md).
 CASES = {
     # a local OUT of a remote checkpoint holds its data files: they are fetched (O(KB) only into a store)
     "set-lr": (lambda at, out: ["set-lr", at(TRAINER), out, "--scale", "0.5"],
@@ -273,8 +272,10 @@ def test_a_checkpoints_url_in_prime_rls_layout_finds_its_run_config_as_locally(h
         assert digest(tmp_path / f"url-{cfg.name}") == digest(tmp_path / f"local-{cfg.name}")
         assert url_of(http, cfg) in json.dumps(got), got
         assert local["result"]["alpha"] == got["result"]["alpha"]
-        # the config file read whole, and nothing else beside the checkpoint's own bytes
+        # the config file read (twice: for the alpha and for the base's name), and beside it only what
+        # extract-adapter reads of any checkpoint (the LoRA items and .metadata, group_bytes counts them)
         assert cfg.name in " ".join(p for _m, p, _n in http.counter.requests)
+        assert http.counter.bytes <= _lora_etc(trainer) * 1.02 + 2 * cfg.stat().st_size, http.counter.bytes
         remote.reset()
 
 
