@@ -104,13 +104,16 @@ def _head_configs(outputs: Path) -> list[Path]:
     dir or the run dir just above it (the rl entrypoint writes `<run_dir>/configs/`); trainer.json
     first (it holds the trainer's LoRA), one dir only."""
     for d in (outputs, _within(outputs.parent, outputs)):
-        if d is None:
-            continue
-        found = sorted((f for f in head_config_files(d) if f.name in ("trainer.json", "rl.json")),
-                       key=lambda f: f.name != "trainer.json")
+        found = _trainer_first(d) if d is not None else []
         if found:
             return found
     return []
+
+
+def _trainer_first(run_dir: Path) -> list[Path]:
+    """HEAD's `trainer.json` and `rl.json` of `run_dir` (`head_config_files`), trainer.json first."""
+    return sorted((f for f in head_config_files(run_dir) if f.name in ("trainer.json", "rl.json")),
+                  key=lambda f: f.name != "trainer.json")
 
 
 def find_run_configs(ckpt_dir: Path) -> list[Path]:
@@ -153,11 +156,9 @@ def _configs_above_url(path) -> list[Path]:
 
     for run in (outputs, outputs.parent):
         got = listed(url_at(run / "configs"))
-        if got is not None:
-            found = sorted((f for f in head_config_files(got.parent) if f.name in ("trainer.json", "rl.json")),
-                           key=lambda f: f.name != "trainer.json")
-            if found:
-                return found[:1]
+        found = _trainer_first(got.parent) if got is not None else []   # (the mount is <tmp>/configs)
+        if found:
+            return found[:1]
     got = listed(url_at(outputs / "run_default" / "configs"))
     return [got / "orch.toml"] if got is not None and (got / "orch.toml").is_file() else []
 
