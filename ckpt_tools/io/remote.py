@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.errors import CkptError, FormatError, MissingFileError, UsageError
+from ..core.errors import CkptError, FormatError, MissingFileError, MissingPathError, UsageError
 from .remote_display import add_display, clear_display, display  # noqa: F401  (this module's api too)
 
 __all__ = ["RemoteUrl", "RemoteObject", "RemoteChanged", "RemoteMissing", "RemoteDenied", "RemoteRetry",
@@ -294,6 +294,7 @@ def _pool() -> ThreadPoolExecutor:
 _BY_INODE: dict[tuple[int, int], RemoteObject] = {}
 _MOUNTS: dict[str, tuple[Path, RemoteUrl]] = {}     # url text -> (shadow root, url)
 _SHADOW: list[Path] = []                             # the temp dirs holding shadow trees
+_ABSENT: dict[str, CkptError] = {}                   # url text -> the missing-path error its listing gave
 _STAND_INS: dict[tuple[int, int], str] = {}          # placeholders made outside a shadow tree -> their path
 _MOUNT_LOCK = threading.Lock()
 
@@ -400,9 +401,18 @@ def mount(value, *, what: str = "input") -> Path:
         known = _MOUNTS.get(url.text)
         if known is not None:
             return known[0]
+        if url.text in _ABSENT:   # listed once and nothing there: the same answer, not a second listing
+            raise _ABSENT[url.text]
         from .remote_backends import backend_for
         backend = backend_for(url)
-        entries = _listed(backend, url)   # [(rel path or "" for the object itself, size, version, ref)]
+        try:
+            entries = _listed(backend, url)   # [(rel path or "" for the object itself, size, version, ref)]
+            if not entries:
+                raise MissingFileError("no such file or directory (nothing at this URL)", path=url.text,
+                                       hint="check the bucket/repo, the revision and the path")
+        except (MissingPathError, MissingFileError) as exc:
+            _ABSENT[url.text] = exc
+            raise
         root = _shadow_dir() / url.name
         for rel, size, version, ref in entries:
             p = root / rel if rel else root
@@ -415,9 +425,6 @@ def mount(value, *, what: str = "input") -> Path:
                 os.close(fd)
             shown = url.text + ("/" + rel if rel else "")
             _BY_INODE[(st.st_dev, st.st_ino)] = RemoteObject(shown, size, version, backend, ref)
-        if not entries:
-            raise MissingFileError("no such file or directory (nothing at this URL)", path=url.text,
-                                   hint="check the bucket/repo, the revision and the path")
         if root.is_dir():
             os.chmod(root, 0o500)
         _MOUNTS[url.text] = (root, url)
@@ -440,7 +447,6 @@ def _listed(backend, url: RemoteUrl):
         except RemoteDenied as exc:
             raise UsageError(str(exc), path=url.text) from None
         except RemoteMissing:
-            from ..core.errors import MissingPathError
             raise MissingPathError(url.text) from None
 
 
@@ -477,6 +483,7 @@ def reset() -> None:
         _BY_INODE.clear()
         _STAND_INS.clear()
         _MOUNTS.clear()
+        _ABSENT.clear()
         clear_display()
         while _SHADOW:
             d = _SHADOW.pop()
