@@ -9,7 +9,7 @@ DEMO   ?= demo-out
 # Extra pip arguments for the torch install, e.g. TORCH_PIP_ARGS="--index-url <PyTorch's CPU wheel index>"
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test test-pure test-vllm clean bench
+.PHONY: install demo test test-pure test-vllm lint format clean bench
 
 $(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c ckpt_tools/sources/delta_stats_c.c
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# ruff (lint, then the formatter's check) and mypy over ckpt_tools/: the rule sets and why are in pyproject.toml
+lint: install
+	$(VENV)/bin/ruff check ckpt_tools
+	$(VENV)/bin/ruff format --check ckpt_tools
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff check --fix ckpt_tools
+	$(VENV)/bin/ruff format ckpt_tools
 
 # Neither C fast path loaded: the tests that drive the Python/torch fallbacks they speed up (the pickle bounds
 # scan: every metadata and item pickle, hostile ones included; diff-vs-base's chunk statistics and value check).

@@ -1,15 +1,37 @@
 """ckpt-tools: LoRA merge and checkpoint surgery for prime-rl DCP checkpoints.
 
 The operations are functions of this package (docs/api.md), one per command: `ckpt_tools.merge(...)`,
-`.inspect`, `.open`, `.extract_adapter`, `.export`, `.diff_vs_base`, `.verify`, `.slim`, `.rehydrate`, `.set_lr`,
+`.inspect`, `.open`, `.extract_adapter`, `.export`, `.diff_vs_base`, `.verify`, `.slim`, `.rehydrate`,
+`.set_lr`,
 `.set_values`, `.adapter_to_dcp`, `.fix_adapter`, `.restart_prep`, `.gc`, `.doctor`, `.average`,
-`.resize_adapter`, `.report`, each returning its report (a typed report with `to_json()`, or the command's JSON dict).
+`.resize_adapter`, `.report`, each returning its report (a typed report with `to_json()`, or the command's
+JSON dict).
 They are loaded on first use (`ckpt_tools.api`), so `import ckpt_tools` and `ckpt --version` stay instant
 (no torch).
 """
-__all__ = ["__version__", "open", "inspect", "extract_adapter", "merge", "export", "diff_vs_base", "verify", "slim",
-           "rehydrate", "set_lr", "set_values", "adapter_to_dcp", "fix_adapter", "restart_prep", "gc", "doctor",
-           "average", "resize_adapter", "report"]
+
+__all__ = [
+    "__version__",
+    "adapter_to_dcp",
+    "average",
+    "diff_vs_base",
+    "doctor",
+    "export",
+    "extract_adapter",
+    "fix_adapter",
+    "gc",
+    "inspect",
+    "merge",
+    "open",
+    "rehydrate",
+    "report",
+    "resize_adapter",
+    "restart_prep",
+    "set_lr",
+    "set_values",
+    "slim",
+    "verify",
+]
 
 __version__ = "0.1.0"
 
@@ -21,5 +43,6 @@ def __getattr__(name: str):
     # package and must not pay for it
     if name in _API:
         from . import api
+
         return getattr(api, name)
     raise AttributeError(f"module 'ckpt_tools' has no attribute {name!r}")

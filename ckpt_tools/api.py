@@ -21,6 +21,7 @@ This module imports no op until one is called (`import ckpt_tools.api` is torch-
 (`io.signals.signals_deferred`: a signal inside numpy's initialization leaves it half-loaded). The
 report classes named in `__all__` are loaded on first access.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,7 @@ from .io import hub_fetch
 from .io.owned import command_scope
 from .io.signals import signals_deferred as _loading
 
-if TYPE_CHECKING:   # loaded on first use (see `__getattr__`)
+if TYPE_CHECKING:  # loaded on first use (see `__getattr__`)
     from .core.primerl_state import SchedulerSpec
     from .dist import Group
     from .formats.dcp.reader import DcpCheckpoint
@@ -45,11 +46,15 @@ if TYPE_CHECKING:   # loaded on first use (see `__getattr__`)
     from .formats.peft.adapter import PeftAdapter
     from .ops.adapter_to_dcp import ToDcpReport
     from .ops.average import AverageReport
-    from .ops.diff import SAME as DIFF_SAME, SKIPPED as DIFF_SKIPPED, DiffReport  # noqa: F401
+    from .ops.diff import SAME as DIFF_SAME
+    from .ops.diff import SKIPPED as DIFF_SKIPPED
+    from .ops.diff import DiffReport
     from .ops.doctor import DoctorReport
-    from .ops.doctor.traps import DEFAULT_DECODE_RATE as DOCTOR_DEFAULT_DECODE_RATE  # noqa: F401
-    from .ops.doctor.traps import ERROR as DOCTOR_ERROR, INFO as DOCTOR_INFO, WARNING as DOCTOR_WARNING  # noqa: F401
-    from .ops.doctor.traps import toml_value as doctor_toml_value  # noqa: F401
+    from .ops.doctor.traps import DEFAULT_DECODE_RATE as DOCTOR_DEFAULT_DECODE_RATE
+    from .ops.doctor.traps import ERROR as DOCTOR_ERROR
+    from .ops.doctor.traps import INFO as DOCTOR_INFO
+    from .ops.doctor.traps import WARNING as DOCTOR_WARNING
+    from .ops.doctor.traps import toml_value as doctor_toml_value
     from .ops.extract_adapter import ExtractReport
     from .ops.fix_adapter import FixReport
     from .ops.inspect import InspectReport
@@ -62,26 +67,80 @@ if TYPE_CHECKING:   # loaded on first use (see `__getattr__`)
     from .ops.verify import VerifyReport
     from .workflows.average_merge import AverageMergeReport
 
-__all__ = ["open", "inspect", "extract_adapter", "merge", "export", "diff_vs_base", "verify", "slim", "rehydrate",
-           "set_lr", "set_values", "adapter_to_dcp", "fix_adapter", "restart_prep", "gc", "doctor", "average",
-           "resize_adapter", "report", "DryRunReport", "ReportReport", "InspectReport", "ExtractReport", "MergeReport",
-           "DiffReport", "VerifyReport", "SlimReport", "RehydrateReport", "PatchReport", "ToDcpReport", "FixReport",
-           "DoctorReport", "SchedulerSpec", "AverageReport", "AverageMergeReport", "ResizeReport",
-           "DOCTOR_DEFAULT_DECODE_RATE", "DOCTOR_ERROR", "DOCTOR_WARNING", "DOCTOR_INFO", "doctor_toml_value",
-           "DIFF_SAME", "DIFF_SKIPPED"]
+__all__ = [
+    "DIFF_SAME",
+    "DIFF_SKIPPED",
+    "DOCTOR_DEFAULT_DECODE_RATE",
+    "DOCTOR_ERROR",
+    "DOCTOR_INFO",
+    "DOCTOR_WARNING",
+    "AverageMergeReport",
+    "AverageReport",
+    "DiffReport",
+    "DoctorReport",
+    "DryRunReport",
+    "ExtractReport",
+    "FixReport",
+    "InspectReport",
+    "MergeReport",
+    "PatchReport",
+    "RehydrateReport",
+    "ReportReport",
+    "ResizeReport",
+    "SchedulerSpec",
+    "SlimReport",
+    "ToDcpReport",
+    "VerifyReport",
+    "adapter_to_dcp",
+    "average",
+    "diff_vs_base",
+    "doctor",
+    "doctor_toml_value",
+    "export",
+    "extract_adapter",
+    "fix_adapter",
+    "gc",
+    "inspect",
+    "merge",
+    "open",
+    "rehydrate",
+    "report",
+    "resize_adapter",
+    "restart_prep",
+    "set_lr",
+    "set_values",
+    "slim",
+    "verify",
+]
 
 # name -> "module:attribute" it is loaded from on first access (`from ckpt_tools.api import MergeReport`);
 # the doctor's severities, --decode-rate default and TOML value rendering, and the statuses of a
 # diff's tensors, are what `ckpt doctor` and `ckpt diff-vs-base` render with
-_LAZY = {"SchedulerSpec": "core.primerl_state", "ReportReport": "ops.report", "InspectReport": "ops.inspect",
-         "ExtractReport": "ops.extract_adapter", "MergeReport": "ops.merge", "DiffReport": "ops.diff",
-         "VerifyReport": "ops.verify", "SlimReport": "ops.slim", "RehydrateReport": "ops.rehydrate",
-         "PatchReport": "ops.set_lr", "ToDcpReport": "ops.adapter_to_dcp", "FixReport": "ops.fix_adapter",
-         "DoctorReport": "ops.doctor", "AverageReport": "ops.average", "AverageMergeReport": "workflows.average_merge",
-         "ResizeReport": "ops.resize_adapter", "DOCTOR_DEFAULT_DECODE_RATE": "ops.doctor.traps:DEFAULT_DECODE_RATE",
-         "DOCTOR_ERROR": "ops.doctor.traps:ERROR", "DOCTOR_WARNING": "ops.doctor.traps:WARNING",
-         "DOCTOR_INFO": "ops.doctor.traps:INFO", "doctor_toml_value": "ops.doctor.traps:toml_value",
-         "DIFF_SAME": "ops.diff:SAME", "DIFF_SKIPPED": "ops.diff:SKIPPED"}
+_LAZY = {
+    "SchedulerSpec": "core.primerl_state",
+    "ReportReport": "ops.report",
+    "InspectReport": "ops.inspect",
+    "ExtractReport": "ops.extract_adapter",
+    "MergeReport": "ops.merge",
+    "DiffReport": "ops.diff",
+    "VerifyReport": "ops.verify",
+    "SlimReport": "ops.slim",
+    "RehydrateReport": "ops.rehydrate",
+    "PatchReport": "ops.set_lr",
+    "ToDcpReport": "ops.adapter_to_dcp",
+    "FixReport": "ops.fix_adapter",
+    "DoctorReport": "ops.doctor",
+    "AverageReport": "ops.average",
+    "AverageMergeReport": "workflows.average_merge",
+    "ResizeReport": "ops.resize_adapter",
+    "DOCTOR_DEFAULT_DECODE_RATE": "ops.doctor.traps:DEFAULT_DECODE_RATE",
+    "DOCTOR_ERROR": "ops.doctor.traps:ERROR",
+    "DOCTOR_WARNING": "ops.doctor.traps:WARNING",
+    "DOCTOR_INFO": "ops.doctor.traps:INFO",
+    "doctor_toml_value": "ops.doctor.traps:toml_value",
+    "DIFF_SAME": "ops.diff:SAME",
+    "DIFF_SKIPPED": "ops.diff:SKIPPED",
+}
 
 
 def __getattr__(name: str):
@@ -97,11 +156,12 @@ class DryRunReport:
     """A dry run's report with what writing OUT would do (`io.staging.describe_output`: it refuses the
     OUTs the real run refuses): its JSON plan gains `output` = {"out", "exists", "replaces"}. Every
     other attribute is the report's (`.plan`, `.result` None, ...)."""
+
     report: object
     output: dict | None
 
     def __getattr__(self, name: str):
-        if name in ("report", "output"):   # not set yet (a copy being built)
+        if name in ("report", "output"):  # not set yet (a copy being built)
             raise AttributeError(name)
         return getattr(self.report, name)
 
@@ -117,6 +177,7 @@ class DryRunReport:
 def _dry(report, out, overwrite: bool) -> DryRunReport:
     """`report` (a dry run's) with OUT checked as the real run checks it, and described."""
     from .io.staging import describe_output
+
     return DryRunReport(report, None if out is None else describe_output(out, overwrite=overwrite))
 
 
@@ -124,6 +185,7 @@ def _group(group: Group | None) -> Group:
     """The group the run's work units are split over: `group`, else this process's (`dist.current()`:
     asked for once the inputs are open and planned, since the ranks then compare them)."""
     from . import dist
+
     return dist.current() if group is None else group
 
 
@@ -131,10 +193,11 @@ def _str(p) -> str | None:
     return None if p is None else str(p)
 
 
-def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:  # noqa: A001
+def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:
     """The format's one lazy handle of what `path` is (metadata read, tensors on demand): a `DcpCheckpoint`
     (`.entries`, `.read_object(key)`, `.read_tensor(key)`; its tensors as `Source`s: `.base_weights()`,
-    `.by_key()`; its LoRA: `.lora(alpha=...)`), an `HFModelDir`, itself a `Source` (`.names()`, `.facts(name)`,
+    `.by_key()`; its LoRA: `.lora(alpha=...)`), an `HFModelDir`, itself a `Source` (`.names()`,
+    `.facts(name)`,
     `.read_tensor(name)`, `.read_rows(name, start, count)`, `.info(name)`) or a `PeftAdapter` (`.modules`,
     `.read_pair(module)`; `.lora()`). A hub id (`org/name[@revision]`) is looked up in the local HF cache.
     Use it as a context manager: leaving the block closes its files."""
@@ -155,12 +218,18 @@ def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFM
         return HFModelDir.open(p)
     if kind == PEFT:
         return open_peft_adapter(p, strict=False)
-    plan_inspect(p, InspectOptions())   # the one error for "not a checkpoint, model or adapter"
+    plan_inspect(p, InspectOptions())  # the one error for "not a checkpoint, model or adapter"
     raise ValueError(f"{p}: a checkpoints dir has no single handle; open one of its step_N/trainer dirs")
 
 
-def inspect(path: str | Path, *, alpha: float | None = None, run_config: str | Path | None = None,
-            keys: bool = False, trust_pickle: bool = False) -> InspectReport:
+def inspect(
+    path: str | Path,
+    *,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    keys: bool = False,
+    trust_pickle: bool = False,
+) -> InspectReport:
     """What `ckpt inspect` prints, from metadata alone: `.plan.kind` (dcp | checkpoints | hf | peft)
     and `.data` (the description, or with `keys` one row per DCP key)."""
     with _loading():
@@ -170,33 +239,46 @@ def inspect(path: str | Path, *, alpha: float | None = None, run_config: str | P
     return run_inspect(plan_inspect(p, InspectOptions(alpha, _str(run_config), keys, trust_pickle)))
 
 
-def extract_adapter(ckpt: str | Path, out: str | Path, *, alpha: float | None = None,
-                    run_config: str | Path | None = None, base: str | None = None, slot: int = 0,
-                    dtype: str = "fp32", dry_run: bool = False, overwrite: bool = False,
-                    trust_pickle: bool = False, progress: Progress | None = None,
-                    layout: str = "peft") -> ExtractReport | DryRunReport:
+def extract_adapter(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    base: str | None = None,
+    slot: int = 0,
+    dtype: str = "fp32",
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    layout: str = "peft",
+) -> ExtractReport | DryRunReport:
     """A prime-rl DCP checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`; `layout`:
     peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
     with _loading():
-        from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
         from .formats.dcp.reader import DcpCheckpoint
+        from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
     with DcpCheckpoint.open(Path(ckpt), trust_pickle=trust_pickle).lora(
-            alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot) as src:
+        alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot
+    ) as src:
         plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
         if dry_run:
             return _dry(ExtractReport(plan), out, overwrite)
         return run_extract(plan, src, progress, overwrite=overwrite)
 
 
-def _merge_contract(plan, sources, out, run: Callable, *, dry_run: bool, overwrite: bool, progress, group,
-                    on_plan):
+def _merge_contract(
+    plan, sources, out, run: Callable, *, dry_run: bool, overwrite: bool, progress, group, on_plan
+):
     """The end of merge and export (one plan, one pipeline): a dry run reports what the real run would
     refuse (too little disk) as a warning; the real run refuses it, calls `on_plan(plan)` and runs."""
     from .core.errors import DiskSpaceError
     from .io.staging import describe_output
     from .ops.merge import MergeReport, check_output
+
     if dry_run:
-        output = describe_output(out, overwrite=overwrite)   # refuses the OUTs the real run refuses
+        output = describe_output(out, overwrite=overwrite)  # refuses the OUTs the real run refuses
         try:
             check_output(plan, out, overwrite=overwrite)
         except DiskSpaceError as exc:
@@ -208,9 +290,18 @@ def _merge_contract(plan, sources, out, run: Callable, *, dry_run: bool, overwri
     return run(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
-def merge(base: str | Path | None, adapter: str | Path, out: str | Path, *, dry_run: bool = False,
-          overwrite: bool = False, progress: Progress | None = None, group: Group | None = None,
-          on_plan: Callable | None = None, **options) -> MergeReport | DryRunReport:
+def merge(
+    base: str | Path | None,
+    adapter: str | Path,
+    out: str | Path,
+    *,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    group: Group | None = None,
+    on_plan: Callable | None = None,
+    **options,
+) -> MergeReport | DryRunReport:
     """The LoRA of `adapter` (PEFT dir or DCP checkpoint) merged into `base` (HF dir or hub id), written
     to `out` (`ckpt merge`). `options`: the fields of `ops.merge.MergeOptions` (alpha, run_config,
     dtype, max_shard_size, base_from_checkpoint, config_from, slot, threads, allow_zero_delta, ...).
@@ -218,16 +309,39 @@ def merge(base: str | Path | None, adapter: str | Path, out: str | Path, *, dry_
     CLI prints the plan's warnings there). `.result` is None in a dry run."""
     with _loading():
         from .ops.merge import MergeOptions, open_merge_sources, plan_merge, run_merge
-    opts = MergeOptions(out=str(out), **{k: str(v) if k in ("config_from", "run_config") and v is not None else v
-                                         for k, v in options.items()})
+    opts = MergeOptions(
+        out=str(out),
+        **{
+            k: str(v) if k in ("config_from", "run_config") and v is not None else v
+            for k, v in options.items()
+        },
+    )
     with open_merge_sources(_str(base), str(adapter), opts) as sources:
-        return _merge_contract(plan_merge(sources, opts), sources, out, run_merge, dry_run=dry_run,
-                               overwrite=overwrite, progress=progress, group=group, on_plan=on_plan)
+        return _merge_contract(
+            plan_merge(sources, opts),
+            sources,
+            out,
+            run_merge,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            progress=progress,
+            group=group,
+            on_plan=on_plan,
+        )
 
 
-def export(ckpt: str | Path, out: str | Path, *, config_from: str | Path | None = None, dry_run: bool = False,
-           overwrite: bool = False, progress: Progress | None = None, group: Group | None = None,
-           on_plan: Callable | None = None, **options) -> MergeReport | DryRunReport:
+def export(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    config_from: str | Path | None = None,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    group: Group | None = None,
+    on_plan: Callable | None = None,
+    **options,
+) -> MergeReport | DryRunReport:
     """A DCP checkpoint as an HF model dir (`ckpt export`): a full fine-tune's trained weights, or a LoRA
     run's merged model, from the checkpoint's fp32 masters. `options`: the fields of
     `ops.merge.ExportOptions` (alpha, run_config, slot, dtype, max_shard_size, threads, allow_zero_delta,
@@ -236,39 +350,86 @@ def export(ckpt: str | Path, out: str | Path, *, config_from: str | Path | None 
         from .ops.merge import ExportOptions, open_export_sources, plan_export, run_export
     opts = ExportOptions(out=str(out), config_from=_str(config_from), **options)
     with open_export_sources(ckpt, opts) as sources:
-        return _merge_contract(plan_export(sources, opts), sources, out, run_export, dry_run=dry_run,
-                               overwrite=overwrite, progress=progress, group=group, on_plan=on_plan)
+        return _merge_contract(
+            plan_export(sources, opts),
+            sources,
+            out,
+            run_export,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            progress=progress,
+            group=group,
+            on_plan=on_plan,
+        )
 
 
-def adapter_to_dcp(adapter: str | Path, out: str | Path, *, base: str | Path, lr: float | None = None,
-                   step: int | None = None, world_size: int = 4, optimizer_from: str | Path | None = None,
-                   scheduler: SchedulerSpec | None = None, scheduler_step: int | None = None, dry_run: bool = False,
-                   overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None,
-                   group: Group | None = None) -> ToDcpReport | DryRunReport:
+def adapter_to_dcp(
+    adapter: str | Path,
+    out: str | Path,
+    *,
+    base: str | Path,
+    lr: float | None = None,
+    step: int | None = None,
+    world_size: int = 4,
+    optimizer_from: str | Path | None = None,
+    scheduler: SchedulerSpec | None = None,
+    scheduler_step: int | None = None,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    group: Group | None = None,
+) -> ToDcpReport | DryRunReport:
     """A prime-rl trainer checkpoint that resumes from a PEFT adapter and the HF base (`ckpt adapter-to-dcp`);
     `scheduler`: a `SchedulerSpec` (constant | linear | cosine, with prime-rl's own validation)."""
     with _loading():
-        from .ops.adapter_to_dcp import ToDcpOptions, ToDcpReport, open_to_dcp_sources, plan_adapter_to_dcp, \
-            run_adapter_to_dcp
-    options = ToDcpOptions(out, lr=lr, step=step, world_size=world_size, scheduler=scheduler,
-                           scheduler_step=scheduler_step, trust_pickle=trust_pickle)
-    with open_to_dcp_sources(adapter, str(base), optimizer_from=optimizer_from, trust_pickle=trust_pickle) as sources:
+        from .ops.adapter_to_dcp import (
+            ToDcpOptions,
+            ToDcpReport,
+            open_to_dcp_sources,
+            plan_adapter_to_dcp,
+            run_adapter_to_dcp,
+        )
+    options = ToDcpOptions(
+        out,
+        lr=lr,
+        step=step,
+        world_size=world_size,
+        scheduler=scheduler,
+        scheduler_step=scheduler_step,
+        trust_pickle=trust_pickle,
+    )
+    with open_to_dcp_sources(
+        adapter, str(base), optimizer_from=optimizer_from, trust_pickle=trust_pickle
+    ) as sources:
         plan = plan_adapter_to_dcp(sources, options)
         if dry_run:
             return _dry(ToDcpReport(plan, full=True), out, overwrite)
         return run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
-def fix_adapter(src: str | Path, out: str | Path, *, base: str | Path | None = None, slot: int | None = None,
-                alpha: float | None = None, run_config: str | Path | None = None,
-                checkpoint: str | Path | None = None, layout: str = "peft", dry_run: bool = False,
-                overwrite: bool = False, progress: Progress | None = None) -> FixReport | DryRunReport:
+def fix_adapter(
+    src: str | Path,
+    out: str | Path,
+    *,
+    base: str | Path | None = None,
+    slot: int | None = None,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    layout: str = "peft",
+    dry_run: bool = False,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> FixReport | DryRunReport:
     """prime-rl's own adapter export (a broadcast dir or a weights export) as a PEFT dir that applies
     (`ckpt fix-adapter`); `checkpoint`: the run's DCP checkpoint of that step, filling the trained full
     tensors (modules_to_save) the export lacks; `layout` as `extract_adapter`'s."""
     with _loading():
         from .ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
-    options = FixOptions(out, _str(base), slot, alpha, _str(run_config), checkpoint=_str(checkpoint), layout=layout)
+    options = FixOptions(
+        out, _str(base), slot, alpha, _str(run_config), checkpoint=_str(checkpoint), layout=layout
+    )
     with open_fix_source(src, checkpoint) as weights:
         plan = plan_fix(weights, src, options)
         if dry_run:
@@ -276,10 +437,20 @@ def fix_adapter(src: str | Path, out: str | Path, *, base: str | Path | None = N
         return run_fix(plan, weights, progress, overwrite=overwrite)
 
 
-def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path | None = None,
-                 alpha: float | None = None, run_config: str | Path | None = None, targeted_only: bool = False,
-                 trust_pickle: bool = False, progress: Progress | None = None, group: Group | None = None,
-                 page: str | Path | None = None, device: str | None = None) -> DiffReport:
+def diff_vs_base(
+    weights: str | Path,
+    base: str | Path,
+    *,
+    adapter: str | Path | None = None,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    targeted_only: bool = False,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    group: Group | None = None,
+    page: str | Path | None = None,
+    device: str | None = None,
+) -> DiffReport:
     """Whether `weights` differ from `base`, tensor by tensor (`ckpt diff-vs-base`): `.verdict`,
     `.exit_code` (0 differ, 3 identical, 4 adapter check failed), `.tensors`. `page`: also write the
     comparison as an HTML page there (a new file; `--report`), its path then in `.page`. `device`: "cuda" (or
@@ -293,22 +464,42 @@ def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path |
     if page is not None:
         with _loading():
             from .ops.report import write_diff_page
-        report.page = write_diff_page(report.to_json(), page, inputs=[p for p in (weights, base, adapter)
-                                                                       if p is not None and Path(p).exists()])
+        report.page = write_diff_page(
+            report.to_json(),
+            page,
+            inputs=[p for p in (weights, base, adapter) if p is not None and Path(p).exists()],
+        )
     return report
 
 
-def verify(path: str | Path, *, deep: bool = False, base: str | Path | None = None, trust_pickle: bool = False,
-           progress: Progress | None = None, group: Group | None = None) -> VerifyReport:
+def verify(
+    path: str | Path,
+    *,
+    deep: bool = False,
+    base: str | Path | None = None,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    group: Group | None = None,
+) -> VerifyReport:
     """Integrity of a DCP checkpoint, HF dir or PEFT adapter (`ckpt verify`): `.ok`, `.problems`."""
     with _loading():
         from .ops.verify import VerifyOptions, plan_verify, run_verify
-    return run_verify(plan_verify(path, VerifyOptions(deep, _str(base), trust_pickle)), progress, group=_group(group))
+    return run_verify(
+        plan_verify(path, VerifyOptions(deep, _str(base), trust_pickle)), progress, group=_group(group)
+    )
 
 
-def slim(ckpt: str | Path, out: str | Path, *, base: str | Path | None = None, dry_run: bool = False,
-         overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None,
-         group: Group | None = None) -> SlimReport | DryRunReport:
+def slim(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    base: str | Path | None = None,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    group: Group | None = None,
+) -> SlimReport | DryRunReport:
     """The checkpoint without its frozen base weights (`ckpt slim`)."""
     with _loading():
         from .ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
@@ -320,14 +511,30 @@ def slim(ckpt: str | Path, out: str | Path, *, base: str | Path | None = None, d
         return run_slim(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
-def rehydrate(slim_ckpt: str | Path, out: str | Path, *, base: str | Path, world_size: int | None = None,
-              dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False, threads: int | None = None,
-              progress: Progress | None = None, group: Group | None = None) -> RehydrateReport | DryRunReport:
+def rehydrate(
+    slim_ckpt: str | Path,
+    out: str | Path,
+    *,
+    base: str | Path,
+    world_size: int | None = None,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    group: Group | None = None,
+) -> RehydrateReport | DryRunReport:
     """The full checkpoint rebuilt bit-exactly from a slim one and the base (`ckpt rehydrate`). `threads`:
-    the workers (default: this rank's cores + 2); memory does not grow with them (`plan.memory_bound_bytes`)."""
+    the workers (default: this rank's cores + 2); memory does not grow with them
+    (`plan.memory_bound_bytes`)."""
     with _loading():
-        from .ops.rehydrate import RehydrateOptions, RehydrateReport, open_rehydrate_sources, plan_rehydrate, \
-            run_rehydrate
+        from .ops.rehydrate import (
+            RehydrateOptions,
+            RehydrateReport,
+            open_rehydrate_sources,
+            plan_rehydrate,
+            run_rehydrate,
+        )
     options = RehydrateOptions(out, str(base), world_size, overwrite, trust_pickle, threads)
     with open_rehydrate_sources(slim_ckpt, options) as sources:
         plan = plan_rehydrate(sources, options)
@@ -336,29 +543,69 @@ def rehydrate(slim_ckpt: str | Path, out: str | Path, *, base: str | Path, world
         return run_rehydrate(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
-def set_lr(ckpt: str | Path, out: str | Path | None, *, lr: float | None = None, scale: float | None = None,
-           min_lr: float | None = None, in_place: bool = False, dry_run: bool = False, overwrite: bool = False,
-           trust_pickle: bool = False) -> PatchReport | DryRunReport:
+def set_lr(
+    ckpt: str | Path,
+    out: str | Path | None,
+    *,
+    lr: float | None = None,
+    scale: float | None = None,
+    min_lr: float | None = None,
+    in_place: bool = False,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+) -> PatchReport | DryRunReport:
     """A checkpoint with a new learning rate, Adam moments kept (`ckpt set-lr`)."""
     with _loading():
         from .ops.set_lr import set_lr as run
-    report = run(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
-                 overwrite=overwrite, trust_pickle=trust_pickle)
+    report = run(
+        ckpt,
+        out,
+        lr=lr,
+        scale=scale,
+        min_lr=min_lr,
+        in_place=in_place,
+        dry_run=dry_run,
+        overwrite=overwrite,
+        trust_pickle=trust_pickle,
+    )
     return _dry(report, out, overwrite) if dry_run and out is not None else report
 
 
-def set_values(ckpt: str | Path, out: str | Path | None, assignments: list[str], *, in_place: bool = False,
-               dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False) -> PatchReport | DryRunReport:
+def set_values(
+    ckpt: str | Path,
+    out: str | Path | None,
+    assignments: list[str],
+    *,
+    in_place: bool = False,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+) -> PatchReport | DryRunReport:
     """Scalar byte items of a checkpoint set by surgery, `KEY=VALUE` each (`ckpt set`)."""
     with _loading():
         from .ops.set_lr import set_values as run
-    report = run(ckpt, out, list(assignments), in_place=in_place, dry_run=dry_run, overwrite=overwrite,
-                 trust_pickle=trust_pickle)
+    report = run(
+        ckpt,
+        out,
+        list(assignments),
+        in_place=in_place,
+        dry_run=dry_run,
+        overwrite=overwrite,
+        trust_pickle=trust_pickle,
+    )
     return _dry(report, out, overwrite) if dry_run and out is not None else report
 
 
-def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, lr: float | None,
-                 progress: Progress | None = None, **options) -> dict:
+def restart_prep(
+    run_or_ckpt: str | Path,
+    out: str | Path,
+    *,
+    base: str | None,
+    lr: float | None,
+    progress: Progress | None = None,
+    **options,
+) -> dict:
     """The fresh-LR restart in one call (`ckpt restart-prep`): merge mode (a merged bf16 model) or adapter
     mode (a resumable checkpoint with fresh AdamW). `options`: config, mode, alpha, run_config, dtype,
     max_shard_size, world_size, scheduler_step, config_out, dry_run, overwrite, trust_pickle. Returns the
@@ -368,15 +615,31 @@ def restart_prep(run_or_ckpt: str | Path, out: str | Path, *, base: str | None, 
     return run(run_or_ckpt, out, base=base, lr=lr, progress=progress, **options)
 
 
-def gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None = None, dry_run: bool = False,
-       trust_pickle: bool = False, progress: Progress | None = None, **options) -> dict:
+def gc(
+    checkpoints_dir: str | Path,
+    *,
+    keep_full: int,
+    base: str | Path | None = None,
+    dry_run: bool = False,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    **options,
+) -> dict:
     """A run's checkpoints kept: the newest `keep_full` whole, older ones slim in place (`ckpt gc`).
-    `options`: min_age_s, slim_to (a URL each slimmed step is uploaded to first: docs/remote.md). Returns the command's JSON report (`plan`, and `steps` unless `dry_run`);
+    `options`: min_age_s, slim_to (a URL each slimmed step is uploaded to first: docs/remote.md). Returns the
+    command's JSON report (`plan`, and `steps` unless `dry_run`);
     `progress` is also given each step's outcome as it finishes (`ProgressEvent.finished`)."""
     with _loading():
         from .ops.gc import gc as run
-    return run(checkpoints_dir, keep_full=keep_full, base=base, dry_run=dry_run, trust_pickle=trust_pickle,
-               progress=progress, **options)
+    return run(
+        checkpoints_dir,
+        keep_full=keep_full,
+        base=base,
+        dry_run=dry_run,
+        trust_pickle=trust_pickle,
+        progress=progress,
+        **options,
+    )
 
 
 def doctor(target: str | Path | None = None, **options) -> DoctorReport:
@@ -389,73 +652,153 @@ def doctor(target: str | Path | None = None, **options) -> DoctorReport:
     return run(target, **options)
 
 
-def average(inputs: list[str | Path], out: str | Path, *, weights: list[float] | None = None, ema: float | None = None,
-            rank: int | None = None, energy: float | None = None, merge: str | Path | None = None,
-            dtype: str | None = None, allow_mismatch: tuple[str, ...] = (), alpha: float | None = None,
-            layout: str = "peft", dry_run: bool = False, overwrite: bool = False, trust_pickle: bool = False,
-            progress: Progress | None = None) -> AverageReport | AverageMergeReport:
+def average(
+    inputs: list[str | Path],
+    out: str | Path,
+    *,
+    weights: list[float] | None = None,
+    ema: float | None = None,
+    rank: int | None = None,
+    energy: float | None = None,
+    merge: str | Path | None = None,
+    dtype: str | None = None,
+    allow_mismatch: tuple[str, ...] = (),
+    alpha: float | None = None,
+    layout: str = "peft",
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+) -> AverageReport | AverageMergeReport:
     """The weighted mean of LoRA steps (DCP checkpoints, PEFT adapters) in delta space, as a PEFT adapter
     at `out` (`ckpt average`), exact at rank sum(r_i) or brought down by `rank` / `energy`; with `merge`
     (an HF base), the merged model instead (`.result` None in a dry run). docs/delta-space.md."""
     with _loading():
-        from .ops.average import AverageOptions, AverageReport, open_average_sources, plan_average, run_average
-    options = AverageOptions(out=str(out), weights=None if weights is None else tuple(float(w) for w in weights),
-                             ema=ema, rank=rank, energy=energy, allow=frozenset(allow_mismatch), alpha=alpha,
-                             trust_pickle=trust_pickle, layout=layout)
+        from .ops.average import (
+            AverageOptions,
+            AverageReport,
+            open_average_sources,
+            plan_average,
+            run_average,
+        )
+    options = AverageOptions(
+        out=str(out),
+        weights=None if weights is None else tuple(float(w) for w in weights),
+        ema=ema,
+        rank=rank,
+        energy=energy,
+        allow=frozenset(allow_mismatch),
+        alpha=alpha,
+        trust_pickle=trust_pickle,
+        layout=layout,
+    )
     if merge is not None:
         with _loading():
             from .ops.merge import MergeOptions
             from .workflows.average_merge import average_merge
         # the merge stage reads no pickle (an HF base and the averaged LoRA): the inputs' trust is the
         # average stage's
-        return average_merge(list(inputs), merge, out, options=options, merge_options=MergeOptions(dtype=dtype),
-                             dry_run=dry_run, overwrite=overwrite, progress=progress)
+        return average_merge(
+            list(inputs),
+            merge,
+            out,
+            options=options,
+            merge_options=MergeOptions(dtype=dtype),
+            dry_run=dry_run,
+            overwrite=overwrite,
+            progress=progress,
+        )
     with open_average_sources(list(inputs), options) as sources:
         plan = plan_average(sources, options)
         return AverageReport(plan) if dry_run else run_average(plan, sources, progress, overwrite=overwrite)
 
 
-def resize_adapter(adapter: str | Path, out: str | Path, *, rank: int | None = None, energy: float | None = None,
-                   alpha: float | None = None, layout: str = "peft", dry_run: bool = False, overwrite: bool = False,
-                   trust_pickle: bool = False, progress: Progress | None = None) -> ResizeReport:
+def resize_adapter(
+    adapter: str | Path,
+    out: str | Path,
+    *,
+    rank: int | None = None,
+    energy: float | None = None,
+    alpha: float | None = None,
+    layout: str = "peft",
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+) -> ResizeReport:
     """Each module of `adapter` (PEFT dir or DCP checkpoint) at its best rank `rank` (or the smallest rank
     keeping `energy` of its squared norm), written as a PEFT adapter at `out` (`ckpt resize-adapter`);
     `.plan.truncations` has each module's kept energy and error."""
     with _loading():
-        from .ops.resize_adapter import ResizeOptions, ResizeReport, open_resize_sources, plan_resize, run_resize
-    options = ResizeOptions(out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle, layout=layout)
+        from .ops.resize_adapter import (
+            ResizeOptions,
+            ResizeReport,
+            open_resize_sources,
+            plan_resize,
+            run_resize,
+        )
+    options = ResizeOptions(
+        out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle, layout=layout
+    )
     with open_resize_sources(adapter, options) as src:
         plan = plan_resize(src, options)
         return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)
 
 
-def report(path: str | Path, *, base: str | Path | None = None, out: str | Path | None = None,
-           png_dir: str | Path | None = None, set_lr: float | None = None, scale: float | None = None,
-           alpha: float | None = None, run_config: str | Path | None = None, dry_run: bool = False,
-           overwrite: bool = False, trust_pickle: bool = False, progress: Progress | None = None) -> ReportReport:
+def report(
+    path: str | Path,
+    *,
+    base: str | Path | None = None,
+    out: str | Path | None = None,
+    png_dir: str | Path | None = None,
+    set_lr: float | None = None,
+    scale: float | None = None,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+) -> ReportReport:
     """What a run changed and its learning rate (`ckpt report`): `.result.steps[step].modules[name]`
     (delta_fro, weight_fro, rel_delta), `.result.lr` (past, planned, set_lr); the page written to `out`
     and one PNG per plot into `png_dir` when given (nothing is written otherwise). `dry_run`: the plan only
     (what PATH is, its steps, the base, max_steps), `.result` None."""
     with _loading():
         from .ops.report import ReportOptions, ReportReport, plan_report, run_report
-    options = ReportOptions(base=_str(base), out=_str(out), png_dir=_str(png_dir), set_lr=set_lr, scale=scale,
-                            alpha=alpha, run_config=_str(run_config), overwrite=overwrite, trust_pickle=trust_pickle)
+    options = ReportOptions(
+        base=_str(base),
+        out=_str(out),
+        png_dir=_str(png_dir),
+        set_lr=set_lr,
+        scale=scale,
+        alpha=alpha,
+        run_config=_str(run_config),
+        overwrite=overwrite,
+        trust_pickle=trust_pickle,
+    )
     plan = plan_report(path, options)
     return ReportReport(plan) if dry_run else run_report(plan, progress)
 
 
 def _as_command(fn, command: str):
-    """`fn` recording `command` in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI does."""
+    """`fn` recording `command` in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI."""
+
     @functools.wraps(fn)
     def run_as_command(*args, download: bool | None = None, **kwargs):
         # None: as the caller set it (the CLI's --download turns it on around the whole command)
-        with command_scope(command), (contextlib.nullcontext() if download is None else hub_fetch.allowing(download)):
+        with (
+            command_scope(command),
+            contextlib.nullcontext() if download is None else hub_fetch.allowing(download),
+        ):
             return fn(*args, **kwargs)
+
     return run_as_command
 
 
 # each function is its command (`set_values` is `ckpt set`: `set` is Python's builtin)
 for _name in [n for n in __all__ if n[0].islower() and n not in ("open", "doctor_toml_value")]:
-    globals()[_name] = _as_command(globals()[_name], "set" if _name == "set_values" else _name.replace("_", "-"))
+    globals()[_name] = _as_command(
+        globals()[_name], "set" if _name == "set_values" else _name.replace("_", "-")
+    )
 del _name

@@ -20,25 +20,47 @@ The group uses gloo (CPU tensors, on CPU and GPU nodes alike: the ranks exchange
 data moves through the filesystem). Multi-node needs OUT on a filesystem every node sees at the same
 path (NFS, Lustre, a shared volume): the leader's staging directory is checked from every rank.
 """
+
 from __future__ import annotations
 
 import datetime
 import json
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 from .core.errors import RankFailed, UsageError
 from .core.parts import SOLO, Part, working_ranks
 from .core.pool import one_intra_op_thread
 
-__all__ = ["Group", "SoloGroup", "TorchGroup", "RankFailed", "under_torchrun", "launched_part", "env_part", "idle_rank",
-           "working_per_node", "RANKS_ENV", "THREADS_PER_RANK", "current",
-           "TIMEOUT_ENV", "RENDEZVOUS_ENV", "DEFAULT_RENDEZVOUS_S", "check_env", "local_workers", "map_units",
-           "MIN_BYTES_PER_RANK_ENV", "DEFAULT_MIN_BYTES_PER_RANK", "min_bytes_per_rank", "working"]
+__all__ = [
+    "DEFAULT_MIN_BYTES_PER_RANK",
+    "DEFAULT_RENDEZVOUS_S",
+    "MIN_BYTES_PER_RANK_ENV",
+    "RANKS_ENV",
+    "RENDEZVOUS_ENV",
+    "THREADS_PER_RANK",
+    "TIMEOUT_ENV",
+    "Group",
+    "RankFailed",
+    "SoloGroup",
+    "TorchGroup",
+    "check_env",
+    "current",
+    "env_part",
+    "idle_rank",
+    "launched_part",
+    "local_workers",
+    "map_units",
+    "min_bytes_per_rank",
+    "under_torchrun",
+    "working",
+    "working_per_node",
+]
 
-TIMEOUT_ENV = "CKPT_TOOLS_DIST_TIMEOUT_S"   # how long a rank waits for the others (default 6 h)
+TIMEOUT_ENV = "CKPT_TOOLS_DIST_TIMEOUT_S"  # how long a rank waits for the others (default 6 h)
 # How long a rank waits for all ranks to join at the start (the rendezvous): a process that finds
 # WORLD_SIZE=2 exported without peers (every process of a SLURM or PyTorchJob pod inherits it) must not
 # wait for torch's default (our 6 h collective timeout, in C++ where no signal is handled).
@@ -65,8 +87,11 @@ def launched_part(environ=os.environ) -> Part:
         rank = int(environ.get("RANK", "0"))
         return Part(rank, world)
     except ValueError as exc:
-        raise UsageError(f"RANK={environ.get('RANK')!r} WORLD_SIZE={environ.get('WORLD_SIZE')!r} do not name a "
-                         f"rank: {exc}", hint="launch with `torchrun --nproc-per-node N -m ckpt_tools ...`") from None
+        raise UsageError(
+            f"RANK={environ.get('RANK')!r} WORLD_SIZE={environ.get('WORLD_SIZE')!r} do not name a "
+            f"rank: {exc}",
+            hint="launch with `torchrun --nproc-per-node N -m ckpt_tools ...`",
+        ) from None
 
 
 def _cores() -> int:
@@ -97,8 +122,10 @@ def working_per_node(environ=os.environ, cores: int | None = None) -> int | None
     layout is unknown: no LOCAL_WORLD_SIZE)."""
     mode = environ.get(RANKS_ENV, "auto") or "auto"
     if mode not in ("auto", "all"):
-        raise UsageError(f"{RANKS_ENV}={mode!r} is not `auto` or `all`",
-                         hint=f"unset {RANKS_ENV} (auto: one working rank per {THREADS_PER_RANK} cores of a node)")
+        raise UsageError(
+            f"{RANKS_ENV}={mode!r} is not `auto` or `all`",
+            hint=f"unset {RANKS_ENV} (auto: one working rank per {THREADS_PER_RANK} cores of a node)",
+        )
     layout = _node_layout(environ)
     if mode == "all" or layout is None:
         return None
@@ -115,8 +142,10 @@ def env_part(environ=os.environ) -> Part:
         return part
     nodes, node, local_rank = _node_layout(environ)
     if local_rank >= per_node:
-        raise UsageError(f"rank {part.rank} takes no part in this run (it idles: {per_node} working rank(s) per node)",
-                         hint=f"ask `dist.idle_rank()` first; {RANKS_ENV}=all makes every rank work")
+        raise UsageError(
+            f"rank {part.rank} takes no part in this run (it idles: {per_node} working rank(s) per node)",
+            hint=f"ask `dist.idle_rank()` first; {RANKS_ENV}=all makes every rank work",
+        )
     return Part(node * per_node + local_rank, nodes * per_node)
 
 
@@ -137,7 +166,9 @@ def _seconds(environ, name: str, default: float) -> float:
     except ValueError:
         v = -1.0
     if not v > 0:
-        raise UsageError(f"{name}={raw!r} is not a number of seconds > 0", hint=f"unset {name} for the default")
+        raise UsageError(
+            f"{name}={raw!r} is not a number of seconds > 0", hint=f"unset {name} for the default"
+        )
     return v
 
 
@@ -147,12 +178,17 @@ def check_env(environ=os.environ) -> tuple[str, int]:
     deep inside its rendezvous)."""
     part = launched_part(environ)
     addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
-    fix = ("launch with `torchrun --nproc-per-node N -m ckpt_tools ...` (it sets them), or unset WORLD_SIZE and "
-           "RANK to run in one process")
+    fix = (
+        "launch with `torchrun --nproc-per-node N -m ckpt_tools ...` (it sets them), or unset WORLD_SIZE and "
+        "RANK to run in one process"
+    )
     for name, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)):
         if not v:
-            raise UsageError(f"WORLD_SIZE={part.world} (rank {part.rank}) is set but {name} is not: the ranks have "
-                             "no address to meet at", hint=fix)
+            raise UsageError(
+                f"WORLD_SIZE={part.world} (rank {part.rank}) is set but {name} is not: the ranks have "
+                "no address to meet at",
+                hint=fix,
+            )
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"MASTER_PORT={port!r} is not a TCP port (1-65535)", hint=fix)
     if not 0 <= part.rank < part.world:
@@ -169,6 +205,7 @@ def under_torchrun(environ=os.environ) -> bool:
 
 class Group:
     """How ranks agree. `part` is this rank's share; the collectives are no-ops for one process."""
+
     part: Part = SOLO
 
     @property
@@ -203,14 +240,20 @@ class TorchGroup(Group):
         # every command, and torch-free commands (inspect, verify of metadata) must stay torch-free.
         import torch
         import torch.distributed as tdist
+
         self.part = part
         self._torch, self._dist = torch, tdist
         timeout_s = _seconds(os.environ, TIMEOUT_ENV, 6 * 3600)
         self._timeout_s = timeout_s
         if not tdist.is_initialized():
             store = self._rendezvous()
-            tdist.init_process_group("gloo", store=store, rank=part.rank, world_size=part.world,
-                                     timeout=datetime.timedelta(seconds=timeout_s))
+            tdist.init_process_group(
+                "gloo",
+                store=store,
+                rank=part.rank,
+                world_size=part.world,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
 
     def _rendezvous(self):
         """The ranks' TCPStore, with every rank arrived, as torch's env:// rendezvous makes it (rank 0
@@ -218,6 +261,7 @@ class TorchGroup(Group):
         lasts at most a second, so SIGTERM and Ctrl-C are handled while a rank waits, and a rank whose
         peers never come gives up after RENDEZVOUS_ENV seconds with one line."""
         from torch.distributed import TCPStore
+
         addr, port = check_env()
         part, env = self.part, os.environ
         limit = _seconds(env, RENDEZVOUS_ENV, DEFAULT_RENDEZVOUS_S)
@@ -227,33 +271,50 @@ class TorchGroup(Group):
         store = None
         if part.rank == 0 and not agent:
             try:
-                store = TCPStore(addr, port, part.world, is_master=True, wait_for_workers=False, multi_tenant=True,
-                                 timeout=datetime.timedelta(seconds=limit))
-            except (RuntimeError, OSError, ValueError) as exc:   # DistNetworkError is a RuntimeError
+                store = TCPStore(
+                    addr,
+                    port,
+                    part.world,
+                    is_master=True,
+                    wait_for_workers=False,
+                    multi_tenant=True,
+                    timeout=datetime.timedelta(seconds=limit),
+                )
+            except (RuntimeError, OSError, ValueError) as exc:  # DistNetworkError is a RuntimeError
                 busy = "in use" in str(exc).lower() or "errno: 98" in str(exc).lower()
-                raise UsageError((f"MASTER_PORT={port} is already in use on this host: rank 0 cannot listen "
-                                  "on it" if busy else f"rank 0 cannot listen on {where}: "
-                                  f"{str(exc).splitlines()[0][:200]}"),
-                                 hint="pick a free port (torchrun --master-port P) or stop what holds it") from None
+                raise UsageError(
+                    (
+                        f"MASTER_PORT={port} is already in use on this host: rank 0 cannot listen on it"
+                        if busy
+                        else f"rank 0 cannot listen on {where}: {str(exc).splitlines()[0][:200]}"
+                    ),
+                    hint="pick a free port (torchrun --master-port P) or stop what holds it",
+                ) from None
         while store is None:
             try:
-                store = TCPStore(addr, port, part.world, is_master=False, timeout=datetime.timedelta(seconds=1))
+                store = TCPStore(
+                    addr, port, part.world, is_master=False, timeout=datetime.timedelta(seconds=1)
+                )
             except (RuntimeError, OSError, ValueError):
                 if time.monotonic() > deadline:
-                    raise RankFailed(f"rank {part.rank}: no rank 0 answered at {where} within {limit:.0f} s; "
-                                     "nothing was written",
-                                     hint=f"start every rank (torchrun), check the address, or raise {RENDEZVOUS_ENV}"
-                                     ) from None
+                    raise RankFailed(
+                        f"rank {part.rank}: no rank 0 answered at {where} within {limit:.0f} s; "
+                        "nothing was written",
+                        hint=f"start every rank (torchrun), check the address, or raise {RENDEZVOUS_ENV}",
+                    ) from None
                 time.sleep(0.2)
-        key = f"ckpt_tools/arrived/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        run_id, restart = env.get("TORCHELASTIC_RUN_ID", ""), env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"ckpt_tools/arrived/{run_id}/{restart}"
         store.add(key, 1)
         while (n := store.add(key, 0)) < part.world:
             if time.monotonic() > deadline:
-                raise RankFailed(f"rank {part.rank}: only {n} of WORLD_SIZE={part.world} ranks joined at {where} "
-                                 f"within {limit:.0f} s; nothing was written",
-                                 hint="WORLD_SIZE and RANK exported without their peers (a SLURM or PyTorchJob "
-                                      "environment)? Launch with torchrun, or unset WORLD_SIZE to run in one "
-                                      f"process; {RENDEZVOUS_ENV} sets this wait")
+                raise RankFailed(
+                    f"rank {part.rank}: only {n} of WORLD_SIZE={part.world} ranks joined at {where} "
+                    f"within {limit:.0f} s; nothing was written",
+                    hint="WORLD_SIZE and RANK exported without their peers (a SLURM or PyTorchJob "
+                    "environment)? Launch with torchrun, or unset WORLD_SIZE to run in one "
+                    f"process; {RENDEZVOUS_ENV} sets this wait",
+                )
             time.sleep(0.05)
         store.set_timeout(datetime.timedelta(seconds=self._timeout_s))
         return store
@@ -265,15 +326,19 @@ class TorchGroup(Group):
         try:
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    raise RankFailed(f"rank {self.part.rank}: the other ranks did not reach {what} within "
-                                     f"{self._timeout_s:.0f} s; nothing was committed",
-                                     hint=f"look at the other ranks' errors; raise {TIMEOUT_ENV} for slow disks")
+                    raise RankFailed(
+                        f"rank {self.part.rank}: the other ranks did not reach {what} within "
+                        f"{self._timeout_s:.0f} s; nothing was committed",
+                        hint=f"look at the other ranks' errors; raise {TIMEOUT_ENV} for slow disks",
+                    )
                 time.sleep(_POLL_S)
             work.wait()
-        except RuntimeError as exc:   # gloo: a peer closed its connection (it failed or was killed)
-            raise RankFailed(f"rank {self.part.rank}: another rank failed or stopped before {what} "
-                             f"({str(exc).splitlines()[0][:200]}); nothing was committed",
-                             hint="look at the other ranks' errors above, fix, and rerun") from None
+        except RuntimeError as exc:  # gloo: a peer closed its connection (it failed or was killed)
+            raise RankFailed(
+                f"rank {self.part.rank}: another rank failed or stopped before {what} "
+                f"({str(exc).splitlines()[0][:200]}); nothing was committed",
+                hint="look at the other ranks' errors above, fix, and rerun",
+            ) from None
 
     def barrier(self, what: str) -> None:
         self.sum([0], what)
@@ -281,21 +346,23 @@ class TorchGroup(Group):
     def sum(self, values: Sequence[int], what: str) -> list[int]:
         t = self._torch.tensor([int(v) for v in values] or [0], dtype=self._torch.int64)
         self._wait(self._dist.all_reduce(t, async_op=True), what)
-        return [int(v) for v in t.tolist()][:len(values)]
+        return [int(v) for v in t.tolist()][: len(values)]
 
     def gather(self, value, what: str) -> list | None:
         torch = self._torch
         data = json.dumps(value).encode()
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.part.world)]
-        self._wait(self._dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), async_op=True), what)
+        self._wait(
+            self._dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), async_op=True), what
+        )
         most = max(int(n.item()) for n in sizes)
         mine = torch.zeros(most, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
         got = [torch.empty(most, dtype=torch.uint8) for _ in range(self.part.world)]
         self._wait(self._dist.all_gather(got, mine, async_op=True), what)
         if not self.leader:
             return None
-        return [json.loads(g[:int(n.item())].numpy().tobytes().decode()) for g, n in zip(got, sizes)]
+        return [json.loads(g[: int(n.item())].numpy().tobytes().decode()) for g, n in zip(got, sizes)]
 
     def broadcast(self, value, what: str):
         # JSON, not pickle: nothing a rank receives is unpickled
@@ -303,8 +370,11 @@ class TorchGroup(Group):
         data = json.dumps(value).encode() if self.leader else b""
         n = torch.tensor([len(data)], dtype=torch.int64)
         self._wait(self._dist.broadcast(n, 0, async_op=True), what)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader else \
-            torch.empty(int(n.item()), dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.leader
+            else torch.empty(int(n.item()), dtype=torch.uint8)
+        )
         if int(n.item()):
             self._wait(self._dist.broadcast(buf, 0, async_op=True), what)
         return json.loads(buf.numpy().tobytes().decode()) if int(n.item()) else None
@@ -344,8 +414,10 @@ def min_bytes_per_rank(environ=os.environ) -> int:
     except ValueError:
         v = -1
     if v < 0:
-        raise UsageError(f"{MIN_BYTES_PER_RANK_ENV}={raw!r} is not a number of bytes >= 0",
-                         hint=f"unset {MIN_BYTES_PER_RANK_ENV} for the default ({DEFAULT_MIN_BYTES_PER_RANK})")
+        raise UsageError(
+            f"{MIN_BYTES_PER_RANK_ENV}={raw!r} is not a number of bytes >= 0",
+            hint=f"unset {MIN_BYTES_PER_RANK_ENV} for the default ({DEFAULT_MIN_BYTES_PER_RANK})",
+        )
     return v
 
 
@@ -353,14 +425,23 @@ def working(weights: Sequence[int], group: Group | None = None, environ=os.envir
     """How many ranks of `group` take units of a read-only job weighing `weights` (`core.parts.working_ranks`
     with `min_bytes_per_rank`); 1 outside torchrun."""
     group = group or SoloGroup()
-    return working_ranks(weights, group.part.world, min_bytes_per_rank(environ)) if group.part.world > 1 else 1
+    return (
+        working_ranks(weights, group.part.world, min_bytes_per_rank(environ)) if group.part.world > 1 else 1
+    )
 
 
-def map_units(fn: Callable[[int], T], weights: Sequence[int], group: Group | None = None, *,
-              threads: int | None = None, done: Callable[[int, T], None] | None = None,
-              everywhere: bool = False) -> list[T] | None:
+def map_units(
+    fn: Callable[[int], T],
+    weights: Sequence[int],
+    group: Group | None = None,
+    *,
+    threads: int | None = None,
+    done: Callable[[int, T], None] | None = None,
+    everywhere: bool = False,
+) -> list[T] | None:
     """`fn(i)` for every independent unit i (weights: its bytes), split over the group's working ranks
-    (`working`: the first ones, one per `min_bytes_per_rank` of work; then `Part.mine`) and this rank's threads; `done(i, result)` runs in this thread as results arrive in
+    (`working`: the first ones, one per `min_bytes_per_rank` of work; then `Part.mine`) and this rank's
+    threads; `done(i, result)` runs in this thread as results arrive in
     order (progress). Returns every unit's result in unit order on the leader (on every rank with
     `everywhere`), None on the others (results cross ranks as JSON). Read-only work: nothing to
     commit, so no staging."""
@@ -378,7 +459,9 @@ def map_units(fn: Callable[[int], T], weights: Sequence[int], group: Group | Non
                 yield i, fn(i)
             return
         # the ordered map of a pool reads ahead `threads` units; preadv, zlib and torch release the GIL
-        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-units", initializer=one_intra_op_thread)
+        pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="ckpt-units", initializer=one_intra_op_thread
+        )
         try:
             yield from zip(mine, pool.map(fn, mine))
         finally:
@@ -432,15 +515,23 @@ def same_inputs(group: Group) -> None:
             only0 = sorted(set(ref) - set(theirs))
             only_r = sorted(set(theirs) - set(ref))
             changed = sorted(k for k in set(ref) & set(theirs) if ref[k] != theirs[k])
-            what = (f"{changed[0]} differs (size/digest {ref[changed[0]]} on rank 0, {theirs[changed[0]]} on rank "
-                    f"{rank})" if changed else
-                    f"rank 0 reads {only0[0] if only0 else 'nothing more'}, rank {rank} reads "
-                    f"{only_r[0] if only_r else 'nothing more'}")
-            why = (f"rank {rank} does not read the same inputs as rank 0: {what}; {len(only0) + len(only_r)} "
-                   f"file(s) seen by one rank only, {len(changed)} differing")
+            what = (
+                f"{changed[0]} differs (size/digest {ref[changed[0]]} on rank 0, {theirs[changed[0]]} on "
+                f"rank "
+                f"{rank})"
+                if changed
+                else f"rank 0 reads {only0[0] if only0 else 'nothing more'}, rank {rank} reads "
+                f"{only_r[0] if only_r else 'nothing more'}"
+            )
+            why = (
+                f"rank {rank} does not read the same inputs as rank 0: {what}; {len(only0) + len(only_r)} "
+                f"file(s) seen by one rank only, {len(changed)} differing"
+            )
             break
     why = group.broadcast(why, "the verdict on the inputs")
     if why:
-        raise UsageError(why + "; nothing was written",
-                         hint="give every rank the same files (a local directory on a shared filesystem, or the "
-                              "same revision in every node's HF cache: org/name@<commit>)")
+        raise UsageError(
+            why + "; nothing was written",
+            hint="give every rank the same files (a local directory on a shared filesystem, or the "
+            "same revision in every node's HF cache: org/name@<commit>)",
+        )

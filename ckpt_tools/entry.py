@@ -7,6 +7,7 @@ are held meanwhile). Only `os`, `signal` and `sys`, which the interpreter has al
 imported before that. Errors of the
 commands themselves are rendered by the error edge in `cli` (one line, or JSON under `--json`).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,7 @@ def _stopped(what: str, code: int) -> int:
     try:
         sys.stderr.write(f"{what}: nothing was written\n")
         sys.stderr.flush()
-    except Exception:   # stderr gone: the exit code still says it
+    except Exception:  # stderr gone: the exit code still says it
         pass
     return code
 
@@ -48,19 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             from .io.signals import Terminated, install_signal_handlers
+
             terminated = (_EarlyTermination, Terminated)
             from click.exceptions import Abort, ClickException
 
             from .cli import main as cli
+
             install_signal_handlers()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         try:
             rv = cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
-        except ClickException as exc:   # usage errors: click's own message, exit 2
+        except ClickException as exc:  # usage errors: click's own message, exit 2
             exc.show()
             return exc.exit_code
-        except Abort:                   # Ctrl-C while click parsed the arguments
+        except Abort:  # Ctrl-C while click parsed the arguments
             return _stopped("interrupted", 130)
         return rv if isinstance(rv, int) else 0
     except KeyboardInterrupt:
@@ -75,7 +78,7 @@ def _workers_alive() -> bool:
     """A daemon worker thread still running: the merge pipeline's workers are daemons on purpose (an
     interrupted command does not wait for them: ops/merge/pipeline.py), and one may be inside torch or
     BLAS at this moment."""
-    import threading   # already loaded by the commands that start threads; cheap otherwise
+    import threading  # already loaded by the commands that start threads; cheap otherwise
 
     main_thread = threading.main_thread()
     return any(t.daemon and t.is_alive() for t in threading.enumerate() if t is not main_thread)
@@ -86,8 +89,9 @@ def run() -> None:
     code = main()
     try:
         sys.stdout.flush()
-    except BrokenPipeError:   # `ckpt ... | head`: the reader left
+    except BrokenPipeError:  # `ckpt ... | head`: the reader left
         from .io.files import stdout_to_devnull
+
         stdout_to_devnull()
     if code in (130, 143) or (code and _workers_alive()):
         # Interrupted (or failed) with workers possibly inside torch/BLAS: the interpreter's
@@ -97,7 +101,7 @@ def run() -> None:
         # line: end the process here, with its exit code.
         try:
             sys.stderr.flush()
-        except Exception:   # stderr gone: the exit code still says it
+        except Exception:  # stderr gone: the exit code still says it
             pass
         os._exit(code)
     sys.exit(code)

@@ -1,6 +1,7 @@
 """The package's shape, checked from its source (docs/architecture.md draws it): layers import only
-downward, no op imports another, no private name crosses a module boundary, modules stay small, DCP
-items are decoded in one module, public modules declare `__all__`, and the metadata side needs no torch."""
+downward, no op imports another, no private name crosses a module boundary, functions stay short, modules
+form no import cycle, DCP items are decoded in one module, public modules declare `__all__`, and the metadata side needs no torch."""
+
 from __future__ import annotations
 
 import ast
@@ -12,13 +13,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "ckpt_tools"
-LAYERS = ("core", "io", "formats", "sources", "ops", "workflows", "cli")   # lowest first
-MAX_MODULE_LINES = 500
+LAYERS = ("core", "io", "formats", "sources", "ops", "workflows", "cli")  # lowest first
 FIRST_PARTY = ("ckpt_tools", "tests")
-PRIVATE_ALLOWED = {# a tensor item's data.pkl names this function: a genuine one can only be written with it
-                   ("ckpt_tools/formats/dcp/stream_item.py", "torch._utils"),
-                   ("ckpt_tools/formats/dcp/stream_item.py", "torch._utils._rebuild_tensor_v2"),
-                   ("ckpt_tools/entry.py", "os._exit")}   # public, despite its name: the exit without finalization
+PRIVATE_ALLOWED = {  # a tensor item's data.pkl names this function: a genuine one can only be written with it
+    ("ckpt_tools/formats/dcp/stream_item.py", "torch._utils"),
+    ("ckpt_tools/formats/dcp/stream_item.py", "torch._utils._rebuild_tensor_v2"),
+    ("ckpt_tools/entry.py", "os._exit"),
+}  # public, despite its name: the exit without finalization
 
 
 def modules(root: Path = PKG) -> list[Path]:
@@ -29,18 +30,18 @@ def rel(p: Path) -> str:
     return p.relative_to(REPO).as_posix()
 
 
-def dotted(p: Path) -> list[str]:
-    parts = list(p.relative_to(REPO).with_suffix("").parts)
+def dotted(p: Path, repo: Path = REPO) -> list[str]:
+    parts = list(p.relative_to(repo).with_suffix("").parts)
     return parts[:-1] if parts[-1] == "__init__" else parts
 
 
-def imports(p: Path):
+def imports(p: Path, repo: Path = REPO):
     """(absolute module parts, imported names, node) of every import in `p`, lazy ones included."""
-    pkg = list(p.relative_to(REPO).parts[:-1])
+    pkg = list(p.relative_to(repo).parts[:-1])
     for n in ast.walk(ast.parse(p.read_text())):
         if isinstance(n, ast.ImportFrom):
             if n.level:
-                base = pkg[:len(pkg) - (n.level - 1)]
+                base = pkg[: len(pkg) - (n.level - 1)]
                 mod = base + (n.module.split(".") if n.module else [])
             else:
                 mod = (n.module or "").split(".")
@@ -88,15 +89,248 @@ def test_no_private_name_crosses_a_module_boundary():
                 root = n.value
                 while isinstance(root, ast.Attribute):
                     root = root.value
-                if isinstance(root, ast.Name) and root.id in aliases \
-                        and (rel(p), ast.unparse(n)) not in PRIVATE_ALLOWED:
+                if (
+                    isinstance(root, ast.Name)
+                    and root.id in aliases
+                    and (rel(p), ast.unparse(n)) not in PRIVATE_ALLOWED
+                ):
                     bad.append(f"{rel(p)}:{n.lineno}: {ast.unparse(n)}")
     assert bad == []
 
 
-def test_no_module_is_over_the_size_limit():
-    sizes = {rel(p): len(p.read_text().splitlines()) for p in modules()}
-    assert {k: v for k, v in sizes.items() if v > MAX_MODULE_LINES} == {}
+# --- functions fit in a head; modules form no import cycle ----------------------------------------------------
+# A function's length is its body's, from its first statement after the docstring to its last line, as
+# `ruff format` lays it out (the signature and docstring are not counted: a click command's twenty options
+# are not logic). Over MAX_FUNCTION_LINES only with a reason here; an entry that is no longer over the limit
+# must go (the list only shrinks).
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTIONS_ALLOWED = {
+    "ckpt_tools/io/pickle_scan.py::_scan": "to split (#34)",
+    "ckpt_tools/ops/fix_adapter/__init__.py::plan_fix": "to split (#34)",
+    "ckpt_tools/ops/adapter_to_dcp.py::plan_adapter_to_dcp": "to split (#34)",
+    "ckpt_tools/ops/merge/plan.py::plan_from_facts": "to split (#34)",
+    "ckpt_tools/formats/dcp/checks.py::verify_dcp": "to split (#34)",
+    "ckpt_tools/ops/extract_adapter.py::plan_extract": "to split (#34)",
+    "ckpt_tools/formats/hf_dir/checks.py::check_index": "to split (#34)",
+    "ckpt_tools/ops/merge/pipeline.py::_write_tensors": "to split (#34)",
+    "ckpt_tools/formats/slim/writer.py::write_slim": "to split (#34)",
+    "ckpt_tools/ops/rehydrate/run.py::run_rehydrate": "to split (#34)",
+    "ckpt_tools/formats/safetensors/header.py::parse_header": "to split (#34)",
+    "ckpt_tools/ops/rehydrate/plan.py::plan_rehydrate": "to split (#34)",
+    "ckpt_tools/formats/slim/manifest.py::read_manifest": "to split (#34)",
+    "ckpt_tools/workflows/restart_prep.py::_adapter_mode": "to split (#34)",
+    "ckpt_tools/formats/dcp/checks.py::_check_item": "to split (#34)",
+    "ckpt_tools/ops/gc/plan.py::_classify": "to split (#34)",
+    "ckpt_tools/formats/dcp/lr_plan.py::plan_set_lr": "to split (#34)",
+    "ckpt_tools/ops/doctor/traps_config.py::unknown_keys": "to split (#34)",
+    "ckpt_tools/ops/report/plan.py::plan_report": "to split (#34)",
+    "ckpt_tools/ops/diff/run.py::run_diff": "to split (#34)",
+    "ckpt_tools/ops/inspect.py::inspect_dcp": "to split (#34)",
+    "ckpt_tools/workflows/restart_prep.py::_merge_mode": "to split (#34)",
+    "ckpt_tools/ops/verify/digests.py::check_digests": "to split (#34)",
+    "ckpt_tools/formats/peft/adapter.py::PeftAdapter.__init__": "to split (#34)",
+    "ckpt_tools/workflows/restart_prep.py::restart_prep": "to split (#34)",
+    "ckpt_tools/formats/dcp/model.py::_parse": "to split (#34)",
+    "ckpt_tools/io/hub_fetch.py::download": "to split (#34)",
+    "ckpt_tools/formats/peft/config.py::parse_peft_config": "to split (#34)",
+    "ckpt_tools/formats/dcp/lora.py::DcpLoraSource.__init__": "to split (#34)",
+    "ckpt_tools/ops/rehydrate/rebuild.py::TensorRun.start": "to split (#34)",
+    "ckpt_tools/formats/dcp/model.py::_tensor": "to split (#34)",
+    "ckpt_tools/ops/average.py::plan_average": "to split (#34)",
+    "ckpt_tools/io/upload_bucket.py::HfBucketWriter.upload": "to split (#34)",
+    "ckpt_tools/formats/dcp/model.py::_index_storage": "to split (#34)",
+    "ckpt_tools/cli/commands/diff_vs_base.py::render": "to split (#34)",
+    "ckpt_tools/ops/verify/peft.py::verify_peft": "to split (#34)",
+    "ckpt_tools/formats/dcp/summary.py::summarize": "to split (#34)",
+    "ckpt_tools/cli/__init__.py::_Group.invoke": "to split (#34)",
+    "ckpt_tools/ops/doctor/run.py::run_doctor": "to split (#34)",
+    "ckpt_tools/io/upload.py::_S3Writer.upload": "to split (#34)",
+    "ckpt_tools/formats/primerl/alpha.py::resolve_alpha": "to split (#34)",
+    "ckpt_tools/ops/diff/run.py::_verdict": "to split (#34)",
+    "ckpt_tools/formats/slim/partition.py::partition": "to split (#34)",
+}
+
+
+def function_lengths(tree: ast.AST, where: str):
+    """(`where::Qual.name`, body lines) of every function in `tree`, nested ones included."""
+
+    def walk(node, prefix):
+        for n in ast.iter_child_nodes(node):
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
+                body = n.body
+                if (
+                    len(body) > 1
+                    and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant)
+                ):
+                    body = body[1:]  # the docstring
+                yield f"{where}::{prefix}{n.name}", n.end_lineno - body[0].lineno + 1
+                yield from walk(n, f"{prefix}{n.name}.")
+            elif isinstance(n, ast.ClassDef):
+                yield from walk(n, f"{prefix}{n.name}.")
+            else:
+                yield from walk(n, prefix)
+
+    yield from walk(tree, "")
+
+
+def test_no_function_is_over_the_length_limit():
+    lengths = dict(kv for p in modules() for kv in function_lengths(ast.parse(p.read_text()), rel(p)))
+    over = {q: n for q, n in lengths.items() if n > MAX_FUNCTION_LINES}
+    assert {q: n for q, n in over.items() if q not in LONG_FUNCTIONS_ALLOWED} == {}
+    assert [q for q in LONG_FUNCTIONS_ALLOWED if q not in over] == [], "no longer long: take it off the list"
+
+
+def test_the_length_rule_measures_bodies():
+    src = (
+        "def f(a,\n      b):\n    'doc'\n    x = 1\n    return x\nclass C:\n    def g(self):\n        def h():\n"
+        "            pass\n        return h\n"
+    )
+    assert dict(function_lengths(ast.parse(src), "m.py")) == {"m.py::f": 2, "m.py::C.g": 3, "m.py::C.g.h": 1}
+
+
+def import_graph(root: Path = PKG) -> dict[str, set[str]]:
+    """{module: the first-party modules it imports}, lazy imports (inside functions) included, `if
+    TYPE_CHECKING:` blocks not (they never run)."""
+    repo = root.parent
+    mods = {".".join(dotted(p, repo)): p for p in modules(root)}
+    graph: dict[str, set[str]] = {}
+    for name, p in mods.items():
+        skip = {  # the lines of `if TYPE_CHECKING:` blocks
+            line
+            for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+            for b in n.body
+            for line in range(b.lineno, b.end_lineno + 1)
+        }
+        deps = set()
+        for mod, names, n in imports(p, repo):
+            if n.lineno in skip:
+                continue
+            for cand in [".".join(mod + [a]) for a in names] + [".".join(mod)]:
+                if cand in mods and cand != name:
+                    deps.add(cand)
+                    break
+        graph[name] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected sets of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[set[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.add(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    found.append(comp)
+    return found
+
+
+# The cycles main had when this rule came (#34 and #33 remove them): a cycle may shrink, never grow or appear.
+KNOWN_CYCLES = [
+    {
+        "ckpt_tools.formats.dcp.lora",
+        "ckpt_tools.formats.dcp.reader",
+        "ckpt_tools.formats.dcp.views",
+        "ckpt_tools.formats.handle",
+        "ckpt_tools.formats.peft.adapter",
+        "ckpt_tools.formats.peft.experts",
+        "ckpt_tools.formats.peft.lora",
+    },
+    {
+        "ckpt_tools.io.files",
+        "ckpt_tools.io.inputs",
+        "ckpt_tools.io.pread",
+        "ckpt_tools.io.remote",
+        "ckpt_tools.io.remote_backends",
+        "ckpt_tools.io.remote_gcs",
+        "ckpt_tools.io.upload",
+        "ckpt_tools.io.upload_bucket",
+    },
+    {
+        "ckpt_tools",
+        "ckpt_tools.api",
+        "ckpt_tools.formats.dcp.patch",
+        "ckpt_tools.formats.peft.writer",
+        "ckpt_tools.io.owned",
+        "ckpt_tools.io.staging",
+        "ckpt_tools.ops.adapter_to_dcp",
+        "ckpt_tools.ops.average",
+        "ckpt_tools.ops.extract_adapter",
+        "ckpt_tools.ops.fix_adapter",
+        "ckpt_tools.ops.gc",
+        "ckpt_tools.ops.gc.run",
+        "ckpt_tools.ops.gc.swap",
+        "ckpt_tools.ops.merge",
+        "ckpt_tools.ops.merge.export",
+        "ckpt_tools.ops.merge.pipeline",
+        "ckpt_tools.ops.merge.prepare",
+        "ckpt_tools.ops.merge.produce",
+        "ckpt_tools.ops.rehydrate",
+        "ckpt_tools.ops.rehydrate.run",
+        "ckpt_tools.ops.report",
+        "ckpt_tools.ops.resize_adapter",
+        "ckpt_tools.ops.set_lr",
+        "ckpt_tools.ops.slim",
+        "ckpt_tools.sources.delta",
+        "ckpt_tools.workflows.average_merge",
+        "ckpt_tools.workflows.restart_prep",
+    },
+]
+
+
+def test_no_import_cycle_among_modules():
+    cycles = import_cycles(import_graph())
+    assert [sorted(c) for c in cycles if not any(c <= set(k) for k in KNOWN_CYCLES)] == []
+    assert [k for k in KNOWN_CYCLES if not any(c <= set(k) and len(c) > 1 for c in cycles)] == [], (
+        "a known cycle is gone: take it off the list"
+    )
+
+
+def test_the_cycle_rule_sees_a_cycle_through_a_lazy_import(tmp_path):
+    pkg = tmp_path / "ckpt_tools"
+    (pkg / "io").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "io" / "__init__.py").write_text("")
+    (pkg / "io" / "a.py").write_text("from . import b\n")
+    (pkg / "io" / "b.py").write_text("def f():\n    from .c import x\n")
+    (pkg / "io" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import y\nfrom .a import z\n"
+    )
+    (pkg / "io" / "d.py").write_text("from .c import x\n")
+    cycles = import_cycles(import_graph(pkg))
+    assert cycles == [{"ckpt_tools.io.a", "ckpt_tools.io.b", "ckpt_tools.io.c"}]
 
 
 def test_dcp_items_are_decoded_in_one_module():
@@ -110,8 +344,12 @@ def test_dcp_items_are_decoded_in_one_module():
             if mod[0] == "zipfile":
                 bad.append(f"{rel(p)}:{n.lineno}: imports zipfile")
         for n in ast.walk(ast.parse(p.read_text())):
-            if isinstance(n, ast.Attribute) and n.attr == "load" and isinstance(n.value, ast.Name) \
-                    and n.value.id == "torch":
+            if (
+                isinstance(n, ast.Attribute)
+                and n.attr == "load"
+                and isinstance(n.value, ast.Name)
+                and n.value.id == "torch"
+            ):
                 bad.append(f"{rel(p)}:{n.lineno}: torch.load")
     assert bad == []
 
@@ -122,9 +360,11 @@ def test_public_modules_declare_their_names():
         tree = ast.parse(p.read_text())
         body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
         if p.name == "__main__.py" or (p.name == "__init__.py" and not body):
-            continue   # an entry point, or a package whose docstring is all it has
-        if not any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
-                   for n in tree.body):
+            continue  # an entry point, or a package whose docstring is all it has
+        if not any(
+            isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+            for n in tree.body
+        ):
             missing.append(rel(p))
     assert missing == []
 
@@ -138,19 +378,19 @@ def test_the_metadata_side_needs_no_torch(what):
     fixture = REPO / "tests/fixtures/primerl-tiny/outputs/checkpoints/step_3/trainer/.metadata"
     code = {
         "core": "import ckpt_tools.core.dtypes, ckpt_tools.core.keys, ckpt_tools.core.lora_math, "
-                "ckpt_tools.core.tied, ckpt_tools.core.units, ckpt_tools.core.errors, "
-                "ckpt_tools.core.primerl_state, ckpt_tools.core.problems, ckpt_tools.core.progress",
+        "ckpt_tools.core.tied, ckpt_tools.core.units, ckpt_tools.core.errors, "
+        "ckpt_tools.core.primerl_state, ckpt_tools.core.problems, ckpt_tools.core.progress",
         "dcp metadata": "from ckpt_tools.formats.dcp.metadata import load_metadata\n"
-                        "from ckpt_tools.formats.dcp.model import parse_metadata\n"
-                        "import ckpt_tools.formats.dcp.item, ckpt_tools.formats.dcp.layout, ckpt_tools.formats.sniff\n"
-                        "import ckpt_tools.formats.safetensors.header, ckpt_tools.formats.slim.manifest\n"
-                        f"md = load_metadata(open({str(fixture)!r}, 'rb').read(), 'fixture')\n"
-                        "p = parse_metadata(md)\n"
-                        "assert len(p.entries) == 229 and p.fatal() is None, p.fatal()",
+        "from ckpt_tools.formats.dcp.model import parse_metadata\n"
+        "import ckpt_tools.formats.dcp.item, ckpt_tools.formats.dcp.layout, ckpt_tools.formats.sniff\n"
+        "import ckpt_tools.formats.safetensors.header, ckpt_tools.formats.slim.manifest\n"
+        f"md = load_metadata(open({str(fixture)!r}, 'rb').read(), 'fixture')\n"
+        "p = parse_metadata(md)\n"
+        "assert len(p.entries) == 229 and p.fatal() is None, p.fatal()",
         "byte movers": "import ckpt_tools.ops.slim, ckpt_tools.ops.extract_adapter, ckpt_tools.sources.hashing\n"
-                       "import ckpt_tools.formats.dcp.writer, ckpt_tools.formats.dcp.metadata_pickle\n"
-                       "import ckpt_tools.formats.peft.writer, ckpt_tools.formats.safetensors.writer\n"
-                       "import ckpt_tools.core.casts, ckpt_tools.formats.slim.writer, ckpt_tools.sources.lora",
+        "import ckpt_tools.formats.dcp.writer, ckpt_tools.formats.dcp.metadata_pickle\n"
+        "import ckpt_tools.formats.peft.writer, ckpt_tools.formats.safetensors.writer\n"
+        "import ckpt_tools.core.casts, ckpt_tools.formats.slim.writer, ckpt_tools.sources.lora",
     }[what]
     code += "\nimport sys\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
@@ -162,15 +402,44 @@ def test_the_metadata_side_needs_no_torch(what):
 # copy) to do it, so the rules of the write side (O_CREAT|O_EXCL|O_NOFOLLOW, never through a link, atomic
 # renames, fsync) hold in one place.
 _FS_MODULE_CALLS = {
-    "os": {"rename", "replace", "renames", "unlink", "remove", "rmdir", "removedirs", "mkdir", "makedirs", "link",
-           "symlink", "truncate", "ftruncate", "open", "mkfifo", "mknod", "chmod", "chown", "utime"},
+    "os": {
+        "rename",
+        "replace",
+        "renames",
+        "unlink",
+        "remove",
+        "rmdir",
+        "removedirs",
+        "mkdir",
+        "makedirs",
+        "link",
+        "symlink",
+        "truncate",
+        "ftruncate",
+        "open",
+        "mkfifo",
+        "mknod",
+        "chmod",
+        "chown",
+        "utime",
+    },
     "shutil": {"rmtree", "move", "copy", "copy2", "copyfile", "copytree", "copyfileobj", "chown"},
     "fcntl": {"flock", "lockf"},
     "tempfile": {"mkstemp", "mkdtemp", "NamedTemporaryFile", "TemporaryFile", "TemporaryDirectory"},
 }
 # Path methods that write (a str method of the same name, `.replace(a, b)`, takes two arguments)
-_FS_PATH_METHODS = {"unlink", "rmdir", "mkdir", "touch", "write_text", "write_bytes", "symlink_to", "hardlink_to",
-                    "chmod", "rename"}
+_FS_PATH_METHODS = {
+    "unlink",
+    "rmdir",
+    "mkdir",
+    "touch",
+    "write_text",
+    "write_bytes",
+    "symlink_to",
+    "hardlink_to",
+    "chmod",
+    "rename",
+}
 
 
 def _fs_calls(p: Path):
@@ -178,30 +447,52 @@ def _fs_calls(p: Path):
         if not isinstance(n, ast.Call):
             continue
         f = n.func
-        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.attr in _FS_MODULE_CALLS.get(f.value.id, ()):
+        if (
+            isinstance(f, ast.Attribute)
+            and isinstance(f.value, ast.Name)
+            and f.attr in _FS_MODULE_CALLS.get(f.value.id, ())
+        ):
             yield n.lineno, f"{f.value.id}.{f.attr}"
-        elif isinstance(f, ast.Attribute) and f.attr in _FS_PATH_METHODS and not (
-                isinstance(f.value, ast.Name) and f.value.id in _FS_MODULE_CALLS):
+        elif (
+            isinstance(f, ast.Attribute)
+            and f.attr in _FS_PATH_METHODS
+            and not (isinstance(f.value, ast.Name) and f.value.id in _FS_MODULE_CALLS)
+        ):
             yield n.lineno, f".{f.attr}()"
         elif isinstance(f, ast.Name) and f.id == "open" and len(n.args) > 1:
             mode = n.args[1]
-            if not (isinstance(mode, ast.Constant) and isinstance(mode.value, str) and set(mode.value) <= set("rbt")):
+            if not (
+                isinstance(mode, ast.Constant)
+                and isinstance(mode.value, str)
+                and set(mode.value) <= set("rbt")
+            ):
                 yield n.lineno, "open(..., mode)"
 
 
 def test_only_io_creates_renames_removes_or_locks_files():
-    found = [f"{rel(p)}:{line}: {what}" for p in modules() if "io" != p.relative_to(PKG).parts[0]
-             for line, what in _fs_calls(p)]
+    found = [
+        f"{rel(p)}:{line}: {what}"
+        for p in modules()
+        if "io" != p.relative_to(PKG).parts[0]
+        for line, what in _fs_calls(p)
+    ]
     assert not found, "\n".join(found)
 
 
 def test_the_io_rule_sees_each_kind_of_call(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("import os, shutil, fcntl\nfrom pathlib import Path\n"
-                   "os.rename('a', 'b')\nshutil.rmtree('d')\nfcntl.flock(3, 2)\nPath('x').unlink()\n"
-                   "open('f', 'w')\nopen('f', 'rb')\n'a'.replace('a', 'b')\n")
-    assert [w for _, w in _fs_calls(src)] == ["os.rename", "shutil.rmtree", "fcntl.flock", ".unlink()",
-                                               "open(..., mode)"]
+    src.write_text(
+        "import os, shutil, fcntl\nfrom pathlib import Path\n"
+        "os.rename('a', 'b')\nshutil.rmtree('d')\nfcntl.flock(3, 2)\nPath('x').unlink()\n"
+        "open('f', 'w')\nopen('f', 'rb')\n'a'.replace('a', 'b')\n"
+    )
+    assert [w for _, w in _fs_calls(src)] == [
+        "os.rename",
+        "shutil.rmtree",
+        "fcntl.flock",
+        ".unlink()",
+        "open(..., mode)",
+    ]
 
 
 # --- ops and workflows ask a source for capabilities, never its class or its insides -------------------------
@@ -233,35 +524,62 @@ def concrete_source_classes() -> set[str]:
 
 def _source_class_uses(p: Path, concrete: set[str]):
     for n in ast.walk(ast.parse(p.read_text())):
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("isinstance", "issubclass") \
-                and len(n.args) == 2:
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id in ("isinstance", "issubclass")
+            and len(n.args) == 2
+        ):
             for c in ast.walk(n.args[1]):
                 name = c.id if isinstance(c, ast.Name) else c.attr if isinstance(c, ast.Attribute) else None
                 if name in concrete:
                     yield n.lineno, f"isinstance(..., {name})"
         elif isinstance(n, ast.Attribute) and n.attr == "model_dir" and not isinstance(n.ctx, ast.Store):
             yield n.lineno, ".model_dir"
-        elif isinstance(n, ast.Attribute) and n.attr in _OPEN_FILES_METHODS and isinstance(n.value, ast.Attribute) \
-                and n.value.attr == "files":
+        elif (
+            isinstance(n, ast.Attribute)
+            and n.attr in _OPEN_FILES_METHODS
+            and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "files"
+        ):
             yield n.lineno, f".files.{n.attr}"
 
 
 def test_ops_and_workflows_never_branch_on_a_concrete_source_or_reach_into_a_handle():
     concrete = concrete_source_classes()
-    assert {"HFModelDir", "DcpCheckpoint", "PeftAdapter", "DcpBaseSource", "DcpKeySource", "DcpLoraSource",
-            "PeftLoraSource", "TensorFileSource", "NoLoraSource", "DeltaSource"} <= concrete, concrete
-    found = [f"{rel(p)}:{line}: {what}" for p in modules(PKG / "ops") + modules(PKG / "workflows")
-             for line, what in _source_class_uses(p, concrete)]
+    assert {
+        "HFModelDir",
+        "DcpCheckpoint",
+        "PeftAdapter",
+        "DcpBaseSource",
+        "DcpKeySource",
+        "DcpLoraSource",
+        "PeftLoraSource",
+        "TensorFileSource",
+        "NoLoraSource",
+        "DeltaSource",
+    } <= concrete, concrete
+    found = [
+        f"{rel(p)}:{line}: {what}"
+        for p in modules(PKG / "ops") + modules(PKG / "workflows")
+        for line, what in _source_class_uses(p, concrete)
+    ]
     assert not found, "\n".join(found)
 
 
 def test_the_source_rule_sees_each_kind_of_use(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("if isinstance(base, HFModelDir): pass\nif isinstance(s, (int, lora.DcpLoraSource)): pass\n"
-                   "fd = base.model_dir.fd('x')\nckpt.files.hint([])\nn = cfg.files.files\n"
-                   "if isinstance(s, Source): pass\n")
+    src.write_text(
+        "if isinstance(base, HFModelDir): pass\nif isinstance(s, (int, lora.DcpLoraSource)): pass\n"
+        "fd = base.model_dir.fd('x')\nckpt.files.hint([])\nn = cfg.files.files\n"
+        "if isinstance(s, Source): pass\n"
+    )
     assert [w for _, w in sorted(_source_class_uses(src, concrete_source_classes()))] == [
-        "isinstance(..., HFModelDir)", "isinstance(..., DcpLoraSource)", ".model_dir", ".files.hint"]
+        "isinstance(..., HFModelDir)",
+        "isinstance(..., DcpLoraSource)",
+        ".model_dir",
+        ".files.hint",
+    ]
 
 
 # --- every command is a thin client of ckpt_tools.api ------------------------------------------------------
@@ -270,9 +588,16 @@ def test_the_source_rule_sees_each_kind_of_use(tmp_path):
 # (cli/*: flow, render, options, mistakes, progress, and a sibling command's renderer), the core facts it
 # renders with or converts arguments to, io.signals (SIGTERM as the run starts, the interrupt it catches),
 # and the standard library and click.
-COMMAND_MAY_IMPORT = ("ckpt_tools.api", "ckpt_tools.cli", "ckpt_tools.core.errors", "ckpt_tools.core.units",
-                      "ckpt_tools.core.progress", "ckpt_tools.core.problems", "ckpt_tools.core.primerl_state",
-                      "ckpt_tools.io.signals")
+COMMAND_MAY_IMPORT = (
+    "ckpt_tools.api",
+    "ckpt_tools.cli",
+    "ckpt_tools.core.errors",
+    "ckpt_tools.core.units",
+    "ckpt_tools.core.progress",
+    "ckpt_tools.core.problems",
+    "ckpt_tools.core.primerl_state",
+    "ckpt_tools.io.signals",
+)
 
 
 def command_import_violations(source: str, where: str = "ckpt_tools/cli/commands/x.py") -> list[str]:
@@ -282,8 +607,11 @@ def command_import_violations(source: str, where: str = "ckpt_tools/cli/commands
     bad = []
     for n in ast.walk(ast.parse(source)):
         if isinstance(n, ast.ImportFrom):
-            mod = (pkg[:len(pkg) - (n.level - 1)] + (n.module.split(".") if n.module else [])) if n.level \
+            mod = (
+                (pkg[: len(pkg) - (n.level - 1)] + (n.module.split(".") if n.module else []))
+                if n.level
                 else (n.module or "").split(".")
+            )
             # `from ckpt_tools import api`: the names are modules
             names = [".".join(mod + [a.name]) for a in n.names] if mod == ["ckpt_tools"] else [".".join(mod)]
         elif isinstance(n, ast.Import):
@@ -311,13 +639,22 @@ def test_every_command_is_a_thin_client_of_the_api():
 
 
 def test_the_thin_client_rule_sees_each_kind_of_import():
-    src = ("from __future__ import annotations\nimport click\nfrom pathlib import Path\nfrom ... import api\n"
-           "from ...api import MergeReport\nfrom ..flow import finish\nfrom ...core.units import human_bytes\n"
-           "from ...io.signals import Terminated\n"
-           # the work done behind the api's back, each way it can be written:
-           "from ...ops.merge import plan_merge\nfrom ...sources.lora import DcpLoraSource\n"
-           "from ... import dist\nfrom ...io import remote\nimport ckpt_tools.formats.sniff\n"
-           "def f():\n    from ...workflows.restart_prep import restart_prep\n    import torch\n")
+    src = (
+        "from __future__ import annotations\nimport click\nfrom pathlib import Path\nfrom ... import api\n"
+        "from ...api import MergeReport\nfrom ..flow import finish\nfrom ...core.units import human_bytes\n"
+        "from ...io.signals import Terminated\n"
+        # the work done behind the api's back, each way it can be written:
+        "from ...ops.merge import plan_merge\nfrom ...sources.lora import DcpLoraSource\n"
+        "from ... import dist\nfrom ...io import remote\nimport ckpt_tools.formats.sniff\n"
+        "def f():\n    from ...workflows.restart_prep import restart_prep\n    import torch\n"
+    )
     got = [v.split(": imports ")[1] for v in command_import_violations(src)]
-    assert got == ["ckpt_tools.ops.merge", "ckpt_tools.sources.lora", "ckpt_tools.dist", "ckpt_tools.io",
-                   "ckpt_tools.formats.sniff", "ckpt_tools.workflows.restart_prep", "torch"]
+    assert got == [
+        "ckpt_tools.ops.merge",
+        "ckpt_tools.sources.lora",
+        "ckpt_tools.dist",
+        "ckpt_tools.io",
+        "ckpt_tools.formats.sniff",
+        "ckpt_tools.workflows.restart_prep",
+        "torch",
+    ]

@@ -13,6 +13,7 @@ command's own).
 
 The layers below, one way: cli -> api -> workflows -> ops -> sources -> formats -> io -> core
 (docs/architecture.md)."""
+
 from __future__ import annotations
 
 import importlib
@@ -22,32 +23,54 @@ import traceback
 
 import click
 
-from .. import __version__
-from .. import dist
+from .. import __version__, dist
 from ..core.errors import CkptError, UsageError
 from ..io import inputs, owned, remote
 from ..io.files import stdout_to_devnull
 from ..io.signals import Terminated, install_signal_handlers
 from .render import STATE, clear_progress, emit_failure
 
-__all__ = ["main", "COMMANDS", "COMMAND_MODULES", "GLOBAL_FLAGS", "hoist_global_flags"]
+__all__ = ["COMMANDS", "COMMAND_MODULES", "GLOBAL_FLAGS", "hoist_global_flags", "main"]
 
 # name -> (module under ckpt_tools.cli.commands defining `command`, the one-line help `ckpt --help` lists)
 COMMANDS = {
     "inspect": ("inspect", "Describe a checkpoint, HF model dir or PEFT adapter from metadata alone."),
     "extract-adapter": ("extract_adapter", "Export a prime-rl DCP checkpoint's LoRA as a PEFT adapter dir."),
-    "adapter-to-dcp": ("adapter_to_dcp", "Build a prime-rl trainer checkpoint from a PEFT adapter and the HF base."),
-    "fix-adapter": ("fix_adapter", "Repair a prime-rl adapter export into a PEFT adapter that really applies."),
-    "average": ("average", "Average LoRA steps of one run in delta space; write a PEFT adapter (or, with --merge, the merged model)."),
-    "resize-adapter": ("resize_adapter", "Bring each LoRA module of an adapter to its best lower rank; write a PEFT adapter."),
+    "adapter-to-dcp": (
+        "adapter_to_dcp",
+        "Build a prime-rl trainer checkpoint from a PEFT adapter and the HF base.",
+    ),
+    "fix-adapter": (
+        "fix_adapter",
+        "Repair a prime-rl adapter export into a PEFT adapter that really applies.",
+    ),
+    "average": (
+        "average",
+        "Average LoRA steps of one run in delta space; write a PEFT adapter (or, with --merge, the merged "
+        "model).",
+    ),
+    "resize-adapter": (
+        "resize_adapter",
+        "Bring each LoRA module of an adapter to its best lower rank; write a PEFT adapter.",
+    ),
     "merge": ("merge", "Merge a LoRA into base weights; write an HF model directory (sharded safetensors)."),
-    "export": ("export", "Export a prime-rl DCP checkpoint as an HF model directory: the trained weights of a full fine-tune, or the merged model of a LoRA run (= merge --base-from-checkpoint)."),
+    "export": (
+        "export",
+        "Export a prime-rl DCP checkpoint as an HF model directory: the trained weights of a full fine-tune, "
+        "or the merged model of a LoRA run (= merge --base-from-checkpoint).",
+    ),
     "diff-vs-base": ("diff_vs_base", "Tell whether WEIGHTS differ from BASE, tensor by tensor."),
     "verify": ("verify", "Check a checkpoint's integrity before you trust or ship it."),
     "slim": ("slim", "Drop the frozen base weights of a checkpoint, keeping everything unique."),
-    "rehydrate": ("rehydrate", "Rebuild the full checkpoint prime-rl resumes from, from a slim one and the base."),
+    "rehydrate": (
+        "rehydrate",
+        "Rebuild the full checkpoint prime-rl resumes from, from a slim one and the base.",
+    ),
     "set-lr": ("set_lr", "Change the learning rate of a checkpoint, keeping the Adam moments."),
-    "set": ("set_value", "Set scalar byte items (progress, scheduler fields, ...) of a checkpoint by surgery."),
+    "set": (
+        "set_value",
+        "Set scalar byte items (progress, scheduler fields, ...) of a checkpoint by surgery.",
+    ),
     "restart-prep": ("restart_prep", "Prepare a fresh-LR restart of a prime-rl LoRA run."),
     "gc": ("gc", "Keep every checkpoint of a run: the newest N whole, every older one slim, in place."),
     "doctor": ("doctor", "Find a prime-rl run's config and disk traps."),
@@ -55,7 +78,8 @@ COMMANDS = {
 }
 COMMAND_MODULES = tuple(m for m, _ in COMMANDS.values())
 
-# flags of the group that may stand anywhere on the line (`ckpt merge A B C -v` as well as `ckpt -v merge ...`)
+# flags of the group that may stand anywhere on the line (`ckpt merge A B C -v` as well as `ckpt -v merge
+# ...`)
 GLOBAL_FLAGS = ("-v", "--verbose", "-q", "--quiet")
 
 
@@ -70,6 +94,8 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     flags = [a for a in head if a in GLOBAL_FLAGS]
     rest = [a for a in head if a not in GLOBAL_FLAGS]
     return flags + rest + tail
+
+
 # Commands that split their plan over torchrun's ranks (`ckpt_tools.dist`); any other refuses 2+ ranks
 # (N copies of one command would race for the same OUT).
 MULTI_RANK_COMMANDS = ("merge", "export", "rehydrate", "adapter-to-dcp", "slim", "diff-vs-base", "verify")
@@ -99,7 +125,8 @@ class _Group(click.Group):
         return super().parse_args(ctx, hoist_global_flags(list(args)))
 
     def invoke(self, ctx):
-        # the subcommand's arguments (click 8.2+ keeps them in `_protected_args`, older ones in `protected_args`)
+        # the subcommand's arguments (click 8.2+ keeps them in `_protected_args`, older ones in
+        # `protected_args`)
         protected = vars(ctx).get("_protected_args", vars(ctx).get("protected_args", []))
         argv = [*protected, *ctx.args]
         verbose = ctx.params.get("verbose")
@@ -109,10 +136,10 @@ class _Group(click.Group):
         command = protected[0] if protected else None
 
         def fail(kind: str, line: str, code: int, exc: CkptError | None = None):
-            clear_progress()   # Ctrl-C mid-run: the message on its own line, not after the bar
-            line = remote.display(line)   # a URL's local stand-in path shown as the URL (io.remote)
+            clear_progress()  # Ctrl-C mid-run: the message on its own line, not after the bar
+            line = remote.display(line)  # a URL's local stand-in path shown as the URL (io.remote)
             click.echo(line, err=True)
-            if as_json and not STATE.emitted:   # the failure envelope on stdout (the line stays on stderr)
+            if as_json and not STATE.emitted:  # the failure envelope on stdout (the line stays on stderr)
                 emit_failure(line.split(": ", 1)[-1], code, exc, kind, command=command)
             ctx.exit(code)
 
@@ -121,18 +148,22 @@ class _Group(click.Group):
             # every path this command reads is recorded as an input (inputs.register): OUT may not
             # be, contain or be inside any of them (io.staging.AtomicOutputDir)
             with inputs.tracking():
-                owned.set_command(command)   # named in the marker of every OUT written (--overwrite's proof)
+                owned.set_command(command)  # named in the marker of every OUT written (--overwrite's proof)
                 return super().invoke(ctx)
         except CkptError as exc:
             if verbose:
                 traceback.print_exc()
             fail(type(exc).__name__, f"error: {exc}", exc.exit_code, exc)
-        except KeyboardInterrupt as exc:   # `summary`: a command that had written something says what
+        except KeyboardInterrupt as exc:  # `summary`: a command that had written something says what
             fail("interrupted", f"interrupted: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}", 130)
         except Terminated as exc:
-            fail("terminated", f"terminated: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}", exc.exit_code)
+            fail(
+                "terminated",
+                f"terminated: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}",
+                exc.exit_code,
+            )
         except click.ClickException as exc:
-            if as_json and not STATE.emitted:   # a usage error of the command's own arguments
+            if as_json and not STATE.emitted:  # a usage error of the command's own arguments
                 exc.show()
                 emit_failure(exc.format_message(), exc.exit_code, None, "UsageError", command=command)
                 ctx.exit(exc.exit_code)
@@ -142,45 +173,73 @@ class _Group(click.Group):
         except BrokenPipeError:  # `ckpt inspect --keys | head`: the reader left, that is fine
             stdout_to_devnull()
             ctx.exit(0)
-        except MemoryError:   # a safety net: every size is checked against the bytes on disk first
-            fail("MemoryError", "error: out of memory (an input claims more than this machine holds; run `ckpt "
-                                "verify` on it, and report it if it verifies)", 1)
-        except RecursionError:   # a safety net: pickles, JSON and TOML are depth-checked when read
-            fail("RecursionError", "error: an input is nested too deeply to process (crafted or corrupt; report "
-                                   "it if it verifies)", 1)
+        except MemoryError:  # a safety net: every size is checked against the bytes on disk first
+            fail(
+                "MemoryError",
+                "error: out of memory (an input claims more than this machine holds; run `ckpt "
+                "verify` on it, and report it if it verifies)",
+                1,
+            )
+        except RecursionError:  # a safety net: pickles, JSON and TOML are depth-checked when read
+            fail(
+                "RecursionError",
+                "error: an input is nested too deeply to process (crafted or corrupt; report "
+                "it if it verifies)",
+                1,
+            )
         except Exception as exc:  # a bug of ours: say so, one line unless -v
             if verbose:
                 traceback.print_exc()
-            fail("internal", f"internal error: {type(exc).__name__}: {str(exc)[:500]} (rerun with -v for the "
-                             "traceback and report it)", 1)
-
+            fail(
+                "internal",
+                f"internal error: {type(exc).__name__}: {str(exc)[:500]} (rerun with -v for the "
+                "traceback and report it)",
+                1,
+            )
 
     @staticmethod
     def _check_ranks(name: str | None) -> None:
-        """Under torchrun with 2+ ranks: refuse a command that does not split its work; rank 0 alone prints."""
+        """Under torchrun with 2+ ranks: refuse a command that cannot split its work; rank 0 alone prints."""
         part = dist.launched_part()
         if part.world == 1:
             return
         if name not in MULTI_RANK_COMMANDS:
-            raise UsageError(f"`ckpt {name}` runs in one process, not under torchrun ({part.world} ranks)",
-                             hint=f"run it without torchrun; multi-rank commands: {', '.join(MULTI_RANK_COMMANDS)}")
+            raise UsageError(
+                f"`ckpt {name}` runs in one process, not under torchrun ({part.world} ranks)",
+                hint=f"run it without torchrun; multi-rank commands: {', '.join(MULTI_RANK_COMMANDS)}",
+            )
         dist.check_env()
-        if dist.idle_rank():   # a node's ranks past its working ones (dist.working_per_node): nothing to do
+        if dist.idle_rank():  # a node's ranks past its working ones (dist.working_per_node): nothing to do
             raise SystemExit(0)
-        if not dist.env_part().leader:   # the ranks' reports are the same: the leader's is shown (errors on stderr)
+        if (
+            not dist.env_part().leader
+        ):  # the ranks' reports are the same: the leader's is shown (errors on stderr)
             stdout_to_devnull()
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("-v", "--verbose", is_flag=True, help="Log details and show tracebacks on errors (anywhere on the line).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar, only warnings and errors in the log (anywhere on "
-                                                  "the line). The command's own output is kept.")
-@click.option("--follow-symlinks", is_flag=True,
-              help="Read through symlinks that leave the checkpoint or model dir they are in (refused by "
-                   "default: a downloaded tree must not make us read elsewhere). Only for links you made.")
-@click.option("--allow-sparse", is_flag=True,
-              help="Read files that are mostly holes (refused by default: a crafted sparse file claims GBs that "
-                   "cost nothing on disk). Only for filesystems that report no allocated blocks.")
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Log details and show tracebacks on errors (anywhere on the line)."
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No progress bar, only warnings and errors in the log (anywhere on "
+    "the line). The command's own output is kept.",
+)
+@click.option(
+    "--follow-symlinks",
+    is_flag=True,
+    help="Read through symlinks that leave the checkpoint or model dir they are in (refused by "
+    "default: a downloaded tree must not make us read elsewhere). Only for links you made.",
+)
+@click.option(
+    "--allow-sparse",
+    is_flag=True,
+    help="Read files that are mostly holes (refused by default: a crafted sparse file claims GBs that "
+    "cost nothing on disk). Only for filesystems that report no allocated blocks.",
+)
 @click.version_option(version=__version__, prog_name="ckpt")
 @click.pass_context
 def main(ctx: click.Context, verbose: bool, quiet: bool, follow_symlinks: bool, allow_sparse: bool) -> None:
@@ -197,8 +256,10 @@ def main(ctx: click.Context, verbose: bool, quiet: bool, follow_symlinks: bool, 
         raise click.UsageError("-v/--verbose and -q/--quiet contradict each other: pick one")
     if os.environ.get("NO_COLOR"):
         ctx.color = False
-    logging.basicConfig(level=logging.INFO if verbose else (logging.ERROR if quiet else logging.WARNING),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else (logging.ERROR if quiet else logging.WARNING),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     inputs.set_policy(follow_symlinks=follow_symlinks, allow_sparse=allow_sparse)
     install_signal_handlers()  # SIGTERM unwinds like Ctrl-C, so temp outputs are removed
 

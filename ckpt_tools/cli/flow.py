@@ -5,6 +5,7 @@ progress line) -> the envelope (--json) or the text.
         report = api.slim(ckpt, out, base=base, dry_run=dry_run, overwrite=overwrite, progress=bar)
     finish(report, as_json, render)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,7 @@ from ..core.units import human_bytes
 from .progress import ProgressLine
 from .render import STATE, emit
 
-__all__ = ["progress_line", "finish", "shown", "is_remote", "DryRunReport"]
+__all__ = ["DryRunReport", "finish", "is_remote", "progress_line", "shown"]
 
 
 @contextlib.contextmanager
@@ -35,12 +36,14 @@ def progress_line(enabled: bool = True):
 def shown(payload):
     """`payload` with each remote input's local stand-in path shown as its URL (`io.remote.display`)."""
     from ..io import remote
+
     return remote.display(payload)
 
 
 def is_remote(path) -> bool:
     """Whether `path` is a URL's local stand-in (`io.remote.is_remote_path`)."""
     from ..io import remote
+
     return remote.is_remote_path(path)
 
 
@@ -48,6 +51,7 @@ def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: 
     """The envelope under --json, else `render(report.to_json())`. An OUT bound for a URL is uploaded
     and committed first (io.upload): the report is only printed once the output is there."""
     from ..io import remote, upload
+
     if upload.pending():
         ctx = click.get_current_context(silent=True)
         params = ctx.params if ctx is not None else {}
@@ -61,10 +65,14 @@ def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: 
     if rep and rep.get("replaces") is not None:
         r = rep["replaces"]
         what = f"an earlier output of `ckpt {r['command']}`" if r.get("command") else "an empty directory"
-        click.echo(f"  --overwrite would remove {rep['out']}: {what}, {r['entries']} entries, "
-                   f"{human_bytes(r['bytes'])}")
+        click.echo(
+            f"  --overwrite would remove {rep['out']}: {what}, {r['entries']} entries, "
+            f"{human_bytes(r['bytes'])}"
+        )
     for u in STATE.uploaded:
         click.echo(f"uploaded {u.files} file(s), {human_bytes(u.bytes)}, to {u.url} ({u.method})")
     if remote.active():
-        click.echo(f"fetched {human_bytes(remote.bytes_fetched())} of {human_bytes(remote.mounted_bytes())} "
-                   "held remotely")
+        click.echo(
+            f"fetched {human_bytes(remote.bytes_fetched())} of {human_bytes(remote.mounted_bytes())} "
+            "held remotely"
+        )

@@ -1,4 +1,5 @@
 """Click options shared by commands (one definition each, so every command words them alike)."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,19 @@ from ..core.errors import MissingPathError
 from ..formats.hf_dir.hub import is_hub_id
 from ..io import remote
 
-__all__ = ["InputPath", "ModelPath", "OutputPath", "input_arg", "output_beside", "json_option", "trust_option", "dry_run_option", "overwrite_option",
-           "alpha_options", "download_option"]
+__all__ = [
+    "InputPath",
+    "ModelPath",
+    "OutputPath",
+    "alpha_options",
+    "download_option",
+    "dry_run_option",
+    "input_arg",
+    "json_option",
+    "output_beside",
+    "overwrite_option",
+    "trust_option",
+]
 
 
 class InputPath(click.Path):
@@ -23,7 +35,7 @@ class InputPath(click.Path):
         super().__init__(exists=True, **kw)
 
     def convert(self, value, param, ctx):
-        if remote.parse_url(value):   # a URL: its local shadow tree, read by range (io.remote)
+        if remote.parse_url(value):  # a URL: its local shadow tree, read by range (io.remote)
             return remote.mount(value)
         remote.refuse_url_lookalike(value)
         if not os.path.lexists(os.fspath(value)):
@@ -46,6 +58,7 @@ class OutputPath(click.ParamType):
     """OUT: a local path, or a URL (s3://, hf://, gs://, ...) the output is uploaded to once complete
     (written locally first, then committed in one step: `io.upload`). A URL look-alike (`s3:/x`) is
     refused rather than created as a local dir named `s3:`."""
+
     name = "out"
 
     def __init__(self, path_type=Path):
@@ -53,7 +66,8 @@ class OutputPath(click.ParamType):
 
     def convert(self, value, param, ctx):
         if remote.parse_url(value):
-            from ..io.upload import stage_output   # lazy: only a URL imports the remote packages
+            from ..io.upload import stage_output  # lazy: only a URL imports the remote packages
+
             return self.path_type(stage_output(value))
         remote.refuse_url_lookalike(value)
         return self.path_type(value)
@@ -71,6 +85,7 @@ class ModelPath(click.ParamType):
     """A checkpoint, model or adapter: an existing path, else a hub id (`org/name[@revision]`) found in the
     local HF cache (offline; fetched into it under `--download`); anything else is `no such file or
     directory: P`."""
+
     name = "path_or_hub_id"
 
     def convert(self, value, param, ctx):
@@ -82,46 +97,71 @@ class ModelPath(click.ParamType):
         if is_hub_id(str(value)):
             # lazy: resolving a hub id imports huggingface_hub (~0.2 s); a local path never does
             from ..formats.hf_dir.hub import resolve_model_dir
+
             return resolve_model_dir(str(value))
         raise MissingPathError(value)
+
 
 def _download_on(ctx, _param, value):
     """--download: hub ids missing from the HF cache are fetched into it for this command (io.hub_fetch)."""
     if value:
         from ..io import hub_fetch
+
         cm = hub_fetch.allowing(True)
         cm.__enter__()
 
         def done():
             cm.__exit__(None, None, None)
             for f in hub_fetch.fetched():
-                click.echo(f"downloaded {len(f.files)} file(s), {f.bytes:,} bytes, of {f.repo}@{f.revision} "
-                           f"({f.commit[:12]}) into the HF cache", err=True)
+                click.echo(
+                    f"downloaded {len(f.files)} file(s), {f.bytes:,} bytes, of {f.repo}@{f.revision} "
+                    f"({f.commit[:12]}) into the HF cache",
+                    err=True,
+                )
             hub_fetch.reset_log()
+
         ctx.call_on_close(done)
     return value
 
 
 # eager: on before any argument naming a hub id is converted; not a parameter of the command
 download_option = click.option(
-    "--download", is_flag=True, is_eager=True, expose_value=False, callback=_download_on,
+    "--download",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=_download_on,
     help="Fetch a hub id (org/name[@rev]) missing from the local HF cache into it first: only the files this "
-         "command needs (config and tokenizer files; the safetensors index and shards where it reads weights).")
-json_option = click.option("--json", "as_json", is_flag=True,
-                           help="Print one JSON envelope on stdout instead of text (docs/json.md).")
+    "command needs (config and tokenizer files; the safetensors index and shards where it reads weights).",
+)
+json_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON envelope on stdout instead of text (docs/json.md).",
+)
 trust_option = click.option(
-    "--trust-remote-pickle", "trust_pickle", is_flag=True,
-    help="DANGEROUS: unpickle checkpoint metadata/items beyond the allow-list. Only for files you made.")
+    "--trust-remote-pickle",
+    "trust_pickle",
+    is_flag=True,
+    help="DANGEROUS: unpickle checkpoint metadata/items beyond the allow-list. Only for files you made.",
+)
 dry_run_option = click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
-overwrite_option = click.option("--overwrite", is_flag=True,
-                                help="Replace OUT if it is an earlier output of ckpt-tools (it carries the "
-                                     ".ckpt-tools-output marker); anything else there is refused, named. The new "
-                                     "one is renamed in only when complete.")
+overwrite_option = click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace OUT if it is an earlier output of ckpt-tools (it carries the "
+    ".ckpt-tools-output marker); anything else there is refused, named. The new "
+    "one is renamed in only when complete.",
+)
 
 
 def alpha_options(f):
-    f = click.option("--run-config", type=InputPath(dir_okay=False),
-                     help="prime-rl orchestrator config (outputs/run_*/configs/orch.toml) whose "
-                          "[model.lora] alpha set the training scale.")(f)
+    f = click.option(
+        "--run-config",
+        type=InputPath(dir_okay=False),
+        help="prime-rl orchestrator config (outputs/run_*/configs/orch.toml) whose "
+        "[model.lora] alpha set the training scale.",
+    )(f)
     f = click.option("--alpha", type=float, help="LoRA alpha training used (scale = alpha / rank).")(f)
     return f

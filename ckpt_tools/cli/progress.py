@@ -10,6 +10,7 @@ rehydrate, verify --deep, gc) shows the bytes done and total, the rate and an ET
 count and the item's name. Redrawn at most every 0.2 s (and at the ends). A message printed meanwhile
 (`render.warn`, the error edge) clears the line first (`render.clear_progress`).
 """
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,8 @@ import time
 import click
 
 from ..core.progress import ProgressEvent
-from ..dist import env_part
 from ..core.units import human_bytes
+from ..dist import env_part
 from ..io import remote
 from .render import STATE, is_tty
 
@@ -32,8 +33,12 @@ class ProgressLine:
         self.min_interval_s = min_interval_s
 
     @classmethod
-    def for_terminal(cls, enabled: bool = True) -> "ProgressLine | None":
-        return cls() if enabled and not STATE.quiet and not STATE.as_json and is_tty() and env_part().leader else None   # one bar, rank 0's
+    def for_terminal(cls, enabled: bool = True) -> ProgressLine | None:
+        return (
+            cls()
+            if enabled and not STATE.quiet and not STATE.as_json and is_tty() and env_part().leader
+            else None
+        )  # one bar, rank 0's
 
     def __call__(self, ev: ProgressEvent) -> None:
         now = time.monotonic()
@@ -57,8 +62,10 @@ class ProgressLine:
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (total - done) / rate if rate > 0 else 0.0
         fetched = f"  fetched {human_bytes(remote.bytes_fetched())}" if remote.active() else ""
-        return (f"  {ev.phase} {count}{human_bytes(done):>10} / {human_bytes(total)} ({100 * frac:.0f}%)  "
-                f"{human_bytes(rate)}/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}{fetched}  {name:<40}")
+        return (
+            f"  {ev.phase} {count}{human_bytes(done):>10} / {human_bytes(total)} ({100 * frac:.0f}%)  "
+            f"{human_bytes(rate)}/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}{fetched}  {name:<40}"
+        )
 
     def close(self) -> None:
         if STATE.progress_shown:

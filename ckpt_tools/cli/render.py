@@ -12,6 +12,7 @@ errors). Strict JSON: a non-finite float (a checkpoint's NaN lr, say) becomes th
 "Infinity" / "-Infinity". Warnings `warn()` printed during the command are collected into the envelope
 too, so a script sees every warning a person would.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,23 @@ import click
 
 from ..core.errors import CkptError
 
-__all__ = ["SCHEMA", "emit", "emit_json", "emit_failure", "envelope", "error_object", "json_errors", "warn",
-           "warn_trust", "is_tty", "color_enabled", "dry_run_label", "clear_progress", "CliState", "STATE"]
+__all__ = [
+    "SCHEMA",
+    "STATE",
+    "CliState",
+    "clear_progress",
+    "color_enabled",
+    "dry_run_label",
+    "emit",
+    "emit_failure",
+    "emit_json",
+    "envelope",
+    "error_object",
+    "is_tty",
+    "json_errors",
+    "warn",
+    "warn_trust",
+]
 
 SCHEMA = "ckpt/1"
 
@@ -42,8 +58,8 @@ class CliState:
         self.as_json = False
         self.warnings: list[str] = []
         self.emitted = False
-        self.progress_shown = False     # a progress line is on stderr (cli.progress): clear it before a message
-        self.uploaded: list = []        # outputs committed to URLs (io.upload.Uploaded)
+        self.progress_shown = False  # a progress line is on stderr (cli.progress): clear it before a message
+        self.uploaded: list = []  # outputs committed to URLs (io.upload.Uploaded)
 
 
 STATE = CliState()
@@ -58,14 +74,24 @@ def _context_facts() -> tuple[str | None, bool]:
     return name, bool(ctx.params.get("dry_run", False))
 
 
-def envelope(command: str | None, payload, *, dry_run: bool = False, exit_code: int = 0, error: dict | None = None,
-             warnings: list[str] | tuple[str, ...] = ()) -> dict:
+def envelope(
+    command: str | None,
+    payload,
+    *,
+    dry_run: bool = False,
+    exit_code: int = 0,
+    error: dict | None = None,
+    warnings: list[str] | tuple[str, ...] = (),
+) -> dict:
     """The one JSON shape of every command's output."""
     payload = _plain(payload)
     plan = result = None
     if isinstance(payload, dict) and isinstance(payload.get("plan"), dict):
         # a report of the plan/result kind (slim, merge, gc, ...): its other members belong to the plan
-        plan = {**payload["plan"], **{k: v for k, v in payload.items() if k not in ("plan", "result", "dry_run")}}
+        plan = {
+            **payload["plan"],
+            **{k: v for k, v in payload.items() if k not in ("plan", "result", "dry_run")},
+        }
         result = payload.get("result")
     elif payload is not None:
         plan, result = (payload, None) if dry_run else (None, payload)
@@ -73,8 +99,17 @@ def envelope(command: str | None, payload, *, dry_run: bool = False, exit_code: 
     for w in [*_payload_warnings(payload), *warnings]:
         if isinstance(w, str) and w not in seen:
             seen.append(w)
-    return {"schema": SCHEMA, "command": command, "ok": error is None and exit_code == 0, "exit_code": exit_code,
-            "dry_run": dry_run, "plan": plan, "result": result, "warnings": seen, "error": error}
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "ok": error is None and exit_code == 0,
+        "exit_code": exit_code,
+        "dry_run": dry_run,
+        "plan": plan,
+        "result": result,
+        "warnings": seen,
+        "error": error,
+    }
 
 
 def _payload_warnings(payload) -> list:
@@ -95,16 +130,28 @@ def emit(report, *, exit_code: int = 0) -> None:
     doc = envelope(command, payload, dry_run=dry_run, exit_code=exit_code, warnings=STATE.warnings)
     emit_json(_with_remote(doc))
     STATE.emitted = True
-    for w in doc["warnings"]:   # stderr carries every warning in either mode (a person watching a script)
+    for w in doc["warnings"]:  # stderr carries every warning in either mode (a person watching a script)
         if w not in STATE.warnings:
             warn(w)
 
 
-def emit_failure(message: str, exit_code: int, exc=None, kind: str | None = None, command: str | None = None) -> None:
+def emit_failure(
+    message: str, exit_code: int, exc=None, kind: str | None = None, command: str | None = None
+) -> None:
     """Print a failure as the command's envelope (error filled, plan and result null)."""
     name, dry_run = _context_facts()
-    emit_json(_with_remote(envelope(command or name, None, dry_run=dry_run, exit_code=exit_code,
-                                    error=error_object(message, exc, kind), warnings=STATE.warnings)))
+    emit_json(
+        _with_remote(
+            envelope(
+                command or name,
+                None,
+                dry_run=dry_run,
+                exit_code=exit_code,
+                error=error_object(message, exc, kind),
+                warnings=STATE.warnings,
+            )
+        )
+    )
     STATE.emitted = True
 
 
@@ -112,13 +159,17 @@ def _with_remote(doc: dict) -> dict:
     """A command that read or wrote a URL: its local stand-in paths shown as the URLs, and `remote`:
     the bytes fetched next to the remote inputs' size, and what was uploaded (docs/remote.md)."""
     from ..io import hub_fetch, remote
-    if hub_fetch.fetched():   # --download fetched hub files into the HF cache (docs/remote.md)
+
+    if hub_fetch.fetched():  # --download fetched hub files into the HF cache (docs/remote.md)
         doc["downloaded"] = [f.to_json() for f in hub_fetch.fetched()]
     if not remote.active() and not STATE.uploaded:
         return doc
     doc = remote.display(doc)
-    doc["remote"] = {"bytes_fetched": remote.bytes_fetched(), "input_bytes": remote.mounted_bytes(),
-                     "uploaded": [u.to_json() for u in STATE.uploaded]}
+    doc["remote"] = {
+        "bytes_fetched": remote.bytes_fetched(),
+        "input_bytes": remote.mounted_bytes(),
+        "uploaded": [u.to_json() for u in STATE.uploaded],
+    }
     return doc
 
 
@@ -149,8 +200,13 @@ def _plain(o):
 
 def error_object(message: str, exc=None, kind: str | None = None) -> dict:
     """A failure's `error` member: what went wrong, where, and what to do."""
-    return {"type": kind or (type(exc).__name__ if exc is not None else "error"), "message": message,
-            "path": getattr(exc, "path", None), "key": getattr(exc, "key", None), "hint": getattr(exc, "hint", None)}
+    return {
+        "type": kind or (type(exc).__name__ if exc is not None else "error"),
+        "message": message,
+        "path": getattr(exc, "path", None),
+        "key": getattr(exc, "key", None),
+        "hint": getattr(exc, "hint", None),
+    }
 
 
 def dry_run_label(dry_run: bool) -> str:
@@ -160,7 +216,7 @@ def dry_run_label(dry_run: bool) -> str:
 
 def clear_progress() -> None:
     """Erase the progress line, if one is drawn, so a message starts on a clean line."""
-    if STATE.progress_shown:   # written raw: click.echo would strip the escape off a terminal
+    if STATE.progress_shown:  # written raw: click.echo would strip the escape off a terminal
         sys.stderr.write("\r\033[K")
         sys.stderr.flush()
         STATE.progress_shown = False
@@ -174,8 +230,11 @@ def warn(msg: str) -> None:
 
 def warn_trust(trust: bool) -> None:
     if trust:
-        msg = ("--trust-remote-pickle: pickles outside the allow-list will be executed. A crafted checkpoint can run "
-               "any code on this machine.")
+        msg = (
+            "--trust-remote-pickle: pickles outside the allow-list will be executed. A crafted checkpoint "
+            "can run "
+            "any code on this machine."
+        )
         STATE.warnings.append(msg)
         click.secho(f"WARNING: {msg}", fg="red", err=True)
 

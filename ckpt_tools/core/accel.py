@@ -5,13 +5,14 @@ torch) reference that gives the same verdicts and figures. `CKPT_TOOLS_PURE_PYTH
 for a machine where a built extension is suspect, and for CI, which runs the suite a second time that
 way so the fallbacks stay tested.
 """
+
 from __future__ import annotations
 
 import importlib
 import os
 from types import ModuleType
 
-__all__ = ["PURE_PYTHON_ENV", "pure_python", "load_accelerator"]
+__all__ = ["PURE_PYTHON_ENV", "load_accelerator", "pure_python"]
 
 PURE_PYTHON_ENV = "CKPT_TOOLS_PURE_PYTHON"
 

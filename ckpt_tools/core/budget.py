@@ -11,11 +11,12 @@ deadlocks and the bytes held never exceed max(budget, the largest single unit).
     with budget.hold(estimate):      # blocks until `estimate` bytes fit beside the units admitted
         ...                          # the unit's work
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 __all__ = ["ByteBudget"]
 

@@ -8,9 +8,10 @@ base check, extract-adapter) need, bit for bit as torch's CPU casts give them.
 - the same dtype is a copy.
 Any other pair is not here (`exact_cast` says so): a caller converts it with torch.
 """
+
 from __future__ import annotations
 
-__all__ = ["exact_cast", "cast_into", "bf16_round"]
+__all__ = ["bf16_round", "cast_into", "exact_cast"]
 
 _BF16_NAN = 0xFFFF
 
@@ -25,8 +26,9 @@ def exact_cast(src: str, dst: str) -> bool:
 
 def cast_into(src: str, dst: str, data, out) -> None:
     """Cast the values whose raw bytes are `data` (dtype `src`) into the buffer `out` (dtype `dst`, exactly
-    as many values). Both are anything a memoryview takes; numpy releases the GIL, so threads run in parallel."""
-    import numpy as np   # lazy: the metadata-only commands import this package without numpy
+    as many values). Both are anything a memoryview takes; numpy releases the GIL, so threads run in
+    parallel."""
+    import numpy as np  # lazy: the metadata-only commands import this package without numpy
 
     if not exact_cast(src, dst):
         raise ValueError(f"no exact numpy cast from {src} to {dst}")
@@ -43,15 +45,15 @@ def cast_into(src: str, dst: str, data, out) -> None:
             raise ValueError(f"{u16.size} bf16 values cast into a buffer of {u32.size} fp32")
         np.left_shift(u16, 16, out=u32, dtype=np.uint32)
         return
-    u32, u16 = raw.view(np.uint32), dest.view(np.uint16)          # float32 -> bfloat16
+    u32, u16 = raw.view(np.uint32), dest.view(np.uint16)  # float32 -> bfloat16
     if u16.size != u32.size:
         raise ValueError(f"{u32.size} fp32 values cast into a buffer of {u16.size} bf16")
     lsb = np.right_shift(u32, 16)
     np.bitwise_and(lsb, 1, out=lsb)
     lsb += 0x7FFF
-    lsb += u32                       # (wraps only for a NaN's bits, which are replaced below)
+    lsb += u32  # (wraps only for a NaN's bits, which are replaced below)
     np.right_shift(lsb, 16, out=lsb)
-    u16[:] = lsb                     # the low 16 bits
+    u16[:] = lsb  # the low 16 bits
     nan = (u32 & 0x7FFFFFFF) > 0x7F800000
     if nan.any():
         u16[nan] = _BF16_NAN
@@ -62,7 +64,7 @@ def bf16_round(x: float) -> float:
     import numpy as np
 
     with np.errstate(over="ignore"):
-        f32 = np.array([x], dtype=np.float32)      # IEEE round to nearest even; beyond fp32's range: inf
+        f32 = np.array([x], dtype=np.float32)  # IEEE round to nearest even; beyond fp32's range: inf
     b16 = np.empty(1, dtype=np.uint16)
     cast_into("float32", "bfloat16", f32, b16)
     return float((b16.astype(np.uint32) << 16).view(np.float32)[0])

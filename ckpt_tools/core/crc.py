@@ -6,17 +6,18 @@ joins the CRCs of two adjacent pieces without their bytes (zlib's own algorithm,
 does not expose), so pieces of one record read in any order, on any thread, are checked without a
 second read. `PieceChecker` does that bookkeeping for the readers.
 """
+
 from __future__ import annotations
 
 import threading
 import zlib
 
-try:   # optional: `pip install ckpt-tools[fast]`
+try:  # optional: `pip install ckpt-tools[fast]`
     from isal.isal_zlib import crc32 as _fast_crc32
-except ImportError:   # pragma: no cover - depends on the environment
+except ImportError:  # pragma: no cover - depends on the environment
     _fast_crc32 = None
 
-__all__ = ["crc32", "crc32_combine", "CRC_IMPL", "PieceChecker"]
+__all__ = ["CRC_IMPL", "PieceChecker", "crc32", "crc32_combine"]
 
 CRC_IMPL = "isal" if _fast_crc32 is not None else "zlib"
 
@@ -28,7 +29,7 @@ def crc32(data, value: int = 0) -> int:
     return zlib.crc32(data, value)
 
 
-_POLY = 0xEDB88320   # reflected
+_POLY = 0xEDB88320  # reflected
 
 
 def _multmodp(a: int, b: int) -> int:
@@ -45,7 +46,7 @@ def _multmodp(a: int, b: int) -> int:
 
 
 def _x2n_table() -> list[int]:
-    p, table = 1 << 30, []     # x^1
+    p, table = 1 << 30, []  # x^1
     for _ in range(32):
         table.append(p)
         p = _multmodp(p, p)
@@ -57,7 +58,7 @@ _X2N = _x2n_table()
 
 def _x8nmodp(n: int) -> int:
     """x^(8n) modulo the polynomial."""
-    p, k = 1 << 31, 3          # x^0; start at x^(2^3) = x^8
+    p, k = 1 << 31, 3  # x^0; start at x^(2^3) = x^8
     while n:
         if n & 1:
             p = _multmodp(_X2N[k & 31], p)
@@ -83,9 +84,9 @@ class PieceChecker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict = {}        # record -> {start: (end, crc)}
+        self._open: dict = {}  # record -> {start: (end, crc)}
         self._done: set = set()
-        self.checked = 0             # records proven
+        self.checked = 0  # records proven
 
     def feed(self, record, size: int, crc: int, offset: int, data) -> bool:
         if record in self._done:
@@ -93,14 +94,14 @@ class PieceChecker:
         n = len(memoryview(data).cast("B")) if not isinstance(data, (bytes, bytearray)) else len(data)
         if n == 0 and size:
             return True
-        c = crc32(data)          # outside the lock: the workers hash in parallel
+        c = crc32(data)  # outside the lock: the workers hash in parallel
         with self._lock:
             if record in self._done:
                 return True
             pieces = self._open.setdefault(record, {})
             start, end = offset, offset + n
             if any(s < end and start < e for s, (e, _c) in pieces.items()):
-                return True      # overlaps a piece held: not counted (see unchecked)
+                return True  # overlaps a piece held: not counted (see unchecked)
             left = next((s for s, (e, _c) in pieces.items() if e == start), None)
             if left is not None:
                 _e, lc = pieces.pop(left)

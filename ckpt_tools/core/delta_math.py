@@ -12,6 +12,7 @@ resizing exact and cheap (docs/delta-space.md has the derivations):
 
 Everything is computed in fp64; callers round the results once (to fp32) when they write them.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,15 @@ import torch
 
 from .errors import UsageError
 
-__all__ = ["ema_weights", "normalize_weights", "stack_terms", "singular_values", "choose_rank", "Truncation",
-           "truncate"]
+__all__ = [
+    "Truncation",
+    "choose_rank",
+    "ema_weights",
+    "normalize_weights",
+    "singular_values",
+    "stack_terms",
+    "truncate",
+]
 
 
 def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> list[float]:
@@ -34,8 +42,10 @@ def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> l
     bad = [w for w in ws if not math.isfinite(w)]
     total = math.fsum(ws)
     if bad or not total > 0:
-        raise UsageError(f"{what} {ws}: weights must be finite numbers with a positive sum",
-                         hint="e.g. --weights 1,1,2 (divided by their sum: 0.25, 0.25, 0.5)")
+        raise UsageError(
+            f"{what} {ws}: weights must be finite numbers with a positive sum",
+            hint="e.g. --weights 1,1,2 (divided by their sum: 0.25, 0.25, 0.5)",
+        )
     return [w / total for w in ws]
 
 
@@ -51,7 +61,9 @@ def ema_weights(n: int, beta: float) -> list[float]:
     return [beta ** (n - 1)] + [(1 - beta) * beta ** (n - t) for t in range(2, n + 1)]
 
 
-def stack_terms(terms: Sequence[tuple[torch.Tensor, torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_terms(
+    terms: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(A_cat, B_cat), fp64, with B_cat @ A_cat == sum_i coef_i * B_i @ A_i for terms (A_i, B_i, coef_i):
     A_i stacked by rows, B_i * coef_i side by side. New tensors; the inputs are not modified."""
     if not terms:
@@ -63,9 +75,9 @@ def stack_terms(terms: Sequence[tuple[torch.Tensor, torch.Tensor, float]]) -> tu
 
 def _core(a: torch.Tensor, b: torch.Tensor):
     """Qb, U, S, Vh, Qa with B @ A = Qb U diag(S) Vh Qa^T (thin QRs of B and A^T, SVD of the core)."""
-    qa, ra = torch.linalg.qr(a.to(torch.float64).T, mode="reduced")     # A^T = Qa Ra: [in, m], [m, r]
-    qb, rb = torch.linalg.qr(b.to(torch.float64), mode="reduced")       # B = Qb Rb: [out, p], [p, r]
-    u, s, vh = torch.linalg.svd(rb @ ra.T, full_matrices=False)         # [p, m] = U S Vh
+    qa, ra = torch.linalg.qr(a.to(torch.float64).T, mode="reduced")  # A^T = Qa Ra: [in, m], [m, r]
+    qb, rb = torch.linalg.qr(b.to(torch.float64), mode="reduced")  # B = Qb Rb: [out, p], [p, r]
+    u, s, vh = torch.linalg.svd(rb @ ra.T, full_matrices=False)  # [p, m] = U S Vh
     return qb, u, s, vh, qa
 
 
@@ -98,27 +110,35 @@ def choose_rank(s: torch.Tensor, *, rank: int | None = None, energy: float | Non
 @dataclass(frozen=True)
 class Truncation:
     """What bringing one module to rank k kept and lost (fp64 figures, Frobenius norms)."""
-    rank_in: int              # the rank of the factors given (rows of A)
-    rank: int                 # k, the rank written
-    energy_total: float       # ||D||_F^2 = sum s_i^2
-    energy_kept: float        # sum of the k largest s_i^2
-    error: float              # ||D - D_k||_F = sqrt(sum of the discarded s_i^2)
+
+    rank_in: int  # the rank of the factors given (rows of A)
+    rank: int  # k, the rank written
+    energy_total: float  # ||D||_F^2 = sum s_i^2
+    energy_kept: float  # sum of the k largest s_i^2
+    error: float  # ||D - D_k||_F = sqrt(sum of the discarded s_i^2)
     sigma_max: float
-    sigma_next: float         # s_(k+1), 0 when none is discarded: the spectral-norm error
+    sigma_next: float  # s_(k+1), 0 when none is discarded: the spectral-norm error
 
     @property
     def kept_fraction(self) -> float:
         return self.energy_kept / self.energy_total if self.energy_total > 0 else 1.0
 
     def to_json(self) -> dict:
-        return {"rank_in": self.rank_in, "rank": self.rank, "energy_kept": self.kept_fraction,
-                "error": self.error, "relative_error": (self.error / math.sqrt(self.energy_total)
-                                                        if self.energy_total > 0 else 0.0),
-                "norm": math.sqrt(self.energy_total), "sigma_max": self.sigma_max, "sigma_next": self.sigma_next}
+        return {
+            "rank_in": self.rank_in,
+            "rank": self.rank,
+            "energy_kept": self.kept_fraction,
+            "error": self.error,
+            "relative_error": (self.error / math.sqrt(self.energy_total) if self.energy_total > 0 else 0.0),
+            "norm": math.sqrt(self.energy_total),
+            "sigma_max": self.sigma_max,
+            "sigma_next": self.sigma_next,
+        }
 
 
-def truncate(a: torch.Tensor, b: torch.Tensor, *, rank: int | None = None, energy: float | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, Truncation]:
+def truncate(
+    a: torch.Tensor, b: torch.Tensor, *, rank: int | None = None, energy: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, Truncation]:
     """(A_k [k, in], B_k [out, k], facts): the best rank-k LoRA of B @ A (fp64), k from `choose_rank`.
     The singular values are split evenly between the factors (B_k = Qb U_k sqrt(S_k), A_k = sqrt(S_k)
     V_k^T Qa^T), so neither factor carries the whole magnitude. Scale 1: fold any LoRA scale into B
@@ -128,8 +148,14 @@ def truncate(a: torch.Tensor, b: torch.Tensor, *, rank: int | None = None, energ
     root = s[:k].sqrt()
     b_k = (qb @ u[:, :k]) * root
     a_k = root[:, None] * (vh[:k] @ qa.T)
-    sq = s ** 2
-    facts = Truncation(rank_in=int(a.shape[0]), rank=k, energy_total=float(sq.sum()), energy_kept=float(sq[:k].sum()),
-                       error=math.sqrt(float(sq[k:].sum())), sigma_max=float(s[0]) if s.numel() else 0.0,
-                       sigma_next=float(s[k]) if s.numel() > k else 0.0)
+    sq = s**2
+    facts = Truncation(
+        rank_in=int(a.shape[0]),
+        rank=k,
+        energy_total=float(sq.sum()),
+        energy_kept=float(sq[:k].sum()),
+        error=math.sqrt(float(sq[k:].sum())),
+        sigma_max=float(s[0]) if s.numel() else 0.0,
+        sigma_next=float(s[k]) if s.numel() > k else 0.0,
+    )
     return a_k, b_k, facts

@@ -1,14 +1,30 @@
 """Typed errors. Every error we raise on purpose is a CkptError: the CLI prints its message as one
 line (no traceback unless -v) and exits with its exit_code. Messages name the file and/or key and
 end with what to do about it."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["CkptError", "UsageError", "FormatError", "MissingFileError", "TruncatedFileError", "UnsafePickleError",
-           "UnsafeInputError", "DiskSpaceError", "OutputExistsError", "LockedError", "AlphaError", "MissingPathError",
-           "RankFailed", "ChecksumError",
-           "MAX_PATH_CHARS", "MAX_KEY_CHARS", "MAX_MESSAGE_CHARS"]
+__all__ = [
+    "MAX_KEY_CHARS",
+    "MAX_MESSAGE_CHARS",
+    "MAX_PATH_CHARS",
+    "AlphaError",
+    "ChecksumError",
+    "CkptError",
+    "DiskSpaceError",
+    "FormatError",
+    "LockedError",
+    "MissingFileError",
+    "MissingPathError",
+    "OutputExistsError",
+    "RankFailed",
+    "TruncatedFileError",
+    "UnsafeInputError",
+    "UnsafePickleError",
+    "UsageError",
+]
 
 
 class CkptError(Exception):
@@ -16,8 +32,9 @@ class CkptError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str, *, path: str | Path | None = None, key: str | None = None,
-                 hint: str | None = None):
+    def __init__(
+        self, message: str, *, path: str | Path | None = None, key: str | None = None, hint: str | None = None
+    ):
         self.message = message
         self.path = str(path) if path is not None else None
         self.key = key
@@ -33,7 +50,7 @@ class CkptError(Exception):
         if self.key:
             where.append(f"key {_clip(repr(self.key), MAX_KEY_CHARS)}")
         message = _clip(self.message, MAX_MESSAGE_CHARS)
-        text = (": ".join([", ".join(where), message]) if where else message)
+        text = ": ".join([", ".join(where), message]) if where else message
         if self.hint:
             text += f" ({_clip(self.hint, MAX_MESSAGE_CHARS)})"
         return text
@@ -45,7 +62,7 @@ MAX_MESSAGE_CHARS = 2000
 
 
 def _clip(text: str, limit: int) -> str:
-    text = str(text).replace("\n", "\\n").replace("\r", "\\r")   # one error is one line
+    text = str(text).replace("\n", "\\n").replace("\r", "\\r")  # one error is one line
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... [{len(text) - limit:,} more characters]"
@@ -63,7 +80,7 @@ class MissingPathError(UsageError):
         super().__init__(f"no such file or directory: {_clip(str(path), MAX_PATH_CHARS)}", hint=hint)
         self.path = str(path)
 
-    def render(self) -> str:   # the path is in the message already
+    def render(self) -> str:  # the path is in the message already
         return self.message + (f" ({_clip(self.hint, MAX_MESSAGE_CHARS)})" if self.hint else "")
 
 

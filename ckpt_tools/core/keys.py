@@ -9,6 +9,7 @@ same for both prime-rl generations: dense LoRA, HEAD's grouped-expert LoRA (stac
 prime-format stacked expert weights and the MoE router, HF-named weights. A stacked tensor's experts
 are named by HF's per-expert names (`expert_hf_name`), so every op sees one naming.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,14 +19,52 @@ from dataclasses import dataclass
 from .errors import FormatError
 
 __all__ = [
-    "GROUPS", "FROZEN_GROUPS", "LORA_FQN", "OPTIM_FIELDS", "PROGRESS_STEP_KEY", "KeyInfo", "RULES", "classify",
-    "lora_key", "lora_path", "base_key", "base_path", "optimizer_state_key", "optimizer_state_path",
-    "module_suffix", "trainable_params", "EXPERT_PROJ", "PROJ_W", "ModelRule", "MODEL_RULES", "expert_module",
-    "expert_hf_name", "stacked_lora_key", "stacked_lora_path", "stacked_base_key", "unknown_keys",
-    "require_known", "peft_target", "EXPERT_WILDCARD", "stacked_hf_pattern", "expert_names", "expert_module_pattern",
-    "is_stacked_pattern", "expert_parts", "router_prime_name", "GroupStats", "LoraStats", "summarize_groups",
-    "summarize_lora", "world_size_from_chunks", "LAYOUTS", "DEFAULT_LAYOUT", "FUSED_EXPERT_PARAMS",
-    "FUSED_PARAM_OF", "fused_param_name", "fused_peft_modules",
+    "DEFAULT_LAYOUT",
+    "EXPERT_PROJ",
+    "EXPERT_WILDCARD",
+    "FROZEN_GROUPS",
+    "FUSED_EXPERT_PARAMS",
+    "FUSED_PARAM_OF",
+    "GROUPS",
+    "LAYOUTS",
+    "LORA_FQN",
+    "MODEL_RULES",
+    "OPTIM_FIELDS",
+    "PROGRESS_STEP_KEY",
+    "PROJ_W",
+    "RULES",
+    "GroupStats",
+    "KeyInfo",
+    "LoraStats",
+    "ModelRule",
+    "base_key",
+    "base_path",
+    "classify",
+    "expert_hf_name",
+    "expert_module",
+    "expert_module_pattern",
+    "expert_names",
+    "expert_parts",
+    "fused_param_name",
+    "fused_peft_modules",
+    "is_stacked_pattern",
+    "lora_key",
+    "lora_path",
+    "module_suffix",
+    "optimizer_state_key",
+    "optimizer_state_path",
+    "peft_target",
+    "require_known",
+    "router_prime_name",
+    "stacked_base_key",
+    "stacked_hf_pattern",
+    "stacked_lora_key",
+    "stacked_lora_path",
+    "summarize_groups",
+    "summarize_lora",
+    "trainable_params",
+    "unknown_keys",
+    "world_size_from_chunks",
 ]
 
 GROUPS = ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progress", "other")
@@ -45,16 +84,18 @@ EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 class KeyInfo:
     key: str
     group: str
-    hf_name: str | None = None      # base: HF parameter name (None for stacked experts: see expert_hf_name)
-    module: str | None = None       # lora: module FQN (HF naming), e.g. model.layers.0.mlp.up_proj;
+    hf_name: str | None = None  # base: HF parameter name (None for stacked experts: see expert_hf_name)
+    module: str | None = None  # lora: module FQN (HF naming), e.g. model.layers.0.mlp.up_proj;
     #                                 stacked expert LoRA: the experts module, e.g. model.layers.0.mlp.experts
-    ab: str | None = None           # lora: "A" or "B"
-    slot: int | None = None         # lora: adapter slot (`lora_A.<slot>`)
-    param: str | None = None        # optimizer_state: param FQN (no app.model. prefix)
-    field: str | None = None        # optimizer_state/param_groups/scheduler/progress field name
+    ab: str | None = None  # lora: "A" or "B"
+    slot: int | None = None  # lora: adapter slot (`lora_A.<slot>`)
+    param: str | None = None  # optimizer_state: param FQN (no app.model. prefix)
+    field: str | None = None  # optimizer_state/param_groups/scheduler/progress field name
     group_index: int | None = None  # param_groups: group i
     sub_scheduler: int | None = None  # scheduler: SequentialLR `_schedulers.<j>`
-    expert_proj: str | None = None  # stacked experts (base or LoRA): the HF projection, gate_proj/up_proj/down_proj
+    expert_proj: str | None = (
+        None  # stacked experts (base or LoRA): the HF projection, gate_proj/up_proj/down_proj
+    )
 
     @property
     def stacked(self) -> bool:
@@ -63,7 +104,7 @@ class KeyInfo:
 
 
 def expert_module(experts: str, expert: int, proj: str) -> str:
-    """`model.layers.0.mlp.experts`, 3, `gate_proj` -> `model.layers.0.mlp.experts.3.gate_proj` (HF naming)."""
+    """`model.layers.0.mlp.experts`, 3, `gate_proj` -> `model.layers.0.mlp.experts.3.gate_proj` (HF names)."""
     return f"{experts}.{expert}.{proj}"
 
 
@@ -78,12 +119,12 @@ EXPERT_WILDCARD = "*"
 def stacked_hf_pattern(info: KeyInfo) -> str:
     """The HF names of a stacked base tensor's experts as one pattern, `...mlp.experts.*.gate_proj.weight`:
     what a slim manifest records, so that rehydrate stacks the base's per-expert weights back."""
-    return expert_hf_name(info, EXPERT_WILDCARD)   # type: ignore[arg-type]
+    return expert_hf_name(info, EXPERT_WILDCARD)  # type: ignore[arg-type]
 
 
 def expert_module_pattern(experts: str, proj: str) -> str:
     """The module pattern of a stack's experts, `...mlp.experts.*.gate_proj` (see `expert_names`)."""
-    return expert_module(experts, EXPERT_WILDCARD, proj)   # type: ignore[arg-type]
+    return expert_module(experts, EXPERT_WILDCARD, proj)  # type: ignore[arg-type]
 
 
 def expert_names(pattern: str, start: int, count: int) -> list[str]:
@@ -98,24 +139,37 @@ def is_stacked_pattern(name: str) -> bool:
 @dataclass(frozen=True)
 class ModelRule:
     """One shape of `app.model.<fqn>` key: a regex over the FQN and what a match means."""
-    name: str                       # what the rule recognises, for docs and errors
+
+    name: str  # what the rule recognises, for docs and errors
     group: str
     pattern: re.Pattern
-    hf_name: str | None = None      # base: format string over the match groups -> the HF name
+    hf_name: str | None = None  # base: format string over the match groups -> the HF name
 
 
 # The model keys of both prime-rl generations (16e747c: dense only; HEAD: + grouped experts and the
 # prime-format router). The first rule that matches wins; an FQN no rule matches is "other", which every
 # command refuses (`unknown_keys`).
 MODEL_RULES: tuple[ModelRule, ...] = (
-    ModelRule("grouped-expert LoRA factor [E, r, in] / [E, out, r]", "lora",
-              re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<w>w[123])_lora_(?P<ab>[AB])\.(?P<slot>\d+)$")),
+    ModelRule(
+        "grouped-expert LoRA factor [E, r, in] / [E, out, r]",
+        "lora",
+        re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<w>w[123])_lora_(?P<ab>[AB])\.(?P<slot>\d+)$"),
+    ),
     ModelRule("dense LoRA factor [r, in] / [out, r]", "lora", LORA_FQN),
-    ModelRule("prime-format stacked expert weight [E, out, in]", "base",
-              re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<w>w[123])$")),
-    ModelRule("prime-format MoE router weight", "base",
-              re.compile(r"^(?P<prefix>.+\.mlp)\.router\.gate\.weight$"), hf_name="{prefix}.gate.weight"),
-    ModelRule("HF-named weight or bias", "base", re.compile(r"^(?P<name>(.+\.)?(weight|bias))$"), hf_name="{name}"),
+    ModelRule(
+        "prime-format stacked expert weight [E, out, in]",
+        "base",
+        re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<w>w[123])$"),
+    ),
+    ModelRule(
+        "prime-format MoE router weight",
+        "base",
+        re.compile(r"^(?P<prefix>.+\.mlp)\.router\.gate\.weight$"),
+        hf_name="{prefix}.gate.weight",
+    ),
+    ModelRule(
+        "HF-named weight or bias", "base", re.compile(r"^(?P<name>(.+\.)?(weight|bias))$"), hf_name="{name}"
+    ),
 )
 
 
@@ -226,10 +280,12 @@ def require_known(infos, metadata_path) -> None:
     unknown = unknown_keys(infos)
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-        raise FormatError(f"{len(unknown)} key(s) match no rule of the prime-rl key model: {shown}",
-                          path=metadata_path,
-                          hint="this layout is not supported yet; `ckpt inspect --keys` lists them: please report "
-                               "it with that listing")
+        raise FormatError(
+            f"{len(unknown)} key(s) match no rule of the prime-rl key model: {shown}",
+            path=metadata_path,
+            hint="this layout is not supported yet; `ckpt inspect --keys` lists them: please report "
+            "it with that listing",
+        )
 
 
 def base_key(hf_name: str) -> str:
@@ -273,22 +329,24 @@ def trainable_params(paths: dict[str, tuple]) -> set[str]:
 @dataclass(frozen=True)
 class GroupStats:
     count: int
-    bytes: int          # bytes stored on disk (item lengths)
-    tensor_bytes: int   # payload bytes of tensors
+    bytes: int  # bytes stored on disk (item lengths)
+    tensor_bytes: int  # payload bytes of tensors
 
 
 @dataclass(frozen=True)
 class LoraStats:
     modules: int
-    rank: int | None                  # the rank when uniform; None when it varies
-    ranks: dict                       # module -> rank (slot 0, or the first slot)
+    rank: int | None  # the rank when uniform; None when it varies
+    ranks: dict  # module -> rank (slot 0, or the first slot)
     targets: tuple[str, ...]
     slots: tuple[int, ...]
     bytes: int
-    expert_modules: int = 0           # of `modules`: per-expert modules of grouped-expert LoRA
+    expert_modules: int = 0  # of `modules`: per-expert modules of grouped-expert LoRA
 
 
-def summarize_groups(infos: list[KeyInfo], stored: dict[str, int], payload: dict[str, int]) -> dict[str, GroupStats]:
+def summarize_groups(
+    infos: list[KeyInfo], stored: dict[str, int], payload: dict[str, int]
+) -> dict[str, GroupStats]:
     out = {}
     for g in GROUPS:
         keys = [i.key for i in infos if i.group == g]
@@ -342,7 +400,11 @@ def expert_parts(module: str) -> tuple[str, int, str] | None:
 
 def router_prime_name(hf_name: str) -> str | None:
     """HF `...mlp.gate.weight` (a Qwen3-MoE router) -> prime-rl's `...mlp.router.gate.weight`."""
-    return hf_name[:-len(".gate.weight")] + ".router.gate.weight" if hf_name.endswith(".mlp.gate.weight") else None
+    return (
+        hf_name[: -len(".gate.weight")] + ".router.gate.weight"
+        if hf_name.endswith(".mlp.gate.weight")
+        else None
+    )
 
 
 def world_size_from_chunks(chunk_counts: list[int]) -> int | None:

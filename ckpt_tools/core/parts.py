@@ -5,12 +5,13 @@ talking to the others: units (output shards, items, files) go largest first to t
 rank (ties to the lowest rank), which keeps the ranks' bytes within one unit of each other. One
 process is `Part(0, 1)` and owns everything.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-__all__ = ["Part", "SOLO", "assign_units", "working_ranks"]
+__all__ = ["SOLO", "Part", "assign_units", "working_ranks"]
 
 
 def assign_units(weights: Sequence[int], world: int) -> tuple[int, ...]:
@@ -42,6 +43,7 @@ def working_ranks(weights: Sequence[int], world: int, min_bytes_per_rank: int) -
 @dataclass(frozen=True)
 class Part:
     """This process's share of a plan: rank `rank` of `world`."""
+
     rank: int = 0
     world: int = 1
 

@@ -6,6 +6,7 @@ stuck in a write (a hung filesystem) cannot keep the process alive (a ThreadPool
 joined at interpreter exit). A command that succeeds has waited for every future before it returns.
 Calls run in submission order (one FIFO queue), which the pipelines that admit work in order rely on.
 """
+
 from __future__ import annotations
 
 import queue
@@ -23,6 +24,7 @@ def one_intra_op_thread() -> None:
     its workers called this). The workers are the parallelism. torch only where it is loaded already: a
     torch-free command never imports it for this."""
     import sys
+
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
@@ -35,8 +37,10 @@ class DaemonPool:
         """`initializer`, where given, runs first in each worker (as ThreadPoolExecutor's)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._initializer = initializer
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
-                         for i in range(max(1, threads))]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
         for t in self._threads:
             t.start()
 
@@ -46,7 +50,7 @@ class DaemonPool:
         while (item := self._queue.get()) is not None:
             future, fn, args = item
             if not future.set_running_or_notify_cancel():
-                continue                  # cancelled before it started
+                continue  # cancelled before it started
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to the waiting main thread

@@ -30,6 +30,7 @@ Why a "fresh" AdamW is zero moments with `step` 0 rather than no state at all: D
 param. Stored as zeros with `step` 0.0, the first real step after resuming computes exactly what
 a never-stepped AdamW computes (step becomes 1, bias corrections 1 - beta**1, moments lerp from 0).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -42,10 +43,24 @@ from dataclasses import dataclass
 from .keys import PROJ_W, stacked_lora_key
 
 __all__ = [
-    "PRIMERL_ADAMW_DEFAULTS", "ADAMW_STATE_FIELDS", "PROJ_ORDER", "SCHEDULER_TYPES", "SCHEDULER_CLASSES",
-    "PROGRESS_FIELDS", "lora_param_fqn", "optimizer_param_order", "fresh_adamw_fields", "SchedulerSpec",
-    "OptimState", "build_optim_state", "adamw_param_group", "progress_state", "flatten_state", "flat_key",
-    "scheduler_class", "lora_param_order",
+    "ADAMW_STATE_FIELDS",
+    "PRIMERL_ADAMW_DEFAULTS",
+    "PROGRESS_FIELDS",
+    "PROJ_ORDER",
+    "SCHEDULER_CLASSES",
+    "SCHEDULER_TYPES",
+    "OptimState",
+    "SchedulerSpec",
+    "adamw_param_group",
+    "build_optim_state",
+    "flat_key",
+    "flatten_state",
+    "fresh_adamw_fields",
+    "lora_param_fqn",
+    "lora_param_order",
+    "optimizer_param_order",
+    "progress_state",
+    "scheduler_class",
 ]
 
 # prime-rl's AdamW (trainer/optim.py: torch.optim.AdamW(params, lr, weight_decay, betas)) with torch
@@ -108,16 +123,20 @@ def lora_param_order(dense: Iterable[str], stacks: Iterable[tuple[str, str]], sl
     """prime-rl HEAD's `named_parameters` order of the LoRA params: by layer, the dense modules (q, k, v,
     o, gate, up, down; A before B: `optimizer_param_order`), then the layer's grouped experts' w1_A, w1_B,
     w2_A, w2_B, w3_A, w3_B (`stacks`: (experts module, HF projection) pairs)."""
+
     def layer(module: str) -> int:
         m = _LAYER.search("." + module + ".")
         return int(m.group(1)) if m else -1
-    keyed = [(layer(fqn.rsplit(".lora_", 1)[0]), 0, (i,), fqn)
-             for i, fqn in enumerate(optimizer_param_order(dense, slot))]
+
+    keyed = [
+        (layer(fqn.rsplit(".lora_", 1)[0]), 0, (i,), fqn)
+        for i, fqn in enumerate(optimizer_param_order(dense, slot))
+    ]
     for experts, proj in stacks:
         for ab in "AB":
             fqn = stacked_lora_key(experts, proj, ab, slot).removeprefix("app.model.")
             keyed.append((layer(experts), 1, (PROJ_W[proj], ab), fqn))
-    return [fqn for *_k, fqn in sorted(keyed, key=lambda t: t[:3])]   # t[2] compares within one kind only
+    return [fqn for *_k, fqn in sorted(keyed, key=lambda t: t[:3])]  # t[2] compares within one kind only
 
 
 def fresh_adamw_fields() -> dict[str, float]:
@@ -129,8 +148,12 @@ def fresh_adamw_fields() -> dict[str, float]:
 def _check_hparams(h: dict) -> list[str]:
     problems = []
     b = h.get("betas")
-    if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(x, (int, float)) for x in b)
-            and all(0.0 <= float(x) < 1.0 for x in b)):
+    if not (
+        isinstance(b, (tuple, list))
+        and len(b) == 2
+        and all(isinstance(x, (int, float)) for x in b)
+        and all(0.0 <= float(x) < 1.0 for x in b)
+    ):
         problems.append(f"betas {b!r} must be two numbers in [0, 1)")
     for name in ("eps", "weight_decay"):
         v = h.get(name)
@@ -145,6 +168,7 @@ class SchedulerSpec:
     """prime-rl's `[scheduler]` config: type constant | linear | cosine, with warmup_steps,
     decay_steps (linear), min_lr and the run's max_steps (needed by cosine and linear decay).
     Validated at construction with prime-rl's own rules (trainer/scheduler.py)."""
+
     kind: str = "constant"
     warmup_steps: int = 0
     decay_steps: int = 0
@@ -165,7 +189,9 @@ class SchedulerSpec:
         if self.min_lr < 0 or not math.isfinite(self.min_lr):
             out.append(f"min lr {self.min_lr} must be a finite number >= 0")
         if self.kind == "constant" and (self.warmup_steps or self.decay_steps):
-            out.append("the constant scheduler takes no warmup or decay steps (prime-rl's ConstantLR(factor=1.0))")
+            out.append(
+                "the constant scheduler takes no warmup or decay steps (prime-rl's ConstantLR(factor=1.0))"
+            )
         if self.kind == "linear":
             if not (self.warmup_steps > 0 or self.decay_steps > 0):
                 out.append("a linear scheduler needs warmup steps or decay steps (prime-rl asserts this)")
@@ -173,8 +199,10 @@ class SchedulerSpec:
                 if self.max_steps is None:
                     out.append("linear decay needs max_steps (decay starts at max_steps - decay_steps)")
                 elif self.max_steps - self.decay_steps < self.warmup_steps:
-                    out.append(f"max_steps - decay_steps = {self.max_steps - self.decay_steps} is before the end "
-                               f"of the warmup ({self.warmup_steps} steps)")
+                    out.append(
+                        f"max_steps - decay_steps = {self.max_steps - self.decay_steps} is before the end "
+                        f"of the warmup ({self.warmup_steps} steps)"
+                    )
         if self.kind == "cosine":
             if self.decay_steps:
                 out.append("the cosine scheduler takes no decay steps (it decays until max_steps)")
@@ -191,8 +219,10 @@ class SchedulerSpec:
         if self.warmup_steps:
             parts.append(f"LinearLR warmup {self.warmup_steps} steps")
         if self.kind == "linear" and self.decay_steps:
-            parts.append(f"constant until step {self.max_steps - self.decay_steps}, linear decay "
-                         f"{self.decay_steps} steps to min lr {self.min_lr:g}")
+            parts.append(
+                f"constant until step {self.max_steps - self.decay_steps}, linear decay "
+                f"{self.decay_steps} steps to min lr {self.min_lr:g}"
+            )
         if self.kind == "cosine":
             parts.append(f"cosine to {self.min_lr:g} at step {self.max_steps}")
         return (" then ".join(parts)) + (" (SequentialLR)" if len(parts) > 1 else "")
@@ -216,20 +246,28 @@ def _build_scheduler(optimizer, spec: SchedulerSpec, lr: float):
     min_lr_factor = spec.min_lr / lr if spec.min_lr > 0 else 1e-8
     schedulers, milestones = [], []
     if spec.warmup_steps > 0:
-        schedulers.append(LinearLR(optimizer, start_factor=min_lr_factor, end_factor=1.0,
-                                   total_iters=spec.warmup_steps))
+        schedulers.append(
+            LinearLR(optimizer, start_factor=min_lr_factor, end_factor=1.0, total_iters=spec.warmup_steps)
+        )
         milestones.append(spec.warmup_steps)
     if spec.kind == "linear":
         if spec.decay_steps > 0:
             decay_start = spec.max_steps - spec.decay_steps
-            schedulers.append(LinearLR(optimizer, start_factor=1.0, end_factor=1.0,
-                                       total_iters=decay_start - spec.warmup_steps))
-            schedulers.append(LinearLR(optimizer, start_factor=1.0, end_factor=min_lr_factor,
-                                       total_iters=spec.decay_steps - 1))
+            schedulers.append(
+                LinearLR(
+                    optimizer, start_factor=1.0, end_factor=1.0, total_iters=decay_start - spec.warmup_steps
+                )
+            )
+            schedulers.append(
+                LinearLR(
+                    optimizer, start_factor=1.0, end_factor=min_lr_factor, total_iters=spec.decay_steps - 1
+                )
+            )
             milestones.append(decay_start)
     else:  # cosine
-        schedulers.append(CosineAnnealingLR(optimizer, T_max=spec.max_steps - spec.warmup_steps,
-                                            eta_min=spec.min_lr))
+        schedulers.append(
+            CosineAnnealingLR(optimizer, T_max=spec.max_steps - spec.warmup_steps, eta_min=spec.min_lr)
+        )
     if len(schedulers) == 1:
         return schedulers[0]
     return SequentialLR(optimizer, schedulers, milestones=milestones)
@@ -239,14 +277,16 @@ def _build_scheduler(optimizer, spec: SchedulerSpec, lr: float):
 class OptimState:
     """param_groups.0 and the scheduler state after `position` scheduler steps, plus the lr the
     next optimizer steps will use (for plans and tests)."""
-    param_group: dict        # without "params"
+
+    param_group: dict  # without "params"
     scheduler: dict
     lr_now: float
     lr_next: tuple[float, ...]
 
 
-def build_optim_state(lr: float, spec: SchedulerSpec, position: int, *, hparams: Mapping | None = None,
-                      preview_steps: int = 5) -> OptimState:
+def build_optim_state(
+    lr: float, spec: SchedulerSpec, position: int, *, hparams: Mapping | None = None, preview_steps: int = 5
+) -> OptimState:
     """param_groups.0 (minus `params`) and `scheduler.state_dict()` of prime-rl's AdamW + scheduler
     configured with base lr `lr`, after `position` steps of the schedule. `hparams` overrides
     PRIMERL_ADAMW_DEFAULTS (betas, eps, weight_decay, ...). Raises ValueError on bad input."""
@@ -319,6 +359,7 @@ def flatten_state(obj, prefix: tuple = ()) -> list[tuple[tuple, object]]:
     descended (keys become str), a list only when it holds a tensor, a mapping or such a list
     (then by int index), tuples and everything else are leaves. The flat key of a leaf is
     `".".join(map(str, path))`."""
+
     def is_tensor(v):
         return type(v).__name__ in ("Tensor", "Parameter", "DTensor") and hasattr(v, "dtype")
 

@@ -2,13 +2,27 @@
 problem, warnings alike, and what was checked. `ckpt verify` reports them; the checks themselves live
 with their formats (`formats.dcp.checks`, ...), which fill a `VerifyReport`; nothing there raises on a
 malformed input: a problem it cannot even describe is reported as "cannot check: ..."."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["group_problems", "Problem", "VerifyReport", "Finding", "first_fatal", "PROBLEM", "WARNING", "UNSUPPORTED"]
+__all__ = [
+    "PROBLEM",
+    "UNSUPPORTED",
+    "WARNING",
+    "Finding",
+    "Problem",
+    "VerifyReport",
+    "first_fatal",
+    "group_problems",
+]
 
-PROBLEM, WARNING, UNSUPPORTED = "problem", "warning", "unsupported"   # unsupported: readable by torch, not by us
+PROBLEM, WARNING, UNSUPPORTED = (
+    "problem",
+    "warning",
+    "unsupported",
+)  # unsupported: readable by torch, not by us
 
 
 @dataclass(frozen=True)
@@ -18,6 +32,7 @@ class Finding:
     first fatal one (`first_fatal`). `file` is as the format names it (DCP: a data file relative to the
     checkpoint, None for `.metadata`; HF: the file's path). `error`: the exact error an open raises for it,
     where the format keeps one (the reader's own, or a one-line refusal grouping a rule's findings)."""
+
     file: str | None
     key: str | None
     message: str
@@ -64,11 +79,16 @@ class VerifyReport:
         self.warnings.append(Problem(str(file), key, message))
 
     def to_json(self) -> dict:
-        return {"path": self.path, "format": self.format, "deep": self.deep, "ok": self.ok,
-                "problems": [asdict(p) for p in self.problems], "warnings": [asdict(w) for w in self.warnings],
-                "checked": self.checked, "integrity": self.integrity}
-
-
+        return {
+            "path": self.path,
+            "format": self.format,
+            "deep": self.deep,
+            "ok": self.ok,
+            "problems": [asdict(p) for p in self.problems],
+            "warnings": [asdict(w) for w in self.warnings],
+            "checked": self.checked,
+            "integrity": self.integrity,
+        }
 
 
 def group_problems(problems, min_group: int = 4, examples: int = 3) -> list[str]:

@@ -12,6 +12,7 @@ where x is the exact value (computed in fp64) and e a proven bound on any fp32 c
 Also here: ulps between tensors, counting non-finite values from the bits, the bf16 rounding of a
 Python float (`core.casts`'s, without torch), and whether a merged tensor rounds back to its base.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,23 +26,57 @@ from .dtypes import EXPONENT_MASKS, ITEMSIZE, torch_dtype
 from .errors import FormatError
 from .lora_math import check_shapes
 
-__all__ = ["lora_delta", "merge_weight", "merge_weight_into", "check_finite", "nonfinite_error", "ulps_apart", "count_nonfinite",
-           "bf16_round", "rounds_to_base", "update_hash", "sha256_of_tensor", "FP32_UNIT_ROUNDOFF", "LoraFactors64", "lora_factors_fp64",
-           "lora_rows_fp64", "lora_product_rows_fp64", "lora_product_fixed_order", "lora_bound_rows", "MergeCheck",
-           "check_merged_values", "check_merged_values_bounded", "FP64_UNIT_ROUNDOFF", "MARGIN_ROUNDING", "MARGIN_FLOOR"]
+__all__ = [
+    "FP32_UNIT_ROUNDOFF",
+    "FP64_UNIT_ROUNDOFF",
+    "MARGIN_FLOOR",
+    "MARGIN_ROUNDING",
+    "LoraFactors64",
+    "MergeCheck",
+    "bf16_round",
+    "check_finite",
+    "check_merged_values",
+    "check_merged_values_bounded",
+    "count_nonfinite",
+    "lora_bound_rows",
+    "lora_delta",
+    "lora_factors_fp64",
+    "lora_product_fixed_order",
+    "lora_product_rows_fp64",
+    "lora_rows_fp64",
+    "merge_weight",
+    "merge_weight_into",
+    "nonfinite_error",
+    "rounds_to_base",
+    "sha256_of_tensor",
+    "ulps_apart",
+    "update_hash",
+]
 
 
-def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, *, fan_in_fan_out: bool = False) -> torch.Tensor:
+def lora_delta(
+    a: torch.Tensor, b: torch.Tensor, scale: float, *, fan_in_fan_out: bool = False
+) -> torch.Tensor:
     """s * (B @ A) in fp32, shaped like the base weight ([out, in], or [in, out] for fan_in_fan_out)."""
     delta = b.to(torch.float32) @ a.to(torch.float32)
     delta.mul_(scale)  # in place on a new tensor: one fp32 rounding, like PEFT's get_delta_weight
     return delta.T if fan_in_fan_out else delta
 
 
-def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
-                 out_dtype: torch.dtype, fan_in_fan_out: bool = False, name: str = "") -> torch.Tensor:
+def merge_weight(
+    weight: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    *,
+    out_dtype: torch.dtype,
+    fan_in_fan_out: bool = False,
+    name: str = "",
+) -> torch.Tensor:
     """round_to(out_dtype, W32 + s * (B32 @ A32)); a new tensor, inputs untouched."""
-    check_shapes(tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name)
+    check_shapes(
+        tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name
+    )
     merged = weight.to(torch.float32, copy=True)
     merged.add_(lora_delta(a, b, scale, fan_in_fan_out=fan_in_fan_out))
     out = merged.to(out_dtype)
@@ -56,8 +91,11 @@ def check_finite(t: torch.Tensor, name: str = "") -> None:
 
 def nonfinite_error(bad: int, name: str = "") -> FormatError:
     """The error for a merged tensor with `bad` inf/nan values (counted over the whole tensor)."""
-    return FormatError(f"merged tensor has {bad} non-finite value(s) (inf/nan)", key=name,
-                       hint="the adapter or base holds inf/nan, or the output dtype overflows; try --dtype fp32")
+    return FormatError(
+        f"merged tensor has {bad} non-finite value(s) (inf/nan)",
+        key=name,
+        hint="the adapter or base holds inf/nan, or the output dtype overflows; try --dtype fp32",
+    )
 
 
 def ulps_apart(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -74,9 +112,18 @@ def ulps_apart(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (xi - yi).abs()
 
 
-def merge_weight_into(out: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
-                      fan_in_fan_out: bool = False, name: str = "", block_elems: int = 1 << 18,
-                      scratch: torch.Tensor | None = None) -> torch.Tensor:
+def merge_weight_into(
+    out: torch.Tensor,
+    weight: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    *,
+    fan_in_fan_out: bool = False,
+    name: str = "",
+    block_elems: int = 1 << 18,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`merge_weight`, bit for bit, written into `out` (whose dtype is the output dtype).
 
     Same operations in the same order: P = B32 @ A32 as ONE full matmul (splitting it into row
@@ -86,7 +133,9 @@ def merge_weight_into(out: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, 
     made. `scratch`: an optional fp32 buffer of >= out.numel() elements to hold P (reused across
     calls, it saves page-faulting a fresh allocation per tensor). Every block is checked for
     non-finite values. Inputs are not modified; returns `out`."""
-    check_shapes(tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name)
+    check_shapes(
+        tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name
+    )
     if tuple(out.shape) != tuple(weight.shape):
         raise ValueError(f"out has shape {list(out.shape)}, the weight {list(weight.shape)}")
     a32, b32 = a.to(torch.float32), b.to(torch.float32)
@@ -101,23 +150,25 @@ def merge_weight_into(out: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, 
     step = max(1, block_elems // max(1, weight.shape[1]))
     finite = True
     for s in range(0, rows, step):
-        d = delta[s:s + step]
-        d.mul_(scale)                 # s * P, rounded as in lora_delta
-        d.add_(weight[s:s + step])    # + W32 (exact upcast; fp32 addition is commutative)
-        o = out[s:s + step]
-        o.copy_(d)                    # the one rounding to out.dtype
+        d = delta[s : s + step]
+        d.mul_(scale)  # s * P, rounded as in lora_delta
+        d.add_(weight[s : s + step])  # + W32 (exact upcast; fp32 addition is commutative)
+        o = out[s : s + step]
+        o.copy_(d)  # the one rounding to out.dtype
         # A sum is non-finite whenever an element is (and ~20x cheaper than isfinite().all());
         # a finite block whose sum overflows only costs the exact check below.
         if finite and o.is_floating_point() and not math.isfinite(float(o.sum(dtype=torch.float32))):
             finite = False
     if not finite:
-        check_finite(out, name)   # exact count, and the error naming the tensor
+        check_finite(out, name)  # exact count, and the error naming the tensor
     return out
 
 
 # a value is inf/nan iff all exponent bits are set (core.dtypes.EXPONENT_MASKS): one integer pass
-_EXP_MASKS = {torch_dtype(name): ({2: torch.int16, 4: torch.int32, 8: torch.int64}[ITEMSIZE[name]], mask)
-              for name, mask in EXPONENT_MASKS.items()}
+_EXP_MASKS = {
+    torch_dtype(name): ({2: torch.int16, 4: torch.int32, 8: torch.int64}[ITEMSIZE[name]], mask)
+    for name, mask in EXPONENT_MASKS.items()
+}
 
 
 def count_nonfinite(t: torch.Tensor) -> int:
@@ -138,14 +189,14 @@ def rounds_to_base(out: torch.Tensor, weight: torch.Tensor, block_elems: int = 1
         return bool(torch.equal(out, weight.to(out.dtype)))
     step = max(1, block_elems // max(1, math.prod(weight.shape[1:])))
     for s in range(0, weight.shape[0], step):
-        w = weight[s:s + step]
-        if not torch.equal(out[s:s + step], w if w.dtype == out.dtype else w.to(out.dtype)):
+        w = weight[s : s + step]
+        if not torch.equal(out[s : s + step], w if w.dtype == out.dtype else w.to(out.dtype)):
             return False
     return True
 
 
 def update_hash(h, t: torch.Tensor) -> None:
-    """Fold a tensor's bytes (its dtype, row-major, little-endian: the slim manifest's HASH_INPUT) into `h`."""
+    """Fold a tensor's bytes (its dtype, row-major, little-endian: the slim manifest's HASH_INPUT) in `h`."""
     if t.numel():
         h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
@@ -158,25 +209,28 @@ def sha256_of_tensor(t: torch.Tensor) -> str:
 
 
 # --- the adapter check by value ----------------------------------------------------------------------------
-FP32_UNIT_ROUNDOFF = 2.0 ** -24
-FP64_UNIT_ROUNDOFF = 2.0 ** -53
-# The margin over which a given P's roundings are trusted to be the fixed-order P's (`check_merged_values_bounded`):
+FP32_UNIT_ROUNDOFF = 2.0**-24
+FP64_UNIT_ROUNDOFF = 2.0**-53
+# The margin over which a given P's roundings are trusted to be the fixed-order P's
+# (`check_merged_values_bounded`):
 # m = (|L_i| |R_j|) * 4 |s| gamma64_r + (|sp| + |x| + e) * MARGIN_ROUNDING + MARGIN_FLOOR. Two products of any
-# order differ by at most 2 gamma64_r |L_i| |R_j| (doubled for the norms' own rounding); the roundings of sp, x, e
+# order differ by at most 2 gamma64_r |L_i| |R_j| (doubled for the norms' own rounding); the roundings of sp,
+# x, e
 # and x -/+ e after it move the result by at most 16 u64 (|sp| + |x| + e) (doubled: 2^-48); subnormal results
 # carry an absolute error of up to 2^-1075 per operation.
-MARGIN_ROUNDING = 2.0 ** -48
-MARGIN_FLOOR = 2.0 ** -1060
+MARGIN_ROUNDING = 2.0**-48
+MARGIN_FLOOR = 2.0**-1060
 
 
 @dataclass(frozen=True)
 class LoraFactors64:
     """W = W0 + s * L @ R row by row: L [rows, r], R [r, cols] in fp64 (B and A, or A^T and B^T for a
     fan_in_fan_out weight), with the norms that bound any fp32 product's error."""
+
     left: torch.Tensor
     right: torch.Tensor
-    left_norms: torch.Tensor    # ||L_i,:||_2 per row
-    right_norms: torch.Tensor   # ||R_:,j||_2 per column
+    left_norms: torch.Tensor  # ||L_i,:||_2 per row
+    right_norms: torch.Tensor  # ||R_:,j||_2 per column
     rank: int
 
     @property
@@ -190,10 +244,15 @@ class LoraFactors64:
         ru = self.rank * FP64_UNIT_ROUNDOFF
         return 4.0 * abs(scale) * (ru / (1.0 - ru))
 
-    def to(self, device) -> "LoraFactors64":
+    def to(self, device) -> LoraFactors64:
         """The same factors and norms on `device` (copied bit for bit: the norms are not recomputed there)."""
-        return LoraFactors64(self.left.to(device), self.right.to(device), self.left_norms.to(device),
-                             self.right_norms.to(device), self.rank)
+        return LoraFactors64(
+            self.left.to(device),
+            self.right.to(device),
+            self.left_norms.to(device),
+            self.right_norms.to(device),
+            self.rank,
+        )
 
 
 def lora_factors_fp64(a: torch.Tensor, b: torch.Tensor, *, fan_in_fan_out: bool = False) -> LoraFactors64:
@@ -202,7 +261,9 @@ def lora_factors_fp64(a: torch.Tensor, b: torch.Tensor, *, fan_in_fan_out: bool 
     return LoraFactors64(left.contiguous(), right, left.norm(dim=1), right.norm(dim=0), int(a.shape[0]))
 
 
-def lora_product_rows_fp64(f: LoraFactors64, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def lora_product_rows_fp64(
+    f: LoraFactors64, r0: int, r1: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """P = L @ R for rows [r0, r1), flattened, in fp64, by the BLAS (any kernel, any threads: the check's
     counts do not depend on P's last bits, `check_merged_values_bounded`). `out`: an fp64 buffer of
     (r1 - r0) * cols elements to write it into (reused across blocks, it saves page-faulting a fresh 4 MiB
@@ -238,12 +299,15 @@ def lora_rows_fp64(f: LoraFactors64, r0: int, r1: int) -> tuple[torch.Tensor, to
 @dataclass
 class MergeCheck:
     """What `check_merged_values` found over the elements it was given."""
-    off: int = 0          # elements no correct fp32 merge can give
-    ties: int = 0         # elements whose exact value is within the bound of a rounding boundary (either side passes)
-    max_ulps: int = 0     # the worst off element's distance from round(x) (a finite one), in ulps of W's dtype
-    finite: bool = True   # every expected value is finite (a merge refuses inf/nan)
 
-    def fold(self, other: "MergeCheck") -> None:
+    off: int = 0  # elements no correct fp32 merge can give
+    ties: int = (
+        0  # elements whose exact value is within the bound of a rounding boundary (either side passes)
+    )
+    max_ulps: int = 0  # the worst off element's distance from round(x) (a finite one), in ulps of W's dtype
+    finite: bool = True  # every expected value is finite (a merge refuses inf/nan)
+
+    def fold(self, other: MergeCheck) -> None:
         self.off += other.off
         self.ties += other.ties
         self.max_ulps = max(self.max_ulps, other.max_ulps)
@@ -264,7 +328,8 @@ def _round_to(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _window(w0: torch.Tensor, sp: torch.Tensor, lr: torch.Tensor, f: LoraFactors64, scale: float):
-    """x = W0 + sp and e = ((|sp| + |x|) * u + (|L_i||R_j| * gamma) * |s|) * 2, one IEEE operation at a time in
+    """x = W0 + sp and e = ((|sp| + |x|) * u + (|L_i||R_j| * gamma) * |s|) * 2, one IEEE operation at a time
+    in
     this order (the C kernel's), and |sp| + |x|."""
     x = w0.to(torch.float64) + sp
     mag = sp.abs() + x.abs()
@@ -286,8 +351,9 @@ def _counts(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, expected: torch
     return MergeCheck(off, ties, max_ulps, finite)
 
 
-def check_merged_values(w: torch.Tensor, w0: torch.Tensor, f: LoraFactors64, r0: int, first: int,
-                        scale: float) -> MergeCheck:
+def check_merged_values(
+    w: torch.Tensor, w0: torch.Tensor, f: LoraFactors64, r0: int, first: int, scale: float
+) -> MergeCheck:
     """The definition. Is each merged element `w` (elements [first, first + n) of the row block that starts at
     row r0, in its output dtype) a correct rounding of y, for some y that a correct fp32 merge round(W0_32 +
     s * fl32(B@A)) can compute? x = W0 + s*P in fp64 is the exact value to within fp64's rounding (W0's upcast
@@ -306,13 +372,17 @@ def check_merged_values(w: torch.Tensor, w0: torch.Tensor, f: LoraFactors64, r0:
     return _counts(w, _round_to(x - e, w.dtype), _round_to(x + e, w.dtype), _round_to(x, w.dtype))
 
 
-def check_merged_values_bounded(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, f: LoraFactors64, r0: int,
-                                first: int, scale: float) -> MergeCheck:
-    """`check_merged_values`' counts, from `prod`: P of these elements by any kernel (a BLAS, a GPU's), which is
+def check_merged_values_bounded(
+    w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, f: LoraFactors64, r0: int, first: int, scale: float
+) -> MergeCheck:
+    """`check_merged_values`' counts, from `prod`: P of these elements by any kernel (a BLAS, a GPU's), which
+    is
     within 2 gamma64_r |L_i||R_j| of the fixed-order P. Each rounding is made at both ends of a margin m that
     covers that and every fp64 rounding after it (`MARGIN_ROUNDING`); where both ends round alike, that is the
-    fixed-order P's rounding too (rounding is monotone), and where they do not (a value within ~1e-15 relative of
-    a rounding boundary), the fixed-order P is computed for that element. Any device (the tensors' own): the GPU
+    fixed-order P's rounding too (rounding is monotone), and where they do not (a value within ~1e-15 relative
+    of
+    a rounding boundary), the fixed-order P is computed for that element. Any device (the tensors' own): the
+    GPU
     path of the check, and the CPU's where the C kernel does not run."""
     rows, cols = _elements(f, w.numel(), r0, first, w.device)
     lr = f.left_norms[rows] * f.right_norms[cols]
@@ -323,9 +393,13 @@ def check_merged_values_bounded(w: torch.Tensor, w0: torch.Tensor, prod: torch.T
     lo, hi = _round_to(a - m, dt), _round_to(b + m, dt)
     tie = lo != hi
     expected = torch.where(tie, _round_to(x - m, dt), lo)
-    sure = (lo == _round_to(a + m, dt)) & (hi == _round_to(b - m, dt)) & (~tie | (expected == _round_to(x + m, dt)))
+    sure = (
+        (lo == _round_to(a + m, dt))
+        & (hi == _round_to(b - m, dt))
+        & (~tie | (expected == _round_to(x + m, dt)))
+    )
     unsure = torch.nonzero(~sure).reshape(-1)
-    if unsure.numel():   # within the margin of a boundary: the fixed-order product decides
+    if unsure.numel():  # within the margin of a boundary: the fixed-order product decides
         sp_u = lora_product_fixed_order(f, rows[unsure], cols[unsure]) * scale
         x_u, e_u, _mag = _window(w0[unsure], sp_u, lr[unsure], f, scale)
         lo[unsure], hi[unsure] = _round_to(x_u - e_u, dt), _round_to(x_u + e_u, dt)

@@ -11,18 +11,26 @@ of a config asks it the question it needs:
 - `tied_source(name, names, tied)`: the base tensor a checkpoint's tied alias is a copy of;
 - `missing_aliases(config, names)`: aliases FSDP's state dict holds that the model dir omits.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
 
-__all__ = ["TIED_PAIRS", "OUTPUT_EMBEDDING", "tie_flag", "ties_by_default", "tied_pair", "tied_source",
-           "missing_aliases"]
+__all__ = [
+    "OUTPUT_EMBEDDING",
+    "TIED_PAIRS",
+    "missing_aliases",
+    "tie_flag",
+    "tied_pair",
+    "tied_source",
+    "ties_by_default",
+]
 
 OUTPUT_EMBEDDING = "lm_head.weight"
 # (output embedding, input embedding), per architecture family.
 TIED_PAIRS: tuple[tuple[str, str], ...] = (
-    (OUTPUT_EMBEDDING, "model.embed_tokens.weight"),     # Llama, Qwen2/3, Mistral, Gemma, ...
-    (OUTPUT_EMBEDDING, "transformer.wte.weight"),        # GPT-2 style
+    (OUTPUT_EMBEDDING, "model.embed_tokens.weight"),  # Llama, Qwen2/3, Mistral, Gemma, ...
+    (OUTPUT_EMBEDDING, "transformer.wte.weight"),  # GPT-2 style
 )
 
 

@@ -1,5 +1,6 @@
 """Byte sizes, printed and parsed (HF convention: GB = 10**9, GiB = 2**30), and numbers printed as people
 write them. Pure."""
+
 from __future__ import annotations
 
 import re
@@ -42,8 +43,18 @@ def human_number(x) -> str:
     return text
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
@@ -56,8 +67,10 @@ def parse_size(text: str | int) -> int:
     m = _SIZE_RE.match(str(text))
     unit = m.group(2).upper() if m else None
     if not m or unit not in _SIZE_UNITS:
-        raise UsageError(f"cannot parse size {text!r}",
-                         hint="use e.g. 5GB (10**9 bytes), 500MB, 4GiB (2**30 bytes) or a number of bytes")
+        raise UsageError(
+            f"cannot parse size {text!r}",
+            hint="use e.g. 5GB (10**9 bytes), 500MB, 4GiB (2**30 bytes) or a number of bytes",
+        )
     try:
         return int(Decimal(m.group(1)) * _SIZE_UNITS[unit])
     except InvalidOperation:  # pragma: no cover - the regex admits only decimal numerals

@@ -28,6 +28,7 @@ of an open file, for a verbatim copy by the kernel, or None), `disk_order()`, `o
         facts = src.facts(name)                 # TensorFacts(name, dtype, shape)
         src.read_into(name, buf, rows=(0, 16))  # the first 16 rows' bytes, no decoding
 """
+
 from __future__ import annotations
 
 import math
@@ -35,27 +36,35 @@ import sys
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ..core.dtypes import ShapedBytes, torch_dtype
 from ..core.errors import FormatError, UsageError
 from ..core.lora_math import check_alpha, lora_scale
 
-if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
     from .dcp.reader import DcpCheckpoint
     from .peft.adapter import PeftAdapter
 
-__all__ = ["TensorFacts", "Extent", "ByteRange", "RawTensor", "is_torch_tensor", "Source", "tensor_bytes", "LoraModule",
-           "LoraSource"]
+__all__ = [
+    "ByteRange",
+    "Extent",
+    "LoraModule",
+    "LoraSource",
+    "RawTensor",
+    "Source",
+    "TensorFacts",
+    "is_torch_tensor",
+    "tensor_bytes",
+]
 
 
 @dataclass(frozen=True)
 class TensorFacts(ShapedBytes):
     name: str
-    dtype: str                 # torch dtype name, e.g. "bfloat16"
+    dtype: str  # torch dtype name, e.g. "bfloat16"
     shape: tuple[int, ...]
 
     @property
@@ -69,6 +78,7 @@ class Extent:
     """Bytes [start, start + nbytes) of a tensor's row-major contents live at `offset` of `file`.
     Where a checksum covers them (a DCP item's payload record: `record` = (its offset in the file, its
     size, its stored CRC-32)), the extent's first byte is byte `record_pos` of that record."""
+
     start: int
     nbytes: int
     file: str
@@ -81,6 +91,7 @@ class Extent:
 class ByteRange:
     """A tensor's stored bytes, verbatim: [offset, offset + nbytes) of the open file `fd` (owned by the
     source, already checked to lie inside the file), which is `path`."""
+
     fd: int
     offset: int
     nbytes: int
@@ -100,42 +111,49 @@ _UINTS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 class RawTensor(ShapedBytes):
     """A tensor as its dtype's name, its shape and its row-major little-endian bytes: what the commands that
     only move or cast bytes (extract-adapter) read and write without torch."""
+
     dtype: str
     shape: tuple[int, ...]
     data: bytearray | memoryview | bytes
 
     def __post_init__(self) -> None:
         if len(memoryview(self.data).cast("B")) != self.nbytes:
-            raise ValueError(f"{len(memoryview(self.data).cast('B'))} bytes for a {self.dtype} {list(self.shape)}")
+            raise ValueError(
+                f"{len(memoryview(self.data).cast('B'))} bytes for a {self.dtype} {list(self.shape)}"
+            )
 
     @classmethod
-    def of(cls, value) -> "RawTensor":
+    def of(cls, value) -> RawTensor:
         """`value` itself, or a CPU torch.Tensor's bytes (copied, row-major)."""
         if isinstance(value, RawTensor):
             return value
         if not is_torch_tensor(value):
             raise TypeError(f"not a tensor: {type(value).__name__}")
         from ..core.dtypes import dtype_name
+
         t = value.detach().cpu().contiguous()
         return cls(dtype_name(t.dtype), tuple(t.shape), bytearray(tensor_bytes(t.reshape(-1))))
 
     def bits(self):
-        """The values' bits as a numpy array of this shape (unsigned ints of the item size): for placing values,
+        """The values' bits as a numpy array of this shape (unsigned ints of the item size): for placing
+        values,
         never arithmetic."""
-        import numpy as np   # lazy, as torch: the metadata side imports neither
+        import numpy as np  # lazy, as torch: the metadata side imports neither
+
         if self.itemsize not in _UINTS:
             raise FormatError(f"no bit view of {self.dtype}")
         return np.frombuffer(self.data, dtype=_UINTS[self.itemsize]).reshape(self.shape)
 
     @classmethod
-    def from_bits(cls, dtype: str, bits) -> "RawTensor":
+    def from_bits(cls, dtype: str, bits) -> RawTensor:
         return cls(dtype, tuple(bits.shape), bytearray(bits.tobytes()))
 
-    def cast(self, dtype: str) -> "RawTensor":
+    def cast(self, dtype: str) -> RawTensor:
         """The values cast to `dtype` exactly as torch casts them (`core.casts`; a pair it does not cast
         exactly goes through torch)."""
         from ..core.casts import cast_into, exact_cast
         from ..core.dtypes import dtype_name, itemsize
+
         dtype = dtype_name(dtype)
         if dtype == self.dtype:
             return self
@@ -146,6 +164,7 @@ class RawTensor(ShapedBytes):
             cast_into(self.dtype, dtype, self.data, out)
         else:
             import torch
+
             t = torch.frombuffer(bytearray(self.data), dtype=torch_dtype(self.dtype)).to(torch_dtype(dtype))
             out[:] = tensor_bytes(t)
         return RawTensor(dtype, self.shape, out)
@@ -153,25 +172,26 @@ class RawTensor(ShapedBytes):
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (no copy)."""
-    import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+    import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class Source:
-    """Named tensors, read lazily. A kind fills `_facts` and implements `_extents`, `_pread`, `_read_whole`."""
+    """Named tensors, read lazily. A kind fills `_facts`; implements `_extents`, `_pread`, `_read_whole`."""
 
     kind: str = ""
     path: Path
     label: str
-    masters: bool = False          # the tensors are a training checkpoint's fp32 masters (a DCP base)
-    config: dict | None = None     # the model's config.json, where the source has one (an HF dir)
+    masters: bool = False  # the tensors are a training checkpoint's fp32 masters (a DCP base)
+    config: dict | None = None  # the model's config.json, where the source has one (an HF dir)
 
     def __init__(self) -> None:
         self._facts: dict[str, TensorFacts] = {}
         self._extent_cache: dict[str, list[Extent] | None] = {}
-        self._whole: tuple[str, torch.Tensor] | None = None   # the tensor of an extent-less layout, read once
+        self._whole: tuple[str, torch.Tensor] | None = None  # the tensor of an extent-less layout, read once
         self._lock = threading.Lock()
-        self.bytes_read = 0   # tensor bytes delivered, for reports and tests
+        self.bytes_read = 0  # tensor bytes delivered, for reports and tests
 
     # ---------------------------------------------------------------- facts
     def names(self) -> list[str]:
@@ -196,8 +216,14 @@ class Source:
 
     def describe(self) -> dict:
         dtypes = sorted({f.dtype for f in self._facts.values()})
-        return {"kind": self.kind, "path": str(self.path), "label": self.label, "tensors": len(self._facts),
-                "bytes": self.total_bytes, "dtypes": dtypes}
+        return {
+            "kind": self.kind,
+            "path": str(self.path),
+            "label": self.label,
+            "tensors": len(self._facts),
+            "bytes": self.total_bytes,
+            "dtypes": dtypes,
+        }
 
     # ---------------------------------------------------------------- capabilities
     def ref(self, name: str) -> str:
@@ -254,7 +280,9 @@ class Source:
         info = self.facts(name)
         n = len(out)
         if start < 0 or start + n > info.nbytes:
-            raise ValueError(f"byte range [{start}, {start + n}) outside tensor {name} of {info.nbytes} bytes")
+            raise ValueError(
+                f"byte range [{start}, {start + n}) outside tensor {name} of {info.nbytes} bytes"
+            )
         if n == 0:
             return
         self._count(n)
@@ -262,16 +290,16 @@ class Source:
         if extents is None:
             with self._lock:
                 if self._whole is None or self._whole[0] != name:
-                    self._whole = None   # drop the previous tensor before reading the next
+                    self._whole = None  # drop the previous tensor before reading the next
                     self._whole = (name, self._read_whole(name).contiguous())
                 whole = self._whole[1]
-            out[:] = tensor_bytes(whole)[start:start + n]
+            out[:] = tensor_bytes(whole)[start : start + n]
             return
         end = start + n
         for e in extents:
             lo, hi = max(start, e.start), min(end, e.start + e.nbytes)
             if lo < hi:
-                view = out[lo - start:hi - start]
+                view = out[lo - start : hi - start]
                 self._pread(e.file, e.offset + (lo - e.start), view, name)
                 if e.record is not None:
                     self._check_piece(e, lo - e.start, view, name)
@@ -279,7 +307,8 @@ class Source:
     def read_into(self, name: str, buffer, rows: tuple[int, int] | None = None) -> None:
         """Fill `buffer` (a contiguous CPU tensor, or anything a memoryview takes) with the stored bytes
         of rows [start, start + count) of tensor `name` (`rows=None`: all of it)."""
-        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+        import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+
         info = self.facts(name)
         mv = tensor_bytes(buffer) if isinstance(buffer, torch.Tensor) else memoryview(buffer).cast("B")
         start = 0 if rows is None else rows[0] * info.row_bytes
@@ -287,7 +316,8 @@ class Source:
 
     def read_rows(self, name: str, start: int, count: int) -> torch.Tensor:
         """Rows [start, start + count) of tensor `name`, a new tensor of its dtype."""
-        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+        import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+
         info = self.facts(name)
         t = torch.empty((count,) + tuple(info.shape[1:]), dtype=torch_dtype(info.dtype))
         if t.numel():
@@ -296,9 +326,10 @@ class Source:
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor, a new CPU tensor."""
-        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+        import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+
         info = self.facts(name)
-        if self.extents(name) is None:     # assembled by the kind's own whole-tensor read
+        if self.extents(name) is None:  # assembled by the kind's own whole-tensor read
             t = self._read_whole(name)
             self._count(info.nbytes)
             return t
@@ -309,7 +340,8 @@ class Source:
 
     def read_elems(self, name: str, start: int, count: int) -> torch.Tensor:
         """Elements [start, start+count) of the flattened tensor, as a new 1-D tensor."""
-        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+        import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+
         info = self.facts(name)
         t = torch.empty(count, dtype=torch_dtype(info.dtype))
         if count:
@@ -342,9 +374,9 @@ class LoraModule:
     b_shape: tuple[int, ...]
     fan_in_fan_out: bool = False
     a_dtype: str = "float32"
-    expert: int | None = None       # grouped-expert LoRA: the keys are stacked [E, r, in] / [E, out, r]; this
+    expert: int | None = None  # grouped-expert LoRA: the keys are stacked [E, r, in] / [E, out, r]; this
     #                                 module's factors are their dim-0 slice `expert` (shapes are the slice's)
-    part: str | None = None         # a fused PEFT expert LoRA (`formats.peft.experts`): the keys are the fused
+    part: str | None = None  # a fused PEFT expert LoRA (`formats.peft.experts`): the keys are the fused
     #                                 parameter's; this module is projection `part` of expert `expert` in it
 
     @property
@@ -364,20 +396,21 @@ class LoraSource:
     (`formats.peft.lora`) or of a DCP checkpoint (`formats.dcp.lora`), or one computed (`sources.delta`).
     `ckpt` / `adapter`: the format's handle the factors are read from (a `DcpCheckpoint`, a `PeftAdapter`),
     None where there is none of that kind: what an op asks instead of the class."""
+
     kind: str
     path: Path
     ckpt: DcpCheckpoint | None = None
     adapter: PeftAdapter | None = None
     modules: dict[str, LoraModule]
-    full_tensors: dict[str, str]        # modules_to_save replacements: HF name -> source key
+    full_tensors: dict[str, str]  # modules_to_save replacements: HF name -> source key
     alpha_source: str
     alpha: float | None
     use_rslora: bool = False
     warnings: tuple[str, ...] = ()
     slot: int | None = None
-    resident_bytes: int = 0             # bytes held for the whole run (a .bin adapter is loaded whole)
-    config_path: Path                   # what errors about its configuration name (adapter_config.json, .metadata)
-    weights_path: Path                  # what errors about its weights name
+    resident_bytes: int = 0  # bytes held for the whole run (a .bin adapter is loaded whole)
+    config_path: Path  # what errors about its configuration name (adapter_config.json, .metadata)
+    weights_path: Path  # what errors about its weights name
 
     def read_key(self, key: str) -> torch.Tensor:
         raise NotImplementedError
@@ -388,8 +421,10 @@ class LoraSource:
     def read_ref(self, ref: str) -> torch.Tensor:
         """The tensor a `LoraModule.factor_ref` names."""
         refs = getattr(self, "_ref_map", None)
-        if refs is None:   # built once: the refs do not change with --alpha
-            refs = self._ref_map = {m.factor_ref(ab): (name, ab) for name, m in self.modules.items() for ab in "AB"}
+        if refs is None:  # built once: the refs do not change with --alpha
+            refs = self._ref_map = {
+                m.factor_ref(ab): (name, ab) for name, m in self.modules.items() for ab in "AB"
+            }
         m, ab = refs[ref]
         return self.read_factor(m, ab)
 
@@ -400,8 +435,11 @@ class LoraSource:
 
     def read_pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (A, B) of one module."""
-        import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
-        return self.read_factor(module, "A").to(torch.float32), self.read_factor(module, "B").to(torch.float32)
+        import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
+
+        return self.read_factor(module, "A").to(torch.float32), self.read_factor(module, "B").to(
+            torch.float32
+        )
 
     def read_full(self, name: str) -> torch.Tensor:
         return self.read_key(self.full_tensors[name])
@@ -418,13 +456,21 @@ class LoraSource:
     def describe(self) -> dict:
         ranks = sorted({m.rank for m in self.modules.values()})
         scales = sorted({m.scale for m in self.modules.values()})
-        return {"kind": self.kind, "path": str(self.path), "modules": len(self.modules),
-                "rank": ranks[0] if len(ranks) == 1 else ranks, "alpha": self.alpha,
-                "scale": scales[0] if len(scales) == 1 else scales, "alpha_source": self.alpha_source,
-                "modules_to_save": sorted(self.full_tensors)}
+        return {
+            "kind": self.kind,
+            "path": str(self.path),
+            "modules": len(self.modules),
+            "rank": ranks[0] if len(ranks) == 1 else ranks,
+            "alpha": self.alpha,
+            "scale": scales[0] if len(scales) == 1 else scales,
+            "alpha_source": self.alpha_source,
+            "modules_to_save": sorted(self.full_tensors),
+        }
 
     def with_alpha(self, alpha: float) -> None:
         """An explicit --alpha over the adapter's own (its ranks kept)."""
         self.alpha = check_alpha(alpha, "--alpha", error=UsageError)
         self.alpha_source = "--alpha (overrides adapter_config.json)"
-        self.modules = {k: replace(m, scale=lora_scale(alpha, m.rank, self.use_rslora)) for k, m in self.modules.items()}
+        self.modules = {
+            k: replace(m, scale=lora_scale(alpha, m.rank, self.use_rslora)) for k, m in self.modules.items()
+        }

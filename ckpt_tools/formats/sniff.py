@@ -1,5 +1,6 @@
 """What is this path? The one answer every command starts from: a DCP checkpoint, a PEFT adapter dir,
 an HF model dir, or a prime-rl `checkpoints` dir (step_N/ subdirs). From names on disk only."""
+
 from __future__ import annotations
 
 import re
@@ -9,7 +10,7 @@ from .dcp.layout import is_checkpoint_path
 from .hf_dir.names import INDEX_NAME, WEIGHTS_NAME
 from .peft.config import ADAPTER_CONFIG
 
-__all__ = ["DCP", "PEFT", "HF", "CHECKPOINTS", "sniff", "has_hf_weights", "step_number"]
+__all__ = ["CHECKPOINTS", "DCP", "HF", "PEFT", "has_hf_weights", "sniff", "step_number"]
 
 DCP, PEFT, HF, CHECKPOINTS = "dcp", "peft", "hf", "checkpoints"
 _STEP = re.compile(r"step_(\d+)")

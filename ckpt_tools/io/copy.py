@@ -1,6 +1,7 @@
 """Copies of input files into new output files: every source read through `inputs.open_input` (checked:
 no symlink out of its tree, no FIFO), every destination created new (`files.create_new`); and
 `copy_range`, a byte range of one open file into another at an offset, in the kernel."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,13 +15,14 @@ from . import inputs, remote, upload
 from .files import create_new
 from .pread import pread_exact, pread_into
 
-__all__ = ["copy_input_file", "copy_input_tree", "link_or_copy", "link_writes_bytes", "copy_range"]
+__all__ = ["copy_input_file", "copy_input_tree", "copy_range", "link_or_copy", "link_writes_bytes"]
 
-_FICLONE = 0x40049409   # linux/fs.h: _IOW(0x94, 9, int)
+_FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 
 
-def copy_input_file(src: str | os.PathLike, dst: str | os.PathLike, *, root: str | os.PathLike | None,
-                    what: str = "file") -> int:
+def copy_input_file(
+    src: str | os.PathLike, dst: str | os.PathLike, *, root: str | os.PathLike | None, what: str = "file"
+) -> int:
     """Copy the regular file `src` (of the tree `root`, checked by `inputs.open_input`) into a NEW
     file `dst` (`create_new`). Returns the bytes copied."""
     fd = inputs.open_input(src, root=root, what=what)
@@ -28,7 +30,7 @@ def copy_input_file(src: str | os.PathLike, dst: str | os.PathLike, *, root: str
         out = create_new(dst)
         try:
             done = 0
-            if remote.object_of_fd(fd) is not None:   # a remote object: fetched by range, written here
+            if remote.object_of_fd(fd) is not None:  # a remote object: fetched by range, written here
                 size = os.fstat(fd).st_size
                 while done < size:
                     b = pread_exact(fd, done, min(1 << 24, size - done), path=src)
@@ -40,7 +42,7 @@ def copy_input_file(src: str | os.PathLike, dst: str | os.PathLike, *, root: str
                 if n == 0:
                     break
                 done += n
-            if done != os.fstat(fd).st_size:   # no sendfile here (or it stopped short): plain copy
+            if done != os.fstat(fd).st_size:  # no sendfile here (or it stopped short): plain copy
                 while True:
                     b = os.pread(fd, 1 << 24, done)
                     if not b:
@@ -54,8 +56,9 @@ def copy_input_file(src: str | os.PathLike, dst: str | os.PathLike, *, root: str
     return done
 
 
-def copy_input_tree(src: str | os.PathLike, dst: str | os.PathLike, *, root: str | os.PathLike,
-                    what: str = "entry") -> int:
+def copy_input_tree(
+    src: str | os.PathLike, dst: str | os.PathLike, *, root: str | os.PathLike, what: str = "entry"
+) -> int:
     """Copy a file or directory `src` of the tree `root` to the new path `dst`: directories are
     created, regular files copied by content (`copy_input_file`; a symlink inside the tree is copied
     as the file it names). Every entry is checked first (`inputs.scan_tree`): one that leaves the
@@ -91,7 +94,7 @@ def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
         copy_input_file(src, dst, root=root, what="data file")
         return "copy"
     try:
-        os.link(real, dst, follow_symlinks=False)   # the checked file itself, never a link's target
+        os.link(real, dst, follow_symlinks=False)  # the checked file itself, never a link's target
         return "hardlink"
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
@@ -130,8 +133,17 @@ def link_writes_bytes(src_root: Path, dst_dir: Path) -> bool:
 _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
-def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, *, path,
-               key: str | None = None, block_bytes: int) -> str:
+def copy_range(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    nbytes: int,
+    *,
+    path,
+    key: str | None = None,
+    block_bytes: int,
+) -> str:
     """Bytes [src_offset, src_offset + nbytes) of `src_fd` to `dst_offset` of `dst_fd`. By
     `os.copy_file_range`, page cache to page cache in the kernel: the bytes never enter this process's
     memory (RSS), and nothing is decoded. Where the kernel refuses it, pread + pwrite through one buffer
@@ -141,8 +153,9 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbyte
     if hasattr(os, "copy_file_range") and remote.object_of_fd(src_fd) is None:
         try:
             while done < nbytes:
-                n = os.copy_file_range(src_fd, dst_fd, min(block_bytes, nbytes - done),
-                                       src_offset + done, dst_offset + done)
+                n = os.copy_file_range(
+                    src_fd, dst_fd, min(block_bytes, nbytes - done), src_offset + done, dst_offset + done
+                )
                 if n == 0:
                     _ended(path, key, src_offset, done, nbytes)
                 done += n
@@ -162,6 +175,10 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbyte
 
 
 def _ended(path, key, offset: int, done: int, total: int):
-    raise TruncatedFileError(f"file ended at byte {offset + done} while copying bytes [{offset}, {offset + total}); "
-                             "it shrank or was truncated after it was opened", path=path, key=key,
-                             hint="re-copy or re-download the file")
+    raise TruncatedFileError(
+        f"file ended at byte {offset + done} while copying bytes [{offset}, {offset + total}); "
+        "it shrank or was truncated after it was opened",
+        path=path,
+        key=key,
+        hint="re-copy or re-download the file",
+    )

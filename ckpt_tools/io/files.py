@@ -4,6 +4,7 @@ link someone planted. A single file that must replace another (a patched `.metad
 written under a fresh temp name beside it, fsynced, renamed over the target, and the directory fsynced
 (`atomic_write_bytes`): readers see the old file or the new one, never a part.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,9 +17,26 @@ import sys
 from pathlib import Path
 
 __all__ = [
-    "create_new", "open_new", "pwrite_all", "write_new_file", "fsync_path", "fsync_tree", "start_writeback", "atomic_write_bytes",
-    "atomic_write_text", "exchange_paths", "remove_path", "remove_file", "link_entry", "rename_entry",
-    "remove_empty_dir", "make_dirs", "stdout_to_devnull", "temp_name", "hash_written_file", "WrittenFileHasher",
+    "WrittenFileHasher",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "create_new",
+    "exchange_paths",
+    "fsync_path",
+    "fsync_tree",
+    "hash_written_file",
+    "link_entry",
+    "make_dirs",
+    "open_new",
+    "pwrite_all",
+    "remove_empty_dir",
+    "remove_file",
+    "remove_path",
+    "rename_entry",
+    "start_writeback",
+    "stdout_to_devnull",
+    "temp_name",
+    "write_new_file",
 ]
 
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -48,7 +66,7 @@ def pwrite_all(fd: int, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
-        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+        done += os.pwrite(fd, view[done : done + (1 << 30)], offset + done)
 
 
 def write_new_file(path: str | os.PathLike, data: bytes | str) -> int:
@@ -62,7 +80,9 @@ def write_new_file(path: str | os.PathLike, data: bytes | str) -> int:
     return len(raw)
 
 
-def hash_written_file(path: str | os.PathLike, *, algorithm: str = "sha256", block_bytes: int = 8 << 20) -> str:
+def hash_written_file(
+    path: str | os.PathLike, *, algorithm: str = "sha256", block_bytes: int = 8 << 20
+) -> str:
     """The hex digest of a file this command has just written (its bytes are in the page cache), read
     sequentially in `block_bytes` blocks (memory: one block). Not for inputs: those are read through
     `inputs`."""
@@ -109,7 +129,7 @@ class WrittenFileHasher:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
             self._buf = memoryview(bytearray(self._block))
         while self._pos < end:
-            view = self._buf[:min(self._block, end - self._pos)]
+            view = self._buf[: min(self._block, end - self._pos)]
             pread_into(self._fd, view, self._pos, path=self.path)
             self._h.update(view)
             self._pos += len(view)
@@ -137,7 +157,7 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-_SYNC_FILE_RANGE_WRITE = 2   # linux/fs.h: start writeback of the range's dirty pages, do not wait
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait
 _sync_file_range = None
 
 
@@ -253,7 +273,7 @@ def stdout_to_devnull() -> None:
         os.close(fd)
 
 
-_RENAME_EXCHANGE = 2   # linux/fs.h
+_RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
 

@@ -8,6 +8,7 @@ shard index first, through `fetch_one`) and downloaded at that commit. Off unles
 `--download` (or the API's `download=True`) turned it on for its duration (`allowing`); what was
 fetched is logged for the report (`fetched`). Credentials and the endpoint are huggingface_hub's own
 (HF_TOKEN / `hf auth login`, HF_ENDPOINT)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,16 +19,17 @@ from pathlib import Path
 
 from ..core.errors import CkptError, MissingFileError, UsageError
 
-__all__ = ["allowing", "enabled", "fetched", "Fetched", "download", "reset_log"]
+__all__ = ["Fetched", "allowing", "download", "enabled", "fetched", "reset_log"]
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_download", default=False)
-_LOG: list["Fetched"] = []
+_LOG: list[Fetched] = []
 _HF_VARS = "set HF_TOKEN (or run `hf auth login`) with a token that can read this repo"
 
 
 @dataclass(frozen=True)
 class Fetched:
     """One hub id fetched into the cache: the files it needed that were not there before, and their size."""
+
     repo: str
     revision: str
     commit: str
@@ -36,8 +38,14 @@ class Fetched:
     snapshot: str
 
     def to_json(self) -> dict:
-        return {"repo": self.repo, "revision": self.revision, "commit": self.commit, "files": list(self.files),
-                "bytes": self.bytes, "snapshot": self.snapshot}
+        return {
+            "repo": self.repo,
+            "revision": self.revision,
+            "commit": self.commit,
+            "files": list(self.files),
+            "bytes": self.bytes,
+            "snapshot": self.snapshot,
+        }
 
 
 def enabled() -> bool:
@@ -74,7 +82,7 @@ def download(repo: str, revision: str | None, choose, *, cache_dir: Path | None 
     try:
         import huggingface_hub as hf
         from huggingface_hub import errors
-    except ImportError:   # a dependency; only a broken install lacks it
+    except ImportError:  # a dependency; only a broken install lacks it
         raise UsageError("--download needs huggingface_hub", hint="pip install huggingface_hub") from None
     rev = revision or "main"
     endpoint = os.environ.get("HF_ENDPOINT") or None
@@ -86,42 +94,63 @@ def download(repo: str, revision: str | None, choose, *, cache_dir: Path | None 
         sha = info.sha
         names = sorted(s.rfilename for s in (info.siblings or []))
         from huggingface_hub import constants
+
         root = Path(cache) if cache else Path(constants.HF_HUB_CACHE)
         snap_dir = root / ("models--" + repo.replace("/", "--")) / "snapshots" / sha
-        before = {p.relative_to(snap_dir).as_posix() for p in snap_dir.rglob("*") if p.is_file()} \
-            if snap_dir.is_dir() else set()
+        before = (
+            {p.relative_to(snap_dir).as_posix() for p in snap_dir.rglob("*") if p.is_file()}
+            if snap_dir.is_dir()
+            else set()
+        )
 
         def fetch_one(name: str) -> Path:
             return Path(hf.hf_hub_download(repo, name, revision=sha, cache_dir=cache, endpoint=endpoint))
+
         wanted = sorted(set(choose(names, fetch_one)))
-        got = Path(hf.snapshot_download(repo, revision=sha, cache_dir=cache, endpoint=endpoint,
-                                        allow_patterns=[_escape(n) for n in wanted]))
-        if revision != sha:   # record the branch or tag as `hf download` does (refs/<rev>)
+        got = Path(
+            hf.snapshot_download(
+                repo,
+                revision=sha,
+                cache_dir=cache,
+                endpoint=endpoint,
+                allow_patterns=[_escape(n) for n in wanted],
+            )
+        )
+        if revision != sha:  # record the branch or tag as `hf download` does (refs/<rev>)
             _write_ref(got.parent.parent, rev, sha)
     except errors.GatedRepoError:
         raise UsageError(f"the Hub refused access to {where} (a gated repo): {_HF_VARS}") from None
     except errors.RevisionNotFoundError:
-        raise MissingFileError(f"{where!r}: no such revision on the Hub ({api.endpoint})",
-                               hint="pass an existing branch, tag or commit: org/name@REV") from None
-    except errors.RepositoryNotFoundError:   # the Hub says this for a private repo without a token too
-        raise MissingFileError(f"{where!r} is not in the local HF cache and the Hub ({api.endpoint}) has no such "
-                               "model repo (or it is private)",
-                               hint=f"check the id; a private repo needs a token: {_HF_VARS}") from None
+        raise MissingFileError(
+            f"{where!r}: no such revision on the Hub ({api.endpoint})",
+            hint="pass an existing branch, tag or commit: org/name@REV",
+        ) from None
+    except errors.RepositoryNotFoundError:  # the Hub says this for a private repo without a token too
+        raise MissingFileError(
+            f"{where!r} is not in the local HF cache and the Hub ({api.endpoint}) has no such "
+            "model repo (or it is private)",
+            hint=f"check the id; a private repo needs a token: {_HF_VARS}",
+        ) from None
     except errors.OfflineModeIsEnabled:
-        raise UsageError(f"--download cannot fetch {where}: HF_HUB_OFFLINE is set",
-                         hint="unset HF_HUB_OFFLINE, or download it elsewhere with `hf download`") from None
+        raise UsageError(
+            f"--download cannot fetch {where}: HF_HUB_OFFLINE is set",
+            hint="unset HF_HUB_OFFLINE, or download it elsewhere with `hf download`",
+        ) from None
     except errors.HfHubHTTPError as exc:
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if status in (401, 403):
             raise UsageError(f"the Hub refused access to {where}: {_HF_VARS}") from None
-        raise CkptError(f"downloading {where} failed: {str(exc).splitlines()[0]}",
-                        hint="retry later; what was fetched stays in the cache") from None
+        raise CkptError(
+            f"downloading {where} failed: {str(exc).splitlines()[0]}",
+            hint="retry later; what was fetched stays in the cache",
+        ) from None
     except CkptError:
         raise
-    except OSError as exc:   # a connection refused, a timeout, a full disk
-        raise CkptError(f"downloading {where} failed: {type(exc).__name__}: {exc}",
-                        hint=f"check the network and HF_ENDPOINT ({api.endpoint}); what was fetched stays in "
-                             "the cache") from None
+    except OSError as exc:  # a connection refused, a timeout, a full disk
+        raise CkptError(
+            f"downloading {where} failed: {type(exc).__name__}: {exc}",
+            hint=f"check the network and HF_ENDPOINT ({api.endpoint}); what was fetched stays in the cache",
+        ) from None
     new = [n for n in wanted if n not in before]
     size = sum((got / n).stat().st_size for n in new if (got / n).is_file())
     _LOG.append(Fetched(repo, rev, sha, tuple(new), size, str(got)))
@@ -144,4 +173,3 @@ def _write_ref(folder: Path, rev: str, sha: str) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, ref)
-

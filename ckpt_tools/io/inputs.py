@@ -21,6 +21,7 @@ each command): every file opened here, and every tree opened as a whole (a check
 named it. (A config found in a run's outputs dir is an input; the outputs dir is not, so OUT may be
 written beside the checkpoint in it.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,11 +40,34 @@ from . import remote
 from .pread import pread_exact, pread_into
 
 __all__ = [
-    "ReadPolicy", "set_policy", "policy", "tracking", "register", "registered", "input_tree", "check_input",
-    "identity", "ancestry", "open_input", "read_input", "input_identity", "IDENTITY_EDGE_BYTES", "read_text",
-    "read_json", "read_toml", "scan_tree", "kind_of", "is_plain_file_name", "ReadStats",
-    "OpenFiles", "MAX_JSON_BYTES", "MAX_TOML_BYTES", "MAX_METADATA_BYTES", "MAX_JSON_DEPTH",
-    "MAX_CONFIG_VALUES", "MAX_TABLE_VALUES",
+    "IDENTITY_EDGE_BYTES",
+    "MAX_CONFIG_VALUES",
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_METADATA_BYTES",
+    "MAX_TABLE_VALUES",
+    "MAX_TOML_BYTES",
+    "OpenFiles",
+    "ReadPolicy",
+    "ReadStats",
+    "ancestry",
+    "check_input",
+    "identity",
+    "input_identity",
+    "input_tree",
+    "is_plain_file_name",
+    "kind_of",
+    "open_input",
+    "policy",
+    "read_input",
+    "read_json",
+    "read_text",
+    "read_toml",
+    "register",
+    "registered",
+    "scan_tree",
+    "set_policy",
+    "tracking",
 ]
 
 # Whole-file read limits, each far above what a genuine file of that kind holds: a DCP `.metadata`
@@ -58,8 +82,8 @@ MAX_JSON_DEPTH = 64
 # manifest holds a few per tensor (the largest public models have ~10^5 tensors).
 MAX_CONFIG_VALUES = 200_000
 MAX_TABLE_VALUES = 4_000_000
-SPARSE_MIN_BYTES = 64 << 20      # files below this are never called sparse
-SPARSE_RATIO = 64                # allocated * SPARSE_RATIO < size: mostly holes
+SPARSE_MIN_BYTES = 64 << 20  # files below this are never called sparse
+SPARSE_RATIO = 64  # allocated * SPARSE_RATIO < size: mostly holes
 
 
 @dataclass
@@ -143,8 +167,11 @@ def _identity_name(real: str) -> str:
     real path (multi-rank outputs and inputs live on a filesystem every node sees at one path)."""
     parts = Path(real).parts
     for i in range(len(parts) - 1, 0, -1):
-        if parts[i].startswith(("models--", "datasets--", "spaces--")) and i + 1 < len(parts) and \
-                parts[i + 1] in ("blobs", "snapshots", "refs"):
+        if (
+            parts[i].startswith(("models--", "datasets--", "spaces--"))
+            and i + 1 < len(parts)
+            and parts[i + 1] in ("blobs", "snapshots", "refs")
+        ):
             return "hf-cache:" + "/".join(parts[i:])
     return real
 
@@ -183,8 +210,14 @@ def input_identity() -> list[list]:
 def is_plain_file_name(name) -> bool:
     """A name that can only mean a file directly inside its directory (no separator, no `..`, no NUL):
     what an index or a checkpoint's metadata may name, and nothing that leaves the tree."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-            and "\0" not in name and not os.path.isabs(name))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and not os.path.isabs(name)
+    )
 
 
 def _within(inner: str, outer: str) -> bool:
@@ -203,17 +236,29 @@ def input_tree(root: str | os.PathLike) -> str:
     return real
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
-          (stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symlink"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISLNK, "a symlink"),
+)
 
 
 def kind_of(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def check_input(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file",
-                want: str = "file", register_as_input: bool = True) -> tuple[str, os.stat_result]:
+def check_input(
+    path: str | os.PathLike,
+    *,
+    root: str | os.PathLike | None = None,
+    what: str = "file",
+    want: str = "file",
+    register_as_input: bool = True,
+) -> tuple[str, os.stat_result]:
     """Check, without opening it, that `path` may be read: inside its tree `root` (when given),
     and a regular file (`want="file"`) or a directory (`want="dir"`). Returns (real path, stat).
     Raises MissingFileError / UnsafeInputError naming `path`."""
@@ -225,24 +270,32 @@ def check_input(path: str | os.PathLike, *, root: str | os.PathLike | None = Non
         tree = input_tree(root)
         if not _POLICY.follow_symlinks and not _within(real, tree):
             raise UnsafeInputError(
-                f"{what} resolves to {real}, outside {tree}: a symlink that leaves the directory it belongs to; "
-                "refusing to read through it", path=p,
-                hint="if you made this link yourself, pass `ckpt --follow-symlinks ...`; otherwise delete it")
+                f"{what} resolves to {real}, outside {tree}: a symlink that leaves the directory it belongs "
+                f"to; "
+                "refusing to read through it",
+                path=p,
+                hint="if you made this link yourself, pass `ckpt --follow-symlinks ...`; otherwise delete it",
+            )
     try:
         st = os.stat(real)
     except FileNotFoundError:
         if os.path.lexists(p):
             raise MissingFileError(f"{what} is a dangling symlink (to {real})", path=p) from None
         raise MissingFileError(f"no such {what}", path=p) from None
-    except (OSError, ValueError) as exc:   # ValueError: a NUL byte in the name
-        raise MissingFileError(f"cannot stat {what}: {getattr(exc, 'strerror', None) or exc}", path=p) from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the name
+        raise MissingFileError(
+            f"cannot stat {what}: {getattr(exc, 'strerror', None) or exc}", path=p
+        ) from None
     ok = stat.S_ISREG(st.st_mode) if want == "file" else stat.S_ISDIR(st.st_mode)
     if not ok:
         expected = "a regular file" if want == "file" else "a directory"
-        raise UnsafeInputError(f"{what} is {kind_of(st.st_mode)}, expected {expected}; refusing to open it", path=p,
-                               hint="replace it with the real file (a FIFO or device would block or never end)")
+        raise UnsafeInputError(
+            f"{what} is {kind_of(st.st_mode)}, expected {expected}; refusing to open it",
+            path=p,
+            hint="replace it with the real file (a FIFO or device would block or never end)",
+        )
     if register_as_input:
-        register(real)   # the file itself; readers of a whole tree (a checkpoint, a model dir) register it
+        register(real)  # the file itself; readers of a whole tree (a checkpoint, a model dir) register it
     return real, st
 
 
@@ -250,15 +303,19 @@ def _check_sparse(p: Path, st: os.stat_result, what: str) -> None:
     allocated = getattr(st, "st_blocks", None)
     if allocated is None or _POLICY.allow_sparse or st.st_size < SPARSE_MIN_BYTES:
         return
-    if remote.object_of_stat(st) is not None:   # a remote object's placeholder: its bytes are fetched by range
+    if remote.object_of_stat(st) is not None:  # a remote object's placeholder: its bytes are fetched by range
         return
     allocated *= 512
     if allocated * SPARSE_RATIO < st.st_size:
         raise UnsafeInputError(
-            f"{what} is a sparse file: {st.st_size:,} bytes long but only {allocated:,} allocated on disk; a genuine "
+            f"{what} is a sparse file: {st.st_size:,} bytes long but only {allocated:,} allocated on disk; a "
+            f"genuine "
             "checkpoint or model file is never mostly holes (crafted, or an interrupted download), and its "
-            "header could claim sizes that cost nothing on disk", path=p,
-            hint="re-download it; if your filesystem reports no allocated blocks, pass `ckpt --allow-sparse ...`")
+            "header could claim sizes that cost nothing on disk",
+            path=p,
+            hint="re-download it; if your filesystem reports no allocated blocks, pass `ckpt --allow-sparse "
+            "...`",
+        )
 
 
 def open_input(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file") -> int:
@@ -279,23 +336,33 @@ def open_input(path: str | os.PathLike, *, root: str | os.PathLike | None = None
     return fd
 
 
-def read_input(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file",
-               max_bytes: int) -> bytes:
+def read_input(
+    path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file", max_bytes: int
+) -> bytes:
     """The whole file, refused (before any byte is read) above `max_bytes`."""
     p = Path(path)
     fd = open_input(p, root=root, what=what)
     try:
         size = os.fstat(fd).st_size
         if size > max_bytes:
-            raise UnsafeInputError(f"{what} is {size:,} bytes; a genuine one is far below the {max_bytes:,}-byte "
-                                   "limit, so it is not read", path=p, hint="the file is crafted or damaged")
+            raise UnsafeInputError(
+                f"{what} is {size:,} bytes; a genuine one is far below the {max_bytes:,}-byte "
+                "limit, so it is not read",
+                path=p,
+                hint="the file is crafted or damaged",
+            )
         return pread_exact(fd, 0, size, path=p)
     finally:
         os.close(fd)
 
 
-def read_text(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file",
-              max_bytes: int = MAX_JSON_BYTES) -> str:
+def read_text(
+    path: str | os.PathLike,
+    *,
+    root: str | os.PathLike | None = None,
+    what: str = "file",
+    max_bytes: int = MAX_JSON_BYTES,
+) -> str:
     p = Path(path)
     data = read_input(p, root=root, what=what, max_bytes=max_bytes)
     try:
@@ -327,12 +394,22 @@ def _values_ok(text: str, p: Path, what: str, limit: int, seps: str) -> None:
     the characters are counted inside strings too."""
     n = text.count("{") + text.count("[") + sum(text.count(c) for c in seps)
     if n > limit:
-        raise FormatError(f"{what} could hold {n:,} values (a genuine one holds far fewer than {limit:,}); it is "
-                          "not parsed", path=p, hint="the file is crafted or damaged; use an intact copy")
+        raise FormatError(
+            f"{what} could hold {n:,} values (a genuine one holds far fewer than {limit:,}); it is "
+            "not parsed",
+            path=p,
+            hint="the file is crafted or damaged; use an intact copy",
+        )
 
 
-def read_json(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "JSON file",
-              max_bytes: int = MAX_JSON_BYTES, max_values: int = MAX_CONFIG_VALUES):
+def read_json(
+    path: str | os.PathLike,
+    *,
+    root: str | os.PathLike | None = None,
+    what: str = "JSON file",
+    max_bytes: int = MAX_JSON_BYTES,
+    max_values: int = MAX_CONFIG_VALUES,
+):
     """Parse a JSON file: valid UTF-8 JSON, no NaN/Infinity, at most MAX_JSON_DEPTH levels deep
     (a 100,000-deep array is a RecursionError in every walk of it), at most `max_values` values
     (MAX_TABLE_VALUES for an index of tensors), else a FormatError."""
@@ -342,16 +419,25 @@ def read_json(path: str | os.PathLike, *, root: str | os.PathLike | None = None,
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
-        raise FormatError(f"not valid JSON: nested too deeply (over {MAX_JSON_DEPTH} levels)", path=p) from None
+        raise FormatError(
+            f"not valid JSON: nested too deeply (over {MAX_JSON_DEPTH} levels)", path=p
+        ) from None
     except ValueError as exc:
         raise FormatError(f"not valid JSON: {exc}", path=p) from None
     if not _depth_ok(obj, MAX_JSON_DEPTH):
-        raise FormatError(f"not valid JSON for a {what}: nested more than {MAX_JSON_DEPTH} levels deep", path=p)
+        raise FormatError(
+            f"not valid JSON for a {what}: nested more than {MAX_JSON_DEPTH} levels deep", path=p
+        )
     return obj
 
 
-def read_toml(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "TOML file",
-              max_bytes: int = MAX_TOML_BYTES) -> tuple[dict, str]:
+def read_toml(
+    path: str | os.PathLike,
+    *,
+    root: str | os.PathLike | None = None,
+    what: str = "TOML file",
+    max_bytes: int = MAX_TOML_BYTES,
+) -> tuple[dict, str]:
     """(parsed, text) of a TOML file; a FormatError for anything that is not valid, shallow TOML of at
     most MAX_CONFIG_VALUES values, integers within Python's 4,300 digits."""
     p = Path(path)
@@ -360,18 +446,27 @@ def read_toml(path: str | os.PathLike, *, root: str | os.PathLike | None = None,
     try:
         data = tomllib.loads(text)
     except RecursionError:
-        raise FormatError(f"not valid TOML: nested too deeply (over {MAX_JSON_DEPTH} levels)", path=p) from None
+        raise FormatError(
+            f"not valid TOML: nested too deeply (over {MAX_JSON_DEPTH} levels)", path=p
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise FormatError(f"not valid TOML: {exc}", path=p) from None
-    except ValueError as exc:   # an integer past sys.get_int_max_str_digits() (4,300 digits)
-        raise FormatError(f"not valid TOML: {str(exc).split(';')[0]}", path=p,
-                          hint="the file is crafted or damaged; use an intact copy") from None
+    except ValueError as exc:  # an integer past sys.get_int_max_str_digits() (4,300 digits)
+        raise FormatError(
+            f"not valid TOML: {str(exc).split(';')[0]}",
+            path=p,
+            hint="the file is crafted or damaged; use an intact copy",
+        ) from None
     if not _depth_ok(data, MAX_JSON_DEPTH):
-        raise FormatError(f"not valid TOML for a {what}: nested more than {MAX_JSON_DEPTH} levels deep", path=p)
+        raise FormatError(
+            f"not valid TOML for a {what}: nested more than {MAX_JSON_DEPTH} levels deep", path=p
+        )
     return data, text
 
 
-def scan_tree(top: str | os.PathLike, *, root: str | os.PathLike, what: str = "entry") -> list[tuple[Path, int]]:
+def scan_tree(
+    top: str | os.PathLike, *, root: str | os.PathLike, what: str = "entry"
+) -> list[tuple[Path, int]]:
     """Every regular file under `top` (a file or a directory of the tree `root`) with its size,
     after checking each entry as `check_input` does (directories too): what a copy of `top` will
     read. Raises on the first entry that may not be read."""
@@ -385,12 +480,16 @@ def scan_tree(top: str | os.PathLike, *, root: str | os.PathLike, what: str = "e
         d = todo.pop()
         for name in sorted(os.listdir(d)):
             p = d / name
-            real, st = check_input(p, root=root, what=what, want="dir" if os.path.isdir(p) else "file",
-                                   register_as_input=False)
+            real, st = check_input(
+                p, root=root, what=what, want="dir" if os.path.isdir(p) else "file", register_as_input=False
+            )
             if stat.S_ISDIR(st.st_mode):
-                if real in seen:   # a symlink to a directory already walked: a loop
-                    raise UnsafeInputError(f"{what} is a symlink back to {real}: a directory loop", path=p,
-                                           hint="delete the link")
+                if real in seen:  # a symlink to a directory already walked: a loop
+                    raise UnsafeInputError(
+                        f"{what} is a symlink back to {real}: a directory loop",
+                        path=p,
+                        hint="delete the link",
+                    )
                 seen.add(real)
                 todo.append(p)
             else:
@@ -402,6 +501,7 @@ def scan_tree(top: str | os.PathLike, *, root: str | os.PathLike, what: str = "e
 @dataclass
 class ReadStats:
     """Every byte range read from data files, for tests and benchmarks."""
+
     bytes_read: int = 0
     ranges: list[tuple[str, int, int]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -418,8 +518,14 @@ class OpenFiles:
     `close()`. Reads are range-checked against the size seen at open and counted in `stats`.
     Thread-safe: preads on shared fds need no lock."""
 
-    def __init__(self, root: Path, *, what: str = "data file", missing_hint: str | None = None,
-                 truncated_hint: str = "the file is truncated (disk full or an interrupted copy?)"):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        what: str = "data file",
+        missing_hint: str | None = None,
+        truncated_hint: str = "the file is truncated (disk full or an interrupted copy?)",
+    ):
         self.root = Path(root)
         self.what = what
         self.missing_hint = missing_hint
@@ -436,10 +542,12 @@ class OpenFiles:
                 p = self.root / rel
                 if not os.path.lexists(p):
                     raise MissingFileError(f"{self.what} is missing", path=p, key=key, hint=self.missing_hint)
-                try:   # symlinks out of the tree, FIFOs, devices, sparse files: refused here
+                try:  # symlinks out of the tree, FIFOs, devices, sparse files: refused here
                     fd = open_input(p, root=self.root, what=self.what)
                 except (MissingFileError, FormatError) as exc:
-                    raise type(exc)(exc.message, path=p, key=key, hint=exc.hint or self.missing_hint) from None
+                    raise type(exc)(
+                        exc.message, path=p, key=key, hint=exc.hint or self.missing_hint
+                    ) from None
                 self._sizes[rel] = os.fstat(fd).st_size
                 self._fds[rel] = fd
             return fd
@@ -453,8 +561,12 @@ class OpenFiles:
         fd = self.fd(rel, key)
         size = self._sizes[rel]
         if offset < 0 or length < 0 or offset + length > size:
-            raise TruncatedFileError(f"item [{offset}, {offset + length}) lies beyond the end of the "
-                                     f"file ({size} bytes)", path=self.root / rel, key=key, hint=self.truncated_hint)
+            raise TruncatedFileError(
+                f"item [{offset}, {offset + length}) lies beyond the end of the file ({size} bytes)",
+                path=self.root / rel,
+                key=key,
+                hint=self.truncated_hint,
+            )
         return fd
 
     def read(self, rel: str, offset: int, length: int, key: str = "") -> bytes:

@@ -7,6 +7,7 @@ lock is the file's existence (O_CREAT|O_EXCL), taking over a lock whose pid is d
 by a dead holder is replaced, never reused; a symlink or non-regular file at the lock path is refused.
 `staging.AtomicOutputDir(out)` and in-place editors of `out` take the same lock.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,7 @@ from ..core.errors import LockedError, UnsafeInputError
 from . import inputs
 from .files import create_new
 
-__all__ = ["OutputLock", "lock_path_for", "pid_alive", "lock_holder"]
+__all__ = ["OutputLock", "lock_holder", "lock_path_for", "pid_alive"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:   # exists, owned by someone else
+    except PermissionError:  # exists, owned by someone else
         return True
     return True
 
@@ -57,13 +58,17 @@ class OutputLock:
 
     def _locked(self, pid_text: str) -> LockedError:
         pid = pid_text.strip() or "unknown"
-        return LockedError(f"another ckpt command (pid {pid}) is writing {self.out}",
-                           hint=f"wait for it to finish; if no such process exists, delete {self.path}")
+        return LockedError(
+            f"another ckpt command (pid {pid}) is writing {self.out}",
+            hint=f"wait for it to finish; if no such process exists, delete {self.path}",
+        )
 
     def _not_ours(self, what: str) -> UnsafeInputError:
-        return UnsafeInputError(f"the lock path is {what}, not a lock file ckpt-tools made: refusing to open "
-                                "or write it", path=self.path,
-                                hint="delete it if no ckpt command is running (a checkpoint must not ship one)")
+        return UnsafeInputError(
+            f"the lock path is {what}, not a lock file ckpt-tools made: refusing to open or write it",
+            path=self.path,
+            hint="delete it if no ckpt command is running (a checkpoint must not ship one)",
+        )
 
     @staticmethod
     def _holder_pid(fd: int) -> str:
@@ -84,14 +89,19 @@ class OutputLock:
         for _ in range(100):
             created = True
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | getattr(os, "O_CLOEXEC", 0), 0o644)
+                fd = os.open(
+                    self.path,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                    0o644,
+                )
             except FileExistsError:
                 created = False
                 try:
-                    fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                    fd = os.open(
+                        self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+                    )
                 except FileNotFoundError:
-                    continue          # released meanwhile: try to create it again
+                    continue  # released meanwhile: try to create it again
                 except OSError as e:
                     if e.errno == errno.ELOOP:
                         raise self._not_ours("a symlink") from None
@@ -143,10 +153,12 @@ class OutputLock:
                 fd = create_new(self.path)
             except FileExistsError:
                 try:
-                    rfd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                    rfd = os.open(
+                        self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+                    )
                 except FileNotFoundError:
                     continue
-                except OSError:   # ELOOP: a symlink
+                except OSError:  # ELOOP: a symlink
                     raise self._not_ours("a symlink") from None
                 try:
                     if not stat.S_ISREG(os.fstat(rfd).st_mode):

@@ -17,6 +17,7 @@ from a genuine checkpoint or model, which is exactly what must never be deleted)
 OUT yourself, or write a new one. The marker is a hidden file, so every reader of our outputs
 (DCP loaders, `from_pretrained`, PEFT, `ckpt verify`) ignores it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ from ..core.errors import OutputExistsError, UsageError
 from ..core.units import human_bytes
 from .files import write_new_file
 
-__all__ = ["OUTPUT_MARKER", "set_command", "command_scope", "write_marker", "replace_check", "check_not_cwd"]
+__all__ = ["OUTPUT_MARKER", "check_not_cwd", "command_scope", "replace_check", "set_command", "write_marker"]
 
 OUTPUT_MARKER = ".ckpt-tools-output"
 _TOOL = "ckpt-tools"
@@ -79,23 +80,31 @@ def check_not_cwd(out: Path) -> None:
     here = Path(os.getcwd())
     for d in (here, *here.parents):
         if _identity(d) == me:
-            what = "the root directory" if d == Path(d.anchor) else \
-                "the current directory" if d == here else f"a directory above the current one ({here})"
-            raise UsageError(f"output {out} is {what}: writing OUT replaces the whole directory",
-                             hint="pass a new directory name for the output")
+            what = (
+                "the root directory"
+                if d == Path(d.anchor)
+                else "the current directory"
+                if d == here
+                else f"a directory above the current one ({here})"
+            )
+            raise UsageError(
+                f"output {out} is {what}: writing OUT replaces the whole directory",
+                hint="pass a new directory name for the output",
+            )
 
 
 def _listing(out: Path) -> list[str]:
     try:
         return sorted(os.listdir(out))
     except OSError as exc:
-        raise OutputExistsError(f"already exists and cannot be listed ({exc.strerror})", path=out,
-                                hint="pass another output path") from None
+        raise OutputExistsError(
+            f"already exists and cannot be listed ({exc.strerror})", path=out, hint="pass another output path"
+        ) from None
 
 
 def _tree_bytes(out: Path) -> int:
     total = 0
-    for root, dirs, files in os.walk(out):
+    for root, _dirs, files in os.walk(out):
         for n in files:
             try:
                 total += os.lstat(os.path.join(root, n)).st_size
@@ -111,7 +120,9 @@ def _named(names: list[str]) -> str:
 
 def _read_marker(out: Path) -> dict | None:
     try:
-        fd = os.open(out / OUTPUT_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(
+            out / OUTPUT_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        )
     except OSError:
         return None
     try:
@@ -125,8 +136,12 @@ def _read_marker(out: Path) -> dict | None:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
-    if not isinstance(doc, dict) or doc.get("tool") != _TOOL or not isinstance(doc.get("entries"), list) \
-            or not all(isinstance(e, str) for e in doc["entries"]):
+    if (
+        not isinstance(doc, dict)
+        or doc.get("tool") != _TOOL
+        or not isinstance(doc.get("entries"), list)
+        or not all(isinstance(e, str) for e in doc["entries"])
+    ):
         return None
     return doc
 
@@ -138,28 +153,44 @@ def replace_check(out: Path) -> dict:
     refuse = "--overwrite replaces only an earlier output of ckpt-tools"
     st = os.lstat(out)
     if stat.S_ISLNK(st.st_mode):
-        raise OutputExistsError(f"is a symbolic link (to {os.readlink(out)}), not an earlier output; {refuse}",
-                                path=out, hint="remove the link yourself, or pass another output path")
+        raise OutputExistsError(
+            f"is a symbolic link (to {os.readlink(out)}), not an earlier output; {refuse}",
+            path=out,
+            hint="remove the link yourself, or pass another output path",
+        )
     if not stat.S_ISDIR(st.st_mode):
-        raise OutputExistsError(f"is a file ({human_bytes(st.st_size)}), not an earlier output; {refuse}",
-                                path=out, hint="delete it yourself if you mean to, or pass another output path")
+        raise OutputExistsError(
+            f"is a file ({human_bytes(st.st_size)}), not an earlier output; {refuse}",
+            path=out,
+            hint="delete it yourself if you mean to, or pass another output path",
+        )
     names = _listing(out)
-    if not names:   # an empty directory (`mkdir OUT` first): nothing to lose
+    if not names:  # an empty directory (`mkdir OUT` first): nothing to lose
         return {"command": None, "version": None, "entries": 0, "bytes": 0}
     doc = _read_marker(out)
     if doc is None:
         hidden = [n for n in names if n.startswith(".")]
-        what = f"{len(names)} entries ({_named(names)})" + (f", {len(hidden)} of them hidden" if hidden else "")
+        what = f"{len(names)} entries ({_named(names)})" + (
+            f", {len(hidden)} of them hidden" if hidden else ""
+        )
         raise OutputExistsError(
             f"is not an output of ckpt-tools (no {OUTPUT_MARKER} in it); --overwrite would delete "
-            f"{what}; refusing", path=out,
+            f"{what}; refusing",
+            path=out,
             hint="pass a new output path, or delete it yourself if it is to go; outputs of ckpt-tools "
-                 "versions that wrote no marker are refused too")
+            "versions that wrote no marker are refused too",
+        )
     extra = [n for n in names if n != OUTPUT_MARKER and n not in set(doc["entries"])]
     if extra:
         raise OutputExistsError(
             f"is an earlier output of `ckpt {doc.get('command')}`, but holds entries it did not write: "
-            f"{_named(extra)}; --overwrite would delete them; refusing", path=out,
-            hint="move those entries out first, or pass another output path")
-    return {"command": doc.get("command"), "version": doc.get("version"),
-            "entries": len(names) - (OUTPUT_MARKER in names), "bytes": _tree_bytes(out)}
+            f"{_named(extra)}; --overwrite would delete them; refusing",
+            path=out,
+            hint="move those entries out first, or pass another output path",
+        )
+    return {
+        "command": doc.get("command"),
+        "version": doc.get("version"),
+        "entries": len(names) - (OUTPUT_MARKER in names),
+        "bytes": _tree_bytes(out),
+    }

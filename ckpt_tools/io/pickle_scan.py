@@ -9,6 +9,7 @@ are decoded inline, the rest by pickletools; tests/test_pickle_scan.py holds the
 ~30x faster and answers only "within bounds, with these figures" or "ask the Python scan": every
 refusal, figure and message is this module's. Without it, this module alone gives the same answers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,18 @@ from ..core.errors import UnsafePickleError
 # Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the Python scan alone.
 accelerator = load_accelerator("ckpt_tools.io.pickle_scan_c")
 
-__all__ = ["MAX_PICKLE_DEPTH", "MIN_TREE_NODES", "TREE_NODES_PER_BYTE", "MAX_INT_BITS", "MAX_VALUE_KEYS",
-           "check_pickle_bounds",
-           "reference_scan", "tree_budget", "accelerator", "gc_paused"]
+__all__ = [
+    "MAX_INT_BITS",
+    "MAX_PICKLE_DEPTH",
+    "MAX_VALUE_KEYS",
+    "MIN_TREE_NODES",
+    "TREE_NODES_PER_BYTE",
+    "accelerator",
+    "check_pickle_bounds",
+    "gc_paused",
+    "reference_scan",
+    "tree_budget",
+]
 
 
 @contextlib.contextmanager
@@ -53,34 +63,95 @@ _MEMO_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 # they are reached) has 0.21 nodes per byte (measured on every fixture, torch 2.13; tested in
 # tests/test_hostile_files.py): the limits leave 5x and 19x of headroom.
 MAX_PICKLE_DEPTH = 64
-MIN_TREE_NODES = 1 << 16          # tree budget: max(this, TREE_NODES_PER_BYTE * len(data))
+MIN_TREE_NODES = 1 << 16  # tree budget: max(this, TREE_NODES_PER_BYTE * len(data))
 TREE_NODES_PER_BYTE = 4
-MAX_INT_BITS = 256                 # LONG1/LONG4: a 64-bit offset needs 65; a 100 MB int is a bomb
+MAX_INT_BITS = 256  # LONG1/LONG4: a 64-bit offset needs 65; a 100 MB int is a bomb
 # Dict keys / set members whose hash the pickle chooses (numbers: hash(k * (2**61 - 1)) == 0; tuples and
 # REDUCE results: their members'), unlike str/bytes (seeded): N of one hash cost N^2/2 compares in the C
 # unpickler, signals held (40,000 int keys: 18 s). Genuine DCP pickles have none (tested on every fixture).
 MAX_VALUE_KEYS = 1000
 
-_LEAF_OPS = frozenset({
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
-    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
-    "BINUNICODE8", "FLOAT", "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "GLOBAL", "NEXT_BUFFER", "EXT1", "EXT2",
-    "EXT4", "PERSID",
-})
+_LEAF_OPS = frozenset(
+    {
+        "INT",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "LONG",
+        "LONG1",
+        "LONG4",
+        "STRING",
+        "BINSTRING",
+        "SHORT_BINSTRING",
+        "BINBYTES",
+        "SHORT_BINBYTES",
+        "BINBYTES8",
+        "BYTEARRAY8",
+        "UNICODE",
+        "SHORT_BINUNICODE",
+        "BINUNICODE",
+        "BINUNICODE8",
+        "FLOAT",
+        "BINFLOAT",
+        "NONE",
+        "NEWTRUE",
+        "NEWFALSE",
+        "GLOBAL",
+        "NEXT_BUFFER",
+        "EXT1",
+        "EXT2",
+        "EXT4",
+        "PERSID",
+    }
+)
 _NO_STACK_OPS = frozenset({"PROTO", "FRAME", "READONLY_BUFFER"})
-_FIXED_ARITY = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "REDUCE": 2, "NEWOBJ": 2, "NEWOBJ_EX": 3,
-                "STACK_GLOBAL": 2, "BINPERSID": 1}
+_FIXED_ARITY = {
+    "TUPLE1": 1,
+    "TUPLE2": 2,
+    "TUPLE3": 3,
+    "REDUCE": 2,
+    "NEWOBJ": 2,
+    "NEWOBJ_EX": 3,
+    "STACK_GLOBAL": 2,
+    "BINPERSID": 1,
+}
 _FROM_MARK = frozenset({"TUPLE", "LIST", "DICT", "FROZENSET", "OBJ", "INST"})
 _MUTATE_FROM_MARK = frozenset({"APPENDS", "SETITEMS", "ADDITEMS"})
-(_K_UNKNOWN, _K_LEAF, _K_PUT, _K_GET, _K_MARK, _K_EMPTY, _K_FIXED, _K_FROM_MARK, _K_MUTATE_FROM_MARK, _K_MUTATE1,
- _K_SETITEM, _K_NOOP, _K_STOP, _K_DUP, _K_POP, _K_POP_MARK) = range(16)
+(
+    _K_UNKNOWN,
+    _K_LEAF,
+    _K_PUT,
+    _K_GET,
+    _K_MARK,
+    _K_EMPTY,
+    _K_FIXED,
+    _K_FROM_MARK,
+    _K_MUTATE_FROM_MARK,
+    _K_MUTATE1,
+    _K_SETITEM,
+    _K_NOOP,
+    _K_STOP,
+    _K_DUP,
+    _K_POP,
+    _K_POP_MARK,
+) = range(16)
 _OP_KINDS: dict[str, int] = {
-    **{o: _K_LEAF for o in _LEAF_OPS}, **{o: _K_NOOP for o in _NO_STACK_OPS},
-    **{o: _K_PUT for o in _MEMO_PUT_OPS | {"MEMOIZE"}}, **{o: _K_GET for o in ("GET", "BINGET", "LONG_BINGET")},
-    "MARK": _K_MARK, **{o: _K_EMPTY for o in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "EMPTY_TUPLE")},
-    **{o: _K_FIXED for o in _FIXED_ARITY}, **{o: _K_FROM_MARK for o in _FROM_MARK},
-    **{o: _K_MUTATE_FROM_MARK for o in _MUTATE_FROM_MARK}, "APPEND": _K_MUTATE1, "BUILD": _K_MUTATE1,
-    "SETITEM": _K_SETITEM, "STOP": _K_STOP, "DUP": _K_DUP, "POP": _K_POP, "POP_MARK": _K_POP_MARK,
+    **dict.fromkeys(_LEAF_OPS, _K_LEAF),
+    **dict.fromkeys(_NO_STACK_OPS, _K_NOOP),
+    **dict.fromkeys(_MEMO_PUT_OPS | {"MEMOIZE"}, _K_PUT),
+    **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), _K_GET),
+    "MARK": _K_MARK,
+    **dict.fromkeys(("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "EMPTY_TUPLE"), _K_EMPTY),
+    **dict.fromkeys(_FIXED_ARITY, _K_FIXED),
+    **dict.fromkeys(_FROM_MARK, _K_FROM_MARK),
+    **dict.fromkeys(_MUTATE_FROM_MARK, _K_MUTATE_FROM_MARK),
+    "APPEND": _K_MUTATE1,
+    "BUILD": _K_MUTATE1,
+    "SETITEM": _K_SETITEM,
+    "STOP": _K_STOP,
+    "DUP": _K_DUP,
+    "POP": _K_POP,
+    "POP_MARK": _K_POP_MARK,
 }
 
 
@@ -88,14 +159,33 @@ _OP_KINDS: dict[str, int] = {
 # counted: what hashing, repr or a recursive walk of it costs), depth, shared]. Every leaf is the one
 # list _LEAF, marked shared so that it can never be changed.
 _LEAF = [1, 0, True]
-_NUM = [1, 0, True]   # a number; tuples and REDUCE results carry a 4th field: what MAX_VALUE_KEYS counts
+_NUM = [1, 0, True]  # a number; tuples and REDUCE results carry a 4th field: what MAX_VALUE_KEYS counts
 _NUM_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
 _VALUE_HASHED = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE"})
 _U32 = struct.Struct("<I").unpack_from
 # The fast loop's branch (1, 2, ...) of each opcode byte, 0 for the general one (the opcodes' names are
 # beside each branch in `_scan`).
-_BRANCHES = (b"j", b"\x81R\x86", b"h", b"K", b")}]\x8f", b"\x94", b"(", b"ba", b"\x85", b"ue", b"\x8c", b"MJG",
-             b"\x89\x88N", b"tld\x87", b"X", b"q", b"r", b"\x95", b".")
+_BRANCHES = (
+    b"j",
+    b"\x81R\x86",
+    b"h",
+    b"K",
+    b")}]\x8f",
+    b"\x94",
+    b"(",
+    b"ba",
+    b"\x85",
+    b"ue",
+    b"\x8c",
+    b"MJG",
+    b"\x89\x88N",
+    b"tld\x87",
+    b"X",
+    b"q",
+    b"r",
+    b"\x95",
+    b".",
+)
 _FAST = bytes(next((k for k, ops in enumerate(_BRANCHES, 1) if b in ops), 0) for b in range(256))
 # Opcodes the fast loop skips without reading their fixed-size argument: if that runs past the end,
 # the next read fails past it, and the opcode's start is found back from the length.
@@ -154,14 +244,19 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
     n = len(data)
     f = io.BytesIO(data)
     max_depth, leaf, num = MAX_PICKLE_DEPTH, _LEAF, _NUM
-    hashed = 0    # dict keys and set members seen that are numbers, tuples or REDUCE results
+    hashed = 0  # dict keys and set members seen that are numbers, tuples or REDUCE results
 
     def refuse(why: str, pos: int) -> UnsafePickleError:
-        return UnsafePickleError(f"refusing to unpickle: {why} (at byte {pos} of {n}): a crafted or corrupt "
-                                 "pickle", path=source, hint="nothing was unpickled; use an intact copy of the file")
+        return UnsafePickleError(
+            f"refusing to unpickle: {why} (at byte {pos} of {n}): a crafted or corrupt pickle",
+            path=source,
+            hint="nothing was unpickled; use an intact copy of the file",
+        )
 
     def too_big(pos: int) -> UnsafePickleError:
-        return refuse(f"its objects expand to more than {budget:,} nodes when walked (shared references repeated)", pos)
+        return refuse(
+            f"its objects expand to more than {budget:,} nodes when walked (shared references repeated)", pos
+        )
 
     def too_deep(pos: int) -> UnsafePickleError:
         return refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
@@ -170,8 +265,11 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
         nonlocal hashed
         hashed += sum(1 for a in keys if a is num or len(a) > 3)
         if hashed > MAX_VALUE_KEYS:
-            raise refuse(f"more than {MAX_VALUE_KEYS:,} dict keys or set members are numbers or tuples, whose "
-                         "hashes a pickle can make collide (building its dicts would take quadratic time)", pos)
+            raise refuse(
+                f"more than {MAX_VALUE_KEYS:,} dict keys or set members are numbers or tuples, whose "
+                "hashes a pickle can make collide (building its dicts would take quadratic time)",
+                pos,
+            )
 
     stack: list[list] = []
     marks: list[int] = []
@@ -196,7 +294,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
     def mutate(target: list, children, pos: int) -> None:
         if target[2] or any(c is target for c in children):
             raise changed(pos)
-        grown = new(children, pos)   # checks the children's own bounds
+        grown = new(children, pos)  # checks the children's own bounds
         target[0] += grown[0] - 1
         if grown[1] > target[1]:
             target[1] = grown[1]
@@ -271,7 +369,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 stack.pop()
         elif kind == _K_POP_MARK:
             pop_mark(pos)
-        elif kind != _K_NOOP:   # an opcode of a future protocol: we do not know what it builds
+        elif kind != _K_NOOP:  # an opcode of a future protocol: we do not know what it builds
             raise refuse(f"unknown opcode {name}", pos)
         return end
 
@@ -285,10 +383,10 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
         while True:
             c = data[p]
             k = kinds[c]
-            if k == 1:                                           # LONG_BINGET
+            if k == 1:  # LONG_BINGET
                 stack.append(memo[u32(data, p + 1)[0]])
                 p += 5
-            elif k == 2:                                         # NEWOBJ / REDUCE / TUPLE2
+            elif k == 2:  # NEWOBJ / REDUCE / TUPLE2
                 a = stack[-2]
                 b = stack[-1]
                 a[2] = b[2] = True
@@ -304,11 +402,11 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 if data[p] == 0x94:
                     memo[len(memo)] = o
                     p += 1
-            elif k == 3:                                         # BINGET
+            elif k == 3:  # BINGET
                 stack.append(memo[data[p + 1]])
                 p += 2
-            elif k == 4:                                         # BININT1
-                if p + 4 < n and data[p + 2] == 0x4b and data[p + 4] == 0x86:   # BININT1 BININT1 TUPLE2
+            elif k == 4:  # BININT1
+                if p + 4 < n and data[p + 2] == 0x4B and data[p + 4] == 0x86:  # BININT1 BININT1 TUPLE2
                     stack.append(o := [3, 1, False, 1])
                     p += 5
                     if data[p] == 0x94:
@@ -317,8 +415,8 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 else:
                     stack.append(num)
                     p += 2
-            elif k == 5:                                         # EMPTY_TUPLE / DICT / LIST / SET
-                if c == 0x29 and p + 1 < n and data[p + 1] == 0x81 and stack:   # EMPTY_TUPLE NEWOBJ: cls()
+            elif k == 5:  # EMPTY_TUPLE / DICT / LIST / SET
+                if c == 0x29 and p + 1 < n and data[p + 1] == 0x81 and stack:  # EMPTY_TUPLE NEWOBJ: cls()
                     a = stack[-1]
                     a[2] = True
                     depth = a[1] if a[1] > 1 else 1
@@ -335,16 +433,16 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 if data[p] == 0x94:
                     memo[len(memo)] = o
                     p += 1
-                    if data[p] == 0x28:                          # ... MEMOIZE MARK
+                    if data[p] == 0x28:  # ... MEMOIZE MARK
                         marks.append(len(stack))
                         p += 1
-            elif k == 6:                                         # MEMOIZE
+            elif k == 6:  # MEMOIZE
                 memo[len(memo)] = stack[-1]
                 p += 1
-            elif k == 7:                                         # MARK
+            elif k == 7:  # MARK
                 marks.append(len(stack))
                 p += 1
-            elif k == 8:                                         # BUILD / APPEND
+            elif k == 8:  # BUILD / APPEND
                 item = stack[-1]
                 t = stack[-2]
                 del stack[-1]
@@ -363,7 +461,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 if t[1] > max_depth:
                     raise too_deep(p)
                 p += 1
-            elif k == 9:                                         # TUPLE1
+            elif k == 9:  # TUPLE1
                 a = stack[-1]
                 a[2] = True
                 if a[0] + 1 > budget:
@@ -375,7 +473,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 if data[p] == 0x94:
                     memo[len(memo)] = o
                     p += 1
-            elif k == 10:                                        # SETITEMS / APPENDS
+            elif k == 10:  # SETITEMS / APPENDS
                 if not marks:
                     raise refuse("an opcode needs a MARK that is not there", p)
                 k = marks.pop()
@@ -406,7 +504,7 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                 if t[1] > max_depth:
                     raise too_deep(p)
                 p += 1
-                if data[p] == 0x62 and len(stack) > 1:           # ... BUILD: t is the state of the object below
+                if data[p] == 0x62 and len(stack) > 1:  # ... BUILD: t is the state of the object below
                     o = stack[-2]
                     del stack[-1]
                     if o[2] or o is t:
@@ -424,23 +522,23 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                     if o[1] > max_depth:
                         raise too_deep(p)
                     p += 1
-            elif k == 11:                                        # SHORT_BINUNICODE
+            elif k == 11:  # SHORT_BINUNICODE
                 q = p + 2 + data[p + 1]
                 if q > n:
                     _replay(f, p)
-                str(data[p + 2:q], "utf-8", "surrogatepass")
+                str(data[p + 2 : q], "utf-8", "surrogatepass")
                 stack.append(leaf)
                 p = q
                 if data[p] == 0x94:
                     memo[len(memo)] = leaf
                     p += 1
-            elif k == 12:                                        # BININT2 / BININT / BINFLOAT
+            elif k == 12:  # BININT2 / BININT / BINFLOAT
                 stack.append(num)
-                p += 3 if c == 0x4d else 5 if c == 0x4a else 9
-            elif k == 13:                                        # NEWFALSE / NEWTRUE / NONE
+                p += 3 if c == 0x4D else 5 if c == 0x4A else 9
+            elif k == 13:  # NEWFALSE / NEWTRUE / NONE
                 stack.append(leaf)
                 p += 1
-            elif k == 14:                                            # TUPLE / LIST / DICT / TUPLE3
+            elif k == 14:  # TUPLE / LIST / DICT / TUPLE3
                 if c == 0x87:
                     a = stack[-3]
                     items = stack[-3:]
@@ -450,29 +548,29 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
                     if c == 0x64:
                         count_keys(items[::2], p)
                 o = new(items, p)
-                if c != 0x6c and c != 0x64:
+                if c != 0x6C and c != 0x64:
                     o.append(1)
                 stack.append(o)
                 p += 1
                 if data[p] == 0x94:
                     memo[len(memo)] = o
                     p += 1
-            elif k == 15:                                        # BINUNICODE
+            elif k == 15:  # BINUNICODE
                 q = p + 5 + u32(data, p + 1)[0]
                 if q > n:
                     _replay(f, p)
-                str(data[p + 5:q], "utf-8", "surrogatepass")
+                str(data[p + 5 : q], "utf-8", "surrogatepass")
                 stack.append(leaf)
                 p = q
-            elif k == 16:                                        # BINPUT
+            elif k == 16:  # BINPUT
                 memo_put(data[p + 1], p)
                 p += 2
-            elif k == 17:                                        # LONG_BINPUT
+            elif k == 17:  # LONG_BINPUT
                 memo_put(u32(data, p + 1)[0], p)
                 p += 5
-            elif k == 18:                                        # FRAME
+            elif k == 18:  # FRAME
                 p += 9
-            elif k == 19:                                        # STOP
+            elif k == 19:  # STOP
                 break
             else:
                 p = slow(p)
@@ -481,19 +579,25 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
     except UnsafePickleError:
         raise
     except Exception as exc:
-        if p > n:                   # an argument skipped unread ran past the end
+        if p > n:  # an argument skipped unread ran past the end
             p -= 1 + _SKIP_LEN.get(c, 0)
         try:
             op, _, _ = _replay(f, p)
-        except Exception as err:    # not a sequence of valid opcodes: genops' own words
-            raise UnsafePickleError(f"cannot parse {what}: {type(err).__name__}: {str(err)[:200]}", path=source,
-                                    hint="the file is corrupt or not a pickle") from None
+        except Exception as err:  # not a sequence of valid opcodes: genops' own words
+            raise UnsafePickleError(
+                f"cannot parse {what}: {type(err).__name__}: {str(err)[:200]}",
+                path=source,
+                hint="the file is corrupt or not a pickle",
+            ) from None
         k = _FIXED_ARITY.get(op.name, 0)
         if len(stack) < k:
             raise refuse(f"{op.name} on a stack of {len(stack)}", p) from None
         if isinstance(exc, (IndexError, KeyError)):
             raise refuse("an opcode finds the stack or memo empty", p) from None
-        raise UnsafePickleError(f"cannot parse {what}: {type(exc).__name__}: {str(exc)[:200]}", path=source,
-                                hint="the file is corrupt or not a pickle") from None
+        raise UnsafePickleError(
+            f"cannot parse {what}: {type(exc).__name__}: {str(exc)[:200]}",
+            path=source,
+            hint="the file is corrupt or not a pickle",
+        ) from None
     top = stack[-1] if stack else leaf
     return top[0], top[1]

@@ -24,6 +24,7 @@ ecosystem's own configuration (HF_TOKEN / `hf auth login`; AWS_PROFILE, AWS_ACCE
 AWS_ENDPOINT_URL; gcloud ADC), never a flag. The packages are the `remote` extra, imported only when
 a URL is used. Backends: `remote_backends.py`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -40,46 +41,98 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import CkptError, FormatError, MissingFileError, MissingPathError, UsageError
-from .remote_display import add_display, clear_display, display  # noqa: F401  (this module's api too)
+from .remote_display import add_display, clear_display, display
 
-__all__ = ["RemoteUrl", "RemoteObject", "RemoteChanged", "RemoteMissing", "RemoteDenied", "RemoteRetry",
-           "parse_url", "refuse_url_lookalike", "mount", "object_of_fd", "object_of_stat", "is_remote_path",
-           "mount_root_of", "url_of", "link_stand_in", "forget_under",
-           "active", "bytes_fetched", "mounted_bytes", "display", "add_display", "check_unchanged", "reset", "PART_BYTES",
-           "CONCURRENCY", "RETRIES", "settings"]
+__all__ = [
+    "CONCURRENCY",
+    "PART_BYTES",
+    "RETRIES",
+    "RemoteChanged",
+    "RemoteDenied",
+    "RemoteMissing",
+    "RemoteObject",
+    "RemoteRetry",
+    "RemoteUrl",
+    "active",
+    "add_display",
+    "bytes_fetched",
+    "check_unchanged",
+    "display",
+    "forget_under",
+    "is_remote_path",
+    "link_stand_in",
+    "mount",
+    "mount_root_of",
+    "mounted_bytes",
+    "object_of_fd",
+    "object_of_stat",
+    "parse_url",
+    "refuse_url_lookalike",
+    "reset",
+    "settings",
+    "url_of",
+]
 
 PART_BYTES = 8 << 20
-RUN_BYTES = 16 << 20     # adjacent hinted ranges fetched as one request, up to this much
-AHEAD_BYTES = 64 << 20   # hinted ranges fetched ahead of the reader, per object, up to this much
+RUN_BYTES = 16 << 20  # adjacent hinted ranges fetched as one request, up to this much
+AHEAD_BYTES = 64 << 20  # hinted ranges fetched ahead of the reader, per object, up to this much
 CONCURRENCY = 8
 RETRIES = 5
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://(.*)$", re.S)
 _LOOKALIKE_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(/{0,1}[^/].*|/{3,}.*|)$", re.S)
 _LOCAL_SCHEMES = ("file", "local")
 # schemes whose look-alikes (`s3:/x`) are refused; any other `name:rest` is a local name with a colon
-_URL_SCHEMES = frozenset(("hf", "s3", "s3a", "gs", "gcs", "http", "https", "az", "abfs", "abfss", "adl", "oss", "r2",
-                          "ftp", "sftp", "ssh", "hdfs", "webhdfs", "dbfs", "lakefs", "github", "memory"))
+_URL_SCHEMES = frozenset(
+    (
+        "hf",
+        "s3",
+        "s3a",
+        "gs",
+        "gcs",
+        "http",
+        "https",
+        "az",
+        "abfs",
+        "abfss",
+        "adl",
+        "oss",
+        "r2",
+        "ftp",
+        "sftp",
+        "ssh",
+        "hdfs",
+        "webhdfs",
+        "dbfs",
+        "lakefs",
+        "github",
+        "memory",
+    )
+)
 
 
 def settings() -> dict:
     """(concurrency, retries, timeout_s, backoff_s) from the environment (tests shorten them)."""
+
     def num(name, default, kind=float):
         try:
             return kind(os.environ.get(name, default))
         except ValueError:
             raise UsageError(f"{name}={os.environ[name]!r} is not a number", hint=f"unset {name}") from None
-    return {"concurrency": max(1, num("CKPT_REMOTE_CONCURRENCY", CONCURRENCY, int)),
-            "retries": max(0, num("CKPT_REMOTE_RETRIES", RETRIES, int)),
-            "timeout_s": max(0.1, num("CKPT_REMOTE_TIMEOUT", 60.0)),
-            "backoff_s": max(0.0, num("CKPT_REMOTE_BACKOFF", 0.5))}
+
+    return {
+        "concurrency": max(1, num("CKPT_REMOTE_CONCURRENCY", CONCURRENCY, int)),
+        "retries": max(0, num("CKPT_REMOTE_RETRIES", RETRIES, int)),
+        "timeout_s": max(0.1, num("CKPT_REMOTE_TIMEOUT", 60.0)),
+        "backoff_s": max(0.0, num("CKPT_REMOTE_BACKOFF", 0.5)),
+    }
 
 
 # ------------------------------------------------------------------------------------ URLs
 @dataclass(frozen=True)
 class RemoteUrl:
-    text: str        # as the user wrote it (trailing slashes dropped)
-    scheme: str      # lower case: hf, s3, gs, http, https, ...
-    path: str        # what follows `scheme://`
+    text: str  # as the user wrote it (trailing slashes dropped)
+    scheme: str  # lower case: hf, s3, gs, http, https, ...
+    path: str  # what follows `scheme://`
 
     @property
     def name(self) -> str:
@@ -111,9 +164,12 @@ def refuse_url_lookalike(value) -> None:
     m = _LOOKALIKE_RE.match(text)
     if m and m.group(1).lower() in _URL_SCHEMES:
         scheme = m.group(1).lower()
-        raise UsageError(f"{text!r} looks like a URL but is not one (a URL is `{scheme}://...`, two slashes); "
-                         "refusing to treat it as a local path", path=text,
-                         hint=f"write {scheme}://{m.group(2).lstrip('/')}, or ./{text} for a local path")
+        raise UsageError(
+            f"{text!r} looks like a URL but is not one (a URL is `{scheme}://...`, two slashes); "
+            "refusing to treat it as a local path",
+            path=text,
+            hint=f"write {scheme}://{m.group(2).lstrip('/')}, or ./{text} for a local path",
+        )
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -137,17 +193,18 @@ class RemoteRetry(Exception):
 @dataclass
 class RemoteObject:
     """One remote file: its URL, size and version pinned at `mount`, read by range."""
+
     url: str
     size: int
     version: str | None
-    backend: object                      # remote_backends.Backend
-    ref: object                          # what the backend needs to address it
+    backend: object  # remote_backends.Backend
+    ref: object  # what the backend needs to address it
     fetched: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _plan: list = field(default_factory=list, repr=False)        # hinted units [(start, end)], in read order
-    _plan_at: dict = field(default_factory=dict, repr=False)     # a unit's start -> its index in _plan
-    _ahead: dict = field(default_factory=dict, repr=False)       # unit index -> (buffer, its part futures)
-    _cache: tuple | None = field(default=None, repr=False)       # (start, bytes) of the unit being read
+    _plan: list = field(default_factory=list, repr=False)  # hinted units [(start, end)], in read order
+    _plan_at: dict = field(default_factory=dict, repr=False)  # a unit's start -> its index in _plan
+    _ahead: dict = field(default_factory=dict, repr=False)  # unit index -> (buffer, its part futures)
+    _cache: tuple | None = field(default=None, repr=False)  # (start, bytes) of the unit being read
     _run_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def hint(self, ranges) -> None:
@@ -156,15 +213,17 @@ class RemoteObject:
         ahead of the reader, up to `CONCURRENCY` of them and `AHEAD_BYTES` at once, so small items cost
         the link's bandwidth, not one round trip each. A unit is fetched in full when its first byte is
         read, and served from it. Nothing outside the hinted ranges is ever fetched."""
-        spans = [(o, o + n) for o, n in ranges if n > 0]   # in the order they will be read
+        spans = [(o, o + n) for o, n in ranges if n > 0]  # in the order they will be read
         units = []
         i = 0
         while i < len(spans):
             j, end = i, spans[i][1]
-            while j + 1 < len(spans) and spans[j + 1][0] == end and spans[j + 1][1] - spans[i][0] <= RUN_BYTES:
+            while (
+                j + 1 < len(spans) and spans[j + 1][0] == end and spans[j + 1][1] - spans[i][0] <= RUN_BYTES
+            ):
                 j += 1
                 end = spans[j][1]
-            if end - spans[i][0] <= RUN_BYTES:   # a bigger item is read straight into the reader's buffer
+            if end - spans[i][0] <= RUN_BYTES:  # a bigger item is read straight into the reader's buffer
                 units.append((spans[i][0], end))
             i = j + 1
         with self._run_lock:
@@ -178,8 +237,11 @@ class RemoteObject:
         n = len(mv)
         if offset < 0 or offset + n > self.size:
             from ..core.errors import TruncatedFileError
-            raise TruncatedFileError(f"bytes [{offset}, {offset + n}) lie beyond the end of the object "
-                                     f"({self.size} bytes)", path=self.url)
+
+            raise TruncatedFileError(
+                f"bytes [{offset}, {offset + n}) lie beyond the end of the object ({self.size} bytes)",
+                path=self.url,
+            )
         if (self._plan_at or self._cache is not None) and self._from_plan(mv, offset, n):
             return
         self._fetch(mv, offset, n)
@@ -188,7 +250,7 @@ class RemoteObject:
         with self._run_lock:
             c = self._cache
             if c is not None and c[0] <= offset and offset + n <= c[0] + len(c[1]):
-                mv[:] = memoryview(c[1])[offset - c[0]:offset - c[0] + n]
+                mv[:] = memoryview(c[1])[offset - c[0] : offset - c[0] + n]
                 if offset + n == c[0] + len(c[1]):
                     self._cache = None
                 return True
@@ -198,7 +260,7 @@ class RemoteObject:
             del self._plan_at[offset]
             self._launch(i)
             buf, futures = self._ahead.pop(i)
-            for k in [k for k in self._ahead if k < i]:   # units the reader skipped
+            for k in [k for k in self._ahead if k < i]:  # units the reader skipped
                 del self._ahead[k]
             self._launch(i + 1)
         for f in futures:
@@ -218,13 +280,21 @@ class RemoteObject:
             if k - i >= window or (k > i and budget < end - start):
                 break
             budget -= end - start
-            if k in self._ahead or self._plan_at.get(start) not in (k, None) or \
-                    (k > i and start not in self._plan_at):
+            if (
+                k in self._ahead
+                or self._plan_at.get(start) not in (k, None)
+                or (k > i and start not in self._plan_at)
+            ):
                 continue
             buf = bytearray(end - start)
             view = memoryview(buf)
-            self._ahead[k] = (buf, [_pool().submit(self._part, view, start, s, min(s + PART_BYTES, end - start))
-                                    for s in range(0, end - start, PART_BYTES)])
+            self._ahead[k] = (
+                buf,
+                [
+                    _pool().submit(self._part, view, start, s, min(s + PART_BYTES, end - start))
+                    for s in range(0, end - start, PART_BYTES)
+                ],
+            )
 
     def _fetch(self, mv, offset: int, n: int) -> None:
         parts = [(s, min(s + PART_BYTES, n)) for s in range(0, n, PART_BYTES)]
@@ -247,7 +317,7 @@ class RemoteObject:
             k = len(chunk)
             if got + k > want:
                 raise RemoteRetry(f"the server sent more than the {want} bytes asked for")
-            mv[start + got:start + got + k] = chunk
+            mv[start + got : start + got + k] = chunk
             got += k
             with self._lock:
                 self.fetched += k
@@ -259,22 +329,31 @@ class RemoteObject:
                 if got < want:
                     raise RemoteRetry(f"the body ended after {got} of {want} bytes")
             except RemoteChanged as exc:
-                raise FormatError(f"the object changed while it was being read (pinned version {self.version}, "
-                                  f"now {exc or 'another'}); nothing read from it is used", path=self.url,
-                                  hint="rerun once the writer has finished; a remote input must not change "
-                                       "during a command") from None
+                raise FormatError(
+                    f"the object changed while it was being read (pinned version {self.version}, "
+                    f"now {exc or 'another'}); nothing read from it is used",
+                    path=self.url,
+                    hint="rerun once the writer has finished; a remote input must not change "
+                    "during a command",
+                ) from None
             except RemoteMissing:
-                raise MissingFileError("the object is gone (it was listed when the command started)",
-                                       path=self.url, hint="it was deleted mid-read; rerun") from None
+                raise MissingFileError(
+                    "the object is gone (it was listed when the command started)",
+                    path=self.url,
+                    hint="it was deleted mid-read; rerun",
+                ) from None
             except RemoteDenied as exc:
                 raise UsageError(str(exc), path=self.url) from None
             except RemoteRetry as exc:
                 failures = 0 if got > before else failures + 1
                 if failures > cfg["retries"]:
-                    raise CkptError(f"reading bytes [{offset + start + got}, {offset + end}) failed "
-                                    f"{failures} times in a row: {exc}", path=self.url,
-                                    hint="the server or the link is failing; retry later (CKPT_REMOTE_RETRIES, "
-                                         "CKPT_REMOTE_TIMEOUT raise the patience)") from None
+                    raise CkptError(
+                        f"reading bytes [{offset + start + got}, {offset + end}) failed "
+                        f"{failures} times in a row: {exc}",
+                        path=self.url,
+                        hint="the server or the link is failing; retry later (CKPT_REMOTE_RETRIES, "
+                        "CKPT_REMOTE_TIMEOUT raise the patience)",
+                    ) from None
                 time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
 
 
@@ -292,10 +371,10 @@ def _pool() -> ThreadPoolExecutor:
 
 # ------------------------------------------------------------------------------------ the shadow trees
 _BY_INODE: dict[tuple[int, int], RemoteObject] = {}
-_MOUNTS: dict[str, tuple[Path, RemoteUrl]] = {}     # url text -> (shadow root, url)
-_SHADOW: list[Path] = []                             # the temp dirs holding shadow trees
-_ABSENT: dict[str, CkptError] = {}                   # url text -> the missing-path error its listing gave
-_STAND_INS: dict[tuple[int, int], str] = {}          # placeholders made outside a shadow tree -> their path
+_MOUNTS: dict[str, tuple[Path, RemoteUrl]] = {}  # url text -> (shadow root, url)
+_SHADOW: list[Path] = []  # the temp dirs holding shadow trees
+_ABSENT: dict[str, CkptError] = {}  # url text -> the missing-path error its listing gave
+_STAND_INS: dict[tuple[int, int], str] = {}  # placeholders made outside a shadow tree -> their path
 _MOUNT_LOCK = threading.Lock()
 
 
@@ -335,7 +414,7 @@ def url_of(path) -> str | None:
     found = _mount_of(path)
     if not found:
         return None
-    root, text, rel = found
+    _root, text, rel = found
     return text if rel == "." else text.rstrip("/") + "/" + rel.replace(os.sep, "/")
 
 
@@ -401,15 +480,19 @@ def mount(value, *, what: str = "input") -> Path:
         known = _MOUNTS.get(url.text)
         if known is not None:
             return known[0]
-        if url.text in _ABSENT:   # listed once and nothing there: the same answer, not a second listing
+        if url.text in _ABSENT:  # listed once and nothing there: the same answer, not a second listing
             raise _ABSENT[url.text]
         from .remote_backends import backend_for
+
         backend = backend_for(url)
         try:
-            entries = _listed(backend, url)   # [(rel path or "" for the object itself, size, version, ref)]
+            entries = _listed(backend, url)  # [(rel path or "" for the object itself, size, version, ref)]
             if not entries:
-                raise MissingFileError("no such file or directory (nothing at this URL)", path=url.text,
-                                       hint="check the bucket/repo, the revision and the path")
+                raise MissingFileError(
+                    "no such file or directory (nothing at this URL)",
+                    path=url.text,
+                    hint="check the bucket/repo, the revision and the path",
+                )
         except (MissingPathError, MissingFileError) as exc:
             _ABSENT[url.text] = exc
             raise
@@ -441,8 +524,11 @@ def _listed(backend, url: RemoteUrl):
         except RemoteRetry as exc:
             failures += 1
             if failures > cfg["retries"]:
-                raise CkptError(f"listing failed {failures} times in a row: {exc}", path=url.text,
-                                hint="the server or the link is failing; retry later") from None
+                raise CkptError(
+                    f"listing failed {failures} times in a row: {exc}",
+                    path=url.text,
+                    hint="the server or the link is failing; retry later",
+                ) from None
             time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
         except RemoteDenied as exc:
             raise UsageError(str(exc), path=url.text) from None
@@ -472,9 +558,12 @@ def check_unchanged() -> None:
         if obj.fetched and obj.version is not None:
             now = obj.backend.version_now(obj)
             if now is not None and now != obj.version:
-                raise FormatError(f"the object changed while the command ran (version {obj.version} at open, "
-                                  f"{now} now); nothing was written", path=obj.url,
-                                  hint="rerun once the writer has finished")
+                raise FormatError(
+                    f"the object changed while the command ran (version {obj.version} at open, "
+                    f"{now} now); nothing was written",
+                    path=obj.url,
+                    hint="rerun once the writer has finished",
+                )
 
 
 def reset() -> None:

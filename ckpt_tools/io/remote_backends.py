@@ -3,6 +3,7 @@ and fetch a byte range of one object into a sink, streaming, so that a broken bo
 the byte where it stopped. Each backend maps its protocol's failures onto `RemoteChanged` (the pinned
 version is gone), `RemoteMissing`, `RemoteDenied` (naming the variable to set) and `RemoteRetry`
 (transient). Imported only when a URL is used; the packages are the `remote` extra."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,20 +13,35 @@ import posixpath
 from ..core.errors import MissingPathError, UsageError
 from .remote import RemoteChanged, RemoteDenied, RemoteMissing, RemoteRetry, RemoteUrl
 
-__all__ = ["Backend", "backend_for", "s3_error", "run_sync", "in_repo", "S3Backend", "HttpBackend", "HfBackend", "FsspecBackend"]
+__all__ = [
+    "Backend",
+    "FsspecBackend",
+    "HfBackend",
+    "HttpBackend",
+    "S3Backend",
+    "backend_for",
+    "in_repo",
+    "run_sync",
+    "s3_error",
+]
 
 _EXTRA_HINT = "install the remote extra: pip install 'ckpt-tools[remote]'"
-_AWS_VARS = "set AWS_PROFILE (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for another endpoint)"
+_AWS_VARS = (
+    "set AWS_PROFILE (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for another endpoint)"
+)
 _HF_VARS = "set HF_TOKEN (or run `hf auth login`) with a token that can read this repo"
 
 
 def _need(module: str, scheme: str):
     import importlib
+
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UsageError(f"reading {scheme}:// needs the package {module.split('.')[0]}, which is not installed",
-                         hint=_EXTRA_HINT) from None
+        raise UsageError(
+            f"reading {scheme}:// needs the package {module.split('.')[0]}, which is not installed",
+            hint=_EXTRA_HINT,
+        ) from None
 
 
 class Backend:
@@ -50,6 +66,7 @@ def backend_for(url: RemoteUrl) -> Backend:
         return HfBackend()
     if url.scheme in ("gs", "gcs"):
         from .remote_gcs import GcsBackend
+
         return GcsBackend()
     return FsspecBackend(url.scheme)
 
@@ -57,9 +74,10 @@ def backend_for(url: RemoteUrl) -> Backend:
 def run_sync(loop, coro, timeout_s: float):
     """Run `coro` on fsspec's loop thread; a timeout or a dropped connection is RemoteRetry."""
     from fsspec.asyn import sync
+
     try:
         return sync(loop, asyncio.wait_for, coro, timeout_s * 4 + 5)
-    except (asyncio.TimeoutError, TimeoutError) as exc:
+    except TimeoutError as exc:
         raise RemoteRetry(f"timed out ({type(exc).__name__})") from None
 
 
@@ -67,6 +85,7 @@ def run_sync(loop, coro, timeout_s: float):
 class S3Backend(Backend):
     """s3fs's client (credentials and AWS_ENDPOINT_URL from botocore's own chain); reads pinned by
     `IfMatch` on the ETag (and VersionId where the bucket is versioned)."""
+
     scheme = "s3"
 
     def __init__(self):
@@ -75,6 +94,7 @@ class S3Backend(Backend):
 
     def _client(self):
         from fsspec.asyn import sync
+
         try:
             return sync(self.fs.loop, self.fs.set_session)
         except Exception as exc:
@@ -103,7 +123,7 @@ class S3Backend(Backend):
                     kw["ContinuationToken"] = token
                 page = run_sync(self.fs.loop, client.list_objects_v2(**kw), 60)
                 for o in page.get("Contents", []):
-                    rel = o["Key"][len(prefix):]
+                    rel = o["Key"][len(prefix) :]
                     if rel and not rel.endswith("/"):
                         out.append((rel, o["Size"], o["ETag"], (bucket, o["Key"])))
                 if not page.get("IsTruncated"):
@@ -124,8 +144,9 @@ class S3Backend(Backend):
         client = self._client()
 
         async def get():
-            resp = await client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                                           IfMatch=obj.version)
+            resp = await client.get_object(
+                Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=obj.version
+            )
             body = resp["Body"]
             try:
                 while True:
@@ -135,6 +156,7 @@ class S3Backend(Backend):
                     sink(chunk)
             finally:
                 body.close()
+
         try:
             run_sync(self.fs.loop, get(), timeout_s)
         except (RemoteRetry, RemoteChanged):
@@ -162,13 +184,31 @@ def s3_error(exc: Exception, where: str) -> Exception:
         return RemoteChanged("another ETag")
     if code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound") or status == 404:
         return RemoteMissing(where)
-    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken",
-                "InvalidToken") or status in (401, 403):
+    if code in (
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "403",
+        "ExpiredToken",
+        "InvalidToken",
+    ) or status in (401, 403):
         return RemoteDenied(f"S3 refused the credentials for {where} ({code or status}): {_AWS_VARS}")
-    if isinstance(exc, (OSError, asyncio.TimeoutError)) or name in (
-            "ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError", "ResponseStreamingError",
-            "IncompleteReadError", "ClientPayloadError", "ServerDisconnectedError", "ConnectionClosedError") \
-            or (status or 0) >= 500 or status == 429:
+    if (
+        isinstance(exc, (OSError, asyncio.TimeoutError))
+        or name
+        in (
+            "ReadTimeoutError",
+            "ConnectTimeoutError",
+            "EndpointConnectionError",
+            "ResponseStreamingError",
+            "IncompleteReadError",
+            "ClientPayloadError",
+            "ServerDisconnectedError",
+            "ConnectionClosedError",
+        )
+        or (status or 0) >= 500
+        or status == 429
+    ):
         return RemoteRetry(f"{name}: {exc}")
     return RemoteRetry(f"{name}: {exc}")
 
@@ -177,6 +217,7 @@ def s3_error(exc: Exception, where: str) -> Exception:
 class HttpBackend(Backend):
     """fsspec's HTTP filesystem (its aiohttp session): a file URL, or a directory URL whose page lists
     its entries as links (a plain index page). Reads pinned by `If-Match` on the ETag seen at open."""
+
     scheme = "http"
 
     def __init__(self):
@@ -186,7 +227,7 @@ class HttpBackend(Backend):
     def _info(self, u: str) -> dict:
         try:
             return self.fs.info(u)
-        except FileNotFoundError as exc:   # fsspec says "not found" for any failed HEAD and GET: a 503 too
+        except FileNotFoundError as exc:  # fsspec says "not found" for any failed HEAD and GET: a 503 too
             cause = exc.__cause__
             if cause is not None and getattr(cause, "status", 404) != 404:
                 raise _http_error(cause, u) from None
@@ -218,7 +259,7 @@ class HttpBackend(Backend):
                     todo.append(link)
                     continue
                 i = self._info(link)
-                out.append((link[len(base.rstrip("/")) + 1:], int(i["size"]), i.get("ETag"), link))
+                out.append((link[len(base.rstrip("/")) + 1 :], int(i["size"]), i.get("ETag"), link))
         if not out:
             raise MissingPathError(base)
         return out
@@ -235,10 +276,14 @@ class HttpBackend(Backend):
             async with session.get(obj.ref, headers=headers, timeout=timeout) as r:
                 _http_status(r.status, obj.url, r.headers.get("ETag"))
                 if r.status != 206 and not (r.status == 200 and start == 0 and end == obj.size):
-                    raise UsageError(f"the server answered a byte-range request with {r.status}, not 206",
-                                     path=obj.url, hint="the server must serve HTTP Range requests")
+                    raise UsageError(
+                        f"the server answered a byte-range request with {r.status}, not 206",
+                        path=obj.url,
+                        hint="the server must serve HTTP Range requests",
+                    )
                 async for chunk in r.content.iter_chunked(1 << 20):
                     sink(chunk)
+
         try:
             run_sync(self.fs.loop, get(), timeout_s)
         except (RemoteRetry, RemoteChanged, RemoteMissing, RemoteDenied, UsageError):
@@ -261,8 +306,10 @@ def _http_status(status: int, where: str, etag=None) -> None:
     if status == 404:
         raise RemoteMissing(where)
     if status in (401, 403):
-        raise RemoteDenied(f"the server refused access ({status}) to {where}: put the credentials in the URL's "
-                           "query or in fsspec's config (FSSPEC_HTTP_HEADERS is not read)")
+        raise RemoteDenied(
+            f"the server refused access ({status}) to {where}: put the credentials in the URL's "
+            "query or in fsspec's config (FSSPEC_HTTP_HEADERS is not read)"
+        )
     if status == 429 or status >= 500:
         raise RemoteRetry(f"HTTP {status}")
 
@@ -285,6 +332,7 @@ class HfBackend(Backend):
     to its commit at open and every read made at that commit (an immutable snapshot); a bucket's files
     (hf://buckets/ns/name/path) listed through the bucket tree API, each pinned by its Xet hash (checked
     on every read's answer and before an output is committed)."""
+
     scheme = "hf"
 
     def __init__(self):
@@ -303,8 +351,9 @@ class HfBackend(Backend):
         except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, FileNotFoundError) as exc:
             cause = exc if isinstance(exc, errors.HfHubHTTPError) else exc.__cause__
             if getattr(getattr(cause, "response", None), "status_code", None) in (401, 403):
-                raise UsageError(f"the Hub refused access to {url.text} (no such repo, or it needs a token): "
-                                 f"{_HF_VARS}") from None
+                raise UsageError(
+                    f"the Hub refused access to {url.text} (no such repo, or it needs a token): {_HF_VARS}"
+                ) from None
             raise MissingPathError(url.text, hint=_hf_missing_hint(exc, cause, errors)) from None
         except UsageError:
             raise
@@ -316,7 +365,7 @@ class HfBackend(Backend):
             if info.get("type") != "file":
                 continue
             where = in_repo(name)
-            rel = "" if where == prefix else where[len(prefix) + 1:] if prefix else where
+            rel = "" if where == prefix else where[len(prefix) + 1 :] if prefix else where
             out.append((rel, int(info["size"]), sha, (res.repo_id, res.repo_type, sha, where)))
         if not out:
             raise MissingPathError(url.text)
@@ -331,8 +380,11 @@ class HfBackend(Backend):
         bucket_id, prefix = f"{parts[1]}/{parts[2]}", "/".join(parts[3:]).strip("/")
         try:
             self.fs._api.bucket_info(bucket_id)
-            found = [f for f in self.fs._api.list_bucket_tree(bucket_id, prefix or None, recursive=True)
-                     if f.type == "file" and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))]
+            found = [
+                f
+                for f in self.fs._api.list_bucket_tree(bucket_id, prefix or None, recursive=True)
+                if f.type == "file" and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))
+            ]
         except self.hf.errors.HfHubHTTPError as exc:
             status = getattr(getattr(exc, "response", None), "status_code", None)
             if status in (401, 403):
@@ -342,8 +394,15 @@ class HfBackend(Backend):
             raise _hf_error(exc, url.text) from None
         except Exception as exc:
             raise _hf_error(exc, url.text) from None
-        out = [("" if f.path == prefix else f.path[len(prefix) + 1:] if prefix else f.path, int(f.size), f.xet_hash,
-                (bucket_id, "bucket", f.xet_hash, f.path)) for f in found]
+        out = [
+            (
+                "" if f.path == prefix else f.path[len(prefix) + 1 :] if prefix else f.path,
+                int(f.size),
+                f.xet_hash,
+                (bucket_id, "bucket", f.xet_hash, f.path),
+            )
+            for f in found
+        ]
         if not out:
             raise MissingPathError(url.text)
         return out
@@ -351,7 +410,7 @@ class HfBackend(Backend):
     def version_now(self, obj):
         repo_id, repo_type, _pinned, in_repo = obj.ref
         if repo_type != "bucket":
-            return None   # a repo file is read at its pinned commit: immutable
+            return None  # a repo file is read at its pinned commit: immutable
         try:
             got = list(self.fs._api.get_bucket_paths_info(repo_id, [in_repo]))
         except Exception:
@@ -363,19 +422,27 @@ class HfBackend(Backend):
         from urllib.parse import quote
 
         from huggingface_hub.utils import get_session
+
         if repo_type == "bucket":
             url = f"{self.fs.endpoint}/buckets/{repo_id}/resolve/{quote(in_repo)}"
         else:
-            url = self.hf.hf_hub_url(repo_id, in_repo, repo_type=repo_type, revision=sha, endpoint=self.fs.endpoint)
-        headers = {**self.fs._api._build_hf_headers(), "Range": f"bytes={start}-{end - 1}",
-                   "Accept-Encoding": "identity"}
+            url = self.hf.hf_hub_url(
+                repo_id, in_repo, repo_type=repo_type, revision=sha, endpoint=self.fs.endpoint
+            )
+        headers = {
+            **self.fs._api._build_hf_headers(),
+            "Range": f"bytes={start}-{end - 1}",
+            "Accept-Encoding": "identity",
+        }
         try:
-            with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=timeout_s) as r:
+            with get_session().stream(
+                "GET", url, headers=headers, follow_redirects=True, timeout=timeout_s
+            ) as r:
                 if r.status_code in (401, 403):
                     raise RemoteDenied(f"the Hub refused access to {obj.url}: {_HF_VARS}")
                 _http_status(r.status_code, obj.url)
                 now = r.headers.get("X-Xet-Hash")
-                if repo_type == "bucket" and now and now != sha:   # the file was replaced since it was listed
+                if repo_type == "bucket" and now and now != sha:  # the file was replaced since it was listed
                     raise RemoteChanged(now)
                 if r.status_code != 206 and not (r.status_code == 200 and start == 0 and end == obj.size):
                     raise RemoteRetry(f"HTTP {r.status_code} to a byte-range request")
@@ -400,7 +467,8 @@ def in_repo(name: str) -> str:
 
 
 def _hf_missing_hint(exc, cause, errors) -> str | None:
-    """What is missing in a Hub URL that names nothing: the revision or the repo (the path itself needs no hint)."""
+    """What is missing in a Hub URL that names nothing: the revision or the repo (the path itself needs no
+    hint)."""
     if isinstance(exc, errors.RevisionNotFoundError) or isinstance(cause, errors.RevisionNotFoundError):
         return "the repo has no such revision: give a branch, a tag or a commit after '@'"
     if isinstance(exc, errors.RepositoryNotFoundError) or isinstance(cause, errors.RepositoryNotFoundError):
@@ -418,7 +486,8 @@ def _hf_error(exc: Exception, where: str) -> Exception:
     return RemoteRetry(f"{type(exc).__name__}: {exc}")
 
 
-# ------------------------------------------------------------------------------------ any other fsspec protocol
+# ------------------------------------------------------------------------------------ any other fsspec
+# protocol
 class FsspecBackend(Backend):
     """Any installed fsspec protocol (gs:// through gcsfs, az://, ...): listed by `find`, read by
     `cat_file(start, end)` one part at a time (no resume inside a part), the version (generation,
@@ -430,9 +499,10 @@ class FsspecBackend(Backend):
         try:
             self.fs = fsspec.filesystem(scheme)
         except (ValueError, ImportError) as exc:
-            raise UsageError(f"cannot read {scheme}:// URLs: {exc}",
-                             hint=_EXTRA_HINT + (" (gs:// needs gcsfs and gcloud ADC)" if scheme == "gs" else "")) \
-                from None
+            raise UsageError(
+                f"cannot read {scheme}:// URLs: {exc}",
+                hint=_EXTRA_HINT + (" (gs:// needs gcsfs and gcloud ADC)" if scheme == "gs" else ""),
+            ) from None
 
     @staticmethod
     def _version(info: dict):
@@ -450,8 +520,10 @@ class FsspecBackend(Backend):
         except FileNotFoundError:
             raise MissingPathError(url.text) from None
         except PermissionError as exc:
-            raise UsageError(f"access refused to {url.text}: {exc}",
-                             hint="gs://: run `gcloud auth application-default login`") from None
+            raise UsageError(
+                f"access refused to {url.text}: {exc}",
+                hint="gs://: run `gcloud auth application-default login`",
+            ) from None
         stripped = self.fs._strip_protocol(path).rstrip("/")
         out = []
         for name, info in found.items():
@@ -471,15 +543,17 @@ class FsspecBackend(Backend):
             raise RemoteMissing(obj.url) from None
         except PermissionError as exc:
             raise RemoteDenied(f"access refused to {obj.url}: {exc}") from None
-        except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             raise RemoteRetry(f"{type(exc).__name__}: {exc}") from None
 
     def version_now(self, obj):
         try:
-            return self._version(self.fs.info(obj.ref, refresh=True) if "refresh" in
-                                 self.fs.info.__code__.co_varnames else self.fs.info(obj.ref))
+            return self._version(
+                self.fs.info(obj.ref, refresh=True)
+                if "refresh" in self.fs.info.__code__.co_varnames
+                else self.fs.info(obj.ref)
+            )
         except FileNotFoundError:
             return "(deleted)"
         except Exception:
             return None
-

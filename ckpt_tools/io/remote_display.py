@@ -1,12 +1,13 @@
 """How a URL's local stand-ins are shown: every message and report names the URL, never the shadow tree
 or staging dir that stands for it locally (`io.remote` mounts inputs, `io.upload` stages outputs)."""
+
 from __future__ import annotations
 
 import os
 
-__all__ = ["add_display", "display", "clear_display"]
+__all__ = ["add_display", "clear_display", "display"]
 
-_DISPLAY: dict[str, str] = {}     # a local stand-in path -> the URL shown for it
+_DISPLAY: dict[str, str] = {}  # a local stand-in path -> the URL shown for it
 
 
 def add_display(local, url_text: str) -> None:

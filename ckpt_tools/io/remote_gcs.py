@@ -20,6 +20,7 @@ objects it had created (when they were new) and cancels the rest. Each finished 
 checked against the local file. A failed data chunk restarts that file's upload in a new session (a server
 may have kept part of a chunk it did not acknowledge; a new session assumes nothing).
 """
+
 from __future__ import annotations
 
 import base64
@@ -35,20 +36,30 @@ from .remote import RemoteChanged, RemoteDenied, RemoteMissing, RemoteRetry, Rem
 from .remote_backends import Backend, run_sync
 from .signals import signals_deferred
 
-__all__ = ["GcsBackend", "GcsWriter", "GCS_CREDENTIALS_HINT", "ALIGN_BYTES", "CHUNK_BYTES"]
+__all__ = ["ALIGN_BYTES", "CHUNK_BYTES", "GCS_CREDENTIALS_HINT", "GcsBackend", "GcsWriter"]
 
-GCS_CREDENTIALS_HINT = ("set GOOGLE_APPLICATION_CREDENTIALS to a service account key file, or run "
-                        "`gcloud auth application-default login` (STORAGE_EMULATOR_HOST for another endpoint)")
-ALIGN_BYTES = 256 << 10   # every chunk of a resumable upload but the one that ends it is a multiple of this
-CHUNK_BYTES = 32 << 20    # the data chunk sent per request (a multiple of ALIGN_BYTES)
+GCS_CREDENTIALS_HINT = (
+    "set GOOGLE_APPLICATION_CREDENTIALS to a service account key file, or run "
+    "`gcloud auth application-default login` (STORAGE_EMULATOR_HOST for another endpoint)"
+)
+ALIGN_BYTES = 256 << 10  # every chunk of a resumable upload but the one that ends it is a multiple of this
+CHUNK_BYTES = 32 << 20  # the data chunk sent per request (a multiple of ALIGN_BYTES)
 
 
 @contextlib.contextmanager
 def _quiet_auth():
     """google-auth logs each failed probe (a metadata server that is not there) as a warning; the CLI's one
     line on a refused request says what to set instead."""
-    loggers = [logging.getLogger(n) for n in ("google.auth", "google.auth.compute_engine._metadata",
-                                              "google.auth._default", "gcsfs", "gcsfs.credentials")]
+    loggers = [
+        logging.getLogger(n)
+        for n in (
+            "google.auth",
+            "google.auth.compute_engine._metadata",
+            "google.auth._default",
+            "gcsfs",
+            "gcsfs.credentials",
+        )
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
@@ -75,7 +86,9 @@ def _status(status: int, where: str, body: bytes = b"") -> None:
     if status == 404:
         raise RemoteMissing(where)
     if status in (401, 403):
-        raise RemoteDenied(f"Google Cloud Storage refused access ({status}) to {where}: {GCS_CREDENTIALS_HINT}")
+        raise RemoteDenied(
+            f"Google Cloud Storage refused access ({status}) to {where}: {GCS_CREDENTIALS_HINT}"
+        )
     if status in (408, 429) or status >= 500:
         raise RemoteRetry(f"HTTP {status}")
     try:
@@ -89,21 +102,26 @@ class GcsBackend(Backend):
     """gs://bucket/key for `io.remote`: listed through the JSON API (objects.get, then objects.list of the
     prefix), every object pinned by its generation; ranges read from the media endpoint with
     `generation=` (see the module docstring)."""
+
     scheme = "gs"
 
     def __init__(self):
         import importlib
+
         try:
             gcsfs = importlib.import_module("gcsfs")
         except ImportError:
-            raise UsageError("reading gs:// needs the package gcsfs, which is not installed",
-                             hint="install the remote extra: pip install 'ckpt-tools[remote]'") from None
+            raise UsageError(
+                "reading gs:// needs the package gcsfs, which is not installed",
+                hint="install the remote extra: pip install 'ckpt-tools[remote]'",
+            ) from None
         with _quiet_auth():
             try:
                 self.fs = gcsfs.GCSFileSystem(skip_instance_cache=True)
-            except Exception as exc:   # a credentials file that cannot be read or parsed
-                raise UsageError(f"the Google Cloud credentials could not be loaded: {exc}",
-                                 hint=GCS_CREDENTIALS_HINT) from None
+            except Exception as exc:  # a credentials file that cannot be read or parsed
+                raise UsageError(
+                    f"the Google Cloud credentials could not be loaded: {exc}", hint=GCS_CREDENTIALS_HINT
+                ) from None
         self.endpoint = self.fs._location.rstrip("/")
 
     # ---- requests
@@ -112,28 +130,34 @@ class GcsBackend(Backend):
         try:
             with _quiet_auth():
                 self.fs.credentials.apply(out)
-        except Exception as exc:   # a refresh the token server refused
-            raise RemoteDenied(f"the Google Cloud credentials could not be refreshed ({type(exc).__name__}: "
-                               f"{exc}): {GCS_CREDENTIALS_HINT}") from None
+        except Exception as exc:  # a refresh the token server refused
+            raise RemoteDenied(
+                f"the Google Cloud credentials could not be refreshed ({type(exc).__name__}: "
+                f"{exc}): {GCS_CREDENTIALS_HINT}"
+            ) from None
         return out
 
     def object_url(self, bucket: str, key: str, *, media: bool = False) -> str:
         head = f"{self.endpoint}/download" if media else self.endpoint
         return f"{head}/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
 
-    def call(self, method: str, url: str, *, params=None, headers=None, data=None,
-             timeout_s: float = 60.0) -> tuple[int, dict, bytes]:
+    def call(
+        self, method: str, url: str, *, params=None, headers=None, data=None, timeout_s: float = 60.0
+    ) -> tuple[int, dict, bytes]:
         """One request, its whole answer: (status, headers, body). A failed connection or a timeout is
         RemoteRetry; the status is the caller's to map (`_status`)."""
         import aiohttp
+
         hdrs = self.headers(headers)
 
         async def go():
             session = await self.fs._set_session()
             timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)
-            async with session.request(method, url, params=params, headers=hdrs, data=data,
-                                       timeout=timeout) as r:
+            async with session.request(
+                method, url, params=params, headers=hdrs, data=data, timeout=timeout
+            ) as r:
                 return r.status, dict(r.headers), await r.read()
+
         try:
             return run_sync(self.fs.loop, go(), timeout_s)
         except RemoteRetry:
@@ -148,7 +172,9 @@ class GcsBackend(Backend):
 
     # ---- io.remote's Backend
     def meta(self, bucket: str, key: str, where: str) -> dict:
-        return self.json_call("GET", self.object_url(bucket, key), where, params={"fields": "name,size,generation,md5Hash"})
+        return self.json_call(
+            "GET", self.object_url(bucket, key), where, params={"fields": "name,size,generation,md5Hash"}
+        )
 
     def names(self, bucket: str, prefix: str, where: str) -> list[dict]:
         """Every object under `prefix` (objects.list, paged)."""
@@ -157,8 +183,9 @@ class GcsBackend(Backend):
             params = {"prefix": prefix, "fields": "items(name,size,generation),nextPageToken"}
             if token:
                 params["pageToken"] = token
-            page = self.json_call("GET", f"{self.endpoint}/storage/v1/b/{quote(bucket, safe='')}/o", where,
-                                  params=params)
+            page = self.json_call(
+                "GET", f"{self.endpoint}/storage/v1/b/{quote(bucket, safe='')}/o", where, params=params
+            )
             out += page.get("items", [])
             token = page.get("nextPageToken")
             if not token:
@@ -175,16 +202,20 @@ class GcsBackend(Backend):
                     pass
             prefix = key + "/" if key else ""
             found = self.names(bucket, prefix, url.text)
-        except RemoteMissing:   # no such bucket
+        except RemoteMissing:  # no such bucket
             raise MissingPathError(url.text) from None
-        out = [(o["name"][len(prefix):], int(o["size"]), str(o["generation"]), (bucket, o["name"]))
-               for o in found if not o["name"].endswith("/")]   # `dir/` placeholders hold nothing
+        out = [
+            (o["name"][len(prefix) :], int(o["size"]), str(o["generation"]), (bucket, o["name"]))
+            for o in found
+            if not o["name"].endswith("/")
+        ]  # `dir/` placeholders hold nothing
         if not out:
             raise MissingPathError(url.text)
         return sorted(out)
 
     def fetch(self, obj, start, end, sink, timeout_s):
         import aiohttp
+
         bucket, key = obj.ref
         url = self.object_url(bucket, key, media=True)
         params = {"alt": "media", "generation": obj.version}
@@ -194,7 +225,9 @@ class GcsBackend(Backend):
         async def get():
             session = await self.fs._set_session()
             timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)
-            async with session.get(url, params=params, headers=hdrs, timeout=timeout, auto_decompress=False) as r:
+            async with session.get(
+                url, params=params, headers=hdrs, timeout=timeout, auto_decompress=False
+            ) as r:
                 if r.status == 404:
                     return "missing"
                 _status(r.status, obj.url, await r.read() if r.status >= 300 and r.status != 308 else b"")
@@ -202,19 +235,23 @@ class GcsBackend(Backend):
                 if now and now != obj.version:
                     raise RemoteChanged(now)
                 if r.status != 206 and not (r.status == 200 and start == 0 and end == obj.size):
-                    raise UsageError(f"the server answered a byte-range request with {r.status}, not 206", path=obj.url,
-                                     hint="an object stored with Content-Encoding: gzip is served decompressed, "
-                                          "whole: store checkpoints without it")
+                    raise UsageError(
+                        f"the server answered a byte-range request with {r.status}, not 206",
+                        path=obj.url,
+                        hint="an object stored with Content-Encoding: gzip is served decompressed, "
+                        "whole: store checkpoints without it",
+                    )
                 async for chunk in r.content.iter_chunked(1 << 20):
                     sink(chunk)
             return "ok"
+
         try:
             got = run_sync(self.fs.loop, get(), timeout_s)
         except (RemoteRetry, RemoteChanged, RemoteMissing, RemoteDenied, UsageError, CkptError):
             raise
         except Exception as exc:
             raise RemoteRetry(f"{type(exc).__name__}: {exc}") from None
-        if got == "missing":   # the pinned generation is gone: replaced (changed) or deleted
+        if got == "missing":  # the pinned generation is gone: replaced (changed) or deleted
             now = self.version_now(obj)
             if now is not None and now != "(deleted)":
                 raise RemoteChanged(now)
@@ -260,36 +297,52 @@ class GcsWriter:
             except RemoteRetry as exc:
                 failures += 1
                 if failures > cfg["retries"]:
-                    raise CkptError(f"{what} failed {failures} times in a row: {exc}", path=self.url_text,
-                                    hint="the server or the link is failing; nothing was committed unless the "
-                                         "message says so; retry later") from None
+                    raise CkptError(
+                        f"{what} failed {failures} times in a row: {exc}",
+                        path=self.url_text,
+                        hint="the server or the link is failing; nothing was committed unless the "
+                        "message says so; retry later",
+                    ) from None
                 time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
             except RemoteDenied as exc:
                 raise UsageError(str(exc), path=self.url_text) from None
             except RemoteMissing as exc:
-                raise UsageError(f"{what}: not found ({exc})", path=self.url_text,
-                                 hint="check that the bucket exists: gcloud storage buckets create gs://BUCKET") from None
-            except RemoteChanged:   # an ifGenerationMatch=0 that failed: the object appeared meanwhile
-                raise CkptError(f"{what}: the object was created by another writer meanwhile", path=self.url_text,
-                                hint="another process writes the same output; rerun (--overwrite replaces it)") \
-                    from None
+                raise UsageError(
+                    f"{what}: not found ({exc})",
+                    path=self.url_text,
+                    hint="check that the bucket exists: gcloud storage buckets create gs://BUCKET",
+                ) from None
+            except RemoteChanged:  # an ifGenerationMatch=0 that failed: the object appeared meanwhile
+                raise CkptError(
+                    f"{what}: the object was created by another writer meanwhile",
+                    path=self.url_text,
+                    hint="another process writes the same output; rerun (--overwrite replaces it)",
+                ) from None
 
     def _start(self, bucket: str, s: _Session, *, overwrite: bool) -> None:
         params = {"uploadType": "resumable", "name": s.key}
-        if not overwrite:   # GCS refuses to create it if another writer made it meanwhile (412 at the end)
+        if not overwrite:  # GCS refuses to create it if another writer made it meanwhile (412 at the end)
             params["ifGenerationMatch"] = "0"
 
         def go():
-            status, hdrs, body = self.b.call("POST", f"{self.b.endpoint}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
-                                             params=params,
-                                             headers={"Content-Type": "application/json",
-                                                      "X-Upload-Content-Type": "application/octet-stream"},
-                                             data=json.dumps({"name": s.key}).encode())
+            status, hdrs, body = self.b.call(
+                "POST",
+                f"{self.b.endpoint}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
+                params=params,
+                headers={
+                    "Content-Type": "application/json",
+                    "X-Upload-Content-Type": "application/octet-stream",
+                },
+                data=json.dumps({"name": s.key}).encode(),
+            )
             _status(status, self.url_text, body)
             loc = hdrs.get("Location") or hdrs.get("location")
             if not loc:
-                raise CkptError("the server started a resumable upload without a session URI", path=self.url_text)
+                raise CkptError(
+                    "the server started a resumable upload without a session URI", path=self.url_text
+                )
             return loc
+
         s.location = self._retried(f"starting the upload of {s.key}", go)
         s.sent, s.md5 = 0, hashlib.md5()
 
@@ -297,7 +350,7 @@ class GcsWriter:
         if s.location is None:
             return
         try:
-            self.b.call("DELETE", s.location, timeout_s=10)   # GCS answers 499
+            self.b.call("DELETE", s.location, timeout_s=10)  # GCS answers 499
         except Exception:
             pass
         s.location = None
@@ -306,19 +359,25 @@ class GcsWriter:
         """Send `data` at `s.sent`; `end_total` (the file's size) ends the upload. Returns the object's
         metadata when it ended it, None when the server holds the data and waits for more."""
         last = s.sent + len(data) - 1
-        rng = f"bytes */{end_total}" if not data else f"bytes {s.sent}-{last}/{end_total if end_total is not None else '*'}"
+        rng = (
+            f"bytes */{end_total}"
+            if not data
+            else f"bytes {s.sent}-{last}/{end_total if end_total is not None else '*'}"
+        )
         # the body's time on the wire counts too: a slow uplink (32 KB/s) must not time a chunk out
         wait_s = max(settings()["timeout_s"], 60.0, len(data) / (32 << 10) / 4)
-        status, hdrs, body = self.b.call("PUT", s.location, headers={"Content-Range": rng}, data=data, timeout_s=wait_s)
+        status, hdrs, body = self.b.call(
+            "PUT", s.location, headers={"Content-Range": rng}, data=data, timeout_s=wait_s
+        )
         if status == 404 or status == 410:
-            raise RemoteMissing(s.key)   # the session is gone (expired, cancelled, or already finished)
+            raise RemoteMissing(s.key)  # the session is gone (expired, cancelled, or already finished)
         _status(status, self.url_text, body)
         if status == 308:
             held = hdrs.get("Range") or hdrs.get("range")
             kept = int(held.rsplit("-", 1)[1]) + 1 if held else 0
             if kept < s.sent or kept > s.sent + len(data):
                 raise RemoteRetry(f"the server holds {kept} bytes of {s.key}, {s.sent + len(data)} were sent")
-            s.md5.update(data[:kept - s.sent])
+            s.md5.update(data[: kept - s.sent])
             s.sent = kept
             return None
         return json.loads(body) if body else {}
@@ -336,9 +395,11 @@ class GcsWriter:
                 except (RemoteRetry, RemoteMissing) as exc:
                     failures += 1
                     if failures > cfg["retries"]:
-                        raise CkptError(f"uploading {s.key} failed {failures} times in a row: {exc}",
-                                        path=self.url_text, hint="the server or the link is failing; nothing was "
-                                                                 "committed; retry later") from None
+                        raise CkptError(
+                            f"uploading {s.key} failed {failures} times in a row: {exc}",
+                            path=self.url_text,
+                            hint="the server or the link is failing; nothing was committed; retry later",
+                        ) from None
                     time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
                     self._cancel(s)
                     self._start(bucket, s, overwrite=overwrite)
@@ -361,33 +422,57 @@ class GcsWriter:
                 return self._chunk(s, tail, s.size)
             except RemoteMissing:
                 if attempts[0] == 1:
-                    raise CkptError(f"the upload session of {s.key} was lost before it was finished",
-                                    path=self.url_text, hint="rerun") from None
+                    raise CkptError(
+                        f"the upload session of {s.key} was lost before it was finished",
+                        path=self.url_text,
+                        hint="rerun",
+                    ) from None
                 # an earlier try ended the upload but its answer was lost: the object says
                 try:
                     return self.b.meta(bucket, s.key, self.url_text)
                 except RemoteMissing:
-                    raise CkptError(f"the upload session of {s.key} was lost before it was finished",
-                                    path=self.url_text, hint="rerun") from None
+                    raise CkptError(
+                        f"the upload session of {s.key} was lost before it was finished",
+                        path=self.url_text,
+                        hint="rerun",
+                    ) from None
+
         meta = self._retried(f"finishing the upload of {s.key}", go)
         if meta is None:
-            raise CkptError(f"the server did not end the upload of {s.key} at its last byte", path=self.url_text)
+            raise CkptError(
+                f"the server did not end the upload of {s.key} at its last byte", path=self.url_text
+            )
         if int(meta.get("size", -1)) != s.size or (meta.get("md5Hash") and meta["md5Hash"] != want_md5):
-            raise CkptError(f"{s.key} arrived as {meta.get('size')} bytes (md5 {meta.get('md5Hash')}), "
-                            f"{s.size} bytes (md5 {want_md5}) were sent", path=self.url_text,
-                            hint="the upload was corrupted on the way; rerun")
+            raise CkptError(
+                f"{s.key} arrived as {meta.get('size')} bytes (md5 {meta.get('md5Hash')}), "
+                f"{s.size} bytes (md5 {want_md5}) were sent",
+                path=self.url_text,
+                hint="the upload was corrupted on the way; rerun",
+            )
         return meta
 
     def upload(self, url: RemoteUrl, files, *, overwrite: bool):
         from .upload import Uploaded, fetched_locally, fetched_note
+
         self.url_text = url.text
         bucket, prefix = split_bucket(url)
-        old = [o["name"] for o in self._retried("listing the output prefix",
-                                                lambda: self.b.names(bucket, prefix + "/", url.text))] if prefix else []
+        old = (
+            [
+                o["name"]
+                for o in self._retried(
+                    "listing the output prefix", lambda: self.b.names(bucket, prefix + "/", url.text)
+                )
+            ]
+            if prefix
+            else []
+        )
         if old and not overwrite:
-            raise OutputExistsError("already exists (objects under this prefix)", path=url.text,
-                                    hint="pass --overwrite to replace it, or another output path")
-        files, fetched = fetched_locally(files)   # a remote input's unchanged object (set-lr's data files)
+            raise OutputExistsError(
+                "already exists (objects under this prefix)",
+                path=url.text,
+                hint="pass --overwrite to replace it, or another output path",
+            )
+        files, fetched = fetched_locally(files)  # a remote input's unchanged object (set-lr's data files)
         sessions: list[_Session] = []
         try:
             for rel, path, size in files:
@@ -401,7 +486,7 @@ class GcsWriter:
                     self._cancel(s)
             raise
         made: list[tuple[str, str]] = []
-        with signals_deferred():   # the commit: each upload ended by its last piece, the markers last
+        with signals_deferred():  # the commit: each upload ended by its last piece, the markers last
             try:
                 for s in sessions:
                     meta = self._finish(bucket, s)
@@ -414,8 +499,12 @@ class GcsWriter:
                 if key not in new:
                     self._retried(f"deleting the old {key}", lambda key=key: self._delete(bucket, key, None))
             self.committed = True
-        return Uploaded(url.text, len(files), sum(s.size for s in sessions),
-                        "gcs resumable uploads, finished at the end" + fetched_note(fetched))
+        return Uploaded(
+            url.text,
+            len(files),
+            sum(s.size for s in sessions),
+            "gcs resumable uploads, finished at the end" + fetched_note(fetched),
+        )
 
     def _delete(self, bucket: str, key: str, generation: str | None) -> None:
         params = {"ifGenerationMatch": generation} if generation else None

@@ -1,4 +1,5 @@
 """SIGTERM as an exception, and signals held while a rename sequence or a cleanup runs."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ class Terminated(BaseException):
 
     def __init__(self, signum: int = signal.SIGTERM):
         self.signum = signum
-        self.exit_code = 128 + signum   # the shell's convention for death by signal
+        self.exit_code = 128 + signum  # the shell's convention for death by signal
         super().__init__(f"terminated by signal {signal.Signals(signum).name}")
 
 
@@ -42,13 +43,13 @@ def signals_deferred():
     old_handlers = {}
     if threading.current_thread() is threading.main_thread():
         for s in sigs:
-            if signal.getsignal(s) is not None:   # None: a handler set outside Python, left alone
+            if signal.getsignal(s) is not None:  # None: a handler set outside Python, left alone
                 old_handlers[s] = signal.signal(s, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
         try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)   # one pending here is recorded
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # one pending here is recorded
         finally:
             for s, handler in old_handlers.items():
                 signal.signal(s, handler)

@@ -21,6 +21,7 @@ another mount of the input (a bind mount) has other names but the same inodes.
 naming what would be deleted (`owned.replace_check`). `describe()` is what a dry run reports: what
 writing OUT would replace, after the same refusals as the real run.
 """
+
 from __future__ import annotations
 
 import errno
@@ -29,20 +30,29 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ..core.errors import DiskSpaceError, OutputExistsError, RankFailed, UsageError
 from ..core.units import human_bytes
 from . import remote
-from .inputs import ancestry, identity, registered as registered_inputs
-from .owned import check_not_cwd, replace_check, write_marker
 from .files import fsync_path, fsync_tree, remove_path
+from .inputs import ancestry, identity
+from .inputs import registered as registered_inputs
 from .lock import OutputLock, lock_path_for, pid_alive
+from .owned import check_not_cwd, replace_check, write_marker
 from .signals import signals_deferred
 
-__all__ = ["OVERWRITE_HINT", "AtomicOutputDir", "SharedOutputDir", "clean_stale_temps", "check_against_inputs",
-           "check_output_file", "describe_output", "mount_point"]
+__all__ = [
+    "OVERWRITE_HINT",
+    "AtomicOutputDir",
+    "SharedOutputDir",
+    "check_against_inputs",
+    "check_output_file",
+    "clean_stale_temps",
+    "describe_output",
+    "mount_point",
+]
 
 # every command that writes OUT takes --overwrite: the one message when OUT is already there
 OVERWRITE_HINT = "pass --overwrite to replace it, or another output path"
@@ -102,8 +112,15 @@ class AtomicOutputDir:
     only an earlier output of ckpt-tools is replaced (module docstring). `marker=False`: no marker in
     the output (gc's in-place slims: a training checkpoint is never "an earlier output")."""
 
-    def __init__(self, out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
-                 need_bytes: int = 0, overwrite: bool = False, marker: bool = True):
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        *,
+        inputs: Iterable[str | os.PathLike] = (),
+        need_bytes: int = 0,
+        overwrite: bool = False,
+        marker: bool = True,
+    ):
         out = Path(out).expanduser()
         if out.name in ("", ".", ".."):
             raise UsageError(f"output path {str(out)!r} does not name a new directory")
@@ -149,8 +166,10 @@ class AtomicOutputDir:
         if free < self.need_bytes:
             raise DiskSpaceError(
                 f"need {human_bytes(self.need_bytes)}, {human_bytes(free)} free on "
-                f"{mount_point(self.out.parent)}", path=self.out,
-                hint="free some space or write the output to another filesystem")
+                f"{mount_point(self.out.parent)}",
+                path=self.out,
+                hint="free some space or write the output to another filesystem",
+            )
 
     def __enter__(self) -> Path:
         self._check_paths()
@@ -180,7 +199,7 @@ class AtomicOutputDir:
             if self.marker:
                 write_marker(self.tmp)
             fsync_tree(self.tmp)
-            if remote.active():   # a remote input rewritten while we read it: no OUT (io.remote)
+            if remote.active():  # a remote input rewritten while we read it: no OUT (io.remote)
                 remote.check_unchanged()
             with signals_deferred():
                 self._commit()
@@ -204,16 +223,21 @@ class AtomicOutputDir:
         elif not isinstance(exc, (OSError, RuntimeError)) or self.tmp is None:
             return None
         try:
-            free = shutil.disk_usage(self.tmp).free   # before the temp dir is removed
+            free = shutil.disk_usage(self.tmp).free  # before the temp dir is removed
         except OSError:
             return None
-        if not (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) and free >= self._FULL_BYTES:
+        if (
+            not (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
+            and free >= self._FULL_BYTES
+        ):
             return None
         need = f"; this output needs about {human_bytes(self.need_bytes)}" if self.need_bytes else ""
         return DiskSpaceError(
             f"no space left on {mount_point(self.out.parent)} while writing ({human_bytes(free)} free at "
-            f"the failure: {type(exc).__name__}: {exc}); nothing was written", path=self.out,
-            hint=f"free some space or write the output to another filesystem{need}")
+            f"the failure: {type(exc).__name__}: {exc}); nothing was written",
+            path=self.out,
+            hint=f"free some space or write the output to another filesystem{need}",
+        )
 
     def _abort(self) -> None:
         try:
@@ -226,10 +250,13 @@ class AtomicOutputDir:
         assert self.tmp is not None
         aside = None
         if os.path.lexists(self.out):
-            if not self.overwrite:   # appeared while we worked, by a writer that ignores our lock
-                raise OutputExistsError("appeared while the output was being written", path=self.out,
-                                        hint="pass a new output path")
-            replace_check(self.out)   # again, under the lock: what is there now
+            if not self.overwrite:  # appeared while we worked, by a writer that ignores our lock
+                raise OutputExistsError(
+                    "appeared while the output was being written",
+                    path=self.out,
+                    hint="pass a new output path",
+                )
+            replace_check(self.out)  # again, under the lock: what is there now
             aside = self.out.parent / f".{self.out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
             os.rename(self.out, aside)
         try:
@@ -247,8 +274,9 @@ class AtomicOutputDir:
             self._lock.release()
 
 
-def describe_output(out: str | os.PathLike, *, overwrite: bool = False,
-                    inputs: Iterable[str | os.PathLike] = ()) -> dict:
+def describe_output(
+    out: str | os.PathLike, *, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
+) -> dict:
     """A dry run's account of OUT (`AtomicOutputDir.describe`): refuses what the real run refuses
     (a name that is no new directory, OUT inside or holding an input, the current directory, an
     existing OUT without `overwrite`, or one that is not an earlier output) and says what
@@ -261,28 +289,35 @@ def check_against_inputs(out: str | os.PathLike, inputs: Iterable[str | os.PathL
     path this command has read so far (`registered_inputs()`). Returns OUT's absolute path."""
     out = Path(out).expanduser()
     out = out.parent.resolve() / out.name
-    real_out = out.resolve()   # `out` may itself be a symlink to somewhere inside an input
+    real_out = out.resolve()  # `out` may itself be a symlink to somewhere inside an input
     every = {Path(os.path.realpath(Path(p).expanduser())) for p in inputs} | set(registered_inputs())
     for inp in sorted(every):
         for o in {out, real_out}:
-            if _is_within(o, inp):   # (equal counts as inside)
-                raise UsageError(f"output {out} is inside input {inp}",
-                                 hint="write the output somewhere outside the inputs")
+            if _is_within(o, inp):  # (equal counts as inside)
+                raise UsageError(
+                    f"output {out} is inside input {inp}",
+                    hint="write the output somewhere outside the inputs",
+                )
             if _is_within(inp, o):
-                raise UsageError(f"input {inp} is inside output {out}",
-                                 hint="choose an output path that contains no input")
+                raise UsageError(
+                    f"input {inp} is inside output {out}", hint="choose an output path that contains no input"
+                )
     # by identity: another mount of an input (a bind mount) reaches the same inodes by other names
     above_out, out_id, seen = ancestry(out), identity(out), {}
     for inp in sorted(every):
         i = identity(inp)
         if i is not None and i in above_out:
-            raise UsageError(f"output {out} is inside input {inp}: the same directory reached by another path "
-                             "(a bind mount or another mount of it)",
-                             hint="write the output somewhere outside the inputs")
+            raise UsageError(
+                f"output {out} is inside input {inp}: the same directory reached by another path "
+                "(a bind mount or another mount of it)",
+                hint="write the output somewhere outside the inputs",
+            )
         if out_id is not None and out_id in _ancestry_cached(inp, seen):
-            raise UsageError(f"input {inp} is inside output {out}: the same directory reached by another path "
-                             "(a bind mount or another mount of it)",
-                             hint="choose an output path that contains no input")
+            raise UsageError(
+                f"input {inp} is inside output {out}: the same directory reached by another path "
+                "(a bind mount or another mount of it)",
+                hint="choose an output path that contains no input",
+            )
     return out
 
 
@@ -294,15 +329,19 @@ def _ancestry_cached(p: Path, seen: dict) -> set:
     return seen[key] | ({identity(p)} - {None})
 
 
-def check_output_file(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), *,
-                      what: str = "output file") -> Path:
+def check_output_file(
+    path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), *, what: str = "output file"
+) -> Path:
     """Check an output FILE (a patched config, a report) before anything is committed: its directory
     exists, nothing is at the path yet (not even a dangling symlink), and it is not, does not
     contain and is not inside any input. Returns its absolute path."""
     p = check_against_inputs(path, inputs)
     if not p.parent.is_dir():
-        raise UsageError(f"the directory of the {what} does not exist", path=p.parent,
-                         hint="create it first, or pass another path")
+        raise UsageError(
+            f"the directory of the {what} does not exist",
+            path=p.parent,
+            hint="create it first, or pass another path",
+        )
     if os.path.lexists(p):
         raise OutputExistsError("already exists", path=p, hint=f"remove it or pass another {what} path")
     return p
@@ -329,7 +368,7 @@ class SharedOutputDir:
         if self._dir is not None:
             try:
                 tmp = self._dir.__enter__()
-            except BaseException as exc:   # the others must hear of it, not wait forever
+            except BaseException as exc:  # the others must hear of it, not wait forever
                 error = str(exc)
                 self.group.broadcast({"tmp": None, "error": error}, "the staging directory")
                 raise
@@ -338,28 +377,36 @@ class SharedOutputDir:
             return tmp
         msg = self.group.broadcast(None, "the staging directory")
         if not msg or not msg.get("tmp"):
-            raise RankFailed(f"rank 0 could not start the output ({(msg or {}).get('error')}); nothing was written",
-                             path=self.out, hint="see rank 0's error")
+            raise RankFailed(
+                f"rank 0 could not start the output ({(msg or {}).get('error')}); nothing was written",
+                path=self.out,
+                hint="see rank 0's error",
+            )
         tmp = Path(msg["tmp"])
         if not tmp.is_dir():
-            raise UsageError(f"rank {self.group.part.rank} does not see rank 0's staging directory {tmp}",
-                             path=self.out, hint="with --nnodes > 1, OUT must be on a filesystem every node "
-                                                 "sees at the same path")
+            raise UsageError(
+                f"rank {self.group.part.rank} does not see rank 0's staging directory {tmp}",
+                path=self.out,
+                hint="with --nnodes > 1, OUT must be on a filesystem every node sees at the same path",
+            )
         self.tmp = tmp
         return tmp
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self.group.part.world == 1:
             return self._dir.__exit__(exc_type, exc, tb)
-        if exc_type is not None:   # no barrier: the leader must not commit; torchrun stops the others
+        if exc_type is not None:  # no barrier: the leader must not commit; torchrun stops the others
             if self._dir is not None:
                 return self._dir.__exit__(exc_type, exc, tb)
             return False
         if self._dir is None:
             self.group.barrier("the end of the writes")
             if not self.group.broadcast(None, "the commit"):
-                raise RankFailed("rank 0 could not commit the output; nothing was written", path=self.out,
-                                 hint="see rank 0's error")
+                raise RankFailed(
+                    "rank 0 could not commit the output; nothing was written",
+                    path=self.out,
+                    hint="see rank 0's error",
+                )
             return False
         try:
             self.group.barrier("the end of the writes")

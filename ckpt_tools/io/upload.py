@@ -27,6 +27,7 @@ what the command wrote there; `discard_pending()` removes the staging dirs (atex
 `upload_tree(local, url)` uploads one finished local tree the same way (gc's `--slim-to`, one commit
 per step), every failure a CkptError naming the URL.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,29 +46,48 @@ from .files import create_new
 from .remote import RemoteUrl, parse_url
 from .signals import Terminated, signals_deferred
 
-__all__ = ["stage_output", "is_staged", "pending", "commit_pending", "discard_pending", "upload_tree",
-           "check_writable", "Uploaded", "COMMIT_LAST"]
+__all__ = [
+    "COMMIT_LAST",
+    "Uploaded",
+    "check_writable",
+    "commit_pending",
+    "discard_pending",
+    "is_staged",
+    "pending",
+    "stage_output",
+    "upload_tree",
+]
 
 UPLOAD_PART_BYTES = 64 << 20
-COPY_PART_BYTES = 1 << 30     # an UploadPartCopy part (S3 takes 5 MiB to 5 GiB; the last one may be smaller)
+COPY_PART_BYTES = 1 << 30  # an UploadPartCopy part (S3 takes 5 MiB to 5 GiB; the last one may be smaller)
 # what an S3-compatible store answers when it has no UploadPartCopy: the object is streamed instead
 _NO_SERVER_COPY = ("NotImplemented", "XNotImplemented", "501")
 # written last: what a reader opens first, and that names the other files
-COMMIT_LAST = (".metadata", "model.safetensors.index.json", "ckpt-slim-manifest.json", "adapter_config.json",
-               "config.json")
+COMMIT_LAST = (
+    ".metadata",
+    "model.safetensors.index.json",
+    "ckpt-slim-manifest.json",
+    "adapter_config.json",
+    "config.json",
+)
 
 
 @dataclass(frozen=True)
 class Uploaded:
     url: str
     files: int
-    bytes: int             # sent from this machine
+    bytes: int  # sent from this machine
     method: str
     copied_bytes: int = 0  # copied by the store itself, server-side (S3 UploadPartCopy), never sent from here
 
     def to_json(self) -> dict:
-        return {"url": self.url, "files": self.files, "bytes": self.bytes, "method": self.method,
-                "copied_bytes": self.copied_bytes}
+        return {
+            "url": self.url,
+            "files": self.files,
+            "bytes": self.bytes,
+            "method": self.method,
+            "copied_bytes": self.copied_bytes,
+        }
 
 
 _PENDING: list[tuple[RemoteUrl, Path]] = []
@@ -78,12 +98,18 @@ def check_writable(value) -> RemoteUrl:
     """`value` as a URL an output can be uploaded to, else a UsageError naming what can."""
     url = parse_url(value)
     if url is None:
-        raise UsageError(f"not a URL: {value!r}", hint="give a URL to upload to: s3://BUCKET/PREFIX, "
-                                                        "hf://ORG/REPO/DIR, hf://buckets/NS/NAME/DIR or "
-                                                        "gs://BUCKET/PREFIX")
+        raise UsageError(
+            f"not a URL: {value!r}",
+            hint="give a URL to upload to: s3://BUCKET/PREFIX, "
+            "hf://ORG/REPO/DIR, hf://buckets/NS/NAME/DIR or "
+            "gs://BUCKET/PREFIX",
+        )
     if url.scheme in ("http", "https"):
-        raise UsageError(f"cannot write to {url.scheme}:// (plain HTTP has no upload)", path=url.text,
-                         hint="write to s3://, hf:// or gs://, or to a local path")
+        raise UsageError(
+            f"cannot write to {url.scheme}:// (plain HTTP has no upload)",
+            path=url.text,
+            hint="write to s3://, hf:// or gs://, or to a local path",
+        )
     return url
 
 
@@ -133,9 +159,12 @@ def fetched_locally(files) -> tuple[list, int]:
         where = where or _staging_dir("ckpt-fetched-")
         free = shutil.disk_usage(where).free
         if free < size:
-            raise DiskSpaceError(f"uploading {obj.url} here means fetching it first: need {human_bytes(size)}, "
-                                 f"{human_bytes(free)} free", path=str(where),
-                                 hint="set CKPT_UPLOAD_STAGING to a dir with room, or write OUT to s3://")
+            raise DiskSpaceError(
+                f"uploading {obj.url} here means fetching it first: need {human_bytes(size)}, "
+                f"{human_bytes(free)} free",
+                path=str(where),
+                hint="set CKPT_UPLOAD_STAGING to a dir with room, or write OUT to s3://",
+            )
         local = where / str(len(out))
         fd = create_new(local)
         try:
@@ -171,10 +200,11 @@ def commit_pending(*, overwrite: bool) -> list[Uploaded]:
             writer = _writer(url)
             try:
                 done.append(writer.upload(url, files, overwrite=overwrite))
-            except BaseException as exc:   # an interrupt held through the commit arrives after it
+            except BaseException as exc:  # an interrupt held through the commit arrives after it
                 if getattr(writer, "committed", False) and isinstance(exc, (KeyboardInterrupt, Terminated)):
-                    exc.summary = (f"{url.text} had been uploaded and committed, complete, when the interrupt "
-                                   "arrived")
+                    exc.summary = (
+                        f"{url.text} had been uploaded and committed, complete, when the interrupt arrived"
+                    )
                 raise
     finally:
         discard_pending()
@@ -185,14 +215,18 @@ def _check_not_an_input(url: RemoteUrl) -> None:
     """OUT may not be, hold or lie inside an input the command read (as a local OUT may not:
     `staging.check_against_inputs`): `set-lr s3://b/x s3://b/x --overwrite` would patch x with no way back."""
     from .inputs import registered
+
     for path in registered():
         read = parse_url(remote.display(str(path)))
         if read is None or read.scheme != url.scheme:
             continue
         a, b = read.path.rstrip("/"), url.path.rstrip("/")
         if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
-            raise UsageError(f"OUT is an input of this command, or holds or lies inside one ({read.text})",
-                             path=url.text, hint="write OUT to another prefix; an input is never replaced")
+            raise UsageError(
+                f"OUT is an input of this command, or holds or lies inside one ({read.text})",
+                path=url.text,
+                hint="write OUT to another prefix; an input is never replaced",
+            )
 
 
 def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:
@@ -208,13 +242,18 @@ def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:
     except CkptError:
         raise
     except BaseException as exc:
-        if isinstance(exc, (KeyboardInterrupt, Terminated)):   # say whether the commit was made
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):  # say whether the commit was made
             if getattr(writer, "committed", False):
-                exc.summary = f"{url.text} had been uploaded and committed, complete, when the interrupt arrived"
+                exc.summary = (
+                    f"{url.text} had been uploaded and committed, complete, when the interrupt arrived"
+                )
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise CkptError(f"uploading to {url.text} failed: {type(exc).__name__}: {first}", path=url.text,
-                        hint="nothing was committed there; check the endpoint and credentials, then rerun") from None
+        raise CkptError(
+            f"uploading to {url.text} failed: {type(exc).__name__}: {first}",
+            path=url.text,
+            hint="nothing was committed there; check the endpoint and credentials, then rerun",
+        ) from None
 
 
 def discard_pending() -> None:
@@ -230,11 +269,13 @@ def _writer(url: RemoteUrl):
         return _S3Writer()
     if url.scheme == "hf" and url.path.startswith("buckets/"):
         from .upload_bucket import HfBucketWriter
+
         return HfBucketWriter()
     if url.scheme == "hf":
         return _HfWriter()
     if url.scheme in ("gs", "gcs"):
         from .remote_gcs import GcsWriter
+
         return GcsWriter()
     return _FsspecWriter(url.scheme)
 
@@ -242,13 +283,15 @@ def _writer(url: RemoteUrl):
 class _S3Writer:
     def __init__(self):
         from .remote_backends import S3Backend
+
         self.b = S3Backend()
         self.client = self.b._client()
         self.no_server_copy = False
 
     def _call(self, coro):
         from .remote import RemoteDenied
-        from .remote_backends import s3_error, run_sync
+        from .remote_backends import run_sync, s3_error
+
         try:
             return run_sync(self.b.fs.loop, coro, 600)
         except Exception as exc:
@@ -274,11 +317,14 @@ class _S3Writer:
         prefix = prefix.strip("/")
         old = self._existing(bucket, prefix) if prefix else []
         if old and not overwrite:
-            raise OutputExistsError("already exists (objects under this prefix)", path=url.text,
-                                    hint="pass --overwrite to replace it, or another output path")
+            raise OutputExistsError(
+                "already exists (objects under this prefix)",
+                path=url.text,
+                hint="pass --overwrite to replace it, or another output path",
+            )
         started: list[tuple[str, str | None, list]] = []
         sent = copied = 0
-        pinned = []   # the objects copied server-side: their ETags re-checked before the commit
+        pinned = []  # the objects copied server-side: their ETags re-checked before the commit
         try:
             for rel, path, size in files:
                 key = f"{prefix}/{rel}" if rel else prefix
@@ -293,35 +339,46 @@ class _S3Writer:
                     pinned.append(obj)
                     continue
                 sent += self._send(obj, path, size, bucket, key, uid, started[-1][2])
-            for obj in pinned:   # a store that ignores CopySourceIfMatch: the source must still be the one read
+            for (
+                obj
+            ) in pinned:  # a store that ignores CopySourceIfMatch: the source must still be the one read
                 now = obj.backend.version_now(obj)
                 if now is not None and now != obj.version:
-                    raise FormatError(f"the object changed while it was being copied (ETag {obj.version} at open, "
-                                      f"{now} now); nothing was written", path=obj.url,
-                                      hint="rerun once the writer has finished")
+                    raise FormatError(
+                        f"the object changed while it was being copied (ETag {obj.version} at open, "
+                        f"{now} now); nothing was written",
+                        path=obj.url,
+                        hint="rerun once the writer has finished",
+                    )
         except BaseException:
             with signals_deferred():
                 for key, uid, _ in started:
                     if uid is not None:
                         try:
-                            self._call(self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=uid))
+                            self._call(
+                                self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=uid)
+                            )
                         except Exception:
                             pass
             raise
-        with signals_deferred():   # the commit: every upload completed, the markers last
+        with signals_deferred():  # the commit: every upload completed, the markers last
             for key, uid, parts in started:
                 if uid is None:
                     self._call(self.client.put_object(Bucket=bucket, Key=key, Body=b""))
                 else:
-                    self._call(self.client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=uid,
-                                                                     MultipartUpload={"Parts": parts}))
+                    self._call(
+                        self.client.complete_multipart_upload(
+                            Bucket=bucket, Key=key, UploadId=uid, MultipartUpload={"Parts": parts}
+                        )
+                    )
             new = {k for k, _, _ in started}
             for key in old:
                 if key not in new:
                     self._call(self.client.delete_object(Bucket=bucket, Key=key))
             self.committed = True
         method = "s3 multipart, completed at the end" + (
-            f"; {len(pinned)} file(s) copied server-side (UploadPartCopy)" if pinned else "")
+            f"; {len(pinned)} file(s) copied server-side (UploadPartCopy)" if pinned else ""
+        )
         return Uploaded(url.text, len(files), sent, method, copied)
 
     def _send(self, obj, path: Path, size: int, bucket: str, key: str, uid: str, parts: list) -> int:
@@ -333,8 +390,11 @@ class _S3Writer:
                 else:
                     chunk = bytearray(min(UPLOAD_PART_BYTES, size - off))
                     obj.read_into(chunk, off)
-                r = self._call(self.client.upload_part(Bucket=bucket, Key=key, UploadId=uid, PartNumber=n,
-                                                       Body=bytes(chunk)))
+                r = self._call(
+                    self.client.upload_part(
+                        Bucket=bucket, Key=key, UploadId=uid, PartNumber=n, Body=bytes(chunk)
+                    )
+                )
                 parts.append({"PartNumber": n, "ETag": r["ETag"]})
         return size
 
@@ -342,6 +402,7 @@ class _S3Writer:
         """The remote object copied into this upload by the store itself (UploadPartCopy), pinned by its
         ETag; False where it cannot be (not an S3 object; a store without UploadPartCopy): stream it."""
         from .remote_backends import S3Backend, run_sync, s3_error
+
         if not isinstance(obj.backend, S3Backend) or self.no_server_copy:
             return False
         src_bucket, src_key = obj.ref
@@ -350,14 +411,25 @@ class _S3Writer:
         async def part(n: int, start: int, end: int) -> dict:
             async with cap:
                 r = await self.client.upload_part_copy(
-                    Bucket=bucket, Key=key, UploadId=uid, PartNumber=n, CopySource={"Bucket": src_bucket, "Key": src_key},
-                    CopySourceRange=f"bytes={start}-{end - 1}", CopySourceIfMatch=obj.version)
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=uid,
+                    PartNumber=n,
+                    CopySource={"Bucket": src_bucket, "Key": src_key},
+                    CopySourceRange=f"bytes={start}-{end - 1}",
+                    CopySourceIfMatch=obj.version,
+                )
                 return {"PartNumber": n, "ETag": r["CopyPartResult"]["ETag"]}
 
         async def every_part() -> list:
-            return await asyncio.gather(*[part(n, off, min(off + COPY_PART_BYTES, obj.size))
-                                          for n, off in enumerate(range(0, obj.size, COPY_PART_BYTES), 1)])
-        try:   # the store copies at its own speed: a floor of 10 MiB/s is patience enough
+            return await asyncio.gather(
+                *[
+                    part(n, off, min(off + COPY_PART_BYTES, obj.size))
+                    for n, off in enumerate(range(0, obj.size, COPY_PART_BYTES), 1)
+                ]
+            )
+
+        try:  # the store copies at its own speed: a floor of 10 MiB/s is patience enough
             parts += run_sync(self.b.fs.loop, every_part(), 600 + obj.size / (10 << 20))
         except Exception as exc:
             err = s3_error(exc, obj.url)
@@ -367,64 +439,95 @@ class _S3Writer:
                 parts.clear()
                 return False
             if isinstance(err, remote.RemoteChanged):
-                raise FormatError(f"the object changed while it was being copied (ETag {obj.version} at open)",
-                                  path=obj.url, hint="rerun once the writer has finished") from None
+                raise FormatError(
+                    f"the object changed while it was being copied (ETag {obj.version} at open)",
+                    path=obj.url,
+                    hint="rerun once the writer has finished",
+                ) from None
             if isinstance(err, remote.RemoteDenied):
                 raise UsageError(str(err)) from None
-            raise CkptError(f"the store's copy of it into {key} failed: {err}", path=obj.url,
-                            hint="nothing was committed; retry later") from None
+            raise CkptError(
+                f"the store's copy of it into {key} failed: {err}",
+                path=obj.url,
+                hint="nothing was committed; retry later",
+            ) from None
         return True
 
 
 class _HfWriter:
     def upload(self, url: RemoteUrl, files, *, overwrite: bool) -> Uploaded:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfFileSystem
+
         fs = HfFileSystem(skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None)
         try:
             res = fs.resolve_path(url.path)
         except FileNotFoundError:
-            raise UsageError("the Hub repo (or its branch) does not exist", path=url.text,
-                             hint="create it first: hf repo create ORG/NAME") from None
+            raise UsageError(
+                "the Hub repo (or its branch) does not exist",
+                path=url.text,
+                hint="create it first: hf repo create ORG/NAME",
+            ) from None
         prefix = res.path_in_repo.strip("/")
         if not prefix:
             raise UsageError("name a directory inside the repo (hf://org/name/DIR)", path=url.text)
-        old = [o for o in fs.find(res.unresolve(), detail=False)] if fs.exists(res.unresolve()) else []
+        old = list(fs.find(res.unresolve(), detail=False)) if fs.exists(res.unresolve()) else []
         if old and not overwrite:
-            raise OutputExistsError("already exists in the repo", path=url.text,
-                                    hint="pass --overwrite to replace it, or another output path")
+            raise OutputExistsError(
+                "already exists in the repo",
+                path=url.text,
+                hint="pass --overwrite to replace it, or another output path",
+            )
         files, fetched = fetched_locally(files)
-        ops = [CommitOperationAdd(path_in_repo=f"{prefix}/{rel}" if rel else prefix, path_or_fileobj=str(p))
-               for rel, p, _ in files]
+        ops = [
+            CommitOperationAdd(path_in_repo=f"{prefix}/{rel}" if rel else prefix, path_or_fileobj=str(p))
+            for rel, p, _ in files
+        ]
         new = {o.path_in_repo for o in ops}
         from .remote_backends import in_repo
+
         ops += [CommitOperationDelete(path_in_repo=in_repo(o)) for o in old if in_repo(o) not in new]
         adds = [o for o in ops if isinstance(o, CommitOperationAdd)]
         # the contents first (LFS/Xet uploads; interruptible: nothing is committed), then the commit itself,
         # which holds the small files inline, with Ctrl-C held: it is made whole or not at all
         fs._api.preupload_lfs_files(res.repo_id, adds, repo_type=res.repo_type, revision=res.revision)
         with signals_deferred():
-            fs._api.create_commit(res.repo_id, ops, repo_type=res.repo_type, revision=res.revision,
-                                  commit_message=f"ckpt: write {prefix}")
+            fs._api.create_commit(
+                res.repo_id,
+                ops,
+                repo_type=res.repo_type,
+                revision=res.revision,
+                commit_message=f"ckpt: write {prefix}",
+            )
             self.committed = True
-        return Uploaded(url.text, len(files), sum(s for _, _, s in files), "one Hub commit" + fetched_note(fetched))
+        return Uploaded(
+            url.text, len(files), sum(s for _, _, s in files), "one Hub commit" + fetched_note(fetched)
+        )
 
 
 class _FsspecWriter:
     def __init__(self, scheme: str):
         from .remote_backends import FsspecBackend
+
         self.fs = FsspecBackend(scheme).fs
 
     def upload(self, url: RemoteUrl, files, *, overwrite: bool) -> Uploaded:
         target = f"{url.scheme}://{url.path}"
         if self.fs.exists(target) and not overwrite:
-            raise OutputExistsError("already exists", path=url.text,
-                                    hint="pass --overwrite to replace it, or another output path")
+            raise OutputExistsError(
+                "already exists", path=url.text, hint="pass --overwrite to replace it, or another output path"
+            )
         files, fetched = fetched_locally(files)
         with self.fs.transaction:
             for rel, p, _ in files:
                 self.fs.put_file(str(p), f"{target}/{rel}" if rel else target)
-        return Uploaded(url.text, len(files), sum(s for _, _, s in files), "fsspec transaction" + fetched_note(fetched))
+        return Uploaded(
+            url.text, len(files), sum(s for _, _, s in files), "fsspec transaction" + fetched_note(fetched)
+        )
 
 
 def fetched_note(fetched: int) -> str:
-    return f"; {human_bytes(fetched)} of it fetched from the inputs first (no server-side copy there)" if fetched else ""
+    return (
+        f"; {human_bytes(fetched)} of it fetched from the inputs first (no server-side copy there)"
+        if fetched
+        else ""
+    )

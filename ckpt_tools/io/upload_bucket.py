@@ -18,6 +18,7 @@ done:
 A failure during the commit (an operation the Hub refused) deletes what it had put under PATH, and with
 `--overwrite` the old output too, since it was partly replaced: never half an output there.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,33 +27,44 @@ import secrets
 from ..core.errors import CkptError, OutputExistsError, UsageError
 from .signals import signals_deferred
 
-__all__ = ["HfBucketWriter", "STAGING_ROOT"]
+__all__ = ["STAGING_ROOT", "HfBucketWriter"]
 
-STAGING_ROOT = ".ckpt-upload"   # in the bucket: one folder per upload in flight, removed when it ends
+STAGING_ROOT = ".ckpt-upload"  # in the bucket: one folder per upload in flight, removed when it ends
 _REFUSED = "set HF_TOKEN (or run `hf auth login`) with a token that can write to this bucket"
 
 
 class HfBucketWriter:
-    committed = False   # set once the output is in place (an interrupt held through the commit says so)
+    committed = False  # set once the output is in place (an interrupt held through the commit says so)
 
     def __init__(self):
         from huggingface_hub import HfApi
+
         self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
 
     def upload(self, url, files, *, overwrite: bool):
         from .upload import COMMIT_LAST, Uploaded, fetched_locally, fetched_note
+
         parts = url.path.split("/")
         if len(parts) < 4 or not parts[1] or not parts[2] or not "/".join(parts[3:]).strip("/"):
-            raise UsageError("name a folder inside the bucket (hf://buckets/NAMESPACE/NAME/PATH)", path=url.text)
+            raise UsageError(
+                "name a folder inside the bucket (hf://buckets/NAMESPACE/NAME/PATH)", path=url.text
+            )
         bucket_id, prefix = f"{parts[1]}/{parts[2]}", "/".join(parts[3:]).strip("/")
         with _hub_errors(url.text, bucket_id), _quiet_progress():
             self.api.bucket_info(bucket_id)
-            old = [f.path for f in self.api.list_bucket_tree(bucket_id, prefix=prefix, recursive=True)
-                   if getattr(f, "type", "file") == "file" and (f.path == prefix or f.path.startswith(prefix + "/"))]
+            old = [
+                f.path
+                for f in self.api.list_bucket_tree(bucket_id, prefix=prefix, recursive=True)
+                if getattr(f, "type", "file") == "file"
+                and (f.path == prefix or f.path.startswith(prefix + "/"))
+            ]
             if old and not overwrite:
-                raise OutputExistsError("already exists in the bucket", path=url.text,
-                                        hint="pass --overwrite to replace it, or another output path")
-            files, fetched = fetched_locally(files)   # a remote input's unchanged object (set-lr's data files)
+                raise OutputExistsError(
+                    "already exists in the bucket",
+                    path=url.text,
+                    hint="pass --overwrite to replace it, or another output path",
+                )
+            files, fetched = fetched_locally(files)  # a remote input's unchanged object (set-lr's data files)
             staging = f"{STAGING_ROOT}/{secrets.token_hex(8)}"
             dest = {rel: f"{prefix}/{rel}" if rel else prefix for rel, _, _ in files}
             staged = {rel: f"{staging}/{rel}" if rel else f"{staging}/{url.name}" for rel, _, _ in files}
@@ -61,31 +73,56 @@ class HfBucketWriter:
                 hashes = self._hashes(bucket_id, {staged[rel]: size for rel, _, size in files})
                 with signals_deferred():
                     try:
-                        self._commit(bucket_id, files, dest, {rel: hashes[staged[rel]] for rel in staged},
-                                     old if overwrite else [], COMMIT_LAST)
+                        self._commit(
+                            bucket_id,
+                            files,
+                            dest,
+                            {rel: hashes[staged[rel]] for rel in staged},
+                            old if overwrite else [],
+                            COMMIT_LAST,
+                        )
                     except Exception as exc:
-                        cleared = self._delete(bucket_id, sorted({*dest.values(), *(old if overwrite else [])}))
-                        hint = ("nothing is left there" + (" (the earlier output, partly replaced, was removed too)"
-                                                           if old and overwrite else "") + "; rerun" if cleared else
-                                "removing what had been put there failed too: delete it in the bucket, then rerun")
-                        raise CkptError(f"uploading to {url.text} failed while putting it in place: "
-                                        f"{_describe(exc)}", hint=hint) from None
+                        cleared = self._delete(
+                            bucket_id, sorted({*dest.values(), *(old if overwrite else [])})
+                        )
+                        hint = (
+                            "nothing is left there"
+                            + (
+                                " (the earlier output, partly replaced, was removed too)"
+                                if old and overwrite
+                                else ""
+                            )
+                            + "; rerun"
+                            if cleared
+                            else "removing what had been put there failed too: delete it in the bucket, then "
+                            "rerun"
+                        )
+                        raise CkptError(
+                            f"uploading to {url.text} failed while putting it in place: {_describe(exc)}",
+                            hint=hint,
+                        ) from None
                     self.committed = True
                     self._delete(bucket_id, list(staged.values()))
             except BaseException:
-                if not self.committed:   # nothing is under PATH; the staged files go too
+                if not self.committed:  # nothing is under PATH; the staged files go too
                     with signals_deferred():
                         self._delete(bucket_id, list(staged.values()))
                 raise
-        return Uploaded(url.text, len(files), sum(s for _, _, s in files),
-                        "hf bucket: uploaded to a staging prefix, then copied into place by Xet hash"
-                        + fetched_note(fetched))
+        return Uploaded(
+            url.text,
+            len(files),
+            sum(s for _, _, s in files),
+            "hf bucket: uploaded to a staging prefix, then copied into place by Xet hash"
+            + fetched_note(fetched),
+        )
 
     def _commit(self, bucket_id, files, dest, hashes, old_to_replace, commit_last):
         """Copies into place: the data files, checked, then the marker files; the old output's markers
         deleted first and its other files after (with --overwrite)."""
+
         def is_marker(rel):
             return rel.rsplit("/", 1)[-1] in commit_last
+
         old_markers = [p for p in old_to_replace if is_marker(p)]
         if old_markers:
             self.api.batch_bucket_files(bucket_id, delete=old_markers)
@@ -95,7 +132,9 @@ class HfBucketWriter:
         for group in (data, markers):
             if not group:
                 continue
-            self.api.batch_bucket_files(bucket_id, copy=[("bucket", bucket_id, hashes[rel], dest[rel]) for rel in group])
+            self.api.batch_bucket_files(
+                bucket_id, copy=[("bucket", bucket_id, hashes[rel], dest[rel]) for rel in group]
+            )
             got = self._hashes(bucket_id, {dest[rel]: sizes[rel] for rel in group})
             wrong = [dest[rel] for rel in group if got[dest[rel]] != hashes[rel]]
             if wrong:
@@ -110,8 +149,10 @@ class HfBucketWriter:
         for path, size in want.items():
             f = got.get(path)
             if f is None or int(f.size) != size:
-                raise CkptError(f"the bucket does not hold {path} as uploaded "
-                                f"({'missing' if f is None else f'{f.size} bytes, not {size}'})")
+                raise CkptError(
+                    f"the bucket does not hold {path} as uploaded "
+                    f"({'missing' if f is None else f'{f.size} bytes, not {size}'})"
+                )
         return {path: got[path].xet_hash for path in want}
 
     def _delete(self, bucket_id, paths) -> bool:
@@ -142,10 +183,15 @@ class _hub_errors:
         if status in (401, 403):
             raise UsageError(f"the Hub refused access to {self.where}: {_REFUSED}") from None
         if type(exc).__name__ == "BucketNotFoundError" or status == 404:
-            raise UsageError("the bucket does not exist", path=self.where,
-                             hint=f"create it first: hf buckets create {self.bucket_id}") from None
-        raise CkptError(f"uploading to {self.where} failed: {_describe(exc)}",
-                        hint="nothing was committed there; check the endpoint and credentials, then rerun") from None
+            raise UsageError(
+                "the bucket does not exist",
+                path=self.where,
+                hint=f"create it first: hf buckets create {self.bucket_id}",
+            ) from None
+        raise CkptError(
+            f"uploading to {self.where} failed: {_describe(exc)}",
+            hint="nothing was committed there; check the endpoint and credentials, then rerun",
+        ) from None
 
 
 class _quiet_progress:
@@ -153,6 +199,7 @@ class _quiet_progress:
 
     def __enter__(self):
         from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+
         self.was_on = not are_progress_bars_disabled()
         if self.was_on:
             disable_progress_bars()
@@ -161,6 +208,7 @@ class _quiet_progress:
     def __exit__(self, *exc):
         if self.was_on:
             from huggingface_hub.utils import enable_progress_bars
+
             enable_progress_bars()
         return False
 

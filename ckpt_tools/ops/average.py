@@ -5,7 +5,8 @@
 is itself a LoRA of rank sum(r_i): A_i stacked, B_i * (w_i * s_i) side by side (`sources.delta`); no
 base weight is read. `--rank K` / `--energy E` bring each module down to its Eckart-Young rank (the
 same math as `ckpt resize-adapter`). Trained full tensors (modules_to_save) are averaged with the same
-weights (fp64, written fp32). The inputs are DCP checkpoints (full or slim) and PEFT adapters of one run; inputs that disagree in base model, LoRA targets or alpha are refused, naming the
+weights (fp64, written fp32). The inputs are DCP checkpoints (full or slim) and PEFT adapters of one run;
+inputs that disagree in base model, LoRA targets or alpha are refused, naming the
 difference, unless `allow` names what may differ (`--allow-mismatch`). `--merge BASE` (the merged
 model instead of the adapter) is `workflows.average_merge`: this op's source into the merge op.
 
@@ -14,6 +15,7 @@ open -> plan -> run -> report: `open_average_sources(paths, options)` opens meta
 decide the ranks: a dry run reads the LoRA factors, never a base weight); `run_average` writes OUT
 through `formats.peft.writer.write_adapter`.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,8 +31,18 @@ from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_
 from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, shared_peft_targets
 from ..sources.lora import LoraSource, open_lora_source
 
-__all__ = ["MISMATCH_KINDS", "AverageOptions", "AverageInput", "AverageSources", "open_average_sources",
-           "AveragePlan", "AverageReport", "plan_average", "run_average", "input_facts"]
+__all__ = [
+    "MISMATCH_KINDS",
+    "AverageInput",
+    "AverageOptions",
+    "AveragePlan",
+    "AverageReport",
+    "AverageSources",
+    "input_facts",
+    "open_average_sources",
+    "plan_average",
+    "run_average",
+]
 
 MISMATCH_KINDS = ("base", "targets", "alpha")
 
@@ -38,28 +50,28 @@ MISMATCH_KINDS = ("base", "targets", "alpha")
 @dataclass(frozen=True)
 class AverageOptions:
     out: str | Path = ""
-    weights: tuple[float, ...] | None = None     # one per input, in the order given; divided by their sum
-    ema: float | None = None                     # beta: weights from the recurrence, in step order
+    weights: tuple[float, ...] | None = None  # one per input, in the order given; divided by their sum
+    ema: float | None = None  # beta: weights from the recurrence, in step order
     rank: int | None = None
     energy: float | None = None
-    allow: frozenset[str] = frozenset()          # of MISMATCH_KINDS: what may differ between the inputs
-    alpha: float | None = None                   # of the DCP inputs (over their run config's); adapters keep theirs
+    allow: frozenset[str] = frozenset()  # of MISMATCH_KINDS: what may differ between the inputs
+    alpha: float | None = None  # of the DCP inputs (over their run config's); adapters keep theirs
     trust_pickle: bool = False
-    layout: str = DEFAULT_LAYOUT                 # how MoE expert LoRA is written (core.keys.LAYOUTS)
+    layout: str = DEFAULT_LAYOUT  # how MoE expert LoRA is written (core.keys.LAYOUTS)
 
 
 @dataclass(frozen=True)
 class AverageInput:
     path: str
-    kind: str              # dcp | peft
-    step: int | None       # from step_N in the path, else the checkpoint's progress.step
+    kind: str  # dcp | peft
+    step: int | None  # from step_N in the path, else the checkpoint's progress.step
     alpha: float | None
     alpha_source: str
     scale: float | list[float]
     rank: int | list[int]
     modules: int
-    base: str | None       # base_model_name_or_path / the run config's model name
-    base_dir: str | None   # where that name resolves here (relative names against the run's launch dir)
+    base: str | None  # base_model_name_or_path / the run config's model name
+    base_dir: str | None  # where that name resolves here (relative names against the run's launch dir)
     weight: float = 0.0
 
     def to_json(self) -> dict:
@@ -70,13 +82,13 @@ class AverageInput:
 class AverageSources:
     inputs: list[LoraSource]
     facts: list[AverageInput]
-    delta: DeltaSource | None = None     # set by plan_average: the weighted sum the run (or a merge) reads
+    delta: DeltaSource | None = None  # set by plan_average: the weighted sum the run (or a merge) reads
 
     def close(self) -> None:
         for s in self.inputs:
             s.close()
 
-    def __enter__(self) -> "AverageSources":
+    def __enter__(self) -> AverageSources:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -87,21 +99,36 @@ def input_facts(src: LoraSource) -> AverageInput:
     """What the plan records of one input (and compares across inputs)."""
     d = src.describe()
     name, where = lora_base(src)
-    return AverageInput(str(src.path), src.kind, lora_step(src), src.alpha, src.alpha_source, d["scale"], d["rank"],
-                        len(src.modules), name, None if where is None else str(where))
+    return AverageInput(
+        str(src.path),
+        src.kind,
+        lora_step(src),
+        src.alpha,
+        src.alpha_source,
+        d["scale"],
+        d["rank"],
+        len(src.modules),
+        name,
+        None if where is None else str(where),
+    )
 
 
 def open_average_sources(paths: list[str | Path], options: AverageOptions) -> AverageSources:
     """Each input opened as a LoRA source (metadata and configs only), all kept open."""
     if len(paths) < 2:
-        raise UsageError(f"ckpt average needs at least 2 inputs, got {len(paths)}",
-                         hint="to change one adapter's rank use `ckpt resize-adapter`")
+        raise UsageError(
+            f"ckpt average needs at least 2 inputs, got {len(paths)}",
+            hint="to change one adapter's rank use `ckpt resize-adapter`",
+        )
     seen: dict[Path, str] = {}
     for p in paths:
         r = Path(p).resolve()
         if r in seen:
-            raise UsageError(f"input given twice: {p} (and {seen[r]})", path=p,
-                             hint="to count a step twice, give it a larger --weights entry")
+            raise UsageError(
+                f"input given twice: {p} (and {seen[r]})",
+                path=p,
+                hint="to count a step twice, give it a larger --weights entry",
+            )
         seen[r] = str(p)
     srcs: list[LoraSource] = []
     try:
@@ -121,32 +148,43 @@ def open_average_sources(paths: list[str | Path], options: AverageOptions) -> Av
 @dataclass(frozen=True)
 class AveragePlan:
     out: str
-    method: str                         # mean | weights | ema
+    method: str  # mean | weights | ema
     ema: float | None
-    inputs: tuple[AverageInput, ...]    # in the order the weights apply (step order for --ema)
-    rank_rule: dict | None              # {"rank": K} | {"energy": E} | None (the exact stacked LoRA)
+    inputs: tuple[AverageInput, ...]  # in the order the weights apply (step order for --ema)
+    rank_rule: dict | None  # {"rank": K} | {"energy": E} | None (the exact stacked LoRA)
     modules: int
-    modules_to_save: tuple[str, ...]    # trained full tensors (HF names), averaged with the same weights
-    ranks: dict[str, int]               # module -> rank written
-    truncations: dict[str, dict]        # module -> kept energy / error (with a rank rule)
+    modules_to_save: tuple[str, ...]  # trained full tensors (HF names), averaged with the same weights
+    ranks: dict[str, int]  # module -> rank written
+    truncations: dict[str, dict]  # module -> kept energy / error (with a rank rule)
     allowed: tuple[str, ...]
-    differences: tuple[str, ...]        # what differs between the inputs (allowed, or none)
+    differences: tuple[str, ...]  # what differs between the inputs (allowed, or none)
     tensors: tuple[OutTensor, ...] = field(repr=False)
     config: dict = field(repr=False)
     out_file_bytes: int = 0
     warnings: tuple[str, ...] = ()
-    adapter_warnings: tuple[str, ...] = ()   # about the adapter OUT's consumers (not a --merge's output)
+    adapter_warnings: tuple[str, ...] = ()  # about the adapter OUT's consumers (not a --merge's output)
 
     def to_json(self) -> dict:
         rank_values = sorted(set(self.ranks.values()))
-        return {"out": self.out, "method": self.method, "ema": self.ema,
-                "inputs": [i.to_json() for i in self.inputs], "weights": [i.weight for i in self.inputs],
-                "rank_rule": self.rank_rule, "modules": self.modules, "modules_to_save": list(self.modules_to_save),
-                "rank": rank_values[0] if len(rank_values) == 1 else rank_values, "ranks": dict(self.ranks),
-                "truncations": dict(self.truncations), "allowed": list(self.allowed),
-                "differences": list(self.differences), "tensors": [t.to_json() for t in self.tensors],
-                "config": self.config, "out_file_bytes": self.out_file_bytes,
-                "warnings": list(self.warnings + self.adapter_warnings)}
+        return {
+            "out": self.out,
+            "method": self.method,
+            "ema": self.ema,
+            "inputs": [i.to_json() for i in self.inputs],
+            "weights": [i.weight for i in self.inputs],
+            "rank_rule": self.rank_rule,
+            "modules": self.modules,
+            "modules_to_save": list(self.modules_to_save),
+            "rank": rank_values[0] if len(rank_values) == 1 else rank_values,
+            "ranks": dict(self.ranks),
+            "truncations": dict(self.truncations),
+            "allowed": list(self.allowed),
+            "differences": list(self.differences),
+            "tensors": [t.to_json() for t in self.tensors],
+            "config": self.config,
+            "out_file_bytes": self.out_file_bytes,
+            "warnings": list(self.warnings + self.adapter_warnings),
+        }
 
 
 def _weights(facts: list[AverageInput], options: AverageOptions) -> tuple[str, list[int], list[float]]:
@@ -156,15 +194,20 @@ def _weights(facts: list[AverageInput], options: AverageOptions) -> tuple[str, l
         raise UsageError("pass --weights or --ema, not both")
     if options.weights is not None:
         if len(options.weights) != n:
-            raise UsageError(f"--weights has {len(options.weights)} values for {n} inputs",
-                             hint="one weight per input, in the order the inputs are given")
+            raise UsageError(
+                f"--weights has {len(options.weights)} values for {n} inputs",
+                hint="one weight per input, in the order the inputs are given",
+            )
         return "weights", list(range(n)), normalize_weights(options.weights)
     if options.ema is not None:
         steps = [f.step for f in facts]
         unknown = [f.path for f in facts if f.step is None]
         if unknown:
-            raise UsageError(f"--ema needs each input's step; none found for {unknown[0]}", path=unknown[0],
-                             hint="inputs under step_N/ (or a checkpoint with progress.step), or use --weights")
+            raise UsageError(
+                f"--ema needs each input's step; none found for {unknown[0]}",
+                path=unknown[0],
+                hint="inputs under step_N/ (or a checkpoint with progress.step), or use --weights",
+            )
         dup = sorted({s for s in steps if steps.count(s) > 1})
         if dup:
             raise UsageError(f"--ema: step {dup[0]} is given more than once", hint="one input per step")
@@ -181,22 +224,35 @@ def _differences(facts: list[AverageInput], srcs: list[LoraSource]) -> dict[str,
         # the resolved dirs when both are found here, else the names as written
         same = f.base_dir == f0.base_dir if f.base_dir and f0.base_dir else f.base == f0.base
         if "base" not in out and f.base is not None and f0.base is not None and not same:
-            where = (f" = {f0.base_dir} vs {f.base_dir}" if f.base_dir and f0.base_dir else "")
+            where = f" = {f0.base_dir} vs {f.base_dir}" if f.base_dir and f0.base_dir else ""
             out["base"] = f"base model {f0.base!r} ({f0.path}) vs {f.base!r} ({f.path}){where}"
         if "targets" not in out and set(s.modules) != set(first.modules):
             only0 = sorted(set(first.modules) - set(s.modules))
             only1 = sorted(set(s.modules) - set(first.modules))
-            what = "; ".join(x for x in (f"only in {f0.path}: {', '.join(only0[:3])}" + (" ..." if len(only0) > 3 else "")
-                                         if only0 else "",
-                                         f"only in {f.path}: {', '.join(only1[:3])}" + (" ..." if len(only1) > 3 else "")
-                                         if only1 else "") if x)
+            what = "; ".join(
+                x
+                for x in (
+                    f"only in {f0.path}: {', '.join(only0[:3])}" + (" ..." if len(only0) > 3 else "")
+                    if only0
+                    else "",
+                    f"only in {f.path}: {', '.join(only1[:3])}" + (" ..." if len(only1) > 3 else "")
+                    if only1
+                    else "",
+                )
+                if x
+            )
             out["targets"] = f"LoRA targets differ: {len(first.modules)} vs {len(s.modules)} modules ({what})"
         if "targets" not in out and set(s.full_tensors) != set(first.full_tensors):
-            out["targets"] = (f"trained full tensors (modules_to_save) differ: {sorted(first.full_tensors)} ({f0.path}) "
-                              f"vs {sorted(s.full_tensors)} ({f.path})")
+            out["targets"] = (
+                f"trained full tensors (modules_to_save) differ: {sorted(first.full_tensors)} ({f0.path}) "
+                f"vs {sorted(s.full_tensors)} ({f.path})"
+            )
         if "alpha" not in out and (f.alpha != f0.alpha or s.use_rslora != first.use_rslora):
-            out["alpha"] = (f"lora alpha {f0.alpha:g} ({f0.path}) vs {f.alpha:g} ({f.path})"
-                            if f.alpha is not None and f0.alpha is not None else f"alpha differs: {f0.path}, {f.path}")
+            out["alpha"] = (
+                f"lora alpha {f0.alpha:g} ({f0.path}) vs {f.alpha:g} ({f.path})"
+                if f.alpha is not None and f0.alpha is not None
+                else f"alpha differs: {f0.path}, {f.path}"
+            )
     return out
 
 
@@ -210,18 +266,26 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
     diffs = _differences(facts, srcs)
     refused = [k for k in MISMATCH_KINDS if k in diffs and k not in options.allow]
     if refused:
-        raise FormatError("the inputs are not steps of one run: " + "; ".join(diffs[k] for k in refused),
-                          path=facts[0].path,
-                          hint="average steps of one run; if the difference is intended pass "
-                               + " ".join(f"--allow-mismatch {k}" for k in refused)
-                               + (" (a module missing from an input counts as a zero delta there)"
-                                  if "targets" in refused else "")
-                               + (" (each input's delta keeps its own scale)" if "alpha" in refused else ""))
+        raise FormatError(
+            "the inputs are not steps of one run: " + "; ".join(diffs[k] for k in refused),
+            path=facts[0].path,
+            hint="average steps of one run; if the difference is intended pass "
+            + " ".join(f"--allow-mismatch {k}" for k in refused)
+            + (
+                " (a module missing from an input counts as a zero delta there)"
+                if "targets" in refused
+                else ""
+            )
+            + (" (each input's delta keeps its own scale)" if "alpha" in refused else ""),
+        )
     fulls = {frozenset(x.full_tensors) for x in srcs}
-    if len(fulls) > 1:   # an input without a trained tensor has the base's there, which an adapter cannot hold
-        raise FormatError("the inputs train different full tensors (modules_to_save): "
-                          + " vs ".join(str(sorted(x)) for x in sorted(fulls, key=sorted)), path=facts[0].path,
-                          hint="average steps of one run; --allow-mismatch targets covers LoRA modules only")
+    if len(fulls) > 1:  # an input without a trained tensor has the base's there, which an adapter cannot hold
+        raise FormatError(
+            "the inputs train different full tensors (modules_to_save): "
+            + " vs ".join(str(sorted(x)) for x in sorted(fulls, key=sorted)),
+            path=facts[0].path,
+            hint="average steps of one run; --allow-mismatch targets covers LoRA modules only",
+        )
     method, order, weights = _weights(facts, options)
     facts = [replace(facts[i], weight=w) for i, w in zip(order, weights)]
     terms: dict[str, list[Term]] = {}
@@ -229,23 +293,43 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
         for m in srcs[i].modules:
             terms.setdefault(m, []).append(Term(i, w))
     full = {n: tuple(Term(i, w) for i, w in zip(order, weights)) for n in srcs[0].full_tensors}
-    src = DeltaSource(srcs, {m: tuple(t) for m, t in terms.items()}, path=Path(srcs[0].path), describe_as="average",
-                      full_terms=full)
+    src = DeltaSource(
+        srcs,
+        {m: tuple(t) for m, t in terms.items()},
+        path=Path(srcs[0].path),
+        describe_as="average",
+        full_terms=full,
+    )
     warnings = [w for s in srcs for w in s.warnings]
     rule = None
     if options.rank is not None or options.energy is not None:
         rule = {"rank": int(options.rank)} if options.rank is not None else {"energy": float(options.energy)}
         src.truncate_to(rank=options.rank, energy=options.energy)
     sources.delta = src
-    tensors, cfg, full_warnings = peft_outputs(src, base_model_name_or_path=facts[0].base,
-                                               target_modules=shared_peft_targets(srcs), layout=options.layout)
+    tensors, cfg, full_warnings = peft_outputs(
+        src,
+        base_model_name_or_path=facts[0].base,
+        target_modules=shared_peft_targets(srcs),
+        layout=options.layout,
+    )
     return AveragePlan(
-        out=str(options.out), method=method, ema=options.ema, inputs=tuple(facts), rank_rule=rule,
-        modules=len(src.modules), modules_to_save=tuple(src.full_tensors), ranks={m: s.rank for m, s in src.modules.items()},
-        truncations={m: t.to_json() for m, t in src.truncations.items()}, allowed=tuple(sorted(options.allow)),
-        differences=tuple(diffs[k] for k in MISMATCH_KINDS if k in diffs), tensors=tensors, config=cfg,
-        out_file_bytes=safetensors_file_bytes(list(tensors)), warnings=tuple(dict.fromkeys(warnings)),
-        adapter_warnings=tuple(full_warnings))
+        out=str(options.out),
+        method=method,
+        ema=options.ema,
+        inputs=tuple(facts),
+        rank_rule=rule,
+        modules=len(src.modules),
+        modules_to_save=tuple(src.full_tensors),
+        ranks={m: s.rank for m, s in src.modules.items()},
+        truncations={m: t.to_json() for m, t in src.truncations.items()},
+        allowed=tuple(sorted(options.allow)),
+        differences=tuple(diffs[k] for k in MISMATCH_KINDS if k in diffs),
+        tensors=tensors,
+        config=cfg,
+        out_file_bytes=safetensors_file_bytes(list(tensors)),
+        warnings=tuple(dict.fromkeys(warnings)),
+        adapter_warnings=tuple(full_warnings),
+    )
 
 
 @dataclass(frozen=True)
@@ -253,14 +337,22 @@ class AverageReport(AdapterDirReport):
     plan: AveragePlan
 
 
-def run_average(plan: AveragePlan, sources: AverageSources, progress: Progress | None = None, *,
-                overwrite: bool = False) -> AverageReport:
+def run_average(
+    plan: AveragePlan, sources: AverageSources, progress: Progress | None = None, *, overwrite: bool = False
+) -> AverageReport:
     """Write OUT (PEFT adapter dir, fp32 factors) from the plan's delta source, one module in flight."""
     t0 = time.perf_counter()
     src = sources.delta
     if src is None:
         raise ValueError("run_average needs the sources plan_average planned")
-    size = write_adapter(Path(plan.out), plan.tensors, lambda t: src.read_key(t.source), plan.config,
-                         inputs=[Path(i.path) for i in plan.inputs], overwrite=overwrite, progress=progress,
-                         stage="average")
+    size = write_adapter(
+        Path(plan.out),
+        plan.tensors,
+        lambda t: src.read_key(t.source),
+        plan.config,
+        inputs=[Path(i.path) for i in plan.inputs],
+        overwrite=overwrite,
+        progress=progress,
+        stage="average",
+    )
     return AverageReport(plan, size, round(time.perf_counter() - t0, 3))

@@ -20,23 +20,32 @@ fused expert LoRA PEFT loads through `target_parameters` (`formats.peft.experts`
 exact rank-2r block LoRA; each fused tensor is built from the experts' factors, one tensor in flight),
 `vllm` / `prime-rl` as per-expert modules. For a dense LoRA the three are one file, byte for byte.
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..core.casts import bf16_round
 from ..core.errors import CkptError, FormatError, UsageError
 from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, expert_parts
 from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
 from ..core.progress import Progress
-from ..core.casts import bf16_round
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import tensor_shapes
 from ..formats.peft.config import PEFT_PREFIX
 from ..formats.peft.experts import FusedParam, build_fused, fused_config, plan_fused
-from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
-    safetensors_file_bytes, target_modules_for, write_adapter
+from ..formats.peft.writer import (
+    OutTensor,
+    exact_modules_to_save,
+    full_tensor_warning,
+    peft_config,
+    peft_key,
+    safetensors_file_bytes,
+    target_modules_for,
+    write_adapter,
+)
 from ..formats.primerl import run_dir
 from ..formats.primerl.alpha import run_adapter_configs, run_outputs_dir
 from ..formats.primerl.run_dir import run_base_of
@@ -45,12 +54,13 @@ from ..sources.lora import DcpLoraSource
 
 __all__ = ["ExtractOptions", "ExtractPlan", "ExtractReport", "plan_extract", "run_extract"]
 
+
 @dataclass(frozen=True)
 class ExtractOptions:
     out: str | Path
-    base: str | None = None         # base_model_name_or_path, and the shapes to check (default: orch.toml's)
-    dtype: str = "fp32"             # fp32 (exact) | bf16
-    layout: str = DEFAULT_LAYOUT    # peft | vllm | prime-rl (core.keys.LAYOUTS): how expert LoRA is written
+    base: str | None = None  # base_model_name_or_path, and the shapes to check (default: orch.toml's)
+    dtype: str = "fp32"  # fp32 (exact) | bf16
+    layout: str = DEFAULT_LAYOUT  # peft | vllm | prime-rl (core.keys.LAYOUTS): how expert LoRA is written
 
 
 # ------------------------------------------------------------------------------------ the plan
@@ -71,9 +81,9 @@ class ExtractPlan:
     tensors: tuple[OutTensor, ...]
     config: dict = field(repr=False)
     layout: str = DEFAULT_LAYOUT
-    fused: tuple[FusedParam, ...] = field(default=(), repr=False)   # --layout peft of a MoE: the fused LoRAs
-    lora_item_bytes: int = 0        # stored bytes of the LoRA items read (what --json calls bytes to read)
-    lora_payload_bytes: int = 0     # fp32 values in them
+    fused: tuple[FusedParam, ...] = field(default=(), repr=False)  # --layout peft of a MoE: the fused LoRAs
+    lora_item_bytes: int = 0  # stored bytes of the LoRA items read (what --json calls bytes to read)
+    lora_payload_bytes: int = 0  # fp32 values in them
     out_file_bytes: int = 0
     warnings: tuple[str, ...] = ()
 
@@ -83,8 +93,17 @@ class ExtractPlan:
         d["base_checked"] = str(self.base_checked) if self.base_checked else None
         d["tensors"] = [t.to_json() for t in self.tensors]
         d["warnings"] = list(self.warnings)
-        d["fused"] = [{"name": f.name, "peft_module": f.peft_module, "experts": f.num_experts, "rank": f.rank,
-                       "projections": list(f.projs), "projection_rank": f.part_rank} for f in self.fused]
+        d["fused"] = [
+            {
+                "name": f.name,
+                "peft_module": f.peft_module,
+                "experts": f.num_experts,
+                "rank": f.rank,
+                "projections": list(f.projs),
+                "projection_rank": f.part_rank,
+            }
+            for f in self.fused
+        ]
         return d
 
 
@@ -104,15 +123,20 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     warnings = list(src.warnings)
     ranks = sorted({s.rank for s in src.modules.values()})
     if len(ranks) != 1:
-        raise FormatError(f"LoRA ranks vary across modules ({ranks}); prime-rl trains one rank and "
-                          "this export writes one `r`", path=ckpt.dir)
+        raise FormatError(
+            f"LoRA ranks vary across modules ({ranks}); prime-rl trains one rank and "
+            "this export writes one `r`",
+            path=ckpt.dir,
+        )
     rank = ranks[0]
     scale = src.alpha / rank
     lora_alpha = lora_alpha_for_scale(scale, rank)
     if bf16_round(scale) != scale:
-        warnings.append(f"scale {scale!r} (alpha {src.alpha:g} / r {rank}) is not exact in bf16; prime-rl "
-                        f"applied bf16({scale:.6g}) = {bf16_round(scale)!r} during training. The adapter keeps "
-                        "alpha / r exactly, as PEFT and vLLM compute it")
+        warnings.append(
+            f"scale {scale!r} (alpha {src.alpha:g} / r {rank}) is not exact in bf16; prime-rl "
+            f"applied bf16({scale:.6g}) = {bf16_round(scale)!r} during training. The adapter keeps "
+            "alpha / r exactly, as PEFT and vLLM compute it"
+        )
 
     shapes = {m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in modules}
 
@@ -122,22 +146,27 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
         base_dir, why = locate_model(base, run_root=None)
     else:
         run_base = run_base_of(ckpt.dir)
-        if run_base is None and src.resolution.config_path is not None:   # --run-config named elsewhere
+        if run_base is None and src.resolution.config_path is not None:  # --run-config named elsewhere
             run_base = run_dir.run_base(run_dir.resolve_run(ckpt.dir, config=src.resolution.config_path))
         base_name = run_base.name if run_base is not None else None
         base_dir, why = (run_base.dir, run_base.problem) if run_base is not None else (None, None)
     if base_name is None:
-        warnings.append("no base model name: pass --base NAME_OR_DIR (the run's config names no model.name); "
-                        "base_model_name_or_path is left null, so PEFT/vLLM users must supply the base")
+        warnings.append(
+            "no base model name: pass --base NAME_OR_DIR (the run's config names no model.name); "
+            "base_model_name_or_path is left null, so PEFT/vLLM users must supply the base"
+        )
     base_shapes = None
     if base_dir is not None:
         base_shapes, _cfg = tensor_shapes(base_dir)
         check_modules_fit_base(shapes, base_shapes, base_dir)
     elif base_name is not None:
-        warnings.append(f"base model {base_name!r} not found locally ({why}); LoRA shapes were not checked "
-                        "against it")
+        warnings.append(
+            f"base model {base_name!r} not found locally ({why}); LoRA shapes were not checked against it"
+        )
     experts = [m for m in modules if expert_parts(m) is not None]
-    fused = plan_fused({m: shapes[m] for m in experts}, ckpt.dir) if options.layout == "peft" and experts else []
+    fused = (
+        plan_fused({m: shapes[m] for m in experts}, ckpt.dir) if options.layout == "peft" and experts else []
+    )
     per_module = [m for m in modules if m not in set(experts)] if fused else modules
     targets, twarn = target_modules_for(per_module, base_shapes)
     if twarn:
@@ -145,8 +174,10 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     fused_cfg = fused_config(fused, scale) if fused else None
     for f in fused:
         if f.block and lora_alpha_for_scale(scale, f.rank) / f.rank != scale:
-            warnings.append(f"{f.name}: alpha {lora_alpha_for_scale(scale, f.rank)!r} / rank {f.rank} is not exactly "
-                            f"the scale {scale!r} in floating point (PEFT computes alpha / r)")
+            warnings.append(
+                f"{f.name}: alpha {lora_alpha_for_scale(scale, f.rank)!r} / rank {f.rank} is not exactly "
+                f"the scale {scale!r} in floating point (PEFT computes alpha / r)"
+            )
 
     # modules_to_save: the base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`),
     # found from its state by the source, written under their exact module names
@@ -158,45 +189,81 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     listed = set()
     for c in run_adapter_configs(ckpt.dir):
         try:
-            found = read_json(c, root=run_outputs_dir(ckpt.dir), what="adapter_config.json").get("modules_to_save")
+            found = read_json(c, root=run_outputs_dir(ckpt.dir), what="adapter_config.json").get(
+                "modules_to_save"
+            )
             listed.update(m for m in (found or []) if isinstance(m, str))
         except (CkptError, AttributeError, TypeError):
             continue
     if listed and not full:
-        warnings.append(f"the run's adapter configs list modules_to_save {sorted(listed)}, but the checkpoint's "
-                        "optimizer holds no state for any base weight: they were not trained (prime-rl 16e747c's "
-                        "optimizer updates the LoRA only, format §6.3), so the base's own values are the trained "
-                        "ones and this adapter holds the LoRA only")
+        warnings.append(
+            f"the run's adapter configs list modules_to_save {sorted(listed)}, but the checkpoint's "
+            "optimizer holds no state for any base weight: they were not trained (prime-rl 16e747c's "
+            "optimizer updates the LoRA only, format §6.3), so the base's own values are the trained "
+            "ones and this adapter holds the LoRA only"
+        )
 
-    outs = [OutTensor(peft_key(m, ab), shapes[m][0 if ab == "A" else 1], dtype, src.modules[m].factor_ref(ab))
-            for m in per_module for ab in "AB"]
-    outs += [OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, dtype, f.source(ab))
-             for f in fused for ab in "AB"]
+    outs = [
+        OutTensor(peft_key(m, ab), shapes[m][0 if ab == "A" else 1], dtype, src.modules[m].factor_ref(ab))
+        for m in per_module
+        for ab in "AB"
+    ]
+    outs += [
+        OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, dtype, f.source(ab))
+        for f in fused
+        for ab in "AB"
+    ]
     for name, ref in full.items():
         f = src.key_facts(ref)
         if base_shapes is not None and tuple(base_shapes.get(name, ())) != tuple(f.shape):
-            raise FormatError(f"trained full tensor {name} is {list(f.shape)}, the base's is "
-                              f"{list(base_shapes.get(name, [])) or 'absent'}", path=ckpt.dir, key=ref,
-                              hint="pass the base model the run trained (--base)")
+            raise FormatError(
+                f"trained full tensor {name} is {list(f.shape)}, the base's is "
+                f"{list(base_shapes.get(name, [])) or 'absent'}",
+                path=ckpt.dir,
+                key=ref,
+                hint="pass the base model the run trained (--base)",
+            )
         outs.append(OutTensor(PEFT_PREFIX + name, tuple(f.shape), dtype, ref))
     tensors = tuple(sorted(outs, key=lambda t: t.name))
-    cfg = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets, base_model_name_or_path=base_name,
-                      modules_to_save=mts or None, fused=fused_cfg)
-    entries = [ckpt.entries[k] for k in src.lora_keys()] + [ckpt.entries[r.partition("[")[0]] for r in
-                                                            dict.fromkeys(full.values())]
+    cfg = peft_config(
+        r=rank,
+        lora_alpha=lora_alpha,
+        target_modules=targets,
+        base_model_name_or_path=base_name,
+        modules_to_save=mts or None,
+        fused=fused_cfg,
+    )
+    entries = [ckpt.entries[k] for k in src.lora_keys()] + [
+        ckpt.entries[r.partition("[")[0]] for r in dict.fromkeys(full.values())
+    ]
     return ExtractPlan(
-        checkpoint=ckpt.dir, out=out, slot=src.slot, dtype=dtype, modules=len(modules), rank=rank,
-        alpha=src.alpha, alpha_source=src.alpha_source, scale=scale, lora_alpha=lora_alpha,
-        base_model_name_or_path=base_name, base_checked=base_dir, tensors=tensors, config=cfg,
-        layout=options.layout, fused=tuple(fused), lora_item_bytes=sum(e.stored_bytes for e in entries),
+        checkpoint=ckpt.dir,
+        out=out,
+        slot=src.slot,
+        dtype=dtype,
+        modules=len(modules),
+        rank=rank,
+        alpha=src.alpha,
+        alpha_source=src.alpha_source,
+        scale=scale,
+        lora_alpha=lora_alpha,
+        base_model_name_or_path=base_name,
+        base_checked=base_dir,
+        tensors=tensors,
+        config=cfg,
+        layout=options.layout,
+        fused=tuple(fused),
+        lora_item_bytes=sum(e.stored_bytes for e in entries),
         lora_payload_bytes=sum(e.nbytes for e in entries),
-        out_file_bytes=safetensors_file_bytes(list(tensors)), warnings=tuple(warnings))
+        out_file_bytes=safetensors_file_bytes(list(tensors)),
+        warnings=tuple(warnings),
+    )
 
 
 @dataclass(frozen=True)
 class ExtractReport:
     plan: ExtractPlan
-    written_file_bytes: int | None = None     # None: a dry run
+    written_file_bytes: int | None = None  # None: a dry run
     bytes_read: int = 0
     seconds: float = 0.0
 
@@ -206,29 +273,42 @@ class ExtractReport:
             rep["dry_run"] = True
             return rep
         p = self.plan
-        rep.update(written_file_bytes=self.written_file_bytes, bytes_read=self.bytes_read, seconds=self.seconds,
-                   read_ratio=round(self.bytes_read / p.lora_item_bytes, 4) if p.lora_item_bytes else None)
+        rep.update(
+            written_file_bytes=self.written_file_bytes,
+            bytes_read=self.bytes_read,
+            seconds=self.seconds,
+            read_ratio=round(self.bytes_read / p.lora_item_bytes, 4) if p.lora_item_bytes else None,
+        )
         return rep
 
 
-def run_extract(plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None = None, *,
-                overwrite: bool = False) -> ExtractReport:
+def run_extract(
+    plan: ExtractPlan, src: DcpLoraSource, progress: Progress | None = None, *, overwrite: bool = False
+) -> ExtractReport:
     """Execute `plan`: one LoRA tensor in flight (`progress`: one event per tensor), OUT written whole or
     not at all (`write_adapter`)."""
     t0 = time.perf_counter()
     before = src.ckpt.stats.bytes_read
-    inputs = [plan.checkpoint] + ([plan.base_checked] if plan.base_checked else [])   # --base is read too
+    inputs = [plan.checkpoint] + ([plan.base_checked] if plan.base_checked else [])  # --base is read too
     full_refs = set(src.full_tensors.values())
     fused = {f.source(ab): (f, ab) for f in plan.fused for ab in "AB"}
 
     refs = {m.factor_ref(ab): (name, ab) for name, m in src.modules.items() for ab in "AB"}
 
-    def read(t: OutTensor):   # bytes (`RawTensor`): no torch; write_adapter casts them to the planned dtype
-        if t.source in fused:   # a fused expert LoRA: placed from every expert's factor of the block
+    def read(t: OutTensor):  # bytes (`RawTensor`): no torch; write_adapter casts them to the planned dtype
+        if t.source in fused:  # a fused expert LoRA: placed from every expert's factor of the block
             f, ab = fused[t.source]
             return build_fused(f, ab, src.read_raw_factor)
         return src.read_raw_key(t.source) if t.source in full_refs else src.read_raw_factor(*refs[t.source])
 
-    size = write_adapter(plan.out, plan.tensors, read, plan.config, inputs=inputs,
-                         overwrite=overwrite, progress=progress, stage="extract")
+    size = write_adapter(
+        plan.out,
+        plan.tensors,
+        read,
+        plan.config,
+        inputs=inputs,
+        overwrite=overwrite,
+        progress=progress,
+        stage="extract",
+    )
     return ExtractReport(plan, size, src.ckpt.stats.bytes_read - before, round(time.perf_counter() - t0, 3))

@@ -4,6 +4,7 @@ For a DCP checkpoint it reads `.metadata` plus a handful of tiny byte items (ste
 fields: `formats.dcp.summary`) and never a byte of tensor data. It also inspects an
 `outputs/checkpoints` dir (lists the steps), an HF model dir and a PEFT adapter dir.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,17 +13,28 @@ from pathlib import Path
 from ..core.errors import AlphaError, CkptError, FormatError, MissingPathError, UnsafeInputError, UsageError
 from ..core.keys import classify, trainable_params
 from ..formats.dcp.layout import METADATA_NAME
-from ..formats.slim.manifest import SLIM_MANIFEST
 from ..formats.dcp.model import TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.summary import summarize
 from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, find_run_configs, resolve_alpha
 from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
-from ..formats.slim.manifest import is_slim
+from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import sniff, step_number
 
-__all__ = ["detect_format", "inspect_dcp", "inspect_checkpoints_dir", "inspect_hf", "inspect_peft", "inspect_path",
-           "list_dcp_keys", "InspectOptions", "InspectPlan", "InspectReport", "plan_inspect", "run_inspect"]
+__all__ = [
+    "InspectOptions",
+    "InspectPlan",
+    "InspectReport",
+    "detect_format",
+    "inspect_checkpoints_dir",
+    "inspect_dcp",
+    "inspect_hf",
+    "inspect_path",
+    "inspect_peft",
+    "list_dcp_keys",
+    "plan_inspect",
+    "run_inspect",
+]
 
 
 def detect_format(path: Path) -> str:
@@ -31,15 +43,19 @@ def detect_format(path: Path) -> str:
         raise MissingPathError(p)
     kind = sniff(p)
     if kind is None:
-        raise UsageError("cannot tell what this is: not a DCP checkpoint (.metadata), an outputs/checkpoints "
-                         "dir (step_N/), an HF model dir (model.safetensors) or a PEFT adapter dir "
-                         "(adapter_config.json)", path=p)
+        raise UsageError(
+            "cannot tell what this is: not a DCP checkpoint (.metadata), an outputs/checkpoints "
+            "dir (step_N/), an HF model dir (model.safetensors) or a PEFT adapter dir "
+            "(adapter_config.json)",
+            path=p,
+        )
     return kind
 
 
-def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | None = None,
-                trust_pickle: bool = False) -> dict:
-    ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle, known_keys_only=False)   # lists unknown keys
+def inspect_dcp(
+    path: Path, *, alpha: float | None = None, run_config: Path | None = None, trust_pickle: bool = False
+) -> dict:
+    ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle, known_keys_only=False)  # lists unknown keys
     s = summarize(ckpt)
     lora, infos = s.lora, s.infos
     report = {
@@ -52,16 +68,23 @@ def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | No
         "initial_lr": s.initial_lr,
         "scheduler": s.scheduler,
         "progress": s.progress,
-        "groups": {g: {"count": st.count, "bytes": st.bytes, "tensor_bytes": st.tensor_bytes}
-                   for g, st in s.groups.items()},
+        "groups": {
+            g: {"count": st.count, "bytes": st.bytes, "tensor_bytes": st.tensor_bytes}
+            for g, st in s.groups.items()
+        },
         "frozen_bytes": s.frozen_bytes,
         "unique_bytes": s.unique_bytes,
         "frozen_fraction": s.frozen_fraction,
         "total_bytes": s.frozen_bytes + s.unique_bytes + s.metadata_bytes,
         "data_files": list(s.data_files),
-        "lora": {"rank": lora.rank, "slots": list(lora.slots), "modules": lora.modules,
-                 "targets": list(lora.targets), "bytes": lora.bytes,
-                 "ranks_vary": lora.rank is None and lora.modules > 0},
+        "lora": {
+            "rank": lora.rank,
+            "slots": list(lora.slots),
+            "modules": lora.modules,
+            "targets": list(lora.targets),
+            "bytes": lora.bytes,
+            "ranks_vary": lora.rank is None and lora.modules > 0,
+        },
         "other_keys": [i.key for i in infos if i.group == "other"],
         "experts": s.experts,
         "training": "full fine-tune" if s.full_finetune else ("LoRA" if lora.modules else None),
@@ -70,33 +93,46 @@ def inspect_dcp(path: Path, *, alpha: float | None = None, run_config: Path | No
     # LoRA runs: the base weights trained whole (prime-rl HEAD lora.modules_to_save), known only by their
     # optimizer state; `extract-adapter` writes them as modules_to_save, `merge` applies them
     trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
-    report["modules_to_save"] = sorted(i.hf_name or i.key.removeprefix("app.model.") for i in infos
-                                       if i.group == "base" and i.key.removeprefix("app.model.") in trained) \
-        if lora.modules else []
+    report["modules_to_save"] = (
+        sorted(
+            i.hf_name or i.key.removeprefix("app.model.")
+            for i in infos
+            if i.group == "base" and i.key.removeprefix("app.model.") in trained
+        )
+        if lora.modules
+        else []
+    )
     report.update(run_facts(ckpt.dir, s, infos, ckpt))
     report["slim"] = is_slim(ckpt.dir)
     if report["slim"]:
-        report["warnings"].append("this is a SLIM checkpoint (frozen base weights removed): prime-rl's strict "
-                                  "loader cannot resume from it; rebuild it with `ckpt rehydrate`")
+        report["warnings"].append(
+            "this is a SLIM checkpoint (frozen base weights removed): prime-rl's strict "
+            "loader cannot resume from it; rebuild it with `ckpt rehydrate`"
+        )
     if lora.modules:
         try:
             res = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=ckpt.dir, rank=lora.rank)
-            report["alpha"] = {"alpha": res.alpha, "source": res.source, "rule": res.rule or report["scale_rule"],
-                               "training_scale": res.alpha / lora.rank if lora.rank else None}
+            report["alpha"] = {
+                "alpha": res.alpha,
+                "source": res.source,
+                "rule": res.rule or report["scale_rule"],
+                "training_scale": res.alpha / lora.rank if lora.rank else None,
+            }
             report["warnings"] += list(res.warnings)
         except AlphaError as exc:
             report["alpha"] = None
             report["alpha_unresolved"] = exc.message
         except FormatError as exc:
-            if isinstance(exc, UnsafeInputError):   # a FIFO, a link out of the tree: refused, not read
+            if isinstance(exc, UnsafeInputError):  # a FIFO, a link out of the tree: refused, not read
                 raise
             # a run config that opens but does not parse: the checkpoint is still reported
             report["alpha"] = None
             report["alpha_unresolved"] = f"the run config is unreadable: {exc.render()}"
             report["warnings"].append(f"run config unreadable, alpha not resolved: {exc.render()}")
     if report["other_keys"]:
-        report["warnings"].append(f"{len(report['other_keys'])} key(s) are not part of prime-rl's layout "
-                                  "(group 'other')")
+        report["warnings"].append(
+            f"{len(report['other_keys'])} key(s) are not part of prime-rl's layout (group 'other')"
+        )
     ckpt.close()
     return report
 
@@ -105,19 +141,30 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
     """The prime-rl generation that wrote the checkpoint, its LoRA scale rule, EP from the run's config,
     and whether its progress lags (HEAD's interval checkpoints are saved before the step's totals)."""
     configs = find_run_configs(ckpt_dir)
-    fused = next((ckpt.read_object(i.key) for i in infos if i.group == "param_groups" and i.field == "fused"
-                  and i.group_index == 0), None)
+    fused = next(
+        (
+            ckpt.read_object(i.key)
+            for i in infos
+            if i.group == "param_groups" and i.field == "fused" and i.group_index == 0
+        ),
+        None,
+    )
     if configs:
         gen = GEN_HEAD if configs[0].suffix == ".json" else GEN_16E747C
         why = f"run config {configs[0].name}"
     elif s.experts:
         gen, why = GEN_HEAD, "prime-format grouped experts"
-    else:   # HEAD's default CPU-offload optimizer writes fused False; 16e747c's plain AdamW None
+    else:  # HEAD's default CPU-offload optimizer writes fused False; 16e747c's plain AdamW None
         gen, why = (GEN_HEAD, "param_groups fused=False") if fused is False else (GEN_16E747C, "param_groups")
-    out = {"generation": gen, "generation_from": why, "scale_rule": RULE_HEAD if gen == GEN_HEAD else RULE_16E747C,
-           "ep": None, "interval_checkpoint": None,
-           # HEAD's default optim_cpu_offload wraps AdamW; the DCP holds the inner AdamW's state (same keys)
-           "optimizer": "CPUOffloadOptimizer(AdamW), state of the inner AdamW" if fused is False else "AdamW"}
+    out = {
+        "generation": gen,
+        "generation_from": why,
+        "scale_rule": RULE_HEAD if gen == GEN_HEAD else RULE_16E747C,
+        "ep": None,
+        "interval_checkpoint": None,
+        # HEAD's default optim_cpu_offload wraps AdamW; the DCP holds the inner AdamW's state (same keys)
+        "optimizer": "CPUOffloadOptimizer(AdamW), state of the inner AdamW" if fused is False else "AdamW",
+    }
     if configs and gen == GEN_HEAD:
         try:
             cfg = load_run_config(config_files(configs))
@@ -125,9 +172,12 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
             max_steps = cfg.value("trainer.max_steps") if "trainer" in cfg.sections else None
             if isinstance(max_steps, int) and isinstance(s.step, int) and s.step < max_steps:
                 out["interval_checkpoint"] = (
-                    f"step {s.step} < max_steps {max_steps}: an interval checkpoint, saved before step {s.step}'s "
-                    f"totals were added (progress total_tokens/total_samples count steps 1..{s.step - 1}); the "
-                    "final checkpoint is complete")
+                    f"step {s.step} < max_steps {max_steps}: an interval checkpoint, saved before step "
+                    f"{s.step}'s "
+                    f"totals were added (progress total_tokens/total_samples count steps 1..{s.step - 1}); "
+                    f"the "
+                    "final checkpoint is complete"
+                )
         except CkptError:
             pass
     return out
@@ -141,47 +191,74 @@ def inspect_checkpoints_dir(path: Path) -> dict:
     for c in sorted((c for c in root.iterdir() if step_number(c) is not None), key=step_number):
         trainer = c / "trainer"
         complete = (trainer / METADATA_NAME).is_file()
-        slim = complete and (trainer / SLIM_MANIFEST).is_file()   # `ckpt gc` / `ckpt slim` wrote it
+        slim = complete and (trainer / SLIM_MANIFEST).is_file()  # `ckpt gc` / `ckpt slim` wrote it
         size = sum(f.stat().st_size for f in trainer.iterdir() if f.is_file()) if trainer.is_dir() else 0
         state = "slim" if slim else "full" if complete else "incomplete"
-        steps.append({"step": step_number(c), "path": str(c), "complete": complete, "slim": slim, "state": state,
-                      "bytes": size, "resumes_at_step": step_number(c) if state == "full" else None,
-                      "to_resume": f"ckpt rehydrate {trainer} OUT --base BASE, then resume from OUT" if slim else None})
-    return {"format": "checkpoints", "path": str(root), "steps": steps,
-            "note": "prime-rl resumes from a full step_N at step N (set ckpt.resume_step = N); a slim step "
-                    "must be rehydrated first (`ckpt rehydrate`)"}
+        steps.append(
+            {
+                "step": step_number(c),
+                "path": str(c),
+                "complete": complete,
+                "slim": slim,
+                "state": state,
+                "bytes": size,
+                "resumes_at_step": step_number(c) if state == "full" else None,
+                "to_resume": f"ckpt rehydrate {trainer} OUT --base BASE, then resume from OUT"
+                if slim
+                else None,
+            }
+        )
+    return {
+        "format": "checkpoints",
+        "path": str(root),
+        "steps": steps,
+        "note": "prime-rl resumes from a full step_N at step N (set ckpt.resume_step = N); a slim step "
+        "must be rehydrated first (`ckpt rehydrate`)",
+    }
 
 
 def inspect_hf(path: Path) -> dict:
-    from ..formats.hf_dir.model_dir import HFModelDir   # here: a DCP inspect need not import it (#13's 0.5 s)
+    from ..formats.hf_dir.model_dir import HFModelDir  # here: a DCP inspect need not import it (#13's 0.5 s)
+
     d = HFModelDir.open(path)
     dtypes: dict[str, int] = {}
     for k in d.keys():
         info = d.info(k)
         dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
     cfg = d.config or {}
-    return {"format": "hf", "path": str(path), "tensors": len(d.keys()), "total_bytes": d.total_bytes,
-            "dtypes": dtypes, "shards": sorted({str(d.info(k).path.name) for k in d.keys()}),
-            "architecture": (cfg.get("architectures") or [None])[0],
-            "config_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
-            "tie_word_embeddings": cfg.get("tie_word_embeddings"),
-            "lora_keys": sum(1 for k in d.keys() if "lora_" in k)}
+    return {
+        "format": "hf",
+        "path": str(path),
+        "tensors": len(d.keys()),
+        "total_bytes": d.total_bytes,
+        "dtypes": dtypes,
+        "shards": sorted({str(d.info(k).path.name) for k in d.keys()}),
+        "architecture": (cfg.get("architectures") or [None])[0],
+        "config_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings"),
+        "lora_keys": sum(1 for k in d.keys() if "lora_" in k),
+    }
 
 
 def inspect_peft(path: Path) -> dict:
-    from ..formats.peft.adapter import open_peft_adapter   # here: a DCP inspect need not import it
+    from ..formats.peft.adapter import open_peft_adapter  # here: a DCP inspect need not import it
+
     a = open_peft_adapter(path, strict=False)
     rep = {"format": "peft", **a.describe(), "warnings": []}
     if a.unrecognized:
         rep["warnings"].append(
-            f"{len(a.unrecognized)} key(s) do not follow PEFT's layout (e.g. {a.unrecognized[0]!r}): PEFT loads "
+            f"{len(a.unrecognized)} key(s) do not follow PEFT's layout (e.g. {a.unrecognized[0]!r}): PEFT "
+            f"loads "
             "this without an error and applies NOTHING for them, vLLM rejects or ignores them; repair with "
-            "`ckpt fix-adapter`")
+            "`ckpt fix-adapter`"
+        )
     if not a.modules:
         rep["warnings"].append("zero LoRA modules match: a model loaded with this adapter equals the base")
     if a.full_tensors:
-        rep["warnings"].append(f"modules_to_save tensors {sorted(a.full_tensors)}: vLLM rejects adapters with "
-                               "modules_to_save embed_tokens/lm_head")
+        rep["warnings"].append(
+            f"modules_to_save tensors {sorted(a.full_tensors)}: vLLM rejects adapters with "
+            "modules_to_save embed_tokens/lm_head"
+        )
     return rep
 
 
@@ -200,14 +277,14 @@ def inspect_path(path: Path, **kw) -> dict:
 class InspectOptions:
     alpha: float | None = None
     run_config: str | None = None
-    keys: bool = False              # list every key (DCP only)
+    keys: bool = False  # list every key (DCP only)
     trust_pickle: bool = False
 
 
 @dataclass(frozen=True)
 class InspectPlan:
     path: str
-    kind: str                       # dcp | checkpoints | hf | peft
+    kind: str  # dcp | checkpoints | hf | peft
     options: InspectOptions
 
     def to_json(self) -> dict:
@@ -217,7 +294,7 @@ class InspectPlan:
 @dataclass(frozen=True)
 class InspectReport:
     plan: InspectPlan
-    data: object                    # the description (a dict), or the key rows with `keys`
+    data: object  # the description (a dict), or the key rows with `keys`
 
     def to_json(self):
         return self.data
@@ -233,7 +310,9 @@ def run_inspect(plan: InspectPlan, progress=None) -> InspectReport:
     if plan.kind == "dcp" and o.keys:
         return InspectReport(plan, list_dcp_keys(p, trust_pickle=o.trust_pickle))
     if plan.kind == "dcp":
-        return InspectReport(plan, inspect_dcp(p, alpha=o.alpha, run_config=o.run_config, trust_pickle=o.trust_pickle))
+        return InspectReport(
+            plan, inspect_dcp(p, alpha=o.alpha, run_config=o.run_config, trust_pickle=o.trust_pickle)
+        )
     return InspectReport(plan, inspect_path(p))
 
 
@@ -243,8 +322,14 @@ def list_dcp_keys(path: Path, *, trust_pickle: bool = False) -> list[dict]:
         rows = []
         for k, e in ckpt.entries.items():
             tensor = isinstance(e, TensorEntry)
-            rows.append({"key": k, "group": classify(k, e.path).group,
-                         "dtype": e.dtype if tensor else None,
-                         "shape": list(e.shape) if tensor else None,
-                         "chunks": len(e.chunks) if tensor else 1, "stored_bytes": e.stored_bytes})
+            rows.append(
+                {
+                    "key": k,
+                    "group": classify(k, e.path).group,
+                    "dtype": e.dtype if tensor else None,
+                    "shape": list(e.shape) if tensor else None,
+                    "chunks": len(e.chunks) if tensor else 1,
+                    "stored_bytes": e.stored_bytes,
+                }
+            )
         return rows

@@ -11,6 +11,7 @@ checkpoint at most once: the kept items, and a few header bytes of each dropped 
 checkpoint format, what each identification guarantees, and why prime-rl cannot resume from one until
 `ckpt rehydrate`, are `formats.slim.manifest`'s.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,21 +21,35 @@ from pathlib import Path
 from ..core.progress import Progress
 from ..dist import Group, SoloGroup, local_workers
 from ..formats.dcp.reader import DcpCheckpoint
+from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.primerl.alpha import find_run_configs, orch_model_name
 from ..formats.slim.partition import SlimLayout, base_identity, partition
 from ..formats.slim.writer import need_bytes, reads_payload, write_slim
 from ..io.staging import SharedOutputDir
-from ..sources.hashing import BASE_BLOCK_BYTES, PIECE_VALUES, READ_BLOCK_BYTES, base_crc_check, base_hash_check
-from ..formats.hf_dir.model_dir import HFModelDir
+from ..sources.hashing import (
+    BASE_BLOCK_BYTES,
+    PIECE_VALUES,
+    READ_BLOCK_BYTES,
+    base_crc_check,
+    base_hash_check,
+)
 
-__all__ = ["SlimOptions", "SlimSources", "open_slim_sources", "SlimPlan", "SlimResult", "SlimReport", "plan_slim",
-           "run_slim"]
+__all__ = [
+    "SlimOptions",
+    "SlimPlan",
+    "SlimReport",
+    "SlimResult",
+    "SlimSources",
+    "open_slim_sources",
+    "plan_slim",
+    "run_slim",
+]
 
 
 @dataclass(frozen=True)
 class SlimOptions:
     out: str | Path
-    base: str | None = None          # the bf16 HF base: recorded in the manifest and checked now
+    base: str | None = None  # the bf16 HF base: recorded in the manifest and checked now
     overwrite: bool = False
     trust_pickle: bool = False
 
@@ -49,7 +64,7 @@ class SlimSources:
             self.base.close()
         self.ckpt.close()
 
-    def __enter__(self) -> "SlimSources":
+    def __enter__(self) -> SlimSources:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -70,7 +85,7 @@ def open_slim_sources(ckpt_path: str | Path, options: SlimOptions) -> SlimSource
 class SlimPlan:
     out: str
     layout: SlimLayout
-    base: dict | None                    # base identity (from --base) or the run config's model name
+    base: dict | None  # base identity (from --base) or the run config's model name
     verify_base: bool
 
     @property
@@ -81,12 +96,19 @@ class SlimPlan:
     def to_json(self) -> dict:
         x = self.layout
         return {
-            "source": x.source, "out": self.out, "world_size": x.world_size,
-            "kept_items": len(x.kept), "kept_keys": len({k.key for k in x.kept}),
-            "dropped_keys": len(x.dropped), "kept_bytes": x.kept_bytes,
-            "dropped_bytes": x.dropped_bytes, "source_bytes": x.source_bytes,
+            "source": x.source,
+            "out": self.out,
+            "world_size": x.world_size,
+            "kept_items": len(x.kept),
+            "kept_keys": len({k.key for k in x.kept}),
+            "dropped_keys": len(x.dropped),
+            "kept_bytes": x.kept_bytes,
+            "dropped_bytes": x.dropped_bytes,
+            "source_bytes": x.source_bytes,
             "size_ratio": x.source_bytes / max(1, x.kept_bytes),
-            "extra_files": list(x.extra_files), "base": self.base, "verify_base": self.verify_base,
+            "extra_files": list(x.extra_files),
+            "base": self.base,
+            "verify_base": self.verify_base,
             "dropped": [d.key for d in x.dropped],
         }
 
@@ -112,7 +134,7 @@ class SlimResult:
 @dataclass(frozen=True)
 class SlimReport:
     plan: SlimPlan
-    result: SlimResult | None = None     # None: a dry run
+    result: SlimResult | None = None  # None: a dry run
 
     def to_json(self) -> dict:
         rep = {"plan": self.plan.to_json(), "dry_run": self.result is None}
@@ -127,7 +149,7 @@ def _base_from_run_config(ckpt_dir: Path) -> dict | None:
     configs = find_run_configs(ckpt_dir)
     if len(configs) != 1:
         return None
-    name = orch_model_name(configs[0])   # orch.toml [model] name or HEAD trainer.json model.name
+    name = orch_model_name(configs[0])  # orch.toml [model] name or HEAD trainer.json model.name
     if not isinstance(name, str):
         return None
     return {"name": str(name), "source": str(configs[0])}
@@ -136,12 +158,15 @@ def _base_from_run_config(ckpt_dir: Path) -> dict | None:
 def plan_slim(sources: SlimSources, options: SlimOptions) -> SlimPlan:
     """What slim will keep and drop, from metadata alone (and the base's headers, with --base)."""
     base = sources.base
-    info = base_identity(base, str(options.base)) if base is not None else \
-        _base_from_run_config(sources.ckpt.dir)
+    info = (
+        base_identity(base, str(options.base))
+        if base is not None
+        else _base_from_run_config(sources.ckpt.dir)
+    )
     return SlimPlan(str(options.out), partition(sources.ckpt), info, base is not None)
 
 
-HASH_BUDGET_BYTES = 640 * 2**20   # what one rank's hashing threads hold at once
+HASH_BUDGET_BYTES = 640 * 2**20  # what one rank's hashing threads hold at once
 
 
 def hash_threads(layout: SlimLayout, with_base: bool = True) -> int:
@@ -149,13 +174,24 @@ def hash_threads(layout: SlimLayout, with_base: bool = True) -> int:
     holds one base read block and one cast piece (`sources.hashing`; a row-block tensor's own bytes are never
     read) or, for a tensor that is read (`reads_payload`), one checkpoint chunk and one base block."""
     block = READ_BLOCK_BYTES + 4 * PIECE_VALUES if with_base else 0
-    most = max((block + (d.nbytes // max(1, len(d.chunks)) + BASE_BLOCK_BYTES if reads_payload(d) else 0)
-                for d in layout.dropped), default=1)
+    most = max(
+        (
+            block + (d.nbytes // max(1, len(d.chunks)) + BASE_BLOCK_BYTES if reads_payload(d) else 0)
+            for d in layout.dropped
+        ),
+        default=1,
+    )
     return max(1, min(local_workers(), HASH_BUDGET_BYTES // max(1, most)))
 
 
-def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = None, *,
-             overwrite: bool = False, group: Group | None = None) -> SlimReport:
+def run_slim(
+    plan: SlimPlan,
+    sources: SlimSources,
+    progress: Progress | None = None,
+    *,
+    overwrite: bool = False,
+    group: Group | None = None,
+) -> SlimReport:
     """Write the slim checkpoint. Under torchrun (`group`), the ranks split the kept items by output
     file and the dropped tensors' hashing; rank 0 writes `.metadata` and the manifest, and commits."""
     group = group or SoloGroup()
@@ -164,17 +200,37 @@ def run_slim(plan: SlimPlan, sources: SlimSources, progress: Progress | None = N
     base_hash = base_hash_check(base, plan.layout.dropped) if base is not None else None
     # dropped tensors are not read (local or remote): proven against the base by the CRC-32 their items store
     base_crcs = base_crc_check(base, plan.layout.dropped) if base is not None else None
-    inputs = [ckpt.dir] + ([base.path] if base is not None else [])   # --base is an input too
-    with SharedOutputDir(plan.out, group, inputs=inputs, need_bytes=need_bytes(ckpt.dir, plan.layout),
-                         overwrite=overwrite) as tmp:
-        written = write_slim(ckpt, tmp, plan.layout, base=plan.base, base_hash=base_hash,
-                             base_path=base.path if base is not None else None, progress=progress, group=group,
-                             hash_threads=hash_threads(plan.layout, base is not None), base_crcs=base_crcs)
+    inputs = [ckpt.dir] + ([base.path] if base is not None else [])  # --base is an input too
+    with SharedOutputDir(
+        plan.out, group, inputs=inputs, need_bytes=need_bytes(ckpt.dir, plan.layout), overwrite=overwrite
+    ) as tmp:
+        written = write_slim(
+            ckpt,
+            tmp,
+            plan.layout,
+            base=plan.base,
+            base_hash=base_hash,
+            base_path=base.path if base is not None else None,
+            progress=progress,
+            group=group,
+            hash_threads=hash_threads(plan.layout, base is not None),
+            base_crcs=base_crcs,
+        )
         (bytes_read,) = group.sum([ckpt.stats.bytes_read], "the bytes read")
     out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
     seconds = dict(written.seconds, total=round(time.perf_counter() - t0, 3))
     x = plan.layout
-    return SlimReport(plan, SlimResult(out=plan.out, kept_items=len(x.kept), dropped_keys=len(x.dropped),
-                                       bytes_written=written.bytes_written, bytes_read=bytes_read,
-                                       source_bytes=x.source_bytes, out_bytes=out_bytes,
-                                       base_verified=written.base_verified, seconds=seconds))
+    return SlimReport(
+        plan,
+        SlimResult(
+            out=plan.out,
+            kept_items=len(x.kept),
+            dropped_keys=len(x.dropped),
+            bytes_written=written.bytes_written,
+            bytes_read=bytes_read,
+            source_bytes=x.source_bytes,
+            out_bytes=out_bytes,
+            base_verified=written.base_verified,
+            seconds=seconds,
+        ),
+    )

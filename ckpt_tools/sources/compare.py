@@ -20,6 +20,7 @@ sums equal but for their last bits). The sums are order-sensitive in their low b
 boundaries and the kernel's fixed order inside a chunk are part of the result, so 1 worker and N
 give the same report.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,11 +41,34 @@ from .base import Source, TensorFacts
 # Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the torch statistics alone.
 accelerator = load_accelerator("ckpt_tools.sources.delta_stats_c")
 
-__all__ = ["BLOCK_BYTES", "STATS_BLOCK_ELEMS", "common_dtype", "bits", "Scratch", "ChunkStats", "chunk_stats",
-           "identical_chunk_stats", "reference_chunk_stats", "accelerator", "DeltaStats", "chunk_map", "shared_names",
-           "block_ranges", "stat_chunks", "block_chunks", "chunk_scratch_bytes", "read_chunk", "read_block",
-           "stream_stats", "tensors_identical",
-           "identical", "value_check_chunk", "block_stats", "FactorBuffers", "factor_buffers"]
+__all__ = [
+    "BLOCK_BYTES",
+    "STATS_BLOCK_ELEMS",
+    "ChunkStats",
+    "DeltaStats",
+    "FactorBuffers",
+    "Scratch",
+    "accelerator",
+    "bits",
+    "block_chunks",
+    "block_ranges",
+    "block_stats",
+    "chunk_map",
+    "chunk_scratch_bytes",
+    "chunk_stats",
+    "common_dtype",
+    "factor_buffers",
+    "identical",
+    "identical_chunk_stats",
+    "read_block",
+    "read_chunk",
+    "reference_chunk_stats",
+    "shared_names",
+    "stat_chunks",
+    "stream_stats",
+    "tensors_identical",
+    "value_check_chunk",
+]
 
 # Elements per block of a tensor's statistics (`block_bytes` of the wider side), each folded in
 # STATS_BLOCK_ELEMS pieces: 2 MB of fp64 per temporary, which stays in the CPU's cache.
@@ -87,7 +111,8 @@ class Scratch(threading.local):
         return t[:n]
 
     def bytes(self, role: str, n: int) -> tuple[memoryview, torch.Tensor]:
-        """The first `n` bytes of this thread's `role` buffer, as a memoryview and a uint8 tensor over them: one
+        """The first `n` bytes of this thread's `role` buffer, as a memoryview and a uint8 tensor over them:
+        one
         buffer per role, grown to the largest block asked for (so what a worker holds is counted by
         `chunk_scratch_bytes`, whatever the mix of block sizes it is handed)."""
         got = self._bytes.get(role)
@@ -105,13 +130,14 @@ R = TypeVar("R")
 @dataclass
 class ChunkStats:
     """One chunk's share of the statistics (computed on any thread; folded in chunk order)."""
+
     numel: int
     changed: int = 0
     base_sq: float = 0.0
     delta_sq: float = 0.0
     nonfinite: int = 0
     max_abs: float = 0.0
-    finite: bool = True          # W and W0 hold no inf/nan in this chunk
+    finite: bool = True  # W and W0 hold no inf/nan in this chunk
 
 
 # The one-pass C kernels (`delta_stats_c.c`, built at install where a C compiler is at hand) for
@@ -131,7 +157,7 @@ def _c_code(*ts: torch.Tensor) -> int | None:
 
 
 def _raw(t: torch.Tensor):
-    return t.view(torch.uint8).numpy()   # (a buffer over the tensor's bytes: no copy)
+    return t.view(torch.uint8).numpy()  # (a buffer over the tensor's bytes: no copy)
 
 
 def _base_sq(w0: torch.Tensor) -> float:
@@ -169,7 +195,8 @@ def chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
 
 def _chunk_stats_read(xw, xb, w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
     """`chunk_stats` of two chunks `read_chunk` / `read_block` read, their bytes (a bytearray, or a slice
-    of a block's memoryview) handed to the C kernel as they are (a view of each tensor as a buffer is 2 us with the GIL held: a third of the kernel's own
+    of a block's memoryview) handed to the C kernel as they are (a view of each tensor as a buffer is 2 us
+    with the GIL held: a third of the kernel's own
     time at 16 threads)."""
     code = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
     if code is not None:
@@ -194,12 +221,12 @@ def reference_chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
     sums and max |d| are over the finite values only (`finite` False)."""
     n = w.numel()
     xor = _SCRATCH.tensor("xor", n, bits(w).dtype)
-    torch.bitwise_xor(bits(w), bits(w0), out=xor)   # (10x faster than != and a bool count)
+    torch.bitwise_xor(bits(w), bits(w0), out=xor)  # (10x faster than != and a bool count)
     n_changed = int(torch.count_nonzero(xor))
     base_sq = _reference_base_sq(w0)
     if not n_changed:
         return ChunkStats(n, base_sq=base_sq, finite=math.isfinite(base_sq))
-    b64 = _SCRATCH.tensor("b64", n, torch.float64)   # W0 in fp64, as _reference_base_sq left it
+    b64 = _SCRATCH.tensor("b64", n, torch.float64)  # W0 in fp64, as _reference_base_sq left it
     d = _SCRATCH.tensor("d64", n, torch.float64)
     d.copy_(w)
     d.sub_(b64)
@@ -221,19 +248,20 @@ def reference_chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
 @dataclass
 class DeltaStats:
     """Streaming statistics of W - W0 (fp64 accumulation)."""
+
     numel: int = 0
-    changed: int = 0            # elements whose bits differ (in the common dtype)
+    changed: int = 0  # elements whose bits differ (in the common dtype)
     max_abs: float = 0.0
     sum_sq_delta: float = 0.0
     sum_sq_base: float = 0.0
-    nonfinite: int = 0          # elements where W or W0 is inf/nan
+    nonfinite: int = 0  # elements where W or W0 is inf/nan
 
     def add(self, w: torch.Tensor, w0: torch.Tensor) -> None:
         """Fold in one block pair (same dtype, 1-D), STATS_BLOCK_ELEMS at a time: the fp64 temporaries
         then stay in the CPU's cache (profiled at 0.6B: 87% of diff-vs-base was these passes over 4 MB
         blocks, memory-bound; 2-3x faster in cache-sized pieces)."""
         for s in range(0, w.numel(), STATS_BLOCK_ELEMS):
-            self.fold(chunk_stats(w[s:s + STATS_BLOCK_ELEMS], w0[s:s + STATS_BLOCK_ELEMS]))
+            self.fold(chunk_stats(w[s : s + STATS_BLOCK_ELEMS], w0[s : s + STATS_BLOCK_ELEMS]))
         if not w.numel():
             self.fold(chunk_stats(w, w0))
 
@@ -284,7 +312,9 @@ def chunk_scratch_bytes(*itemsizes: int, block_bytes: int = BLOCK_BYTES) -> int:
     return held
 
 
-def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -> tuple[memoryview, torch.Tensor]:
+def read_chunk(
+    src: Source, facts: TensorFacts, start: int, n: int, role: str
+) -> tuple[memoryview, torch.Tensor]:
     """Elements [start, start + n) of `facts.name` into this thread's `role` buffer: (its bytes, a tensor of
     the tensor's dtype over them)."""
     nbytes = n * facts.itemsize
@@ -297,6 +327,7 @@ def read_chunk(src: Source, facts: TensorFacts, start: int, n: int, role: str) -
 class FactorBuffers(NamedTuple):
     """A tensor's factors and norms as byte buffers for the C kernel (made once per tensor: a view of a tensor
     as a buffer costs microseconds with the GIL held)."""
+
     left: Any
     right: Any
     left_norms: Any
@@ -305,15 +336,28 @@ class FactorBuffers(NamedTuple):
 
 
 def factor_buffers(f: LoraFactors64) -> FactorBuffers:
-    return FactorBuffers(_raw(f.left.reshape(-1)), _raw(f.right.reshape(-1)), _raw(f.left_norms), _raw(f.right_norms),
-                         f.rank)
+    return FactorBuffers(
+        _raw(f.left.reshape(-1)), _raw(f.right.reshape(-1)), _raw(f.left_norms), _raw(f.right_norms), f.rank
+    )
 
 
-def value_check_chunk(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, factors: LoraFactors64, r0: int,
-                      first: int, scale: float, *, w_raw=None, w0_raw=None,
-                      factors_raw: FactorBuffers | None = None) -> MergeCheck:
-    """`core.tensor_math.check_merged_values`' counts for one chunk: elements [first, first + n) of the row block
-    that starts at row `r0` (`prod`: the chunk's fp64 P, by any kernel), in one pass of the C kernel with the GIL
+def value_check_chunk(
+    w: torch.Tensor,
+    w0: torch.Tensor,
+    prod: torch.Tensor,
+    factors: LoraFactors64,
+    r0: int,
+    first: int,
+    scale: float,
+    *,
+    w_raw=None,
+    w0_raw=None,
+    factors_raw: FactorBuffers | None = None,
+) -> MergeCheck:
+    """`core.tensor_math.check_merged_values`' counts for one chunk: elements [first, first + n) of the row
+    block
+    that starts at row `r0` (`prod`: the chunk's fp64 P, by any kernel), in one pass of the C kernel with the
+    GIL
     released (the bound and margin computed per element, never stored) where it covers W's dtype (bf16, fp32),
     else `check_merged_values_bounded` in torch. `w_raw`/`w0_raw`: the chunks' bytes as `read_block` read them
     (a view of a tensor as a buffer costs microseconds with the GIL held)."""
@@ -323,22 +367,38 @@ def value_check_chunk(w: torch.Tensor, w0: torch.Tensor, prod: torch.Tensor, fac
     if code_w in (0, 2) and code_w0 is not None and prod.dtype == torch.float64 and prod.is_contiguous():
         lo, hi = (r0 + first // cols, r0 + (first + n + cols - 1) // cols) if n else (r0, r0)
         fb = factors_raw or factor_buffers(factors)
-        got = accelerator.value_check(w_raw if w_raw is not None else _raw(w), code_w,
-                                      w0_raw if w0_raw is not None else _raw(w0), code_w0, _raw(prod),
-                                      fb.left_norms[8 * lo:8 * hi], fb.right_norms,
-                                      fb.left[8 * fb.rank * lo:8 * fb.rank * hi], fb.right,
-                                      first % cols, cols, float(scale), factors.gamma)
+        got = accelerator.value_check(
+            w_raw if w_raw is not None else _raw(w),
+            code_w,
+            w0_raw if w0_raw is not None else _raw(w0),
+            code_w0,
+            _raw(prod),
+            fb.left_norms[8 * lo : 8 * hi],
+            fb.right_norms,
+            fb.left[8 * fb.rank * lo : 8 * fb.rank * hi],
+            fb.right,
+            first % cols,
+            cols,
+            float(scale),
+            factors.gamma,
+        )
         if got is not None:
             return MergeCheck(*got)
-    found = MergeCheck()   # (the torch path over statistics chunks: its fp64 temporaries stay a few MiB)
+    found = MergeCheck()  # (the torch path over statistics chunks: its fp64 temporaries stay a few MiB)
     for s, k in block_chunks(n) or [(0, 0)]:
-        found.fold(check_merged_values_bounded(w[s:s + k], w0[s:s + k], prod[s:s + k], factors, r0, first + s, scale))
+        found.fold(
+            check_merged_values_bounded(
+                w[s : s + k], w0[s : s + k], prod[s : s + k], factors, r0, first + s, scale
+            )
+        )
     return found
 
 
-def block_stats(xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *,
-                skip_identical: bool = False) -> list[ChunkStats] | None:
-    """The statistics chunks of one block (`block_chunks`) as `read_block` read both sides (bytes and tensors),
+def block_stats(
+    xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *, skip_identical: bool = False
+) -> list[ChunkStats] | None:
+    """The statistics chunks of one block (`block_chunks`) as `read_block` read both sides (bytes and
+    tensors),
     in one C call where both sides share a dtype it covers (the Python around each call holds the GIL: one per
     block, not two or three per chunk), else chunk by chunk in the common dtype `ct`. `skip_identical` (same
     dtypes): each chunk's bytes compared first; an identical chunk adds only ||W0||^2, and a block whose
@@ -349,17 +409,25 @@ def block_stats(xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *,
         if got is True:
             return None
         if got is not None:
-            return [ChunkStats(min(STATS_BLOCK_ELEMS, w.numel() - i * STATS_BLOCK_ELEMS), *c) for i, c in enumerate(got)]
+            return [
+                ChunkStats(min(STATS_BLOCK_ELEMS, w.numel() - i * STATS_BLOCK_ELEMS), *c)
+                for i, c in enumerate(got)
+            ]
     chunks = block_chunks(w.numel())
     if skip_identical and w.dtype == w0.dtype:
         size = w.element_size()
-        same = [_same_bytes(xw[s * size:(s + k) * size], xb[s * size:(s + k) * size]) for s, k in chunks]
+        same = [_same_bytes(xw[s * size : (s + k) * size], xb[s * size : (s + k) * size]) for s, k in chunks]
         if all(same):
             return None
-        return [_identical_chunk_stats_read(xb[s * size:(s + k) * size], w0[s:s + k]) if eq else
-                _chunk_stats_read(xw[s * size:(s + k) * size], xb[s * size:(s + k) * size], w[s:s + k], w0[s:s + k])
-                for (s, k), eq in zip(chunks, same)]
-    return [chunk_stats(_as(w[s:s + k], ct, "w_ct"), _as(w0[s:s + k], ct, "w0_ct")) for s, k in chunks]
+        return [
+            _identical_chunk_stats_read(xb[s * size : (s + k) * size], w0[s : s + k])
+            if eq
+            else _chunk_stats_read(
+                xw[s * size : (s + k) * size], xb[s * size : (s + k) * size], w[s : s + k], w0[s : s + k]
+            )
+            for (s, k), eq in zip(chunks, same)
+        ]
+    return [chunk_stats(_as(w[s : s + k], ct, "w_ct"), _as(w0[s : s + k], ct, "w0_ct")) for s, k in chunks]
 
 
 def _same_bytes(a: memoryview, b: memoryview) -> bool:
@@ -372,7 +440,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype, role: str) -> torch.Tensor:
     if t.dtype == dtype:
         return t
     out = _SCRATCH.tensor(role, t.numel(), dtype)
-    out.copy_(t)   # exact upcast
+    out.copy_(t)  # exact upcast
     return out
 
 
@@ -384,7 +452,9 @@ def chunk_map(pool: Executor | None, fn: Callable[[T], R], items: Sequence[T]) -
     return list(pool.map(fn, items))
 
 
-def read_block(src: Source, facts: TensorFacts, start: int, n: int, role: str) -> tuple[memoryview, torch.Tensor]:
+def read_block(
+    src: Source, facts: TensorFacts, start: int, n: int, role: str
+) -> tuple[memoryview, torch.Tensor]:
     """`read_chunk` of a whole block (one read per side, however many statistics chunks it holds: the
     Python around each read holds the GIL, and at 16 threads reads of 512 KB serialized on it), as a
     memoryview (sliced per chunk at no cost) and a tensor of the tensor's dtype."""
@@ -396,8 +466,15 @@ def block_chunks(n: int) -> list[tuple[int, int]]:
     return [(s, min(STATS_BLOCK_ELEMS, n - s)) for s in range(0, n, STATS_BLOCK_ELEMS)]
 
 
-def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BLOCK_BYTES, *,
-                 skip_identical: bool = False, pool: Executor | None = None) -> DeltaStats:
+def stream_stats(
+    weights: Source,
+    base: Source,
+    name: str,
+    block_bytes: int = BLOCK_BYTES,
+    *,
+    skip_identical: bool = False,
+    pool: Executor | None = None,
+) -> DeltaStats:
     """The statistics of W - W0 for tensor `name` of both sources (same shape), in the common dtype,
     its blocks on `pool`'s threads, each side of a block read in one piece and folded in its statistics
     chunks (`stat_chunks`). `skip_identical` (same dtypes): each chunk's raw bytes compared first; an
@@ -417,8 +494,10 @@ def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BL
 
         def base_only(block: tuple[int, int]) -> list[ChunkStats]:
             xb, w0 = read_block(base, fb, *block, "w0")
-            return [_identical_chunk_stats_read(xb[s * size:(s + k) * size], w0[s:s + k])
-                    for s, k in block_chunks(block[1])]
+            return [
+                _identical_chunk_stats_read(xb[s * size : (s + k) * size], w0[s : s + k])
+                for s, k in block_chunks(block[1])
+            ]
 
         parts = chunk_map(pool, raw, blocks)
         same = [i for i, part in enumerate(parts) if part is None]
@@ -427,6 +506,7 @@ def stream_stats(weights: Source, base: Source, name: str, block_bytes: int = BL
         for i, part in zip(same, chunk_map(pool, base_only, [blocks[i] for i in same])):
             parts[i] = part
     else:
+
         def upcast(block: tuple[int, int]) -> list[ChunkStats]:
             xw, w_all = read_block(weights, fw, *block, "w")
             xb, w0_all = read_block(base, fb, *block, "w0")
@@ -445,13 +525,18 @@ def shared_names(weights: Source, base: Source) -> list[str]:
     wk, bk = set(weights.names()), set(base.names())
     shared = sorted(wk & bk)
     if not shared:
-        raise FormatError(f"WEIGHTS ({len(wk)} tensors) and BASE ({len(bk)} tensors) share no tensor name",
-                          path=weights.path, hint=f"is {base.path} the base model of this checkpoint? "
-                          f"e.g. WEIGHTS has {sorted(wk)[:2]}, BASE has {sorted(bk)[:2]}")
+        raise FormatError(
+            f"WEIGHTS ({len(wk)} tensors) and BASE ({len(bk)} tensors) share no tensor name",
+            path=weights.path,
+            hint=f"is {base.path} the base model of this checkpoint? "
+            f"e.g. WEIGHTS has {sorted(wk)[:2]}, BASE has {sorted(bk)[:2]}",
+        )
     return shared
 
 
-def tensors_identical(weights: Source, base: Source, name: str, block_bytes: int = BLOCK_BYTES) -> tuple[bool, DeltaStats | None]:
+def tensors_identical(
+    weights: Source, base: Source, name: str, block_bytes: int = BLOCK_BYTES
+) -> tuple[bool, DeltaStats | None]:
     """(bitwise identical after exact upcast?, the statistics). Shapes that differ are not identical
     (no statistics). One read of each side (`stream_stats(skip_identical=True)`)."""
     fw, fb = weights.facts(name), base.facts(name)
@@ -470,5 +555,3 @@ def identical(weights: Source, base: Source, block_bytes: int = BLOCK_BYTES) -> 
         if not same:
             return False
     return True
-
-

@@ -12,6 +12,7 @@ base weight) and from then on serves the rank-k factors. One module's factors ar
 
 `peft_outputs(src, ...)` is what `ckpt average` and `ckpt resize-adapter` hand the one PEFT writer.
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,32 +25,53 @@ import torch
 from ..core.delta_math import Truncation, stack_terms, truncate
 from ..core.errors import CkptError, FormatError, UsageError
 from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, PROGRESS_STEP_KEY, expert_parts
+from ..formats.hf_dir.hub import locate_model
 from ..formats.peft.config import PEFT_PREFIX
 from ..formats.peft.experts import build_fused, fused_config, plan_fused
-from ..formats.peft.writer import OutTensor, exact_modules_to_save, full_tensor_warning, peft_config, peft_key, \
-    target_modules_for
-from .base import TensorFacts
-from ..formats.hf_dir.hub import locate_model
+from ..formats.peft.writer import (
+    OutTensor,
+    exact_modules_to_save,
+    full_tensor_warning,
+    peft_config,
+    peft_key,
+    target_modules_for,
+)
 from ..formats.primerl.run_dir import resolve_run, step_number
+from .base import TensorFacts
 from .lora import LoraModule, LoraSource
 
-FULL_SUFFIX = "#full"    # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
+FULL_SUFFIX = "#full"  # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
 
-__all__ = ["FULL_SUFFIX", "Term", "DeltaSource", "peft_outputs", "lora_step", "lora_base_name", "lora_base",
-           "shared_peft_targets"]
+__all__ = [
+    "FULL_SUFFIX",
+    "DeltaSource",
+    "Term",
+    "lora_base",
+    "lora_base_name",
+    "lora_step",
+    "peft_outputs",
+    "shared_peft_targets",
+]
 
 
 @dataclass(frozen=True)
 class Term:
-    input: int          # index into DeltaSource.inputs
-    coef: float         # the weight of this input's delta (its own LoRA scale is applied on top)
+    input: int  # index into DeltaSource.inputs
+    coef: float  # the weight of this input's delta (its own LoRA scale is applied on top)
 
 
 class DeltaSource(LoraSource):
     kind = "delta"
 
-    def __init__(self, inputs: list[LoraSource], terms: dict[str, tuple[Term, ...]], *, path: Path,
-                 describe_as: str = "delta", full_terms: dict[str, tuple[Term, ...]] | None = None):
+    def __init__(
+        self,
+        inputs: list[LoraSource],
+        terms: dict[str, tuple[Term, ...]],
+        *,
+        path: Path,
+        describe_as: str = "delta",
+        full_terms: dict[str, tuple[Term, ...]] | None = None,
+    ):
         self.inputs = list(inputs)
         self.terms = {m: tuple(t) for m, t in sorted(terms.items())}
         self.path = Path(path)
@@ -58,17 +80,22 @@ class DeltaSource(LoraSource):
         # modules_to_save (trained full tensors): sum_i coef_i * T_i, no LoRA scale; HF name -> our key
         self.full_terms = {n: tuple(t) for n, t in sorted((full_terms or {}).items())}
         self.full_tensors = {n: n + FULL_SUFFIX for n in self.full_terms}
-        self.fused: dict[str, tuple] = {}   # output key -> (FusedParam, "A" | "B"), set by `peft_outputs`
+        self.fused: dict[str, tuple] = {}  # output key -> (FusedParam, "A" | "B"), set by `peft_outputs`
         self._full_facts: dict[str, tuple[int, ...]] = {}
         for n, ts in self.full_terms.items():
-            shapes = {tuple(self.inputs[t.input].key_facts(self.inputs[t.input].full_tensors[n]).shape) for t in ts}
+            shapes = {
+                tuple(self.inputs[t.input].key_facts(self.inputs[t.input].full_tensors[n]).shape) for t in ts
+            }
             if len(shapes) != 1 or not ts:
-                raise FormatError(f"trained full tensor {n} has different shapes in the inputs ({sorted(shapes)})",
-                                  key=n, hint="average steps of one run")
+                raise FormatError(
+                    f"trained full tensor {n} has different shapes in the inputs ({sorted(shapes)})",
+                    key=n,
+                    hint="average steps of one run",
+                )
             self._full_facts[n] = shapes.pop()
         self.truncations: dict[str, Truncation] = {}
         self._ranks: dict[str, int] = {}
-        self._local = threading.local()   # per thread (the merge pipeline reads on threads): its last module
+        self._local = threading.local()  # per thread (the merge pipeline reads on threads): its last module
         self.modules = {}
         for m, ts in self.terms.items():
             if not ts:
@@ -77,12 +104,15 @@ class DeltaSource(LoraSource):
             ins, outs = {x.a_shape[1] for x in mods}, {x.b_shape[0] for x in mods}
             fan = {x.fan_in_fan_out for x in mods}
             if len(ins) != 1 or len(outs) != 1 or len(fan) != 1:
-                raise FormatError(f"module {m} has different shapes in the inputs (in {sorted(ins)}, out "
-                                  f"{sorted(outs)}, fan_in_fan_out {sorted(fan)}): they are not LoRAs of one model",
-                                  key=m)
+                raise FormatError(
+                    f"module {m} has different shapes in the inputs (in {sorted(ins)}, out "
+                    f"{sorted(outs)}, fan_in_fan_out {sorted(fan)}): they are not LoRAs of one model",
+                    key=m,
+                )
             r = sum(x.rank for x in mods)
-            self.modules[m] = LoraModule(m, r, 1.0, f"{m}.lora_A", f"{m}.lora_B", (r, ins.pop()), (outs.pop(), r),
-                                         fan.pop(), "float64")
+            self.modules[m] = LoraModule(
+                m, r, 1.0, f"{m}.lora_A", f"{m}.lora_B", (r, ins.pop()), (outs.pop(), r), fan.pop(), "float64"
+            )
 
     # ------------------------------------------------------------------ the factors
     def stacked(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,17 +165,17 @@ class DeltaSource(LoraSource):
         return a if ab == "A" else b
 
     def read_key(self, key: str) -> torch.Tensor:
-        if key in self.fused:   # a fused expert LoRA (the peft layout): placed from every expert's factors
+        if key in self.fused:  # a fused expert LoRA (the peft layout): placed from every expert's factors
             f, ab = self.fused[key]
             return build_fused(f, ab, self.read_factor)
         if key.endswith(FULL_SUFFIX):
-            return self.full(key[:-len(FULL_SUFFIX)]).to(torch.float32)
+            return self.full(key[: -len(FULL_SUFFIX)]).to(torch.float32)
         module, ab = key.rsplit(".lora_", 1)
         return self.read_factor(module, ab)
 
     def key_facts(self, key: str) -> TensorFacts:
         if key.endswith(FULL_SUFFIX):
-            return TensorFacts(key, "float32", self._full_facts[key[:-len(FULL_SUFFIX)]])
+            return TensorFacts(key, "float32", self._full_facts[key[: -len(FULL_SUFFIX)]])
         module, ab = key.rsplit(".lora_", 1)
         m = self.modules[module]
         return TensorFacts(key, "float64", m.a_shape if ab == "A" else m.b_shape)
@@ -210,8 +240,13 @@ def shared_peft_targets(srcs: list[LoraSource]) -> list[str] | None:
     return lists[0] if all(x == lists[0] for x in lists) and isinstance(lists[0], list) else None
 
 
-def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, target_modules: list[str] | None = None,
-                 layout: str = DEFAULT_LAYOUT) -> tuple[tuple[OutTensor, ...], dict, tuple[str, ...]]:
+def peft_outputs(
+    src: DeltaSource,
+    *,
+    base_model_name_or_path: str | None,
+    target_modules: list[str] | None = None,
+    layout: str = DEFAULT_LAYOUT,
+) -> tuple[tuple[OutTensor, ...], dict, tuple[str, ...]]:
     """The tensors (fp32, sorted by key), adapter_config.json and warnings of `src` as a PEFT adapter: each
     module at its own rank with scale 1 (lora_alpha = r; modules at another rank than the most common one
     in rank_pattern / alpha_pattern); trained full tensors under their exact module names in
@@ -223,32 +258,57 @@ def peft_outputs(src: DeltaSource, *, base_model_name_or_path: str | None, targe
         raise UsageError(f"--layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     experts = [m for m in src.modules if expert_parts(m) is not None]
     try:
-        fused = plan_fused({m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in experts}, src.path) \
-            if layout == "peft" and experts else []
-    except FormatError as exc:   # --energy gave the experts of one projection different ranks
-        raise FormatError(exc.message, path=src.path,
-                          hint="PEFT's fused expert LoRA needs one rank across the experts: pass --rank K instead "
-                               "of --energy, or --layout vllm (per-expert modules)") from None
+        fused = (
+            plan_fused({m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in experts}, src.path)
+            if layout == "peft" and experts
+            else []
+        )
+    except FormatError as exc:  # --energy gave the experts of one projection different ranks
+        raise FormatError(
+            exc.message,
+            path=src.path,
+            hint="PEFT's fused expert LoRA needs one rank across the experts: pass --rank K instead "
+            "of --energy, or --layout vllm (per-expert modules)",
+        ) from None
     per_module = [m for m in src.modules if not fused or m not in set(experts)]
     ranks = {m: src.modules[m].rank for m in per_module}
     r = Counter(ranks.values()).most_common(1)[0][0] if ranks else (fused[0].part_rank if fused else 1)
     others = {m: k for m, k in sorted(ranks.items()) if k != r}
-    if fused:   # the expert modules are reached through target_parameters, not target_modules
+    if fused:  # the expert modules are reached through target_parameters, not target_modules
         targets = target_modules_for(sorted(per_module), None)[0] if per_module else []
     else:
         targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
     mts = exact_modules_to_save(sorted(src.full_tensors), None) if src.full_tensors else []
-    cfg = peft_config(r=r, lora_alpha=float(r), target_modules=targets,
-                      base_model_name_or_path=base_model_name_or_path, modules_to_save=mts or None,
-                      fused=fused_config(fused, 1.0) if fused else None)
+    cfg = peft_config(
+        r=r,
+        lora_alpha=float(r),
+        target_modules=targets,
+        base_model_name_or_path=base_model_name_or_path,
+        modules_to_save=mts or None,
+        fused=fused_config(fused, 1.0) if fused else None,
+    )
     cfg["fan_in_fan_out"] = any(spec.fan_in_fan_out for spec in src.modules.values())
     cfg["rank_pattern"] = {**cfg.get("rank_pattern", {}), **others}
     cfg["alpha_pattern"] = {**cfg.get("alpha_pattern", {}), **{m: float(k) for m, k in others.items()}}
-    outs = [OutTensor(peft_key(m, ab), src.modules[m].a_shape if ab == "A" else src.modules[m].b_shape, "fp32",
-                      f"{m}.lora_{ab}") for m in per_module for ab in "AB"]
-    outs += [OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, "fp32", f.source(ab))
-             for f in fused for ab in "AB"]
+    outs = [
+        OutTensor(
+            peft_key(m, ab),
+            src.modules[m].a_shape if ab == "A" else src.modules[m].b_shape,
+            "fp32",
+            f"{m}.lora_{ab}",
+        )
+        for m in per_module
+        for ab in "AB"
+    ]
+    outs += [
+        OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, "fp32", f.source(ab))
+        for f in fused
+        for ab in "AB"
+    ]
     src.fused = {f.source(ab): (f, ab) for f in fused for ab in "AB"}
-    outs += [OutTensor(PEFT_PREFIX + n, src.key_facts(key).shape, "fp32", key) for n, key in src.full_tensors.items()]
+    outs += [
+        OutTensor(PEFT_PREFIX + n, src.key_facts(key).shape, "fp32", key)
+        for n, key in src.full_tensors.items()
+    ]
     warning = full_tensor_warning(mts)
     return tuple(sorted(outs, key=lambda t: t.name)), cfg, (warning,) if warning else ()

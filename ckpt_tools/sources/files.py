@@ -1,6 +1,7 @@
 """The tensors of one weights file, by key: a safetensors file (read by range) or a torch pickle
 `.bin` (loaded whole through the allow-list: a pickle cannot be read by range). What `ckpt
 fix-adapter` reads a prime-rl adapter export through, whatever its keys look like."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,7 +44,7 @@ class TensorFileSource(Source):
         self._files.read_into(file, offset, buf, name)
 
     def _read_whole(self, name: str):
-        return self._bin[name].clone()   # a private copy: the caller may modify it
+        return self._bin[name].clone()  # a private copy: the caller may modify it
 
     def close(self) -> None:
         super().close()

@@ -8,12 +8,12 @@ Every step releases the GIL (preadv, numpy, hashlib, zlib/ISA-L), so tensors are
 threads; a tensor too big for one thread's share also splits its CRC-32s over row ranges, joined with
 `core.crc.crc32_combine`, while its sha256 (serial by nature) runs in order on the calling thread.
 """
+
 from __future__ import annotations
 
 import hashlib
 import math
 from concurrent.futures import ThreadPoolExecutor
-
 from typing import TYPE_CHECKING
 
 from ..core.casts import cast_into, exact_cast
@@ -24,13 +24,23 @@ from ..core.keys import expert_names, is_stacked_pattern
 from ..formats.slim.partition import map_to_base
 from .base import Source
 
-if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
     from ..formats.hf_dir.model_dir import HFModelDir
 
-__all__ = ["BASE_BLOCK_BYTES", "READ_BLOCK_BYTES", "PIECE_VALUES", "read_rows_as", "read_rows_into", "read_as",
-           "upcast_sha256", "base_hash_check", "upcast_sha256_crc32s", "base_crc_check"]
+__all__ = [
+    "BASE_BLOCK_BYTES",
+    "PIECE_VALUES",
+    "READ_BLOCK_BYTES",
+    "base_crc_check",
+    "base_hash_check",
+    "read_as",
+    "read_rows_as",
+    "read_rows_into",
+    "upcast_sha256",
+    "upcast_sha256_crc32s",
+]
 
 # Rows per block when a base tensor is streamed: bounded scratch whatever the tensor's size.
 BASE_BLOCK_BYTES = 64 << 20
@@ -42,7 +52,8 @@ PIECE_VALUES = 1 << 18
 
 def _stacked(src: Source, pattern: str, start: int, count: int) -> torch.Tensor:
     """Rows [start, start + count) of a prime-format stacked expert tensor: those experts' HF weights."""
-    import torch   # lazy: the base check below needs none
+    import torch  # lazy: the base check below needs none
+
     names = expert_names(pattern, start, count)
     if not names:
         f = src.facts(expert_names(pattern, 0, 1)[0])
@@ -61,7 +72,7 @@ def read_rows_as(src: Source, name: str, dtype, start: int, count: int) -> torch
     """Rows [start, start + count) of `name`, cast to `dtype` (an exact upcast of a bf16 base to fp32).
     A `stacked_hf_pattern` name reads experts start.. of the base's per-expert weights, stacked."""
     t = _stacked(src, name, start, count) if is_stacked_pattern(name) else src.read_rows(name, start, count)
-    dt = torch_dtype(dtype)   # (imports torch)
+    dt = torch_dtype(dtype)  # (imports torch)
     return t if t.dtype == dt else t.to(dt)
 
 
@@ -76,7 +87,7 @@ def read_rows_into(src: Source, name: str, start: int, count: int, out) -> None:
     at = 0
     for expert in expert_names(name, start, count):
         n = src.facts(expert).nbytes
-        src.read_into(expert, view[at:at + n])
+        src.read_into(expert, view[at : at + n])
         at += n
 
 
@@ -102,8 +113,12 @@ class _BaseRows:
             for n in expert_names(name, 0, self.rows):
                 f = src.facts(n)
                 if f.dtype != self.dtype or f.numel != self.row_values:
-                    raise FormatError(f"expert weight {n} is {f.dtype} {list(f.shape)}, expert 0's "
-                                      f"{first.dtype} {list(first.shape)}: they do not stack", path=src.path, key=n)
+                    raise FormatError(
+                        f"expert weight {n} is {f.dtype} {list(f.shape)}, expert 0's "
+                        f"{first.dtype} {list(first.shape)}: they do not stack",
+                        path=src.path,
+                        key=n,
+                    )
         else:
             f = src.facts(name)
             self.rows = (f.shape[0] if f.shape else 1) if rows is None else rows
@@ -117,7 +132,7 @@ class _BaseRows:
             self.src.read_span(self.name, start * self.row_bytes, out)
             return
         for j, n in enumerate(expert_names(self.name, start, count)):
-            self.src.read_span(n, 0, out[j * self.row_bytes:(j + 1) * self.row_bytes])
+            self.src.read_span(n, 0, out[j * self.row_bytes : (j + 1) * self.row_bytes])
 
 
 class _CastReader:
@@ -138,7 +153,7 @@ class _CastReader:
         src_size, dst_size = itemsize(self.rows.dtype), itemsize(self.dtype)
         for s in range(start, start + count, self.read_rows):
             n = min(self.read_rows, start + count - s)
-            block = raw[:n * self.rows.row_bytes]
+            block = raw[: n * self.rows.row_bytes]
             if not len(block):
                 continue
             self.rows.read(s, n, block)
@@ -149,10 +164,16 @@ class _CastReader:
                 values = len(block) // src_size
                 for v in range(0, values, PIECE_VALUES):
                     m = min(PIECE_VALUES, values - v)
-                    cast_into(self.rows.dtype, self.dtype, block[v * src_size:(v + m) * src_size], out[:m * dst_size])
-                    yield out[:m * dst_size]
-            else:   # a pair numpy does not cast exactly: torch's cast (imports torch)
+                    cast_into(
+                        self.rows.dtype,
+                        self.dtype,
+                        block[v * src_size : (v + m) * src_size],
+                        out[: m * dst_size],
+                    )
+                    yield out[: m * dst_size]
+            else:  # a pair numpy does not cast exactly: torch's cast (imports torch)
                 import torch
+
                 t = torch.frombuffer(block, dtype=torch_dtype(self.rows.dtype)).to(torch_dtype(self.dtype))
                 yield memoryview(t.view(torch.uint8).numpy())
                 del t
@@ -160,7 +181,8 @@ class _CastReader:
 
 def upcast_sha256(src: Source, name: str, dtype) -> str:
     """sha256 of tensor `name` cast to `dtype`, streamed by row blocks (memory: one block and one piece). A
-    `stacked_hf_pattern` name: the experts the base holds, stacked (row-major bytes = the experts' in order)."""
+    `stacked_hf_pattern` name: the experts the base holds, stacked (row-major bytes = the experts' in
+    order)."""
     rows = _BaseRows(src, name)
     h = hashlib.sha256()
     for piece in _CastReader(rows, dtype).pieces(0, rows.rows):
@@ -176,6 +198,7 @@ def base_hash_check(base: HFModelDir, dropped):
 
     def base_hash(d) -> tuple[str, str]:
         return mapping[d.key], upcast_sha256(base, mapping[d.key], d.dtype)
+
     return base_hash
 
 
@@ -186,8 +209,9 @@ def _crc_of_rows(rows: _BaseRows, dtype, start: int, count: int) -> int:
     return crc
 
 
-def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks, shape=None, *,
-                         threads: int = 1) -> tuple[str, list[int]]:
+def upcast_sha256_crc32s(
+    src: Source, name: str, dtype, row_blocks, shape=None, *, threads: int = 1
+) -> tuple[str, list[int]]:
     """(sha256 of tensor `name` cast to `dtype`, the CRC-32 of each row block [start, start + count) of
     `row_blocks`, which tile its rows in order): one streamed pass over the base (memory: one read block and
     one cast piece). `shape`: the tensor's (needed for a `stacked_hf_pattern` name, whose rows are experts).
@@ -207,8 +231,11 @@ def upcast_sha256_crc32s(src: Source, name: str, dtype, row_blocks, shape=None, 
             crcs.append(crc)
         return h.hexdigest(), crcs
     step = reader.read_rows
-    ranges = [(i, s, min(step, start + count - s)) for i, (start, count) in enumerate(row_blocks)
-              for s in range(start, start + count, step)]
+    ranges = [
+        (i, s, min(step, start + count - s))
+        for i, (start, count) in enumerate(row_blocks)
+        for s in range(start, start + count, step)
+    ]
     pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="ckpt-crc")
     try:
         futures = [pool.submit(_crc_of_rows, rows, dtype, s, n) for _i, s, n in ranges]
@@ -233,4 +260,5 @@ def base_crc_check(base: HFModelDir, dropped):
     def base_crcs(d, row_blocks, threads: int = 1) -> tuple[str, str, list[int]]:
         sha, crcs = upcast_sha256_crc32s(base, mapping[d.key], d.dtype, row_blocks, d.shape, threads=threads)
         return mapping[d.key], sha, crcs
+
     return base_crcs

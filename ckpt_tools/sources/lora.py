@@ -10,10 +10,10 @@ stacked [E, r, in]) is a new way to fill `modules`, not a new code path in every
 The protocol lives in `formats.handle`; each format's handle offers its LoRA view (`DcpCheckpoint.lora`,
 `PeftAdapter.lora`); `open_lora_source` picks the format of a path; `NoLoraSource` is a full fine-tune's.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ..core.errors import FormatError, UsageError
@@ -25,21 +25,29 @@ from ..formats.peft.adapter import open_peft_adapter
 from ..formats.peft.config import ADAPTER_CONFIG
 from ..formats.peft.lora import PeftLoraSource
 
-if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
-__all__ = ["LoraModule", "LoraSource", "PeftLoraSource", "DcpLoraSource", "NoLoraSource", "open_lora_source",
-           "trained_full_tensors"]
+__all__ = [
+    "DcpLoraSource",
+    "LoraModule",
+    "LoraSource",
+    "NoLoraSource",
+    "PeftLoraSource",
+    "open_lora_source",
+    "trained_full_tensors",
+]
 
 
 class NoLoraSource(LoraSource):
     """The "adapter" of a full fine-tune's export: no LoRA at all, the checkpoint's weights are the model."""
+
     kind = "none"
 
     def __init__(self, path: Path, *, tied_aliases: tuple[str, ...] = ()):
         self.path = Path(path)
         self.config_path = self.weights_path = self.path / METADATA_NAME
-        self.tied_aliases = tied_aliases    # output embeddings trained as the input embedding (tied)
+        self.tied_aliases = tied_aliases  # output embeddings trained as the input embedding (tied)
         self.modules, self.full_tensors = {}, {}
         self.alpha, self.alpha_source = None, "none (a full fine-tune: the trained weights are exported)"
 
@@ -47,18 +55,28 @@ class NoLoraSource(LoraSource):
         raise FormatError("a full fine-tune has no adapter tensors", path=self.path, key=key)
 
 
-def open_lora_source(path: str | Path, *, alpha: float | None = None, run_config: str | Path | None = None,
-                     slot: int = 0, trust_pickle: bool = False) -> LoraSource:
+def open_lora_source(
+    path: str | Path,
+    *,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    slot: int = 0,
+    trust_pickle: bool = False,
+) -> LoraSource:
     """A PEFT adapter dir or a prime-rl DCP checkpoint. For PEFT, alpha comes from its config
     (an explicit --alpha overrides it, with the adapter's own rank)."""
     p = Path(path)
-    if is_checkpoint_path(p) and not p.name == METADATA_NAME:
+    if is_checkpoint_path(p) and p.name != METADATA_NAME:
         return DcpCheckpoint.open(p, trust_pickle=trust_pickle).lora(
-            alpha=alpha, run_config=Path(run_config) if run_config else None, slot=slot)
+            alpha=alpha, run_config=Path(run_config) if run_config else None, slot=slot
+        )
     if (p / ADAPTER_CONFIG).is_file():
         src = open_peft_adapter(p, strict=True).lora()
         if alpha is not None:
             src.with_alpha(alpha)
         return src
-    raise UsageError("not a LoRA source: expected a PEFT adapter dir (adapter_config.json) or a prime-rl "
-                     "DCP checkpoint (.metadata)", path=p)
+    raise UsageError(
+        "not a LoRA source: expected a PEFT adapter dir (adapter_config.json) or a prime-rl "
+        "DCP checkpoint (.metadata)",
+        path=p,
+    )

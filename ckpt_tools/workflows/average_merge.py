@@ -11,6 +11,7 @@ Before the merge is planned, each DCP input is planned as a merge into BASE on i
 checks that the run trained on this base: names, shapes and a few rows of its fp32 masters); that
 reads no more than `ckpt merge BASE CKPT OUT --dry-run` would.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.progress import Progress
+from ..formats.hf_dir.model_dir import HFModelDir
 from ..io.staging import AtomicOutputDir
 from ..ops.average import AverageOptions, AveragePlan, AverageSources, open_average_sources, plan_average
-from ..ops.merge import MergeOptions, MergePlan, MergeSources, MergeResult, plan_merge, run_merge
-from ..formats.hf_dir.model_dir import HFModelDir
+from ..ops.merge import MergeOptions, MergePlan, MergeResult, MergeSources, plan_merge, run_merge
 
 __all__ = ["AverageMergeReport", "average_merge"]
 
@@ -30,11 +31,11 @@ __all__ = ["AverageMergeReport", "average_merge"]
 class AverageMergeReport:
     average: AveragePlan
     merge: MergePlan
-    result: MergeResult | None = None     # None: a dry run
+    result: MergeResult | None = None  # None: a dry run
 
     @property
     def plan(self) -> dict:
-        avg = dataclasses.replace(self.average, adapter_warnings=())   # no adapter is written
+        avg = dataclasses.replace(self.average, adapter_warnings=())  # no adapter is written
         return {"average": avg.to_json(), "merge": self.merge.to_json(jobs=self.result is None)}
 
     @property
@@ -43,8 +44,12 @@ class AverageMergeReport:
 
     def to_json(self) -> dict:
         """The merge's report shape: the plan (the average's and the merge's), the merge's result."""
-        d = {"dry_run": self.result is None, "out": self.merge.out, "plan": self.plan,
-             "warnings": list(self.warnings)}
+        d = {
+            "dry_run": self.result is None,
+            "out": self.merge.out,
+            "plan": self.plan,
+            "warnings": list(self.warnings),
+        }
         if self.result is not None:
             d["result"] = dataclasses.asdict(self.result)
         return d
@@ -52,13 +57,21 @@ class AverageMergeReport:
 
 def _check_trained_on(base: HFModelDir, src: AverageSources) -> None:
     for s in src.inputs:
-        if s.ckpt is not None:   # a checkpoint's LoRA records the base it trained on
+        if s.ckpt is not None:  # a checkpoint's LoRA records the base it trained on
             plan_merge(MergeSources(base, s), MergeOptions())
 
 
-def average_merge(paths: list[str | Path], base: str | Path, out: str | Path, *, options: AverageOptions,
-                  merge_options: MergeOptions | None = None, dry_run: bool = False, overwrite: bool = False,
-                  progress: Progress | None = None) -> AverageMergeReport:
+def average_merge(
+    paths: list[str | Path],
+    base: str | Path,
+    out: str | Path,
+    *,
+    options: AverageOptions,
+    merge_options: MergeOptions | None = None,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> AverageMergeReport:
     """Average `paths` (the average op's plan with `options`) and merge the result into `base`."""
     mopts = dataclasses.replace(merge_options or MergeOptions(), out=str(out))
     with open_average_sources(paths, options) as sources:
@@ -69,7 +82,9 @@ def average_merge(paths: list[str | Path], base: str | Path, out: str | Path, *,
             mplan = plan_merge(MergeSources(hf, sources.delta), mopts)
             inputs = sorted(set(mplan.inputs) | {str(Path(i.path)) for i in avg.inputs})
             mplan = dataclasses.replace(mplan, inputs=tuple(inputs))
-            AtomicOutputDir(out, inputs=mplan.inputs, need_bytes=mplan.write_bytes, overwrite=overwrite).preflight()
+            AtomicOutputDir(
+                out, inputs=mplan.inputs, need_bytes=mplan.write_bytes, overwrite=overwrite
+            ).preflight()
             if dry_run:
                 return AverageMergeReport(avg, mplan)
             report = run_merge(mplan, MergeSources(hf, sources.delta), progress, overwrite=overwrite)

@@ -1,1 +1,1 @@
-"""Click commands, one module per command: each parses its arguments, calls one op (or workflow) and renders."""
+"""Click commands, one module per command: each parses its arguments, calls the api once and renders."""

@@ -1,4 +1,5 @@
 """`ckpt inspect`: arguments -> `api.inspect` -> text or JSON."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +18,9 @@ __all__ = ["command"]
 @click.command("inspect")
 @click.argument("path", type=ModelPath())
 @alpha_options
-@click.option("--keys", "list_keys", is_flag=True, help="List every key with its group, dtype, shape and chunks.")
+@click.option(
+    "--keys", "list_keys", is_flag=True, help="List every key with its group, dtype, shape and chunks."
+)
 @download_option
 @json_option
 @trust_option
@@ -42,7 +45,7 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
             shape = "bytes" if row["dtype"] is None else f"{row['dtype']} {row['shape']}"
             click.echo(f"{row['key']}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
         return
-    render(shown(report))   # a URL shown as itself, not its local stand-in (io.remote)
+    render(shown(report))  # a URL shown as itself, not its local stand-in (io.remote)
     for w in report.get("warnings", []):
         warn(w)
 
@@ -55,10 +58,15 @@ def render(r: dict) -> None:
         click.echo(f"{r['path']}: {len(r['steps'])} checkpoint(s)")
         for s in r["steps"]:
             if s.get("slim"):
-                click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  slim (not resumable as it is: "
-                           f"`ckpt rehydrate` it first)")
+                click.echo(
+                    f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  slim (not resumable as it is: "
+                    f"`ckpt rehydrate` it first)"
+                )
             elif s["complete"]:
-                click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  complete  -> resumes at step {s['step']}")
+                click.echo(
+                    f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  complete  -> resumes at step "
+                    f"{s['step']}"
+                )
             else:
                 click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  INCOMPLETE (no .metadata)")
         click.echo(r["note"])
@@ -75,34 +83,51 @@ def _counts(d: dict) -> str:
 def _render_hf(r: dict) -> None:
     click.echo(f"HF model dir {r['path']}")
     shards = r["shards"]
-    click.echo(f"  {r['architecture'] or 'architecture unknown (no config.json architectures)'}: {r['tensors']} "
-               f"tensors ({_counts(r['dtypes'])}), {human_bytes(r['total_bytes'])} in {len(shards)} shard(s)"
-               + (f": {', '.join(shards)}" if len(shards) <= 3 else f": {shards[0]} ... {shards[-1]}"))
+    click.echo(
+        f"  {r['architecture'] or 'architecture unknown (no config.json architectures)'}: {r['tensors']} "
+        f"tensors ({_counts(r['dtypes'])}), {human_bytes(r['total_bytes'])} in {len(shards)} shard(s)"
+        + (f": {', '.join(shards)}" if len(shards) <= 3 else f": {shards[0]} ... {shards[-1]}")
+    )
     tied = {True: "yes", False: "no", None: "not set"}[r["tie_word_embeddings"]]
     click.echo(f"  config dtype {r['config_dtype'] or 'not set'}; tied embeddings {tied}")
     if r["lora_keys"]:
-        click.echo(f"  {r['lora_keys']} tensor name(s) contain lora_: an adapter or an unmerged export, not a "
-                   "plain model")
+        click.echo(
+            f"  {r['lora_keys']} tensor name(s) contain lora_: an adapter or an unmerged export, not a "
+            "plain model"
+        )
 
 
 def _render_peft(r: dict) -> None:
     click.echo(f"PEFT adapter {r['path']} ({r['weights']})")
     if r["modules"]:
         rank = r["rank"] if not isinstance(r["rank"], list) else f"varies ({', '.join(map(str, r['rank']))})"
-        scale = (human_number(r["scale"]) if not isinstance(r["scale"], list) else
-                 f"varies ({', '.join(human_number(s) for s in r['scale'])})")
-        click.echo(f"  LoRA: {r['modules']} modules, rank {rank}, lora_alpha {human_number(r['lora_alpha'])} -> scale "
-                   f"{scale}{' (rsLoRA)' if r['use_rslora'] else ''}; targets {', '.join(r['targets'])}")
+        scale = (
+            human_number(r["scale"])
+            if not isinstance(r["scale"], list)
+            else f"varies ({', '.join(human_number(s) for s in r['scale'])})"
+        )
+        click.echo(
+            f"  LoRA: {r['modules']} modules, rank {rank}, lora_alpha {human_number(r['lora_alpha'])} -> "
+            f"scale "
+            f"{scale}{' (rsLoRA)' if r['use_rslora'] else ''}; targets {', '.join(r['targets'])}"
+        )
     else:
         click.echo(f"  LoRA: NO module matches (lora_alpha {human_number(r['lora_alpha'])})")
-    click.echo(f"  weights {', '.join(r['dtypes']) or 'none'}, {human_bytes(r['bytes'])}; modules_to_save "
-               f"{', '.join(r['modules_to_save']) or 'none'}")
+    click.echo(
+        f"  weights {', '.join(r['dtypes']) or 'none'}, {human_bytes(r['bytes'])}; modules_to_save "
+        f"{', '.join(r['modules_to_save']) or 'none'}"
+    )
     click.echo(f"  base_model_name_or_path: {r['base_model_name_or_path'] or 'not set'}")
     if r["layout"] == "dense":
-        click.echo("  layout: dense (no expert LoRA: every --layout writes this file; PEFT, vLLM and prime-rl load it)")
+        click.echo(
+            "  layout: dense (no expert LoRA: every --layout writes this file; PEFT, vLLM and prime-rl load "
+            "it)"
+        )
     else:
-        names = {"peft": "peft (fused MoE expert LoRA through target_parameters)",
-                 "per-expert": "vllm / prime-rl (per-expert MoE modules experts.<e>.<proj>)"}
+        names = {
+            "peft": "peft (fused MoE expert LoRA through target_parameters)",
+            "per-expert": "vllm / prime-rl (per-expert MoE modules experts.<e>.<proj>)",
+        }
         click.echo(f"  layout: {names.get(r['layout'], r['layout'])}")
         for consumer, how in r["consumers"].items():
             click.echo(f"    {consumer}: {how}")
@@ -116,17 +141,24 @@ def _render_dcp(r: dict) -> None:
     click.echo(f"DCP checkpoint {r['path']}")
     sched = r["scheduler"]
     stype = sched["type"] + (f"({', '.join(sched['schedulers'])})" if sched.get("schedulers") else "")
-    click.echo(f"  step {r['step']}   lr {human_number(r['lr'])}   scheduler {stype}   world size {r['world_size']}   "
-               f"keys {r['keys']}")
-    click.echo(f"  prime-rl {r['generation']} layout (from {r['generation_from']})"
-               + (f"   training: {r['training']}" if r.get("training") else "")
-               + (f"   optimizer: {r['optimizer']}" if r.get("optimizer") else ""))
+    click.echo(
+        f"  step {r['step']}   lr {human_number(r['lr'])}   scheduler {stype}   world size {r['world_size']} "
+        f"  "
+        f"keys {r['keys']}"
+    )
+    click.echo(
+        f"  prime-rl {r['generation']} layout (from {r['generation_from']})"
+        + (f"   training: {r['training']}" if r.get("training") else "")
+        + (f"   optimizer: {r['optimizer']}" if r.get("optimizer") else "")
+    )
     ex = r.get("experts")
     if ex:
-        click.echo(f"  MoE: {ex['layers']} layer(s) x {ex['experts']} experts (prime-format stacked w1/w2/w3), "
-                   f"stored in {ex['expert_blocks']} expert block(s) by expert index"
-                   + (f", EP {r['ep']} (run config)" if r.get("ep") is not None else "")
-                   + (f"; LoRA on {ex['lora_expert_modules']} expert modules" if ex["lora_expert_modules"] else ""))
+        click.echo(
+            f"  MoE: {ex['layers']} layer(s) x {ex['experts']} experts (prime-format stacked w1/w2/w3), "
+            f"stored in {ex['expert_blocks']} expert block(s) by expert index"
+            + (f", EP {r['ep']} (run config)" if r.get("ep") is not None else "")
+            + (f"; LoRA on {ex['lora_expert_modules']} expert modules" if ex["lora_expert_modules"] else "")
+        )
     if r.get("interval_checkpoint"):
         click.echo(f"  note: {r['interval_checkpoint']}")
     total = r["frozen_bytes"] + r["unique_bytes"]
@@ -135,24 +167,32 @@ def _render_dcp(r: dict) -> None:
         if s["count"]:
             share = 100 * s["bytes"] / total if total else 0
             click.echo(f"  {g:<16}{s['count']:>7}{human_bytes(s['bytes']):>12}{share:>7.1f}%")
-    click.echo(f"  frozen (base, recoverable from the public model): {human_bytes(r['frozen_bytes'])} "
-               f"({100 * r['frozen_fraction']:.1f}%)")
+    click.echo(
+        f"  frozen (base, recoverable from the public model): {human_bytes(r['frozen_bytes'])} "
+        f"({100 * r['frozen_fraction']:.1f}%)"
+    )
     click.echo(f"  unique (LoRA + optimizer + scalars):              {human_bytes(r['unique_bytes'])}")
     lo = r["lora"]
     if lo["modules"]:
         rank = lo["rank"] if lo["rank"] is not None else "varies"
-        click.echo(f"  LoRA: {lo['modules']} modules, rank {rank}, slots {lo['slots']}, targets "
-                   f"{', '.join(lo['targets'])}")
+        click.echo(
+            f"  LoRA: {lo['modules']} modules, rank {rank}, slots {lo['slots']}, targets "
+            f"{', '.join(lo['targets'])}"
+        )
         a = r.get("alpha")
         if a:
-            click.echo(f"  alpha {human_number(a['alpha'])} -> training scale {human_number(a['training_scale'])} "
-                       f"(from {a['source']})")
+            click.echo(
+                f"  alpha {human_number(a['alpha'])} -> training scale {human_number(a['training_scale'])} "
+                f"(from {a['source']})"
+            )
             click.echo(f"  rule: {a['rule']}")
         else:
             click.echo(f"  alpha: unknown ({r.get('alpha_unresolved', '')})")
             click.echo(f"  rule: {r['scale_rule']}")
     if r.get("modules_to_save"):
-        click.echo(f"  trained full tensors (modules_to_save, from their optimizer state): "
-                   f"{', '.join(r['modules_to_save'])}")
+        click.echo(
+            f"  trained full tensors (modules_to_save, from their optimizer state): "
+            f"{', '.join(r['modules_to_save'])}"
+        )
     if r["slim"]:
         click.echo("  SLIM checkpoint: base weights removed; `ckpt rehydrate` before resuming")

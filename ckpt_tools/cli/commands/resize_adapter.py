@@ -1,4 +1,5 @@
 """`ckpt resize-adapter`: arguments -> `api.resize_adapter` -> text or JSON."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,18 +21,37 @@ __all__ = ["command"]
 @click.argument("adapter", type=InputPath(file_okay=False))
 @click.argument("out", type=OutputPath())
 @click.option("--rank", type=click.IntRange(min=1), help="Each module's best rank-K delta (Eckart-Young).")
-@click.option("--energy", type=float, metavar="E", help="Each module at the smallest rank keeping E (e.g. 0.99) of "
-              "its squared Frobenius norm.")
-@click.option("--layout", type=click.Choice(["peft", "vllm", "prime-rl"]), default="peft", metavar="LAYOUT",
-              help="peft (default), vllm or prime-rl: how MoE expert LoRA is written (as extract-adapter --layout); "
-                   "a dense LoRA is the same file in every layout.")
+@click.option(
+    "--energy",
+    type=float,
+    metavar="E",
+    help="Each module at the smallest rank keeping E (e.g. 0.99) of its squared Frobenius norm.",
+)
+@click.option(
+    "--layout",
+    type=click.Choice(["peft", "vllm", "prime-rl"]),
+    default="peft",
+    metavar="LAYOUT",
+    help="peft (default), vllm or prime-rl: how MoE expert LoRA is written (as extract-adapter --layout); "
+    "a dense LoRA is the same file in every layout.",
+)
 @click.option("--alpha", type=float, help="LoRA alpha of a DCP checkpoint whose run config cannot be found.")
 @overwrite_option
 @dry_run_option
 @json_option
 @trust_option
-def command(adapter: Path, out: Path, rank, energy, layout, alpha, overwrite: bool, dry_run: bool, as_json: bool,
-            trust_pickle: bool) -> None:
+def command(
+    adapter: Path,
+    out: Path,
+    rank,
+    energy,
+    layout,
+    alpha,
+    overwrite: bool,
+    dry_run: bool,
+    as_json: bool,
+    trust_pickle: bool,
+) -> None:
     """Bring each LoRA module of an adapter to its best lower rank; write a PEFT adapter.
 
     ADAPTER: a PEFT adapter dir or a prime-rl DCP checkpoint. Per module (per expert for MoE) the
@@ -48,18 +68,33 @@ def command(adapter: Path, out: Path, rank, energy, layout, alpha, overwrite: bo
     check_roles("resize-adapter", {"ADAPTER": adapter, "OUT": out})
     warn_trust(trust_pickle)
     with progress_line(not dry_run) as bar:
-        report = api.resize_adapter(adapter, out, rank=rank, energy=energy, alpha=alpha, layout=layout,
-                                    dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle, progress=bar)
+        report = api.resize_adapter(
+            adapter,
+            out,
+            rank=rank,
+            energy=energy,
+            alpha=alpha,
+            layout=layout,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            trust_pickle=trust_pickle,
+            progress=bar,
+        )
     finish(report, as_json, _render)
 
 
 def _render(r: dict) -> None:
     dry = bool(r.get("dry_run"))
     rk = r["rank"]
-    click.echo(f"{'would write' if dry else 'wrote'} {r['out']}: {r['modules']} LoRA modules of {r['adapter']} "
-               f"({r['kind']}, rank {r['rank_in']}) -> {'rank ' + str(rk) if isinstance(rk, int) else 'ranks ' + str(rk)} "
-               f"({rule_text(r['rank_rule'])}){dry_run_label(dry)}")
-    click.echo(f"  kept {100 * r['energy_kept']:.4f}% of the energy overall, error {r['error']:.4g} (Frobenius)")
+    click.echo(
+        f"{'would write' if dry else 'wrote'} {r['out']}: {r['modules']} LoRA modules of {r['adapter']} "
+        f"({r['kind']}, rank {r['rank_in']}) -> "
+        f"{'rank ' + str(rk) if isinstance(rk, int) else 'ranks ' + str(rk)} "
+        f"({rule_text(r['rank_rule'])}){dry_run_label(dry)}"
+    )
+    click.echo(
+        f"  kept {100 * r['energy_kept']:.4f}% of the energy overall, error {r['error']:.4g} (Frobenius)"
+    )
     render_truncations(r["truncations"])
     if r["modules_to_save"]:
         click.echo(f"  trained full tensors carried over unchanged: {', '.join(r['modules_to_save'])}")

@@ -1,4 +1,6 @@
-"""`ckpt set-lr`: arguments -> `api.set_lr` -> text or JSON (and the change/result renderers `ckpt set` shares)."""
+"""`ckpt set-lr`: arguments -> `api.set_lr` -> text or JSON (and the change/result renderers `ckpt set`
+shares)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,12 +30,16 @@ def _value(v) -> str:
 
 def render_result(r: dict) -> None:
     if r["in_place"]:
-        click.echo(f"  patched in place: {r['patch_file']} + new .metadata ({human_bytes(r['bytes_written'])}); "
-                   f"old metadata kept as {r['backup']}")
+        click.echo(
+            f"  patched in place: {r['patch_file']} + new .metadata ({human_bytes(r['bytes_written'])}); "
+            f"old metadata kept as {r['backup']}"
+        )
     else:
         links = ", ".join(f"{n} {m}" for m, n in sorted(r["linked"].items())) or "none"
-        click.echo(f"  wrote {r['out']}: {r['patch_file']} + .metadata ({human_bytes(r['bytes_written'])}); "
-                   f"data files: {links}; {r['seconds']:.3f}s")
+        click.echo(
+            f"  wrote {r['out']}: {r['patch_file']} + .metadata ({human_bytes(r['bytes_written'])}); "
+            f"data files: {links}; {r['seconds']:.3f}s"
+        )
     for w in r.get("warnings", []):
         warn(w)
 
@@ -41,19 +47,40 @@ def render_result(r: dict) -> None:
 @click.command("set-lr")
 @click.argument("ckpt", type=InputPath())
 @click.argument("out", type=OutputPath(), required=False)
-@click.option("--lr", type=float, help="New current lr; every lr value of the optimizer and scheduler is "
-                                       "scaled by lr / current lr.")
+@click.option(
+    "--lr",
+    type=float,
+    help="New current lr; every lr value of the optimizer and scheduler is scaled by lr / current lr.",
+)
 @click.option("--scale", type=float, help="Multiply every lr value of the optimizer and scheduler by F.")
-@click.option("--min-lr", type=float, help="Also retarget the end of the decay (cosine eta_min, or the "
-                                           "decaying LinearLR's end_factor) to this absolute lr.")
-@click.option("--in-place", is_flag=True, help="Patch CKPT itself: a new small data file and an atomic swap of "
-                                               ".metadata (the old one kept as .metadata.bak-<time>).")
+@click.option(
+    "--min-lr",
+    type=float,
+    help="Also retarget the end of the decay (cosine eta_min, or the "
+    "decaying LinearLR's end_factor) to this absolute lr.",
+)
+@click.option(
+    "--in-place",
+    is_flag=True,
+    help="Patch CKPT itself: a new small data file and an atomic swap of "
+    ".metadata (the old one kept as .metadata.bak-<time>).",
+)
 @overwrite_option
 @dry_run_option
 @json_option
 @trust_option
-def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool, dry_run: bool, as_json: bool,
-            trust_pickle: bool) -> None:
+def command(
+    ckpt: Path,
+    out,
+    lr,
+    scale,
+    min_lr,
+    in_place: bool,
+    overwrite: bool,
+    dry_run: bool,
+    as_json: bool,
+    trust_pickle: bool,
+) -> None:
     """Change the learning rate of a checkpoint, keeping the Adam moments.
 
     prime-rl's resume restores the checkpoint's lr and ignores the config's. This patches
@@ -67,21 +94,35 @@ def command(ckpt: Path, out, lr, scale, min_lr, in_place: bool, overwrite: bool,
       ckpt set-lr outputs/checkpoints/step_95/trainer step_95-lr5e-6 --lr 5e-6 --dry-run
     """
     warn_trust(trust_pickle)
-    result = api.set_lr(ckpt, out, lr=lr, scale=scale, min_lr=min_lr, in_place=in_place, dry_run=dry_run,
-                        overwrite=overwrite, trust_pickle=trust_pickle)
+    result = api.set_lr(
+        ckpt,
+        out,
+        lr=lr,
+        scale=scale,
+        min_lr=min_lr,
+        in_place=in_place,
+        dry_run=dry_run,
+        overwrite=overwrite,
+        trust_pickle=trust_pickle,
+    )
     finish(result, as_json, lambda r: _render(r, dry_run))
 
 
 def _render(report: dict, dry_run: bool) -> None:
     p = report["plan"]
-    click.echo(f"set-lr {p['source']}: lr {human_number(p['lr_before'])} -> {human_number(p['lr_after'])} "
-               f"(x{human_number(p['factor'])}), scheduler {p['scheduler']}{dry_run_label(dry_run)}")
+    click.echo(
+        f"set-lr {p['source']}: lr {human_number(p['lr_before'])} -> {human_number(p['lr_after'])} "
+        f"(x{human_number(p['factor'])}), scheduler {p['scheduler']}{dry_run_label(dry_run)}"
+    )
     render_changes(p["changes"])
     pv = p.get("preview")
     if pv:
         b, a = pv["before"], pv["after"]
-        click.echo(f"  next {a['steps']} scheduler steps: peak {human_number(b['peak'])} -> {human_number(a['peak'])}, "
-                   f"end {human_number(b['end'])} -> {human_number(a['end'])}")
+        click.echo(
+            f"  next {a['steps']} scheduler steps: peak {human_number(b['peak'])} -> "
+            f"{human_number(a['peak'])}, "
+            f"end {human_number(b['end'])} -> {human_number(a['end'])}"
+        )
     for w in p["warnings"]:
         warn(w)
     if report.get("result"):

@@ -1,4 +1,5 @@
 """`ckpt set`: arguments -> `api.set_values` -> text or JSON."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,9 @@ __all__ = ["command"]
 @dry_run_option
 @json_option
 @trust_option
-def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, as_json: bool,
-            trust_pickle: bool) -> None:
+def command(
+    ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, as_json: bool, trust_pickle: bool
+) -> None:
     """Set scalar byte items (progress, scheduler fields, ...) of a checkpoint by surgery.
 
     KEY is a DCP key with or without the leading `app.` (`progress.step`). The new VALUE must have
@@ -35,8 +37,9 @@ def command(ckpt: Path, out: Path, assignments, overwrite: bool, dry_run: bool, 
       ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100
     """
     warn_trust(trust_pickle)
-    result = api.set_values(ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite,
-                            trust_pickle=trust_pickle)
+    result = api.set_values(
+        ckpt, out, list(assignments), dry_run=dry_run, overwrite=overwrite, trust_pickle=trust_pickle
+    )
     finish(result, as_json, lambda r: _render(r, dry_run))
 
 

@@ -1,4 +1,5 @@
 """`ckpt verify`: arguments -> `api.verify` -> one line per problem (or JSON), exit 1 on any."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +8,8 @@ from typing import TYPE_CHECKING
 import click
 
 from ... import api
-from ...core.units import human_bytes
 from ...core.problems import group_problems
+from ...core.units import human_bytes
 from ..flow import progress_line
 from ..mistakes import check_roles
 from ..options import ModelPath, download_option, json_option, trust_option
@@ -22,18 +23,26 @@ __all__ = ["command", "render"]
 
 @click.command("verify")
 @click.argument("path", type=ModelPath())
-@click.option("--deep", is_flag=True,
-              help="Also read every payload byte: DCP recomputes each zip record's CRC32 (torch never "
-                   "checks it); HF and PEFT check every float for inf/nan and every file against its "
-                   "SHA256SUMS or Hub cache blob name (without one, only structure and finite values "
-                   "are proven).")
-@click.option("--base", help="PEFT adapters only: a base model (dir, hub id or DCP checkpoint) that every "
-                             "target module must exist in, with matching shapes.")
+@click.option(
+    "--deep",
+    is_flag=True,
+    help="Also read every payload byte: DCP recomputes each zip record's CRC32 (torch never "
+    "checks it); HF and PEFT check every float for inf/nan and every file against its "
+    "SHA256SUMS or Hub cache blob name (without one, only structure and finite values "
+    "are proven).",
+)
+@click.option(
+    "--base",
+    help="PEFT adapters only: a base model (dir, hub id or DCP checkpoint) that every "
+    "target module must exist in, with matching shapes.",
+)
 @download_option
 @json_option
 @trust_option
 @click.pass_context
-def command(ctx: click.Context, path: Path, deep: bool, base: str | None, as_json: bool, trust_pickle: bool) -> None:
+def command(
+    ctx: click.Context, path: Path, deep: bool, base: str | None, as_json: bool, trust_pickle: bool
+) -> None:
     """Check a checkpoint's integrity before you trust or ship it.
 
     PATH: a DCP checkpoint (.../step_N/trainer or step dir), an HF model dir (single or sharded)
@@ -64,15 +73,23 @@ def render(r: VerifyReport) -> None:
         warn(line)
     c = r.checked
     if r.format == "dcp":
-        what = (f"{c.get('keys', 0)} keys, {c.get('storage_items', 0)} items in {c.get('files', 0)} files "
-                f"({human_bytes(c.get('file_bytes', 0))})")
+        what = (
+            f"{c.get('keys', 0)} keys, {c.get('storage_items', 0)} items in {c.get('files', 0)} files "
+            f"({human_bytes(c.get('file_bytes', 0))})"
+        )
         if r.deep:
             what += f", CRC32 of {c.get('records_crc_checked', 0)} zip records recomputed"
         if c.get("superseded_bytes"):
-            what += (f"; {human_bytes(c['superseded_bytes'])} of old values superseded by a `ckpt set-lr`/`ckpt set` "
-                     "patch (expected)")
+            what += (
+                f"; {human_bytes(c['superseded_bytes'])} of old values superseded by a `ckpt set-lr`/`ckpt "
+                f"set` "
+                "patch (expected)"
+            )
     elif r.format == "hf":
-        what = f"{c.get('tensors', 0)} tensors in {c.get('files', 0)} file(s) ({human_bytes(c.get('tensor_bytes', 0))})"
+        what = (
+            f"{c.get('tensors', 0)} tensors in {c.get('files', 0)} file(s) "
+            f"({human_bytes(c.get('tensor_bytes', 0))})"
+        )
         if r.deep:
             what += ", every value read"
     else:
@@ -86,6 +103,8 @@ def render(r: VerifyReport) -> None:
         click.echo(f"OK: {r.path}: {kind}, {what}{tail}")
     elif r.ok:
         # well formed (and finite, with --deep), but nothing proves the bytes are the ones written
-        click.echo(f"STRUCTURE OK, INTEGRITY NOT PROVEN: {r.path}: {kind}, {what}; {r.integrity['statement']}")
+        click.echo(
+            f"STRUCTURE OK, INTEGRITY NOT PROVEN: {r.path}: {kind}, {what}; {r.integrity['statement']}"
+        )
     else:
         click.echo(f"FAILED: {r.path}: {len(r.problems)} problem(s) in this {kind} ({what})")

@@ -10,6 +10,7 @@ slim before it swaps it in), per shared/docs/dcp-internals.md §8:
   4. `--deep`: the CRC32 of every record equals the one stored in the zip (torch never checks it).
 No full tensor is ever built: the metadata, each item's zip central directory and its tiny data.pkl.
 """
+
 from __future__ import annotations
 
 import io
@@ -39,7 +40,7 @@ CRC_BLOCK_BYTES = 8 * 2**20
 @dataclass
 class _Item:
     key: str
-    offsets: tuple[int, ...] | None     # None for a byte item
+    offsets: tuple[int, ...] | None  # None for a byte item
     file: str
     offset: int
     length: int
@@ -51,8 +52,15 @@ class _Item:
         return "" if self.offsets is None else f"chunk at offsets {list(self.offsets)}: "
 
 
-def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bool = False,
-               progress: Progress | None = None, group=None) -> None:
+def verify_dcp(
+    path: Path,
+    report: VerifyReport,
+    *,
+    deep: bool,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    group=None,
+) -> None:
     ckpt_dir = resolve_checkpoint_dir(path)
     report.path = str(ckpt_dir)
     meta = ckpt_dir / METADATA_NAME
@@ -73,14 +81,28 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
     for f in parsed.findings:
         where = meta if f.file is None else ckpt_dir / f.file
         (report.problem if f.severity == PROBLEM else report.warn)(where, f.key, f.message)
-    if not parsed.counts:   # the three tables are not dicts: nothing else can be checked
+    if not parsed.counts:  # the three tables are not dicts: nothing else can be checked
         return
     unknown = unknown_keys([classify(k, e.path) for k, e in parsed.entries.items()])
-    for key in unknown[:20]:   # a valid DCP item, but not a prime-rl key: the other commands refuse it
-        report.warn(meta, key, "matches no rule of the prime-rl key model (a layout we do not know): every other "
-                               "ckpt command refuses this checkpoint")
-    items = [_Item(key, None if ch is None else ch.offsets, loc.file, loc.offset, loc.length,
-                   None if ch is None else ch.sizes, dtype) for key, ch, loc, dtype in parsed.located]
+    for key in unknown[:20]:  # a valid DCP item, but not a prime-rl key: the other commands refuse it
+        report.warn(
+            meta,
+            key,
+            "matches no rule of the prime-rl key model (a layout we do not know): every other "
+            "ckpt command refuses this checkpoint",
+        )
+    items = [
+        _Item(
+            key,
+            None if ch is None else ch.offsets,
+            loc.file,
+            loc.offset,
+            loc.length,
+            None if ch is None else ch.sizes,
+            dtype,
+        )
+        for key, ch, loc, dtype in parsed.located
+    ]
 
     # ---- files: existence, bounds, overlaps, gaps
     by_file: dict[str, list[_Item]] = {}
@@ -99,8 +121,12 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
             size = fpath.stat().st_size
         except FileNotFoundError:
             keys = sorted({i.key for i in fitems})
-            report.problem(fpath, keys[0], f"data file is missing: {len(fitems)} storage item(s) of "
-                                           f"{len(keys)} key(s) live in it (this is the first)")
+            report.problem(
+                fpath,
+                keys[0],
+                f"data file is missing: {len(fitems)} storage item(s) of "
+                f"{len(keys)} key(s) live in it (this is the first)",
+            )
             continue
         except OSError as exc:
             report.problem(fpath, fitems[0].key, f"cannot stat data file: {exc.strerror}")
@@ -110,15 +136,22 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
         if past:
             need = max(i.offset + i.length for i in fitems)
             first = past[0]
-            report.problem(fpath, first.key,
-                           f"file is truncated: it holds {size} bytes but the metadata needs {need}; "
-                           f"{len(past)} item(s) lie past its end, the first {first.where}"
-                           f"[{first.offset}, {first.offset + first.length})")
+            report.problem(
+                fpath,
+                first.key,
+                f"file is truncated: it holds {size} bytes but the metadata needs {need}; "
+                f"{len(past)} item(s) lie past its end, the first {first.where}"
+                f"[{first.offset}, {first.offset + first.length})",
+            )
         prev_end, prev_key, gaps = 0, None, 0
         for it in fitems:
             if it.offset < prev_end:
-                report.problem(fpath, it.key, f"{it.where}item [{it.offset}, {it.offset + it.length}) "
-                                              f"overlaps the item of key {prev_key!r} (ends at {prev_end})")
+                report.problem(
+                    fpath,
+                    it.key,
+                    f"{it.where}item [{it.offset}, {it.offset + it.length}) "
+                    f"overlaps the item of key {prev_key!r} (ends at {prev_end})",
+                )
             elif it.offset > prev_end:
                 gaps += it.offset - prev_end
             if it.offset + it.length > prev_end:
@@ -137,13 +170,14 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
     files = OpenFiles(ckpt_dir, what="data file")
     try:
         units = []
-        unopened: dict[int, list] = {}   # files that do not open, reported before the units that follow them
+        unopened: dict[int, list] = {}  # files that do not open, reported before the units that follow them
         for rel in sorted({i.file for i in readable}):
             try:
                 files.fd(rel)
             except CkptError as exc:
                 unopened.setdefault(len(units), []).append(
-                    [ckpt_dir / rel, None, exc.message + (f" ({exc.hint})" if exc.hint else "")])
+                    [ckpt_dir / rel, None, exc.message + (f" ({exc.hint})" if exc.hint else "")]
+                )
                 continue
             units += sorted((i for i in readable if i.file == rel), key=lambda i: i.offset)
 
@@ -153,8 +187,14 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
             it, found = units[k], _Collected()
             fpath = ckpt_dir / it.file
             try:
-                _check_item(lambda off, n, _rel=it.file, _key=it.key: files.read(_rel, off, n, _key), fpath, it,
-                            found, deep, found.state)
+                _check_item(
+                    lambda off, n, _rel=it.file, _key=it.key: files.read(_rel, off, n, _key),
+                    fpath,
+                    it,
+                    found,
+                    deep,
+                    found.state,
+                )
             except Exception as exc:
                 found.problem(fpath, it.key, f"{it.where}cannot check item: {type(exc).__name__}: {exc}")
             return {"problems": found.problems, "records": found.state["records"]}
@@ -169,7 +209,7 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
         results = map_units(check, [i.length for i in units], group, done=done, threads=None if deep else 1)
     finally:
         files.close()
-    results = results if results is not None else [None] * len(units)   # (a follower rank: the leader reports)
+    results = results if results is not None else [None] * len(units)  # (a follower rank: the leader reports)
     for k in range(len(units) + 1):
         for problem in unopened.get(k, ()):
             report.problem(*problem)
@@ -177,14 +217,19 @@ def verify_dcp(path: Path, report: VerifyReport, *, deep: bool, trust_pickle: bo
             for path_, key, message in results[k]["problems"]:
                 report.problem(Path(path_), key, message)
             state["records"] += results[k]["records"]
-    report.checked.update({**parsed.counts, "storage_items": len(items), "files": len(by_file),
-                           "file_bytes": total_bytes, "items_parsed": len(readable)})
+    report.checked.update(
+        {
+            **parsed.counts,
+            "storage_items": len(items),
+            "files": len(by_file),
+            "file_bytes": total_bytes,
+            "items_parsed": len(readable),
+        }
+    )
     if superseded:
         report.checked["superseded_bytes"] = superseded
     if deep:
         report.checked["records_crc_checked"] = state["records"]
-
-
 
 
 class _Collected:
@@ -210,26 +255,37 @@ def _check_item(read, fpath: Path, it: _Item, report: VerifyReport, deep: bool, 
     try:
         layout = parse_item(src)
     except ItemError as exc:
-        report.problem(fpath, it.key, f"{it.where}item [{it.offset}, {it.offset + it.length}) is not a valid "
-                                      f"torch.save archive: {exc}")
+        report.problem(
+            fpath,
+            it.key,
+            f"{it.where}item [{it.offset}, {it.offset + it.length}) is not a valid torch.save archive: {exc}",
+        )
         return
     for name, off, size, _crc in layout.records:
         if off < 0 or off + size > it.length:
-            report.problem(fpath, it.key, f"{it.where}zip record {name} [{off}, {off + size}) lies outside "
-                                          f"the item ({it.length} bytes)")
+            report.problem(
+                fpath,
+                it.key,
+                f"{it.where}zip record {name} [{off}, {off + size}) lies outside "
+                f"the item ({it.length} bytes)",
+            )
             return
 
     def record_bytes(off: int, size: int) -> bytes:
         if buf is not None:
-            return buf[off:off + size]
+            return buf[off : off + size]
         return read(it.offset + off, size)
 
     byteorder = next((r for r in layout.records if r[0].endswith("/byteorder")), None)
     if byteorder is not None and byteorder[2] <= 16:
         order = record_bytes(byteorder[1], byteorder[2])
         if order != b"little":
-            report.problem(fpath, it.key, f"{it.where}byteorder record says {order!r}; only little-endian "
-                                          "items are read correctly here")
+            report.problem(
+                fpath,
+                it.key,
+                f"{it.where}byteorder record says {order!r}; only little-endian "
+                "items are read correctly here",
+            )
     if it.offsets is not None:
         try:
             rec = decode_tensor_pickle(record_bytes(layout.pkl_offset, layout.pkl_size))
@@ -237,8 +293,9 @@ def _check_item(read, fpath: Path, it: _Item, report: VerifyReport, deep: bool, 
             report.problem(fpath, it.key, f"{it.where}data.pkl: {exc.message}")
             rec = None
         except Exception as exc:
-            report.problem(fpath, it.key, f"{it.where}data.pkl does not describe one tensor: "
-                                          f"{type(exc).__name__}: {exc}")
+            report.problem(
+                fpath, it.key, f"{it.where}data.pkl does not describe one tensor: {type(exc).__name__}: {exc}"
+            )
             rec = None
         if layout.data_offset is None:
             report.problem(fpath, it.key, f"{it.where}item holds no tensor payload (no data/0 record)")
@@ -252,17 +309,23 @@ def _check_item(read, fpath: Path, it: _Item, report: VerifyReport, deep: bool, 
                 need = rec.storage_numel * ITEMSIZE[rec.dtype]
                 if layout.data_size != need:
                     bad.append(f"payload {layout.data_size} bytes (its storage needs {need})")
-                extent = rec.storage_offset + sum((s - 1) * st for s, st in zip(rec.size, rec.stride)) + 1 \
-                    if all(rec.size) else 0
+                extent = (
+                    rec.storage_offset + sum((s - 1) * st for s, st in zip(rec.size, rec.stride)) + 1
+                    if all(rec.size)
+                    else 0
+                )
                 if extent > rec.storage_numel:
                     bad.append(f"view reaches element {extent} of a {rec.storage_numel}-element storage")
                 numel = math.prod(rec.size)
                 if numel > rec.storage_numel or any(st == 0 and n > 1 for st, n in zip(rec.stride, rec.size)):
-                    bad.append(f"an expanded (stride-0) view: {numel} elements from {rec.storage_numel} stored "
-                               f"(strides {list(rec.stride)}); a loader materializes all of them")
+                    bad.append(
+                        f"an expanded (stride-0) view: {numel} elements from {rec.storage_numel} stored "
+                        f"(strides {list(rec.stride)}); a loader materializes all of them"
+                    )
                 if bad:
-                    report.problem(fpath, it.key, f"{it.where}data.pkl disagrees with the metadata: "
-                                                  + ", ".join(bad))
+                    report.problem(
+                        fpath, it.key, f"{it.where}data.pkl disagrees with the metadata: " + ", ".join(bad)
+                    )
     if deep:
         for name, off, size, crc in layout.records:
             got = 0
@@ -270,9 +333,11 @@ def _check_item(read, fpath: Path, it: _Item, report: VerifyReport, deep: bool, 
                 got = zlib.crc32(record_bytes(off + pos, min(CRC_BLOCK_BYTES, size - pos)), got)
             state["records"] += 1
             if got != crc:
-                report.problem(fpath, it.key, f"{it.where}CRC32 mismatch in zip record {name}: stored "
-                                              f"{crc:#010x}, computed {got:#010x}; its bytes changed after they "
-                                              "were written (torch.load does not check this and would load the "
-                                              "damaged values silently)")
-
-
+                report.problem(
+                    fpath,
+                    it.key,
+                    f"{it.where}CRC32 mismatch in zip record {name}: stored "
+                    f"{crc:#010x}, computed {got:#010x}; its bytes changed after they "
+                    "were written (torch.load does not check this and would load the "
+                    "damaged values silently)",
+                )

@@ -13,6 +13,7 @@ row-major bytes (`DecodedChunk.payload_is`), so a caller can pread them straight
 Anything else (`ItemError`) is for the caller to fall back on `load_byte_item`: `torch.load` with
 its `weights_only` allow-list, after the checks that bound what it builds by the item's bytes.
 """
+
 from __future__ import annotations
 
 import io
@@ -30,23 +31,44 @@ from ...core.errors import ChecksumError, FormatError, UnsafePickleError
 from ...io.safe_pickle import check_pickle_bounds
 
 __all__ = [
+    "CRC_HINT",
+    "SMALL_ITEM_BYTES",
     "DataCrcReader",
-    "SMALL_ITEM_BYTES", "ItemError", "TensorRecord", "ItemLayout", "DecodedChunk", "window", "parse_item",
-    "decode_tensor_pickle", "decode_chunk", "is_row_block", "archive_pickle", "load_plain_item", "load_byte_item",
-    "CRC_HINT", "crc_error", "check_record_crcs",
+    "DecodedChunk",
+    "ItemError",
+    "ItemLayout",
+    "TensorRecord",
+    "archive_pickle",
+    "check_record_crcs",
+    "crc_error",
+    "decode_chunk",
+    "decode_tensor_pickle",
+    "is_row_block",
+    "load_byte_item",
+    "load_plain_item",
+    "parse_item",
+    "window",
 ]
 
-CRC_HINT = ("the file's bytes changed after torch.save wrote them (disk, copy or transfer damage): re-copy the "
-            "checkpoint from where it was written, or use another step; `ckpt verify --deep` lists every "
-            "damaged item")
+CRC_HINT = (
+    "the file's bytes changed after torch.save wrote them (disk, copy or transfer damage): re-copy the "
+    "checkpoint from where it was written, or use another step; `ckpt verify --deep` lists every "
+    "damaged item"
+)
 
 
-def crc_error(record: str, stored: int, got: int, *, path=None, key: str | None = None,
-              where: str = "") -> ChecksumError:
+def crc_error(
+    record: str, stored: int, got: int, *, path=None, key: str | None = None, where: str = ""
+) -> ChecksumError:
     """The error for a record whose bytes fail its stored CRC-32."""
-    return ChecksumError(f"{where}zip record {record} fails its CRC-32 check (stored {stored:#010x}, computed "
-                         f"{got:#010x}): its bytes are damaged; nothing was written from them", path=path, key=key,
-                         hint=CRC_HINT)
+    return ChecksumError(
+        f"{where}zip record {record} fails its CRC-32 check (stored {stored:#010x}, computed "
+        f"{got:#010x}): its bytes are damaged; nothing was written from them",
+        path=path,
+        key=key,
+        hint=CRC_HINT,
+    )
+
 
 # Items up to this size are read with one pread and parsed in memory (one syscall beats three
 # scattered ones for the thousands of tiny LoRA/optimizer chunks); larger ones are parsed from their
@@ -61,7 +83,8 @@ class ItemError(ValueError):
 @dataclass(frozen=True)
 class TensorRecord:
     """What `data.pkl` of a single-tensor torch.save archive says."""
-    dtype: str                 # torch dtype name
+
+    dtype: str  # torch dtype name
     storage_numel: int
     storage_offset: int
     size: tuple[int, ...]
@@ -82,10 +105,11 @@ class TensorRecord:
 @dataclass(frozen=True)
 class ItemLayout:
     """Where things are inside one item, relative to the item's first byte."""
-    prefix: str                 # archive name, "archive" for DCP
+
+    prefix: str  # archive name, "archive" for DCP
     pkl_offset: int
     pkl_size: int
-    data_offset: int | None     # payload of data/0, None for byte (non-tensor) items
+    data_offset: int | None  # payload of data/0, None for byte (non-tensor) items
     data_size: int | None
     data_crc: int | None
     records: tuple[tuple[str, int, int, int], ...]  # (name, payload offset, size, crc)
@@ -135,19 +159,22 @@ def archive_pickle(raw: bytes, *, path=None, key: str | None = None) -> bytes:
     try:
         zf = zipfile.ZipFile(io.BytesIO(raw))
         infos = zf.infolist()
-    except Exception as exc:   # BadZipFile, NotImplementedError ("zip file version"), EOFError, ...
+    except Exception as exc:  # BadZipFile, NotImplementedError ("zip file version"), EOFError, ...
         raise ItemError(f"not a torch.save zip archive: {type(exc).__name__}: {exc}") from None
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED:
-            raise ItemError(f"record {info.filename!r} is compressed (method {info.compress_type}); torch.save "
-                            f"stores records uncompressed, and inflating it could take {info.file_size:,} bytes")
+            raise ItemError(
+                f"record {info.filename!r} is compressed (method {info.compress_type}); torch.save "
+                f"stores records uncompressed, and inflating it could take {info.file_size:,} bytes"
+            )
         if info.header_offset + info.file_size > len(raw):
-            raise ItemError(f"record {info.filename!r} claims {info.file_size:,} bytes beyond the item's "
-                            f"{len(raw):,}")
+            raise ItemError(
+                f"record {info.filename!r} claims {info.file_size:,} bytes beyond the item's {len(raw):,}"
+            )
     pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
     if len(pkl) != 1:
         raise ItemError("archive has no single */data.pkl record")
-    try:   # every record's CRC-32 (torch.load checks none of them); the bytes are in memory
+    try:  # every record's CRC-32 (torch.load checks none of them); the bytes are in memory
         check_record_crcs(raw, path=path, key=key)
     except ChecksumError:
         raise
@@ -186,15 +213,23 @@ def parse_item(src) -> ItemLayout:
             raise ItemError(f"record {info.filename} is compressed")
         off = _payload_offset(src, info.header_offset)
         if off + info.file_size > item_len:  # a damaged central directory: never read past the item
-            raise ItemError(f"record {info.filename} [{off}, {off + info.file_size}) lies beyond the "
-                            f"item's {item_len} bytes")
+            raise ItemError(
+                f"record {info.filename} [{off}, {off + info.file_size}) lies beyond the "
+                f"item's {item_len} bytes"
+            )
         records.append((info.filename, off, info.file_size, info.CRC))
     by_name = {r[0]: r for r in records}
     data = by_name.get(f"{prefix}/data/0")
     p = by_name[pkl[0].filename]
-    return ItemLayout(prefix=prefix, pkl_offset=p[1], pkl_size=p[2],
-                      data_offset=data[1] if data else None, data_size=data[2] if data else None,
-                      data_crc=data[3] if data else None, records=tuple(records))
+    return ItemLayout(
+        prefix=prefix,
+        pkl_offset=p[1],
+        pkl_size=p[2],
+        data_offset=data[1] if data else None,
+        data_size=data[2] if data else None,
+        data_crc=data[3] if data else None,
+        records=tuple(records),
+    )
 
 
 def check_record_crcs(raw, layout: ItemLayout | None = None, *, path=None, key: str | None = None) -> int:
@@ -207,7 +242,7 @@ def check_record_crcs(raw, layout: ItemLayout | None = None, *, path=None, key: 
     mv = memoryview(raw)
     n = 0
     for name, off, size, crc in layout.records:
-        got = crc32(mv[off:off + size])
+        got = crc32(mv[off : off + size])
         if got != crc and crc != 0:
             raise crc_error(name, crc, got, path=path, key=key)
         n += 1
@@ -239,8 +274,13 @@ def _record_tensor(storage, storage_offset, size, stride, requires_grad=False, h
     _, dtype, key, numel = storage
     if key != "0":
         raise ItemError(f"tensor item uses storage {key!r}, expected '0'")
-    return TensorRecord(dtype=dtype, storage_numel=numel, storage_offset=int(storage_offset),
-                        size=tuple(int(s) for s in size), stride=tuple(int(s) for s in stride))
+    return TensorRecord(
+        dtype=dtype,
+        storage_numel=numel,
+        storage_offset=int(storage_offset),
+        size=tuple(int(s) for s in size),
+        stride=tuple(int(s) for s in stride),
+    )
 
 
 def decode_tensor_pickle(pkl_bytes: bytes) -> TensorRecord:
@@ -265,7 +305,7 @@ def is_row_block(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[
 class DecodedChunk:
     layout: ItemLayout
     record: TensorRecord
-    raw: bytes | None              # the whole item when it was read whole (small items), else None
+    raw: bytes | None  # the whole item when it was read whole (small items), else None
 
     @property
     def payload_offset(self) -> int | None:
@@ -279,17 +319,23 @@ class DecodedChunk:
         """True when the payload is exactly a contiguous `sizes` tensor of `dtype`, row-major: its bytes
         can be read straight into place."""
         rec = self.record
-        return (self.layout.data_offset is not None and rec.dtype == dtype and rec.size == tuple(sizes)
-                and rec.is_contiguous_whole and self.layout.data_size == math.prod(sizes) * ITEMSIZE[dtype])
+        return (
+            self.layout.data_offset is not None
+            and rec.dtype == dtype
+            and rec.size == tuple(sizes)
+            and rec.is_contiguous_whole
+            and self.layout.data_size == math.prod(sizes) * ITEMSIZE[dtype]
+        )
 
     def payload(self) -> memoryview:
         """The payload bytes of a small item (read whole)."""
         assert self.raw is not None and self.layout.data_offset is not None
-        return memoryview(self.raw)[self.layout.data_offset:self.layout.data_offset + self.layout.data_size]
+        return memoryview(self.raw)[self.layout.data_offset : self.layout.data_offset + self.layout.data_size]
 
 
-def decode_chunk(read: Callable[[int, int], bytes], offset: int, length: int, *,
-                 small_bytes: int | None = None) -> DecodedChunk:
+def decode_chunk(
+    read: Callable[[int, int], bytes], offset: int, length: int, *, small_bytes: int | None = None
+) -> DecodedChunk:
     """Decode the tensor item at [offset, offset + length) of a file read by `read(offset, n)`: read
     whole when it is small (one syscall), else parsed from its tail. A small item's records are all
     checked against their CRC-32 here (its bytes are in memory); a large one's data.pkl is, and its
@@ -307,11 +353,11 @@ def decode_chunk(read: Callable[[int, int], bytes], offset: int, length: int, *,
         layout = parse_item(src)
         if layout.data_offset is None:
             raise ItemError("item holds no tensor data")
-        if raw is not None:      # in memory already: every record checked now
+        if raw is not None:  # in memory already: every record checked now
             check_record_crcs(raw, layout)
         src.seek(layout.pkl_offset)
         pkl = src.read(layout.pkl_size)
-        if raw is None:          # data.pkl's own CRC; the payload's is the reader's, as it reads it
+        if raw is None:  # data.pkl's own CRC; the payload's is the reader's, as it reads it
             for name, _off, _size, crc in layout.records:
                 if name.endswith("/data.pkl") and crc and crc32(pkl) != crc:
                     raise crc_error(name, crc, crc32(pkl))
@@ -326,19 +372,25 @@ def decode_chunk(read: Callable[[int, int], bytes], offset: int, length: int, *,
 def _check_own_bytes(obj, path, key: str) -> None:
     """Every tensor torch.load built holds its elements in its own storage: an expanded (stride-0)
     view of a few bytes would be materialized at its full size by the first `.to()` or copy."""
-    import torch   # lazy, as in load_byte_item
+    import torch  # lazy, as in load_byte_item
 
     todo = [obj]
     while todo:
         o = todo.pop()
         if isinstance(o, torch.Tensor):
             need = o.numel() * o.element_size()
-            if need and (o.untyped_storage().nbytes() < need or any(st == 0 and n > 1 for st, n in
-                                                                    zip(o.stride(), o.shape))):
-                raise FormatError(f"tensor of shape {list(o.shape)} is an expanded view of "
-                                  f"{o.untyped_storage().nbytes():,} stored bytes (strides {list(o.stride())}); "
-                                  f"refusing to materialize {need:,} bytes from it", path=path, key=key,
-                                  hint="a checkpoint stores every element; this item is crafted or corrupt")
+            if need and (
+                o.untyped_storage().nbytes() < need
+                or any(st == 0 and n > 1 for st, n in zip(o.stride(), o.shape))
+            ):
+                raise FormatError(
+                    f"tensor of shape {list(o.shape)} is an expanded view of "
+                    f"{o.untyped_storage().nbytes():,} stored bytes (strides {list(o.stride())}); "
+                    f"refusing to materialize {need:,} bytes from it",
+                    path=path,
+                    key=key,
+                    hint="a checkpoint stores every element; this item is crafted or corrupt",
+                )
         elif isinstance(o, dict):
             todo.extend(o.values())
         elif isinstance(o, (list, tuple)):
@@ -374,7 +426,7 @@ def load_plain_item(raw: bytes, *, path, key: str):
         return _PlainValueUnpickler(io.BytesIO(pkl)).load()
     except ItemError:
         raise
-    except Exception as exc:   # a damaged pickle: load_byte_item names it
+    except Exception as exc:  # a damaged pickle: load_byte_item names it
         raise ItemError(f"data.pkl does not unpickle: {type(exc).__name__}") from None
 
 
@@ -390,8 +442,12 @@ def load_byte_item(raw: bytes, *, trust: bool, path, key: str):
     try:
         pkl = archive_pickle(raw, path=path, key=key)
     except ItemError as exc:
-        raise FormatError(f"cannot decode item: {exc}", path=path, key=key,
-                          hint="the file is corrupt or crafted; run `ckpt verify`") from None
+        raise FormatError(
+            f"cannot decode item: {exc}",
+            path=path,
+            key=key,
+            hint="the file is corrupt or crafted; run `ckpt verify`",
+        ) from None
     try:
         check_pickle_bounds(pkl, str(path), "the item's data.pkl")
     except UnsafePickleError as exc:
@@ -404,13 +460,23 @@ def load_byte_item(raw: bytes, *, trust: bool, path, key: str):
         raise
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()
-        reason = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
-        raise UnsafePickleError(f"refusing to unpickle item: {reason.strip()[:300]}", path=path, key=key,
-                                hint="torch.load(weights_only=True) rejected it; pass --trust-remote-pickle "
-                                     "only if you trust where this checkpoint came from") from None
+        reason = next(
+            (ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else ""
+        )
+        raise UnsafePickleError(
+            f"refusing to unpickle item: {reason.strip()[:300]}",
+            path=path,
+            key=key,
+            hint="torch.load(weights_only=True) rejected it; pass --trust-remote-pickle "
+            "only if you trust where this checkpoint came from",
+        ) from None
     except Exception as exc:
-        raise FormatError(f"cannot decode item: {type(exc).__name__}: {str(exc)[:300]}", path=path, key=key,
-                          hint="the file is corrupt; run `ckpt verify`") from None
+        raise FormatError(
+            f"cannot decode item: {type(exc).__name__}: {str(exc)[:300]}",
+            path=path,
+            key=key,
+            hint="the file is corrupt; run `ckpt verify`",
+        ) from None
 
 
 # ---- the data record's CRC-32 from the zip central directory alone (slim of a remote checkpoint)
@@ -432,19 +498,24 @@ class DataCrcReader:
 
     @staticmethod
     def _entry(buf: bytes, pos: int):
-        if buf[pos:pos + 4] != _CD_SIG or len(buf) < pos + 46:
+        if buf[pos : pos + 4] != _CD_SIG or len(buf) < pos + 46:
             return None
         (method,) = struct.unpack_from("<H", buf, pos + 10)
         crc, csize, usize = struct.unpack_from("<III", buf, pos + 16)
         nlen, xlen, clen = struct.unpack_from("<HHH", buf, pos + 28)
-        return method, crc, csize, usize, bytes(buf[pos + 46:pos + 46 + nlen]), 46 + nlen + xlen + clen
+        return method, crc, csize, usize, bytes(buf[pos + 46 : pos + 46 + nlen]), 46 + nlen + xlen + clen
 
     def crc(self, read: Callable[[int, int], bytes], offset: int, length: int, payload_bytes: int) -> int:
         back, name = self._back, self._name
         if back is not None and name is not None and back <= length:
             e = self._entry(read(offset + length - back, 46 + len(name)), 0)
-            if e is not None and e[4] == name and e[0] == 0 and e[2] == e[3] == payload_bytes \
-                    and e[5] == 46 + len(name):
+            if (
+                e is not None
+                and e[4] == name
+                and e[0] == 0
+                and e[2] == e[3] == payload_bytes
+                and e[5] == 46 + len(name)
+            ):
                 return e[1]
         return self._from_end(read, offset, length, payload_bytes)
 
@@ -452,11 +523,11 @@ class DataCrcReader:
         n = min(length, 22 + 20 + 56)
         tail = read(offset + length - n, n)
         at = n - 22
-        if at < 0 or tail[at:at + 4] != _EOCD_SIG:
+        if at < 0 or tail[at : at + 4] != _EOCD_SIG:
             raise ItemError("no zip end record at the item's end (a comment, or not a zip)")
         cd_size, cd_off = struct.unpack_from("<II", tail, at + 12)
-        if 0xFFFFFFFF in (cd_size, cd_off):   # zip64: the locator names the zip64 end record
-            if at < 20 or tail[at - 20:at - 16] != _Z64_LOC_SIG:
+        if 0xFFFFFFFF in (cd_size, cd_off):  # zip64: the locator names the zip64 end record
+            if at < 20 or tail[at - 20 : at - 16] != _Z64_LOC_SIG:
                 raise ItemError("zip64 end record locator missing")
             (z64,) = struct.unpack_from("<Q", tail, at - 12)
             rec = read(offset + z64, 56)
@@ -471,7 +542,9 @@ class DataCrcReader:
                 break
             if e[4].endswith(b"/data/0"):
                 if e[0] != 0 or e[2] != e[3] or e[3] != payload_bytes:
-                    raise ItemError(f"data record is not {payload_bytes} stored bytes (method {e[0]}, size {e[3]})")
+                    raise ItemError(
+                        f"data record is not {payload_bytes} stored bytes (method {e[0]}, size {e[3]})"
+                    )
                 self._back, self._name = length - (cd_off + pos), e[4]
                 return e[1]
             pos += e[5]

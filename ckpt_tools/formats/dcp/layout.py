@@ -5,6 +5,7 @@ files, one per saving rank (`__<rank>_0.distcp`). prime-rl saves it as `<outputs
 trainer`; a step dir is accepted for its `trainer/`. FSDP2 shards every tensor by dim-0 row blocks
 with `torch.chunk` boundaries (`row_chunks`).
 """
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,23 @@ from ...core.errors import MissingPathError, UsageError
 from ...io.inputs import scan_tree
 from .metadata import METADATA_NAME
 
-__all__ = ["METADATA_NAME", "METADATA_TMP_TAG", "PATCH_PREFIX", "row_chunks", "data_file_name", "is_checkpoint_path",
-           "resolve_checkpoint_dir", "extra_entries", "extra_bytes"]
+__all__ = [
+    "METADATA_NAME",
+    "METADATA_TMP_TAG",
+    "PATCH_PREFIX",
+    "data_file_name",
+    "extra_bytes",
+    "extra_entries",
+    "is_checkpoint_path",
+    "resolve_checkpoint_dir",
+    "row_chunks",
+]
 
 # `ckpt set-lr` / `ckpt set` write the new values into `__patch_<n>.distcp` and point .metadata at it
 # (formats.dcp.patch); the old values stay in the hard-linked data files, referenced by nothing
 PATCH_PREFIX = "__patch_"
 
-METADATA_TMP_TAG = ".tmp-"   # `.metadata.tmp-<pid>-<hex>`: a new metadata before its rename
+METADATA_TMP_TAG = ".tmp-"  # `.metadata.tmp-<pid>-<hex>`: a new metadata before its rename
 
 
 def row_chunks(rows: int, world_size: int) -> list[tuple[int, int]]:
@@ -41,8 +51,11 @@ def is_checkpoint_path(p: Path) -> bool:
     """A trainer dir, a step dir holding trainer/, or a `.metadata` file itself. lexists, not is_file:
     a `.metadata` that is a FIFO or a dangling link marks a checkpoint the reader then refuses by name."""
     p = Path(p)
-    return os.path.lexists(p / METADATA_NAME) or os.path.lexists(p / "trainer" / METADATA_NAME) or \
-        (p.name == METADATA_NAME and os.path.lexists(p) and not p.is_dir())
+    return (
+        os.path.lexists(p / METADATA_NAME)
+        or os.path.lexists(p / "trainer" / METADATA_NAME)
+        or (p.name == METADATA_NAME and os.path.lexists(p) and not p.is_dir())
+    )
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
@@ -56,8 +69,11 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
         return p
     if os.path.lexists(p / "trainer" / METADATA_NAME):
         return p / "trainer"
-    raise UsageError("not a DCP checkpoint: no .metadata here or in trainer/", path=p,
-                     hint="pass a prime-rl checkpoint dir like outputs/checkpoints/step_N/trainer")
+    raise UsageError(
+        "not a DCP checkpoint: no .metadata here or in trainer/",
+        path=p,
+        hint="pass a prime-rl checkpoint dir like outputs/checkpoints/step_N/trainer",
+    )
 
 
 def extra_entries(ckpt_dir: Path, data_files, *, exclude=()) -> list[str]:
@@ -79,5 +95,8 @@ def extra_entries(ckpt_dir: Path, data_files, *, exclude=()) -> list[str]:
 
 def extra_bytes(ckpt_dir: Path, names) -> int:
     """Bytes a copy of the extra entries `names` writes."""
-    return sum(size for n in names for _p, size in scan_tree(Path(ckpt_dir) / n, root=ckpt_dir,
-                                                             what="checkpoint entry"))
+    return sum(
+        size
+        for n in names
+        for _p, size in scan_tree(Path(ckpt_dir) / n, root=ckpt_dir, what="checkpoint entry")
+    )

@@ -1,15 +1,22 @@
 """The LoRA view of a DCP checkpoint (`DcpCheckpoint.lora(...)`): prime-rl stores A/B but not alpha,
 resolved by `formats.primerl.alpha`, never guessed. Grouped-expert factors ([E, r, in] / [E, out, r]) are
 read one expert's rows at a time through the checkpoint's key view (`views.DcpKeySource`)."""
+
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, UsageError
-from ...core.keys import classify, expert_hf_name, expert_module, lora_key, require_known, stacked_lora_key, \
-    trainable_params
+from ...core.keys import (
+    classify,
+    expert_hf_name,
+    expert_module,
+    lora_key,
+    require_known,
+    stacked_lora_key,
+    trainable_params,
+)
 from ...core.lora_math import lora_scale
 from ..handle import LoraModule, LoraSource, RawTensor, TensorFacts
 from ..primerl.alpha import AlphaResolution, resolve_alpha
@@ -17,7 +24,7 @@ from .layout import METADATA_NAME
 from .reader import DcpCheckpoint
 from .views import DcpKeySource
 
-if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
 __all__ = ["DcpLoraSource", "trained_full_tensors"]
@@ -26,8 +33,16 @@ __all__ = ["DcpLoraSource", "trained_full_tensors"]
 class DcpLoraSource(LoraSource):
     kind = "dcp"
 
-    def __init__(self, path: Path, *, alpha: float | None, run_config: Path | None, slot: int = 0,
-                 trust_pickle: bool = False, ckpt: DcpCheckpoint | None = None):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        alpha: float | None,
+        run_config: Path | None,
+        slot: int = 0,
+        trust_pickle: bool = False,
+        ckpt: DcpCheckpoint | None = None,
+    ):
         self.ckpt = ckpt or DcpCheckpoint.open(path, trust_pickle=trust_pickle)
         self.path = self.ckpt.dir
         self.config_path = self.weights_path = self.ckpt.dir / METADATA_NAME
@@ -37,55 +52,89 @@ class DcpLoraSource(LoraSource):
         lora = [i for i in infos if i.group == "lora"]
         slots = sorted({i.slot for i in lora})
         if not lora:
-            raise FormatError("the checkpoint holds no LoRA parameters (no app.model.*.lora_A.<i> keys)",
-                              path=self.path / METADATA_NAME,
-                              hint="this is not a LoRA run; there is nothing to extract or merge")
+            raise FormatError(
+                "the checkpoint holds no LoRA parameters (no app.model.*.lora_A.<i> keys)",
+                path=self.path / METADATA_NAME,
+                hint="this is not a LoRA run; there is nothing to extract or merge",
+            )
         if slot not in slots:
-            raise UsageError(f"adapter slot {slot} is not in the checkpoint (slots present: {slots})",
-                             path=self.path, hint=f"pass --slot {slots[0]}")
+            raise UsageError(
+                f"adapter slot {slot} is not in the checkpoint (slots present: {slots})",
+                path=self.path,
+                hint=f"pass --slot {slots[0]}",
+            )
         # (module, a key, b key, expert): a dense module's own keys, or one expert's slice of stacked keys
         found: list[tuple[str, str, str, int | None]] = []
         for m in sorted({i.module for i in lora if i.slot == slot and not i.stacked}):
             found.append((m, lora_key(m, "A", slot), lora_key(m, "B", slot), None))
-        for experts, proj in sorted({(i.module, i.expert_proj) for i in lora if i.slot == slot and i.stacked}):
+        for experts, proj in sorted(
+            {(i.module, i.expert_proj) for i in lora if i.slot == slot and i.stacked}
+        ):
             ka, kb = stacked_lora_key(experts, proj, "A", slot), stacked_lora_key(experts, proj, "B", slot)
             n = self._stacked_experts(ka, kb)
             found.extend((expert_module(experts, x, proj), ka, kb, x) for x in range(n))
         shapes = {}
         for m, ka, kb, x in found:
             if ka not in self.ckpt.entries or kb not in self.ckpt.entries:
-                raise FormatError(f"module {m} lacks lora_A.{slot} or lora_B.{slot}", path=self.path / METADATA_NAME)
+                raise FormatError(
+                    f"module {m} lacks lora_A.{slot} or lora_B.{slot}", path=self.path / METADATA_NAME
+                )
             ea, eb = self.ckpt.entries[ka], self.ckpt.entries[kb]
-            sa, sb = (tuple(ea.shape), tuple(eb.shape)) if x is None else (tuple(ea.shape[1:]), tuple(eb.shape[1:]))
+            sa, sb = (
+                (tuple(ea.shape), tuple(eb.shape))
+                if x is None
+                else (tuple(ea.shape[1:]), tuple(eb.shape[1:]))
+            )
             if len(sa) != 2 or len(sb) != 2 or sa[0] != sb[1]:
-                raise FormatError(f"A {list(ea.shape)} and B {list(eb.shape)} do not share a rank",
-                                  path=self.path / METADATA_NAME, key=ka)
+                raise FormatError(
+                    f"A {list(ea.shape)} and B {list(eb.shape)} do not share a rank",
+                    path=self.path / METADATA_NAME,
+                    key=ka,
+                )
             shapes[m] = (ka, kb, sa, sb, ea.dtype, x)
         uniq = sorted({s[2][0] for s in shapes.values()})
-        res: AlphaResolution = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=self.path,
-                                             rank=uniq[0] if len(uniq) == 1 else None)
+        res: AlphaResolution = resolve_alpha(
+            alpha=alpha, run_config=run_config, ckpt_dir=self.path, rank=uniq[0] if len(uniq) == 1 else None
+        )
         self.alpha = res.alpha
         self.alpha_source = res.source
         self.resolution = res
         self.warnings = res.warnings
-        self.modules = {m: LoraModule(m, a_shape[0], lora_scale(res.alpha, a_shape[0]), ka, kb, a_shape, b_shape,
-                                      False, a_dtype, x)
-                        for m, (ka, kb, a_shape, b_shape, a_dtype, x) in shapes.items()}
+        self.modules = {
+            m: LoraModule(
+                m, a_shape[0], lora_scale(res.alpha, a_shape[0]), ka, kb, a_shape, b_shape, False, a_dtype, x
+            )
+            for m, (ka, kb, a_shape, b_shape, a_dtype, x) in shapes.items()
+        }
         self.full_tensors = trained_full_tensors(self.ckpt)
-        stacked = any(x is not None for *_, x in found) or any(v.endswith("]") for v in self.full_tensors.values())
+        stacked = any(x is not None for *_, x in found) or any(
+            v.endswith("]") for v in self.full_tensors.values()
+        )
         self._rows = DcpKeySource(ckpt=self.ckpt) if stacked else None
         # every factor is read: a remote checkpoint fetches adjacent items in one request (io.remote)
-        self.ckpt.hint_reads((c.file, c.offset, c.length) for _m, ka, kb, _x in found for k in (ka, kb)
-                             for c in self.ckpt.entries[k].chunks if c.numel)
+        self.ckpt.hint_reads(
+            (c.file, c.offset, c.length)
+            for _m, ka, kb, _x in found
+            for k in (ka, kb)
+            for c in self.ckpt.entries[k].chunks
+            if c.numel
+        )
 
     def _stacked_experts(self, ka: str, kb: str) -> int:
         ea, eb = self.ckpt.entries.get(ka), self.ckpt.entries.get(kb)
         if ea is None or eb is None:
-            raise FormatError("grouped-expert LoRA lacks its A or B factor", path=self.path / METADATA_NAME,
-                              key=ka if ea is None else kb)
+            raise FormatError(
+                "grouped-expert LoRA lacks its A or B factor",
+                path=self.path / METADATA_NAME,
+                key=ka if ea is None else kb,
+            )
         if len(ea.shape) != 3 or len(eb.shape) != 3 or ea.shape[0] != eb.shape[0]:
-            raise FormatError(f"grouped-expert LoRA A {list(ea.shape)} / B {list(eb.shape)} are not [E, r, in] / "
-                              "[E, out, r] over the same experts", path=self.path / METADATA_NAME, key=ka)
+            raise FormatError(
+                f"grouped-expert LoRA A {list(ea.shape)} / B {list(eb.shape)} are not [E, r, in] / "
+                "[E, out, r] over the same experts",
+                path=self.path / METADATA_NAME,
+                key=ka,
+            )
         return ea.shape[0]
 
     def read_factor(self, module: str, ab: str) -> torch.Tensor:
@@ -93,7 +142,7 @@ class DcpLoraSource(LoraSource):
         key = m.a_key if ab == "A" else m.b_key
         if m.expert is None:
             return self.read_key(key)
-        return self._rows.read_tensor(self._rows.expert_name(key, m.expert))   # exactly that expert's bytes
+        return self._rows.read_tensor(self._rows.expert_name(key, m.expert))  # exactly that expert's bytes
 
     def read_key(self, key: str) -> torch.Tensor:
         stem, expert = _split_ref(key)
@@ -101,7 +150,8 @@ class DcpLoraSource(LoraSource):
             return self.ckpt.read_tensor(key)
         return self._rows.read_tensor(self._rows.expert_name(stem, expert))
 
-    # -- as bytes, without torch: the reads `read_key` makes (`DcpCheckpoint.read_tensor_bytes`; an expert's slice
+    # -- as bytes, without torch: the reads `read_key` makes (`DcpCheckpoint.read_tensor_bytes`; an expert's
+    # slice
     # by its row-block extents, `DcpKeySource.read_span`), every payload's CRC-32 checked; a layout the reader
     # cannot place by rows is assembled by its torch fallback
     def read_raw_key(self, key: str) -> RawTensor:

@@ -8,6 +8,7 @@ scales the whole remaining schedule (exactly, for a power-of-two factor). `--min
 decay's end instead of scaling it (see `plan_set_lr`). Here, below the ops, because `ckpt set-lr`
 writes this plan and `ckpt report` draws the schedule it gives (`lr_schedule.trace_schedule`).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,18 +18,32 @@ from typing import Any
 import torch
 
 from ...core.errors import FormatError, UsageError
-from .lr_schedule import SchedState, apply_to_state, decays, describe, old_value, preview_schedule, read_sched_state, uniform
+from .lr_schedule import (
+    SchedState,
+    apply_to_state,
+    decays,
+    describe,
+    old_value,
+    preview_schedule,
+    read_sched_state,
+    uniform,
+)
 from .reader import DcpCheckpoint
 
-__all__ = ["LR_FIELDS", "MAX_LR", "check_lr_value", "scale_value", "Change", "SetLrPlan", "plan_set_lr"]
+__all__ = ["LR_FIELDS", "MAX_LR", "Change", "SetLrPlan", "check_lr_value", "plan_set_lr", "scale_value"]
 
 # (group, field) of every byte item that holds an absolute learning rate. Sub-schedulers of
 # SequentialLR (`_schedulers.<j>.<field>`) are matched by the same scheduler fields.
-LR_FIELDS: frozenset[tuple[str, str]] = frozenset({
-    ("param_groups", "lr"), ("param_groups", "initial_lr"),
-    ("scheduler", "base_lrs"), ("scheduler", "_last_lr"), ("scheduler", "eta_min"),
-})
-MAX_LR = 10.0   # an optimizer lr above this is a typo or a crafted value, not a schedule
+LR_FIELDS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("param_groups", "lr"),
+        ("param_groups", "initial_lr"),
+        ("scheduler", "base_lrs"),
+        ("scheduler", "_last_lr"),
+        ("scheduler", "eta_min"),
+    }
+)
+MAX_LR = 10.0  # an optimizer lr above this is a typo or a crafted value, not a schedule
 
 
 def check_lr_value(v: Any, key: str) -> None:
@@ -38,8 +53,11 @@ def check_lr_value(v: Any, key: str) -> None:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             continue
         if not (math.isfinite(x) and 0 <= x <= MAX_LR):
-            raise UsageError(f"the new value {x!r} is not a learning rate (finite, in [0, {MAX_LR:g}])", key=key,
-                             hint="check --lr / --scale / --min-lr, and the checkpoint's current lr values")
+            raise UsageError(
+                f"the new value {x!r} is not a learning rate (finite, in [0, {MAX_LR:g}])",
+                key=key,
+                hint="check --lr / --scale / --min-lr, and the checkpoint's current lr values",
+            )
 
 
 def scale_value(v: Any, factor: float, key: str, exact: tuple[float, float] | None = None) -> Any:
@@ -48,8 +66,11 @@ def scale_value(v: Any, factor: float, key: str, exact: tuple[float, float] | No
     if isinstance(v, bool) or v is None:
         raise FormatError(f"expected a learning rate, found {type(v).__name__} {v!r}", key=key)
     if isinstance(v, torch.Tensor):
-        raise FormatError("the learning rate is stored as a tensor; set-lr patches Python floats only", key=key,
-                          hint="this optimizer was built with a tensor lr; patch it with your own script")
+        raise FormatError(
+            "the learning rate is stored as a tensor; set-lr patches Python floats only",
+            key=key,
+            hint="this optimizer was built with a tensor lr; patch it with your own script",
+        )
     if isinstance(v, (list, tuple)):
         return type(v)(scale_value(x, factor, key, exact) for x in v)
     if isinstance(v, int):
@@ -61,6 +82,7 @@ def scale_value(v: Any, factor: float, key: str, exact: tuple[float, float] | No
             return exact[1]
         return v * factor
     raise FormatError(f"expected a learning rate, found {type(v).__name__} {v!r}", key=key)
+
 
 @dataclass(frozen=True)
 class Change:
@@ -83,14 +105,29 @@ class SetLrPlan:
     warnings: tuple[str, ...]
 
     def to_json(self) -> dict:
-        return {"source": self.source, "factor": self.factor, "lr_before": self.lr_before, "lr_after": self.lr_after,
-                "min_lr": self.min_lr, "scheduler": self.scheduler,
-                "changes": [{"key": c.key, "before": c.before, "after": c.after, "why": c.why} for c in self.changes],
-                "preview": self.preview, "warnings": list(self.warnings)}
+        return {
+            "source": self.source,
+            "factor": self.factor,
+            "lr_before": self.lr_before,
+            "lr_after": self.lr_after,
+            "min_lr": self.min_lr,
+            "scheduler": self.scheduler,
+            "changes": [
+                {"key": c.key, "before": c.before, "after": c.after, "why": c.why} for c in self.changes
+            ],
+            "preview": self.preview,
+            "warnings": list(self.warnings),
+        }
 
 
-def plan_set_lr(ckpt: DcpCheckpoint, *, lr: float | None = None, scale: float | None = None,
-                min_lr: float | None = None, preview: bool = True) -> SetLrPlan:
+def plan_set_lr(
+    ckpt: DcpCheckpoint,
+    *,
+    lr: float | None = None,
+    scale: float | None = None,
+    min_lr: float | None = None,
+    preview: bool = True,
+) -> SetLrPlan:
     """Compute every byte item to patch. Exactly one of `lr` (the current lr becomes `lr`; factor =
     lr / current lr of param group 0) or `scale` (factor). `preview` replays the remaining
     schedule before and after with torch's schedulers (building a torch optimizer imports
@@ -107,18 +144,25 @@ def plan_set_lr(ckpt: DcpCheckpoint, *, lr: float | None = None, scale: float | 
     g0 = st.groups[min(st.groups)]
     current = g0.get("lr")
     if not isinstance(current, float):
-        raise FormatError(f"param group lr is {type(current).__name__} {current!r}, expected a float",
-                          key=st.keys.get(("pg", min(st.groups), "lr")))
+        raise FormatError(
+            f"param group lr is {type(current).__name__} {current!r}, expected a float",
+            key=st.keys.get(("pg", min(st.groups), "lr")),
+        )
     if not math.isfinite(current) or current < 0:
-        raise FormatError(f"the checkpoint's lr is {current!r}: not a finite number >= 0, so no new lr can be "
-                          "derived from it", path=ckpt.dir, key=st.keys.get(("pg", min(st.groups), "lr")),
-                          hint="the checkpoint is damaged or crafted; `ckpt set` can write a finite lr")
+        raise FormatError(
+            f"the checkpoint's lr is {current!r}: not a finite number >= 0, so no new lr can be "
+            "derived from it",
+            path=ckpt.dir,
+            key=st.keys.get(("pg", min(st.groups), "lr")),
+            hint="the checkpoint is damaged or crafted; `ckpt set` can write a finite lr",
+        )
     if lr is not None:
         if not (math.isfinite(lr) and 0 < lr <= MAX_LR):
             raise UsageError(f"--lr must be a finite number in (0, {MAX_LR:g}], got {lr}")
         if current <= 0:
-            raise UsageError(f"the current lr is {current}, so --lr cannot be turned into a factor",
-                             hint="use --scale")
+            raise UsageError(
+                f"the current lr is {current}, so --lr cannot be turned into a factor", hint="use --scale"
+            )
         factor = lr / current
         exact = (current, lr)
     else:
@@ -143,34 +187,54 @@ def plan_set_lr(ckpt: DcpCheckpoint, *, lr: float | None = None, scale: float | 
         warnings.append(f"{len(st.groups)} param groups: all scaled by the factor of group 0 ({factor:g})")
     if st.kind in ("unknown",):
         warnings.append("unrecognised scheduler: only lr fields known by name were patched")
-    fused = next((ckpt.read_object(k) for k, e in ckpt.entries.items()
-                  if e.path[2:5] == ("param_groups", "0", "fused") or e.path[2:5] == ("param_groups", 0, "fused")), None)
+    fused = next(
+        (
+            ckpt.read_object(k)
+            for k, e in ckpt.entries.items()
+            if e.path[2:5] == ("param_groups", "0", "fused") or e.path[2:5] == ("param_groups", 0, "fused")
+        ),
+        None,
+    )
     if fused is False:
-        warnings.append("param_groups fused=False: prime-rl HEAD's CPU-offload optimizer (optim_cpu_offload, the "
-                        "default) wrote this, and its resume skips the optimizer's set_state_dict (trainer/ckpt.py:"
-                        "104-124): the param groups' lr comes from the freshly built scheduler, not from this "
-                        "checkpoint. The patched scheduler state still loads; to be sure of the lr, also set the "
-                        "run config's optim.lr (or run with optim_cpu_offload=false)")
+        warnings.append(
+            "param_groups fused=False: prime-rl HEAD's CPU-offload optimizer (optim_cpu_offload, the "
+            "default) wrote this, and its resume skips the optimizer's set_state_dict (trainer/ckpt.py:"
+            "104-124): the param groups' lr comes from the freshly built scheduler, not from this "
+            "checkpoint. The patched scheduler state still loads; to be sure of the lr, also set the "
+            "run config's optim.lr (or run with optim_cpu_offload=false)"
+        )
     for key, v in new.items():
         check_lr_value(v, key)
-    changes = tuple(Change(k, old_value(st, k), v, why[k]) for k, v in sorted(new.items()) if old_value(st, k) != v)
+    changes = tuple(
+        Change(k, old_value(st, k), v, why[k]) for k, v in sorted(new.items()) if old_value(st, k) != v
+    )
     patched = apply_to_state(st, new)
     shown = None
     if preview:
         try:
             shown = {"before": preview_schedule(st), "after": preview_schedule(patched)}
-        except Exception as exc:   # a scheduler we cannot rebuild only costs the preview
+        except Exception as exc:  # a scheduler we cannot rebuild only costs the preview
             warnings.append(f"no schedule preview: {type(exc).__name__}: {exc}")
-    return SetLrPlan(source=str(ckpt.dir), factor=factor, lr_before=current,
-                     lr_after=new[st.keys[("pg", min(st.groups), "lr")]], min_lr=min_lr, scheduler=describe(st),
-                     changes=changes, preview=shown, warnings=tuple(warnings))
+    return SetLrPlan(
+        source=str(ckpt.dir),
+        factor=factor,
+        lr_before=current,
+        lr_after=new[st.keys[("pg", min(st.groups), "lr")]],
+        min_lr=min_lr,
+        scheduler=describe(st),
+        changes=changes,
+        preview=shown,
+        warnings=tuple(warnings),
+    )
 
 
 def _apply_min_lr(st: SchedState, new: dict, why: dict, y: float, factor: float, exact) -> None:
     todo = [d for d in decays(st) if d[3] != "finished"]
     if not todo:
-        raise UsageError(f"--min-lr: the scheduler ({describe(st)}) has no decay phase left to retarget",
-                         hint="drop --min-lr; the lr stays where the schedule ends")
+        raise UsageError(
+            f"--min-lr: the scheduler ({describe(st)}) has no decay phase left to retarget",
+            hint="drop --min-lr; the lr stays where the schedule ends",
+        )
     lr_key = st.keys[("pg", min(st.groups), "lr")]
     cur_new = uniform([scale_value(g["lr"], factor, lr_key, exact) for g in st.groups.values()], "lr")
     for kind, j, f, status, k in todo:
@@ -185,10 +249,11 @@ def _apply_min_lr(st: SchedState, new: dict, why: dict, y: float, factor: float,
         if status == "pending":
             base_new = uniform(new[st.keys[where + ("base_lrs",)]], "base_lrs")
             e = y / base_new
-        else:   # active at step k < T, chainable from the current lr
+        else:  # active at step k < T, chainable from the current lr
             if y > cur_new:
-                raise UsageError(f"--min-lr {y:g} is above the current lr {cur_new:g} of a decay in progress",
-                                 key=key)
+                raise UsageError(
+                    f"--min-lr {y:g} is above the current lr {cur_new:g} of a decay in progress", key=key
+                )
             e = y * s * (T - k) / (cur_new * T - y * k)
         new[key] = e
         why[key] = "--min-lr"

@@ -2,6 +2,7 @@
 scheduler it is (`core.primerl_state.scheduler_class`), its decay phases, how `--min-lr` retargets
 them, and a preview of the remaining schedule before and after (torch's own schedulers loaded from
 the state, exactly what a resumed run does, minus the model)."""
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -15,17 +16,28 @@ from ...core.primerl_state import scheduler_class
 from .model import BytesEntry
 from .reader import DcpCheckpoint
 
-__all__ = ["SchedState", "read_sched_state", "uniform", "decays", "apply_to_state", "describe", "old_value",
-           "preview_schedule", "trace_schedule", "schedule_end"]
+__all__ = [
+    "SchedState",
+    "apply_to_state",
+    "decays",
+    "describe",
+    "old_value",
+    "preview_schedule",
+    "read_sched_state",
+    "schedule_end",
+    "trace_schedule",
+    "uniform",
+]
 
 
 @dataclass(frozen=True)
 class SchedState:
     """The scheduler and param-group byte items, read (they are tiny)."""
-    groups: dict            # group index -> {field: value}
-    top: dict               # scheduler field -> value
-    subs: dict              # j -> {field: value}
-    keys: dict              # ("pg", i, field) | ("top", None, field) | ("sub", j, field) -> flat key
+
+    groups: dict  # group index -> {field: value}
+    top: dict  # scheduler field -> value
+    subs: dict  # j -> {field: value}
+    keys: dict  # ("pg", i, field) | ("top", None, field) | ("sub", j, field) -> flat key
 
     @property
     def kind(self) -> str:
@@ -41,7 +53,9 @@ def read_sched_state(ckpt: DcpCheckpoint) -> SchedState:
         info = classify(key, e.path)
         if info.group == "param_groups" and info.field != "params":
             if not isinstance(e, BytesEntry):
-                raise FormatError("param_groups field stored as a tensor; set-lr patches byte items only", key=key)
+                raise FormatError(
+                    "param_groups field stored as a tensor; set-lr patches byte items only", key=key
+                )
             groups.setdefault(info.group_index, {})[info.field] = ckpt.read_object(key)
             keys[("pg", info.group_index, info.field)] = key
         elif info.group == "scheduler" and isinstance(e, BytesEntry):
@@ -52,16 +66,21 @@ def read_sched_state(ckpt: DcpCheckpoint) -> SchedState:
                 subs.setdefault(info.sub_scheduler, {})[info.field] = ckpt.read_object(key)
                 keys[("sub", info.sub_scheduler, info.field)] = key
     if not groups:
-        raise FormatError("has no optimizer param_groups", path=ckpt.dir,
-                          hint="set-lr needs a training checkpoint with optimizer state")
+        raise FormatError(
+            "has no optimizer param_groups",
+            path=ckpt.dir,
+            hint="set-lr needs a training checkpoint with optimizer state",
+        )
     return SchedState(groups, top, subs, keys)
 
 
 def uniform(values, what: str) -> float:
     vals = list(values)
     if any(v != vals[0] for v in vals):
-        raise UsageError(f"{what} differs between param groups ({vals}); --min-lr needs a single value",
-                         hint="use --scale or --lr without --min-lr")
+        raise UsageError(
+            f"{what} differs between param groups ({vals}); --min-lr needs a single value",
+            hint="use --scale or --lr without --min-lr",
+        )
     return vals[0]
 
 
@@ -71,13 +90,17 @@ def decays(st: SchedState) -> list[tuple[str, int | None, dict, str, int]]:
     out = []
     if st.kind == "SequentialLR":
         idx = bisect_right(list(st.top.get("_milestones") or []), int(st.top.get("last_epoch", 0)))
-        items = [(j, st.subs[j], "finished" if j < idx else "active" if j == idx else "pending") for j in sorted(st.subs)]
+        items = [
+            (j, st.subs[j], "finished" if j < idx else "active" if j == idx else "pending")
+            for j in sorted(st.subs)
+        ]
     else:
         items = [(None, st.top, "active")]
     for j, f, status in items:
         kind = scheduler_class(set(f))
         is_decay = kind == "CosineAnnealingLR" or (
-            kind == "LinearLR" and float(f.get("end_factor", 1.0)) < float(f.get("start_factor", 1.0)))
+            kind == "LinearLR" and float(f.get("end_factor", 1.0)) < float(f.get("start_factor", 1.0))
+        )
         if is_decay:
             k = int(f.get("last_epoch", 0))
             if kind == "LinearLR" and status == "active" and k >= int(f["total_iters"]):
@@ -115,8 +138,11 @@ _PREVIEW_STEPS_MAX = 100_000
 
 def _build_scheduler(opt, kind: str, f: dict):
     from torch.optim import lr_scheduler as L
+
     if kind == "LinearLR":
-        return L.LinearLR(opt, start_factor=f["start_factor"], end_factor=f["end_factor"], total_iters=f["total_iters"])
+        return L.LinearLR(
+            opt, start_factor=f["start_factor"], end_factor=f["end_factor"], total_iters=f["total_iters"]
+        )
     if kind == "CosineAnnealingLR":
         return L.CosineAnnealingLR(opt, T_max=f["T_max"], eta_min=f["eta_min"])
     if kind == "ConstantLR":
@@ -136,8 +162,10 @@ def _optimizer(st: SchedState, fresh: bool):
     for n, i in enumerate(sorted(st.groups)):
         g = st.groups[i]
         start = g.get("initial_lr", base_lrs[n] if n < len(base_lrs) else g["lr"])
-        groups.append({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": start if fresh else g["lr"]}
-                      | ({} if fresh else {"initial_lr": g.get("initial_lr", g["lr"])}))
+        groups.append(
+            {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": start if fresh else g["lr"]}
+            | ({} if fresh else {"initial_lr": g.get("initial_lr", g["lr"])})
+        )
     return torch.optim.SGD(groups, lr=1.0)
 
 
@@ -178,7 +206,7 @@ def trace_schedule(st: SchedState, steps: int, *, from_start: bool = False) -> l
     if not 0 <= steps <= _PREVIEW_STEPS_MAX:
         raise UsageError(f"{steps} scheduler steps to replay: more than {_PREVIEW_STEPS_MAX}")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # stepping a scheduler without optimizer steps warns
+        warnings.simplefilter("ignore")  # stepping a scheduler without optimizer steps warns
         opt = _optimizer(st, from_start)
         sched = _scheduler(st, opt, from_start)
         trace = []
@@ -195,5 +223,10 @@ def preview_schedule(st: SchedState, steps: int | None = None) -> dict:
     now_epoch = int(st.top.get("last_epoch", 0))
     n = steps if steps is not None else max(1, min(_PREVIEW_STEPS_MAX, schedule_end(st) - now_epoch + 1))
     trace = trace_schedule(st, n + 1)[1:]
-    return {"now": float(st.groups[min(st.groups)]["lr"]), "steps": n, "peak": max(trace), "end": trace[-1],
-            "trace_head": trace[:8]}
+    return {
+        "now": float(st.groups[min(st.groups)]["lr"]),
+        "steps": n,
+        "peak": max(trace),
+        "end": trace[-1],
+        "trace_head": trace[:8],
+    }

@@ -9,11 +9,13 @@ before anything runs.
 
 The stand-ins keep DCP's class and field names (`md.state_dict_metadata[key].chunks[0].offsets`), so
 code reads them as it would read torch's; unlike torch's they need no torch: a dtype is its name
-(a `DtypeName`, the str `"float32"`, distinct from a plain string a crafted pickle could put there), a `torch.Size` a tuple of ints, a layout its name (`"torch.strided"`), a path a str
+(a `DtypeName`, the str `"float32"`, distinct from a plain string a crafted pickle could put there), a
+`torch.Size` a tuple of ints, a layout its name (`"torch.strided"`), a path a str
 (a Path would be pickled again by our writers, and Python <= 3.12 cannot unpickle 3.13's pathlib
 paths). They are read-only views of a file: pickling one is refused (`formats.dcp.writer` writes
 torch's own classes).
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,8 +27,18 @@ from ...core.dtypes import TORCH_DTYPE_NAMES
 from ...io.safe_pickle import load_allowed
 
 __all__ = [
-    "METADATA_NAME", "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-    "TensorProperties", "StorageMeta", "MetadataIndex", "StorageInfo", "DtypeName", "Dims", "ALLOWED_GLOBALS",
+    "ALLOWED_GLOBALS",
+    "METADATA_NAME",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "Dims",
+    "DtypeName",
+    "Metadata",
+    "MetadataIndex",
+    "StorageInfo",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
     "load_metadata",
 ]
 
@@ -37,19 +49,23 @@ _DCP = "torch.distributed.checkpoint.metadata"
 class DtypeName(str):
     """A `torch.<name>` dtype global of the pickle, as its name. A subclass, so that a plain string in
     the dtype field (which torch's loader would not accept as a dtype) is still told apart and refused."""
+
     __slots__ = ()
 
 
 class _StandIn:
     """A plain record filled by the unpickler (NEWOBJ + BUILD with the pickled field dict)."""
+
     _fields: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f, None)!r}' for f in self._fields)})"
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(f"{type(self).__name__} is a read-only stand-in of DCP's class; it is not pickled "
-                        "(formats.dcp.writer writes torch's own metadata classes)")
+        raise TypeError(
+            f"{type(self).__name__} is a read-only stand-in of DCP's class; it is not pickled "
+            "(formats.dcp.writer writes torch's own metadata classes)"
+        )
 
 
 class Metadata(_StandIn):
@@ -80,14 +96,17 @@ class BytesStorageMetadata(_StandIn):
 
 class _MemFormat(enum.Enum):
     """DCP's `_MEM_FORMAT_ENCODING` (what TensorProperties pickles in place of a torch.memory_format)."""
+
     TORCH_CONTIGUOUS_FORMAT = 0
     TORCH_CHANNELS_LAST = 1
     TORCH_PRESERVE_FORMAT = 2
 
 
-_MEMORY_FORMATS = {_MemFormat.TORCH_CONTIGUOUS_FORMAT: "torch.contiguous_format",
-                   _MemFormat.TORCH_CHANNELS_LAST: "torch.channels_last",
-                   _MemFormat.TORCH_PRESERVE_FORMAT: "torch.preserve_format"}
+_MEMORY_FORMATS = {
+    _MemFormat.TORCH_CONTIGUOUS_FORMAT: "torch.contiguous_format",
+    _MemFormat.TORCH_CHANNELS_LAST: "torch.channels_last",
+    _MemFormat.TORCH_PRESERVE_FORMAT: "torch.preserve_format",
+}
 
 
 class TensorProperties(_StandIn):
@@ -119,6 +138,7 @@ class MetadataIndex(_StandIn):
     offset's text, not its ints: an int's hash is the pickle's choice (`k * (2**61 - 1)` hashes to 0
     for every k), so 10,000 chunks of one fqn at such offsets would cost 5e7 `__eq__` calls while the
     dict is built; a str's hash is seeded."""
+
     _fields = ("fqn", "offset", "index")
     fqn = None
     offset = None
@@ -133,6 +153,7 @@ class MetadataIndex(_StandIn):
 
 class StorageInfo(_StandIn):
     """DCP's `filesystem._StorageInfo`: where one storage item lies (file name, offset, length)."""
+
     _fields = ("relative_path", "offset", "length", "transform_descriptors")
     relative_path = None
     offset = None
@@ -143,11 +164,14 @@ class StorageInfo(_StandIn):
 class Dims(tuple):
     """A `torch.Size` of the pickle: a tuple whose every dim is an int (checked as it was built), which
     `formats.dcp.model` need not convert again (a 32B checkpoint's metadata has ~46k of them)."""
+
     __slots__ = ()
 
-    def __reduce_ex__(self, protocol):   # like the stand-ins: a file we write names no class of ours
-        raise TypeError("Dims is a read-only view of a .metadata's torch.Size; pass torch.Size(dims) or "
-                        "tuple(dims) to what is pickled")
+    def __reduce_ex__(self, protocol):  # like the stand-ins: a file we write names no class of ours
+        raise TypeError(
+            "Dims is a read-only view of a .metadata's torch.Size; pass torch.Size(dims) or "
+            "tuple(dims) to what is pickled"
+        )
 
 
 def _size(dims=()) -> Dims:
@@ -155,8 +179,18 @@ def _size(dims=()) -> Dims:
     return Dims(map(operator.index, dims))
 
 
-_LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
-                      "torch.sparse_bsr", "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"})
+_LAYOUTS = frozenset(
+    {
+        "torch.strided",
+        "torch.sparse_coo",
+        "torch.sparse_csr",
+        "torch.sparse_csc",
+        "torch.sparse_bsr",
+        "torch.sparse_bsc",
+        "torch._mkldnn",
+        "torch.jagged",
+    }
+)
 
 
 def _layout(name):
@@ -196,6 +230,13 @@ ALLOWED_GLOBALS: dict[tuple[str, str], object] = {
 def load_metadata(data: bytes, source: str, *, trust: bool = False) -> Metadata:
     """Unpickle `.metadata` bytes into stand-ins (see the module docstring). `source` names the file
     in errors; `trust` (`--trust-remote-pickle`) resolves any other global too."""
-    return load_allowed(data, source, ALLOWED_GLOBALS, trust=trust, what="a DCP .metadata file",
-                        short="DCP metadata", parse_what="DCP metadata pickle",
-                        corrupt_hint="the file is corrupt or not a DCP .metadata")
+    return load_allowed(
+        data,
+        source,
+        ALLOWED_GLOBALS,
+        trust=trust,
+        what="a DCP .metadata file",
+        short="DCP metadata",
+        parse_what="DCP metadata pickle",
+        corrupt_hint="the file is corrupt or not a DCP .metadata",
+    )

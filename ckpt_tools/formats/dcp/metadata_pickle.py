@@ -15,12 +15,13 @@ strings as torch's classes share them) and 64 KiB framing (tests/test_metadata_p
 byte for byte, and torch's loader unpickles them to equal objects). The C pickler, which the old writer
 used, can close a frame a few bytes elsewhere in a large pickle; frames are invisible to every reader.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from struct import pack
 
-__all__ = ["DCP_VERSION", "TensorRecord", "StorageRecord", "metadata_pickle"]
+__all__ = ["DCP_VERSION", "StorageRecord", "TensorRecord", "metadata_pickle"]
 
 DCP_VERSION = "1.0.0"
 
@@ -42,13 +43,14 @@ _EMPTY_LIST, _APPEND, _APPENDS = b"]", b"a", b"e"
 _EMPTY_DICT, _SETITEM, _SETITEMS = b"}", b"s", b"u"
 _STACK_GLOBAL, _REDUCE, _NEWOBJ, _BUILD = b"\x93", b"R", b"\x81", b"b"
 
-_FRAME_TARGET = 64 * 1024   # pickle's _Framer: a frame closes before the first object past this size
-_BATCH = 1000               # pickle's _BATCHSIZE: SETITEMS / APPENDS per MARK
+_FRAME_TARGET = 64 * 1024  # pickle's _Framer: a frame closes before the first object past this size
+_BATCH = 1000  # pickle's _BATCHSIZE: SETITEMS / APPENDS per MARK
 
 
 @dataclass(frozen=True)
 class TensorRecord:
     """One tensor of `state_dict_metadata`: its dtype (a name), global size and chunks ((offsets, sizes))."""
+
     dtype: str
     size: tuple[int, ...]
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -58,6 +60,7 @@ class TensorRecord:
 class StorageRecord:
     """One item of `storage_data`: `MetadataIndex(fqn, offset, index)` -> `_StorageInfo(rel, offset, length)`.
     `chunk_offsets` None: a byte item (its index has no offset)."""
+
     fqn: str
     chunk_offsets: tuple[int, ...] | None
     index: int | None
@@ -68,18 +71,28 @@ class StorageRecord:
 
 class _Global:
     """A class or function of torch's, written by name (STACK_GLOBAL) and memoized on first use."""
+
     __slots__ = ("module", "name")
 
     def __init__(self, module: str, name: str):
         self.module, self.name = module, name
 
 
-_METADATA, _TENSOR_MD, _CHUNK_MD = _Global(_DCP, "Metadata"), _Global(_DCP, "TensorStorageMetadata"), \
-    _Global(_DCP, "ChunkStorageMetadata")
-_BYTES_MD, _PROPERTIES, _MEM_FORMAT = _Global(_DCP, "BytesStorageMetadata"), _Global(_DCP, "TensorProperties"), \
-    _Global(_DCP, "_MEM_FORMAT_ENCODING")
-_STORAGE_META, _INDEX, _STORAGE_INFO = _Global(_DCP, "StorageMeta"), _Global(_DCP, "MetadataIndex"), \
-    _Global(_FS, "_StorageInfo")
+_METADATA, _TENSOR_MD, _CHUNK_MD = (
+    _Global(_DCP, "Metadata"),
+    _Global(_DCP, "TensorStorageMetadata"),
+    _Global(_DCP, "ChunkStorageMetadata"),
+)
+_BYTES_MD, _PROPERTIES, _MEM_FORMAT = (
+    _Global(_DCP, "BytesStorageMetadata"),
+    _Global(_DCP, "TensorProperties"),
+    _Global(_DCP, "_MEM_FORMAT_ENCODING"),
+)
+_STORAGE_META, _INDEX, _STORAGE_INFO = (
+    _Global(_DCP, "StorageMeta"),
+    _Global(_DCP, "MetadataIndex"),
+    _Global(_FS, "_StorageInfo"),
+)
 _GET_LAYOUT, _SIZE = _Global("torch.serialization", "_get_layout"), _Global(_SIZE_MODULE, "Size")
 _DTYPES: dict[str, _Global] = {}
 # torch.strided and the contiguous memory format: one object each in torch, so memoized after first use
@@ -87,9 +100,30 @@ _STRIDED, _CONTIGUOUS = object(), object()
 _STRIDED_NAME = "torch.strided"
 
 # the field names of torch's dataclasses, one string object each (memoized once, as the interned names are)
-_F = {n: n for n in ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version", "properties",
-                     "size", "chunks", "offsets", "sizes", "checkpoint_id", "save_id", "load_id", "modules", "fqn",
-                     "index", "offset", "relative_path", "length")}
+_F = {
+    n: n
+    for n in (
+        "state_dict_metadata",
+        "planner_data",
+        "storage_data",
+        "storage_meta",
+        "version",
+        "properties",
+        "size",
+        "chunks",
+        "offsets",
+        "sizes",
+        "checkpoint_id",
+        "save_id",
+        "load_id",
+        "modules",
+        "fqn",
+        "index",
+        "offset",
+        "relative_path",
+        "length",
+    )
+}
 
 
 def _dtype_global(name: str) -> _Global:
@@ -104,13 +138,13 @@ _SMALL_INTS = [_BININT1 + bytes((i,)) for i in range(256)]
 
 def _int_opcode(n: int) -> bytes:
     """pickle's save_long (protocol 4)."""
-    if 0 <= n <= 0xff:
+    if 0 <= n <= 0xFF:
         return _SMALL_INTS[n]
-    if 0 <= n <= 0xffff:
+    if 0 <= n <= 0xFFFF:
         return _BININT2 + pack("<H", n)
-    if -0x80000000 <= n <= 0x7fffffff:
+    if -0x80000000 <= n <= 0x7FFFFFFF:
         return _BININT + pack("<i", n)
-    enc = n.to_bytes((8 + n.bit_length()) // 8, "little", signed=True)   # pickle.encode_long
+    enc = n.to_bytes((8 + n.bit_length()) // 8, "little", signed=True)  # pickle.encode_long
     return (_LONG1 + bytes((len(enc),)) if len(enc) < 256 else _LONG4 + pack("<i", len(enc))) + enc
 
 
@@ -122,10 +156,10 @@ class _Encoder:
 
     def __init__(self) -> None:
         self.buf = bytearray()
-        self.segments: list[tuple[int, int, bool]] = []   # (start, end, framed) of each closed segment
-        self.start = 0                                    # the open frame's first byte
-        self.limit = _FRAME_TARGET                        # where the open frame is full
-        self.memo: dict[int, tuple[bytes, object]] = {}   # id -> (its BINGET, the object, kept alive)
+        self.segments: list[tuple[int, int, bool]] = []  # (start, end, framed) of each closed segment
+        self.start = 0  # the open frame's first byte
+        self.limit = _FRAME_TARGET  # where the open frame is full
+        self.memo: dict[int, tuple[bytes, object]] = {}  # id -> (its BINGET, the object, kept alive)
         self.n = 0
 
     # ---------------------------------------------------------------- pickle's machinery
@@ -165,7 +199,7 @@ class _Encoder:
         out = [_PROTO + b"\x04"]
         view = memoryview(self.buf)
         for s, e, framed in self.segments:
-            if framed and e - s >= 4:   # pickle frames only 4 bytes or more
+            if framed and e - s >= 4:  # pickle frames only 4 bytes or more
                 out.append(_FRAME + pack("<Q", e - s))
             out.append(view[s:e])
         data = b"".join(out)
@@ -202,13 +236,15 @@ class _Encoder:
             return
         enc = s.encode("utf-8", "surrogatepass")
         n = len(enc)
-        if n <= 0xff:
+        if n <= 0xFF:
             self.buf += _SHORT_BINUNICODE + bytes((n,)) + enc
         elif n < _FRAME_TARGET:
             self.buf += _BINUNICODE + pack("<I", n) + enc
-        else:   # pickle's write_large_bytes: the frame ends, the string goes unframed
+        else:  # pickle's write_large_bytes: the frame ends, the string goes unframed
             self._cut()
-            self.buf += ((_BINUNICODE8 + pack("<Q", n)) if n > 0xffffffff else (_BINUNICODE + pack("<I", n))) + enc
+            self.buf += (
+                (_BINUNICODE8 + pack("<Q", n)) if n > 0xFFFFFFFF else (_BINUNICODE + pack("<I", n))
+            ) + enc
             self.segments.append((self.start, len(self.buf), False))
             self.start, self.limit = len(self.buf), len(self.buf) + _FRAME_TARGET
         self._memo_keep(s)
@@ -278,7 +314,7 @@ class _Encoder:
     def _setitems(self, items: list, emit_key, emit) -> None:
         """pickle's _batch_setitems: MARK k v ... SETITEMS per 1000, SETITEM for a batch of one."""
         for s in range(0, len(items), _BATCH):
-            batch = items[s:s + _BATCH]
+            batch = items[s : s + _BATCH]
             if len(batch) > 1:
                 self.buf += _MARK
             for k, v in batch:
@@ -297,7 +333,7 @@ class _Encoder:
         self.buf += _EMPTY_LIST + _MEMOIZE
         self.n += 1
         for s in range(0, len(items), _BATCH):
-            batch = items[s:s + _BATCH]
+            batch = items[s : s + _BATCH]
             if len(batch) > 1:
                 self.buf += _MARK
             for v in batch:
@@ -357,7 +393,7 @@ class _Encoder:
         self.buf += _SETITEMS + _BUILD
 
     def bytes_item(self) -> None:
-        self.new_object(_BYTES_MD)   # an empty __dict__: no state, no BUILD
+        self.new_object(_BYTES_MD)  # an empty __dict__: no state, no BUILD
 
     def storage_key(self, rec: StorageRecord) -> None:
         """MetadataIndex: its __dict__ is fqn, index, then offset (set last, and only when not None)."""
@@ -389,8 +425,15 @@ class _Encoder:
         self.buf += _SETITEMS + _BUILD
 
 
-def metadata_pickle(tensors: dict[str, TensorRecord], byte_keys, planner: dict[str, tuple], storage: list[StorageRecord],
-                    *, save_id: str, version: str = DCP_VERSION) -> bytes:
+def metadata_pickle(
+    tensors: dict[str, TensorRecord],
+    byte_keys,
+    planner: dict[str, tuple],
+    storage: list[StorageRecord],
+    *,
+    save_id: str,
+    version: str = DCP_VERSION,
+) -> bytes:
     """The `.metadata` bytes of a checkpoint: `state_dict_metadata` over `tensors` and `byte_keys` in sorted
     key order, `planner_data` (key -> path tuple) and `storage_data` (in the given orders), and
     `storage_meta` (no checkpoint_id: a path there is a pathlib object older Pythons cannot unpickle)."""
@@ -416,8 +459,10 @@ def metadata_pickle(tensors: dict[str, TensorRecord], byte_keys, planner: dict[s
     enc.dict_of([(r, r) for r in storage], enc.storage_key, enc.storage_info)
     enc.string(_F["storage_meta"])
     enc.new_object(_STORAGE_META)
-    enc.fields([(_F["checkpoint_id"], None), (_F["save_id"], save_id), (_F["load_id"], None), (_F["modules"], [])],
-               lambda v: enc.list_of(v, enc.value) if isinstance(v, list) else enc.value(v))
+    enc.fields(
+        [(_F["checkpoint_id"], None), (_F["save_id"], save_id), (_F["load_id"], None), (_F["modules"], [])],
+        lambda v: enc.list_of(v, enc.value) if isinstance(v, list) else enc.value(v),
+    )
     enc.string(_F["version"])
     enc.value(version)
     enc.buf += _SETITEMS + _BUILD

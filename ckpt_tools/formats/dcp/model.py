@@ -13,6 +13,7 @@ skipped), each with a storage entry whose item holds at least its elements' byte
 an expanded view or a crafted size: reading it would allocate by the metadata's claim); every byte
 item has a storage entry.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,17 @@ from ...io.pickle_scan import gc_paused
 from .metadata import Dims, DtypeName
 
 __all__ = [
-    "PROBLEM", "WARNING", "UNSUPPORTED", "Finding", "Chunk", "TensorEntry", "BytesEntry", "Entry", "StorageLoc",
-    "ParsedMetadata", "parse_metadata",
+    "PROBLEM",
+    "UNSUPPORTED",
+    "WARNING",
+    "BytesEntry",
+    "Chunk",
+    "Entry",
+    "Finding",
+    "ParsedMetadata",
+    "StorageLoc",
+    "TensorEntry",
+    "parse_metadata",
 ]
 
 CORRUPT_HINT = "the metadata is corrupt or crafted; run `ckpt verify`"
@@ -38,11 +48,12 @@ CORRUPT_HINT = "the metadata is corrupt or crafted; run `ckpt verify`"
 class Chunk(NamedTuple):
     """One chunk of a tensor and where its item lies. A NamedTuple, not a frozen dataclass: a 32B
     checkpoint has ~14k of them, built on every open (a frozen dataclass's __init__ costs 4x)."""
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    file: str           # relative path inside the checkpoint dir
-    offset: int         # item start in the file
-    length: int         # item length in bytes
+    file: str  # relative path inside the checkpoint dir
+    offset: int  # item start in the file
+    length: int  # item length in bytes
 
     @property
     def numel(self) -> int:
@@ -52,8 +63,8 @@ class Chunk(NamedTuple):
 @dataclass(frozen=True)
 class TensorEntry(ShapedBytes):
     key: str
-    path: tuple          # planner_data path, e.g. ('app', 'model', 'model.layers.0.mlp.up_proj.weight')
-    dtype: str           # torch dtype name, e.g. "float32"
+    path: tuple  # planner_data path, e.g. ('app', 'model', 'model.layers.0.mlp.up_proj.weight')
+    dtype: str  # torch dtype name, e.g. "float32"
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
 
@@ -106,11 +117,13 @@ class StorageLoc(NamedTuple):
 
 @dataclass
 class ParsedMetadata:
-    entries: dict[str, Entry] = field(default_factory=dict)   # every readable key, sorted
+    entries: dict[str, Entry] = field(default_factory=dict)  # every readable key, sorted
     findings: list[Finding] = field(default_factory=list)
-    storage: dict[tuple, StorageLoc] = field(default_factory=dict)   # (fqn, offsets | None) -> where
-    used: set[tuple] = field(default_factory=set)                     # storage keys some item references
-    located: list[tuple[str, Chunk | None, StorageLoc, str | None]] = field(default_factory=list)  # items, dtype
+    storage: dict[tuple, StorageLoc] = field(default_factory=dict)  # (fqn, offsets | None) -> where
+    used: set[tuple] = field(default_factory=set)  # storage keys some item references
+    located: list[tuple[str, Chunk | None, StorageLoc, str | None]] = field(
+        default_factory=list
+    )  # items, dtype
     counts: dict[str, int] = field(default_factory=dict)
 
     def fatal(self) -> Finding | None:
@@ -131,17 +144,24 @@ MAX_SHARED_HASHES = 16
 
 def _index_storage(storage: dict, out: ParsedMetadata) -> bool:
     """`out.storage` from `storage_data`; False (one finding) where its keys were made to collide."""
-    plain: dict[str, bool] = {}   # a checkpoint has one data file per rank and ~10^4 items in them
+    plain: dict[str, bool] = {}  # a checkpoint has one data file per rank and ~10^4 items in them
     keys = []
     for idx in storage:
         try:
             keys.append(hash((idx.fqn, None if idx.offset is None else _ints(idx.offset))))
-        except Exception:   # a damaged entry: the loop below names it
+        except Exception:  # a damaged entry: the loop below names it
             pass
     if len(keys) - len(set(keys)) > MAX_SHARED_HASHES:
-        out.findings.append(Finding(None, None, f"{len(keys) - len(set(keys)):,} storage entries share the hash of "
-                                                "another one's (fqn, offsets): a crafted metadata (indexing them "
-                                                "would take quadratic time)", hint=CORRUPT_HINT))
+        out.findings.append(
+            Finding(
+                None,
+                None,
+                f"{len(keys) - len(set(keys)):,} storage entries share the hash of "
+                "another one's (fqn, offsets): a crafted metadata (indexing them "
+                "would take quadratic time)",
+                hint=CORRUPT_HINT,
+            )
+        )
         return False
     for idx, info in storage.items():
         try:
@@ -149,8 +169,14 @@ def _index_storage(storage: dict, out: ParsedMetadata) -> bool:
             off = None if idx.offset is None else _ints(idx.offset)
             rel, offset, length = info.relative_path, int(info.offset), int(info.length)
         except Exception as exc:  # a damaged entry of the allowed classes
-            out.findings.append(Finding(None, None, f"malformed storage entry {idx!r}: {type(exc).__name__}: {exc}",
-                                        hint=CORRUPT_HINT))
+            out.findings.append(
+                Finding(
+                    None,
+                    None,
+                    f"malformed storage entry {idx!r}: {type(exc).__name__}: {exc}",
+                    hint=CORRUPT_HINT,
+                )
+            )
             continue
         if type(rel) is str:
             ok = plain.get(rel)
@@ -159,19 +185,36 @@ def _index_storage(storage: dict, out: ParsedMetadata) -> bool:
         else:
             ok = is_plain_file_name(rel)
         if not ok:
-            out.findings.append(Finding(None, fqn, f"storage item points at {rel!r}, which is not a file name inside "
-                                                   "the checkpoint directory",
-                                        hint="the metadata is corrupt or crafted; refusing to read outside the "
-                                             "checkpoint"))
+            out.findings.append(
+                Finding(
+                    None,
+                    fqn,
+                    f"storage item points at {rel!r}, which is not a file name inside "
+                    "the checkpoint directory",
+                    hint="the metadata is corrupt or crafted; refusing to read outside the checkpoint",
+                )
+            )
             continue
         if offset < 0 or length < 0:
-            out.findings.append(Finding(rel, fqn, f"storage item has negative offset/length ({offset}, {length})",
-                                        hint=CORRUPT_HINT))
+            out.findings.append(
+                Finding(
+                    rel,
+                    fqn,
+                    f"storage item has negative offset/length ({offset}, {length})",
+                    hint=CORRUPT_HINT,
+                )
+            )
             continue
         transforms = getattr(info, "transform_descriptors", None)
         if transforms:
-            out.findings.append(Finding(rel, fqn, f"item uses transforms {list(transforms)} (compression?), which "
-                                                  "we do not read", severity=UNSUPPORTED))
+            out.findings.append(
+                Finding(
+                    rel,
+                    fqn,
+                    f"item uses transforms {list(transforms)} (compression?), which we do not read",
+                    severity=UNSUPPORTED,
+                )
+            )
         out.storage[(fqn, off)] = StorageLoc(rel, offset, length)
     return True
 
@@ -181,7 +224,7 @@ def _overlaps(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], ndim: int) -
     are compared)."""
     boxes = sorted(boxes)
     for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1:]:
+        for ob, sb in boxes[i + 1 :]:
             if ndim and ob[0] >= oa[0] + sa[0]:
                 break
             if all(b0 < a0 + a1 and a0 < b0 + b1 for a0, a1, b0, b1 in zip(oa, sa, ob, sb)):
@@ -239,12 +282,23 @@ def _tensor(key: str, path: tuple, item, out: ParsedMetadata) -> TensorEntry | N
     for ch in item.chunks:
         offs, sizes = _ints(ch.offsets), _ints(ch.sizes)
         if len(offs) != ndim or len(sizes) != ndim:
-            bad(f"chunk offsets {list(offs)} / sizes {list(sizes)} do not match the tensor's {len(shape)} dims")
+            bad(
+                f"chunk offsets {list(offs)} / sizes {list(sizes)} do not match the tensor's {len(shape)} "
+                f"dims"
+            )
             continue
         # (map over operator's functions: the same test as a generator over zip, in C, per chunk)
-        if ndim and (min(sizes) < 0 or (0 not in sizes and (min(offs) < 0 or any(
-                map(operator.gt, map(operator.add, offs, sizes), shape))))):
-            bad(f"chunk at offsets {list(offs)} sizes {list(sizes)} lies outside the tensor's size {list(shape)}")
+        if ndim and (
+            min(sizes) < 0
+            or (
+                0 not in sizes
+                and (min(offs) < 0 or any(map(operator.gt, map(operator.add, offs, sizes), shape)))
+            )
+        ):
+            bad(
+                f"chunk at offsets {list(offs)} sizes {list(sizes)} lies outside the tensor's size "
+                f"{list(shape)}"
+            )
             continue
         where = (key, offs)
         loc = storage.get(where)
@@ -257,9 +311,12 @@ def _tensor(key: str, path: tuple, item, out: ParsedMetadata) -> TensorEntry | N
             chunk = Chunk(offs, sizes, loc.file, loc.offset, loc.length)
             chunks.append(chunk)
             if loc.length < need:
-                bad(f"chunk at offsets {list(offs)} declares {list(sizes)} torch.{dtype} ({need:,} bytes) but its "
+                bad(
+                    f"chunk at offsets {list(offs)} declares {list(sizes)} torch.{dtype} ({need:,} bytes) "
+                    f"but its "
                     f"item holds {loc.length:,} bytes: an expanded (stride-0) or crafted item",
-                    hint="the metadata is corrupt or crafted; refusing to allocate by its claim")
+                    hint="the metadata is corrupt or crafted; refusing to allocate by its claim",
+                )
             else:
                 located.append((key, chunk, loc, dtype))
         if numel:
@@ -292,8 +349,14 @@ def _parse(md) -> ParsedMetadata:
     storage = getattr(md, "storage_data", None)
     planner = getattr(md, "planner_data", None) or {}
     if not isinstance(sdm, dict) or not isinstance(storage, dict) or not isinstance(planner, dict):
-        out.findings.append(Finding(None, None, "malformed metadata: state_dict_metadata / storage_data / "
-                                                "planner_data are not dicts", hint=CORRUPT_HINT))
+        out.findings.append(
+            Finding(
+                None,
+                None,
+                "malformed metadata: state_dict_metadata / storage_data / planner_data are not dicts",
+                hint=CORRUPT_HINT,
+            )
+        )
         return out
     if not _index_storage(storage, out):
         return out
@@ -309,8 +372,14 @@ def _parse(md) -> ParsedMetadata:
             out.findings.append(Finding(None, repr(key), "key is not a string", hint=CORRUPT_HINT))
             continue
         if key not in planner:
-            out.findings.append(Finding(None, key, "no planner_data entry (DCP's key-filtered loads fail on such "
-                                                   "keys)", severity=WARNING))
+            out.findings.append(
+                Finding(
+                    None,
+                    key,
+                    "no planner_data entry (DCP's key-filtered loads fail on such keys)",
+                    severity=WARNING,
+                )
+            )
         path = tuple(planner.get(key) or ())
         try:
             if hasattr(item, "chunks"):
@@ -321,23 +390,34 @@ def _parse(md) -> ParsedMetadata:
                 loc = out.storage.get((key, None))
                 entry = None
                 if loc is None:
-                    out.findings.append(Finding(None, key, "byte item has no storage entry", hint=CORRUPT_HINT))
+                    out.findings.append(
+                        Finding(None, key, "byte item has no storage entry", hint=CORRUPT_HINT)
+                    )
                 else:
                     out.used.add((key, None))
                     out.located.append((key, None, loc, None))
                     entry = BytesEntry(key, path, loc.file, loc.offset, loc.length)
             else:
-                out.findings.append(Finding(None, key, f"unknown item type {type(item).__name__}", hint=CORRUPT_HINT))
+                out.findings.append(
+                    Finding(None, key, f"unknown item type {type(item).__name__}", hint=CORRUPT_HINT)
+                )
                 entry = None
-        except Exception as exc:   # a damaged item of the allowed classes
-            out.findings.append(Finding(None, key, f"cannot check: {type(exc).__name__}: {exc}", hint=CORRUPT_HINT))
+        except Exception as exc:  # a damaged item of the allowed classes
+            out.findings.append(
+                Finding(None, key, f"cannot check: {type(exc).__name__}: {exc}", hint=CORRUPT_HINT)
+            )
             entry = None
         if entry is not None:
             out.entries[key] = entry
     for fqn, off in sorted(set(out.storage) - out.used, key=lambda t: (str(t[0]), t[1] or ())):
-        out.findings.append(Finding(out.storage[(fqn, off)].file, fqn,
-                                    f"storage item at offsets {list(off) if off is not None else None} is referenced "
-                                    "by no chunk in state_dict_metadata (orphaned: its data is never loaded)",
-                                    severity=WARNING))
+        out.findings.append(
+            Finding(
+                out.storage[(fqn, off)].file,
+                fqn,
+                f"storage item at offsets {list(off) if off is not None else None} is referenced "
+                "by no chunk in state_dict_metadata (orphaned: its data is never loaded)",
+                severity=WARNING,
+            )
+        )
     out.counts = {"keys": len(sdm), "tensors": tensors, "byte_items": byte_items}
     return out

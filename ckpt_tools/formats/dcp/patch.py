@@ -9,6 +9,7 @@ written into the checkpoint itself, the old `.metadata` kept as `.metadata.bak-<
 new one swapped in with one atomic rename; `clean_in_place_leftovers` finishes what a killed in-place
 run left.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +37,7 @@ from .model import BytesEntry, TensorEntry
 from .reader import DcpCheckpoint
 from .writer import DcpWriter
 
-__all__ = ["PATCH_PREFIX", "PatchResult", "patch_checkpoint", "clean_in_place_leftovers"]
+__all__ = ["PATCH_PREFIX", "PatchResult", "clean_in_place_leftovers", "patch_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ class PatchResult:
     in_place: bool
     patch_file: str
     changed_keys: int
-    bytes_written: int            # patch file + new .metadata
-    linked: dict                  # method -> number of data files (hardlink | reflink | copy)
+    bytes_written: int  # patch file + new .metadata
+    linked: dict  # method -> number of data files (hardlink | reflink | copy)
     backup: str | None
     seconds: float
     warnings: list = field(default_factory=list)
@@ -65,7 +66,7 @@ def _encode(obj) -> bytes:
 
 def _patch_file_name(ckpt_dir: Path) -> str:
     n = 0
-    while os.path.lexists(ckpt_dir / f"{PATCH_PREFIX}{n}.distcp"):   # lexists: a dangling link is taken too
+    while os.path.lexists(ckpt_dir / f"{PATCH_PREFIX}{n}.distcp"):  # lexists: a dangling link is taken too
         n += 1
     return f"{PATCH_PREFIX}{n}.distcp"
 
@@ -76,8 +77,9 @@ def _register_all(writer, ckpt: DcpCheckpoint, new_values: dict[str, Any], patch
             writer.copy_bytes_item(key, e.path, _encode(new_values[key]), rel=patch_rel)
         elif isinstance(e, TensorEntry):
             for c in e.chunks:
-                writer.register_existing_chunk(key, e.path, e.dtype, e.shape, c.offsets, c.sizes, c.file, c.offset,
-                                               c.length)
+                writer.register_existing_chunk(
+                    key, e.path, e.dtype, e.shape, c.offsets, c.sizes, c.file, c.offset, c.length
+                )
         else:
             writer.register_existing_bytes(key, e.path, e.file, e.offset, e.length)
 
@@ -88,20 +90,32 @@ def _check_patchable(ckpt: DcpCheckpoint, new_values: dict[str, Any]) -> None:
     for key in new_values:
         e = ckpt.entries.get(key)
         if not isinstance(e, BytesEntry):
-            raise UsageError("is not a byte item of this checkpoint" if e is None else "is a tensor, not a byte item",
-                             key=key, path=ckpt.dir)
+            raise UsageError(
+                "is not a byte item of this checkpoint" if e is None else "is a tensor, not a byte item",
+                key=key,
+                path=ckpt.dir,
+            )
 
 
-def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str, Any], *,
-                     in_place: bool = False, overwrite: bool = False) -> PatchResult:
+def patch_checkpoint(
+    ckpt: DcpCheckpoint,
+    out: Path | None,
+    new_values: dict[str, Any],
+    *,
+    in_place: bool = False,
+    overwrite: bool = False,
+) -> PatchResult:
     """Write a checkpoint equal to `ckpt` except that each byte item in `new_values` holds its new
     value. `out=None` with `in_place=True` patches `ckpt` itself (backup of `.metadata` kept)."""
     _check_patchable(ckpt, new_values)
     t0 = time.perf_counter()
     if in_place and is_remote_path(ckpt.dir):
-        raise UsageError("--in-place patches a local checkpoint, and this one is at a URL", path=ckpt.dir,
-                         hint="write OUT instead: a URL in the same S3 store copies the data files server-side "
-                              "(O(KB) sent)")
+        raise UsageError(
+            "--in-place patches a local checkpoint, and this one is at a URL",
+            path=ckpt.dir,
+            hint="write OUT instead: a URL in the same S3 store copies the data files server-side "
+            "(O(KB) sent)",
+        )
     if in_place:
         return _patch_in_place(ckpt, new_values, t0)
     if out is None:
@@ -133,18 +147,30 @@ def patch_checkpoint(ckpt: DcpCheckpoint, out: Path | None, new_values: dict[str
         written = (tmp / patch_rel).stat().st_size + (tmp / METADATA_NAME).stat().st_size
     warnings = []
     if counts.get("copy") and is_remote_path(ckpt.dir):
-        warnings.append(f"{counts['copy']} data file(s) were fetched from the URL: a local OUT holds the whole "
-                        "checkpoint (an OUT in the same S3 store is copied server-side, nothing fetched)")
+        warnings.append(
+            f"{counts['copy']} data file(s) were fetched from the URL: a local OUT holds the whole "
+            "checkpoint (an OUT in the same S3 store is copied server-side, nothing fetched)"
+        )
     elif counts.get("copy"):
-        warnings.append(f"{counts['copy']} data file(s) were copied, not linked (output on another filesystem?)")
-    return PatchResult(out=str(out), in_place=False, patch_file=patch_rel, changed_keys=len(new_values),
-                       bytes_written=written, linked=counts, backup=None,
-                       seconds=round(time.perf_counter() - t0, 4), warnings=warnings)
+        warnings.append(
+            f"{counts['copy']} data file(s) were copied, not linked (output on another filesystem?)"
+        )
+    return PatchResult(
+        out=str(out),
+        in_place=False,
+        patch_file=patch_rel,
+        changed_keys=len(new_values),
+        bytes_written=written,
+        linked=counts,
+        backup=None,
+        seconds=round(time.perf_counter() - t0, 4),
+        warnings=warnings,
+    )
 
 
 def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) -> PatchResult:
     d = ckpt.dir
-    lock = OutputLock(lock_path_for(d), d)   # the same lock an AtomicOutputDir(ckpt) would take
+    lock = OutputLock(lock_path_for(d), d)  # the same lock an AtomicOutputDir(ckpt) would take
     lock.acquire()
     try:
         removed = clean_in_place_leftovers(d)
@@ -164,7 +190,7 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
         _register_all(writer, ckpt, new_values, patch_rel)
         # the old metadata survives the swap under this name (the entry itself, never a link's target)
         link_entry(d / METADATA_NAME, backup)
-        writer.finish()                      # fsync patch, write .metadata.tmp-*, fsync, rename over .metadata
+        writer.finish()  # fsync patch, write .metadata.tmp-*, fsync, rename over .metadata
         swapped = True
         fsync_path(d)
     except BaseException:
@@ -176,10 +202,17 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
     finally:
         lock.release()
     written = (d / patch_rel).stat().st_size + (d / METADATA_NAME).stat().st_size
-    return PatchResult(out=str(d), in_place=True, patch_file=patch_rel, changed_keys=len(new_values),
-                       bytes_written=written, linked={}, backup=str(backup),
-                       seconds=round(time.perf_counter() - t0, 4),
-                       warnings=[f"removed {n}, left by a killed in-place run" for n in removed])
+    return PatchResult(
+        out=str(d),
+        in_place=True,
+        patch_file=patch_rel,
+        changed_keys=len(new_values),
+        bytes_written=written,
+        linked={},
+        backup=str(backup),
+        seconds=round(time.perf_counter() - t0, 4),
+        warnings=[f"removed {n}, left by a killed in-place run" for n in removed],
+    )
 
 
 _TMP_LEFTOVER = re.compile(rf"^{re.escape(METADATA_NAME)}{re.escape(METADATA_TMP_TAG)}(\d+)-[0-9a-f]+$")
@@ -189,8 +222,9 @@ _PATCH_FILE = re.compile(rf"^{re.escape(PATCH_PREFIX)}\d+\.distcp$")
 def _referenced_files(meta_path: Path, root: Path) -> set[str] | None:
     """Data files a `.metadata` (or a backup of one) points at; None when it cannot be read."""
     try:
-        md = load_metadata(read_input(meta_path, root=root, what="metadata", max_bytes=MAX_METADATA_BYTES),
-                           str(meta_path))
+        md = load_metadata(
+            read_input(meta_path, root=root, what="metadata", max_bytes=MAX_METADATA_BYTES), str(meta_path)
+        )
         return {str(info.relative_path) for info in md.storage_data.values()}
     except Exception:
         return None
@@ -227,7 +261,7 @@ def clean_in_place_leftovers(d: Path) -> list[str]:
         for m_path in [meta] + [d / n for n in backups if n not in removed]:
             refs = _referenced_files(m_path, d)
             if refs is None:
-                return removed      # a metadata we cannot read: keep every patch file
+                return removed  # a metadata we cannot read: keep every patch file
             used |= refs
         for n in patches:
             if n not in used:

@@ -16,6 +16,7 @@ first writes a small tensor of the same dtype both ways (ours, `torch.save`) and
 bytes are identical (checked once per dtype and process); the caller then writes with torch.save as
 before. Archives that would need zip64 records (>= 4 GiB) are not streamed either.
 """
+
 from __future__ import annotations
 
 import io
@@ -29,19 +30,21 @@ from ...core.crc import crc32
 from ...core.dtypes import ITEMSIZE, STORAGE_CLASSES
 from .item import ItemError, parse_item
 
-__all__ = ["TensorItemParts", "tensor_item_parts", "MAX_STREAMED_BYTES"]
+__all__ = ["MAX_STREAMED_BYTES", "TensorItemParts", "tensor_item_parts"]
 
 _ALIGN = 64
 _PREFIX = "archive/"
-_LIMIT = 0xFFFFFFFF - (1 << 20)      # below this, no zip64 record: miniz's 32-bit fields hold every size
-MAX_STREAMED_BYTES = _LIMIT          # the largest payload `tensor_item_parts` streams
+_LIMIT = 0xFFFFFFFF - (1 << 20)  # below this, no zip64 record: miniz's 32-bit fields hold every size
+MAX_STREAMED_BYTES = _LIMIT  # the largest payload `tensor_item_parts` streams
 _STORAGE_CLASS = {dtype: cls for cls, dtype in STORAGE_CLASSES.items()}
-_CHECKED: dict[str, tuple | None] = {}   # dtype -> (name hash digits, constant records) or None: not ours
+_CHECKED: dict[str, tuple | None] = {}  # dtype -> (name hash digits, constant records) or None: not ours
 
 
 def _fold(seed: int, value: int) -> int:
     """c10::hash_combine on a 64-bit size_t."""
-    return (seed ^ (value + 0x9E3779B9 + ((seed << 6) & 0xFFFFFFFFFFFFFFFF) + (seed >> 2))) & 0xFFFFFFFFFFFFFFFF
+    return (
+        seed ^ (value + 0x9E3779B9 + ((seed << 6) & 0xFFFFFFFFFFFFFFFF) + (seed >> 2))
+    ) & 0xFFFFFFFFFFFFFFFF
 
 
 def _extra(cursor: int, name: bytes) -> bytes:
@@ -52,7 +55,11 @@ def _extra(cursor: int, name: bytes) -> bytes:
 
 def _local(cursor: int, name: bytes) -> bytes:
     extra = _extra(cursor, name)
-    return struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+    return (
+        struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(name), len(extra))
+        + name
+        + extra
+    )
 
 
 def _descriptor(crc: int, size: int) -> bytes:
@@ -60,16 +67,37 @@ def _descriptor(crc: int, size: int) -> bytes:
 
 
 def _central(name: bytes, crc: int, size: int, offset: int) -> bytes:
-    return struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 0, 0, 0x0808, 0, 0, 0, crc, size, size, len(name),
-                       0, 0, 0, 0, 0, offset) + name
+    return (
+        struct.pack(
+            "<4sHHHHHHIIIHHHHHII",
+            b"PK\x01\x02",
+            0,
+            0,
+            0x0808,
+            0,
+            0,
+            0,
+            crc,
+            size,
+            size,
+            len(name),
+            0,
+            0,
+            0,
+            0,
+            0,
+            offset,
+        )
+        + name
+    )
 
 
 def _data_pkl(dtype: str, shape: tuple[int, ...]) -> bytes:
     """torch.save's `data.pkl` of a contiguous CPU tensor of `dtype` and `shape` that owns its storage."""
-    import torch   # lazy: the rest of this module is plain bytes
+    import torch  # lazy: the rest of this module is plain bytes
     import torch._utils
 
-    rebuild = torch._utils._rebuild_tensor_v2   # what torch.save's data.pkl names (its GLOBAL opcode)
+    rebuild = torch._utils._rebuild_tensor_v2  # what torch.save's data.pkl names (its GLOBAL opcode)
 
     numel = math.prod(shape)
     stride, acc = [], 1
@@ -99,12 +127,13 @@ def _data_pkl(dtype: str, shape: tuple[int, ...]) -> bytes:
 @dataclass(frozen=True)
 class TensorItemParts:
     """The bytes of one tensor item around its payload of `payload_bytes` (whose CRC-32 the tail needs)."""
+
     head: bytes
     payload_bytes: int
-    data_offset: int       # where data/0's local header starts
-    pre: tuple             # (name, crc, size, offset) of the records before data/0
-    name_hash: str         # the serialization id's first 20 digits (the record names')
-    version: bytes         # the `version` record
+    data_offset: int  # where data/0's local header starts
+    pre: tuple  # (name, crc, size, offset) of the records before data/0
+    name_hash: str  # the serialization id's first 20 digits (the record names')
+    version: bytes  # the `version` record
 
     def tail(self, crc: int) -> bytes:
         """Everything after the payload, given the payload's CRC-32: its data descriptor, the records after
@@ -131,8 +160,19 @@ class TensorItemParts:
         cd = b"".join(_central(n, c, s, o) for n, c, s, o in records)
         out += cd
         z64 = cd_off + len(cd)
-        out += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 0x031E, 0x002D, 0, 0, len(records), len(records),
-                           len(cd), cd_off)
+        out += struct.pack(
+            "<4sQHHIIQQQQ",
+            b"PK\x06\x06",
+            44,
+            0x031E,
+            0x002D,
+            0,
+            0,
+            len(records),
+            len(records),
+            len(cd),
+            cd_off,
+        )
         out += struct.pack("<4sIQI", b"PK\x06\x07", 0, z64, 1)
         out += struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(records), len(records), len(cd), cd_off, 0)
         return bytes(out)
@@ -147,8 +187,12 @@ def _build(dtype: str, shape: tuple[int, ...], name_hash: str, consts: tuple) ->
     fmt, align, order, version = consts
     head = bytearray()
     pre = []
-    for rel, data in (("data.pkl", _data_pkl(dtype, shape)), (".format_version", fmt),
-                      (".storage_alignment", align), ("byteorder", order)):
+    for rel, data in (
+        ("data.pkl", _data_pkl(dtype, shape)),
+        (".format_version", fmt),
+        (".storage_alignment", align),
+        ("byteorder", order),
+    ):
         name = (_PREFIX + rel).encode()
         at = len(head)
         c = crc32(data)
@@ -156,8 +200,9 @@ def _build(dtype: str, shape: tuple[int, ...], name_hash: str, consts: tuple) ->
         pre.append((name, c, len(data), at))
     data_offset = len(head)
     head += _local(data_offset, (_PREFIX + "data/0").encode())
-    return TensorItemParts(bytes(head), math.prod(shape) * ITEMSIZE[dtype], data_offset, tuple(pre), name_hash,
-                           version)
+    return TensorItemParts(
+        bytes(head), math.prod(shape) * ITEMSIZE[dtype], data_offset, tuple(pre), name_hash, version
+    )
 
 
 def _learn(dtype: str) -> tuple | None:
@@ -165,15 +210,20 @@ def _learn(dtype: str) -> tuple | None:
     import torch
 
     from ...core.dtypes import torch_dtype
+
     t = torch.arange(6, dtype=torch.float64).reshape(2, 3).to(torch_dtype(dtype))
     buf = io.BytesIO()
     torch.save(t, buf)
     want = buf.getvalue()
     try:
-        records = {name: want[off:off + size] for name, off, size, _crc in parse_item(io.BytesIO(want)).records}
+        records = {
+            name: want[off : off + size] for name, off, size, _crc in parse_item(io.BytesIO(want)).records
+        }
         sid = records[_PREFIX + ".data/serialization_id"].decode()
-        consts = tuple(records[_PREFIX + n] for n in (".format_version", ".storage_alignment", "byteorder", "version"))
-    except (ItemError, KeyError, UnicodeDecodeError):   # another archive layout: not ours to stream
+        consts = tuple(
+            records[_PREFIX + n] for n in (".format_version", ".storage_alignment", "byteorder", "version")
+        )
+    except (ItemError, KeyError, UnicodeDecodeError):  # another archive layout: not ours to stream
         return None
     if len(sid) != 40:
         return None
@@ -189,7 +239,7 @@ def tensor_item_parts(dtype: str, shape: tuple[int, ...]) -> TensorItemParts | N
     writes them; None where ours would differ (checked on a small tensor once per dtype) or the archive
     would need zip64 records, or the tensor is empty."""
     nbytes = math.prod(shape) * ITEMSIZE[dtype] if dtype in ITEMSIZE else 0
-    if dtype not in _STORAGE_CLASS or not 0 < nbytes <= _LIMIT:   # (an empty tensor is archived otherwise)
+    if dtype not in _STORAGE_CLASS or not 0 < nbytes <= _LIMIT:  # (an empty tensor is archived otherwise)
         return None
     if dtype not in _CHECKED:
         _CHECKED[dtype] = _learn(dtype)

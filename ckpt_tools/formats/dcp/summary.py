@@ -2,6 +2,7 @@
 fields): key groups and their bytes, frozen vs unique bytes, the LoRA's rank and targets, the world
 size, the schedule. Never a byte of tensor data. `ckpt inspect` prints it; `ckpt doctor` reads a
 run's checkpoints through it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ __all__ = ["CheckpointSummary", "summarize"]
 class CheckpointSummary:
     path: str
     keys: int
-    infos: tuple                 # core.keys.KeyInfo per key
-    groups: dict                 # group -> GroupStats
-    lora: object                 # core.keys.LoraStats
+    infos: tuple  # core.keys.KeyInfo per key
+    groups: dict  # group -> GroupStats
+    lora: object  # core.keys.LoraStats
     world_size: int | None
     step: object
     lr: object
@@ -33,9 +34,10 @@ class CheckpointSummary:
     unique_bytes: int
     metadata_bytes: int
     data_files: tuple[str, ...]
-    experts: dict | None = None  # MoE (prime-format grouped experts): layers, experts per layer, expert blocks
+    experts: dict | None = (
+        None  # MoE (prime-format grouped experts): layers, experts per layer, expert blocks
+    )
     full_finetune: bool = False  # optimizer state for base weights: every parameter trained, no LoRA
-
 
     @property
     def frozen_fraction(self) -> float:
@@ -54,8 +56,12 @@ def summarize(ckpt: DcpCheckpoint) -> CheckpointSummary:
 
     def value(group, field, idx=None, sub=None):
         for i in infos:
-            if i.group == group and i.field == field and (idx is None or i.group_index == idx) \
-                    and i.sub_scheduler == sub:
+            if (
+                i.group == group
+                and i.field == field
+                and (idx is None or i.group_index == idx)
+                and i.sub_scheduler == sub
+            ):
                 return ckpt.read_object(i.key)
         return None
 
@@ -63,8 +69,10 @@ def summarize(ckpt: DcpCheckpoint) -> CheckpointSummary:
     subs = sorted({i.sub_scheduler for i in infos if i.group == "scheduler" and i.sub_scheduler is not None})
     sched = {"type": scheduler_class(sched_fields)}
     if subs:
-        sched["schedulers"] = [scheduler_class({i.field for i in infos if i.group == "scheduler"
-                                                and i.sub_scheduler == j}) for j in subs]
+        sched["schedulers"] = [
+            scheduler_class({i.field for i in infos if i.group == "scheduler" and i.sub_scheduler == j})
+            for j in subs
+        ]
         sched["milestones"] = value("scheduler", "_milestones")
     for f in ("last_epoch", "_last_lr", "base_lrs"):
         if f in sched_fields:
@@ -75,18 +83,36 @@ def summarize(ckpt: DcpCheckpoint) -> CheckpointSummary:
     if stacked:
         per_layer = sorted({shapes[i.key][0] for i in stacked})
         blocks = sorted({len([c for c in ckpt.entries[i.key].chunks if c.numel]) for i in stacked})
-        experts = {"layers": len({i.module for i in stacked}), "experts": per_layer[0] if len(per_layer) == 1
-                   else per_layer, "expert_blocks": blocks[0] if len(blocks) == 1 else blocks,
-                   "lora_expert_modules": lora.expert_modules}
+        experts = {
+            "layers": len({i.module for i in stacked}),
+            "experts": per_layer[0] if len(per_layer) == 1 else per_layer,
+            "expert_blocks": blocks[0] if len(blocks) == 1 else blocks,
+            "lora_expert_modules": lora.expert_modules,
+        }
     base_params = {i.key.removeprefix("app.model.") for i in infos if i.group == "base"}
     trained = {i.param for i in infos if i.group == "optimizer_state"}
     # frozen: base weights without optimizer state (a full fine-tune's base weights are trained, not frozen)
-    frozen = sum(stored[i.key] for i in infos if i.group in FROZEN_GROUPS
-                 and i.key.removeprefix("app.model.") not in trained)
+    frozen = sum(
+        stored[i.key]
+        for i in infos
+        if i.group in FROZEN_GROUPS and i.key.removeprefix("app.model.") not in trained
+    )
     return CheckpointSummary(
-        path=str(ckpt.dir), keys=len(infos), infos=tuple(infos), groups=groups, lora=lora,
-        world_size=world_size_from_chunks(sharded), step=progress.get("step"), lr=value("param_groups", "lr", 0),
-        initial_lr=value("param_groups", "initial_lr", 0), scheduler=sched, progress=progress,
-        frozen_bytes=frozen, unique_bytes=sum(st.bytes for st in groups.values()) - frozen,
-        metadata_bytes=(Path(ckpt.dir) / METADATA_NAME).stat().st_size, data_files=tuple(ckpt.data_files()),
-        experts=experts, full_finetune=bool(base_params & trained) and lora.modules == 0)
+        path=str(ckpt.dir),
+        keys=len(infos),
+        infos=tuple(infos),
+        groups=groups,
+        lora=lora,
+        world_size=world_size_from_chunks(sharded),
+        step=progress.get("step"),
+        lr=value("param_groups", "lr", 0),
+        initial_lr=value("param_groups", "initial_lr", 0),
+        scheduler=sched,
+        progress=progress,
+        frozen_bytes=frozen,
+        unique_bytes=sum(st.bytes for st in groups.values()) - frozen,
+        metadata_bytes=(Path(ckpt.dir) / METADATA_NAME).stat().st_size,
+        data_files=tuple(ckpt.data_files()),
+        experts=experts,
+        full_finetune=bool(base_params & trained) and lora.modules == 0,
+    )

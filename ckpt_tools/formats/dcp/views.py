@@ -10,6 +10,7 @@ tensor (each item decoded once, `formats.dcp.item`); any other chunk layout is r
 through the checkpoint reader's torch.load fallback. Every payload byte read through an extent is
 checked against its item's zip CRC-32 as it arrives (`DcpCheckpoint.check_piece`): a damaged item is
 a ChecksumError, never a tensor."""
+
 from __future__ import annotations
 
 import math
@@ -59,13 +60,22 @@ def _slice_extents(extents: list[Extent], start: int, nbytes: int) -> list[Exten
     for x in extents:
         lo, hi = max(start, x.start), min(start + nbytes, x.start + x.nbytes)
         if lo < hi:
-            out.append(Extent(lo - start, hi - lo, x.file, x.offset + (lo - x.start), x.record,
-                              x.record_pos + (lo - x.start)))
+            out.append(
+                Extent(
+                    lo - start,
+                    hi - lo,
+                    x.file,
+                    x.offset + (lo - x.start),
+                    x.record,
+                    x.record_pos + (lo - x.start),
+                )
+            )
     return out
 
 
 class _DcpSource(Source):
     """Names -> (DCP key, expert index or None): a name is a whole tensor or one dim-0 slice of it."""
+
     kind = "dcp"
 
     def __init__(self, path, label, trust_pickle: bool, ckpt: DcpCheckpoint | None):
@@ -91,7 +101,7 @@ class _DcpSource(Source):
         return self._keys[name][0]
 
     def ref(self, name: str) -> str:
-        """A unique reference of tensor `name` in the checkpoint: its DCP key, `key[e]` for an expert slice."""
+        """A unique reference of tensor `name` in the checkpoint: its DCP key (`key[e]`: an expert slice)."""
         key, expert = self._keys[self.facts(name).name]
         return key if expert is None else f"{key}[{expert}]"
 
@@ -123,8 +133,15 @@ class _DcpSource(Source):
 
     def _check_piece(self, e: Extent, pos: int, data, name: str) -> None:
         at, size, crc = e.record
-        self.ckpt.check_piece(e.file, at, size, crc, e.record_pos + pos, data,
-                              self._keys[name][0] if name in self._keys else name)
+        self.ckpt.check_piece(
+            e.file,
+            at,
+            size,
+            crc,
+            e.record_pos + pos,
+            data,
+            self._keys[name][0] if name in self._keys else name,
+        )
 
     def close(self) -> None:
         super().close()
@@ -133,13 +150,19 @@ class _DcpSource(Source):
 
 
 class DcpBaseSource(_DcpSource):
-    masters = True   # prime-rl's checkpoint holds the fp32 masters of the weights it trained
+    masters = True  # prime-rl's checkpoint holds the fp32 masters of the weights it trained
 
-    def __init__(self, path: str | Path, label: str | None = None, *, trust_pickle: bool = False,
-                 ckpt: DcpCheckpoint | None = None,
-                 empty_hint: str = "a slim checkpoint has none: `ckpt rehydrate` it, or compare the HF base instead"):
+    def __init__(
+        self,
+        path: str | Path,
+        label: str | None = None,
+        *,
+        trust_pickle: bool = False,
+        ckpt: DcpCheckpoint | None = None,
+        empty_hint: str = "a slim checkpoint has none: `ckpt rehydrate` it, or compare the HF base instead",
+    ):
         super().__init__(path, label, trust_pickle, ckpt)
-        self.stacked: dict[str, str] = {}      # HF per-expert name -> the stacked DCP key it is a slice of
+        self.stacked: dict[str, str] = {}  # HF per-expert name -> the stacked DCP key it is a slice of
         for key, e in self.ckpt.entries.items():
             ki = classify(key, e.path)
             if ki.group != "base" or not isinstance(e, TensorEntry):
@@ -151,15 +174,24 @@ class DcpBaseSource(_DcpSource):
             else:
                 self._add(ki.hf_name, key, e)
         if not self._facts:
-            raise FormatError("the checkpoint holds no base weights (no app.model.<name> tensors)",
-                              path=self.path / METADATA_NAME, hint=empty_hint)
+            raise FormatError(
+                "the checkpoint holds no base weights (no app.model.<name> tensors)",
+                path=self.path / METADATA_NAME,
+                hint=empty_hint,
+            )
 
 
 class DcpKeySource(_DcpSource):
     """Every tensor of a checkpoint under its DCP key, and `key[e]` slices of stacked ones on request."""
 
-    def __init__(self, path: str | Path | None = None, label: str | None = None, *, trust_pickle: bool = False,
-                 ckpt: DcpCheckpoint | None = None):
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        label: str | None = None,
+        *,
+        trust_pickle: bool = False,
+        ckpt: DcpCheckpoint | None = None,
+    ):
         super().__init__(path, label, trust_pickle, ckpt)
         for key, e in self.ckpt.entries.items():
             if isinstance(e, TensorEntry):
@@ -171,7 +203,9 @@ class DcpKeySource(_DcpSource):
         if name not in self._facts:
             e = self.ckpt.entries[key]
             if not e.shape or not 0 <= expert < e.shape[0]:
-                raise FormatError(f"expert {expert} is outside the tensor's {list(e.shape)}", path=self.path, key=key)
+                raise FormatError(
+                    f"expert {expert} is outside the tensor's {list(e.shape)}", path=self.path, key=key
+                )
             with self._lock:
-                self._add(name, key, e, expert)   # facts only: `extents` takes the lock separately
+                self._add(name, key, e, expert)  # facts only: `extents` takes the lock separately
         return name

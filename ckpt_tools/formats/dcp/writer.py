@@ -28,6 +28,7 @@ Python 3.13's pathlib objects, and prime-rl runs 3.12. The metadata names torch'
 prime-rl's loader unpickles), encoded without torch (`metadata_pickle`): a command that copies items
 verbatim (slim, rehydrate's copies, set-lr) needs no torch; torch is imported where a tensor is saved.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,7 +38,6 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ...core.dtypes import dtype_name, itemsize
@@ -47,16 +47,17 @@ from ...io.files import atomic_write_bytes, create_new, make_dirs, pwrite_all, s
 from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
 from .metadata_pickle import DCP_VERSION, StorageRecord, TensorRecord, metadata_pickle
 
-if TYPE_CHECKING:   # annotations only: torch is imported where a tensor is saved (torch.save)
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is saved (torch.save)
     import torch
 
-__all__ = ["DcpWriter", "DCP_VERSION", "FileRange", "ItemSlot"]
+__all__ = ["DCP_VERSION", "DcpWriter", "FileRange", "ItemSlot"]
 
 
 @dataclass(frozen=True)
 class FileRange:
     """A stored item to copy verbatim from bytes [offset, offset + length) of the open input `fd` (in the
     kernel, `io.copy.copy_range`: the bytes never pass through this process)."""
+
     fd: int
     offset: int
     length: int
@@ -64,7 +65,7 @@ class FileRange:
     key: str
 
 
-_GATHER_BYTES = 1 << 16    # writes smaller than this are gathered into one pwrite
+_GATHER_BYTES = 1 << 16  # writes smaller than this are gathered into one pwrite
 _WRITEBACK_BYTES = 1 << 20  # a write at least this large starts its writeback to disk at once
 
 
@@ -99,8 +100,16 @@ class _Sink:
     def copy(self, raw: FileRange) -> None:
         """The bytes of `raw` appended, copied in the kernel (`io.copy.copy_range`)."""
         self.flush()
-        copy_range(raw.fd, raw.offset, self.fd, self.start + self.pos, raw.length, path=raw.path, key=raw.key,
-                   block_bytes=1 << 30)
+        copy_range(
+            raw.fd,
+            raw.offset,
+            self.fd,
+            self.start + self.pos,
+            raw.length,
+            path=raw.path,
+            key=raw.key,
+            block_bytes=1 << 30,
+        )
         self.pos += raw.length
 
 
@@ -113,17 +122,21 @@ def _write_raw(sink: _Sink, raw) -> None:
 
 @dataclass(frozen=True)
 class ItemSlot:
-    """Bytes [start, start + length) of output data file `rel`, reserved for one item (`DcpWriter.reserve_chunk`,
+    """Bytes [start, start + length) of output data file `rel`, reserved for one item
+    (`DcpWriter.reserve_chunk`,
     `reserve_bytes`): its bytes are written at their place, from any thread, in any order."""
-    writer: "DcpWriter"
+
+    writer: DcpWriter
     rel: str
     start: int
     length: int
 
     def _range(self, pos: int, n: int) -> int:
-        if pos < 0 or pos + n > self.length:   # an internal invariant: an item never spills into the next
-            raise UsageError(f"bytes [{pos}, {pos + n}) outside the item's {self.length} bytes at {self.start} of "
-                             f"{self.rel}")
+        if pos < 0 or pos + n > self.length:  # an internal invariant: an item never spills into the next
+            raise UsageError(
+                f"bytes [{pos}, {pos + n}) outside the item's {self.length} bytes at {self.start} of "
+                f"{self.rel}"
+            )
         return self.start + pos
 
     def write_at(self, pos: int, data) -> None:
@@ -139,13 +152,14 @@ class ItemSlot:
 @dataclass
 class _TensorDecl:
     path: tuple
-    dtype: str                 # a dtype name ("float32")
+    dtype: str  # a dtype name ("float32")
     size: tuple[int, ...]
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
 
 
 def _torch_save(obj, fh) -> None:
-    import torch   # lazy: copying items verbatim and writing `.metadata` need no torch
+    import torch  # lazy: copying items verbatim and writing `.metadata` need no torch
+
     torch.save(obj, fh)
 
 
@@ -157,13 +171,13 @@ class DcpWriter:
         self.files = max(1, files)
         # None: this process writes every file; else the data file names (`__i_0.distcp`) that are its own
         self._owned = None if owned_files is None else frozenset(data_file_name(i) for i in owned_files)
-        self._seq = 0                      # the next item's sequence number (the same on every rank)
-        self._records: list[list] = []     # this rank's items, for rank 0's .metadata (split mode)
-        self._seen: set[str] = set()       # keys of items counted but written by another rank
-        self._fds: dict[str, int] = {}     # data file -> its fd (created new)
-        self._end: dict[str, int] = {}     # data file -> the end of its last registered item
-        self._lock = threading.Lock()      # the slots' writes against abort/finish (`_active`, `_closed`)
-        self._active = 0                   # slot writes in flight (other threads)
+        self._seq = 0  # the next item's sequence number (the same on every rank)
+        self._records: list[list] = []  # this rank's items, for rank 0's .metadata (split mode)
+        self._seen: set[str] = set()  # keys of items counted but written by another rank
+        self._fds: dict[str, int] = {}  # data file -> its fd (created new)
+        self._end: dict[str, int] = {}  # data file -> the end of its last registered item
+        self._lock = threading.Lock()  # the slots' writes against abort/finish (`_active`, `_closed`)
+        self._active = 0  # slot writes in flight (other threads)
         self._closed = False
         self._tensors: dict[str, _TensorDecl] = {}
         self._bytes: set[str] = set()
@@ -186,7 +200,9 @@ class DcpWriter:
         self._seq += 1
         self._seen.add(key)
 
-    def _record(self, kind: str, key: str, path: tuple, rel: str, start: int, length: int, chunk=None) -> None:
+    def _record(
+        self, kind: str, key: str, path: tuple, rel: str, start: int, length: int, chunk=None
+    ) -> None:
         if self._owned is not None:
             self._records.append([self._seq, kind, key, list(path), rel, start, length, chunk])
         self._seq += 1
@@ -219,8 +235,9 @@ class DcpWriter:
         return sink.start, sink.pos
 
     def _reserve(self, length: int):
-        def write(sink: _Sink) -> None:   # nothing yet: the slot's owner writes the bytes at their place
+        def write(sink: _Sink) -> None:  # nothing yet: the slot's owner writes the bytes at their place
             sink.pos = length
+
         return write
 
     def _begin(self, rel: str) -> int:
@@ -248,13 +265,15 @@ class DcpWriter:
     def _copy(self, rel: str, offset: int, raw: FileRange) -> None:
         fd = self._begin(rel)
         try:
-            copy_range(raw.fd, raw.offset, fd, offset, raw.length, path=raw.path, key=raw.key, block_bytes=1 << 30)
+            copy_range(
+                raw.fd, raw.offset, fd, offset, raw.length, path=raw.path, key=raw.key, block_bytes=1 << 30
+            )
             if raw.length >= _WRITEBACK_BYTES:
                 start_writeback(fd, offset, raw.length)
         finally:
             self._end_write()
 
-    def _close_fds(self) -> None:   # (under the lock, or with no write in flight)
+    def _close_fds(self) -> None:  # (under the lock, or with no write in flight)
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
@@ -265,9 +284,16 @@ class DcpWriter:
         self._planner[key] = tuple(path)
 
     # ---------------------------------------------------------------- tensors
-    def write_tensor(self, key: str, path: tuple, tensor: torch.Tensor, *, world_size: int = 1,
-                     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
-                     file_index: int | None = None) -> None:
+    def write_tensor(
+        self,
+        key: str,
+        path: tuple,
+        tensor: torch.Tensor,
+        *,
+        world_size: int = 1,
+        chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+        file_index: int | None = None,
+    ) -> None:
         """Write a full tensor as row chunks for `world_size` ranks, or as the explicit `chunks`
         (offsets, sizes) given (any layout, empty chunks included)."""
         t = tensor.detach().cpu()
@@ -275,48 +301,111 @@ class DcpWriter:
             if t.dim() == 0:
                 chunks = [((), ())]
             else:
-                chunks = [((s,) + (0,) * (t.dim() - 1), (n,) + tuple(t.shape[1:]))
-                          for s, n in row_chunks(t.shape[0], world_size)]
+                chunks = [
+                    ((s,) + (0,) * (t.dim() - 1), (n,) + tuple(t.shape[1:]))
+                    for s, n in row_chunks(t.shape[0], world_size)
+                ]
         for i, (offs, sizes) in enumerate(chunks):
             region = t[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] if sizes else t
             # torch.save of a view would store the whole base storage: copy into its own storage.
-            piece = region.contiguous().clone() if region.data_ptr() != t.data_ptr() or \
-                region.numel() != t.numel() else region.contiguous()
+            piece = (
+                region.contiguous().clone()
+                if region.data_ptr() != t.data_ptr() or region.numel() != t.numel()
+                else region.contiguous()
+            )
             fi = (file_index if file_index is not None else i) % self.files
-            self._add_chunk_item(key, path, dtype_name(t.dtype), tuple(t.shape), tuple(offs), tuple(sizes),
-                                 data_file_name(fi), lambda fh, p=piece: _torch_save(p, fh))
+            self._add_chunk_item(
+                key,
+                path,
+                dtype_name(t.dtype),
+                tuple(t.shape),
+                tuple(offs),
+                tuple(sizes),
+                data_file_name(fi),
+                lambda fh, p=piece: _torch_save(p, fh),
+            )
 
-    def write_chunk(self, key: str, path: tuple, piece: torch.Tensor, *, size: tuple[int, ...],
-                    offsets: tuple[int, ...], file_index: int = 0) -> None:
+    def write_chunk(
+        self,
+        key: str,
+        path: tuple,
+        piece: torch.Tensor,
+        *,
+        size: tuple[int, ...],
+        offsets: tuple[int, ...],
+        file_index: int = 0,
+    ) -> None:
         """Write one chunk, given as its own tensor, of a tensor of global `size` at `offsets`
         (callers that produce a big tensor chunk by chunk never hold the whole of it)."""
         p = piece.detach().cpu().contiguous()
         if p.untyped_storage().nbytes() != p.numel() * p.element_size():
             p = p.clone()  # torch.save of a view would store its whole base storage
-        self._add_chunk_item(key, path, dtype_name(p.dtype), tuple(size), tuple(offsets), tuple(p.shape),
-                             data_file_name(file_index % self.files), lambda fh: _torch_save(p, fh))
+        self._add_chunk_item(
+            key,
+            path,
+            dtype_name(p.dtype),
+            tuple(size),
+            tuple(offsets),
+            tuple(p.shape),
+            data_file_name(file_index % self.files),
+            lambda fh: _torch_save(p, fh),
+        )
 
-    def copy_tensor_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
-                          offsets: tuple[int, ...], sizes: tuple[int, ...], raw_item,
-                          file_index: int = 0) -> None:
+    def copy_tensor_chunk(
+        self,
+        key: str,
+        path: tuple,
+        dtype,
+        size: tuple[int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        raw_item,
+        file_index: int = 0,
+    ) -> None:
         """Append a storage item verbatim (no decode/encode): slim, rehydrate, surgery. `dtype`: a name
         or a torch dtype; `raw_item`: its bytes, or a `FileRange` of an input to copy them from."""
-        self._add_chunk_item(key, path, dtype_name(dtype), tuple(size), tuple(offsets), tuple(sizes),
-                             data_file_name(file_index % self.files), lambda fh: _write_raw(fh, raw_item))
+        self._add_chunk_item(
+            key,
+            path,
+            dtype_name(dtype),
+            tuple(size),
+            tuple(offsets),
+            tuple(sizes),
+            data_file_name(file_index % self.files),
+            lambda fh: _write_raw(fh, raw_item),
+        )
 
-    def reserve_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...], offsets: tuple[int, ...],
-                      sizes: tuple[int, ...], length: int, *, file_index: int = 0) -> ItemSlot | None:
+    def reserve_chunk(
+        self,
+        key: str,
+        path: tuple,
+        dtype,
+        size: tuple[int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        length: int,
+        *,
+        file_index: int = 0,
+    ) -> ItemSlot | None:
         """Register one chunk item of `length` bytes now, in item order, and return its place (`ItemSlot`)
         for its bytes to be written later, from any thread (None: another rank's file, only counted)."""
-        return self._add_chunk_item(key, path, dtype_name(dtype), tuple(size), tuple(offsets), tuple(sizes),
-                                    data_file_name(file_index % self.files), self._reserve(length))
+        return self._add_chunk_item(
+            key,
+            path,
+            dtype_name(dtype),
+            tuple(size),
+            tuple(offsets),
+            tuple(sizes),
+            data_file_name(file_index % self.files),
+            self._reserve(length),
+        )
 
     def reserve_bytes(self, key: str, path: tuple, length: int, *, file_index: int = 0) -> ItemSlot | None:
         """`reserve_chunk` for a byte item."""
         return self._add_bytes_item(key, path, data_file_name(file_index % self.files), self._reserve(length))
 
     def _add_chunk_item(self, key, path, dtype, size, offs, sizes, rel, write) -> ItemSlot | None:
-        itemsize(dtype)   # a dtype torch has (else a FormatError naming it)
+        itemsize(dtype)  # a dtype torch has (else a FormatError naming it)
         decl = self._tensors.get(key)
         if decl is None:
             if key in self._bytes:
@@ -324,11 +413,12 @@ class DcpWriter:
             self._declare(key, path)
             decl = self._tensors[key] = _TensorDecl(tuple(path), dtype, size, [])
         elif decl.dtype != dtype or decl.size != size:
-            raise UsageError(f"chunk disagrees with earlier chunks ({dtype} {size} vs {decl.dtype} "
-                             f"{decl.size})", key=key)
+            raise UsageError(
+                f"chunk disagrees with earlier chunks ({dtype} {size} vs {decl.dtype} {decl.size})", key=key
+            )
         index = len(decl.chunks)
         decl.chunks.append((offs, sizes))
-        if not self._owns_rel(rel):   # another rank's file: counted, not written
+        if not self._owns_rel(rel):  # another rank's file: counted, not written
             self._seq += 1
             return None
         start, length = self._append(rel, write)
@@ -336,9 +426,18 @@ class DcpWriter:
         self._record("chunk", key, path, rel, start, length, [dtype, list(size), list(offs), list(sizes)])
         return ItemSlot(self, rel, start, length)
 
-    def register_existing_chunk(self, key: str, path: tuple, dtype, size: tuple[int, ...],
-                                offsets: tuple[int, ...], sizes: tuple[int, ...], rel: str, offset: int,
-                                length: int) -> None:
+    def register_existing_chunk(
+        self,
+        key: str,
+        path: tuple,
+        dtype,
+        size: tuple[int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        rel: str,
+        offset: int,
+        length: int,
+    ) -> None:
         """Point at an item already present in this dir (a hard-linked source file)."""
         itemsize(dtype)
         decl = self._tensors.get(key)
@@ -355,17 +454,19 @@ class DcpWriter:
         _torch_save(obj, buf)
         self.copy_bytes_item(key, path, buf.getvalue(), file_index=file_index)
 
-    def copy_bytes_item(self, key: str, path: tuple, raw_item, *, file_index: int = 0,
-                        rel: str | None = None) -> None:
-        self._add_bytes_item(key, path, rel or data_file_name(file_index % self.files),
-                             lambda fh: _write_raw(fh, raw_item))
+    def copy_bytes_item(
+        self, key: str, path: tuple, raw_item, *, file_index: int = 0, rel: str | None = None
+    ) -> None:
+        self._add_bytes_item(
+            key, path, rel or data_file_name(file_index % self.files), lambda fh: _write_raw(fh, raw_item)
+        )
 
     def _add_bytes_item(self, key: str, path: tuple, rel: str, write) -> ItemSlot | None:
         if key in self._bytes or key in self._tensors:
             raise UsageError("written twice", key=key)
         self._declare(key, path)
         self._bytes.add(key)
-        if not self._owns_rel(rel):   # another rank's file: counted, not written
+        if not self._owns_rel(rel):  # another rank's file: counted, not written
             self._seq += 1
             return None
         start, length = self._append(rel, write)
@@ -384,10 +485,16 @@ class DcpWriter:
         return set(self._tensors) | self._bytes | self._seen
 
     def metadata_bytes(self, save_id: str | None = None) -> bytes:
-        """`.metadata` for every item written: torch's `Metadata` pickled (`metadata_pickle`), without torch."""
+        """`.metadata` for every item written: torch's `Metadata` pickled by `metadata_pickle`, no torch."""
         tensors = {k: TensorRecord(d.dtype, d.size, d.chunks) for k, d in self._tensors.items()}
-        return metadata_pickle(tensors, self._bytes, dict(self._planner), list(self._storage.values()),
-                               save_id=str(uuid.uuid4()) if save_id is None else save_id, version=DCP_VERSION)
+        return metadata_pickle(
+            tensors,
+            self._bytes,
+            dict(self._planner),
+            list(self._storage.values()),
+            save_id=str(uuid.uuid4()) if save_id is None else save_id,
+            version=DCP_VERSION,
+        )
 
     def finish(self, group=None) -> None:
         """fsync every data file, then write `.metadata` atomically (last: without it the
@@ -395,17 +502,17 @@ class DcpWriter:
         writes into a stranger's directory, where a `.metadata.tmp` may already be a symlink to
         anywhere: it is never followed), fsync, rename over `.metadata`, fsync the directory."""
         with self._lock:
-            if self._active:   # an internal invariant: the slots' writers finish first
+            if self._active:  # an internal invariant: the slots' writers finish first
                 raise UsageError("finish while a write into the checkpoint is in flight")
             self._closed = True
         for rel, fd in self._fds.items():
             size = os.fstat(fd).st_size
-            if size != self._end[rel]:   # an internal invariant: every reserved byte was written
+            if size != self._end[rel]:  # an internal invariant: every reserved byte was written
                 raise UsageError(f"{rel} is {size:,} bytes, its items end at {self._end[rel]:,}")
             os.fsync(fd)
         with self._lock:
             self._close_fds()
-        if self._owned is not None:   # split over ranks: rank 0 registers every rank's items in order
+        if self._owned is not None:  # split over ranks: rank 0 registers every rank's items in order
             gathered = group.gather(self._records, "the checkpoint's item records")
             if gathered is None:
                 self._finished = True
@@ -416,16 +523,17 @@ class DcpWriter:
         atomic_write_bytes(self.dir / METADATA_NAME, data, temp_prefix=f"{METADATA_NAME}{METADATA_TMP_TAG}")
         self._finished = True
 
-    def _replayed(self, records: list[list]) -> "DcpWriter":
+    def _replayed(self, records: list[list]) -> DcpWriter:
         """A writer whose items are `records` (every rank's), registered in sequence order."""
         whole = DcpWriter(self.dir, files=self.files)
-        for seq, kind, key, path, rel, start, length, chunk in sorted(records, key=lambda r: r[0]):
+        for _seq, kind, key, path, rel, start, length, chunk in sorted(records, key=lambda r: r[0]):
             if kind == "bytes":
                 whole.register_existing_bytes(key, tuple(path), rel, start, length)
             else:
                 dtype, size, offs, sizes = chunk
-                whole.register_existing_chunk(key, tuple(path), dtype, tuple(size), tuple(offs), tuple(sizes), rel,
-                                              start, length)
+                whole.register_existing_chunk(
+                    key, tuple(path), dtype, tuple(size), tuple(offs), tuple(sizes), rel, start, length
+                )
         return whole
 
     def abort(self) -> None:

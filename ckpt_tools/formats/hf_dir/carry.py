@@ -2,6 +2,7 @@
 tokenizer, chat template, README, ...): regular top-level files that are not weights, not an index and
 not hidden. Everything else at the top level is skipped (and reported): extra weight files (a stale
 pickle next to new weights would be loaded by someone), subdirectories, hidden entries."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 from ...io.inputs import check_input
 from .names import is_weight_like
 
-__all__ = ["classify_entries", "carry_files"]
+__all__ = ["carry_files", "classify_entries"]
 
 
 def classify_entries(d: Path, exclude: Collection[str] = ()) -> list[tuple[str, str]]:

@@ -16,12 +16,13 @@ The two readers phrase a broken rule differently: verify lists each key or file 
 open lists a rule's findings on one line (`Finding.error`, on the first fatal finding): both are written
 here, where the rule is checked.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from ...core.errors import CkptError, FormatError, MissingFileError
 from ...core.problems import WARNING, Finding
@@ -42,14 +43,14 @@ def _listing(problems: Sequence[str]) -> str:
 
 @dataclass
 class IndexCheck:
-    findings: list[Finding] = field(default_factory=list)    # every broken rule, as verify lists them
-    refusals: list[Finding] = field(default_factory=list)    # the rules an open refuses, first broken first
-    headers: dict[str, SafetensorsHeader] = field(default_factory=dict)   # the shards whose header read
-    files: list[str] = field(default_factory=list)           # the plain shard names the index lists, sorted
-    unreadable: list[str] = field(default_factory=list)      # those that are files whose header did not read
+    findings: list[Finding] = field(default_factory=list)  # every broken rule, as verify lists them
+    refusals: list[Finding] = field(default_factory=list)  # the rules an open refuses, first broken first
+    headers: dict[str, SafetensorsHeader] = field(default_factory=dict)  # the shards whose header read
+    files: list[str] = field(default_factory=list)  # the plain shard names the index lists, sorted
+    unreadable: list[str] = field(default_factory=list)  # those that are files whose header did not read
     weight_map: dict | None = None
     metadata: dict | None = None
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)   # name -> its first shard's entry
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)  # name -> its first shard's entry
 
     def fatal(self) -> Finding | None:
         """The finding an open raises (its `error`), None when the dir opens."""
@@ -90,7 +91,7 @@ def check_index(root: Path, index_path: Path) -> IndexCheck:
         weight_map = None
     out.weight_map = weight_map
     metadata = (index.get("metadata") or {}) if isinstance(index, dict) else None
-    if weight_map is not None and not isinstance(metadata, dict):   # loaders ignore it; an open refuses it
+    if weight_map is not None and not isinstance(metadata, dict):  # loaders ignore it; an open refuses it
         refuse(FormatError("'metadata' is not an object", path=index_path))
     out.metadata = metadata if isinstance(metadata, dict) else None
 
@@ -103,8 +104,13 @@ def check_index(root: Path, index_path: Path) -> IndexCheck:
         keys_of.setdefault(f, []).append(k)
     unsafe = sorted({repr(f) for f in (weight_map or {}).values() if not is_plain_file_name(f)})
     if unsafe:
-        refuse(FormatError(f"weight_map points outside the model directory or at non-file names: {_listing(unsafe)}",
-                           path=index_path, hint="weight_map values must be plain shard file names"))
+        refuse(
+            FormatError(
+                f"weight_map points outside the model directory or at non-file names: {_listing(unsafe)}",
+                path=index_path,
+                hint="weight_map values must be plain shard file names",
+            )
+        )
 
     # 3. shards exist, headers read (an open reads a listed name that is not a regular file, and the
     #    reader refuses it by name; verify calls it missing)
@@ -114,8 +120,11 @@ def check_index(root: Path, index_path: Path) -> IndexCheck:
         p = root / f
         if not p.is_file():
             keys = sorted(keys_of[f])
-            problem(p, keys[0], f"shard listed in {name} is missing ({len(keys)} tensor(s) map to it; this is "
-                                "the first)")
+            problem(
+                p,
+                keys[0],
+                f"shard listed in {name} is missing ({len(keys)} tensor(s) map to it; this is the first)",
+            )
             continue
         try:
             out.headers[f] = read_header(p)
@@ -130,18 +139,27 @@ def check_index(root: Path, index_path: Path) -> IndexCheck:
     if isinstance(total, int) and not failed and len(out.headers) == len(out.files):
         have = sum(t.nbytes for h in out.headers.values() for t in h.tensors.values())
         if have != total:
-            problem(index_path, None, f"metadata.total_size is {total} but the shards hold {have} bytes of tensor "
-                                      "data", severity=WARNING)
+            problem(
+                index_path,
+                None,
+                f"metadata.total_size is {total} but the shards hold {have} bytes of tensor data",
+                severity=WARNING,
+            )
     missing = [f for f in out.files if not os.path.lexists(root / f)]
     if missing:
-        refuse(MissingFileError(f"{len(missing)} shard(s) listed in the index are missing: {_listing(missing)}",
-                                path=index_path, hint="re-download the model or restore the missing shards"))
+        refuse(
+            MissingFileError(
+                f"{len(missing)} shard(s) listed in the index are missing: {_listing(missing)}",
+                path=index_path,
+                hint="re-download the model or restore the missing shards",
+            )
+        )
     elif not out.refusals:
         for f in out.files:
             if f in failed:
                 out.refusals.append(failed[f])
                 break
-            if f not in out.headers:   # there, but not a regular file: the reader's refusal
+            if f not in out.headers:  # there, but not a regular file: the reader's refusal
                 try:
                     read_header(root / f)
                 except (CkptError, OSError) as exc:
@@ -163,14 +181,17 @@ def check_index(root: Path, index_path: Path) -> IndexCheck:
             elif mapped != f:
                 problem(root / f, k, f"tensor is in {f} but {name} maps it to {mapped}")
     for k, f in sorted((weight_map or {}).items()):
-        h = out.headers.get(f) if isinstance(f, str) else None   # a non-name value is refused above
+        h = out.headers.get(f) if isinstance(f, str) else None  # a non-name value is refused above
         if h is not None and k not in h.tensors and k not in owner:
             problem(root / f, k, f"{name} maps the tensor to {f}, which does not hold it")
     out.tensors = {k: out.headers[f].tensors[k] for k, f in owner.items()}
     if not out.refusals and len(out.headers) == len(out.files):
         # every header read: an open lists the disagreements on one line, each seen from both sides
-        lines = [f"index maps {k!r} to {f}, which has no such tensor" for k, f in weight_map.items()
-                 if k not in out.headers[f].tensors]
+        lines = [
+            f"index maps {k!r} to {f}, which has no such tensor"
+            for k, f in weight_map.items()
+            if k not in out.headers[f].tensors
+        ]
         for f, header in out.headers.items():
             for k in header.tensors:
                 mapped = weight_map.get(k)
@@ -179,7 +200,11 @@ def check_index(root: Path, index_path: Path) -> IndexCheck:
                 elif mapped != f:
                     lines.append(f"{f} holds {k!r}, which the index maps to {mapped}")
         if lines:
-            refuse(FormatError(f"index and shard headers disagree: {_listing(lines)}", path=index_path,
-                               hint="the directory mixes files from different saves; re-download or re-export it"))
+            refuse(
+                FormatError(
+                    f"index and shard headers disagree: {_listing(lines)}",
+                    path=index_path,
+                    hint="the directory mixes files from different saves; re-download or re-export it",
+                )
+            )
     return out
-

@@ -1,5 +1,6 @@
 """What an HF `config.json` says, read and checked: the config of a model dir, the shapes it implies,
 whether it describes a given set of tensors, and the changes a derived model's config gets."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,16 @@ from ...core.tied import TIED_PAIRS
 from ...io.inputs import read_json
 from .names import CONFIG_NAME
 
-__all__ = ["SHAPE_RULES", "load_config", "config_dims", "shape_problems", "dtype_disagreement",
-           "config_mismatches", "output_config_changes", "rewrite_config"]
+__all__ = [
+    "SHAPE_RULES",
+    "config_dims",
+    "config_mismatches",
+    "dtype_disagreement",
+    "load_config",
+    "output_config_changes",
+    "rewrite_config",
+    "shape_problems",
+]
 
 
 def load_config(d: Path, *, required: bool, hint: str | None = None) -> tuple[dict | None, str | None]:
@@ -58,14 +67,15 @@ def config_dims(cfg: dict) -> dict[str, int]:
 
     dims = {k: num(k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
     heads, kv = num("num_attention_heads"), num("num_key_value_heads") or num("num_attention_heads")
-    head_dim = num("head_dim") or (dims["hidden_size"] // heads if heads and dims["hidden_size"]
-                                   and dims["hidden_size"] % heads == 0 else None)
+    head_dim = num("head_dim") or (
+        dims["hidden_size"] // heads
+        if heads and dims["hidden_size"] and dims["hidden_size"] % heads == 0
+        else None
+    )
     dims["head_dim"] = head_dim
     dims["q_dim"] = heads * head_dim if heads and head_dim else None
     dims["kv_dim"] = kv * head_dim if kv and head_dim else None
     return {k: v for k, v in dims.items() if v is not None}
-
-
 
 
 def shape_problems(config: dict, shapes: Mapping[str, tuple]) -> Iterator[tuple[str, str]]:
@@ -82,8 +92,13 @@ def shape_problems(config: dict, shapes: Mapping[str, tuple]) -> Iterator[tuple[
                 if all(w in dims for w in want):
                     expected = tuple(dims[w] for w in want)
                     if shape != expected:
-                        yield name, (f"shape {list(shape)} but config.json implies {list(expected)} "
-                                     f"({' x '.join(want)})")
+                        yield (
+                            name,
+                            (
+                                f"shape {list(shape)} but config.json implies {list(expected)} "
+                                f"({' x '.join(want)})"
+                            ),
+                        )
                 break
 
 
@@ -93,8 +108,10 @@ def dtype_disagreement(config: dict, codes) -> str | None:
     code = config_dtype_code(cfg_dtype)
     floats = sorted({c for c in codes if c.startswith(("F", "BF"))})
     if code and floats and code not in floats:
-        return (f"config.json says dtype {cfg_dtype} but the weights are {'/'.join(floats)}; a loader using "
-                "dtype='auto' converts them")
+        return (
+            f"config.json says dtype {cfg_dtype} but the weights are {'/'.join(floats)}; a loader using "
+            "dtype='auto' converts them"
+        )
     return None
 
 
@@ -114,8 +131,9 @@ def config_mismatches(config: dict, shapes: Mapping[str, tuple]) -> list[str]:
         break
     layers = {int(m.group(1)) for n in shapes for m in [re.search(r"\.layers\.(\d+)\.", n)] if m}
     if layers and "num_hidden_layers" in config and config["num_hidden_layers"] != max(layers) + 1:
-        problems.append(f"num_hidden_layers {config['num_hidden_layers']} but the checkpoint has "
-                        f"{max(layers) + 1} layers")
+        problems.append(
+            f"num_hidden_layers {config['num_hidden_layers']} but the checkpoint has {max(layers) + 1} layers"
+        )
     return problems
 
 

@@ -10,6 +10,7 @@ A Hugging Face cache snapshot (`<repo>/snapshots/<rev>/<file> -> ../../blobs/<na
 of its own: an LFS file's blob is named by the sha256 of its content, a plain git file's by its git
 blob id (sha1 of `blob <size>\\0` + content). `blob_digests` reads them from the links.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from ...core.errors import FormatError
 
-__all__ = ["SUMS_NAME", "format_sums", "parse_sums", "blob_digests", "FileDigest"]
+__all__ = ["SUMS_NAME", "FileDigest", "blob_digests", "format_sums", "parse_sums"]
 
 SUMS_NAME = "SHA256SUMS"
 _LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
@@ -45,8 +46,11 @@ def parse_sums(text: str, path: Path) -> dict[str, str]:
             continue
         m = _LINE.match(line)
         if m is None:
-            raise FormatError(f"line {i} is not `<sha256>  <file>`: {line[:80]!r}", path=path,
-                              hint="the file was edited or damaged; it is what `sha256sum FILES > SHA256SUMS` writes")
+            raise FormatError(
+                f"line {i} is not `<sha256>  <file>`: {line[:80]!r}",
+                path=path,
+                hint="the file was edited or damaged; it is what `sha256sum FILES > SHA256SUMS` writes",
+            )
         digest, name = m.group(1).lower(), m.group(2)
         if "/" in name or name in (".", ".."):
             raise FormatError(f"line {i} names {name!r}, not a file of this directory", path=path)

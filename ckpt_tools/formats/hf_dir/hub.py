@@ -4,6 +4,7 @@ holds only part of what the command needs: `need="config"` (the top-level non-we
 tokenizer, chat template, ...) or `need="weights"` (those, the safetensors index and every shard it
 names, or the top-level `*.safetensors` where there is no index; never the pickle, GGUF or other
 weight formats, nothing in subfolders)."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from ...io import hub_fetch
 from ...io.inputs import check_input, read_json, read_text
 from .names import CONFIG_NAME, INDEX_NAME, is_weight_like
 
-__all__ = ["resolve_model_dir", "is_hub_id", "split_revision", "locate_model", "files_needed", "NEEDS"]
+__all__ = ["NEEDS", "files_needed", "is_hub_id", "locate_model", "resolve_model_dir", "split_revision"]
 
 NEEDS = ("config", "weights")
 MAX_INDEX_VALUES = 4_000_000
@@ -34,8 +35,9 @@ def split_revision(text: str) -> tuple[str, str | None]:
     return (repo, rev) if sep else (text, None)
 
 
-def resolve_model_dir(name_or_dir: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
-                      need: str = "weights") -> Path:
+def resolve_model_dir(
+    name_or_dir: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, need: str = "weights"
+) -> Path:
     """A local directory, or a hub id (`org/name`, `org/name@revision`) resolved from the local HF cache
     (no network), or under `--download` fetched into it first (the files `need` names, module doc) when
     the cache lacks them. `cache_dir` overrides the cache location (default: HF_HUB_CACHE)."""
@@ -46,21 +48,28 @@ def resolve_model_dir(name_or_dir: str | os.PathLike, *, cache_dir: str | os.Pat
         raise UsageError(f"{p} is a file; expected a model directory or a hub id")
     text = str(name_or_dir)
     if not is_hub_id(text):
-        raise MissingPathError(p, hint="pass an existing model directory or a hub id (org/name[@revision]) in the local HF cache")
+        raise MissingPathError(
+            p, hint="pass an existing model directory or a hub id (org/name[@revision]) in the local HF cache"
+        )
     repo, revision = split_revision(text)
     cache = Path(cache_dir) if cache_dir is not None else None
     snap = _cached_snapshot(text, repo, revision, cache)
     if hub_fetch.enabled() and (snap is None or not _holds(snap, need)):
-        hub_fetch.download(repo, revision, lambda names, fetch_one: files_needed(names, need, fetch_one, text),
-                           cache_dir=cache)
+        hub_fetch.download(
+            repo,
+            revision,
+            lambda names, fetch_one: files_needed(names, need, fetch_one, text),
+            cache_dir=cache,
+        )
         snap = _cached_snapshot(text, repo, revision, cache)
     if snap is None:
         where = cache_dir if cache_dir is not None else _default_cache()
         raise MissingFileError(
             f"{text!r} is not a local directory and not in the local HF cache ({where})",
             hint="pass --download to fetch only the files this command needs into the cache, or download it "
-                 f"with `hf download {repo}" + (f" --revision {revision}" if revision else "") + "`, or pass a "
-                 "directory")
+            f"with `hf download {repo}" + (f" --revision {revision}" if revision else "") + "`, or pass a "
+            "directory",
+        )
     return snap
 
 
@@ -74,7 +83,9 @@ def _holds(snap: Path, need: str) -> bool:
         return True
     if os.path.lexists(snap / INDEX_NAME):
         try:
-            index = read_json(snap / INDEX_NAME, root=snap.parent.parent, what=INDEX_NAME, max_values=MAX_INDEX_VALUES)
+            index = read_json(
+                snap / INDEX_NAME, root=snap.parent.parent, what=INDEX_NAME, max_values=MAX_INDEX_VALUES
+            )
         except CkptError:
             return False
         shards = set((index.get("weight_map") or {}).values()) if isinstance(index, dict) else set()
@@ -99,16 +110,21 @@ def files_needed(names: list[str], need: str, fetch_one, text: str) -> list[str]
         shards = sorted({f for f in weight_map.values() if isinstance(f, str)})
         bad = [f for f in shards if "/" in f or f not in top]
         if bad:
-            raise MissingFileError(f"the index names shard(s) the repo does not hold at the top level: "
-                                   f"{', '.join(bad[:5])}", path=f"{text}/{INDEX_NAME}",
-                                   hint="the repo is incomplete or not a transformers model dir")
+            raise MissingFileError(
+                f"the index names shard(s) the repo does not hold at the top level: {', '.join(bad[:5])}",
+                path=f"{text}/{INDEX_NAME}",
+                hint="the repo is incomplete or not a transformers model dir",
+            )
         return out + [INDEX_NAME] + shards
     weights = [n for n in top if n.endswith(".safetensors")]
     if not weights:
         others = [n for n in top if is_weight_like(n)]
-        raise FormatError("the Hub repo has no safetensors weights" + (f" (only {', '.join(others[:3])})"
-                                                                        if others else ""), path=text,
-                          hint="ckpt reads safetensors only; convert the weights first")
+        raise FormatError(
+            "the Hub repo has no safetensors weights"
+            + (f" (only {', '.join(others[:3])})" if others else ""),
+            path=text,
+            hint="ckpt reads safetensors only; convert the weights first",
+        )
     return out + weights
 
 
@@ -124,13 +140,17 @@ def _cached_snapshot(text: str, repo: str, revision: str | None, cache: Path | N
     open), hold a commit hash, and the snapshot must be a directory inside the repo's cache dir.
     None where the cache has no such repo or revision."""
     if "--" in repo or ".." in repo or repo.endswith(".git") or len(repo) > 96:
-        raise UsageError(f"{text!r} is neither an existing directory nor a valid hub id (a repo id has no '--' "
-                         "or '..' and is at most 96 characters)")
+        raise UsageError(
+            f"{text!r} is neither an existing directory nor a valid hub id (a repo id has no '--' "
+            "or '..' and is at most 96 characters)"
+        )
     rev = revision or "main"
     if rev.startswith("/") or any(part in ("", ".", "..") for part in rev.split("/")):
-        raise UsageError(f"{text!r}: revision {rev!r} is not a branch, tag or commit (no '.', '..' or empty "
-                         "path components: a revision may not leave the cache)",
-                         hint="pass a branch, tag or commit hash, e.g. org/name@main")
+        raise UsageError(
+            f"{text!r}: revision {rev!r} is not a branch, tag or commit (no '.', '..' or empty "
+            "path components: a revision may not leave the cache)",
+            hint="pass a branch, tag or commit hash, e.g. org/name@main",
+        )
     folder = (cache if cache is not None else Path(_default_cache())) / ("models--" + repo.replace("/", "--"))
     if not folder.is_dir():
         return None
@@ -139,8 +159,11 @@ def _cached_snapshot(text: str, repo: str, revision: str | None, cache: Path | N
         raw = read_text(ref, root=folder, what="HF cache ref", max_bytes=MAX_REF_BYTES)
         commit = raw.strip()
         if not _COMMIT.match(commit):
-            raise FormatError(f"HF cache ref holds {commit[:80]!r}, not a commit hash", path=ref,
-                              hint="the cache is damaged or crafted; re-download the model with `hf download`")
+            raise FormatError(
+                f"HF cache ref holds {commit[:80]!r}, not a commit hash",
+                path=ref,
+                hint="the cache is damaged or crafted; re-download the model with `hf download`",
+            )
     elif _COMMIT.match(rev):
         commit = rev
     else:
@@ -162,7 +185,8 @@ def _default_cache() -> str:
 
 def locate_model(name: str | None, *, run_root: Path | None = None) -> tuple[Path | None, str | None]:
     """Find a model dir from a name or path: as given (a local dir, or a hub id in the local HF cache,
-    fetched under --download). With `run_root` (the name came from a run's config), a relative name is first looked up in
+    fetched under --download). With `run_root` (the name came from a run's config), a relative name is first
+    looked up in
     the run's launch dir, where prime-rl resolved it. Returns (dir, None) or (None, why not)."""
     if not name:
         return None, "no base model named"

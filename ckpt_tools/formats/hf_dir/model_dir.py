@@ -7,6 +7,7 @@ and reads no tensor bytes; tensors are then read one at a time by name (the fds 
 `inputs.OpenFiles`, where a remote input plugs in). `HFModelDir.open_ref` takes a hub id too (the local
 HF cache, offline).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, MissingFileError
 from ...io.inputs import OpenFiles, register
-from ..safetensors.header import ByteCounter, SafetensorsHeader, TensorInfo, read_header
 from ..handle import ByteRange, Extent, Source, TensorFacts
+from ..safetensors.header import ByteCounter, SafetensorsHeader, TensorInfo, read_header
 from ..safetensors.read import read_raw, read_tensor
 from .carry import carry_files, classify_entries
 from .checks import check_index
@@ -24,7 +25,7 @@ from .config import load_config
 from .hub import resolve_model_dir
 from .names import INDEX_NAME, WEIGHTS_NAME
 
-if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
 __all__ = ["HFModelDir", "tensor_shapes"]
@@ -35,54 +36,70 @@ class HFModelDir(Source):
 
     `keys()` lists tensors in disk order (shard files by name, then data offset). Shard files are
     opened on first read and kept open until `close()` (or the end of a `with` block)."""
+
     kind = "hf"
 
-    def __init__(self, path: Path, config: dict | None, headers: dict[str, SafetensorsHeader],
-                 index_metadata: dict | None, label: str | None = None):
+    def __init__(
+        self,
+        path: Path,
+        config: dict | None,
+        headers: dict[str, SafetensorsHeader],
+        index_metadata: dict | None,
+        label: str | None = None,
+    ):
         super().__init__()
         self.path = path
         self.label = str(path) if label is None else label
-        self.config = config                      # parsed config.json, None when absent
-        self.headers = headers                    # shard file name -> header, sorted by name
-        self.index_metadata = index_metadata      # the index's "metadata", None when unsharded
-        self.tensors: dict[str, TensorInfo] = {}   # name -> where its bytes lie, in disk order
+        self.config = config  # parsed config.json, None when absent
+        self.headers = headers  # shard file name -> header, sorted by name
+        self.index_metadata = index_metadata  # the index's "metadata", None when unsharded
+        self.tensors: dict[str, TensorInfo] = {}  # name -> where its bytes lie, in disk order
         for header in headers.values():
             self.tensors.update(header.tensors)
-        self.files = OpenFiles(path, what="safetensors shard",
-                               missing_hint="the shard disappeared after the model was opened",
-                               truncated_hint="the shard shrank or is truncated; run `ckpt verify`")
-        for name, ti in self.tensors.items():   # disk order: shard files by name, then offset
+        self.files = OpenFiles(
+            path,
+            what="safetensors shard",
+            missing_hint="the shard disappeared after the model was opened",
+            truncated_hint="the shard shrank or is truncated; run `ckpt verify`",
+        )
+        for name, ti in self.tensors.items():  # disk order: shard files by name, then offset
             self._facts[name] = TensorFacts(name, ti.dtype_name, tuple(ti.shape))
 
     # -- construction
     @classmethod
-    def open_ref(cls, name_or_dir: str | os.PathLike, label: str | None = None) -> "HFModelDir":
+    def open_ref(cls, name_or_dir: str | os.PathLike, label: str | None = None) -> HFModelDir:
         """A model dir, or a hub id resolved from the local HF cache (offline); `label` defaults to what
         was asked for."""
         return cls.open(resolve_model_dir(name_or_dir), str(name_or_dir) if label is None else label)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, label: str | None = None) -> "HFModelDir":
+    def open(cls, path: str | os.PathLike, label: str | None = None) -> HFModelDir:
         label = str(path) if label is None else label
         path = Path(path)
         if not path.is_dir():
             raise MissingFileError("not a directory", path=path, hint="pass an HF model directory")
-        register(path)   # the whole model dir is an input: no OUT inside it
+        register(path)  # the whole model dir is an input: no OUT inside it
         # lexists, not is_file: a config, shard or index that is a FIFO or a symlink out of the
         # model dir belongs to it and is refused by name when read (inputs.open_input)
         config, _cfg_path = load_config(path, required=False)
         single, index = path / WEIGHTS_NAME, path / INDEX_NAME
         if os.path.lexists(single) and os.path.lexists(index):
-            raise FormatError(f"has both {WEIGHTS_NAME} and {INDEX_NAME}; loaders disagree on which wins",
-                              path=path, hint="delete the stale one")
+            raise FormatError(
+                f"has both {WEIGHTS_NAME} and {INDEX_NAME}; loaders disagree on which wins",
+                path=path,
+                hint="delete the stale one",
+            )
         if os.path.lexists(single):
             return cls(path, config, {WEIGHTS_NAME: read_header(single)}, None, label)
         if os.path.lexists(index):
             headers, metadata = _open_index(path, index)
             return cls(path, config, headers, metadata, label)
         pickles = sorted(n for n in os.listdir(path) if n.endswith(".bin"))
-        hint = (f"it only has pickle weights ({', '.join(pickles[:3])}); convert them to safetensors first"
-                if pickles else "is this a Hugging Face model directory?")
+        hint = (
+            f"it only has pickle weights ({', '.join(pickles[:3])}); convert them to safetensors first"
+            if pickles
+            else "is this a Hugging Face model directory?"
+        )
         raise MissingFileError(f"no {WEIGHTS_NAME} or {INDEX_NAME}", path=path, hint=hint)
 
     # -- metadata (no tensor bytes)

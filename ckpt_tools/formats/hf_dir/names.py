@@ -1,7 +1,8 @@
 """The file names of an HF model dir, and the rule for which of its files are weights."""
+
 from __future__ import annotations
 
-__all__ = ["WEIGHTS_NAME", "INDEX_NAME", "CONFIG_NAME", "WEIGHT_SUFFIXES", "is_weight_like"]
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "WEIGHTS_NAME", "WEIGHT_SUFFIXES", "is_weight_like"]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -13,4 +14,3 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgp
 
 def is_weight_like(name: str) -> bool:
     return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
-

@@ -1,31 +1,32 @@
 """New shards of an HF model, planned (pure) and indexed: `plan_shards` reproduces huggingface_hub's
 greedy split, so a model we write is sharded, named and indexed the way `save_pretrained` would."""
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from ...core.errors import UsageError
 from ...io.files import atomic_write_text
 from .names import INDEX_NAME, WEIGHTS_NAME
 
-__all__ = ["ShardSpec", "ShardPlan", "shard_file_name", "plan_shards", "write_index", "index_json"]
+__all__ = ["ShardPlan", "ShardSpec", "index_json", "plan_shards", "shard_file_name", "write_index"]
 
 
 @dataclass(frozen=True)
 class ShardSpec:
     file_name: str
-    tensor_names: tuple[str, ...]      # in plan (input) order
-    nbytes: int                        # tensor data bytes, header excluded
+    tensor_names: tuple[str, ...]  # in plan (input) order
+    nbytes: int  # tensor data bytes, header excluded
 
 
 @dataclass(frozen=True)
 class ShardPlan:
     shards: tuple[ShardSpec, ...]
-    weight_map: dict[str, str]         # tensor name -> shard file name, in shard order
+    weight_map: dict[str, str]  # tensor name -> shard file name, in shard order
     total_size_bytes: int
     max_shard_bytes: int
 
@@ -74,14 +75,22 @@ def plan_shards(entries: Iterable[tuple[str, int]], max_shard_bytes: int) -> Sha
         groups.append(current)
     if not groups:
         raise UsageError("no tensors to write")
-    shards = tuple(ShardSpec(shard_file_name(i + 1, len(groups)), tuple(n for n, _ in g), sum(b for _, b in g))
-                   for i, g in enumerate(groups))
+    shards = tuple(
+        ShardSpec(shard_file_name(i + 1, len(groups)), tuple(n for n, _ in g), sum(b for _, b in g))
+        for i, g in enumerate(groups)
+    )
     weight_map = {n: s.file_name for s in shards for n in s.tensor_names}
-    return ShardPlan(shards=shards, weight_map=weight_map, total_size_bytes=sum(s.nbytes for s in shards),
-                     max_shard_bytes=max_shard_bytes)
+    return ShardPlan(
+        shards=shards,
+        weight_map=weight_map,
+        total_size_bytes=sum(s.nbytes for s in shards),
+        max_shard_bytes=max_shard_bytes,
+    )
 
 
-def write_index(directory: str | os.PathLike, plan: ShardPlan, *, total_parameters: int | None = None) -> Path | None:
+def write_index(
+    directory: str | os.PathLike, plan: ShardPlan, *, total_parameters: int | None = None
+) -> Path | None:
     """Write `model.safetensors.index.json` for a sharded plan the way transformers does
     (indent 2, sorted keys, trailing newline; `total_parameters` included when given, as
     transformers >= 4.56 writes it). Returns its path; for a one-shard plan writes nothing and

@@ -6,31 +6,40 @@ of a module, a `modules_to_save` replacement, or unrecognized (refused when stri
 LoRA (`target_parameters`, `formats.peft.experts`) is presented as its per-expert modules
 (`...mlp.experts.<e>.<proj>`), each a view into the fused tensors, so every op sees one naming.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import re
-from pathlib import Path
 from dataclasses import dataclass
-
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import FormatError, UsageError
+from ...core.keys import expert_parts, fused_param_name, fused_peft_modules
 from ...io.inputs import read_input, register
 from ..dcp.item import load_byte_item
 from ..safetensors.header import read_header
 from ..safetensors.read import read_tensor
-from ...core.keys import expert_parts, fused_param_name, fused_peft_modules
 from .config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, PeftConfig, parse_peft_config
 from .experts import LAYOUT_FACTS, ExpertView, fused_params_of_config, parse_fused, read_view
 
-if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
-__all__ = ["PEFT_PREFIX", "ADAPTER_CONFIG", "SAFETENSORS_NAME", "BIN_NAME", "MAX_ADAPTER_BIN_BYTES", "AdapterModule",
-           "PeftAdapter", "load_adapter_bin", "open_peft_adapter"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "BIN_NAME",
+    "MAX_ADAPTER_BIN_BYTES",
+    "PEFT_PREFIX",
+    "SAFETENSORS_NAME",
+    "AdapterModule",
+    "PeftAdapter",
+    "load_adapter_bin",
+    "open_peft_adapter",
+]
 
 MAX_ADAPTER_BIN_BYTES = 64 << 30
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -38,36 +47,54 @@ _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 @dataclass(frozen=True)
 class AdapterModule:
-    module: str        # HF module FQN, e.g. model.layers.0.self_attn.q_proj
+    module: str  # HF module FQN, e.g. model.layers.0.self_attn.q_proj
     a_key: str
     b_key: str
-    rank: int          # from A's rows (the truth), checked against the config's
+    rank: int  # from A's rows (the truth), checked against the config's
     scale: float
-    view: ExpertView | None = None   # a per-expert projection of a fused expert LoRA (a_key/b_key: the fused ones)
+    view: ExpertView | None = (
+        None  # a per-expert projection of a fused expert LoRA (a_key/b_key: the fused ones)
+    )
 
 
 class PeftAdapter:
     """An open PEFT adapter dir: config parsed, weight keys indexed, tensors read on demand."""
 
-    def __init__(self, path: Path, config: PeftConfig, weights_path: Path, shapes: dict, dtypes: dict,
-                 loader, strict: bool):
+    def __init__(
+        self,
+        path: Path,
+        config: PeftConfig,
+        weights_path: Path,
+        shapes: dict,
+        dtypes: dict,
+        loader,
+        strict: bool,
+    ):
         self.dir, self.config, self.weights_path = path, config, weights_path
-        self.shapes: dict[str, tuple[int, ...]] = shapes    # key -> shape
-        self.dtypes: dict[str, str] = dtypes                # key -> dtype name
+        self.shapes: dict[str, tuple[int, ...]] = shapes  # key -> shape
+        self.dtypes: dict[str, str] = dtypes  # key -> dtype name
         self._load = loader
-        self._cache: dict[str, object] = {}      # the last few fused tensors read (per-expert views of them)
+        self._cache: dict[str, object] = {}  # the last few fused tensors read (per-expert views of them)
         self.modules: dict[str, AdapterModule] = {}
-        self.full_tensors: dict[str, str] = {}     # modules_to_save: HF name -> key
+        self.full_tensors: dict[str, str] = {}  # modules_to_save: HF name -> key
         self.unrecognized: list[str] = []
         pairs: dict[str, dict[str, str]] = {}
         for k in shapes:
-            name = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else None
+            name = k[len(PEFT_PREFIX) :] if k.startswith(PEFT_PREFIX) else None
             m = _LORA_KEY.match(name) if name else None
             if m:
                 pairs.setdefault(m["module"], {})[m["ab"]] = k
-            elif name and "lora_" not in name and any(
-                    name == f"{t}.weight" or name.endswith(f".{t}.weight") or name.endswith(f".{t}.bias")
-                    or name == f"{t}.bias" for t in config.modules_to_save):
+            elif (
+                name
+                and "lora_" not in name
+                and any(
+                    name == f"{t}.weight"
+                    or name.endswith(f".{t}.weight")
+                    or name.endswith(f".{t}.bias")
+                    or name == f"{t}.bias"
+                    for t in config.modules_to_save
+                )
+            ):
                 self.full_tensors[name] = k
             else:
                 self.unrecognized.append(k)
@@ -85,22 +112,26 @@ class PeftAdapter:
                 continue
             a_shape, b_shape = shapes[ab["A"]], shapes[ab["B"]]
             try:
-                views = parse_fused(mod, a_shape, b_shape, params, config.rank_for, fused_rank, weights_path,
-                                    r=config.r)
+                views = parse_fused(
+                    mod, a_shape, b_shape, params, config.rank_for, fused_rank, weights_path, r=config.r
+                )
             except FormatError as exc:
                 problems.append(exc.message)
                 continue
             if views is not None:
                 for name, v in views:
-                    self.modules[name] = AdapterModule(name, ab["A"], ab["B"], v.fused.part_rank,
-                                                       config.scale_for(v.fused.name), v)
+                    self.modules[name] = AdapterModule(
+                        name, ab["A"], ab["B"], v.fused.part_rank, config.scale_for(v.fused.name), v
+                    )
                 continue
             if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
                 problems.append(f"{mod}: A {list(a_shape)} and B {list(b_shape)} do not share a rank")
                 continue
             rank = a_shape[0]
             if rank != config.rank_for(mod):
-                problems.append(f"{mod}: A has {rank} rows but the config's rank for it is {config.rank_for(mod)}")
+                problems.append(
+                    f"{mod}: A has {rank} rows but the config's rank for it is {config.rank_for(mod)}"
+                )
                 continue
             self.modules[mod] = AdapterModule(mod, ab["A"], ab["B"], rank, config.scale_for(mod))
         if strict and (problems or self.unrecognized):
@@ -109,22 +140,26 @@ class PeftAdapter:
             if more > 0:
                 lines.append(f"... and {more} more")
             fixable = any(".lora_A.0." in k or not k.startswith(PEFT_PREFIX) for k in self.unrecognized)
-            raise FormatError("adapter weights do not follow PEFT's layout: " + "; ".join(lines),
-                              path=weights_path,
-                              hint="prime-rl exports need `ckpt fix-adapter SRC OUT` first" if fixable else
-                              "expected keys base_model.model.<module>.lora_A.weight / lora_B.weight")
+            raise FormatError(
+                "adapter weights do not follow PEFT's layout: " + "; ".join(lines),
+                path=weights_path,
+                hint="prime-rl exports need `ckpt fix-adapter SRC OUT` first"
+                if fixable
+                else "expected keys base_model.model.<module>.lora_A.weight / lora_B.weight",
+            )
         self.problems = problems
 
     def lora(self):
         """The adapter as a `LoraSource` (`formats.peft.lora.PeftLoraSource`) over this handle."""
         from .lora import PeftLoraSource
+
         return PeftLoraSource(self.dir, adapter=self)
 
     def close(self) -> None:
         """Drop the fused tensors held for per-expert views (a safetensors adapter holds no open file)."""
         self._cache.clear()
 
-    def __enter__(self) -> "PeftAdapter":
+    def __enter__(self) -> PeftAdapter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -141,7 +176,7 @@ class PeftAdapter:
             return self._load(key)
         t = self._cache.get(key)
         if t is None:
-            if len(self._cache) >= 4:   # bounded: one block's fused A and B of gate_up and down
+            if len(self._cache) >= 4:  # bounded: one block's fused A and B of gate_up and down
                 self._cache.pop(next(iter(self._cache)))
             t = self._cache[key] = self._load(key)
         return read_view(m.view, ab, t, key=key, path=self.weights_path)
@@ -170,17 +205,26 @@ class PeftAdapter:
     def describe(self) -> dict:
         ranks = sorted({m.rank for m in self.modules.values()})
         scales = sorted({m.scale for m in self.modules.values()})
-        return {"path": str(self.dir), "weights": self.weights_path.name, "modules": len(self.modules),
-                "rank": ranks[0] if len(ranks) == 1 else ranks, "lora_alpha": self.config.lora_alpha,
-                "scale": scales[0] if len(scales) == 1 else scales, "use_rslora": self.config.use_rslora,
-                "targets": sorted({m.rsplit(".", 1)[-1] for m in self.modules}),
-                "target_parameters": list(self.config.target_parameters),
-                "layout": self.layout, "layouts": list(LAYOUT_FACTS[self.layout]["written_by"]),
-                "consumers": dict(LAYOUT_FACTS[self.layout]["consumers"]),
-                "modules_to_save": sorted(self.full_tensors),
-                "dtypes": sorted(set(self.dtypes.values())),
-                "bytes": self.nbytes, "base_model_name_or_path": self.config.base_model_name_or_path,
-                "unrecognized_keys": len(self.unrecognized), "problems": self.problems}
+        return {
+            "path": str(self.dir),
+            "weights": self.weights_path.name,
+            "modules": len(self.modules),
+            "rank": ranks[0] if len(ranks) == 1 else ranks,
+            "lora_alpha": self.config.lora_alpha,
+            "scale": scales[0] if len(scales) == 1 else scales,
+            "use_rslora": self.config.use_rslora,
+            "targets": sorted({m.rsplit(".", 1)[-1] for m in self.modules}),
+            "target_parameters": list(self.config.target_parameters),
+            "layout": self.layout,
+            "layouts": list(LAYOUT_FACTS[self.layout]["written_by"]),
+            "consumers": dict(LAYOUT_FACTS[self.layout]["consumers"]),
+            "modules_to_save": sorted(self.full_tensors),
+            "dtypes": sorted(set(self.dtypes.values())),
+            "bytes": self.nbytes,
+            "base_model_name_or_path": self.config.base_model_name_or_path,
+            "unrecognized_keys": len(self.unrecognized),
+            "problems": self.problems,
+        }
 
 
 def load_adapter_bin(binf: Path) -> dict[str, torch.Tensor]:
@@ -189,19 +233,33 @@ def load_adapter_bin(binf: Path) -> dict[str, torch.Tensor]:
     torch's weights_only allow-list: no code runs, no tensor bigger than its bytes), and checked
     to be a dict of str -> tensor. Held whole in memory (a .bin cannot be read by range)."""
 
+    import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
 
-    import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
     raw = read_input(binf, root=binf.parent, what=binf.name, max_bytes=MAX_ADAPTER_BIN_BYTES)
     sd = load_byte_item(raw, trust=False, path=binf, key="")
     del raw
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                           for k, v in sd.items()):
-        bad = next((k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None) \
-            if isinstance(sd, dict) else None
-        raise FormatError(f"{binf.name} is not a dict of name -> tensor"
-                          + (f" (entry {bad!r}: {type(sd[bad]).__name__})" if bad is not None else
-                             f" (it holds a {type(sd).__name__})" if not isinstance(sd, dict) else ""),
-                          path=binf, hint="an adapter .bin is torch.save({name: tensor, ...})")
+    if not isinstance(sd, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
+    ):
+        bad = (
+            next(
+                (k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None
+            )
+            if isinstance(sd, dict)
+            else None
+        )
+        raise FormatError(
+            f"{binf.name} is not a dict of name -> tensor"
+            + (
+                f" (entry {bad!r}: {type(sd[bad]).__name__})"
+                if bad is not None
+                else f" (it holds a {type(sd).__name__})"
+                if not isinstance(sd, dict)
+                else ""
+            ),
+            path=binf,
+            hint="an adapter .bin is torch.save({name: tensor, ...})",
+        )
     return sd
 
 
@@ -209,7 +267,7 @@ def open_peft_adapter(path: str | Path, *, strict: bool = True) -> PeftAdapter:
     d = Path(path)
     if not d.is_dir():
         raise UsageError("not a PEFT adapter directory", path=d)
-    register(d)   # the whole adapter dir is an input: no OUT inside it
+    register(d)  # the whole adapter dir is an input: no OUT inside it
     config = parse_peft_config(d / ADAPTER_CONFIG)
     st, binf = d / SAFETENSORS_NAME, d / BIN_NAME
     if os.path.lexists(st):

@@ -2,6 +2,7 @@
 lora_alpha, rsLoRA, rank/alpha patterns, fan_in_fan_out, modules_to_save, target_modules, target_parameters
 (only the fused MoE expert parameters, `formats.peft.experts`), and the LoRA variants we do not convert
 exactly (DoRA, LoRA bias, QALoRA, layer replication...), each refused with a message naming the field."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,19 @@ from ...core.keys import FUSED_EXPERT_PARAMS, peft_target
 from ...core.lora_math import check_alpha, lora_scale
 from ...io.inputs import read_json
 
-__all__ = ["PEFT_PREFIX", "ADAPTER_CONFIG", "SAFETENSORS_NAME", "BIN_NAME", "MAX_RANK", "UNSUPPORTED_VARIANTS",
-           "check_regex", "pattern_key", "matches_target_modules", "PeftConfig", "parse_peft_config"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "BIN_NAME",
+    "MAX_RANK",
+    "PEFT_PREFIX",
+    "SAFETENSORS_NAME",
+    "UNSUPPORTED_VARIANTS",
+    "PeftConfig",
+    "check_regex",
+    "matches_target_modules",
+    "parse_peft_config",
+    "pattern_key",
+]
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -49,16 +61,20 @@ _MAX_PATTERN_CHARS = 512
 
 def check_regex(field: str, pattern: str, path: Path, *, compiled_as: str = "{}") -> None:
     """Raise FormatError unless `pattern` is a regex we can match safely (see above)."""
-    bare = re.sub(r"\[(?:\\.|[^\]])*\]", "c", pattern)   # quantifier chars inside [...] are literals
+    bare = re.sub(r"\[(?:\\.|[^\]])*\]", "c", pattern)  # quantifier chars inside [...] are literals
     if len(pattern) > _MAX_PATTERN_CHARS or _NESTED_REPEAT.search(bare) or len(_UNBOUNDED.findall(bare)) > 3:
-        raise FormatError(f"{field} pattern {pattern[:80]!r} has nested or many repetitions: matching it can take "
-                          "exponential time (a crafted config hangs any loader that uses it)", path=path,
-                          hint="use module names or simple patterns such as 'layers\\.\\d+\\.mlp\\..*'")
+        raise FormatError(
+            f"{field} pattern {pattern[:80]!r} has nested or many repetitions: matching it can take "
+            "exponential time (a crafted config hangs any loader that uses it)",
+            path=path,
+            hint="use module names or simple patterns such as 'layers\\.\\d+\\.mlp\\..*'",
+        )
     try:
         re.compile(compiled_as.replace("{}", pattern))
     except re.error as e:
-        raise FormatError(f"{field} pattern {pattern[:80]!r} is not a valid regular expression: {e}",
-                          path=path) from None
+        raise FormatError(
+            f"{field} pattern {pattern[:80]!r} is not a valid regular expression: {e}", path=path
+        ) from None
 
 
 def pattern_key(patterns: dict, module: str) -> str | None:
@@ -96,7 +112,7 @@ class PeftConfig:
     modules_to_save: tuple[str, ...]
     base_model_name_or_path: str | None
     raw: dict = field(repr=False, hash=False, compare=False)
-    target_parameters: tuple[str, ...] = ()   # fused MoE expert parameters (`formats.peft.experts`)
+    target_parameters: tuple[str, ...] = ()  # fused MoE expert parameters (`formats.peft.experts`)
 
     def rank_for(self, module: str) -> int:
         p = pattern_key(self.rank_pattern, module)
@@ -113,11 +129,16 @@ class PeftConfig:
 def _need(raw: dict, name: str, types, path: Path, default=None, required=True):
     if name not in raw or raw[name] is None:
         if required:
-            raise FormatError(f"adapter_config.json has no {name!r}", path=path,
-                              hint="a PEFT LoRA config needs peft_type, r and lora_alpha")
+            raise FormatError(
+                f"adapter_config.json has no {name!r}",
+                path=path,
+                hint="a PEFT LoRA config needs peft_type, r and lora_alpha",
+            )
         return default
     v = raw[name]
-    if not isinstance(v, types) or isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+    if not isinstance(v, types) or (
+        isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,))
+    ):
         raise FormatError(f"{name!r} is {v!r} ({type(v).__name__}), expected {types}", path=path)
     return v
 
@@ -131,14 +152,17 @@ def parse_peft_config(path: Path) -> PeftConfig:
         raise FormatError("adapter_config.json is not a JSON object", path=path)
     ptype = raw.get("peft_type")
     if ptype is None:
-        raise FormatError("adapter_config.json has no 'peft_type'", path=path, hint="expected \"LORA\"")
+        raise FormatError("adapter_config.json has no 'peft_type'", path=path, hint='expected "LORA"')
     if ptype != "LORA":
         raise FormatError(f"peft_type {ptype!r} is not supported: only LoRA adapters are", path=path)
     for name, ok in UNSUPPORTED_VARIANTS:
         if name in raw and not ok(raw[name]):
-            raise FormatError(f"{name}={raw[name]!r}: this LoRA variant is not plain W + s*B@A and is not "
-                              "converted/merged by ckpt-tools", path=path,
-                              hint=f"merge it with PEFT's merge_and_unload, or retrain without {name}")
+            raise FormatError(
+                f"{name}={raw[name]!r}: this LoRA variant is not plain W + s*B@A and is not "
+                "converted/merged by ckpt-tools",
+                path=path,
+                hint=f"merge it with PEFT's merge_and_unload, or retrain without {name}",
+            )
     bias = raw.get("bias", "none")
     if bias not in ("none", None):
         raise FormatError(f"bias={bias!r}: adapters that train biases are not supported", path=path)
@@ -154,35 +178,45 @@ def parse_peft_config(path: Path) -> PeftConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise FormatError(f"{pname}[{k!r}] is {v!r}, not a number", path=path)
             if pname == "rank_pattern" and (not isinstance(v, int) or not 0 < v <= MAX_RANK):
-                raise FormatError(f"rank_pattern[{k!r}] is {v!r}: a rank must be an integer in 1..{MAX_RANK}",
-                                  path=path)
+                raise FormatError(
+                    f"rank_pattern[{k!r}] is {v!r}: a rank must be an integer in 1..{MAX_RANK}", path=path
+                )
             if pname == "alpha_pattern":
                 check_alpha(v, f"alpha_pattern[{k!r}]", path=path)
             check_regex(pname, k, path, compiled_as=r"(.*\.)?({})$")
     targets = raw.get("target_modules")
-    if isinstance(targets, str):   # PEFT: a string is a full-match regex over module names
+    if isinstance(targets, str):  # PEFT: a string is a full-match regex over module names
         check_regex("target_modules", targets, path)
     elif targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-        raise FormatError(f"target_modules is {targets!r}, expected a list of module names or a regex string",
-                          path=path)
+        raise FormatError(
+            f"target_modules is {targets!r}, expected a list of module names or a regex string", path=path
+        )
     tparams = raw.get("target_parameters") or ()
     fused = {p for p, _ in FUSED_EXPERT_PARAMS}
     if not isinstance(tparams, (list, tuple)) or not all(isinstance(t, str) for t in tparams):
         raise FormatError(f"target_parameters is {tparams!r}, expected a list of parameter names", path=path)
     other = [t for t in tparams if t.rsplit(".", 1)[-1] not in fused]
     if other:
-        raise FormatError(f"target_parameters={other!r}: a LoRA on a raw parameter other than the fused MoE experts' "
-                          f"{'/'.join(sorted(fused))} is not converted/merged by ckpt-tools", path=path,
-                          hint="merge it with PEFT's merge_and_unload")
+        raise FormatError(
+            f"target_parameters={other!r}: a LoRA on a raw parameter other than the fused MoE experts' "
+            f"{'/'.join(sorted(fused))} is not converted/merged by ckpt-tools",
+            path=path,
+            hint="merge it with PEFT's merge_and_unload",
+        )
     mts = raw.get("modules_to_save") or ()
     if not isinstance(mts, (list, tuple)) or not all(isinstance(m, str) for m in mts):
         raise FormatError(f"modules_to_save is {mts!r}, expected a list of names", path=path)
-    return PeftConfig(path=path, r=r, lora_alpha=float(alpha),
-                      use_rslora=bool(_need(raw, "use_rslora", bool, path, False, required=False)),
-                      fan_in_fan_out=bool(_need(raw, "fan_in_fan_out", bool, path, False, required=False)),
-                      rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-                      target_modules=raw.get("target_modules"), modules_to_save=tuple(mts),
-                      base_model_name_or_path=raw.get("base_model_name_or_path"), raw=raw,
-                      target_parameters=tuple(tparams))
-
-
+    return PeftConfig(
+        path=path,
+        r=r,
+        lora_alpha=float(alpha),
+        use_rslora=bool(_need(raw, "use_rslora", bool, path, False, required=False)),
+        fan_in_fan_out=bool(_need(raw, "fan_in_fan_out", bool, path, False, required=False)),
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+        target_modules=raw.get("target_modules"),
+        modules_to_save=tuple(mts),
+        base_model_name_or_path=raw.get("base_model_name_or_path"),
+        raw=raw,
+        target_parameters=tuple(tparams),
+    )

@@ -22,6 +22,7 @@ as gate = (A_e, B_e[:I]) and up = (A_e, B_e[I:]), rank R each, which is also exa
 The names and shapes here are pure (the metadata side imports no torch); `build_fused` places the
 factors' bits with numpy (no torch), `read_view` takes torch tensors.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,7 +31,11 @@ from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError
 from ...core.keys import (
-    FUSED_EXPERT_PARAMS, expert_module, expert_parts, fused_param_name, fused_peft_modules,
+    FUSED_EXPERT_PARAMS,
+    expert_module,
+    expert_parts,
+    fused_param_name,
+    fused_peft_modules,
     module_suffix,
 )
 from ...core.lora_math import lora_alpha_for_scale
@@ -39,8 +44,17 @@ from ..handle import RawTensor
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FusedParam", "ExpertView", "plan_fused", "fused_config", "build_fused", "fused_params_of_config",
-           "parse_fused", "read_view", "LAYOUT_FACTS"]
+__all__ = [
+    "LAYOUT_FACTS",
+    "ExpertView",
+    "FusedParam",
+    "build_fused",
+    "fused_config",
+    "fused_params_of_config",
+    "parse_fused",
+    "plan_fused",
+    "read_view",
+]
 
 _PROJS = dict(FUSED_EXPERT_PARAMS)
 
@@ -48,15 +62,16 @@ _PROJS = dict(FUSED_EXPERT_PARAMS)
 @dataclass(frozen=True)
 class FusedParam:
     """One fused expert parameter's LoRA: `experts`' `param`, holding projections `projs` (row order)."""
-    experts: str                    # e.g. model.layers.0.mlp.experts
-    param: str                      # gate_up_proj | down_proj
-    projs: tuple[str, ...]          # HF per-expert projections, in the parameter's row order
+
+    experts: str  # e.g. model.layers.0.mlp.experts
+    param: str  # gate_up_proj | down_proj
+    projs: tuple[str, ...]  # HF per-expert projections, in the parameter's row order
     num_experts: int
-    rank: int                       # R: the fused LoRA's per-expert rank (2r for gate_up in block form)
-    part_rank: int                  # r: each projection's own rank (R when the A is shared)
+    rank: int  # R: the fused LoRA's per-expert rank (2r for gate_up in block form)
+    part_rank: int  # r: each projection's own rank (R when the A is shared)
     in_features: int
-    out_rows: tuple[int, ...]       # rows of each projection
-    peft_module: str                # the module PEFT saves it under (`experts` or `experts.base_layer`)
+    out_rows: tuple[int, ...]  # rows of each projection
+    peft_module: str  # the module PEFT saves it under (`experts` or `experts.base_layer`)
 
     @property
     def block(self) -> bool:
@@ -82,9 +97,10 @@ class FusedParam:
 @dataclass(frozen=True)
 class ExpertView:
     """Where one per-expert projection's A and B lie inside a fused LoRA."""
+
     fused: FusedParam
     expert: int
-    part: int                       # index of the projection in `fused.projs`
+    part: int  # index of the projection in `fused.projs`
 
     @property
     def a_shape(self) -> tuple[int, int]:
@@ -115,23 +131,42 @@ def plan_fused(modules: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], path
             projs = _PROJS[param]
             missing = [q for q in projs if q not in projs_present]
             if missing:
-                raise FormatError(f"{experts}: LoRA on {', '.join(q for q in projs if q in projs_present)} but not "
-                                  f"on {', '.join(missing)}: the fused {param} LoRA PEFT loads needs both",
-                                  path=path, hint="write this adapter with --layout vllm (per-expert modules)")
+                raise FormatError(
+                    f"{experts}: LoRA on {', '.join(q for q in projs if q in projs_present)} but not "
+                    f"on {', '.join(missing)}: the fused {param} LoRA PEFT loads needs both",
+                    path=path,
+                    hint="write this adapter with --layout vllm (per-expert modules)",
+                )
             n = {len(projs_present[q]) for q in projs}
-            if len(n) != 1 or any(sorted(projs_present[q]) != list(range(len(projs_present[q]))) for q in projs):
-                raise FormatError(f"{experts}: the expert LoRAs of {param} do not cover experts 0..E-1 alike",
-                                  path=path)
+            if len(n) != 1 or any(
+                sorted(projs_present[q]) != list(range(len(projs_present[q]))) for q in projs
+            ):
+                raise FormatError(
+                    f"{experts}: the expert LoRAs of {param} do not cover experts 0..E-1 alike", path=path
+                )
             shapes = {(q, e): s for q in projs for e, s in projs_present[q].items()}
             ranks = {a[0] for a, _ in shapes.values()}
             ins = {a[1] for a, _ in shapes.values()}
             outs = [{b[0] for (q2, _e), (_a, b) in shapes.items() if q2 == q} for q in projs]
             if len(ranks) != 1 or len(ins) != 1 or any(len(o) != 1 for o in outs):
-                raise FormatError(f"{experts}.*.{{{','.join(projs)}}}: ranks, inputs or outputs differ across experts",
-                                  path=path)
+                raise FormatError(
+                    f"{experts}.*.{{{','.join(projs)}}}: ranks, inputs or outputs differ across experts",
+                    path=path,
+                )
             r = ranks.pop()
-            out.append(FusedParam(experts, param, projs, n.pop(), r * len(projs), r, ins.pop(),
-                                  tuple(o.pop() for o in outs), names[param]))
+            out.append(
+                FusedParam(
+                    experts,
+                    param,
+                    projs,
+                    n.pop(),
+                    r * len(projs),
+                    r,
+                    ins.pop(),
+                    tuple(o.pop() for o in outs),
+                    names[param],
+                )
+            )
     return out
 
 
@@ -146,14 +181,22 @@ def fused_config(fused: list[FusedParam], scale: float) -> dict:
         if f.block:
             rank_pattern[t] = f.rank
             alpha_pattern[t] = lora_alpha_for_scale(scale, f.rank)
-    return {"target_parameters": sorted(targets), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
+    return {
+        "target_parameters": sorted(targets),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+    }
 
 
-def build_fused(f: FusedParam, ab: str, read_factor: Callable[[str, str], "torch.Tensor | RawTensor"]) -> RawTensor:
-    """The fused A [R*E, in] or B [out, R*E] of `f` from the per-expert factors (`read_factor(module, ab)`: torch
+def build_fused(
+    f: FusedParam, ab: str, read_factor: Callable[[str, str], torch.Tensor | RawTensor]
+) -> RawTensor:
+    """The fused A [R*E, in] or B [out, R*E] of `f` from the per-expert factors (`read_factor(module, ab)`:
+    torch
     tensors or `RawTensor`s), in the factors' dtype: placement only, no arithmetic (the values' bits are moved
     with numpy; the zero blocks are +0.0)."""
-    import numpy as np   # lazy: the names and shapes above are the metadata side's
+    import numpy as np  # lazy: the names and shapes above are the metadata side's
+
     E, R, r = f.num_experts, f.rank, f.part_rank
     out = dtype = None
     if ab == "A":
@@ -163,7 +206,7 @@ def build_fused(f: FusedParam, ab: str, read_factor: Callable[[str, str], "torch
                 if out is None:
                     dtype = a.dtype
                     out = np.zeros((E, R, f.in_features), dtype=a.bits().dtype)
-                out[e, j * r:(j + 1) * r] = a.bits()
+                out[e, j * r : (j + 1) * r] = a.bits()
                 del a
         return RawTensor.from_bits(dtype, out.reshape(R * E, f.in_features))
     row = 0
@@ -173,7 +216,7 @@ def build_fused(f: FusedParam, ab: str, read_factor: Callable[[str, str], "torch
             if out is None:
                 dtype = b.dtype
                 out = np.zeros((sum(f.out_rows), R, E), dtype=b.bits().dtype)
-            out[row:row + rows, j * r:(j + 1) * r, e] = b.bits()
+            out[row : row + rows, j * r : (j + 1) * r, e] = b.bits()
             del b
         row += rows
     return RawTensor.from_bits(dtype, out.reshape(sum(f.out_rows), R * E))
@@ -184,9 +227,17 @@ def fused_params_of_config(target_parameters) -> set[str]:
     return {t.rsplit(".", 1)[-1] for t in target_parameters or ()} & set(_PROJS)
 
 
-def parse_fused(module: str, a_shape, b_shape, params: set[str], rank_for: Callable[[str], int],
-                partner_rank: Callable[[str, str], int | None], path, *, r: int | None = None
-                ) -> list[tuple[str, ExpertView]] | None:
+def parse_fused(
+    module: str,
+    a_shape,
+    b_shape,
+    params: set[str],
+    rank_for: Callable[[str], int],
+    partner_rank: Callable[[str, str], int | None],
+    path,
+    *,
+    r: int | None = None,
+) -> list[tuple[str, ExpertView]] | None:
     """The per-expert views of the saved PEFT module `module` (`...experts` or `...experts.base_layer`)
     when it is a fused expert LoRA; None when it is not one. `rank_for(param name)` is the config's rank;
     `partner_rank(experts, param)` the fused rank of another parameter of the same block (or None): a
@@ -194,7 +245,7 @@ def parse_fused(module: str, a_shape, b_shape, params: set[str], rank_for: Calla
     else its A is shared."""
     experts = module
     while experts.endswith(".base_layer"):
-        experts = experts[:-len(".base_layer")]
+        experts = experts[: -len(".base_layer")]
     if module_suffix(experts) != "experts" or not params:
         return None
     inv = {v: p for p, v in fused_peft_modules(experts, params).items()}
@@ -204,22 +255,30 @@ def parse_fused(module: str, a_shape, b_shape, params: set[str], rank_for: Calla
     projs = _PROJS[param]
     R = rank_for(fused_param_name(experts, param))
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] % R or b_shape[1] != a_shape[0]:
-        raise FormatError(f"{module}: fused expert LoRA A {list(a_shape)} / B {list(b_shape)} is not [R*E, in] / "
-                          f"[out, R*E] with the config's rank R={R} for {param}", path=path)
+        raise FormatError(
+            f"{module}: fused expert LoRA A {list(a_shape)} / B {list(b_shape)} is not [R*E, in] / "
+            f"[out, R*E] with the config's rank R={R} for {param}",
+            path=path,
+        )
     E = a_shape[0] // R
     if b_shape[0] % len(projs):
-        raise FormatError(f"{module}: {param} LoRA B has {b_shape[0]} rows, not {len(projs)} equal projections",
-                          path=path)
+        raise FormatError(
+            f"{module}: {param} LoRA B has {b_shape[0]} rows, not {len(projs)} equal projections", path=path
+        )
     other = partner_rank(experts, "down_proj") if param == "gate_up_proj" else None
     other = r if other is None and param == "gate_up_proj" else other
-    block = len(projs) > 1 and other is not None and R == len(projs) * other
+    block = len(projs) > 1 and other is not None and len(projs) * other == R
     r = R // len(projs) if block else R
     rows = b_shape[0] // len(projs)
     f = FusedParam(experts, param, projs, E, R, r, a_shape[1], (rows,) * len(projs), module)
-    return [(expert_module(experts, e, proj), ExpertView(f, e, j)) for e in range(E) for j, proj in enumerate(projs)]
+    return [
+        (expert_module(experts, e, proj), ExpertView(f, e, j))
+        for e in range(E)
+        for j, proj in enumerate(projs)
+    ]
 
 
-def read_view(v: ExpertView, ab: str, fused_tensor: "torch.Tensor", *, key: str, path) -> "torch.Tensor":
+def read_view(v: ExpertView, ab: str, fused_tensor: torch.Tensor, *, key: str, path) -> torch.Tensor:
     """One projection's own A or B out of the fused tensor (a copy; in block form the other blocks of
     its B are checked to be exact zeros, else this is not the layout it claims)."""
     f, e, j = v.fused, v.expert, v.part
@@ -232,10 +291,13 @@ def read_view(v: ExpertView, ab: str, fused_tensor: "torch.Tensor", *, key: str,
     rows = slice(start, start + f.out_rows[j])
     if f.block:
         own = b3[:, cols, e]
-        if own[:start].any() or own[rows.stop:].any():
-            raise FormatError(f"expert {e}'s {f.projs[j]} columns of the fused {f.param} LoRA B are not zero outside "
-                              f"its rows: not the block form its rank_pattern ({R} = {len(f.projs)} x {r}) says",
-                              path=path, key=key)
+        if own[:start].any() or own[rows.stop :].any():
+            raise FormatError(
+                f"expert {e}'s {f.projs[j]} columns of the fused {f.param} LoRA B are not zero outside "
+                f"its rows: not the block form its rank_pattern ({R} = {len(f.projs)} x {r}) says",
+                path=path,
+                key=key,
+            )
     return b3[rows, cols, e].clone()
 
 
@@ -253,19 +315,22 @@ LAYOUT_FACTS: dict[str, dict] = {
     "peft": {
         "written_by": ["peft"],
         "consumers": {
-            "peft": "loads with transformers 5 (target_parameters on the fused mlp.experts.gate_up_proj / down_proj; "
-                    "every expert delta applied exactly)",
-            "vllm": "Qwen3-MoE (2-D MoE LoRA): refuses it unless the engine runs with enable_mixed_moe_lora_format=True "
-                    "and the LoRARequest sets is_3d_lora_weight=True, then loads it; vLLM's 3-D MoE models "
-                    "(is_3d_moe_weight) read this layout",
+            "peft": "loads with transformers 5 (target_parameters on the fused mlp.experts.gate_up_proj / "
+            "down_proj; "
+            "every expert delta applied exactly)",
+            "vllm": "Qwen3-MoE (2-D MoE LoRA): refuses it unless the engine runs with "
+            "enable_mixed_moe_lora_format=True "
+            "and the LoRARequest sets is_3d_lora_weight=True, then loads it; vLLM's 3-D MoE models "
+            "(is_3d_moe_weight) read this layout",
             "prime-rl": "its inference (vLLM) expects per-expert modules: use --layout prime-rl",
         },
     },
     "per-expert": {
         "written_by": ["vllm", "prime-rl"],
         "consumers": {
-            "peft": "refuses with transformers 5 (`Target module Qwen3MoeExperts ... is not supported`): the experts "
-                    "are fused parameters there; use --layout peft",
+            "peft": "refuses with transformers 5 (`Target module Qwen3MoeExperts ... is not supported`): the "
+            "experts "
+            "are fused parameters there; use --layout peft",
             "vllm": "loads in stock vLLM's Qwen3-MoE (its 2-D per-expert MoE LoRA: experts.<e>.<proj>)",
             "prime-rl": "loads (prime-rl's own broadcast layout)",
         },

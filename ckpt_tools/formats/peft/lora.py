@@ -1,15 +1,15 @@
 """The LoRA view of a PEFT adapter (`PeftAdapter.lora()`): its modules as `LoraModule`s, alpha from
 adapter_config.json (an explicit --alpha overrides it: `LoraSource.with_alpha`)."""
+
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ..handle import LoraModule, LoraSource, TensorFacts
 from .adapter import PeftAdapter, open_peft_adapter
 
-if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
 __all__ = ["PeftLoraSource"]
@@ -25,14 +25,28 @@ class PeftLoraSource(LoraSource):
         self.path = Path(path)
         self.alpha = cfg.lora_alpha
         self.use_rslora = cfg.use_rslora
-        self.alpha_source = f"adapter_config.json (lora_alpha {cfg.lora_alpha:g}" + \
-            (", rsLoRA" if cfg.use_rslora else "") + (", alpha/rank patterns" if cfg.alpha_pattern or cfg.rank_pattern else "") + ")"
-        self.modules = {m.module: LoraModule(m.module, m.rank, m.scale, m.a_key, m.b_key,
-                                             ad.factor_shape(m.module, "A"), ad.factor_shape(m.module, "B"),
-                                             cfg.fan_in_fan_out, ad.dtypes[m.a_key],
-                                             m.view.expert if m.view else None,
-                                             m.view.fused.projs[m.view.part] if m.view else None)
-                        for m in ad.modules.values()}
+        self.alpha_source = (
+            f"adapter_config.json (lora_alpha {cfg.lora_alpha:g}"
+            + (", rsLoRA" if cfg.use_rslora else "")
+            + (", alpha/rank patterns" if cfg.alpha_pattern or cfg.rank_pattern else "")
+            + ")"
+        )
+        self.modules = {
+            m.module: LoraModule(
+                m.module,
+                m.rank,
+                m.scale,
+                m.a_key,
+                m.b_key,
+                ad.factor_shape(m.module, "A"),
+                ad.factor_shape(m.module, "B"),
+                cfg.fan_in_fan_out,
+                ad.dtypes[m.a_key],
+                m.view.expert if m.view else None,
+                m.view.fused.projs[m.view.part] if m.view else None,
+            )
+            for m in ad.modules.values()
+        }
         self.full_tensors = dict(ad.full_tensors)
         self.resident_bytes = ad.nbytes if ad.weights_path.suffix == ".bin" else 0
         self.config_path, self.weights_path = cfg.path, ad.weights_path
@@ -41,7 +55,7 @@ class PeftLoraSource(LoraSource):
         return self.adapter.read(key)
 
     def read_factor(self, module: str, ab: str) -> torch.Tensor:
-        return self.adapter.read_factor(module, ab)   # a fused expert LoRA's projection: its own slice
+        return self.adapter.read_factor(module, ab)  # a fused expert LoRA's projection: its own slice
 
     @property
     def layout(self) -> str:

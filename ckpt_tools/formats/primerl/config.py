@@ -26,6 +26,7 @@ HEAD files are already resolved: every value is in them. Keys a schema does not 
 `RunConfig.unknown`, never guessed at. `lora_settings()` gives the LoRA rank/alpha the run trains and
 serves with, by its generation's rule. No torch, no tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,15 @@ from typing import Any
 
 from ...core.errors import FormatError
 from .files import (
-    GEN_16E747C, GEN_HEAD, HEAD_JSON, SECTIONS, ConfigFile, RunFiles, config_files, locate_run_configs, read_json,
+    GEN_16E747C,
+    GEN_HEAD,
+    HEAD_JSON,
+    SECTIONS,
+    ConfigFile,
+    RunFiles,
+    config_files,
+    locate_run_configs,
+    read_json,
     read_toml,
 )
 from .schema import OPTIONAL, SUB, TABLE_LIST, Schema
@@ -44,9 +53,23 @@ from .schema_16e747c import SCHEMA as SCHEMA_16E747C
 from .schema_head import TRAINER_SCHEMA as SCHEMA_HEAD_TRAINER
 
 __all__ = [
-    "GEN_16E747C", "GEN_HEAD", "SECTIONS", "HEAD_JSON", "ConfigFile", "RunFiles", "config_files",
-    "locate_run_configs", "load_run_config", "RunConfig", "Setting", "UnknownKey", "Shadowed", "SHARED_COPIES",
-    "LoraSettings", "lora_settings", "toml_key",
+    "GEN_16E747C",
+    "GEN_HEAD",
+    "HEAD_JSON",
+    "SECTIONS",
+    "SHARED_COPIES",
+    "ConfigFile",
+    "LoraSettings",
+    "RunConfig",
+    "RunFiles",
+    "Setting",
+    "Shadowed",
+    "UnknownKey",
+    "config_files",
+    "load_run_config",
+    "locate_run_configs",
+    "lora_settings",
+    "toml_key",
 ]
 
 
@@ -60,62 +83,78 @@ class Setting:
 
 @dataclass(frozen=True)
 class UnknownKey:
-    path: str                  # "trainer.optim.learning_rate"
+    path: str  # "trainer.optim.learning_rate"
     value: Any
     file: Path
-    table: str                 # "trainer.optim"
-    policy: str                # FORBID | DROP; None: no schema for this section (HEAD orchestrator ...)
-    known: tuple[str, ...]     # the keys that table does have (for the variant in force)
+    table: str  # "trainer.optim"
+    policy: str  # FORBID | DROP; None: no schema for this section (HEAD orchestrator ...)
+    known: tuple[str, ...]  # the keys that table does have (for the variant in force)
     variant: str | None = None
 
 
 @dataclass(frozen=True)
 class Shadowed:
-    path: str                  # a leaf an earlier file set that a later file's table dropped
+    path: str  # a leaf an earlier file set that a later file's table dropped
     value: Any
     file: Path
     by_file: Path
-    table: str                 # the top-level table the later file replaced
+    table: str  # the top-level table the later file replaced
 
 
 # (shared key, target, transform, rl.py line): RLConfig's validators copy these down, over the
 # section's own value, when the shared value is not None (and, for [ckpt]/[model]/[wandb], the table
 # is present). "run_default" appends the orchestrator's run dir; "-trainer" etc. suffix W&B names.
 SHARED_COPIES = (
-    ("log.level", "trainer.log.level", None, 245), ("log.level", "orchestrator.log.level", None, 246),
-    ("log.file", "trainer.log.file", None, 248), ("log.file", "orchestrator.log.file", None, 249),
-    ("ckpt.interval", "trainer.ckpt.interval", None, 267), ("ckpt.interval", "orchestrator.ckpt.interval", None, 268),
+    ("log.level", "trainer.log.level", None, 245),
+    ("log.level", "orchestrator.log.level", None, 246),
+    ("log.file", "trainer.log.file", None, 248),
+    ("log.file", "orchestrator.log.file", None, 249),
+    ("ckpt.interval", "trainer.ckpt.interval", None, 267),
+    ("ckpt.interval", "orchestrator.ckpt.interval", None, 268),
     ("ckpt.resume_step", "trainer.ckpt.resume_step", None, 272),
     ("ckpt.resume_step", "orchestrator.ckpt.resume_step", None, 273),
-    ("ckpt.keep_last", "trainer.ckpt.keep_last", None, 277), ("ckpt.keep_last", "orchestrator.ckpt.keep_last", None, 278),
+    ("ckpt.keep_last", "trainer.ckpt.keep_last", None, 277),
+    ("ckpt.keep_last", "orchestrator.ckpt.keep_last", None, 278),
     ("ckpt.keep_interval", "trainer.ckpt.keep_interval", None, 281),
     ("ckpt.keep_interval", "orchestrator.ckpt.keep_interval", None, 282),
-    ("wandb.project", "trainer.wandb.project", None, 298), ("wandb.project", "orchestrator.wandb.project", None, 299),
-    ("wandb.name", "trainer.wandb.name", "-trainer", 303), ("wandb.name", "orchestrator.wandb.name", "-orchestrator", 304),
-    ("wandb.offline", "trainer.wandb.offline", None, 308), ("wandb.offline", "orchestrator.wandb.offline", None, 309),
-    ("model.name", "trainer.model.name", None, 338), ("model.name", "orchestrator.model.name", None, 339),
+    ("wandb.project", "trainer.wandb.project", None, 298),
+    ("wandb.project", "orchestrator.wandb.project", None, 299),
+    ("wandb.name", "trainer.wandb.name", "-trainer", 303),
+    ("wandb.name", "orchestrator.wandb.name", "-orchestrator", 304),
+    ("wandb.offline", "trainer.wandb.offline", None, 308),
+    ("wandb.offline", "orchestrator.wandb.offline", None, 309),
+    ("model.name", "trainer.model.name", None, 338),
+    ("model.name", "orchestrator.model.name", None, 339),
     ("model.name", "inference.model.name", None, 341),
-    ("max_steps", "trainer.max_steps", None, 351), ("max_steps", "orchestrator.max_steps", None, 352),
+    ("max_steps", "trainer.max_steps", None, 351),
+    ("max_steps", "orchestrator.max_steps", None, 352),
     ("max_async_level", "trainer.max_async_level", None, 362),
     ("max_async_level", "orchestrator.max_async_level", None, 363),
-    ("output_dir", "trainer.output_dir", None, 373), ("output_dir", "orchestrator.output_dir", "/run_default", 374),
-    ("seq_len", "trainer.model.seq_len", None, 384), ("seq_len", "orchestrator.seq_len", None, 385),
+    ("output_dir", "trainer.output_dir", None, 373),
+    ("output_dir", "orchestrator.output_dir", "/run_default", 374),
+    ("seq_len", "trainer.model.seq_len", None, 384),
+    ("seq_len", "orchestrator.seq_len", None, 385),
 )
 # Tables RLConfig creates when a shared table is present (rl.py:259-263, 292-295).
-_CREATED_BY = {"trainer.ckpt": "ckpt", "orchestrator.ckpt": "ckpt", "trainer.wandb": "wandb",
-               "orchestrator.wandb": "wandb"}
-_OPTIONAL_SHARED = {"ckpt", "wandb", "model"}   # None unless written; [log] is always there (rl.py:241-249)
-_FALSY_COPIES = {"wandb.project", "wandb.name", "wandb.offline"}   # copied only when truthy (rl.py:297-307)
+_CREATED_BY = {
+    "trainer.ckpt": "ckpt",
+    "orchestrator.ckpt": "ckpt",
+    "trainer.wandb": "wandb",
+    "orchestrator.wandb": "wandb",
+}
+_OPTIONAL_SHARED = {"ckpt", "wandb", "model"}  # None unless written; [log] is always there (rl.py:241-249)
+_FALSY_COPIES = {"wandb.project", "wandb.name", "wandb.offline"}  # copied only when truthy (rl.py:297-307)
 
 
 @dataclass
 class RunConfig:
     """One run's configuration. `value(path)` is what prime-rl would use, `origin(path)` says why."""
+
     generation: str
     files: RunFiles
-    data: dict                                   # merged tree (rl root), as written
+    data: dict  # merged tree (rl root), as written
     written: dict[str, Setting] = field(default_factory=dict)
-    tables: dict[str, Path] = field(default_factory=dict)        # table paths written, -> file
+    tables: dict[str, Path] = field(default_factory=dict)  # table paths written, -> file
     unknown: list[UnknownKey] = field(default_factory=list)
     shadowed: list[Shadowed] = field(default_factory=list)
 
@@ -160,13 +199,13 @@ class RunConfig:
         if table in self.tables:
             return True
         if table in self.written and self.written[table].value is None:
-            return False   # `weights = "None"` turns a default-on sub-table off
+            return False  # `weights = "None"` turns a default-on sub-table off
         if self.generation == GEN_16E747C and self.is_rl:
             src = _CREATED_BY.get(table)
             if src and src in self.tables:
                 return True
             if table == "orchestrator.model.lora" and self.enabled("trainer.model.lora"):
-                return True   # rl.py:422-426
+                return True  # rl.py:422-426
         parent, _, leaf = table.rpartition(".")
         schema = self.schema_for(table)
         t = schema.table(parent) if schema else None
@@ -197,8 +236,13 @@ class RunConfig:
     def _lora_override(self, path: str):
         """rl.py:432-434: with a trainer LoRA and an [inference] table, vLLM gets LoRA on and the
         trainer's rank, whatever [inference] says."""
-        if path in ("inference.enable_lora", "inference.max_lora_rank") and self.generation == GEN_16E747C \
-                and self.is_rl and "inference" in self.sections and self.enabled("trainer.model.lora"):
+        if (
+            path in ("inference.enable_lora", "inference.max_lora_rank")
+            and self.generation == GEN_16E747C
+            and self.is_rl
+            and "inference" in self.sections
+            and self.enabled("trainer.model.lora")
+        ):
             v = True if path.endswith("enable_lora") else self.value("trainer.model.lora.rank")
             return v, "set from the trainer's LoRA (rl.py:432-434)"
         return None
@@ -231,7 +275,7 @@ class RunConfig:
     def _derived(self, path: str):
         if path in ("trainer.tokenizer.name", "trainer.tokenizer.trust_remote_code"):
             src = "trainer.model." + ("name" if path.endswith("name") else "trust_remote_code")
-            v, _ = self._resolve(src, copies=False)    # before [model] is copied down (see module doc)
+            v, _ = self._resolve(src, copies=False)  # before [model] is copied down (see module doc)
             return v, f"{_toml_key(src)} as written under [trainer] (trainer/rl/config.py:259-264)"
         if path == "orchestrator.model.lora.name" and self.enabled("trainer.model.lora"):
             r, a = self.value("trainer.model.lora.rank"), self.value("trainer.model.lora.alpha")
@@ -259,7 +303,9 @@ toml_key = _toml_key
 
 
 def _none_string(v):
-    return None if v == "None" else v   # prime-rl's BaseConfig turns "None" into None (pydantic_config.py:21-29)
+    return (
+        None if v == "None" else v
+    )  # prime-rl's BaseConfig turns "None" into None (pydantic_config.py:21-29)
 
 
 def _walk(cfg: RunConfig, node: dict, path: str, file_of, schema_path_of) -> None:
@@ -275,7 +321,9 @@ def _walk(cfg: RunConfig, node: dict, path: str, file_of, schema_path_of) -> Non
         if fields is not None and k not in fields:
             cfg.unknown.append(UnknownKey(p, v, f, path, table.policy, tuple(fields), variant))
             continue
-        if isinstance(v, dict) and (marker is SUB or marker is OPTIONAL or (fields is None and schema is None)):
+        if isinstance(v, dict) and (
+            marker is SUB or marker is OPTIONAL or (fields is None and schema is None)
+        ):
             cfg.tables[p] = f
             _walk(cfg, v, p, file_of, schema_path_of)
         elif marker is TABLE_LIST and isinstance(v, list):
@@ -301,7 +349,7 @@ def _leaves(d: dict, prefix: str = ""):
 def load_run_config(files: RunFiles) -> RunConfig:
     """Read the files and merge them as prime-rl does (see the module docstring)."""
     merged: dict = {}
-    owner: dict[str, Path] = {}          # top-level key -> the file whose value is in force
+    owner: dict[str, Path] = {}  # top-level key -> the file whose value is in force
     shadowed: list[Shadowed] = []
     for c in files.files:
         data = read_json(c.path) if c.format == "json" else read_toml(c.path)
@@ -311,8 +359,11 @@ def load_run_config(files: RunFiles) -> RunConfig:
         for k, v in data.items():
             if k in merged and c.format == "toml" and isinstance(merged[k], dict):
                 new = dict(_leaves(v)) if isinstance(v, dict) else {}
-                shadowed += [Shadowed(f"{k}.{p}", val, owner[k], c.path, k)
-                             for p, val in _leaves(merged[k]) if p not in new]
+                shadowed += [
+                    Shadowed(f"{k}.{p}", val, owner[k], c.path, k)
+                    for p, val in _leaves(merged[k])
+                    if p not in new
+                ]
             merged[k] = v
             owner[k] = c.path
     cfg = RunConfig(files.generation, files, merged, shadowed=shadowed)
@@ -348,16 +399,17 @@ def load_run_config(files: RunFiles) -> RunConfig:
 @dataclass(frozen=True)
 class LoraSettings:
     """The LoRA a run trains and serves with, by its generation's rule."""
+
     generation: str
     trainer_rank: int
     trainer_alpha: float
     orchestrator_rank: int | None
     orchestrator_alpha: float | None
-    training_alpha: float            # the alpha of the scale the trainer's forward applies
+    training_alpha: float  # the alpha of the scale the trainer's forward applies
     training_rank: int
-    served_alpha: float              # what adapter_config.json claims (vLLM scales by it)
+    served_alpha: float  # what adapter_config.json claims (vLLM scales by it)
     served_rank: int
-    rule: str                        # the rule, with its source
+    rule: str  # the rule, with its source
 
     @property
     def training_scale(self) -> float:
@@ -388,9 +440,13 @@ def _number(cfg: RunConfig, path: str, kind):
         return out
     except (TypeError, ValueError, OverflowError):
         where = cfg.where(path)
-        raise FormatError(f"{toml_key(path)} = {str(v)[:80]!r} ({type(v).__name__}) is not "
-                          f"{'a finite number' if kind is float else 'an integer'}", path=where, key=path,
-                          hint="prime-rl's config validation refuses it too; fix the value") from None
+        raise FormatError(
+            f"{toml_key(path)} = {str(v)[:80]!r} ({type(v).__name__}) is not "
+            f"{'a finite number' if kind is float else 'an integer'}",
+            path=where,
+            key=path,
+            hint="prime-rl's config validation refuses it too; fix the value",
+        ) from None
 
 
 def lora_settings(cfg: RunConfig) -> LoraSettings | None:
@@ -399,9 +455,19 @@ def lora_settings(cfg: RunConfig) -> LoraSettings | None:
         if not cfg.enabled("trainer.model.lora"):
             return None
         r, a = _number(cfg, "trainer.model.lora.rank", int), _number(cfg, "trainer.model.lora.alpha", float)
-        return LoraSettings(GEN_HEAD, r, a, None, None, a, r, a, r,
-                            "HEAD: scale = trainer model.lora.alpha / rank (trainer lora.py:35-45); the "
-                            "orchestrator inherits both, conflicts raise (configs/rl.py:538-573)")
+        return LoraSettings(
+            GEN_HEAD,
+            r,
+            a,
+            None,
+            None,
+            a,
+            r,
+            a,
+            r,
+            "HEAD: scale = trainer model.lora.alpha / rank (trainer lora.py:35-45); the "
+            "orchestrator inherits both, conflicts raise (configs/rl.py:538-573)",
+        )
     have_trainer = "trainer" in cfg.sections
     have_orch = "orchestrator" in cfg.sections
     if have_trainer and not cfg.enabled("trainer.model.lora"):
@@ -411,17 +477,29 @@ def lora_settings(cfg: RunConfig) -> LoraSettings | None:
     o_rank = _number(cfg, "orchestrator.model.lora.rank", int) if have_orch else None
     o_alpha = _number(cfg, "orchestrator.model.lora.alpha", float) if have_orch else None
     if have_trainer:
-        t_rank, t_alpha = _number(cfg, "trainer.model.lora.rank", int), _number(cfg, "trainer.model.lora.alpha", float)
-    else:   # a run dir's orch.toml: the trainer's LoRA is in the generated name r{rank}-a{alpha}
+        t_rank, t_alpha = (
+            _number(cfg, "trainer.model.lora.rank", int),
+            _number(cfg, "trainer.model.lora.alpha", float),
+        )
+    else:  # a run dir's orch.toml: the trainer's LoRA is in the generated name r{rank}-a{alpha}
         m = re.fullmatch(r"r(\d+)-a([0-9.eE+-]+)", str(cfg.value("orchestrator.model.lora.name") or ""))
         if not m:
             return None
         t_rank, t_alpha = int(m.group(1)), float(m.group(2))
     if o_alpha is None:
-        o_alpha = 16.0   # the orchestrator LoRAConfig default rl.py creates (orchestrator/config.py:35-56)
+        o_alpha = 16.0  # the orchestrator LoRAConfig default rl.py creates (orchestrator/config.py:35-56)
     train_rank = int(o_rank) if o_rank is not None else t_rank
-    return LoraSettings(GEN_16E747C, t_rank, t_alpha, int(o_rank) if o_rank is not None else None, o_alpha,
-                        o_alpha, train_rank, t_alpha, t_rank,
-                        "16e747c: scale = orchestrator [model.lora] alpha / (its rank or the trainer's) "
-                        "(rl/train.py:101-116, runs.py:212-218); adapter_config.json carries the trainer's "
-                        "alpha/rank (lora.py:237-279)")
+    return LoraSettings(
+        GEN_16E747C,
+        t_rank,
+        t_alpha,
+        int(o_rank) if o_rank is not None else None,
+        o_alpha,
+        o_alpha,
+        train_rank,
+        t_alpha,
+        t_rank,
+        "16e747c: scale = orchestrator [model.lora] alpha / (its rank or the trainer's) "
+        "(rl/train.py:101-116, runs.py:212-218); adapter_config.json carries the trainer's "
+        "alpha/rank (lora.py:237-279)",
+    )

@@ -9,6 +9,7 @@
 
 `ckpt_tools.primerl.config` re-exports the public names; use it.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,30 +17,47 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...core.errors import FormatError, UsageError
 from ...io import inputs
 from ...io.remote import mount_root_of
-from ...core.errors import FormatError, UsageError
 
-__all__ = ["GEN_16E747C", "GEN_HEAD", "SECTIONS", "HEAD_JSON", "ConfigFile", "RunFiles", "read_toml",
-    "read_json", "config_files", "locate_run_configs", "CONFIG_DIRS", "head_config_files", "config_run_dir"]
+__all__ = [
+    "CONFIG_DIRS",
+    "GEN_16E747C",
+    "GEN_HEAD",
+    "HEAD_JSON",
+    "SECTIONS",
+    "ConfigFile",
+    "RunFiles",
+    "config_files",
+    "config_run_dir",
+    "head_config_files",
+    "locate_run_configs",
+    "read_json",
+    "read_toml",
+]
 
 GEN_16E747C = "16e747c"
 GEN_HEAD = "head"
 SECTIONS = ("trainer", "orchestrator", "inference")
-HEAD_JSON = {"rl.json": "", "trainer.json": "trainer", "orchestrator.json": "orchestrator",
-             "inference.json": "inference"}
+HEAD_JSON = {
+    "rl.json": "",
+    "trainer.json": "trainer",
+    "orchestrator.json": "orchestrator",
+    "inference.json": "inference",
+}
 # Where a run dir holds its resolved JSON configs, in lookup order (entrypoints/rl.py writes configs/;
 # later prime-rl writes configs/resolved/ and configs/latest/resolved/).
 CONFIG_DIRS = ("configs", "configs/resolved", "configs/latest/resolved")
-_SEARCH_LEVELS = 5   # trainer -> step_N -> checkpoints -> outputs -> run/launch dir
+_SEARCH_LEVELS = 5  # trainer -> step_N -> checkpoints -> outputs -> run/launch dir
 
 
 # ------------------------------------------------------------------------------------------ files
 @dataclass(frozen=True)
 class ConfigFile:
     path: Path
-    section: str          # "" = the rl root; "trainer" | "orchestrator" | "inference" = nested under it
-    origin: str           # how it was found: "argument", "toml_files of X", "run dir"
+    section: str  # "" = the rl root; "trainer" | "orchestrator" | "inference" = nested under it
+    origin: str  # how it was found: "argument", "toml_files of X", "run dir"
 
     @property
     def format(self) -> str:
@@ -49,9 +67,9 @@ class ConfigFile:
 @dataclass(frozen=True)
 class RunFiles:
     generation: str
-    files: tuple[ConfigFile, ...]        # load order: later files override earlier ones
-    run_dir: Path | None = None          # where the configs were found (None: given as arguments)
-    ignored_includes: tuple[tuple[Path, str], ...] = ()   # (file, table) whose toml_files prime-rl ignores
+    files: tuple[ConfigFile, ...]  # load order: later files override earlier ones
+    run_dir: Path | None = None  # where the configs were found (None: given as arguments)
+    ignored_includes: tuple[tuple[Path, str], ...] = ()  # (file, table) whose toml_files prime-rl ignores
 
 
 def read_toml(path: Path) -> dict:
@@ -63,7 +81,9 @@ def read_toml(path: Path) -> dict:
     except FormatError as exc:
         if not exc.message.startswith("not valid TOML"):
             raise
-        raise FormatError(exc.message, path=path, hint="prime-rl cannot read it either; fix the syntax first") from None
+        raise FormatError(
+            exc.message, path=path, hint="prime-rl cannot read it either; fix the syntax first"
+        ) from None
 
 
 def read_json(path: Path) -> dict:
@@ -87,6 +107,7 @@ def _nested_toml_files(data: dict, path: Path) -> list[tuple[Path, str]]:
                 if "toml_files" in v:
                     out.append((path, f"{prefix}{k}"))
                 walk(v, f"{prefix}{k}.")
+
     walk(data, "")
     return out
 
@@ -117,9 +138,12 @@ def config_files(files: list[Path], sections: Mapping[str, Path] | None = None) 
         if includes is None:
             return
         if section:
-            raise UsageError(f"`toml_files` in a file given as --{section} @ FILE: prime-rl raises "
-                             f"NotImplementedError for it (pydantic_config.py:137-138)", path=path,
-                             hint="list the files in the rl config's top-level toml_files instead")
+            raise UsageError(
+                f"`toml_files` in a file given as --{section} @ FILE: prime-rl raises "
+                f"NotImplementedError for it (pydantic_config.py:137-138)",
+                path=path,
+                hint="list the files in the rl config's top-level toml_files instead",
+            )
         if not isinstance(includes, list) or not all(isinstance(x, str) for x in includes):
             raise FormatError(f"toml_files is {includes!r}, not a list of paths", path=path, key="toml_files")
         for inc in includes:
@@ -153,7 +177,7 @@ def config_run_dir(config: Path) -> Path:
     """The run dir a found config file belongs to: `<run>` for `<run>/<one of CONFIG_DIRS>/x.json`, and
     `<outputs>/run_x` for 16e747c's `<outputs>/run_x/configs/orch.toml`."""
     p = Path(config).resolve()
-    for sub in sorted(CONFIG_DIRS, key=lambda s: -len(Path(s).parts)):   # the longest layout first
+    for sub in sorted(CONFIG_DIRS, key=lambda s: -len(Path(s).parts)):  # the longest layout first
         n = len(Path(sub).parts)
         if len(p.parents) > n and Path(*p.parent.parts[-n:]) == Path(sub):
             return p.parents[n]
@@ -161,7 +185,7 @@ def config_run_dir(config: Path) -> Path:
 
 
 def _orch_tomls(d: Path) -> list[Path]:
-    if (d / "configs" / "orch.toml").is_file():     # a run_* dir itself
+    if (d / "configs" / "orch.toml").is_file():  # a run_* dir itself
         return [d / "configs" / "orch.toml"]
     return sorted(d.glob("run_*/configs/orch.toml")) + sorted(d.glob("outputs/run_*/configs/orch.toml"))
 
@@ -180,11 +204,14 @@ def locate_run_configs(path: str | Path) -> RunFiles | None:
     for _ in range(_SEARCH_LEVELS + 1):
         head, old = head_config_files(d), _orch_tomls(d)
         if head:
-            order = sorted(head, key=lambda f: list(HEAD_JSON).index(f.name))   # rl.json first
+            order = sorted(head, key=lambda f: list(HEAD_JSON).index(f.name))  # rl.json first
             return RunFiles(GEN_HEAD, tuple(ConfigFile(f, HEAD_JSON[f.name], "run dir") for f in order), d)
         if len(old) > 1:
-            raise UsageError(f"several runs' configs here: {', '.join(map(str, old))}", path=d,
-                             hint="pass the run's orch.toml (or its run_* dir) to pick one")
+            raise UsageError(
+                f"several runs' configs here: {', '.join(map(str, old))}",
+                path=d,
+                hint="pass the run's orch.toml (or its run_* dir) to pick one",
+            )
         if old:
             return RunFiles(GEN_16E747C, (ConfigFile(old[0], "orchestrator", "run dir"),), d)
         if d.parent == d or (top is not None and d == top):

@@ -17,6 +17,7 @@ it (`find_run_configs`), the launch dir that config says (`launch_of_config`), t
 
 Reads directory listings and small JSON files only.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,22 +25,40 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...io import inputs
-from ...io.inputs import read_toml
-from ...io import remote
-from ...io.remote import mount_root_of
 from ...core.errors import CkptError, UsageError
+from ...io import inputs, remote
+from ...io.inputs import read_toml
+from ...io.remote import mount_root_of
 from ..hf_dir.hub import locate_model, resolve_model_dir
 from ..safetensors.header import read_header
 from .config import GEN_HEAD, RunConfig, config_files, load_run_config
 from .files import config_run_dir, head_config_files
 
-__all__ = ["step_number", "step_dirs", "checkpoints_dir_of", "launch_dir", "launch_dir_of", "artifact_launch_dir", "run_base_of",
-    "RunRoot", "resolve_run", "run_base", "launch_of_config", "run_outputs_dir", "find_run_configs", "orch_model_name",
-    "outputs_dir", "model_name",
-    "BaseModel", "resolve_base", "adapter_config_files", "read_adapter_config", "absent_modules_to_save",
+__all__ = [
+    "BaseModel",
+    "RunRoot",
+    "absent_modules_to_save",
+    "adapter_config_files",
+    "artifact_launch_dir",
+    "checkpoints_dir_of",
+    "dir_bytes",
+    "find_run_configs",
+    "launch_dir",
+    "launch_dir_of",
+    "launch_of_config",
+    "model_name",
+    "orch_model_name",
+    "outputs_dir",
+    "read_adapter_config",
+    "resolve_base",
+    "resolve_run",
+    "run_base",
+    "run_base_of",
+    "run_outputs_dir",
+    "step_dirs",
+    "step_number",
     "weights_exports",
-    "dir_bytes"]
+]
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -70,8 +89,11 @@ def checkpoints_dir_of(path: str | Path) -> Path:
         return p / "checkpoints"
     if (p / "outputs" / "checkpoints").is_dir():
         return p / "outputs" / "checkpoints"
-    raise UsageError("holds no step_N checkpoints", path=p,
-                     hint="pass prime-rl's outputs/checkpoints directory (it holds step_N/trainer)")
+    raise UsageError(
+        "holds no step_N checkpoints",
+        path=p,
+        hint="pass prime-rl's outputs/checkpoints directory (it holds step_N/trainer)",
+    )
 
 
 # ------------------------------------------------------------------------------------ the one resolver
@@ -94,7 +116,8 @@ def _outputs_by_layout(p: Path) -> Path | None:
     if _STEP.match(p.name) and p.parent.name in ("checkpoints", "weights") and len(parents) > 1:
         return parents[1]
     if _STEP.match(p.name) and p.parent.name == "broadcasts" and len(parents) > 2:
-        # 16e747c: <outputs>/run_*/broadcasts/step_N (the orchestrator's output_dir); HEAD: <outputs>/broadcasts
+        # 16e747c: <outputs>/run_*/broadcasts/step_N (the orchestrator's output_dir); HEAD:
+        # <outputs>/broadcasts
         return parents[2] if p.parent.parent.name.startswith("run_") else parents[1]
     return None
 
@@ -112,8 +135,10 @@ def _head_configs(outputs: Path) -> list[Path]:
 
 def _trainer_first(run_dir: Path) -> list[Path]:
     """HEAD's `trainer.json` and `rl.json` of `run_dir` (`head_config_files`), trainer.json first."""
-    return sorted((f for f in head_config_files(run_dir) if f.name in ("trainer.json", "rl.json")),
-                  key=lambda f: f.name != "trainer.json")
+    return sorted(
+        (f for f in head_config_files(run_dir) if f.name in ("trainer.json", "rl.json")),
+        key=lambda f: f.name != "trainer.json",
+    )
 
 
 def find_run_configs(ckpt_dir: Path) -> list[Path]:
@@ -143,7 +168,7 @@ def _configs_above_url(path) -> list[Path]:
     if outputs is None:
         return []
 
-    def url_at(p: Path) -> str | None:   # None above the URL's host / repo
+    def url_at(p: Path) -> str | None:  # None above the URL's host / repo
         return f"{scheme}://{p.as_posix().lstrip('/')}" if len(p.parts) > 2 else None
 
     def listed(dir_url: str | None) -> Path | None:
@@ -151,12 +176,12 @@ def _configs_above_url(path) -> list[Path]:
             return None
         try:
             return remote.mount(dir_url, what="run config")
-        except CkptError:   # not there (or not listable): the next candidate
+        except CkptError:  # not there (or not listable): the next candidate
             return None
 
     for run in (outputs, outputs.parent):
         got = listed(url_at(run / "configs"))
-        found = _trainer_first(got.parent) if got is not None else []   # (the mount is <tmp>/configs)
+        found = _trainer_first(got.parent) if got is not None else []  # (the mount is <tmp>/configs)
         if found:
             return found[:1]
     got = listed(url_at(outputs / "run_default" / "configs"))
@@ -173,7 +198,7 @@ def orch_model_name(path: Path | None) -> str | None:
     only a default, for base_model_name_or_path and for the base a slim records)."""
     if path is None:
         return None
-    if Path(path).suffix == ".json":   # HEAD: the trainer's model.name
+    if Path(path).suffix == ".json":  # HEAD: the trainer's model.name
         try:
             cfg = load_run_config(config_files([Path(path)]))
             name = cfg.value("trainer.model.name") if "trainer" in cfg.sections else None
@@ -181,8 +206,9 @@ def orch_model_name(path: Path | None) -> str | None:
             return None
         return name if isinstance(name, str) and name else None
     try:
-        data, _ = read_toml(path, root=run_outputs_dir(path) if run_outputs_dir(path) else None,
-                            what="orchestrator config")
+        data, _ = read_toml(
+            path, root=run_outputs_dir(path) if run_outputs_dir(path) else None, what="orchestrator config"
+        )
         name = (data.get("model") or {}).get("name") if isinstance(data.get("model"), dict) else None
     except CkptError:
         return None
@@ -216,12 +242,13 @@ def _outputs_of_run_dir(p: Path) -> Path | None:
 @dataclass(frozen=True)
 class RunRoot:
     """Where the run of an artifact is, by the one rule (`resolve_run`)."""
-    path: Path                       # what was given
-    outputs: Path | None             # the trainer output_dir it lies in (or is)
-    configs: tuple[Path, ...]        # the run configs prime-rl wrote for it, or the one the user named
-    named: bool                      # the config was named (--run-config), not found
-    launch: Path | None              # where that config says prime-rl was launched from (None without one)
-    base_name: str | None            # the one config's model.name
+
+    path: Path  # what was given
+    outputs: Path | None  # the trainer output_dir it lies in (or is)
+    configs: tuple[Path, ...]  # the run configs prime-rl wrote for it, or the one the user named
+    named: bool  # the config was named (--run-config), not found
+    launch: Path | None  # where that config says prime-rl was launched from (None without one)
+    base_name: str | None  # the one config's model.name
 
     @property
     def config(self) -> Path | None:
@@ -256,7 +283,9 @@ def resolve_run(path: str | Path, *, config: str | Path | None = None) -> RunRoo
     one = configs[0] if len(configs) == 1 else None
     # a config found above a URL says no launch dir here: its relative paths are on the machine that trained
     launch = None if one is None or (outputs is None and config is None) else launch_of_config(one)
-    return RunRoot(p, outputs, configs, config is not None, launch, None if one is None else orch_model_name(one))
+    return RunRoot(
+        p, outputs, configs, config is not None, launch, None if one is None else orch_model_name(one)
+    )
 
 
 def launch_of_config(cfg_path: str | Path) -> Path:
@@ -282,7 +311,8 @@ def run_base(run: RunRoot) -> BaseModel | None:
     if run.named:
         return BaseModel(name, found, "--run-config", why)
     how = f"the run config {run.config}'s model.name {name!r}" + (
-        f" (relative to {run.launch})" if found is not None and found == run.launch / name else "")
+        f" (relative to {run.launch})" if found is not None and found == run.launch / name else ""
+    )
     return BaseModel(name, found, how, why)
 
 
@@ -308,13 +338,13 @@ def launch_dir_of(config: Path, output_dir: object = None) -> Path:
     run = config_run_dir(config)
     if Path(config).suffix == ".json":
         depth = len(Path(str(output_dir)).parts) if output_dir else 0
-        for cand in [run, *list(run.parents)[:depth + 1]]:
+        for cand in [run, *list(run.parents)[: depth + 1]]:
             if output_dir and not Path(str(output_dir)).is_absolute() and (cand / str(output_dir)).is_dir():
                 return cand
         return run
     out = Path(str(output_dir or "outputs/run_default"))
-    if not out.is_absolute() and run.parts[-len(out.parts):] == out.parts:
-        return Path(*run.parts[:-len(out.parts)])
+    if not out.is_absolute() and run.parts[-len(out.parts) :] == out.parts:
+        return Path(*run.parts[: -len(out.parts)])
     return run.parent.parent
 
 
@@ -334,7 +364,7 @@ def outputs_dir(cfg: RunConfig | None, target: Path | None) -> Path | None:
     cands = []
     if target is not None and target.is_dir():
         t = target.resolve()
-        cands += [t, t / "outputs"] + list(t.parents)[:3]   # a checkpoints, step or trainer dir: its outputs
+        cands += [t, t / "outputs"] + list(t.parents)[:3]  # a checkpoints, step or trainer dir: its outputs
     if cfg is not None:
         base = launch_dir(cfg)
         out = cfg.value("trainer.output_dir") if "trainer" in cfg.sections else None
@@ -362,9 +392,9 @@ def model_name(cfg: RunConfig | None) -> str | None:
 
 @dataclass(frozen=True)
 class BaseModel:
-    name: str            # as given or as the config says
-    dir: Path | None     # where it is on this machine (None: not found)
-    how: str             # "--base" | "config model.name (relative to the launch dir)" | ...
+    name: str  # as given or as the config says
+    dir: Path | None  # where it is on this machine (None: not found)
+    how: str  # "--base" | "config model.name (relative to the launch dir)" | ...
     problem: str | None = None
 
 
@@ -382,8 +412,11 @@ def resolve_base(base: str | Path | None, cfg: RunConfig | None) -> BaseModel | 
         cands.insert(0, ld / name)
     for c in cands:
         if c.is_dir() and ((c / "config.json").is_file() or list(c.glob("*.safetensors*"))):
-            return BaseModel(name, c, f"the config's model.name {name!r}" + (f" (relative to {ld})" if c != Path(name)
-                                                                          else ""))
+            return BaseModel(
+                name,
+                c,
+                f"the config's model.name {name!r}" + (f" (relative to {ld})" if c != Path(name) else ""),
+            )
     try:
         return BaseModel(name, resolve_model_dir(name), f"the config's model.name {name!r} (local HF cache)")
     except CkptError as exc:
@@ -392,14 +425,17 @@ def resolve_base(base: str | Path | None, cfg: RunConfig | None) -> BaseModel | 
 
 def adapter_config_files(outputs: Path) -> list[Path]:
     """adapter_config.json files prime-rl wrote: broadcasts (both layouts) and weight exports."""
-    pats = ("run_*/broadcasts/step_*/adapter_config.json", "broadcasts/step_*/adapter_config.json",
-            "weights/step_*/lora_adapters/adapter_config.json")
+    pats = (
+        "run_*/broadcasts/step_*/adapter_config.json",
+        "broadcasts/step_*/adapter_config.json",
+        "weights/step_*/lora_adapters/adapter_config.json",
+    )
     return sorted(f for pat in pats for f in Path(outputs).glob(pat))
 
 
 def read_adapter_config(path: Path) -> tuple[int, float] | None:
     """(r, lora_alpha) of an adapter_config.json, None when it does not have them."""
-    try:   # through the read side: a FIFO or a 100,000-deep file is a None here, not a hang or a crash
+    try:  # through the read side: a FIFO or a 100,000-deep file is a None here, not a hang or a crash
         cfg = inputs.read_json(path, what="adapter_config.json")
         return int(cfg["r"]), float(cfg["lora_alpha"])
     except (CkptError, ValueError, KeyError, TypeError, OverflowError):
@@ -420,7 +456,9 @@ def absent_modules_to_save(path: Path) -> tuple[str, ...]:
     except (CkptError, AttributeError, TypeError, ValueError):
         return ()
     held = [n.rsplit(".", 1)[0] for n in names if "lora_" not in n]
-    return tuple(t for t in listed if isinstance(t, str) and not any(h == t or h.endswith("." + t) for h in held))
+    return tuple(
+        t for t in listed if isinstance(t, str) and not any(h == t or h.endswith("." + t) for h in held)
+    )
 
 
 def weights_exports(outputs: Path) -> list[tuple[int, Path]]:
@@ -428,8 +466,11 @@ def weights_exports(outputs: Path) -> list[tuple[int, Path]]:
     w = Path(outputs) / "weights"
     if not w.is_dir():
         return []
-    return [(n, d) for n, d in step_dirs(w)
-            if (d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()]
+    return [
+        (n, d)
+        for n, d in step_dirs(w)
+        if (d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()
+    ]
 
 
 def dir_bytes(path: Path) -> int:

@@ -17,14 +17,28 @@ table written without `type` takes the default's variant (pydantic-settings'
 
 The data lives in `schema_16e747c` and `schema_head`; this module is the machinery only.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FORBID", "DROP", "DISCRIMINATOR", "SUB", "OPTIONAL", "TABLE_LIST", "REQUIRED", "FREE",
-    "plain_default", "Table", "T", "V", "Schema"]
+__all__ = [
+    "DISCRIMINATOR",
+    "DROP",
+    "FORBID",
+    "FREE",
+    "OPTIONAL",
+    "REQUIRED",
+    "SUB",
+    "TABLE_LIST",
+    "Schema",
+    "T",
+    "Table",
+    "V",
+    "plain_default",
+]
 
 FORBID = "forbid"
 DROP = "drop"
@@ -39,15 +53,16 @@ class _Marker:
         return self.name
 
 
-SUB = _Marker("SUB")                  # a sub-table present by default (defaults from its own table)
-OPTIONAL = _Marker("OPTIONAL")        # a sub-table that is None (feature off) unless written
-TABLE_LIST = _Marker("TABLE_LIST")    # an array of tables ([[orchestrator.env]])
-REQUIRED = _Marker("REQUIRED")        # no default: prime-rl refuses a config without it
+SUB = _Marker("SUB")  # a sub-table present by default (defaults from its own table)
+OPTIONAL = _Marker("OPTIONAL")  # a sub-table that is None (feature off) unless written
+TABLE_LIST = _Marker("TABLE_LIST")  # an array of tables ([[orchestrator.env]])
+REQUIRED = _Marker("REQUIRED")  # no default: prime-rl refuses a config without it
 
 
 @dataclass(frozen=True)
 class FREE:
     """A free-form value (a dict of the user's own keys, or a str/dict union): not descended into."""
+
     default: Any = None
 
 
@@ -64,8 +79,8 @@ def plain_default(v):
 
 @dataclass(frozen=True)
 class Table:
-    path: str                                   # "" is the root
-    policy: str                                 # FORBID | DROP
+    path: str  # "" is the root
+    policy: str  # FORBID | DROP
     fields: Mapping[str, Any] = field(default_factory=dict)
     variants: Mapping[str, Mapping[str, Any]] | None = None
     default_variant: str | None = None
@@ -103,13 +118,14 @@ def V(path: str, policy: str, *, default: str | None, variants: Mapping[str, Map
 class Schema:
     """The key tables of one prime-rl generation. `prefix` maps a file's root into the rl tree
     (HEAD's trainer.json is the trainer table: prefix "trainer")."""
+
     generation: str
     commit: str
-    source: str                                 # where the facts come from (files, for humans)
+    source: str  # where the facts come from (files, for humans)
     tables: Mapping[str, Table]
 
     @classmethod
-    def of(cls, generation: str, commit: str, source: str, tables, prefix: str = "") -> "Schema":
+    def of(cls, generation: str, commit: str, source: str, tables, prefix: str = "") -> Schema:
         out = {}
         for t in tables:
             path = ".".join(p for p in (prefix, t.path) if p)

@@ -1,6 +1,7 @@
 """A prime-rl TOML, edited the way a user would (restart-prep): tomlkit keeps comments, order and
 formatting; only the keys of these tables change, and a config where no model name or no lr key is
 found is refused, naming the keys looked for."""
+
 from __future__ import annotations
 
 import difflib
@@ -15,15 +16,31 @@ from tomlkit.exceptions import TOMLKitError
 from ...core.errors import FormatError
 from ...core.primerl_state import SchedulerSpec
 
-__all__ = ["MODEL_NAME_KEYS", "LR_KEYS", "RESUME_KEYS", "SCHEDULER_TABLES", "MAX_STEPS_KEYS", "TomlChange",
-           "patch_config_text", "config_kind", "scheduler_from_config", "unified_diff"]
+__all__ = [
+    "LR_KEYS",
+    "MAX_STEPS_KEYS",
+    "MODEL_NAME_KEYS",
+    "RESUME_KEYS",
+    "SCHEDULER_TABLES",
+    "TomlChange",
+    "config_kind",
+    "patch_config_text",
+    "scheduler_from_config",
+    "unified_diff",
+]
 
 # Dotted key paths in prime-rl configs: `rl` (shared [model], [trainer.*], [orchestrator.*],
 # [inference.*]) and the standalone trainer (`[model]`, `[optim]`, `[ckpt]`).
 MODEL_NAME_KEYS = ("model.name", "trainer.model.name", "orchestrator.model.name", "inference.model.name")
 LR_KEYS = ("optim.lr", "trainer.optim.lr")
-RESUME_KEYS = ("ckpt.resume_step", "ckpt.resume_dir", "trainer.ckpt.resume_step", "trainer.ckpt.resume_dir",
-               "orchestrator.ckpt.resume_step", "orchestrator.ckpt.resume_dir")
+RESUME_KEYS = (
+    "ckpt.resume_step",
+    "ckpt.resume_dir",
+    "trainer.ckpt.resume_step",
+    "trainer.ckpt.resume_dir",
+    "orchestrator.ckpt.resume_step",
+    "orchestrator.ckpt.resume_dir",
+)
 SCHEDULER_TABLES = ("scheduler", "trainer.scheduler")
 MAX_STEPS_KEYS = ("max_steps", "trainer.max_steps")
 
@@ -33,7 +50,7 @@ MAX_STEPS_KEYS = ("max_steps", "trainer.max_steps")
 class TomlChange:
     key: str
     before: object
-    after: object          # None: removed
+    after: object  # None: removed
 
     def to_json(self) -> dict:
         return {"key": self.key, "before": self.before, "after": self.after}
@@ -56,9 +73,16 @@ def _plain(v):
     return v.unwrap() if hasattr(v, "unwrap") else v
 
 
-def patch_config_text(text: str, *, model_name: str | None, lr: float | None, resume_step: int | None = None,
-                      remove_resume: bool = False, rebase_from: Path | None = None,
-                      where: str | Path = "config") -> tuple[str, list[TomlChange]]:
+def patch_config_text(
+    text: str,
+    *,
+    model_name: str | None,
+    lr: float | None,
+    resume_step: int | None = None,
+    remove_resume: bool = False,
+    rebase_from: Path | None = None,
+    where: str | Path = "config",
+) -> tuple[str, list[TomlChange]]:
     """Return the edited TOML text and the list of changes. `model_name` / `lr` set every key of
     `MODEL_NAME_KEYS` / `LR_KEYS` present (at least one must be); `remove_resume` deletes every
     `RESUME_KEYS` present; `resume_step` sets `ckpt.resume_step` (in every ckpt table present, or a
@@ -85,9 +109,12 @@ def patch_config_text(text: str, *, model_name: str | None, lr: float | None, re
                 table[last] = value
                 changes.append(TomlChange(dotted, before, value))
         if not found:
-            raise FormatError(f"no {what} key found: looked for {', '.join(keys)}", path=where,
-                              hint=f"add it to the config (e.g. [{keys[0].rsplit('.', 1)[0]}] "
-                                   f"{keys[0].rsplit('.', 1)[1]} = ...) and rerun")
+            raise FormatError(
+                f"no {what} key found: looked for {', '.join(keys)}",
+                path=where,
+                hint=f"add it to the config (e.g. [{keys[0].rsplit('.', 1)[0]}] "
+                f"{keys[0].rsplit('.', 1)[1]} = ...) and rerun",
+            )
 
     inherits = doc.get("toml_files")
     if rebase_from is not None and isinstance(_plain(inherits), list):
@@ -143,9 +170,13 @@ def scheduler_from_config(text: str, where: str | Path = "config"):
     sched = next((dig(t) for t in SCHEDULER_TABLES if isinstance(dig(t), dict)), None) or {}
     max_steps = next((dig(k) for k in MAX_STEPS_KEYS if isinstance(dig(k), int)), None)
     try:
-        return SchedulerSpec(sched.get("type", "constant"), warmup_steps=int(sched.get("warmup_steps", 0)),
-                             decay_steps=int(sched.get("decay_steps", 0)), max_steps=max_steps,
-                             min_lr=float(sched.get("min_lr", 0.0)))
+        return SchedulerSpec(
+            sched.get("type", "constant"),
+            warmup_steps=int(sched.get("warmup_steps", 0)),
+            decay_steps=int(sched.get("decay_steps", 0)),
+            max_steps=max_steps,
+            min_lr=float(sched.get("min_lr", 0.0)),
+        )
     except (ValueError, TypeError) as exc:
         raise FormatError(f"cannot use its [scheduler] table: {exc}", path=where) from None
 

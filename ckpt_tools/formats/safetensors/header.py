@@ -14,6 +14,7 @@ File layout (what `safetensors` 0.8 itself writes and checks, see its `tensor.rs
 identical to `save_file`'s. (With 2+ metadata entries `save_file` is itself not deterministic:
 it serializes a Rust HashMap. We sort metadata keys.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,15 +25,25 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from ...core.dtypes import SAFETENSORS, torch_dtype
 from ...core.errors import CkptError, FormatError, TruncatedFileError
 from ...io.inputs import MAX_TABLE_VALUES, open_input
 from ...io.pread import pread_into
 
-__all__ = ["MAX_HEADER_BYTES", "LEN_BYTES", "TensorInfo", "SafetensorsHeader", "ByteCounter", "Source",
-           "OpenedFile", "read_header", "parse_header", "require_little_endian", "is_int"]
+__all__ = [
+    "LEN_BYTES",
+    "MAX_HEADER_BYTES",
+    "ByteCounter",
+    "OpenedFile",
+    "SafetensorsHeader",
+    "Source",
+    "TensorInfo",
+    "is_int",
+    "parse_header",
+    "read_header",
+    "require_little_endian",
+]
 
 # safetensors refuses headers above this (MAX_HEADER_SIZE in tensor.rs); so do we, before
 # allocating anything for a length field that may be garbage.
@@ -43,8 +54,9 @@ LEN_BYTES = 8
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor's bytes lie. `begin` is an absolute offset in `path`."""
+
     name: str
-    dtype: str                 # safetensors code, e.g. "BF16"
+    dtype: str  # safetensors code, e.g. "BF16"
     shape: tuple[int, ...]
     begin: int
     nbytes: int
@@ -62,10 +74,14 @@ class TensorInfo:
     def row_bytes(self) -> int:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
 
-    def rows(self, start: int, count: int) -> "TensorInfo":
+    def rows(self, start: int, count: int) -> TensorInfo:
         """The TensorInfo of rows [start, start + count) (one contiguous range of the row-major data)."""
-        return dataclasses.replace(self, shape=(count,) + tuple(self.shape[1:]), begin=self.begin + start * self.row_bytes,
-                                   nbytes=count * self.row_bytes)
+        return dataclasses.replace(
+            self,
+            shape=(count,) + tuple(self.shape[1:]),
+            begin=self.begin + start * self.row_bytes,
+            nbytes=count * self.row_bytes,
+        )
 
     @property
     def dtype_name(self) -> str:
@@ -80,9 +96,9 @@ class TensorInfo:
 @dataclass(frozen=True)
 class SafetensorsHeader:
     path: Path
-    metadata: dict[str, str]           # `__metadata__`, {} when absent
-    tensors: dict[str, TensorInfo]     # in file (data offset) order
-    data_start: int                    # absolute offset of the data area = 8 + header_bytes
+    metadata: dict[str, str]  # `__metadata__`, {} when absent
+    tensors: dict[str, TensorInfo]  # in file (data offset) order
+    data_start: int  # absolute offset of the data area = 8 + header_bytes
     file_bytes: int
 
     @property
@@ -109,7 +125,7 @@ class ByteCounter:
         return f"ByteCounter(bytes_read={self.bytes_read}, reads={self.reads})"
 
 
-Source = Union[int, str, os.PathLike, None]
+Source = int | str | os.PathLike | None
 
 
 def require_little_endian() -> None:
@@ -142,8 +158,12 @@ class OpenedFile:
 
 def _header_error(path, message, key=None, truncated=False):
     cls = TruncatedFileError if truncated else FormatError
-    return cls(message, path=path, key=key,
-               hint="the file is corrupt or not safetensors; re-download or re-export it")
+    return cls(
+        message,
+        path=path,
+        key=key,
+        hint="the file is corrupt or not safetensors; re-download or re-export it",
+    )
 
 
 def _reject_duplicate_keys(pairs):
@@ -168,16 +188,23 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     with OpenedFile(path, path) as fd:
         file_bytes = os.fstat(fd).st_size
         if file_bytes < LEN_BYTES:
-            raise _header_error(path, f"file is {file_bytes} bytes, too short for the 8-byte header length",
-                                truncated=True)
+            raise _header_error(
+                path, f"file is {file_bytes} bytes, too short for the 8-byte header length", truncated=True
+            )
         prefix = bytearray(LEN_BYTES)
         pread_into(fd, prefix, 0, path=path)
         (n,) = struct.unpack("<Q", prefix)
         if n > MAX_HEADER_BYTES:
-            raise _header_error(path, f"header length field says {n} bytes, above the {MAX_HEADER_BYTES}-byte limit")
+            raise _header_error(
+                path, f"header length field says {n} bytes, above the {MAX_HEADER_BYTES}-byte limit"
+            )
         if n > file_bytes - LEN_BYTES:
-            raise _header_error(path, f"header length field says {n} bytes but the file holds only "
-                                      f"{file_bytes - LEN_BYTES} after it", truncated=True)
+            raise _header_error(
+                path,
+                f"header length field says {n} bytes but the file holds only "
+                f"{file_bytes - LEN_BYTES} after it",
+                truncated=True,
+            )
         raw = bytearray(n)
         pread_into(fd, raw, LEN_BYTES, path=path)
     return parse_header(bytes(raw), path=path, file_bytes=file_bytes)
@@ -194,9 +221,12 @@ def parse_header(raw: bytes, *, path: Path, file_bytes: int) -> SafetensorsHeade
     if not text.lstrip().startswith("{"):
         raise _header_error(path, "header is not a JSON object")
     n_values = text.count("{") + text.count("[") + text.count(",")
-    if n_values > MAX_TABLE_VALUES:   # parsing costs ~140 bytes of RSS per value: bounded before it
-        raise _header_error(path, f"header could hold {n_values:,} JSON values, far more than a header of tensors "
-                                  f"(the limit is {MAX_TABLE_VALUES:,})")
+    if n_values > MAX_TABLE_VALUES:  # parsing costs ~140 bytes of RSS per value: bounded before it
+        raise _header_error(
+            path,
+            f"header could hold {n_values:,} JSON values, far more than a header of tensors "
+            f"(the limit is {MAX_TABLE_VALUES:,})",
+        )
     try:
         obj = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
@@ -222,14 +252,23 @@ def parse_header(raw: bytes, *, path: Path, file_bytes: int) -> SafetensorsHeade
             raise _header_error(path, f"unknown dtype {code!r} (known: {', '.join(SAFETENSORS)})", key=name)
         if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise _header_error(path, f"shape {shape!r} is not a list of non-negative integers", key=name)
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]):
-            raise _header_error(path, f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end",
-                                key=name)
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise _header_error(
+                path, f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", key=name
+            )
         need = math.prod(shape) * SAFETENSORS[code].itemsize
         if offsets[1] - offsets[0] != need:
-            raise _header_error(path, f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but "
-                                      f"shape {shape} of {code} needs {need}", key=name)
+            raise _header_error(
+                path,
+                f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but "
+                f"shape {shape} of {code} needs {need}",
+                key=name,
+            )
         parsed.append((offsets[0], offsets[1], pos, name, code, tuple(shape)))
 
     # File order; ties (only possible between empty tensors and their neighbour) keep JSON order.
@@ -237,29 +276,44 @@ def parse_header(raw: bytes, *, path: Path, file_bytes: int) -> SafetensorsHeade
     promised = max((t[1] for t in parsed), default=0)
     if promised > data_bytes:
         first_past = next(t for t in parsed if t[1] > data_bytes)
-        raise _header_error(path, f"header promises {promised} bytes of tensor data, file holds {data_bytes} "
-                                  f"(tensor ends at data byte {first_past[1]}); the shard is truncated",
-                            key=first_past[3], truncated=True)
+        raise _header_error(
+            path,
+            f"header promises {promised} bytes of tensor data, file holds {data_bytes} "
+            f"(tensor ends at data byte {first_past[1]}); the shard is truncated",
+            key=first_past[3],
+            truncated=True,
+        )
     expected = 0
     prev = None
     for begin, end, _, name, _, _ in parsed:
         if begin < expected:
-            raise _header_error(path, f"data_offsets [{begin}, {end}] overlap tensor {prev!r} "
-                                      f"(which ends at {expected})", key=name)
+            raise _header_error(
+                path,
+                f"data_offsets [{begin}, {end}] overlap tensor {prev!r} (which ends at {expected})",
+                key=name,
+            )
         if begin > expected:
             after = f" after tensor {prev!r}" if prev is not None else " at the start of the data area"
-            raise _header_error(path, f"gap: data bytes [{expected}, {begin}){after} belong to no tensor "
-                                      "(safetensors rejects such files)", key=name)
+            raise _header_error(
+                path,
+                f"gap: data bytes [{expected}, {begin}){after} belong to no tensor "
+                "(safetensors rejects such files)",
+                key=name,
+            )
         expected = end
         prev = name
     if expected != data_bytes:
-        raise _header_error(path, f"{data_bytes - expected} trailing bytes after the last tensor "
-                                  "(safetensors rejects such files)")
+        raise _header_error(
+            path,
+            f"{data_bytes - expected} trailing bytes after the last tensor (safetensors rejects such files)",
+        )
 
-    tensors = {name: TensorInfo(name=name, dtype=code, shape=shape, begin=data_start + begin,
-                                nbytes=end - begin, path=path)
-               for begin, end, _, name, code, shape in parsed}
-    return SafetensorsHeader(path=path, metadata=dict(metadata), tensors=tensors,
-                             data_start=data_start, file_bytes=file_bytes)
-
-
+    tensors = {
+        name: TensorInfo(
+            name=name, dtype=code, shape=shape, begin=data_start + begin, nbytes=end - begin, path=path
+        )
+        for begin, end, _, name, code, shape in parsed
+    }
+    return SafetensorsHeader(
+        path=path, metadata=dict(metadata), tensors=tensors, data_start=data_start, file_bytes=file_bytes
+    )

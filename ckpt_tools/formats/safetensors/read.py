@@ -1,5 +1,6 @@
 """Safetensors tensors, read by range: exactly one tensor's bytes (or one block of them), nothing
 mmapped, so page cache pressure, not our RSS, is what a 100 GB model costs."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,12 +9,12 @@ from ...core.errors import FormatError
 from ...io.pread import pread_into
 from .header import ByteCounter, OpenedFile, Source, TensorInfo, require_little_endian
 
-if TYPE_CHECKING:   # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
     from .writer import StreamingSafetensorsWriter
 
-__all__ = ["COPY_BLOCK_BYTES", "read_raw", "read_tensor", "copy_raw"]
+__all__ = ["COPY_BLOCK_BYTES", "copy_raw", "read_raw", "read_tensor"]
 
 # Block size for verbatim copies: bounded memory however large one tensor is (a 2 GB embedding
 # costs 64 MB of RAM), large enough that syscall overhead is noise.
@@ -32,11 +33,13 @@ def read_raw(info: TensorInfo, source: Source = None, *, counter: ByteCounter | 
     return buf
 
 
-def read_tensor(info: TensorInfo, source: Source = None, *, counter: ByteCounter | None = None) -> torch.Tensor:
+def read_tensor(
+    info: TensorInfo, source: Source = None, *, counter: ByteCounter | None = None
+) -> torch.Tensor:
     """A new CPU tensor (owning its memory) holding `info`'s bytes; nothing is cached."""
 
+    import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
 
-    import torch   # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
     require_little_endian()
     dtype = info.torch_dtype
     if info.nbytes == 0:
@@ -48,15 +51,25 @@ def read_tensor(info: TensorInfo, source: Source = None, *, counter: ByteCounter
     return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
 
 
-def copy_raw(src: TensorInfo, source: Source, writer: StreamingSafetensorsWriter, *, name: str | None = None,
-             block_bytes: int = COPY_BLOCK_BYTES, counter: ByteCounter | None = None) -> None:
+def copy_raw(
+    src: TensorInfo,
+    source: Source,
+    writer: StreamingSafetensorsWriter,
+    *,
+    name: str | None = None,
+    block_bytes: int = COPY_BLOCK_BYTES,
+    counter: ByteCounter | None = None,
+) -> None:
     """Copy tensor `src` verbatim (no decode) into `writer` as `name` (default: the same name),
     in blocks of at most `block_bytes`. The declared dtype and shape must match the source's."""
     dst = name if name is not None else src.name
     e = writer.declared(dst)
     if (e.dtype, e.shape) != (src.dtype, src.shape):
-        raise FormatError(f"declared {e.dtype}{list(e.shape)} but the source {src.path} holds "
-                          f"{src.dtype}{list(src.shape)}", path=writer.path, key=dst)
+        raise FormatError(
+            f"declared {e.dtype}{list(e.shape)} but the source {src.path} holds {src.dtype}{list(src.shape)}",
+            path=writer.path,
+            key=dst,
+        )
     if block_bytes <= 0:
         raise ValueError("block_bytes must be positive")
     if src.nbytes == 0:

@@ -9,6 +9,7 @@ With `strict_order=False` several threads may write different tensors of one fil
 pipeline's workers each write their own tensor at its precomputed offset): the bookkeeping is locked, the
 writes themselves run in parallel, and `abort()` closes the fd only once no write is in flight (a
 late worker never writes into a recycled fd number)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -18,9 +19,10 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from ...core.dtypes import SAFETENSORS, dtype_name, safetensors_code
 from ...core.errors import FormatError, OutputExistsError
@@ -29,10 +31,10 @@ from ...io.files import create_new, remove_file, start_writeback
 from ...io.pread import MAX_IO_BYTES
 from .header import is_int, require_little_endian
 
-if TYPE_CHECKING:   # a tensor passed in means its caller imported torch; bytes need none
+if TYPE_CHECKING:  # a tensor passed in means its caller imported torch; bytes need none
     import torch
 
-__all__ = ["WriteEntry", "EntrySpec", "safetensors_save_order", "build_header", "StreamingSafetensorsWriter"]
+__all__ = ["EntrySpec", "StreamingSafetensorsWriter", "WriteEntry", "build_header", "safetensors_save_order"]
 
 _NAMES = {s.name for s in SAFETENSORS.values()}
 
@@ -40,6 +42,7 @@ _NAMES = {s.name for s in SAFETENSORS.values()}
 @dataclass(frozen=True)
 class WriteEntry:
     """One declared tensor of a file being written; `begin` is relative to the data area."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -97,8 +100,10 @@ def _header_bytes(layout: Sequence[WriteEntry], metadata: dict[str, str] | None)
             raise ValueError("safetensors metadata must map strings to strings")
         parts.append('"__metadata__":' + dumps(dict(sorted(metadata.items()))))
     for e in layout:
-        parts.append(f'{dumps(e.name)}:{{"dtype":"{e.dtype}","shape":{dumps(list(e.shape))},'
-                     f'"data_offsets":[{e.begin},{e.begin + e.nbytes}]}}')
+        parts.append(
+            f'{dumps(e.name)}:{{"dtype":"{e.dtype}","shape":{dumps(list(e.shape))},'
+            f'"data_offsets":[{e.begin},{e.begin + e.nbytes}]}}'
+        )
     body = ("{" + ",".join(parts) + "}").encode("utf-8")
     body += b" " * (-len(body) % 8)  # safetensors pads with spaces so the data area is 8-aligned
     return struct.pack("<Q", len(body)) + body
@@ -127,9 +132,16 @@ class StreamingSafetensorsWriter:
 
     The file is created exclusively: an existing file is never overwritten."""
 
-    def __init__(self, path: str | os.PathLike, entries: Sequence[EntrySpec],
-                 metadata: dict[str, str] | None = None, *, strict_order: bool = True, fsync: bool = True,
-                 writeback: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        entries: Sequence[EntrySpec],
+        metadata: dict[str, str] | None = None,
+        *,
+        strict_order: bool = True,
+        fsync: bool = True,
+        writeback: bool = False,
+    ):
         require_little_endian()
         self.path = Path(path)
         self.entries: tuple[WriteEntry, ...] = tuple(_layout(entries))
@@ -139,19 +151,20 @@ class StreamingSafetensorsWriter:
         self.file_bytes = self.data_start + sum(e.nbytes for e in self.entries)
         self.strict_order = strict_order
         self._fsync = fsync
-        self._writeback = writeback               # start writing each block to disk as it is written
-        self._written = [0] * len(self.entries)   # bytes written per entry
+        self._writeback = writeback  # start writing each block to disk as it is written
+        self._written = [0] * len(self.entries)  # bytes written per entry
         self._complete = [False] * len(self.entries)
-        self._next = 0                            # strict order: first entry not complete
+        self._next = 0  # strict order: first entry not complete
         self._closed = False
-        self._lock = threading.Lock()             # the bookkeeping above; writes run outside it
-        self._active = 0                          # writes in flight (abort closes the fd after the last)
+        self._lock = threading.Lock()  # the bookkeeping above; writes run outside it
+        self._active = 0  # writes in flight (abort closes the fd after the last)
         self._fd_open = True
         try:
             self._fd = create_new(self.path)
         except FileExistsError:
-            raise OutputExistsError("refusing to overwrite an existing file", path=self.path,
-                            hint="write into a fresh directory") from None
+            raise OutputExistsError(
+                "refusing to overwrite an existing file", path=self.path, hint="write into a fresh directory"
+            ) from None
         try:
             self._pwrite(memoryview(self._header), 0)
         except BaseException:
@@ -165,7 +178,7 @@ class StreamingSafetensorsWriter:
     def _pwrite(self, buf: memoryview, offset: int) -> None:
         done = 0
         while done < len(buf):
-            done += os.pwrite(self._fd, buf[done:done + MAX_IO_BYTES], offset + done)
+            done += os.pwrite(self._fd, buf[done : done + MAX_IO_BYTES], offset + done)
 
     def _entry_for_write(self, name: str) -> int:
         if self._closed:
@@ -200,7 +213,9 @@ class StreamingSafetensorsWriter:
             i = self._entry_for_write(name)
             e = self.entries[i]
             if self._written[i] + nbytes > e.nbytes:
-                raise self._error(f"{self._written[i] + nbytes} bytes supplied, declared size is {e.nbytes}", key=name)
+                raise self._error(
+                    f"{self._written[i] + nbytes} bytes supplied, declared size is {e.nbytes}", key=name
+                )
             offset = self.data_start + e.begin + self._written[i]
             self._written[i] += nbytes
             self._advance(i)
@@ -213,7 +228,7 @@ class StreamingSafetensorsWriter:
             if self._closed and self._active == 0:
                 self._close_fd()
 
-    def _close_fd(self) -> None:   # (under the lock, or single-threaded)
+    def _close_fd(self) -> None:  # (under the lock, or single-threaded)
         if self._fd_open:
             self._fd_open = False
             os.close(self._fd)
@@ -229,14 +244,17 @@ class StreamingSafetensorsWriter:
         finally:
             self._release()
 
-    def copy_range_from(self, name: str, src_fd: int, src_offset: int, nbytes: int, *, path, block_bytes: int) -> str:
+    def copy_range_from(
+        self, name: str, src_fd: int, src_offset: int, nbytes: int, *, path, block_bytes: int
+    ) -> str:
         """Append the next `nbytes` of tensor `name` straight from bytes [src_offset, + nbytes) of the
         open file `src_fd` (`io.copy.copy_range`: in the kernel where it can, else through a buffer of
         `block_bytes`). `path` names the source in errors. Returns the method used."""
         offset = self._claim(name, nbytes)
         try:
-            method = copy_range(src_fd, src_offset, self._fd, offset, nbytes, path=path, key=name,
-                                block_bytes=block_bytes)
+            method = copy_range(
+                src_fd, src_offset, self._fd, offset, nbytes, path=path, key=name, block_bytes=block_bytes
+            )
             if self._writeback:
                 start_writeback(self._fd, offset, nbytes)
             return method
@@ -249,8 +267,10 @@ class StreamingSafetensorsWriter:
         i = self._entry_for_write(name)
         e = self.entries[i]
         if self._written[i]:
-            raise self._error("tensor was partly written with write_chunk; finish it with write_chunk", key=name)
-        torch = sys.modules.get("torch")   # (no tensor exists before torch is imported)
+            raise self._error(
+                "tensor was partly written with write_chunk; finish it with write_chunk", key=name
+            )
+        torch = sys.modules.get("torch")  # (no tensor exists before torch is imported)
         if torch is not None and isinstance(data, torch.Tensor):
             code = safetensors_code(data.dtype) if dtype_name(data.dtype) in _NAMES else None
             if code != e.dtype:
@@ -258,8 +278,9 @@ class StreamingSafetensorsWriter:
             if tuple(data.shape) != e.shape:
                 raise self._error(f"declared shape {list(e.shape)}, got {list(data.shape)}", key=name)
             if data.layout != torch.strided or not data.is_contiguous():
-                raise self._error("tensor is not contiguous", key=name,
-                                  hint="call `.contiguous()` on it before writing")
+                raise self._error(
+                    "tensor is not contiguous", key=name, hint="call `.contiguous()` on it before writing"
+                )
             if e.nbytes == 0:
                 with self._lock:
                     self._advance(i)
@@ -289,10 +310,14 @@ class StreamingSafetensorsWriter:
             raise self._error("close while a write is in flight (the writer's callers must finish first)")
         missing = self.missing
         if missing:
-            shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            shown = ", ".join(repr(m) for m in missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
             self.abort()
-            raise self._error(f"{len(missing)} of {len(self.entries)} declared tensors were not written: {shown}; "
-                              "the partial file was deleted")
+            raise self._error(
+                f"{len(missing)} of {len(self.entries)} declared tensors were not written: {shown}; "
+                "the partial file was deleted"
+            )
         try:
             size = os.fstat(self._fd).st_size
             if size != self.file_bytes:
@@ -322,7 +347,7 @@ class StreamingSafetensorsWriter:
     def _unlink(self) -> None:
         remove_file(self.path)
 
-    def __enter__(self) -> "StreamingSafetensorsWriter":
+    def __enter__(self) -> StreamingSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -330,5 +355,3 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self.abort()
-
-

@@ -22,6 +22,7 @@ Version 1 manifests have a sha256 for every tensor and no crc32; a manifest wher
 sha256 is version 2 (a version-1 reader would call it damaged); one where every tensor has a sha256 is
 still written as version 1, which every reader of version 1 reads correctly (it ignores `crc32`).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,26 +35,48 @@ from ...core.errors import CkptError, FormatError, UsageError
 from ...io.inputs import MAX_TABLE_VALUES, read_json
 from ...io.remote import display
 
-__all__ = ["SLIM_MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "READABLE_VERSIONS", "NOT_LOADABLE", "HASH_INPUT",
-           "CRC_INPUT", "IDENTIFICATION", "ChunkLayout", "DroppedTensor", "DroppedId", "Manifest", "build_manifest",
-           "read_manifest", "is_slim", "kept_item_id", "KEPT_CRC_INPUT"]
+__all__ = [
+    "CRC_INPUT",
+    "HASH_INPUT",
+    "IDENTIFICATION",
+    "KEPT_CRC_INPUT",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "NOT_LOADABLE",
+    "READABLE_VERSIONS",
+    "SLIM_MANIFEST",
+    "ChunkLayout",
+    "DroppedId",
+    "DroppedTensor",
+    "Manifest",
+    "build_manifest",
+    "is_slim",
+    "kept_item_id",
+    "read_manifest",
+]
 
-SLIM_MANIFEST = "ckpt-slim-manifest.json"   # beside .metadata
+SLIM_MANIFEST = "ckpt-slim-manifest.json"  # beside .metadata
 MANIFEST_FORMAT = "ckpt-tools/slim-manifest"
-MANIFEST_VERSION = 2              # the newest; a manifest readable by version-1 readers is written as 1
+MANIFEST_VERSION = 2  # the newest; a manifest readable by version-1 readers is written as 1
 READABLE_VERSIONS = (1, 2)
-NOT_LOADABLE = ("SLIM checkpoint: the frozen base weights were removed. It is NOT loadable by prime-rl's "
-                "strict loader on its own; run `ckpt rehydrate SLIM OUT --base BASE` to rebuild the full "
-                "checkpoint, then resume from OUT.")
+NOT_LOADABLE = (
+    "SLIM checkpoint: the frozen base weights were removed. It is NOT loadable by prime-rl's "
+    "strict loader on its own; run `ckpt rehydrate SLIM OUT --base BASE` to rebuild the full "
+    "checkpoint, then resume from OUT."
+)
 HASH_INPUT = "the tensor's bytes in its stored dtype, row-major (C order), little-endian"
 KEPT_CRC_INPUT = "the storage item's bytes as stored in the data file (the whole torch.save archive)"
-CRC_INPUT = ("per chunk, in `chunks` order: the CRC-32 its item's zip stores for the chunk's data/0 record (the "
-             "chunk's bytes in its stored dtype, row-major, little-endian), read from the item's central directory")
+CRC_INPUT = (
+    "per chunk, in `chunks` order: the CRC-32 its item's zip stores for the chunk's data/0 record (the "
+    "chunk's bytes in its stored dtype, row-major, little-endian), read from the item's central directory"
+)
 IDENTIFICATION = {
-    "crc32": "detects accidental change of a chunk (a wrong base revision, damage): two different payloads share "
-             "a CRC-32 with probability 2^-32; not a defence against a crafted input",
-    "sha256": "cryptographic identity of the whole tensor; with a verified base it is the base upcast's, which slim "
-              "proved equal to the checkpoint's items chunk by chunk (by CRC-32)",
+    "crc32": "detects accidental change of a chunk (a wrong base revision, damage): two different payloads "
+    "share "
+    "a CRC-32 with probability 2^-32; not a defence against a crafted input",
+    "sha256": "cryptographic identity of the whole tensor; with a verified base it is the base upcast's, "
+    "which slim "
+    "proved equal to the checkpoint's items chunk by chunk (by CRC-32)",
 }
 
 
@@ -78,6 +101,7 @@ class ChunkLayout:
 class DroppedId:
     """How one dropped tensor is identified: the sha256 of its row-major bytes and/or the CRC-32 its items
     store per chunk (in its `chunks` order); at least one."""
+
     sha256: str | None
     crc32: tuple[int, ...] | None
 
@@ -88,32 +112,52 @@ class DroppedTensor:
     path: tuple
     hf_name: str
     shape: tuple[int, ...]
-    dtype: str                      # "float32" (torch dtype name without "torch.")
+    dtype: str  # "float32" (torch dtype name without "torch.")
     chunks: tuple[ChunkLayout, ...]
     nbytes: int
 
 
 def _id_json(ident: DroppedId) -> dict:
-    return {**({"sha256": ident.sha256} if ident.sha256 is not None else {}),
-            **({"crc32": list(ident.crc32)} if ident.crc32 is not None else {})}
+    return {
+        **({"sha256": ident.sha256} if ident.sha256 is not None else {}),
+        **({"crc32": list(ident.crc32)} if ident.crc32 is not None else {}),
+    }
 
 
-def build_manifest(layout, base: dict | None, ids: dict[str, DroppedId], base_verified: bool,
-                   kept_crc32: dict[str, int] | None = None) -> dict:
+def build_manifest(
+    layout,
+    base: dict | None,
+    ids: dict[str, DroppedId],
+    base_verified: bool,
+    kept_crc32: dict[str, int] | None = None,
+) -> dict:
     """The manifest of a slim checkpoint (`layout`: a `partition.SlimLayout`): every dropped tensor (key,
     path, shape, dtype, chunk layout, its `DroppedId`), the base it can be rebuilt from, and every kept
     item's CRC-32 (`kept_item_id` -> CRC of its stored bytes: rehydrate proves what it copies)."""
     plan = layout
     version = 1 if all(ids[d.key].sha256 is not None for d in plan.dropped) else MANIFEST_VERSION
-    kept = {} if kept_crc32 is None else {"kept_crc32": {"algorithm": "crc32", "input": KEPT_CRC_INPUT,
-                                                        "items": dict(sorted(kept_crc32.items()))}}
+    kept = (
+        {}
+        if kept_crc32 is None
+        else {
+            "kept_crc32": {
+                "algorithm": "crc32",
+                "input": KEPT_CRC_INPUT,
+                "items": dict(sorted(kept_crc32.items())),
+            }
+        }
+    )
     return {
         "format": MANIFEST_FORMAT,
         "version": version,
         "loadable_by_prime_rl": False,
         "note": NOT_LOADABLE,
         # (a URL's local stand-in shown as the URL: io.remote)
-        "source": {"path": display(plan.source), "bytes": plan.source_bytes, "data_files": list(plan.data_files)},
+        "source": {
+            "path": display(plan.source),
+            "bytes": plan.source_bytes,
+            "data_files": list(plan.data_files),
+        },
         "base": dict(base or {}, verified=base_verified) if base else None,
         "world_size": plan.world_size,
         "hash": {"algorithm": "sha256", "input": HASH_INPUT},
@@ -123,9 +167,17 @@ def build_manifest(layout, base: dict | None, ids: dict[str, DroppedId], base_ve
         "dropped_tensor_bytes": plan.dropped_tensor_bytes,
         "kept_bytes": plan.kept_bytes,
         "dropped": [
-            {"key": d.key, "path": list(d.path), "hf_name": d.hf_name, "shape": list(d.shape), "dtype": d.dtype,
-             "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file} for c in d.chunks],
-             **_id_json(ids[d.key])}
+            {
+                "key": d.key,
+                "path": list(d.path),
+                "hf_name": d.hf_name,
+                "shape": list(d.shape),
+                "dtype": d.dtype,
+                "chunks": [
+                    {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file} for c in d.chunks
+                ],
+                **_id_json(ids[d.key]),
+            }
             for d in plan.dropped
         ],
         **kept,
@@ -141,7 +193,7 @@ class Manifest:
     world_size: int | None
     base: dict | None
     data_files: tuple[str, ...]
-    kept_crc32: dict[str, int] | None = None     # None: an older manifest, without kept-item CRCs
+    kept_crc32: dict[str, int] | None = None  # None: an older manifest, without kept-item CRCs
 
 
 def read_manifest(ckpt_dir: Path) -> Manifest:
@@ -149,15 +201,23 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
     names the file and the key)."""
     p = Path(ckpt_dir) / SLIM_MANIFEST
     if not os.path.lexists(p):
-        raise UsageError(f"not a slim checkpoint: no {SLIM_MANIFEST}", path=ckpt_dir,
-                         hint="rehydrate takes the output of `ckpt slim`")
+        raise UsageError(
+            f"not a slim checkpoint: no {SLIM_MANIFEST}",
+            path=ckpt_dir,
+            hint="rehydrate takes the output of `ckpt slim`",
+        )
     m = read_json(p, root=ckpt_dir, what="slim manifest", max_values=MAX_TABLE_VALUES)
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
-        raise FormatError(f"not a slim manifest (format is {m.get('format') if isinstance(m, dict) else None!r})",
-                          path=p)
+        raise FormatError(
+            f"not a slim manifest (format is {m.get('format') if isinstance(m, dict) else None!r})", path=p
+        )
     if m.get("version") not in READABLE_VERSIONS:
-        raise FormatError(f"manifest version {m.get('version')!r}; this ckpt-tools reads versions "
-                          f"{', '.join(map(str, READABLE_VERSIONS))}", path=p, hint="use the ckpt-tools version that wrote it")
+        raise FormatError(
+            f"manifest version {m.get('version')!r}; this ckpt-tools reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}",
+            path=p,
+            hint="use the ckpt-tools version that wrote it",
+        )
     dropped, ids = [], {}
     for i, d in enumerate(m.get("dropped") or []):
         key = d.get("key") if isinstance(d, dict) else None
@@ -169,50 +229,84 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
             dtype = d["dtype"]
             if dtype not in ITEMSIZE:
                 raise FormatError(f"unknown dtype {dtype!r} in the slim manifest")
-            chunks = tuple(ChunkLayout(tuple(int(o) for o in c["offsets"]), tuple(int(s) for s in c["sizes"]),
-                                       str(c.get("file", ""))) for c in d["chunks"])
+            chunks = tuple(
+                ChunkLayout(
+                    tuple(int(o) for o in c["offsets"]),
+                    tuple(int(s) for s in c["sizes"]),
+                    str(c.get("file", "")),
+                )
+                for c in d["chunks"]
+            )
             for c in chunks:
-                if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
-                        o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)):
-                    raise ValueError(f"chunk {list(c.offsets)}+{list(c.sizes)} lies outside shape {list(shape)}")
+                if (
+                    len(c.offsets) != len(shape)
+                    or len(c.sizes) != len(shape)
+                    or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape))
+                ):
+                    raise ValueError(
+                        f"chunk {list(c.offsets)}+{list(c.sizes)} lies outside shape {list(shape)}"
+                    )
             covered = sum(math.prod(c.sizes) for c in chunks if all(c.sizes))
             if covered != math.prod(shape) and shape:
                 raise ValueError(f"chunks cover {covered} of {math.prod(shape)} elements")
             digest = str(d["sha256"]) if "sha256" in d or m.get("version") == 1 else None
-            if digest is not None and (len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest)):
+            if digest is not None and (
+                len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest)
+            ):
                 raise ValueError("sha256 is not 64 hex digits")
             crcs = _crc_list(d.get("crc32"), chunks, shape) if "crc32" in d else None
             if digest is None and crcs is None:
                 raise ValueError("has neither a sha256 nor chunk CRC-32s")
-            dropped.append(DroppedTensor(key, path, str(d["hf_name"]), shape, dtype, chunks,
-                                         math.prod(shape) * ITEMSIZE[dtype]))
+            dropped.append(
+                DroppedTensor(
+                    key, path, str(d["hf_name"]), shape, dtype, chunks, math.prod(shape) * ITEMSIZE[dtype]
+                )
+            )
             ids[key] = DroppedId(digest, crcs)
         except CkptError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"dropped entry #{i} is malformed: {type(exc).__name__}: {exc}", path=p,
-                              key=key, hint="the manifest was edited or damaged; slim the original again") from None
+            raise FormatError(
+                f"dropped entry #{i} is malformed: {type(exc).__name__}: {exc}",
+                path=p,
+                key=key,
+                hint="the manifest was edited or damaged; slim the original again",
+            ) from None
     if not dropped:
         raise FormatError("lists no dropped tensors", path=p)
     kept = None
     if "kept_crc32" in m:
         items = m["kept_crc32"].get("items") if isinstance(m["kept_crc32"], dict) else None
-        if not isinstance(items, dict) or not all(isinstance(k, str) and isinstance(v, int) and not
-                                                  isinstance(v, bool) and 0 <= v < 2**32 for k, v in items.items()):
-            raise FormatError("kept_crc32.items is not a map of item names to CRC-32 values", path=p,
-                              hint="the manifest was edited or damaged; slim the original again")
+        if not isinstance(items, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32
+            for k, v in items.items()
+        ):
+            raise FormatError(
+                "kept_crc32.items is not a map of item names to CRC-32 values",
+                path=p,
+                hint="the manifest was edited or damaged; slim the original again",
+            )
         kept = dict(items)
-    return Manifest(p, m, tuple(dropped), ids, m.get("world_size"), m.get("base"),
-                    tuple((m.get("source") or {}).get("data_files") or ()), kept)
+    return Manifest(
+        p,
+        m,
+        tuple(dropped),
+        ids,
+        m.get("world_size"),
+        m.get("base"),
+        tuple((m.get("source") or {}).get("data_files") or ()),
+        kept,
+    )
 
 
 def _crc_list(value, chunks, shape) -> tuple[int, ...]:
     """A dropped entry's `crc32`: one CRC-32 per chunk, the chunks dim-0 row blocks (what it identifies)."""
-    if not isinstance(value, list) or len(value) != len(chunks) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in value):
+    if (
+        not isinstance(value, list)
+        or len(value) != len(chunks)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in value)
+    ):
         raise ValueError("crc32 is not one CRC-32 per chunk")
     if not shape or any(any(o != 0 for o in c.offsets[1:]) or c.sizes[1:] != shape[1:] for c in chunks):
         raise ValueError("crc32 is given for chunks that are not row blocks")
     return tuple(value)
-
-

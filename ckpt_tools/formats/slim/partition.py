@@ -1,5 +1,6 @@
 """How a checkpoint splits into what a slim keeps and what it drops (from metadata alone), and the base
 model a slim's dropped tensors are rebuilt from."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +10,12 @@ from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
 from ...core.keys import (
-    FROZEN_GROUPS, classify, expert_names, is_stacked_pattern, stacked_hf_pattern, trainable_params,
+    FROZEN_GROUPS,
+    classify,
+    expert_names,
+    is_stacked_pattern,
+    stacked_hf_pattern,
+    trainable_params,
     world_size_from_chunks,
 )
 from ...core.tied import tied_source, ties_by_default
@@ -20,14 +26,14 @@ from ..dcp.reader import DcpCheckpoint
 from ..safetensors.header import LEN_BYTES
 from .manifest import SLIM_MANIFEST, ChunkLayout, DroppedTensor
 
-__all__ = ["KeptItem", "SlimLayout", "partition", "map_to_base", "base_identity"]
+__all__ = ["KeptItem", "SlimLayout", "base_identity", "map_to_base", "partition"]
 
 
 @dataclass(frozen=True)
 class KeptItem:
     key: str
     path: tuple
-    kind: str                       # "tensor" | "bytes"
+    kind: str  # "tensor" | "bytes"
     file: str
     offset: int
     length: int
@@ -41,13 +47,13 @@ class KeptItem:
 class SlimLayout:
     source: str
     world_size: int | None
-    data_files: tuple[str, ...]          # the source's data files (output file i <- source file i)
-    kept: tuple[KeptItem, ...]           # in source (file, offset) order: sequential reads
-    dropped: tuple[DroppedTensor, ...]   # sorted by key
-    extra_files: tuple[str, ...]         # other entries of the checkpoint dir, copied (dataloader/)
-    kept_bytes: int                      # stored bytes of the kept items (what is written)
-    dropped_bytes: int                   # stored bytes of the dropped items
-    dropped_tensor_bytes: int            # payload bytes hashed
+    data_files: tuple[str, ...]  # the source's data files (output file i <- source file i)
+    kept: tuple[KeptItem, ...]  # in source (file, offset) order: sequential reads
+    dropped: tuple[DroppedTensor, ...]  # sorted by key
+    extra_files: tuple[str, ...]  # other entries of the checkpoint dir, copied (dataloader/)
+    kept_bytes: int  # stored bytes of the kept items (what is written)
+    dropped_bytes: int  # stored bytes of the dropped items
+    dropped_tensor_bytes: int  # payload bytes hashed
     source_bytes: int
 
 
@@ -55,44 +61,75 @@ def partition(ckpt: DcpCheckpoint) -> SlimLayout:
     """What a slim of `ckpt` keeps and drops, from metadata alone. Dropped = the `base` group (frozen fp32
     masters, HF names) minus any param that has optimizer state."""
     if (ckpt.dir / SLIM_MANIFEST).exists():
-        raise UsageError("is already a slim checkpoint", path=ckpt.dir / SLIM_MANIFEST,
-                         hint="nothing left to drop; `ckpt rehydrate` it to get the full checkpoint back")
+        raise UsageError(
+            "is already a slim checkpoint",
+            path=ckpt.dir / SLIM_MANIFEST,
+            hint="nothing left to drop; `ckpt rehydrate` it to get the full checkpoint back",
+        )
     trainable = trainable_params({k: e.path for k, e in ckpt.entries.items()})
     kept: list[KeptItem] = []
     dropped: list[DroppedTensor] = []
     for key, e in ckpt.entries.items():
         info = classify(key, e.path)
-        frozen = (info.group in FROZEN_GROUPS and isinstance(e, TensorEntry) and e.path[2] not in trainable)
+        frozen = info.group in FROZEN_GROUPS and isinstance(e, TensorEntry) and e.path[2] not in trainable
         if frozen:
-            dropped.append(DroppedTensor(
-                key=key, path=tuple(e.path), hf_name=stacked_hf_pattern(info) if info.stacked else info.hf_name,
-                shape=tuple(e.shape), dtype=e.dtype,
-                chunks=tuple(ChunkLayout(c.offsets, c.sizes, c.file) for c in e.chunks), nbytes=e.nbytes))
+            dropped.append(
+                DroppedTensor(
+                    key=key,
+                    path=tuple(e.path),
+                    hf_name=stacked_hf_pattern(info) if info.stacked else info.hf_name,
+                    shape=tuple(e.shape),
+                    dtype=e.dtype,
+                    chunks=tuple(ChunkLayout(c.offsets, c.sizes, c.file) for c in e.chunks),
+                    nbytes=e.nbytes,
+                )
+            )
         elif isinstance(e, TensorEntry):
             for c in e.chunks:
-                kept.append(KeptItem(key, tuple(e.path), "tensor", c.file, c.offset, c.length, e.dtype,
-                                     tuple(e.shape), c.offsets, c.sizes))
+                kept.append(
+                    KeptItem(
+                        key,
+                        tuple(e.path),
+                        "tensor",
+                        c.file,
+                        c.offset,
+                        c.length,
+                        e.dtype,
+                        tuple(e.shape),
+                        c.offsets,
+                        c.sizes,
+                    )
+                )
         else:
             kept.append(KeptItem(key, tuple(e.path), "bytes", e.file, e.offset, e.length))
     if not dropped:
-        raise UsageError("has no frozen base weights to drop (no app.model.* tensor without optimizer state)",
-                         path=ckpt.dir, hint="is this already a slim or adapter-only checkpoint? "
-                                             "`ckpt inspect` shows its groups")
+        raise UsageError(
+            "has no frozen base weights to drop (no app.model.* tensor without optimizer state)",
+            path=ckpt.dir,
+            hint="is this already a slim or adapter-only checkpoint? `ckpt inspect` shows its groups",
+        )
     kept.sort(key=lambda k: (k.file, k.offset))
     dropped.sort(key=lambda d: d.key)
     files = ckpt.data_files()
     sharded = [len(e.chunks) for e in ckpt.tensor_entries() if e.shape and e.shape[0] > 1]
     source_bytes = sum(ckpt.file_size(f) for f in files) + (ckpt.dir / METADATA_NAME).stat().st_size
     return SlimLayout(
-        source=str(ckpt.dir), world_size=world_size_from_chunks(sharded), data_files=tuple(files),
-        kept=tuple(kept), dropped=tuple(dropped),
+        source=str(ckpt.dir),
+        world_size=world_size_from_chunks(sharded),
+        data_files=tuple(files),
+        kept=tuple(kept),
+        dropped=tuple(dropped),
         extra_files=tuple(extra_entries(ckpt.dir, set(files), exclude={SLIM_MANIFEST})),
         kept_bytes=sum(k.length for k in kept),
         dropped_bytes=sum(ckpt.entries[d.key].stored_bytes for d in dropped),
-        dropped_tensor_bytes=sum(d.nbytes for d in dropped), source_bytes=source_bytes)
+        dropped_tensor_bytes=sum(d.nbytes for d in dropped),
+        source_bytes=source_bytes,
+    )
 
 
-def map_to_base(dropped, base_shapes: dict[str, tuple], base_config: dict | None, where: Path) -> dict[str, str]:
+def map_to_base(
+    dropped, base_shapes: dict[str, tuple], base_config: dict | None, where: Path
+) -> dict[str, str]:
     """Map every dropped key to the base tensor it is an upcast of (its own HF name, or the input
     embedding for a tied model's `lm_head.weight`), checking names and shapes. Raises one error listing
     every problem (before a single tensor byte is read)."""
@@ -100,12 +137,16 @@ def map_to_base(dropped, base_shapes: dict[str, tuple], base_config: dict | None
     keys = set(base_shapes)
     mapping, problems = {}, []
     for d in dropped:
-        if is_stacked_pattern(d.hf_name):   # prime-format stacked experts: the base's per-expert weights, stacked
+        if is_stacked_pattern(
+            d.hf_name
+        ):  # prime-format stacked experts: the base's per-expert weights, stacked
             names = expert_names(d.hf_name, 0, d.shape[0] if d.shape else 0)
             bad = [n for n in names if tuple(base_shapes.get(n, ())) != tuple(d.shape[1:])]
             if not names or bad:
-                problems.append(f"{d.hf_name}: the base lacks per-expert weight(s) of shape {list(d.shape[1:])}: "
-                                + ", ".join(bad[:3]))
+                problems.append(
+                    f"{d.hf_name}: the base lacks per-expert weight(s) of shape {list(d.shape[1:])}: "
+                    + ", ".join(bad[:3])
+                )
                 continue
             mapping[d.key] = d.hf_name
             continue
@@ -120,9 +161,12 @@ def map_to_base(dropped, base_shapes: dict[str, tuple], base_config: dict | None
         mapping[d.key] = src
     if problems:
         shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise FormatError(f"the base model does not match the checkpoint's frozen weights "
-                          f"({len(problems)} of {len(dropped)} tensors): {shown}", path=where,
-                          hint="pass the exact base model the run trained on (same architecture and size)")
+        raise FormatError(
+            f"the base model does not match the checkpoint's frozen weights "
+            f"({len(problems)} of {len(dropped)} tensors): {shown}",
+            path=where,
+            hint="pass the exact base model the run trained on (same architecture and size)",
+        )
     return mapping
 
 
@@ -135,9 +179,16 @@ def base_identity(hf, name: str) -> dict:
         h.update(fname.encode() + b"\0")
         # the raw header read_header validated
         h.update(hf.files.read(fname, LEN_BYTES, header.header_bytes))
-    cfg_bytes = read_input(cfg, root=hf.path, what="config.json", max_bytes=MAX_JSON_BYTES) \
-        if os.path.lexists(cfg) else None
-    return {"name": name, "path": str(Path(hf.path).resolve()),
-            "config_sha256": hashlib.sha256(cfg_bytes).hexdigest() if cfg_bytes is not None else None,
-            "headers_sha256": h.hexdigest(), "tensors": len(hf.keys()),
-            "tie_word_embeddings": ties_by_default(hf.config)}
+    cfg_bytes = (
+        read_input(cfg, root=hf.path, what="config.json", max_bytes=MAX_JSON_BYTES)
+        if os.path.lexists(cfg)
+        else None
+    )
+    return {
+        "name": name,
+        "path": str(Path(hf.path).resolve()),
+        "config_sha256": hashlib.sha256(cfg_bytes).hexdigest() if cfg_bytes is not None else None,
+        "headers_sha256": h.hexdigest(),
+        "tensors": len(hf.keys()),
+        "tie_word_embeddings": ties_by_default(hf.config),
+    }

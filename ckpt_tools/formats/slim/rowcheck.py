@@ -1,6 +1,7 @@
 """A rebuilt tensor checked against its slim manifest identification as its rows stream by, whatever row
 chunks it is written in: the sha256 of the whole tensor (when recorded) and the CRC-32 of each original
 chunk (`segments`: rows [start, start + rows) and the CRC its item stored). Memory: none (hash states)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,14 +9,14 @@ from dataclasses import dataclass, field
 
 from ...core.crc import crc32
 
-__all__ = ["Segment", "RowCheck", "segments_of"]
+__all__ = ["RowCheck", "Segment", "segments_of"]
 
 
 @dataclass(frozen=True)
 class Segment:
-    start: int      # first row
+    start: int  # first row
     rows: int
-    crc: int        # the CRC-32 the original chunk's item stored for its payload
+    crc: int  # the CRC-32 the original chunk's item stored for its payload
 
 
 def segments_of(chunks, crcs) -> tuple[Segment, ...] | None:
@@ -32,14 +33,15 @@ class RowCheck:
     """Feed a tensor's rows in increasing row order (`feed(row, data)`, `data` = whole rows of `row_bytes`);
     gaps are allowed (a rank that reads only its own rows): a segment or the sha256 that was not fed whole
     is left unchecked. `mismatch()` is the first failing check, as text, or None."""
+
     row_bytes: int
     rows: int
     sha256: str | None
     segments: tuple[Segment, ...] | None
     _h: object = None
-    _next: int = 0                       # the row the sha256 expects next (-1: a gap, not checkable)
-    _seg: dict = field(default_factory=dict)   # segment index -> (next row, crc so far); -1 row: a gap
-    checked: int = 0                     # checks made (segments whole, the sha256)
+    _next: int = 0  # the row the sha256 expects next (-1: a gap, not checkable)
+    _seg: dict = field(default_factory=dict)  # segment index -> (next row, crc so far); -1 row: a gap
+    checked: int = 0  # checks made (segments whole, the sha256)
     failed: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -64,14 +66,16 @@ class RowCheck:
             if at != a:
                 self._seg[i] = (-1, 0)
                 continue
-            crc = crc32(view[(a - row) * self.row_bytes:(b - row) * self.row_bytes], crc)
+            crc = crc32(view[(a - row) * self.row_bytes : (b - row) * self.row_bytes], crc)
             self._seg[i] = (b, crc)
             if b == s.start + s.rows:
                 self._compare(s, crc)
 
     def segment_of(self, start: int, rows: int) -> int | None:
         """The index of the segment of exactly rows [start, start + rows), if any."""
-        return next((i for i, s in enumerate(self.segments or ()) if (s.start, s.rows) == (start, rows)), None)
+        return next(
+            (i for i, s in enumerate(self.segments or ()) if (s.start, s.rows) == (start, rows)), None
+        )
 
     def segment_crc(self, index: int, crc: int) -> None:
         """The CRC-32 of segment `index`'s rows, computed by the caller (a writer that has it anyway)."""
@@ -81,8 +85,10 @@ class RowCheck:
     def _compare(self, s: Segment, crc: int) -> None:
         self.checked += 1
         if crc != s.crc:
-            self.failed.append(f"rows {s.start}..{s.start + s.rows} have CRC-32 {crc:#010x}, the slim "
-                               f"manifest recorded {s.crc:#010x}")
+            self.failed.append(
+                f"rows {s.start}..{s.start + s.rows} have CRC-32 {crc:#010x}, the slim "
+                f"manifest recorded {s.crc:#010x}"
+            )
 
     def sha256_done(self) -> str | None:
         """The sha256 of what was fed, when every row was fed in order; else None."""

@@ -6,6 +6,7 @@ the CRC-32 of the base's upcast, whose sha256 is recorded too), the manifest, th
 dropped tensor whose chunks are not row blocks is read (and sha256-hashed). So a slim reads the kept items
 once and a few header bytes of each dropped item. Memory: one small item or one block at a time.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...core.dtypes import itemsize
 from ...core.errors import FormatError
 from ...core.parts import SOLO
-from ...dist import map_units
 from ...core.progress import Progress, report
+from ...dist import map_units
 from ...io.copy import copy_input_tree
 from ...io.files import write_new_file
-from ...core.dtypes import itemsize
 from ..dcp.item import DataCrcReader, ItemError
 from ..dcp.item_copy import copy_checked_item
 from ..dcp.layout import extra_bytes
@@ -32,8 +33,16 @@ from ..dcp.writer import DcpWriter
 from .manifest import SLIM_MANIFEST, DroppedId, DroppedTensor, build_manifest, kept_item_id
 from .partition import SlimLayout
 
-__all__ = ["SlimWritten", "need_bytes", "checkpoint_tensor_sha256", "checked_by_crc", "stored_crcs", "reads_payload",
-           "write_slim", "copy_extra_entries"]
+__all__ = [
+    "SlimWritten",
+    "checked_by_crc",
+    "checkpoint_tensor_sha256",
+    "copy_extra_entries",
+    "need_bytes",
+    "reads_payload",
+    "stored_crcs",
+    "write_slim",
+]
 
 # Base tensor hash for a dropped tensor: (the base tensor's name, sha256 of it upcast to the dtype).
 BaseHash = Callable[[DroppedTensor], tuple[str, str]]
@@ -53,7 +62,11 @@ class SlimWritten:
 
 def need_bytes(ckpt_dir: Path, layout: SlimLayout) -> int:
     """Free disk a slim needs: the kept items, the manifest (~64 KB per 100 tensors), the extras."""
-    return layout.kept_bytes + 64 * 1024 * (1 + len(layout.dropped) // 100) + extra_bytes(ckpt_dir, layout.extra_files)
+    return (
+        layout.kept_bytes
+        + 64 * 1024 * (1 + len(layout.dropped) // 100)
+        + extra_bytes(ckpt_dir, layout.extra_files)
+    )
 
 
 def output_file_index(data_files) -> dict[str, int]:
@@ -69,7 +82,9 @@ def _row_block_payloads(ckpt: DcpCheckpoint, e: TensorEntry):
     chunks = sorted((c for c in e.chunks if c.numel), key=lambda c: c.offsets[0] if c.offsets else 0)
     expect_row = 0
     for c in chunks:
-        if c.sizes and (any(o != 0 for o in c.offsets[1:]) or c.sizes[1:] != e.shape[1:] or c.offsets[0] != expect_row):
+        if c.sizes and (
+            any(o != 0 for o in c.offsets[1:]) or c.sizes[1:] != e.shape[1:] or c.offsets[0] != expect_row
+        ):
             return None
         expect_row += c.sizes[0] if c.sizes else 1
     if e.shape and expect_row != e.shape[0]:
@@ -80,19 +95,32 @@ def _row_block_payloads(ckpt: DcpCheckpoint, e: TensorEntry):
             try:
                 dec = ckpt.decode_chunk(e.key, c)
             except ItemError as exc:
-                raise FormatError(f"chunk at {list(c.offsets)} is not a readable tensor item: {exc}",
-                                  path=ckpt.dir / c.file, key=e.key, hint="run `ckpt verify`") from None
+                raise FormatError(
+                    f"chunk at {list(c.offsets)} is not a readable tensor item: {exc}",
+                    path=ckpt.dir / c.file,
+                    key=e.key,
+                    hint="run `ckpt verify`",
+                ) from None
             if not dec.payload_is(e.dtype, c.sizes):
                 yield None
                 return
-            payload = dec.payload() if dec.raw is not None else memoryview(
-                ckpt.read_item_bytes(c.file, c.offset + dec.payload_offset, dec.payload_size, e.key))
-            if dec.layout.data_crc and zlib.crc32(payload) != dec.layout.data_crc:   # (0: not computed)
-                raise FormatError(f"chunk at {list(c.offsets)} fails its CRC-32 check (stored "
-                                  f"{dec.layout.data_crc:#010x})", path=ckpt.dir / c.file, key=e.key,
-                                  hint="the checkpoint is corrupt; slim an intact copy")
+            payload = (
+                dec.payload()
+                if dec.raw is not None
+                else memoryview(
+                    ckpt.read_item_bytes(c.file, c.offset + dec.payload_offset, dec.payload_size, e.key)
+                )
+            )
+            if dec.layout.data_crc and zlib.crc32(payload) != dec.layout.data_crc:  # (0: not computed)
+                raise FormatError(
+                    f"chunk at {list(c.offsets)} fails its CRC-32 check (stored {dec.layout.data_crc:#010x})",
+                    path=ckpt.dir / c.file,
+                    key=e.key,
+                    hint="the checkpoint is corrupt; slim an intact copy",
+                )
             yield payload
-            del dec, payload   # before the next chunk is read: one chunk in memory, not two
+            del dec, payload  # before the next chunk is read: one chunk in memory, not two
+
     return gen()
 
 
@@ -101,8 +129,12 @@ def _row_block_chunks(e: TensorEntry):
     chunks = sorted((c for c in e.chunks if c.numel), key=lambda c: c.offsets[0] if c.offsets else 0)
     expect_row = 0
     for c in chunks:
-        if not c.sizes or any(o != 0 for o in c.offsets[1:]) or c.sizes[1:] != e.shape[1:] \
-                or c.offsets[0] != expect_row:
+        if (
+            not c.sizes
+            or any(o != 0 for o in c.offsets[1:])
+            or c.sizes[1:] != e.shape[1:]
+            or c.offsets[0] != expect_row
+        ):
             return None
         expect_row += c.sizes[0]
     return chunks if e.shape and expect_row == e.shape[0] else None
@@ -115,7 +147,11 @@ def reads_payload(d: DroppedTensor) -> bool:
         return True
     expect = 0
     for c in sorted((c for c in d.chunks if all(c.sizes)), key=lambda c: c.offsets[0]):
-        if any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(d.shape[1:]) or c.offsets[0] != expect:
+        if (
+            any(o != 0 for o in c.offsets[1:])
+            or tuple(c.sizes[1:]) != tuple(d.shape[1:])
+            or c.offsets[0] != expect
+        ):
             return True
         expect += c.sizes[0]
     return expect != d.shape[0]
@@ -137,17 +173,31 @@ def stored_crcs(ckpt: DcpCheckpoint, e: TensorEntry, crc_reader: DataCrcReader) 
         return None
     size = itemsize(e.dtype)
     try:
-        got = [crc_reader.crc(lambda off, n, c=c: ckpt.read_item_bytes(c.file, off, n, e.key), c.offset, c.length,
-                              c.numel * size) for c in chunks]
+        got = [
+            crc_reader.crc(
+                lambda off, n, c=c: ckpt.read_item_bytes(c.file, off, n, e.key),
+                c.offset,
+                c.length,
+                c.numel * size,
+            )
+            for c in chunks
+        ]
     except ItemError:
         return None
-    if 0 in got:   # torch.save's "not computed" (`set_crc32_options(False)`): nothing to identify it by
+    if 0 in got:  # torch.save's "not computed" (`set_crc32_options(False)`): nothing to identify it by
         return None
     return _aligned(e, chunks, got)
 
 
-def checked_by_crc(ckpt: DcpCheckpoint, e: TensorEntry, d: DroppedTensor, base_crcs: BaseCrcs,
-                   crc_reader: DataCrcReader, base_path, threads: int = 1) -> tuple[str, list[int]] | None:
+def checked_by_crc(
+    ckpt: DcpCheckpoint,
+    e: TensorEntry,
+    d: DroppedTensor,
+    base_crcs: BaseCrcs,
+    crc_reader: DataCrcReader,
+    base_path,
+    threads: int = 1,
+) -> tuple[str, list[int]] | None:
     """A dropped tensor proven equal to its base upcast without reading its bytes: the CRC-32 each of its
     items stores (`stored_crcs`) against that of the base's rows; returns (the upcast's sha256, the chunks'
     CRC-32s), or None when its layout is not row blocks (then it is read and hashed as usual). `threads`: how
@@ -162,11 +212,16 @@ def checked_by_crc(ckpt: DcpCheckpoint, e: TensorEntry, d: DroppedTensor, base_c
         want = want_by[id(c)]
         if want != have:
             raise FormatError(
-                f"the base model's {name} upcast to {d.dtype} differs from the checkpoint's frozen tensor (rows "
-                f"{c.offsets[0]}..{c.offsets[0] + c.sizes[0]}: CRC-32 {have:#010x} vs the item's {want:#010x})",
-                path=base_path, key=d.key,
-                hint="this is not the base the run trained on (another revision?), or the tensor was trained; "
-                     "pass the right --base")
+                f"the base model's {name} upcast to {d.dtype} differs from the checkpoint's frozen tensor "
+                f"(rows "
+                f"{c.offsets[0]}..{c.offsets[0] + c.sizes[0]}: CRC-32 {have:#010x} vs the item's "
+                f"{want:#010x})",
+                path=base_path,
+                key=d.key,
+                hint="this is not the base the run trained on (another revision?), or the tensor was "
+                "trained; "
+                "pass the right --base",
+            )
     return sha, stored
 
 
@@ -183,7 +238,8 @@ def checkpoint_tensor_sha256(ckpt: DcpCheckpoint, e: TensorEntry) -> str:
             del p
         else:
             return h.hexdigest()
-    from ...core.tensor_math import sha256_of_tensor   # lazy: an unusual layout, assembled by torch
+    from ...core.tensor_math import sha256_of_tensor  # lazy: an unusual layout, assembled by torch
+
     return sha256_of_tensor(ckpt.read_tensor(e.key))
 
 
@@ -193,10 +249,19 @@ def copy_extra_entries(src_dir: Path, dst_dir: Path, names) -> None:
         copy_input_tree(src_dir / name, dst_dir / name, root=src_dir, what="checkpoint entry")
 
 
-def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: dict | None,
-               base_hash: BaseHash | None = None, base_path: Path | None = None,
-               progress: Progress | None = None, group=None, hash_threads: int = 1,
-               base_crcs: BaseCrcs | None = None) -> SlimWritten:
+def write_slim(
+    ckpt: DcpCheckpoint,
+    out_dir: Path,
+    layout: SlimLayout,
+    *,
+    base: dict | None,
+    base_hash: BaseHash | None = None,
+    base_path: Path | None = None,
+    progress: Progress | None = None,
+    group=None,
+    hash_threads: int = 1,
+    base_crcs: BaseCrcs | None = None,
+) -> SlimWritten:
     """Write the slim of `ckpt` into the (new, empty) dir `out_dir`. With `base_hash`, every dropped
     tensor must equal its base tensor's upcast, else nothing is finished (FormatError naming
     `base_path` and the key) and the manifest records the base as verified. Without a base, a dropped
@@ -223,18 +288,22 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
             weights[file_index[k.file] % files] += k.length
         owned = part.mine(weights)
     writer = DcpWriter(out_dir, files=files, owned_files=owned)
-    kept_crc: dict[str, int] = {}        # kept_item_id -> CRC-32 of the item's bytes, for the manifest
+    kept_crc: dict[str, int] = {}  # kept_item_id -> CRC-32 of the item's bytes, for the manifest
     try:
         done = 0
         ckpt.files.hint((k.file, k.offset, k.length) for k in layout.kept if writer.owns(file_index[k.file]))
-        for k in layout.kept:   # source order: sequential reads
+        for k in layout.kept:  # source order: sequential reads
             if not writer.owns(file_index[k.file]):
                 writer.skip(k.key)
                 continue
-            chunk = None if k.kind == "bytes" else next(
-                c for c in ckpt.entries[k.key].chunks if c.file == k.file and c.offset == k.offset)
+            chunk = (
+                None
+                if k.kind == "bytes"
+                else next(c for c in ckpt.entries[k.key].chunks if c.file == k.file and c.offset == k.offset)
+            )
             kept_crc[kept_item_id(k.key, k.chunk_offsets)] = copy_checked_item(
-                ckpt, writer, k.key, k.file, k.offset, k.length, file_index=file_index[k.file], chunk=chunk)
+                ckpt, writer, k.key, k.file, k.offset, k.length, file_index=file_index[k.file], chunk=chunk
+            )
             done += k.length
             report(progress, "copy", done, layout.kept_bytes)
         seconds["copy"] = round(time.perf_counter() - t0, 3)
@@ -245,28 +314,39 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
         order = sorted(range(len(layout.dropped)), key=lambda i: (-layout.dropped[i].nbytes, i))
         share = sum(d.nbytes for d in layout.dropped) / max(1, hash_threads)
 
-        def identify(i: int) -> tuple:   # (sha256 or None, [CRC-32 per chunk] or None): plain values, for gather
+        def identify(
+            i: int,
+        ) -> tuple:  # (sha256 or None, [CRC-32 per chunk] or None): plain values, for gather
             d = layout.dropped[i]
             e = ckpt.entries[d.key]
-            if base_crcs is not None:   # proven against the base by the CRC-32s its items store: not read
-                got = checked_by_crc(ckpt, e, d, base_crcs, crc_reader, base_path,
-                                     threads=hash_threads if hash_threads > 1 and d.nbytes > share else 1)
+            if base_crcs is not None:  # proven against the base by the CRC-32s its items store: not read
+                got = checked_by_crc(
+                    ckpt,
+                    e,
+                    d,
+                    base_crcs,
+                    crc_reader,
+                    base_path,
+                    threads=hash_threads if hash_threads > 1 and d.nbytes > share else 1,
+                )
                 if got is not None:
                     return got[0], list(got[1])
-            elif base_hash is None:     # no base: identified by the CRC-32s its items store
+            elif base_hash is None:  # no base: identified by the CRC-32s its items store
                 stored = stored_crcs(ckpt, e, crc_reader)
                 if stored is not None:
                     return None, list(stored)
-            got_ckpt = checkpoint_tensor_sha256(ckpt, e)   # another layout: read and hashed
+            got_ckpt = checkpoint_tensor_sha256(ckpt, e)  # another layout: read and hashed
             if base_hash is not None:
                 name, got = base_hash(d)
                 if got != got_ckpt:
                     raise FormatError(
                         f"the base model's {name} upcast to {d.dtype} differs from the "
                         f"checkpoint's frozen tensor (sha256 {got[:12]}… vs {got_ckpt[:12]}…)",
-                        path=base_path, key=d.key,
+                        path=base_path,
+                        key=d.key,
                         hint="this is not the base the run trained on (another revision?), or the "
-                             "tensor was trained; pass the right --base, or slim without --base")
+                        "tensor was trained; pass the right --base, or slim without --base",
+                    )
             return got_ckpt, None
 
         def identified(i: int, _h) -> None:
@@ -274,13 +354,25 @@ def write_slim(ckpt: DcpCheckpoint, out_dir: Path, layout: SlimLayout, *, base: 
             report(progress, "hash", state["done"], layout.dropped_tensor_bytes)
 
         # Dropped tensors are identified in parallel (hashlib, zlib and preadv release the GIL) on
-        # `hash_threads` threads and split over torchrun's ranks; rank 0 gets every result, in the layout's order.
-        got = map_units(lambda j: identify(order[j]), [layout.dropped[i].nbytes for i in order], group,
-                        threads=hash_threads, done=lambda j, h: identified(order[j], h))
+        # `hash_threads` threads and split over torchrun's ranks; rank 0 gets every result, in the layout's
+        # order.
+        got = map_units(
+            lambda j: identify(order[j]),
+            [layout.dropped[i].nbytes for i in order],
+            group,
+            threads=hash_threads,
+            done=lambda j, h: identified(order[j], h),
+        )
         by_unit = None if got is None else dict(zip(order, got))
         every = None if by_unit is None else [by_unit[i] for i in range(len(order))]
-        ids = {} if every is None else {d.key: DroppedId(h[0], None if h[1] is None else tuple(h[1]))
-                                        for d, h in zip(layout.dropped, every)}
+        ids = (
+            {}
+            if every is None
+            else {
+                d.key: DroppedId(h[0], None if h[1] is None else tuple(h[1]))
+                for d, h in zip(layout.dropped, every)
+            }
+        )
         seconds["hash"] = round(time.perf_counter() - t1, 3)
         bytes_written = writer.bytes_written
         if part.world > 1:

@@ -2,6 +2,7 @@
 checkpoints' base weights) and an optional LoRA, paired by name from headers alone, each pair's role
 marked (targeted / replaced / untargeted); an adapter that does not fit BASE is refused before any
 tensor byte is read."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,26 +15,43 @@ from ...sources.lora import LoraSource, open_lora_source
 from ...sources.open import open_weights
 from .device import resolve_device
 
-__all__ = ["EXIT_DIFFERS", "EXIT_IDENTICAL", "EXIT_ADAPTER_MISMATCH", "IDENTICAL", "IDENTICAL_UPCAST", "DIFFERS",
-           "SHAPE_CHANGED", "SKIPPED", "SAME", "TARGETED", "REPLACED", "UNTARGETED", "DiffOptions", "DiffSources",
-           "open_diff_sources", "PairPlan", "DiffPlan", "plan_diff"]
+__all__ = [
+    "DIFFERS",
+    "EXIT_ADAPTER_MISMATCH",
+    "EXIT_DIFFERS",
+    "EXIT_IDENTICAL",
+    "IDENTICAL",
+    "IDENTICAL_UPCAST",
+    "REPLACED",
+    "SAME",
+    "SHAPE_CHANGED",
+    "SKIPPED",
+    "TARGETED",
+    "UNTARGETED",
+    "DiffOptions",
+    "DiffPlan",
+    "DiffSources",
+    "PairPlan",
+    "open_diff_sources",
+    "plan_diff",
+]
 
 EXIT_DIFFERS = 0
 EXIT_IDENTICAL = 3
 EXIT_ADAPTER_MISMATCH = 4
 
 # per-tensor status
-IDENTICAL = "identical"                  # same dtype and shape, same bytes
-IDENTICAL_UPCAST = "identical_upcast"    # dtypes differ; bitwise equal after exact upcast
+IDENTICAL = "identical"  # same dtype and shape, same bytes
+IDENTICAL_UPCAST = "identical_upcast"  # dtypes differ; bitwise equal after exact upcast
 DIFFERS = "differs"
 SHAPE_CHANGED = "shape_changed"
-SKIPPED = "skipped"                      # --targeted-only: not read
+SKIPPED = "skipped"  # --targeted-only: not read
 SAME = (IDENTICAL, IDENTICAL_UPCAST)
 
 # role of a pair when an adapter is given
-TARGETED = "targeted"        # W = W0 + s*B@A expected
-REPLACED = "replaced"        # modules_to_save: W = the adapter's full tensor expected
-UNTARGETED = "untargeted"    # W = W0 expected
+TARGETED = "targeted"  # W = W0 + s*B@A expected
+REPLACED = "replaced"  # modules_to_save: W = the adapter's full tensor expected
+UNTARGETED = "untargeted"  # W = W0 expected
 
 
 @dataclass(frozen=True)
@@ -43,7 +61,7 @@ class DiffOptions:
     run_config: str | None = None
     targeted_only: bool = False
     trust_pickle: bool = False
-    device: str | None = None    # where the adapter check's value check runs: None / "cpu", or "cuda[:N]"
+    device: str | None = None  # where the adapter check's value check runs: None / "cpu", or "cuda[:N]"
 
 
 @dataclass
@@ -57,7 +75,7 @@ class DiffSources:
             if s is not None:
                 s.close()
 
-    def __enter__(self) -> "DiffSources":
+    def __enter__(self) -> DiffSources:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -69,9 +87,11 @@ def open_diff_sources(weights: str | Path, base: str | Path, options: DiffOption
         raise UsageError("--alpha/--run-config only apply with --adapter")
     if options.device not in (None, "cpu"):
         if options.adapter is None:
-            raise UsageError(f"--device {options.device} only applies with --adapter (it runs the adapter check's "
-                             "value check; the plain comparison reads and compares bytes on the CPU)")
-        resolve_device(options.device)   # no such device: refused before anything is opened
+            raise UsageError(
+                f"--device {options.device} only applies with --adapter (it runs the adapter check's "
+                "value check; the plain comparison reads and compares bytes on the CPU)"
+            )
+        resolve_device(options.device)  # no such device: refused before anything is opened
     opened = []
     try:
         w = open_weights(weights, trust_pickle=options.trust_pickle)
@@ -80,8 +100,12 @@ def open_diff_sources(weights: str | Path, base: str | Path, options: DiffOption
         opened.append(b)
         lora = None
         if options.adapter is not None:
-            lora = open_lora_source(options.adapter, alpha=options.alpha, run_config=options.run_config,
-                                    trust_pickle=options.trust_pickle)
+            lora = open_lora_source(
+                options.adapter,
+                alpha=options.alpha,
+                run_config=options.run_config,
+                trust_pickle=options.trust_pickle,
+            )
     except BaseException:
         for s in reversed(opened):
             s.close()
@@ -94,9 +118,9 @@ class PairPlan:
     name: str
     weights: TensorFacts
     base: TensorFacts
-    role: str | None             # TARGETED / REPLACED / UNTARGETED, None without an adapter
-    module: str | None           # the LoRA module for TARGETED
-    read: bool                   # False: skipped by --targeted-only
+    role: str | None  # TARGETED / REPLACED / UNTARGETED, None without an adapter
+    module: str | None  # the LoRA module for TARGETED
+    read: bool  # False: skipped by --targeted-only
 
     @property
     def mode(self) -> str:
@@ -113,7 +137,7 @@ class DiffPlan:
     pairs: tuple[PairPlan, ...]
     only_in_weights: tuple[str, ...]
     only_in_base: tuple[str, ...]
-    targets_missing_in_weights: tuple[str, ...]   # tensors the adapter changes that WEIGHTS lacks
+    targets_missing_in_weights: tuple[str, ...]  # tensors the adapter changes that WEIGHTS lacks
     targeted_only: bool
 
     @property
@@ -151,19 +175,33 @@ def plan_diff(sources: DiffSources, options: DiffOptions) -> DiffPlan:
                 continue
             roles[name] = (REPLACED, None)
         if problems:
-            shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-            raise FormatError(f"the adapter does not fit BASE: {shown}", path=lora.path,
-                              hint="the adapter was trained on a different base model, or BASE is not the base")
+            shown = "; ".join(problems[:10]) + (
+                f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+            )
+            raise FormatError(
+                f"the adapter does not fit BASE: {shown}",
+                path=lora.path,
+                hint="the adapter was trained on a different base model, or BASE is not the base",
+            )
         if not roles:
-            raise FormatError("the adapter targets no tensor", path=lora.path,
-                              hint="an adapter that matches nothing would merge to the base unchanged")
+            raise FormatError(
+                "the adapter targets no tensor",
+                path=lora.path,
+                hint="an adapter that matches nothing would merge to the base unchanged",
+            )
         missing_in_weights = sorted(n for n in roles if n not in wk)
     pairs = []
     for name in shared:
         role, module = roles.get(name, (UNTARGETED if lora is not None else None, None))
         read = not targeted_only or role in (TARGETED, REPLACED)
         pairs.append(PairPlan(name, weights.facts(name), base.facts(name), role, module, read))
-    return DiffPlan(weights=weights.describe(), base=base.describe(),
-                    adapter=lora.describe() if lora is not None else None, pairs=tuple(pairs),
-                    only_in_weights=tuple(sorted(wk - bk)), only_in_base=tuple(sorted(bk - wk)),
-                    targets_missing_in_weights=tuple(missing_in_weights), targeted_only=targeted_only)
+    return DiffPlan(
+        weights=weights.describe(),
+        base=base.describe(),
+        adapter=lora.describe() if lora is not None else None,
+        pairs=tuple(pairs),
+        only_in_weights=tuple(sorted(wk - bk)),
+        only_in_base=tuple(sorted(bk - wk)),
+        targets_missing_in_weights=tuple(missing_in_weights),
+        targeted_only=targeted_only,
+    )

@@ -27,6 +27,7 @@ buffers are set aside from and each unit acquires its working set from (`core.bu
 Verdict (and the CLI's exit code): IDENTICAL (3) when every compared tensor is bitwise identical
 (after exact upcast), else ADAPTER_MISMATCH (4) when an adapter check failed, else DIFFERS (0).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,24 +39,59 @@ from pathlib import Path
 import torch
 
 from ...core.budget import ByteBudget
-from ...core.pool import one_intra_op_thread
 from ...core.dtypes import dtype_name, torch_dtype
 from ...core.lora_math import check_shapes
+from ...core.pool import one_intra_op_thread
 from ...core.progress import Progress, report
-from ...core.tensor_math import MergeCheck, lora_factors_fp64, lora_product_rows_fp64, merge_weight_into, ulps_apart
+from ...core.tensor_math import (
+    MergeCheck,
+    lora_factors_fp64,
+    lora_product_rows_fp64,
+    merge_weight_into,
+    ulps_apart,
+)
 from ...dist import Group, SoloGroup, local_workers, map_units, working
 from ...sources.compare import (
-    BLOCK_BYTES, STATS_BLOCK_ELEMS, ChunkStats, DeltaStats, Scratch, bits, block_ranges, block_stats, chunk_map,
-    accelerator, chunk_scratch_bytes, common_dtype, factor_buffers, read_block, stream_stats, value_check_chunk,
+    BLOCK_BYTES,
+    STATS_BLOCK_ELEMS,
+    ChunkStats,
+    DeltaStats,
+    Scratch,
+    accelerator,
+    bits,
+    block_ranges,
+    block_stats,
+    chunk_map,
+    chunk_scratch_bytes,
+    common_dtype,
+    factor_buffers,
+    read_block,
+    stream_stats,
+    value_check_chunk,
 )
 from .device import DeviceCheck, resolve_device, units_of
 from .plan import (
-    DIFFERS, EXIT_ADAPTER_MISMATCH, EXIT_DIFFERS, EXIT_IDENTICAL, IDENTICAL, IDENTICAL_UPCAST, REPLACED, SAME,
-    SHAPE_CHANGED, SKIPPED, TARGETED, UNTARGETED, DiffOptions, DiffPlan, DiffSources, PairPlan, open_diff_sources,
+    DIFFERS,
+    EXIT_ADAPTER_MISMATCH,
+    EXIT_DIFFERS,
+    EXIT_IDENTICAL,
+    IDENTICAL,
+    IDENTICAL_UPCAST,
+    REPLACED,
+    SAME,
+    SHAPE_CHANGED,
+    SKIPPED,
+    TARGETED,
+    UNTARGETED,
+    DiffOptions,
+    DiffPlan,
+    DiffSources,
+    PairPlan,
+    open_diff_sources,
     plan_diff,
 )
 
-__all__ = ["TensorDiff", "DiffReport", "run_diff", "diff_vs_base"]
+__all__ = ["DiffReport", "TensorDiff", "diff_vs_base", "run_diff"]
 
 
 @dataclass
@@ -97,17 +133,26 @@ class DiffReport:
         counts: dict[str, int] = {}
         for t in self.tensors:
             counts[t.status] = counts.get(t.status, 0) + 1
-        return _jsonable({
-            "weights": p.weights, "base": p.base, "adapter": p.adapter,
-            "verdict": self.verdict, "exit_code": self.exit_code, "summary": self.summary,
-            "counts": counts, "shared": len(p.pairs),
-            "only_in_weights": list(p.only_in_weights), "only_in_base": list(p.only_in_base),
-            "targeted_only": p.targeted_only,
-            "adapter_check": self.adapter_summary,
-            "tensors": [t.__dict__ for t in self.tensors],
-            "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3),
-            "warnings": self.warnings,
-        })
+        return _jsonable(
+            {
+                "weights": p.weights,
+                "base": p.base,
+                "adapter": p.adapter,
+                "verdict": self.verdict,
+                "exit_code": self.exit_code,
+                "summary": self.summary,
+                "counts": counts,
+                "shared": len(p.pairs),
+                "only_in_weights": list(p.only_in_weights),
+                "only_in_base": list(p.only_in_base),
+                "targeted_only": p.targeted_only,
+                "adapter_check": self.adapter_summary,
+                "tensors": [t.__dict__ for t in self.tensors],
+                "bytes_read": self.bytes_read,
+                "seconds": round(self.seconds, 3),
+                "warnings": self.warnings,
+            }
+        )
 
 
 def _jsonable(x):
@@ -121,8 +166,16 @@ def _jsonable(x):
 
 
 def _result(p: PairPlan, status: str, st: DeltaStats | None) -> TensorDiff:
-    td = TensorDiff(p.name, status, dtype_name(p.weights.dtype), dtype_name(p.base.dtype),
-                    list(p.weights.shape), list(p.base.shape), p.weights.numel, role=p.role)
+    td = TensorDiff(
+        p.name,
+        status,
+        dtype_name(p.weights.dtype),
+        dtype_name(p.base.dtype),
+        list(p.weights.shape),
+        list(p.base.shape),
+        p.weights.numel,
+        role=p.role,
+    )
     if st is not None:
         td.changed_elements = st.changed
         td.changed_fraction = st.changed / st.numel if st.numel else 0.0
@@ -148,8 +201,9 @@ def _compare_streaming(weights, base, p: PairPlan, block_bytes: int, pool) -> Te
 _SCRATCH = Scratch()
 
 
-def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int, pool,
-                              device: DeviceCheck | None = None) -> TensorDiff:
+def _check_targeted_streaming(
+    weights, base, lora, p: PairPlan, block_bytes: int, pool, device: DeviceCheck | None = None
+) -> TensorDiff:
     """A targeted tensor checked by value, block by block on `pool`'s threads: each block of rows gets its
     P = B@A rows in fp64 (any kernel, any threads: the check does not replay the merge's bits) and a
     proven bound on an fp32 product's error; W and W0 are read once, in the statistics' chunks, each
@@ -157,20 +211,25 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
     W0 + s*P within that bound (`core.tensor_math.check_merged_values`). Memory: the factors in fp64 and
     one block's P per thread. With `device` (a GPU), the value check runs there (`_device_unit_check`)."""
     spec = lora.modules[p.module]
-    check_shapes(tuple(p.base.shape), tuple(spec.a_shape), tuple(spec.b_shape), fan_in_fan_out=spec.fan_in_fan_out,
-                 name=p.name)
+    check_shapes(
+        tuple(p.base.shape),
+        tuple(spec.a_shape),
+        tuple(spec.b_shape),
+        fan_in_fan_out=spec.fan_in_fan_out,
+        name=p.name,
+    )
     a, b = lora.read_pair(p.module)
     factors = lora_factors_fp64(a, b, fan_in_fan_out=spec.fan_in_fan_out)
     fw, fb = p.weights, p.base
     ct, out_dtype = common_dtype(fw.dtype, fb.dtype), torch_dtype(fw.dtype)
     cols = fw.shape[1] if len(fw.shape) > 1 else 1
-    block_elems = max(cols, max(1, block_bytes // 8) // cols * cols)   # whole rows: P is computed by rows
+    block_elems = max(cols, max(1, block_bytes // 8) // cols * cols)  # whole rows: P is computed by rows
 
     blocks = block_ranges(fw.numel, block_elems)
     if device is None:
         check = _cpu_unit_check(weights, base, p, factors, spec.scale, cols, ct)
         units = units_of(blocks, max(fw.itemsize, fb.itemsize), block_bytes)
-    else:   # the same blocks' statistics; each unit's value check on the GPU
+    else:  # the same blocks' statistics; each unit's value check on the GPU
         check = _device_unit_check(weights, base, p, factors, spec.scale, cols, ct, device)
         units = units_of(blocks, max(fw.itemsize, fb.itemsize), device.unit_bytes)
     st, found = DeltaStats(), MergeCheck()
@@ -178,19 +237,33 @@ def _check_targeted_streaming(weights, base, lora, p: PairPlan, block_bytes: int
         for part in parts:
             st.fold(part)
         found.fold(mc)
-    if not found.finite:   # the merge would refuse it: the whole-tensor merge raises its error, naming the tensor
-        merge_weight_into(torch.empty(fw.shape, dtype=out_dtype), base.read_tensor(p.name), a, b, spec.scale,
-                          fan_in_fan_out=spec.fan_in_fan_out, name=p.name)
+    if (
+        not found.finite
+    ):  # the merge would refuse it: the whole-tensor merge raises its error, naming the tensor
+        merge_weight_into(
+            torch.empty(fw.shape, dtype=out_dtype),
+            base.read_tensor(p.name),
+            a,
+            b,
+            spec.scale,
+            fan_in_fan_out=spec.fan_in_fan_out,
+            name=p.name,
+        )
     td = _result(p, _status(p, st), st)
-    td.adapter_check = {"expected": f"round_{dtype_name(out_dtype)}(W0 + {spec.scale:g} * B @ A)",
-                        "module": p.module, "rank": spec.rank, "scale": spec.scale}
+    td.adapter_check = {
+        "expected": f"round_{dtype_name(out_dtype)}(W0 + {spec.scale:g} * B @ A)",
+        "module": p.module,
+        "rank": spec.rank,
+        "scale": spec.scale,
+    }
     td.adapter_check.update(_ulps_result(found.off, found.max_ulps, out_dtype.is_floating_point))
     td.adapter_check["ties"] = found.ties
     return td
 
 
 def _cpu_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: int, ct):
-    """A unit's check on this thread: its blocks (whole rows) read in one piece a side, then per block its P rows
+    """A unit's check on this thread: its blocks (whole rows) read in one piece a side, then per block its P
+    rows
     (fp64, the BLAS on this thread), its statistics chunks and its value check, one C call each (the Python
     around each call holds the GIL: a unit of several blocks keeps it to a few percent at 16 workers)."""
     fw, fb = p.weights, p.base
@@ -205,18 +278,24 @@ def _cpu_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: int
         found = MergeCheck()
         for s, k in unit:
             o, r0 = s - start, s // cols
-            prod = lora_product_rows_fp64(factors, r0, (s + k) // cols, out=_SCRATCH.tensor("prod", k, torch.float64))
-            bw, bb, tw, tb = xw[o * iw:(o + k) * iw], xb[o * ib:(o + k) * ib], w[o:o + k], w0[o:o + k]
+            prod = lora_product_rows_fp64(
+                factors, r0, (s + k) // cols, out=_SCRATCH.tensor("prod", k, torch.float64)
+            )
+            bw, bb, tw, tb = xw[o * iw : (o + k) * iw], xb[o * ib : (o + k) * ib], w[o : o + k], w0[o : o + k]
             parts += block_stats(bw, bb, tw, tb, ct)
-            found.fold(value_check_chunk(tw, tb, prod, factors, r0, 0, scale, w_raw=bw, w0_raw=bb,
-                                         factors_raw=raw_factors))
+            found.fold(
+                value_check_chunk(
+                    tw, tb, prod, factors, r0, 0, scale, w_raw=bw, w0_raw=bb, factors_raw=raw_factors
+                )
+            )
         return parts, found
 
     return check
 
 
 def _device_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: int, ct, device: DeviceCheck):
-    """A unit's check on the GPU: its blocks read into one of the device's pinned slots, their statistics chunks
+    """A unit's check on the GPU: its blocks read into one of the device's pinned slots, their statistics
+    chunks
     on this thread (the CPU path's chunks: the same bits), the value check of the whole unit on the device."""
     fw, fb = p.weights, p.base
     iw, ib = fw.itemsize, fb.itemsize
@@ -225,15 +304,17 @@ def _device_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: 
     def check(unit: list[tuple[int, int]]) -> tuple[list[ChunkStats], MergeCheck]:
         start, n = unit[0][0], sum(k for _, k in unit)
         with device.slot() as (bw, bb):
-            weights.read_span(fw.name, start * iw, bw[:n * iw].numpy())
-            base.read_span(fb.name, start * ib, bb[:n * ib].numpy())
+            weights.read_span(fw.name, start * iw, bw[: n * iw].numpy())
+            base.read_span(fb.name, start * ib, bb[: n * ib].numpy())
             xw, xb = memoryview(bw.numpy()), memoryview(bb.numpy())
-            w, w0 = bw[:n * iw].view(torch_dtype(fw.dtype)), bb[:n * ib].view(torch_dtype(fb.dtype))
-            uploaded = device.upload(w, w0)   # (copying while the statistics are computed here)
+            w, w0 = bw[: n * iw].view(torch_dtype(fw.dtype)), bb[: n * ib].view(torch_dtype(fb.dtype))
+            uploaded = device.upload(w, w0)  # (copying while the statistics are computed here)
             parts: list[ChunkStats] = []
             for s, k in unit:
                 o = s - start
-                parts += block_stats(xw[o * iw:(o + k) * iw], xb[o * ib:(o + k) * ib], w[o:o + k], w0[o:o + k], ct)
+                parts += block_stats(
+                    xw[o * iw : (o + k) * iw], xb[o * ib : (o + k) * ib], w[o : o + k], w0[o : o + k], ct
+                )
             return parts, device.check(*uploaded, on_device, start // cols, (start + n) // cols, scale)
 
     return check
@@ -245,22 +326,26 @@ def _ulps_result(off: int, max_ulps: int, floating: bool) -> dict:
     return {"ok": False, "max_ulps": max_ulps if floating else None, "elements_off": off}
 
 
-def _compare_with_adapter(weights, base, lora, p: PairPlan, block_bytes: int, pool,
-                          device: DeviceCheck | None = None) -> TensorDiff:
+def _compare_with_adapter(
+    weights, base, lora, p: PairPlan, block_bytes: int, pool, device: DeviceCheck | None = None
+) -> TensorDiff:
     """Targeted / replaced tensors. A targeted one streams (`_check_targeted_streaming`); a replaced
     one (modules_to_save) streams its statistics, and W is compared bit for bit with the adapter's
     tensor (read whole: `LoraSource.read_full`) block by block (`_replaced_check`)."""
     if p.mode == "shape":
         td = _result(p, SHAPE_CHANGED, None)
-        td.adapter_check = {"ok": False, "expected": "same shape as BASE",
-                            "problem": f"shape {list(p.weights.shape)} != BASE {list(p.base.shape)}"}
+        td.adapter_check = {
+            "ok": False,
+            "expected": "same shape as BASE",
+            "problem": f"shape {list(p.weights.shape)} != BASE {list(p.base.shape)}",
+        }
         return td
     if p.role == TARGETED:
         return _check_targeted_streaming(weights, base, lora, p, block_bytes, pool, device)
     st = stream_stats(weights, base, p.name, block_bytes, skip_identical=p.mode == "raw", pool=pool)
     td = _result(p, _status(p, st), st)
     fw = p.weights
-    expected = lora.read_full(p.name)   # (the adapter's tensor, whole: LoraSource reads it so)
+    expected = lora.read_full(p.name)  # (the adapter's tensor, whole: LoraSource reads it so)
     check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(fw.dtype)}"}
     if tuple(expected.shape) != tuple(fw.shape):
         check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(fw.shape)}")
@@ -278,7 +363,7 @@ def _replaced_check(weights, fw, expected: torch.Tensor, block_bytes: int) -> di
     off = max_ulps = 0
     for start, n in block_ranges(fw.numel, max(1, block_bytes // max(fw.itemsize, expected.element_size()))):
         w = read_block(weights, fw, start, n, "w")[1]
-        e = expected[start:start + n].to(dt)
+        e = expected[start : start + n].to(dt)
         differ = bits(w) != bits(e)
         k = int(torch.count_nonzero(differ))
         if k and dt.is_floating_point:
@@ -312,14 +397,25 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
         passed = not bad and not untargeted_changed and not plan.targets_missing_in_weights
         ties = sum((t.adapter_check or {}).get("ties") or 0 for t in targeted)
         adapter_summary = {
-            "passed": passed, "targeted": len(targeted), "exact": len(exact), "max_ulps": max_ulps, "ties": ties,
-            "off": [{"name": t.name, "max_ulps": (t.adapter_check or {}).get("max_ulps"),
-                     "elements_off": (t.adapter_check or {}).get("elements_off"),
-                     "problem": (t.adapter_check or {}).get("problem")} for t in bad],
+            "passed": passed,
+            "targeted": len(targeted),
+            "exact": len(exact),
+            "max_ulps": max_ulps,
+            "ties": ties,
+            "off": [
+                {
+                    "name": t.name,
+                    "max_ulps": (t.adapter_check or {}).get("max_ulps"),
+                    "elements_off": (t.adapter_check or {}).get("elements_off"),
+                    "problem": (t.adapter_check or {}).get("problem"),
+                }
+                for t in bad
+            ],
             "untargeted_changed": [t.name for t in untargeted_changed],
             "untargeted_checked": len([t for t in compared if t.role == UNTARGETED]),
             "missing_in_weights": list(plan.targets_missing_in_weights),
-            "alpha": lora.alpha, "alpha_source": lora.alpha_source,
+            "alpha": lora.alpha,
+            "alpha_source": lora.alpha_source,
         }
     if not changed:
         how = " (after exact upcast of the narrower dtype)" if upcast else ""
@@ -329,7 +425,10 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
             why = "the LoRA was not merged (or had no effect)"
         text = f"identical to base: all {scope} are bitwise identical{how}; {why}"
         if adapter_summary is not None and not adapter_summary["passed"]:
-            text += f"; the adapter check FAILED ({len(adapter_summary['off'])} targeted tensors are not W0 + s*B@A)"
+            text += (
+                f"; the adapter check FAILED ({len(adapter_summary['off'])} targeted tensors are not W0 "
+                f"+ s*B@A)"
+            )
         text += _one_sided(plan)
         return "identical", EXIT_IDENTICAL, text, adapter_summary
     top = max((t.rel_fro for t in changed if t.rel_fro is not None), default=None)
@@ -340,9 +439,11 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
     if adapter_summary is not None and not adapter_summary["passed"]:
         return "adapter_mismatch", EXIT_ADAPTER_MISMATCH, text + "; the adapter check FAILED", adapter_summary
     if adapter_summary is not None:
-        text += (f"; adapter check passed: {adapter_summary['exact']}/{adapter_summary['targeted']} targeted "
-                 f"tensors are the correctly rounded W0 + s*B@A ({adapter_summary['ties']} elements within the "
-                 "fp32 error bound of a rounding boundary)")
+        text += (
+            f"; adapter check passed: {adapter_summary['exact']}/{adapter_summary['targeted']} targeted "
+            f"tensors are the correctly rounded W0 + s*B@A ({adapter_summary['ties']} elements within the "
+            "fp32 error bound of a rounding boundary)"
+        )
         if not plan.targeted_only:
             text += f", {adapter_summary['untargeted_checked']} untargeted unchanged"
     return "differs", EXIT_DIFFERS, text, adapter_summary
@@ -350,9 +451,11 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
 
 # The working set of a rank, whatever the model size and the number of cores (peak RSS under 1 GiB: this,
 # torch itself, ~620 MiB with a CUDA build, and the interpreter): first each worker's buffers
-# (`_scratch_bytes`: a block of each side, a targeted block's P) and a GPU's pinned slots are set aside, as many
+# (`_scratch_bytes`: a block of each side, a targeted block's P) and a GPU's pinned slots are set aside, as
+# many
 # workers as leave UNITS_MIN_BYTES; then each unit acquires what it holds beyond its worker's buffers from the
-# rest (`core.budget.ByteBudget`), so the small units run on every worker while a big one waits until its bytes
+# rest (`core.budget.ByteBudget`), so the small units run on every worker while a big one waits until its
+# bytes
 # fit.
 WORKING_BUDGET_BYTES = 352 * 2**20
 UNITS_MIN_BYTES = 64 * 2**20
@@ -366,7 +469,9 @@ _VALUE_CHECK_BYTES = BLOCK_BYTES + (128 * STATS_BLOCK_ELEMS if accelerator is No
 
 
 def _scratch_bytes(p: PairPlan) -> int:
-    return chunk_scratch_bytes(p.weights.itemsize, p.base.itemsize) + (_VALUE_CHECK_BYTES if p.role == TARGETED else 0)
+    return chunk_scratch_bytes(p.weights.itemsize, p.base.itemsize) + (
+        _VALUE_CHECK_BYTES if p.role == TARGETED else 0
+    )
 
 
 def _working_bytes(p: PairPlan, lora) -> int:
@@ -374,16 +479,23 @@ def _working_bytes(p: PairPlan, lora) -> int:
     if not p.read or p.mode == "shape":
         return 0
     if p.role not in (TARGETED, REPLACED):
-        return 0   # streamed: the worker's chunk buffers only
+        return 0  # streamed: the worker's chunk buffers only
     numel = p.weights.numel
     if p.role == TARGETED:
         spec = lora.modules[p.module]
-        return 12 * (math.prod(spec.a_shape) + math.prod(spec.b_shape))   # A, B (<= fp32) and in fp64
-    return 4 * numel + 3 * BLOCK_BYTES   # the adapter's tensor (<= fp32); a block of W, its cast and the mask
+        return 12 * (math.prod(spec.a_shape) + math.prod(spec.b_shape))  # A, B (<= fp32) and in fp64
+    return 4 * numel + 3 * BLOCK_BYTES  # the adapter's tensor (<= fp32); a block of W, its cast and the mask
 
 
-def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = None, *,
-             block_bytes: int = BLOCK_BYTES, group: Group | None = None, device: str | None = None) -> DiffReport:
+def run_diff(
+    plan: DiffPlan,
+    sources: DiffSources,
+    progress: Progress | None = None,
+    *,
+    block_bytes: int = BLOCK_BYTES,
+    group: Group | None = None,
+    device: str | None = None,
+) -> DiffReport:
     """Compare every pair (independent units: on this rank's threads, and under torchrun split over the
     ranks by bytes, every rank getting every result); a `ProgressEvent("compare", i, n, unit="tensors",
     name=...)` after each in order (its `finished` the pair's TensorDiff). `device` "cuda" (or "cuda:N"): the
@@ -398,7 +510,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     # under torchrun, only the ranks that get work (`dist.working`: a tiny job runs on rank 0) share the cores
     threads = local_workers(n_working=working(sizes, group))
     if any(src.extents(p.name) is None for p in plan.pairs if p.read for src in (weights, base)):
-        threads = 1   # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
+        threads = 1  # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
     # Two levels: `threads` units in flight (map_units), and their chunks on one pool of `threads`
     # workers, so a single big tensor uses every core and the units' working sets (the adapter
     # check's P) are what the byte budget admits. Only the pool's workers hold chunk buffers.
@@ -409,8 +521,11 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     reserved = checker.host_bytes if checker is not None else 0
     threads = max(1, min(threads, (WORKING_BUDGET_BYTES - reserved - UNITS_MIN_BYTES) // max(1, scratch)))
     budget = ByteBudget(max(UNITS_MIN_BYTES, WORKING_BUDGET_BYTES - reserved - threads * scratch))
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks",
-                              initializer=one_intra_op_thread) if threads > 1 else None
+    pool = (
+        ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks", initializer=one_intra_op_thread)
+        if threads > 1
+        else None
+    )
     state = {"done": 0, "bytes": 0}
     # (sizes: the bytes both sides hold, for the progress line's bytes, rate and ETA: what the reads take)
     bytes_total = sum(sizes)
@@ -424,7 +539,7 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
                 td = _compare_with_adapter(weights, base, lora, p, block_bytes, pool, checker)
         else:
             td = _compare_streaming(weights, base, p, block_bytes, pool)
-        if threads == 1:   # (with threads, pages are released when the sources close)
+        if threads == 1:  # (with threads, pages are released when the sources close)
             weights.release()
             base.release()
         return dict(td.__dict__)
@@ -432,16 +547,25 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     def done(i: int, d: dict) -> None:
         state["done"] += 1
         state["bytes"] += sizes[i]
-        report(progress, "compare", state["done"], total, unit="tensors", name=d["name"], finished=TensorDiff(**d),
-               bytes_done=state["bytes"], bytes_total=bytes_total, elapsed_s=time.perf_counter() - t0)
+        report(
+            progress,
+            "compare",
+            state["done"],
+            total,
+            unit="tensors",
+            name=d["name"],
+            finished=TensorDiff(**d),
+            bytes_done=state["bytes"],
+            bytes_total=bytes_total,
+            elapsed_s=time.perf_counter() - t0,
+        )
 
     # The workers are the parallelism: torch's intra-op threads on top of them oversubscribe the cores
     # (OpenMP's spinning on a busy machine: see ops.merge.pipeline).
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        results = map_units(compare, sizes,
-                            group, threads=threads, done=done, everywhere=True)
+        results = map_units(compare, sizes, group, threads=threads, done=done, everywhere=True)
     finally:
         torch.set_num_threads(intra_op)
         if pool is not None:
@@ -450,17 +574,41 @@ def run_diff(plan: DiffPlan, sources: DiffSources, progress: Progress | None = N
     verdict, code, summary, adapter_summary = _verdict(plan, tensors, lora)
     warnings = list(getattr(lora, "warnings", ()) or ()) if lora is not None else []
     (bytes_read,) = group.sum([weights.bytes_read + base.bytes_read], "the bytes read")
-    return DiffReport(plan, tensors, verdict, code, summary, adapter_summary, warnings,
-                      bytes_read=bytes_read, seconds=time.perf_counter() - t0)
+    return DiffReport(
+        plan,
+        tensors,
+        verdict,
+        code,
+        summary,
+        adapter_summary,
+        warnings,
+        bytes_read=bytes_read,
+        seconds=time.perf_counter() - t0,
+    )
 
 
-def diff_vs_base(weights: str | Path, base: str | Path, *, adapter: str | Path | None = None,
-                 alpha: float | None = None, run_config: str | Path | None = None, targeted_only: bool = False,
-                 trust_pickle: bool = False, block_bytes: int = BLOCK_BYTES, device: str | None = None,
-                 progress: Progress | None = None) -> DiffReport:
+def diff_vs_base(
+    weights: str | Path,
+    base: str | Path,
+    *,
+    adapter: str | Path | None = None,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    targeted_only: bool = False,
+    trust_pickle: bool = False,
+    block_bytes: int = BLOCK_BYTES,
+    device: str | None = None,
+    progress: Progress | None = None,
+) -> DiffReport:
     """Open both sides (and the adapter), plan from metadata, then compare one pair at a time."""
-    options = DiffOptions(None if adapter is None else str(adapter), alpha,
-                          None if run_config is None else str(run_config), targeted_only, trust_pickle, device)
+    options = DiffOptions(
+        None if adapter is None else str(adapter),
+        alpha,
+        None if run_config is None else str(run_config),
+        targeted_only,
+        trust_pickle,
+        device,
+    )
     with open_diff_sources(weights, base, options) as sources:
         plan = plan_diff(sources, options)
         return run_diff(plan, sources, progress, block_bytes=block_bytes, device=device)

@@ -5,12 +5,21 @@ the facts (`facts`) and runs the traps (`traps`, one small function per trap in 
 `run` is imported on first use of one of its names, not with the package: `facts` and `traps` are
 torch-free, so `ckpt doctor --help` (whose --decode-rate default is `facts.DEFAULT_DECODE_RATE`) never
 imports torch (tests/test_startup.py)."""
+
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["EXIT_CLEAN", "EXIT_PROBLEMS", "DoctorOptions", "DoctorPlan", "DoctorReport", "doctor", "plan_doctor",
-           "run_doctor"]
+__all__ = [
+    "EXIT_CLEAN",
+    "EXIT_PROBLEMS",
+    "DoctorOptions",
+    "DoctorPlan",
+    "DoctorReport",
+    "doctor",
+    "plan_doctor",
+    "run_doctor",
+]
 
 
 def __getattr__(name: str):

@@ -5,6 +5,7 @@ disk, diff-vs-base of `outputs/weights`); a `Finding` is one trap found: the key
 it in TOML, its value and default, why it bites (one line, with the prime-rl source behind it) and
 the exact fix (a TOML snippet or a ckpt command). No I/O here.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,23 @@ from typing import Any
 
 from ...formats.primerl.config import RunConfig, toml_key
 
-__all__ = ["PROBLEM_SEVERITIES", "DEFAULT_DECODE_RATE", "Finding", "StepFacts", "WeightsExport",
-    "AdapterConfig", "RunFacts", "toml_value", "toml_fix", "ckpt_command", "finding", "section_config"]
+__all__ = [
+    "DEFAULT_DECODE_RATE",
+    "PROBLEM_SEVERITIES",
+    "AdapterConfig",
+    "Finding",
+    "RunFacts",
+    "StepFacts",
+    "WeightsExport",
+    "ckpt_command",
+    "finding",
+    "section_config",
+    "toml_fix",
+    "toml_value",
+]
 
 ERROR, WARNING, INFO = "error", "warning", "info"
-PROBLEM_SEVERITIES = (ERROR, WARNING)   # what makes `ckpt doctor` exit 3
+PROBLEM_SEVERITIES = (ERROR, WARNING)  # what makes `ckpt doctor` exit 3
 
 # A loaded vLLM server's decode rate per sequence we assume when judging a client timeout (tokens/s).
 # Deliberately low: at full batch a 32B model decodes each sequence at tens of tokens/s; a timeout
@@ -30,13 +43,13 @@ DEFAULT_DECODE_RATE = 5.0
 class Finding:
     trap: str
     severity: str
-    key: str                 # dotted path: trainer.optim.lr
-    toml: str                # as the user writes it: [trainer.optim] lr
+    key: str  # dotted path: trainer.optim.lr
+    toml: str  # as the user writes it: [trainer.optim] lr
     value: Any
     default: Any
     why: str
-    fix: str                 # a TOML snippet ("[table]\nkey = value") or a ckpt command
-    source: str = ""         # prime-rl file:line behind the why
+    fix: str  # a TOML snippet ("[table]\nkey = value") or a ckpt command
+    source: str = ""  # prime-rl file:line behind the why
     file: str | None = None  # config file the value comes from, when it was written
 
     def to_json(self) -> dict:
@@ -46,8 +59,8 @@ class Finding:
 @dataclass(frozen=True)
 class StepFacts:
     step: int
-    path: str                # the step's trainer dir
-    complete: bool           # has .metadata
+    path: str  # the step's trainer dir
+    complete: bool  # has .metadata
     slim: bool
     bytes: int
     unique_bytes: int | None = None
@@ -59,7 +72,7 @@ class StepFacts:
 class WeightsExport:
     step: int
     path: str
-    identical_to_base: bool | None     # diff-vs-base verdict; None: not compared
+    identical_to_base: bool | None  # diff-vs-base verdict; None: not compared
     base: str | None = None
 
 
@@ -68,7 +81,7 @@ class AdapterConfig:
     path: str
     r: int
     lora_alpha: float
-    absent_full: tuple[str, ...] = ()   # modules_to_save it lists but holds no tensor of
+    absent_full: tuple[str, ...] = ()  # modules_to_save it lists but holds no tensor of
 
 
 @dataclass(frozen=True)
@@ -78,11 +91,11 @@ class RunFacts:
     checkpoints_dir: str | None = None
     free_bytes: int | None = None
     weights: tuple[WeightsExport, ...] = ()
-    weights_bytes: int = 0                  # size of the newest outputs/weights/step_N
+    weights_bytes: int = 0  # size of the newest outputs/weights/step_N
     adapter_configs: tuple[AdapterConfig, ...] = ()
-    model_available: bool | None = None     # the model is a local dir or in the local HF cache
-    base: str | None = None                 # base model for fixes (--base, or the config's model name)
-    fresh_lr: float | None = None           # lr a freshly built scheduler sets (HEAD offloaded resume)
+    model_available: bool | None = None  # the model is a local dir or in the local HF cache
+    base: str | None = None  # base model for fixes (--base, or the config's model name)
+    fresh_lr: float | None = None  # lr a freshly built scheduler sets (HEAD offloaded resume)
     decode_rate: float = DEFAULT_DECODE_RATE
 
     def full_steps(self) -> list[StepFacts]:
@@ -92,7 +105,7 @@ class RunFacts:
 def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str):   # a TOML basic string: JSON's escapes, newlines and controls included
+    if isinstance(v, str):  # a TOML basic string: JSON's escapes, newlines and controls included
         return json.dumps(v, ensure_ascii=False)
     if isinstance(v, float):
         return repr(v)
@@ -117,13 +130,34 @@ def ckpt_command(*args) -> str:
     return " ".join(["ckpt", *(shlex.quote(str(a)) for a in args)])
 
 
-def finding(cfg: RunConfig | None, trap, severity, path, why, fix, source, *, value=None, default=None,
-             use_config=True) -> Finding:
+def finding(
+    cfg: RunConfig | None,
+    trap,
+    severity,
+    path,
+    why,
+    fix,
+    source,
+    *,
+    value=None,
+    default=None,
+    use_config=True,
+) -> Finding:
     if cfg is not None and use_config:
         value, default = cfg.value(path), cfg.default(path)
     f = cfg.where(path) if cfg is not None else None
-    return Finding(trap, severity, path, toml_key(path), value, default, why, fix, source,
-                   str(f) if f is not None else None)
+    return Finding(
+        trap,
+        severity,
+        path,
+        toml_key(path),
+        value,
+        default,
+        why,
+        fix,
+        source,
+        str(f) if f is not None else None,
+    )
 
 
 def section_config(facts: RunFacts, section: str, generation: str | None = None) -> RunConfig | None:

@@ -14,6 +14,7 @@ Gathers the facts the trap checks need (`ckpt_tools.primerl.traps`), then runs t
 
 Returns a report whose `exit_code` is 3 when any error or warning was found, else 0.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,14 @@ from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
 from ...formats.primerl.config import GEN_HEAD, RunConfig, config_files, load_run_config, locate_run_configs
 from ...formats.primerl.run_dir import (
-    absent_modules_to_save, adapter_config_files, dir_bytes, model_name, outputs_dir, read_adapter_config, resolve_base, step_dirs,
+    absent_modules_to_save,
+    adapter_config_files,
+    dir_bytes,
+    model_name,
+    outputs_dir,
+    read_adapter_config,
+    resolve_base,
+    step_dirs,
     weights_exports,
 )
 from ...formats.slim.manifest import SLIM_MANIFEST
@@ -35,8 +43,16 @@ from ...sources.compare import identical
 from ...sources.open import open_weights
 from .traps import DEFAULT_DECODE_RATE, AdapterConfig, Finding, RunFacts, StepFacts, WeightsExport, diagnose
 
-__all__ = ["EXIT_CLEAN", "EXIT_PROBLEMS", "DoctorReport", "DoctorOptions", "DoctorPlan", "plan_doctor", "run_doctor",
-           "doctor"]
+__all__ = [
+    "EXIT_CLEAN",
+    "EXIT_PROBLEMS",
+    "DoctorOptions",
+    "DoctorPlan",
+    "DoctorReport",
+    "doctor",
+    "plan_doctor",
+    "run_doctor",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +79,26 @@ class DoctorReport:
         return EXIT_PROBLEMS if self.problems else EXIT_CLEAN
 
     def to_json(self) -> dict:
-        return {"target": self.target, "generation": self.generation, "config_files": self.config_files,
-                "outputs": self.outputs, "checkpoints": self.checkpoints,
-                "findings": [f.to_json() for f in self.findings],
-                "counts": {s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")},
-                "exit_code": self.exit_code, "notes": self.notes}
+        return {
+            "target": self.target,
+            "generation": self.generation,
+            "config_files": self.config_files,
+            "outputs": self.outputs,
+            "checkpoints": self.checkpoints,
+            "findings": [f.to_json() for f in self.findings],
+            "counts": {
+                s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")
+            },
+            "exit_code": self.exit_code,
+            "notes": self.notes,
+        }
 
 
 def _load_config(target: Path | None, files, sections) -> RunConfig | None:
     if files or sections:
-        return load_run_config(config_files([Path(f) for f in files], {k: Path(v) for k, v in (sections or {}).items()}))
+        return load_run_config(
+            config_files([Path(f) for f in files], {k: Path(v) for k, v in (sections or {}).items()})
+        )
     if target is None:
         raise UsageError("nothing to check", hint="pass a run dir, an outputs dir or config files")
     found = locate_run_configs(target)
@@ -96,9 +122,18 @@ def _step_facts(checkpoints: Path, notes: list[str], trust_pickle: bool) -> list
                 lr, initial, unique = s.lr, s.initial_lr, s.unique_bytes
             except CkptError as exc:
                 notes.append(f"step_{n}: not read ({exc.message})")
-        out.append(StepFacts(n, str(trainer), complete, slim, size, unique,
-                             float(lr) if isinstance(lr, (int, float)) else None,
-                             float(initial) if isinstance(initial, (int, float)) else None))
+        out.append(
+            StepFacts(
+                n,
+                str(trainer),
+                complete,
+                slim,
+                size,
+                unique,
+                float(lr) if isinstance(lr, (int, float)) else None,
+                float(initial) if isinstance(initial, (int, float)) else None,
+            )
+        )
     return out
 
 
@@ -124,10 +159,13 @@ def _fresh_lr(cfg: RunConfig, notes: list[str]) -> float | None:
     """HEAD: the lr the param groups hold right after prime-rl builds its scheduler from the config."""
     kind = cfg.value("trainer.scheduler.type")
     try:
-        spec = SchedulerSpec(kind=kind, warmup_steps=cfg.value("trainer.scheduler.warmup_steps") or 0,
-                             decay_steps=(cfg.value("trainer.scheduler.decay_steps") or 0) if kind == "linear" else 0,
-                             max_steps=cfg.value("trainer.max_steps"),
-                             min_lr=cfg.value("trainer.scheduler.min_lr") or 0.0)
+        spec = SchedulerSpec(
+            kind=kind,
+            warmup_steps=cfg.value("trainer.scheduler.warmup_steps") or 0,
+            decay_steps=(cfg.value("trainer.scheduler.decay_steps") or 0) if kind == "linear" else 0,
+            max_steps=cfg.value("trainer.max_steps"),
+            min_lr=cfg.value("trainer.scheduler.min_lr") or 0.0,
+        )
         return build_optim_state(float(cfg.value("trainer.optim.lr")), spec, 0, preview_steps=0).lr_now
     except (ValueError, TypeError, ZeroDivisionError) as exc:
         notes.append(f"the fresh scheduler's lr was not computed ({exc})")
@@ -136,8 +174,8 @@ def _fresh_lr(cfg: RunConfig, notes: list[str]) -> float | None:
 
 @dataclass(frozen=True)
 class DoctorOptions:
-    files: tuple = ()                 # config files, in the order `rl @ A @ B` takes them
-    sections: dict | None = None      # {"trainer": FILE, ...}: `--trainer @ FILE`
+    files: tuple = ()  # config files, in the order `rl @ A @ B` takes them
+    sections: dict | None = None  # {"trainer": FILE, ...}: `--trainer @ FILE`
     outputs: str | None = None
     base: str | None = None
     decode_rate: float = DEFAULT_DECODE_RATE
@@ -148,6 +186,7 @@ class DoctorOptions:
 @dataclass(frozen=True)
 class DoctorPlan:
     """What doctor reads: the run's config (located or given), its outputs dir, its base model."""
+
     target: Path | None
     config: RunConfig | None
     outputs: Path | None
@@ -163,13 +202,21 @@ def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan
     notes: list[str] = []
     cfg = _load_config(tgt, options.files, options.sections)
     if cfg is None:
-        notes.append("no prime-rl config found here (outputs/run_*/configs/orch.toml or configs/*.json); only the "
-                     "checkpoints were checked")
+        notes.append(
+            "no prime-rl config found here (outputs/run_*/configs/orch.toml or configs/*.json); only the "
+            "checkpoints were checked"
+        )
     elif cfg.generation == "16e747c" and not cfg.is_rl and "trainer" not in cfg.sections:
-        notes.append("a 16e747c run dir holds only the orchestrator's config; trainer settings (timeouts, lr, "
-                     "tokenizer) were not checked: pass the rl.toml the run was launched with")
+        notes.append(
+            "a 16e747c run dir holds only the orchestrator's config; trainer settings (timeouts, lr, "
+            "tokenizer) were not checked: pass the rl.toml the run was launched with"
+        )
     outputs = options.outputs
-    out_dir = Path(outputs) if outputs is not None else outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
+    out_dir = (
+        Path(outputs)
+        if outputs is not None
+        else outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
+    )
     if outputs is not None and not out_dir.is_dir():
         raise UsageError("--outputs is not a directory", path=out_dir)
     b = None
@@ -185,7 +232,13 @@ def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan
 def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
     """Gather the facts (checkpoints, free disk, the newest weights export against the base, adapter
     configs) and run every trap. `progress` is accepted for the one contract; nothing reports to it."""
-    o, cfg, out_dir, base_dir, base = plan.options, plan.config, plan.outputs, plan.base_dir, plan.options.base
+    o, cfg, out_dir, base_dir, base = (
+        plan.options,
+        plan.config,
+        plan.outputs,
+        plan.base_dir,
+        plan.options.base,
+    )
     notes = list(plan.notes)
     steps, free, ckdir, weights, wbytes, adapters = [], None, None, [], 0, []
     if out_dir is not None:
@@ -201,30 +254,73 @@ def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
             if ra is not None:
                 adapters.append(AdapterConfig(str(f), ra[0], ra[1], absent_modules_to_save(f)))
     fresh = None
-    if cfg is not None and cfg.generation == GEN_HEAD and steps and cfg.value("trainer.model.optim_cpu_offload"):
+    if (
+        cfg is not None
+        and cfg.generation == GEN_HEAD
+        and steps
+        and cfg.value("trainer.model.optim_cpu_offload")
+    ):
         fresh = _fresh_lr(cfg, notes)
     facts = RunFacts(
-        config=cfg, steps=tuple(steps), checkpoints_dir=str(ckdir) if ckdir else None, free_bytes=free,
-        weights=tuple(weights), weights_bytes=wbytes, adapter_configs=tuple(adapters),
+        config=cfg,
+        steps=tuple(steps),
+        checkpoints_dir=str(ckdir) if ckdir else None,
+        free_bytes=free,
+        weights=tuple(weights),
+        weights_bytes=wbytes,
+        adapter_configs=tuple(adapters),
         model_available=True if base is not None else ((base_dir is not None) if model_name(cfg) else None),
         base=(str(base) if base is not None else (str(base_dir) if base_dir is not None else None)),
-        fresh_lr=fresh, decode_rate=o.decode_rate)
+        fresh_lr=fresh,
+        decode_rate=o.decode_rate,
+    )
     diagnosis = diagnose(facts)
-    files_json = ([{"path": str(c.path), "section": c.section or "(rl)", "origin": c.origin} for c in cfg.files.files]
-                  if cfg is not None else [])
+    files_json = (
+        [{"path": str(c.path), "section": c.section or "(rl)", "origin": c.origin} for c in cfg.files.files]
+        if cfg is not None
+        else []
+    )
     tgt = plan.target
     return DoctorReport(
-        target=str(tgt) if tgt is not None else None, generation=cfg.generation if cfg is not None else None,
-        config_files=files_json, outputs=str(out_dir) if out_dir is not None else None,
-        checkpoints=[{"step": s.step, "path": s.path, "complete": s.complete, "slim": s.slim, "bytes": s.bytes,
-                      "lr": s.lr} for s in steps],
-        findings=diagnosis.findings, notes=notes)
+        target=str(tgt) if tgt is not None else None,
+        generation=cfg.generation if cfg is not None else None,
+        config_files=files_json,
+        outputs=str(out_dir) if out_dir is not None else None,
+        checkpoints=[
+            {
+                "step": s.step,
+                "path": s.path,
+                "complete": s.complete,
+                "slim": s.slim,
+                "bytes": s.bytes,
+                "lr": s.lr,
+            }
+            for s in steps
+        ],
+        findings=diagnosis.findings,
+        notes=notes,
+    )
 
 
-def doctor(target: str | Path | None = None, *, files=(), sections=None, outputs: str | Path | None = None,
-           base: str | Path | None = None, decode_rate: float = DEFAULT_DECODE_RATE, compare_weights: bool = True,
-           trust_pickle: bool = False) -> DoctorReport:
+def doctor(
+    target: str | Path | None = None,
+    *,
+    files=(),
+    sections=None,
+    outputs: str | Path | None = None,
+    base: str | Path | None = None,
+    decode_rate: float = DEFAULT_DECODE_RATE,
+    compare_weights: bool = True,
+    trust_pickle: bool = False,
+) -> DoctorReport:
     """Check a run (dir or config files) for the traps in `ops.doctor.traps`. Library entry point."""
-    options = DoctorOptions(tuple(files), sections, None if outputs is None else str(outputs),
-                            None if base is None else str(base), decode_rate, compare_weights, trust_pickle)
+    options = DoctorOptions(
+        tuple(files),
+        sections,
+        None if outputs is None else str(outputs),
+        None if base is None else str(base),
+        decode_rate,
+        compare_weights,
+        trust_pickle,
+    )
     return run_doctor(plan_doctor(target, options))

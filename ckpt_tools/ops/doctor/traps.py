@@ -12,27 +12,64 @@ Only what prime-rl's source supports is reported (shared/docs/primerl-config-tra
 primerl-head-format.md for HEAD). Where a trap of 16e747c does not exist at HEAD (the orchestrator's
 alpha rule, the client timeout field, `outputs/weights`), its check returns nothing for HEAD runs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .facts import (
-    DEFAULT_DECODE_RATE, ERROR, INFO, PROBLEM_SEVERITIES, WARNING, AdapterConfig, Finding, RunFacts, StepFacts,
-    WeightsExport, toml_fix, toml_value,
+    DEFAULT_DECODE_RATE,
+    ERROR,
+    INFO,
+    PROBLEM_SEVERITIES,
+    WARNING,
+    AdapterConfig,
+    Finding,
+    RunFacts,
+    StepFacts,
+    WeightsExport,
+    toml_fix,
+    toml_value,
 )
 from .traps_config import (
-    linear_decay_crash, lora_alpha, max_model_len_noop, max_tokens_unset, output_dir_overridden, shadowed_tables,
-    tokenizer_default, unknown_keys, world_size,
+    linear_decay_crash,
+    lora_alpha,
+    max_model_len_noop,
+    max_tokens_unset,
+    output_dir_overridden,
+    shadowed_tables,
+    tokenizer_default,
+    unknown_keys,
+    world_size,
 )
 from .traps_run import (
-    broadcast_modules_to_save, client_timeout, disk_space, dist_timeout, no_retention, resume_lr_offload,
-    resume_lr_restored, weights_are_base,
+    broadcast_modules_to_save,
+    client_timeout,
+    disk_space,
+    dist_timeout,
+    no_retention,
+    resume_lr_offload,
+    resume_lr_restored,
+    weights_are_base,
 )
 
 __all__ = [
-    "TRAPS", "Diagnosis", "diagnose", "Finding", "RunFacts", "StepFacts", "WeightsExport", "AdapterConfig",
-    "DEFAULT_DECODE_RATE", "ERROR", "WARNING", "INFO", "PROBLEM_SEVERITIES", "toml_fix", "toml_value",
+    "DEFAULT_DECODE_RATE",
+    "ERROR",
+    "INFO",
+    "PROBLEM_SEVERITIES",
+    "TRAPS",
+    "WARNING",
+    "AdapterConfig",
+    "Diagnosis",
+    "Finding",
+    "RunFacts",
+    "StepFacts",
+    "WeightsExport",
+    "diagnose",
+    "toml_fix",
+    "toml_value",
 ]
 
 TRAPS: tuple[tuple[str, Callable[[RunFacts], list[Finding]]], ...] = (

@@ -22,6 +22,7 @@ Every adapter layout is read (`core.keys.LAYOUTS`: per-expert MoE modules, or PE
 `target_parameters`, `formats.peft.experts`) and `--layout` says which one is written (default `peft`; a
 dense adapter is the same file in every layout).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,23 +43,49 @@ from ...core.progress import Progress
 from ...formats.hf_dir.hub import locate_model
 from ...formats.hf_dir.model_dir import HFModelDir, tensor_shapes
 from ...formats.peft.config import ADAPTER_CONFIG, BIN_NAME, PEFT_PREFIX, SAFETENSORS_NAME, parse_peft_config
-from ...formats.peft.experts import build_fused, fused_config, fused_params_of_config, parse_fused, plan_fused, \
-    read_view
-from ...formats.peft.writer import AdapterDirReport, OutTensor, exact_modules_to_save, full_tensor_warning, \
-    peft_config, peft_key, safetensors_file_bytes, target_modules_for, write_adapter
+from ...formats.peft.experts import (
+    build_fused,
+    fused_config,
+    fused_params_of_config,
+    parse_fused,
+    plan_fused,
+    read_view,
+)
+from ...formats.peft.writer import (
+    AdapterDirReport,
+    OutTensor,
+    exact_modules_to_save,
+    full_tensor_warning,
+    peft_config,
+    peft_key,
+    safetensors_file_bytes,
+    target_modules_for,
+    write_adapter,
+)
 from ...formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
 from ...formats.primerl.run_dir import resolve_run
 from ...io.inputs import check_input
 from ...sources.files import TensorFileSource
 from .sources import CKPT_REF, FixSources, check_same_state, open_fix_source
 
-__all__ = ["LORA_KEY", "FixOptions", "FixPlan", "FixReport", "FixSources", "open_fix_source", "plan_fix", "run_fix",
-           "CKPT_REF"]
+__all__ = [
+    "CKPT_REF",
+    "LORA_KEY",
+    "FixOptions",
+    "FixPlan",
+    "FixReport",
+    "FixSources",
+    "open_fix_source",
+    "plan_fix",
+    "run_fix",
+]
 
 # One table for every LoRA key spelling we repair: optional PEFT prefix, module, A/B, optional
 # adapter slot, `.weight`.
-LORA_KEY = re.compile(r"^(?P<prefix>base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])"
-                      r"(?:\.(?P<slot>\d+))?\.weight$")
+LORA_KEY = re.compile(
+    r"^(?P<prefix>base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])"
+    r"(?:\.(?P<slot>\d+))?\.weight$"
+)
 
 
 def _belongs_to(name: str, target: str) -> bool:
@@ -74,7 +101,7 @@ class FixPlan:
     src: Path
     out: Path
     weights_file: str
-    fixes: tuple[str, ...]              # what was wrong with the keys/config
+    fixes: tuple[str, ...]  # what was wrong with the keys/config
     slot: int | None
     slots_present: tuple[int, ...]
     modules: int
@@ -91,7 +118,7 @@ class FixPlan:
     out_file_bytes: int = 0
     warnings: tuple[str, ...] = ()
     layout: str = DEFAULT_LAYOUT
-    read_plan: dict = field(default_factory=dict, repr=False)   # source -> how to read it (fused/views)
+    read_plan: dict = field(default_factory=dict, repr=False)  # source -> how to read it (fused/views)
 
     def to_json(self) -> dict:
         d = asdict(dataclasses.replace(self, read_plan={}))
@@ -104,12 +131,13 @@ class FixPlan:
         return d
 
 
-def _resolve_alpha(src: Path, *, alpha, run_config, rank: int, cfg_alpha: float, cfg_scale: float,
-                   warnings: list[str]) -> AlphaResolution:
+def _resolve_alpha(
+    src: Path, *, alpha, run_config, rank: int, cfg_alpha: float, cfg_scale: float, warnings: list[str]
+) -> AlphaResolution:
     own = None
     if alpha is None and run_config is None and src.resolve().parent.name == "broadcasts":
-        own = src.resolve().parent.parent / "configs" / "orch.toml"   # outputs/<run>/configs/orch.toml
-        if os.path.lexists(own):   # the run's own config: inside the run dir, a regular file
+        own = src.resolve().parent.parent / "configs" / "orch.toml"  # outputs/<run>/configs/orch.toml
+        if os.path.lexists(own):  # the run's own config: inside the run dir, a regular file
             check_input(own, root=src.resolve().parents[1], what="the broadcast's run config")
         else:
             own = None
@@ -119,10 +147,12 @@ def _resolve_alpha(src: Path, *, alpha, run_config, rank: int, cfg_alpha: float,
     except AlphaError:
         if alpha is not None or run_config is not None or len(find_run_configs(src)) > 1:
             raise
-    warnings.append(f"no run config (outputs/run_*/configs/orch.toml) found above {src}: keeping the export's own "
-                    f"lora_alpha {cfg_alpha:g} (scale {cfg_scale:g}), which prime-rl copies from the TRAINER config "
-                    "while training used the orchestrator's [model.lora] alpha; pass --run-config or --alpha "
-                    "to be sure")
+    warnings.append(
+        f"no run config (outputs/run_*/configs/orch.toml) found above {src}: keeping the export's own "
+        f"lora_alpha {cfg_alpha:g} (scale {cfg_scale:g}), which prime-rl copies from the TRAINER config "
+        "while training used the orchestrator's [model.lora] alpha; pass --run-config or --alpha "
+        "to be sure"
+    )
     return AlphaResolution(cfg_alpha, f"{src / ADAPTER_CONFIG} (unverified)")
 
 
@@ -133,8 +163,8 @@ class FixOptions:
     slot: int | None = None
     alpha: float | None = None
     run_config: str | None = None
-    checkpoint: str | None = None   # the run's DCP checkpoint of the same step: fills absent modules_to_save
-    layout: str = DEFAULT_LAYOUT    # how MoE expert LoRA is written (core.keys.LAYOUTS)
+    checkpoint: str | None = None  # the run's DCP checkpoint of the same step: fills absent modules_to_save
+    layout: str = DEFAULT_LAYOUT  # how MoE expert LoRA is written (core.keys.LAYOUTS)
 
 
 def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPlan:
@@ -146,10 +176,13 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
         raise UsageError(f"--layout {options.layout!r}: choose one of {', '.join(LAYOUTS)}")
     params = fused_params_of_config(cfg.target_parameters)
     fused_patterns = all(k.rsplit(".", 1)[-1] in params for k in (*cfg.rank_pattern, *cfg.alpha_pattern))
-    if cfg.use_rslora or (cfg.rank_pattern or cfg.alpha_pattern) and not fused_patterns:
-        raise FormatError("use_rslora / rank_pattern / alpha_pattern are set: prime-rl exports have none, and "
-                          "fix-adapter repairs prime-rl exports", path=cfg.path,
-                          hint="a PEFT-made adapter needs no repair")
+    if cfg.use_rslora or ((cfg.rank_pattern or cfg.alpha_pattern) and not fused_patterns):
+        raise FormatError(
+            "use_rslora / rank_pattern / alpha_pattern are set: prime-rl exports have none, and "
+            "fix-adapter repairs prime-rl exports",
+            path=cfg.path,
+            hint="a PEFT-made adapter needs no repair",
+        )
     wpath = weights.path
     shapes = {k: weights.facts(k).shape for k in weights.names()}
     dtypes = {k: weights.facts(k).dtype for k in weights.names()}
@@ -166,34 +199,48 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
             s = int(m["slot"]) if m["slot"] is not None else None
             lora.setdefault((m["module"], s), {})[m["ab"]] = k
             continue
-        name = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
+        name = k[len(PEFT_PREFIX) :] if k.startswith(PEFT_PREFIX) else k
         if any(_belongs_to(name, t) for t in cfg.modules_to_save):
             full[name] = k
         else:
             unknown.append(k)
     if unknown:
-        raise FormatError(f"{len(unknown)} key(s) are neither LoRA A/B nor modules_to_save: "
-                          + ", ".join(repr(k) for k in unknown[:8]) + (" ..." if len(unknown) > 8 else ""),
-                          path=wpath, hint="fix-adapter repairs prime-rl adapter exports; this is something else")
+        raise FormatError(
+            f"{len(unknown)} key(s) are neither LoRA A/B nor modules_to_save: "
+            + ", ".join(repr(k) for k in unknown[:8])
+            + (" ..." if len(unknown) > 8 else ""),
+            path=wpath,
+            hint="fix-adapter repairs prime-rl adapter exports; this is something else",
+        )
     if not lora:
         raise FormatError("zero LoRA A/B tensors: there is no adapter to repair", path=wpath)
     slots = sorted({s for _, s in lora if s is not None})
     unslotted = any(s is None for _, s in lora)
     if slots and unslotted:
-        raise FormatError("keys mix slot-indexed (lora_A.<i>.weight) and plain lora_A.weight spellings", path=wpath)
+        raise FormatError(
+            "keys mix slot-indexed (lora_A.<i>.weight) and plain lora_A.weight spellings", path=wpath
+        )
     if slots:
         chosen = 0 if slot is None else slot
         if chosen not in slots:
-            raise UsageError(f"adapter slot {chosen} is not in the export (slots present: {slots})", path=wpath,
-                             hint=f"pass --slot {slots[0]}")
-        fixes.append(f"dropped the adapter slot index from the keys (`lora_A.{chosen}.weight` -> `lora_A.weight`)")
+            raise UsageError(
+                f"adapter slot {chosen} is not in the export (slots present: {slots})",
+                path=wpath,
+                hint=f"pass --slot {slots[0]}",
+            )
+        fixes.append(
+            f"dropped the adapter slot index from the keys (`lora_A.{chosen}.weight` -> `lora_A.weight`)"
+        )
         if len(slots) > 1:
-            warnings.append(f"the export holds slots {slots}; kept slot {chosen}. prime-rl does not record which run "
-                            "owns which slot (format §6.2): check it is the run you mean")
+            warnings.append(
+                f"the export holds slots {slots}; kept slot {chosen}. prime-rl does not record which run "
+                "owns which slot (format §6.2): check it is the run you mean"
+            )
     else:
         if slot not in (None, 0):
-            raise UsageError(f"--slot {slot}: this export holds a single adapter (keys have no slot index)",
-                             path=wpath)
+            raise UsageError(
+                f"--slot {slot}: this export holds a single adapter (keys have no slot index)", path=wpath
+            )
         chosen = None
     if any(not k.startswith(PEFT_PREFIX) for ab in lora.values() for k in ab.values()):
         fixes.append("added the `base_model.model.` prefix PEFT matches keys by")
@@ -227,8 +274,10 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
             for name, v in expanded:
                 modules[name], views[name] = (a, b), v
     if views:
-        fixes.append(f"read the fused expert LoRA (target_parameters {list(cfg.target_parameters)}) as its "
-                     f"{len(views)} per-expert modules")
+        fixes.append(
+            f"read the fused expert LoRA (target_parameters {list(cfg.target_parameters)}) as its "
+            f"{len(views)} per-expert modules"
+        )
 
     def fshape(mod: str, ab: str) -> tuple:
         if mod in views:
@@ -245,23 +294,37 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
         warnings.append(f"adapter_config.json says r={cfg.r} but A has {rank} rows; writing r={rank}")
     for k in (k for ab in modules.values() for k in ab):
         if short_name(dtypes[k]) is None:
-            raise FormatError(f"dtype torch.{dtypes[k]} is not one we write (fp32, bf16, fp16)", path=wpath, key=k)
+            raise FormatError(
+                f"dtype torch.{dtypes[k]} is not one we write (fp32, bf16, fp16)", path=wpath, key=k
+            )
 
     # ---- alpha: the training one, not the trainer config's
     cfg_scale = cfg.lora_alpha / cfg.r
-    res = _resolve_alpha(src, alpha=alpha, run_config=run_config, rank=rank, cfg_alpha=cfg.lora_alpha * rank / cfg.r,
-                         cfg_scale=cfg_scale, warnings=warnings)
+    res = _resolve_alpha(
+        src,
+        alpha=alpha,
+        run_config=run_config,
+        rank=rank,
+        cfg_alpha=cfg.lora_alpha * rank / cfg.r,
+        cfg_scale=cfg_scale,
+        warnings=warnings,
+    )
     warnings += list(res.warnings)
     scale = res.alpha / rank
     lora_alpha = lora_alpha_for_scale(scale, rank)
     if not math.isclose(scale, cfg_scale, rel_tol=1e-9):
-        fixes.append(f"lora_alpha {cfg.lora_alpha:g} -> {lora_alpha:g}: the export's config claims scale "
-                     f"{cfg_scale:g}, training used {scale:g} ({res.source})")
+        fixes.append(
+            f"lora_alpha {cfg.lora_alpha:g} -> {lora_alpha:g}: the export's config claims scale "
+            f"{cfg_scale:g}, training used {scale:g} ({res.source})"
+        )
 
     # ---- the base: shapes of every module, modules_to_save against it
     name_for_cfg = base if base is not None else cfg.base_model_name_or_path
-    base_dir, why = locate_model(base, run_root=None) if base is not None else \
-        locate_model(cfg.base_model_name_or_path, run_root=resolve_run(src).model_root)
+    base_dir, why = (
+        locate_model(base, run_root=None)
+        if base is not None
+        else locate_model(cfg.base_model_name_or_path, run_root=resolve_run(src).model_root)
+    )
     base_shapes = None
     if base_dir is not None:
         base_shapes, _ = tensor_shapes(base_dir)
@@ -269,74 +332,114 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
     elif base is not None:
         raise UsageError(f"base model {base!r} not found: {why}", hint="pass an existing model directory")
     else:
-        warnings.append(f"base model {cfg.base_model_name_or_path!r} from adapter_config.json was not found "
-                        f"({why}): keys were NOT checked against a model; pass --base DIR")
+        warnings.append(
+            f"base model {cfg.base_model_name_or_path!r} from adapter_config.json was not found "
+            f"({why}): keys were NOT checked against a model; pass --base DIR"
+        )
     experts = [m for m in modules if expert_parts(m) is not None]
-    fused = plan_fused({m: (fshape(m, "A"), fshape(m, "B")) for m in experts}, wpath) \
-        if options.layout == "peft" and experts else []
+    fused = (
+        plan_fused({m: (fshape(m, "A"), fshape(m, "B")) for m in experts}, wpath)
+        if options.layout == "peft" and experts
+        else []
+    )
     per_module = sorted(m for m in modules if not fused or m not in set(experts))
     targets, twarn = target_modules_for(per_module, base_shapes)
     if twarn:
         warnings.append(twarn)
     if experts and bool(views) != bool(fused):
-        fixes.append(f"MoE expert LoRA written in the {options.layout} layout (" +
-                     ("fused through target_parameters, what PEFT loads with transformers 5" if fused else
-                      "per-expert modules, what stock vLLM's Qwen3-MoE and prime-rl load") + ")")
+        fixes.append(
+            f"MoE expert LoRA written in the {options.layout} layout ("
+            + (
+                "fused through target_parameters, what PEFT loads with transformers 5"
+                if fused
+                else "per-expert modules, what stock vLLM's Qwen3-MoE and prime-rl load"
+            )
+            + ")"
+        )
 
     kept_full: list[str] = []
-    filled: dict[str, str] = {}     # HF name -> checkpoint ref, for modules_to_save the export lacks
+    filled: dict[str, str] = {}  # HF name -> checkpoint ref, for modules_to_save the export lacks
     missing = [t for t in cfg.modules_to_save if not any(_belongs_to(n, t) for n in full)]
     if weights.ckpt is not None:
         trained = weights.ckpt.full_tensors
         same = check_same_state(weights, modules, wpath)
         if not same:
-            warnings.append(f"--checkpoint {weights.ckpt.path}: no LoRA factor in common with the export to prove it "
-                            "is the same step; check it is")
-        unlisted = sorted(n for n in trained if n not in full and not any(_belongs_to(n, t) for t in cfg.modules_to_save))
+            warnings.append(
+                f"--checkpoint {weights.ckpt.path}: no LoRA factor in common with the export to prove it "
+                "is the same step; check it is"
+            )
+        unlisted = sorted(
+            n for n in trained if n not in full and not any(_belongs_to(n, t) for t in cfg.modules_to_save)
+        )
         for t in missing:
             hits = sorted(n for n in trained if _belongs_to(n, t))
             if not hits:
-                raise FormatError(f"modules_to_save {t!r} is listed but --checkpoint trained no such tensor "
-                                  f"(its trained full tensors: {sorted(trained) or 'none'})", path=cfg.path,
-                                  hint="pass the run's own checkpoint of the same step")
+                raise FormatError(
+                    f"modules_to_save {t!r} is listed but --checkpoint trained no such tensor "
+                    f"(its trained full tensors: {sorted(trained) or 'none'})",
+                    path=cfg.path,
+                    hint="pass the run's own checkpoint of the same step",
+                )
             filled.update((n, trained[n]) for n in hits)
         filled.update((n, trained[n]) for n in unlisted)
         if filled:
-            fixes.append(f"filled modules_to_save {sorted(filled)} from --checkpoint's trained fp32 masters (prime-rl's "
-                         "broadcast lists them in adapter_config.json but holds none of their tensors)")
+            fixes.append(
+                f"filled modules_to_save {sorted(filled)} from --checkpoint's trained fp32 masters "
+                f"(prime-rl's "
+                "broadcast lists them in adapter_config.json but holds none of their tensors)"
+            )
         if unlisted:
-            warnings.append(f"--checkpoint also trained {unlisted}, which the export's config does not list: added")
+            warnings.append(
+                f"--checkpoint also trained {unlisted}, which the export's config does not list: added"
+            )
         for name, ref in filled.items():
             f = weights.ckpt.key_facts(ref)
             if base_shapes is not None and tuple(base_shapes.get(name, ())) != tuple(f.shape):
-                raise FormatError(f"trained tensor {name} is {list(f.shape)} in --checkpoint, the base's is "
-                                  f"{list(base_shapes.get(name, [])) or 'absent'}", path=weights.ckpt.path, key=ref)
+                raise FormatError(
+                    f"trained tensor {name} is {list(f.shape)} in --checkpoint, the base's is "
+                    f"{list(base_shapes.get(name, [])) or 'absent'}",
+                    path=weights.ckpt.path,
+                    key=ref,
+                )
     elif missing:
         configs = find_run_configs(src)
-        if configs and configs[0].suffix == ".json":   # a prime-rl HEAD run: they were trained
-            raise FormatError(f"modules_to_save {missing} are listed but the export holds none of their tensors: "
-                              "prime-rl HEAD trains them (lora.modules_to_save) and its broadcast does not save them, "
-                              "so an adapter without them would load with the base's UNTRAINED modules", path=cfg.path,
-                              hint="pass --checkpoint outputs/checkpoints/step_N/trainer (the same step) to fill them, "
-                                   "or merge the checkpoint instead (`ckpt merge BASE CKPT`)")
-        fixes.append(f"modules_to_save {missing} are listed but absent from the weights (PEFT raises KeyError): "
-                     "dropped from the config")
-        warnings.append(f"modules_to_save {missing} are listed but the export holds none of their tensors: the output "
-                        "uses the base's values for them. Right for prime-rl 16e747c (its optimizer updates the LoRA "
-                        "only); if the run trained them (prime-rl HEAD lora.modules_to_save) pass --checkpoint CKPT "
-                        "of the same step to fill them")
+        if configs and configs[0].suffix == ".json":  # a prime-rl HEAD run: they were trained
+            raise FormatError(
+                f"modules_to_save {missing} are listed but the export holds none of their tensors: "
+                "prime-rl HEAD trains them (lora.modules_to_save) and its broadcast does not save them, "
+                "so an adapter without them would load with the base's UNTRAINED modules",
+                path=cfg.path,
+                hint="pass --checkpoint outputs/checkpoints/step_N/trainer (the same step) to fill them, "
+                "or merge the checkpoint instead (`ckpt merge BASE CKPT`)",
+            )
+        fixes.append(
+            f"modules_to_save {missing} are listed but absent from the weights (PEFT raises KeyError): "
+            "dropped from the config"
+        )
+        warnings.append(
+            f"modules_to_save {missing} are listed but the export holds none of their tensors: the output "
+            "uses the base's values for them. Right for prime-rl 16e747c (its optimizer updates the LoRA "
+            "only); if the run trained them (prime-rl HEAD lora.modules_to_save) pass --checkpoint CKPT "
+            "of the same step to fill them"
+        )
     for name in sorted(full):
         if base_dir is None:
             kept_full.append(name)
-            warnings.append(f"kept modules_to_save tensor {name} (no base to compare with); vLLM rejects adapters "
-                            "with embed_tokens/lm_head modules_to_save")
+            warnings.append(
+                f"kept modules_to_save tensor {name} (no base to compare with); vLLM rejects adapters "
+                "with embed_tokens/lm_head modules_to_save"
+            )
         elif _equals_base(weights, full[name], name, base_dir, base_shapes):
-            fixes.append(f"dropped modules_to_save tensor {name}: identical to the base (prime-rl's LoRA optimizer "
-                         "never updates it), and vLLM rejects embed/lm_head modules_to_save")
+            fixes.append(
+                f"dropped modules_to_save tensor {name}: identical to the base (prime-rl's LoRA optimizer "
+                "never updates it), and vLLM rejects embed/lm_head modules_to_save"
+            )
         else:
             kept_full.append(name)
-            warnings.append(f"kept modules_to_save tensor {name}: it differs from the base. vLLM rejects adapters "
-                            "with embed_tokens/lm_head modules_to_save; PEFT loads it")
+            warnings.append(
+                f"kept modules_to_save tensor {name}: it differs from the base. vLLM rejects adapters "
+                "with embed_tokens/lm_head modules_to_save; PEFT loads it"
+            )
     mts = exact_modules_to_save(kept_full + sorted(filled), base_shapes, path=base_dir)
     fw = full_tensor_warning(mts) if filled else None
     if fw:
@@ -354,27 +457,57 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
         for ab in "AB":
             k = modules[experts[0]][0 if ab == "A" else 1]
             read_plan[f.source(ab)] = ("fused", f, ab)
-            tensors.append(OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape,
-                                     short_name(dtypes[k]), f.source(ab)))
+            tensors.append(
+                OutTensor(
+                    peft_key(f.peft_module, ab),
+                    f.a_shape if ab == "A" else f.b_shape,
+                    short_name(dtypes[k]),
+                    f.source(ab),
+                )
+            )
     read_plan["_modules"], read_plan["_views"] = dict(modules), views
     for name in kept_full:
         k = full[name]
         tensors.append(OutTensor(PEFT_PREFIX + name, shapes[k], short_name(dtypes[k]), k))
     for name, ref in sorted(filled.items()):
         f = weights.ckpt.key_facts(ref)
-        tensors.append(OutTensor(PEFT_PREFIX + name, tuple(f.shape), short_name(f.dtype) or "fp32", CKPT_REF + ref))
+        tensors.append(
+            OutTensor(PEFT_PREFIX + name, tuple(f.shape), short_name(f.dtype) or "fp32", CKPT_REF + ref)
+        )
     tensors.sort(key=lambda t: t.name)
     if wpath.name == BIN_NAME:
         fixes.append(f"{BIN_NAME} (a pickle) -> {SAFETENSORS_NAME}")
-    config = peft_config(r=rank, lora_alpha=lora_alpha, target_modules=targets,
-                         base_model_name_or_path=name_for_cfg, modules_to_save=mts or None,
-                         fused=fused_config(fused, scale) if fused else None)
-    plan = FixPlan(src=src, out=out, weights_file=wpath.name, fixes=tuple(fixes), slot=chosen,
-                   slots_present=tuple(slots), modules=len(modules), rank=rank, alpha=res.alpha,
-                   alpha_source=res.source, lora_alpha=lora_alpha, scale=scale,
-                   base_model_name_or_path=name_for_cfg, base_checked=base_dir, tensors=tuple(tensors),
-                   modules_to_save=tuple(mts), config=config, out_file_bytes=safetensors_file_bytes(tensors),
-                   warnings=tuple(warnings), layout=options.layout, read_plan=read_plan)
+    config = peft_config(
+        r=rank,
+        lora_alpha=lora_alpha,
+        target_modules=targets,
+        base_model_name_or_path=name_for_cfg,
+        modules_to_save=mts or None,
+        fused=fused_config(fused, scale) if fused else None,
+    )
+    plan = FixPlan(
+        src=src,
+        out=out,
+        weights_file=wpath.name,
+        fixes=tuple(fixes),
+        slot=chosen,
+        slots_present=tuple(slots),
+        modules=len(modules),
+        rank=rank,
+        alpha=res.alpha,
+        alpha_source=res.source,
+        lora_alpha=lora_alpha,
+        scale=scale,
+        base_model_name_or_path=name_for_cfg,
+        base_checked=base_dir,
+        tensors=tuple(tensors),
+        modules_to_save=tuple(mts),
+        config=config,
+        out_file_bytes=safetensors_file_bytes(tensors),
+        warnings=tuple(warnings),
+        layout=options.layout,
+        read_plan=read_plan,
+    )
     return plan
 
 
@@ -392,14 +525,19 @@ class FixReport(AdapterDirReport):
     plan: FixPlan
 
 
-def run_fix(plan: FixPlan, weights: FixSources, progress: Progress | None = None, *,
-            overwrite: bool = False) -> FixReport:
+def run_fix(
+    plan: FixPlan, weights: FixSources, progress: Progress | None = None, *, overwrite: bool = False
+) -> FixReport:
     t0 = time.perf_counter()
-    inputs = [plan.src] + ([plan.base_checked] if plan.base_checked else []) + \
-        ([weights.ckpt.path] if weights.ckpt is not None else [])   # --base and --checkpoint are read too
+    inputs = (
+        [plan.src]
+        + ([plan.base_checked] if plan.base_checked else [])
+        + ([weights.ckpt.path] if weights.ckpt is not None else [])
+    )  # --base and --checkpoint are read too
     rp = plan.read_plan
     modules, views = rp.get("_modules", {}), rp.get("_views", {})
-    cache: dict = {}   # the fused tensors the last views were cut from: one block's A and B of gate_up and down
+    # the fused tensors the last views were cut from: one block's A and B of gate_up and down
+    cache: dict = {}
 
     def factor(m: str, ab: str) -> torch.Tensor:
         key = modules[m][0 if ab == "A" else 1]
@@ -419,6 +557,14 @@ def run_fix(plan: FixPlan, weights: FixSources, progress: Progress | None = None
             return factor(how[1], how[2])
         return build_fused(how[1], how[2], factor)
 
-    size = write_adapter(plan.out, plan.tensors, read, plan.config, inputs=inputs,
-                         overwrite=overwrite, progress=progress, stage="fix")
+    size = write_adapter(
+        plan.out,
+        plan.tensors,
+        read,
+        plan.config,
+        inputs=inputs,
+        overwrite=overwrite,
+        progress=progress,
+        stage="fix",
+    )
     return FixReport(plan, size, round(time.perf_counter() - t0, 3))

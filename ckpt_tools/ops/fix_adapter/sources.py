@@ -1,5 +1,6 @@
 """fix-adapter's inputs: SRC's weights file by key and, with --checkpoint, the run's DCP checkpoint whose
 trained full tensors fill what prime-rl's broadcast lists but does not hold."""
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,17 @@ from ...io.inputs import register
 from ...sources.files import TensorFileSource
 from ...sources.lora import DcpLoraSource
 
-__all__ = ["CKPT_REF", "FixSources", "open_fix_source", "check_same_state", "weights_file"]
+__all__ = ["CKPT_REF", "FixSources", "check_same_state", "open_fix_source", "weights_file"]
 
 
 def weights_file(src: Path) -> Path:
     st, binf = src / SAFETENSORS_NAME, src / BIN_NAME
     if os.path.lexists(st) and os.path.lexists(binf):
-        raise FormatError(f"has both {SAFETENSORS_NAME} and {BIN_NAME}; PEFT loads the safetensors one",
-                          path=src, hint="remove the stale one, or copy the one you mean into its own dir")
+        raise FormatError(
+            f"has both {SAFETENSORS_NAME} and {BIN_NAME}; PEFT loads the safetensors one",
+            path=src,
+            hint="remove the stale one, or copy the one you mean into its own dir",
+        )
     if os.path.lexists(st):
         return st
     if os.path.lexists(binf):
@@ -29,7 +33,7 @@ def weights_file(src: Path) -> Path:
     raise FormatError(f"no {SAFETENSORS_NAME} or {BIN_NAME} next to adapter_config.json", path=src)
 
 
-CKPT_REF = "dcp:"   # OutTensor.source of a tensor read from --checkpoint (else: a key of SRC's weights file)
+CKPT_REF = "dcp:"  # OutTensor.source of a tensor read from --checkpoint (else: a key of SRC's weights file)
 
 
 class FixSources:
@@ -47,7 +51,7 @@ class FixSources:
 
     def read_tensor(self, key: str) -> torch.Tensor:
         if key.startswith(CKPT_REF):
-            return self.ckpt.read_key(key[len(CKPT_REF):])
+            return self.ckpt.read_key(key[len(CKPT_REF) :])
         return self.weights.read_tensor(key)
 
     def close(self) -> None:
@@ -55,7 +59,7 @@ class FixSources:
             self.ckpt.close()
         self.weights.close()
 
-    def __enter__(self) -> "FixSources":
+    def __enter__(self) -> FixSources:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -68,12 +72,14 @@ def open_fix_source(src: str | Path, checkpoint: str | Path | None = None) -> Fi
     src = Path(src)
     if not src.is_dir():
         raise UsageError("not an adapter directory", path=src)
-    register(src)   # the whole export dir is an input: no OUT inside it
-    parse_peft_config(src / ADAPTER_CONFIG)   # refuses non-LoRA peft_type, DoRA, lora_bias, ... before the weights
+    register(src)  # the whole export dir is an input: no OUT inside it
+    parse_peft_config(
+        src / ADAPTER_CONFIG
+    )  # refuses non-LoRA peft_type, DoRA, lora_bias, ... before the weights
     weights = TensorFileSource(weights_file(src))
     if checkpoint is None:
         return FixSources(weights)
-    try:   # alpha comes from the export's own resolution; the checkpoint's LoRA scale is not used
+    try:  # alpha comes from the export's own resolution; the checkpoint's LoRA scale is not used
         return FixSources(weights, DcpCheckpoint.open(Path(checkpoint)).lora(alpha=1.0))
     except BaseException:
         weights.close()
@@ -93,9 +99,13 @@ def check_same_state(sources: FixSources, modules: dict[str, tuple[str, str]], w
             theirs = ck.read_factor(mod, ab)
             mine = sources.weights.read_tensor(key)
             if tuple(theirs.shape) != tuple(mine.shape) or not torch.equal(theirs.to(mine.dtype), mine):
-                raise FormatError(f"--checkpoint {ck.path} is not the state this export was written from: "
-                                  f"{mod} lora_{ab} differs", path=wpath, key=key,
-                                  hint="pass the checkpoint of the same step as the broadcast "
-                                       "(outputs/checkpoints/step_N/trainer for broadcasts/step_N)")
+                raise FormatError(
+                    f"--checkpoint {ck.path} is not the state this export was written from: "
+                    f"{mod} lora_{ab} differs",
+                    path=wpath,
+                    key=key,
+                    hint="pass the checkpoint of the same step as the broadcast "
+                    "(outputs/checkpoints/step_N/trainer for broadcasts/step_N)",
+                )
             compared += 1
     return compared

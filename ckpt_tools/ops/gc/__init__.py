@@ -1,7 +1,8 @@
 """`ckpt gc`: keep every checkpoint of a run, the newest N whole and every older one slim, in place.
 
 For each older `step_N/trainer` (oldest first): slim it next to itself into `step_N/.trainer.gc-slim`
-(`formats.slim.writer.write_slim`, with the base model checked: every dropped tensor must equal the base's upcast, so
+(`formats.slim.writer.write_slim`, with the base model checked: every dropped tensor must equal the base's
+upcast, so
 `ckpt rehydrate` can rebuild it), verify the slim against the original (every kept storage item's
 bytes by sha256, the key sets, the dropped tensors' layout), swap the two directories atomically
 (`io.files.exchange_paths`, renameat2 RENAME_EXCHANGE), move the full one aside to `.trainer.gc-old`
@@ -21,11 +22,38 @@ save that died), anything modified within `min_age_s`, anything whose step lock 
 holds a lock file we do not know, and checkpoints already slim. Refuses to start when free disk is
 below the largest slim it would write.
 """
+
 from .layout import ASIDE, STAGED, STEP_LOCK, TRAINER
 from .plan import DEFAULT_MIN_AGE_S, GcPlan, StepPlan, plan_gc
 from .run import StepResult, gc, run_gc, write_verified_slim
-from .swap import check_slim, recover_step, remove_file, remove_tree, set_aside, swap_in_slim, verify_slim_against
+from .swap import (
+    check_slim,
+    recover_step,
+    remove_file,
+    remove_tree,
+    set_aside,
+    swap_in_slim,
+    verify_slim_against,
+)
 
-__all__ = ["ASIDE", "STAGED", "STEP_LOCK", "TRAINER", "DEFAULT_MIN_AGE_S", "GcPlan", "StepPlan", "plan_gc",
-           "StepResult", "gc", "run_gc", "write_verified_slim", "check_slim", "recover_step", "remove_file",
-           "remove_tree", "set_aside", "swap_in_slim", "verify_slim_against"]
+__all__ = [
+    "ASIDE",
+    "DEFAULT_MIN_AGE_S",
+    "STAGED",
+    "STEP_LOCK",
+    "TRAINER",
+    "GcPlan",
+    "StepPlan",
+    "StepResult",
+    "check_slim",
+    "gc",
+    "plan_gc",
+    "recover_step",
+    "remove_file",
+    "remove_tree",
+    "run_gc",
+    "set_aside",
+    "swap_in_slim",
+    "verify_slim_against",
+    "write_verified_slim",
+]

@@ -1,4 +1,5 @@
 """What `ckpt gc` will do to each step of a run's checkpoints dir, from listings and metadata only."""
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,7 @@ from ...formats.primerl.run_dir import checkpoints_dir_of, dir_bytes, resolve_ba
 from ...formats.slim.partition import partition
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
 
-__all__ = ["DEFAULT_MIN_AGE_S", "StepPlan", "GcPlan", "plan_gc", "unknown_entries", "shared_files"]
+__all__ = ["DEFAULT_MIN_AGE_S", "GcPlan", "StepPlan", "plan_gc", "shared_files", "unknown_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,12 @@ _MANIFEST_BYTES_PER_TENSOR = 1024
 @dataclass(frozen=True)
 class StepPlan:
     step: int
-    path: str                      # step_N/trainer
-    action: str                    # "slim" | "finish" (free what a killed gc left) | "restore" | "keep" | "skip"
+    path: str  # step_N/trainer
+    action: str  # "slim" | "finish" (free what a killed gc left) | "restore" | "keep" | "skip"
     reason: str
-    bytes: int                     # on disk now: trainer/ plus gc leftovers
+    bytes: int  # on disk now: trainer/ plus gc leftovers
     slim_bytes: int | None = None  # estimated size after (slim: of the slim; finish: of trainer/)
-    then_slim: bool = False        # restore: the restored step is older than the newest N, slim it too
+    then_slim: bool = False  # restore: the restored step is older than the newest N, slim it too
 
     @property
     def bytes_to_free(self) -> int:
@@ -45,11 +46,11 @@ class StepPlan:
 class GcPlan:
     checkpoints: str
     keep_full: int
-    base: dict | None              # {"name", "dir", "how"} or None when no base was found
+    base: dict | None  # {"name", "dir", "how"} or None when no base was found
     min_age_s: float
     steps: tuple[StepPlan, ...]
     free_bytes: int
-    need_bytes: int                # free disk needed: the largest slim written
+    need_bytes: int  # free disk needed: the largest slim written
 
     @property
     def units(self) -> list[StepPlan]:
@@ -61,10 +62,16 @@ class GcPlan:
         return [s for s in self.steps if s.action in ("slim", "finish", "restore")]
 
     def to_json(self) -> dict:
-        return {"checkpoints": self.checkpoints, "keep_full": self.keep_full, "base": self.base,
-                "min_age_s": self.min_age_s, "free_bytes": self.free_bytes, "need_bytes": self.need_bytes,
-                "bytes_to_free": sum(s.bytes_to_free for s in self.steps),
-                "steps": [dict(asdict(s), bytes_to_free=s.bytes_to_free) for s in self.steps]}
+        return {
+            "checkpoints": self.checkpoints,
+            "keep_full": self.keep_full,
+            "base": self.base,
+            "min_age_s": self.min_age_s,
+            "free_bytes": self.free_bytes,
+            "need_bytes": self.need_bytes,
+            "bytes_to_free": sum(s.bytes_to_free for s in self.steps),
+            "steps": [dict(asdict(s), bytes_to_free=s.bytes_to_free) for s in self.steps],
+        }
 
 
 def _newest_mtime(d: Path) -> float:
@@ -81,7 +88,11 @@ def _foreign_locks(step_dir: Path) -> list[str]:
     out = []
     for d in (step_dir, step_dir / TRAINER):
         if d.is_dir():
-            out += [f"{d.name}/{p.name}" for p in d.iterdir() if p.name.endswith(".lock") and p.name not in OWN_LOCKS]
+            out += [
+                f"{d.name}/{p.name}"
+                for p in d.iterdir()
+                if p.name.endswith(".lock") and p.name not in OWN_LOCKS
+            ]
     return out
 
 
@@ -103,7 +114,9 @@ def _estimate_slim_bytes(trainer: Path, trust_pickle: bool) -> tuple[int, list[s
     with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ck:
         layout = partition(ck)
         meta = (trainer / METADATA_NAME).stat().st_size
-        return layout.kept_bytes + meta + _MANIFEST_BYTES_PER_TENSOR * len(layout.dropped), unknown_entries(ck)
+        return layout.kept_bytes + meta + _MANIFEST_BYTES_PER_TENSOR * len(layout.dropped), unknown_entries(
+            ck
+        )
 
 
 def _file_ids(trainer: Path) -> set[tuple[int, int]]:
@@ -132,8 +145,15 @@ def _named(names: list[str], most: int = 5) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _classify(n: int, step_dir: Path, newest: set[int], now: float, min_age_s: float,
-              trust_pickle: bool, shared: list[int]) -> StepPlan:
+def _classify(
+    n: int,
+    step_dir: Path,
+    newest: set[int],
+    now: float,
+    min_age_s: float,
+    trust_pickle: bool,
+    shared: list[int],
+) -> StepPlan:
     trainer = step_dir / TRAINER
     left = _leftovers(step_dir)
     size = sum(dir_bytes(p) for p in [trainer] + left if p.is_dir())
@@ -141,37 +161,69 @@ def _classify(n: int, step_dir: Path, newest: set[int], now: float, min_age_s: f
     if holder:
         return StepPlan(n, str(trainer), "skip", f"locked by another ckpt command (pid {holder})", size)
     if trainer.is_symlink():
-        return StepPlan(n, str(trainer), "skip", "trainer is a symbolic link (gc swaps directories, never links)",
-                        size)
+        return StepPlan(
+            n, str(trainer), "skip", "trainer is a symbolic link (gc swaps directories, never links)", size
+        )
     if not trainer.is_dir():
         aside = step_dir / ASIDE
         if aside.is_dir() and is_complete(aside):
-            return StepPlan(n, str(trainer), "restore", "a gc was killed mid-swap: the full checkpoint is at "
-                            f"{ASIDE}; it is put back", size, None, then_slim=n not in newest)
+            return StepPlan(
+                n,
+                str(trainer),
+                "restore",
+                f"a gc was killed mid-swap: the full checkpoint is at {ASIDE}; it is put back",
+                size,
+                None,
+                then_slim=n not in newest,
+            )
         return StepPlan(n, str(trainer), "skip", "no trainer/ dir", size)
     if is_complete(trainer) and is_slim(trainer) and left:
-        return StepPlan(n, str(trainer), "finish", "slim; frees what an interrupted gc left", size, dir_bytes(trainer))
+        return StepPlan(
+            n, str(trainer), "finish", "slim; frees what an interrupted gc left", size, dir_bytes(trainer)
+        )
     foreign = _foreign_locks(step_dir)
     if foreign:
         return StepPlan(n, str(trainer), "skip", f"lock file {foreign[0]} present (being written?)", size)
     if not is_complete(trainer):
-        return StepPlan(n, str(trainer), "skip", f"in progress: no {METADATA_NAME} yet (a save being written, "
-                        "or one that died)", size)
+        return StepPlan(
+            n,
+            str(trainer),
+            "skip",
+            f"in progress: no {METADATA_NAME} yet (a save being written, or one that died)",
+            size,
+        )
     if is_slim(trainer):
         return StepPlan(n, str(trainer), "skip", "already slim", size)
     if n in newest:
         return StepPlan(n, str(trainer), "keep", "one of the newest --keep-full", size)
     if os.path.ismount(trainer):
-        return StepPlan(n, str(trainer), "skip", "trainer is a mount point (gc swaps directories by rename, "
-                        "which cannot move a mount)", size)
+        return StepPlan(
+            n,
+            str(trainer),
+            "skip",
+            "trainer is a mount point (gc swaps directories by rename, which cannot move a mount)",
+            size,
+        )
     if shared:
-        return StepPlan(n, str(trainer), "skip", "shares files with " + ", ".join(f"step_{m}" for m in shared)
-                        + " (symlinks or hard links between them): slimming it would break that step; gc slims "
-                        "only a step whose files are its own", size)
+        return StepPlan(
+            n,
+            str(trainer),
+            "skip",
+            "shares files with "
+            + ", ".join(f"step_{m}" for m in shared)
+            + " (symlinks or hard links between them): slimming it would break that step; gc slims "
+            "only a step whose files are its own",
+            size,
+        )
     age = now - _newest_mtime(trainer)
     if age < min_age_s:
-        return StepPlan(n, str(trainer), "skip", f"in progress: modified {age:.0f} s ago (< --min-age "
-                        f"{min_age_s:g} s)", size)
+        return StepPlan(
+            n,
+            str(trainer),
+            "skip",
+            f"in progress: modified {age:.0f} s ago (< --min-age {min_age_s:g} s)",
+            size,
+        )
     try:
         est, unknown = _estimate_slim_bytes(trainer, trust_pickle)
     except CkptError as exc:
@@ -179,10 +231,16 @@ def _classify(n: int, step_dir: Path, newest: set[int], now: float, min_age_s: f
     except OSError as exc:
         return StepPlan(n, str(trainer), "skip", f"cannot read it: {exc.strerror or exc}", size)
     if unknown:
-        return StepPlan(n, str(trainer), "skip", f"holds entries a slim would not carry: {_named(unknown)} "
-                        "(hidden entries, unreferenced .distcp files, set-lr's .metadata.bak-* undo files); gc "
-                        "deletes the full checkpoint, so it leaves this step alone: move them out of trainer/ "
-                        "to let gc slim it", size)
+        return StepPlan(
+            n,
+            str(trainer),
+            "skip",
+            f"holds entries a slim would not carry: {_named(unknown)} "
+            "(hidden entries, unreferenced .distcp files, set-lr's .metadata.bak-* undo files); gc "
+            "deletes the full checkpoint, so it leaves this step alone: move them out of trainer/ "
+            "to let gc slim it",
+            size,
+        )
     return StepPlan(n, str(trainer), "slim", "older than the newest --keep-full", size, est)
 
 
@@ -200,24 +258,46 @@ def _base_for(checkpoints: Path, base) -> dict | None:
     return {"name": b.name, "dir": str(b.dir) if b.dir else None, "how": b.how, "problem": b.problem}
 
 
-def plan_gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None = None,
-            min_age_s: float = DEFAULT_MIN_AGE_S, trust_pickle: bool = False, now: float | None = None) -> GcPlan:
+def plan_gc(
+    checkpoints_dir: str | Path,
+    *,
+    keep_full: int,
+    base: str | Path | None = None,
+    min_age_s: float = DEFAULT_MIN_AGE_S,
+    trust_pickle: bool = False,
+    now: float | None = None,
+) -> GcPlan:
     """What gc will do to each step, from directory listings and checkpoint metadata only."""
     if keep_full < 1:
-        raise UsageError(f"--keep-full must be >= 1, got {keep_full}",
-                         hint="keep at least the newest checkpoint whole, to resume from")
+        raise UsageError(
+            f"--keep-full must be >= 1, got {keep_full}",
+            hint="keep at least the newest checkpoint whole, to resume from",
+        )
     ck = checkpoints_dir_of(checkpoints_dir)
     now = time.time() if now is None else now
     steps = step_dirs(ck)
     # --keep-full counts FULL checkpoints: a slim newest step is no resume point and keeps no full one
-    full = [n for n, d in steps if (is_complete(d / TRAINER) and not is_slim(d / TRAINER))
-            or (not (d / TRAINER).is_dir() and is_complete(d / ASIDE))]   # restorable after a kill
+    full = [
+        n
+        for n, d in steps
+        if (is_complete(d / TRAINER) and not is_slim(d / TRAINER))
+        or (not (d / TRAINER).is_dir() and is_complete(d / ASIDE))
+    ]  # restorable after a kill
     newest = set(sorted(full)[-keep_full:])
     shared = shared_files(steps)
     plans = tuple(_classify(n, d, newest, now, min_age_s, trust_pickle, shared[n]) for n, d in steps)
-    b = _base_for(ck, base) if any(p.action == "slim" or p.then_slim for p in plans) or base is not None else None
+    b = (
+        _base_for(ck, base)
+        if any(p.action == "slim" or p.then_slim for p in plans) or base is not None
+        else None
+    )
     need = max((p.slim_bytes or p.bytes for p in plans if p.action == "slim" or p.then_slim), default=0)
-    return GcPlan(str(ck), keep_full, b, min_age_s, plans, shutil.disk_usage(ck).free,
-                  int(need * 1.02) + (1 << 20) if need else 0)
-
-
+    return GcPlan(
+        str(ck),
+        keep_full,
+        b,
+        min_age_s,
+        plans,
+        shutil.disk_usage(ck).free,
+        int(need * 1.02) + (1 << 20) if need else 0,
+    )

@@ -1,4 +1,6 @@
-"""`ckpt gc`, executed: each planned step re-checked under its lock, slimmed beside itself, proven, swapped."""
+"""`ckpt gc`, executed: each planned step re-checked under its lock, slimmed beside itself, proven,
+swapped."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +15,7 @@ from ...core.errors import CkptError, DiskSpaceError, LockedError, UsageError
 from ...core.progress import Progress, ProgressEvent
 from ...core.units import human_bytes
 from ...formats.dcp.reader import DcpCheckpoint
+from ...formats.hf_dir.model_dir import HFModelDir
 from ...formats.primerl.run_dir import dir_bytes
 from ...formats.slim.partition import base_identity, partition
 from ...formats.slim.writer import need_bytes, write_slim
@@ -21,26 +24,25 @@ from ...io.inputs import tracking
 from ...io.lock import OutputLock
 from ...io.staging import AtomicOutputDir, mount_point
 from ...sources.hashing import base_crc_check, base_hash_check
-from ...formats.hf_dir.model_dir import HFModelDir
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
 from .plan import DEFAULT_MIN_AGE_S, GcPlan, plan_gc, unknown_entries
 from .swap import check_slim, recover_step, remove_tree, swap_in_slim
 
-__all__ = ["StepResult", "write_verified_slim", "run_gc", "gc"]
+__all__ = ["StepResult", "gc", "run_gc", "write_verified_slim"]
 
 
 @dataclass
 class StepResult:
     step: int
     action: str
-    result: str                    # "slimmed" | "finished" | "restored" | "kept" | "skipped"
+    result: str  # "slimmed" | "finished" | "restored" | "kept" | "skipped"
     reason: str
     bytes_before: int
     bytes_after: int
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-    error: bool = False            # skipped because something failed (the reason says what)
-    uploaded: dict | None = None   # with --slim-to: the slim's upload ({url, files, bytes, method})
+    error: bool = False  # skipped because something failed (the reason says what)
+    uploaded: dict | None = None  # with --slim-to: the slim's upload ({url, files, bytes, method})
 
     @property
     def freed_bytes(self) -> int:
@@ -52,8 +54,10 @@ class StepResult:
 
 def _step_bytes(step_dir: Path) -> int:
     try:
-        return sum(dir_bytes(p) for p in (step_dir / TRAINER, step_dir / STAGED, step_dir / ASIDE) if p.is_dir())
-    except OSError:   # being deleted under us (prime-rl's keep_last)
+        return sum(
+            dir_bytes(p) for p in (step_dir / TRAINER, step_dir / STAGED, step_dir / ASIDE) if p.is_dir()
+        )
+    except OSError:  # being deleted under us (prime-rl's keep_last)
         return 0
 
 
@@ -64,11 +68,15 @@ def _why(exc: BaseException, step_dir: Path) -> str:
     if not os.path.isdir(step_dir):
         return f"{step_dir.name} was deleted while gc ran (prime-rl's keep_last?)"
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space or no inodes left on {mount_point(step_dir)} ({exc.strerror}); free some and rerun gc"
+        return (
+            f"no space or no inodes left on {mount_point(step_dir)} ({exc.strerror}); free some and rerun gc"
+        )
     if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EPERM, errno.EACCES):
         where = f" ({exc.filename})" if exc.filename else ""
-        return (f"cannot change {step_dir.name}: {exc.strerror}{where}: a read-only filesystem, or an immutable "
-                "or read-only directory (chattr -i / chmod u+w it to let gc slim it)")
+        return (
+            f"cannot change {step_dir.name}: {exc.strerror}{where}: a read-only filesystem, or an immutable "
+            "or read-only directory (chattr -i / chmod u+w it to let gc slim it)"
+        )
     if isinstance(exc, OSError) and exc.errno in (errno.EBUSY, errno.EXDEV):
         return f"cannot rename inside {step_dir.name}: {exc.strerror} (a mount point?)"
     return f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
@@ -92,25 +100,35 @@ def _clear_stale_locks(step_dir: Path) -> list[str]:
     return done
 
 
-def write_verified_slim(trainer: Path, out: Path, base: str, *, trust_pickle: bool = False,
-                        progress: Progress | None = None) -> None:
+def write_verified_slim(
+    trainer: Path, out: Path, base: str, *, trust_pickle: bool = False, progress: Progress | None = None
+) -> None:
     """The slim of `trainer` at the new path `out` (atomically), every dropped tensor proven equal to
     the base's upcast (`formats.slim.writer`: what `ckpt slim --base` writes)."""
-    with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ckpt, \
-            HFModelDir.open_ref(base) as hf:
+    with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ckpt, HFModelDir.open_ref(base) as hf:
         layout = partition(ckpt)
         info = base_identity(hf, str(base))
         check = base_hash_check(hf, layout.dropped)
-        with AtomicOutputDir(out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout),
-                             marker=False) as tmp:
-            write_slim(ckpt, tmp, layout, base=info, base_hash=check, base_path=hf.path, progress=progress,
-                       base_crcs=base_crc_check(hf, layout.dropped))
+        with AtomicOutputDir(
+            out, inputs=[ckpt.dir, hf.path], need_bytes=need_bytes(ckpt.dir, layout), marker=False
+        ) as tmp:
+            write_slim(
+                ckpt,
+                tmp,
+                layout,
+                base=info,
+                base_hash=check,
+                base_path=hf.path,
+                progress=progress,
+                base_crcs=base_crc_check(hf, layout.dropped),
+            )
 
 
 def _upload_slim(staged: Path, slim_to: str, step_dir: Path, res) -> None:
     """The verified slim of one step committed at `slim_to/step_N/trainer` (io.upload: one commit), before
     anything local is deleted; a failure removes the staged slim and leaves the step full."""
-    from ...io.upload import upload_tree   # lazy: only a URL imports the remote packages
+    from ...io.upload import upload_tree  # lazy: only a URL imports the remote packages
+
     url = f"{slim_to.rstrip('/')}/{step_dir.name}/{TRAINER}"
     try:
         res.uploaded = upload_tree(staged, url).to_json()
@@ -122,18 +140,27 @@ def _upload_slim(staged: Path, slim_to: str, step_dir: Path, res) -> None:
         raise
 
 
-def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress | None,
-              slim_to: str | None = None, res=None) -> list[str]:
+def _slim_one(
+    step_dir: Path,
+    base: str,
+    trust_pickle: bool,
+    progress: Progress | None,
+    slim_to: str | None = None,
+    res=None,
+) -> list[str]:
     trainer, staged = step_dir / TRAINER, step_dir / STAGED
     notes = []
     with DcpCheckpoint.open(trainer, trust_pickle=trust_pickle) as ck:
         unknown = unknown_entries(ck)
-    if unknown:   # added since the plan: a slim would not carry them, and the full copy is deleted
-        raise UsageError(f"holds entries a slim would not carry: {', '.join(unknown[:5])}; left alone",
-                         path=trainer, hint="move them out of trainer/ to let gc slim this step")
+    if unknown:  # added since the plan: a slim would not carry them, and the full copy is deleted
+        raise UsageError(
+            f"holds entries a slim would not carry: {', '.join(unknown[:5])}; left alone",
+            path=trainer,
+            hint="move them out of trainer/ to let gc slim this step",
+        )
     if staged.is_dir():
         try:
-            with tracking():   # a stale one is deleted and written anew: its reads make it no input
+            with tracking():  # a stale one is deleted and written anew: its reads make it no input
                 check_slim(trainer, staged, trust_pickle=trust_pickle)
             notes.append(f"reused the verified {STAGED} of an interrupted run")
         except CkptError as exc:
@@ -153,44 +180,58 @@ def _slim_one(step_dir: Path, base: str, trust_pickle: bool, progress: Progress 
     except OSError:
         if is_complete(trainer) and not is_slim(trainer):
             with contextlib.suppress(OSError):
-                remove_tree(staged)   # nothing swapped: the full checkpoint stays, the slim goes
+                remove_tree(staged)  # nothing swapped: the full checkpoint stays, the slim goes
         raise
     remove_tree(step_dir / ASIDE)
     fsync_path(step_dir)
     return notes
 
 
-def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | None = None,
-           slim_to: str | None = None) -> list[StepResult]:
+def run_gc(
+    plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | None = None, slim_to: str | None = None
+) -> list[StepResult]:
     """Execute a plan (with `slim_to`, a URL: each slim is uploaded to `slim_to/step_N/trainer` and
-    committed before the step's full copy is deleted; a failed upload leaves the step full). Every step is re-checked under its lock before anything is written. `progress`
+    committed before the step's full copy is deleted; a failed upload leaves the step full). Every step is
+    re-checked under its lock before anything is written. `progress`
     gets each slim's events (phase `step_N copy` / `step_N hash`) and, as each step is done, one
     `ProgressEvent("gc", i, n, unit="steps", name="step_N", finished=StepResult)`."""
     todo = plan.to_do
     slims = [s for s in todo if s.action == "slim" or s.then_slim]
     if slims:
         if plan.base is None or plan.base.get("dir") is None:
-            why = (plan.base or {}).get("problem") or "no --base, and the run's config names no model found here"
-            raise UsageError(f"no base model to prove the slims against: {why}", path=plan.checkpoints,
-                             hint="gc deletes a full checkpoint only after checking that the base rebuilds it; "
-                                  "pass --base with the bf16 HF model the run trained on")
+            why = (plan.base or {}).get(
+                "problem"
+            ) or "no --base, and the run's config names no model found here"
+            raise UsageError(
+                f"no base model to prove the slims against: {why}",
+                path=plan.checkpoints,
+                hint="gc deletes a full checkpoint only after checking that the base rebuilds it; "
+                "pass --base with the bf16 HF model the run trained on",
+            )
         free = shutil.disk_usage(plan.checkpoints).free
         if free < plan.need_bytes:
-            raise DiskSpaceError(f"need {human_bytes(plan.need_bytes)} free for the largest slim, "
-                                 f"{human_bytes(free)} free", path=plan.checkpoints,
-                                 hint="free some space first (gc writes each slim before it frees the full "
-                                      "checkpoint)")
+            raise DiskSpaceError(
+                f"need {human_bytes(plan.need_bytes)} free for the largest slim, {human_bytes(free)} free",
+                path=plan.checkpoints,
+                hint="free some space first (gc writes each slim before it frees the full checkpoint)",
+            )
     results = []
     for i, sp in enumerate(plan.steps):
         step_dir = Path(sp.path).parent
         before = _step_bytes(step_dir)
-        res = StepResult(sp.step, sp.action, {"keep": "kept", "skip": "skipped"}.get(sp.action, ""), sp.reason,
-                         before, before)
+        res = StepResult(
+            sp.step,
+            sp.action,
+            {"keep": "kept", "skip": "skipped"}.get(sp.action, ""),
+            sp.reason,
+            before,
+            before,
+        )
         if sp.action in ("slim", "finish", "restore"):
             t0 = time.perf_counter()
             try:
                 _run_step(sp, step_dir, res, plan, trust_pickle, progress, slim_to)
-            except (CkptError, OSError) as exc:   # this step is left as it is (full or slim); the others go on
+            except (CkptError, OSError) as exc:  # this step is left as it is (full or slim); the others go on
                 trainer = step_dir / TRAINER
                 slim_now = is_complete(trainer) and is_slim(trainer)
                 if slim_now and sp.action == "slim":
@@ -204,12 +245,23 @@ def run_gc(plan: GcPlan, *, trust_pickle: bool = False, progress: Progress | Non
             res.notes += _clear_stale_locks(step_dir)
         results.append(res)
         if progress is not None:
-            progress(ProgressEvent("gc", i + 1, len(plan.steps), unit="steps", name=f"step_{sp.step}", finished=res))
+            progress(
+                ProgressEvent(
+                    "gc", i + 1, len(plan.steps), unit="steps", name=f"step_{sp.step}", finished=res
+                )
+            )
     return results
 
 
-def _run_step(sp, step_dir: Path, res: StepResult, plan: GcPlan, trust_pickle: bool, progress,
-              slim_to: str | None = None) -> None:
+def _run_step(
+    sp,
+    step_dir: Path,
+    res: StepResult,
+    plan: GcPlan,
+    trust_pickle: bool,
+    progress,
+    slim_to: str | None = None,
+) -> None:
     """One planned step, under its lock, re-checked first."""
     lock = OutputLock(step_dir / STEP_LOCK, step_dir / TRAINER)
     try:
@@ -221,8 +273,11 @@ def _run_step(sp, step_dir: Path, res: StepResult, plan: GcPlan, trust_pickle: b
         res.notes += recover_step(step_dir)
         trainer = step_dir / TRAINER
         if (sp.action == "slim" or sp.then_slim) and is_complete(trainer) and not is_slim(trainer):
-            step_progress = (lambda ev, _s=sp.step: progress(
-                ProgressEvent(f"step_{_s} {ev.phase}", ev.done, ev.total))) if progress else None
+            step_progress = (
+                (lambda ev, _s=sp.step: progress(ProgressEvent(f"step_{_s} {ev.phase}", ev.done, ev.total)))
+                if progress
+                else None
+            )
             res.notes += _slim_one(step_dir, plan.base["dir"], trust_pickle, step_progress, slim_to, res)
             res.result = "slimmed"
         elif sp.action == "slim":
@@ -233,23 +288,38 @@ def _run_step(sp, step_dir: Path, res: StepResult, plan: GcPlan, trust_pickle: b
         lock.release()
 
 
-def gc(checkpoints_dir: str | Path, *, keep_full: int, base: str | Path | None = None, dry_run: bool = False,
-       min_age_s: float = DEFAULT_MIN_AGE_S, trust_pickle: bool = False, progress: Progress | None = None,
-       slim_to: str | None = None) -> dict:
+def gc(
+    checkpoints_dir: str | Path,
+    *,
+    keep_full: int,
+    base: str | Path | None = None,
+    dry_run: bool = False,
+    min_age_s: float = DEFAULT_MIN_AGE_S,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    slim_to: str | None = None,
+) -> dict:
     """Library entry point: plan, and unless `dry_run` execute. Returns a JSON-able report. `slim_to`: a
     URL (s3://, hf://, gs://) each slim is also uploaded to, as `slim_to/step_N/trainer`."""
     if slim_to is not None:
         from ...io.upload import check_writable
+
         check_writable(slim_to)
-    plan = plan_gc(checkpoints_dir, keep_full=keep_full, base=base, min_age_s=min_age_s, trust_pickle=trust_pickle)
+    plan = plan_gc(
+        checkpoints_dir, keep_full=keep_full, base=base, min_age_s=min_age_s, trust_pickle=trust_pickle
+    )
     report = {"plan": dict(plan.to_json(), slim_to=slim_to), "dry_run": dry_run}
     if dry_run:
         return report
     before = dir_bytes(Path(plan.checkpoints))
     results = run_gc(plan, trust_pickle=trust_pickle, progress=progress, slim_to=slim_to)
     after = dir_bytes(Path(plan.checkpoints))
-    report["result"] = {"steps": [r.to_json() for r in results], "bytes_before": before, "bytes_after": after,
-                        "freed_bytes": before - after,
-                        "slimmed": [r.step for r in results if r.result == "slimmed"],
-                        "failed": [r.step for r in results if r.error]}
+    report["result"] = {
+        "steps": [r.to_json() for r in results],
+        "bytes_before": before,
+        "bytes_after": after,
+        "freed_bytes": before - after,
+        "slimmed": [r.step for r in results if r.result == "slimmed"],
+        "failed": [r.step for r in results if r.error],
+    }
     return report

@@ -1,6 +1,7 @@
 """`ckpt gc`'s proof and swap: a slim is checked against its original before the exchange, the two
 directories are swapped atomically, the full one set aside and deleted; `recover_step` finishes or
 undoes what a killed run left (see `ops.gc` for why every step is full or slim at every instant)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,15 @@ from ...io.signals import signals_deferred
 from ...io.staging import clean_stale_temps
 from .layout import ASIDE, STAGED, TRAINER, is_complete, is_slim
 
-__all__ = ["verify_slim_against", "check_slim", "remove_file", "remove_tree", "set_aside", "swap_in_slim",
-           "recover_step"]
+__all__ = [
+    "check_slim",
+    "recover_step",
+    "remove_file",
+    "remove_tree",
+    "set_aside",
+    "swap_in_slim",
+    "verify_slim_against",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +44,23 @@ def verify_slim_against(full_dir: Path, slim_dir: Path, *, trust_pickle: bool = 
     number of items compared; raises FormatError naming the first difference."""
     m = read_manifest(slim_dir)
     if not (m.base or {}).get("verified"):
-        raise FormatError("the slim manifest does not record a verified base", path=m.path,
-                          hint="gc only frees a checkpoint whose base was checked; rerun with --base")
+        raise FormatError(
+            "the slim manifest does not record a verified base",
+            path=m.path,
+            hint="gc only frees a checkpoint whose base was checked; rerun with --base",
+        )
     n = 0
-    with DcpCheckpoint.open(full_dir, trust_pickle=trust_pickle) as full, \
-            DcpCheckpoint.open(slim_dir, trust_pickle=trust_pickle) as sl:
+    with (
+        DcpCheckpoint.open(full_dir, trust_pickle=trust_pickle) as full,
+        DcpCheckpoint.open(slim_dir, trust_pickle=trust_pickle) as sl,
+    ):
         dropped = {d.key: d for d in m.dropped}
         if set(sl.entries) & set(dropped) or set(sl.entries) | set(dropped) != set(full.entries):
-            raise FormatError("the slim's kept and dropped keys do not partition the original's keys",
-                              path=slim_dir, hint="the slim is damaged: delete it and rerun gc")
+            raise FormatError(
+                "the slim's kept and dropped keys do not partition the original's keys",
+                path=slim_dir,
+                hint="the slim is damaged: delete it and rerun gc",
+            )
         for key, e in sl.entries.items():
             o = full.entries[key]
             if type(e) is not type(o) or tuple(e.path) != tuple(o.path):
@@ -58,19 +74,33 @@ def verify_slim_against(full_dir: Path, slim_dir: Path, *, trust_pickle: bool = 
                     raise FormatError("chunk layout differs from the original's", path=slim_dir, key=key)
                 for k, c in mine.items():
                     t = theirs[k]
-                    if _item_sha(sl, c.file, c.offset, c.length, key) != _item_sha(full, t.file, t.offset, t.length, key):
-                        raise FormatError(f"chunk {list(c.offsets)} differs from the original's bytes", path=slim_dir,
-                                          key=key, hint="the slim is damaged: delete it and rerun gc")
+                    if _item_sha(sl, c.file, c.offset, c.length, key) != _item_sha(
+                        full, t.file, t.offset, t.length, key
+                    ):
+                        raise FormatError(
+                            f"chunk {list(c.offsets)} differs from the original's bytes",
+                            path=slim_dir,
+                            key=key,
+                            hint="the slim is damaged: delete it and rerun gc",
+                        )
                     n += 1
             else:
-                if _item_sha(sl, e.file, e.offset, e.length, key) != _item_sha(full, o.file, o.offset, o.length, key):
+                if _item_sha(sl, e.file, e.offset, e.length, key) != _item_sha(
+                    full, o.file, o.offset, o.length, key
+                ):
                     raise FormatError("item differs from the original's bytes", path=slim_dir, key=key)
                 n += 1
         for key, d in dropped.items():
             o = full.entries[key]
-            if not isinstance(o, TensorEntry) or tuple(o.shape) != tuple(d.shape) or \
-                    sorted((c.offsets, c.sizes) for c in o.chunks) != sorted((c.offsets, c.sizes) for c in d.chunks):
-                raise FormatError("dropped tensor's recorded layout differs from the original's", path=m.path, key=key)
+            if (
+                not isinstance(o, TensorEntry)
+                or tuple(o.shape) != tuple(d.shape)
+                or sorted((c.offsets, c.sizes) for c in o.chunks)
+                != sorted((c.offsets, c.sizes) for c in d.chunks)
+            ):
+                raise FormatError(
+                    "dropped tensor's recorded layout differs from the original's", path=m.path, key=key
+                )
     return n
 
 
@@ -80,8 +110,11 @@ def check_slim(full_dir: Path, slim_dir: Path, *, trust_pickle: bool = False) ->
     report = VerifyReport(str(slim_dir), "dcp", False)
     verify_dcp(slim_dir, report, deep=False, trust_pickle=trust_pickle)
     if not report.ok:
-        raise FormatError(f"the new slim fails `ckpt verify`: {report.problems[0].render()}", path=slim_dir,
-                          hint="nothing was swapped; the full checkpoint is untouched. Report this")
+        raise FormatError(
+            f"the new slim fails `ckpt verify`: {report.problems[0].render()}",
+            path=slim_dir,
+            hint="nothing was swapped; the full checkpoint is untouched. Report this",
+        )
     verify_slim_against(full_dir, slim_dir, trust_pickle=trust_pickle)
 
 
@@ -127,7 +160,7 @@ def swap_in_slim(step_dir: Path) -> None:
             try:
                 files.rename_entry(staged, trainer)
             except BaseException:
-                files.rename_entry(step_dir / ASIDE, trainer)   # put the full one back: never neither
+                files.rename_entry(step_dir / ASIDE, trainer)  # put the full one back: never neither
                 raise
             fsync_path(step_dir)
         return
@@ -143,7 +176,7 @@ def recover_step(step_dir: Path) -> list[str]:
         done.append(f"removed {p.name}")
     if not trainer.is_dir():
         if aside.is_dir() and is_complete(aside):
-            files.rename_entry(aside, trainer)          # killed between the two fallback renames: put the full back
+            files.rename_entry(aside, trainer)  # killed between the two fallback renames: put the full back
             fsync_path(step_dir)
             done.append(f"restored {TRAINER} from {ASIDE}")
         elif staged.is_dir() and is_complete(staged) and is_slim(staged):
@@ -151,14 +184,12 @@ def recover_step(step_dir: Path) -> list[str]:
             fsync_path(step_dir)
             done.append(f"restored {TRAINER} from {STAGED}")
     if is_complete(trainer) and is_slim(trainer):
-        for p in (staged, aside):               # the full copy or its remains: trainer is the verified slim
+        for p in (staged, aside):  # the full copy or its remains: trainer is the verified slim
             if os.path.lexists(p):
                 remove_tree(p)
                 done.append(f"removed {p.name}")
         fsync_path(step_dir)
     elif os.path.lexists(aside):
-        remove_tree(aside)                      # trainer is full: an aside can only be a leftover copy
+        remove_tree(aside)  # trainer is full: an aside can only be a leftover copy
         done.append(f"removed {ASIDE}")
     return done
-
-

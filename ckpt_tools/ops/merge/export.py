@@ -11,6 +11,7 @@ The same contract and pipeline as merge, not a copy: `open_export_sources` opens
 `MergePlan` (so `--dry-run --json`, the work units and multi-rank execution are merge's), and
 `run_export` is `run_merge`: streaming, bounded, atomic.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,21 +35,30 @@ __all__ = ["ExportOptions", "open_export_sources", "plan_export", "run_export"]
 @dataclass(frozen=True)
 class ExportOptions:
     out: str = ""
-    config_from: str | None = None   # HF model dir or hub id: config.json, tokenizer (the checkpoint has none)
+    config_from: str | None = None  # HF model dir or hub id: config.json, tokenizer (the checkpoint has none)
     alpha: float | None = None
     run_config: str | None = None
     slot: int = 0
-    dtype: str | None = None         # default bf16 (one rounding from the fp32 masters)
+    dtype: str | None = None  # default bf16 (one rounding from the fp32 masters)
     max_shard_size: str | int = DEFAULT_MAX_SHARD
     threads: int | None = None
     trust_pickle: bool = False
     allow_zero_delta: bool = False
 
     def merge_options(self) -> MergeOptions:
-        return MergeOptions(out=self.out, base_from_checkpoint=True, config_from=self.config_from, alpha=self.alpha,
-                            run_config=self.run_config, slot=self.slot, dtype=self.dtype,
-                            max_shard_size=self.max_shard_size, threads=self.threads, trust_pickle=self.trust_pickle,
-                            allow_zero_delta=self.allow_zero_delta)
+        return MergeOptions(
+            out=self.out,
+            base_from_checkpoint=True,
+            config_from=self.config_from,
+            alpha=self.alpha,
+            run_config=self.run_config,
+            slot=self.slot,
+            dtype=self.dtype,
+            max_shard_size=self.max_shard_size,
+            threads=self.threads,
+            trust_pickle=self.trust_pickle,
+            allow_zero_delta=self.allow_zero_delta,
+        )
 
 
 def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeSources:
@@ -57,24 +67,34 @@ def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeS
     try:
         infos = [classify(k, e.path) for k, e in ckpt.entries.items()]
         if any(i.group == "lora" for i in infos):
-            adapter = ckpt.lora(alpha=options.alpha, run_config=Path(options.run_config)
-                                if options.run_config else None, slot=options.slot)
+            adapter = ckpt.lora(
+                alpha=options.alpha,
+                run_config=Path(options.run_config) if options.run_config else None,
+                slot=options.slot,
+            )
         else:
             trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
             base_fqns = {i.key.removeprefix("app.model.") for i in infos if i.group == "base"}
             if not trained & base_fqns:
-                raise FormatError("the checkpoint holds neither LoRA parameters nor trained base weights (no "
-                                  "optimizer state for any app.model tensor): exporting it would write an "
-                                  "untrained model", path=ckpt.dir / METADATA_NAME,
-                                  hint="export a checkpoint of a LoRA or full fine-tuning run")
-            # A tied output embedding is the input embedding's Parameter: FSDP's state dict lists it under both
+                raise FormatError(
+                    "the checkpoint holds neither LoRA parameters nor trained base weights (no "
+                    "optimizer state for any app.model tensor): exporting it would write an "
+                    "untrained model",
+                    path=ckpt.dir / METADATA_NAME,
+                    hint="export a checkpoint of a LoRA or full fine-tuning run",
+                )
+            # A tied output embedding is the input embedding's Parameter: FSDP's state dict lists it under
+            # both
             # names, the optimizer (named_parameters, deduplicated) only under the input embedding's.
             tied = {o for o, i in TIED_PAIRS if o in base_fqns - trained and i in trained}
             untrained = base_fqns - trained - tied
             if untrained:
-                raise FormatError(f"{len(untrained)} base weight(s) have no optimizer state (e.g. "
-                                  f"{sorted(untrained)[0]}) and there is no LoRA: a partial fine-tune "
-                                  "this export does not know how to treat", path=ckpt.dir / METADATA_NAME)
+                raise FormatError(
+                    f"{len(untrained)} base weight(s) have no optimizer state (e.g. "
+                    f"{sorted(untrained)[0]}) and there is no LoRA: a partial fine-tune "
+                    "this export does not know how to treat",
+                    path=ckpt.dir / METADATA_NAME,
+                )
             adapter = NoLoraSource(ckpt.dir, tied_aliases=tuple(sorted(tied)))
         base = ckpt.base_weights()
     except BaseException:
@@ -97,9 +117,12 @@ def plan_export(sources: MergeSources, options: ExportOptions) -> MergePlan:
     if options.config_from is None:
         found = run_base_model(sources.base.path)
         if found is None:
-            raise UsageError("export needs --config-from: the checkpoint holds no config or tokenizer, and the "
-                             "run's config names no base model found locally", path=sources.base.path,
-                             hint="pass --config-from DIR_OR_HUB_ID: the HF base model the run trained")
+            raise UsageError(
+                "export needs --config-from: the checkpoint holds no config or tokenizer, and the "
+                "run's config names no base model found locally",
+                path=sources.base.path,
+                hint="pass --config-from DIR_OR_HUB_ID: the HF base model the run trained",
+            )
         options = dataclasses.replace(options, config_from=found)
     plan = plan_merge(sources, options.merge_options())
     _check_tie_convention(sources, plan)
@@ -115,10 +138,12 @@ def _check_tie_convention(sources: MergeSources, plan: MergePlan) -> None:
     flag = plan.tie_word_embeddings[0]
     written = {j.name for j in plan.jobs}
     if flag is not True or written & set(aliases):
-        raise FormatError(f"{', '.join(aliases)} has no optimizer state: the run trained it tied to the input "
-                          f"embedding, but the config (tie_word_embeddings={flag!r}) does not tie them",
-                          path=sources.base.path,
-                          hint="pass --config-from the tied base model the run trained (tie_word_embeddings: true)")
+        raise FormatError(
+            f"{', '.join(aliases)} has no optimizer state: the run trained it tied to the input "
+            f"embedding, but the config (tie_word_embeddings={flag!r}) does not tie them",
+            path=sources.base.path,
+            hint="pass --config-from the tied base model the run trained (tie_word_embeddings: true)",
+        )
 
 
 def run_export(plan: MergePlan, sources: MergeSources, progress=None, **kw):

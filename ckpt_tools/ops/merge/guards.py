@@ -14,6 +14,7 @@ the silent failure ckpt-tools exists to catch. `plan_merge` and `run_merge` call
   (alpha tiny, lora_B all zero, ...) the merge is refused before OUT appears, unless the caller
   passed `allow_zero_delta` (`--allow-zero-delta`) for a legitimately zero update.
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,16 +23,23 @@ import torch
 
 from ...core.errors import FormatError
 from ...core.keys import trainable_params
+from ...formats.hf_dir.model_dir import HFModelDir
 from ...formats.peft.adapter import PeftAdapter
 from ...formats.peft.config import matches_target_modules
-from ...formats.hf_dir.model_dir import HFModelDir
 from .facts import AdapterFacts, BaseFacts
 
-__all__ = ["MASTER_SAMPLE_TENSORS", "MASTER_SAMPLE_ROW_ELEMS", "MASTER_MISMATCH_FRACTION", "check_target_modules",
-           "check_masters_match_base", "default_out_dtype", "ZeroDelta"]
+__all__ = [
+    "MASTER_MISMATCH_FRACTION",
+    "MASTER_SAMPLE_ROW_ELEMS",
+    "MASTER_SAMPLE_TENSORS",
+    "ZeroDelta",
+    "check_masters_match_base",
+    "check_target_modules",
+    "default_out_dtype",
+]
 
-MASTER_SAMPLE_TENSORS = 4        # 2-D frozen weights spread over the model
-MASTER_SAMPLE_ROW_ELEMS = 1 << 16   # first and last row of each, at most this many elements each
+MASTER_SAMPLE_TENSORS = 4  # 2-D frozen weights spread over the model
+MASTER_SAMPLE_ROW_ELEMS = 1 << 16  # first and last row of each, at most this many elements each
 MASTER_MISMATCH_FRACTION = 0.01  # bf16-rounded values may differ in at most 1% of the sample
 
 
@@ -42,23 +50,40 @@ def check_target_modules(adapter: PeftAdapter) -> None:
     targets = adapter.config.target_modules
     if targets is None or not adapter.modules:
         return
-    unmatched = sorted(m for m, spec in adapter.modules.items()
-                       if spec.view is None and matches_target_modules(m, targets) is False)
+    unmatched = sorted(
+        m
+        for m, spec in adapter.modules.items()
+        if spec.view is None and matches_target_modules(m, targets) is False
+    )
     if not unmatched:
         return
     n = len(adapter.modules)
-    what = (f"matches none of the adapter's {n} LoRA modules" if len(unmatched) == n else
-            f"does not match {len(unmatched)} of its {n} LoRA modules ({', '.join(unmatched[:4])}"
-            + (", ..." if len(unmatched) > 4 else "") + ")")
-    raise FormatError(f"target_modules {targets!r} {what}: PEFT and vLLM create no LoRA layer for those weights "
-                      "and apply nothing of them, so merging them would ship a model no loader of this adapter "
-                      "produces", path=adapter.config.path,
-                      hint="fix target_modules in adapter_config.json (`ckpt verify` lists the modules)")
+    what = (
+        f"matches none of the adapter's {n} LoRA modules"
+        if len(unmatched) == n
+        else f"does not match {len(unmatched)} of its {n} LoRA modules ({', '.join(unmatched[:4])}"
+        + (", ..." if len(unmatched) > 4 else "")
+        + ")"
+    )
+    raise FormatError(
+        f"target_modules {targets!r} {what}: PEFT and vLLM create no LoRA layer for those weights "
+        "and apply nothing of them, so merging them would ship a model no loader of this adapter "
+        "produces",
+        path=adapter.config.path,
+        hint="fix target_modules in adapter_config.json (`ckpt verify` lists the modules)",
+    )
 
 
 def _sample_names(dcp, hf, trained: set[str]) -> list[str]:
-    names = sorted(n for n in dcp.names() if n in hf and n not in trained and len(dcp.facts(n).shape) == 2
-                   and tuple(hf.facts(n).shape) == tuple(dcp.facts(n).shape) and dcp.facts(n).numel)
+    names = sorted(
+        n
+        for n in dcp.names()
+        if n in hf
+        and n not in trained
+        and len(dcp.facts(n).shape) == 2
+        and tuple(hf.facts(n).shape) == tuple(dcp.facts(n).shape)
+        and dcp.facts(n).numel
+    )
     if len(names) <= MASTER_SAMPLE_TENSORS:
         return names
     step = (len(names) - 1) / (MASTER_SAMPLE_TENSORS - 1)
@@ -89,10 +114,14 @@ def check_masters_match_base(hf: HFModelDir, ckpt) -> dict:
                 raise FormatError(
                     f"this is not the base the checkpoint trained on: its fp32 master of {name} differs from "
                     f"the base's in {diff} of {total} sampled values ({100 * diff / total:.0f}%; rows 0 and "
-                    f"{rows - 1}, rounded to bf16); merging would pair the LoRA with another model of the same "
-                    "shapes", path=base_path, key=name,
+                    f"{rows - 1}, rounded to bf16); merging would pair the LoRA with another model of the "
+                    f"same "
+                    "shapes",
+                    path=base_path,
+                    key=name,
                     hint="merge into the base the run trained on (prime-rl's [model] name), or use "
-                         "--base-from-checkpoint to merge into the checkpoint's own masters")
+                    "--base-from-checkpoint to merge into the checkpoint's own masters",
+                )
         return {"tensors": names, "values": compared}
     finally:
         dcp.close()
@@ -102,7 +131,9 @@ def default_out_dtype(base: BaseFacts, adapter: AdapterFacts) -> tuple[str, str]
     """(dtype name, why) for a merge without --dtype: fp16 when every base weight the LoRA targets is
     fp16 (it stays fp16), bf16 otherwise."""
     by_name = {t.name: t for t in base.tensors}
-    targets = [by_name[m.module + ".weight"].dtype for m in adapter.modules if m.module + ".weight" in by_name]
+    targets = [
+        by_name[m.module + ".weight"].dtype for m in adapter.modules if m.module + ".weight" in by_name
+    ]
     if targets and all(d == "float16" for d in targets):
         return "float16", "the base's weights are fp16, so the output stays fp16; --dtype changes it"
     if base.kind == "dcp":
@@ -117,7 +148,7 @@ class ZeroDelta:
         self._lock = threading.Lock()
         self.merged = 0
         self.unchanged = 0
-        self.zero_factor = 0      # of those, how many had an all-zero lora_A or lora_B
+        self.zero_factor = 0  # of those, how many had an all-zero lora_A or lora_B
 
     def add(self, unchanged: bool, zero_factor: bool) -> None:
         with self._lock:
@@ -130,10 +161,17 @@ class ZeroDelta:
         if self.merged == 0 or self.unchanged < self.merged or getattr(plan, "allow_zero_delta", False):
             return
         a = plan.adapter or {}
-        why = (f"{self.zero_factor} of them have an all-zero lora_A or lora_B" if self.zero_factor else
-               f"scale {a.get('scale')} (alpha {a.get('alpha')} from {a.get('alpha_source')}) is too small to "
-               f"change any {plan.out_dtype} value")
-        raise FormatError(f"the merge would write a model equal to its base: all {self.merged} merged weights round "
-                          f"back to the base's values ({why}); nothing was written", path=plan.adapter_path,
-                          hint="check that this is the trained adapter and its alpha; pass --allow-zero-delta if a "
-                               "zero update is really what you mean")
+        why = (
+            f"{self.zero_factor} of them have an all-zero lora_A or lora_B"
+            if self.zero_factor
+            else f"scale {a.get('scale')} (alpha {a.get('alpha')} from {a.get('alpha_source')}) is too small "
+            f"to "
+            f"change any {plan.out_dtype} value"
+        )
+        raise FormatError(
+            f"the merge would write a model equal to its base: all {self.merged} merged weights round "
+            f"back to the base's values ({why}); nothing was written",
+            path=plan.adapter_path,
+            hint="check that this is the trained adapter and its alpha; pass --allow-zero-delta if a "
+            "zero update is really what you mean",
+        )

@@ -6,7 +6,8 @@ Each worker makes one tensor and writes it itself, in bounded blocks, at its off
 `copy_file_range` (in the kernel), casts in row blocks. So memory is the workers' block buffers, sized
 from the job (`plan.job_working_bytes`), never a tensor: at most `threads` jobs run at once, within
 the plan's `window_budget` (a job over the budget runs alone). A finished job holds nothing, so one
-slow job does not stall the others. The main thread accounts for the jobs in write order, reports progress, and closes a shard once its last tensor
+slow job does not stall the others. The main thread accounts for the jobs in write order, reports progress,
+and closes a shard once its last tensor
 is in; the shard is fsynced in the background while the next ones are written. Each shard's sha256
 (the output's SHA256SUMS, `formats.hf_dir.digests`) is computed behind the workers on its own thread
 (`_ShardHash`).
@@ -14,6 +15,7 @@ is in; the shard is fsynced in the background while the next ones are written. E
 Test-only hook: env CKPT_TOOLS_TEST_SLOW_WRITE=<seconds> sleeps after each tensor is written, so a
 test can kill a merge midway. It has no other use.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,7 +44,7 @@ from .plan import OUTPUT_METADATA, MergePlan, TensorJob, job_working_bytes, wind
 from .prepare import MergeSources
 from .produce import JobRunner
 
-__all__ = ["SLOW_WRITE_ENV", "MergeResult", "MergeReport", "run_merge", "check_unchanged"]
+__all__ = ["SLOW_WRITE_ENV", "MergeReport", "MergeResult", "check_unchanged", "run_merge"]
 
 SLOW_WRITE_ENV = "CKPT_TOOLS_TEST_SLOW_WRITE"
 
@@ -62,21 +64,26 @@ class MergeResult:
 @dataclass(frozen=True)
 class MergeReport:
     """What `ckpt merge` reports: the plan, and what was written (None for a dry run)."""
+
     plan: MergePlan
     result: MergeResult | None = None
 
     def to_json(self) -> dict:
         if self.result is None:
             return {"dry_run": True, "out": self.plan.out, "plan": self.plan.to_json()}
-        return {"dry_run": False, "out": self.plan.out, "result": asdict(self.result),
-                "plan": self.plan.to_json(jobs=False)}
+        return {
+            "dry_run": False,
+            "out": self.plan.out,
+            "result": asdict(self.result),
+            "plan": self.plan.to_json(jobs=False),
+        }
 
 
 def check_unchanged(plan: MergePlan, sources: MergeSources) -> None:
     """The sources still hold what the plan was made from (names, shapes, dtypes, shards)."""
     problems = []
     base = sources.base
-    refs = {base.ref(n): n for n in base.names()}   # a job names its base tensor by `ref` (a DCP key)
+    refs = {base.ref(n): n for n in base.names()}  # a job names its base tensor by `ref` (a DCP key)
     for j in plan.jobs:
         if j.action == "replace":
             try:
@@ -88,13 +95,20 @@ def check_unchanged(plan: MergePlan, sources: MergeSources) -> None:
             continue
         name = refs.get(j.src)
         f = None if name is None else base.facts(name)
-        if f is None or tuple(f.shape) != j.shape or f.dtype != j.src_dtype or \
-                (j.src_file is not None and base.file_of(name) != j.src_file):
+        if (
+            f is None
+            or tuple(f.shape) != j.shape
+            or f.dtype != j.src_dtype
+            or (j.src_file is not None and base.file_of(name) != j.src_file)
+        ):
             # an HF base's jobs name the shard of their tensor
             problems.append(f"{'base' if j.src_file is not None else 'checkpoint'} tensor {j.src}")
     if problems:
-        raise FormatError("the inputs changed since the merge was planned: " + ", ".join(problems[:6]),
-                          path=plan.base_path, hint="plan again (rerun the command)")
+        raise FormatError(
+            "the inputs changed since the merge was planned: " + ", ".join(problems[:6]),
+            path=plan.base_path,
+            hint="plan again (rerun the command)",
+        )
 
 
 def _slow_write_seconds() -> float:
@@ -107,8 +121,14 @@ def _slow_write_seconds() -> float:
         raise UsageError(f"{SLOW_WRITE_ENV}={v!r} is not a number of seconds (a test-only hook)") from None
 
 
-def run_merge(plan: MergePlan, sources: MergeSources, progress: Progress | None = None, *,
-              overwrite: bool = False, group: Group | None = None) -> MergeReport:
+def run_merge(
+    plan: MergePlan,
+    sources: MergeSources,
+    progress: Progress | None = None,
+    *,
+    overwrite: bool = False,
+    group: Group | None = None,
+) -> MergeReport:
     """Write the merged model to `plan.out` (atomically: nothing appears there unless complete).
 
     Under torchrun (`group` from `ckpt_tools.dist.current()`), this rank writes only its share of the
@@ -119,14 +139,17 @@ def run_merge(plan: MergePlan, sources: MergeSources, progress: Progress | None 
     out = Path(plan.out)
     slow = _slow_write_seconds()
     check_unchanged(plan, sources)
-    sources.base.open_all()   # every shard fd now, before worker threads start
+    sources.base.open_all()  # every shard fd now, before worker threads start
     mine = {plan.units[i].file_name for i in group.part.mine([s.data_bytes for s in plan.units])}
     jobs = tuple(j for j in plan.jobs if j.out_file in mine)
-    with SharedOutputDir(out, group, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite) as tmp:
+    with SharedOutputDir(
+        out, group, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite
+    ) as tmp:
         zero, digests = _write_tensors(plan, jobs, sources, tmp, progress, slow, t0)
         # a merge equal to its base is refused before OUT appears: counted over every rank's tensors
         zero.merged, zero.unchanged, zero.zero_factor = group.sum(
-            [zero.merged, zero.unchanged, zero.zero_factor], "the zero-delta check")
+            [zero.merged, zero.unchanged, zero.zero_factor], "the zero-delta check"
+        )
         zero.check(plan)
         every = group.gather(digests, "the shards' sha256")
         if group.leader:
@@ -134,14 +157,22 @@ def run_merge(plan: MergePlan, sources: MergeSources, progress: Progress | None 
             _write_sums(tmp, {k: v for d in every for k, v in d.items()})
     names = tuple(sorted(os.listdir(out)))
     written = sum(os.path.getsize(out / n) for n in names)
-    result = MergeResult(str(out), time.perf_counter() - t0, len(plan.jobs), plan.merged_modules, plan.read_bytes,
-                         written, names, {a: plan.count(a) for a in ("merge", "copy", "cast", "replace")})
+    result = MergeResult(
+        str(out),
+        time.perf_counter() - t0,
+        len(plan.jobs),
+        plan.merged_modules,
+        plan.read_bytes,
+        written,
+        names,
+        {a: plan.count(a) for a in ("merge", "copy", "cast", "replace")},
+    )
     return MergeReport(plan, result)
 
 
 def _write_files(plan: MergePlan, tmp: Path) -> None:
     """The non-tensor files and the index (the leader's, after its shards)."""
-    for f in plan.files:   # read through the input checks, written as new files
+    for f in plan.files:  # read through the input checks, written as new files
         if f.action == "rewrite":
             cfg = read_json(f.src, root=Path(f.src).parent, what="config.json")
             atomic_write_text(tmp / f.name, rewrite_config(cfg, f.changes))
@@ -171,7 +202,7 @@ class _ShardHash:
         self.hasher = WrittenFileHasher(writer.path)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-merge-sha256")
         self.last: Future | None = None
-        self._order = sorted(writer.entries, key=lambda e: e.begin)   # file order
+        self._order = sorted(writer.entries, key=lambda e: e.begin)  # file order
         self._start = writer.data_start
         self._done: set[str] = set()
         self._next = 0
@@ -183,10 +214,13 @@ class _ShardHash:
             self._next += 1
         if self._next == before:
             return
-        end = self._start + (self._order[self._next].begin if self._next < len(self._order) else
-                             self._order[-1].begin + self._order[-1].nbytes)
+        end = self._start + (
+            self._order[self._next].begin
+            if self._next < len(self._order)
+            else self._order[-1].begin + self._order[-1].nbytes
+        )
         if self.last is not None and self.last.done():
-            self.last.result()            # a failed read is raised now
+            self.last.result()  # a failed read is raised now
         self.last = self.thread.submit(self.hasher.hash_to, end)
 
     def finish(self, end: int) -> str:
@@ -205,22 +239,37 @@ def _finish_shard(path: Path, sha: _ShardHash, end: int) -> tuple[str, str]:
     return path.name, digest
 
 
-def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeSources, tmp: Path,
-                   progress: Progress | None, slow: float, t0: float) -> tuple[ZeroDelta, dict[str, str]]:
+def _write_tensors(
+    plan: MergePlan,
+    jobs: tuple[TensorJob, ...],
+    sources: MergeSources,
+    tmp: Path,
+    progress: Progress | None,
+    slow: float,
+    t0: float,
+) -> tuple[ZeroDelta, dict[str, str]]:
     """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally and each
     written shard's sha256."""
     runner = JobRunner(plan, sources)
     total_bytes = sum(j.out_bytes for j in jobs)
     shard_entries = {s.file_name: s for s in plan.shards}
     by_name = {j.name: j for j in jobs}
-    left = {}                                   # jobs of each shard not yet finished
+    left = {}  # jobs of each shard not yet finished
     for j in jobs:
         left[j.out_file] = left.get(j.out_file, 0) + 1
 
     def event(done: int, done_bytes: int, job: TensorJob | None) -> ProgressEvent:
-        return ProgressEvent("merge", done, len(jobs), unit="tensors", name=job.name if job else None,
-                             action=job.action if job else None, bytes_done=done_bytes, bytes_total=total_bytes,
-                             elapsed_s=time.perf_counter() - t0)
+        return ProgressEvent(
+            "merge",
+            done,
+            len(jobs),
+            unit="tensors",
+            name=job.name if job else None,
+            action=job.action if job else None,
+            bytes_done=done_bytes,
+            bytes_total=total_bytes,
+            elapsed_s=time.perf_counter() - t0,
+        )
 
     writers: dict[str, StreamingSafetensorsWriter] = {}
     hashes: dict[str, _ShardHash] = {}
@@ -233,8 +282,9 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             # fsync=False: the flusher fsyncs a closed shard in the background; writeback: the disk
             # starts on each block as it is written, so that fsync finds little left to do and the
             # disk works from the first block, not from the first closed 5 GB shard
-            writers[file_name] = StreamingSafetensorsWriter(tmp / file_name, entries, OUTPUT_METADATA,
-                                                            strict_order=False, fsync=False, writeback=True)
+            writers[file_name] = StreamingSafetensorsWriter(
+                tmp / file_name, entries, OUTPUT_METADATA, strict_order=False, fsync=False, writeback=True
+            )
             hashes[file_name] = _ShardHash(writers[file_name])
         return writers[file_name]
 
@@ -249,29 +299,35 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
     # A finished shard's hash is completed (SHA256SUMS; each shard is hashed behind its writers by its
     # own thread, `_ShardHash`) and it is fsynced by these threads while the next shards are written,
     # so the pipeline does not stall for a whole shard's hash or flush.
-    flusher = ThreadPoolExecutor(max_workers=max(1, min(plan.threads, len(shard_entries))),
-                                 thread_name_prefix="ckpt-merge-fsync")
+    flusher = ThreadPoolExecutor(
+        max_workers=max(1, min(plan.threads, len(shard_entries))), thread_name_prefix="ckpt-merge-fsync"
+    )
     flushes: list[Future] = []
-    pending: dict[int, Future] = {}             # submitted, not yet accounted for in write order
-    running: dict[Future, int] = {}             # submitted and not finished: these hold memory
+    pending: dict[int, Future] = {}  # submitted, not yet accounted for in write order
+    running: dict[Future, int] = {}  # submitted and not finished: these hold memory
     ahead = 0
     done_bytes = 0
     ws = [job_working_bytes(j, plan.base_kind) for j in jobs]
-    budget = window_budget(plan.jobs, plan.threads, plan.base_kind)   # the plan's memory bound, on every rank
+    budget = window_budget(plan.jobs, plan.threads, plan.base_kind)  # the plan's memory bound, on every rank
     in_flight = 0
     try:
         for i, job in enumerate(jobs):
             while True:
-                for f in [f for f in running if f.done()]:   # a finished job holds nothing: its slot is free
+                for f in [f for f in running if f.done()]:  # a finished job holds nothing: its slot is free
                     in_flight -= ws[running.pop(f)]
                     if f.exception() is not None:
-                        f.result()                           # fail now, not when the writer gets there
+                        f.result()  # fail now, not when the writer gets there
                 # at most `threads` jobs running and `budget` bytes of their working sets at once (a
                 # job bigger than the budget runs alone). A slow job (a 1 GB embedding copied) does
                 # not stall the others: those after it run while it does.
-                while ahead < len(jobs) and len(running) < plan.threads and \
-                        (not running or in_flight + ws[ahead] <= budget):
-                    f = pending[ahead] = pool.submit(runner.run, jobs[ahead], writer_for(jobs[ahead].out_file))
+                while (
+                    ahead < len(jobs)
+                    and len(running) < plan.threads
+                    and (not running or in_flight + ws[ahead] <= budget)
+                ):
+                    f = pending[ahead] = pool.submit(
+                        runner.run, jobs[ahead], writer_for(jobs[ahead].out_file)
+                    )
                     running[f] = ahead
                     in_flight += ws[ahead]
                     ahead += 1
@@ -282,7 +338,7 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
             left[job.out_file] -= 1
             if not left[job.out_file]:
                 w = writers.pop(job.out_file)
-                w.close()                 # checks every byte is there; the hash's end and fsync run in the background
+                w.close()  # checks every byte is there; the hash's end and fsync run in the background
                 flushes.append(flusher.submit(_finish_shard, w.path, hashes.pop(job.out_file), w.file_bytes))
             else:
                 hashes[job.out_file].tensor_done(job.name)
@@ -291,13 +347,13 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
                 progress(event(i + 1, done_bytes, job))
             if slow:
                 time.sleep(slow)
-        digests = dict(f.result() for f in flushes)   # every shard is on disk before OUT may be renamed
+        digests = dict(f.result() for f in flushes)  # every shard is on disk before OUT may be renamed
         ok = True
     except BaseException:
         ok = False
         for f in pending.values():
             f.cancel()
-        for w in writers.values():        # a worker still writing finishes into the unlinked file
+        for w in writers.values():  # a worker still writing finishes into the unlinked file
             w.abort()
         for h in hashes.values():
             h.abort()
@@ -306,7 +362,7 @@ def _write_tensors(plan: MergePlan, jobs: tuple[TensorJob, ...], sources: MergeS
         # On an error or a signal, never wait for the workers: each is bounded (one tensor, inputs
         # that cannot block: inputs.open_input refuses FIFOs) and ends on its own, but the command
         # must stop now (a blocking join once kept a merge alive through SIGTERM for 16 minutes).
-        pool.shutdown(wait=ok)            # (the futures not started were cancelled above)
+        pool.shutdown(wait=ok)  # (the futures not started were cancelled above)
         flusher.shutdown(wait=ok)
         torch.set_num_threads(intra_op)
     return runner.zero, digests

@@ -11,6 +11,7 @@ Actions (one per output tensor):
 A plan's work units are its output shards (`MergePlan.units`): each is written from its own jobs
 alone, so ranks could split them and rank 0 commit.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,12 +29,31 @@ from ...formats.safetensors.read import COPY_BLOCK_BYTES
 from ...formats.safetensors.writer import build_header, safetensors_save_order
 from .facts import AdapterFacts, BaseFacts, SourceTensor
 
-__all__ = ["OUTPUT_METADATA", "DEFAULT_MAX_SHARD", "DEFAULT_THREADS", "CASTABLE", "MERGEABLE", "TensorJob", "FileJob",
-           "ShardOut", "MergePlan", "plan_from_facts", "streamed_by_writer", "job_working_bytes", "window_budget", "memory_bound",
-           "MERGE_BLOCK_ELEMS", "MIN_BLOCK_ROWS", "COPY_THROUGH_BLOCK_BYTES", "IN_FLIGHT_FLOOR_BYTES", "IN_FLIGHT_CAP_BYTES",
-           "merge_block_rows", "merge_row_blocks"]
+__all__ = [
+    "CASTABLE",
+    "COPY_THROUGH_BLOCK_BYTES",
+    "DEFAULT_MAX_SHARD",
+    "DEFAULT_THREADS",
+    "IN_FLIGHT_CAP_BYTES",
+    "IN_FLIGHT_FLOOR_BYTES",
+    "MERGEABLE",
+    "MERGE_BLOCK_ELEMS",
+    "MIN_BLOCK_ROWS",
+    "OUTPUT_METADATA",
+    "FileJob",
+    "MergePlan",
+    "ShardOut",
+    "TensorJob",
+    "job_working_bytes",
+    "memory_bound",
+    "merge_block_rows",
+    "merge_row_blocks",
+    "plan_from_facts",
+    "streamed_by_writer",
+    "window_budget",
+]
 
-OUTPUT_METADATA = {"format": "pt"}          # what transformers' save_pretrained writes
+OUTPUT_METADATA = {"format": "pt"}  # what transformers' save_pretrained writes
 DEFAULT_MAX_SHARD = "5GB"
 # Workers ahead of the writer: 2 on a small machine, up to 4 where cores are idle. Measured on a
 # 16-core host (docs/benchmarks.md): 2 workers 1.30x the I/O floor, 4 workers 1.10x, 8 workers 1.09x
@@ -62,10 +82,10 @@ MERGEABLE = ("bfloat16", "float16", "float32")
 
 @dataclass(frozen=True)
 class TensorJob:
-    name: str                  # output tensor name
-    action: str                # copy | cast | merge | replace
-    src: str                   # HF name / DCP key of the base tensor, or the adapter key (replace)
-    src_file: str | None       # HF base shard file holding `src`; None for DCP or adapter sources
+    name: str  # output tensor name
+    action: str  # copy | cast | merge | replace
+    src: str  # HF name / DCP key of the base tensor, or the adapter key (replace)
+    src_file: str | None  # HF base shard file holding `src`; None for DCP or adapter sources
     src_dtype: str
     shape: tuple[int, ...]
     out_dtype: str
@@ -87,23 +107,23 @@ class TensorJob:
 
 @dataclass(frozen=True)
 class FileJob:
-    name: str                  # file name in OUT
-    src: str                   # absolute source path
-    action: str                # "copy" (bytes verbatim) | "rewrite" (config.json with `changes`)
-    changes: tuple[tuple[str, object, object], ...] = ()   # (field, old, new)
+    name: str  # file name in OUT
+    src: str  # absolute source path
+    action: str  # "copy" (bytes verbatim) | "rewrite" (config.json with `changes`)
+    changes: tuple[tuple[str, object, object], ...] = ()  # (field, old, new)
 
 
 @dataclass(frozen=True)
 class ShardOut:
     file_name: str
-    tensors: tuple[str, ...]   # in the file's layout order (safetensors save order)
+    tensors: tuple[str, ...]  # in the file's layout order (safetensors save order)
     data_bytes: int
-    file_bytes: int            # header included
+    file_bytes: int  # header included
 
 
 @dataclass(frozen=True)
 class MergePlan:
-    out: str                               # where the merged model goes (not in to_json: the report says it)
+    out: str  # where the merged model goes (not in to_json: the report says it)
     base_kind: str
     base_path: str
     adapter_kind: str
@@ -114,21 +134,21 @@ class MergePlan:
     out_dtype: str
     max_shard_bytes: int
     threads: int
-    jobs: tuple[TensorJob, ...]            # in write order
+    jobs: tuple[TensorJob, ...]  # in write order
     shards: tuple[ShardOut, ...]
-    index: dict | None                     # model.safetensors.index.json content, None for one shard
+    index: dict | None  # model.safetensors.index.json content, None for one shard
     files: tuple[FileJob, ...]
-    omitted: tuple[tuple[str, str], ...]   # (base tensor, why it is not written)
-    tie_word_embeddings: tuple[object, object]   # (in the config, in the output config)
+    omitted: tuple[tuple[str, str], ...]  # (base tensor, why it is not written)
+    tie_word_embeddings: tuple[object, object]  # (in the config, in the output config)
     read_bytes: int
     write_bytes: int
     memory_bound_bytes: int
     total_parameters: int
     warnings: tuple[str, ...] = ()
-    inputs: tuple[str, ...] = ()           # paths OUT must not be inside
-    out_dtype_reason: str = ""             # why this output dtype (merge_guards.default_out_dtype)
-    allow_zero_delta: bool = False         # a merge equal to the base is written, not refused
-    masters_checked: dict | None = None    # DCP adapter + HF base: the master rows compared with the base
+    inputs: tuple[str, ...] = ()  # paths OUT must not be inside
+    out_dtype_reason: str = ""  # why this output dtype (merge_guards.default_out_dtype)
+    allow_zero_delta: bool = False  # a merge equal to the base is written, not refused
+    masters_checked: dict | None = None  # DCP adapter + HF base: the master rows compared with the base
 
     @property
     def merged_modules(self) -> int:
@@ -152,9 +172,17 @@ class MergePlan:
         return d
 
 
-def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_shard_bytes: int,
-                    threads: int = DEFAULT_THREADS, trust_pickle: bool = False, plan_shards=plan_shards,
-                    out: str = "") -> MergePlan:
+def plan_from_facts(
+    base: BaseFacts,
+    adapter: AdapterFacts,
+    *,
+    out_dtype,
+    max_shard_bytes: int,
+    threads: int = DEFAULT_THREADS,
+    trust_pickle: bool = False,
+    plan_shards=plan_shards,
+    out: str = "",
+) -> MergePlan:
     """The whole merge as data, from facts alone (pure). Raises one FormatError listing every problem
     (unmatched modules, shape mismatches, conflicts) before a byte of tensor data is read. `out_dtype`:
     a dtype name (or a torch dtype); `plan_shards`: the shard splitter (huggingface_hub's rule)."""
@@ -169,9 +197,12 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
     if base.config and base.config.get("quantization_config"):
         qc = base.config["quantization_config"]
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        raise FormatError(f"the base is quantized (quantization_config, quant_method {method!r}); merging "
-                          "a LoRA into quantized weights is not exact", path=base.config_path,
-                          hint="merge into the unquantized (bf16) base model, then quantize the result")
+        raise FormatError(
+            f"the base is quantized (quantization_config, quant_method {method!r}); merging "
+            "a LoRA into quantized weights is not exact",
+            path=base.config_path,
+            hint="merge into the unquantized (bf16) base model, then quantize the result",
+        )
 
     pair, tie_flag = tied_pair(base.config, set(by_name))
     lora_by_target = {m.module + ".weight": m for m in adapter.modules}
@@ -190,19 +221,25 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
 
     not_linear = sorted(t for t in lora_by_target if base_for(t) is not None and len(base_for(t).shape) != 2)
     if not_linear:
-        raise FormatError(f"{len(not_linear)} LoRA module(s) target a weight that is not a 2-D linear weight: "
-                          + ", ".join(f"{t} {list(base_for(t).shape)}" for t in not_linear[:8])
-                          + ": B @ A is a matrix, a LoRA cannot apply to it", path=adapter.path, key=not_linear[0],
-                          hint="drop these modules from the adapter (keys and target_modules); a trained norm or "
-                               "embedding belongs in modules_to_save as a full tensor")
+        raise FormatError(
+            f"{len(not_linear)} LoRA module(s) target a weight that is not a 2-D linear weight: "
+            + ", ".join(f"{t} {list(base_for(t).shape)}" for t in not_linear[:8])
+            + ": B @ A is a matrix, a LoRA cannot apply to it",
+            path=adapter.path,
+            key=not_linear[0],
+            hint="drop these modules from the adapter (keys and target_modules); a trained norm or "
+            "embedding belongs in modules_to_save as a full tensor",
+        )
     modified: set[str] = set()
     for target, m in sorted(lora_by_target.items()):
         src = base_for(target)
         if src is None:
             continue
         if src.dtype not in MERGEABLE:
-            problems.append(f"{target}: base weight is {src.dtype}; a LoRA merges only into bf16/fp16/fp32 "
-                            "weights (dequantize the base first)")
+            problems.append(
+                f"{target}: base weight is {src.dtype}; a LoRA merges only into bf16/fp16/fp32 "
+                "weights (dequantize the base first)"
+            )
             continue
         try:
             check_shapes(src.shape, m.a_shape, m.b_shape, fan_in_fan_out=m.fan_in_fan_out, name=target)
@@ -215,23 +252,36 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
         if src is None:
             continue
         if tuple(f.shape) != tuple(src.shape):
-            problems.append(f"{name}: modules_to_save tensor is {list(f.shape)}, the base's is {list(src.shape)}")
+            problems.append(
+                f"{name}: modules_to_save tensor is {list(f.shape)}, the base's is {list(src.shape)}"
+            )
             continue
         modified.add(name)
     unmatched = sorted(n for n in list(lora_by_target) + list(full_by_name) if base_for(n) is None)
     if unmatched:
         sample = ", ".join(sorted(by_name)[:3])
-        problems.append(f"{len(unmatched)} adapter target(s) have no base weight: "
-                        + ", ".join(unmatched[:8]) + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
-                        + f" (base names look like: {sample})")
+        problems.append(
+            f"{len(unmatched)} adapter target(s) have no base weight: "
+            + ", ".join(unmatched[:8])
+            + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
+            + f" (base names look like: {sample})"
+        )
     if problems:
-        raise FormatError("the adapter does not fit this base: " + "; ".join(problems), path=adapter.path,
-                          hint="merge into the base model the adapter was trained on")
-    if not modified and adapter.kind != "none":   # "none": a full fine-tune's export, the base is the trained model
-        raise FormatError("the adapter holds no LoRA module or modules_to_save tensor: merging it would write "
-                          "the base back unchanged", path=adapter.path,
-                          hint="check that this is the trained adapter (a 'merged' model identical to the base "
-                               "is the bug this refuses to ship)")
+        raise FormatError(
+            "the adapter does not fit this base: " + "; ".join(problems),
+            path=adapter.path,
+            hint="merge into the base model the adapter was trained on",
+        )
+    if (
+        not modified and adapter.kind != "none"
+    ):  # "none": a full fine-tune's export, the base is the trained model
+        raise FormatError(
+            "the adapter holds no LoRA module or modules_to_save tensor: merging it would write "
+            "the base back unchanged",
+            path=adapter.path,
+            hint="check that this is the trained adapter (a 'merged' model identical to the base "
+            "is the bug this refuses to ship)",
+        )
 
     # Tied embeddings: write both and untie when one side changes; omit a DCP's duplicate otherwise.
     out_names: list[str] = [t.name for t in base.tensors]
@@ -246,10 +296,16 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
             if out_e not in by_name:
                 materialize = out_e
                 out_names.append(out_e)
-            why = ("modified" if out_e in modified else "unchanged") + f" {out_e} and " + \
-                ("modified" if in_e in modified else "unchanged") + f" {in_e}"
-            warnings.append(f"tied embeddings diverge ({why}): both are written and config.json gets "
-                            "tie_word_embeddings=false")
+            why = (
+                ("modified" if out_e in modified else "unchanged")
+                + f" {out_e} and "
+                + ("modified" if in_e in modified else "unchanged")
+                + f" {in_e}"
+            )
+            warnings.append(
+                f"tied embeddings diverge ({why}): both are written and config.json gets "
+                "tie_word_embeddings=false"
+            )
         elif out_e in by_name and tie_flag is True and base.kind == "dcp":
             # FSDP state dicts carry the tied parameter under both names; HF files hold it once.
             out_names.remove(out_e)
@@ -259,62 +315,116 @@ def plan_from_facts(base: BaseFacts, adapter: AdapterFacts, *, out_dtype, max_sh
     proto: dict[str, dict] = {}
     for name in out_names:
         src = base_for(name) if name == materialize else by_name[name]
-        common = dict(src=src.key, src_file=src.file, src_dtype=src.dtype, shape=tuple(src.shape),
-                      note=f"materialized from {src.name} (tied in the base)"
-                      if name == materialize and name not in full_by_name else None)
+        common = dict(
+            src=src.key,
+            src_file=src.file,
+            src_dtype=src.dtype,
+            shape=tuple(src.shape),
+            note=f"materialized from {src.name} (tied in the base)"
+            if name == materialize and name not in full_by_name
+            else None,
+        )
         numel = math.prod(src.shape)
         if name in lora_by_target:
             m = lora_by_target[name]
-            proto[name] = dict(common, action="merge", out_dtype=out_dt, module=m.module, rank=m.rank,
-                               scale=m.scale, fan_in_fan_out=m.fan_in_fan_out, lora_a=m.a_key, lora_b=m.b_key,
-                               read_bytes=numel * itemsize(src.dtype) + (math.prod(m.a_shape) + math.prod(m.b_shape))
-                               * 4)
+            proto[name] = dict(
+                common,
+                action="merge",
+                out_dtype=out_dt,
+                module=m.module,
+                rank=m.rank,
+                scale=m.scale,
+                fan_in_fan_out=m.fan_in_fan_out,
+                lora_a=m.a_key,
+                lora_b=m.b_key,
+                read_bytes=numel * itemsize(src.dtype) + (math.prod(m.a_shape) + math.prod(m.b_shape)) * 4,
+            )
         elif name in full_by_name:
             f = full_by_name[name]
-            proto[name] = dict(common, action="replace", src=f.key, src_file=None, src_dtype=f.dtype,
-                               out_dtype=out_dt if f.dtype in CASTABLE else f.dtype,
-                               read_bytes=numel * itemsize(f.dtype))
+            proto[name] = dict(
+                common,
+                action="replace",
+                src=f.key,
+                src_file=None,
+                src_dtype=f.dtype,
+                out_dtype=out_dt if f.dtype in CASTABLE else f.dtype,
+                read_bytes=numel * itemsize(f.dtype),
+            )
         else:
             castable = src.dtype in CASTABLE and src.dtype != out_dt
-            proto[name] = dict(common, action="cast" if castable else "copy",
-                               out_dtype=out_dt if castable else src.dtype, read_bytes=numel * itemsize(src.dtype))
+            proto[name] = dict(
+                common,
+                action="cast" if castable else "copy",
+                out_dtype=out_dt if castable else src.dtype,
+                read_bytes=numel * itemsize(src.dtype),
+            )
         proto[name]["out_bytes"] = numel * itemsize(proto[name]["out_dtype"])
 
     split = plan_shards([(n, proto[n]["out_bytes"]) for n in out_names], max_shard_bytes)
     jobs: list[TensorJob] = []
     shards: list[ShardOut] = []
     for spec in split.shards:
-        entries = safetensors_save_order([(n, safetensors_code(proto[n]["out_dtype"]), proto[n]["shape"])
-                                          for n in spec.tensor_names])
+        entries = safetensors_save_order(
+            [(n, safetensors_code(proto[n]["out_dtype"]), proto[n]["shape"]) for n in spec.tensor_names]
+        )
         header = build_header(entries, OUTPUT_METADATA)
-        shards.append(ShardOut(spec.file_name, tuple(e[0] for e in entries), spec.nbytes, len(header) + spec.nbytes))
+        shards.append(
+            ShardOut(spec.file_name, tuple(e[0] for e in entries), spec.nbytes, len(header) + spec.nbytes)
+        )
         for e in entries:
             jobs.append(TensorJob(name=e[0], out_file=spec.file_name, **proto[e[0]]))
     total_parameters = sum(j.numel for j in jobs)
     index = None
     if split.is_sharded:
-        index = {"metadata": {"total_parameters": total_parameters, "total_size": split.total_size_bytes},
-                 "weight_map": dict(sorted(split.weight_map.items()))}
+        index = {
+            "metadata": {"total_parameters": total_parameters, "total_size": split.total_size_bytes},
+            "weight_map": dict(sorted(split.weight_map.items())),
+        }
 
     files, tie_change = _plan_files(base, out_dt, tie_out)
     if base.config is None:
-        warnings.append(f"{base.path} has no config.json: the output will hold weights only and transformers "
-                        "cannot load it without one")
+        warnings.append(
+            f"{base.path} has no config.json: the output will hold weights only and transformers "
+            "cannot load it without one"
+        )
     read_bytes = sum(j.read_bytes for j in jobs)
     index_bytes = len(index_json(index)) if index else 0
     sizes = dict(base.files)
-    write_bytes = sum(s.file_bytes for s in shards) + index_bytes + \
-        sum(sizes[f.src] + (256 if f.action == "rewrite" else 0) for f in files)
+    write_bytes = (
+        sum(s.file_bytes for s in shards)
+        + index_bytes
+        + sum(sizes[f.src] + (256 if f.action == "rewrite" else 0) for f in files)
+    )
     return MergePlan(
-        out=str(out), base_kind=base.kind, base_path=base.path, adapter_kind=adapter.kind, adapter_path=adapter.path,
-        adapter=adapter.describe, slot=adapter.slot, trust_pickle=trust_pickle, out_dtype=out_dt,
-        max_shard_bytes=max_shard_bytes, threads=threads, jobs=tuple(jobs), shards=tuple(shards), index=index,
-        files=files, omitted=tuple(omitted), tie_word_embeddings=(tie_flag, tie_change),
-        read_bytes=read_bytes, write_bytes=write_bytes,
+        out=str(out),
+        base_kind=base.kind,
+        base_path=base.path,
+        adapter_kind=adapter.kind,
+        adapter_path=adapter.path,
+        adapter=adapter.describe,
+        slot=adapter.slot,
+        trust_pickle=trust_pickle,
+        out_dtype=out_dt,
+        max_shard_bytes=max_shard_bytes,
+        threads=threads,
+        jobs=tuple(jobs),
+        shards=tuple(shards),
+        index=index,
+        files=files,
+        omitted=tuple(omitted),
+        tie_word_embeddings=(tie_flag, tie_change),
+        read_bytes=read_bytes,
+        write_bytes=write_bytes,
         memory_bound_bytes=memory_bound(jobs, threads, adapter.resident_bytes, base.kind),
-        total_parameters=total_parameters, warnings=tuple(warnings),
-        inputs=tuple(sorted({base.path, adapter.path} | ({str(Path(base.config_path).parent)}
-                                                          if base.config_path else set()))))
+        total_parameters=total_parameters,
+        warnings=tuple(warnings),
+        inputs=tuple(
+            sorted(
+                {base.path, adapter.path}
+                | ({str(Path(base.config_path).parent)} if base.config_path else set())
+            )
+        ),
+    )
 
 
 def streamed_by_writer(job: TensorJob, base_kind: str) -> bool:
@@ -352,15 +462,19 @@ def job_working_bytes(job: TensorJob, base_kind: str) -> int:
         # rows + the fp32 product + the output rows; and the fp32 A, B, held for the whole tensor
         block_rows = min(rows, merge_block_rows(job.shape) + MIN_BLOCK_ROWS - 1)
         factors = job.read_bytes - job.numel * itemsize(job.src_dtype)
-        return block_rows * (job.numel // max(1, rows)) * (itemsize(job.src_dtype) + 4 + itemsize(job.out_dtype)) \
+        return (
+            block_rows * (job.numel // max(1, rows)) * (itemsize(job.src_dtype) + 4 + itemsize(job.out_dtype))
             + factors
+        )
     if job.action == "copy" and base_kind == "hf":
-        return min(job.out_bytes, COPY_THROUGH_BLOCK_BYTES)   # 0 by copy_file_range; the fallback's buffer
+        return min(job.out_bytes, COPY_THROUGH_BLOCK_BYTES)  # 0 by copy_file_range; the fallback's buffer
     if streamed_by_writer(job, base_kind):
         row_bytes = max(1, job.read_bytes // rows)
         block = max(1, COPY_BLOCK_BYTES // row_bytes) * row_bytes
-        return min(job.read_bytes, block) + min(job.out_bytes, block * job.out_bytes // max(1, job.read_bytes))
-    return job.read_bytes + job.out_bytes                  # read whole
+        return min(job.read_bytes, block) + min(
+            job.out_bytes, block * job.out_bytes // max(1, job.read_bytes)
+        )
+    return job.read_bytes + job.out_bytes  # read whole
 
 
 def window_budget(jobs, threads: int, base_kind: str) -> int:
@@ -377,7 +491,7 @@ def memory_bound(jobs, threads: int, adapter_resident: int, base_kind: str) -> i
     ws = sorted((job_working_bytes(j, base_kind) for j in jobs), reverse=True)
     budget = window_budget(jobs, threads, base_kind)
     together = 0
-    for w in ws[:threads]:   # the largest `threads` that fit the budget together
+    for w in ws[:threads]:  # the largest `threads` that fit the budget together
         if together + w > budget and together:
             break
         together += w

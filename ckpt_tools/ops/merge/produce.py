@@ -17,6 +17,7 @@ Every job writes its own tensor into its shard's writer at the tensor's precompu
 
 Memory per worker: its block buffers (reused across jobs: no page faults per tensor), not its tensor.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,7 +46,7 @@ class JobRunner:
         self.plan = plan
         self.sources = sources
         self._local = threading.local()
-        self.zero = ZeroDelta()   # merged tensors that came out equal to their base
+        self.zero = ZeroDelta()  # merged tensors that came out equal to their base
         # the base's name of each job's source (a DCP base names tensors by HF name, jobs by DCP key)
         base = sources.base
         self._name = {base.ref(n): n for n in base.names()}
@@ -65,12 +66,12 @@ class JobRunner:
         if buf is None or buf.numel() < n:
             bufs[role] = None
             buf = bufs[role] = torch.empty(n, dtype=torch.uint8)
-        return buf[:math.prod(shape) * dt.itemsize].view(dt).view(shape)
+        return buf[: math.prod(shape) * dt.itemsize].view(dt).view(shape)
 
     def run(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
         if job.action == "merge":
             self._merge(job, writer)
-        elif job.action == "copy" and job.src_file is not None:   # an HF base's tensor: its shard's bytes
+        elif job.action == "copy" and job.src_file is not None:  # an HF base's tensor: its shard's bytes
             self._copy_through(job, writer)
         elif streamed_by_writer(job, self.plan.base_kind):
             self._cast_rows(job, writer)
@@ -81,23 +82,33 @@ class JobRunner:
     def _merge(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
         a = self.sources.adapter.read_ref(job.lora_a).to(torch.float32)
         b = self.sources.adapter.read_ref(job.lora_b).to(torch.float32)
-        check_shapes(job.shape, tuple(a.shape), tuple(b.shape), fan_in_fan_out=job.fan_in_fan_out, name=job.name)
+        check_shapes(
+            job.shape, tuple(a.shape), tuple(b.shape), fan_in_fan_out=job.fan_in_fan_out, name=job.name
+        )
         zero_factor = not bool(a.any()) or not bool(b.any())
-        rows, cols = job.shape
+        _rows, cols = job.shape
         unchanged, bad = True, 0
         base, name = self.sources.base, self.base_name(job)
-        if not job.out_bytes:             # no rows to merge: an empty tensor, equal to its base
+        if not job.out_bytes:  # no rows to merge: an empty tensor, equal to its base
             writer.write(job.name, b"")
         for s, n in merge_row_blocks(job.shape):
             w = self._buffer("weight", job.src_dtype, (n, cols))
             base.read_into(name, w, rows=(s, n))
             out = self._buffer("out", job.out_dtype, (n, cols))
-            a_rows, b_rows = (a[:, s:s + n], b) if job.fan_in_fan_out else (a, b[s:s + n])
+            a_rows, b_rows = (a[:, s : s + n], b) if job.fan_in_fan_out else (a, b[s : s + n])
             try:
-                merge_weight_into(out, w, a_rows, b_rows, job.scale, fan_in_fan_out=job.fan_in_fan_out,
-                                  name=job.name, scratch=self._buffer("product", torch.float32, (n * cols,)))
+                merge_weight_into(
+                    out,
+                    w,
+                    a_rows,
+                    b_rows,
+                    job.scale,
+                    fan_in_fan_out=job.fan_in_fan_out,
+                    name=job.name,
+                    scratch=self._buffer("product", torch.float32, (n * cols,)),
+                )
             except FormatError:
-                block_bad = count_nonfinite(out)   # the block is complete; count every block before the error
+                block_bad = count_nonfinite(out)  # the block is complete; count every block before the error
                 if not block_bad:
                     raise
                 bad += block_bad
@@ -115,15 +126,21 @@ class JobRunner:
         e = writer.declared(job.name)
         f = base.facts(name)
         if (dtype_name(f.dtype), tuple(f.shape)) != (job.out_dtype, e.shape):
-            raise FormatError(f"declared {e.dtype}{list(e.shape)} but the source {base.path} holds "
-                              f"{f.dtype}{list(f.shape)}", path=writer.path, key=job.name)
+            raise FormatError(
+                f"declared {e.dtype}{list(e.shape)} but the source {base.path} holds "
+                f"{f.dtype}{list(f.shape)}",
+                path=writer.path,
+                key=job.name,
+            )
         if f.nbytes == 0:
             writer.write(job.name, b"")
             return
         r = base.copy_range(name)
-        if r is None:   # not stored as one range: read and write it
+        if r is None:  # not stored as one range: read and write it
             return self._cast_rows(job, writer) if job.shape and job.shape[0] else self._whole(job, writer)
-        writer.copy_range_from(job.name, r.fd, r.offset, r.nbytes, path=r.path, block_bytes=COPY_THROUGH_BLOCK_BYTES)
+        writer.copy_range_from(
+            job.name, r.fd, r.offset, r.nbytes, path=r.path, block_bytes=COPY_THROUGH_BLOCK_BYTES
+        )
 
     def _cast_rows(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
         """A copy or cast of any base tensor with rows, in blocks of about COPY_BLOCK_BYTES of the source:
@@ -138,8 +155,11 @@ class JobRunner:
         for s in range(0, rows, step):
             block = self.sources.base.read_rows(name, s, min(step, rows - s))
             out = block if block.dtype == out_dt else block.to(out_dt)
-            if job.action == "cast" and out.is_floating_point() and \
-                    not math.isfinite(float(out.sum(dtype=torch.float32))):
+            if (
+                job.action == "cast"
+                and out.is_floating_point()
+                and not math.isfinite(float(out.sum(dtype=torch.float32)))
+            ):
                 bad += int((~torch.isfinite(out)).sum())
             writer.write_chunk(job.name, tensor_bytes(out.contiguous()))
             del block, out
@@ -153,13 +173,19 @@ class JobRunner:
         else:
             src = self.sources.base.read_tensor(self.base_name(job))
         out = src.contiguous() if job.action == "copy" else src.to(torch_dtype(job.out_dtype)).contiguous()
-        if job.action != "copy" and out.is_floating_point() and not math.isfinite(float(out.sum(dtype=torch.float32))) \
-                and not bool(torch.isfinite(out).all()):
+        if (
+            job.action != "copy"
+            and out.is_floating_point()
+            and not math.isfinite(float(out.sum(dtype=torch.float32)))
+            and not bool(torch.isfinite(out).all())
+        ):
             raise _overflow_error(int((~torch.isfinite(out)).sum()), job)
         writer.write(job.name, out)
 
 
 def _overflow_error(bad: int, job: TensorJob) -> FormatError:
-    return FormatError(f"{bad} value(s) are not finite after conversion to {job.out_dtype}", key=job.name,
-                       hint="the tensor overflows this dtype; use --dtype bf16 or fp32")
-
+    return FormatError(
+        f"{bad} value(s) are not finite after conversion to {job.out_dtype}",
+        key=job.name,
+        hint="the tensor overflows this dtype; use --dtype bf16 or fp32",
+    )

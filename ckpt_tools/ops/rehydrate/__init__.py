@@ -12,11 +12,27 @@ in the exact original chunk layout and rank files recorded in the manifest, or a
 plan (`plan`) -> run (`run`): the items registered in order, their bytes made by a pool of workers
 (`pipeline`, `rebuild`: blocks of rows, `blocks`) within one memory budget, whatever the number of workers.
 """
+
 from __future__ import annotations
 
-from .plan import (RebuildItem, RehydrateOptions, RehydratePlan, RehydrateSources, open_rehydrate_sources,
-                   plan_rehydrate)
+from .plan import (
+    RebuildItem,
+    RehydrateOptions,
+    RehydratePlan,
+    RehydrateSources,
+    open_rehydrate_sources,
+    plan_rehydrate,
+)
 from .run import RehydrateReport, RehydrateResult, run_rehydrate
 
-__all__ = ["RehydrateOptions", "RehydrateSources", "open_rehydrate_sources", "RebuildItem", "RehydratePlan",
-           "RehydrateResult", "RehydrateReport", "plan_rehydrate", "run_rehydrate"]
+__all__ = [
+    "RebuildItem",
+    "RehydrateOptions",
+    "RehydratePlan",
+    "RehydrateReport",
+    "RehydrateResult",
+    "RehydrateSources",
+    "open_rehydrate_sources",
+    "plan_rehydrate",
+    "run_rehydrate",
+]

@@ -1,4 +1,5 @@
-"""A rebuilt tensor cut into blocks of whole rows (pure: plain facts in, a frozen layout out; no I/O, no torch).
+"""A rebuilt tensor cut into blocks of whole rows (pure: plain facts in, a frozen layout out; no I/O, no
+torch).
 
 Every output chunk item of a rebuilt tensor is written streamed (`formats.dcp.stream_item`): its payload is
 the row-major bytes of its box of the tensor. A block is rows [start, start + rows) of the whole tensor (all
@@ -9,17 +10,28 @@ split, the block's columns of that chunk gathered). Blocks are cut at every chun
 chunk's (`Segment`: a manifest CRC-32) row boundary, so each block lies inside each, and the CRC-32 of a
 chunk or a segment is its blocks' joined in order (`core.crc.crc32_combine`). Blocks are independent:
 any thread may make any of them, in any order."""
+
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
-__all__ = ["OutChunk", "Piece", "Block", "TensorLayout", "tensor_layout", "rows_per_block", "row_blocks_in_order"]
+__all__ = [
+    "Block",
+    "OutChunk",
+    "Piece",
+    "TensorLayout",
+    "row_blocks_in_order",
+    "rows_per_block",
+    "tensor_layout",
+]
 
 
 @dataclass(frozen=True)
 class OutChunk:
     """One output chunk item: its box (offsets, sizes) and data file index, its payload's bytes per row."""
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file_index: int
@@ -45,6 +57,7 @@ class OutChunk:
 @dataclass(frozen=True)
 class Piece:
     """Bytes [at, at + nbytes) of output chunk `chunk`'s payload, made from one block."""
+
     chunk: int
     at: int
     nbytes: int
@@ -52,19 +65,19 @@ class Piece:
 
 @dataclass(frozen=True)
 class Block:
-    index: int                      # in the tensor's blocks, which are in row order
-    start: int                      # first row
+    index: int  # in the tensor's blocks, which are in row order
+    start: int  # first row
     rows: int
-    pieces: tuple[Piece, ...]       # of every non-empty output chunk whose rows these are
-    segments: tuple[int, ...]       # the segments (original chunks) these rows lie in
+    pieces: tuple[Piece, ...]  # of every non-empty output chunk whose rows these are
+    segments: tuple[int, ...]  # the segments (original chunks) these rows lie in
 
 
 @dataclass(frozen=True)
 class TensorLayout:
     rows: int
-    row_bytes: int                  # bytes of one row of the whole tensor, in the output dtype
-    chunks: tuple[OutChunk, ...]    # in write order
-    row_blocks: bool                # dim-0 row blocks: a block's bytes are its one piece's
+    row_bytes: int  # bytes of one row of the whole tensor, in the output dtype
+    chunks: tuple[OutChunk, ...]  # in write order
+    row_blocks: bool  # dim-0 row blocks: a block's bytes are its one piece's
     blocks: tuple[Block, ...]
 
     def chunk_blocks(self, chunk: int) -> tuple[int, ...]:
@@ -76,7 +89,7 @@ class TensorLayout:
 
 
 def rows_per_block(row_bytes: int, block_bytes: int) -> int:
-    """Whole rows in a block of at most `block_bytes` (at least one row: a row larger than that is a block)."""
+    """Whole rows in a block of at most `block_bytes` (at least one: a row larger than that is a block)."""
     return max(1, block_bytes // max(1, row_bytes))
 
 
@@ -99,11 +112,14 @@ def row_blocks_in_order(shape: tuple[int, ...], chunks):
     return chunks if expect == shape[0] else None
 
 
-def tensor_layout(shape: tuple[int, ...], itemsize: int, chunks, segments, block_bytes: int) -> TensorLayout | None:
+def tensor_layout(
+    shape: tuple[int, ...], itemsize: int, chunks, segments, block_bytes: int
+) -> TensorLayout | None:
     """The blocks of a tensor of `shape` (elements of `itemsize` bytes) written as `chunks` ((offsets, sizes,
     file index), in the order the sequential writer writes them; row blocks are sorted by row, empty ones
     where they fall), checked against `segments` (`Segment`s: start, rows; or None), each block at most
-    `block_bytes` of the output (one row at least). None for a scalar or an empty tensor (nothing to stream)."""
+    `block_bytes` of the output (one row at least). None for a scalar or an empty tensor (nothing to
+    stream)."""
     if not shape or shape[0] == 0 or math.prod(shape) == 0:
         return None
     rows = shape[0]
@@ -122,11 +138,16 @@ def tensor_layout(shape: tuple[int, ...], itemsize: int, chunks, segments, block
     step = rows_per_block(row_bytes, block_bytes)
     blocks = []
     edges = sorted(x for x in cuts if 0 <= x <= rows)
-    for lo, hi in zip(edges, edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         for start in range(lo, hi, step):
             n = min(step, hi - start)
-            pieces = tuple(Piece(i, (start - c.start) * c.row_bytes, n * c.row_bytes) for i, c in enumerate(out)
-                           if not c.empty and c.start <= start and start + n <= c.start + c.rows)
-            inside = tuple(j for j, g in enumerate(segs) if g.start <= start and start + n <= g.start + g.rows)
+            pieces = tuple(
+                Piece(i, (start - c.start) * c.row_bytes, n * c.row_bytes)
+                for i, c in enumerate(out)
+                if not c.empty and c.start <= start and start + n <= c.start + c.rows
+            )
+            inside = tuple(
+                j for j, g in enumerate(segs) if g.start <= start and start + n <= g.start + g.rows
+            )
             blocks.append(Block(len(blocks), start, n, pieces, inside))
     return TensorLayout(rows, row_bytes, out, row_blocks, tuple(blocks))

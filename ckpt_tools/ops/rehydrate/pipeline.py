@@ -14,25 +14,26 @@ holds finished blocks until their turn: they were admitted before any block they
 Buffers are reused, most recently used first, so their pages stay resident: no page fault and no zeroing
 per block (a fresh 64 MiB block per read cost the 8B rehydrate 7.5 million minor faults).
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ...core.budget import ByteBudget
 from ...core.pool import DaemonPool, one_intra_op_thread
 
-__all__ = ["SLOT_BYTES", "BUDGET_BYTES", "Hold", "Pipeline"]
+__all__ = ["BUDGET_BYTES", "SLOT_BYTES", "Hold", "Pipeline"]
 
-SLOT_BYTES = 12 << 20            # one block in flight: 8 MiB of fp32 rows + their 4 MiB of bf16 base rows
-BUDGET_BYTES = 16 * SLOT_BYTES   # every block in flight at once: 192 MiB, for any number of workers
+SLOT_BYTES = 12 << 20  # one block in flight: 8 MiB of fp32 rows + their 4 MiB of bf16 base rows
+BUDGET_BYTES = 16 * SLOT_BYTES  # every block in flight at once: 192 MiB, for any number of workers
 
 
 class Hold:
     """A unit's share of the budget and, once asked for, its buffer; released exactly once (by the unit, by
     whoever it handed its bytes to, or by the pipeline when it fails)."""
 
-    def __init__(self, pipe: "Pipeline", held: int, buffer_bytes: int):
+    def __init__(self, pipe: Pipeline, held: int, buffer_bytes: int):
         self._pipe, self._held, self._buffer_bytes = pipe, held, buffer_bytes
         self._buf: memoryview | None = None
         self._released = False
@@ -70,7 +71,7 @@ class Pipeline:
         self._idle = threading.Condition(self.lock)
         self._free: list[memoryview] = []
         self._outstanding = 0
-        self.buffers_made = 0              # slots allocated (tests: the working set actually used)
+        self.buffers_made = 0  # slots allocated (tests: the working set actually used)
         self.error: BaseException | None = None
         self._pool = DaemonPool(threads, "ckpt-rehydrate", initializer=one_intra_op_thread)
 
@@ -79,7 +80,9 @@ class Pipeline:
 
     # ---------------------------------------------------------------- buffers
     def take_buffer(self, nbytes: int) -> memoryview:
-        if nbytes > self.slot_bytes:   # a row larger than a slot: its own buffer (it holds its bytes of the budget)
+        if (
+            nbytes > self.slot_bytes
+        ):  # a row larger than a slot: its own buffer (it holds its bytes of the budget)
             return memoryview(bytearray(nbytes))
         with self.lock:
             if self._free:
@@ -119,7 +122,7 @@ class Pipeline:
                 fn(hold)
             else:
                 hold.release()
-        except BaseException as exc:   # kept for the main thread, which raises it
+        except BaseException as exc:  # kept for the main thread, which raises it
             hold.release()
             with self.lock:
                 if self.error is None:

@@ -4,6 +4,7 @@ the dropped tensors rebuilt from the base (their chunk layout, the base tensor e
 identifies it: each original chunk's CRC-32 and/or the whole tensor's sha256), the data files (the work
 units of the ranks), and the workers and memory bound of the run (`pipeline`).
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,17 @@ from ...formats.slim.partition import base_identity, map_to_base
 from ...formats.slim.rowcheck import Segment, segments_of
 from .pipeline import BUDGET_BYTES
 
-__all__ = ["RehydrateOptions", "RehydrateSources", "open_rehydrate_sources", "RebuildItem", "RehydratePlan",
-           "plan_rehydrate", "ITEM_OVERHEAD_BYTES", "default_threads", "memory_bound"]
+__all__ = [
+    "ITEM_OVERHEAD_BYTES",
+    "RebuildItem",
+    "RehydrateOptions",
+    "RehydratePlan",
+    "RehydrateSources",
+    "default_threads",
+    "memory_bound",
+    "open_rehydrate_sources",
+    "plan_rehydrate",
+]
 
 # Per-item overhead of a torch.save archive (zip records, data.pkl): ~1.5 KB measured; 4 KB is safe.
 ITEM_OVERHEAD_BYTES = 4096
@@ -35,13 +45,13 @@ _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 class RebuildItem:
     key: str
     path: tuple
-    base_name: str                  # tensor read from the base model
+    base_name: str  # tensor read from the base model
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]   # (offsets, sizes, file index)
-    sha256: str | None              # of the whole tensor (None: identified by its chunks' CRC-32s only)
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # (offsets, sizes, file index)
+    sha256: str | None  # of the whole tensor (None: identified by its chunks' CRC-32s only)
     nbytes: int
-    segments: tuple[Segment, ...] | None = None   # the original chunks' rows and CRC-32s
+    segments: tuple[Segment, ...] | None = None  # the original chunks' rows and CRC-32s
 
 
 @dataclass(frozen=True)
@@ -49,17 +59,17 @@ class RehydratePlan:
     slim: str
     out: str
     base: str
-    layout: str                     # "original" | "world_size=W"
+    layout: str  # "original" | "world_size=W"
     files: int
-    copy_items: tuple[tuple[str, str, int, int, int], ...]   # (key, rel, offset, length, file index)
+    copy_items: tuple[tuple[str, str, int, int, int], ...]  # (key, rel, offset, length, file index)
     rebuild: tuple[RebuildItem, ...]
     copy_bytes: int
     rebuild_bytes: int
     extra_files: tuple[str, ...]
     warnings: tuple[str, ...]
-    kept_crc32: tuple[int, ...] | None = None     # the manifest's CRC of each copy item; None: an old manifest
-    threads: int = 1                # workers making and writing the items
-    memory_bound_bytes: int = BUDGET_BYTES   # the items' buffers in flight, whatever `threads` (`pipeline`)
+    kept_crc32: tuple[int, ...] | None = None  # the manifest's CRC of each copy item; None: an old manifest
+    threads: int = 1  # workers making and writing the items
+    memory_bound_bytes: int = BUDGET_BYTES  # the items' buffers in flight, whatever `threads` (`pipeline`)
 
     @property
     def units(self) -> tuple[int, ...]:
@@ -68,16 +78,33 @@ class RehydratePlan:
         return tuple(range(self.files))
 
     def to_json(self) -> dict:
-        return {"slim": self.slim, "out": self.out, "base": self.base, "layout": self.layout, "files": self.files,
-                "copied_items": len(self.copy_items), "copied_bytes": self.copy_bytes,
-                "rebuilt_tensors": len(self.rebuild), "rebuilt_bytes": self.rebuild_bytes,
-                "extra_files": list(self.extra_files), "warnings": list(self.warnings),
-                "kept_items_in_manifest": self.kept_crc32 is not None,
-                "threads": self.threads, "memory_bound_bytes": self.memory_bound_bytes,
-                "rebuild": [{"key": r.key, "from": r.base_name, "shape": list(r.shape), "dtype": r.dtype,
-                             "chunks": len(r.chunks),
-                             "checked_by": [n for n, v in (("sha256", r.sha256), ("crc32", r.segments)) if v]}
-                            for r in self.rebuild]}
+        return {
+            "slim": self.slim,
+            "out": self.out,
+            "base": self.base,
+            "layout": self.layout,
+            "files": self.files,
+            "copied_items": len(self.copy_items),
+            "copied_bytes": self.copy_bytes,
+            "rebuilt_tensors": len(self.rebuild),
+            "rebuilt_bytes": self.rebuild_bytes,
+            "extra_files": list(self.extra_files),
+            "warnings": list(self.warnings),
+            "kept_items_in_manifest": self.kept_crc32 is not None,
+            "threads": self.threads,
+            "memory_bound_bytes": self.memory_bound_bytes,
+            "rebuild": [
+                {
+                    "key": r.key,
+                    "from": r.base_name,
+                    "shape": list(r.shape),
+                    "dtype": r.dtype,
+                    "chunks": len(r.chunks),
+                    "checked_by": [n for n, v in (("sha256", r.sha256), ("crc32", r.segments)) if v],
+                }
+                for r in self.rebuild
+            ],
+        }
 
 
 def _file_index(rel: str, fallback: dict[str, int]) -> int:
@@ -89,10 +116,10 @@ def _file_index(rel: str, fallback: dict[str, int]) -> int:
 class RehydrateOptions:
     out: str | Path
     base: str
-    world_size: int | None = None      # None: the original chunk layout and rank files
+    world_size: int | None = None  # None: the original chunk layout and rank files
     overwrite: bool = False
     trust_pickle: bool = False
-    threads: int | None = None         # workers (None: this rank's share of the cores, `dist.local_workers`)
+    threads: int | None = None  # workers (None: this rank's share of the cores, `dist.local_workers`)
 
 
 @dataclass
@@ -104,7 +131,7 @@ class RehydrateSources:
         self.base.close()
         self.slim.close()
 
-    def __enter__(self) -> "RehydrateSources":
+    def __enter__(self) -> RehydrateSources:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -132,17 +159,24 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         raise UsageError(f"--threads must be >= 1, got {options.threads}")
     clash = sorted(d.key for d in manifest.dropped if d.key in ckpt.entries)
     if clash:
-        raise FormatError(f"{len(clash)} key(s) are both in the checkpoint and listed as dropped, e.g. {clash[0]}",
-                          path=manifest.path, hint="the manifest does not belong to this checkpoint")
-    mapping = map_to_base(manifest.dropped, {n: hf.facts(n).shape for n in hf.names()}, hf.config, Path(hf.path))
+        raise FormatError(
+            f"{len(clash)} key(s) are both in the checkpoint and listed as dropped, e.g. {clash[0]}",
+            path=manifest.path,
+            hint="the manifest does not belong to this checkpoint",
+        )
+    mapping = map_to_base(
+        manifest.dropped, {n: hf.facts(n).shape for n in hf.names()}, hf.config, Path(hf.path)
+    )
 
     warnings = []
     mb = manifest.base or {}
     if mb.get("headers_sha256"):
         now = base_identity(hf, base_name)
         if now["headers_sha256"] != mb["headers_sha256"]:
-            warnings.append(f"the base model's weight headers differ from the one recorded at slim time "
-                            f"({mb.get('name') or mb.get('path')}); every tensor is still checked by hash")
+            warnings.append(
+                f"the base model's weight headers differ from the one recorded at slim time "
+                f"({mb.get('name') or mb.get('path')}); every tensor is still checked by hash"
+            )
 
     slim_files = ckpt.data_files()
     fallback = {rel: i for i, rel in enumerate(slim_files)}
@@ -158,9 +192,11 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
     copy_items.sort(key=lambda t: (t[1], t[2]))
     kept_crc = _kept_crcs(ckpt, manifest, copy_items)
     if kept_crc is None:
-        warnings.append(f"{manifest.path.name} records no CRC-32 of the kept items (an older ckpt-tools wrote "
-                        "it): each copied item is checked against its own zip CRC-32 only; the dropped tensors "
-                        "are still proven against their sha256")
+        warnings.append(
+            f"{manifest.path.name} records no CRC-32 of the kept items (an older ckpt-tools wrote "
+            "it): each copied item is checked against its own zip CRC-32 only; the dropped tensors "
+            "are still proven against their sha256"
+        )
 
     rebuild = []
     for d in manifest.dropped:
@@ -169,25 +205,49 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         elif not d.shape:
             chunks = (((), (), 0),)
         else:
-            chunks = tuple(((s,) + (0,) * (len(d.shape) - 1), (n,) + tuple(d.shape[1:]), k)
-                           for k, (s, n) in enumerate(row_chunks(d.shape[0], world_size)))
+            chunks = tuple(
+                ((s,) + (0,) * (len(d.shape) - 1), (n,) + tuple(d.shape[1:]), k)
+                for k, (s, n) in enumerate(row_chunks(d.shape[0], world_size))
+            )
         ident = manifest.ids[d.key]
-        rebuild.append(RebuildItem(d.key, d.path, mapping[d.key], d.dtype, d.shape, chunks, ident.sha256,
-                                   d.nbytes, segments_of(d.chunks, ident.crc32)))
+        rebuild.append(
+            RebuildItem(
+                d.key,
+                d.path,
+                mapping[d.key],
+                d.dtype,
+                d.shape,
+                chunks,
+                ident.sha256,
+                d.nbytes,
+                segments_of(d.chunks, ident.crc32),
+            )
+        )
     # Read the base in file order (sequential I/O on the base shards).
-    infos = {r.key: hf.info(expert_names(r.base_name, 0, 1)[0] if is_stacked_pattern(r.base_name) else r.base_name)
-             for r in rebuild}
+    infos = {
+        r.key: hf.info(expert_names(r.base_name, 0, 1)[0] if is_stacked_pattern(r.base_name) else r.base_name)
+        for r in rebuild
+    }
     rebuild.sort(key=lambda r: (str(infos[r.key].path), infos[r.key].begin, r.key))
     max_index = max([t[4] for t in copy_items] + [c[2] for r in rebuild for c in r.chunks] + [0])
     files = max(max_index + 1, world_size or 1, len(source_files))
     extra = extra_entries(ckpt.dir, set(slim_files), exclude={SLIM_MANIFEST})
     return RehydratePlan(
-        slim=str(ckpt.dir), out=str(out), base=str(hf.path),
-        layout="original" if world_size is None else f"world_size={world_size}", files=files,
-        copy_items=tuple(copy_items), rebuild=tuple(rebuild), copy_bytes=sum(t[3] for t in copy_items),
-        rebuild_bytes=sum(r.nbytes for r in rebuild), extra_files=tuple(extra), warnings=tuple(warnings),
-        kept_crc32=kept_crc, threads=options.threads or default_threads(),
-        memory_bound_bytes=memory_bound(rebuild))
+        slim=str(ckpt.dir),
+        out=str(out),
+        base=str(hf.path),
+        layout="original" if world_size is None else f"world_size={world_size}",
+        files=files,
+        copy_items=tuple(copy_items),
+        rebuild=tuple(rebuild),
+        copy_bytes=sum(t[3] for t in copy_items),
+        rebuild_bytes=sum(r.nbytes for r in rebuild),
+        extra_files=tuple(extra),
+        warnings=tuple(warnings),
+        kept_crc32=kept_crc,
+        threads=options.threads or default_threads(),
+        memory_bound_bytes=memory_bound(rebuild),
+    )
 
 
 def default_threads() -> int:
@@ -229,9 +289,14 @@ def _kept_crcs(ckpt: DcpCheckpoint, manifest, copy_items) -> tuple[int, ...] | N
     missing = sorted(set(manifest.kept_crc32) - set(ids))
     extra = sorted(set(ids) - set(manifest.kept_crc32))
     if missing or extra:
-        what = (f"{len(missing)} kept item(s) of the manifest are not in the checkpoint, e.g. {missing[0]}"
-                if missing else f"{len(extra)} item(s) of the checkpoint are not in the manifest, e.g. {extra[0]}")
-        raise FormatError(f"the slim checkpoint does not hold the items it was written with: {what}",
-                          path=manifest.path, hint="the slim was edited or damaged after `ckpt slim` wrote it; "
-                                                   "slim the original again")
+        what = (
+            f"{len(missing)} kept item(s) of the manifest are not in the checkpoint, e.g. {missing[0]}"
+            if missing
+            else f"{len(extra)} item(s) of the checkpoint are not in the manifest, e.g. {extra[0]}"
+        )
+        raise FormatError(
+            f"the slim checkpoint does not hold the items it was written with: {what}",
+            path=manifest.path,
+            hint="the slim was edited or damaged after `ckpt slim` wrote it; slim the original again",
+        )
     return tuple(manifest.kept_crc32[i] for i in ids)

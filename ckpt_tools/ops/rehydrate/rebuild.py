@@ -18,6 +18,7 @@ another layout (`tensor_item_parts` is None): one chunk held, its bytes acquired
 Under ranks: a chunk of another rank's file is only counted (`writer.skip`); its rows are read only by the
 rank that checks this tensor whole (`verify`), else not at all.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,13 +33,15 @@ from ...core.keys import expert_names, is_stacked_pattern
 from ...formats.dcp.stream_item import tensor_item_parts
 from ...formats.slim.rowcheck import RowCheck
 from ...sources.hashing import read_as, read_rows_as, read_rows_into
-from .blocks import Block, TensorLayout, row_blocks_in_order, tensor_layout
+from .blocks import Block, row_blocks_in_order, tensor_layout
 from .pipeline import Hold, Pipeline
 
 __all__ = ["Tally", "TensorRun"]
 
-_WRONG_BASE = ("this is not the base model the run trained on (another revision or a re-export?); pass the "
-               "exact base, e.g. the snapshot recorded in the manifest")
+_WRONG_BASE = (
+    "this is not the base model the run trained on (another revision or a re-export?); pass the "
+    "exact base, e.g. the snapshot recorded in the manifest"
+)
 
 
 class Tally:
@@ -46,9 +49,9 @@ class Tally:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.verified = 0          # tensors checked whole here
-        self.owner_checked = 0     # original chunks checked by their writer (tensors checked by owners)
-        self.done_bytes = 0        # rebuilt bytes finished (progress)
+        self.verified = 0  # tensors checked whole here
+        self.owner_checked = 0  # original chunks checked by their writer (tensors checked by owners)
+        self.done_bytes = 0  # rebuilt bytes finished (progress)
 
     def add(self, verified: bool, owner_checked: int, nbytes: int) -> None:
         with self.lock:
@@ -85,8 +88,19 @@ class TensorRun:
     chunks whose rows this rank writes. `by_owner`: its original chunks are exactly its output chunks, and
     their writers check them (counted in `Tally.owner_checked`)."""
 
-    def __init__(self, index: int, total: int, r, hf, writer, *, verify: bool, by_owner: bool, tally: Tally,
-                 base_path: Path):
+    def __init__(
+        self,
+        index: int,
+        total: int,
+        r,
+        hf,
+        writer,
+        *,
+        verify: bool,
+        by_owner: bool,
+        tally: Tally,
+        base_path: Path,
+    ):
         self.index, self.total, self.r, self.hf, self.writer = index, total, r, hf, writer
         self.verify, self.by_owner, self.tally, self.base_path = verify, by_owner, tally, base_path
         rows = r.shape[0] if r.shape else 1
@@ -108,14 +122,23 @@ class TensorRun:
         out_row = (r.nbytes // r.shape[0]) if r.shape and r.shape[0] else 0
         scratch_row = max(out_row * in_item // out_item if cast else 0, out_row if box else 0)
         self.scratch_row = scratch_row
-        layout = tensor_layout(r.shape, out_item, r.chunks, r.segments,
-                               pipe.slot_bytes * out_row // max(1, out_row + scratch_row))
+        layout = tensor_layout(
+            r.shape,
+            out_item,
+            r.chunks,
+            r.segments,
+            pipe.slot_bytes * out_row // max(1, out_row + scratch_row),
+        )
         parts = None
         if layout is not None:
-            parts = [tensor_item_parts(r.dtype, c.sizes) if not c.empty and writer.owns(c.file_index) else None
-                     for c in layout.chunks]
-            if any(p is None and not c.empty and writer.owns(c.file_index) for p, c in zip(parts, layout.chunks)):
-                layout = None   # a chunk that does not stream: the whole tensor inline
+            parts = [
+                tensor_item_parts(r.dtype, c.sizes) if not c.empty and writer.owns(c.file_index) else None
+                for c in layout.chunks
+            ]
+            if any(
+                p is None and not c.empty and writer.owns(c.file_index) for p, c in zip(parts, layout.chunks)
+            ):
+                layout = None  # a chunk that does not stream: the whole tensor inline
         if layout is None:
             self._inline(pipe)
             return
@@ -125,25 +148,38 @@ class TensorRun:
             if not writer.owns(c.file_index):
                 writer.skip(r.key)
                 self.slots.append(None)
-            elif c.empty:   # torch.save of what the sequential writer wrote: a box's slice keeps the tensor's strides
-                empty = torch.empty(c.sizes, dtype=self.out_dtype) if layout.row_blocks else \
-                    torch.empty_strided(c.sizes, _strides(r.shape), dtype=self.out_dtype)
-                writer.write_chunk(r.key, r.path, empty, size=r.shape, offsets=c.offsets, file_index=c.file_index)
+            elif (
+                c.empty
+            ):  # torch.save of what the sequential writer wrote: a box's slice keeps the tensor's strides
+                empty = (
+                    torch.empty(c.sizes, dtype=self.out_dtype)
+                    if layout.row_blocks
+                    else torch.empty_strided(c.sizes, _strides(r.shape), dtype=self.out_dtype)
+                )
+                writer.write_chunk(
+                    r.key, r.path, empty, size=r.shape, offsets=c.offsets, file_index=c.file_index
+                )
                 self.slots.append(None)
             else:
-                self.slots.append(writer.reserve_chunk(r.key, r.path, r.dtype, r.shape, c.offsets, c.sizes, p.size,
-                                                       file_index=c.file_index))
+                self.slots.append(
+                    writer.reserve_chunk(
+                        r.key, r.path, r.dtype, r.shape, c.offsets, c.sizes, p.size, file_index=c.file_index
+                    )
+                )
         owned = {i for i, s in enumerate(self.slots) if s is not None}
         self.read = [b for b in layout.blocks if self.verify or any(p.chunk in owned for p in b.pieces)]
         read = {b.index for b in self.read}
         self.chunk_left = {i: len(layout.chunk_blocks(i)) for i in owned}
         self.chunk_crcs = {i: {} for i in owned}
         # an original chunk is checked where every one of its rows is read (verify: all)
-        self.seg_left = {j: len(bs) for j in range(len(r.segments or ()))
-                         if (bs := layout.segment_blocks(j)) and set(bs) <= read}
+        self.seg_left = {
+            j: len(bs)
+            for j in range(len(r.segments or ()))
+            if (bs := layout.segment_blocks(j)) and set(bs) <= read
+        }
         self.seg_crcs = {j: {} for j in self.seg_left}
         self.left = len(self.read)
-        self.pending: dict[int, tuple] = {}   # finished blocks waiting for the sha256's turn
+        self.pending: dict[int, tuple] = {}  # finished blocks waiting for the sha256's turn
         self.hashing = False
         self.next_hash = 0
         if not self.read:
@@ -158,8 +194,11 @@ class TensorRun:
         layout that is not row blocks) of the budget."""
         r, writer = self.r, self.writer
         chunks = row_blocks_in_order(r.shape, r.chunks)
-        hold = pipe.hold(r.nbytes * 3 // 2 if chunks is None else
-                         max([0] + [r.nbytes // r.shape[0] * s[0] * 3 // 2 for _o, s, _fi in chunks]))
+        hold = pipe.hold(
+            r.nbytes * 3 // 2
+            if chunks is None
+            else max([0] + [r.nbytes // r.shape[0] * s[0] * 3 // 2 for _o, s, _fi in chunks])
+        )
         if hold is None:
             pipe.raise_failure()
         try:
@@ -181,8 +220,14 @@ class TensorRun:
                     mine = writer.owns(fi)
                     if sizes[0] == 0 or not (mine or self.verify):
                         if mine:
-                            writer.write_chunk(r.key, r.path, torch.empty(sizes, dtype=self.out_dtype), size=r.shape,
-                                               offsets=offsets, file_index=fi)
+                            writer.write_chunk(
+                                r.key,
+                                r.path,
+                                torch.empty(sizes, dtype=self.out_dtype),
+                                size=r.shape,
+                                offsets=offsets,
+                                file_index=fi,
+                            )
                         else:
                             writer.skip(r.key)
                         continue
@@ -203,15 +248,15 @@ class TensorRun:
         place, its CRC-32s joined into the chunks' and the original chunks'."""
         r, layout = self.r, self.layout
         buf = hold.buffer()
-        out = buf[:b.rows * layout.row_bytes]
-        scratch = buf[len(out):len(out) + b.rows * self.scratch_row]
+        out = buf[: b.rows * layout.row_bytes]
+        scratch = buf[len(out) : len(out) + b.rows * self.scratch_row]
         if self.cast:
-            src = scratch[:b.rows * layout.row_bytes * self.in_dtype.itemsize // self.out_dtype.itemsize]
+            src = scratch[: b.rows * layout.row_bytes * self.in_dtype.itemsize // self.out_dtype.itemsize]
             read_rows_into(self.hf, r.base_name, b.start, b.rows, src)
             torch.frombuffer(out, dtype=self.out_dtype).copy_(torch.frombuffer(src, dtype=self.in_dtype))
         else:
             read_rows_into(self.hf, r.base_name, b.start, b.rows, out)
-        whole = None   # the CRC-32 of the block's rows (its piece's, in a row-block layout)
+        whole = None  # the CRC-32 of the block's rows (its piece's, in a row-block layout)
         for p in b.pieces:
             slot = self.slots[p.chunk]
             if slot is None:
@@ -234,7 +279,7 @@ class TensorRun:
             self._block_done()
 
     def _gather(self, out: memoryview, scratch: memoryview, b: Block, chunk: int, nbytes: int) -> memoryview:
-        """Output chunk `chunk`'s part of block `b`'s rows (its box's other dims), contiguous, in `scratch`."""
+        """Output chunk `chunk`'s part of block `b`'s rows (its box's other dims), contiguous in `scratch`."""
         c = self.layout.chunks[chunk]
         rows = torch.frombuffer(out, dtype=self.out_dtype).view((b.rows,) + tuple(self.r.shape[1:]))
         region = rows[(slice(None),) + tuple(slice(o, o + s) for o, s in zip(c.offsets[1:], c.sizes[1:]))]
@@ -277,7 +322,7 @@ class TensorRun:
                     return
                 self.next_hash += 1
             blk, data, h = item
-            self.check.feed(blk.start, data, segments=False)   # (only this worker feeds now)
+            self.check.feed(blk.start, data, segments=False)  # (only this worker feeds now)
             h.release()
             self._block_done()
 
@@ -292,17 +337,27 @@ class TensorRun:
     def _finish(self) -> None:
         """The tensor's checks, once every block is in: a mismatch fails the run, naming the key."""
         r, check = self.r, self.check
-        where = f"{r.base_name} from the base, as {r.dtype}; tensor {self.index + 1} of {self.total} in the plan"
+        where = (
+            f"{r.base_name} from the base, as {r.dtype}; tensor {self.index + 1} of {self.total} in the plan"
+        )
         if check.failed:
-            raise FormatError(f"rebuilt tensor does not match the original: {check.failed[0]} ({where}); OUT was "
-                              "not created", path=self.base_path, key=r.key, hint=_WRONG_BASE)
+            raise FormatError(
+                f"rebuilt tensor does not match the original: {check.failed[0]} ({where}); OUT was "
+                "not created",
+                path=self.base_path,
+                key=r.key,
+                hint=_WRONG_BASE,
+            )
         got = check.sha256_done()
         if self.verify and r.sha256 is not None and got != r.sha256:
-            raise FormatError(f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, "
-                              f"as {r.dtype}, is {(got or '?')[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
-                              f"(tensor {self.index + 1} of {self.total} in the plan); OUT was not created",
-                              path=self.base_path, key=r.key, hint=_WRONG_BASE)
-        if self.verify and not check.complete():   # an internal invariant: the verifier reads every row
+            raise FormatError(
+                f"rebuilt tensor does not match the original: sha256 of {r.base_name} from the base, "
+                f"as {r.dtype}, is {(got or '?')[:16]}…, the slim manifest recorded {r.sha256[:16]}… "
+                f"(tensor {self.index + 1} of {self.total} in the plan); OUT was not created",
+                path=self.base_path,
+                key=r.key,
+                hint=_WRONG_BASE,
+            )
+        if self.verify and not check.complete():  # an internal invariant: the verifier reads every row
             raise FormatError("rebuilt tensor was not checked whole", path=self.base_path, key=r.key)
         self.tally.add(self.verify, check.checked if self.by_owner else 0, r.nbytes)
-

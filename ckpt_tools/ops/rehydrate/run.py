@@ -11,6 +11,7 @@ items are written by several workers at their places. Every block's writeback to
 written, so the final fsync finds little left. The first failure anywhere aborts the whole run (nothing
 appears at OUT).
 """
+
 from __future__ import annotations
 
 import gc
@@ -37,7 +38,7 @@ from .pipeline import Pipeline
 from .plan import ITEM_OVERHEAD_BYTES, RebuildItem, RehydratePlan, RehydrateSources
 from .rebuild import Tally, TensorRun
 
-__all__ = ["RehydrateResult", "RehydrateReport", "run_rehydrate"]
+__all__ = ["RehydrateReport", "RehydrateResult", "run_rehydrate"]
 
 
 @dataclass
@@ -59,7 +60,7 @@ class RehydrateResult:
 @dataclass(frozen=True)
 class RehydrateReport:
     plan: RehydratePlan
-    result: RehydrateResult | None = None    # None: a dry run
+    result: RehydrateResult | None = None  # None: a dry run
 
     def to_json(self) -> dict:
         rep = {"plan": self.plan.to_json(), "dry_run": self.result is None}
@@ -89,20 +90,30 @@ def _file_weights(plan: RehydratePlan) -> list[int]:
     return w
 
 
-def _copy_one(ckpt: DcpCheckpoint, slot, n: int, key: str, rel: str, offset: int, length: int, want: int | None):
+def _copy_one(
+    ckpt: DcpCheckpoint, slot, n: int, key: str, rel: str, offset: int, length: int, want: int | None
+):
     """A worker's unit: kept item `n` checked and written into its slot, against the manifest's CRC-32."""
+
     def copy(hold) -> None:
         try:
-            got = write_checked_item(ckpt, slot, key, rel, offset, length,
-                                     buf=hold.buffer() if hold.has_buffer else None)
+            got = write_checked_item(
+                ckpt, slot, key, rel, offset, length, buf=hold.buffer() if hold.has_buffer else None
+            )
         finally:
             hold.release()
         if want is not None and got != want:
             raise ChecksumError(
-                f"the item's bytes differ from what `ckpt slim` copied (CRC-32 {got:#010x}, the manifest recorded "
-                f"{want:#010x}); OUT was not created", path=ckpt.dir / rel, key=key,
-                hint="the slim checkpoint is damaged: rehydrate an intact copy of it (after gc it may be the only "
-                     "copy of the run's trained state)")
+                f"the item's bytes differ from what `ckpt slim` copied (CRC-32 {got:#010x}, the manifest "
+                f"recorded "
+                f"{want:#010x}); OUT was not created",
+                path=ckpt.dir / rel,
+                key=key,
+                hint="the slim checkpoint is damaged: rehydrate an intact copy of it (after gc it may be the "
+                "only "
+                "copy of the run's trained state)",
+            )
+
     return copy
 
 
@@ -117,26 +128,40 @@ def _register_copies(plan: RehydratePlan, ckpt: DcpCheckpoint, writer, pipe: Pip
             slot = writer.reserve_bytes(key, e.path, length, file_index=fi)
         else:
             chunk = next(c for c in e.chunks if c.file == rel and c.offset == offset)
-            slot = writer.reserve_chunk(key, e.path, e.dtype, e.shape, chunk.offsets, chunk.sizes, length,
-                                        file_index=fi)
+            slot = writer.reserve_chunk(
+                key, e.path, e.dtype, e.shape, chunk.offsets, chunk.sizes, length, file_index=fi
+            )
         want = None if plan.kept_crc32 is None else plan.kept_crc32[n]
         # a large item is read in blocks of a slot's buffer, a small one (or a remote one) whole
         large = length > (1 << 20)
-        if not pipe.submit(_copy_one(ckpt, slot, n, key, rel, offset, length, want),
-                           min(length, pipe.slot_bytes) if large else length, buffer=large):
+        if not pipe.submit(
+            _copy_one(ckpt, slot, n, key, rel, offset, length, want),
+            min(length, pipe.slot_bytes) if large else length,
+            buffer=large,
+        ):
             pipe.raise_failure()
 
 
-def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Progress | None = None, *,
-                  overwrite: bool = False, group: Group | None = None) -> RehydrateReport:
+def run_rehydrate(
+    plan: RehydratePlan,
+    sources: RehydrateSources,
+    progress: Progress | None = None,
+    *,
+    overwrite: bool = False,
+    group: Group | None = None,
+) -> RehydrateReport:
     """Write the full checkpoint. Under torchrun (`group`), each rank writes its share of the output
     data files and checks its share of the rebuilt tensors; rank 0 writes `.metadata` and commits."""
     ckpt, hf = sources.slim, sources.base
     group = group or SoloGroup()
     split = group.part.world > 1
     t0 = time.perf_counter()
-    need = (plan.copy_bytes + plan.rebuild_bytes + extra_bytes(ckpt.dir, plan.extra_files)
-            + ITEM_OVERHEAD_BYTES * (1 + sum(len(r.chunks) for r in plan.rebuild)))
+    need = (
+        plan.copy_bytes
+        + plan.rebuild_bytes
+        + extra_bytes(ckpt.dir, plan.extra_files)
+        + ITEM_OVERHEAD_BYTES * (1 + sum(len(r.chunks) for r in plan.rebuild))
+    )
     # which rank checks each rebuilt tensor whole, reading all its rows (every one, in one process); a tensor
     # identified by CRC-32s of exactly its output chunks needs none: each chunk's writer checks it
     verifier = assign_units([r.nbytes for r in plan.rebuild], group.part.world)
@@ -144,9 +169,13 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
     owner_checks = sum(len(r.segments) for r, own in zip(plan.rebuild, by_owner) if own)
     tally = Tally()
     seconds = {}
-    with SharedOutputDir(plan.out, group, inputs=[ckpt.dir, hf.path], need_bytes=need, overwrite=overwrite) as tmp:
-        writer = DcpWriter(tmp, files=plan.files, owned_files=group.part.mine(_file_weights(plan)) if split else None)
-        hf.open_all()   # every base shard's fd now, before the workers read
+    with SharedOutputDir(
+        plan.out, group, inputs=[ckpt.dir, hf.path], need_bytes=need, overwrite=overwrite
+    ) as tmp:
+        writer = DcpWriter(
+            tmp, files=plan.files, owned_files=group.part.mine(_file_weights(plan)) if split else None
+        )
+        hf.open_all()  # every base shard's fd now, before the workers read
         # the workers are the parallelism: torch's own intra-op threads on top of them (the cast of each
         # block) would oversubscribe the cores
         intra_op = torch.get_num_threads()
@@ -162,24 +191,38 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             if tally.done_bytes != shown[0]:
                 shown[0] = tally.done_bytes
                 report(progress, "rebuild", tally.done_bytes, plan.rebuild_bytes)
+
         try:
-            ckpt.hint_reads((rel, offset, length) for _k, rel, offset, length, fi in plan.copy_items if writer.owns(fi))
+            ckpt.hint_reads(
+                (rel, offset, length) for _k, rel, offset, length, fi in plan.copy_items if writer.owns(fi)
+            )
             _register_copies(plan, ckpt, writer, pipe)
             for i, r in enumerate(plan.rebuild):
                 verify = verifier[i] == group.part.rank and not by_owner[i]
-                TensorRun(i, len(plan.rebuild), r, hf, writer, verify=verify, by_owner=by_owner[i], tally=tally,
-                          base_path=Path(plan.base)).start(pipe)
+                TensorRun(
+                    i,
+                    len(plan.rebuild),
+                    r,
+                    hf,
+                    writer,
+                    verify=verify,
+                    by_owner=by_owner[i],
+                    tally=tally,
+                    base_path=Path(plan.base),
+                ).start(pipe)
                 tick()
             seconds["registered"] = round(time.perf_counter() - t0, 3)
             pipe.drain(tick)
             seconds["written"] = round(time.perf_counter() - t0, 3)
             expected = set(ckpt.entries) | {r.key for r in plan.rebuild}
-            if writer.keys() != expected:   # an internal invariant: every key exactly once
-                raise FormatError(f"output would hold {len(writer.keys())} keys, expected {len(expected)}",
-                                  path=plan.out)
-            verified, bytes_written, owned = group.sum([tally.verified, writer.bytes_written, tally.owner_checked],
-                                                       "the rehydrate totals")
-            if owned != owner_checks:   # an internal invariant: every chunk checked by its writer
+            if writer.keys() != expected:  # an internal invariant: every key exactly once
+                raise FormatError(
+                    f"output would hold {len(writer.keys())} keys, expected {len(expected)}", path=plan.out
+                )
+            verified, bytes_written, owned = group.sum(
+                [tally.verified, writer.bytes_written, tally.owner_checked], "the rehydrate totals"
+            )
+            if owned != owner_checks:  # an internal invariant: every chunk checked by its writer
                 raise FormatError(f"{owned} of {owner_checks} rebuilt chunks were checked", path=plan.out)
             verified += sum(by_owner)
             writer.finish(group)
@@ -195,11 +238,24 @@ def run_rehydrate(plan: RehydratePlan, sources: RehydrateSources, progress: Prog
             copy_extra_entries(ckpt.dir, tmp, plan.extra_files)
     out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
     seconds["total"] = round(time.perf_counter() - t0, 3)
-    base_read = sum(hf.facts(n).nbytes for r in plan.rebuild   # the base tensors the plan rebuilds
-                    for n in (expert_names(r.base_name, 0, r.shape[0]) if is_stacked_pattern(r.base_name)
-                              else [r.base_name]))
-    return RehydrateReport(plan, RehydrateResult(
-        out=plan.out, copied_items=len(plan.copy_items), rebuilt_tensors=len(plan.rebuild), verified_tensors=verified,
-        bytes_written=bytes_written, base_bytes_read=base_read, out_bytes=out_bytes, seconds=seconds,
-        threads=plan.threads))
-
+    base_read = sum(
+        hf.facts(n).nbytes
+        for r in plan.rebuild  # the base tensors the plan rebuilds
+        for n in (
+            expert_names(r.base_name, 0, r.shape[0]) if is_stacked_pattern(r.base_name) else [r.base_name]
+        )
+    )
+    return RehydrateReport(
+        plan,
+        RehydrateResult(
+            out=plan.out,
+            copied_items=len(plan.copy_items),
+            rebuilt_tensors=len(plan.rebuild),
+            verified_tensors=verified,
+            bytes_written=bytes_written,
+            base_bytes_read=base_read,
+            out_bytes=out_bytes,
+            seconds=seconds,
+            threads=plan.threads,
+        ),
+    )

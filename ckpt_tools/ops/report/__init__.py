@@ -4,6 +4,7 @@ One contract: `plan_report(path, options) -> ReportPlan` (metadata only: what PA
 base, the run's config), `run_report(plan, progress) -> ReportReport` (the numbers, `run.compute_report`;
 then the page and PNGs, `page`, written atomically; nothing is written for --json alone).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,16 +17,30 @@ from ...io.staging import AtomicOutputDir, check_against_inputs, check_output_fi
 from .plan import CHECKPOINT, MERGED, RUN, ReportOptions, ReportPlan, StepInput, plan_report
 from .run import ReportResult, StepNumbers, compute_report
 
-__all__ = ["ReportOptions", "ReportPlan", "StepInput", "ReportReport", "ReportResult", "StepNumbers", "plan_report",
-           "run_report", "report", "write_page", "write_diff_page", "CHECKPOINT", "RUN", "MERGED"]
+__all__ = [
+    "CHECKPOINT",
+    "MERGED",
+    "RUN",
+    "ReportOptions",
+    "ReportPlan",
+    "ReportReport",
+    "ReportResult",
+    "StepInput",
+    "StepNumbers",
+    "plan_report",
+    "report",
+    "run_report",
+    "write_diff_page",
+    "write_page",
+]
 
 
 @dataclass(frozen=True)
 class ReportReport:
     plan: ReportPlan
-    result: ReportResult | None = None   # None: a dry run
-    page: str | None = None              # the HTML file written
-    pngs: tuple[str, ...] = ()           # the PNG files written
+    result: ReportResult | None = None  # None: a dry run
+    page: str | None = None  # the HTML file written
+    pngs: tuple[str, ...] = ()  # the PNG files written
 
     def to_json(self) -> dict:
         if self.result is None:
@@ -35,14 +50,26 @@ class ReportReport:
         return {"plan": self.plan.to_json(), "result": out}
 
 
-def write_page(html_text: str, figures: list, out: str | Path | None, png_dir: str | Path | None, *,
-               inputs: list, overwrite: bool) -> tuple[str | None, tuple[str, ...]]:
+def write_page(
+    html_text: str,
+    figures: list,
+    out: str | Path | None,
+    png_dir: str | Path | None,
+    *,
+    inputs: list,
+    overwrite: bool,
+) -> tuple[str | None, tuple[str, ...]]:
     """The page at `out` (a new file, or replaced under `overwrite`) and one PNG per figure in the new
     directory `png_dir` (atomic: it appears whole)."""
     from .page import figure_png
+
     page, pngs = None, []
     if out is not None:
-        p = check_against_inputs(out, inputs) if overwrite else check_output_file(out, inputs, what="report page")
+        p = (
+            check_against_inputs(out, inputs)
+            if overwrite
+            else check_output_file(out, inputs, what="report page")
+        )
         atomic_write_bytes(p, html_text.encode("utf-8"))
         page = str(p)
     if png_dir is not None:
@@ -54,8 +81,9 @@ def write_page(html_text: str, figures: list, out: str | Path | None, png_dir: s
 
 
 def write_diff_page(diff_json: dict, out: str | Path, *, inputs: list, overwrite: bool = False) -> str:
-    """`diff-vs-base --report FILE`: the report page of a comparison (changed fraction, max |Δ| per tensor)."""
+    """`diff-vs-base --report FILE`: the report page of a comparison (changed fraction, max |Δ| a tensor)."""
     from .page import diff_page
+
     text, figs = diff_page(diff_json)
     return write_page(text, figs, out, None, inputs=inputs, overwrite=overwrite)[0]
 
@@ -65,8 +93,9 @@ def run_report(plan: ReportPlan, progress: Progress | None = None) -> ReportRepo
     result = compute_report(plan, progress)
     page, pngs = None, ()
     if o.out is not None or o.png_dir is not None:
-        from .page import report_page   # matplotlib: only when a picture is asked for
-        text, figs = report_page(display(result.to_json()))   # a URL input named as its URL on the page
+        from .page import report_page  # matplotlib: only when a picture is asked for
+
+        text, figs = report_page(display(result.to_json()))  # a URL input named as its URL on the page
         inputs = [plan.path, *(s.path for s in plan.steps), *([plan.base] if plan.base else [])]
         page, pngs = write_page(text, figs, o.out, o.png_dir, inputs=inputs, overwrite=o.overwrite)
     return ReportReport(plan, result, page, pngs)

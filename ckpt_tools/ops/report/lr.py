@@ -9,13 +9,20 @@ own plan (`formats.dcp.lr_plan.plan_set_lr`) writes. Step k (1-based) uses the l
 steps: prime-rl steps the scheduler once after each optimizer step, so a checkpoint of step N has
 `last_epoch` N, and its current lr is the one step N + 1 will use.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 from ...formats.dcp.lr_plan import plan_set_lr
-from ...formats.dcp.lr_schedule import apply_to_state, describe, read_sched_state, schedule_end, trace_schedule
+from ...formats.dcp.lr_schedule import (
+    apply_to_state,
+    describe,
+    read_sched_state,
+    schedule_end,
+    trace_schedule,
+)
 from ...formats.dcp.reader import DcpCheckpoint
 
 __all__ = ["LrCurves", "lr_curves"]
@@ -23,39 +30,55 @@ __all__ = ["LrCurves", "lr_curves"]
 
 @dataclass(frozen=True)
 class LrCurves:
-    step: int                          # the checkpoint's step (the scheduler's last_epoch)
+    step: int  # the checkpoint's step (the scheduler's last_epoch)
     scheduler: str
-    past: dict[int, float]             # step -> the lr that step used, 1..step
-    planned: dict[int, float]          # step -> the lr it will use on resume, step+1..max_steps
+    past: dict[int, float]  # step -> the lr that step used, 1..step
+    planned: dict[int, float]  # step -> the lr it will use on resume, step+1..max_steps
     max_steps: int
     max_steps_from: str
-    set_lr: dict | None                # {"factor", "lr_after", "planned": {step: lr}, "changes"} with --set-lr/--scale
+    set_lr: dict | None  # {"factor", "lr_after", "planned": {step: lr}, "changes"} with --set-lr/--scale
     warnings: tuple[str, ...]
 
     def to_json(self) -> dict:
-        out = {"step": self.step, "scheduler": self.scheduler, "max_steps": self.max_steps,
-               "max_steps_from": self.max_steps_from,
-               "past": {str(k): v for k, v in self.past.items()},
-               "planned": {str(k): v for k, v in self.planned.items()}, "set_lr": None}
+        out = {
+            "step": self.step,
+            "scheduler": self.scheduler,
+            "max_steps": self.max_steps,
+            "max_steps_from": self.max_steps_from,
+            "past": {str(k): v for k, v in self.past.items()},
+            "planned": {str(k): v for k, v in self.planned.items()},
+            "set_lr": None,
+        }
         if self.set_lr is not None:
             out["set_lr"] = dict(self.set_lr, planned={str(k): v for k, v in self.set_lr["planned"].items()})
         return out
 
 
-def lr_curves(ckpt: DcpCheckpoint, *, progress_step: int | None, max_steps: int | None, max_steps_from: str,
-              set_lr: float | None = None, scale: float | None = None) -> LrCurves:
+def lr_curves(
+    ckpt: DcpCheckpoint,
+    *,
+    progress_step: int | None,
+    max_steps: int | None,
+    max_steps_from: str,
+    set_lr: float | None = None,
+    scale: float | None = None,
+) -> LrCurves:
     st = read_sched_state(ckpt)
     epoch = int(st.top.get("last_epoch", 0))
     warnings = []
     if progress_step is not None and progress_step != epoch:
-        warnings.append(f"the scheduler has stepped {epoch} times but progress.step is {progress_step}: the steps "
-                        f"are numbered by the scheduler (step k used the lr after k - 1 scheduler steps)")
+        warnings.append(
+            f"the scheduler has stepped {epoch} times but progress.step is {progress_step}: the steps "
+            f"are numbered by the scheduler (step k used the lr after k - 1 scheduler steps)"
+        )
     replay = trace_schedule(st, epoch + 1, from_start=True)
     now = float(st.groups[min(st.groups)]["lr"])
     if not math.isclose(replay[-1], now, rel_tol=1e-12, abs_tol=0.0):
-        warnings.append(f"the schedule replayed from step 0 reaches lr {replay[-1]:.6g}, not the checkpoint's "
-                        f"{now:.6g}: its lr state was changed after training (ckpt set-lr?), so the past shown is "
-                        "the schedule its current fields describe")
+        warnings.append(
+            f"the schedule replayed from step 0 reaches lr {replay[-1]:.6g}, not the checkpoint's "
+            f"{now:.6g}: its lr state was changed after training (ckpt set-lr?), so the past shown is "
+            "the schedule its current fields describe"
+        )
     past = {k + 1: lr for k, lr in enumerate(replay[:-1])}
     if max_steps is None:
         max_steps, max_steps_from = max(schedule_end(st), epoch), "the end of the scheduler's last phase"
@@ -65,8 +88,12 @@ def lr_curves(ckpt: DcpCheckpoint, *, progress_step: int | None, max_steps: int 
     if set_lr is not None or scale is not None:
         plan = plan_set_lr(ckpt, lr=set_lr, scale=scale, preview=False)
         patched = apply_to_state(st, {c.key: c.after for c in plan.changes})
-        overlay = {"factor": plan.factor, "lr_before": plan.lr_before, "lr_after": plan.lr_after,
-                   "planned": {epoch + 1 + i: lr for i, lr in enumerate(trace_schedule(patched, remaining))},
-                   "changes": len(plan.changes)}
+        overlay = {
+            "factor": plan.factor,
+            "lr_before": plan.lr_before,
+            "lr_after": plan.lr_after,
+            "planned": {epoch + 1 + i: lr for i, lr in enumerate(trace_schedule(patched, remaining))},
+            "changes": len(plan.changes),
+        }
         warnings += list(plan.warnings)
     return LrCurves(epoch, describe(st), past, planned, max_steps, max_steps_from, overlay, tuple(warnings))

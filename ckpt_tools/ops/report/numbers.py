@@ -9,6 +9,7 @@
 - Adam's moments: ||exp_avg||_F and ||exp_avg_sq||_F of every trained parameter, summed (in squares)
   over a module group.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,16 @@ from ...core.keys import EXPERT_PROJ
 from ...sources.base import Source
 from ...sources.compare import BLOCK_BYTES, stream_stats
 
-__all__ = ["ModuleChange", "lora_delta_sq", "weight_sq", "trained_delta", "module_group", "param_module",
-           "layer_of", "MOMENT_FIELDS"]
+__all__ = [
+    "MOMENT_FIELDS",
+    "ModuleChange",
+    "layer_of",
+    "lora_delta_sq",
+    "module_group",
+    "param_module",
+    "trained_delta",
+    "weight_sq",
+]
 
 MOMENT_FIELDS = ("exp_avg", "exp_avg_sq")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -32,10 +41,11 @@ _INDEX = re.compile(r"\.\d+(?=\.|$)")
 @dataclass(frozen=True)
 class ModuleChange:
     """One module's (HF name, `.weight` dropped) change at one step: sums of squares in fp64."""
+
     module: str
     delta_sq: float
     weight_sq: float
-    max_abs_delta: float | None = None     # masters vs base only (a LoRA's is not computed: no B@A)
+    max_abs_delta: float | None = None  # masters vs base only (a LoRA's is not computed: no B@A)
     changed_fraction: float | None = None
 
     @property
@@ -63,8 +73,8 @@ def lora_delta_sq(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
     Both Gram matrices are symmetric, so the trace of their product is the sum of their elementwise
     product."""
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    gram_a = a64 @ a64.T        # r x r
-    gram_b = b64.T @ b64        # r x r
+    gram_a = a64 @ a64.T  # r x r
+    gram_b = b64.T @ b64  # r x r
     return float(scale) ** 2 * float((gram_a * gram_b).sum())
 
 
@@ -85,8 +95,9 @@ def trained_delta(weights: Source, base: Source, name: str, module: str) -> Modu
     st = stream_stats(weights, base, name)
     weights.release()
     base.release()
-    return ModuleChange(module, st.sum_sq_delta, st.sum_sq_base, st.max_abs,
-                        st.changed / st.numel if st.numel else 0.0)
+    return ModuleChange(
+        module, st.sum_sq_delta, st.sum_sq_base, st.max_abs, st.changed / st.numel if st.numel else 0.0
+    )
 
 
 def layer_of(module: str) -> int | None:
@@ -98,7 +109,7 @@ def module_group(module: str) -> str:
     """The module's kind, the same in every layer (and for every expert): `self_attn.q_proj`,
     `mlp.experts.gate_proj`, `embed_tokens`, `lm_head`, `input_layernorm`."""
     m = _LAYER.search(module)
-    rest = module[m.end():] if m else module.removeprefix("model.")
+    rest = module[m.end() :] if m else module.removeprefix("model.")
     return _INDEX.sub("", "." + rest)[1:] if rest else module
 
 
@@ -109,7 +120,7 @@ def param_module(param: str) -> str:
     if ".lora_" in param:
         return param.rsplit(".lora_", 1)[0]
     if "_lora_" in param:
-        param = param.rsplit("_lora_", 1)[0]      # `experts.w1_lora_A.0` -> `experts.w1`
+        param = param.rsplit("_lora_", 1)[0]  # `experts.w1_lora_A.0` -> `experts.w1`
     head, _, last = param.rpartition(".")
     if last in EXPERT_PROJ and head.endswith("experts"):
         return f"{head}.{EXPERT_PROJ[last]}"

@@ -4,6 +4,7 @@ each plot inline as SVG (text as paths: no fonts, scripts or URLs are fetched; r
 
 Pure rendering: the numbers come in as the `--json` result (so a page shows exactly what --json says),
 and the bytes go out as strings; `io` writes them."""
+
 from __future__ import annotations
 
 import html
@@ -14,47 +15,81 @@ import re
 from ...core.units import human_bytes
 from .numbers import layer_of, module_group
 
-__all__ = ["report_figures", "report_page", "diff_figures", "diff_page", "page_html", "figure_svg", "figure_png",
-           "PROJ_COLUMNS"]
+__all__ = [
+    "PROJ_COLUMNS",
+    "diff_figures",
+    "diff_page",
+    "figure_png",
+    "figure_svg",
+    "page_html",
+    "report_figures",
+    "report_page",
+]
 
-PROJ_COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj")
-_RC = {"svg.fonttype": "path", "svg.hashsalt": "ckpt-report", "font.size": 9, "axes.titlesize": 10,
-       "axes.spines.top": False, "axes.spines.right": False, "figure.dpi": 100}
-_CSS = """
-body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,Helvetica,Arial,sans-serif;margin:0;color:#1d2330;background:#f5f6f8}
-header{background:#1d2330;color:#fff;padding:18px 32px}header h1{margin:0 0 4px;font-size:20px;font-weight:600}
-header .sub{color:#b8c0d0;font-size:13px;word-break:break-all}
-main{max-width:1180px;margin:0 auto;padding:18px 24px 40px}
-.facts{display:flex;flex-wrap:wrap;gap:10px;margin:0 0 16px}
-.fact{background:#fff;border-radius:8px;padding:10px 14px;box-shadow:0 1px 2px rgba(0,0,0,.08);min-width:120px}
-.fact b{display:block;font-size:17px}.fact span{color:#5b6475;font-size:12px}
-section{background:#fff;border-radius:10px;box-shadow:0 1px 3px rgba(0,0,0,.08);margin:0 0 18px;padding:14px 18px}
-section h2{font-size:15px;margin:0 0 2px}section p.note{color:#5b6475;font-size:12px;margin:0 0 8px}
-section svg{max-width:100%;height:auto;display:block}
-table{border-collapse:collapse;font-size:12px;width:100%}th,td{padding:4px 8px;text-align:right;border-bottom:1px solid #eceef2}
-th:first-child,td:first-child{text-align:left;font-family:ui-monospace,Menlo,Consolas,monospace}
-.warn{background:#fff7e6;border-left:4px solid #f0a020;padding:8px 12px;margin:0 0 8px;font-size:12px;border-radius:4px}
-"""
+PROJ_COLUMNS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+_RC = {
+    "svg.fonttype": "path",
+    "svg.hashsalt": "ckpt-report",
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "figure.dpi": 100,
+}
+_CSS = (
+    "\n"
+    "body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,Helvetica,Arial,sans-serif;margin:0;"
+    "color:#1d2330;background:#f5f6f8}\n"
+    "header{background:#1d2330;color:#fff;padding:18px 32px}header h1{margin:0 0 4px;font-size:20px;"
+    "font-weight:600}\n"
+    "header .sub{color:#b8c0d0;font-size:13px;word-break:break-all}\n"
+    "main{max-width:1180px;margin:0 auto;padding:18px 24px 40px}\n"
+    ".facts{display:flex;flex-wrap:wrap;gap:10px;margin:0 0 16px}\n"
+    ".fact{background:#fff;border-radius:8px;padding:10px 14px;box-shadow:0 1px 2px rgba(0,0,0,.08);"
+    "min-width:120px}\n"
+    ".fact b{display:block;font-size:17px}.fact span{color:#5b6475;font-size:12px}\n"
+    "section{background:#fff;border-radius:10px;box-shadow:0 1px 3px rgba(0,0,0,.08);"
+    "margin:0 0 18px;padding:14px 18px}\n"
+    "section h2{font-size:15px;margin:0 0 2px}section p.note{color:#5b6475;font-size:12px;"
+    "margin:0 0 8px}\n"
+    "section svg{max-width:100%;height:auto;display:block}\n"
+    "table{border-collapse:collapse;font-size:12px;width:100%}th,td{padding:4px 8px;"
+    "text-align:right;border-bottom:1px solid #eceef2}\n"
+    "th:first-child,td:first-child{text-align:left;"
+    "font-family:ui-monospace,Menlo,Consolas,monospace}\n"
+    ".warn{background:#fff7e6;border-left:4px solid #f0a020;padding:8px 12px;margin:0 0 8px;"
+    "font-size:12px;border-radius:4px}\n"
+)
 
 
 def _figure(w: float, h: float):
-    from matplotlib.figure import Figure   # no pyplot: no global state, no GUI backend
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
     return Figure(figsize=(w, h), layout="constrained")
 
 
 def figure_svg(fig) -> str:
     import matplotlib
+
     buf = io.StringIO()
     with matplotlib.rc_context(_RC):
         fig.savefig(buf, format="svg", metadata={"Date": None})
     text = buf.getvalue()
-    text = text[text.index("<svg"):]          # drop the XML prolog and DOCTYPE: inline in HTML
-    return re.sub(r"<metadata>.*?</metadata>\s*", "", text, count=1, flags=re.S)   # (RDF: Dublin Core URIs)
+    text = text[text.index("<svg") :]  # drop the XML prolog and DOCTYPE: inline in HTML
+    return re.sub(r"<metadata>.*?</metadata>\s*", "", text, count=1, flags=re.S)  # (RDF: Dublin Core URIs)
 
 
 def figure_png(fig, dpi: int = 130) -> bytes:
     import matplotlib
+
     buf = io.BytesIO()
     with matplotlib.rc_context(_RC):
         fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
@@ -78,6 +113,7 @@ def _grid(modules: dict, columns: list[str], rows: list[int], key) -> list[list[
 def _heatmap(title: str, grid, rows, columns, xlabel: str, ylabel: str, ax=None, fig=None):
     import numpy as np
     from matplotlib.colors import LogNorm
+
     vals = np.array([[v if v is not None and v > 0 else np.nan for v in row] for row in grid], dtype=float)
     if ax is None:
         fig = _figure(min(11.5, 3.2 + 0.95 * len(columns)), min(9.0, 1.8 + 0.42 * len(rows)))
@@ -85,11 +121,18 @@ def _heatmap(title: str, grid, rows, columns, xlabel: str, ylabel: str, ax=None,
     ax.set_facecolor("#eceef2")
     finite = vals[np.isfinite(vals)]
     # a log scale where the values span a decade or more (a run's first steps next to its last), else linear
-    norm = LogNorm(vmin=float(finite.min()), vmax=float(finite.max())) \
-        if finite.size and finite.max() >= 10 * finite.min() else None
+    norm = (
+        LogNorm(vmin=float(finite.min()), vmax=float(finite.max()))
+        if finite.size and finite.max() >= 10 * finite.min()
+        else None
+    )
     im = ax.imshow(vals, aspect="auto", cmap="viridis", norm=norm, interpolation="nearest")
-    ax.set_xticks(range(len(columns)), [c.rsplit(".", 1)[-1] if "." in c else c for c in columns],
-                  rotation=30 if len(columns) > 8 else 0, ha="right" if len(columns) > 8 else "center")
+    ax.set_xticks(
+        range(len(columns)),
+        [c.rsplit(".", 1)[-1] if "." in c else c for c in columns],
+        rotation=30 if len(columns) > 8 else 0,
+        ha="right" if len(columns) > 8 else "center",
+    )
     ax.set_yticks(range(len(rows)), [str(r) for r in rows])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -102,8 +145,15 @@ def _heatmap(title: str, grid, rows, columns, xlabel: str, ylabel: str, ax=None,
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if v is not None:
-                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7,
-                            color="white" if v < mid else "black")
+                    ax.text(
+                        j,
+                        i,
+                        f"{v:.2g}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if v < mid else "black",
+                    )
     fig.colorbar(im, ax=ax, label="||ΔW||_F / ||W||_F", shrink=0.9)
     return fig
 
@@ -117,9 +167,20 @@ def _heatmaps(step: str, s: dict) -> list[tuple[str, str, object]]:
         groups = sorted({module_group(n) for n in dense})
         columns = [c for c in PROJ_COLUMNS if c in groups] + [g for g in groups if g not in PROJ_COLUMNS]
         rows = sorted({layer_of(n) for n in dense})
-        out.append((f"heatmap_step_{step}", f"Relative change per layer and module, step {step}",
-                    _heatmap(f"step {step}: relative change ||ΔW|| / ||W||", _grid(dense, columns, rows, module_group),
-                             rows, columns, "module", "layer")))
+        out.append(
+            (
+                f"heatmap_step_{step}",
+                f"Relative change per layer and module, step {step}",
+                _heatmap(
+                    f"step {step}: relative change ||ΔW|| / ||W||",
+                    _grid(dense, columns, rows, module_group),
+                    rows,
+                    columns,
+                    "module",
+                    "layer",
+                ),
+            )
+        )
     projs = [p for p in ("gate_proj", "up_proj", "down_proj") if any(n.endswith("." + p) for n in experts)]
     if projs:
         rows = sorted({layer_of(n) for n in experts})
@@ -127,22 +188,32 @@ def _heatmaps(step: str, s: dict) -> list[tuple[str, str, object]]:
         fig = _figure(11.5, min(9.0, 2.0 + 0.42 * len(rows)))
         for ax, proj in zip(fig.subplots(1, len(projs)), projs):
             these = {n: m for n, m in experts.items() if n.endswith("." + proj)}
-            grid = _grid(these, [str(e) for e in ids], rows, lambda n: n.split(".experts.", 1)[1].split(".")[0])
+            grid = _grid(
+                these, [str(e) for e in ids], rows, lambda n: n.split(".experts.", 1)[1].split(".")[0]
+            )
             _heatmap(f"experts' {proj}", grid, rows, [str(e) for e in ids], "expert", "layer", ax=ax, fig=fig)
-        out.append((f"experts_step_{step}", f"Experts: relative change per layer and expert, step {step}", fig))
+        out.append(
+            (f"experts_step_{step}", f"Experts: relative change per layer and expert, step {step}", fig)
+        )
     return out
 
 
 def _steps_figure(steps: dict):
     from matplotlib.ticker import MaxNLocator
+
     keys = [k for k in steps if k.lstrip("-").isdigit()]
     xs = [int(k) for k in keys]
     groups = sorted({g for k in keys for g in steps[k]["groups"]})
     fig = _figure(11.5, 3.6)
     axes = fig.subplots(1, 3)
-    for ax, (field, title) in zip(axes, (("rel_delta", "change ||ΔW|| / ||W|| by module group"),
-                                         ("exp_avg_fro", "Adam exp_avg ||m||_F"),
-                                         ("exp_avg_sq_fro", "Adam exp_avg_sq ||v||_F"))):
+    for ax, (field, title) in zip(
+        axes,
+        (
+            ("rel_delta", "change ||ΔW|| / ||W|| by module group"),
+            ("exp_avg_fro", "Adam exp_avg ||m||_F"),
+            ("exp_avg_sq_fro", "Adam exp_avg_sq ||v||_F"),
+        ),
+    ):
         for g in groups:
             ys = [steps[k]["groups"].get(g, {}).get(field) for k in keys]
             if any(y for y in ys):
@@ -153,7 +224,9 @@ def _steps_figure(steps: dict):
         if ax.has_data():
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels() if axes[0].has_data() else axes[1].get_legend_handles_labels()
+    handles, labels = (
+        axes[0].get_legend_handles_labels() if axes[0].has_data() else axes[1].get_legend_handles_labels()
+    )
     if handles:
         fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False)
     return fig
@@ -161,16 +234,29 @@ def _steps_figure(steps: dict):
 
 def _lr_figure(lr: dict, saved_steps: list[int]):
     from matplotlib.ticker import MaxNLocator
+
     fig = _figure(11.5, 3.4)
     ax = fig.add_subplot()
     past = sorted((int(k), v) for k, v in lr["past"].items())
     planned = sorted((int(k), v) for k, v in lr["planned"].items())
     if past:
-        ax.plot(*zip(*past), color="#2b6cb0", lw=1.8, marker="o" if len(past) < 60 else None, ms=3,
-                label="past: each step's lr")
+        ax.plot(
+            *zip(*past),
+            color="#2b6cb0",
+            lw=1.8,
+            marker="o" if len(past) < 60 else None,
+            ms=3,
+            label="past: each step's lr",
+        )
     if planned:
         head = [past[-1]] if past else []
-        ax.plot(*zip(*(head + planned)), color="#718096", lw=1.5, ls="--", label=f"planned to max_steps {lr['max_steps']}")
+        ax.plot(
+            *zip(*(head + planned)),
+            color="#718096",
+            lw=1.5,
+            ls="--",
+            label=f"planned to max_steps {lr['max_steps']}",
+        )
     if lr.get("set_lr"):
         sl = lr["set_lr"]
         over = sorted((int(k), v) for k, v in sl["planned"].items())
@@ -190,7 +276,9 @@ def _lr_figure(lr: dict, saved_steps: list[int]):
 
 
 def _bytes_figure(b: dict):
-    groups = sorted(((g, st) for g, st in b["groups"].items() if st["bytes"] > 0), key=lambda kv: -kv[1]["bytes"])
+    groups = sorted(
+        ((g, st) for g, st in b["groups"].items() if st["bytes"] > 0), key=lambda kv: -kv[1]["bytes"]
+    )
     fig = _figure(11.5, 0.9 + 0.32 * len(groups))
     ax = fig.add_subplot()
     names = [g for g, _ in groups]
@@ -201,8 +289,10 @@ def _bytes_figure(b: dict):
     for i, v in enumerate(vals):
         ax.text(v, i, " " + human_bytes(v), va="center", fontsize=8)
     total = b["frozen_bytes"] + b["unique_bytes"]
-    ax.set_title(f"bytes by group: frozen {human_bytes(b['frozen_bytes'])} "
-                 f"({100 * b['frozen_bytes'] / total if total else 0:.1f}%), unique {human_bytes(b['unique_bytes'])}")
+    ax.set_title(
+        f"bytes by group: frozen {human_bytes(b['frozen_bytes'])} "
+        f"({100 * b['frozen_bytes'] / total if total else 0:.1f}%), unique {human_bytes(b['unique_bytes'])}"
+    )
     ax.set_xscale("log")
     ax.set_xlabel("bytes (log)")
     return fig
@@ -216,13 +306,25 @@ def report_figures(r: dict) -> list[tuple[str, str, object]]:
         last = list(steps)[-1]
         out += _heatmaps(last, steps[last])
     if sum(1 for k in steps if k.isdigit()) > 1:
-        out.append(("steps", "Across steps: each module group's change and its Adam moments", _steps_figure(steps)))
+        out.append(
+            ("steps", "Across steps: each module group's change and its Adam moments", _steps_figure(steps))
+        )
     if r.get("lr"):
-        out.append(("lr", "Learning rate: every past step's, the plan to max_steps",
-                    _lr_figure(r["lr"], [int(k) for k in steps if k.isdigit()])))
+        out.append(
+            (
+                "lr",
+                "Learning rate: every past step's, the plan to max_steps",
+                _lr_figure(r["lr"], [int(k) for k in steps if k.isdigit()]),
+            )
+        )
     if steps and steps[list(steps)[-1]].get("bytes"):
-        out.append(("bytes", "What the checkpoint holds (as ckpt inspect counts it)",
-                    _bytes_figure(steps[list(steps)[-1]]["bytes"])))
+        out.append(
+            (
+                "bytes",
+                "What the checkpoint holds (as ckpt inspect counts it)",
+                _bytes_figure(steps[list(steps)[-1]]["bytes"]),
+            )
+        )
     return out
 
 
@@ -253,21 +355,37 @@ def _table(rows: list[list], head: list[str]) -> str:
     return f"<table><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def page_html(title: str, subtitle: str, facts: list[tuple[str, str]], figures: list[tuple[str, str, object]],
-              tables: list[tuple[str, str, list[list], list[str]]], warnings: list[str]) -> str:
+def page_html(
+    title: str,
+    subtitle: str,
+    facts: list[tuple[str, str]],
+    figures: list[tuple[str, str, object]],
+    tables: list[tuple[str, str, list[list], list[str]]],
+    warnings: list[str],
+) -> str:
     """One HTML document, everything inline, no <script>."""
-    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><style>{_CSS}</style></head><body>",
-             f"<header><h1>{html.escape(title)}</h1><div class=\"sub\">{html.escape(subtitle)}</div></header><main>"]
-    parts.append("<div class=\"facts\">" + "".join(f"<div class=\"fact\"><b>{html.escape(v)}</b><span>{html.escape(k)}"
-                                                     "</span></div>" for k, v in facts) + "</div>")
+    parts = [
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f'<meta name="viewport" content="width=device-width, '
+        f'initial-scale=1"><style>{_CSS}</style></head><body>',
+        f'<header><h1>{html.escape(title)}</h1><div class="sub">{html.escape(subtitle)}</div></header><main>',
+    ]
+    parts.append(
+        '<div class="facts">'
+        + "".join(
+            f'<div class="fact"><b>{html.escape(v)}</b><span>{html.escape(k)}</span></div>' for k, v in facts
+        )
+        + "</div>"
+    )
     for w in warnings:
-        parts.append(f"<div class=\"warn\">{html.escape(w)}</div>")
+        parts.append(f'<div class="warn">{html.escape(w)}</div>')
     for _stem, caption, fig in figures:
         parts.append(f"<section><h2>{html.escape(caption)}</h2>{figure_svg(fig)}</section>")
     for caption, note, rows, head in tables:
-        parts.append(f"<section><h2>{html.escape(caption)}</h2><p class=\"note\">{html.escape(note)}</p>"
-                     f"{_table(rows, head)}</section>")
+        parts.append(
+            f'<section><h2>{html.escape(caption)}</h2><p class="note">{html.escape(note)}</p>'
+            f"{_table(rows, head)}</section>"
+        )
     parts.append("</main></body></html>\n")
     return "".join(parts)
 
@@ -285,17 +403,31 @@ def report_page(r: dict) -> tuple[str, list]:
             facts.append(("lr now", _fmt(last["lr"])))
         if last["largest"]:
             top = last["modules"][last["largest"][0]]
-            facts.append(("largest change", f"{last['largest'][0].removeprefix('model.')}  {_fmt(top['rel_delta'])}"))
+            facts.append(
+                ("largest change", f"{last['largest'][0].removeprefix('model.')}  {_fmt(top['rel_delta'])}")
+            )
     figs = report_figures(r)
     tables = []
     if last:
-        rows = [[n, _fmt(last["modules"][n]["delta_fro"]), _fmt(last["modules"][n]["weight_fro"]),
-                 _fmt(last["modules"][n]["rel_delta"])] for n in last["largest"]]
-        tables.append((f"Largest relative changes, step {list(steps)[-1]}", "||ΔW||_F from the LoRA's Gram matrices "
-                       "(B@A never formed), or ||W - W0||_F of trained masters against the base",
-                       rows, ["module", "||ΔW||_F", "||W||_F", "relative"]))
+        rows = [
+            [
+                n,
+                _fmt(last["modules"][n]["delta_fro"]),
+                _fmt(last["modules"][n]["weight_fro"]),
+                _fmt(last["modules"][n]["rel_delta"]),
+            ]
+            for n in last["largest"]
+        ]
+        tables.append(
+            (
+                f"Largest relative changes, step {list(steps)[-1]}",
+                "||ΔW||_F from the LoRA's Gram matrices "
+                "(B@A never formed), or ||W - W0||_F of trained masters against the base",
+                rows,
+                ["module", "||ΔW||_F", "||W||_F", "relative"],
+            )
+        )
     return page_html("ckpt report", r["path"], facts, figs, tables, r.get("warnings", [])), figs
-
 
 
 def diff_page(d: dict, top: int = 40) -> tuple[str, list]:
@@ -303,10 +435,36 @@ def diff_page(d: dict, top: int = 40) -> tuple[str, list]:
     figs = diff_figures(d, top)
     changed = [t for t in d["tensors"] if t.get("changed_fraction")]
     changed.sort(key=lambda t: (-(t.get("rel_fro") or 0), t["name"]))
-    rows = [[t["name"], f"{100 * t['changed_fraction']:.2f}%", _fmt(t.get("max_abs_delta")), _fmt(t.get("rel_fro"))]
-            for t in changed]
-    facts = [("verdict", d["verdict"]), ("changed tensors", str(len(changed))), ("tensors", str(len(d["tensors"])))]
-    sub = f"{d['weights'].get('label', d['weights'].get('path'))} vs {d['base'].get('label', d['base'].get('path'))}"
-    return page_html("ckpt diff-vs-base", sub, facts, figs,
-                     [("Changed tensors", "largest relative change first", rows,
-                       ["tensor", "changed", "max |ΔW|", "||ΔW|| / ||W0||"])], [d["summary"]]), figs
+    rows = [
+        [
+            t["name"],
+            f"{100 * t['changed_fraction']:.2f}%",
+            _fmt(t.get("max_abs_delta")),
+            _fmt(t.get("rel_fro")),
+        ]
+        for t in changed
+    ]
+    facts = [
+        ("verdict", d["verdict"]),
+        ("changed tensors", str(len(changed))),
+        ("tensors", str(len(d["tensors"]))),
+    ]
+    sub = (
+        f"{d['weights'].get('label', d['weights'].get('path'))} vs "
+        f"{d['base'].get('label', d['base'].get('path'))}"
+    )
+    return page_html(
+        "ckpt diff-vs-base",
+        sub,
+        facts,
+        figs,
+        [
+            (
+                "Changed tensors",
+                "largest relative change first",
+                rows,
+                ["tensor", "changed", "max |ΔW|", "||ΔW|| / ||W0||"],
+            )
+        ],
+        [d["summary"]],
+    ), figs

@@ -2,6 +2,7 @@
 merged / HF model dir against --base), its steps (full or slim), where the weights' norms and the trained
 weights' base come from (the fp32 masters in a full checkpoint, else the bf16 base), the run's config
 (max_steps for the planned lr curve) and what is written (-o page, --png dir)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,23 +12,22 @@ from ...core.errors import CkptError, UsageError
 from ...formats.dcp.layout import METADATA_NAME
 from ...formats.primerl.config import load_run_config
 from ...formats.primerl.files import locate_run_configs
-from ...formats.primerl.run_dir import find_run_configs
-from ...formats.primerl.run_dir import checkpoints_dir_of, resolve_base, step_dirs
+from ...formats.primerl.run_dir import checkpoints_dir_of, find_run_configs, resolve_base, step_dirs
 from ...formats.slim.manifest import is_slim
 from ...formats.sniff import CHECKPOINTS, DCP, HF, sniff
 
-__all__ = ["ReportOptions", "StepInput", "ReportPlan", "plan_report", "CHECKPOINT", "RUN", "MERGED"]
+__all__ = ["CHECKPOINT", "MERGED", "RUN", "ReportOptions", "ReportPlan", "StepInput", "plan_report"]
 
 CHECKPOINT, RUN, MERGED = "checkpoint", "checkpoints", "merged"
 
 
 @dataclass(frozen=True)
 class ReportOptions:
-    base: str | None = None          # bf16 HF base (dir or hub id): W0 of trained weights, ||W|| for slim steps
-    out: str | None = None           # the HTML page (None: none written)
-    png_dir: str | None = None       # one PNG per plot
-    set_lr: float | None = None      # overlay the lr curve `ckpt set-lr --lr X` would give
-    scale: float | None = None       # ... or `--scale F`
+    base: str | None = None  # bf16 HF base (dir or hub id): W0 of trained weights, ||W|| for slim steps
+    out: str | None = None  # the HTML page (None: none written)
+    png_dir: str | None = None  # one PNG per plot
+    set_lr: float | None = None  # overlay the lr curve `ckpt set-lr --lr X` would give
+    scale: float | None = None  # ... or `--scale F`
     alpha: float | None = None
     run_config: str | None = None
     overwrite: bool = False
@@ -36,7 +36,7 @@ class ReportOptions:
 
 @dataclass(frozen=True)
 class StepInput:
-    step: int | None                 # None: a single checkpoint's step is read from its progress
+    step: int | None  # None: a single checkpoint's step is read from its progress
     path: str
     slim: bool
 
@@ -44,9 +44,9 @@ class StepInput:
 @dataclass(frozen=True)
 class ReportPlan:
     path: str
-    kind: str                        # checkpoint | checkpoints | merged
+    kind: str  # checkpoint | checkpoints | merged
     steps: tuple[StepInput, ...]
-    base: str | None                 # resolved base dir, or None
+    base: str | None  # resolved base dir, or None
     base_how: str | None
     base_problem: str | None
     run_config: tuple[str, ...]
@@ -56,10 +56,20 @@ class ReportPlan:
 
     def to_json(self) -> dict:
         o = self.options
-        return {"path": self.path, "kind": self.kind, "base": self.base, "base_from": self.base_how,
-                "steps": [{"step": s.step, "path": s.path, "slim": s.slim} for s in self.steps],
-                "run_config": list(self.run_config), "max_steps": self.max_steps, "max_steps_from": self.max_steps_from,
-                "out": o.out, "png_dir": o.png_dir, "set_lr": o.set_lr, "scale": o.scale}
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "base": self.base,
+            "base_from": self.base_how,
+            "steps": [{"step": s.step, "path": s.path, "slim": s.slim} for s in self.steps],
+            "run_config": list(self.run_config),
+            "max_steps": self.max_steps,
+            "max_steps_from": self.max_steps_from,
+            "out": o.out,
+            "png_dir": o.png_dir,
+            "set_lr": o.set_lr,
+            "scale": o.scale,
+        }
 
 
 def _trainer(step_dir: Path) -> Path:
@@ -78,30 +88,41 @@ def plan_report(path: str | Path, options: ReportOptions) -> ReportPlan:
     elif kind == CHECKPOINTS or (p.is_dir() and kind is None and (p / "checkpoints").is_dir()):
         report_kind = RUN
         root = checkpoints_dir_of(p)
-        steps = tuple(StepInput(n, str(_trainer(d)), is_slim(_trainer(d))) for n, d in step_dirs(root)
-                      if (_trainer(d) / METADATA_NAME).is_file())
+        steps = tuple(
+            StepInput(n, str(_trainer(d)), is_slim(_trainer(d)))
+            for n, d in step_dirs(root)
+            if (_trainer(d) / METADATA_NAME).is_file()
+        )
         if not steps:
-            raise UsageError("holds no complete step_N checkpoint (step_N/trainer/.metadata)", path=root,
-                             hint="pass a run's outputs/checkpoints directory, or one step's trainer dir")
+            raise UsageError(
+                "holds no complete step_N checkpoint (step_N/trainer/.metadata)",
+                path=root,
+                hint="pass a run's outputs/checkpoints directory, or one step's trainer dir",
+            )
     elif kind == HF:
         report_kind = MERGED
         if options.base is None:
-            raise UsageError("a model dir is reported against its base: give --base", path=p,
-                             hint="e.g. ckpt report merged/ --base Qwen/Qwen3-8B")
+            raise UsageError(
+                "a model dir is reported against its base: give --base",
+                path=p,
+                hint="e.g. ckpt report merged/ --base Qwen/Qwen3-8B",
+            )
         steps = (StepInput(None, str(p), False),)
     elif not p.exists():
         raise UsageError("no such checkpoint, checkpoints dir or model dir", path=p)
     else:
-        raise UsageError("not a DCP checkpoint, a run's checkpoints dir or an HF model dir", path=p,
-                         hint="ckpt report takes step_N/trainer, outputs/checkpoints, or a merged dir with --base")
-    if options.set_lr is not None or options.scale is not None:
-        if report_kind == MERGED:
-            raise UsageError("--set-lr / --scale draw a checkpoint's lr schedule; a model dir has none")
+        raise UsageError(
+            "not a DCP checkpoint, a run's checkpoints dir or an HF model dir",
+            path=p,
+            hint="ckpt report takes step_N/trainer, outputs/checkpoints, or a merged dir with --base",
+        )
+    if (options.set_lr is not None or options.scale is not None) and report_kind == MERGED:
+        raise UsageError("--set-lr / --scale draw a checkpoint's lr schedule; a model dir has none")
     cfg, configs = None, ()
     if report_kind != MERGED:
         try:
             files = locate_run_configs(options.run_config or steps[-1].path)
-            if files is None and options.run_config is None:   # a URL's run configs lie above it
+            if files is None and options.run_config is None:  # a URL's run configs lie above it
                 above = find_run_configs(Path(steps[-1].path))
                 files = locate_run_configs(above[0]) if len(above) == 1 else None
             if files is not None:
@@ -122,7 +143,9 @@ def plan_report(path: str | Path, options: ReportOptions) -> ReportPlan:
                     max_steps, max_from = v, f"{key} of the run config"
                     break
     base_dir, base_how, base_problem = None, None, None
-    needs_base = report_kind == MERGED or options.base is not None or any(s.slim for s in steps) or cfg is not None
+    needs_base = (
+        report_kind == MERGED or options.base is not None or any(s.slim for s in steps) or cfg is not None
+    )
     if needs_base:
         try:
             b = resolve_base(options.base, cfg)
@@ -131,6 +154,11 @@ def plan_report(path: str | Path, options: ReportOptions) -> ReportPlan:
                 raise
             b, base_problem = None, exc.message
         if b is not None:
-            base_dir, base_how, base_problem = (str(b.dir) if b.dir else None), b.how, b.problem or base_problem
-    return ReportPlan(str(p), report_kind, steps, base_dir, base_how, base_problem, configs, max_steps, max_from,
-                      options)
+            base_dir, base_how, base_problem = (
+                (str(b.dir) if b.dir else None),
+                b.how,
+                b.problem or base_problem,
+            )
+    return ReportPlan(
+        str(p), report_kind, steps, base_dir, base_how, base_problem, configs, max_steps, max_from, options
+    )

@@ -6,6 +6,7 @@ new value (`schedule` reads and replays the scheduler state), `formats.dcp.patch
 O(KB) (hard links + one patch file + a new `.metadata`, or in place with a backup). One contract:
 `plan_set_lr(ckpt, options) -> SetLrPlan`, `run_patch(plan, ckpt, options) -> PatchReport`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,17 @@ from ...formats.dcp.patch import PatchResult, patch_checkpoint
 from ...formats.dcp.reader import DcpCheckpoint
 from .plan import SetLrPlan, SetValuesPlan, plan_set_lr, plan_set_values
 
-__all__ = ["PatchOptions", "PatchReport", "run_patch", "set_lr", "set_values", "plan_set_lr", "plan_set_values",
-           "SetLrPlan", "SetValuesPlan"]
+__all__ = [
+    "PatchOptions",
+    "PatchReport",
+    "SetLrPlan",
+    "SetValuesPlan",
+    "plan_set_lr",
+    "plan_set_values",
+    "run_patch",
+    "set_lr",
+    "set_values",
+]
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,7 @@ class PatchOptions:
 @dataclass(frozen=True)
 class PatchReport:
     plan: SetLrPlan | SetValuesPlan
-    result: PatchResult | None = None     # None: a dry run
+    result: PatchResult | None = None  # None: a dry run
 
     def to_json(self) -> dict:
         rep = {"plan": self.plan.to_json(), "dry_run": self.result is None}
@@ -41,17 +51,38 @@ class PatchReport:
         return rep
 
 
-def run_patch(plan: SetLrPlan | SetValuesPlan, ckpt: DcpCheckpoint, options: PatchOptions,
-              progress: Progress | None = None) -> PatchReport:
+def run_patch(
+    plan: SetLrPlan | SetValuesPlan,
+    ckpt: DcpCheckpoint,
+    options: PatchOptions,
+    progress: Progress | None = None,
+) -> PatchReport:
     """Write the plan's changes (O(KB), whatever the checkpoint's size: nothing to report progress of)."""
     values = {c.key: c.after for c in plan.changes}
-    return PatchReport(plan, patch_checkpoint(ckpt, None if options.in_place else Path(options.out), values,
-                                              in_place=options.in_place, overwrite=options.overwrite))
+    return PatchReport(
+        plan,
+        patch_checkpoint(
+            ckpt,
+            None if options.in_place else Path(options.out),
+            values,
+            in_place=options.in_place,
+            overwrite=options.overwrite,
+        ),
+    )
 
 
-def set_lr(ckpt_path, out, *, lr: float | None = None, scale: float | None = None, min_lr: float | None = None,
-           in_place: bool = False, dry_run: bool = False, overwrite: bool = False,
-           trust_pickle: bool = False) -> PatchReport:
+def set_lr(
+    ckpt_path,
+    out,
+    *,
+    lr: float | None = None,
+    scale: float | None = None,
+    min_lr: float | None = None,
+    in_place: bool = False,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+) -> PatchReport:
     """Library entry point of `ckpt set-lr`."""
     if in_place and out is not None:
         raise UsageError("give either OUT or --in-place, not both")
@@ -65,8 +96,16 @@ def set_lr(ckpt_path, out, *, lr: float | None = None, scale: float | None = Non
         return PatchReport(plan) if dry_run else run_patch(plan, ckpt, options)
 
 
-def set_values(ckpt_path, out, assignments: list[str], *, in_place: bool = False, dry_run: bool = False,
-               overwrite: bool = False, trust_pickle: bool = False) -> PatchReport:
+def set_values(
+    ckpt_path,
+    out,
+    assignments: list[str],
+    *,
+    in_place: bool = False,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+) -> PatchReport:
     """Library entry point of `ckpt set`."""
     if in_place and out is not None:
         raise UsageError("give either OUT or --in-place, not both")

@@ -2,6 +2,7 @@
 and `ckpt set-lr`'s plan, which lives in `formats.dcp.lr_plan` (`ckpt report` draws the schedule it
 gives) and is re-exported here.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -16,8 +17,18 @@ from ...formats.dcp.lr_plan import LR_FIELDS, MAX_LR, Change, SetLrPlan, check_l
 from ...formats.dcp.model import BytesEntry
 from ...formats.dcp.reader import DcpCheckpoint
 
-__all__ = ["LR_FIELDS", "MAX_LR", "check_lr_value", "parse_value", "Change", "SetLrPlan", "plan_set_lr",
-           "resolve_key", "SetValuesPlan", "plan_set_values"]
+__all__ = [
+    "LR_FIELDS",
+    "MAX_LR",
+    "Change",
+    "SetLrPlan",
+    "SetValuesPlan",
+    "check_lr_value",
+    "parse_value",
+    "plan_set_lr",
+    "plan_set_values",
+    "resolve_key",
+]
 
 # progress counters (prime-rl's Progress) are counts: never negative
 _COUNT_FIELDS = frozenset({"step", "total_tokens", "total_samples"})
@@ -27,6 +38,7 @@ def parse_value(text: str, old: Any, key: str) -> Any:
     """`ckpt set` values: the new value must have the old value's type. int stays int (no "3.5"),
     float stays float ("3" gives 3.0), bool is true/false, str is taken as is, a list or tuple is
     a JSON array of the same length with elements of the old elements' types. None is not settable."""
+
     def fail(why: str) -> CkptError:
         return UsageError(f"cannot set to {text!r}: {why}", key=key)
 
@@ -61,8 +73,9 @@ def parse_value(text: str, old: Any, key: str) -> Any:
             raise fail(f"expected a JSON array like {json.dumps(list(old))}") from None
         if not isinstance(items, list) or len(items) != len(old):
             raise fail(f"expected a JSON array of {len(old)} element(s) like {json.dumps(list(old))}")
-        return type(old)(parse_value(json.dumps(x) if not isinstance(x, str) else x, o, key)
-                         for x, o in zip(items, old))
+        return type(old)(
+            parse_value(json.dumps(x) if not isinstance(x, str) else x, o, key) for x, o in zip(items, old)
+        )
     raise fail(f"values of type {type(old).__name__} cannot be set")
 
 
@@ -71,10 +84,15 @@ def resolve_key(ckpt: DcpCheckpoint, name: str) -> str:
     for cand in (name, f"app.{name}"):
         if cand in ckpt.entries:
             return cand
-    close = difflib.get_close_matches(name, [k.removeprefix("app.") for k in ckpt.entries
-                                             if isinstance(ckpt.entries[k], BytesEntry)], n=3)
-    raise UsageError("no such byte item in the checkpoint", key=name, path=ckpt.dir,
-                     hint=(f"did you mean {', '.join(close)}?" if close else "`ckpt inspect --keys` lists them"))
+    close = difflib.get_close_matches(
+        name, [k.removeprefix("app.") for k in ckpt.entries if isinstance(ckpt.entries[k], BytesEntry)], n=3
+    )
+    raise UsageError(
+        "no such byte item in the checkpoint",
+        key=name,
+        path=ckpt.dir,
+        hint=(f"did you mean {', '.join(close)}?" if close else "`ckpt inspect --keys` lists them"),
+    )
 
 
 @dataclass(frozen=True)
@@ -84,8 +102,11 @@ class SetValuesPlan:
     warnings: tuple[str, ...]
 
     def to_json(self) -> dict:
-        return {"source": self.source, "warnings": list(self.warnings),
-                "changes": [{"key": c.key, "before": c.before, "after": c.after} for c in self.changes]}
+        return {
+            "source": self.source,
+            "warnings": list(self.warnings),
+            "changes": [{"key": c.key, "before": c.before, "after": c.after} for c in self.changes],
+        }
 
 
 def plan_set_values(ckpt: DcpCheckpoint, assignments: list[str]) -> SetValuesPlan:
@@ -106,15 +127,17 @@ def plan_set_values(ckpt: DcpCheckpoint, assignments: list[str]) -> SetValuesPla
         new = parse_value(text, old, key)
         info = classify(key, e.path)
         if info.group == "progress" and info.field in _COUNT_FIELDS and isinstance(new, int) and new < 0:
-            raise UsageError(f"cannot set to {new}: {info.field} counts steps/tokens/samples and must be >= 0", key=key)
+            raise UsageError(
+                f"cannot set to {new}: {info.field} counts steps/tokens/samples and must be >= 0", key=key
+            )
         if (info.group, info.field) in LR_FIELDS:
             check_lr_value(new, key)
         if (info.group, info.field) in LR_FIELDS:
-            warnings.append(f"{key}: changing one lr field alone desynchronises the schedule; "
-                            "`ckpt set-lr` patches all of them consistently")
+            warnings.append(
+                f"{key}: changing one lr field alone desynchronises the schedule; "
+                "`ckpt set-lr` patches all of them consistently"
+            )
         if info.field == "params":
             warnings.append(f"{key}: param_groups params must name the optimizer's parameters in order")
         changes.append(Change(key, old, new, "set"))
     return SetValuesPlan(str(ckpt.dir), tuple(changes), tuple(warnings))
-
-

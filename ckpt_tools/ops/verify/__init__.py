@@ -4,34 +4,35 @@ knowing that do not make it unusable. One contract: `plan_verify(path, options) 
 is checked, from the path's kind), `run_verify(plan, progress) -> VerifyReport`. Verify opens what it
 checks itself, problem-tolerant (a source would refuse a malformed input at open: verify lists why).
 Per kind: `formats.dcp.checks` (shared with `ckpt gc`), `hf`, `peft`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import MissingPathError, UsageError
+from ...core.problems import Problem, VerifyReport
 from ...core.progress import Progress
 from ...dist import Group
-from ...formats.sniff import CHECKPOINTS, DCP, sniff
-from ...core.problems import Problem, VerifyReport
 from ...formats.dcp.checks import verify_dcp
+from ...formats.sniff import CHECKPOINTS, DCP, sniff
 from .hf import verify_hf
 from .peft import verify_peft
 
-__all__ = ["VerifyOptions", "VerifyPlan", "plan_verify", "run_verify", "Problem", "VerifyReport"]
+__all__ = ["Problem", "VerifyOptions", "VerifyPlan", "VerifyReport", "plan_verify", "run_verify"]
 
 
 @dataclass(frozen=True)
 class VerifyOptions:
     deep: bool = False
-    base: str | None = None         # PEFT adapters only: the base every target module must fit
+    base: str | None = None  # PEFT adapters only: the base every target module must fit
     trust_pickle: bool = False
 
 
 @dataclass(frozen=True)
 class VerifyPlan:
     path: str
-    kind: str                       # dcp | hf | peft
+    kind: str  # dcp | hf | peft
     options: VerifyOptions
 
     def to_json(self) -> dict:
@@ -44,16 +45,23 @@ def plan_verify(path: str | Path, options: VerifyOptions) -> VerifyPlan:
         raise MissingPathError(p)
     kind = sniff(p)
     if kind in (None, CHECKPOINTS) or (kind != DCP and not p.is_dir()):
-        raise UsageError("cannot tell what to verify: not a DCP checkpoint (.metadata), an HF model dir "
-                         "(model.safetensors or model.safetensors.index.json) or a PEFT adapter dir "
-                         "(adapter_config.json)", path=p)
+        raise UsageError(
+            "cannot tell what to verify: not a DCP checkpoint (.metadata), an HF model dir "
+            "(model.safetensors or model.safetensors.index.json) or a PEFT adapter dir "
+            "(adapter_config.json)",
+            path=p,
+        )
     if options.base is not None and kind != "peft":
-        raise UsageError(f"--base applies to PEFT adapter dirs; {p} is a {kind} directory",
-                         hint="use `ckpt diff-vs-base` to compare model weights with a base")
+        raise UsageError(
+            f"--base applies to PEFT adapter dirs; {p} is a {kind} directory",
+            hint="use `ckpt diff-vs-base` to compare model weights with a base",
+        )
     return VerifyPlan(str(p), kind, options)
 
 
-def run_verify(plan: VerifyPlan, progress: Progress | None = None, *, group: Group | None = None) -> VerifyReport:
+def run_verify(
+    plan: VerifyPlan, progress: Progress | None = None, *, group: Group | None = None
+) -> VerifyReport:
     """Check `plan.path`. Under torchrun (`group`), the data checks of `--deep` (every tensor / item)
     are split over the ranks and rank 0's report holds every rank's problems."""
     p, o = Path(plan.path), plan.options

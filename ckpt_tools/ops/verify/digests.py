@@ -6,6 +6,7 @@ tensors it holds is also counted for inf/nan on the way (one read does both chec
 digest at all can only be proven well formed and finite: `integrity` says so, in words, and never
 claims more.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,14 +23,18 @@ from ...dist import Group, map_units
 from ...formats.hf_dir.digests import SUMS_NAME, blob_digests, parse_sums
 from ...io.inputs import OpenFiles, read_text
 
-__all__ = ["NO_DIGEST", "expected_digests", "check_digests", "prove"]
+__all__ = ["NO_DIGEST", "check_digests", "expected_digests", "prove"]
 
-NO_DIGEST = ("no digest covers these files (no SHA256SUMS, not a Hugging Face cache snapshot): verify proves "
-             "structure and finite values only; a flipped bit that leaves a value finite is not detectable")
+NO_DIGEST = (
+    "no digest covers these files (no SHA256SUMS, not a Hugging Face cache snapshot): verify proves "
+    "structure and finite values only; a flipped bit that leaves a value finite is not detectable"
+)
 _BLOCK_BYTES = 1 << 20
 
 
-def expected_digests(path: Path, report: VerifyReport) -> tuple[dict[str, list[tuple[str, str, str]]], list[str]]:
+def expected_digests(
+    path: Path, report: VerifyReport
+) -> tuple[dict[str, list[tuple[str, str, str]]], list[str]]:
     """{file: [(algorithm, hex digest, where it came from)]} from SHA256SUMS and the HF cache's blob names,
     and the words saying where they came from. Listed files that are missing, and files that no digest
     covers, are reported (a problem, a warning)."""
@@ -56,21 +61,32 @@ def expected_digests(path: Path, report: VerifyReport) -> tuple[dict[str, list[t
     if out:
         for name in sorted(os.listdir(path)):
             if name not in out and name != SUMS_NAME and not name.startswith(".") and (path / name).is_file():
-                report.warn(path / name, None, "no digest covers this file (not in SHA256SUMS, not a Hub blob): "
-                                               "its bytes are not proven")
+                report.warn(
+                    path / name,
+                    None,
+                    "no digest covers this file (not in SHA256SUMS, not a Hub blob): "
+                    "its bytes are not proven",
+                )
     return out, sources
 
 
 def _hasher(algorithm: str, size: int):
-    if algorithm == "git-sha1":   # git's blob id: sha1 of "blob <size>\0" + content
+    if algorithm == "git-sha1":  # git's blob id: sha1 of "blob <size>\0" + content
         h = hashlib.sha1(usedforsecurity=False)
         h.update(b"blob %d\0" % size)
         return h
     return hashlib.new(algorithm)
 
 
-def check_digests(path: Path, expected: dict, tensors_by_file: dict[str, list], counter_for, report: VerifyReport,
-                  progress: Progress | None, group: Group | None) -> int:
+def check_digests(
+    path: Path,
+    expected: dict,
+    tensors_by_file: dict[str, list],
+    counter_for,
+    report: VerifyReport,
+    progress: Progress | None,
+    group: Group | None,
+) -> int:
     """Read every file of `expected` once: its digests compared, and the tensors it holds
     (`tensors_by_file`, TensorInfos) counted for inf/nan (`counter_for(dtype) -> count(view)`). Split
     over ranks and threads, one unit a file. Returns the files whose digests matched."""
@@ -106,7 +122,7 @@ def check_digests(path: Path, expected: dict, tensors_by_file: dict[str, list], 
                 files.read_into(name, pos, view, tensor or "")
                 for h in hashers:
                     h.update(view)
-                if counter is not None:          # after the hash: the counter may overwrite the view
+                if counter is not None:  # after the hash: the counter may overwrite the view
                     c = counter(view)
                     if c:
                         bad[tensor] = bad.get(tensor, 0) + c
@@ -114,7 +130,7 @@ def check_digests(path: Path, expected: dict, tensors_by_file: dict[str, list], 
 
         try:
             for t in sorted(tensors_by_file.get(name, ()), key=lambda t: t.begin):
-                if t.begin < pos:                # (headers refuse overlaps; never trusted here)
+                if t.begin < pos:  # (headers refuse overlaps; never trusted here)
                     raise ValueError(f"tensor {t.name} overlaps the bytes before it")
                 feed(t.begin)
                 feed(t.begin + t.nbytes, itemsize(t.dtype_name), counter_for(t.dtype_name), t.name)
@@ -142,38 +158,64 @@ def check_digests(path: Path, expected: dict, tensors_by_file: dict[str, list], 
         for (algorithm, want, source), got in zip(expected[name], r[1]):
             if got != want:
                 ok = False
-                report.problem(path / name, None,
-                               f"{algorithm} {got[:16]}… differs from {source} ({want[:16]}…): the file's bytes changed "
-                               "after the digest was taken (a flipped bit, a partial copy or download); re-copy or "
-                               "re-download it")
+                report.problem(
+                    path / name,
+                    None,
+                    f"{algorithm} {got[:16]}… differs from {source} ({want[:16]}…): the file's bytes changed "
+                    "after the digest was taken (a flipped bit, a partial copy or download); re-copy or "
+                    "re-download it",
+                )
         matched += ok
         for tensor, count in r[2]:
             report.problem(path / name, tensor, f"{count} non-finite value(s) (inf/nan)")
     return matched
 
 
-def prove(path: Path, report: VerifyReport, *, deep: bool, weight_files: set[str], tensors_by_file: dict,
-          counter_for, progress: Progress | None = None, group: Group | None = None) -> set[str]:
+def prove(
+    path: Path,
+    report: VerifyReport,
+    *,
+    deep: bool,
+    weight_files: set[str],
+    tensors_by_file: dict,
+    counter_for,
+    progress: Progress | None = None,
+    group: Group | None = None,
+) -> set[str]:
     """The integrity part of verifying the dir `path` (HF model or PEFT adapter): with `deep`, every file
     with a digest read once against it (`check_digests`); `report.integrity` says, in words, what is
     proven: every weight file (`weight_files`) matched, or why not. Returns the files read here."""
     present = os.path.lexists(path / SUMS_NAME) or bool(blob_digests(path))
     if not deep:
-        report.integrity = {"proven": False, "by": None, "statement":
-                            "digests are present; `--deep` reads every byte against them" if present else NO_DIGEST}
+        report.integrity = {
+            "proven": False,
+            "by": None,
+            "statement": "digests are present; `--deep` reads every byte against them"
+            if present
+            else NO_DIGEST,
+        }
         return set()
     expected, sources = expected_digests(path, report)
-    matched = check_digests(path, expected, tensors_by_file, counter_for, report, progress, group) if expected else 0
+    matched = (
+        check_digests(path, expected, tensors_by_file, counter_for, report, progress, group)
+        if expected
+        else 0
+    )
     uncovered = sorted(weight_files - set(expected))
     report.checked.update({"files_digested": len(expected), "files_digest_matched": matched})
     if not expected:
         report.integrity = {"proven": False, "by": None, "statement": NO_DIGEST}
     elif uncovered or matched != len(expected):
-        report.integrity = {"proven": False, "by": sources,
-                            "statement": f"{matched} of {len(expected)} digested file(s) matched"
-                                         + (f"; {len(uncovered)} weight file(s) have no digest, e.g. {uncovered[0]}"
-                                            if uncovered else "")}
+        report.integrity = {
+            "proven": False,
+            "by": sources,
+            "statement": f"{matched} of {len(expected)} digested file(s) matched"
+            + (f"; {len(uncovered)} weight file(s) have no digest, e.g. {uncovered[0]}" if uncovered else ""),
+        }
     else:
-        report.integrity = {"proven": True, "by": sources,
-                            "statement": f"every byte of {matched} file(s) matched {' and '.join(sources)}"}
+        report.integrity = {
+            "proven": True,
+            "by": sources,
+            "statement": f"every byte of {matched} file(s) matched {' and '.join(sources)}",
+        }
     return set(expected)

@@ -2,6 +2,7 @@
 other (every disagreement listed: `formats.hf_dir.checks`, the rules HFModelDir.open refuses), shapes
 against what the config implies, and with `--deep` every float read and checked for inf/nan, and every
 file with a digest (SHA256SUMS, a Hub blob name) read against it (`digests`)."""
+
 from __future__ import annotations
 
 import threading
@@ -9,14 +10,14 @@ from pathlib import Path
 
 from ...core.dtypes import EXPONENT_MASKS, is_floating, itemsize, torch_dtype
 from ...core.errors import CkptError
+from ...core.problems import PROBLEM, VerifyReport
 from ...core.progress import Progress
 from ...core.progress import report as report_progress
+from ...dist import Group, map_units
 from ...formats.hf_dir.checks import check_index, header_finding
 from ...formats.hf_dir.config import dtype_disagreement, shape_problems
 from ...formats.safetensors.header import read_header
 from ...io.inputs import MAX_CONFIG_VALUES, OpenFiles, read_json
-from ...core.problems import PROBLEM, VerifyReport
-from ...dist import Group, map_units
 from .digests import prove
 
 __all__ = ["FINITE_BLOCK_BYTES", "PIECE_BYTES", "verify_hf"]
@@ -30,8 +31,14 @@ def _load_json(path: Path, report: VerifyReport):
     return None
 
 
-def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progress | None = None,
-              group: Group | None = None) -> None:
+def verify_hf(
+    path: Path,
+    report: VerifyReport,
+    *,
+    deep: bool,
+    progress: Progress | None = None,
+    group: Group | None = None,
+) -> None:
     single, index_path = path / "model.safetensors", path / "model.safetensors.index.json"
     config = None
     if (path / "config.json").is_file():
@@ -42,8 +49,12 @@ def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progres
     else:
         report.warn(path / "config.json", None, "no config.json: transformers cannot load this directory")
     if single.is_file() and index_path.is_file():
-        report.problem(path, None, "has both model.safetensors and model.safetensors.index.json; loaders "
-                                   "disagree on which wins (delete the stale one)")
+        report.problem(
+            path,
+            None,
+            "has both model.safetensors and model.safetensors.index.json; loaders "
+            "disagree on which wins (delete the stale one)",
+        )
     if index_path.is_file() and not single.is_file():
         # the index and every shard header against each other: the rules HFModelDir.open refuses, all listed
         check = check_index(path, index_path)
@@ -60,8 +71,9 @@ def verify_hf(path: Path, report: VerifyReport, *, deep: bool, progress: Progres
         if warning:
             report.warn(path / "config.json", None, warning)
     _integrity(path, tensors, report, deep, progress, group)
-    report.checked.update({"files": files, "tensors": len(tensors),
-                           "tensor_bytes": sum(t.nbytes for t in tensors.values())})
+    report.checked.update(
+        {"files": files, "tensors": len(tensors), "tensor_bytes": sum(t.nbytes for t in tensors.values())}
+    )
 
 
 def _integrity(path: Path, tensors: dict, report: VerifyReport, deep: bool, progress, group) -> None:
@@ -70,11 +82,20 @@ def _integrity(path: Path, tensors: dict, report: VerifyReport, deep: bool, prog
     by_file: dict[str, list] = {}
     for t in tensors.values():
         by_file.setdefault(t.path.name, []).append(t)
-    digested = prove(path, report, deep=deep, weight_files=set(by_file), tensors_by_file=by_file,
-                     counter_for=_nonfinite_counter, progress=progress, group=group)
+    digested = prove(
+        path,
+        report,
+        deep=deep,
+        weight_files=set(by_file),
+        tensors_by_file=by_file,
+        counter_for=_nonfinite_counter,
+        progress=progress,
+        group=group,
+    )
     if deep:
-        _deep_finite(path, {n: t for n, t in tensors.items() if t.path.name not in digested}, report, progress,
-                     group)
+        _deep_finite(
+            path, {n: t for n, t in tensors.items() if t.path.name not in digested}, report, progress, group
+        )
 
 
 def _header(p: Path, report: VerifyReport, read_header=read_header):
@@ -117,20 +138,24 @@ def _nonfinite_counter(dtype_name: str):
         import torch
 
         from ...core.tensor_math import count_nonfinite
+
         dt = torch_dtype(dtype_name)
         return lambda view: count_nonfinite(torch.frombuffer(view, dtype=dt))
     import numpy as np
+
     uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize(dtype_name)]
 
     def count(view) -> int:
         v = np.frombuffer(view, dtype=uint)
-        np.bitwise_and(v, uint(mask), out=v)   # all exponent bits set <=> == mask; else < mask
+        np.bitwise_and(v, uint(mask), out=v)  # all exponent bits set <=> == mask; else < mask
         return int(np.count_nonzero(v == mask)) if v.size and int(v.max()) == mask else 0
+
     return count
 
 
-def _deep_finite(dir_: Path, tensors: dict, report: VerifyReport, progress: Progress | None,
-                 group: Group | None = None) -> None:
+def _deep_finite(
+    dir_: Path, tensors: dict, report: VerifyReport, progress: Progress | None, group: Group | None = None
+) -> None:
     """Every float of every tensor read (in FINITE_BLOCK_BYTES blocks into a per-thread buffer) and
     counted if inf/nan. The units are tensors and pieces of big ones (`PIECE_BYTES`): split over
     torchrun's ranks (`group`) and this rank's threads (`dist.local_workers`: preadv and numpy release
@@ -152,7 +177,7 @@ def _deep_finite(dir_: Path, tensors: dict, report: VerifyReport, progress: Prog
             item = itemsize(t.dtype_name)
             block = max(item, FINITE_BLOCK_BYTES // item * item)
             buf = getattr(local, "buf", None)
-            if buf is None or len(buf) < min(block, nbytes):   # grown to the largest block seen, then reused
+            if buf is None or len(buf) < min(block, nbytes):  # grown to the largest block seen, then reused
                 buf = local.buf = bytearray(min(block, nbytes))
             bad = 0
             for pos in range(start, start + nbytes, block):
@@ -174,14 +199,14 @@ def _deep_finite(dir_: Path, tensors: dict, report: VerifyReport, progress: Prog
     finally:
         files.close()
     if results is None:
-        return   # not the leader: rank 0 reports
+        return  # not the leader: rank 0 reports
     bad = [0] * len(order)
     error: list[str | None] = [None] * len(order)
     for (i, _start, _n), r in zip(pieces, results):
         if r is None or error[i] is not None:
             continue
         if r[0] == "error":
-            error[i] = r[1]          # the first failing piece's read, as one thread would have stopped there
+            error[i] = r[1]  # the first failing piece's read, as one thread would have stopped there
         else:
             bad[i] += r[1]
     for i, name in enumerate(order):
