@@ -140,7 +140,7 @@ def config_mismatches(config: dict, shapes: Mapping[str, tuple]) -> list[str]:
 def output_config_changes(config: dict, out_dtype: str, tie_out) -> list[tuple[str, object, object]]:
     """(field, old, new) for a derived model's config: its dtype, and untied embeddings when they diverge.
     transformers >= 4.56 writes "dtype", older versions "torch_dtype": whichever is there is kept."""
-    changes = []
+    changes: list[tuple[str, object, object]] = []
     fields = [f for f in ("dtype", "torch_dtype") if f in config] or ["dtype"]
     for f in fields:
         if config.get(f) != out_dtype:
