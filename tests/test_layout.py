@@ -110,7 +110,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/ops/adapter_to_dcp.py::plan_adapter_to_dcp": "to split (#34)",
     "ckpt_tools/ops/merge/plan.py::plan_from_facts": "to split (#34)",
     "ckpt_tools/ops/extract_adapter.py::plan_extract": "to split (#34)",
-    "ckpt_tools/ops/rehydrate/plan.py::plan_rehydrate": "to split (#34)",
     "ckpt_tools/workflows/restart_prep.py::_adapter_mode": "to split (#34)",
     "ckpt_tools/ops/gc/plan.py::_classify": "to split (#34)",
     "ckpt_tools/formats/dcp/lr_plan.py::plan_set_lr": "to split (#34)",

@@ -167,15 +167,7 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
     mapping = map_to_base(
         manifest.dropped, {n: hf.facts(n).shape for n in hf.names()}, hf.config, Path(hf.path)
     )
-    warnings = []
-    mb = manifest.base or {}
-    if mb.get("headers_sha256"):
-        now = base_identity(hf, base_name)
-        if now["headers_sha256"] != mb["headers_sha256"]:
-            warnings.append(
-                f"the base model's weight headers differ from the one recorded at slim time "
-                f"({mb.get('name') or mb.get('path')}); every tensor is still checked by hash"
-            )
+    warnings = _base_changed(hf, base_name, manifest)
     slim_files = ckpt.data_files()
     copy_items = _copy_items(ckpt, slim_files)
     kept_crc = _kept_crcs(ckpt, manifest, copy_items)
@@ -211,6 +203,19 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         threads=options.threads or default_threads(),
         memory_bound_bytes=memory_bound(rebuild),
     )
+
+
+def _base_changed(hf: HFModelDir, base_name: str, manifest: Manifest) -> list[str]:
+    """A warning where the base's weight headers differ from those the manifest recorded at slim time."""
+    mb = manifest.base or {}
+    if mb.get("headers_sha256"):
+        now = base_identity(hf, base_name)
+        if now["headers_sha256"] != mb["headers_sha256"]:
+            return [
+                f"the base model's weight headers differ from the one recorded at slim time "
+                f"({mb.get('name') or mb.get('path')}); every tensor is still checked by hash"
+            ]
+    return []
 
 
 def _copy_items(ckpt: DcpCheckpoint, slim_files: list[str]) -> list[tuple[str, str, int, int, int]]:
