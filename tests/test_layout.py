@@ -115,7 +115,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/formats/dcp/lr_plan.py::plan_set_lr": "to split (#34)",
     "ckpt_tools/ops/doctor/traps_config.py::unknown_keys": "to split (#34)",
     "ckpt_tools/ops/report/plan.py::plan_report": "to split (#34)",
-    "ckpt_tools/ops/diff/run.py::run_diff": "to split (#34)",
     "ckpt_tools/ops/inspect.py::inspect_dcp": "to split (#34)",
     "ckpt_tools/workflows/restart_prep.py::_merge_mode": "to split (#34)",
     "ckpt_tools/ops/verify/digests.py::check_digests": "to split (#34)",
@@ -126,13 +125,11 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/formats/dcp/lora.py::DcpLoraSource.__init__": "to split (#34)",
     "ckpt_tools/ops/average.py::plan_average": "to split (#34)",
     "ckpt_tools/io/upload_bucket.py::HfBucketWriter.upload": "to split (#34)",
-    "ckpt_tools/cli/commands/diff_vs_base.py::render": "to split (#34)",
     "ckpt_tools/ops/verify/peft.py::verify_peft": "to split (#34)",
     "ckpt_tools/cli/__init__.py::_Group.invoke": "to split (#34)",
     "ckpt_tools/ops/doctor/run.py::run_doctor": "to split (#34)",
     "ckpt_tools/io/upload.py::_S3Writer.upload": "to split (#34)",
     "ckpt_tools/formats/primerl/alpha.py::resolve_alpha": "to split (#34)",
-    "ckpt_tools/ops/diff/run.py::_verdict": "to split (#34)",
 }
 
 
