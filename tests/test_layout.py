@@ -114,8 +114,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/ops/gc/plan.py::_classify": "to split (#34)",
     "ckpt_tools/formats/dcp/lr_plan.py::plan_set_lr": "to split (#34)",
     "ckpt_tools/ops/doctor/traps_config.py::unknown_keys": "to split (#34)",
-    "ckpt_tools/ops/report/plan.py::plan_report": "to split (#34)",
-    "ckpt_tools/ops/inspect.py::inspect_dcp": "to split (#34)",
     "ckpt_tools/workflows/restart_prep.py::_merge_mode": "to split (#34)",
     "ckpt_tools/ops/verify/digests.py::check_digests": "to split (#34)",
     "ckpt_tools/formats/peft/adapter.py::PeftAdapter.__init__": "to split (#34)",

@@ -31,7 +31,7 @@ class CheckpointSummary:
     keys: int
     infos: tuple  # core.keys.KeyInfo per key
     groups: dict  # group -> GroupStats
-    lora: object  # core.keys.LoraStats
+    lora: LoraStats
     world_size: int | None
     step: object
     lr: object
