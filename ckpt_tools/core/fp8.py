@@ -174,9 +174,9 @@ def quantize_rows_into(
 def _error_sq(
     scaled: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor | None
 ) -> float:
-    """||deq(q) - W32||^2 = sum over blocks of scale^2 * ||q - W32 / scale||^2: the codes decoded by a 256-entry
-    table (numpy's gather: 2.5x faster than torch's fp8 cast on a CPU), less the scaled values, times each
-    block's scale, then one dot product."""
+    """||deq(q) - W32||^2 = sum over blocks of scale^2 * ||q - W32 / scale||^2: the codes decoded by a
+    256-entry table (numpy's gather: 2.5x faster than torch's fp8 cast on a CPU), less the scaled values,
+    times each block's scale, then one dot product."""
     import numpy as np
     import torch
 
