@@ -23,8 +23,8 @@ import struct
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import BinaryIO
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from ...core.crc import crc32
 from ...core.dtypes import ITEMSIZE, STORAGE_CLASSES
