@@ -45,9 +45,10 @@ __all__ = ["command"]
 @click.option(
     "--dtype",
     "dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
+    type=click.Choice(["bf16", "fp16", "fp32", "fp8"]),
     default=None,
-    help="Output dtype (default bf16): one rounding from the fp32 masters.",
+    help="Output dtype (default bf16): one rounding from the fp32 masters. fp8: block FP8 as `ckpt merge "
+    "--dtype fp8` writes it.",
 )
 @click.option(
     "--allow-zero-delta",

@@ -52,10 +52,11 @@ __all__ = ["command", "render_merge", "render_plan"]
 @click.option(
     "--dtype",
     "dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
+    type=click.Choice(["bf16", "fp16", "fp32", "fp8"]),
     default=None,
     help="Output dtype (default: fp16 for an fp16 base, else bf16). Merged weights are computed in "
-    "fp32 and rounded once to it.",
+    "fp32 and rounded once to it. fp8: block FP8 (e4m3, 128x128 scales, what vLLM serves): the attention and "
+    "MLP projections quantized from the exact fp32 value, the rest bf16 (docs/merge.md).",
 )
 @click.option(
     "--allow-zero-delta",
@@ -174,6 +175,15 @@ def _render_result(plan, result, out) -> None:
         f"{c['cast']} cast, {c['replace']} replaced; {human_bytes(result.bytes_written)} in "
         f"{result.seconds:.1f}s"
     )
+    if result.fp8 is not None:
+        f = result.fp8
+        click.echo(
+            f"  fp8: {f['quantized']} weights quantized (block 128x128 e4m3), {len(f['kept'])} kept bf16; "
+            f"quantization error ||deq(q) - W32|| / ||W32||: max {f['rel_error_max']:.4f}, mean "
+            f"{f['rel_error_mean']:.4f}"
+        )
+        for w in f["warnings"]:
+            warn(w)
     if plan.masters_checked:
         mc = plan.masters_checked
         click.echo(
@@ -209,6 +219,11 @@ def render_plan(plan, out, brief: bool = False, dry_run: bool = False) -> None:
         f"  tensors   {len(plan.jobs)}: {plan.count('merge')} merged, {plan.count('copy')} copied verbatim, "
         f"{plan.count('cast')} cast to {plan.out_dtype}, {plan.count('replace')} replaced (modules_to_save)"
     )
+    if plan.out_dtype == "float8_e4m3fn":
+        q = sum(1 for j in plan.jobs if j.scale_name)
+        click.echo(
+            f"  fp8       {q} weights quantized (e4m3, 128x128 blocks), {len(plan.jobs) - q} kept bf16"
+        )
     if plan.masters_checked:
         mc = plan.masters_checked
         click.echo(

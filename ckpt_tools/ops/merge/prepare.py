@@ -114,7 +114,7 @@ def open_merge_sources(base: str | Path | None, adapter: str | Path, options: Me
 def plan_merge(sources: MergeSources, options: MergeOptions) -> MergePlan:
     """The merge as data, before a byte of tensor data is read (but a few rows of the checkpoint's
     masters, compared with the HF base it claims: `guards.check_masters_match_base`)."""
-    out_dtype = None if options.dtype is None else parse_cli_dtype(options.dtype)
+    out_dtype = None if options.dtype is None else parse_cli_dtype(options.dtype, fp8=True)
     max_shard_bytes = parse_size(options.max_shard_size)
     if max_shard_bytes <= 0:
         raise UsageError("--max-shard-size must be positive")
