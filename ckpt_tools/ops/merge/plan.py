@@ -37,6 +37,8 @@ __all__ = [
     "COPY_THROUGH_BLOCK_BYTES",
     "DEFAULT_MAX_SHARD",
     "DEFAULT_THREADS",
+    "FP8_BLOCK_ELEMS",
+    "FP8_DEFAULT_THREADS",
     "IN_FLIGHT_CAP_BYTES",
     "IN_FLIGHT_FLOOR_BYTES",
     "MERGEABLE",
@@ -63,6 +65,11 @@ DEFAULT_MAX_SHARD = "5GB"
 # 16-core host (docs/benchmarks.md): 2 workers 1.30x the I/O floor, 4 workers 1.10x, 8 workers 1.09x
 # with 40% more memory; so 4 is where more workers stop paying.
 DEFAULT_THREADS = max(2, min(4, os.cpu_count() or 1))
+# An FP8 output does ~2.5x a bf16 merge's arithmetic per element (the quantization and its error figures) and
+# writes half the bytes: it takes up to 8 workers where cores are idle, in blocks half the size (the same
+# memory in flight as 4 bf16 workers).
+FP8_DEFAULT_THREADS = max(2, min(8, os.cpu_count() or 1))
+FP8_BLOCK_ELEMS = 2 * 2**20
 # A merged tensor is made in row blocks of about this many elements (fp32 product 16 MiB, bf16 base
 # and output 8 MiB each): big enough that BLAS and pread/pwrite run at full speed, small enough that
 # a worker holds tens of MB whatever the model (`produce.JobRunner._merge`).
@@ -444,7 +451,7 @@ def merge_block_rows(shape: tuple[int, ...]) -> int:
 
 def fp8_block_rows(cols: int) -> int:
     """Rows per block of a quantized tensor with `cols` columns (`core.fp8.fp8_row_blocks`' step)."""
-    return max(BLOCK, (MERGE_BLOCK_ELEMS // max(1, cols)) // BLOCK * BLOCK)
+    return max(BLOCK, (FP8_BLOCK_ELEMS // max(1, cols)) // BLOCK * BLOCK)
 
 
 def merge_row_blocks(shape: tuple[int, ...]):

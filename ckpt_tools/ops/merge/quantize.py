@@ -27,7 +27,7 @@ from ...core.lora_math import check_shapes
 from ...core.tensor_math import count_nonfinite, merge_weight_into, rounds_to_base
 from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...sources.base import tensor_bytes
-from .plan import MERGE_BLOCK_ELEMS, TensorJob
+from .plan import FP8_BLOCK_ELEMS, TensorJob
 
 __all__ = ["Fp8Figure", "Fp8Figures", "delta_norm", "write_quantized"]
 
@@ -80,7 +80,7 @@ def write_quantized(runner, job: TensorJob, writer: StreamingSafetensorsWriter) 
     sums = QuantSums()
     src = _Rows(runner, job)
     unchanged = True
-    for s, n in fp8_row_blocks(rows, cols, MERGE_BLOCK_ELEMS):
+    for s, n in fp8_row_blocks(rows, cols, FP8_BLOCK_ELEMS):
         w32 = runner.buffer("w32", torch.float32, (n, cols))
         unchanged = src.fill(w32, s, n) and unchanged
         codes = runner.buffer("codes", torch.float8_e4m3fn, (n, cols))
