@@ -110,9 +110,7 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/ops/adapter_to_dcp.py::plan_adapter_to_dcp": "to split (#34)",
     "ckpt_tools/ops/merge/plan.py::plan_from_facts": "to split (#34)",
     "ckpt_tools/ops/extract_adapter.py::plan_extract": "to split (#34)",
-    "ckpt_tools/ops/gc/plan.py::_classify": "to split (#34)",
     "ckpt_tools/formats/dcp/lr_plan.py::plan_set_lr": "to split (#34)",
-    "ckpt_tools/ops/doctor/traps_config.py::unknown_keys": "to split (#34)",
     "ckpt_tools/formats/peft/adapter.py::PeftAdapter.__init__": "to split (#34)",
     "ckpt_tools/io/hub_fetch.py::download": "to split (#34)",
     "ckpt_tools/formats/peft/config.py::parse_peft_config": "to split (#34)",
@@ -120,7 +118,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/ops/average.py::plan_average": "to split (#34)",
     "ckpt_tools/io/upload_bucket.py::HfBucketWriter.upload": "to split (#34)",
     "ckpt_tools/cli/__init__.py::_Group.invoke": "to split (#34)",
-    "ckpt_tools/ops/doctor/run.py::run_doctor": "to split (#34)",
     "ckpt_tools/io/upload.py::_S3Writer.upload": "to split (#34)",
     "ckpt_tools/formats/primerl/alpha.py::resolve_alpha": "to split (#34)",
 }
