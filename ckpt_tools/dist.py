@@ -138,9 +138,10 @@ def env_part(environ=os.environ) -> Part:
     number, from the launch (`launched_part`) and `working_per_node`. An idle rank (`idle_rank`) has none."""
     part = launched_part(environ)
     per_node = working_per_node(environ) if part.world > 1 else None
-    if per_node is None:
+    layout = None if per_node is None else _node_layout(environ)
+    if per_node is None or layout is None:  # (a layout is known where per_node is)
         return part
-    nodes, node, local_rank = _node_layout(environ)
+    nodes, node, local_rank = layout
     if local_rank >= per_node:
         raise UsageError(
             f"rank {part.rank} takes no part in this run (it idles: {per_node} working rank(s) per node)",
@@ -156,7 +157,8 @@ def idle_rank(environ=os.environ) -> bool:
     if part.world == 1:
         return False
     per_node = working_per_node(environ)
-    return per_node is not None and _node_layout(environ)[2] >= per_node
+    layout = None if per_node is None else _node_layout(environ)
+    return per_node is not None and layout is not None and layout[2] >= per_node
 
 
 def _seconds(environ, name: str, default: float) -> float:

@@ -13,6 +13,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .io.signals import Terminated
 
 __all__ = ["main", "run"]
 
@@ -39,7 +43,7 @@ def _stopped(what: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _early_term)
-    terminated: tuple[type[BaseException], ...] = (_EarlyTermination,)
+    terminated: tuple[type[_EarlyTermination | Terminated], ...] = (_EarlyTermination,)
     try:
         # SIGINT/SIGTERM are held while modules are imported: an exception raised in the middle of
         # a C extension's initialization (numpy's, under torch) leaves it half-loaded, and the next
