@@ -637,6 +637,7 @@ def run_adapter_to_dcp(
                 if kind == "adapter":
                     t = ad.read_key(ref).to(torch.float32)
                 elif kind == "ckpt":
+                    assert src_ckpt is not None  # a "ckpt:" source is planned from --optimizer-from only
                     t = src_ckpt.read_tensor(ref).to(torch.float32)
                 else:  # fill:<value>
                     t = torch.full(job.shape, float(ref), dtype=torch.float32)
