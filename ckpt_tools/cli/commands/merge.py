@@ -9,7 +9,6 @@ import click
 from ... import api
 from ...core.errors import UsageError
 from ...core.units import human_bytes, human_bytes_si, human_number
-from ...io.signals import install_signal_handlers
 from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import (
@@ -25,7 +24,7 @@ from ..options import (
 )
 from ..render import dry_run_label, warn, warn_trust
 
-__all__ = ["command", "finish_merge", "render_plan"]
+__all__ = ["command", "render_merge", "render_plan"]
 
 
 @click.command("merge")
@@ -132,47 +131,39 @@ def command(
         )
     else:
         check_roles("merge", {"BASE": base, "ADAPTER": adapter, "OUT": out})
-    options = dict(
-        base_from_checkpoint=base_from_checkpoint,
-        config_from=config_from,
-        alpha=alpha,
-        run_config=run_config,
-        slot=slot,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        threads=threads,
-        trust_pickle=trust_pickle,
-        allow_zero_delta=allow_zero_delta,
-    )
-    finish_merge(
-        lambda **kw: api.merge(base, adapter, out, **options, **kw),
-        out,
-        _render_result,
-        dry_run=dry_run,
-        as_json=as_json,
-        overwrite=overwrite,
-    )
-
-
-def finish_merge(call, out, render_result, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
-    """A merge-contract command (merge, export): `call(**kw)` is its api call; a dry run rendered as the
-    plan (with what the real run would refuse among its warnings), else the plan's warnings printed
-    before the run (`on_plan`), the run with the progress line, and `render_result(plan, result, out)`."""
-
-    def on_plan(plan) -> None:
-        for w in () if as_json else plan.warnings:
-            warn(w)
-        install_signal_handlers()
-
     with progress_line(not dry_run) as bar:
-        report = call(dry_run=dry_run, overwrite=overwrite, progress=bar, on_plan=on_plan)
+        report = api.merge(
+            base,
+            adapter,
+            out,
+            base_from_checkpoint=base_from_checkpoint,
+            config_from=config_from,
+            alpha=alpha,
+            run_config=run_config,
+            slot=slot,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            threads=threads,
+            trust_pickle=trust_pickle,
+            allow_zero_delta=allow_zero_delta,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            progress=bar,
+        )
+    render_merge(report, out, _render_result, dry_run=dry_run, as_json=as_json)
+
+
+def render_merge(report, out, render_result, *, dry_run: bool, as_json: bool) -> None:
+    """A merge-contract command (merge, export) after its api call: a dry run rendered as the plan (with
+    what the real run would refuse among its warnings), else `render_result(plan, result, out)`; then the
+    plan's warnings, as every command prints its report's."""
     plan = report.plan
     if dry_run:
         finish(report, as_json, lambda _: render_plan(plan, out, dry_run=True))
-        for w in () if as_json else plan.warnings:
-            warn(w)
-        return
-    finish(report, as_json, lambda _: render_result(plan, report.result, out))
+    else:
+        finish(report, as_json, lambda _: render_result(plan, report.result, out))
+    for w in () if as_json else plan.warnings:
+        warn(w)
 
 
 def _render_result(plan, result, out) -> None:

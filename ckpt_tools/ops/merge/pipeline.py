@@ -18,6 +18,7 @@ test can kill a merge midway. It has no other use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -26,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from ...core.errors import FormatError, UsageError
+from ...core.dry_run import DryRunReport
+from ...core.errors import DiskSpaceError, FormatError, UsageError
 from ...core.pool import DaemonPool, one_intra_op_thread
 from ...core.progress import Progress, ProgressEvent
-from ...dist import Group, SoloGroup
+from ...dist import Group, SoloGroup, current
 from ...formats.hf_dir.config import rewrite_config
 from ...formats.hf_dir.digests import SUMS_NAME, format_sums
 from ...formats.hf_dir.names import INDEX_NAME
@@ -38,14 +40,14 @@ from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...io.copy import copy_input_file
 from ...io.files import WrittenFileHasher, atomic_write_text, fsync_path, hash_written_file, write_new_file
 from ...io.inputs import read_json
-from ...io.staging import SharedOutputDir
+from ...io.staging import SharedOutputDir, describe_output
 from .fp8 import counted_actions, declared_tensors, fp8_summary
 from .guards import ZeroDelta
 from .plan import OUTPUT_METADATA, MergePlan, TensorJob, job_working_bytes, window_budget
-from .prepare import MergeSources
+from .prepare import MergeSources, check_output
 from .produce import JobRunner
 
-__all__ = ["SLOW_WRITE_ENV", "MergeReport", "MergeResult", "check_unchanged", "run_merge"]
+__all__ = ["SLOW_WRITE_ENV", "MergeReport", "MergeResult", "check_unchanged", "finish_merge", "run_merge"]
 
 SLOW_WRITE_ENV = "CKPT_TOOLS_TEST_SLOW_WRITE"
 
@@ -172,6 +174,33 @@ def run_merge(
         fp8_summary(plan, {k: v for d in figures_every or [] for k, v in d.items()}),
     )
     return MergeReport(plan, result)
+
+
+def finish_merge(
+    plan: MergePlan,
+    sources: MergeSources,
+    out: str | Path,
+    *,
+    dry_run: bool,
+    overwrite: bool,
+    progress: Progress | None = None,
+    group: Group | None = None,
+) -> MergeReport | DryRunReport:
+    """The end of merge and export (one plan, one pipeline), OUT checked as the real run checks it: a dry
+    run reports what the real run would refuse (too little disk) as a warning of its plan; the real run
+    refuses it, then runs over `group` (None: `dist.current()`, asked once the inputs are open and planned,
+    since the ranks then compare them)."""
+    if dry_run:
+        output = describe_output(out, overwrite=overwrite)  # refuses the OUTs the real run refuses
+        try:
+            check_output(plan, out, overwrite=overwrite)
+        except DiskSpaceError as exc:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
+        return DryRunReport(MergeReport(plan), output)
+    check_output(plan, out, overwrite=overwrite)
+    return run_merge(
+        plan, sources, progress, overwrite=overwrite, group=current() if group is None else group
+    )
 
 
 def _write_files(plan: MergePlan, tmp: Path) -> None:
