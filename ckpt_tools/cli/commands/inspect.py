@@ -10,7 +10,7 @@ from ... import api
 from ...core.units import human_bytes, human_number
 from ..flow import shown
 from ..options import ModelPath, alpha_options, download_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..render import emit, one_line, warn, warn_trust
 
 __all__ = ["command"]
 
@@ -43,7 +43,7 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
     if result.plan.kind == "dcp" and list_keys:
         for row in report:
             shape = "bytes" if row["dtype"] is None else f"{row['dtype']} {row['shape']}"
-            click.echo(f"{row['key']}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
+            click.echo(f"{one_line(row['key'])}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
         return
     render(shown(report))  # a URL shown as itself, not its local stand-in (io.remote)
     for w in report.get("warnings", []):

@@ -13,7 +13,7 @@ from ...core.units import human_bytes
 from ..flow import progress_line
 from ..mistakes import check_roles
 from ..options import ModelPath, download_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..render import emit, one_line, warn, warn_trust
 
 if TYPE_CHECKING:
     from ...api import VerifyReport
@@ -68,7 +68,7 @@ def command(
 
 def render(r: VerifyReport) -> None:
     for line in group_problems(r.problems):
-        click.echo(f"problem: {line}")
+        click.echo(f"problem: {one_line(line)}")
     for line in group_problems(r.warnings):
         warn(line)
     c = r.checked
