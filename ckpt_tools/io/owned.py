@@ -22,33 +22,47 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import stat
 from pathlib import Path
 
-from .. import __version__
 from ..core.errors import OutputExistsError, UsageError
 from ..core.units import human_bytes
 from .files import write_new_file
 
 __all__ = [
     "OUTPUT_MARKER",
+    "TOOL",
     "check_not_cwd",
     "command_scope",
     "judge",
     "marker_text",
     "replace_check",
     "set_command",
+    "tool_version",
     "write_marker",
 ]
 
 OUTPUT_MARKER = ".ckpt-tools-output"
-_TOOL = "ckpt-tools"
+TOOL = "ckpt-tools"  # the distribution's name (pyproject.toml), whose version the marker records
 _MAX_MARKER_BYTES = 1 << 20
 _SHOWN = 8
 
 _COMMAND: contextvars.ContextVar[str | None] = contextvars.ContextVar("ckpt_output_command", default=None)
+
+
+@functools.cache
+def tool_version() -> str:
+    """The installed package's version (pyproject.toml's, from its metadata: written once); "unknown" for a
+    source tree run without being installed."""
+    from importlib.metadata import PackageNotFoundError, version  # lazy: ~20-90 ms, paid by writers only
+
+    try:
+        return version(TOOL)
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def set_command(name: str | None) -> None:
@@ -74,7 +88,12 @@ def write_marker(staging_dir: Path) -> None:
 
 def marker_text(entries: list[str], **extra) -> str:
     """The marker's content for an output whose top-level entries are `entries` (`extra`: more fields)."""
-    doc = {"tool": _TOOL, "version": __version__, "command": _COMMAND.get() or "library", "entries": entries}
+    doc = {
+        "tool": TOOL,
+        "version": tool_version(),
+        "command": _COMMAND.get() or "library",
+        "entries": entries,
+    }
     return json.dumps({**doc, **extra}, indent=1) + "\n"
 
 
@@ -158,7 +177,7 @@ def _parse_marker(raw: bytes | None) -> dict | None:
         return None
     if (
         not isinstance(doc, dict)
-        or doc.get("tool") != _TOOL
+        or doc.get("tool") != TOOL
         or not isinstance(doc.get("entries"), list)
         or not all(isinstance(e, str) for e in doc["entries"])
     ):
