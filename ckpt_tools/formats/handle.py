@@ -19,7 +19,8 @@ Reads are thread-safe and do not serialize: workers may read one source in paral
 
 Capabilities an op may ask any source (defaults here; a kind overrides what it can do):
 `ref(name)` the name a plan records for the tensor (a DCP key), `masters` (the tensors are a training
-checkpoint's fp32 masters), `config` (the model's config.json, or None), `file_of(name)` (the one file
+checkpoint's fp32 masters), `config` (the model's config.json, or None), `config_dir` (a dir of the model's
+config.json and tokenizer that a checkpoint carries, or None), `file_of(name)` (the one file
 holding the tensor's bytes, or None), `copy_range(name)` (the tensor's stored bytes as one checked range
 of an open file, for a verbatim copy by the kernel, or None), `disk_order()`, `open_all()`.
 
@@ -185,6 +186,9 @@ class Source:
     label: str
     masters: bool = False  # the tensors are a training checkpoint's fp32 masters (a DCP base)
     config: dict | None = None  # the model's config.json, where the source has one (an HF dir)
+    config_dir: Path | None = (
+        None  # a dir of config.json (+ tokenizer) a checkpoint carries (verl's huggingface/)
+    )
 
     def __init__(self) -> None:
         self._facts: dict[str, TensorFacts] = {}
