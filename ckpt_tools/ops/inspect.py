@@ -238,7 +238,17 @@ def inspect_hf(path: Path) -> dict:
         "config_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
         "tie_word_embeddings": cfg.get("tie_word_embeddings"),
         "lora_keys": sum(1 for k in d.keys() if "lora_" in k),
+        **_fp8(d),
     }
+
+
+def _fp8(d) -> dict:
+    """A block-FP8 dir's scheme and counts (`formats.hf_dir.fp8.describe_fp8`); {} for any other dir."""
+    from ..formats.hf_dir.fp8 import describe_fp8
+
+    if d.fp8 is None:
+        return {}
+    return {"fp8": describe_fp8(d.fp8, {k: (d.info(k).dtype_name, tuple(d.info(k).shape)) for k in d.keys()})}
 
 
 def inspect_peft(path: Path) -> dict:

@@ -129,6 +129,16 @@ def _render_hf(r: dict) -> None:
             f"  {r['lora_keys']} tensor name(s) contain lora_: an adapter or an unmerged export, not a "
             "plain model"
         )
+    if "fp8" in r:
+        f = r["fp8"]
+        click.echo(
+            f"  block FP8 ({f['fmt']}, {f['weight_block_size'][0]}x{f['weight_block_size'][1]} blocks, "
+            f"{f['activation_scheme']} activations): {f['quantized']} weights quantized (weight + "
+            f"weight_scale_inv), {f['kept']} tensors kept ({', '.join(f['kept_dtypes'])}), "
+            f"{len(f['modules_to_not_convert'])} modules_to_not_convert"
+        )
+        for p in f["problems"][:5]:
+            click.echo(f"  problem: {p}")
 
 
 def _render_peft(r: dict) -> None:
