@@ -28,7 +28,8 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
     """Describe a checkpoint, HF model dir or PEFT adapter from metadata alone.
 
     PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir, an HF
-    model dir or a PEFT adapter dir. Reads no tensor data.
+    model dir, a PEFT adapter dir, a verl checkpoint (its run dir, global_step_N or global_step_N/actor)
+    or a torchtitan one (its dump folder, checkpoint/ or checkpoint/step-N). Reads no tensor data.
 
     \b
     Example:
