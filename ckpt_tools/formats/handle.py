@@ -19,7 +19,8 @@ Reads are thread-safe and do not serialize: workers may read one source in paral
 
 Capabilities an op may ask any source (defaults here; a kind overrides what it can do):
 `ref(name)` the name a plan records for the tensor (a DCP key), `masters` (the tensors are a training
-checkpoint's fp32 masters), `config` (the model's config.json, or None), `file_of(name)` (the one file
+checkpoint's fp32 masters), `config` (the model's config.json, or None), `config_dir` (a dir of the
+model's config.json and tokenizer that a checkpoint carries, or None), `file_of(name)` (the one file
 holding the tensor's bytes, or None), `quantized` (block-FP8 weights, and `read_codes` / `read_scales` of
 them), `copy_range(name)` (the tensor's stored bytes as one checked range of an open file, for a verbatim
 copy by the kernel, or None), `disk_order()`, `open_all()`.
@@ -188,6 +189,8 @@ class Source:
     label: str
     masters: bool = False  # the tensors are a training checkpoint's fp32 masters (a DCP base)
     config: dict | None = None  # the model's config.json, where the source has one (an HF dir)
+    # a dir of config.json (+ tokenizer) a checkpoint carries (verl's huggingface/)
+    config_dir: Path | None = None
     # block-FP8 weights (read as float32 of fl32(q * scale)) -> their weight_scale_inv; their stored codes and
     # scales by `read_codes` / `read_scales` (an FP8 HF dir: `formats.hf_dir.fp8`)
     quantized: Mapping[str, str] = MappingProxyType({})
