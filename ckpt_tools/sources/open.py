@@ -10,6 +10,7 @@ from ..core.errors import UsageError
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.sniff import DCP, PEFT, has_hf_weights, sniff
+from ..formats.trainers import open_trainer
 from .base import Source
 
 __all__ = ["open_weights"]
@@ -19,6 +20,9 @@ def open_weights(spec: str | os.PathLike, *, trust_pickle: bool = False) -> Sour
     label = str(spec)
     p = Path(spec).expanduser()
     if p.exists():
+        trainer = open_trainer(p, trust_pickle=trust_pickle)  # verl, torchtitan: their weights under HF names
+        if trainer is not None:
+            return trainer.base_weights(label, owned=True)
         kind = sniff(p)
         if kind == DCP:
             return DcpCheckpoint.open(p, trust_pickle=trust_pickle).base_weights(label, owned=True)
