@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar, overload
 
 import torch
 
@@ -392,6 +392,18 @@ def value_check_chunk(
             )
         )
     return found
+
+
+@overload
+def block_stats(
+    xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *, skip_identical: Literal[False] = ...
+) -> list[ChunkStats]: ...
+
+
+@overload
+def block_stats(
+    xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *, skip_identical: bool
+) -> list[ChunkStats] | None: ...
 
 
 def block_stats(
