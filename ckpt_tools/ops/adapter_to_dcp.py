@@ -77,11 +77,11 @@ from ..formats.dcp.layout import row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
+from ..formats.handle import LoraSource
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.peft.adapter import open_peft_adapter
 from ..io.staging import SharedOutputDir
 from ..sources.hashing import read_rows_as
-from ..sources.lora import LoraSource
 
 __all__ = [
     "ToDcpJob",

@@ -32,6 +32,7 @@ from ..core.errors import CkptError, FormatError, UsageError
 from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, expert_parts
 from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
 from ..core.progress import Progress
+from ..formats.dcp.lora import DcpLoraSource
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import tensor_shapes
 from ..formats.peft.config import PEFT_PREFIX
@@ -50,7 +51,6 @@ from ..formats.primerl import run_dir
 from ..formats.primerl.alpha import run_adapter_configs, run_outputs_dir
 from ..formats.primerl.run_dir import run_base_of
 from ..io.inputs import read_json
-from ..sources.lora import DcpLoraSource
 
 __all__ = ["ExtractOptions", "ExtractPlan", "ExtractReport", "plan_extract", "run_extract"]
 

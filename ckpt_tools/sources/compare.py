@@ -36,7 +36,7 @@ from ..core.accel import load_accelerator
 from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
 from ..core.tensor_math import LoraFactors64, MergeCheck, check_merged_values_bounded
-from .base import Source, TensorFacts
+from ..formats.handle import Source, TensorFacts
 
 # Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the torch statistics alone.
 accelerator = load_accelerator("ckpt_tools.sources.delta_stats_c")

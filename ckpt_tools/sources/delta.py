@@ -25,6 +25,7 @@ import torch
 from ..core.delta_math import Truncation, stack_terms, truncate
 from ..core.errors import CkptError, FormatError, UsageError
 from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, PROGRESS_STEP_KEY, expert_parts
+from ..formats.handle import LoraModule, LoraSource, TensorFacts
 from ..formats.hf_dir.hub import locate_model
 from ..formats.peft.config import PEFT_PREFIX
 from ..formats.peft.experts import build_fused, fused_config, plan_fused
@@ -37,8 +38,6 @@ from ..formats.peft.writer import (
     target_modules_for,
 )
 from ..formats.primerl.run_dir import resolve_run, step_number
-from .base import TensorFacts
-from .lora import LoraModule, LoraSource
 
 FULL_SUFFIX = "#full"  # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
 

@@ -31,6 +31,7 @@ from ..core.keys import PROGRESS_STEP_KEY, world_size_from_chunks
 from ..core.primerl_state import SchedulerSpec
 from ..core.progress import Progress
 from ..formats.dcp.layout import METADATA_NAME, resolve_checkpoint_dir
+from ..formats.dcp.lora import DcpLoraSource
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
@@ -41,7 +42,6 @@ from ..io.staging import OVERWRITE_HINT, check_output_file, describe_output
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..ops.extract_adapter import ExtractOptions, plan_extract
 from ..ops.merge import DEFAULT_MAX_SHARD, MergeOptions, MergeSources, check_output, plan_merge, run_merge
-from ..sources.lora import DcpLoraSource
 
 __all__ = ["MODES", "RestartPrepReport", "default_config_out", "find_checkpoint", "restart_prep"]
 

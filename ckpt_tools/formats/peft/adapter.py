@@ -153,7 +153,7 @@ class PeftAdapter:
         """The adapter as a `LoraSource` (`formats.peft.lora.PeftLoraSource`) over this handle."""
         from .lora import PeftLoraSource
 
-        return PeftLoraSource(self.dir, adapter=self)
+        return PeftLoraSource(self)
 
     def close(self) -> None:
         """Drop the fused tensors held for per-expert views (a safetensors adapter holds no open file)."""

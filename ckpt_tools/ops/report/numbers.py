@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ...core.keys import EXPERT_PROJ
-from ...sources.base import Source
+from ...formats.handle import Source
 from ...sources.compare import BLOCK_BYTES, stream_stats
 
 __all__ = [
