@@ -291,6 +291,45 @@ def test_the_cycle_rule_sees_a_cycle_through_a_lazy_import(tmp_path):
     assert cycles == [{"ckpt_tools.io.a", "ckpt_tools.io.b", "ckpt_tools.io.c"}]
 
 
+# Names every module reads alike are rows of the key table: a regex literal naming a step dir, a decoder
+# layer or a LoRA factor is written in core/keys.py only.
+KEY_PATTERN_WORDS = ("step_", "layers", "lora_")
+KEY_TABLE = "ckpt_tools/core/keys.py"
+
+
+def key_pattern_literals(source: str, where: str) -> list[str]:
+    """`where:line` of each `re.<compile|match|search|fullmatch|findall|sub>(LITERAL, ...)` whose literal
+    names a step dir, a layer or a LoRA factor."""
+    bad = []
+    for n in ast.walk(ast.parse(source)):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "re"
+            and n.func.attr in ("compile", "match", "search", "fullmatch", "findall", "sub", "finditer")
+            and n.args
+            and isinstance(n.args[0], ast.Constant)
+            and isinstance(n.args[0].value, str)
+            and any(w in n.args[0].value for w in KEY_PATTERN_WORDS)
+        ):
+            bad.append(f"{where}:{n.lineno}")
+    return sorted(bad)
+
+
+def test_step_layer_and_lora_key_patterns_are_rows_of_the_key_table():
+    bad = [v for p in modules() if rel(p) != KEY_TABLE for v in key_pattern_literals(p.read_text(), rel(p))]
+    assert bad == []
+
+
+def test_the_key_pattern_rule_sees_each_call():
+    src = (
+        'import re\nA = re.compile(r"^step_(\\d+)$")\ndef f(n):\n    return re.search(r"\\.layers\\.(\\d+)\\.", n)\n'
+        'B = re.compile(r"^(?P<m>.+)\\.lora_(?P<ab>[AB])\\.weight$")\nC = re.compile(r"^[0-9a-f]{64}$")\n'
+    )
+    assert key_pattern_literals(src, "m.py") == ["m.py:2", "m.py:4", "m.py:5"]
+
+
 def test_dcp_items_are_decoded_in_one_module():
     """The torch.save zip of an item is opened (zipfile) and loaded (torch.load) in formats/dcp/item.py only."""
     home = "ckpt_tools/formats/dcp/item.py"

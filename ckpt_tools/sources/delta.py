@@ -24,7 +24,7 @@ import torch
 
 from ..core.delta_math import Truncation, stack_terms, truncate
 from ..core.errors import CkptError, FormatError, UsageError
-from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, PROGRESS_STEP_KEY, expert_parts
+from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, PROGRESS_STEP_KEY, expert_parts, step_of
 from ..formats.handle import LoraModule, LoraSource, TensorFacts
 from ..formats.hf_dir.hub import locate_model
 from ..formats.peft.config import PEFT_PREFIX
@@ -37,7 +37,7 @@ from ..formats.peft.writer import (
     peft_key,
     target_modules_for,
 )
-from ..formats.primerl.run_dir import resolve_run, step_number
+from ..formats.primerl.run_dir import resolve_run
 
 FULL_SUFFIX = "#full"  # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
 
@@ -194,7 +194,7 @@ def lora_step(src: LoraSource) -> int | None:
     progress.step; None when neither says."""
     p = Path(src.path)
     for c in (p, p.parent):
-        n = step_number(c)
+        n = step_of(c.name)
         if n is not None:
             return n
     if src.ckpt is not None and PROGRESS_STEP_KEY in src.ckpt.entries:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import FormatError, MissingPathError, OutputExistsError, UsageError
-from ..core.keys import PROGRESS_STEP_KEY, world_size_from_chunks
+from ..core.keys import PROGRESS_STEP_KEY, step_of, world_size_from_chunks
 from ..core.primerl_state import SchedulerSpec
 from ..core.progress import Progress
 from ..formats.dcp.layout import METADATA_NAME, resolve_checkpoint_dir
@@ -49,7 +48,6 @@ MODES = ("merge", "adapter")
 
 
 # ============================================================================ locating the checkpoint
-_STEP = re.compile(r"^step_(\d+)$")
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -64,9 +62,9 @@ def find_checkpoint(path: str | Path) -> Path:
         if not root.is_dir():
             continue
         steps = sorted(
-            (int(m.group(1)), c)
+            (n, c)
             for c in root.iterdir()
-            if (m := _STEP.match(c.name)) and (c / "trainer" / METADATA_NAME).is_file()
+            if (n := step_of(c.name)) is not None and (c / "trainer" / METADATA_NAME).is_file()
         )
         if steps:
             return steps[-1][1] / "trainer"

@@ -42,7 +42,7 @@ from .model import BytesEntry, Chunk, Entry, TensorEntry, parse_metadata
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
-__all__ = ["DcpCheckpoint", "open_checkpoint"]
+__all__ = ["DcpCheckpoint"]
 
 
 class DcpCheckpoint:
@@ -364,7 +364,3 @@ class DcpCheckpoint:
             )
         region = dest[tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes))] if ch.sizes else dest
         region.copy_(t)
-
-
-def open_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint:
-    return DcpCheckpoint.open(path, trust_pickle=trust_pickle)

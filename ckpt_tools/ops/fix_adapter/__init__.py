@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +36,14 @@ import torch
 
 from ...core.dtypes import short_name
 from ...core.errors import AlphaError, FormatError, UsageError
-from ...core.keys import DEFAULT_LAYOUT, LAYOUTS, expert_parts, fused_param_name, fused_peft_modules
+from ...core.keys import (
+    DEFAULT_LAYOUT,
+    LAYOUTS,
+    PEFT_LORA_KEY,
+    expert_parts,
+    fused_param_name,
+    fused_peft_modules,
+)
 from ...core.lora_math import check_modules_fit_base, lora_alpha_for_scale
 from ...core.progress import Progress
 from ...formats.hf_dir.hub import locate_model
@@ -70,7 +76,6 @@ from .sources import CKPT_REF, FixSources, check_same_state, open_fix_source
 
 __all__ = [
     "CKPT_REF",
-    "LORA_KEY",
     "FixOptions",
     "FixPlan",
     "FixReport",
@@ -79,13 +84,6 @@ __all__ = [
     "plan_fix",
     "run_fix",
 ]
-
-# One table for every LoRA key spelling we repair: optional PEFT prefix, module, A/B, optional
-# adapter slot, `.weight`.
-LORA_KEY = re.compile(
-    r"^(?P<prefix>base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])"
-    r"(?:\.(?P<slot>\d+))?\.weight$"
-)
 
 
 def _belongs_to(name: str, target: str) -> bool:
@@ -189,12 +187,12 @@ def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPl
     warnings: list[str] = []
     fixes: list[str] = []
 
-    # ---- classify every key (one table: LORA_KEY); non-LoRA keys must be modules_to_save
+    # ---- classify every key (core.keys.PEFT_LORA_KEY: every spelling we repair); the rest: modules_to_save
     lora: dict[tuple[str, int | None], dict[str, str]] = {}
     full: dict[str, str] = {}
     unknown: list[str] = []
     for k in shapes:
-        m = LORA_KEY.match(k)
+        m = PEFT_LORA_KEY.match(k)
         if m:
             s = int(m["slot"]) if m["slot"] is not None else None
             lora.setdefault((m["module"], s), {})[m["ab"]] = k
