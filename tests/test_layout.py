@@ -106,11 +106,9 @@ def test_no_private_name_crosses_a_module_boundary():
 MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/io/pickle_scan.py::_scan": "to split (#34)",
-    "ckpt_tools/ops/fix_adapter/__init__.py::plan_fix": "to split (#34)",
     "ckpt_tools/ops/adapter_to_dcp.py::plan_adapter_to_dcp": "to split (#34)",
     "ckpt_tools/ops/merge/plan.py::plan_from_facts": "to split (#34)",
     "ckpt_tools/formats/dcp/checks.py::verify_dcp": "to split (#34)",
-    "ckpt_tools/ops/extract_adapter.py::plan_extract": "to split (#34)",
     "ckpt_tools/formats/hf_dir/checks.py::check_index": "to split (#34)",
     "ckpt_tools/ops/merge/pipeline.py::_write_tensors": "to split (#34)",
     "ckpt_tools/formats/slim/writer.py::write_slim": "to split (#34)",
@@ -328,6 +326,26 @@ def test_the_key_pattern_rule_sees_each_call():
         'B = re.compile(r"^(?P<m>.+)\\.lora_(?P<ab>[AB])\\.weight$")\nC = re.compile(r"^[0-9a-f]{64}$")\n'
     )
     assert key_pattern_literals(src, "m.py") == ["m.py:2", "m.py:4", "m.py:5"]
+
+
+# One planner per job: every command that writes a PEFT adapter dir (extract-adapter, fix-adapter,
+# average, resize-adapter, restart-prep's adapter check) lays it out through formats/peft/layout.py; the
+# layout rules it applies are called nowhere else.
+ADAPTER_LAYOUT_RULES = ("peft_config", "target_modules_for", "exact_modules_to_save", "plan_fused",
+                        "fused_config", "full_tensor_warning")
+
+
+def test_every_adapter_dir_is_laid_out_by_the_one_planner():
+    bad = []
+    for p in modules():
+        if rel(p).startswith("ckpt_tools/formats/peft/"):
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Call):
+                name = n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
+                if name in ADAPTER_LAYOUT_RULES:
+                    bad.append(f"{rel(p)}:{n.lineno}: {name}")
+    assert bad == []
 
 
 def test_dcp_items_are_decoded_in_one_module():

@@ -34,6 +34,9 @@ __all__ = ["DcpLoraSource", "NoLoraSource", "trained_full_tensors"]
 
 class DcpLoraSource(LoraSource):
     kind = "dcp"
+    ckpt: DcpCheckpoint  # the handle viewed (a LoraSource's may be None: this one's never is)
+    slot: int
+    alpha: float  # resolved (`formats.primerl.alpha`), never None
 
     def __init__(self, ckpt: DcpCheckpoint, *, alpha: float | None, run_config: Path | None, slot: int = 0):
         self.ckpt = ckpt
