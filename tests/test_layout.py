@@ -5,6 +5,7 @@ form no import cycle, DCP items are decoded in one module, public modules declar
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -289,10 +290,14 @@ def test_the_cycle_rule_sees_a_cycle_through_a_lazy_import(tmp_path):
     assert cycles == [{"ckpt_tools.io.a", "ckpt_tools.io.b", "ckpt_tools.io.c"}]
 
 
-# Names every module reads alike are rows of the key table: a regex literal naming a step dir, a decoder
-# layer or a LoRA factor is written in core/keys.py only.
-KEY_PATTERN_WORDS = ("step_", "layers", "lora_")
-KEY_TABLE = "ckpt_tools/core/keys.py"
+# Names every module reads alike are rows of a key table: a regex literal naming a (prime-rl) step dir, a
+# decoder layer or a LoRA factor is written in core/keys.py, or in a format's own key table
+# (formats/<format>/keys.py: its names, mapped to the HF ones).
+KEY_PATTERN_WORDS = re.compile(r"(?<![A-Za-z_])step_|layers|lora_")
+
+
+def is_key_table(where: str) -> bool:
+    return where == "ckpt_tools/core/keys.py" or re.fullmatch(r"ckpt_tools/formats/\w+/keys\.py", where) is not None
 
 
 def key_pattern_literals(source: str, where: str) -> list[str]:
@@ -309,14 +314,14 @@ def key_pattern_literals(source: str, where: str) -> list[str]:
             and n.args
             and isinstance(n.args[0], ast.Constant)
             and isinstance(n.args[0].value, str)
-            and any(w in n.args[0].value for w in KEY_PATTERN_WORDS)
+            and KEY_PATTERN_WORDS.search(n.args[0].value)
         ):
             bad.append(f"{where}:{n.lineno}")
     return sorted(bad)
 
 
 def test_step_layer_and_lora_key_patterns_are_rows_of_the_key_table():
-    bad = [v for p in modules() if rel(p) != KEY_TABLE for v in key_pattern_literals(p.read_text(), rel(p))]
+    bad = [v for p in modules() if not is_key_table(rel(p)) for v in key_pattern_literals(p.read_text(), rel(p))]
     assert bad == []
 
 
@@ -324,8 +329,11 @@ def test_the_key_pattern_rule_sees_each_call():
     src = (
         'import re\nA = re.compile(r"^step_(\\d+)$")\ndef f(n):\n    return re.search(r"\\.layers\\.(\\d+)\\.", n)\n'
         'B = re.compile(r"^(?P<m>.+)\\.lora_(?P<ab>[AB])\\.weight$")\nC = re.compile(r"^[0-9a-f]{64}$")\n'
+        'D = re.compile(r"global_step_(\\d+)")\n'
     )
     assert key_pattern_literals(src, "m.py") == ["m.py:2", "m.py:4", "m.py:5"]
+    assert is_key_table("ckpt_tools/core/keys.py") and is_key_table("ckpt_tools/formats/verl/keys.py")
+    assert not is_key_table("ckpt_tools/formats/verl/layout.py")
 
 
 # One planner per job: every command that writes a PEFT adapter dir (extract-adapter, fix-adapter,

@@ -32,10 +32,15 @@ def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> l
     if not ws:
         raise UsageError(f"{what}: no weights")
     bad = [w for w in ws if not math.isfinite(w)]
-    total = math.fsum(ws)
+    try:
+        total = math.fsum(ws) if not bad else math.nan
+    except OverflowError:  # 1e308,1e308: the same ratios over the largest, whose sum cannot overflow
+        big = max(abs(w) for w in ws)
+        ws = [w / big for w in ws]
+        total = math.fsum(ws)
     if bad or not total > 0:
         raise UsageError(
-            f"{what} {ws}: weights must be finite numbers with a positive sum",
+            f"{what} {[float(w) for w in weights]}: weights must be finite numbers with a positive sum",
             hint="e.g. --weights 1,1,2 (divided by their sum: 0.25, 0.25, 0.5)",
         )
     return [w / total for w in ws]

@@ -45,6 +45,7 @@ __all__ = [
     "base_path",
     "classify",
     "expert_hf_name",
+    "expert_index_clashes",
     "expert_module",
     "expert_module_pattern",
     "expert_names",
@@ -425,6 +426,22 @@ def expert_parts(module: str) -> tuple[str, int, str] | None:
     if len(parts) == 4 and parts[1] == "experts" and parts[2].isdigit() and parts[3] in PROJ_W:
         return f"{parts[0]}.experts", int(parts[2]), parts[3]
     return None
+
+
+def expert_index_clashes(modules) -> list[tuple[str, str]]:
+    """Pairs of module names that `expert_parts` reads as one expert of one projection, spelled two ways
+    (`experts.3.gate_proj` and `experts.03.gate_proj`): which one is expert 3 is ambiguous."""
+    seen: dict[tuple[str, int, str], str] = {}
+    out = []
+    for m in sorted(modules):
+        parts = expert_parts(m)
+        if parts is None:
+            continue
+        if parts in seen:
+            out.append((seen[parts], m))
+        else:
+            seen[parts] = m
+    return out
 
 
 def router_prime_name(hf_name: str) -> str | None:

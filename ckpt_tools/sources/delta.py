@@ -37,6 +37,7 @@ __all__ = [
     "FULL_SUFFIX",
     "DeltaSource",
     "Term",
+    "finite",
     "lora_base",
     "lora_base_name",
     "lora_step",
@@ -107,11 +108,13 @@ class DeltaSource(LoraSource):
 
     # ------------------------------------------------------------------ the factors
     def stacked(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exact weighted sum as one LoRA (fp64 A_cat, B_cat with scale 1)."""
+        """The exact weighted sum as one LoRA (fp64 A_cat, B_cat with scale 1). A NaN or inf in a factor
+        read is refused, naming its file and key (a sum, QR or SVD would carry it into every output)."""
         parts = []
         for t in self.terms[module]:
             src = self.inputs[t.input]
-            a, b = src.read_factor(module, "A"), src.read_factor(module, "B")
+            m = src.modules[module]
+            a, b = (finite(src.read_factor(module, ab), src.weights_path, m.factor_ref(ab)) for ab in "AB")
             parts.append((a, b, t.coef * src.modules[module].scale))
         return stack_terms(parts)
 
@@ -120,7 +123,7 @@ class DeltaSource(LoraSource):
         now on. Returns the facts per module."""
         for m in self.modules:
             a, b = self.stacked(m)
-            _a, _b, facts = truncate(a, b, rank=rank, energy=energy)
+            _a, _b, facts = self._truncate(m, a, b, rank=rank, energy=energy)
             self.truncations[m] = facts
             self._ranks[m] = facts.rank
             k = facts.rank
@@ -137,17 +140,35 @@ class DeltaSource(LoraSource):
         self._local.pair = None
         a, b = self.stacked(module)
         if module in self._ranks:
-            a, b, _ = truncate(a, b, rank=self._ranks[module])
+            a, b, _ = self._truncate(module, a, b, rank=self._ranks[module])
+        for ab, x in (("A", a), ("B", b)):  # written as fp32 (or merged): past its range is inf there
+            finite(x.to(torch.float32), self.path, f"{module}.lora_{ab}", what=_RESULT, hint=_RESULT_HINT)
         self._local.pair = (module, a, b)
         return a, b
+
+    def _truncate(self, module: str, a: torch.Tensor, b: torch.Tensor, **rule):
+        """`core.delta_math.truncate`, a decomposition that fails (values near fp64's range) named."""
+        try:
+            return truncate(a, b, **rule)
+        except torch.linalg.LinAlgError as exc:
+            raise FormatError(
+                f"the SVD of this module's delta failed ({str(exc).split(':')[0][:60]} did not converge)",
+                path=self.path,
+                key=module,
+                hint="its factors hold values near the float64 range: `ckpt verify --deep` the input",
+            ) from None
 
     def full(self, name: str) -> torch.Tensor:
         """A trained full tensor: the weighted sum of the inputs' (fp64, rounded once by the writer)."""
         out = None
         for t in self.full_terms[name]:
             src = self.inputs[t.input]
-            x = src.read_key(src.full_tensors[name]).to(torch.float64) * float(t.coef)
+            key = src.full_tensors[name]
+            x = finite(src.read_key(key), src.weights_path, key).to(torch.float64) * float(t.coef)
             out = x if out is None else out.add_(x)
+        finite(
+            out.to(torch.float32), self.path, name, what=_RESULT, hint=_RESULT_HINT
+        )  # checked, not rounded
         return out
 
     # ------------------------------------------------------------------ the LoraSource contract
@@ -179,6 +200,30 @@ class DeltaSource(LoraSource):
     def close(self) -> None:
         for s in self.inputs:
             s.close()
+
+
+_RESULT = "the result (the inputs' weighted sum, at its new rank) as float32"
+_RESULT_HINT = "the weights or the inputs' values take it past float32's range (3.4e38): check the weights"
+
+
+def finite(
+    t: torch.Tensor,
+    path,
+    key: str,
+    *,
+    what: str = "this input",
+    hint: str = "a damaged or diverged input: `ckpt verify --deep` it, and average or resize without it",
+) -> torch.Tensor:
+    """`t`, when every value is finite; else a FormatError naming the file and the key."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int(t.numel() - int(torch.isfinite(t).sum()))
+        raise FormatError(
+            f"{what} holds {bad} non-finite value(s) (NaN or inf): refusing to write them",
+            path=path,
+            key=key,
+            hint=hint,
+        )
+    return t
 
 
 def lora_step(src: LoraSource) -> int | None:

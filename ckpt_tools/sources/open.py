@@ -16,14 +16,18 @@ from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.peft.adapter import open_peft_adapter
 from ..formats.peft.config import ADAPTER_CONFIG
 from ..formats.sniff import DCP, PEFT, has_hf_weights, sniff
+from ..formats.trainers import open_trainer
 
-__all__ = ["open_lora_source", "open_weights"]
+__all__ = ["open_checkpoint_lora", "open_lora_source", "open_weights"]
 
 
 def open_weights(spec: str | os.PathLike, *, trust_pickle: bool = False) -> Source:
     label = str(spec)
     p = Path(spec).expanduser()
     if p.exists():
+        trainer = open_trainer(p, trust_pickle=trust_pickle)  # verl, torchtitan: their weights under HF names
+        if trainer is not None:
+            return trainer.base_weights(label, owned=True)
         kind = sniff(p)
         if kind == DCP:
             return DcpCheckpoint.open(p, trust_pickle=trust_pickle).base_weights(label, owned=True)
@@ -50,6 +54,9 @@ def open_lora_source(
     """A PEFT adapter dir or a prime-rl DCP checkpoint. For PEFT, alpha comes from its config
     (an explicit --alpha overrides it, with the adapter's own rank)."""
     p = Path(path)
+    trainer = open_trainer(p, trust_pickle=trust_pickle)
+    if trainer is not None:  # verl, torchtitan
+        return _trainer_lora(trainer, alpha, slot)
     if is_checkpoint_path(p) and p.name != METADATA_NAME:
         return DcpCheckpoint.open(p, trust_pickle=trust_pickle).lora(
             alpha=alpha, run_config=Path(run_config) if run_config else None, slot=slot
@@ -63,4 +70,30 @@ def open_lora_source(
         "not a LoRA source: expected a PEFT adapter dir (adapter_config.json) or a prime-rl "
         "DCP checkpoint (.metadata)",
         path=p,
+    )
+
+
+def _trainer_lora(trainer, alpha: float | None, slot: int) -> LoraSource:
+    try:
+        return trainer.lora(alpha=alpha, slot=slot)
+    except BaseException:
+        trainer.close()
+        raise
+
+
+def open_checkpoint_lora(
+    path: str | Path,
+    *,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    slot: int = 0,
+    trust_pickle: bool = False,
+) -> LoraSource:
+    """The LoRA of a training checkpoint: a prime-rl DCP checkpoint's (alpha resolved from its run) or a verl
+    one's (alpha from its lora_train_meta.json): what `extract-adapter` reads."""
+    trainer = open_trainer(path, trust_pickle=trust_pickle)
+    if trainer is not None:
+        return _trainer_lora(trainer, alpha, slot)
+    return DcpCheckpoint.open(Path(path), trust_pickle=trust_pickle).lora(
+        alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot
     )

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 
 from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import FormatError, UsageError
-from ...core.keys import PEFT_LORA_KEY, expert_parts, fused_param_name, fused_peft_modules
+from ...core.keys import (
+    PEFT_LORA_KEY,
+    expert_index_clashes,
+    expert_parts,
+    fused_param_name,
+    fused_peft_modules,
+)
 from ...io.inputs import read_input, register
 from ..dcp.item import load_byte_item
 from ..safetensors.header import read_header
@@ -132,6 +138,13 @@ class PeftAdapter:
                 )
                 continue
             self.modules[mod] = AdapterModule(mod, ab["A"], ab["B"], rank, config.scale_for(mod))
+        clash = expert_index_clashes(self.modules)
+        if clash:  # one expert spelled two ways (`experts.3`, `experts.03`): which is expert 3 is ambiguous
+            (x, y), more = clash[0], f" (and {len(clash) - 1} more such pairs)" if len(clash) > 1 else ""
+            problems.append(
+                f"{self.modules[x].a_key} and {self.modules[y].a_key} both name expert "
+                f"{expert_parts(x)[1]}: ambiguous{more}"
+            )
         if strict and (problems or self.unrecognized):
             lines = problems + [f"unrecognized key {k!r}" for k in self.unrecognized[:10]]
             more = len(self.unrecognized) - 10

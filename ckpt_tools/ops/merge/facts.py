@@ -107,6 +107,8 @@ def dcp_base_facts(src: Source, config_from: str | Path | None) -> BaseFacts:
     """Base = the checkpoint's own fp32 masters (`app.model.<HF name>`); config/tokenizer from
     `config_from`, which must describe the checkpoint's model."""
     ckpt_dir = src.path
+    if config_from is None and src.config_dir is not None:  # verl's huggingface/: the run's own config
+        config_from = src.config_dir
     tensors = [
         SourceTensor(name, f.dtype, tuple(f.shape), None, src.ref(name))
         for name, f in ((n, src.facts(n)) for n in src.names())
