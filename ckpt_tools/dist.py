@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Literal, TypeVar, overload
 
 from .core.errors import RankFailed, UsageError
 from .core.parts import SOLO, Part, working_ranks
@@ -55,7 +55,6 @@ __all__ = [
     "local_workers",
     "map_units",
     "min_bytes_per_rank",
-    "under_torchrun",
     "working",
     "working_per_node",
 ]
@@ -200,11 +199,6 @@ def check_env(environ=os.environ) -> tuple[str, int]:
     return addr, int(port)
 
 
-def under_torchrun(environ=os.environ) -> bool:
-    """True when torchrun launched this process with more than one rank."""
-    return launched_part(environ).world > 1
-
-
 class Group:
     """How ranks agree. `part` is this rank's share; the collectives are no-ops for one process."""
 
@@ -238,7 +232,7 @@ class TorchGroup(Group):
     """A gloo process group of torchrun's ranks (initialized once, on first use)."""
 
     def __init__(self, part: Part):
-        # torch.distributed is imported here, not at module top: the CLI asks `under_torchrun()` on
+        # torch.distributed is imported here, not at module top: the CLI asks `launched_part()` on
         # every command, and torch-free commands (inspect, verify of metadata) must stay torch-free.
         import torch
         import torch.distributed as tdist
@@ -432,6 +426,26 @@ def working(weights: Sequence[int], group: Group | None = None, environ=os.envir
     )
 
 
+@overload
+def map_units(
+    fn: Callable[[int], T],
+    weights: Sequence[int],
+    group: Group | None = None,
+    *,
+    threads: int | None = None,
+    done: Callable[[int, T], None] | None = None,
+    everywhere: Literal[True],
+) -> list[T]: ...
+@overload
+def map_units(
+    fn: Callable[[int], T],
+    weights: Sequence[int],
+    group: Group | None = None,
+    *,
+    threads: int | None = None,
+    done: Callable[[int, T], None] | None = None,
+    everywhere: bool = False,
+) -> list[T] | None: ...
 def map_units(
     fn: Callable[[int], T],
     weights: Sequence[int],

@@ -4,7 +4,7 @@ exactly BASE + the LoRA?
 Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
 marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
 before any tensor byte is read. `run_diff` then compares the pairs on this rank's workers, each
-pair in blocks (each side read in one piece, folded in `sources.compare.stat_chunks`) spread over one
+pair in blocks (each side read in one piece, folded in `sources.compare.block_chunks`) spread over one
 pool of block workers, so a big tensor uses every core; every side is read once:
 
 - same dtype and shape: raw byte comparison per chunk (memcmp, no decoding); the chunks that differ
@@ -309,7 +309,7 @@ def _device_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: 
         with device.slot() as (bw, bb):
             weights.read_span(fw.name, start * iw, bw[: n * iw].numpy())
             base.read_span(fb.name, start * ib, bb[: n * ib].numpy())
-            xw, xb = memoryview(bw.numpy()), memoryview(bb.numpy())
+            xw, xb = bw.numpy().data, bb.numpy().data
             w, w0 = bw[: n * iw].view(torch_dtype(fw.dtype)), bb[: n * ib].view(torch_dtype(fb.dtype))
             uploaded = device.upload(w, w0)  # (copying while the statistics are computed here)
             parts: list[ChunkStats] = []
@@ -349,7 +349,9 @@ def _compare_with_adapter(
     td = _result(p, _status(p, st), st)
     fw = p.weights
     expected = lora.read_full(p.name)  # (the adapter's tensor, whole: LoraSource reads it so)
-    check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(fw.dtype)}"}
+    check: dict[str, object] = {
+        "expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(fw.dtype)}"
+    }
     if tuple(expected.shape) != tuple(fw.shape):
         check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(fw.shape)}")
         td.adapter_check = check

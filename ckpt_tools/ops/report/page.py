@@ -14,8 +14,9 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
+from ...core.keys import layer_of
 from ...core.units import human_bytes
-from .numbers import layer_of, module_group
+from .numbers import module_group
 
 if TYPE_CHECKING:
     from matplotlib.typing import RcKeyType

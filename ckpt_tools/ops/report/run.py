@@ -13,7 +13,7 @@ from ...core.errors import FormatError, UsageError
 from ...formats.dcp.model import TensorEntry
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
-from ...sources.base import Source
+from ...formats.handle import Source
 from ...sources.open import open_weights
 from .lr import LrCurves, lr_curves
 from .numbers import (
