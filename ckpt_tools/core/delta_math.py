@@ -23,15 +23,7 @@ import torch
 
 from .errors import UsageError
 
-__all__ = [
-    "Truncation",
-    "choose_rank",
-    "ema_weights",
-    "normalize_weights",
-    "singular_values",
-    "stack_terms",
-    "truncate",
-]
+__all__ = ["Truncation", "choose_rank", "ema_weights", "normalize_weights", "stack_terms", "truncate"]
 
 
 def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> list[float]:
@@ -84,11 +76,6 @@ def _core(a: torch.Tensor, b: torch.Tensor):
     qb, rb = torch.linalg.qr(b.to(torch.float64), mode="reduced")  # B = Qb Rb: [out, p], [p, r]
     u, s, vh = torch.linalg.svd(rb @ ra.T, full_matrices=False)  # [p, m] = U S Vh
     return qb, u, s, vh, qa
-
-
-def singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The nonzero-dimension singular values of B @ A (fp64, descending), from the r x r core."""
-    return _core(a, b)[2]
 
 
 def choose_rank(s: torch.Tensor, *, rank: int | None = None, energy: float | None = None) -> int:

@@ -4,7 +4,7 @@ exactly BASE + the LoRA?
 Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
 marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
 before any tensor byte is read. `run_diff` then compares the pairs on this rank's workers, each
-pair in blocks (each side read in one piece, folded in `sources.compare.stat_chunks`) spread over one
+pair in blocks (each side read in one piece, folded in `sources.compare.block_chunks`) spread over one
 pool of block workers, so a big tensor uses every core; every side is read once:
 
 - same dtype and shape: raw byte comparison per chunk (memcmp, no decoding); the chunks that differ

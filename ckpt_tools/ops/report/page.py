@@ -13,8 +13,9 @@ import io
 import math
 import re
 
+from ...core.keys import layer_of
 from ...core.units import human_bytes
-from .numbers import layer_of, module_group
+from .numbers import module_group
 
 __all__ = [
     "PROJ_COLUMNS",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ...core.errors import FormatError, UsageError
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
-from ...sources.base import Source
+from ...formats.handle import Source
 from ...sources.open import open_weights
 from .lr import lr_curves
 from .numbers import (
