@@ -25,7 +25,7 @@ import click
 
 from .. import dist
 from ..core.errors import CkptError, UsageError
-from ..io import inputs, owned, remote
+from ..io import inputs, owned, remote, staging
 from ..io.files import stdout_to_devnull
 from ..io.owned import TOOL
 from ..io.signals import Terminated, install_signal_handlers
@@ -105,19 +105,27 @@ MULTI_RANK_COMMANDS = ("merge", "export", "rehydrate", "adapter-to-dcp", "slim",
 _NOTHING_WRITTEN = "nothing was written (temporary files removed)"
 
 
+def _what_was_done(exc: BaseException) -> str:
+    """What an interrupted command leaves: its own summary (gc's steps), the outputs it had committed
+    (complete: the interruption came after), or nothing."""
+    done = staging.committed_outputs()
+    if getattr(exc, "summary", None) or not done:
+        return getattr(exc, "summary", None) or _NOTHING_WRITTEN
+    return (
+        f"{', '.join(done)}: written and complete (the interruption came after it was committed); "
+        "what the command had left to do (its report) was not done"
+    )
+
+
 def _failure(exc: BaseException) -> tuple[str, str, int, bool]:
     """(kind, the line, exit code, whether -v shows the traceback) of the error a command ended with."""
     if isinstance(exc, CkptError):
         return type(exc).__name__, f"error: {exc}", exc.exit_code, True
     if isinstance(exc, KeyboardInterrupt):  # `summary`: a command that had written something says what
-        return "interrupted", f"interrupted: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}", 130, False
+        # (or the outputs it had committed: `_what_was_done`)
+        return "interrupted", f"interrupted: {_what_was_done(exc)}", 130, False
     if isinstance(exc, Terminated):
-        return (
-            "terminated",
-            f"terminated: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}",
-            exc.exit_code,
-            False,
-        )
+        return ("terminated", f"terminated: {_what_was_done(exc)}", exc.exit_code, False)
     if isinstance(exc, MemoryError):  # a safety net: every size is checked against the bytes on disk first
         return (
             "MemoryError",
@@ -175,6 +183,7 @@ class _Group(click.Group):
         verbose = ctx.params.get("verbose")
         as_json = "--json" in argv
         STATE.reset()
+        staging.reset_committed()
         STATE.verbose, STATE.quiet, STATE.as_json = verbose, ctx.params.get("quiet"), as_json
         command = protected[0] if protected else None
 
