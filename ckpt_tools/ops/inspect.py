@@ -19,6 +19,8 @@ from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.summary import CheckpointSummary, summarize
 from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, find_run_configs, resolve_alpha
 from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
+from ..formats.primerl.files import locate_run_configs
+from ..formats.primerl.run_dir import checkpoints_dir_of
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import TORCHTITAN, VERL, sniff, step_number
 
@@ -208,9 +210,9 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
 
 
 def inspect_checkpoints_dir(path: Path) -> dict:
-    root = Path(path)
-    if (root / "checkpoints").is_dir() and not any(step_number(c) is not None for c in root.iterdir()):
-        root = root / "checkpoints"
+    """A run's checkpoints dir, from it, its outputs dir or the run dir (`run_dir.checkpoints_dir_of`): each
+    step's state, and the run's config files (found as doctor and report find them)."""
+    root = checkpoints_dir_of(path)
     steps = []
     numbered = [(n, c) for c in root.iterdir() if (n := step_number(c)) is not None]
     numbered.sort(key=lambda t: t[0])  # (stable: equal numbers keep the listing's order)
@@ -234,10 +236,17 @@ def inspect_checkpoints_dir(path: Path) -> dict:
                 else None,
             }
         )
+    try:
+        found = locate_run_configs(root)
+        configs, problem = ([str(c.path) for c in found.files] if found is not None else []), None
+    except CkptError as exc:  # several runs' configs: said, the steps still listed
+        configs, problem = [], exc.message
     return {
         "format": "checkpoints",
         "path": str(root),
         "steps": steps,
+        "run_config": configs,
+        **({"run_config_problem": problem} if problem else {}),
         "note": "prime-rl resumes from a full step_N at step N (set ckpt.resume_step = N); a slim step "
         "must be rehydrated first (`ckpt rehydrate`)",
     }
