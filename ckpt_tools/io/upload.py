@@ -42,6 +42,7 @@ from .upload_commit import COMMIT_LAST, OVERWRITE_HINT, OutFile, put_output
 __all__ = [
     "COMMIT_LAST",
     "Uploaded",
+    "bound_for_url",
     "check_writable",
     "commit_pending",
     "copy_later",
@@ -76,6 +77,7 @@ class Uploaded:
 _PENDING: list[tuple[RemoteUrl, Path]] = []
 _DIRS: list[Path] = []
 _LATER: dict[str, object] = {}  # a staged file's real path -> the remote input's object it holds unchanged
+_BOUND: set[str] = set()  # every local OUT handed out for a URL (kept after its staging dir is gone)
 
 
 def check_writable(value) -> RemoteUrl:
@@ -108,6 +110,7 @@ def stage_output(value) -> Path:
     url = check_writable(value)
     local = _staging_dir("ckpt-upload-") / url.name
     _PENDING.append((url, local))
+    _BOUND.add(os.path.realpath(local))
     remote.add_display(local, url.shown)
     return local
 
@@ -116,6 +119,11 @@ def is_staged(path) -> bool:
     """Whether `path` lies in a staging dir of an output bound for a URL (`stage_output`)."""
     real = os.path.realpath(path)
     return any(real == os.path.realpath(d) or real.startswith(os.path.realpath(d) + os.sep) for d in _DIRS)
+
+
+def bound_for_url(out) -> bool:
+    """Whether `out` is a local OUT `stage_output` handed out: committed only when its upload is."""
+    return os.path.realpath(out) in _BOUND
 
 
 def copy_later(dst, source) -> None:
