@@ -145,7 +145,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/cli/__init__.py::_Group.invoke": "to split (#34)",
     "ckpt_tools/ops/doctor/run.py::run_doctor": "to split (#34)",
     "ckpt_tools/io/upload.py::_S3Writer.upload": "to split (#34)",
-    "ckpt_tools/formats/primerl/alpha.py::resolve_alpha": "to split (#34)",
     "ckpt_tools/ops/diff/run.py::_verdict": "to split (#34)",
     "ckpt_tools/formats/slim/partition.py::partition": "to split (#34)",
 }

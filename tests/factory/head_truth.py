@@ -145,8 +145,9 @@ def write_truth(paths: HeadRunPaths, spec: HeadSpec, raw_tensors: Path, raw_fact
         "torch": torch.__version__, "world_size": spec.world_size, "ep_resolved": spec.resolved_ep,
         "dp_shard_mod_ep": spec.dp_shard_mod_ep, "max_steps": spec.max_steps, "final_step": final["step"],
         "progress_at_final_save": final["progress"], "lr_at_final_save": [final["lr"]],
-        "optimizer_class": "torch.optim.AdamW(fused=False), as inside prime-rl's CPUOffloadOptimizer",
-        "param_group_fused": facts["param_groups"][0]["fused"], "param_groups": facts["param_groups"],
+        "optimizer_class": ("SignSGD (stateless)" if spec.optimizer == "sign_sgd" else "torch.optim.AdamW(fused=False)")
+        + ", as inside prime-rl's CPUOffloadOptimizer",
+        "param_group_fused": facts["param_groups"][0].get("fused"), "param_groups": facts["param_groups"],
         "saves": {str(s["step"]): s for s in facts["saves"]}, "per_step": facts["steps"],
         "dtensor_layout_sample": facts["dtensor_layout_sample"],
         "lora": {"rank": spec.lora_rank, "alpha": float(spec.lora_alpha), "scale": spec.scale,
