@@ -132,6 +132,24 @@ DCP_LOAD_LORA = Contender("torch _load_state_dict_from_keys (LoRA keys)", "peer"
                           _peer("dcp-load-lora", "dcp", "out"), reads=("dcp",), writes="adapter",
                           volume=("adapter", "adapter"))
 
+def _merge_args(p: Paths, dtype: str) -> list[str]:
+    return ["merge", p.base, p.adapter, p.out, "--max-shard-size", p.shard_bytes, "--dtype", dtype, "--json"]
+
+
+def _export_args(p: Paths, dtype: str) -> list[str]:
+    return ["export", p.dcp, p.out, "--config-from", p.base, "--alpha", ALPHA, "--allow-zero-delta", "--dtype", dtype,
+            "--json"]
+
+
+# today's bf16 commands, as the floor an FP8 output is held to (issue 35: no slower than the bf16 merge)
+BF16_MERGE = Contender("ckpt merge (bf16)", "floor",
+                       lambda p: [p.python, "-m", "ckpt_tools", *map(str, _merge_args(p, "bf16"))],
+                       reads=("base", "adapter"), writes="base")
+BF16_EXPORT = Contender("ckpt export (bf16)", "floor",
+                        lambda p: [p.python, "-m", "ckpt_tools", *map(str, _export_args(p, "bf16"))],
+                        reads=("dcp", "base"), writes="base", volume=("dcp", "base"))
+
+
 def _lora_ranges(p: Paths) -> list[str]:
     """`cat-ranges` of the DCP's LoRA items; their byte ranges are found first, untimed (a torch import)."""
     ranges, meta = Path(str(p.dcp).rstrip("/") + ".lora-ranges.json"), Path(p.dcp) / ".metadata"
@@ -182,6 +200,11 @@ CASES: tuple[Case, ...] = (
     Case("export", lambda p: ["export", p.dcp, p.out, "--config-from", p.base, "--alpha", ALPHA, "--allow-zero-delta", "--json"], ("dcp", "base"), "base",
          floors=(cat("dcp"), cp_sync("base"), cat_then_cp("dcp", "base")), peers=(DCP_TO_TORCH_SAVE,), multi_rank=True, subcommand="export",
          volume=("dcp", "base")),
+    # Issue 35: block-FP8 outputs beside today's bf16 command and `cp -r` of a bf16 tree, shuffled in one case
+    Case("merge --dtype fp8", lambda p: _merge_args(p, "fp8"), ("base", "adapter"), "base",
+         floors=(BF16_MERGE, cp_sync("base")), volume=("base", "adapter")),
+    Case("export --dtype fp8", lambda p: _export_args(p, "fp8"), ("dcp", "base"), "base",
+         floors=(BF16_EXPORT, cp_sync("base")), subcommand="export", volume=("dcp", "base")),
     Case("verify --deep DCP", lambda p: ["verify", p.dcp, "--deep", "--json"], ("dcp",), None,
          floors=(cat("dcp"),), multi_rank=True),
     Case("slim", lambda p: ["slim", p.dcp, p.out, "--json"], ("dcp",), "slim", floors=(cat("dcp"), PY_TORCH),

@@ -38,6 +38,9 @@
 #                   DEVICE_TESTS="tests/test_value_check_cuda.py" the CUDA check's tests first)
 #   PHASE=i22-ranks N = 1 (plain and under torchrun), 2, 4, 8 of slim, rehydrate, export, diff-vs-base
 #                   (--ranks-only; every N shuffled per repetition)
+# Issue 35 (block-FP8 outputs at 8B, 5 repetitions, shuffled): two calls back to back on the warm host,
+#   PHASE=fp8-merge   merge --dtype fp8 beside ckpt merge (bf16) and cp -r base && sync
+#   PHASE=fp8-export  export --dtype fp8 beside ckpt export (bf16) and cp -r base && sync
 # Knobs (environment) override a phase: SIZES, RANKS, REPEAT, BUDGET_S, CASES, EXTRA, LABEL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,7 +90,11 @@ case "$PHASE" in
                D_CASES="diff-vs-base,diff-vs-base --adapter" ;;
     i22-ranks) D_SIZES=8b;      D_RANKS=1,2,4,8; D_EXTRA=--ranks-only
                D_CASES="slim,rehydrate,export,diff-vs-base" ;;
-    *) echo "PHASE must be floors, ranks-hf, ranks-dcp, i22-ckpt, i22-out, i22-diff or i22-ranks (got $PHASE)"; exit 2 ;;
+    fp8-merge) D_SIZES=8b;      D_RANKS=1;       D_EXTRA=; D_SKIP=; REPEAT=${REPEAT:-5}
+               D_CASES="merge --dtype fp8" ;;
+    fp8-export) D_SIZES=8b;     D_RANKS=1;       D_EXTRA=; D_SKIP=; REPEAT=${REPEAT:-5}
+               D_CASES="export --dtype fp8" ;;
+    *) echo "PHASE must be floors, ranks-hf, ranks-dcp, i22-ckpt, i22-out, i22-diff, i22-ranks, fp8-merge or fp8-export (got $PHASE)"; exit 2 ;;
 esac
 SIZES=${SIZES:-$D_SIZES}
 RANKS=${RANKS:-$D_RANKS}

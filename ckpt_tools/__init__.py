@@ -2,12 +2,10 @@
 
 The operations are functions of this package (docs/api.md), one per command: `ckpt_tools.merge(...)`,
 `.inspect`, `.open`, `.extract_adapter`, `.export`, `.diff_vs_base`, `.verify`, `.slim`, `.rehydrate`,
-`.set_lr`,
-`.set_values`, `.adapter_to_dcp`, `.fix_adapter`, `.restart_prep`, `.gc`, `.doctor`, `.average`,
-`.resize_adapter`, `.report`, each returning its report (a typed report with `to_json()`, or the command's
-JSON dict).
-They are loaded on first use (`ckpt_tools.api`), so `import ckpt_tools` and `ckpt --version` stay instant
-(no torch).
+`.set_lr`, `.set_values`, `.adapter_to_dcp`, `.fix_adapter`, `.restart_prep`, `.gc`, `.doctor`, `.average`,
+`.resize_adapter`, `.report`, each returning its typed report (with `to_json()`). They are loaded on first
+use (`ckpt_tools.api`), so `import ckpt_tools` and `ckpt --version` stay instant (no torch). `__version__`
+is the installed package's (pyproject.toml's, read from its metadata).
 """
 
 __all__ = [
@@ -33,12 +31,14 @@ __all__ = [
     "verify",
 ]
 
-__version__ = "0.1.0"
-
 _API = frozenset(__all__) - {"__version__"}
 
 
 def __getattr__(name: str):
+    if name == "__version__":
+        from .io.owned import tool_version
+
+        return tool_version()
     # lazy: the operations import torch (2-3 s); `ckpt --version` and the metadata commands import this
     # package and must not pay for it
     if name in _API:

@@ -8,13 +8,14 @@ Each function is its command: it opens the inputs, plans from metadata and, unle
 (`open_X_sources -> plan_X -> run_X`, the op's one path), so a script gets the CLI's checks, atomic
 outputs and errors (`ckpt_tools.core.errors.CkptError`: `.message`, `.path`, `.key`, `.hint`). The CLI
 is a thin client of these functions: each `ckpt` command parses its arguments, makes one call here and
-renders the report. Every result has `.to_json()`: the `plan` / `result` of the command's `--json`
-envelope; a dry run that would write OUT returns a `DryRunReport` (the report, plus what writing OUT
-would do). `progress`, where taken, is called with `ckpt_tools.core.progress.ProgressEvent`s; `group`
+renders the report. Every result is a typed report with `.to_json()`: the `plan` / `result` of the
+command's `--json` envelope; a dry run that would write OUT returns a `DryRunReport` (the report, plus what
+writing OUT would do). Every option is a keyword argument, named as the command's flag. `progress`,
+where taken, is called with `ckpt_tools.core.progress.ProgressEvent`s; `group`
 (the commands that split their work over torchrun's ranks) is a `ckpt_tools.dist.Group`, by default
-`dist.current()` (solo outside torchrun). Every function taking a hub id takes `download=True` (the
-commands' `--download`: a hub id missing from the HF cache is fetched into it, only the files the command
-needs).
+`dist.current()` (solo outside torchrun). Every command's function takes `download=True` (the commands'
+`--download`: a hub id missing from the HF cache is fetched into it, only the files the command needs) and
+records its command in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI does.
 
 This module imports no op until one is called (`import ckpt_tools.api` is torch-free, so `ckpt
 --help` and the metadata commands stay fast): each function imports its op with SIGINT/SIGTERM held
@@ -25,14 +26,12 @@ report classes named in `__all__` are loaded on first access.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from .core.dry_run import DryRunReport
 from .core.progress import Progress
 from .io import hub_fetch
 from .io.owned import command_scope
@@ -57,6 +56,7 @@ if TYPE_CHECKING:  # loaded on first use (see `__getattr__`)
     from .ops.doctor.traps import toml_value as doctor_toml_value
     from .ops.extract_adapter import ExtractReport
     from .ops.fix_adapter import FixReport
+    from .ops.gc import GcReport
     from .ops.inspect import InspectReport
     from .ops.merge import MergeReport
     from .ops.rehydrate import RehydrateReport
@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # loaded on first use (see `__getattr__`)
     from .ops.slim import SlimReport
     from .ops.verify import VerifyReport
     from .workflows.average_merge import AverageMergeReport
+    from .workflows.restart_prep import RestartPrepReport
 
 __all__ = [
     "DIFF_SAME",
@@ -81,12 +82,14 @@ __all__ = [
     "DryRunReport",
     "ExtractReport",
     "FixReport",
+    "GcReport",
     "InspectReport",
     "MergeReport",
     "PatchReport",
     "RehydrateReport",
     "ReportReport",
     "ResizeReport",
+    "RestartPrepReport",
     "SchedulerSpec",
     "SlimReport",
     "ToDcpReport",
@@ -133,6 +136,8 @@ _LAZY = {
     "AverageReport": "ops.average",
     "AverageMergeReport": "workflows.average_merge",
     "ResizeReport": "ops.resize_adapter",
+    "GcReport": "ops.gc",
+    "RestartPrepReport": "workflows.restart_prep",
     "DOCTOR_DEFAULT_DECODE_RATE": "ops.doctor.traps:DEFAULT_DECODE_RATE",
     "DOCTOR_ERROR": "ops.doctor.traps:ERROR",
     "DOCTOR_WARNING": "ops.doctor.traps:WARNING",
@@ -151,30 +156,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass
-class DryRunReport:
-    """A dry run's report with what writing OUT would do (`io.staging.describe_output`: it refuses the
-    OUTs the real run refuses): its JSON plan gains `output` = {"out", "exists", "replaces"}. Every
-    other attribute is the report's (`.plan`, `.result` None, ...)."""
-
-    report: object
-    output: dict | None
-
-    def __getattr__(self, name: str):
-        if name in ("report", "output"):  # not set yet (a copy being built)
-            raise AttributeError(name)
-        return getattr(self.report, name)
-
-    def to_json(self) -> dict:
-        d = self.report.to_json() if hasattr(self.report, "to_json") else dict(self.report)
-        if self.output is None:
-            return d
-        if isinstance(d.get("plan"), dict):
-            return {**d, "plan": {**d["plan"], "output": self.output}}
-        return {**d, "output": self.output}
-
-
-def _dry(report, out, overwrite: bool) -> DryRunReport:
+def _dry(report: Any, out: str | Path | None, overwrite: bool) -> DryRunReport:
     """`report` (a dry run's) with OUT checked as the real run checks it, and described."""
     from .io.staging import describe_output
 
@@ -189,8 +171,17 @@ def _group(group: Group | None) -> Group:
     return dist.current() if group is None else group
 
 
-def _str(p) -> str | None:
+def _str(p: str | Path | None) -> str | None:
     return None if p is None else str(p)
+
+
+@contextlib.contextmanager
+def _command(name: str, download: bool | None) -> Iterator[None]:
+    """The command `name` recorded in the outputs written meanwhile (their marker), as the CLI does;
+    `download` None leaves hub fetching as the caller set it (the CLI's --download turns it on around the
+    whole command)."""
+    with command_scope(name), contextlib.nullcontext() if download is None else hub_fetch.allowing(download):
+        yield
 
 
 def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFModelDir | PeftAdapter:
@@ -229,14 +220,16 @@ def inspect(
     run_config: str | Path | None = None,
     keys: bool = False,
     trust_pickle: bool = False,
+    download: bool | None = None,
 ) -> InspectReport:
     """What `ckpt inspect` prints, from metadata alone: `.plan.kind` (dcp | checkpoints | hf | peft)
     and `.data` (the description, or with `keys` one row per DCP key)."""
-    with _loading():
-        from .formats.hf_dir.hub import resolve_model_dir
-        from .ops.inspect import InspectOptions, plan_inspect, run_inspect
-    p = Path(path) if Path(path).exists() else resolve_model_dir(str(path))
-    return run_inspect(plan_inspect(p, InspectOptions(alpha, _str(run_config), keys, trust_pickle)))
+    with _command("inspect", download):
+        with _loading():
+            from .formats.hf_dir.hub import resolve_model_dir
+            from .ops.inspect import InspectOptions, plan_inspect, run_inspect
+        p = Path(path) if Path(path).exists() else resolve_model_dir(str(path))
+        return run_inspect(plan_inspect(p, InspectOptions(alpha, _str(run_config), keys, trust_pickle)))
 
 
 def extract_adapter(
@@ -253,41 +246,21 @@ def extract_adapter(
     trust_pickle: bool = False,
     progress: Progress | None = None,
     layout: str = "peft",
+    download: bool | None = None,
 ) -> ExtractReport | DryRunReport:
     """A prime-rl DCP checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`; `layout`:
     peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
-    with _loading():
-        from .formats.dcp.reader import DcpCheckpoint
-        from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
-    with DcpCheckpoint.open(Path(ckpt), trust_pickle=trust_pickle).lora(
-        alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot
-    ) as src:
-        plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
-        if dry_run:
-            return _dry(ExtractReport(plan), out, overwrite)
-        return run_extract(plan, src, progress, overwrite=overwrite)
-
-
-def _merge_contract(
-    plan, sources, out, run: Callable, *, dry_run: bool, overwrite: bool, progress, group, on_plan
-):
-    """The end of merge and export (one plan, one pipeline): a dry run reports what the real run would
-    refuse (too little disk) as a warning; the real run refuses it, calls `on_plan(plan)` and runs."""
-    from .core.errors import DiskSpaceError
-    from .io.staging import describe_output
-    from .ops.merge import MergeReport, check_output
-
-    if dry_run:
-        output = describe_output(out, overwrite=overwrite)  # refuses the OUTs the real run refuses
-        try:
-            check_output(plan, out, overwrite=overwrite)
-        except DiskSpaceError as exc:
-            plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
-        return DryRunReport(MergeReport(plan), output)
-    check_output(plan, out, overwrite=overwrite)
-    if on_plan is not None:
-        on_plan(plan)
-    return run(plan, sources, progress, overwrite=overwrite, group=_group(group))
+    with _command("extract-adapter", download):
+        with _loading():
+            from .formats.dcp.reader import DcpCheckpoint
+            from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
+        with DcpCheckpoint.open(Path(ckpt), trust_pickle=trust_pickle).lora(
+            alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot
+        ) as src:
+            plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
+            if dry_run:
+                return _dry(ExtractReport(plan), out, overwrite)
+            return run_extract(plan, src, progress, overwrite=overwrite)
 
 
 def merge(
@@ -295,39 +268,60 @@ def merge(
     adapter: str | Path,
     out: str | Path,
     *,
+    base_from_checkpoint: bool = False,
+    config_from: str | Path | None = None,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    slot: int = 0,
+    dtype: str | None = None,
+    max_shard_size: str | int | None = None,
+    threads: int | None = None,
+    allow_zero_delta: bool = False,
+    trust_pickle: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
     group: Group | None = None,
-    on_plan: Callable | None = None,
-    **options,
+    download: bool | None = None,
 ) -> MergeReport | DryRunReport:
     """The LoRA of `adapter` (PEFT dir or DCP checkpoint) merged into `base` (HF dir or hub id), written
-    to `out` (`ckpt merge`). `options`: the fields of `ops.merge.MergeOptions` (alpha, run_config,
-    dtype, max_shard_size, base_from_checkpoint, config_from, slot, threads, allow_zero_delta, ...).
-    `on_plan(plan)` is called with the `MergePlan` once OUT is checked, before a byte is written (the
-    CLI prints the plan's warnings there). `.result` is None in a dry run."""
-    with _loading():
-        from .ops.merge import MergeOptions, open_merge_sources, plan_merge, run_merge
-    opts = MergeOptions(
-        out=str(out),
-        **{
-            k: str(v) if k in ("config_from", "run_config") and v is not None else v
-            for k, v in options.items()
-        },
-    )
-    with open_merge_sources(_str(base), str(adapter), opts) as sources:
-        return _merge_contract(
-            plan_merge(sources, opts),
-            sources,
-            out,
-            run_merge,
-            dry_run=dry_run,
-            overwrite=overwrite,
-            progress=progress,
-            group=group,
-            on_plan=on_plan,
+    to `out` (`ckpt merge`; the options are its flags: `ops.merge.MergeOptions`). `base_from_checkpoint`:
+    the checkpoint's fp32 masters are the base (`base` that checkpoint, or None when `adapter` is it),
+    config and tokenizer from `config_from`. `max_shard_size` None: 5GB. `.result` is None in a dry run,
+    whose plan warns of what the real run would refuse (too little disk); `.plan.warnings` are the
+    plan's warnings either way."""
+    with _command("merge", download):
+        with _loading():
+            from .ops.merge import (
+                DEFAULT_MAX_SHARD,
+                MergeOptions,
+                finish_merge,
+                open_merge_sources,
+                plan_merge,
+            )
+        opts = MergeOptions(
+            out=str(out),
+            base_from_checkpoint=base_from_checkpoint,
+            config_from=_str(config_from),
+            alpha=alpha,
+            run_config=_str(run_config),
+            slot=slot,
+            dtype=dtype,
+            max_shard_size=DEFAULT_MAX_SHARD if max_shard_size is None else max_shard_size,
+            threads=threads,
+            trust_pickle=trust_pickle,
+            allow_zero_delta=allow_zero_delta,
         )
+        with open_merge_sources(_str(base), str(adapter), opts) as sources:
+            return finish_merge(
+                plan_merge(sources, opts),
+                sources,
+                out,
+                dry_run=dry_run,
+                overwrite=overwrite,
+                progress=progress,
+                group=group,
+            )
 
 
 def export(
@@ -335,32 +329,54 @@ def export(
     out: str | Path,
     *,
     config_from: str | Path | None = None,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    slot: int = 0,
+    dtype: str | None = None,
+    max_shard_size: str | int | None = None,
+    threads: int | None = None,
+    allow_zero_delta: bool = False,
+    trust_pickle: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
     group: Group | None = None,
-    on_plan: Callable | None = None,
-    **options,
+    download: bool | None = None,
 ) -> MergeReport | DryRunReport:
     """A DCP checkpoint as an HF model dir (`ckpt export`): a full fine-tune's trained weights, or a LoRA
-    run's merged model, from the checkpoint's fp32 masters. `options`: the fields of
-    `ops.merge.ExportOptions` (alpha, run_config, slot, dtype, max_shard_size, threads, allow_zero_delta,
-    trust_pickle). `on_plan` as `merge`'s. `.result` is None in a dry run."""
-    with _loading():
-        from .ops.merge import ExportOptions, open_export_sources, plan_export, run_export
-    opts = ExportOptions(out=str(out), config_from=_str(config_from), **options)
-    with open_export_sources(ckpt, opts) as sources:
-        return _merge_contract(
-            plan_export(sources, opts),
-            sources,
-            out,
-            run_export,
-            dry_run=dry_run,
-            overwrite=overwrite,
-            progress=progress,
-            group=group,
-            on_plan=on_plan,
+    run's merged model, from the checkpoint's fp32 masters (the options are its flags:
+    `ops.merge.ExportOptions`). `.result` is None in a dry run, as `merge`'s."""
+    with _command("export", download):
+        with _loading():
+            from .ops.merge import (
+                DEFAULT_MAX_SHARD,
+                ExportOptions,
+                finish_merge,
+                open_export_sources,
+                plan_export,
+            )
+        opts = ExportOptions(
+            out=str(out),
+            config_from=_str(config_from),
+            alpha=alpha,
+            run_config=_str(run_config),
+            slot=slot,
+            dtype=dtype,
+            max_shard_size=DEFAULT_MAX_SHARD if max_shard_size is None else max_shard_size,
+            threads=threads,
+            trust_pickle=trust_pickle,
+            allow_zero_delta=allow_zero_delta,
         )
+        with open_export_sources(ckpt, opts) as sources:
+            return finish_merge(
+                plan_export(sources, opts),
+                sources,
+                out,
+                dry_run=dry_run,
+                overwrite=overwrite,
+                progress=progress,
+                group=group,
+            )
 
 
 def adapter_to_dcp(
@@ -379,33 +395,35 @@ def adapter_to_dcp(
     trust_pickle: bool = False,
     progress: Progress | None = None,
     group: Group | None = None,
+    download: bool | None = None,
 ) -> ToDcpReport | DryRunReport:
     """A prime-rl trainer checkpoint that resumes from a PEFT adapter and the HF base (`ckpt adapter-to-dcp`);
     `scheduler`: a `SchedulerSpec` (constant | linear | cosine, with prime-rl's own validation)."""
-    with _loading():
-        from .ops.adapter_to_dcp import (
-            ToDcpOptions,
-            ToDcpReport,
-            open_to_dcp_sources,
-            plan_adapter_to_dcp,
-            run_adapter_to_dcp,
+    with _command("adapter-to-dcp", download):
+        with _loading():
+            from .ops.adapter_to_dcp import (
+                ToDcpOptions,
+                ToDcpReport,
+                open_to_dcp_sources,
+                plan_adapter_to_dcp,
+                run_adapter_to_dcp,
+            )
+        options = ToDcpOptions(
+            out,
+            lr=lr,
+            step=step,
+            world_size=world_size,
+            scheduler=scheduler,
+            scheduler_step=scheduler_step,
+            trust_pickle=trust_pickle,
         )
-    options = ToDcpOptions(
-        out,
-        lr=lr,
-        step=step,
-        world_size=world_size,
-        scheduler=scheduler,
-        scheduler_step=scheduler_step,
-        trust_pickle=trust_pickle,
-    )
-    with open_to_dcp_sources(
-        adapter, str(base), optimizer_from=optimizer_from, trust_pickle=trust_pickle
-    ) as sources:
-        plan = plan_adapter_to_dcp(sources, options)
-        if dry_run:
-            return _dry(ToDcpReport(plan, full=True), out, overwrite)
-        return run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite, group=_group(group))
+        with open_to_dcp_sources(
+            adapter, str(base), optimizer_from=optimizer_from, trust_pickle=trust_pickle
+        ) as sources:
+            plan = plan_adapter_to_dcp(sources, options)
+            if dry_run:
+                return _dry(ToDcpReport(plan, full=True), out, overwrite)
+            return run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
 def fix_adapter(
@@ -421,20 +439,22 @@ def fix_adapter(
     dry_run: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
+    download: bool | None = None,
 ) -> FixReport | DryRunReport:
     """prime-rl's own adapter export (a broadcast dir or a weights export) as a PEFT dir that applies
     (`ckpt fix-adapter`); `checkpoint`: the run's DCP checkpoint of that step, filling the trained full
     tensors (modules_to_save) the export lacks; `layout` as `extract_adapter`'s."""
-    with _loading():
-        from .ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
-    options = FixOptions(
-        out, _str(base), slot, alpha, _str(run_config), checkpoint=_str(checkpoint), layout=layout
-    )
-    with open_fix_source(src, checkpoint) as weights:
-        plan = plan_fix(weights, src, options)
-        if dry_run:
-            return _dry(FixReport(plan), out, overwrite)
-        return run_fix(plan, weights, progress, overwrite=overwrite)
+    with _command("fix-adapter", download):
+        with _loading():
+            from .ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
+        options = FixOptions(
+            out, _str(base), slot, alpha, _str(run_config), checkpoint=_str(checkpoint), layout=layout
+        )
+        with open_fix_source(src, checkpoint) as weights:
+            plan = plan_fix(weights, src, options)
+            if dry_run:
+                return _dry(FixReport(plan), out, overwrite)
+            return run_fix(plan, weights, progress, overwrite=overwrite)
 
 
 def diff_vs_base(
@@ -450,26 +470,30 @@ def diff_vs_base(
     group: Group | None = None,
     page: str | Path | None = None,
     device: str | None = None,
+    download: bool | None = None,
 ) -> DiffReport:
     """Whether `weights` differ from `base`, tensor by tensor (`ckpt diff-vs-base`): `.verdict`,
     `.exit_code` (0 differ, 3 identical, 4 adapter check failed), `.tensors`. `page`: also write the
     comparison as an HTML page there (a new file; `--report`), its path then in `.page`. `device`: "cuda" (or
     "cuda:N") runs the adapter check's value check on that GPU, with the same verdicts and counts as the CPU
     (the default); a `UsageError` where there is none."""
-    with _loading():
-        from .ops.diff import DiffOptions, open_diff_sources, plan_diff, run_diff
-    options = DiffOptions(_str(adapter), alpha, _str(run_config), targeted_only, trust_pickle, device)
-    with open_diff_sources(weights, base, options) as sources:
-        report = run_diff(plan_diff(sources, options), sources, progress, group=_group(group), device=device)
-    if page is not None:
+    with _command("diff-vs-base", download):
         with _loading():
-            from .ops.report import write_diff_page
-        report.page = write_diff_page(
-            report.to_json(),
-            page,
-            inputs=[p for p in (weights, base, adapter) if p is not None and Path(p).exists()],
-        )
-    return report
+            from .ops.diff import DiffOptions, open_diff_sources, plan_diff, run_diff
+        options = DiffOptions(_str(adapter), alpha, _str(run_config), targeted_only, trust_pickle, device)
+        with open_diff_sources(weights, base, options) as sources:
+            report = run_diff(
+                plan_diff(sources, options), sources, progress, group=_group(group), device=device
+            )
+        if page is not None:
+            with _loading():
+                from .ops.report import write_diff_page
+            report.page = write_diff_page(
+                report.to_json(),
+                page,
+                inputs=[p for p in (weights, base, adapter) if p is not None and Path(p).exists()],
+            )
+        return report
 
 
 def verify(
@@ -480,13 +504,15 @@ def verify(
     trust_pickle: bool = False,
     progress: Progress | None = None,
     group: Group | None = None,
+    download: bool | None = None,
 ) -> VerifyReport:
     """Integrity of a DCP checkpoint, HF dir or PEFT adapter (`ckpt verify`): `.ok`, `.problems`."""
-    with _loading():
-        from .ops.verify import VerifyOptions, plan_verify, run_verify
-    return run_verify(
-        plan_verify(path, VerifyOptions(deep, _str(base), trust_pickle)), progress, group=_group(group)
-    )
+    with _command("verify", download):
+        with _loading():
+            from .ops.verify import VerifyOptions, plan_verify, run_verify
+        return run_verify(
+            plan_verify(path, VerifyOptions(deep, _str(base), trust_pickle)), progress, group=_group(group)
+        )
 
 
 def slim(
@@ -499,16 +525,18 @@ def slim(
     trust_pickle: bool = False,
     progress: Progress | None = None,
     group: Group | None = None,
+    download: bool | None = None,
 ) -> SlimReport | DryRunReport:
     """The checkpoint without its frozen base weights (`ckpt slim`)."""
-    with _loading():
-        from .ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
-    options = SlimOptions(out, _str(base), overwrite, trust_pickle)
-    with open_slim_sources(ckpt, options) as sources:
-        plan = plan_slim(sources, options)
-        if dry_run:
-            return _dry(SlimReport(plan), out, overwrite)
-        return run_slim(plan, sources, progress, overwrite=overwrite, group=_group(group))
+    with _command("slim", download):
+        with _loading():
+            from .ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
+        options = SlimOptions(out, _str(base), overwrite, trust_pickle)
+        with open_slim_sources(ckpt, options) as sources:
+            plan = plan_slim(sources, options)
+            if dry_run:
+                return _dry(SlimReport(plan), out, overwrite)
+            return run_slim(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
 def rehydrate(
@@ -523,24 +551,26 @@ def rehydrate(
     threads: int | None = None,
     progress: Progress | None = None,
     group: Group | None = None,
+    download: bool | None = None,
 ) -> RehydrateReport | DryRunReport:
     """The full checkpoint rebuilt bit-exactly from a slim one and the base (`ckpt rehydrate`). `threads`:
     the workers (default: this rank's cores + 2); memory does not grow with them
     (`plan.memory_bound_bytes`)."""
-    with _loading():
-        from .ops.rehydrate import (
-            RehydrateOptions,
-            RehydrateReport,
-            open_rehydrate_sources,
-            plan_rehydrate,
-            run_rehydrate,
-        )
-    options = RehydrateOptions(out, str(base), world_size, overwrite, trust_pickle, threads)
-    with open_rehydrate_sources(slim_ckpt, options) as sources:
-        plan = plan_rehydrate(sources, options)
-        if dry_run:
-            return _dry(RehydrateReport(plan), out, overwrite)
-        return run_rehydrate(plan, sources, progress, overwrite=overwrite, group=_group(group))
+    with _command("rehydrate", download):
+        with _loading():
+            from .ops.rehydrate import (
+                RehydrateOptions,
+                RehydrateReport,
+                open_rehydrate_sources,
+                plan_rehydrate,
+                run_rehydrate,
+            )
+        options = RehydrateOptions(out, str(base), world_size, overwrite, trust_pickle, threads)
+        with open_rehydrate_sources(slim_ckpt, options) as sources:
+            plan = plan_rehydrate(sources, options)
+            if dry_run:
+                return _dry(RehydrateReport(plan), out, overwrite)
+            return run_rehydrate(plan, sources, progress, overwrite=overwrite, group=_group(group))
 
 
 def set_lr(
@@ -554,22 +584,24 @@ def set_lr(
     dry_run: bool = False,
     overwrite: bool = False,
     trust_pickle: bool = False,
+    download: bool | None = None,
 ) -> PatchReport | DryRunReport:
     """A checkpoint with a new learning rate, Adam moments kept (`ckpt set-lr`)."""
-    with _loading():
-        from .ops.set_lr import set_lr as run
-    report = run(
-        ckpt,
-        out,
-        lr=lr,
-        scale=scale,
-        min_lr=min_lr,
-        in_place=in_place,
-        dry_run=dry_run,
-        overwrite=overwrite,
-        trust_pickle=trust_pickle,
-    )
-    return _dry(report, out, overwrite) if dry_run and out is not None else report
+    with _command("set-lr", download):
+        with _loading():
+            from .ops.set_lr import set_lr as run
+        report = run(
+            ckpt,
+            out,
+            lr=lr,
+            scale=scale,
+            min_lr=min_lr,
+            in_place=in_place,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            trust_pickle=trust_pickle,
+        )
+        return _dry(report, out, overwrite) if dry_run and out is not None else report
 
 
 def set_values(
@@ -581,20 +613,22 @@ def set_values(
     dry_run: bool = False,
     overwrite: bool = False,
     trust_pickle: bool = False,
+    download: bool | None = None,
 ) -> PatchReport | DryRunReport:
     """Scalar byte items of a checkpoint set by surgery, `KEY=VALUE` each (`ckpt set`)."""
-    with _loading():
-        from .ops.set_lr import set_values as run
-    report = run(
-        ckpt,
-        out,
-        list(assignments),
-        in_place=in_place,
-        dry_run=dry_run,
-        overwrite=overwrite,
-        trust_pickle=trust_pickle,
-    )
-    return _dry(report, out, overwrite) if dry_run and out is not None else report
+    with _command("set", download):
+        with _loading():
+            from .ops.set_lr import set_values as run
+        report = run(
+            ckpt,
+            out,
+            list(assignments),
+            in_place=in_place,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            trust_pickle=trust_pickle,
+        )
+        return _dry(report, out, overwrite) if dry_run and out is not None else report
 
 
 def restart_prep(
@@ -603,16 +637,48 @@ def restart_prep(
     *,
     base: str | None,
     lr: float | None,
+    mode: str = "merge",
+    config: str | Path | None = None,
+    config_out: str | Path | None = None,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int | None = None,
+    world_size: int | None = None,
+    scheduler_step: int = 0,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
     progress: Progress | None = None,
-    **options,
-) -> dict:
-    """The fresh-LR restart in one call (`ckpt restart-prep`): merge mode (a merged bf16 model) or adapter
-    mode (a resumable checkpoint with fresh AdamW). `options`: config, mode, alpha, run_config, dtype,
-    max_shard_size, world_size, scheduler_step, config_out, dry_run, overwrite, trust_pickle. Returns the
-    command's JSON report, with "next" (what to run next)."""
-    with _loading():
-        from .workflows.restart_prep import restart_prep as run
-    return run(run_or_ckpt, out, base=base, lr=lr, progress=progress, **options)
+    download: bool | None = None,
+) -> RestartPrepReport:
+    """The fresh-LR restart in one call (`ckpt restart-prep`): `mode` "merge" (a merged bf16 model) or
+    "adapter" (a resumable checkpoint with fresh AdamW); with `config`, the run's TOML patched beside OUT
+    (merge) or beside itself (adapter), or at `config_out`. `max_shard_size` None: 5GB (merge mode). Its
+    `.next` says what to run next."""
+    with _command("restart-prep", download):
+        with _loading():
+            from .ops.merge import DEFAULT_MAX_SHARD
+            from .workflows.restart_prep import restart_prep as run
+        return run(
+            run_or_ckpt,
+            out,
+            base=base,
+            lr=lr,
+            config=config,
+            mode=mode,
+            alpha=alpha,
+            run_config=run_config,
+            dtype=dtype,
+            max_shard_size=DEFAULT_MAX_SHARD if max_shard_size is None else max_shard_size,
+            world_size=world_size,
+            scheduler_step=scheduler_step,
+            config_out=config_out,
+            dry_run=dry_run,
+            trust_pickle=trust_pickle,
+            progress=progress,
+            overwrite=overwrite,
+        )
 
 
 def gc(
@@ -620,36 +686,63 @@ def gc(
     *,
     keep_full: int,
     base: str | Path | None = None,
+    min_age_s: float | None = None,
+    slim_to: str | None = None,
     dry_run: bool = False,
     trust_pickle: bool = False,
     progress: Progress | None = None,
-    **options,
-) -> dict:
+    download: bool | None = None,
+) -> GcReport:
     """A run's checkpoints kept: the newest `keep_full` whole, older ones slim in place (`ckpt gc`).
-    `options`: min_age_s, slim_to (a URL each slimmed step is uploaded to first: docs/remote.md). Returns the
-    command's JSON report (`plan`, and `steps` unless `dry_run`);
+    `min_age_s` None: gc's default (`ops.gc.DEFAULT_MIN_AGE_S`); `slim_to`: a URL each slimmed step is
+    uploaded to first (docs/remote.md). `.plan`, and `.result` (each step's outcome) unless `dry_run`;
     `progress` is also given each step's outcome as it finishes (`ProgressEvent.finished`)."""
-    with _loading():
-        from .ops.gc import gc as run
-    return run(
-        checkpoints_dir,
-        keep_full=keep_full,
-        base=base,
-        dry_run=dry_run,
-        trust_pickle=trust_pickle,
-        progress=progress,
-        **options,
-    )
+    with _command("gc", download):
+        with _loading():
+            from .ops.gc import DEFAULT_MIN_AGE_S
+            from .ops.gc import gc as run
+        return run(
+            checkpoints_dir,
+            keep_full=keep_full,
+            base=base,
+            dry_run=dry_run,
+            min_age_s=DEFAULT_MIN_AGE_S if min_age_s is None else min_age_s,
+            trust_pickle=trust_pickle,
+            progress=progress,
+            slim_to=slim_to,
+        )
 
 
-def doctor(target: str | Path | None = None, **options) -> DoctorReport:
+def doctor(
+    target: str | Path | None = None,
+    *,
+    files: Sequence[str | Path] = (),
+    sections: dict[str, str | Path] | None = None,
+    outputs: str | Path | None = None,
+    base: str | Path | None = None,
+    decode_rate: float | None = None,
+    compare_weights: bool = True,
+    trust_pickle: bool = False,
+    download: bool | None = None,
+) -> DoctorReport:
     """A prime-rl run's config and disk traps (`ckpt doctor`): `.exit_code` (0 none, 3 found), `.findings`.
-    `target`: a run dir, outputs dir or checkpoint; or None with `files=[...]` (config files in `rl @`
-    order) and `sections`. `options`: files, sections, outputs, base, decode_rate, compare_weights,
-    trust_pickle."""
-    with _loading():
-        from .ops.doctor import doctor as run
-    return run(target, **options)
+    `target`: a run dir, outputs dir or checkpoint; or None with `files` (config files in `rl @` order) and
+    `sections` ({"trainer" | "orchestrator" | "inference": FILE}). `decode_rate` None: the default
+    (`DOCTOR_DEFAULT_DECODE_RATE`); `compare_weights` False: the base is not read."""
+    with _command("doctor", download):
+        with _loading():
+            from .ops.doctor import doctor as run
+            from .ops.doctor.traps import DEFAULT_DECODE_RATE
+        return run(
+            target,
+            files=files,
+            sections=sections,
+            outputs=outputs,
+            base=base,
+            decode_rate=DEFAULT_DECODE_RATE if decode_rate is None else decode_rate,
+            compare_weights=compare_weights,
+            trust_pickle=trust_pickle,
+        )
 
 
 def average(
@@ -669,48 +762,52 @@ def average(
     overwrite: bool = False,
     trust_pickle: bool = False,
     progress: Progress | None = None,
+    download: bool | None = None,
 ) -> AverageReport | AverageMergeReport:
     """The weighted mean of LoRA steps (DCP checkpoints, PEFT adapters) in delta space, as a PEFT adapter
     at `out` (`ckpt average`), exact at rank sum(r_i) or brought down by `rank` / `energy`; with `merge`
     (an HF base), the merged model instead (`.result` None in a dry run). docs/delta-space.md."""
-    with _loading():
-        from .ops.average import (
-            AverageOptions,
-            AverageReport,
-            open_average_sources,
-            plan_average,
-            run_average,
-        )
-    options = AverageOptions(
-        out=str(out),
-        weights=None if weights is None else tuple(float(w) for w in weights),
-        ema=ema,
-        rank=rank,
-        energy=energy,
-        allow=frozenset(allow_mismatch),
-        alpha=alpha,
-        trust_pickle=trust_pickle,
-        layout=layout,
-    )
-    if merge is not None:
+    with _command("average", download):
         with _loading():
-            from .ops.merge import MergeOptions
-            from .workflows.average_merge import average_merge
-        # the merge stage reads no pickle (an HF base and the averaged LoRA): the inputs' trust is the
-        # average stage's
-        return average_merge(
-            list(inputs),
-            merge,
-            out,
-            options=options,
-            merge_options=MergeOptions(dtype=dtype),
-            dry_run=dry_run,
-            overwrite=overwrite,
-            progress=progress,
+            from .ops.average import (
+                AverageOptions,
+                AverageReport,
+                open_average_sources,
+                plan_average,
+                run_average,
+            )
+        options = AverageOptions(
+            out=str(out),
+            weights=None if weights is None else tuple(float(w) for w in weights),
+            ema=ema,
+            rank=rank,
+            energy=energy,
+            allow=frozenset(allow_mismatch),
+            alpha=alpha,
+            trust_pickle=trust_pickle,
+            layout=layout,
         )
-    with open_average_sources(list(inputs), options) as sources:
-        plan = plan_average(sources, options)
-        return AverageReport(plan) if dry_run else run_average(plan, sources, progress, overwrite=overwrite)
+        if merge is not None:
+            with _loading():
+                from .ops.merge import MergeOptions
+                from .workflows.average_merge import average_merge
+            # the merge stage reads no pickle (an HF base and the averaged LoRA): the inputs' trust is the
+            # average stage's
+            return average_merge(
+                list(inputs),
+                merge,
+                out,
+                options=options,
+                merge_options=MergeOptions(dtype=dtype),
+                dry_run=dry_run,
+                overwrite=overwrite,
+                progress=progress,
+            )
+        with open_average_sources(list(inputs), options) as sources:
+            plan = plan_average(sources, options)
+            return (
+                AverageReport(plan) if dry_run else run_average(plan, sources, progress, overwrite=overwrite)
+            )
 
 
 def resize_adapter(
@@ -725,24 +822,26 @@ def resize_adapter(
     overwrite: bool = False,
     trust_pickle: bool = False,
     progress: Progress | None = None,
+    download: bool | None = None,
 ) -> ResizeReport:
     """Each module of `adapter` (PEFT dir or DCP checkpoint) at its best rank `rank` (or the smallest rank
     keeping `energy` of its squared norm), written as a PEFT adapter at `out` (`ckpt resize-adapter`);
     `.plan.truncations` has each module's kept energy and error."""
-    with _loading():
-        from .ops.resize_adapter import (
-            ResizeOptions,
-            ResizeReport,
-            open_resize_sources,
-            plan_resize,
-            run_resize,
+    with _command("resize-adapter", download):
+        with _loading():
+            from .ops.resize_adapter import (
+                ResizeOptions,
+                ResizeReport,
+                open_resize_sources,
+                plan_resize,
+                run_resize,
+            )
+        options = ResizeOptions(
+            out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle, layout=layout
         )
-    options = ResizeOptions(
-        out=str(out), rank=rank, energy=energy, alpha=alpha, trust_pickle=trust_pickle, layout=layout
-    )
-    with open_resize_sources(adapter, options) as src:
-        plan = plan_resize(src, options)
-        return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)
+        with open_resize_sources(adapter, options) as src:
+            plan = plan_resize(src, options)
+            return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)
 
 
 def report(
@@ -759,46 +858,25 @@ def report(
     overwrite: bool = False,
     trust_pickle: bool = False,
     progress: Progress | None = None,
+    download: bool | None = None,
 ) -> ReportReport:
     """What a run changed and its learning rate (`ckpt report`): `.result.steps[step].modules[name]`
     (delta_fro, weight_fro, rel_delta), `.result.lr` (past, planned, set_lr); the page written to `out`
     and one PNG per plot into `png_dir` when given (nothing is written otherwise). `dry_run`: the plan only
     (what PATH is, its steps, the base, max_steps), `.result` None."""
-    with _loading():
-        from .ops.report import ReportOptions, ReportReport, plan_report, run_report
-    options = ReportOptions(
-        base=_str(base),
-        out=_str(out),
-        png_dir=_str(png_dir),
-        set_lr=set_lr,
-        scale=scale,
-        alpha=alpha,
-        run_config=_str(run_config),
-        overwrite=overwrite,
-        trust_pickle=trust_pickle,
-    )
-    plan = plan_report(path, options)
-    return ReportReport(plan) if dry_run else run_report(plan, progress)
-
-
-def _as_command(fn, command: str):
-    """`fn` recording `command` in the outputs it writes (their `.ckpt-tools-output` marker), as the CLI."""
-
-    @functools.wraps(fn)
-    def run_as_command(*args, download: bool | None = None, **kwargs):
-        # None: as the caller set it (the CLI's --download turns it on around the whole command)
-        with (
-            command_scope(command),
-            contextlib.nullcontext() if download is None else hub_fetch.allowing(download),
-        ):
-            return fn(*args, **kwargs)
-
-    return run_as_command
-
-
-# each function is its command (`set_values` is `ckpt set`: `set` is Python's builtin)
-for _name in [n for n in __all__ if n[0].islower() and n not in ("open", "doctor_toml_value")]:
-    globals()[_name] = _as_command(
-        globals()[_name], "set" if _name == "set_values" else _name.replace("_", "-")
-    )
-del _name
+    with _command("report", download):
+        with _loading():
+            from .ops.report import ReportOptions, ReportReport, plan_report, run_report
+        options = ReportOptions(
+            base=_str(base),
+            out=_str(out),
+            png_dir=_str(png_dir),
+            set_lr=set_lr,
+            scale=scale,
+            alpha=alpha,
+            run_config=_str(run_config),
+            overwrite=overwrite,
+            trust_pickle=trust_pickle,
+        )
+        plan = plan_report(path, options)
+        return ReportReport(plan) if dry_run else run_report(plan, progress)

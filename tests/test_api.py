@@ -26,6 +26,27 @@ def test_the_package_exports_every_operation_and_importing_it_needs_no_torch():
     assert r.returncode == 0, r.stderr
 
 
+def test_every_function_takes_its_options_as_named_keywords_and_returns_a_typed_report():
+    """One api shape: no `**options` (a typo is a TypeError, not an ignored flag), each function the
+    module defines (no rewrite after loading), a report class with `to_json()` (never a dict), and a dry
+    run's report with its own `.plan` / `.result` (no attribute forwarding)."""
+    import inspect
+
+    from ckpt_tools import api
+    from ckpt_tools.api import DryRunReport
+    for name in [n for n in api.__all__ if n[0].islower() and n != "doctor_toml_value"]:
+        fn = getattr(api, name)
+        assert fn.__module__ == "ckpt_tools.api" and fn.__qualname__ == name, name
+        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+        assert inspect.Parameter.VAR_KEYWORD not in kinds and inspect.Parameter.VAR_POSITIONAL not in kinds, name
+        assert "dict" not in fn.__annotations__["return"], name
+        if name != "open":
+            assert "download" in inspect.signature(fn).parameters, name
+    with pytest.raises(TypeError):
+        ckpt_tools.gc(".", keep_full=1, min_age=0)   # the keyword is min_age_s
+    assert "__getattr__" not in vars(DryRunReport)
+
+
 def test_docs_api_examples_run_as_written():
     text = (REPO / "docs" / "api.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
@@ -120,14 +141,14 @@ def test_the_api_reports_what_the_command_reports(tmp_path):
     r = _cli("gc", run / "outputs" / "checkpoints", "--keep-full", "1", "--base", BASE, "--dry-run", "--min-age", "0",
              "--json")
     assert r.returncode == 0, r.stderr
-    cli_plan, api_plan = json_payload(r.stdout), json.loads(json.dumps(plan["plan"]))
+    cli_plan, api_plan = json_payload(r.stdout), json.loads(json.dumps(plan.to_json()["plan"]))
     for p in (cli_plan, api_plan):
         p.pop("free_bytes")          # the disk's free space moves between the two calls
-    assert cli_plan == api_plan and plan["dry_run"]
+    assert cli_plan == api_plan and plan.to_json()["dry_run"]
     prep = ckpt_tools.restart_prep(TRAINER, tmp_path / "m", base=str(BASE), lr=5e-3, dry_run=True)
     r = _cli("restart-prep", TRAINER, tmp_path / "m", "--base", BASE, "--lr", "5e-3", "--dry-run", "--json")
     assert r.returncode == 0, r.stderr
-    assert json_payload(r.stdout) == json.loads(json.dumps(prep))
+    assert json_payload(r.stdout) == json.loads(json.dumps(prep.to_json()))
 
 
 def test_open_returns_each_formats_one_handle_as_a_context_manager_that_closes_it():
@@ -198,24 +219,6 @@ def test_a_dry_run_reports_what_the_commands_dry_run_reports(name, tmp_path):
         (doc["plan"].get("output") or {}).pop("free_bytes", None)
     assert json.dumps(api["plan"], sort_keys=True) == json.dumps(cli["plan"], sort_keys=True)
     assert api["warnings"] == cli["warnings"]
-
-
-def test_on_plan_is_called_once_out_is_checked_before_anything_is_written(tmp_path):
-    """The CLI prints a merge's plan warnings there: between the plan and the first byte written."""
-    seen = []
-    out = tmp_path / "m"
-
-    def on_plan(plan):
-        seen.append((plan.merged_modules, out.exists(), list(tmp_path.iterdir())))
-
-    report = ckpt_tools.merge(BASE, TRAINER, out, on_plan=on_plan)
-    assert seen == [(21, False, [])] and report.result.merged_modules == 21
-    seen.clear()
-    with pytest.raises(ckpt_tools.core.errors.CkptError, match="already exists"):
-        ckpt_tools.merge(BASE, TRAINER, out, on_plan=on_plan)   # OUT is refused before on_plan
-    assert seen == []
-    ckpt_tools.merge(BASE, TRAINER, tmp_path / "d", dry_run=True, on_plan=on_plan)
-    assert seen == []                                             # a dry run runs nothing
 
 
 def test_the_run_is_split_over_the_group_it_is_given(tmp_path):

@@ -23,10 +23,11 @@ import traceback
 
 import click
 
-from .. import __version__, dist
+from .. import dist
 from ..core.errors import CkptError, UsageError
 from ..io import inputs, owned, remote
 from ..io.files import stdout_to_devnull
+from ..io.owned import TOOL
 from ..io.signals import Terminated, install_signal_handlers
 from .render import STATE, clear_progress, emit_failure
 
@@ -240,7 +241,7 @@ class _Group(click.Group):
     help="Read files that are mostly holes (refused by default: a crafted sparse file claims GBs that "
     "cost nothing on disk). Only for filesystems that report no allocated blocks.",
 )
-@click.version_option(version=__version__, prog_name="ckpt")
+@click.version_option(package_name=TOOL, prog_name="ckpt")  # read from the package metadata on --version
 @click.pass_context
 def main(ctx: click.Context, verbose: bool, quiet: bool, follow_symlinks: bool, allow_sparse: bool) -> None:
     """LoRA merge and checkpoint surgery for prime-rl (torch DCP) checkpoints.

@@ -15,6 +15,7 @@ from .errors import FormatError, UsageError
 __all__ = [
     "CLI_SPELLINGS",
     "EXPONENT_MASKS",
+    "FP8_SPELLINGS",
     "ITEMSIZE",
     "SAFETENSORS",
     "SHORT_NAMES",
@@ -150,6 +151,8 @@ CLI_SPELLINGS: dict[str, str] = {
     "float32": "float32",
     "float": "float32",
 }
+# `--dtype fp8` of the commands that write block-FP8 weights (core.fp8)
+FP8_SPELLINGS = ("fp8", "float8_e4m3fn", "e4m3")
 SHORT_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # config.json's `dtype` / `torch_dtype` spellings -> safetensors code (verify's dtype cross-check)
 _CONFIG_CODES = {
@@ -215,12 +218,18 @@ def from_safetensors_code(code: str) -> str:
     return SAFETENSORS[safetensors_code(code)].name
 
 
-def parse_cli_dtype(text: str) -> str:
-    """`--dtype bf16|fp16|fp32` (and their long spellings) -> a dtype name."""
+def parse_cli_dtype(text: str, *, fp8: bool = False) -> str:
+    """`--dtype bf16|fp16|fp32` (and their long spellings) -> a dtype name; with `fp8` (a command that writes
+    block-FP8 weights: merge, export) also `fp8` -> "float8_e4m3fn"."""
+    key = str(text).lower()
+    if fp8 and key in FP8_SPELLINGS:
+        return "float8_e4m3fn"
     try:
-        return CLI_SPELLINGS[str(text).lower()]
+        return CLI_SPELLINGS[key]
     except KeyError:
-        raise UsageError(f"unknown --dtype {text!r}", hint="use bf16, fp16 or fp32") from None
+        raise UsageError(
+            f"unknown --dtype {text!r}", hint="use bf16, fp16, fp32" + (" or fp8" if fp8 else "")
+        ) from None
 
 
 def short_name(dtype) -> str | None:

@@ -22,24 +22,47 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import stat
 from pathlib import Path
 
-from .. import __version__
 from ..core.errors import OutputExistsError, UsageError
 from ..core.units import human_bytes
 from .files import write_new_file
 
-__all__ = ["OUTPUT_MARKER", "check_not_cwd", "command_scope", "replace_check", "set_command", "write_marker"]
+__all__ = [
+    "OUTPUT_MARKER",
+    "TOOL",
+    "check_not_cwd",
+    "command_scope",
+    "judge",
+    "marker_text",
+    "replace_check",
+    "set_command",
+    "tool_version",
+    "write_marker",
+]
 
 OUTPUT_MARKER = ".ckpt-tools-output"
-_TOOL = "ckpt-tools"
+TOOL = "ckpt-tools"  # the distribution's name (pyproject.toml), whose version the marker records
 _MAX_MARKER_BYTES = 1 << 20
 _SHOWN = 8
 
 _COMMAND: contextvars.ContextVar[str | None] = contextvars.ContextVar("ckpt_output_command", default=None)
+
+
+@functools.cache
+def tool_version() -> str:
+    """The installed package's version (pyproject.toml's, from its metadata: written once); "unknown" for a
+    source tree run without being installed."""
+    from importlib.metadata import PackageNotFoundError, version  # lazy: ~20-90 ms, paid by writers only
+
+    try:
+        return version(TOOL)
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def set_command(name: str | None) -> None:
@@ -60,8 +83,18 @@ def command_scope(name: str):
 def write_marker(staging_dir: Path) -> None:
     """Write the marker into a finished staging dir, listing what is in it."""
     entries = sorted(n for n in os.listdir(staging_dir) if n != OUTPUT_MARKER)
-    doc = {"tool": _TOOL, "version": __version__, "command": _COMMAND.get() or "library", "entries": entries}
-    write_new_file(Path(staging_dir) / OUTPUT_MARKER, json.dumps(doc, indent=1) + "\n")
+    write_new_file(Path(staging_dir) / OUTPUT_MARKER, marker_text(entries))
+
+
+def marker_text(entries: list[str], **extra) -> str:
+    """The marker's content for an output whose top-level entries are `entries` (`extra`: more fields)."""
+    doc = {
+        "tool": TOOL,
+        "version": tool_version(),
+        "command": _COMMAND.get() or "library",
+        "entries": entries,
+    }
+    return json.dumps({**doc, **extra}, indent=1) + "\n"
 
 
 def _identity(p: Path) -> tuple[int, int] | None:
@@ -118,7 +151,7 @@ def _named(names: list[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def _read_marker(out: Path) -> dict | None:
+def _read_marker(out: Path) -> bytes | None:
     try:
         fd = os.open(
             out / OUTPUT_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -129,16 +162,22 @@ def _read_marker(out: Path) -> dict | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MARKER_BYTES:
             return None
-        raw = os.read(fd, _MAX_MARKER_BYTES + 1)
+        return os.read(fd, _MAX_MARKER_BYTES + 1)
     finally:
         os.close(fd)
+
+
+def _parse_marker(raw: bytes | None) -> dict | None:
+    """The marker's document when `raw` is one of ours, else None."""
+    if raw is None or len(raw) > _MAX_MARKER_BYTES:
+        return None
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     if (
         not isinstance(doc, dict)
-        or doc.get("tool") != _TOOL
+        or doc.get("tool") != TOOL
         or not isinstance(doc.get("entries"), list)
         or not all(isinstance(e, str) for e in doc["entries"])
     ):
@@ -167,7 +206,14 @@ def replace_check(out: Path) -> dict:
     names = _listing(out)
     if not names:  # an empty directory (`mkdir OUT` first): nothing to lose
         return {"command": None, "version": None, "entries": 0, "bytes": 0}
-    doc = _read_marker(out)
+    return judge(out, names, _read_marker(out), lambda: _tree_bytes(out))
+
+
+def judge(where, names: list[str], marker: bytes | None, nbytes) -> dict:
+    """The rule of `replace_check` over a listing: `names` the top-level entries at `where` (a local dir,
+    or a bucket prefix: io.upload applies it there), `marker` the raw content of its `OUTPUT_MARKER`
+    (None: not there), `nbytes()` its total size. Returns what `--overwrite` would delete, or raises."""
+    doc = _parse_marker(marker)
     if doc is None:
         hidden = [n for n in names if n.startswith(".")]
         what = f"{len(names)} entries ({_named(names)})" + (
@@ -176,7 +222,7 @@ def replace_check(out: Path) -> dict:
         raise OutputExistsError(
             f"is not an output of ckpt-tools (no {OUTPUT_MARKER} in it); --overwrite would delete "
             f"{what}; refusing",
-            path=out,
+            path=where,
             hint="pass a new output path, or delete it yourself if it is to go; outputs of ckpt-tools "
             "versions that wrote no marker are refused too",
         )
@@ -185,12 +231,12 @@ def replace_check(out: Path) -> dict:
         raise OutputExistsError(
             f"is an earlier output of `ckpt {doc.get('command')}`, but holds entries it did not write: "
             f"{_named(extra)}; --overwrite would delete them; refusing",
-            path=out,
+            path=where,
             hint="move those entries out first, or pass another output path",
         )
     return {
         "command": doc.get("command"),
         "version": doc.get("version"),
         "entries": len(names) - (OUTPUT_MARKER in names),
-        "bytes": _tree_bytes(out),
+        "bytes": nbytes(),
     }

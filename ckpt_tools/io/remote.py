@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import errno
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -42,6 +41,18 @@ from pathlib import Path
 
 from ..core.errors import CkptError, FormatError, MissingFileError, MissingPathError, UsageError
 from .remote_display import add_display, clear_display, display
+from .remote_url import (
+    CONCURRENCY,
+    RETRIES,
+    RemoteChanged,
+    RemoteDenied,
+    RemoteMissing,
+    RemoteRetry,
+    RemoteUrl,
+    parse_url,
+    refuse_url_lookalike,
+    settings,
+)
 
 __all__ = [
     "CONCURRENCY",
@@ -76,117 +87,6 @@ __all__ = [
 PART_BYTES = 8 << 20
 RUN_BYTES = 16 << 20  # adjacent hinted ranges fetched as one request, up to this much
 AHEAD_BYTES = 64 << 20  # hinted ranges fetched ahead of the reader, per object, up to this much
-CONCURRENCY = 8
-RETRIES = 5
-_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://(.*)$", re.S)
-_LOOKALIKE_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(/{0,1}[^/].*|/{3,}.*|)$", re.S)
-_LOCAL_SCHEMES = ("file", "local")
-# schemes whose look-alikes (`s3:/x`) are refused; any other `name:rest` is a local name with a colon
-_URL_SCHEMES = frozenset(
-    (
-        "hf",
-        "s3",
-        "s3a",
-        "gs",
-        "gcs",
-        "http",
-        "https",
-        "az",
-        "abfs",
-        "abfss",
-        "adl",
-        "oss",
-        "r2",
-        "ftp",
-        "sftp",
-        "ssh",
-        "hdfs",
-        "webhdfs",
-        "dbfs",
-        "lakefs",
-        "github",
-        "memory",
-    )
-)
-
-
-def settings() -> dict:
-    """(concurrency, retries, timeout_s, backoff_s) from the environment (tests shorten them)."""
-
-    def num(name, default, kind=float):
-        try:
-            return kind(os.environ.get(name, default))
-        except ValueError:
-            raise UsageError(f"{name}={os.environ[name]!r} is not a number", hint=f"unset {name}") from None
-
-    return {
-        "concurrency": max(1, num("CKPT_REMOTE_CONCURRENCY", CONCURRENCY, int)),
-        "retries": max(0, num("CKPT_REMOTE_RETRIES", RETRIES, int)),
-        "timeout_s": max(0.1, num("CKPT_REMOTE_TIMEOUT", 60.0)),
-        "backoff_s": max(0.0, num("CKPT_REMOTE_BACKOFF", 0.5)),
-    }
-
-
-# ------------------------------------------------------------------------------------ URLs
-@dataclass(frozen=True)
-class RemoteUrl:
-    text: str  # as the user wrote it (trailing slashes dropped)
-    scheme: str  # lower case: hf, s3, gs, http, https, ...
-    path: str  # what follows `scheme://`
-
-    @property
-    def name(self) -> str:
-        """The last path component (the shadow tree's directory name)."""
-        tail = self.path.rstrip("/").rsplit("/", 1)[-1]
-        tail = tail.split("@", 1)[0] if self.scheme == "hf" and "/" not in self.path.rstrip("/") else tail
-        return re.sub(r"[^A-Za-z0-9._@-]", "_", tail) or self.scheme
-
-
-def parse_url(value) -> RemoteUrl | None:
-    """A URL (`scheme://...`, scheme of 2+ characters, not file://), else None (a local path)."""
-    if not isinstance(value, str):
-        value = os.fspath(value) if isinstance(value, os.PathLike) else None
-        if not isinstance(value, str):
-            return None
-    m = _URL_RE.match(value)
-    if not m or m.group(1).lower() in _LOCAL_SCHEMES:
-        return None
-    text = value.rstrip("/") if value.rstrip("/") != f"{m.group(1)}:" else value
-    return RemoteUrl(text, m.group(1).lower(), m.group(2).rstrip("/"))
-
-
-def refuse_url_lookalike(value) -> None:
-    """A path that is not a URL but looks like one (`s3:/bucket/x`, `hf:org/name`, `https:/host`) and
-    does not exist is refused: writing it would create a local dir named `s3:`."""
-    text = os.fspath(value) if isinstance(value, os.PathLike) else value
-    if not isinstance(text, str) or parse_url(text) or os.path.lexists(text):
-        return
-    m = _LOOKALIKE_RE.match(text)
-    if m and m.group(1).lower() in _URL_SCHEMES:
-        scheme = m.group(1).lower()
-        raise UsageError(
-            f"{text!r} looks like a URL but is not one (a URL is `{scheme}://...`, two slashes); "
-            "refusing to treat it as a local path",
-            path=text,
-            hint=f"write {scheme}://{m.group(2).lstrip('/')}, or ./{text} for a local path",
-        )
-
-
-# ------------------------------------------------------------------------------------ errors
-class RemoteChanged(Exception):
-    """The object's version is not the one pinned at open (412, another ETag or generation)."""
-
-
-class RemoteMissing(Exception):
-    """No such object (404)."""
-
-
-class RemoteDenied(Exception):
-    """Credentials missing or refused (401/403); the message names what to set."""
-
-
-class RemoteRetry(Exception):
-    """A transient failure (connection dropped, timeout, 5xx, 429): retried with backoff."""
 
 
 # ------------------------------------------------------------------------------------ objects

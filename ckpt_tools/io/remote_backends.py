@@ -11,7 +11,7 @@ import os
 import posixpath
 
 from ..core.errors import MissingPathError, UsageError
-from .remote import RemoteChanged, RemoteDenied, RemoteMissing, RemoteRetry, RemoteUrl
+from .remote_url import RemoteChanged, RemoteDenied, RemoteMissing, RemoteRetry, RemoteUrl
 
 __all__ = [
     "Backend",

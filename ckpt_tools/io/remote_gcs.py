@@ -32,8 +32,8 @@ import time
 from urllib.parse import quote
 
 from ..core.errors import CkptError, MissingPathError, OutputExistsError, UsageError
-from .remote import RemoteChanged, RemoteDenied, RemoteMissing, RemoteRetry, RemoteUrl, settings
 from .remote_backends import Backend, run_sync
+from .remote_url import RemoteChanged, RemoteDenied, RemoteMissing, RemoteRetry, RemoteUrl, settings
 from .signals import signals_deferred
 
 __all__ = ["ALIGN_BYTES", "CHUNK_BYTES", "GCS_CREDENTIALS_HINT", "GcsBackend", "GcsWriter"]

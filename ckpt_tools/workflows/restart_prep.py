@@ -18,14 +18,18 @@ no op does (ops never import each other).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import FormatError, MissingPathError, OutputExistsError, UsageError
 from ..core.keys import PROGRESS_STEP_KEY, world_size_from_chunks
 from ..core.primerl_state import SchedulerSpec
+from ..core.progress import Progress
 from ..formats.dcp.layout import METADATA_NAME, resolve_checkpoint_dir
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.model_dir import HFModelDir
@@ -36,10 +40,10 @@ from ..io.remote import display, is_remote_path, parse_url
 from ..io.staging import OVERWRITE_HINT, check_output_file, describe_output
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..ops.extract_adapter import ExtractOptions, plan_extract
-from ..ops.merge import MergeOptions, MergeSources, check_output, plan_merge, run_merge
+from ..ops.merge import DEFAULT_MAX_SHARD, MergeOptions, MergeSources, check_output, plan_merge, run_merge
 from ..sources.lora import DcpLoraSource
 
-__all__ = ["MODES", "default_config_out", "find_checkpoint", "restart_prep"]
+__all__ = ["MODES", "RestartPrepReport", "default_config_out", "find_checkpoint", "restart_prep"]
 
 MODES = ("merge", "adapter")
 
@@ -82,6 +86,86 @@ def default_config_out(mode: str, out: Path, config: Path, step: int | None = No
     return config.parent / f"{config.stem}.restart{config.suffix}"
 
 
+# ============================================================================ the report
+_KEYS = {  # each mode's report keys, in the order its JSON has them
+    "merge": ("mode", "checkpoint", "out", "lr", "dry_run", "config", "merge_plan", "merge", "next", "notes"),
+    "adapter": (
+        "mode",
+        "checkpoint",
+        "out",
+        "lr",
+        "step",
+        "world_size",
+        "scheduler",
+        "scheduler_step",
+        "dry_run",
+        "warnings",
+        "config",
+        "adapter",
+        "output",
+        "checkpoint_out",
+        "next",
+    ),
+}
+
+
+@dataclass
+class RestartPrepReport:
+    """`ckpt restart-prep`'s report; a field that is None is not part of the mode's (or run's) report.
+    merge mode: `merge_plan` (what the merge does), `merge` (what it did, unless a dry run). adapter mode:
+    `step`, `world_size`, `scheduler`, `scheduler_step`, `adapter` (its alpha, rank, scale), `output` (a dry
+    run's OUT: what --overwrite would remove), `checkpoint_out` (what was written). Both: `config` (the
+    patched --config and its diff), `next` (what to run next), `notes`, `warnings`."""
+
+    mode: str
+    checkpoint: str
+    out: str
+    lr: float
+    dry_run: bool
+    step: int | None = None
+    world_size: int | None = None
+    scheduler: str | None = None
+    scheduler_step: int | None = None
+    warnings: list[str] | None = None
+    config: dict | None = None
+    merge_plan: dict | None = None
+    merge: dict | None = None
+    adapter: dict | None = None
+    output: dict | None = None
+    checkpoint_out: dict | None = None
+    next: list[str] | None = None
+    notes: list[str] | None = None
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in _KEYS[self.mode] if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class _ConfigEdit:
+    """--config, read and checked: its text and where the patched copy goes."""
+
+    source: Path
+    text: str
+    out: Path
+
+    def patched(self, **changes) -> tuple[str, dict]:
+        """The patched text, and the report's `config` (the changes and the diff)."""
+        new_text, edits = patch_config_text(
+            self.text, rebase_from=_rebase(self.source, self.out), where=self.source, **changes
+        )
+        doc = {
+            "source": str(self.source),
+            "out": str(self.out),
+            "changes": [c.to_json() for c in edits],
+            "diff": unified_diff(self.text, new_text, self.source.name),
+        }
+        return new_text, doc
+
+    def run_command(self) -> str:
+        """What prime-rl runs the patched config with."""
+        return f"uv run {'rl' if config_kind(self.text) == 'rl' else 'trainer'} @ {self.out}"
+
+
 # ============================================================================ the command
 def restart_prep(
     run_or_ckpt: str | Path,
@@ -94,93 +178,92 @@ def restart_prep(
     alpha: float | None = None,
     run_config: str | Path | None = None,
     dtype: str | None = None,
-    max_shard_size: str = "5GB",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD,
     world_size: int | None = None,
     scheduler_step: int = 0,
     config_out: str | Path | None = None,
     dry_run: bool = False,
     trust_pickle: bool = False,
-    progress=None,
+    progress: Progress | None = None,
     overwrite: bool = False,
-) -> dict:
-    """Library entry point. Returns a JSON-able report with "next" (what to run next)."""
+) -> RestartPrepReport:
+    """Library entry point: the report, with `next` (what to run next)."""
     if mode not in MODES:
         raise UsageError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
     out = Path(out)
     ckpt_dir = find_checkpoint(run_or_ckpt)
-    with DcpCheckpoint.open(
-        ckpt_dir, trust_pickle=trust_pickle
-    ) as ckpt:  # the input is checked first, opened once
+    # the input is checked first, opened once
+    with DcpCheckpoint.open(ckpt_dir, trust_pickle=trust_pickle) as ckpt:
         if base is None:
             raise UsageError("--base is required: the HF base model the run trained on")
         if lr is None or not (lr > 0 and math.isfinite(lr)):
             raise UsageError(f"--lr must be a positive finite number (got {lr})")
-        cfg_text = cfg_out = None
+        edit = None
         if config is not None:
-            config = Path(config)
-            _doc, cfg_text = read_toml(config, what="prime-rl config")
-            cfg_out = Path(config_out) if config_out is not None else default_config_out(mode, out, config)
-            if config_out is None and is_remote_path(config):
-                raise UsageError(
-                    "the patched config goes beside --config by default, and that is at a URL",
-                    path=cfg_out,
-                    hint="pass --config-out (a local path, or a URL to upload it to)",
-                )
-            if cfg_out.resolve() == config.resolve():
-                raise UsageError(
-                    "the patched config would overwrite the source config",
-                    path=cfg_out,
-                    hint="pass another --config-out",
-                )
-            # checked now, before anything is written: its dir exists, nothing is there, and it is not
-            # (inside) an input (the checkpoint, the config, the base dir, the run config) or inside OUT
-            local_base = [base] if base is not None and Path(base).is_dir() else []
-            cfg_out = check_output_file(
-                cfg_out,
-                [ckpt_dir, config, *local_base, *([run_config] if run_config else [])],
-                what="patched config (--config-out)",
-            )
-            if cfg_out.parent.resolve() == out.resolve() or out.resolve() in cfg_out.parents:
-                raise UsageError(
-                    "the patched config would be written inside OUT",
-                    path=cfg_out,
-                    hint="pass a --config-out outside OUT",
-                )
+            edit = _config_edit(Path(config), config_out, mode, out, [ckpt_dir, base, run_config])
+        # the LoRA view, opened once the config is checked (an alpha that cannot be resolved comes second)
+        lora = functools.partial(ckpt.lora, alpha=alpha, run_config=Path(run_config) if run_config else None)
+        report = RestartPrepReport(mode, str(ckpt.dir), str(out), lr, dry_run)
         if mode == "merge":
-            return _merge_mode(
-                ckpt,
-                out,
-                base=base,
-                lr=lr,
-                cfg_text=cfg_text,
-                config=config,
-                cfg_out=cfg_out,
+            options = MergeOptions(
+                out=str(out),
                 alpha=alpha,
-                run_config=run_config,
+                run_config=None if run_config is None else str(run_config),
                 dtype=dtype,
                 max_shard_size=max_shard_size,
-                dry_run=dry_run,
                 trust_pickle=trust_pickle,
-                progress=progress,
+            )
+            _merge_mode(report, lora, base, edit, options, progress=progress, overwrite=overwrite)
+        else:
+            _adapter_mode(
+                report,
+                ckpt,
+                lora,
+                base,
+                edit,
+                world_size,
+                scheduler_step,
+                trust_pickle,
+                progress,
                 overwrite=overwrite,
             )
-        return _adapter_mode(
-            ckpt,
-            out,
-            base=base,
-            lr=lr,
-            cfg_text=cfg_text,
-            config=config,
-            cfg_out=cfg_out,
-            alpha=alpha,
-            run_config=run_config,
-            world_size=world_size,
-            scheduler_step=scheduler_step,
-            dry_run=dry_run,
-            trust_pickle=trust_pickle,
-            progress=progress,
-            overwrite=overwrite,
+        return report
+
+
+def _config_edit(
+    config: Path, config_out: str | Path | None, mode: str, out: Path, inputs: list
+) -> _ConfigEdit:
+    """--config read, and where its patched copy goes checked now, before anything is written: its dir
+    exists, nothing is there, and it is not (inside) an input (the checkpoint, the config, the base dir,
+    the run config) or inside OUT."""
+    _doc, text = read_toml(config, what="prime-rl config")
+    cfg_out = Path(config_out) if config_out is not None else default_config_out(mode, out, config)
+    if config_out is None and is_remote_path(config):
+        raise UsageError(
+            "the patched config goes beside --config by default, and that is at a URL",
+            path=cfg_out,
+            hint="pass --config-out (a local path, or a URL to upload it to)",
         )
+    if cfg_out.resolve() == config.resolve():
+        raise UsageError(
+            "the patched config would overwrite the source config",
+            path=cfg_out,
+            hint="pass another --config-out",
+        )
+    ckpt_dir, base, run_config = inputs
+    local_base = [base] if base is not None and Path(base).is_dir() else []
+    cfg_out = check_output_file(
+        cfg_out,
+        [ckpt_dir, config, *local_base, *([run_config] if run_config else [])],
+        what="patched config (--config-out)",
+    )
+    if cfg_out.parent.resolve() == out.resolve() or out.resolve() in cfg_out.parents:
+        raise UsageError(
+            "the patched config would be written inside OUT",
+            path=cfg_out,
+            hint="pass a --config-out outside OUT",
+        )
+    return _ConfigEdit(config, text, cfg_out)
 
 
 def _rebase(config: Path, cfg_out: Path) -> Path | None:
@@ -196,65 +279,28 @@ def _write_config(cfg_out: Path, text: str) -> None:
     atomic_write_text(cfg_out, text)
 
 
-def _lora(ckpt: DcpCheckpoint, alpha, run_config) -> DcpLoraSource:
-    return ckpt.lora(alpha=alpha, run_config=Path(run_config) if run_config else None)
-
-
+# ============================================================================ merge mode
 def _merge_mode(
-    ckpt: DcpCheckpoint,
-    out,
+    report: RestartPrepReport,
+    lora: Callable[[], DcpLoraSource],
+    base: str,
+    edit: _ConfigEdit | None,
+    options: MergeOptions,
     *,
-    base,
-    lr,
-    cfg_text,
-    config,
-    cfg_out,
-    alpha,
-    run_config,
-    dtype,
-    max_shard_size,
-    dry_run,
-    trust_pickle,
-    progress,
-    overwrite=False,
-) -> dict:
-    report: dict = {
-        "mode": "merge",
-        "checkpoint": str(ckpt.dir),
-        "out": str(out),
-        "lr": lr,
-        "dry_run": dry_run,
-    }
+    progress: Progress | None,
+    overwrite: bool,
+) -> None:
+    out = Path(options.out)
     new_text = None
-    if cfg_text is not None:  # validate the config before the (long) merge
+    if edit is not None:  # validate the config before the (long) merge
         # OUT at a URL (its local staging dir, uploaded once written: io.upload): the config names the URL
-        new_text, changes = patch_config_text(
-            cfg_text,
-            model_name=display(str(out.resolve())),
-            lr=lr,
-            remove_resume=True,
-            rebase_from=_rebase(config, cfg_out),
-            where=config,
+        new_text, report.config = edit.patched(
+            model_name=display(str(out.resolve())), lr=report.lr, remove_resume=True
         )
-        report["config"] = {
-            "source": str(config),
-            "out": str(cfg_out),
-            "changes": [c.to_json() for c in changes],
-            "diff": unified_diff(cfg_text, new_text, config.name),
-        }
-    options = MergeOptions(
-        out=str(out),
-        alpha=alpha,
-        run_config=None if run_config is None else str(run_config),
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        trust_pickle=trust_pickle,
-    )
-    lora = _lora(ckpt, alpha, run_config)
-    with MergeSources(HFModelDir.open_ref(base), lora) as sources:
+    with MergeSources(HFModelDir.open_ref(base), lora()) as sources:
         plan = plan_merge(sources, options)
         ad = plan.adapter or {}
-        report["merge_plan"] = {
+        report.merge_plan = {
             "merged_modules": plan.merged_modules,
             "alpha": ad.get("alpha"),
             "alpha_source": ad.get("alpha_source"),
@@ -263,134 +309,140 @@ def _merge_mode(
             "write_bytes": plan.write_bytes,
             "warnings": list(plan.warnings),
         }
-        if dry_run:
+        if report.dry_run:
             check_output(plan, out, overwrite=overwrite)
         else:
             res = run_merge(plan, sources, progress, overwrite=overwrite).result
-            report["merge"] = {
+            assert res is not None  # a run's report has its result
+            report.merge = {
                 "seconds": res.seconds,
                 "tensors": res.tensors,
                 "merged_modules": res.merged_modules,
                 "bytes_written": res.bytes_written,
                 "files": list(res.files),
             }
-            if new_text is not None:
-                _write_config(cfg_out, new_text)
-    if cfg_text is not None:
-        cmd = "rl" if config_kind(cfg_text) == "rl" else "trainer"
-        report["next"] = [f"uv run {cmd} @ {cfg_out}"]
-        report["notes"] = [
+            if edit is not None and new_text is not None:
+                _write_config(edit.out, new_text)
+    report.next, report.notes = _merge_next(edit, out, report.lr)
+
+
+def _merge_next(edit: _ConfigEdit | None, out: Path, lr: float) -> tuple[list[str], list[str]]:
+    """merge mode's `next` and `notes`."""
+    shown = display(str(out.resolve()))
+    if edit is not None:
+        steps = [edit.run_command()]
+        notes = [
             "the restart trains a NEW LoRA on the merged weights from step 0, with the config's "
             "scheduler (warmup included); use a fresh output_dir so old checkpoints are not mixed in"
         ]
     else:
-        report["next"] = [
-            f'set [model] name = "{display(str(out.resolve()))}" and [trainer.optim] lr = {lr!r} (or [optim] '
-            f"lr for a "
-            "trainer config), remove ckpt.resume_step, then start the run as before"
+        steps = [
+            f'set [model] name = "{shown}" and [trainer.optim] lr = {lr!r} (or [optim] lr for a trainer '
+            "config), remove ckpt.resume_step, then start the run as before"
         ]
-        report["notes"] = ["pass --config YOUR.toml to have these edits written for you"]
-    if parse_url(display(str(out.resolve()))):
-        report.setdefault("notes", []).append(
+        notes = ["pass --config YOUR.toml to have these edits written for you"]
+    if parse_url(shown):
+        notes.append(
             "OUT is at a URL, and prime-rl loads [model] name from a local dir or a Hub repo id: download "
-            "OUT "
-            "where the run starts and set [model] name to that dir"
+            "OUT where the run starts and set [model] name to that dir"
         )
-    return report
+    return steps, notes
+
+
+# ============================================================================ adapter mode
+def _resume_step(ckpt: DcpCheckpoint) -> int:
+    step = ckpt.read_object(PROGRESS_STEP_KEY) if PROGRESS_STEP_KEY in ckpt.entries else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise FormatError(f"progress.step is {step!r}, not an int >= 0", path=ckpt.dir, key=PROGRESS_STEP_KEY)
+    return step
 
 
 def _adapter_mode(
+    report: RestartPrepReport,
     ckpt: DcpCheckpoint,
-    out,
+    lora_of: Callable[[], DcpLoraSource],
+    base: str,
+    edit: _ConfigEdit | None,
+    world_size: int | None,
+    scheduler_step: int,
+    trust_pickle: bool,
+    progress: Progress | None,
     *,
-    base,
-    lr,
-    cfg_text,
-    config,
-    cfg_out,
-    alpha,
-    run_config,
-    world_size,
-    scheduler_step,
-    dry_run,
-    trust_pickle,
-    progress,
-    overwrite=False,
-) -> dict:
-    step = ckpt.read_object(PROGRESS_STEP_KEY) if PROGRESS_STEP_KEY in ckpt.entries else None
+    overwrite: bool,
+) -> None:
+    out = Path(report.out)
     sharded = [len(e.chunks) for e in ckpt.tensor_entries() if e.shape and e.shape[0] > 1]
     orig_world = world_size_from_chunks(sharded) or 1
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise FormatError(f"progress.step is {step!r}, not an int >= 0", path=ckpt.dir, key=PROGRESS_STEP_KEY)
-    world_size = world_size or orig_world
-    spec = scheduler_from_config(cfg_text, config) if cfg_text is not None else SchedulerSpec("constant")
-    report: dict = {
-        "mode": "adapter",
-        "checkpoint": str(ckpt.dir),
-        "out": str(out),
-        "lr": lr,
-        "step": step,
-        "world_size": world_size,
-        "scheduler": spec.describe(),
-        "scheduler_step": scheduler_step,
-        "dry_run": dry_run,
-        "warnings": [],
-    }
-    if cfg_text is None:
-        report["warnings"].append(
+    step = _resume_step(ckpt)
+    spec = scheduler_from_config(edit.text, edit.source) if edit is not None else SchedulerSpec("constant")
+    report.step, report.world_size = step, world_size or orig_world
+    report.scheduler, report.scheduler_step, report.warnings = spec.describe(), scheduler_step, []
+    new_text = None
+    if edit is None:
+        report.warnings.append(
             "no --config: the checkpoint gets prime-rl's constant scheduler; the resuming run "
             'must use [scheduler] type = "constant" (pass --config to take the run\'s)'
         )
-    new_text = None
-    if cfg_text is not None:
-        new_text, changes = patch_config_text(
-            cfg_text,
-            model_name=None,
-            lr=lr,
-            resume_step=step,
-            rebase_from=_rebase(config, cfg_out),
-            where=config,
-        )
-        report["config"] = {
-            "source": str(config),
-            "out": str(cfg_out),
-            "changes": [c.to_json() for c in changes],
-            "diff": unified_diff(cfg_text, new_text, config.name),
-        }
-    lora = _lora(ckpt, alpha, run_config)
+    else:
+        new_text, report.config = edit.patched(model_name=None, lr=report.lr, resume_step=step)
+    lora = lora_of()
     # the adapter as `ckpt extract-adapter` would export it: its alpha, rank and scale, checked against
     # the base, and every warning the export would give; it is then streamed into the new checkpoint
     xplan = plan_extract(lora, ExtractOptions(out, base=str(base)))
-    report["adapter"] = {
+    report.adapter = {
         "modules": xplan.modules,
         "rank": xplan.rank,
         "alpha": xplan.alpha,
         "alpha_source": xplan.alpha_source,
         "scale": xplan.scale,
     }
-    report["warnings"] += list(xplan.warnings)
-    if dry_run:  # OUT checked as the real run checks it; what --overwrite would remove
-        report["output"] = describe_output(out, overwrite=overwrite)
-        return report
+    report.warnings += list(xplan.warnings)
+    if report.dry_run:  # OUT checked as the real run checks it; what --overwrite would remove
+        report.output = describe_output(out, overwrite=overwrite)
+        return
+    options = ToDcpOptions(
+        out,
+        lr=report.lr,
+        step=step,
+        world_size=report.world_size,
+        scheduler=spec,
+        scheduler_step=scheduler_step,
+        trust_pickle=trust_pickle,
+    )
+    _write_adapter_checkpoint(report, lora, base, options, progress, overwrite=overwrite)
+    if edit is not None and new_text is not None:
+        _write_config(edit.out, new_text)
+    if out.name != "trainer" or out.parent.name != f"step_{step}":
+        report.warnings.append(
+            f"prime-rl looks for the checkpoint at <output_dir>/checkpoints/step_{step}/trainer: move OUT "
+            "there (a fresh output_dir keeps the old checkpoints apart)"
+        )
+    report.next = (
+        [edit.run_command()]
+        if edit is not None
+        else [f"resume with ckpt.resume_step = {step} and lr {report.lr!r} in your config"]
+    )
+
+
+def _write_adapter_checkpoint(
+    report: RestartPrepReport,
+    lora: DcpLoraSource,
+    base: str,
+    options: ToDcpOptions,
+    progress: Progress | None,
+    *,
+    overwrite: bool,
+) -> None:
+    """The resumable checkpoint at OUT (the adapter-to-dcp op over the checkpoint's own LoRA)."""
+    out = Path(options.out)
     make_dirs(out.parent)
     if out.exists() and not overwrite:
         raise OutputExistsError("already exists", path=out, hint=OVERWRITE_HINT)
     with ToDcpSources(lora, HFModelDir.open_ref(base)) as sources:
-        plan = plan_adapter_to_dcp(
-            sources,
-            ToDcpOptions(
-                out,
-                lr=lr,
-                step=step,
-                world_size=world_size,
-                scheduler=spec,
-                scheduler_step=scheduler_step,
-                trust_pickle=trust_pickle,
-            ),
-        )
+        plan = plan_adapter_to_dcp(sources, options)
         t0 = time.perf_counter()
         rep = run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite).to_json()
-        report["checkpoint_out"] = {
+        report.checkpoint_out = {
             "keys": rep["keys"],
             "bytes_written": rep["bytes_written"],
             "seconds": round(time.perf_counter() - t0, 3),
@@ -398,19 +450,5 @@ def _adapter_mode(
             "lr_next": rep["lr_next"],
             "notes": rep["notes"],
         }
-        report["warnings"] += list(rep["warnings"])
-    if new_text is not None:
-        _write_config(cfg_out, new_text)
-    where = f"<output_dir>/checkpoints/step_{step}/trainer"
-    if out.name != "trainer" or out.parent.name != f"step_{step}":
-        report["warnings"].append(
-            f"prime-rl looks for the checkpoint at {where}: move OUT there (a fresh "
-            "output_dir keeps the old checkpoints apart)"
-        )
-    run_cmd = "rl" if cfg_text is not None and config_kind(cfg_text) == "rl" else "trainer"
-    report["next"] = (
-        [f"uv run {run_cmd} @ {cfg_out}"]
-        if cfg_out is not None
-        else [f"resume with ckpt.resume_step = {step} and lr {lr!r} in your config"]
-    )
-    return report
+        assert report.warnings is not None  # adapter mode's list
+        report.warnings += list(rep["warnings"])

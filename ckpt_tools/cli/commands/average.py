@@ -68,9 +68,9 @@ def parse_weights(text: str | None) -> tuple[float, ...] | None:
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
+    type=click.Choice(["bf16", "fp16", "fp32", "fp8"]),
     default=None,
-    help="With --merge: the output dtype (default as `ckpt merge`).",
+    help="With --merge: the output dtype (default as `ckpt merge`; fp8: block FP8 as merge writes it).",
 )
 @click.option(
     "--allow-mismatch",

@@ -6,6 +6,7 @@ import click
 
 from ... import api
 from ...core.units import human_bytes
+from ..flow import progress_line
 from ..mistakes import check_roles
 from ..options import (
     OutputPath,
@@ -18,7 +19,7 @@ from ..options import (
     trust_option,
 )
 from ..render import warn_trust
-from .merge import finish_merge
+from .merge import render_merge
 
 __all__ = ["command"]
 
@@ -44,9 +45,10 @@ __all__ = ["command"]
 @click.option(
     "--dtype",
     "dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
+    type=click.Choice(["bf16", "fp16", "fp32", "fp8"]),
     default=None,
-    help="Output dtype (default bf16): one rounding from the fp32 masters.",
+    help="Output dtype (default bf16): one rounding from the fp32 masters. fp8: block FP8 as `ckpt merge "
+    "--dtype fp8` writes it.",
 )
 @click.option(
     "--allow-zero-delta",
@@ -100,24 +102,24 @@ def command(
     ckpt, config_from = input_arg(ckpt), input_arg(config_from)
     check_roles("export", {"CKPT": ckpt, "OUT": out, "--config-from": config_from})
     warn_trust(trust_pickle)
-    options = dict(
-        alpha=alpha,
-        run_config=None if run_config is None else str(run_config),
-        slot=slot,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        threads=threads,
-        trust_pickle=trust_pickle,
-        allow_zero_delta=allow_zero_delta,
-    )
-    finish_merge(
-        lambda **kw: api.export(ckpt, out, config_from=config_from, **options, **kw),
-        out,
-        _render_result,
-        dry_run=dry_run,
-        as_json=as_json,
-        overwrite=overwrite,
-    )
+    with progress_line(not dry_run) as bar:
+        report = api.export(
+            ckpt,
+            out,
+            config_from=config_from,
+            alpha=alpha,
+            run_config=run_config,
+            slot=slot,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            threads=threads,
+            trust_pickle=trust_pickle,
+            allow_zero_delta=allow_zero_delta,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            progress=bar,
+        )
+    render_merge(report, out, _render_result, dry_run=dry_run, as_json=as_json)
 
 
 def _render_result(plan, result, out) -> None:

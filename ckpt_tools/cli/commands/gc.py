@@ -111,16 +111,16 @@ def command(
             if changed
             else "gc stopped before any step was changed; "
         ) + "every step is full or slim; rerun to finish"
-        exc.summary = line  # what the CLI's interrupt line says instead of "nothing was written"
+        exc.summary = line  # type: ignore[union-attr]  # what the CLI's interrupt line says instead of "nothing was written"
         raise
     finally:
         if bar is not None:
             bar.close()
-    failed = (report.get("result") or {}).get("failed") or []
+    failed = report.result.failed if report.result is not None else []
     if as_json:
         emit(report, exit_code=1 if failed else 0)
     else:
-        _render(report)
+        _render(report.to_json())
     if failed:
         raise click.exceptions.Exit(1)
 

@@ -9,7 +9,6 @@ import click
 from ... import api
 from ...core.errors import UsageError
 from ...core.units import human_bytes, human_bytes_si, human_number
-from ...io.signals import install_signal_handlers
 from ..flow import finish, progress_line
 from ..mistakes import check_roles
 from ..options import (
@@ -25,7 +24,7 @@ from ..options import (
 )
 from ..render import dry_run_label, warn, warn_trust
 
-__all__ = ["command", "finish_merge", "render_plan"]
+__all__ = ["command", "render_merge", "render_plan"]
 
 
 @click.command("merge")
@@ -53,10 +52,11 @@ __all__ = ["command", "finish_merge", "render_plan"]
 @click.option(
     "--dtype",
     "dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
+    type=click.Choice(["bf16", "fp16", "fp32", "fp8"]),
     default=None,
     help="Output dtype (default: fp16 for an fp16 base, else bf16). Merged weights are computed in "
-    "fp32 and rounded once to it.",
+    "fp32 and rounded once to it. fp8: block FP8 (e4m3, 128x128 scales, what vLLM serves): the attention and "
+    "MLP projections quantized from the exact fp32 value, the rest bf16 (docs/merge.md).",
 )
 @click.option(
     "--allow-zero-delta",
@@ -131,47 +131,39 @@ def command(
         )
     else:
         check_roles("merge", {"BASE": base, "ADAPTER": adapter, "OUT": out})
-    options = dict(
-        base_from_checkpoint=base_from_checkpoint,
-        config_from=config_from,
-        alpha=alpha,
-        run_config=run_config,
-        slot=slot,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        threads=threads,
-        trust_pickle=trust_pickle,
-        allow_zero_delta=allow_zero_delta,
-    )
-    finish_merge(
-        lambda **kw: api.merge(base, adapter, out, **options, **kw),
-        out,
-        _render_result,
-        dry_run=dry_run,
-        as_json=as_json,
-        overwrite=overwrite,
-    )
-
-
-def finish_merge(call, out, render_result, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
-    """A merge-contract command (merge, export): `call(**kw)` is its api call; a dry run rendered as the
-    plan (with what the real run would refuse among its warnings), else the plan's warnings printed
-    before the run (`on_plan`), the run with the progress line, and `render_result(plan, result, out)`."""
-
-    def on_plan(plan) -> None:
-        for w in () if as_json else plan.warnings:
-            warn(w)
-        install_signal_handlers()
-
     with progress_line(not dry_run) as bar:
-        report = call(dry_run=dry_run, overwrite=overwrite, progress=bar, on_plan=on_plan)
+        report = api.merge(
+            base,
+            adapter,
+            out,
+            base_from_checkpoint=base_from_checkpoint,
+            config_from=config_from,
+            alpha=alpha,
+            run_config=run_config,
+            slot=slot,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            threads=threads,
+            trust_pickle=trust_pickle,
+            allow_zero_delta=allow_zero_delta,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            progress=bar,
+        )
+    render_merge(report, out, _render_result, dry_run=dry_run, as_json=as_json)
+
+
+def render_merge(report, out, render_result, *, dry_run: bool, as_json: bool) -> None:
+    """A merge-contract command (merge, export) after its api call: a dry run rendered as the plan (with
+    what the real run would refuse among its warnings), else `render_result(plan, result, out)`; then the
+    plan's warnings, as every command prints its report's."""
     plan = report.plan
     if dry_run:
         finish(report, as_json, lambda _: render_plan(plan, out, dry_run=True))
-        for w in () if as_json else plan.warnings:
-            warn(w)
-        return
-    finish(report, as_json, lambda _: render_result(plan, report.result, out))
+    else:
+        finish(report, as_json, lambda _: render_result(plan, report.result, out))
+    for w in () if as_json else plan.warnings:
+        warn(w)
 
 
 def _render_result(plan, result, out) -> None:
@@ -183,6 +175,15 @@ def _render_result(plan, result, out) -> None:
         f"{c['cast']} cast, {c['replace']} replaced; {human_bytes(result.bytes_written)} in "
         f"{result.seconds:.1f}s"
     )
+    if result.fp8 is not None:
+        f = result.fp8
+        click.echo(
+            f"  fp8: {f['quantized']} weights quantized (block 128x128 e4m3), {len(f['kept'])} kept bf16; "
+            f"quantization error ||deq(q) - W32|| / ||W32||: max {f['rel_error_max']:.4f}, mean "
+            f"{f['rel_error_mean']:.4f}"
+        )
+        for w in f["warnings"]:
+            warn(w)
     if plan.masters_checked:
         mc = plan.masters_checked
         click.echo(
@@ -218,6 +219,11 @@ def render_plan(plan, out, brief: bool = False, dry_run: bool = False) -> None:
         f"  tensors   {len(plan.jobs)}: {plan.count('merge')} merged, {plan.count('copy')} copied verbatim, "
         f"{plan.count('cast')} cast to {plan.out_dtype}, {plan.count('replace')} replaced (modules_to_save)"
     )
+    if plan.out_dtype == "float8_e4m3fn":
+        q = sum(1 for j in plan.jobs if j.scale_name)
+        click.echo(
+            f"  fp8       {q} weights quantized (e4m3, 128x128 blocks), {len(plan.jobs) - q} kept bf16"
+        )
     if plan.masters_checked:
         mc = plan.masters_checked
         click.echo(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import re
@@ -24,13 +25,15 @@ from typing import Any
 
 import torch
 
+from ...core.crc import crc32
 from ...core.errors import UsageError
 from ...io.copy import copy_input_tree, link_or_copy, link_writes_bytes
-from ...io.files import fsync_path, link_entry, remove_file
+from ...io.files import atomic_write_bytes, fsync_path, link_entry, remove_file, write_new_file
 from ...io.inputs import MAX_METADATA_BYTES, read_input, scan_tree
 from ...io.lock import OutputLock, lock_path_for, pid_alive
 from ...io.remote import is_remote_path
 from ...io.staging import AtomicOutputDir
+from ..slim.manifest import SLIM_MANIFEST, is_slim, kept_item_id, read_manifest, with_patch
 from .layout import METADATA_NAME, METADATA_TMP_TAG, PATCH_PREFIX, extra_entries
 from .metadata import load_metadata
 from .model import BytesEntry, TensorEntry
@@ -71,10 +74,10 @@ def _patch_file_name(ckpt_dir: Path) -> str:
     return f"{PATCH_PREFIX}{n}.distcp"
 
 
-def _register_all(writer, ckpt: DcpCheckpoint, new_values: dict[str, Any], patch_rel: str) -> None:
+def _register_all(writer, ckpt: DcpCheckpoint, encoded: dict[str, bytes], patch_rel: str) -> None:
     for key, e in ckpt.entries.items():
-        if key in new_values:
-            writer.copy_bytes_item(key, e.path, _encode(new_values[key]), rel=patch_rel)
+        if key in encoded:
+            writer.copy_bytes_item(key, e.path, encoded[key], rel=patch_rel)
         elif isinstance(e, TensorEntry):
             for c in e.chunks:
                 writer.register_existing_chunk(
@@ -82,6 +85,18 @@ def _register_all(writer, ckpt: DcpCheckpoint, new_values: dict[str, Any], patch
                 )
         else:
             writer.register_existing_bytes(key, e.path, e.file, e.offset, e.length)
+
+
+def _slim_manifest(ckpt: DcpCheckpoint) -> dict | None:
+    """A slim checkpoint's manifest, read and checked before anything is written (None: not a slim). A
+    slim stays a slim: its manifest gains the new items' CRC-32s (`slim.manifest.with_patch`), which
+    rehydrate proves them against; one it cannot read is refused here, nothing changed."""
+    return read_manifest(ckpt.dir).raw if is_slim(ckpt.dir) else None
+
+
+def _manifest_bytes(raw: dict, patch_rel: str, encoded: dict[str, bytes], files: set[str]) -> bytes:
+    crcs = {kept_item_id(k, None): crc32(b) for k, b in encoded.items()}
+    return (json.dumps(with_patch(raw, patch_rel, crcs, files), indent=1, allow_nan=False) + "\n").encode()
 
 
 def _check_patchable(ckpt: DcpCheckpoint, new_values: dict[str, Any]) -> None:
@@ -116,17 +131,34 @@ def patch_checkpoint(
             hint="write OUT instead: a URL in the same S3 store copies the data files server-side "
             "(O(KB) sent)",
         )
-    if in_place:
-        return _patch_in_place(ckpt, new_values, t0)
-    if out is None:
+    if not in_place and out is None:
         raise UsageError("give an output directory, or --in-place")
+    encoded = {k: _encode(v) for k, v in new_values.items()}
+    manifest = _slim_manifest(ckpt)
+    if in_place:
+        return _patch_in_place(ckpt, encoded, manifest, t0)
+    assert out is not None
+    return _patch_to(ckpt, Path(out), encoded, manifest, overwrite, t0)
+
+
+def _patch_to(
+    ckpt: DcpCheckpoint,
+    out: Path,
+    encoded: dict[str, bytes],
+    manifest: dict | None,
+    overwrite: bool,
+    t0: float,
+) -> PatchResult:
+    """`patch_checkpoint` into a new OUT: the data files linked, the patch file and `.metadata` written."""
     patch_rel = _patch_file_name(ckpt.dir)
-    keep = {f for k, e in ckpt.entries.items() if k not in new_values for f in e.files}
-    extras = extra_entries(ckpt.dir, keep)
-    # Free space for what is really written: the patch and metadata, the copied extra entries,
-    # and, when the data files cannot be linked (another filesystem; a remote checkpoint to a local OUT),
-    # every data file too.
-    need = (1 << 20) + sum(size for n in extras for _p, size in scan_tree(ckpt.dir / n, root=ckpt.dir))
+    keep = {f for k, e in ckpt.entries.items() if k not in encoded for f in e.files}
+    extras = extra_entries(ckpt.dir, keep, exclude={SLIM_MANIFEST} if manifest is not None else ())
+    new_manifest = None if manifest is None else _manifest_bytes(manifest, patch_rel, encoded, keep)
+    # Free space for what is really written: the patch and metadata, the copied extra entries (a slim's
+    # manifest), and, when the data files cannot be linked (another filesystem; a remote checkpoint to a
+    # local OUT), every data file too.
+    need = (1 << 20) + len(new_manifest or b"")
+    need += sum(size for n in extras for _p, size in scan_tree(ckpt.dir / n, root=ckpt.dir))
     parent = Path(out).expanduser().resolve().parent
     if link_writes_bytes(ckpt.dir, parent if parent.is_dir() else parent.parent):
         need += sum(ckpt.file_size(rel) for rel in keep)
@@ -137,9 +169,11 @@ def patch_checkpoint(
             counts[m] = counts.get(m, 0) + 1
         for name in extras:
             copy_input_tree(ckpt.dir / name, tmp / name, root=ckpt.dir, what="checkpoint entry")
+        if new_manifest is not None:
+            write_new_file(tmp / SLIM_MANIFEST, new_manifest)
         writer = DcpWriter(tmp)
         try:
-            _register_all(writer, ckpt, new_values, patch_rel)
+            _register_all(writer, ckpt, encoded, patch_rel)
             writer.finish()
         except BaseException:
             writer.abort()
@@ -159,7 +193,7 @@ def patch_checkpoint(
         out=str(out),
         in_place=False,
         patch_file=patch_rel,
-        changed_keys=len(new_values),
+        changed_keys=len(encoded),
         bytes_written=written,
         linked=counts,
         backup=None,
@@ -168,7 +202,9 @@ def patch_checkpoint(
     )
 
 
-def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) -> PatchResult:
+def _patch_in_place(
+    ckpt: DcpCheckpoint, encoded: dict[str, bytes], manifest: dict | None, t0: float
+) -> PatchResult:
     d = ckpt.dir
     lock = OutputLock(lock_path_for(d), d)  # the same lock an AtomicOutputDir(ckpt) would take
     lock.acquire()
@@ -187,9 +223,13 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
     writer = DcpWriter(d)
     swapped = False
     try:
-        _register_all(writer, ckpt, new_values, patch_rel)
+        _register_all(writer, ckpt, encoded, patch_rel)
         # the old metadata survives the swap under this name (the entry itself, never a link's target)
         link_entry(d / METADATA_NAME, backup)
+        if manifest is not None:  # before the swap: the manifest fits the old .metadata and the new one
+            atomic_write_bytes(
+                d / SLIM_MANIFEST, _manifest_bytes(manifest, patch_rel, encoded, set(os.listdir(d)))
+            )
         writer.finish()  # fsync patch, write .metadata.tmp-*, fsync, rename over .metadata
         swapped = True
         fsync_path(d)
@@ -206,7 +246,7 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
         out=str(d),
         in_place=True,
         patch_file=patch_rel,
-        changed_keys=len(new_values),
+        changed_keys=len(encoded),
         bytes_written=written,
         linked={},
         backup=str(backup),
@@ -215,7 +255,10 @@ def _patch_in_place(ckpt: DcpCheckpoint, new_values: dict[str, Any], t0: float) 
     )
 
 
-_TMP_LEFTOVER = re.compile(rf"^{re.escape(METADATA_NAME)}{re.escape(METADATA_TMP_TAG)}(\d+)-[0-9a-f]+$")
+# a new `.metadata`, or a slim's new manifest (`atomic_write_bytes`' `.<name>.tmp-`), never renamed in
+_TMP_LEFTOVER = re.compile(
+    rf"^(?:{re.escape(METADATA_NAME)}|\.{re.escape(SLIM_MANIFEST)}){re.escape(METADATA_TMP_TAG)}(\d+)-[0-9a-f]+$"
+)
 _PATCH_FILE = re.compile(rf"^{re.escape(PATCH_PREFIX)}\d+\.distcp$")
 
 
@@ -233,7 +276,8 @@ def _referenced_files(meta_path: Path, root: Path) -> set[str] | None:
 def clean_in_place_leftovers(d: Path) -> list[str]:
     """What killed `--in-place` runs left in checkpoint `d`, removed. Called with `d`'s lock held,
     so no in-place run is alive (a live one holds the lock); temp names carry the pid and only dead
-    pids' are touched. Removed: `.metadata.tmp-<pid>-*` (a new metadata never renamed in);
+    pids' are touched. Removed: `.metadata.tmp-<pid>-*` (a new metadata never renamed in) and a slim's
+    `.ckpt-slim-manifest.json.tmp-<pid>-*`;
     `.metadata.bak-*` that is still `.metadata` itself (same inode: linked, then the run died before
     the swap); `__patch_<n>.distcp` that neither `.metadata` nor any backup references. Anything
     that cannot be read for certain is kept."""

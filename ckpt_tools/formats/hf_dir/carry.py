@@ -1,7 +1,8 @@
 """Which files of a model dir travel into a model we derive from it (config, generation config,
-tokenizer, chat template, README, ...): regular top-level files that are not weights, not an index and
-not hidden. Everything else at the top level is skipped (and reported): extra weight files (a stale
-pickle next to new weights would be loaded by someone), subdirectories, hidden entries."""
+tokenizer, chat template, README, ...): regular top-level files that are not weights, not an index, not
+hidden and not a SHA256SUMS (the derived model writes its own). Everything else at the top level is
+skipped (and reported): extra weight files (a stale pickle next to new weights would be loaded by
+someone), subdirectories, hidden entries."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from ...io.inputs import check_input
+from .digests import SUMS_NAME
 from .names import is_weight_like
 
 __all__ = ["carry_files", "classify_entries"]
@@ -24,7 +26,13 @@ def classify_entries(d: Path, exclude: Collection[str] = ()) -> list[tuple[str, 
     for entry in entries:
         if entry.name in exclude:
             continue
-        carry = entry.is_file() and not entry.name.startswith(".") and not is_weight_like(entry.name)
+        # SHA256SUMS describes the files of its own dir: a derived model writes its own
+        carry = (
+            entry.is_file()
+            and not entry.name.startswith(".")
+            and not is_weight_like(entry.name)
+            and entry.name != SUMS_NAME
+        )
         out.append((entry.name, "carry" if carry else "skip"))
     return out
 

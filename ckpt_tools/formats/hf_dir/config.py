@@ -137,10 +137,17 @@ def config_mismatches(config: dict, shapes: Mapping[str, tuple]) -> list[str]:
     return problems
 
 
-def output_config_changes(config: dict, out_dtype: str, tie_out) -> list[tuple[str, object, object]]:
-    """(field, old, new) for a derived model's config: its dtype, and untied embeddings when they diverge.
-    transformers >= 4.56 writes "dtype", older versions "torch_dtype": whichever is there is kept."""
-    changes = []
+def output_config_changes(
+    config: dict, out_dtype: str, tie_out, *, quantization: dict | None = None
+) -> list[tuple[str, object, object]]:
+    """(field, old, new) for a derived model's config: its dtype, untied embeddings when they diverge, and its
+    `quantization_config`: `quantization` (an FP8 output's), or removed (new None) when the base had one
+    and the output is not quantized. transformers >= 4.56 writes "dtype", older versions "torch_dtype":
+    whichever is
+    there is kept."""
+    changes: list[tuple[str, object, object]] = []
+    if config.get("quantization_config") != quantization:
+        changes.append(("quantization_config", config.get("quantization_config"), quantization))
     fields = [f for f in ("dtype", "torch_dtype") if f in config] or ["dtype"]
     for f in fields:
         if config.get(f) != out_dtype:
@@ -151,8 +158,12 @@ def output_config_changes(config: dict, out_dtype: str, tie_out) -> list[tuple[s
 
 
 def rewrite_config(config: dict, changes) -> str:
-    """config.json text with `changes` applied (transformers' layout: indent 2, a newline)."""
+    """config.json text with `changes` applied (transformers' layout: indent 2, a newline); a change to None
+    removes the field."""
     new = dict(config)
     for f, _old, value in changes:
-        new[f] = value
+        if value is None:  # removed (a quantization_config the output does not have)
+            new.pop(f, None)
+        else:
+            new[f] = value
     return json.dumps(new, indent=2, ensure_ascii=False) + "\n"

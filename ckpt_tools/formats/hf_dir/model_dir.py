@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, MissingFileError
 from ...io.inputs import OpenFiles, register
-from ..handle import ByteRange, Extent, Source, TensorFacts
+from ..handle import ByteRange, Extent, Source, TensorFacts, tensor_bytes
 from ..safetensors.header import ByteCounter, SafetensorsHeader, TensorInfo, read_header
 from ..safetensors.read import read_raw, read_tensor
 from .carry import carry_files, classify_entries
 from .checks import check_index
 from .config import load_config
+from .fp8 import Fp8Scheme, fp8_scheme, quantized_pairs
 from .hub import resolve_model_dir
 from .names import INDEX_NAME, WEIGHTS_NAME
 
@@ -64,6 +65,17 @@ class HFModelDir(Source):
         )
         for name, ti in self.tensors.items():  # disk order: shard files by name, then offset
             self._facts[name] = TensorFacts(name, ti.dtype_name, tuple(ti.shape))
+        # A block-FP8 dir's logical face: each quantized weight a float32 of fl32(q * scale), its scale hidden
+        # (`formats.hf_dir.fp8`); `keys()` / `info()` stay the stored tensors.
+        self.fp8: Fp8Scheme | None = fp8_scheme(config)
+        self.quantized: dict[str, str] = {}  # weight -> its weight_scale_inv, under `fp8`
+        if self.fp8 is not None:
+            pairs = quantized_pairs({n: ti.dtype_name for n, ti in self.tensors.items()})
+            for w, s in pairs.items():
+                if len(self.tensors[w].shape) == 2 and s in self._facts:
+                    self._facts[w] = TensorFacts(w, "float32", tuple(self.tensors[w].shape))
+                    del self._facts[s]
+                    self.quantized[w] = s
 
     # -- construction
     @classmethod
@@ -158,13 +170,55 @@ class HFModelDir(Source):
     def file_of(self, name: str) -> str:
         return self.info(name).path.name
 
-    def copy_range(self, name: str) -> ByteRange:
+    def copy_range(self, name: str) -> ByteRange | None:
+        if name in self.quantized:  # stored as codes + scales: dequantized, never copied
+            return None
         info = self.info(name)
         fd = self.files.check_range(info.path.name, info.begin, info.nbytes, name)
         return ByteRange(fd, info.begin, info.nbytes, info.path)
 
     def disk_order(self) -> list[str]:
-        return list(self.tensors)
+        return [n for n in self.tensors if n in self._facts]
+
+    def read_span(self, name: str, start: int, out) -> None:
+        if name not in self.quantized:
+            return super().read_span(name, start, out)
+        self._read_dequantized(name, start, memoryview(out).cast("B"))
+
+    def _read_dequantized(self, name: str, start: int, out: memoryview) -> None:
+        """Bytes [start, start + len(out)) of the float32 fl32(q * scale) of a quantized weight: its stored
+        rows that cover them (codes) and its scale grid read, dequantized (`core.fp8`)."""
+        import torch
+
+        from ...core.fp8 import dequantize_rows_into
+
+        info, cols = self.facts(name), self.facts(name).shape[1]
+        n = len(out)
+        if start % 4 or n % 4 or start < 0 or start + n > info.nbytes:
+            raise ValueError(
+                f"byte range [{start}, {start + n}) is not whole float32 elements of tensor {name}"
+            )
+        if n == 0:
+            return
+        e0, e1 = start // 4, (start + n) // 4
+        r0, r1 = e0 // cols, -(-e1 // cols)
+        stored = self.info(name)
+        codes = torch.empty((r1 - r0) * cols, dtype=torch.uint8)
+        self.files.read_into(stored.path.name, stored.begin + r0 * cols, tensor_bytes(codes), name)
+        scales = self.read_stored(self.quantized[name]).to(torch.float32)
+        self._count(codes.numel() + scales.numel() * 4)
+        aligned = e0 == r0 * cols and e1 == r1 * cols
+        dest = torch.frombuffer(out, dtype=torch.float32) if aligned else torch.empty((r1 - r0) * cols)
+        assert self.fp8 is not None
+        dequantize_rows_into(
+            codes.view(torch.float8_e4m3fn).view(r1 - r0, cols),
+            scales,
+            r0,
+            dest.view(r1 - r0, cols),
+            self.fp8.block,
+        )
+        if not aligned:
+            out[:] = tensor_bytes(dest)[(e0 - r0 * cols) * 4 : (e1 - r0 * cols) * 4]
 
     def open_all(self) -> None:
         for header in self.headers.values():

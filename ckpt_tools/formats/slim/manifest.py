@@ -21,13 +21,16 @@ A dropped tensor is identified by one or both of (`IDENTIFICATION`, recorded in 
 Version 1 manifests have a sha256 for every tensor and no crc32; a manifest where some tensor has no
 sha256 is version 2 (a version-1 reader would call it damaged); one where every tensor has a sha256 is
 still written as version 1, which every reader of version 1 reads correctly (it ignores `crc32`).
+`ckpt set-lr` / `ckpt set` on a slim record the CRC-32s of the items they write into a patch file under
+`patched_crc32` (by the patch file's name: `with_patch`), beside what slim recorded; such a manifest is
+version 3, which older readers refuse by its version.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...core.dtypes import ITEMSIZE
@@ -43,6 +46,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_VERSION",
     "NOT_LOADABLE",
+    "PATCHED_VERSION",
     "READABLE_VERSIONS",
     "SLIM_MANIFEST",
     "ChunkLayout",
@@ -53,12 +57,14 @@ __all__ = [
     "is_slim",
     "kept_item_id",
     "read_manifest",
+    "with_patch",
 ]
 
 SLIM_MANIFEST = "ckpt-slim-manifest.json"  # beside .metadata
 MANIFEST_FORMAT = "ckpt-tools/slim-manifest"
-MANIFEST_VERSION = 2  # the newest; a manifest readable by version-1 readers is written as 1
-READABLE_VERSIONS = (1, 2)
+MANIFEST_VERSION = 2  # what slim writes; a manifest readable by version-1 readers is written as 1
+PATCHED_VERSION = 3  # a slim set-lr / set changed since: older readers refuse it by version, not as "damaged"
+READABLE_VERSIONS = (1, 2, 3)
 NOT_LOADABLE = (
     "SLIM checkpoint: the frozen base weights were removed. It is NOT loadable by prime-rl's "
     "strict loader on its own; run `ckpt rehydrate SLIM OUT --base BASE` to rebuild the full "
@@ -194,6 +200,15 @@ class Manifest:
     base: dict | None
     data_files: tuple[str, ...]
     kept_crc32: dict[str, int] | None = None  # None: an older manifest, without kept-item CRCs
+    # items `ckpt set-lr` / `ckpt set` wrote into the slim after `ckpt slim`: data file -> item name -> CRC-32
+    patched: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def expected_crc32(self, item: str, rel: str) -> int | None:
+        """The CRC-32 the manifest records for kept item `item` stored in data file `rel`: the one a later
+        set-lr / set recorded for its patch file, else the one slim recorded (None: an older manifest)."""
+        if item in self.patched.get(rel, {}):
+            return self.patched[rel][item]
+        return None if self.kept_crc32 is None else self.kept_crc32.get(item)
 
 
 def read_manifest(ckpt_dir: Path) -> Manifest:
@@ -274,19 +289,6 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
             ) from None
     if not dropped:
         raise FormatError("lists no dropped tensors", path=p)
-    kept = None
-    if "kept_crc32" in m:
-        items = m["kept_crc32"].get("items") if isinstance(m["kept_crc32"], dict) else None
-        if not isinstance(items, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32
-            for k, v in items.items()
-        ):
-            raise FormatError(
-                "kept_crc32.items is not a map of item names to CRC-32 values",
-                path=p,
-                hint="the manifest was edited or damaged; slim the original again",
-            )
-        kept = dict(items)
     return Manifest(
         p,
         m,
@@ -295,8 +297,57 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
         m.get("world_size"),
         m.get("base"),
         tuple((m.get("source") or {}).get("data_files") or ()),
-        kept,
+        _crc_map(
+            m["kept_crc32"].get("items") if isinstance(m["kept_crc32"], dict) else None, p, "kept_crc32.items"
+        )
+        if "kept_crc32" in m
+        else None,
+        _patched(m.get("patched_crc32"), p),
     )
+
+
+def _crc_map(items, p: Path, what: str) -> dict[str, int]:
+    """A map of item names to CRC-32 values, checked."""
+    if not isinstance(items, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32
+        for k, v in items.items()
+    ):
+        raise FormatError(
+            f"{what} is not a map of item names to CRC-32 values",
+            path=p,
+            hint="the manifest was edited or damaged; slim the original again",
+        )
+    return dict(items)
+
+
+def _patched(value, p: Path) -> dict[str, dict[str, int]]:
+    """`patched_crc32.files`: data file -> {item name -> CRC-32} ({} when absent)."""
+    if value is None:
+        return {}
+    files = value.get("files") if isinstance(value, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(f, str) for f in files):
+        raise FormatError(
+            "patched_crc32.files is not a map of data files to item CRC-32s",
+            path=p,
+            hint="the manifest was edited or damaged; slim the original again",
+        )
+    return {f: _crc_map(items, p, f"patched_crc32.files[{f!r}]") for f, items in files.items()}
+
+
+def with_patch(raw: dict, patch_file: str, crc32: dict[str, int], files: set[str]) -> dict:
+    """The manifest `raw` of a slim into which `ckpt set-lr` / `ckpt set` wrote new byte items: their CRC-32s
+    (item name -> CRC of the stored bytes) recorded under `patched_crc32` for the new data file `patch_file`,
+    beside (never instead of) what slim recorded: the manifest then fits the old `.metadata` and the new
+    one alike (an in-place edit swaps `.metadata` after this is written; a `.metadata.bak-*` restored by hand
+    still rehydrates). Entries of data files not in `files` (gone) are dropped."""
+    old = (raw.get("patched_crc32") or {}).get("files") or {}
+    kept = {f: dict(items) for f, items in old.items() if f in files and f != patch_file}
+    kept[patch_file] = dict(sorted(crc32.items()))
+    return {
+        **raw,
+        "version": PATCHED_VERSION,
+        "patched_crc32": {"algorithm": "crc32", "input": KEPT_CRC_INPUT, "files": dict(sorted(kept.items()))},
+    }
 
 
 def _crc_list(value, chunks, shape) -> tuple[int, ...]:

@@ -127,6 +127,7 @@ class DiffReport:
     warnings: list[str] = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
+    page: str | None = None  # the HTML page written (api.diff_vs_base's `page`), not part of the JSON
 
     def to_json(self) -> dict:
         p = self.plan

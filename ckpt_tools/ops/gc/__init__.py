@@ -25,7 +25,7 @@ below the largest slim it would write.
 
 from .layout import ASIDE, STAGED, STEP_LOCK, TRAINER
 from .plan import DEFAULT_MIN_AGE_S, GcPlan, StepPlan, plan_gc
-from .run import StepResult, gc, run_gc, write_verified_slim
+from .run import GcReport, GcResult, StepResult, gc, run_gc, write_verified_slim
 from .swap import (
     check_slim,
     recover_step,
@@ -43,6 +43,8 @@ __all__ = [
     "STEP_LOCK",
     "TRAINER",
     "GcPlan",
+    "GcReport",
+    "GcResult",
     "StepPlan",
     "StepResult",
     "check_slim",

@@ -28,7 +28,7 @@ from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, i
 from .plan import DEFAULT_MIN_AGE_S, GcPlan, plan_gc, unknown_entries
 from .swap import check_slim, recover_step, remove_tree, swap_in_slim
 
-__all__ = ["StepResult", "gc", "run_gc", "write_verified_slim"]
+__all__ = ["GcReport", "GcResult", "StepResult", "gc", "run_gc", "write_verified_slim"]
 
 
 @dataclass
@@ -288,6 +288,49 @@ def _run_step(
         lock.release()
 
 
+@dataclass(frozen=True)
+class GcResult:
+    """What a gc run did: each step's outcome and the checkpoints dir's bytes before and after."""
+
+    steps: tuple[StepResult, ...]
+    bytes_before: int
+    bytes_after: int
+
+    @property
+    def slimmed(self) -> list[int]:
+        return [r.step for r in self.steps if r.result == "slimmed"]
+
+    @property
+    def failed(self) -> list[int]:
+        """The steps skipped because something failed (the command then exits 1)."""
+        return [r.step for r in self.steps if r.error]
+
+    def to_json(self) -> dict:
+        return {
+            "steps": [r.to_json() for r in self.steps],
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "freed_bytes": self.bytes_before - self.bytes_after,
+            "slimmed": self.slimmed,
+            "failed": self.failed,
+        }
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """`ckpt gc`'s report: the plan (with `slim_to`), and the result unless a dry run."""
+
+    plan: GcPlan
+    slim_to: str | None = None
+    result: GcResult | None = None  # None: a dry run
+
+    def to_json(self) -> dict:
+        rep: dict = {"plan": dict(self.plan.to_json(), slim_to=self.slim_to), "dry_run": self.result is None}
+        if self.result is not None:
+            rep["result"] = self.result.to_json()
+        return rep
+
+
 def gc(
     checkpoints_dir: str | Path,
     *,
@@ -298,9 +341,9 @@ def gc(
     trust_pickle: bool = False,
     progress: Progress | None = None,
     slim_to: str | None = None,
-) -> dict:
-    """Library entry point: plan, and unless `dry_run` execute. Returns a JSON-able report. `slim_to`: a
-    URL (s3://, hf://, gs://) each slim is also uploaded to, as `slim_to/step_N/trainer`."""
+) -> GcReport:
+    """Library entry point: plan, and unless `dry_run` execute. `slim_to`: a URL (s3://, hf://, gs://) each
+    slim is also uploaded to, as `slim_to/step_N/trainer`."""
     if slim_to is not None:
         from ...io.upload import check_writable
 
@@ -308,18 +351,9 @@ def gc(
     plan = plan_gc(
         checkpoints_dir, keep_full=keep_full, base=base, min_age_s=min_age_s, trust_pickle=trust_pickle
     )
-    report = {"plan": dict(plan.to_json(), slim_to=slim_to), "dry_run": dry_run}
     if dry_run:
-        return report
+        return GcReport(plan, slim_to)
     before = dir_bytes(Path(plan.checkpoints))
     results = run_gc(plan, trust_pickle=trust_pickle, progress=progress, slim_to=slim_to)
     after = dir_bytes(Path(plan.checkpoints))
-    report["result"] = {
-        "steps": [r.to_json() for r in results],
-        "bytes_before": before,
-        "bytes_after": after,
-        "freed_bytes": before - after,
-        "slimmed": [r.step for r in results if r.result == "slimmed"],
-        "failed": [r.step for r in results if r.error],
-    }
-    return report
+    return GcReport(plan, slim_to, GcResult(tuple(results), before, after))

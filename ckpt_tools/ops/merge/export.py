@@ -9,7 +9,7 @@ prime-format MoE weights come out under the HF per-expert names (`DcpCheckpoint.
 The same contract and pipeline as merge, not a copy: `open_export_sources` opens the checkpoint once
 (a `MergeSources` whose adapter is the checkpoint's LoRA, or `NoLoraSource`), `plan_export` returns a
 `MergePlan` (so `--dry-run --json`, the work units and multi-rank execution are merge's), and
-`run_export` is `run_merge`: streaming, bounded, atomic.
+It runs as a merge does (`pipeline.run_merge`): streaming, bounded, atomic.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from ...formats.dcp.layout import METADATA_NAME
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.run_dir import run_base_of
 from ...sources.lora import NoLoraSource
-from .pipeline import run_merge
 from .plan import DEFAULT_MAX_SHARD, MergePlan
 from .prepare import MergeOptions, MergeSources, plan_merge
 
-__all__ = ["ExportOptions", "open_export_sources", "plan_export", "run_export"]
+__all__ = ["ExportOptions", "open_export_sources", "plan_export"]
 
 
 @dataclass(frozen=True)
@@ -144,8 +143,3 @@ def _check_tie_convention(sources: MergeSources, plan: MergePlan) -> None:
             path=sources.base.path,
             hint="pass --config-from the tied base model the run trained (tie_word_embeddings: true)",
         )
-
-
-def run_export(plan: MergePlan, sources: MergeSources, progress=None, **kw):
-    """Execute an export plan: merge's bounded pipeline, atomic OUT."""
-    return run_merge(plan, sources, progress, **kw)

@@ -94,9 +94,9 @@ def _with_sizes(paths) -> tuple[tuple[str, int], ...]:
 def hf_base_facts(src: HFModelDir) -> BaseFacts:
     model = src
     tensors = []
-    for name in model.keys():
-        info = model.info(name)
-        tensors.append(SourceTensor(name, info.dtype_name, tuple(info.shape), info.path.name, name))
+    for name in model.disk_order():  # the logical face: a block-FP8 base's weights dequantized, float32
+        f = model.facts(name)
+        tensors.append(SourceTensor(name, f.dtype, tuple(f.shape), model.file_of(name), name))
     files = _with_sizes(model.non_weight_files())
     skipped = tuple(model.skipped_entries())
     config = model.config

@@ -138,6 +138,11 @@ def default_out_dtype(base: BaseFacts, adapter: AdapterFacts) -> tuple[str, str]
         return "float16", "the base's weights are fp16, so the output stays fp16; --dtype changes it"
     if base.kind == "dcp":
         return "bfloat16", "from the checkpoint's fp32 masters, as prime-rl exports; --dtype changes it"
+    if (base.config or {}).get("quantization_config") is not None:
+        return (
+            "bfloat16",
+            "a block-FP8 base, dequantized exactly, written bf16; --dtype fp8 quantizes it again",
+        )
     return "bfloat16", "the default; --dtype changes it"
 
 

@@ -18,6 +18,7 @@ test can kill a merge midway. It has no other use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -26,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from ...core.errors import FormatError, UsageError
+from ...core.dry_run import DryRunReport
+from ...core.errors import DiskSpaceError, FormatError, UsageError
 from ...core.pool import DaemonPool, one_intra_op_thread
 from ...core.progress import Progress, ProgressEvent
-from ...dist import Group, SoloGroup
+from ...dist import Group, SoloGroup, current
 from ...formats.hf_dir.config import rewrite_config
 from ...formats.hf_dir.digests import SUMS_NAME, format_sums
 from ...formats.hf_dir.names import INDEX_NAME
@@ -38,13 +40,14 @@ from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...io.copy import copy_input_file
 from ...io.files import WrittenFileHasher, atomic_write_text, fsync_path, hash_written_file, write_new_file
 from ...io.inputs import read_json
-from ...io.staging import SharedOutputDir
+from ...io.staging import SharedOutputDir, describe_output
+from .fp8 import counted_actions, declared_tensors, fp8_summary
 from .guards import ZeroDelta
 from .plan import OUTPUT_METADATA, MergePlan, TensorJob, job_working_bytes, window_budget
-from .prepare import MergeSources
+from .prepare import MergeSources, check_output
 from .produce import JobRunner
 
-__all__ = ["SLOW_WRITE_ENV", "MergeReport", "MergeResult", "check_unchanged", "run_merge"]
+__all__ = ["SLOW_WRITE_ENV", "MergeReport", "MergeResult", "check_unchanged", "finish_merge", "run_merge"]
 
 SLOW_WRITE_ENV = "CKPT_TOOLS_TEST_SLOW_WRITE"
 
@@ -59,6 +62,7 @@ class MergeResult:
     bytes_written: int
     files: tuple[str, ...]
     counts: dict = field(default_factory=dict)
+    fp8: dict | None = None  # an FP8 output: quantized / kept tensors and the error figures (`fp8_summary`)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class MergeReport:
         return {
             "dry_run": False,
             "out": self.plan.out,
-            "result": asdict(self.result),
+            "result": {k: v for k, v in asdict(self.result).items() if k != "fp8" or v is not None},
             "plan": self.plan.to_json(jobs=False),
         }
 
@@ -145,13 +149,14 @@ def run_merge(
     with SharedOutputDir(
         out, group, inputs=plan.inputs, need_bytes=plan.write_bytes, overwrite=overwrite
     ) as tmp:
-        zero, digests = _write_tensors(plan, jobs, sources, tmp, progress, slow, t0)
+        zero, digests, figures = _write_tensors(plan, jobs, sources, tmp, progress, slow, t0)
         # a merge equal to its base is refused before OUT appears: counted over every rank's tensors
         zero.merged, zero.unchanged, zero.zero_factor = group.sum(
             [zero.merged, zero.unchanged, zero.zero_factor], "the zero-delta check"
         )
         zero.check(plan)
         every = group.gather(digests, "the shards' sha256")
+        figures_every = group.gather(figures, "the FP8 figures")
         if group.leader:
             _write_files(plan, tmp)
             _write_sums(tmp, {k: v for d in every for k, v in d.items()})
@@ -165,9 +170,37 @@ def run_merge(
         plan.read_bytes,
         written,
         names,
-        {a: plan.count(a) for a in ("merge", "copy", "cast", "replace")},
+        {a: plan.count(a) for a in counted_actions(plan.out_dtype)},
+        fp8_summary(plan, {k: v for d in figures_every or [] for k, v in d.items()}),
     )
     return MergeReport(plan, result)
+
+
+def finish_merge(
+    plan: MergePlan,
+    sources: MergeSources,
+    out: str | Path,
+    *,
+    dry_run: bool,
+    overwrite: bool,
+    progress: Progress | None = None,
+    group: Group | None = None,
+) -> MergeReport | DryRunReport:
+    """The end of merge and export (one plan, one pipeline), OUT checked as the real run checks it: a dry
+    run reports what the real run would refuse (too little disk) as a warning of its plan; the real run
+    refuses it, then runs over `group` (None: `dist.current()`, asked once the inputs are open and planned,
+    since the ranks then compare them)."""
+    if dry_run:
+        output = describe_output(out, overwrite=overwrite)  # refuses the OUTs the real run refuses
+        try:
+            check_output(plan, out, overwrite=overwrite)
+        except DiskSpaceError as exc:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (f"the real run would refuse: {exc}",))
+        return DryRunReport(MergeReport(plan), output)
+    check_output(plan, out, overwrite=overwrite)
+    return run_merge(
+        plan, sources, progress, overwrite=overwrite, group=current() if group is None else group
+    )
 
 
 def _write_files(plan: MergePlan, tmp: Path) -> None:
@@ -207,8 +240,10 @@ class _ShardHash:
         self._done: set[str] = set()
         self._next = 0
 
-    def tensor_done(self, name: str) -> None:
+    def tensor_done(self, name: str, also: str | None = None) -> None:
         self._done.add(name)
+        if also is not None:  # a quantized weight's scale, written by the same job
+            self._done.add(also)
         before = self._next
         while self._next < len(self._order) and self._order[self._next].name in self._done:
             self._next += 1
@@ -247,13 +282,13 @@ def _write_tensors(
     progress: Progress | None,
     slow: float,
     t0: float,
-) -> tuple[ZeroDelta, dict[str, str]]:
+) -> tuple[ZeroDelta, dict[str, str], dict[str, dict]]:
     """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally and each
     written shard's sha256."""
     runner = JobRunner(plan, sources)
     total_bytes = sum(j.out_bytes for j in jobs)
     shard_entries = {s.file_name: s for s in plan.shards}
-    by_name = {j.name: j for j in jobs}
+    declared = declared_tensors(jobs)
     left = {}  # jobs of each shard not yet finished
     for j in jobs:
         left[j.out_file] = left.get(j.out_file, 0) + 1
@@ -278,7 +313,7 @@ def _write_tensors(
         # opened when its first job is submitted; each job writes at its own offset (any order)
         if file_name not in writers:
             s = shard_entries[file_name]
-            entries = [(n, by_name[n].out_dtype, by_name[n].shape) for n in s.tensors]
+            entries = [(n, *declared[n]) for n in s.tensors]
             # fsync=False: the flusher fsyncs a closed shard in the background; writeback: the disk
             # starts on each block as it is written, so that fsync finds little left to do and the
             # disk works from the first block, not from the first closed 5 GB shard
@@ -341,7 +376,7 @@ def _write_tensors(
                 w.close()  # checks every byte is there; the hash's end and fsync run in the background
                 flushes.append(flusher.submit(_finish_shard, w.path, hashes.pop(job.out_file), w.file_bytes))
             else:
-                hashes[job.out_file].tensor_done(job.name)
+                hashes[job.out_file].tensor_done(job.name, job.scale_name)
             done_bytes += job.out_bytes
             if progress:
                 progress(event(i + 1, done_bytes, job))
@@ -365,4 +400,4 @@ def _write_tensors(
         pool.shutdown(wait=ok)  # (the futures not started were cancelled above)
         flusher.shutdown(wait=ok)
         torch.set_num_threads(intra_op)
-    return runner.zero, digests
+    return runner.zero, digests, {n: f.to_json() for n, f in runner.fp8.by_name.items()}

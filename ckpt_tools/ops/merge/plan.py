@@ -19,21 +19,26 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ...core.dtypes import dtype_name, itemsize, safetensors_code
+from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import FormatError, UsageError
+from ...core.fp8 import BLOCK, FP8_DTYPE
 from ...core.lora_math import check_shapes
 from ...core.tied import tied_pair
 from ...formats.hf_dir.config import output_config_changes
+from ...formats.hf_dir.fp8 import fp8_quantization_config
 from ...formats.hf_dir.shards import index_json, plan_shards
 from ...formats.safetensors.read import COPY_BLOCK_BYTES
 from ...formats.safetensors.writer import build_header, safetensors_save_order
 from .facts import AdapterFacts, BaseFacts, SourceTensor
+from .fp8 import check_quantized_base, counted_actions, declared_entries, fp8_protos, scale_map
 
 __all__ = [
     "CASTABLE",
     "COPY_THROUGH_BLOCK_BYTES",
     "DEFAULT_MAX_SHARD",
     "DEFAULT_THREADS",
+    "FP8_BLOCK_ELEMS",
+    "FP8_DEFAULT_THREADS",
     "IN_FLIGHT_CAP_BYTES",
     "IN_FLIGHT_FLOOR_BYTES",
     "MERGEABLE",
@@ -44,6 +49,7 @@ __all__ = [
     "MergePlan",
     "ShardOut",
     "TensorJob",
+    "fp8_block_rows",
     "job_working_bytes",
     "memory_bound",
     "merge_block_rows",
@@ -59,6 +65,11 @@ DEFAULT_MAX_SHARD = "5GB"
 # 16-core host (docs/benchmarks.md): 2 workers 1.30x the I/O floor, 4 workers 1.10x, 8 workers 1.09x
 # with 40% more memory; so 4 is where more workers stop paying.
 DEFAULT_THREADS = max(2, min(4, os.cpu_count() or 1))
+# An FP8 output does ~2.5x a bf16 merge's arithmetic per element (the quantization and its error figures) and
+# writes half the bytes: it takes up to 8 workers where cores are idle, in blocks half the size (the same
+# memory in flight as 4 bf16 workers).
+FP8_DEFAULT_THREADS = max(2, min(8, os.cpu_count() or 1))
+FP8_BLOCK_ELEMS = 2 * 2**20
 # A merged tensor is made in row blocks of about this many elements (fp32 product 16 MiB, bf16 base
 # and output 8 MiB each): big enough that BLAS and pread/pwrite run at full speed, small enough that
 # a worker holds tens of MB whatever the model (`produce.JobRunner._merge`).
@@ -99,6 +110,8 @@ class TensorJob:
     lora_a: str | None = None
     lora_b: str | None = None
     note: str | None = None
+    scale_name: str | None = None  # an FP8 output's `weight_scale_inv`, written by this job beside its codes
+    scale_shape: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -167,7 +180,7 @@ class MergePlan:
         d.pop("out")
         if not jobs:
             d.pop("jobs")
-        d["counts"] = {a: self.count(a) for a in ("merge", "copy", "cast", "replace")}
+        d["counts"] = {a: self.count(a) for a in counted_actions(self.out_dtype)}
         d["merged_modules"] = self.merged_modules
         return d
 
@@ -194,15 +207,7 @@ def plan_from_facts(
         raise FormatError("the base holds no tensors", path=base.path)
     problems: list[str] = []
     warnings: list[str] = list(adapter.warnings)
-    if base.config and base.config.get("quantization_config"):
-        qc = base.config["quantization_config"]
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        raise FormatError(
-            f"the base is quantized (quantization_config, quant_method {method!r}); merging "
-            "a LoRA into quantized weights is not exact",
-            path=base.config_path,
-            hint="merge into the unquantized (bf16) base model, then quantize the result",
-        )
+    check_quantized_base(base)
 
     pair, tie_flag = tied_pair(base.config, set(by_name))
     lora_by_target = {m.module + ".weight": m for m in adapter.modules}
@@ -359,29 +364,31 @@ def plan_from_facts(
                 read_bytes=numel * itemsize(src.dtype),
             )
         proto[name]["out_bytes"] = numel * itemsize(proto[name]["out_dtype"])
+    kept = fp8_protos(proto, out_dt)
 
     split = plan_shards([(n, proto[n]["out_bytes"]) for n in out_names], max_shard_bytes)
     jobs: list[TensorJob] = []
     shards: list[ShardOut] = []
     for spec in split.shards:
         entries = safetensors_save_order(
-            [(n, safetensors_code(proto[n]["out_dtype"]), proto[n]["shape"]) for n in spec.tensor_names]
+            [e for n in spec.tensor_names for e in declared_entries(n, proto[n])]
         )
         header = build_header(entries, OUTPUT_METADATA)
         shards.append(
             ShardOut(spec.file_name, tuple(e[0] for e in entries), spec.nbytes, len(header) + spec.nbytes)
         )
         for e in entries:
-            jobs.append(TensorJob(name=e[0], out_file=spec.file_name, **proto[e[0]]))
-    total_parameters = sum(j.numel for j in jobs)
+            if e[0] in proto:  # (a quantized weight's scale is written by the weight's job)
+                jobs.append(TensorJob(name=e[0], out_file=spec.file_name, **proto[e[0]]))
+    total_parameters = sum(j.numel + (math.prod(j.scale_shape) if j.scale_shape else 0) for j in jobs)
     index = None
     if split.is_sharded:
         index = {
             "metadata": {"total_parameters": total_parameters, "total_size": split.total_size_bytes},
-            "weight_map": dict(sorted(split.weight_map.items())),
+            "weight_map": dict(sorted({**split.weight_map, **scale_map(jobs)}.items())),
         }
 
-    files, tie_change = _plan_files(base, out_dt, tie_out)
+    files, tie_change = _plan_files(base, out_dt, tie_out, kept)
     if base.config is None:
         warnings.append(
             f"{base.path} has no config.json: the output will hold weights only and transformers "
@@ -442,6 +449,11 @@ def merge_block_rows(shape: tuple[int, ...]) -> int:
     return max(MIN_BLOCK_ROWS, MERGE_BLOCK_ELEMS // cols)
 
 
+def fp8_block_rows(cols: int) -> int:
+    """Rows per block of a quantized tensor with `cols` columns (`core.fp8.fp8_row_blocks`' step)."""
+    return max(BLOCK, (FP8_BLOCK_ELEMS // max(1, cols)) // BLOCK * BLOCK)
+
+
 def merge_row_blocks(shape: tuple[int, ...]):
     """(start, count) row blocks of a merged tensor of `shape`: `merge_block_rows` each, a tail shorter
     than MIN_BLOCK_ROWS joined to the block before it (so no block has fewer rows, unless the whole
@@ -457,6 +469,12 @@ def job_working_bytes(job: TensorJob, base_kind: str) -> int:
     """Bytes one worker holds while producing `job`: its block buffers, not its tensor (except for
     the few jobs read whole: an adapter's modules_to_save tensor, a base scalar)."""
     rows = job.shape[0] if job.shape else 1
+    if job.scale_name is not None:  # FP8: a row block of the source, W32, the product / error scratch, codes
+        cols = job.numel // max(1, rows)
+        block_rows = min(rows, fp8_block_rows(cols) + MIN_BLOCK_ROWS - 1)
+        whole = job.read_bytes if job.action == "replace" else 0
+        factors = job.read_bytes - job.numel * itemsize(job.src_dtype) if job.action == "merge" else 0
+        return block_rows * cols * (itemsize(job.src_dtype) + 4 + 4 + 1) + factors + whole
     if job.action == "merge":
         # one block (a short tail joins the last: up to MIN_BLOCK_ROWS - 1 more rows) of the base
         # rows + the fp32 product + the output rows; and the fp32 A, B, held for the whole tensor
@@ -498,13 +516,16 @@ def memory_bound(jobs, threads: int, adapter_resident: int, base_kind: str) -> i
     return max(together, ws[0] if ws else 0) + adapter_resident
 
 
-def _plan_files(base: BaseFacts, out_dt: str, tie_out) -> tuple[tuple[FileJob, ...], object]:
+def _plan_files(base: BaseFacts, out_dt: str, tie_out, kept) -> tuple[tuple[FileJob, ...], object]:
     jobs = []
     tie_change = tie_out
     for p, _nbytes in base.files:
         name = os.path.basename(p)
         if name == "config.json" and base.config is not None:
-            changes = output_config_changes(base.config, out_dt, tie_out)
+            qc = fp8_quantization_config(kept) if out_dt == FP8_DTYPE else None
+            changes = output_config_changes(
+                base.config, "bfloat16" if qc else out_dt, tie_out, quantization=qc
+            )
             jobs.append(FileJob(name, p, "rewrite" if changes else "copy", tuple(changes)))
             continue
         jobs.append(FileJob(name, p, "copy"))

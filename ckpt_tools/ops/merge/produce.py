@@ -35,6 +35,7 @@ from ...sources.base import tensor_bytes
 from .guards import ZeroDelta
 from .plan import COPY_THROUGH_BLOCK_BYTES, MergePlan, TensorJob, merge_row_blocks, streamed_by_writer
 from .prepare import MergeSources
+from .quantize import Fp8Figures, write_quantized
 
 __all__ = ["JobRunner"]
 
@@ -47,6 +48,7 @@ class JobRunner:
         self.sources = sources
         self._local = threading.local()
         self.zero = ZeroDelta()  # merged tensors that came out equal to their base
+        self.fp8 = Fp8Figures()  # an FP8 output's quantized tensors' figures
         # the base's name of each job's source (a DCP base names tensors by HF name, jobs by DCP key)
         base = sources.base
         self._name = {base.ref(n): n for n in base.names()}
@@ -54,7 +56,7 @@ class JobRunner:
     def base_name(self, job: TensorJob) -> str:
         return self._name.get(job.src, job.src)
 
-    def _buffer(self, role: str, dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def buffer(self, role: str, dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """This worker's reusable buffer `role`, grown to the largest block it has needed, viewed as
         `dtype[shape]`."""
         bufs = getattr(self._local, "bufs", None)
@@ -69,7 +71,9 @@ class JobRunner:
         return buf[: math.prod(shape) * dt.itemsize].view(dt).view(shape)
 
     def run(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
-        if job.action == "merge":
+        if job.scale_name is not None:  # an FP8 output's quantized weight: codes + scales (`quantize`)
+            self.fp8.add(job.name, write_quantized(self, job, writer))
+        elif job.action == "merge":
             self._merge(job, writer)
         elif job.action == "copy" and job.src_file is not None:  # an HF base's tensor: its shard's bytes
             self._copy_through(job, writer)
@@ -92,9 +96,9 @@ class JobRunner:
         if not job.out_bytes:  # no rows to merge: an empty tensor, equal to its base
             writer.write(job.name, b"")
         for s, n in merge_row_blocks(job.shape):
-            w = self._buffer("weight", job.src_dtype, (n, cols))
+            w = self.buffer("weight", job.src_dtype, (n, cols))
             base.read_into(name, w, rows=(s, n))
-            out = self._buffer("out", job.out_dtype, (n, cols))
+            out = self.buffer("out", job.out_dtype, (n, cols))
             a_rows, b_rows = (a[:, s : s + n], b) if job.fan_in_fan_out else (a, b[s : s + n])
             try:
                 merge_weight_into(
@@ -105,7 +109,7 @@ class JobRunner:
                     job.scale,
                     fan_in_fan_out=job.fan_in_fan_out,
                     name=job.name,
-                    scratch=self._buffer("product", torch.float32, (n * cols,)),
+                    scratch=self.buffer("product", torch.float32, (n * cols,)),
                 )
             except FormatError:
                 block_bad = count_nonfinite(out)  # the block is complete; count every block before the error

@@ -285,9 +285,10 @@ def _kept_crcs(ckpt: DcpCheckpoint, manifest, copy_items) -> tuple[int, ...] | N
     them. The slim must hold exactly the items the manifest lists (else a FormatError naming one)."""
     if manifest.kept_crc32 is None:
         return None
-    ids = [_item_id(ckpt, key, rel, off) for key, rel, off, _n, _fi in copy_items]
-    missing = sorted(set(manifest.kept_crc32) - set(ids))
-    extra = sorted(set(ids) - set(manifest.kept_crc32))
+    ids = [(_item_id(ckpt, key, rel, off), rel) for key, rel, off, _n, _fi in copy_items]
+    names = {i for i, _rel in ids}
+    missing = sorted(set(manifest.kept_crc32) - names)
+    extra = sorted(names - set(manifest.kept_crc32))
     if missing or extra:
         what = (
             f"{len(missing)} kept item(s) of the manifest are not in the checkpoint, e.g. {missing[0]}"
@@ -299,4 +300,5 @@ def _kept_crcs(ckpt: DcpCheckpoint, manifest, copy_items) -> tuple[int, ...] | N
             path=manifest.path,
             hint="the slim was edited or damaged after `ckpt slim` wrote it; slim the original again",
         )
-    return tuple(manifest.kept_crc32[i] for i in ids)
+    # an item set-lr / set rewrote after slim is checked against the CRC-32 recorded for its patch file
+    return tuple(manifest.expected_crc32(i, rel) for i, rel in ids)

@@ -1,0 +1,288 @@
+"""Block-FP8 outputs (`merge --dtype fp8`, `export --dtype fp8`) and FP8 bases, on genuine fixtures.
+
+The truth is plain torch, written here on purpose without the library: the rule (scale = amax(|W32|) / 448 per
+128x128 block, 1 for an all-zero block; q = e4m3(clamp(W32 / scale, -448, 448)), nearest even) applied block by
+block to W32 from the fixtures' own references (`delta_fp32` = s * B@A and `live_fp32` masters, written by the
+fixture's trainer). Every scale must equal the reference's; a code may differ only where the reference value
+W32 / scale sits within fp32 rounding of a rounding boundary (counted). The tiny models' dims (64, 162, 32) are
+not multiples of 128: the grids have partial blocks. Every output is loaded by transformers (its FP8 config's
+`dequantize=True`) and run forward.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from ckpt_tools.cli import main
+
+from .conftest import FIXTURES, json_payload
+
+TINY = FIXTURES / "primerl-tiny"
+HEAD = FIXTURES / "primerl-head"
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def load_dir(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def is_projection(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] in PROJ
+
+
+# ----------------------------------------------------------------------------------------- the reference
+def rule(w32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The issue's rule, block by block, in plain torch: (codes, scale_inv)."""
+    rows, cols = w32.shape
+    gr, gc = -(-rows // 128), -(-cols // 128)
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(gr, gc, dtype=torch.float32)
+    for i in range(gr):
+        for j in range(gc):
+            blk = w32[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            s = blk.abs().max() / 448.0
+            s = torch.ones_like(s) if s == 0 else s
+            scales[i, j] = s
+            codes[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (blk / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def expand(scales: torch.Tensor, shape) -> torch.Tensor:
+    return scales.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
+
+
+def dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return codes.float() * expand(scales, codes.shape)
+
+
+def assert_rule(codes: torch.Tensor, scales: torch.Tensor, w32: torch.Tensor, name: str) -> int:
+    """`codes`/`scales` are the rule applied to `w32`: scales equal, codes equal except at rounding boundaries;
+    returns the number of boundary ties."""
+    ref_codes, ref_scales = rule(w32)
+    assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32, name
+    assert torch.equal(scales, ref_scales), name
+    differ = codes.view(torch.uint8) != ref_codes.view(torch.uint8)
+    if not bool(differ.any()):
+        return 0
+    x = (w32 / expand(ref_scales, w32.shape)).clamp(-448, 448)[differ]
+    a, b = codes.float()[differ], ref_codes.float()[differ]
+    mid = (a + b) / 2
+    # adjacent codes, and the exact value within a few fp32 ulps of the midpoint between them
+    assert bool(((a - b).abs() <= (torch.maximum(a.abs(), b.abs()) / 8) + 2**-9).all()), name
+    assert bool(((x - mid).abs() <= 4 * torch.finfo(torch.float32).eps * mid.abs().clamp_min(2**-9)).all()), name
+    return int(differ.sum())
+
+
+# ----------------------------------------------------------------------------------------- transformers
+def transformers_loads(out: Path, ours: dict[str, torch.Tensor]) -> dict:
+    """Load `out` with transformers on CPU (FP8 config, dequantize=True), compare its weights with our
+    dequantized values, run a forward pass. transformers 5.24's dequantizing loader takes each block's size as
+    dim // grid (`Fp8Dequantize._dequantize_one`): right where a dim is a multiple of 128 or at most 128, not
+    for a dim like 162 (a grid of 2: it uses blocks of 81). Those tensors must equal that reading of our bytes;
+    the rest must equal ours exactly. Returns the counts."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    model = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    )
+    sd = dict(model.state_dict())
+    for key in [k for k in sd if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        # transformers fuses a MoE layer's experts: gate_up_proj[e] = cat(gate_proj, up_proj), down_proj[e]
+        prefix, fused = key.rsplit(".", 1)
+        for e, w in enumerate(sd.pop(key)):
+            if fused == "down_proj":
+                sd[f"{prefix}.{e}.down_proj.weight"] = w
+            else:
+                sd[f"{prefix}.{e}.gate_proj.weight"], sd[f"{prefix}.{e}.up_proj.weight"] = w.chunk(2)
+    exact = misread = 0
+    for name, t in ours.items():
+        if t.dtype != torch.float8_e4m3fn:
+            continue
+        s = ours[name + "_scale_inv"]
+        rows, cols = t.shape
+        gr, gc = s.shape
+        if all(d % 128 == 0 or d <= 128 for d in (rows, cols)):
+            assert torch.equal(sd[name], dequant(t, s)), name
+            exact += 1
+        else:  # transformers' reading: blocks of rows // gr by cols // gc
+            bn, bk = rows // gr, cols // gc
+            theirs = t.float() * s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            assert torch.equal(sd[name], theirs), name
+            misread += 1
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4, 5]])).logits
+    assert bool(torch.isfinite(logits).all())
+    return {"exact": exact, "misread_by_transformers": misread}
+
+
+# ----------------------------------------------------------------------------------------- the outputs
+@pytest.fixture(scope="module")
+def tiny_merge(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "merged"
+    r = run("merge", TINY / "base_model", TINY / "outputs/checkpoints/step_3/trainer", out, "--dtype", "fp8",
+            "--json")
+    assert r.exit_code == 0, r.output
+    return out, json_payload(r.output)
+
+
+def test_merge_fp8_of_a_dense_checkpoint_is_the_rule_applied_to_base_plus_delta(tiny_merge):
+    out, report = tiny_merge
+    got, base = load_dir(out), load_file(str(TINY / "base_model/model.safetensors"))
+    ref = load_file(str(TINY / "reference.safetensors"))
+    quantized = ties = 0
+    for name, b in base.items():
+        if is_projection(name, b):
+            w32 = b.float() + ref[f"delta_fp32.adapter0.{name.removesuffix('.weight')}"]
+            ties += assert_rule(got[name], got[name + "_scale_inv"], w32, name)
+            quantized += 1
+        else:
+            assert torch.equal(got[name], b), name  # kept: the base's bf16, unchanged
+    assert quantized == 21 and set(got) == set(base) | {n + "_scale_inv" for n in base if is_projection(n, base[n])}
+    assert ties <= 5
+    fp8 = report["fp8"]
+    assert fp8["quantized"] == 21 and len(fp8["kept"]) == 15 and 0.02 < fp8["rel_error_max"] < 0.04
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128] and qc["fmt"] == "e4m3"
+    assert "lm_head" in qc["modules_to_not_convert"] and "model.layers.0.self_attn.q_proj" not in qc["modules_to_not_convert"]
+
+
+def test_transformers_loads_the_fp8_merge_and_its_partial_blocks_expose_its_loader(tiny_merge):
+    out, _ = tiny_merge
+    counts = transformers_loads(out, load_dir(out))
+    # q/k/v/o (64 or 32 rows, 64 cols) read exactly; gate/up/down (a 162 dim, grid 2) read with blocks of 81
+    assert counts == {"exact": 12, "misread_by_transformers": 9}
+
+
+def test_export_fp8_of_a_full_fine_tune_quantizes_the_trained_masters(tmp_path):
+    g = HEAD / "G_head_fullft"
+    out = tmp_path / "fp8"
+    r = run("export", g / "outputs/checkpoints/step_3/trainer", out, "--config-from", g / "base_model", "--dtype",
+            "fp8")
+    assert r.exit_code == 0, r.output
+    got, ref = load_dir(out), load_file(str(g / "reference.safetensors"))
+    n = 0
+    for name, t in got.items():
+        if name.endswith("_scale_inv"):
+            continue
+        live = ref[f"live_fp32.{name}"]
+        if t.dtype == torch.float8_e4m3fn:
+            assert_rule(t, got[name + "_scale_inv"], live, name)
+            n += 1
+        else:
+            assert t.dtype == torch.bfloat16 and torch.equal(t, live.to(torch.bfloat16)), name
+    assert n == 14
+    transformers_loads(out, got)
+
+
+def test_merge_fp8_of_a_moe_checkpoint_quantizes_each_expert(tmp_path):
+    f = HEAD / "F_head_moe"
+    out = tmp_path / "fp8"
+    r = run("merge", f / "base_model", f / "outputs/checkpoints/step_3/trainer", out, "--dtype", "fp8")
+    assert r.exit_code == 0, r.output
+    got, base = load_dir(out), load_file(str(f / "base_model/model.safetensors"))
+    ref = load_file(str(f / "reference.safetensors"))
+    experts = 0
+    for name, b in base.items():
+        if is_projection(name, b):
+            delta = ref.get(f"delta_fp32.{name}")
+            w32 = b.float() + delta if delta is not None else b.float()
+            assert_rule(got[name], got[name + "_scale_inv"], w32, name)
+            experts += ".experts." in name
+        else:
+            assert torch.equal(got[name], b), name  # the router mlp.gate stays bf16
+    assert experts == 2 * 4 * 3
+    cfg = json.loads((out / "config.json").read_text())
+    assert "model.layers.0.mlp.gate" in cfg["quantization_config"]["modules_to_not_convert"]
+    transformers_loads(out, got)
+
+
+@pytest.fixture(scope="module")
+def mts_fp8(tmp_path_factory):
+    from tests.factory.head_factory import make_head_run
+    from tests.factory.head_spec import HeadSpec
+
+    spec = HeadSpec.e_mts()
+    paths = make_head_run(tmp_path_factory.mktemp("mts") / "run", spec)
+    out = tmp_path_factory.mktemp("mts-fp8") / "fp8"
+    r = run("export", paths.checkpoint, out, "--config-from", paths.base_model, "--dtype", "fp8")
+    assert r.exit_code == 0, r.output
+    return paths, out
+
+
+def test_export_fp8_with_modules_to_save_keeps_them_bf16_and_is_read_exactly_by_transformers(mts_fp8):
+    paths, out = mts_fp8
+    got, ref = load_dir(out), load_file(str(paths.reference))
+    for name, t in got.items():
+        if name.endswith("_scale_inv"):
+            continue
+        live = ref[f"live_fp32.{name}"]
+        if t.dtype == torch.float8_e4m3fn:
+            assert_rule(t, got[name + "_scale_inv"], live + ref[f"delta_fp32.{name}"], name)
+        else:  # lm_head and model.norm trained (modules_to_save): bf16 of the trained master
+            assert torch.equal(t, live.to(torch.bfloat16)), name
+    # every dim is 64 or 128: transformers reads every weight exactly
+    assert transformers_loads(out, got)["misread_by_transformers"] == 0
+
+
+# ----------------------------------------------------------------------------------------- FP8 bases
+def test_merge_into_an_fp8_base_is_bf16_of_dequantized_plus_delta(tiny_merge, tmp_path):
+    fp8_base, _ = tiny_merge
+    adapter = TINY / "reference_peft_adapter"
+    out = tmp_path / "bf16"
+    r = run("merge", fp8_base, adapter, out, "--allow-zero-delta")
+    assert r.exit_code == 0, r.output
+    got, base = load_dir(out), load_dir(fp8_base)
+    a_cfg = json.loads((adapter / "adapter_config.json").read_text())
+    s = a_cfg["lora_alpha"] / a_cfg["r"]
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg and not any(n.endswith("_scale_inv") for n in got)
+    n = 0
+    for name, t in got.items():
+        if name in base and base[name].dtype == torch.float8_e4m3fn:
+            deq = dequant(base[name], base[name + "_scale_inv"])
+            mod = name.removesuffix(".weight")
+            a = lora[f"base_model.model.{mod}.lora_A.weight"].float()
+            b = lora[f"base_model.model.{mod}.lora_B.weight"].float()
+            assert torch.equal(t, (deq + s * (b @ a)).to(torch.bfloat16)), name
+            n += 1
+        else:
+            assert torch.equal(t, base[name]), name
+    assert n == 21
+
+    again = tmp_path / "fp8"
+    r = run("merge", fp8_base, adapter, again, "--dtype", "fp8")
+    assert r.exit_code == 0, r.output
+    got = load_dir(again)
+    for name, t in got.items():
+        if t.dtype == torch.float8_e4m3fn:
+            mod = name.removesuffix(".weight")
+            a = lora[f"base_model.model.{mod}.lora_A.weight"].float()
+            b = lora[f"base_model.model.{mod}.lora_B.weight"].float()
+            w32 = dequant(base[name], base[name + "_scale_inv"]) + s * (b @ a)
+            assert_rule(t, got[name + "_scale_inv"], w32, name)
+
+
+def test_a_quantized_base_of_another_kind_is_refused(tmp_path):
+    base = tmp_path / "awq"
+    shutil.copytree(TINY / "base_model", base)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (base / "config.json").write_text(json.dumps(cfg))
+    r = run("merge", base, TINY / "reference_peft_adapter", tmp_path / "out")
+    assert r.exit_code != 0 and "quant_method 'awq'" in r.output and not (tmp_path / "out").exists()
