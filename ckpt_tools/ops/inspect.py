@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import AlphaError, CkptError, FormatError, MissingPathError, UnsafeInputError, UsageError
-from ..core.keys import classify, trainable_params
+from ..core.keys import classify
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.dcp.model import TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.summary import summarize
 from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, find_run_configs, resolve_alpha
 from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
+from ..formats.primerl.optimizers import optimizer_facts, trained_params
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import sniff, step_number
 
@@ -92,7 +93,7 @@ def inspect_dcp(
     }
     # LoRA runs: the base weights trained whole (prime-rl HEAD lora.modules_to_save), known only by their
     # optimizer state; `extract-adapter` writes them as modules_to_save, `merge` applies them
-    trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+    trained = trained_params(ckpt)
     report["modules_to_save"] = (
         sorted(
             i.hf_name or i.key.removeprefix("app.model.")
@@ -149,21 +150,26 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
         ),
         None,
     )
+    opt = optimizer_facts(infos, fused)
     if configs:
         gen = GEN_HEAD if configs[0].suffix == ".json" else GEN_16E747C
         why = f"run config {configs[0].name}"
     elif s.experts:
         gen, why = GEN_HEAD, "prime-format grouped experts"
-    else:  # HEAD's default CPU-offload optimizer writes fused False; 16e747c's plain AdamW None
-        gen, why = (GEN_HEAD, "param_groups fused=False") if fused is False else (GEN_16E747C, "param_groups")
+    elif fused is not None:  # HEAD's AdamW: False in its default CPUOffloadOptimizer, True without (#3305)
+        gen, why = GEN_HEAD, f"param_groups fused={fused}"
+    elif opt.name == "SignSGD":  # 16e747c had no SignSGD (#3303)
+        gen, why = GEN_HEAD, "SignSGD param groups"
+    else:  # 16e747c's plain AdamW writes fused None
+        gen, why = GEN_16E747C, "param_groups"
     out = {
         "generation": gen,
         "generation_from": why,
         "scale_rule": RULE_HEAD if gen == GEN_HEAD else RULE_16E747C,
         "ep": None,
         "interval_checkpoint": None,
-        # HEAD's default optim_cpu_offload wraps AdamW; the DCP holds the inner AdamW's state (same keys)
-        "optimizer": "CPUOffloadOptimizer(AdamW), state of the inner AdamW" if fused is False else "AdamW",
+        "optimizer": opt.describe(),
+        "optimizer_state": {"fields": list(opt.state_fields), "absent": opt.absent},
     }
     if configs and gen == GEN_HEAD:
         try:

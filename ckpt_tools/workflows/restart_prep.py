@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import FormatError, MissingPathError, OutputExistsError, UsageError
-from ..core.keys import PROGRESS_STEP_KEY, world_size_from_chunks
+from ..core.keys import PROGRESS_STEP_KEY, classify, world_size_from_chunks
 from ..core.primerl_state import SchedulerSpec
 from ..core.progress import Progress
 from ..formats.dcp.layout import METADATA_NAME, resolve_checkpoint_dir
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.model_dir import HFModelDir
+from ..formats.primerl.optimizers import optimizer_facts
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
 from ..io.files import atomic_write_text, make_dirs
 from ..io.inputs import read_toml
@@ -397,6 +398,14 @@ def _adapter_mode(
         "scale": xplan.scale,
     }
     report.warnings += list(xplan.warnings)
+    absent = optimizer_facts(classify(k, e.path) for k, e in ckpt.entries.items()).absent
+    if (
+        absent
+    ):  # SignSGD: prime-rl's SignSGD loads only the param group's lr, weight_decay, initial_lr from OUT
+        report.warnings.append(
+            f"{absent}: OUT gets a fresh AdamW state (zero moments); resumed with optim.type "
+            '"sign_sgd" prime-rl reads only its param group (lr, weight_decay) from it'
+        )
     if report.dry_run:  # OUT checked as the real run checks it; what --overwrite would remove
         report.output = describe_output(out, overwrite=overwrite)
         return

@@ -92,9 +92,11 @@ def write_truth(paths: HeadRunPaths, spec: HeadSpec, raw_tensors: Path, raw_fact
     if spec.lora:
         ref.update(_lora_reference(live, spec))
         frozen_ok, changed = True, 0
-        # modules_to_save: the non-LoRA params the optimizer holds state for (its only mark of training)
-        saved = sorted({k[len("optim."):].rsplit(".", 1)[0] for k in raw if k.startswith("optim.")}
-                       - {k for k in live if "lora_A" in k or "lora_B" in k})
+        # modules_to_save: the non-LoRA params the optimizer trained (its state or param group: the only mark)
+        # (a stateless optimizer, SignSGD, leaves no state: its param group's FQNs say what it trained)
+        listed = {p for g in facts["param_groups"] for p in g.get("params", []) if isinstance(p, str)}
+        saved = sorted((({k[len("optim."):].rsplit(".", 1)[0] for k in raw if k.startswith("optim.")} | listed)
+                        & set(live)) - {k for k in live if "lora_A" in k or "lora_B" in k})
         saved_changed = 0
         for k, v in live.items():
             if "lora_A" not in k and "lora_B" not in k and k not in saved:

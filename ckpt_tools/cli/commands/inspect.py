@@ -161,6 +161,8 @@ def _render_dcp(r: dict) -> None:
         )
     if r.get("interval_checkpoint"):
         click.echo(f"  note: {r['interval_checkpoint']}")
+    if (r.get("optimizer_state") or {}).get("absent"):
+        click.echo(f"  note: {r['optimizer_state']['absent']}")
     total = r["frozen_bytes"] + r["unique_bytes"]
     click.echo(f"  {'group':<16}{'keys':>7}{'size':>12}{'share':>8}")
     for g, s in r["groups"].items():
