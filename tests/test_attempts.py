@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ from ckpt_tools.cli import main
 from ckpt_tools.formats.primerl.attempts import run_attempts, writer_of
 from tests.factory.head_attempts import make_head_attempts
 from tests.factory.head_spec import HeadSpec
+
+from .conftest import FIXTURE
 
 SHAPE = dict(world_size=2, num_layers=2, intermediate_size=128, ckpt_interval=2, scheduler="constant")
 ALPHAS = {2: 16.0, 4: 16.0, 6: 32.0}
@@ -168,6 +171,40 @@ def test_prl_attempt_config_dir_is_the_config_dir_of_a_run_without_its_own(attem
     found = run_attempts(attempts.run_dir, env={"PRL_ATTEMPT_CONFIG_DIR": str(elsewhere)})
     assert [a.label for a in found.attempts] == ["attempt_1", "attempt_2"]
     assert found.notes == (f"$PRL_ATTEMPT_CONFIG_DIR={elsewhere} is not one of this run's config dirs: ignored",)
+
+
+def test_inspect_and_doctor_list_the_launches_and_their_alphas_and_lrs(attempts):
+    got = json.loads(run("inspect", trainer(attempts.run_dir, 4), "--json").stdout)["result"]
+    assert [(a["attempt"], a["alpha"], a["lr"], a["resume_step"]) for a in got["attempts"]] == [
+        ("attempt_1", 16.0, 0.01, None), ("attempt_2", 32.0, 0.005, 4)]
+    assert got["written_by"]["attempt"] == "attempt_1"
+    doc = json.loads(run("doctor", attempts.paths.root, "--json", code=3).stdout)["result"]
+    assert [a["attempt"] for a in doc["attempts"]] == ["attempt_1", "attempt_2"]
+    found = {f["trap"]: f for f in doc["findings"]}
+    assert "attempt_1: alpha 16.0, wrote steps 2, 4; attempt_2: alpha 32.0, wrote step 6" in found["attempts-alpha"]["why"]
+    assert found["attempts-lr"]["severity"] == "info"
+
+
+def test_resume_instructions_take_the_runs_generations_form(attempts, tmp_path):
+    """HEAD (the run's resolved JSON): --resume.step N with the run's --run.name, also patched into a config;
+    16e747c (the genuine tiny run's orch.toml): ckpt.resume_step."""
+    name = "reverse-text--base-model--h36"
+    doc = json.loads(run("doctor", attempts.paths.root, "--json", code=3).stdout)["result"]
+    assert f"to resume at step 6: relaunch with --resume.step 6 --run.name {name}" in " ".join(doc["notes"])
+    rp = json.loads(run("restart-prep", trainer(attempts.run_dir, 6), tmp_path / "o", "--base",
+                        attempts.paths.base_model, "--lr", "1e-3", "--mode", "adapter", "--json").stdout)["result"]
+    assert rp["generation"] == "head" and rp["next"][0].startswith(f"relaunch with --resume.step 6 --run.name {name}")
+    cfg = tmp_path / "rl.toml"
+    cfg.write_text('[model]\nname = "base_model"\n\n[trainer.optim]\nlr = 5e-3\n\n[ckpt]\nresume_step = 4\n')
+    run("restart-prep", trainer(attempts.run_dir, 6), tmp_path / "o2", "--base", attempts.paths.base_model, "--lr",
+        "1e-3", "--mode", "adapter", "--config", cfg, "--config-out", tmp_path / "new.toml")
+    new = tomllib.loads((tmp_path / "new.toml").read_text())
+    assert new["resume"] == {"step": 6} and new["run"] == {"name": name} and "resume_step" not in new["ckpt"]
+    tiny = FIXTURE / "outputs" / "checkpoints" / "step_3" / "trainer"
+    rp = json.loads(run("restart-prep", tiny, tmp_path / "t", "--base", FIXTURE / "base_model", "--lr", "1e-3",
+                        "--mode", "adapter", "--json").stdout)["result"]
+    assert rp["generation"] == "16e747c" and rp["next"][0].startswith("resume with ckpt.resume_step = 3")
+    assert "resume with ckpt.resume_step = 3" in run("inspect", FIXTURE / "outputs" / "checkpoints").stdout
 
 
 # ------------------------------------------------------------------------------------------ over URLs

@@ -16,9 +16,12 @@ from ..formats.dcp.layout import METADATA_NAME
 from ..formats.dcp.model import TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.summary import summarize
-from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, find_run_configs, resolve_alpha
+from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, resolve_alpha
+from ..formats.primerl.attempt_facts import attempt_facts
 from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
 from ..formats.primerl.optimizers import optimizer_facts, trained_params
+from ..formats.primerl.resume import checkpoint_generation, param_group_fused, resume_instruction, run_name_of
+from ..formats.primerl.run_dir import run_config_choice
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import sniff, step_number
 
@@ -141,27 +144,11 @@ def inspect_dcp(
 def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
     """The prime-rl generation that wrote the checkpoint, its LoRA scale rule, EP from the run's config,
     and whether its progress lags (HEAD's interval checkpoints are saved before the step's totals)."""
-    configs = find_run_configs(ckpt_dir)
-    fused = next(
-        (
-            ckpt.read_object(i.key)
-            for i in infos
-            if i.group == "param_groups" and i.field == "fused" and i.group_index == 0
-        ),
-        None,
-    )
+    choice = run_config_choice(ckpt_dir)
+    configs = list(choice.configs)
+    fused = param_group_fused(ckpt, infos)
     opt = optimizer_facts(infos, fused)
-    if configs:
-        gen = GEN_HEAD if configs[0].suffix == ".json" else GEN_16E747C
-        why = f"run config {configs[0].name}"
-    elif s.experts:
-        gen, why = GEN_HEAD, "prime-format grouped experts"
-    elif fused is not None:  # HEAD's AdamW: False in its default CPUOffloadOptimizer, True without (#3305)
-        gen, why = GEN_HEAD, f"param_groups fused={fused}"
-    elif opt.name == "SignSGD":  # 16e747c had no SignSGD (#3303)
-        gen, why = GEN_HEAD, "SignSGD param groups"
-    else:  # 16e747c's plain AdamW writes fused None
-        gen, why = GEN_16E747C, "param_groups"
+    gen, why = checkpoint_generation(ckpt_dir, infos, fused=fused, experts=bool(s.experts))
     out = {
         "generation": gen,
         "generation_from": why,
@@ -170,6 +157,7 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
         "interval_checkpoint": None,
         "optimizer": opt.describe(),
         "optimizer_state": {"fields": list(opt.state_fields), "absent": opt.absent},
+        **_attempts(choice),
     }
     if configs and gen == GEN_HEAD:
         try:
@@ -187,6 +175,20 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
         except CkptError:
             pass
     return out
+
+
+def _attempts(choice) -> dict:
+    """A run launched more than once: each launch's alpha, lr and optimizer, and which one wrote this."""
+    if choice.attempts is None or len(choice.attempts.attempts) < 2:
+        return {}
+    writer = choice.writer
+    return {
+        "attempts": [f.to_json() for f in attempt_facts(choice.attempts)],
+        "written_by": {
+            "attempt": writer.attempt.label if writer is not None and writer.attempt is not None else None,
+            "how": writer.how if writer is not None else None,
+        },
+    }
 
 
 def inspect_checkpoints_dir(path: Path) -> dict:
@@ -218,9 +220,25 @@ def inspect_checkpoints_dir(path: Path) -> dict:
         "format": "checkpoints",
         "path": str(root),
         "steps": steps,
-        "note": "prime-rl resumes from a full step_N at step N (set ckpt.resume_step = N); a slim step "
+        "note": f"prime-rl resumes from a full step_N at step N ({_resume_form(steps)}); a slim step "
         "must be rehydrated first (`ckpt rehydrate`)",
     }
+
+
+def _resume_form(steps: list[dict]) -> str:
+    """How the run resumes at its newest full step, in its generation's form (the run's config files say
+    which; where none is found, both forms)."""
+    full = [s for s in steps if s["state"] == "full"]
+    step = full[-1]["step"] if full else "N"
+    configs = run_config_choice(Path(full[-1]["path"]) / "trainer").configs if full else ()
+    if configs:
+        gen = GEN_HEAD if configs[0].suffix == ".json" else GEN_16E747C
+        name = run_name_of(Path(full[-1]["path"]) / "trainer") if gen == GEN_HEAD else None
+        return resume_instruction(gen, step, run_name=name) if isinstance(step, int) else ""
+    return (
+        f"prime-rl after Aug 2026: --resume.step {step} with the run's --run.name; 16e747c: "
+        f"ckpt.resume_step = {step}"
+    )
 
 
 def inspect_hf(path: Path) -> dict:

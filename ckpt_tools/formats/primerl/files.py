@@ -216,6 +216,30 @@ def _orch_tomls(d: Path) -> list[Path]:
     return sorted(d.glob("run_*/configs/orch.toml")) + sorted(d.glob("outputs/run_*/configs/orch.toml"))
 
 
+def _run_below(d: Path) -> RunFiles | None:
+    """HEAD's configs of the run under launch dir `d`: `outputs/` itself (the trainer's output_dir) or one
+    `outputs/<run.name>/` (the rl entrypoint's run dir); several runs there are refused, naming them."""
+    if (d / "configs").is_dir() or not (d / "outputs").is_dir():
+        return None
+    found = []
+    for run in [d / "outputs", *sorted(p for p in (d / "outputs").iterdir() if p.is_dir())]:
+        head, attempts, writer = head_config_files(run)
+        if head:
+            found.append((run, head, attempts, writer))
+    if len(found) > 1:
+        raise UsageError(
+            f"several runs' configs here: {', '.join(str(f[0]) for f in found)}",
+            path=d,
+            hint="pass the run's dir (outputs/<run.name>) to pick one",
+        )
+    if not found:
+        return None
+    run, head, attempts, writer = found[0]
+    order = sorted(head, key=lambda f: list(HEAD_JSON).index(f.name))
+    files = tuple(ConfigFile(f, HEAD_JSON[f.name], "run dir") for f in order)
+    return RunFiles(GEN_HEAD, files, run, attempts=attempts, writer=writer)
+
+
 def locate_run_configs(path: str | Path) -> RunFiles | None:
     """A run's config files from a config file, a run/outputs dir, or a checkpoint inside one (the
     nearest ancestor that has any). None when there are none; an error when several runs share the
@@ -227,6 +251,9 @@ def locate_run_configs(path: str | Path) -> RunFiles | None:
     # a URL's shadow tree (io.remote): nothing above its root stands for the run (the local temp dir that
     # holds it could hold anything); the run configs above a URL are `run_dir.find_run_configs`'s
     top = mount_root_of(p)
+    below = _run_below(d)  # a launch dir: the run dir(s) prime-rl wrote under its outputs/
+    if below is not None:
+        return below
     for _ in range(_SEARCH_LEVELS + 1):
         (head, attempts, writer), old = head_config_files(d, p), _orch_tomls(d)
         if head:

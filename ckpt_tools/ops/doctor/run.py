@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ...core.errors import CkptError, MissingPathError, UsageError
 from ...core.primerl_state import SchedulerSpec, build_optim_state
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
+from ...formats.primerl.attempt_facts import attempt_facts
+from ...formats.primerl.attempts import checkpoint_step, writer_of
 from ...formats.primerl.config import GEN_HEAD, RunConfig, config_files, load_run_config, locate_run_configs
+from ...formats.primerl.resume import checkpoint_generation, resume_instruction, run_name_of
 from ...formats.primerl.run_dir import (
     absent_modules_to_save,
     adapter_config_files,
@@ -69,6 +72,7 @@ class DoctorReport:
     checkpoints: list[dict]
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
+    attempts: list[dict] = field(default_factory=list)  # a run launched more than once: each launch's
 
     @property
     def problems(self) -> list[Finding]:
@@ -91,6 +95,7 @@ class DoctorReport:
             },
             "exit_code": self.exit_code,
             "notes": self.notes,
+            "attempts": self.attempts,
         }
 
 
@@ -170,6 +175,31 @@ def _fresh_lr(cfg: RunConfig, notes: list[str]) -> float | None:
     except (ValueError, TypeError, ZeroDivisionError) as exc:
         notes.append(f"the fresh scheduler's lr was not computed ({exc})")
         return None
+
+
+def _with_attempts(facts: RunFacts, cfg: RunConfig | None) -> RunFacts:
+    """The run's launch attempts (its configs came from `configs/attempt_<n>/`) and which wrote each step."""
+    run = cfg.files.attempts if cfg is not None else None
+    if run is None or len(run.attempts) < 2:
+        return facts
+    wrote = {}
+    for s in facts.steps:
+        step, when = checkpoint_step(Path(s.path))
+        w = writer_of(run, step, when).attempt if step is not None else None
+        if step is not None and w is not None:
+            wrote[step] = w.label
+    return replace(facts, attempts=tuple(attempt_facts(run)), written_by=wrote)
+
+
+def _resume_note(facts: RunFacts, notes: list[str]) -> None:
+    """How to resume at the newest full checkpoint, in the form of the run's prime-rl generation."""
+    full = facts.full_steps()
+    if not full:
+        return
+    newest = full[-1]
+    gen, _why = checkpoint_generation(newest.path, ())
+    name = run_name_of(newest.path) if gen == GEN_HEAD else None
+    notes.append(f"to resume at step {newest.step}: {resume_instruction(gen, newest.step, run_name=name)}")
 
 
 @dataclass(frozen=True)
@@ -274,7 +304,9 @@ def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
         fresh_lr=fresh,
         decode_rate=o.decode_rate,
     )
+    facts = _with_attempts(facts, cfg)
     diagnosis = diagnose(facts)
+    _resume_note(facts, notes)
     files_json = (
         [{"path": str(c.path), "section": c.section or "(rl)", "origin": c.origin} for c in cfg.files.files]
         if cfg is not None
@@ -299,6 +331,7 @@ def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
         ],
         findings=diagnosis.findings,
         notes=notes,
+        attempts=[a.to_json() for a in facts.attempts],
     )
 
 
