@@ -22,6 +22,7 @@ from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_r
 from ..formats.primerl.optimizers import optimizer_facts, trained_params
 from ..formats.primerl.resume import checkpoint_generation, param_group_fused, resume_instruction, run_name_of
 from ..formats.primerl.run_dir import run_config_choice
+from ..formats.primerl.step_dir import FP8, step_extras
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import sniff, step_number
 
@@ -107,6 +108,9 @@ def inspect_dcp(
         else []
     )
     report.update(run_facts(ckpt.dir, s, infos, ckpt))
+    beside = beside_facts(ckpt.dir, bool(lora.modules))
+    report["warnings"] += beside.pop("warnings", [])
+    report.update(beside)
     report["slim"] = is_slim(ckpt.dir)
     if report["slim"]:
         report["warnings"].append(
@@ -177,6 +181,37 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
     return out
 
 
+def beside_facts(ckpt_dir: Path, lora: bool) -> dict:
+    """What the step dir holds beside trainer/ (`formats.primerl.step_dir`): each weights dir with the
+    command that proves whether it is this step's weights, and a warning for an incomplete one."""
+    if ckpt_dir.name != "trainer" or step_number(ckpt_dir.parent) is None:
+        return {}
+    extras = step_extras(ckpt_dir.parent)
+    if not extras:
+        return {}
+    out = []
+    for e in extras:
+        d = e.to_json()
+        if e.kind == FP8:  # block FP8: against this step's own FP8 export (the same quantization)
+            d["check"] = f"ckpt export {ckpt_dir} FP8_OUT --dtype fp8; ckpt diff-vs-base {e.path} FP8_OUT"
+        elif e.is_weights:  # a full fine-tune's export is the checkpoint rounded; a LoRA run's, base + s*B@A
+            d["check"] = (
+                f"ckpt diff-vs-base {e.path} BASE --adapter {ckpt_dir}"
+                if lora
+                else f"ckpt diff-vs-base {e.path} {ckpt_dir}"
+            )
+        out.append(d)
+    warnings = [
+        f"{e.path}: incomplete {e.kind} ({e.problem})" for e in extras if e.is_weights and not e.complete
+    ]
+    if lora and any(e.is_weights for e in extras):
+        warnings.append(
+            "weights beside a LoRA checkpoint: prime-rl's converters export full fine-tunes only "
+            "(they refuse LoRA); check what it holds against the base with the command shown"
+        )
+    return {"beside": out, "warnings": warnings}
+
+
 def _attempts(choice) -> dict:
     """A run launched more than once: each launch's alpha, lr and optimizer, and which one wrote this."""
     if choice.attempts is None or len(choice.attempts.attempts) < 2:
@@ -210,6 +245,9 @@ def inspect_checkpoints_dir(path: Path) -> dict:
                 "slim": slim,
                 "state": state,
                 "bytes": size,
+                "beside": [
+                    {k: e.to_json()[k] for k in ("name", "kind", "bytes", "complete")} for e in step_extras(c)
+                ],
                 "resumes_at_step": step_number(c) if state == "full" else None,
                 "to_resume": f"ckpt rehydrate {trainer} OUT --base BASE, then resume from OUT"
                 if slim

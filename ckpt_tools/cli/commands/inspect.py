@@ -142,8 +142,17 @@ def _render_notes(r: dict) -> None:
     if r.get("interval_checkpoint"):
         click.echo(f"  note: {r['interval_checkpoint']}")
     _render_attempts(r)
+    _render_beside(r)
     if (r.get("optimizer_state") or {}).get("absent"):
         click.echo(f"  note: {r['optimizer_state']['absent']}")
+
+
+def _render_beside(r: dict) -> None:
+    for b in r.get("beside") or []:
+        state = "complete" if b["complete"] else "INCOMPLETE"
+        click.echo(f"  beside trainer/: {b['name']}/  {b['kind']}, {human_bytes(b['bytes'])}, {state}")
+        if b.get("check"):
+            click.echo(f"    is it this step's? {b['check']}")
 
 
 def _render_attempts(r: dict) -> None:

@@ -97,6 +97,10 @@ def render(r: VerifyReport) -> None:
         if "base" in c:
             what += f", fits base {c['base']['label']}"
     kind = {"dcp": "DCP checkpoint", "hf": "HF model dir", "peft": "PEFT adapter"}[r.format]
+    if c.get("beside"):  # a step dir: the weights dirs beside trainer/, checked as HF model dirs
+        kind += " and " + ", ".join(
+            f"{b['name']}/ ({b['kind']}: {'ok' if b['ok'] else 'FAILED'})" for b in c["beside"]
+        )
     proven = r.integrity is None or r.integrity.get("proven")
     if r.ok and proven:
         tail = f"; {r.integrity['statement']}" if r.integrity else ""

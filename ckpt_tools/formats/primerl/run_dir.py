@@ -503,15 +503,19 @@ def absent_modules_to_save(path: Path) -> tuple[str, ...]:
 
 
 def weights_exports(outputs: Path) -> list[tuple[int, Path]]:
-    """16e747c's `outputs/weights/step_N` HF exports, by step."""
-    w = Path(outputs) / "weights"
-    if not w.is_dir():
-        return []
-    return [
-        (n, d)
-        for n, d in step_dirs(w)
-        if (d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()
-    ]
+    """HF weight exports, by step: 16e747c's `outputs/weights/step_N` (the trainer wrote them; for a LoRA run
+    the base, not the merge) and the `checkpoints/step_N/weights` prime-rl's converters write after August
+    2026 (`step_dir`; bf16 only: an FP8 dir is not bitwise comparable with a base)."""
+    found = []
+    for sub, inner in (("weights", ""), ("checkpoints", "weights")):
+        d = Path(outputs) / sub
+        if not d.is_dir():
+            continue
+        for n, step in step_dirs(d):
+            w = step / inner if inner else step
+            if (w / "model.safetensors").is_file() or (w / "model.safetensors.index.json").is_file():
+                found.append((n, w))
+    return sorted(found)
 
 
 def dir_bytes(path: Path) -> int:

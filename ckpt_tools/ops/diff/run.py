@@ -205,13 +205,13 @@ def _compare_streaming(weights, base, p: PairPlan, block_bytes: int, pool) -> Te
 
 def _may_be_rounded(p: PairPlan, st: DeltaStats) -> bool:
     """Could the narrower side be the wider one rounded? Each rounding moves an element by at most half an
-    ulp of the narrower dtype, 2^-(mantissa bits + 1) of it relative, so ||W - W0|| is at most that of
+    ulp of the narrower dtype, eps / 2 of it relative, so ||W - W0|| is at most that of
     ||W0||: a cheap bound that spares the second read of weights that truly changed (a fine-tune's delta)."""
     narrow = p.weights if p.weights.itemsize < p.base.itemsize else p.base
     dt = torch_dtype(narrow.dtype)
     if not dt.is_floating_point or st.nonfinite or st.rel_fro is None:
         return False
-    return st.rel_fro <= 2.0 ** -(torch.finfo(dt).nmant + 1) * 1.01
+    return st.rel_fro <= torch.finfo(dt).eps / 2 * 1.01
 
 
 def _is_rounded(weights, base, p: PairPlan, block_bytes: int) -> bool:
