@@ -9,7 +9,7 @@ DEMO   ?= demo-out
 # Extra pip arguments for the torch install, e.g. TORCH_PIP_ARGS="--index-url <PyTorch's CPU wheel index>"
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test test-pure test-vllm lint format clean bench
+.PHONY: install demo test test-pure test-vllm trainers-venv test-trainers lint format clean bench
 
 $(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c ckpt_tools/sources/delta_stats_c.c
 	$(PYTHON) -m venv $(VENV)
@@ -62,8 +62,25 @@ $(VLLM_VENV)/.installed:
 test-vllm: install $(VLLM_VENV)/.installed
 	CKPT_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -p no:cacheprovider tests/test_vllm_cpu.py
 
+# verl 0.9.1 and torchtitan 0.3.0 (PyPI) in a venv of their own, the same torch 2.13.0+cpu: what wrote the
+# tests/fixtures/verl-* and torchtitan-* fixtures (tests/factory/verl_factory.py, torchtitan_factory.py; their
+# READMEs say how) and what `make test-trainers` runs beside ours: verl's own model_merger on those fixtures
+# (tests/test_trainer_tools.py). torchtitan's model code imports triton (not run on CPU). `make test` needs
+# none of it.
+TRAINERS_VENV ?= .venv-trainers
+$(TRAINERS_VENV)/.installed:
+	$(PYTHON) -m venv $(TRAINERS_VENV)
+	$(TRAINERS_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRAINERS_VENV)/bin/python -m pip install -q torch==2.13.0 verl==0.9.1 torchtitan==0.3.0 triton==3.9.0
+	touch $@
+
+trainers-venv: $(TRAINERS_VENV)/.installed
+
+test-trainers: install $(TRAINERS_VENV)/.installed
+	CKPT_TRAINERS_PYTHON=$(TRAINERS_VENV)/bin/python $(PY) -m pytest -q -p no:cacheprovider tests/test_trainer_tools.py
+
 bench: install
 	@echo "see bench/README.md: benchmarks are run on demand, not in CI"
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(DEMO) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(TRAINERS_VENV) $(DEMO) *.egg-info

@@ -248,14 +248,14 @@ def extract_adapter(
     layout: str = "peft",
     download: bool | None = None,
 ) -> ExtractReport | DryRunReport:
-    """A prime-rl DCP checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`; `layout`:
-    peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
+    """A prime-rl DCP (or verl) checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`;
+    `layout`: peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
     with _command("extract-adapter", download):
         with _loading():
-            from .formats.dcp.reader import DcpCheckpoint
             from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
-        with DcpCheckpoint.open(Path(ckpt), trust_pickle=trust_pickle).lora(
-            alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot
+            from .sources.open import open_checkpoint_lora
+        with open_checkpoint_lora(
+            ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle
         ) as src:
             plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
             if dry_run:

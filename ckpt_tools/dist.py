@@ -55,7 +55,6 @@ __all__ = [
     "local_workers",
     "map_units",
     "min_bytes_per_rank",
-    "under_torchrun",
     "working",
     "working_per_node",
 ]
@@ -198,11 +197,6 @@ def check_env(environ=os.environ) -> tuple[str, int]:
     return addr, int(port)
 
 
-def under_torchrun(environ=os.environ) -> bool:
-    """True when torchrun launched this process with more than one rank."""
-    return launched_part(environ).world > 1
-
-
 class Group:
     """How ranks agree. `part` is this rank's share; the collectives are no-ops for one process."""
 
@@ -236,7 +230,7 @@ class TorchGroup(Group):
     """A gloo process group of torchrun's ranks (initialized once, on first use)."""
 
     def __init__(self, part: Part):
-        # torch.distributed is imported here, not at module top: the CLI asks `under_torchrun()` on
+        # torch.distributed is imported here, not at module top: the CLI asks `launched_part()` on
         # every command, and torch-free commands (inspect, verify of metadata) must stay torch-free.
         import torch
         import torch.distributed as tdist

@@ -908,3 +908,32 @@ def hf_cache(base: Path, cache: Path, commit: str, repo: str = "org/tiny") -> Pa
         (snap / f.name).symlink_to(os.path.relpath(blob, snap))
     (folder / "refs" / "main").write_text(commit)
     return folder
+
+
+def resave_dcp(src: Path, dst: Path, edit) -> Path:
+    """`src` (a DCP checkpoint) loaded with torch.distributed.checkpoint into its nested state dict (the
+    trainer's shape, by planner path), passed through `edit(sd)`, and saved at `dst` by
+    `torch.distributed.checkpoint.save` (one process): a genuine checkpoint holding what `edit` made."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(src)).read_metadata()
+    sd: dict = {}
+    for k, v in md.state_dict_metadata.items():
+        *parents, leaf = md.planner_data[k]
+        d = sd
+        for name in parents:
+            d = d.setdefault(name, {})
+        d[leaf] = torch.empty(v.size, dtype=v.properties.dtype) if hasattr(v, "size") else None
+
+    def lists(d):  # an int-indexed level (param_groups) back to the list it was
+        if isinstance(d, dict):
+            d = {k: lists(v) for k, v in d.items()}
+            return [d[i] for i in range(len(d))] if d and all(isinstance(k, int) for k in d) else d
+        return d
+
+    sd = lists(sd)
+    dcp.load(sd, checkpoint_id=str(src), no_dist=True)
+    edit(sd)
+    dcp.save(sd, checkpoint_id=str(dst), no_dist=True)
+    return dst

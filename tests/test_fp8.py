@@ -286,3 +286,105 @@ def test_a_quantized_base_of_another_kind_is_refused(tmp_path):
     (base / "config.json").write_text(json.dumps(cfg))
     r = run("merge", base, TINY / "reference_peft_adapter", tmp_path / "out")
     assert r.exit_code != 0 and "quant_method 'awq'" in r.output and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------- the proof side
+def _edit(src: Path, dst: Path, fn) -> Path:
+    """A copy of FP8 dir `src` with its model.safetensors rewritten by `fn(tensors)` (safetensors' own writer)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    fn(t)
+    (dst / "SHA256SUMS").unlink()
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_diff_vs_base_adapter_accepts_an_fp8_merge_and_reports_its_quantization(tiny_merge):
+    out, _ = tiny_merge
+    r = run("diff-vs-base", out, TINY / "base_model", "--adapter", TINY / "reference_peft_adapter", "--json")
+    assert r.exit_code == 0, r.output
+    rep = json_payload(r.output)
+    check = rep["adapter_check"]
+    assert check["passed"] and check["fp8_checked"] == 21 and check["fp8_ties"] <= 20
+    assert 0.02 < check["fp8_error_max"] < 0.04
+    t = {x["name"]: x for x in rep["tensors"]}["model.layers.0.self_attn.q_proj.weight"]
+    a = t["adapter_check"]
+    assert a["ok"] and a["scales_off"] == 0 and a["delta_norm"] > a["error_norm"] and a["delta_survives"]
+    # plain diff reads the FP8 side by its dequantized value
+    r = run("diff-vs-base", out, TINY / "base_model", "--json")
+    assert r.exit_code == 0 and json_payload(r.output)["counts"] == {"differs": 21, "identical": 15}
+
+
+@pytest.mark.parametrize("fault", ["one code", "a scale"])
+def test_diff_vs_base_adapter_refuses_one_wrong_code_or_scale(tiny_merge, tmp_path, fault):
+    out, _ = tiny_merge
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def corrupt(t):
+        if fault == "one code":
+            codes = t[name].view(torch.uint8).clone()
+            codes[100, 7] = codes[100, 7] ^ 1  # the next code up or down: one e4m3 step
+            t[name] = codes.view(torch.float8_e4m3fn)
+        else:
+            s = t[name + "_scale_inv"].clone()
+            s[1, 0] = s[1, 0] * 1.01  # 1% off (a few ulps stay within what an fp32 merge kernel may give)
+            t[name + "_scale_inv"] = s
+
+    bad = _edit(out, tmp_path / "bad", corrupt)
+    r = run("diff-vs-base", bad, TINY / "base_model", "--adapter", TINY / "reference_peft_adapter", "--json")
+    assert r.exit_code == 4, r.output
+    rep = json_payload(r.output)
+    assert [o["name"] for o in rep["adapter_check"]["off"]] == [name]
+    a = {x["name"]: x for x in rep["tensors"]}[name]["adapter_check"]
+    assert (a["elements_off"], a["scales_off"]) == (1, 0) if fault == "one code" else a["scales_off"] == 1
+
+
+def test_diff_vs_base_adapter_refuses_an_fp8_output_of_the_previous_step(tmp_path):
+    e = HEAD / "E_head_dense"
+    out = tmp_path / "step2-fp8"
+    r = run("merge", e / "base_model", e / "outputs/checkpoints/step_2/trainer", out, "--dtype", "fp8")
+    assert r.exit_code == 0, r.output
+    ok = run("diff-vs-base", out, e / "base_model", "--adapter", e / "outputs/checkpoints/step_2/trainer")
+    assert ok.exit_code == 0, ok.output
+    r = run("diff-vs-base", out, e / "base_model", "--adapter", e / "outputs/checkpoints/step_3/trainer", "--json")
+    assert r.exit_code == 4, r.output
+    assert len(json_payload(r.output)["adapter_check"]["off"]) >= 1
+
+
+def test_inspect_and_verify_deep_read_an_fp8_dir_in_prime_rl_s_weights_fp8_place(tiny_merge, tmp_path):
+    out, _ = tiny_merge
+    fp8 = tmp_path / "outputs" / "weights" / "step_3" / "weights-FP8"
+    shutil.copytree(out, fp8)
+    r = run("verify", fp8, "--deep", "--json")
+    assert r.exit_code == 0, r.output
+    r = run("inspect", fp8, "--json")
+    f = json_payload(r.output)["fp8"]
+    assert (f["quantized"], f["kept"], f["problems"]) == (21, 15, [])
+
+    def zero_scale(t):
+        s = t["model.layers.0.mlp.down_proj.weight_scale_inv"].clone()
+        s[0, 0] = 0.0
+        t["model.layers.0.mlp.down_proj.weight_scale_inv"] = s
+        del t["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+
+    bad = _edit(out, tmp_path / "bad", zero_scale)
+    r = run("verify", bad, "--deep")
+    assert r.exit_code != 0
+    assert "model.layers.0.self_attn.q_proj.weight" in r.output and "without its" in r.output
+    assert "not finite and positive" in r.output
+
+
+def test_adapter_to_dcp_against_an_fp8_base_checks_logical_shapes_and_writes_dequantized_masters(tiny_merge, tmp_path):
+    from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+
+    fp8_base, _ = tiny_merge
+    out = tmp_path / "resume"
+    r = run("adapter-to-dcp", TINY / "reference_peft_adapter", out, "--base", fp8_base, "--lr", "1e-5")
+    assert r.exit_code == 0, r.output
+    stored = load_dir(fp8_base)
+    with DcpCheckpoint.open(out) as ckpt, ckpt.base_weights() as masters:
+        name = "model.layers.1.mlp.down_proj.weight"  # [64, 162]: a partial column block
+        assert torch.equal(masters.read_tensor(name), dequant(stored[name], stored[name + "_scale_inv"]))
+        assert not any(n.endswith("_scale_inv") for n in masters.names())

@@ -29,7 +29,7 @@ from ..io import inputs, owned, remote
 from ..io.files import stdout_to_devnull
 from ..io.owned import TOOL
 from ..io.signals import Terminated, install_signal_handlers
-from .render import STATE, clear_progress, emit_failure
+from .render import STATE, clear_progress, emit_failure, escaped_streams, one_line
 
 __all__ = ["COMMANDS", "COMMAND_MODULES", "GLOBAL_FLAGS", "hoist_global_flags", "main"]
 
@@ -122,6 +122,10 @@ class _Group(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def main(self, *args, **kwargs):
+        with escaped_streams():  # control characters in names never reach the terminal raw (render.py)
+            return super().main(*args, **kwargs)
+
     def parse_args(self, ctx, args):
         return super().parse_args(ctx, hoist_global_flags(list(args)))
 
@@ -138,7 +142,7 @@ class _Group(click.Group):
 
         def fail(kind: str, line: str, code: int, exc: CkptError | None = None):
             clear_progress()  # Ctrl-C mid-run: the message on its own line, not after the bar
-            line = remote.display(line)  # a URL's local stand-in path shown as the URL (io.remote)
+            line = one_line(remote.display(line))  # a URL's local stand-in path shown as the URL (io.remote)
             click.echo(line, err=True)
             if as_json and not STATE.emitted:  # the failure envelope on stdout (the line stays on stderr)
                 emit_failure(line.split(": ", 1)[-1], code, exc, kind, command=command)

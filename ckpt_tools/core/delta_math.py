@@ -23,15 +23,7 @@ import torch
 
 from .errors import UsageError
 
-__all__ = [
-    "Truncation",
-    "choose_rank",
-    "ema_weights",
-    "normalize_weights",
-    "singular_values",
-    "stack_terms",
-    "truncate",
-]
+__all__ = ["Truncation", "choose_rank", "ema_weights", "normalize_weights", "stack_terms", "truncate"]
 
 
 def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> list[float]:
@@ -40,10 +32,15 @@ def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> l
     if not ws:
         raise UsageError(f"{what}: no weights")
     bad = [w for w in ws if not math.isfinite(w)]
-    total = math.fsum(ws)
+    try:
+        total = math.fsum(ws) if not bad else math.nan
+    except OverflowError:  # 1e308,1e308: the same ratios over the largest, whose sum cannot overflow
+        big = max(abs(w) for w in ws)
+        ws = [w / big for w in ws]
+        total = math.fsum(ws)
     if bad or not total > 0:
         raise UsageError(
-            f"{what} {ws}: weights must be finite numbers with a positive sum",
+            f"{what} {[float(w) for w in weights]}: weights must be finite numbers with a positive sum",
             hint="e.g. --weights 1,1,2 (divided by their sum: 0.25, 0.25, 0.5)",
         )
     return [w / total for w in ws]
@@ -79,11 +76,6 @@ def _core(a: torch.Tensor, b: torch.Tensor):
     qb, rb = torch.linalg.qr(b.to(torch.float64), mode="reduced")  # B = Qb Rb: [out, p], [p, r]
     u, s, vh = torch.linalg.svd(rb @ ra.T, full_matrices=False)  # [p, m] = U S Vh
     return qb, u, s, vh, qa
-
-
-def singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The nonzero-dimension singular values of B @ A (fp64, descending), from the r x r core."""
-    return _core(a, b)[2]
 
 
 def choose_rank(s: torch.Tensor, *, rank: int | None = None, energy: float | None = None) -> int:

@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .keys import PROJ_W, stacked_lora_key
+from .keys import PROJ_W, layer_of, stacked_lora_key
 
 __all__ = [
     "ADAMW_STATE_FIELDS",
@@ -93,13 +92,11 @@ SCHEDULER_CLASSES = (
 # prime-rl's Progress dataclass (trainer/runs.py), in asdict order.
 PROGRESS_FIELDS = ("step", "total_tokens", "total_samples")
 
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
-
 
 # ------------------------------------------------------------------------------------ optimizer
 def _module_sort_key(module: str) -> tuple:
-    m = _LAYER.search("." + module + ".")
-    layer = int(m.group(1)) if m else -1
+    layer = layer_of(module + ".")
+    layer = -1 if layer is None else layer
     suffix = module.rsplit(".", 1)[-1]
     proj = PROJ_ORDER.index(suffix) if suffix in PROJ_ORDER else len(PROJ_ORDER)
     return (layer, proj, module)
@@ -125,8 +122,8 @@ def lora_param_order(dense: Iterable[str], stacks: Iterable[tuple[str, str]], sl
     w2_A, w2_B, w3_A, w3_B (`stacks`: (experts module, HF projection) pairs)."""
 
     def layer(module: str) -> int:
-        m = _LAYER.search("." + module + ".")
-        return int(m.group(1)) if m else -1
+        n = layer_of(module + ".")
+        return -1 if n is None else n
 
     keyed = [
         (layer(fqn.rsplit(".lora_", 1)[0]), 0, (i,), fqn)

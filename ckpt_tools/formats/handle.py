@@ -19,9 +19,11 @@ Reads are thread-safe and do not serialize: workers may read one source in paral
 
 Capabilities an op may ask any source (defaults here; a kind overrides what it can do):
 `ref(name)` the name a plan records for the tensor (a DCP key), `masters` (the tensors are a training
-checkpoint's fp32 masters), `config` (the model's config.json, or None), `file_of(name)` (the one file
-holding the tensor's bytes, or None), `copy_range(name)` (the tensor's stored bytes as one checked range
-of an open file, for a verbatim copy by the kernel, or None), `disk_order()`, `open_all()`.
+checkpoint's fp32 masters), `config` (the model's config.json, or None), `config_dir` (a dir of the
+model's config.json and tokenizer that a checkpoint carries, or None), `file_of(name)` (the one file
+holding the tensor's bytes, or None), `quantized` (block-FP8 weights, and `read_codes` / `read_scales` of
+them), `copy_range(name)` (the tensor's stored bytes as one checked range of an open file, for a verbatim
+copy by the kernel, or None), `disk_order()`, `open_all()`.
 
     src = open_weights("Qwen/Qwen3-8B")          # or a directory, or .../step_N/trainer
     for name in src.names():
@@ -34,8 +36,10 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..core.dtypes import ShapedBytes, torch_dtype
@@ -185,6 +189,11 @@ class Source:
     label: str
     masters: bool = False  # the tensors are a training checkpoint's fp32 masters (a DCP base)
     config: dict | None = None  # the model's config.json, where the source has one (an HF dir)
+    # a dir of config.json (+ tokenizer) a checkpoint carries (verl's huggingface/)
+    config_dir: Path | None = None
+    # block-FP8 weights (read as float32 of fl32(q * scale)) -> their weight_scale_inv; their stored codes and
+    # scales by `read_codes` / `read_scales` (an FP8 HF dir: `formats.hf_dir.fp8`)
+    quantized: Mapping[str, str] = MappingProxyType({})
 
     def __init__(self) -> None:
         self._facts: dict[str, TensorFacts] = {}
@@ -243,6 +252,14 @@ class Source:
     def disk_order(self) -> list[str]:
         """Tensor names in the order their bytes lie on disk (sequential reads); by name by default."""
         return self.names()
+
+    def read_codes(self, name: str, start: int, count: int) -> torch.Tensor:
+        """A block-FP8 weight's stored codes, rows [start, start + count), as uint8 (names in `quantized`)."""
+        raise FormatError("not a block-FP8 weight", path=self.path, key=name)
+
+    def read_scales(self, name: str) -> torch.Tensor:
+        """A block-FP8 weight's weight_scale_inv grid, float32 (names in `quantized`)."""
+        raise FormatError("not a block-FP8 weight", path=self.path, key=name)
 
     def open_all(self) -> None:
         """Open every file now (before worker threads start reading); nothing by default."""

@@ -27,7 +27,6 @@ __all__ = [
     "hash_written_file",
     "link_entry",
     "make_dirs",
-    "open_new",
     "pwrite_all",
     "remove_empty_dir",
     "remove_file",
@@ -46,11 +45,6 @@ def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
     """A write fd of a NEW file at `path` (O_CREAT|O_EXCL|O_NOFOLLOW): fails with FileExistsError
     if anything, a symlink included, is there. Every file ckpt-tools writes is created here."""
     return os.open(path, _NEW_FILE_FLAGS, mode)
-
-
-def open_new(path: str | os.PathLike):
-    """`create_new` as a buffered binary file object."""
-    return os.fdopen(create_new(path), "wb")
 
 
 def _write_all(fd: int, raw: bytes) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +55,7 @@ from ..core.keys import (
     stacked_base_key,
     stacked_lora_key,
     stacked_lora_path,
+    step_of,
 )
 from ..core.lora_math import check_modules_fit_base
 from ..core.primerl_state import (
@@ -77,11 +77,11 @@ from ..formats.dcp.layout import row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
+from ..formats.handle import LoraSource
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.peft.adapter import open_peft_adapter
 from ..io.staging import SharedOutputDir
 from ..sources.hashing import read_rows_as
-from ..sources.lora import LoraSource
 
 __all__ = [
     "ToDcpJob",
@@ -165,8 +165,7 @@ class ToDcpPlan:
 
 
 def _step_from_out(out: Path) -> int | None:
-    m = re.fullmatch(r"step_(\d+)", out.parent.name) if out.name == "trainer" else None
-    return int(m.group(1)) if m else None
+    return step_of(out.parent.name) if out.name == "trainer" else None
 
 
 def _read_param_group(ckpt: DcpCheckpoint) -> dict:

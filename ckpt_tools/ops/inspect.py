@@ -24,7 +24,7 @@ from ..formats.primerl.resume import checkpoint_generation, param_group_fused, r
 from ..formats.primerl.run_dir import run_config_choice
 from ..formats.primerl.step_dir import FP8, step_extras
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
-from ..formats.sniff import sniff, step_number
+from ..formats.sniff import TORCHTITAN, VERL, sniff, step_number
 
 __all__ = [
     "InspectOptions",
@@ -50,8 +50,9 @@ def detect_format(path: Path) -> str:
     if kind is None:
         raise UsageError(
             "cannot tell what this is: not a DCP checkpoint (.metadata), an outputs/checkpoints "
-            "dir (step_N/), an HF model dir (model.safetensors) or a PEFT adapter dir "
-            "(adapter_config.json)",
+            "dir (step_N/), an HF model dir (model.safetensors), a PEFT adapter dir "
+            "(adapter_config.json), a verl checkpoint (global_step_N/actor/model_world_size_W_rank_R.pt) "
+            "or a torchtitan one (step-N/.metadata)",
             path=p,
         )
     return kind
@@ -299,7 +300,17 @@ def inspect_hf(path: Path) -> dict:
         "config_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
         "tie_word_embeddings": cfg.get("tie_word_embeddings"),
         "lora_keys": sum(1 for k in d.keys() if "lora_" in k),
+        **_fp8(d),
     }
+
+
+def _fp8(d) -> dict:
+    """A block-FP8 dir's scheme and counts (`formats.hf_dir.fp8.describe_fp8`); {} for any other dir."""
+    from ..formats.hf_dir.fp8 import describe_fp8
+
+    if d.fp8 is None:
+        return {}
+    return {"fp8": describe_fp8(d.fp8, {k: (d.info(k).dtype_name, tuple(d.info(k).shape)) for k in d.keys()})}
 
 
 def inspect_peft(path: Path) -> dict:
@@ -346,7 +357,7 @@ class InspectOptions:
 @dataclass(frozen=True)
 class InspectPlan:
     path: str
-    kind: str  # dcp | checkpoints | hf | peft
+    kind: str  # dcp | checkpoints | hf | peft | verl | torchtitan
     options: InspectOptions
 
     def to_json(self) -> dict:
@@ -366,9 +377,23 @@ def plan_inspect(path: str | Path, options: InspectOptions) -> InspectPlan:
     return InspectPlan(str(path), detect_format(Path(path)), options)
 
 
+def _inspect_trainer(plan: InspectPlan) -> object:
+    """verl and torchtitan checkpoints: their format's own description (or key rows)."""
+    p, o = Path(plan.path), plan.options
+    if plan.kind == VERL:
+        from ..formats.verl.summary import describe_verl, list_verl_keys
+
+        return list_verl_keys(p) if o.keys else describe_verl(p, alpha=o.alpha)
+    from ..formats.torchtitan.summary import describe_torchtitan, list_torchtitan_keys
+
+    return list_torchtitan_keys(p) if o.keys else describe_torchtitan(p)
+
+
 def run_inspect(plan: InspectPlan, progress=None) -> InspectReport:
     """Metadata only; `progress` is accepted for the one contract and never called (nothing takes long)."""
     p, o = Path(plan.path), plan.options
+    if plan.kind in (VERL, TORCHTITAN):
+        return InspectReport(plan, _inspect_trainer(plan))
     if plan.kind == "dcp" and o.keys:
         return InspectReport(plan, list_dcp_keys(p, trust_pickle=o.trust_pickle))
     if plan.kind == "dcp":

@@ -10,7 +10,7 @@ from ... import api
 from ...core.units import human_bytes, human_number
 from ..flow import shown
 from ..options import ModelPath, alpha_options, download_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..render import emit, one_line, warn, warn_trust
 
 __all__ = ["command"]
 
@@ -28,7 +28,8 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
     """Describe a checkpoint, HF model dir or PEFT adapter from metadata alone.
 
     PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir, an HF
-    model dir or a PEFT adapter dir. Reads no tensor data.
+    model dir, a PEFT adapter dir, a verl checkpoint (its run dir, global_step_N or global_step_N/actor)
+    or a torchtitan one (its dump folder, checkpoint/ or checkpoint/step-N). Reads no tensor data.
 
     \b
     Example:
@@ -40,10 +41,15 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
         emit(result)
         return
     report = result.to_json()
+    if result.plan.kind in ("verl", "torchtitan") and list_keys:
+        for row in report:
+            shape = "bytes" if row["dtype"] is None else f"{row['dtype']} {row['shape']}"
+            click.echo(f"{row['key']}  | {row['group']} | {row.get('hf_name') or '-'} | {shape}")
+        return
     if result.plan.kind == "dcp" and list_keys:
         for row in report:
             shape = "bytes" if row["dtype"] is None else f"{row['dtype']} {row['shape']}"
-            click.echo(f"{row['key']}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
+            click.echo(f"{one_line(row['key'])}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
         return
     render(shown(report))  # a URL shown as itself, not its local stand-in (io.remote)
     for w in report.get("warnings", []):
@@ -70,10 +76,39 @@ def render(r: dict) -> None:
             else:
                 click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  INCOMPLETE (no .metadata)")
         click.echo(r["note"])
+    elif fmt in ("verl", "torchtitan"):
+        _render_trainer(r)
     elif fmt == "hf":
         _render_hf(r)
     else:
         _render_peft(r)
+
+
+def _render_trainer(r: dict) -> None:
+    """A verl or torchtitan checkpoint: what wrote it, what it holds, what the ops read from it."""
+    click.echo(f"{r['trainer']} checkpoint {r['path']}")
+    if r.get("steps"):
+        click.echo(f"  steps: {', '.join(str(s['step']) for s in r['steps'])} (the latest is described)")
+    facts = {
+        k: r.get(k)
+        for k in ("step", "world_size", "fsdp_version", "model_family", "keys")
+        if r.get(k) is not None
+    }
+    click.echo("  " + "   ".join(f"{k.replace('_', ' ')} {v}" for k, v in facts.items()))
+    click.echo(f"  {r['training']}   model {human_bytes(r['model_bytes'])}   groups: {_counts(r['groups'])}")
+    lora = r.get("lora")
+    if lora:
+        alpha = lora.get("alpha")
+        why = lora.get("alpha_source") if alpha is not None else lora.get("alpha_unresolved")
+        click.echo(f"  LoRA: {lora['modules']} modules, rank {lora['rank']}, alpha {alpha} ({why})")
+    opt = r.get("optimizer")
+    if isinstance(opt, dict) and opt.get("file"):
+        click.echo(
+            f"  optimizer: lr {opt.get('lr')} (initial {opt.get('initial_lr')}), "
+            f"{opt.get('params_with_state')} params with state"
+        )
+    if r.get("lr") is not None:
+        click.echo(f"  lr {r['lr']}   scheduler last_epoch {r.get('lr_scheduler_last_epoch')}")
 
 
 def _counts(d: dict) -> str:
@@ -95,6 +130,16 @@ def _render_hf(r: dict) -> None:
             f"  {r['lora_keys']} tensor name(s) contain lora_: an adapter or an unmerged export, not a "
             "plain model"
         )
+    if "fp8" in r:
+        f = r["fp8"]
+        click.echo(
+            f"  block FP8 ({f['fmt']}, {f['weight_block_size'][0]}x{f['weight_block_size'][1]} blocks, "
+            f"{f['activation_scheme']} activations): {f['quantized']} weights quantized (weight + "
+            f"weight_scale_inv), {f['kept']} tensors kept ({', '.join(f['kept_dtypes'])}), "
+            f"{len(f['modules_to_not_convert'])} modules_to_not_convert"
+        )
+        for p in f["problems"][:5]:
+            click.echo(f"  problem: {p}")
 
 
 def _render_peft(r: dict) -> None:

@@ -13,7 +13,7 @@ from ...core.units import human_bytes
 from ..flow import progress_line
 from ..mistakes import check_roles
 from ..options import ModelPath, download_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..render import emit, one_line, warn, warn_trust
 
 if TYPE_CHECKING:
     from ...api import VerifyReport
@@ -68,11 +68,15 @@ def command(
 
 def render(r: VerifyReport) -> None:
     for line in group_problems(r.problems):
-        click.echo(f"problem: {line}")
+        click.echo(f"problem: {one_line(line)}")
     for line in group_problems(r.warnings):
         warn(line)
     c = r.checked
-    if r.format == "dcp":
+    if r.format == "verl":
+        what = f"{c.get('tensors', 0)} tensors assembled from {c.get('ranks', 0)} ranks' shards"
+        if r.deep:
+            what += f", CRC32 of {c.get('records', 0)} zip records recomputed"
+    elif r.format in ("dcp", "torchtitan"):
         what = (
             f"{c.get('keys', 0)} keys, {c.get('storage_items', 0)} items in {c.get('files', 0)} files "
             f"({human_bytes(c.get('file_bytes', 0))})"
@@ -96,7 +100,13 @@ def render(r: VerifyReport) -> None:
         what = f"{c.get('modules', 0)} LoRA modules, {c.get('keys', 0)} keys"
         if "base" in c:
             what += f", fits base {c['base']['label']}"
-    kind = {"dcp": "DCP checkpoint", "hf": "HF model dir", "peft": "PEFT adapter"}[r.format]
+    kind = {
+        "dcp": "DCP checkpoint",
+        "hf": "HF model dir",
+        "peft": "PEFT adapter",
+        "verl": "verl checkpoint",
+        "torchtitan": "torchtitan checkpoint",
+    }[r.format]
     if c.get("beside"):  # a step dir: the weights dirs beside trainer/, checked as HF model dirs
         kind += " and " + ", ".join(
             f"{b['name']}/ ({b['kind']}: {'ok' if b['ok'] else 'FAILED'})" for b in c["beside"]

@@ -176,3 +176,17 @@ def fp8_quantization_config(kept_modules) -> dict:
         "weight_block_size": [BLOCK, BLOCK],
         "modules_to_not_convert": sorted(set(kept_modules)),
     }
+
+
+def describe_fp8(scheme: Fp8Scheme, tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict:
+    """What `ckpt inspect` shows of a block-FP8 dir (from headers): its scheme, how many weights are quantized
+    and kept, and the rules it breaks (`fp8_problems`)."""
+    pairs = quantized_pairs({n: d for n, (d, _s) in tensors.items()})
+    kept = [n for n in tensors if n not in pairs and n not in pairs.values()]
+    return {
+        **scheme.to_json(),
+        "quantized": len(pairs),
+        "kept": len(kept),
+        "kept_dtypes": sorted({tensors[n][0] for n in kept}),
+        "problems": [f"{n}: {m}" for n, m in fp8_problems(scheme, tensors)],
+    }

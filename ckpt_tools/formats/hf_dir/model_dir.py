@@ -180,6 +180,25 @@ class HFModelDir(Source):
     def disk_order(self) -> list[str]:
         return [n for n in self.tensors if n in self._facts]
 
+    def read_codes(self, name: str, start: int, count: int) -> torch.Tensor:
+        import torch
+
+        if name not in self.quantized:
+            return super().read_codes(name, start, count)
+        stored, cols = self.info(name), self.info(name).shape[1]
+        codes = torch.empty(count * cols, dtype=torch.uint8)
+        if count:
+            self.files.read_into(stored.path.name, stored.begin + start * cols, tensor_bytes(codes), name)
+        self._count(codes.numel())
+        return codes
+
+    def read_scales(self, name: str) -> torch.Tensor:
+        import torch
+
+        if name not in self.quantized:
+            return super().read_scales(name)
+        return self.read_stored(self.quantized[name]).to(torch.float32)
+
     def read_span(self, name: str, start: int, out) -> None:
         if name not in self.quantized:
             return super().read_span(name, start, out)

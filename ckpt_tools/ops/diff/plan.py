@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
-from ...sources.base import Source, TensorFacts
+from ...formats.handle import LoraSource, Source, TensorFacts
 from ...sources.compare import shared_names
-from ...sources.lora import LoraSource, open_lora_source
-from ...sources.open import open_weights
+from ...sources.open import open_lora_source, open_weights
 from .device import resolve_device
 
 __all__ = [

@@ -4,7 +4,7 @@ exactly BASE + the LoRA?
 Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
 marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
 before any tensor byte is read. `run_diff` then compares the pairs on this rank's workers, each
-pair in blocks (each side read in one piece, folded in `sources.compare.stat_chunks`) spread over one
+pair in blocks (each side read in one piece, folded in `sources.compare.block_chunks`) spread over one
 pool of block workers, so a big tensor uses every core; every side is read once:
 
 - same dtype and shape: raw byte comparison per chunk (memcmp, no decoding); the chunks that differ
@@ -70,6 +70,7 @@ from ...sources.compare import (
     value_check_chunk,
 )
 from .device import DeviceCheck, resolve_device, units_of
+from .fp8 import FP8_CHECK_BYTES, check_quantized, fp8_summary
 from .plan import (
     DIFFERS,
     EXIT_ADAPTER_MISMATCH,
@@ -445,7 +446,12 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
         targeted = [t for t in compared if t.role in (TARGETED, REPLACED)]
         exact = [t for t in targeted if t.adapter_check and t.adapter_check.get("ok")]
         bad = [t for t in targeted if not (t.adapter_check and t.adapter_check.get("ok"))]
-        untargeted_changed = [t for t in compared if t.role == UNTARGETED and not t.same]
+        # (an untargeted block-FP8 weight differs from its base by the quantization: checked against the rule)
+        untargeted_changed = [
+            t
+            for t in compared
+            if t.role == UNTARGETED and not t.same and not (t.adapter_check or {}).get("ok")
+        ]
         max_ulps = max((t.adapter_check.get("max_ulps") or 0 for t in targeted if t.adapter_check), default=0)
         passed = not bad and not untargeted_changed and not plan.targets_missing_in_weights
         ties = sum((t.adapter_check or {}).get("ties") or 0 for t in targeted)
@@ -469,6 +475,7 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
             "missing_in_weights": list(plan.targets_missing_in_weights),
             "alpha": lora.alpha,
             "alpha_source": lora.alpha_source,
+            **fp8_summary(compared),
         }
     if not changed:
         how = " (after exact upcast of the narrower dtype)" if upcast else ""
@@ -499,6 +506,11 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
         )
         if not plan.targeted_only:
             text += f", {adapter_summary['untargeted_checked']} untargeted unchanged"
+        if adapter_summary.get("fp8_checked"):
+            text += (
+                f"; {adapter_summary['fp8_checked']} block-FP8 weights are exactly the quantization of their "
+                f"W32 ({adapter_summary['fp8_ties']} codes at a rounding boundary)"
+            )
     return "differs", EXIT_DIFFERS, text, adapter_summary
 
 
@@ -587,6 +599,10 @@ def run_diff(
         p = plan.pairs[i]
         if not p.read:
             td = _result(p, SKIPPED, None)
+        elif lora is not None and p.name in weights.quantized and p.mode != "shape":
+            with budget.hold(FP8_CHECK_BYTES):  # a block-FP8 weight: the rule's codes and scales (`fp8`)
+                td = _compare_streaming(weights, base, p, block_bytes, pool)
+                td.adapter_check = check_quantized(weights, base, lora, p)
         elif p.role in (TARGETED, REPLACED):
             with budget.hold(_working_bytes(p, lora)):
                 td = _compare_with_adapter(weights, base, lora, p, block_bytes, pool, checker)

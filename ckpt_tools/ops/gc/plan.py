@@ -16,6 +16,7 @@ from ...formats.primerl.config import load_run_config, locate_run_configs
 from ...formats.primerl.run_dir import checkpoints_dir_of, dir_bytes, resolve_base, step_dirs
 from ...formats.primerl.step_dir import step_extras
 from ...formats.slim.partition import partition
+from ...io.owned import OUTPUT_MARKER
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
 
 __all__ = ["DEFAULT_MIN_AGE_S", "GcPlan", "StepPlan", "plan_gc", "shared_files", "unknown_entries"]
@@ -108,11 +109,15 @@ def _leftovers(step_dir: Path) -> list[Path]:
 
 def unknown_entries(ck: DcpCheckpoint) -> list[str]:
     """Entries of a checkpoint dir a slim of it would not carry: not `.metadata`, not a data file its
-    metadata references, not an extra entry the slim copies (`dcp.layout.extra_entries`): hidden
-    entries (`set-lr --in-place`'s `.metadata.bak-*` undo files, temp files), unreferenced `.distcp`
-    files. gc deletes the full checkpoint after the swap, so it never slims a step holding any."""
+    metadata references, not an extra entry the slim copies (`dcp.layout.extra_entries`), not our own
+    output marker (a regular `.ckpt-tools-output`: the step is an OUT of restart-prep, adapter-to-dcp,
+    set-lr...; gc's slim carries it verbatim): hidden entries (`set-lr --in-place`'s `.metadata.bak-*`
+    undo files, temp files), unreferenced `.distcp` files. gc deletes the full checkpoint after the swap,
+    so it never slims a step holding any."""
     files = set(ck.data_files())
-    known = {METADATA_NAME, *files, *extra_entries(ck.dir, files)}
+    marker = ck.dir / OUTPUT_MARKER
+    ours = [OUTPUT_MARKER] if marker.is_file() and not marker.is_symlink() else []
+    known = {METADATA_NAME, *ours, *files, *extra_entries(ck.dir, files)}
     return sorted(n for n in os.listdir(ck.dir) if n not in known)
 
 

@@ -22,10 +22,11 @@ from ...core.errors import FormatError, UsageError
 from ...core.keys import classify
 from ...core.tied import TIED_PAIRS
 from ...formats.dcp.layout import METADATA_NAME
+from ...formats.dcp.lora import NoLoraSource
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.optimizers import trained_params
 from ...formats.primerl.run_dir import run_base_of
-from ...sources.lora import NoLoraSource
+from ...formats.trainers import open_trainer_for_export
 from .plan import DEFAULT_MAX_SHARD, MergePlan
 from .prepare import MergeOptions, MergeSources, plan_merge
 
@@ -63,6 +64,16 @@ class ExportOptions:
 
 def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeSources:
     """The checkpoint opened once: its base weights, and its LoRA (alpha resolved) or none."""
+    trainer, weights = open_trainer_for_export(
+        ckpt_path, config_dir=options.config_from, trust_pickle=options.trust_pickle
+    )
+    if trainer is not None:  # verl, torchtitan: their LoRA, or the full fine-tune's weights
+        try:
+            adapter = trainer.lora(alpha=options.alpha, slot=options.slot) if trainer.has_lora else None
+        except BaseException:
+            weights.close()
+            raise
+        return MergeSources(weights, adapter or NoLoraSource(trainer.dir))
     ckpt = DcpCheckpoint.open(ckpt_path, trust_pickle=options.trust_pickle)
     try:
         infos = [classify(k, e.path) for k, e in ckpt.entries.items()]
@@ -115,7 +126,8 @@ def plan_export(sources: MergeSources, options: ExportOptions) -> MergePlan:
     """Merge's plan over the checkpoint's own weights (see the module docstring). Without --config-from,
     config and tokenizer come from the run's base model (`run_base_model`)."""
     if options.config_from is None:
-        found = run_base_model(sources.base.path)
+        carried = sources.base.config_dir  # verl's huggingface/: the run's own config
+        found = str(carried) if carried is not None else run_base_model(sources.base.path)
         if found is None:
             raise UsageError(
                 "export needs --config-from: the checkpoint holds no config or tokenizer, and the "

@@ -10,13 +10,12 @@ from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
 from ...core.tied import TIED_PAIRS
+from ...formats.handle import LoraSource, Source
 from ...formats.hf_dir.carry import carry_files
 from ...formats.hf_dir.config import config_mismatches, load_config
 from ...formats.hf_dir.hub import resolve_model_dir
 from ...formats.hf_dir.model_dir import HFModelDir
 from ...formats.primerl.run_dir import resolve_run
-from ...sources.base import Source
-from ...sources.lora import LoraSource
 
 __all__ = [
     "AdapterFacts",
@@ -108,6 +107,8 @@ def dcp_base_facts(src: Source, config_from: str | Path | None) -> BaseFacts:
     """Base = the checkpoint's own fp32 masters (`app.model.<HF name>`); config/tokenizer from
     `config_from`, which must describe the checkpoint's model."""
     ckpt_dir = src.path
+    if config_from is None and src.config_dir is not None:  # verl's huggingface/: the run's own config
+        config_from = src.config_dir
     tensors = [
         SourceTensor(name, f.dtype, tuple(f.shape), None, src.ref(name))
         for name, f in ((n, src.facts(n)) for n in src.names())

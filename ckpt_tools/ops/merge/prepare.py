@@ -13,10 +13,11 @@ from ...core.errors import FormatError, UsageError
 from ...core.units import parse_size
 from ...formats.dcp.layout import is_checkpoint_path, resolve_checkpoint_dir
 from ...formats.dcp.reader import DcpCheckpoint
+from ...formats.handle import LoraSource, Source
 from ...formats.hf_dir.model_dir import HFModelDir
+from ...formats.trainers import open_trainer, trainer_dir, trainer_kind
 from ...io.staging import AtomicOutputDir
-from ...sources.base import Source
-from ...sources.lora import LoraSource, open_lora_source
+from ...sources.open import open_lora_source
 from .facts import adapter_facts, dcp_base_facts, hf_base_facts, trained_on_problems
 from .guards import check_masters_match_base, check_target_modules, default_out_dtype
 from .plan import DEFAULT_MAX_SHARD, DEFAULT_THREADS, FP8_DEFAULT_THREADS, MergePlan, plan_from_facts
@@ -72,7 +73,7 @@ def open_merge_sources(base: str | Path | None, adapter: str | Path, options: Me
         )
     if options.base_from_checkpoint:
         base = adapter if base is None else base
-        if not is_checkpoint_path(Path(base)):
+        if not is_checkpoint_path(Path(base)) and trainer_kind(base) is None:
             raise UsageError(
                 "--base-from-checkpoint: not a DCP checkpoint (no .metadata here or in trainer/)",
                 path=base,
@@ -93,22 +94,27 @@ def open_merge_sources(base: str | Path | None, adapter: str | Path, options: Me
         if lora.adapter is not None:
             check_target_modules(lora.adapter)
         if options.base_from_checkpoint:
-            same = (
-                lora.ckpt is not None and Path(lora.path).resolve() == resolve_checkpoint_dir(base).resolve()
-            )
-            src = (
-                lora.ckpt.base_weights(str(lora.path), empty_hint=_NO_BASE_HINT)
-                if same
-                else DcpCheckpoint.open(base, trust_pickle=options.trust_pickle).base_weights(
-                    str(base), owned=True, empty_hint=_NO_BASE_HINT
-                )
-            )
+            src = _checkpoint_base(base, lora, options)
         else:
             src = HFModelDir.open_ref(base)
     except BaseException:
         lora.close()
         raise
     return MergeSources(src, lora)
+
+
+def _checkpoint_base(base, lora: LoraSource, options: MergeOptions) -> Source:
+    """--base-from-checkpoint: the fp32 masters of a prime-rl, verl or torchtitan checkpoint (the adapter's
+    own handle when it is the same checkpoint)."""
+    trainer = trainer_kind(base) is not None
+    where = trainer_dir(base) if trainer else resolve_checkpoint_dir(base)
+    if lora.ckpt is not None and Path(lora.path).resolve() == where.resolve():
+        return lora.ckpt.base_weights(str(lora.path), empty_hint=_NO_BASE_HINT)
+    if trainer:
+        return open_trainer(base, trust_pickle=options.trust_pickle).base_weights(str(base), owned=True)
+    return DcpCheckpoint.open(base, trust_pickle=options.trust_pickle).base_weights(
+        str(base), owned=True, empty_hint=_NO_BASE_HINT
+    )
 
 
 def plan_merge(sources: MergeSources, options: MergeOptions) -> MergePlan:

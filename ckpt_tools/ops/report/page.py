@@ -7,13 +7,15 @@ and the bytes go out as strings; `io` writes them."""
 
 from __future__ import annotations
 
+import functools
 import html
 import io
 import math
 import re
 
+from ...core.keys import layer_of
 from ...core.units import human_bytes
-from .numbers import layer_of, module_group
+from .numbers import module_group
 
 __all__ = [
     "PROJ_COLUMNS",
@@ -43,6 +45,7 @@ _RC = {
     "axes.spines.top": False,
     "axes.spines.right": False,
     "figure.dpi": 100,
+    "text.parse_math": False,  # a name from a file is text: `$\\nosuchcmd$` is not mathtext
 }
 _CSS = (
     "\n"
@@ -298,6 +301,21 @@ def _bytes_figure(b: dict):
     return fig
 
 
+def _plain_text(build):
+    """Build the figures under `_RC`: every label, title and tick is plain text (matplotlib parses `$...$`
+    in any text as mathtext; a tensor named `$\\nosuchcmd$` made the page an internal error)."""
+
+    @functools.wraps(build)
+    def built(*args, **kwargs):
+        import matplotlib
+
+        with matplotlib.rc_context(_RC):
+            return build(*args, **kwargs)
+
+    return built
+
+
+@_plain_text
 def report_figures(r: dict) -> list[tuple[str, str, object]]:
     """(file stem, caption, Figure) of every plot of a `ckpt report` result."""
     steps = r["steps"]
@@ -328,6 +346,7 @@ def report_figures(r: dict) -> list[tuple[str, str, object]]:
     return out
 
 
+@_plain_text
 def diff_figures(d: dict, top: int = 40) -> list[tuple[str, str, object]]:
     """The plots of a `diff-vs-base` result: changed fraction and max |Δ| per changed tensor."""
     changed = [t for t in d["tensors"] if t.get("changed_fraction")]

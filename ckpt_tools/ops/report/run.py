@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from ...core.errors import FormatError, UsageError
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
+from ...formats.handle import Source
 from ...formats.primerl.optimizers import optimizer_facts, trained_params
-from ...sources.base import Source
 from ...sources.open import open_weights
 from .lr import lr_curves
 from .numbers import (

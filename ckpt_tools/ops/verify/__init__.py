@@ -16,7 +16,7 @@ from ...core.progress import Progress
 from ...dist import Group
 from ...formats.dcp.checks import verify_dcp
 from ...formats.primerl.step_dir import step_extras
-from ...formats.sniff import CHECKPOINTS, DCP, sniff
+from ...formats.sniff import CHECKPOINTS, DCP, TORCHTITAN, VERL, sniff
 from .hf import verify_hf
 from .peft import verify_peft
 
@@ -48,8 +48,8 @@ def plan_verify(path: str | Path, options: VerifyOptions) -> VerifyPlan:
     if kind in (None, CHECKPOINTS) or (kind != DCP and not p.is_dir()):
         raise UsageError(
             "cannot tell what to verify: not a DCP checkpoint (.metadata), an HF model dir "
-            "(model.safetensors or model.safetensors.index.json) or a PEFT adapter dir "
-            "(adapter_config.json)",
+            "(model.safetensors or model.safetensors.index.json), a PEFT adapter dir "
+            "(adapter_config.json), a verl or a torchtitan checkpoint",
             path=p,
         )
     if options.base is not None and kind != "peft":
@@ -94,7 +94,15 @@ def run_verify(
     are split over the ranks and rank 0's report holds every rank's problems."""
     p, o = Path(plan.path), plan.options
     report = VerifyReport(str(p), plan.kind, o.deep)
-    if plan.kind == "dcp":
+    if plan.kind == VERL:
+        from ...formats.verl.summary import verify_verl
+
+        verify_verl(p, report, deep=o.deep)
+    elif plan.kind == TORCHTITAN:
+        from ...formats.torchtitan.summary import verify_torchtitan
+
+        verify_torchtitan(p, report, deep=o.deep, progress=progress, group=group)
+    elif plan.kind == "dcp":
         verify_dcp(p, report, deep=o.deep, trust_pickle=o.trust_pickle, progress=progress, group=group)
         if (p / "trainer").is_dir():  # a step dir: the HF weights prime-rl's converters write beside trainer/
             _verify_beside(p, report, deep=o.deep, progress=progress, group=group)

@@ -16,6 +16,7 @@ from ...core.progress import report as report_progress
 from ...dist import Group, map_units
 from ...formats.hf_dir.checks import check_index, header_finding
 from ...formats.hf_dir.config import dtype_disagreement, shape_problems
+from ...formats.hf_dir.fp8 import unsupported_quantization
 from ...formats.safetensors.header import read_header
 from ...io.inputs import MAX_CONFIG_VALUES, OpenFiles, read_json
 from .digests import prove
@@ -70,10 +71,46 @@ def verify_hf(
         warning = dtype_disagreement(config, {t.dtype for t in tensors.values()})
         if warning:
             report.warn(path / "config.json", None, warning)
+    if config is not None:
+        _check_fp8(path, config, tensors, report, deep)
     _integrity(path, tensors, report, deep, progress, group)
     report.checked.update(
         {"files": files, "tensors": len(tensors), "tensor_bytes": sum(t.nbytes for t in tensors.values())}
     )
+
+
+def _check_fp8(path: Path, config: dict, tensors: dict, report: VerifyReport, deep: bool) -> None:
+    """A block-FP8 dir's rules (`formats.hf_dir.fp8.fp8_problems`: each fp8 weight with its float32 scale on
+    the right grid, none in modules_to_not_convert); with --deep every scale read: finite and positive. A
+    quantization this package does not read is said, not checked."""
+    from ...formats.hf_dir.fp8 import fp8_problems, fp8_scheme, quantized_pairs, scale_value_problems
+
+    scheme = fp8_scheme(config)
+    why = unsupported_quantization(config)
+    if why is not None:
+        report.warn(path / "config.json", None, f"quantized ({why}): its quantized tensors are not checked")
+        return
+    if scheme is None:
+        return
+    for name, message in fp8_problems(
+        scheme, {n: (t.dtype_name, tuple(t.shape)) for n, t in tensors.items()}
+    ):
+        report.problem(tensors[name].path, name, message)
+    if not deep:
+        return
+    files = OpenFiles(path, what="safetensors shard")
+    try:
+        for w, s in sorted(quantized_pairs({n: t.dtype_name for n, t in tensors.items()}).items()):
+            t = tensors[s]
+            if t.dtype_name != "float32":
+                continue
+            buf = bytearray(t.nbytes)
+            files.read_into(t.path.name, t.begin, memoryview(buf), s)
+            bad = scale_value_problems(memoryview(buf).cast("f").tolist())
+            if bad:
+                report.problem(t.path, s, f"{bad}: the blocks of {w} dequantize wrongly")
+    finally:
+        files.close()
 
 
 def _integrity(path: Path, tensors: dict, report: VerifyReport, deep: bool, progress, group) -> None:

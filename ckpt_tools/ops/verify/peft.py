@@ -4,10 +4,10 @@ finite, `--base` every target module present in the base with fitting shapes."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ...core.errors import CkptError
+from ...core.keys import PEFT_LORA_KEY
 from ...core.problems import VerifyReport
 from ...formats.peft.adapter import open_peft_adapter
 from ...formats.peft.config import ADAPTER_CONFIG, PEFT_PREFIX, matches_target_modules, parse_peft_config
@@ -37,7 +37,7 @@ def verify_peft(
     wpath = adapter.weights_path
     for k in adapter.unrecognized:
         hint = ""
-        if not k.startswith(PEFT_PREFIX) or re.search(r"\.lora_[AB]\.\d+\.weight$", k):
+        if not k.startswith(PEFT_PREFIX) or ((m := PEFT_LORA_KEY.match(k)) and m["slot"] is not None):
             hint = " (prime-rl's export key bug: `ckpt fix-adapter` renames it)"
         report.problem(
             wpath,

@@ -1,0 +1,62 @@
+"""verl's own `model_merger` (verl 0.9.1, in the trainers' venv: `make test-trainers`) run beside ours on the
+genuine verl fixtures, its result characterised. Skipped unless CKPT_TRAINERS_PYTHON names that venv's python.
+
+What it shows: for a full fine-tune verl's merger and `ckpt export` write the same bf16 weights; for a LoRA
+run verl's merger writes the base, byte for byte (verl #7285: the LoRA is split off into `lora_adapter/`, never
+added), which `ckpt diff-vs-base` reports as identical (exit 3), while `ckpt merge` writes `bf16(W + s*B@A)`."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .conftest import FIXTURES
+from .test_head_fixtures import run
+
+PY = os.environ.get("CKPT_TRAINERS_PYTHON")
+pytestmark = pytest.mark.skipif(
+    not PY or not Path(PY).exists(), reason="CKPT_TRAINERS_PYTHON is not a python with verl (`make test-trainers`)"
+)
+ACTOR = Path("checkpoints") / "global_step_2" / "actor"
+
+
+def verl_merge(fixture: Path, out: Path) -> Path:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # verl's venv, not our tree
+    p = subprocess.run(
+        [PY, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(fixture / ACTOR),
+         "--target_dir", str(out)],
+        env=env, capture_output=True, text=True, timeout=900, cwd=out.parent,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_verls_merger_writes_the_base_for_a_lora_run_and_diff_vs_base_says_so(tmp_path):
+    fixture = FIXTURES / "verl-fsdp2-lora"
+    out = verl_merge(fixture, tmp_path / "verl")
+    assert sha(out / "model.safetensors") == sha(fixture / "base" / "model.safetensors")
+    assert sha(out / "model.safetensors") == sha(fixture / "verl_merged" / "model.safetensors")  # the committed run
+    r = run("diff-vs-base", out, fixture / "base")
+    assert r.exit_code == 3 and "LoRA was not merged" in r.output
+    assert run("merge", fixture / "base", fixture / "checkpoints", tmp_path / "ours").exit_code == 0
+    assert run("diff-vs-base", tmp_path / "ours", fixture / "base", "--adapter", fixture / "checkpoints").exit_code == 0
+
+
+def test_verls_merger_and_export_agree_on_a_full_fine_tune(tmp_path):
+    fixture = FIXTURES / "verl-fsdp2-full"
+    out = verl_merge(fixture, tmp_path / "verl")
+    assert run("export", fixture / "checkpoints", tmp_path / "ours").exit_code == 0
+    theirs, ours = load_file(out / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    assert sorted(theirs) == sorted(ours)
+    for k, v in ours.items():
+        assert theirs[k].dtype == v.dtype and torch.equal(theirs[k], v), k
