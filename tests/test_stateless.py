@@ -85,7 +85,8 @@ def test_slim_then_rehydrate_is_the_checkpoint_again(runs, tmp_path):
     lora = runs["lora"]
     r = result("slim", lora.checkpoint, tmp_path / "slim", "--base", lora.base_model)
     assert any(ABSENT in w for w in r["warnings"])
-    run("rehydrate", tmp_path / "slim", tmp_path / "full", "--base", lora.base_model)
+    r = result("rehydrate", tmp_path / "slim", tmp_path / "full", "--base", lora.base_model)
+    assert any(ABSENT in w for w in r["warnings"])
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     before, after = state(lora.checkpoint, tmp_path / "a"), state(tmp_path / "full", tmp_path / "b")
@@ -117,6 +118,33 @@ def test_report_average_and_restart_prep_work_and_say_what_is_absent(runs, tmp_p
     assert any(ABSENT in w for w in rep["warnings"]) and rep["ok"]
     avg = result("average", lora.checkpoints[2], lora.checkpoints[3], tmp_path / "avg", "--ema", "0.5")
     assert avg["ok"] and (tmp_path / "avg" / "adapter_model.safetensors").is_file()
+    assert any(ABSENT in w for w in avg["warnings"])
     rp = result("restart-prep", lora.checkpoint, tmp_path / "rp", "--base", lora.base_model, "--lr", "5e-4",
                 "--mode", "adapter")
     assert ABSENT in " ".join(rp["warnings"]) and rp["ok"]
+
+
+# ------------------------------------------------------------------------------------------ over URLs
+pytest.importorskip("fsspec")
+from ckpt_tools.io import remote  # noqa: E402
+
+from .remote_servers import HttpServer  # noqa: E402
+from .test_remote import fresh_remote_state, s3, s3_env  # noqa: E402,F401
+
+
+def test_over_http_and_s3_a_signsgd_full_fine_tune_reads_as_trained(runs, s3_env, tmp_path):
+    full = runs["full"]
+    trainer = full.checkpoint
+    for p in sorted(trainer.iterdir()):
+        s3_env.client.upload_file(str(p), "runs", f"sign/step_3/trainer/{p.name}")
+    srv = HttpServer(trainer.parent)
+    try:
+        for i, url in enumerate((f"{srv.url}/trainer", "s3://runs/sign/step_3/trainer")):
+            r = result("inspect", url)["result"]
+            remote.reset()
+            assert r["training"] == "full fine-tune" and r["optimizer_state"]["absent"] == ABSENT
+            run("export", url, tmp_path / f"out{i}", "--config-from", full.base_model)
+            remote.reset()
+            assert same(tmp_path / f"out{i}" / "model.safetensors", full.expected_hf / "model.safetensors")
+    finally:
+        srv.close()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import CkptError
+from ...core.keys import step_of
 from ...io import inputs
 from ...io.remote import mount_root_of
 
@@ -51,7 +52,6 @@ ATTEMPT_ENV = "PRL_ATTEMPT_CONFIG_DIR"
 # The resolved configs of one launch, in prime-rl's load order (rl.json holds the root).
 HEAD_JSON_NAMES = ("rl.json", "trainer.json", "orchestrator.json", "inference.json")
 _ATTEMPT = re.compile(r"^attempt_(\d+)$")
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def attempt_number(name: str) -> int | None:
@@ -156,8 +156,7 @@ def _step_of(block: Mapping) -> int | None:
     if isinstance(s, int) and not isinstance(s, bool) and s >= 0:
         return s
     d = block.get("dir")
-    m = _STEP_DIR.match(Path(str(d)).name) if isinstance(d, str) else None
-    return int(m.group(1)) if m else None
+    return step_of(Path(d).name) if isinstance(d, str) else None
 
 
 def _written_at(files: tuple[Path, ...]) -> float | None:
@@ -286,14 +285,14 @@ def checkpoint_step(path: Path, *, timed: bool = True) -> tuple[int | None, floa
     without `timed` (a path that only names a URL's layout)."""
     p = Path(path)
     for d in (p, p.parent, p.parent.parent):
-        m = _STEP_DIR.match(d.name)
-        if m:
+        n = step_of(d.name)
+        if n is not None:
             meta = d / "trainer" / ".metadata"
             try:
                 when = meta.stat().st_mtime if timed and mount_root_of(meta) is None else None
             except OSError:
                 when = None
-            return int(m.group(1)), when
+            return n, when
     return None, None
 
 

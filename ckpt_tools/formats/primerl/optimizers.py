@@ -9,10 +9,10 @@ holds (docs/reference/primerl-head-format.md, "since August 2026").
 - Full CPU offload (`model.full_offload`, AdamW or SignSGD): each parameter's FP32 master is optimizer state
   `prime_rl_master_weight` (source only: no fixture of that mode).
 
-`trained_params(ckpt)`: the parameters the optimizer trained, from their state and, since a stateless
-optimizer leaves none, from its param groups' `params` (the FQNs it was given: every `requires_grad`
-parameter at HEAD). Every op that must tell trained weights from frozen ones asks this, not the state alone:
-a SignSGD full fine-tune has no state and all of it is trained.
+`trained_params(ckpt)`: the parameters the optimizer trained, from their state or, when there is no state
+at all (a stateless optimizer), from its param groups' `params` (the FQNs it was given: every
+`requires_grad` parameter at HEAD; a few KB read only then). Every op that must tell trained weights from
+frozen ones asks this, not the state alone: a SignSGD full fine-tune has no state and all of it is trained.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def trained_params(ckpt: _Checkpoint) -> set[str]:
     groups list (a stateless optimizer leaves no state; see the module doc)."""
     paths = {k: e.path for k, e in ckpt.entries.items()}
     out = trainable_params(paths)
+    if out:  # an optimizer with state keeps it for every parameter it stepped: the list adds nothing
+        return out
     for key, path in paths.items():
         info = classify(key, path)
         if info.group == "param_groups" and info.field == "params":

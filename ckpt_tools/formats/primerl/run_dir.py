@@ -252,7 +252,7 @@ def _within(found: Path | None, path) -> Path | None:
     tree) and `found` lies above its root: nothing above a URL is mounted, and the local temp dir holding
     the shadow tree is no part of the run."""
     root = mount_root_of(path) if found is not None else None
-    if root is None:
+    if found is None or root is None:
         return found
     real = Path(os.path.realpath(found))
     return found if real == root or root in real.parents else None
@@ -343,7 +343,9 @@ def run_base(run: RunRoot) -> BaseModel | None:
     if run.named:
         return BaseModel(name, found, "--run-config", why)
     how = f"the run config {run.config}'s model.name {name!r}" + (
-        f" (relative to {run.launch})" if found is not None and found == run.launch / name else ""
+        f" (relative to {run.launch})"
+        if found is not None and run.launch is not None and found == run.launch / name
+        else ""
     )
     return BaseModel(name, found, how, why)
 

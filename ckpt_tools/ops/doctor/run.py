@@ -225,6 +225,15 @@ class DoctorPlan:
     options: DoctorOptions
 
 
+def _outputs(outputs: str | None, cfg: RunConfig | None, tgt: Path | None) -> Path | None:
+    """--outputs (a dir), else the run's outputs dir found from its config or the target."""
+    if outputs is not None:
+        if not Path(outputs).is_dir():
+            raise UsageError("--outputs is not a directory", path=outputs)
+        return Path(outputs)
+    return outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
+
+
 def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan:
     tgt = Path(target) if target is not None else None
     if tgt is not None and not tgt.exists():
@@ -241,14 +250,7 @@ def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan
             "a 16e747c run dir holds only the orchestrator's config; trainer settings (timeouts, lr, "
             "tokenizer) were not checked: pass the rl.toml the run was launched with"
         )
-    outputs = options.outputs
-    out_dir = (
-        Path(outputs)
-        if outputs is not None
-        else outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
-    )
-    if outputs is not None and not out_dir.is_dir():
-        raise UsageError("--outputs is not a directory", path=out_dir)
+    out_dir = _outputs(options.outputs, cfg, tgt)
     b = None
     try:
         b = resolve_base(options.base, cfg)
@@ -259,65 +261,75 @@ def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan
     return DoctorPlan(tgt, cfg, out_dir, b.dir if b is not None else None, tuple(notes), options)
 
 
-def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
-    """Gather the facts (checkpoints, free disk, the newest weights export against the base, adapter
-    configs) and run every trap. `progress` is accepted for the one contract; nothing reports to it."""
-    o, cfg, out_dir, base_dir, base = (
-        plan.options,
-        plan.config,
-        plan.outputs,
-        plan.base_dir,
-        plan.options.base,
-    )
-    notes = list(plan.notes)
-    steps, free, ckdir, weights, wbytes, adapters = [], None, None, [], 0, []
-    if out_dir is not None:
-        ck = out_dir / "checkpoints"
-        if ck.is_dir():
-            ckdir = ck
-            steps = _step_facts(ck, notes, o.trust_pickle)
-            free = shutil.disk_usage(ck).free
-        if o.compare_weights:
-            weights, wbytes = _weights_facts(out_dir, base_dir, notes)
-        for f in adapter_config_files(out_dir):
-            ra = read_adapter_config(f)
-            if ra is not None:
-                adapters.append(AdapterConfig(str(f), ra[0], ra[1], absent_modules_to_save(f)))
+def _disk_facts(plan: DoctorPlan, notes: list[str]) -> dict:
+    """What the run's outputs dir holds: its checkpoints, the free disk there, the newest weights export
+    against the base, the adapter configs prime-rl wrote (RunFacts' fields)."""
+    o, out_dir = plan.options, plan.outputs
+    got: dict = {
+        "steps": (),
+        "checkpoints_dir": None,
+        "free_bytes": None,
+        "weights": (),
+        "weights_bytes": 0,
+        "adapter_configs": (),
+    }
+    if out_dir is None:
+        return got
+    ck = out_dir / "checkpoints"
+    if ck.is_dir():
+        got["checkpoints_dir"] = str(ck)
+        got["steps"] = tuple(_step_facts(ck, notes, o.trust_pickle))
+        got["free_bytes"] = shutil.disk_usage(ck).free
+    if o.compare_weights:
+        weights, got["weights_bytes"] = _weights_facts(out_dir, plan.base_dir, notes)
+        got["weights"] = tuple(weights)
+    adapters = []
+    for f in adapter_config_files(out_dir):
+        ra = read_adapter_config(f)
+        if ra is not None:
+            adapters.append(AdapterConfig(str(f), ra[0], ra[1], absent_modules_to_save(f)))
+    got["adapter_configs"] = tuple(adapters)
+    return got
+
+
+def _facts(plan: DoctorPlan, notes: list[str]) -> RunFacts:
+    cfg, base_dir, base = plan.config, plan.base_dir, plan.options.base
+    disk = _disk_facts(plan, notes)
     fresh = None
     if (
         cfg is not None
         and cfg.generation == GEN_HEAD
-        and steps
+        and disk["steps"]
         and cfg.value("trainer.model.optim_cpu_offload")
     ):
         fresh = _fresh_lr(cfg, notes)
     facts = RunFacts(
         config=cfg,
-        steps=tuple(steps),
-        checkpoints_dir=str(ckdir) if ckdir else None,
-        free_bytes=free,
-        weights=tuple(weights),
-        weights_bytes=wbytes,
-        adapter_configs=tuple(adapters),
+        **disk,
         model_available=True if base is not None else ((base_dir is not None) if model_name(cfg) else None),
         base=(str(base) if base is not None else (str(base_dir) if base_dir is not None else None)),
         fresh_lr=fresh,
-        decode_rate=o.decode_rate,
+        decode_rate=plan.options.decode_rate,
     )
-    facts = _with_attempts(facts, cfg)
+    return _with_attempts(facts, cfg)
+
+
+def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
+    """Gather the facts (checkpoints, free disk, the newest weights export against the base, adapter
+    configs, the run's launch attempts) and run every trap. `progress` is accepted for the one contract;
+    nothing reports to it."""
+    cfg, tgt, notes = plan.config, plan.target, list(plan.notes)
+    facts = _facts(plan, notes)
     diagnosis = diagnose(facts)
     _resume_note(facts, notes)
-    files_json = (
-        [{"path": str(c.path), "section": c.section or "(rl)", "origin": c.origin} for c in cfg.files.files]
-        if cfg is not None
-        else []
-    )
-    tgt = plan.target
+    files = cfg.files.files if cfg is not None else ()
     return DoctorReport(
         target=str(tgt) if tgt is not None else None,
         generation=cfg.generation if cfg is not None else None,
-        config_files=files_json,
-        outputs=str(out_dir) if out_dir is not None else None,
+        config_files=[
+            {"path": str(c.path), "section": c.section or "(rl)", "origin": c.origin} for c in files
+        ],
+        outputs=str(plan.outputs) if plan.outputs is not None else None,
         checkpoints=[
             {
                 "step": s.step,
@@ -327,7 +339,7 @@ def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
                 "bytes": s.bytes,
                 "lr": s.lr,
             }
-            for s in steps
+            for s in facts.steps
         ],
         findings=diagnosis.findings,
         notes=notes,
