@@ -25,7 +25,7 @@ import click
 
 from .. import dist
 from ..core.errors import CkptError, UsageError
-from ..io import inputs, owned, remote
+from ..io import inputs, owned, remote, staging
 from ..io.files import stdout_to_devnull
 from ..io.owned import TOOL
 from ..io.signals import Terminated, install_signal_handlers
@@ -105,6 +105,18 @@ MULTI_RANK_COMMANDS = ("merge", "export", "rehydrate", "adapter-to-dcp", "slim",
 _NOTHING_WRITTEN = "nothing was written (temporary files removed)"
 
 
+def _what_was_done(exc: BaseException) -> str:
+    """What an interrupted command leaves: its own summary (gc's steps), the outputs it had committed
+    (complete: the interruption came after), or nothing."""
+    done = staging.committed_outputs()
+    if getattr(exc, "summary", None) or not done:
+        return getattr(exc, "summary", None) or _NOTHING_WRITTEN
+    return (
+        f"{', '.join(done)}: written and complete (the interruption came after it was committed); "
+        "what the command had left to do (its report) was not done"
+    )
+
+
 class _Group(click.Group):
     def list_commands(self, ctx):
         return list(COMMANDS)
@@ -137,6 +149,7 @@ class _Group(click.Group):
         verbose = ctx.params.get("verbose")
         as_json = "--json" in argv
         STATE.reset()
+        staging.reset_committed()
         STATE.verbose, STATE.quiet, STATE.as_json = verbose, ctx.params.get("quiet"), as_json
         command = protected[0] if protected else None
 
@@ -160,13 +173,9 @@ class _Group(click.Group):
                 traceback.print_exc()
             fail(type(exc).__name__, f"error: {exc}", exc.exit_code, exc)
         except KeyboardInterrupt as exc:  # `summary`: a command that had written something says what
-            fail("interrupted", f"interrupted: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}", 130)
+            fail("interrupted", f"interrupted: {_what_was_done(exc)}", 130)
         except Terminated as exc:
-            fail(
-                "terminated",
-                f"terminated: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}",
-                exc.exit_code,
-            )
+            fail("terminated", f"terminated: {_what_was_done(exc)}", exc.exit_code)
         except click.ClickException as exc:
             if as_json and not STATE.emitted:  # a usage error of the command's own arguments
                 exc.show()
