@@ -19,9 +19,10 @@ from ..formats.dcp.summary import summarize
 from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, resolve_alpha
 from ..formats.primerl.attempt_facts import attempt_facts
 from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
+from ..formats.primerl.files import locate_run_configs
 from ..formats.primerl.optimizers import optimizer_facts, trained_params
 from ..formats.primerl.resume import checkpoint_generation, param_group_fused, resume_instruction, run_name_of
-from ..formats.primerl.run_dir import run_config_choice
+from ..formats.primerl.run_dir import checkpoints_dir_of, run_config_choice
 from ..formats.primerl.step_dir import FP8, step_extras
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import TORCHTITAN, VERL, sniff, step_number
@@ -228,9 +229,9 @@ def _attempts(choice) -> dict:
 
 
 def inspect_checkpoints_dir(path: Path) -> dict:
-    root = Path(path)
-    if (root / "checkpoints").is_dir() and not any(step_number(c) is not None for c in root.iterdir()):
-        root = root / "checkpoints"
+    """A run's checkpoints dir, from it, its outputs dir or the run dir (`run_dir.checkpoints_dir_of`): each
+    step's state, and the run's config files (found as doctor and report find them)."""
+    root = checkpoints_dir_of(path)
     steps = []
     for c in sorted((c for c in root.iterdir() if step_number(c) is not None), key=step_number):
         trainer = c / "trainer"
@@ -255,10 +256,17 @@ def inspect_checkpoints_dir(path: Path) -> dict:
                 else None,
             }
         )
+    try:
+        found = locate_run_configs(root)
+        configs, problem = ([str(c.path) for c in found.files] if found is not None else []), None
+    except CkptError as exc:  # several runs' configs: said, the steps still listed
+        configs, problem = [], exc.message
     return {
         "format": "checkpoints",
         "path": str(root),
         "steps": steps,
+        "run_config": configs,
+        **({"run_config_problem": problem} if problem else {}),
         "note": f"prime-rl resumes from a full step_N at step N ({_resume_form(steps)}); a slim step "
         "must be rehydrated first (`ckpt rehydrate`)",
     }

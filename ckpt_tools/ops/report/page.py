@@ -258,7 +258,7 @@ def _lr_figure(lr: dict, saved_steps: list[int]):
             color="#718096",
             lw=1.5,
             ls="--",
-            label=f"planned to max_steps {lr['max_steps']}",
+            label=f"planned, to step {lr['max_steps']}",
         )
     if lr.get("set_lr"):
         sl = lr["set_lr"]
@@ -266,13 +266,23 @@ def _lr_figure(lr: dict, saved_steps: list[int]):
         if over:
             ax.plot(*zip(*over), color="#dd6b20", lw=1.8, label=f"after ckpt set-lr (x{sl['factor']:.3g})")
     ax.axvline(lr["step"], color="#c53030", lw=1, ls=":", label=f"checkpoint: step {lr['step']}")
-    for s in saved_steps:
-        if s != lr["step"] and str(s) in lr["past"]:
-            ax.plot([s], [lr["past"][str(s)]], marker="s", color="#c53030", ms=4, ls="none")
+    saved = [s for s in saved_steps if s != lr["step"] and str(s) in lr["past"]]
+    if saved:  # one legend entry for them all
+        ax.plot(
+            saved,
+            [lr["past"][str(s)] for s in saved],
+            marker="s",
+            color="#c53030",
+            ms=4,
+            ls="none",
+            label="another saved checkpoint (its step's lr)",
+        )
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("learning rate")
-    ax.set_title(f"learning rate ({lr['scheduler']}); max_steps from {lr['max_steps_from']}")
+    ax.set_title(
+        f"learning rate ({lr['scheduler']}), planned to step {lr['max_steps']}: {lr['max_steps_from']}"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, frameon=False, loc="best")
     return fig
@@ -331,7 +341,7 @@ def report_figures(r: dict) -> list[tuple[str, str, object]]:
         out.append(
             (
                 "lr",
-                "Learning rate: every past step's, the plan to max_steps",
+                "Learning rate: each past step's, and the plan for the steps to come",
                 _lr_figure(r["lr"], [int(k) for k in steps if k.isdigit()]),
             )
         )
@@ -413,7 +423,10 @@ def report_page(r: dict) -> tuple[str, list]:
     """The page of a `ckpt report` result, and its figures (for --png)."""
     steps = r["steps"]
     last = steps[list(steps)[-1]] if steps else None
-    facts = [("kind", r["kind"]), ("steps", ", ".join(steps) or "-")]
+    facts = [
+        ("kind", r["kind"]),
+        ("checkpoint at step" if len(steps) == 1 else "checkpoints at steps", ", ".join(steps) or "-"),
+    ]
     if last:
         facts.append(("training", last["training"]))
         if last.get("lora_scale") is not None:

@@ -76,6 +76,31 @@ def _trainer(step_dir: Path) -> Path:
     return step_dir / "trainer" if (step_dir / "trainer" / METADATA_NAME).is_file() else step_dir
 
 
+def _max_steps(cfg, configs: tuple[str, ...]) -> tuple[int | None, str]:
+    """The run's max_steps (what the planned lr curve runs to) and where it comes from, said so that a
+    reader of the page understands it: a run config's key, or where the scheduler's last phase ends and why
+    (no run config found, one found that sets none, one that could not be read)."""
+    if cfg is not None:
+        for key in ("trainer.max_steps", "orchestrator.max_steps", "max_steps"):
+            section = key.split(".")[0]
+            if section in cfg.sections or "." not in key:
+                try:
+                    v = cfg.value(key)
+                except (CkptError, KeyError):
+                    continue
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v, f"{key} in the run config"
+    names = ", ".join(Path(c).name for c in configs)
+    why = (
+        "no run config found"
+        if not configs
+        else f"the run config {names} sets no max_steps"
+        if cfg is not None
+        else f"the run config {names} could not be read"
+    )
+    return None, f"where the scheduler's last phase ends ({why})"
+
+
 def plan_report(path: str | Path, options: ReportOptions) -> ReportPlan:
     p = Path(path)
     kind = sniff(p) if p.exists() else None
@@ -130,18 +155,7 @@ def plan_report(path: str | Path, options: ReportOptions) -> ReportPlan:
                 cfg = load_run_config(files)
         except CkptError:
             cfg = None
-    max_steps, max_from = None, "the end of the scheduler's last phase (no run config found)"
-    if cfg is not None:
-        for key in ("trainer.max_steps", "orchestrator.max_steps", "max_steps"):
-            section = key.split(".")[0]
-            if section in cfg.sections or "." not in key:
-                try:
-                    v = cfg.value(key)
-                except (CkptError, KeyError):
-                    continue
-                if isinstance(v, int) and not isinstance(v, bool):
-                    max_steps, max_from = v, f"{key} of the run config"
-                    break
+    max_steps, max_from = _max_steps(cfg, configs)
     base_dir, base_how, base_problem = None, None, None
     needs_base = (
         report_kind == MERGED or options.base is not None or any(s.slim for s in steps) or cfg is not None
