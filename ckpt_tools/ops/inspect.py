@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..core.errors import AlphaError, CkptError, FormatError, MissingPathError, UnsafeInputError, UsageError
-from ..core.keys import classify
+from ..core.keys import LoraStats, classify
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.dcp.model import TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
-from ..formats.dcp.summary import summarize
+from ..formats.dcp.summary import CheckpointSummary, summarize
 from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, resolve_alpha
 from ..formats.primerl.attempt_facts import attempt_facts
 from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
@@ -60,12 +61,52 @@ def detect_format(path: Path) -> str:
 
 
 def inspect_dcp(
-    path: Path, *, alpha: float | None = None, run_config: Path | None = None, trust_pickle: bool = False
+    path: Path,
+    *,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    trust_pickle: bool = False,
 ) -> dict:
     ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle, known_keys_only=False)  # lists unknown keys
     s = summarize(ckpt)
     lora, infos = s.lora, s.infos
-    report = {
+    report = _summary_json(s)
+    # LoRA runs: the base weights trained whole (prime-rl HEAD lora.modules_to_save), known only by their
+    # optimizer state; `extract-adapter` writes them as modules_to_save, `merge` applies them
+    trained = trained_params(ckpt)
+    report["modules_to_save"] = (
+        sorted(
+            i.hf_name or i.key.removeprefix("app.model.")
+            for i in infos
+            if i.group == "base" and i.key.removeprefix("app.model.") in trained
+        )
+        if lora.modules
+        else []
+    )
+    report.update(run_facts(ckpt.dir, s, infos, ckpt))
+    beside = beside_facts(ckpt.dir, bool(lora.modules))
+    report["warnings"] += beside.pop("warnings", [])
+    report.update(beside)
+    report["slim"] = is_slim(ckpt.dir)
+    if report["slim"]:
+        report["warnings"].append(
+            "this is a SLIM checkpoint (frozen base weights removed): prime-rl's strict "
+            "loader cannot resume from it; rebuild it with `ckpt rehydrate`"
+        )
+    if lora.modules:
+        report.update(_alpha_facts(ckpt.dir, lora, alpha, run_config, report))
+    if report["other_keys"]:
+        report["warnings"].append(
+            f"{len(report['other_keys'])} key(s) are not part of prime-rl's layout (group 'other')"
+        )
+    ckpt.close()
+    return report
+
+
+def _summary_json(s: CheckpointSummary) -> dict[str, Any]:
+    """What the summary says of a checkpoint, as `inspect --json` lists it (`warnings` to be added to)."""
+    lora = s.lora
+    return {
         "format": "dcp",
         "path": s.path,
         "keys": s.keys,
@@ -92,59 +133,41 @@ def inspect_dcp(
             "bytes": lora.bytes,
             "ranks_vary": lora.rank is None and lora.modules > 0,
         },
-        "other_keys": [i.key for i in infos if i.group == "other"],
+        "other_keys": [i.key for i in s.infos if i.group == "other"],
         "experts": s.experts,
         "training": "full fine-tune" if s.full_finetune else ("LoRA" if lora.modules else None),
         "warnings": [],
     }
-    # LoRA runs: the base weights trained whole (prime-rl HEAD lora.modules_to_save), known only by their
-    # optimizer state; `extract-adapter` writes them as modules_to_save, `merge` applies them
-    trained = trained_params(ckpt)
-    report["modules_to_save"] = (
-        sorted(
-            i.hf_name or i.key.removeprefix("app.model.")
-            for i in infos
-            if i.group == "base" and i.key.removeprefix("app.model.") in trained
-        )
-        if lora.modules
-        else []
-    )
-    report.update(run_facts(ckpt.dir, s, infos, ckpt))
-    beside = beside_facts(ckpt.dir, bool(lora.modules))
-    report["warnings"] += beside.pop("warnings", [])
-    report.update(beside)
-    report["slim"] = is_slim(ckpt.dir)
-    if report["slim"]:
-        report["warnings"].append(
-            "this is a SLIM checkpoint (frozen base weights removed): prime-rl's strict "
-            "loader cannot resume from it; rebuild it with `ckpt rehydrate`"
-        )
-    if lora.modules:
-        try:
-            res = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=ckpt.dir, rank=lora.rank)
-            report["alpha"] = {
-                "alpha": res.alpha,
-                "source": res.source,
-                "rule": res.rule or report["scale_rule"],
-                "training_scale": res.alpha / lora.rank if lora.rank else None,
-            }
-            report["warnings"] += list(res.warnings)
-        except AlphaError as exc:
-            report["alpha"] = None
-            report["alpha_unresolved"] = exc.message
-        except FormatError as exc:
-            if isinstance(exc, UnsafeInputError):  # a FIFO, a link out of the tree: refused, not read
-                raise
-            # a run config that opens but does not parse: the checkpoint is still reported
-            report["alpha"] = None
-            report["alpha_unresolved"] = f"the run config is unreadable: {exc.render()}"
-            report["warnings"].append(f"run config unreadable, alpha not resolved: {exc.render()}")
-    if report["other_keys"]:
-        report["warnings"].append(
-            f"{len(report['other_keys'])} key(s) are not part of prime-rl's layout (group 'other')"
-        )
-    ckpt.close()
-    return report
+
+
+def _alpha_facts(
+    ckpt_dir: Path,
+    lora: LoraStats,
+    alpha: float | None,
+    run_config: str | Path | None,
+    report: dict[str, Any],
+) -> dict[str, Any]:
+    """The LoRA's alpha as the run set it (`alpha`: its source and rule, the training scale), or why it is
+    not known; its warnings are added to `report`'s."""
+    try:
+        res = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=ckpt_dir, rank=lora.rank)
+    except AlphaError as exc:
+        return {"alpha": None, "alpha_unresolved": exc.message}
+    except FormatError as exc:
+        if isinstance(exc, UnsafeInputError):  # a FIFO, a link out of the tree: refused, not read
+            raise
+        # a run config that opens but does not parse: the checkpoint is still reported
+        report["warnings"].append(f"run config unreadable, alpha not resolved: {exc.render()}")
+        return {"alpha": None, "alpha_unresolved": f"the run config is unreadable: {exc.render()}"}
+    report["warnings"] += list(res.warnings)
+    return {
+        "alpha": {
+            "alpha": res.alpha,
+            "source": res.source,
+            "rule": res.rule or report["scale_rule"],
+            "training_scale": res.alpha / lora.rank if lora.rank else None,
+        }
+    }
 
 
 def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
@@ -233,7 +256,9 @@ def inspect_checkpoints_dir(path: Path) -> dict:
     step's state, and the run's config files (found as doctor and report find them)."""
     root = checkpoints_dir_of(path)
     steps = []
-    for c in sorted((c for c in root.iterdir() if step_number(c) is not None), key=step_number):
+    numbered = [(n, c) for c in root.iterdir() if (n := step_number(c)) is not None]
+    numbered.sort(key=lambda t: t[0])  # (stable: equal numbers keep the listing's order)
+    for n, c in numbered:
         trainer = c / "trainer"
         complete = (trainer / METADATA_NAME).is_file()
         slim = complete and (trainer / SLIM_MANIFEST).is_file()  # `ckpt gc` / `ckpt slim` wrote it
@@ -241,7 +266,7 @@ def inspect_checkpoints_dir(path: Path) -> dict:
         state = "slim" if slim else "full" if complete else "incomplete"
         steps.append(
             {
-                "step": step_number(c),
+                "step": n,
                 "path": str(c),
                 "complete": complete,
                 "slim": slim,
@@ -250,7 +275,7 @@ def inspect_checkpoints_dir(path: Path) -> dict:
                 "beside": [
                     {k: e.to_json()[k] for k in ("name", "kind", "bytes", "complete")} for e in step_extras(c)
                 ],
-                "resumes_at_step": step_number(c) if state == "full" else None,
+                "resumes_at_step": n if state == "full" else None,
                 "to_resume": f"ckpt rehydrate {trainer} OUT --base BASE, then resume from OUT"
                 if slim
                 else None,

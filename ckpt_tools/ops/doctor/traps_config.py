@@ -35,76 +35,63 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------------ config keys
-def _unknown_why(cfg, u, from_run_dir: bool) -> tuple[str, str, str, str | None]:
-    """(severity, why, prime-rl source, fix: None for the default) of one unknown key, by where it is."""
-    table, leaf = u.table, u.path.rpartition(".")[2]
-    if cfg.generation == GEN_HEAD:
-        return (
-            INFO,
-            "not a key of prime-rl 559b447's TrainerConfig: this run comes from another prime-rl "
-            "version; ckpt-tools did not check it",
-            "configs/trainer.py",
-            "none needed if prime-rl wrote it",
-        )
-    if from_run_dir:
-        return (
-            ERROR,
-            "the trainer re-reads this orch.toml and deletes the run dir when it does not validate, "
-            "unknown keys included",
-            "trainer/runs.py:93-139",
-            None,
-        )
-    if u.policy != "drop":
-        return (
-            ERROR,
-            "prime-rl refuses to start: `Extra inputs are not permitted` (its config tables forbid "
-            "unknown keys)",
-            "utils/pydantic_config.py:18-19",
-            None,
-        )
-    why = (
-        f"[{table}] is a plain pydantic model: prime-rl drops unknown keys without a word, so `{leaf}` has "
-        "no effect"
-    )
-    if leaf == "timeout" and table.endswith("weight_broadcast"):
-        why = (
-            "only the NCCL weight broadcast has a timeout; with the filesystem broadcast (LoRA runs) it is "
-            "dropped silently"
-        )
-    elif table == "trainer.optim":
-        why += f": training runs at lr = {cfg.value('trainer.optim.lr'):g}"
-    return ERROR, why, "trainer/config.py:309-376, utils/pydantic_config.py:18-19", None
-
-
 def unknown_keys(facts: RunFacts) -> list[Finding]:
     cfg = facts.config
     if cfg is None:
         return []
-    out = []
     from_run_dir = all(c.origin == "run dir" for c in cfg.files.files)
+    out = []
     for u in cfg.unknown:
-        leaf = u.path.rpartition(".")[2]
-        severity, why, source, fix = _unknown_why(cfg, u, from_run_dir)
-        if fix is None:
-            fix = (
-                f"remove `{leaf} = {toml_value(u.value)}` from [{u.table or 'the top level'}]; keys there: "
-                f"{', '.join(u.known)}"
-            )
+        severity, why, fix, where = _unknown_key_verdict(cfg, u, from_run_dir)
         out.append(
             Finding(
-                "unknown-key",
-                severity,
-                u.path,
-                toml_key(u.path),
-                u.value,
-                None,
-                why,
-                fix,
-                source,
-                str(u.file),
+                "unknown-key", severity, u.path, toml_key(u.path), u.value, None, why, fix, where, str(u.file)
             )
         )
     return out
+
+
+def _unknown_key_verdict(cfg, u, from_run_dir: bool) -> tuple[str, str, str, str]:
+    """(severity, why, fix, where in prime-rl) of an unknown key `u` of the run config: what prime-rl does
+    with it depends on the generation, on who reads the file, and on its table's policy."""
+    table, leaf = u.table, u.path.rpartition(".")[2]
+    known = ", ".join(u.known)
+    fix = f"remove `{leaf} = {toml_value(u.value)}` from [{table or 'the top level'}]; keys there: {known}"
+    if cfg.generation == GEN_HEAD:
+        return (
+            INFO,
+            "not a key of prime-rl 559b447's TrainerConfig: this run comes from another "
+            "prime-rl version; ckpt-tools did not check it",
+            "none needed if prime-rl wrote it",
+            "configs/trainer.py",
+        )
+    if from_run_dir:
+        return (
+            ERROR,
+            "the trainer re-reads this orch.toml and deletes the run dir when it does not "
+            "validate, unknown keys included",
+            fix,
+            "trainer/runs.py:93-139",
+        )
+    if u.policy == "drop":
+        why = (
+            f"[{table}] is a plain pydantic model: prime-rl drops unknown keys without a word, so "
+            f"`{leaf}` has no effect"
+        )
+        if leaf == "timeout" and table.endswith("weight_broadcast"):
+            why = (
+                "only the NCCL weight broadcast has a timeout; with the filesystem broadcast (LoRA "
+                "runs) it is dropped silently"
+            )
+        elif table == "trainer.optim":
+            why += f": training runs at lr = {cfg.value('trainer.optim.lr'):g}"
+        return ERROR, why, fix, "trainer/config.py:309-376, utils/pydantic_config.py:18-19"
+    return (
+        ERROR,
+        "prime-rl refuses to start: `Extra inputs are not permitted` (its config tables forbid unknown keys)",
+        fix,
+        "utils/pydantic_config.py:18-19",
+    )
 
 
 def shadowed_tables(facts: RunFacts) -> list[Finding]:

@@ -12,10 +12,14 @@ import html
 import io
 import math
 import re
+from typing import TYPE_CHECKING, Any
 
 from ...core.keys import layer_of
 from ...core.units import human_bytes
 from .numbers import module_group
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
 
 __all__ = [
     "PROJ_COLUMNS",
@@ -37,7 +41,7 @@ PROJ_COLUMNS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-_RC = {
+_RC: dict[RcKeyType, Any] = {
     "svg.fonttype": "path",
     "svg.hashsalt": "ckpt-report",
     "font.size": 9,
@@ -108,6 +112,11 @@ def _fmt(x) -> str:
 
 
 # ------------------------------------------------------------------------------------------ figures
+def _layers(modules: dict) -> list[int]:
+    """The layers of these modules (each has one), in order."""
+    return sorted({k for n in modules if (k := layer_of(n)) is not None})
+
+
 def _grid(modules: dict, columns: list[str], rows: list[int], key) -> list[list[float | None]]:
     cells = {(layer_of(n), key(n)): m["rel_delta"] for n, m in modules.items()}
     return [[cells.get((r, c)) for c in columns] for r in rows]
@@ -169,7 +178,7 @@ def _heatmaps(step: str, s: dict) -> list[tuple[str, str, object]]:
     if dense:
         groups = sorted({module_group(n) for n in dense})
         columns = [c for c in PROJ_COLUMNS if c in groups] + [g for g in groups if g not in PROJ_COLUMNS]
-        rows = sorted({layer_of(n) for n in dense})
+        rows = _layers(dense)
         out.append(
             (
                 f"heatmap_step_{step}",
@@ -186,7 +195,7 @@ def _heatmaps(step: str, s: dict) -> list[tuple[str, str, object]]:
         )
     projs = [p for p in ("gate_proj", "up_proj", "down_proj") if any(n.endswith("." + p) for n in experts)]
     if projs:
-        rows = sorted({layer_of(n) for n in experts})
+        rows = _layers(experts)
         ids = sorted({int(n.split(".experts.", 1)[1].split(".")[0]) for n in experts})
         fig = _figure(11.5, min(9.0, 2.0 + 0.42 * len(rows)))
         for ax, proj in zip(fig.subplots(1, len(projs)), projs):
