@@ -414,6 +414,32 @@ class MeasuredRun:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, sig)
 
+    def blocked(self) -> int | None:
+        """The signals the child's main thread blocks now (a mask, bit N-1 for signal N; /proc's SigBlk), None
+        once it has exited: where it is in its start-up, read from the kernel, whatever the machine's load."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("State:") and line.split()[1] in ("Z", "X"):
+                        return None
+                    if line.startswith("SigBlk:"):
+                        return int(line.split()[1], 16)
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def wait_until(self, ok, timeout: float = 60.0) -> bool:
+        """Poll `ok(self.blocked())` every millisecond until it holds (True) or the child exits (False)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            mask = self.blocked()
+            if mask is None:
+                return False
+            if ok(mask):
+                return True
+            time.sleep(0.001)
+        return False
+
     def _own_peak(self) -> int:
         """The child's own peak RSS so far (VmHWM of its current address space): the kernel's ru_maxrss of
         a child carries the parent's high-water mark across fork+exec, so a test process that has grown

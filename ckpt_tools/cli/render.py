@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 import sys
 from dataclasses import asdict
@@ -32,7 +31,6 @@ __all__ = [
     "STATE",
     "CliState",
     "clear_progress",
-    "color_enabled",
     "dry_run_label",
     "emit",
     "emit_failure",
@@ -300,11 +298,6 @@ def warn_trust(trust: bool) -> None:
 
 def is_tty() -> bool:
     return sys.stderr.isatty()
-
-
-def color_enabled() -> bool:
-    """NO_COLOR (https://no-color.org) set to anything non-empty turns colour off; so does a non-terminal."""
-    return not os.environ.get("NO_COLOR") and is_tty()
 
 
 class json_errors:

@@ -23,15 +23,7 @@ import torch
 
 from .errors import UsageError
 
-__all__ = [
-    "Truncation",
-    "choose_rank",
-    "ema_weights",
-    "normalize_weights",
-    "singular_values",
-    "stack_terms",
-    "truncate",
-]
+__all__ = ["Truncation", "choose_rank", "ema_weights", "normalize_weights", "stack_terms", "truncate"]
 
 
 def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> list[float]:
@@ -86,11 +78,6 @@ def _core(a: torch.Tensor, b: torch.Tensor):
     return qb, u, s, vh, qa
 
 
-def singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The nonzero-dimension singular values of B @ A (fp64, descending), from the r x r core."""
-    return _core(a, b)[2]
-
-
 def choose_rank(s: torch.Tensor, *, rank: int | None = None, energy: float | None = None) -> int:
     """k for `--rank K` (min(K, len(s))) or `--energy E`: the smallest k whose leading singular values
     keep at least E of sum(s^2) (at least 1, so a module stays a LoRA; a zero delta keeps rank 1)."""
@@ -101,6 +88,7 @@ def choose_rank(s: torch.Tensor, *, rank: int | None = None, energy: float | Non
         if int(rank) < 1:
             raise UsageError(f"--rank {rank}: must be >= 1")
         return max(1, min(int(rank), n))
+    assert energy is not None  # exactly one of the two (checked above)
     if not (math.isfinite(energy) and 0 < energy <= 1):
         raise UsageError(f"--energy {energy!r}: must be in (0, 1]", hint="e.g. --energy 0.99")
     sq = s.to(torch.float64) ** 2

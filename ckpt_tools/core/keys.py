@@ -26,13 +26,17 @@ __all__ = [
     "FUSED_EXPERT_PARAMS",
     "FUSED_PARAM_OF",
     "GROUPS",
+    "HF_DECODER_LAYER",
+    "LAYER_NUMBER",
     "LAYOUTS",
     "LORA_FQN",
     "MODEL_RULES",
     "OPTIM_FIELDS",
+    "PEFT_LORA_KEY",
     "PROGRESS_STEP_KEY",
     "PROJ_W",
     "RULES",
+    "STEP_DIR",
     "GroupStats",
     "KeyInfo",
     "LoraStats",
@@ -49,6 +53,7 @@ __all__ = [
     "fused_param_name",
     "fused_peft_modules",
     "is_stacked_pattern",
+    "layer_of",
     "lora_key",
     "lora_path",
     "module_suffix",
@@ -61,6 +66,7 @@ __all__ = [
     "stacked_hf_pattern",
     "stacked_lora_key",
     "stacked_lora_path",
+    "step_of",
     "summarize_groups",
     "summarize_lora",
     "trainable_params",
@@ -73,6 +79,17 @@ GROUPS = ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progr
 FROZEN_GROUPS = frozenset({"base"})
 
 LORA_FQN = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<slot>\d+)$")
+# A LoRA factor's key in an adapter file, every spelling PEFT and prime-rl's exports write: the optional
+# PEFT prefix, the module, A/B, prime-rl's optional adapter slot, `.weight` (PEFT's own: prefix, no slot).
+PEFT_LORA_KEY = re.compile(
+    r"^(?P<prefix>base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.(?P<slot>\d+))?\.weight$"
+)
+# A decoder layer's number in a module or tensor name (`model.layers.3.mlp...`, `layers.3.`), and in an HF
+# model's own tensor names, where the decoder's layers are `model.layers.N.` (a vision tower's are not).
+LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+HF_DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# A prime-rl step directory's name (`checkpoints/step_N`, `weights/step_N`, `broadcasts/step_N`): fullmatch.
+STEP_DIR = re.compile(r"step_(\d+)")
 OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
 # prime-rl's grouped experts (HEAD, `MultiLoRAGroupedExperts` over torchtitan's `GroupedExperts`): one
@@ -307,6 +324,18 @@ def optimizer_state_path(param_fqn: str, field: str) -> tuple:
 
 
 PROGRESS_STEP_KEY = "app.progress.step"
+
+
+def step_of(name: str) -> int | None:
+    """N for a directory named `step_N` (`STEP_DIR`), else None."""
+    m = STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a module or tensor name is in (`LAYER_NUMBER`), None outside the layers."""
+    m = LAYER_NUMBER.search(name)
+    return int(m.group(1)) if m else None
 
 
 def module_suffix(module: str) -> str:

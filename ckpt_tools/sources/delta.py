@@ -16,29 +16,20 @@ base weight) and from then on serves the rank-k factors. One module's factors ar
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..core.delta_math import Truncation, stack_terms, truncate
-from ..core.errors import CkptError, FormatError, UsageError
-from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, PROGRESS_STEP_KEY, expert_parts
+from ..core.errors import CkptError, FormatError
+from ..core.keys import DEFAULT_LAYOUT, PROGRESS_STEP_KEY, step_of
+from ..formats.handle import LoraModule, LoraSource, TensorFacts
 from ..formats.hf_dir.hub import locate_model
-from ..formats.peft.config import PEFT_PREFIX
-from ..formats.peft.experts import build_fused, fused_config, plan_fused
-from ..formats.peft.writer import (
-    OutTensor,
-    exact_modules_to_save,
-    full_tensor_warning,
-    peft_config,
-    peft_key,
-    target_modules_for,
-)
-from ..formats.primerl.run_dir import resolve_run, step_number
-from .base import TensorFacts
-from .lora import LoraModule, LoraSource
+from ..formats.peft.experts import build_fused
+from ..formats.peft.layout import FullTensor, ModuleFactors, plan_adapter_layout
+from ..formats.peft.writer import OutTensor
+from ..formats.primerl.run_dir import resolve_run
 
 FULL_SUFFIX = "#full"  # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
 
@@ -240,7 +231,7 @@ def lora_step(src: LoraSource) -> int | None:
     progress.step; None when neither says."""
     p = Path(src.path)
     for c in (p, p.parent):
-        n = step_number(c)
+        n = step_of(c.name)
         if n is not None:
             return n
     if src.ckpt is not None and PROGRESS_STEP_KEY in src.ckpt.entries:
@@ -292,68 +283,27 @@ def peft_outputs(
     target_modules: list[str] | None = None,
     layout: str = DEFAULT_LAYOUT,
 ) -> tuple[tuple[OutTensor, ...], dict, tuple[str, ...]]:
-    """The tensors (fp32, sorted by key), adapter_config.json and warnings of `src` as a PEFT adapter: each
-    module at its own rank with scale 1 (lora_alpha = r; modules at another rank than the most common one
-    in rank_pattern / alpha_pattern); trained full tensors under their exact module names in
-    modules_to_save (as `ckpt extract-adapter` writes them). `layout` (`core.keys.LAYOUTS`): grouped-expert
-    modules as PEFT's fused expert LoRA (`peft`, `formats.peft.experts`: gate and up one exact block LoRA; it
-    needs one rank across the experts of a projection, as an exact average or `--rank K` gives) or per expert
-    (`vllm`, `prime-rl`); a dense LoRA is the same file in every layout."""
-    if layout not in LAYOUTS:
-        raise UsageError(f"--layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    experts = [m for m in src.modules if expert_parts(m) is not None]
-    try:
-        fused = (
-            plan_fused({m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in experts}, src.path)
-            if layout == "peft" and experts
-            else []
-        )
-    except FormatError as exc:  # --energy gave the experts of one projection different ranks
-        raise FormatError(
-            exc.message,
-            path=src.path,
-            hint="PEFT's fused expert LoRA needs one rank across the experts: pass --rank K instead "
-            "of --energy, or --layout vllm (per-expert modules)",
-        ) from None
-    per_module = [m for m in src.modules if not fused or m not in set(experts)]
-    ranks = {m: src.modules[m].rank for m in per_module}
-    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else (fused[0].part_rank if fused else 1)
-    others = {m: k for m, k in sorted(ranks.items()) if k != r}
-    if fused:  # the expert modules are reached through target_parameters, not target_modules
-        targets = target_modules_for(sorted(per_module), None)[0] if per_module else []
-    else:
-        targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
-    mts = exact_modules_to_save(sorted(src.full_tensors), None) if src.full_tensors else []
-    cfg = peft_config(
-        r=r,
-        lora_alpha=float(r),
-        target_modules=targets,
+    """The tensors (fp32, sorted by key), adapter_config.json and warnings of `src` as a PEFT adapter
+    (`formats.peft.layout`, as every adapter writer lays one out): each module at its own rank with scale 1
+    (lora_alpha = r; modules at another rank than the most common one in rank_pattern / alpha_pattern);
+    trained full tensors under their exact module names in modules_to_save. `layout` (`core.keys.LAYOUTS`):
+    grouped-expert modules as PEFT's fused expert LoRA (`peft`: it needs one rank across the experts of a
+    projection, as an exact average or `--rank K` gives) or per expert (`vllm`, `prime-rl`); a dense LoRA
+    is the same file in every layout."""
+    plan = plan_adapter_layout(
+        {
+            m: ModuleFactors(
+                spec.a_shape, spec.b_shape, "fp32", "fp32", f"{m}.lora_A", f"{m}.lora_B", spec.fan_in_fan_out
+            )
+            for m, spec in src.modules.items()
+        },
+        {n: FullTensor(tuple(src.key_facts(key).shape), "fp32", key) for n, key in src.full_tensors.items()},
+        layout=layout,
         base_model_name_or_path=base_model_name_or_path,
-        modules_to_save=mts or None,
-        fused=fused_config(fused, 1.0) if fused else None,
+        target_modules=target_modules,
+        path=src.path,
+        fuse_hint="PEFT's fused expert LoRA needs one rank across the experts: pass --rank K instead "
+        "of --energy, or --layout vllm (per-expert modules)",
     )
-    cfg["fan_in_fan_out"] = any(spec.fan_in_fan_out for spec in src.modules.values())
-    cfg["rank_pattern"] = {**cfg.get("rank_pattern", {}), **others}
-    cfg["alpha_pattern"] = {**cfg.get("alpha_pattern", {}), **{m: float(k) for m, k in others.items()}}
-    outs = [
-        OutTensor(
-            peft_key(m, ab),
-            src.modules[m].a_shape if ab == "A" else src.modules[m].b_shape,
-            "fp32",
-            f"{m}.lora_{ab}",
-        )
-        for m in per_module
-        for ab in "AB"
-    ]
-    outs += [
-        OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, "fp32", f.source(ab))
-        for f in fused
-        for ab in "AB"
-    ]
-    src.fused = {f.source(ab): (f, ab) for f in fused for ab in "AB"}
-    outs += [
-        OutTensor(PEFT_PREFIX + n, src.key_facts(key).shape, "fp32", key)
-        for n, key in src.full_tensors.items()
-    ]
-    warning = full_tensor_warning(mts)
-    return tuple(sorted(outs, key=lambda t: t.name)), cfg, (warning,) if warning else ()
+    src.fused = {f.source(ab): (f, ab) for f in plan.fused for ab in "AB"}
+    return plan.tensors, plan.config, (plan.full_warning,) if plan.full_warning else ()
