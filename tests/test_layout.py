@@ -111,7 +111,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/io/hub_fetch.py::download": "to split (#34)",
     "ckpt_tools/formats/peft/config.py::parse_peft_config": "to split (#34)",
     "ckpt_tools/ops/average.py::plan_average": "to split (#34)",
-    "ckpt_tools/formats/primerl/alpha.py::resolve_alpha": "to split (#34)",
 }
 
 
