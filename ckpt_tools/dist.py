@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Literal, TypeVar, overload
 
 from .core.errors import RankFailed, UsageError
 from .core.parts import SOLO, Part, working_ranks
@@ -137,9 +137,10 @@ def env_part(environ=os.environ) -> Part:
     number, from the launch (`launched_part`) and `working_per_node`. An idle rank (`idle_rank`) has none."""
     part = launched_part(environ)
     per_node = working_per_node(environ) if part.world > 1 else None
-    if per_node is None:
+    layout = None if per_node is None else _node_layout(environ)
+    if per_node is None or layout is None:  # (a layout is known where per_node is)
         return part
-    nodes, node, local_rank = _node_layout(environ)
+    nodes, node, local_rank = layout
     if local_rank >= per_node:
         raise UsageError(
             f"rank {part.rank} takes no part in this run (it idles: {per_node} working rank(s) per node)",
@@ -155,7 +156,8 @@ def idle_rank(environ=os.environ) -> bool:
     if part.world == 1:
         return False
     per_node = working_per_node(environ)
-    return per_node is not None and _node_layout(environ)[2] >= per_node
+    layout = None if per_node is None else _node_layout(environ)
+    return per_node is not None and layout is not None and layout[2] >= per_node
 
 
 def _seconds(environ, name: str, default: float) -> float:
@@ -424,6 +426,26 @@ def working(weights: Sequence[int], group: Group | None = None, environ=os.envir
     )
 
 
+@overload
+def map_units(
+    fn: Callable[[int], T],
+    weights: Sequence[int],
+    group: Group | None = None,
+    *,
+    threads: int | None = None,
+    done: Callable[[int, T], None] | None = None,
+    everywhere: Literal[True],
+) -> list[T]: ...
+@overload
+def map_units(
+    fn: Callable[[int], T],
+    weights: Sequence[int],
+    group: Group | None = None,
+    *,
+    threads: int | None = None,
+    done: Callable[[int, T], None] | None = None,
+    everywhere: bool = False,
+) -> list[T] | None: ...
 def map_units(
     fn: Callable[[int], T],
     weights: Sequence[int],

@@ -17,6 +17,10 @@ from __future__ import annotations
 import os
 import sys
 
+TYPE_CHECKING = False  # (typing's is not imported: no import time before the signals are held)
+if TYPE_CHECKING:
+    from .io.signals import Terminated
+
 HELD = None  # the signal mask `__main__` found before it held SIGINT/SIGTERM (None: not run by it)
 
 __all__ = ["main", "run"]
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, _early_term)
-    terminated: tuple[type[BaseException], ...] = (_EarlyTermination,)
+    terminated: tuple[type[_EarlyTermination | Terminated], ...] = (_EarlyTermination,)
     rv = None
     try:
         try:

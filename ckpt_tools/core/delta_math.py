@@ -88,6 +88,7 @@ def choose_rank(s: torch.Tensor, *, rank: int | None = None, energy: float | Non
         if int(rank) < 1:
             raise UsageError(f"--rank {rank}: must be >= 1")
         return max(1, min(int(rank), n))
+    assert energy is not None  # exactly one of the two (checked above)
     if not (math.isfinite(energy) and 0 < energy <= 1):
         raise UsageError(f"--energy {energy!r}: must be in (0, 1]", hint="e.g. --energy 0.99")
     sq = s.to(torch.float64) ** 2

@@ -125,7 +125,7 @@ def lora_param_order(dense: Iterable[str], stacks: Iterable[tuple[str, str]], sl
         n = layer_of(module + ".")
         return -1 if n is None else n
 
-    keyed = [
+    keyed: list[tuple[int, int, tuple, str]] = [
         (layer(fqn.rsplit(".lora_", 1)[0]), 0, (i,), fqn)
         for i, fqn in enumerate(optimizer_param_order(dense, slot))
     ]
@@ -209,6 +209,13 @@ class SchedulerSpec:
                 out.append(f"max_steps {self.max_steps} must exceed the warmup steps {self.warmup_steps}")
         return out
 
+    @property
+    def decay_end(self) -> int:
+        """max_steps, where the schedule decays to it (linear decay, cosine: validated at construction)."""
+        if self.max_steps is None:
+            raise ValueError(f"the {self.kind} scheduler has no max_steps")
+        return self.max_steps
+
     def describe(self) -> str:
         if self.kind == "constant":
             return "ConstantLR(factor=1.0)"
@@ -217,7 +224,7 @@ class SchedulerSpec:
             parts.append(f"LinearLR warmup {self.warmup_steps} steps")
         if self.kind == "linear" and self.decay_steps:
             parts.append(
-                f"constant until step {self.max_steps - self.decay_steps}, linear decay "
+                f"constant until step {self.decay_end - self.decay_steps}, linear decay "
                 f"{self.decay_steps} steps to min lr {self.min_lr:g}"
             )
         if self.kind == "cosine":
@@ -236,12 +243,13 @@ def scheduler_class(fields: set[str]) -> str:
 def _build_scheduler(optimizer, spec: SchedulerSpec, lr: float):
     """prime-rl's trainer/scheduler.py `_setup_scheduler`, for one optimizer."""
     # lazy, as in build_optim_state: the facts of this module import without torch
-    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
     if spec.kind == "constant":
         return ConstantLR(optimizer, factor=1.0)
     min_lr_factor = spec.min_lr / lr if spec.min_lr > 0 else 1e-8
-    schedulers, milestones = [], []
+    schedulers: list[LRScheduler] = []
+    milestones: list[int] = []
     if spec.warmup_steps > 0:
         schedulers.append(
             LinearLR(optimizer, start_factor=min_lr_factor, end_factor=1.0, total_iters=spec.warmup_steps)
@@ -249,7 +257,7 @@ def _build_scheduler(optimizer, spec: SchedulerSpec, lr: float):
         milestones.append(spec.warmup_steps)
     if spec.kind == "linear":
         if spec.decay_steps > 0:
-            decay_start = spec.max_steps - spec.decay_steps
+            decay_start = spec.decay_end - spec.decay_steps
             schedulers.append(
                 LinearLR(
                     optimizer, start_factor=1.0, end_factor=1.0, total_iters=decay_start - spec.warmup_steps
@@ -263,7 +271,7 @@ def _build_scheduler(optimizer, spec: SchedulerSpec, lr: float):
             milestones.append(decay_start)
     else:  # cosine
         schedulers.append(
-            CosineAnnealingLR(optimizer, T_max=spec.max_steps - spec.warmup_steps, eta_min=spec.min_lr)
+            CosineAnnealingLR(optimizer, T_max=spec.decay_end - spec.warmup_steps, eta_min=spec.min_lr)
         )
     if len(schedulers) == 1:
         return schedulers[0]

@@ -196,7 +196,7 @@ def rounds_to_base(out: torch.Tensor, weight: torch.Tensor, block_elems: int = 1
 def update_hash(h, t: torch.Tensor) -> None:
     """Fold a tensor's bytes (its dtype, row-major, little-endian: the slim manifest's HASH_INPUT) in `h`."""
     if t.numel():
-        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def sha256_of_tensor(t: torch.Tensor) -> str:

@@ -42,6 +42,10 @@ def sniff(path) -> str | None:
         return HF
     if is_verl_path(p):
         return VERL
-    if p.is_dir() and (any(step_number(c) is not None for c in p.iterdir()) or (p / "checkpoints").is_dir()):
+    if p.is_dir() and (
+        any(step_number(c) is not None for c in p.iterdir())
+        or (p / "checkpoints").is_dir()  # an outputs dir
+        or (p / "outputs" / "checkpoints").is_dir()  # a run dir (its launch dir: configs/, outputs/)
+    ):
         return CHECKPOINTS
     return None

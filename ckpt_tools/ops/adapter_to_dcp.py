@@ -257,7 +257,8 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
     lora_jobs, param_shape, order = _lora_jobs(ad, stacks, notes)
     jobs += lora_jobs
     # ---- optimizer: fresh, or moments carried from another checkpoint
-    lr, step, hparams = options.lr, options.step, {}
+    lr, step = options.lr, options.step
+    hparams: dict = {}
     if src_ckpt is not None:
         carried, lr, step, hparams = _carried_optimizer(src_ckpt, order, param_shape, lr, step, notes)
         jobs += carried
@@ -682,6 +683,7 @@ def run_adapter_to_dcp(
                 if kind == "adapter":
                     t = ad.read_key(ref).to(torch.float32)
                 elif kind == "ckpt":
+                    assert src_ckpt is not None  # a "ckpt:" source is planned from --optimizer-from only
                     t = src_ckpt.read_tensor(ref).to(torch.float32)
                 else:  # fill:<value>
                     t = torch.full(job.shape, float(ref), dtype=torch.float32)

@@ -27,9 +27,10 @@ __all__ = ["command"]
 def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust_pickle: bool) -> None:
     """Describe a checkpoint, HF model dir or PEFT adapter from metadata alone.
 
-    PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir, an HF
-    model dir, a PEFT adapter dir, a verl checkpoint (its run dir, global_step_N or global_step_N/actor)
-    or a torchtitan one (its dump folder, checkpoint/ or checkpoint/step-N). Reads no tensor data.
+    PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir (or the run
+    dir above it: its steps and run config), an HF model dir, a PEFT adapter dir, a verl checkpoint (its
+    run dir, global_step_N or global_step_N/actor) or a torchtitan one (its dump folder, checkpoint/ or
+    checkpoint/step-N). Reads no tensor data.
 
     \b
     Example:
@@ -75,6 +76,7 @@ def render(r: dict) -> None:
                 )
             else:
                 click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  INCOMPLETE (no .metadata)")
+        click.echo(f"run config: {', '.join(r['run_config']) or r.get('run_config_problem') or 'none found'}")
         click.echo(r["note"])
     elif fmt in ("verl", "torchtitan"):
         _render_trainer(r)

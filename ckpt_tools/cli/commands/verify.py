@@ -107,14 +107,12 @@ def render(r: VerifyReport) -> None:
         "verl": "verl checkpoint",
         "torchtitan": "torchtitan checkpoint",
     }[r.format]
-    proven = r.integrity is None or r.integrity.get("proven")
-    if r.ok and proven:
-        tail = f"; {r.integrity['statement']}" if r.integrity else ""
+    integrity = r.integrity
+    if r.ok and (integrity is None or integrity.get("proven")):
+        tail = f"; {integrity['statement']}" if integrity else ""
         click.echo(f"OK: {r.path}: {kind}, {what}{tail}")
-    elif r.ok:
+    elif r.ok and integrity is not None:
         # well formed (and finite, with --deep), but nothing proves the bytes are the ones written
-        click.echo(
-            f"STRUCTURE OK, INTEGRITY NOT PROVEN: {r.path}: {kind}, {what}; {r.integrity['statement']}"
-        )
+        click.echo(f"STRUCTURE OK, INTEGRITY NOT PROVEN: {r.path}: {kind}, {what}; {integrity['statement']}")
     else:
         click.echo(f"FAILED: {r.path}: {len(r.problems)} problem(s) in this {kind} ({what})")

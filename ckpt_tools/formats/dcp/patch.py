@@ -281,7 +281,10 @@ def _referenced_files(meta_path: Path, root: Path) -> set[str] | None:
         md = load_metadata(
             read_input(meta_path, root=root, what="metadata", max_bytes=MAX_METADATA_BYTES), str(meta_path)
         )
-        return {str(info.relative_path) for info in md.storage_data.values()}
+        storage = getattr(md, "storage_data", None)
+        if not isinstance(storage, dict):
+            return None
+        return {str(info.relative_path) for info in storage.values()}
     except Exception:
         return None
 

@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Literal, overload
 
 from ...core.dtypes import config_dtype_code
 from ...core.errors import FormatError, MissingFileError
@@ -28,6 +29,10 @@ __all__ = [
 ]
 
 
+@overload
+def load_config(d: Path, *, required: Literal[True], hint: str | None = None) -> tuple[dict, str]: ...
+@overload
+def load_config(d: Path, *, required: bool, hint: str | None = None) -> tuple[dict | None, str | None]: ...
 def load_config(d: Path, *, required: bool, hint: str | None = None) -> tuple[dict | None, str | None]:
     """(config.json of dir `d`, its path), (None, None) when absent and not `required`. lexists, not
     is_file: a config that is a FIFO or a symlink out of the dir is refused by name when read."""

@@ -84,6 +84,7 @@ class JobRunner:
 
     # ------------------------------------------------------------------ the actions
     def _merge(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
+        assert job.lora_a is not None and job.lora_b is not None and job.scale is not None  # a merge job's
         a = self.sources.adapter.read_ref(job.lora_a).to(torch.float32)
         b = self.sources.adapter.read_ref(job.lora_b).to(torch.float32)
         check_shapes(

@@ -81,7 +81,7 @@ def lr_curves(
         )
     past = {k + 1: lr for k, lr in enumerate(replay[:-1])}
     if max_steps is None:
-        max_steps, max_steps_from = max(schedule_end(st), epoch), "the end of the scheduler's last phase"
+        max_steps = max(schedule_end(st), epoch)  # `max_steps_from` (the plan's) says so, and why
     remaining = max(0, max_steps - epoch)
     planned = {epoch + 1 + i: lr for i, lr in enumerate(trace_schedule(st, remaining))}
     overlay = None
