@@ -110,7 +110,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/formats/peft/config.py::parse_peft_config": "to split (#34)",
     "ckpt_tools/io/upload_bucket.py::HfBucketWriter.upload": "to split (#34)",
     "ckpt_tools/io/upload.py::_S3Writer.upload": "to split (#34)",
-    "ckpt_tools/formats/primerl/alpha.py::resolve_alpha": "to split (#34)",
 }
 
 

@@ -24,11 +24,12 @@ from pathlib import Path
 
 from ..core.delta_math import ema_weights, normalize_weights
 from ..core.errors import FormatError, UsageError
-from ..core.keys import DEFAULT_LAYOUT
+from ..core.keys import DEFAULT_LAYOUT, classify
 from ..core.progress import Progress
 from ..formats.dcp.layout import is_checkpoint_path
 from ..formats.handle import LoraSource
 from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_bytes, write_adapter
+from ..formats.primerl.optimizers import optimizer_facts
 from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, shared_peft_targets
 from ..sources.open import open_lora_source
 
@@ -273,6 +274,12 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
     facts = [replace(facts[i], weight=w) for i, w in zip(order, weights)]
     src = _weighted_sum(srcs, order, weights)
     warnings = [w for s in srcs for w in s.warnings]
+    absent = {
+        optimizer_facts(classify(k, e.path) for k, e in s.ckpt.entries.items()).absent
+        for s in srcs
+        if s.ckpt is not None
+    } - {None}
+    warnings += [f"{a}: nothing of the optimizer is averaged (the LoRA factors are)" for a in sorted(absent)]
     rule = None
     if options.rank is not None or options.energy is not None:
         rule = {"rank": int(options.rank)} if options.rank is not None else {"energy": float(options.energy)}
