@@ -22,10 +22,10 @@ import threading
 import torch
 
 from ...core.errors import FormatError
-from ...core.keys import trainable_params
 from ...formats.handle import Source
 from ...formats.peft.adapter import PeftAdapter
 from ...formats.peft.config import matches_target_modules
+from ...formats.primerl.optimizers import trained_params
 from .facts import AdapterFacts, BaseFacts
 
 __all__ = [
@@ -98,7 +98,7 @@ def check_masters_match_base(hf: Source, ckpt) -> dict:
     base_path = hf.path
     dcp = ckpt.base_weights()
     try:
-        names = _sample_names(dcp, hf, trainable_params({k: e.path for k, e in ckpt.entries.items()}))
+        names = _sample_names(dcp, hf, trained_params(ckpt))
         compared = 0
         for name in names:
             rows, cols = dcp.facts(name).shape
