@@ -178,7 +178,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (no copy)."""
     import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
 
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class Source:
