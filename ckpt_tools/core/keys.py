@@ -437,9 +437,10 @@ def expert_parts(module: str) -> tuple[str, int, str] | None:
     return None
 
 
-def expert_index_clashes(modules) -> list[tuple[str, str]]:
+def expert_index_clashes(modules) -> list[tuple[str, str, int]]:
     """Pairs of module names that `expert_parts` reads as one expert of one projection, spelled two ways
-    (`experts.3.gate_proj` and `experts.03.gate_proj`): which one is expert 3 is ambiguous."""
+    (`experts.3.gate_proj` and `experts.03.gate_proj`), with the expert they both name: which one is expert 3
+    is ambiguous."""
     seen: dict[tuple[str, int, str], str] = {}
     out = []
     for m in sorted(modules):
@@ -447,7 +448,7 @@ def expert_index_clashes(modules) -> list[tuple[str, str]]:
         if parts is None:
             continue
         if parts in seen:
-            out.append((seen[parts], m))
+            out.append((seen[parts], m, parts[1]))
         else:
             seen[parts] = m
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ BIN_NAME = "adapter_model.bin"
 MAX_RANK = 1 << 16
 
 # Config fields that switch on a LoRA variant whose math is not W + s*B@A. (field, "off" test)
-UNSUPPORTED_VARIANTS: tuple[tuple[str, object], ...] = (
+UNSUPPORTED_VARIANTS: tuple[tuple[str, Callable[[object], bool]], ...] = (
     ("use_dora", lambda v: not v),
     ("lora_bias", lambda v: not v),
     ("use_qalora", lambda v: not v),
