@@ -76,7 +76,9 @@ class Uploaded:
 
 _PENDING: list[tuple[RemoteUrl, Path]] = []
 _DIRS: list[Path] = []
-_LATER: dict[str, object] = {}  # a staged file's real path -> the remote input's object it holds unchanged
+# a staged file's (st_dev, st_ino) -> the remote input's object it holds unchanged (by inode: the file is
+# made in an AtomicOutputDir's temp dir, renamed into place before the upload)
+_LATER: dict[tuple[int, int], object] = {}
 _BOUND: set[str] = set()  # every local OUT handed out for a URL (kept after its staging dir is gone)
 
 
@@ -130,8 +132,11 @@ def copy_later(dst, source) -> None:
     """`dst` (new, in a staged OUT) is the remote input's object `source` unchanged: an empty file is made
     there, and the upload takes `source` for it (copied server-side where the store can)."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    os.close(fd)
-    _LATER[os.path.realpath(dst)] = source
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    _LATER[(st.st_dev, st.st_ino)] = source
 
 
 def pending() -> bool:
@@ -148,9 +153,10 @@ def _staging_dir(prefix: str) -> Path:
 
 def _source_of(path: Path):
     """The remote input's object the staged file `path` holds unchanged, else None."""
-    found = _LATER.get(os.path.realpath(path))
+    st = os.stat(path)
+    found = _LATER.get((st.st_dev, st.st_ino))
     if found is None and remote.active():
-        found = remote.object_of_stat(os.stat(path))
+        found = remote.object_of_stat(st)
     return found
 
 
