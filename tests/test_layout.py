@@ -120,7 +120,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/formats/slim/manifest.py::read_manifest": "to split (#34)",
     "ckpt_tools/formats/dcp/checks.py::_check_item": "to split (#34)",
     "ckpt_tools/ops/gc/plan.py::_classify": "to split (#34)",
-    "ckpt_tools/formats/dcp/lr_plan.py::plan_set_lr": "to split (#34)",
     "ckpt_tools/ops/doctor/traps_config.py::unknown_keys": "to split (#34)",
     "ckpt_tools/ops/report/plan.py::plan_report": "to split (#34)",
     "ckpt_tools/ops/diff/run.py::run_diff": "to split (#34)",

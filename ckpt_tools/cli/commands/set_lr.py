@@ -28,8 +28,27 @@ def _value(v) -> str:
     return human_number(v)
 
 
-def render_result(r: dict) -> None:
+def _render_verl(r: dict) -> None:
+    """A verl role dir's rank files rewritten (optim_/extra_state_: data.pkl patched), the rest linked."""
+    how = ", ".join(f"{n} {m}" for m, n in sorted(r["rewritten"].items()))
+    kept = ", ".join(f"{n} {m}" for m, n in sorted(r["linked"].items())) or "none"
     if r["in_place"]:
+        click.echo(
+            f"  patched in place: {len(r['files'])} rank files rewritten ({how}, "
+            f"{human_bytes(r['bytes_written'])}), the dir switched atomically; the old one kept as "
+            f"{r['backup']} (hard links: remove it once resumed)"
+        )
+    else:
+        click.echo(
+            f"  wrote {r['out']}: {len(r['files'])} rank files rewritten ({how}, "
+            f"{human_bytes(r['bytes_written'])}); other files: {kept}; {r['seconds']:.3f}s"
+        )
+
+
+def render_result(r: dict) -> None:
+    if r.get("format") == "verl":
+        _render_verl(r)
+    elif r["in_place"]:
         click.echo(
             f"  patched in place: {r['patch_file']} + new .metadata ({human_bytes(r['bytes_written'])}); "
             f"old metadata kept as {r['backup']}"
