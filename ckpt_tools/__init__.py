@@ -34,6 +34,24 @@ __all__ = [
 _API = frozenset(__all__) - {"__version__"}
 
 
+def _hold_signals_for_main():
+    """`python -m ckpt_tools` imports this package first: Ctrl-C and SIGTERM are held from here (a
+    Ctrl-C in the first instants printed a traceback), for `__main__` and `entry.main` to release once
+    the CLI is imported (entry.py). Only then: while runpy locates `ckpt_tools` itself (`sys.argv[0]` is
+    `-m` during that); any other import of the package changes nothing. The mask found before, or None."""
+    import sys
+
+    argv = getattr(sys, "orig_argv", [])
+    if sys.argv[:1] != ["-m"] or "-m" not in argv or argv[argv.index("-m") + 1 :][:1] != ["ckpt_tools"]:
+        return None
+    import _signal
+
+    return _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
+
+
+startup_signal_mask = _hold_signals_for_main()
+
+
 def __getattr__(name: str):
     if name == "__version__":
         from .io.owned import tool_version

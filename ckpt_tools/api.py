@@ -253,7 +253,7 @@ def extract_adapter(
     with _command("extract-adapter", download):
         with _loading():
             from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
-            from .sources.lora import open_checkpoint_lora
+            from .sources.open import open_checkpoint_lora
         with open_checkpoint_lora(
             ckpt, alpha=alpha, run_config=run_config, slot=slot, trust_pickle=trust_pickle
         ) as src:

@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Literal, TypeVar, overload
 
 from .core.errors import RankFailed, UsageError
 from .core.parts import SOLO, Part, working_ranks
@@ -55,7 +55,6 @@ __all__ = [
     "local_workers",
     "map_units",
     "min_bytes_per_rank",
-    "under_torchrun",
     "working",
     "working_per_node",
 ]
@@ -138,9 +137,10 @@ def env_part(environ=os.environ) -> Part:
     number, from the launch (`launched_part`) and `working_per_node`. An idle rank (`idle_rank`) has none."""
     part = launched_part(environ)
     per_node = working_per_node(environ) if part.world > 1 else None
-    if per_node is None:
+    layout = None if per_node is None else _node_layout(environ)
+    if per_node is None or layout is None:  # (a layout is known where per_node is)
         return part
-    nodes, node, local_rank = _node_layout(environ)
+    nodes, node, local_rank = layout
     if local_rank >= per_node:
         raise UsageError(
             f"rank {part.rank} takes no part in this run (it idles: {per_node} working rank(s) per node)",
@@ -156,7 +156,8 @@ def idle_rank(environ=os.environ) -> bool:
     if part.world == 1:
         return False
     per_node = working_per_node(environ)
-    return per_node is not None and _node_layout(environ)[2] >= per_node
+    layout = None if per_node is None else _node_layout(environ)
+    return per_node is not None and layout is not None and layout[2] >= per_node
 
 
 def _seconds(environ, name: str, default: float) -> float:
@@ -198,11 +199,6 @@ def check_env(environ=os.environ) -> tuple[str, int]:
     return addr, int(port)
 
 
-def under_torchrun(environ=os.environ) -> bool:
-    """True when torchrun launched this process with more than one rank."""
-    return launched_part(environ).world > 1
-
-
 class Group:
     """How ranks agree. `part` is this rank's share; the collectives are no-ops for one process."""
 
@@ -236,7 +232,7 @@ class TorchGroup(Group):
     """A gloo process group of torchrun's ranks (initialized once, on first use)."""
 
     def __init__(self, part: Part):
-        # torch.distributed is imported here, not at module top: the CLI asks `under_torchrun()` on
+        # torch.distributed is imported here, not at module top: the CLI asks `launched_part()` on
         # every command, and torch-free commands (inspect, verify of metadata) must stay torch-free.
         import torch
         import torch.distributed as tdist
@@ -430,6 +426,26 @@ def working(weights: Sequence[int], group: Group | None = None, environ=os.envir
     )
 
 
+@overload
+def map_units(
+    fn: Callable[[int], T],
+    weights: Sequence[int],
+    group: Group | None = None,
+    *,
+    threads: int | None = None,
+    done: Callable[[int, T], None] | None = None,
+    everywhere: Literal[True],
+) -> list[T]: ...
+@overload
+def map_units(
+    fn: Callable[[int], T],
+    weights: Sequence[int],
+    group: Group | None = None,
+    *,
+    threads: int | None = None,
+    done: Callable[[int, T], None] | None = None,
+    everywhere: bool = False,
+) -> list[T] | None: ...
 def map_units(
     fn: Callable[[int], T],
     weights: Sequence[int],

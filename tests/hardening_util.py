@@ -414,6 +414,32 @@ class MeasuredRun:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, sig)
 
+    def blocked(self) -> int | None:
+        """The signals the child's main thread blocks now (a mask, bit N-1 for signal N; /proc's SigBlk), None
+        once it has exited: where it is in its start-up, read from the kernel, whatever the machine's load."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("State:") and line.split()[1] in ("Z", "X"):
+                        return None
+                    if line.startswith("SigBlk:"):
+                        return int(line.split()[1], 16)
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def wait_until(self, ok, timeout: float = 60.0) -> bool:
+        """Poll `ok(self.blocked())` every millisecond until it holds (True) or the child exits (False)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            mask = self.blocked()
+            if mask is None:
+                return False
+            if ok(mask):
+                return True
+            time.sleep(0.001)
+        return False
+
     def _own_peak(self) -> int:
         """The child's own peak RSS so far (VmHWM of its current address space): the kernel's ru_maxrss of
         a child carries the parent's high-water mark across fork+exec, so a test process that has grown
@@ -908,3 +934,32 @@ def hf_cache(base: Path, cache: Path, commit: str, repo: str = "org/tiny") -> Pa
         (snap / f.name).symlink_to(os.path.relpath(blob, snap))
     (folder / "refs" / "main").write_text(commit)
     return folder
+
+
+def resave_dcp(src: Path, dst: Path, edit) -> Path:
+    """`src` (a DCP checkpoint) loaded with torch.distributed.checkpoint into its nested state dict (the
+    trainer's shape, by planner path), passed through `edit(sd)`, and saved at `dst` by
+    `torch.distributed.checkpoint.save` (one process): a genuine checkpoint holding what `edit` made."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(src)).read_metadata()
+    sd: dict = {}
+    for k, v in md.state_dict_metadata.items():
+        *parents, leaf = md.planner_data[k]
+        d = sd
+        for name in parents:
+            d = d.setdefault(name, {})
+        d[leaf] = torch.empty(v.size, dtype=v.properties.dtype) if hasattr(v, "size") else None
+
+    def lists(d):  # an int-indexed level (param_groups) back to the list it was
+        if isinstance(d, dict):
+            d = {k: lists(v) for k, v in d.items()}
+            return [d[i] for i in range(len(d))] if d and all(isinstance(k, int) for k in d) else d
+        return d
+
+    sd = lists(sd)
+    dcp.load(sd, checkpoint_id=str(src), no_dist=True)
+    edit(sd)
+    dcp.save(sd, checkpoint_id=str(dst), no_dist=True)
+    return dst

@@ -36,6 +36,16 @@ class Case:
         return f"{self.command}-{self.kind}" + (f"-{self.name}" if self.name else "")
 
 
+def _fp8(tmp: Path) -> Path:
+    from ckpt_tools.cli import main
+    from click.testing import CliRunner
+
+    out = tmp / "fp8"
+    r = CliRunner().invoke(main, ["merge", str(BASE), str(TRAINER), str(out), "--dtype", "fp8"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
 def _slim(tmp: Path) -> Path:
     from ckpt_tools.cli import main
     from click.testing import CliRunner
@@ -96,6 +106,7 @@ CASES: list[Case] = [
     *_pair("export", lambda t: [G_TRAINER, t / "exported"], lambda t: [t / "missing", t / "exported"], 2),
     Case("diff-vs-base", "success", lambda t: [MERGED, BASE]),
     Case("diff-vs-base", "success", lambda t: [EXPORT, BASE], 3, name="identical"),
+    Case("diff-vs-base", "success", lambda t: [_fp8(t), BASE, "--adapter", ADAPTER], name="fp8"),
     Case("diff-vs-base", "failure", lambda t: [t / "missing", BASE], 2),
     Case("verify", "success", lambda t: [TRAINER]),
     Case("verify", "success", lambda t: [ADAPTER, "--base", BASE], name="peft"),

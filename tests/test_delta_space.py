@@ -344,7 +344,7 @@ def test_moe_average_in_the_peft_layout_loads_in_peft_and_applies_every_expert(m
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ckpt_tools.sources.lora import PeftLoraSource
+    from ckpt_tools.formats.peft.adapter import open_peft_adapter
 
     spec, run = moe
     ckpts = [run.checkpoints[s] for s in (1, 2, 3)]
@@ -353,7 +353,8 @@ def test_moe_average_in_the_peft_layout_loads_in_peft_and_applies_every_expert(m
     cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     keys = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     assert cfg["target_parameters"] and not any(re.search(r"\.experts\.\d+\.", k) for k in keys), sorted(keys)[:4]
-    with PeftLoraSource(tmp_path / "peft") as fused, PeftLoraSource(tmp_path / "prime-rl") as per_expert:
+    with open_peft_adapter(tmp_path / "peft", strict=True).lora() as fused, \
+            open_peft_adapter(tmp_path / "prime-rl", strict=True).lora() as per_expert:
         assert sorted(fused.modules) == sorted(per_expert.modules)
         for m in per_expert.modules:
             for x, y in zip(fused.read_pair(m), per_expert.read_pair(m)):

@@ -72,6 +72,7 @@ MERGES = {
     "merge HF base": ["merge", BASE, TRAINER, "{out}", *SHARD],
     "merge --base-from-checkpoint": ["merge", "--base-from-checkpoint", TRAINER, "{out}", "--config-from", WEIGHTS,
                                      *SHARD],
+    "merge --dtype fp8": ["merge", BASE, TRAINER, "{out}", "--dtype", "fp8", "--max-shard-size", "60KB"],  # 5 shards
 }
 
 

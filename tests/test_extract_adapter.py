@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckpt_tools.cli import main
-from ckpt_tools.sources.lora import DcpLoraSource
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 from ckpt_tools.ops.extract_adapter import ExtractOptions, plan_extract, run_extract
 
 from .conftest import BASE, FIXTURE, TRAINER, json_payload
@@ -118,7 +118,7 @@ def test_peft_from_pretrained_of_extracted_adapter_gives_the_reference_adapters_
 
 
 def test_extract_reads_only_the_lora_items(tmp_path):
-    src = DcpLoraSource(TRAINER, alpha=None, run_config=None)
+    src = DcpCheckpoint.open(TRAINER).lora(alpha=None, run_config=None)
     plan = plan_extract(src, ExtractOptions(out=tmp_path / "a"))
     lora_items = {(c.file, c.offset, c.length) for k in src.lora_keys() for c in src.ckpt.entries[k].chunks}
     rep = run_extract(plan, src).to_json()

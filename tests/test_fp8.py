@@ -374,3 +374,17 @@ def test_inspect_and_verify_deep_read_an_fp8_dir_in_prime_rl_s_weights_fp8_place
     assert r.exit_code != 0
     assert "model.layers.0.self_attn.q_proj.weight" in r.output and "without its" in r.output
     assert "not finite and positive" in r.output
+
+
+def test_adapter_to_dcp_against_an_fp8_base_checks_logical_shapes_and_writes_dequantized_masters(tiny_merge, tmp_path):
+    from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+
+    fp8_base, _ = tiny_merge
+    out = tmp_path / "resume"
+    r = run("adapter-to-dcp", TINY / "reference_peft_adapter", out, "--base", fp8_base, "--lr", "1e-5")
+    assert r.exit_code == 0, r.output
+    stored = load_dir(fp8_base)
+    with DcpCheckpoint.open(out) as ckpt, ckpt.base_weights() as masters:
+        name = "model.layers.1.mlp.down_proj.weight"  # [64, 162]: a partial column block
+        assert torch.equal(masters.read_tensor(name), dequant(stored[name], stored[name + "_scale_inv"]))
+        assert not any(n.endswith("_scale_inv") for n in masters.names())

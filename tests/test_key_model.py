@@ -57,3 +57,28 @@ def test_a_stacked_factor_counts_one_module_per_expert():
     st = summarize_lora(infos, shapes, {})
     assert st.modules == 8 * 3 + 1 and st.expert_modules == 24 and st.rank == 4
     assert st.targets == ("experts", "q_proj")
+
+
+def test_step_dirs_layers_and_adapter_lora_keys_are_read_by_one_row_each():
+    """The names every module reads the same way: a step dir, a decoder layer, a LoRA factor's key in an
+    adapter file (PEFT's spelling and prime-rl's exports': no prefix, an adapter slot)."""
+    from ckpt_tools.core.keys import HF_DECODER_LAYER, PEFT_LORA_KEY, layer_of, step_of
+
+    assert [step_of(n) for n in ("step_12", "step_0", "step_", "step_3.tmp", "xstep_3", "trainer")] == \
+        [12, 0, None, None, None, None]
+    assert [layer_of(n) for n in ("model.layers.7.mlp.up_proj", "layers.2.attn.", "model.layers.x.",
+                                  "model.embed_tokens")] == [7, 2, None, None]
+    assert HF_DECODER_LAYER.match("model.layers.3.mlp.up_proj.weight")[1] == "3"
+    assert HF_DECODER_LAYER.match("model.visual.layers.3.mlp.weight") is None   # not the decoder's
+    spell = {k: (m["prefix"], m["module"], m["ab"], m["slot"]) if (m := PEFT_LORA_KEY.match(k)) else None for k in (
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",   # PEFT
+        "model.layers.0.mlp.up_proj.lora_B.weight",                    # prime-rl's broadcast
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.1.weight", # prime-rl's weights export (slot)
+        "base_model.model.model.embed_tokens.weight",                  # not a LoRA factor
+    )}
+    assert list(spell.values()) == [
+        ("base_model.model.", "model.layers.0.mlp.up_proj", "A", None),
+        (None, "model.layers.0.mlp.up_proj", "B", None),
+        ("base_model.model.", "model.layers.0.mlp.up_proj", "A", "1"),
+        None,
+    ]

@@ -5,6 +5,7 @@ form no import cycle, DCP items are decoded in one module, public modules declar
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,45 +106,13 @@ def test_no_private_name_crosses_a_module_boundary():
 # must go (the list only shrinks).
 MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS_ALLOWED = {
-    "ckpt_tools/io/pickle_scan.py::_scan": "to split (#34)",
-    "ckpt_tools/ops/fix_adapter/__init__.py::plan_fix": "to split (#34)",
-    "ckpt_tools/ops/adapter_to_dcp.py::plan_adapter_to_dcp": "to split (#34)",
-    "ckpt_tools/ops/merge/plan.py::plan_from_facts": "to split (#34)",
-    "ckpt_tools/formats/dcp/checks.py::verify_dcp": "to split (#34)",
-    "ckpt_tools/ops/extract_adapter.py::plan_extract": "to split (#34)",
-    "ckpt_tools/formats/hf_dir/checks.py::check_index": "to split (#34)",
-    "ckpt_tools/ops/merge/pipeline.py::_write_tensors": "to split (#34)",
-    "ckpt_tools/formats/slim/writer.py::write_slim": "to split (#34)",
-    "ckpt_tools/ops/rehydrate/run.py::run_rehydrate": "to split (#34)",
-    "ckpt_tools/formats/safetensors/header.py::parse_header": "to split (#34)",
-    "ckpt_tools/ops/rehydrate/plan.py::plan_rehydrate": "to split (#34)",
-    "ckpt_tools/formats/slim/manifest.py::read_manifest": "to split (#34)",
-    "ckpt_tools/formats/dcp/checks.py::_check_item": "to split (#34)",
-    "ckpt_tools/ops/gc/plan.py::_classify": "to split (#34)",
-    "ckpt_tools/ops/doctor/traps_config.py::unknown_keys": "to split (#34)",
-    "ckpt_tools/ops/report/plan.py::plan_report": "to split (#34)",
-    "ckpt_tools/ops/diff/run.py::run_diff": "to split (#34)",
-    "ckpt_tools/ops/inspect.py::inspect_dcp": "to split (#34)",
-    "ckpt_tools/ops/verify/digests.py::check_digests": "to split (#34)",
     "ckpt_tools/formats/peft/adapter.py::PeftAdapter.__init__": "to split (#34)",
-    "ckpt_tools/formats/dcp/model.py::_parse": "to split (#34)",
     "ckpt_tools/io/hub_fetch.py::download": "to split (#34)",
     "ckpt_tools/formats/peft/config.py::parse_peft_config": "to split (#34)",
-    "ckpt_tools/formats/dcp/lora.py::DcpLoraSource.__init__": "to split (#34)",
-    "ckpt_tools/ops/rehydrate/rebuild.py::TensorRun.start": "to split (#34)",
-    "ckpt_tools/formats/dcp/model.py::_tensor": "to split (#34)",
     "ckpt_tools/ops/average.py::plan_average": "to split (#34)",
     "ckpt_tools/io/upload_bucket.py::HfBucketWriter.upload": "to split (#34)",
-    "ckpt_tools/formats/dcp/model.py::_index_storage": "to split (#34)",
-    "ckpt_tools/cli/commands/diff_vs_base.py::render": "to split (#34)",
-    "ckpt_tools/ops/verify/peft.py::verify_peft": "to split (#34)",
-    "ckpt_tools/formats/dcp/summary.py::summarize": "to split (#34)",
-    "ckpt_tools/cli/__init__.py::_Group.invoke": "to split (#34)",
-    "ckpt_tools/ops/doctor/run.py::run_doctor": "to split (#34)",
     "ckpt_tools/io/upload.py::_S3Writer.upload": "to split (#34)",
     "ckpt_tools/formats/primerl/alpha.py::resolve_alpha": "to split (#34)",
-    "ckpt_tools/ops/diff/run.py::_verdict": "to split (#34)",
-    "ckpt_tools/formats/slim/partition.py::partition": "to split (#34)",
 }
 
 
@@ -256,15 +225,6 @@ def import_cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 # The cycles main had when this rule came (#34 and #33 remove them): a cycle may shrink, never grow or appear.
 KNOWN_CYCLES = [
     {
-        "ckpt_tools.formats.dcp.lora",
-        "ckpt_tools.formats.dcp.reader",
-        "ckpt_tools.formats.dcp.views",
-        "ckpt_tools.formats.handle",
-        "ckpt_tools.formats.peft.adapter",
-        "ckpt_tools.formats.peft.experts",
-        "ckpt_tools.formats.peft.lora",
-    },
-    {
         "ckpt_tools.io.files",
         "ckpt_tools.io.inputs",
         "ckpt_tools.io.pread",
@@ -298,6 +258,72 @@ def test_the_cycle_rule_sees_a_cycle_through_a_lazy_import(tmp_path):
     (pkg / "io" / "d.py").write_text("from .c import x\n")
     cycles = import_cycles(import_graph(pkg))
     assert cycles == [{"ckpt_tools.io.a", "ckpt_tools.io.b", "ckpt_tools.io.c"}]
+
+
+# Names every module reads alike are rows of a key table: a regex literal naming a (prime-rl) step dir, a
+# decoder layer or a LoRA factor is written in core/keys.py, or in a format's own key table
+# (formats/<format>/keys.py: its names, mapped to the HF ones).
+KEY_PATTERN_WORDS = re.compile(r"(?<![A-Za-z_])step_|layers|lora_")
+
+
+def is_key_table(where: str) -> bool:
+    return where == "ckpt_tools/core/keys.py" or re.fullmatch(r"ckpt_tools/formats/\w+/keys\.py", where) is not None
+
+
+def key_pattern_literals(source: str, where: str) -> list[str]:
+    """`where:line` of each `re.<compile|match|search|fullmatch|findall|sub>(LITERAL, ...)` whose literal
+    names a step dir, a layer or a LoRA factor."""
+    bad = []
+    for n in ast.walk(ast.parse(source)):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "re"
+            and n.func.attr in ("compile", "match", "search", "fullmatch", "findall", "sub", "finditer")
+            and n.args
+            and isinstance(n.args[0], ast.Constant)
+            and isinstance(n.args[0].value, str)
+            and KEY_PATTERN_WORDS.search(n.args[0].value)
+        ):
+            bad.append(f"{where}:{n.lineno}")
+    return sorted(bad)
+
+
+def test_step_layer_and_lora_key_patterns_are_rows_of_the_key_table():
+    bad = [v for p in modules() if not is_key_table(rel(p)) for v in key_pattern_literals(p.read_text(), rel(p))]
+    assert bad == []
+
+
+def test_the_key_pattern_rule_sees_each_call():
+    src = (
+        'import re\nA = re.compile(r"^step_(\\d+)$")\ndef f(n):\n    return re.search(r"\\.layers\\.(\\d+)\\.", n)\n'
+        'B = re.compile(r"^(?P<m>.+)\\.lora_(?P<ab>[AB])\\.weight$")\nC = re.compile(r"^[0-9a-f]{64}$")\n'
+        'D = re.compile(r"global_step_(\\d+)")\n'
+    )
+    assert key_pattern_literals(src, "m.py") == ["m.py:2", "m.py:4", "m.py:5"]
+    assert is_key_table("ckpt_tools/core/keys.py") and is_key_table("ckpt_tools/formats/verl/keys.py")
+    assert not is_key_table("ckpt_tools/formats/verl/layout.py")
+
+
+# One planner per job: every command that writes a PEFT adapter dir (extract-adapter, fix-adapter,
+# average, resize-adapter, restart-prep's adapter check) lays it out through formats/peft/layout.py; the
+# layout rules it applies are called nowhere else.
+ADAPTER_LAYOUT_RULES = ("peft_config", "target_modules_for", "exact_modules_to_save", "plan_fused",
+                        "fused_config", "full_tensor_warning")
+
+
+def test_every_adapter_dir_is_laid_out_by_the_one_planner():
+    bad = []
+    for p in modules():
+        if rel(p).startswith("ckpt_tools/formats/peft/"):
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Call):
+                name = n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
+                if name in ADAPTER_LAYOUT_RULES:
+                    bad.append(f"{rel(p)}:{n.lineno}: {name}")
+    assert bad == []
 
 
 def test_dcp_items_are_decoded_in_one_module():
@@ -357,7 +383,7 @@ def test_the_metadata_side_needs_no_torch(what):
         "byte movers": "import ckpt_tools.ops.slim, ckpt_tools.ops.extract_adapter, ckpt_tools.sources.hashing\n"
         "import ckpt_tools.formats.dcp.writer, ckpt_tools.formats.dcp.metadata_pickle\n"
         "import ckpt_tools.formats.peft.writer, ckpt_tools.formats.safetensors.writer\n"
-        "import ckpt_tools.core.casts, ckpt_tools.formats.slim.writer, ckpt_tools.sources.lora",
+        "import ckpt_tools.core.casts, ckpt_tools.formats.slim.writer, ckpt_tools.sources.open",
     }[what]
     code += "\nimport sys\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
@@ -601,7 +627,7 @@ def test_every_command_is_a_thin_client_of_the_api():
     assert len(commands) >= 18
     bad = [v for p in commands for v in command_import_violations(p.read_text(), rel(p))]
     assert bad == [], "\n".join(bad)
-    # each command calls the api (its one call, `api.<command>(...)`; export's through merge's `finish_merge`)
+    # each command calls the api (its one call, `api.<command>(...)`)
     assert [rel(p) for p in commands if p.name != "__init__.py" and "api." not in p.read_text()] == []
 
 

@@ -15,7 +15,6 @@ from ckpt_tools.formats.dcp.writer import DcpWriter
 from ckpt_tools.formats.dcp.layout import row_chunks
 from ckpt_tools.core.errors import FormatError, MissingFileError, TruncatedFileError
 from ckpt_tools.core.keys import classify
-from ckpt_tools.sources.lora import DcpLoraSource
 
 from .conftest import TRAINER
 
@@ -87,7 +86,7 @@ def test_large_items_use_the_preadv_path_and_match(tmp_path, monkeypatch):
 
 
 def test_lora_reads_touch_only_lora_items():
-    src = DcpLoraSource(TRAINER, alpha=16.0, run_config=None)
+    src = DcpCheckpoint.open(TRAINER).lora(alpha=16.0, run_config=None)
     for m in src.modules:
         src.read_pair(m)
     ckpt = src.ckpt

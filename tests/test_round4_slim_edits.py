@@ -7,7 +7,8 @@ and torch's own DCP reader (`dcp_to_torch_save`) finds every value of the result
 the same edits made on the full checkpoint. A slim whose manifest cannot be read is refused before
 anything is written.
 
-Figures for docs/reliability.md: `hu.record("round4", ...)`.
+Figures for docs/reliability.md: `hu.record("round4", tried=, fixed=, held=)`: a case is fixed when it failed
+on the code before this round, held when that code already passed it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ import pytest
 import torch
 
 from . import hardening_util as hu
-from .test_gc import make_run
+from .test_gc import OLD, make_run
 from .test_gc_loss import gc
 from .test_slim_rehydrate import bits, surgery_run
 
 MANIFEST = "ckpt-slim-manifest.json"
+
+
+def age(root: Path) -> None:
+    """Every entry under `root` older than gc's --min-age."""
+    for p in [root, *root.rglob("*")]:
+        os.utime(p, (OLD, OLD), follow_symlinks=False)
 
 
 def ok(*args) -> hu.Result:
@@ -116,8 +123,8 @@ def test_set_lr_on_a_slim_rehydrates_to_the_full_checkpoint_with_the_new_lr(fact
     lr = torch_values(out, tmp_path / "pt2")["app.optimizers.param_groups.0.lr"]
     was = torch_values(paths.checkpoint, tmp_path / "pt3")["app.optimizers.param_groups.0.lr"]
     assert lr != was, (lr, was)
-    hu.record("round4", cases=1, held=1, fixed=1)
     assert n > 50
+    hu.record("round4", tried=1, fixed=1)
 
 
 def test_a_killed_in_place_edit_of_a_slim_leaves_a_slim_that_rehydrates(factory, tmp_path, monkeypatch):
@@ -151,7 +158,7 @@ def test_a_killed_in_place_edit_of_a_slim_leaves_a_slim_that_rehydrates(factory,
     shutil.copytree(paths.checkpoint, full, symlinks=True)
     edit(full, None, "scale")
     assert_equal_checkpoints(out2, full, tmp_path / "pt2")
-    hu.record("round4", cases=1, held=1, fixed=1)
+    hu.record("round4", tried=1, fixed=1)
 
 
 def test_set_lr_refuses_a_slim_whose_manifest_it_cannot_read_and_changes_nothing(factory, tmp_path):
@@ -167,7 +174,7 @@ def test_set_lr_refuses_a_slim_whose_manifest_it_cannot_read_and_changes_nothing
         hu.assert_clean_error(r, expect="kept_crc32.items")
         assert MANIFEST in r.output, r.output
     assert hu.diff_snapshots(before, hu.snapshot(slim)) == [] and not (tmp_path / "o").exists()
-    hu.record("round4", cases=1, held=1, fixed=1)
+    hu.record("round4", tried=1, fixed=1)
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "out"])
@@ -187,4 +194,47 @@ def test_set_lr_on_a_step_gc_slimmed_rehydrates_with_the_new_lr(tmp_path, in_pla
     out = tmp_path / "rehydrated"
     ok("rehydrate", slim, out, "--base", ck.parent.parent / "base_model")
     assert_equal_checkpoints(out, full, tmp_path / "pt")
-    hu.record("round4", cases=1, held=1, fixed=1)
+    hu.record("round4", tried=1, fixed=1)
+
+
+# ============================================================================ item 2: gc of our own outputs
+def test_gc_slims_steps_ckpt_tools_wrote_and_each_rehydrates_exactly(tmp_path):
+    """restart-prep --mode adapter (moved where its note says), adapter-to-dcp, and a set-lr OUT that is its
+    step's own copy: each carries our `.ckpt-tools-output`, and gc used to leave them full for ever. Now each
+    is slimmed, its marker carried byte for byte, and each rehydrates to exactly the step it was."""
+    from ckpt_tools.io.owned import OUTPUT_MARKER
+
+    ck = make_run(tmp_path / "run", steps=(1, 2, 3, 4))
+    base = ck.parent.parent / "base_model"
+    t = {n: ck / f"step_{n}" / "trainer" for n in (1, 2, 3)}
+    made = tmp_path / "made"
+    ok("restart-prep", t[1], made / "rp", "--base", base, "--lr", "5e-3", "--mode", "adapter")
+    ok("extract-adapter", t[2], made / "adapter")
+    ok("adapter-to-dcp", made / "adapter", made / "a2d", "--base", base, "--lr", "5e-3", "--step", "2")
+    ok("set-lr", t[3], made / "lr", "--lr", "1e-3")
+    originals = tmp_path / "originals"
+    for n, name in ((1, "rp"), (2, "a2d"), (3, "lr")):
+        shutil.rmtree(t[n])
+        os.rename(made / name, t[n])  # the step is now our output (set-lr's links: its only copy)
+        shutil.copytree(t[n], originals / str(n))
+    markers = {n: (t[n] / OUTPUT_MARKER).read_bytes() for n in (1, 2, 3)}
+    age(ck.parent.parent)
+    r, doc = gc(ck, "--keep-full", "1")
+    assert r.exit_code == 0, r.output
+    assert doc["result"]["slimmed"] == [1, 2, 3], [(s["step"], s["result"], s["reason"]) for s in doc["result"]["steps"]]
+    for n in (1, 2, 3):
+        assert (t[n] / MANIFEST).is_file() and (t[n] / OUTPUT_MARKER).read_bytes() == markers[n]
+        out = tmp_path / "rehydrated" / str(n)
+        ok("rehydrate", t[n], out, "--base", base)
+        assert_equal_checkpoints(out, originals / str(n), tmp_path / "pt" / str(n))
+        hu.record("round4", tried=1, fixed=1)
+    # a marker that is not a regular file is not ours to carry: that step stays full, named
+    shutil.rmtree(t[1])
+    shutil.copytree(originals / "1", t[1])
+    os.unlink(t[1] / OUTPUT_MARKER)
+    os.symlink("/etc/hostname", t[1] / OUTPUT_MARKER)
+    age(ck.parent.parent)
+    r, doc = gc(ck, "--keep-full", "1")
+    s1 = next(s for s in doc["result"]["steps"] if s["step"] == 1)
+    assert s1["result"] == "skipped" and OUTPUT_MARKER in s1["reason"], s1
+    hu.record("round4", tried=1, held=1)

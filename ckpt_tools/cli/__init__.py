@@ -25,11 +25,11 @@ import click
 
 from .. import dist
 from ..core.errors import CkptError, UsageError
-from ..io import inputs, owned, remote
+from ..io import inputs, owned, remote, staging
 from ..io.files import stdout_to_devnull
 from ..io.owned import TOOL
 from ..io.signals import Terminated, install_signal_handlers
-from .render import STATE, clear_progress, emit_failure
+from .render import STATE, clear_progress, emit_failure, escaped_streams, one_line
 
 __all__ = ["COMMANDS", "COMMAND_MODULES", "GLOBAL_FLAGS", "hoist_global_flags", "main"]
 
@@ -105,6 +105,52 @@ MULTI_RANK_COMMANDS = ("merge", "export", "rehydrate", "adapter-to-dcp", "slim",
 _NOTHING_WRITTEN = "nothing was written (temporary files removed)"
 
 
+def _what_was_done(exc: BaseException) -> str:
+    """What an interrupted command leaves: its own summary (gc's steps), the outputs it had committed
+    (complete: the interruption came after), or nothing."""
+    done = staging.committed_outputs()
+    if getattr(exc, "summary", None) or not done:
+        return getattr(exc, "summary", None) or _NOTHING_WRITTEN
+    return (
+        f"{', '.join(done)}: written and complete (the interruption came after it was committed); "
+        "what the command had left to do (its report) was not done"
+    )
+
+
+def _failure(exc: BaseException) -> tuple[str, str, int, bool]:
+    """(kind, the line, exit code, whether -v shows the traceback) of the error a command ended with."""
+    if isinstance(exc, CkptError):
+        return type(exc).__name__, f"error: {exc}", exc.exit_code, True
+    if isinstance(exc, KeyboardInterrupt):  # `summary`: a command that had written something says what
+        # (or the outputs it had committed: `_what_was_done`)
+        return "interrupted", f"interrupted: {_what_was_done(exc)}", 130, False
+    if isinstance(exc, Terminated):
+        return ("terminated", f"terminated: {_what_was_done(exc)}", exc.exit_code, False)
+    if isinstance(exc, MemoryError):  # a safety net: every size is checked against the bytes on disk first
+        return (
+            "MemoryError",
+            "error: out of memory (an input claims more than this machine holds; run `ckpt "
+            "verify` on it, and report it if it verifies)",
+            1,
+            False,
+        )
+    if isinstance(exc, RecursionError):  # a safety net: pickles, JSON and TOML are depth-checked when read
+        return (
+            "RecursionError",
+            "error: an input is nested too deeply to process (crafted or corrupt; report it if it verifies)",
+            1,
+            False,
+        )
+    # a bug of ours: say so, one line unless -v
+    return (
+        "internal",
+        f"internal error: {type(exc).__name__}: {str(exc)[:500]} (rerun with -v for the "
+        "traceback and report it)",
+        1,
+        True,
+    )
+
+
 class _Group(click.Group):
     def list_commands(self, ctx):
         return list(COMMANDS)
@@ -122,6 +168,10 @@ class _Group(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def main(self, *args, **kwargs):
+        with escaped_streams():  # control characters in names never reach the terminal raw (render.py)
+            return super().main(*args, **kwargs)
+
     def parse_args(self, ctx, args):
         return super().parse_args(ctx, hoist_global_flags(list(args)))
 
@@ -133,12 +183,13 @@ class _Group(click.Group):
         verbose = ctx.params.get("verbose")
         as_json = "--json" in argv
         STATE.reset()
+        staging.reset_committed()
         STATE.verbose, STATE.quiet, STATE.as_json = verbose, ctx.params.get("quiet"), as_json
         command = protected[0] if protected else None
 
         def fail(kind: str, line: str, code: int, exc: CkptError | None = None):
             clear_progress()  # Ctrl-C mid-run: the message on its own line, not after the bar
-            line = remote.display(line)  # a URL's local stand-in path shown as the URL (io.remote)
+            line = one_line(remote.display(line))  # a URL's local stand-in path shown as the URL (io.remote)
             click.echo(line, err=True)
             if as_json and not STATE.emitted:  # the failure envelope on stdout (the line stays on stderr)
                 emit_failure(line.split(": ", 1)[-1], code, exc, kind, command=command)
@@ -151,52 +202,22 @@ class _Group(click.Group):
             with inputs.tracking():
                 owned.set_command(command)  # named in the marker of every OUT written (--overwrite's proof)
                 return super().invoke(ctx)
-        except CkptError as exc:
-            if verbose:
-                traceback.print_exc()
-            fail(type(exc).__name__, f"error: {exc}", exc.exit_code, exc)
-        except KeyboardInterrupt as exc:  # `summary`: a command that had written something says what
-            fail("interrupted", f"interrupted: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}", 130)
-        except Terminated as exc:
-            fail(
-                "terminated",
-                f"terminated: {getattr(exc, 'summary', None) or _NOTHING_WRITTEN}",
-                exc.exit_code,
-            )
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
         except click.ClickException as exc:
             if as_json and not STATE.emitted:  # a usage error of the command's own arguments
                 exc.show()
                 emit_failure(exc.format_message(), exc.exit_code, None, "UsageError", command=command)
                 ctx.exit(exc.exit_code)
             raise
-        except (click.exceptions.Exit, click.exceptions.Abort):
-            raise
         except BrokenPipeError:  # `ckpt inspect --keys | head`: the reader left, that is fine
             stdout_to_devnull()
             ctx.exit(0)
-        except MemoryError:  # a safety net: every size is checked against the bytes on disk first
-            fail(
-                "MemoryError",
-                "error: out of memory (an input claims more than this machine holds; run `ckpt "
-                "verify` on it, and report it if it verifies)",
-                1,
-            )
-        except RecursionError:  # a safety net: pickles, JSON and TOML are depth-checked when read
-            fail(
-                "RecursionError",
-                "error: an input is nested too deeply to process (crafted or corrupt; report "
-                "it if it verifies)",
-                1,
-            )
-        except Exception as exc:  # a bug of ours: say so, one line unless -v
-            if verbose:
+        except (Exception, KeyboardInterrupt, Terminated) as exc:
+            kind, line, code, trace = _failure(exc)
+            if verbose and trace:
                 traceback.print_exc()
-            fail(
-                "internal",
-                f"internal error: {type(exc).__name__}: {str(exc)[:500]} (rerun with -v for the "
-                "traceback and report it)",
-                1,
-            )
+            fail(kind, line, code, exc if isinstance(exc, CkptError) else None)
 
     @staticmethod
     def _check_ranks(name: str | None) -> None:

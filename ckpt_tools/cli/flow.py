@@ -18,7 +18,7 @@ from ..core.units import human_bytes
 from .progress import ProgressLine
 from .render import STATE, emit
 
-__all__ = ["DryRunReport", "finish", "is_remote", "progress_line", "shown"]
+__all__ = ["DryRunReport", "finish", "progress_line", "shown"]
 
 
 @contextlib.contextmanager
@@ -38,13 +38,6 @@ def shown(payload):
     from ..io import remote
 
     return remote.display(payload)
-
-
-def is_remote(path) -> bool:
-    """Whether `path` is a URL's local stand-in (`io.remote.is_remote_path`)."""
-    from ..io import remote
-
-    return remote.is_remote_path(path)
 
 
 def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: int = 0) -> None:

@@ -15,9 +15,10 @@ too, so a script sees every warning a person would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
+import re
 import sys
 from dataclasses import asdict
 
@@ -30,15 +31,17 @@ __all__ = [
     "STATE",
     "CliState",
     "clear_progress",
-    "color_enabled",
     "dry_run_label",
     "emit",
     "emit_failure",
     "emit_json",
     "envelope",
     "error_object",
+    "escape_controls",
+    "escaped_streams",
     "is_tty",
     "json_errors",
+    "one_line",
     "warn",
     "warn_trust",
 ]
@@ -225,7 +228,61 @@ def clear_progress() -> None:
 def warn(msg: str) -> None:
     STATE.warnings.append(msg)
     clear_progress()
-    click.secho(f"WARNING: {msg}", fg="yellow", err=True)
+    click.secho(f"WARNING: {one_line(msg)}", fg="yellow", err=True)
+
+
+# Names come from strangers' files (keys, file names) and reach the terminal inside our text: a control
+# character in one could retitle the terminal, move the cursor or fake an `error:` line. Every write to
+# stdout/stderr escapes them (`escaped_streams`), but for the line breaks and tabs of our own text, our
+# progress line's redraw and click's colours; names printed one per line escape their line breaks too
+# (`one_line`). JSON needs none of it: json.dumps escapes every control character (and all non-ASCII).
+_OURS = re.compile(r"\r\x1b\[K|\x1b\[(?:0|1|22|3[0-79]|9[0-7])m")
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_LINE_BREAK = re.compile("[\n\r\x0b\x0c\x85\u2028\u2029]")
+
+
+def _escaped(m: re.Match) -> str:
+    return m.group().encode("unicode_escape").decode("ascii")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character shown escaped (ESC as `\\x1b`), but newlines and tabs, and the
+    sequences we write ourselves (the progress line's `\\r ESC[K`, click's colours)."""
+    out, at = [], 0
+    for m in _OURS.finditer(text):
+        out += [_CONTROL.sub(_escaped, text[at : m.start()]), m.group()]
+        at = m.end()
+    out.append(_CONTROL.sub(_escaped, text[at:]))
+    return "".join(out)
+
+
+def one_line(text: str) -> str:
+    """`text` (a name, or a message naming one) as one line: its line breaks shown escaped."""
+    return _LINE_BREAK.sub(_escaped, str(text))
+
+
+class _EscapedStream:
+    """A text stream whose writes go through `escape_controls`; anything else is the stream's own."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        return self._stream.write(escape_controls(text) if isinstance(text, str) else text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def escaped_streams():
+    """stdout and stderr escaping control characters for the duration (the CLI's whole run)."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _EscapedStream(sys.stdout), _EscapedStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def warn_trust(trust: bool) -> None:
@@ -241,11 +298,6 @@ def warn_trust(trust: bool) -> None:
 
 def is_tty() -> bool:
     return sys.stderr.isatty()
-
-
-def color_enabled() -> bool:
-    """NO_COLOR (https://no-color.org) set to anything non-empty turns colour off; so does a non-terminal."""
-    return not os.environ.get("NO_COLOR") and is_tty()
 
 
 class json_errors:

@@ -23,15 +23,7 @@ import torch
 
 from .errors import UsageError
 
-__all__ = [
-    "Truncation",
-    "choose_rank",
-    "ema_weights",
-    "normalize_weights",
-    "singular_values",
-    "stack_terms",
-    "truncate",
-]
+__all__ = ["Truncation", "choose_rank", "ema_weights", "normalize_weights", "stack_terms", "truncate"]
 
 
 def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> list[float]:
@@ -40,10 +32,15 @@ def normalize_weights(weights: Sequence[float], *, what: str = "--weights") -> l
     if not ws:
         raise UsageError(f"{what}: no weights")
     bad = [w for w in ws if not math.isfinite(w)]
-    total = math.fsum(ws)
+    try:
+        total = math.fsum(ws) if not bad else math.nan
+    except OverflowError:  # 1e308,1e308: the same ratios over the largest, whose sum cannot overflow
+        big = max(abs(w) for w in ws)
+        ws = [w / big for w in ws]
+        total = math.fsum(ws)
     if bad or not total > 0:
         raise UsageError(
-            f"{what} {ws}: weights must be finite numbers with a positive sum",
+            f"{what} {[float(w) for w in weights]}: weights must be finite numbers with a positive sum",
             hint="e.g. --weights 1,1,2 (divided by their sum: 0.25, 0.25, 0.5)",
         )
     return [w / total for w in ws]
@@ -81,11 +78,6 @@ def _core(a: torch.Tensor, b: torch.Tensor):
     return qb, u, s, vh, qa
 
 
-def singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The nonzero-dimension singular values of B @ A (fp64, descending), from the r x r core."""
-    return _core(a, b)[2]
-
-
 def choose_rank(s: torch.Tensor, *, rank: int | None = None, energy: float | None = None) -> int:
     """k for `--rank K` (min(K, len(s))) or `--energy E`: the smallest k whose leading singular values
     keep at least E of sum(s^2) (at least 1, so a module stays a LoRA; a zero delta keeps rank 1)."""
@@ -96,6 +88,7 @@ def choose_rank(s: torch.Tensor, *, rank: int | None = None, energy: float | Non
         if int(rank) < 1:
             raise UsageError(f"--rank {rank}: must be >= 1")
         return max(1, min(int(rank), n))
+    assert energy is not None  # exactly one of the two (checked above)
     if not (math.isfinite(energy) and 0 < energy <= 1):
         raise UsageError(f"--energy {energy!r}: must be in (0, 1]", hint="e.g. --energy 0.99")
     sq = s.to(torch.float64) ** 2

@@ -25,7 +25,6 @@ __all__ = [
     "ShapedBytes",
     "config_dtype_code",
     "dtype_name",
-    "from_safetensors_code",
     "is_floating",
     "itemsize",
     "parse_cli_dtype",
@@ -211,11 +210,6 @@ def safetensors_code(dtype) -> str:
             hint="convert the tensor to a supported dtype first",
         )
     return code
-
-
-def from_safetensors_code(code: str) -> str:
-    """ "BF16" -> "bfloat16"."""
-    return SAFETENSORS[safetensors_code(code)].name
 
 
 def parse_cli_dtype(text: str, *, fp8: bool = False) -> str:

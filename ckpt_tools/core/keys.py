@@ -26,13 +26,17 @@ __all__ = [
     "FUSED_EXPERT_PARAMS",
     "FUSED_PARAM_OF",
     "GROUPS",
+    "HF_DECODER_LAYER",
+    "LAYER_NUMBER",
     "LAYOUTS",
     "LORA_FQN",
     "MODEL_RULES",
     "OPTIM_FIELDS",
+    "PEFT_LORA_KEY",
     "PROGRESS_STEP_KEY",
     "PROJ_W",
     "RULES",
+    "STEP_DIR",
     "GroupStats",
     "KeyInfo",
     "LoraStats",
@@ -41,6 +45,7 @@ __all__ = [
     "base_path",
     "classify",
     "expert_hf_name",
+    "expert_index_clashes",
     "expert_module",
     "expert_module_pattern",
     "expert_names",
@@ -48,6 +53,7 @@ __all__ = [
     "fused_param_name",
     "fused_peft_modules",
     "is_stacked_pattern",
+    "layer_of",
     "lora_key",
     "lora_path",
     "module_suffix",
@@ -60,6 +66,7 @@ __all__ = [
     "stacked_hf_pattern",
     "stacked_lora_key",
     "stacked_lora_path",
+    "step_of",
     "summarize_groups",
     "summarize_lora",
     "trainable_params",
@@ -72,6 +79,17 @@ GROUPS = ("base", "lora", "optimizer_state", "param_groups", "scheduler", "progr
 FROZEN_GROUPS = frozenset({"base"})
 
 LORA_FQN = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<slot>\d+)$")
+# A LoRA factor's key in an adapter file, every spelling PEFT and prime-rl's exports write: the optional
+# PEFT prefix, the module, A/B, prime-rl's optional adapter slot, `.weight` (PEFT's own: prefix, no slot).
+PEFT_LORA_KEY = re.compile(
+    r"^(?P<prefix>base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.(?P<slot>\d+))?\.weight$"
+)
+# A decoder layer's number in a module or tensor name (`model.layers.3.mlp...`, `layers.3.`), and in an HF
+# model's own tensor names, where the decoder's layers are `model.layers.N.` (a vision tower's are not).
+LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+HF_DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# A prime-rl step directory's name (`checkpoints/step_N`, `weights/step_N`, `broadcasts/step_N`): fullmatch.
+STEP_DIR = re.compile(r"step_(\d+)")
 OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
 # prime-rl's grouped experts (HEAD, `MultiLoRAGroupedExperts` over torchtitan's `GroupedExperts`): one
@@ -308,6 +326,18 @@ def optimizer_state_path(param_fqn: str, field: str) -> tuple:
 PROGRESS_STEP_KEY = "app.progress.step"
 
 
+def step_of(name: str) -> int | None:
+    """N for a directory named `step_N` (`STEP_DIR`), else None."""
+    m = STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a module or tensor name is in (`LAYER_NUMBER`), None outside the layers."""
+    m = LAYER_NUMBER.search(name)
+    return int(m.group(1)) if m else None
+
+
 def module_suffix(module: str) -> str:
     """`model.layers.0.self_attn.q_proj` -> `q_proj` (PEFT's target_modules are such suffixes)."""
     return module.rsplit(".", 1)[-1]
@@ -396,6 +426,22 @@ def expert_parts(module: str) -> tuple[str, int, str] | None:
     if len(parts) == 4 and parts[1] == "experts" and parts[2].isdigit() and parts[3] in PROJ_W:
         return f"{parts[0]}.experts", int(parts[2]), parts[3]
     return None
+
+
+def expert_index_clashes(modules) -> list[tuple[str, str]]:
+    """Pairs of module names that `expert_parts` reads as one expert of one projection, spelled two ways
+    (`experts.3.gate_proj` and `experts.03.gate_proj`): which one is expert 3 is ambiguous."""
+    seen: dict[tuple[str, int, str], str] = {}
+    out = []
+    for m in sorted(modules):
+        parts = expert_parts(m)
+        if parts is None:
+            continue
+        if parts in seen:
+            out.append((seen[parts], m))
+        else:
+            seen[parts] = m
+    return out
 
 
 def router_prime_name(hf_name: str) -> str | None:

@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .keys import PROJ_W, stacked_lora_key
+from .keys import PROJ_W, layer_of, stacked_lora_key
 
 __all__ = [
     "ADAMW_STATE_FIELDS",
@@ -97,13 +96,11 @@ SCHEDULER_CLASSES = (
 # prime-rl's Progress dataclass (trainer/runs.py), in asdict order.
 PROGRESS_FIELDS = ("step", "total_tokens", "total_samples")
 
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
-
 
 # ------------------------------------------------------------------------------------ optimizer
 def _module_sort_key(module: str) -> tuple:
-    m = _LAYER.search("." + module + ".")
-    layer = int(m.group(1)) if m else -1
+    layer = layer_of(module + ".")
+    layer = -1 if layer is None else layer
     suffix = module.rsplit(".", 1)[-1]
     proj = PROJ_ORDER.index(suffix) if suffix in PROJ_ORDER else len(PROJ_ORDER)
     return (layer, proj, module)
@@ -129,10 +126,10 @@ def lora_param_order(dense: Iterable[str], stacks: Iterable[tuple[str, str]], sl
     w2_A, w2_B, w3_A, w3_B (`stacks`: (experts module, HF projection) pairs)."""
 
     def layer(module: str) -> int:
-        m = _LAYER.search("." + module + ".")
-        return int(m.group(1)) if m else -1
+        n = layer_of(module + ".")
+        return -1 if n is None else n
 
-    keyed = [
+    keyed: list[tuple[int, int, tuple, str]] = [
         (layer(fqn.rsplit(".lora_", 1)[0]), 0, (i,), fqn)
         for i, fqn in enumerate(optimizer_param_order(dense, slot))
     ]
@@ -216,6 +213,13 @@ class SchedulerSpec:
                 out.append(f"max_steps {self.max_steps} must exceed the warmup steps {self.warmup_steps}")
         return out
 
+    @property
+    def decay_end(self) -> int:
+        """max_steps, where the schedule decays to it (linear decay, cosine: validated at construction)."""
+        if self.max_steps is None:
+            raise ValueError(f"the {self.kind} scheduler has no max_steps")
+        return self.max_steps
+
     def describe(self) -> str:
         if self.kind == "constant":
             return "ConstantLR(factor=1.0)"
@@ -224,7 +228,7 @@ class SchedulerSpec:
             parts.append(f"LinearLR warmup {self.warmup_steps} steps")
         if self.kind == "linear" and self.decay_steps:
             parts.append(
-                f"constant until step {self.max_steps - self.decay_steps}, linear decay "
+                f"constant until step {self.decay_end - self.decay_steps}, linear decay "
                 f"{self.decay_steps} steps to min lr {self.min_lr:g}"
             )
         if self.kind == "cosine":
@@ -243,12 +247,13 @@ def scheduler_class(fields: set[str]) -> str:
 def _build_scheduler(optimizer, spec: SchedulerSpec, lr: float):
     """prime-rl's trainer/scheduler.py `_setup_scheduler`, for one optimizer."""
     # lazy, as in build_optim_state: the facts of this module import without torch
-    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
     if spec.kind == "constant":
         return ConstantLR(optimizer, factor=1.0)
     min_lr_factor = spec.min_lr / lr if spec.min_lr > 0 else 1e-8
-    schedulers, milestones = [], []
+    schedulers: list[LRScheduler] = []
+    milestones: list[int] = []
     if spec.warmup_steps > 0:
         schedulers.append(
             LinearLR(optimizer, start_factor=min_lr_factor, end_factor=1.0, total_iters=spec.warmup_steps)
@@ -256,7 +261,7 @@ def _build_scheduler(optimizer, spec: SchedulerSpec, lr: float):
         milestones.append(spec.warmup_steps)
     if spec.kind == "linear":
         if spec.decay_steps > 0:
-            decay_start = spec.max_steps - spec.decay_steps
+            decay_start = spec.decay_end - spec.decay_steps
             schedulers.append(
                 LinearLR(
                     optimizer, start_factor=1.0, end_factor=1.0, total_iters=decay_start - spec.warmup_steps
@@ -270,7 +275,7 @@ def _build_scheduler(optimizer, spec: SchedulerSpec, lr: float):
             milestones.append(decay_start)
     else:  # cosine
         schedulers.append(
-            CosineAnnealingLR(optimizer, T_max=spec.max_steps - spec.warmup_steps, eta_min=spec.min_lr)
+            CosineAnnealingLR(optimizer, T_max=spec.decay_end - spec.warmup_steps, eta_min=spec.min_lr)
         )
     if len(schedulers) == 1:
         return schedulers[0]

@@ -38,12 +38,10 @@ __all__ = [
     "check_merged_values",
     "check_merged_values_bounded",
     "count_nonfinite",
-    "lora_bound_rows",
     "lora_delta",
     "lora_factors_fp64",
     "lora_product_fixed_order",
     "lora_product_rows_fp64",
-    "lora_rows_fp64",
     "merge_weight",
     "merge_weight_into",
     "nonfinite_error",
@@ -198,7 +196,7 @@ def rounds_to_base(out: torch.Tensor, weight: torch.Tensor, block_elems: int = 1
 def update_hash(h, t: torch.Tensor) -> None:
     """Fold a tensor's bytes (its dtype, row-major, little-endian: the slim manifest's HASH_INPUT) in `h`."""
     if t.numel():
-        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def sha256_of_tensor(t: torch.Tensor) -> str:
@@ -283,17 +281,6 @@ def lora_product_fixed_order(f: LoraFactors64, rows: torch.Tensor, cols: torch.T
     for k in range(f.rank):
         p = p + left[:, k] * right[k]
     return p
-
-
-def lora_bound_rows(f: LoraFactors64, r0: int, r1: int) -> torch.Tensor:
-    """`bound` >= |fl32(L @ R) - L @ R| for rows [r0, r1), flattened, for any order of summation (with or
-    without FMA): gamma_r * sum_k |L_ik||R_kj| <= gamma_r * ||L_i|| * ||R_j|| (Cauchy-Schwarz)."""
-    return torch.outer(f.left_norms[r0:r1], f.right_norms).reshape(-1).mul_(f.gamma)
-
-
-def lora_rows_fp64(f: LoraFactors64, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, bound) for rows [r0, r1): `lora_product_rows_fp64` and `lora_bound_rows`."""
-    return lora_product_rows_fp64(f, r0, r1), lora_bound_rows(f, r0, r1)
 
 
 @dataclass

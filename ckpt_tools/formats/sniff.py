@@ -4,9 +4,9 @@ or a torchtitan one (a `step-N` DCP dir, `formats.torchtitan.layout`). From name
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+from ..core.keys import step_of
 from .dcp.layout import is_checkpoint_path
 from .hf_dir.names import INDEX_NAME, WEIGHTS_NAME
 from .peft.config import ADAPTER_CONFIG
@@ -17,13 +17,12 @@ __all__ = ["CHECKPOINTS", "DCP", "HF", "PEFT", "TORCHTITAN", "VERL", "has_hf_wei
 
 DCP, PEFT, HF, CHECKPOINTS = "dcp", "peft", "hf", "checkpoints"
 VERL, TORCHTITAN = "verl", "torchtitan"
-_STEP = re.compile(r"step_(\d+)")
 
 
 def step_number(p: Path) -> int | None:
     """N for a `step_N` directory, else None."""
-    m = _STEP.fullmatch(p.name)
-    return int(m.group(1)) if m and p.is_dir() else None
+    n = step_of(p.name)
+    return n if n is not None and p.is_dir() else None
 
 
 def has_hf_weights(p: Path) -> bool:
@@ -43,6 +42,10 @@ def sniff(path) -> str | None:
         return HF
     if is_verl_path(p):
         return VERL
-    if p.is_dir() and (any(step_number(c) is not None for c in p.iterdir()) or (p / "checkpoints").is_dir()):
+    if p.is_dir() and (
+        any(step_number(c) is not None for c in p.iterdir())
+        or (p / "checkpoints").is_dir()  # an outputs dir
+        or (p / "outputs" / "checkpoints").is_dir()  # a run dir (its launch dir: configs/, outputs/)
+    ):
         return CHECKPOINTS
     return None

@@ -14,7 +14,9 @@ import os
 import secrets
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 __all__ = [
     "WrittenFileHasher",
@@ -27,7 +29,6 @@ __all__ = [
     "hash_written_file",
     "link_entry",
     "make_dirs",
-    "open_new",
     "pwrite_all",
     "remove_empty_dir",
     "remove_file",
@@ -46,11 +47,6 @@ def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
     """A write fd of a NEW file at `path` (O_CREAT|O_EXCL|O_NOFOLLOW): fails with FileExistsError
     if anything, a symlink included, is there. Every file ckpt-tools writes is created here."""
     return os.open(path, _NEW_FILE_FLAGS, mode)
-
-
-def open_new(path: str | os.PathLike):
-    """`create_new` as a buffered binary file object."""
-    return os.fdopen(create_new(path), "wb")
 
 
 def _write_all(fd: int, raw: bytes) -> None:
@@ -128,8 +124,10 @@ class WrittenFileHasher:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
             self._buf = memoryview(bytearray(self._block))
+        buf = self._buf
+        assert buf is not None  # made with the fd
         while self._pos < end:
-            view = self._buf[: min(self._block, end - self._pos)]
+            view = buf[: min(self._block, end - self._pos)]
             pread_into(self._fd, view, self._pos, path=self.path)
             self._h.update(view)
             self._pos += len(view)
@@ -158,7 +156,7 @@ def fsync_path(path: str | os.PathLike) -> None:
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait
-_sync_file_range = None
+_sync_file_range: Callable[[int, int, int, int], int] | Literal[False] | None = None
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:

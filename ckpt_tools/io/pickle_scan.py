@@ -234,132 +234,315 @@ def tree_budget(nbytes: int) -> int:
 def reference_scan(data: bytes, source: str, what: str = "pickle") -> tuple[int, int]:
     """The scan in Python: the reference the C fast path is checked against, and the one that refuses."""
     with gc_paused():
-        return _scan(data, source, what)
+        return _Scan(data, source, what).run()
 
 
-def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
-    if not isinstance(data, (bytes, bytearray)):
-        data = bytes(data)
-    budget = tree_budget(len(data))
-    n = len(data)
-    f = io.BytesIO(data)
-    max_depth, leaf, num = MAX_PICKLE_DEPTH, _LEAF, _NUM
-    hashed = 0  # dict keys and set members seen that are numbers, tuples or REDUCE results
+class _Scan:
+    """One scan of `data`: the model stack, marks and memo, and the tree budget they are held to.
 
-    def refuse(why: str, pos: int) -> UnsafePickleError:
+    `run` is the fast loop: the opcodes DCP metadata is made of decoded inline (`_FAST`'s branches), the
+    ones that build or grow a container by a method each; anything else by `slow` (pickletools' reader).
+    Every step reads its argument before it changes any state, so that a failure leaves the loop's
+    position at the opcode's start with the stack as it was; `failed` then names the failure as a replay
+    over pickletools.genops would."""
+
+    def __init__(self, data: bytes, source: str, what: str):
+        self.data = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        self.source, self.what = source, what
+        self.n = len(self.data)
+        self.budget = tree_budget(self.n)
+        self.f = io.BytesIO(self.data)
+        self.stack: list[list] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, list] = {}
+        self.hashed = 0  # dict keys and set members seen that are numbers, tuples or REDUCE results
+
+    # ------------------------------------------------------------------ the refusals
+    def refuse(self, why: str, pos: int) -> UnsafePickleError:
         return UnsafePickleError(
-            f"refusing to unpickle: {why} (at byte {pos} of {n}): a crafted or corrupt pickle",
-            path=source,
+            f"refusing to unpickle: {why} (at byte {pos} of {self.n}): a crafted or corrupt pickle",
+            path=self.source,
             hint="nothing was unpickled; use an intact copy of the file",
         )
 
-    def too_big(pos: int) -> UnsafePickleError:
-        return refuse(
-            f"its objects expand to more than {budget:,} nodes when walked (shared references repeated)", pos
+    def too_big(self, pos: int) -> UnsafePickleError:
+        return self.refuse(
+            f"its objects expand to more than {self.budget:,} nodes when walked (shared references repeated)",
+            pos,
         )
 
-    def too_deep(pos: int) -> UnsafePickleError:
-        return refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
+    def too_deep(self, pos: int) -> UnsafePickleError:
+        return self.refuse(f"objects nest more than {MAX_PICKLE_DEPTH} levels deep", pos)
 
-    def count_keys(keys, pos: int) -> None:
-        nonlocal hashed
-        hashed += sum(1 for a in keys if a is num or len(a) > 3)
-        if hashed > MAX_VALUE_KEYS:
-            raise refuse(
+    def changed(self, pos: int) -> UnsafePickleError:
+        return self.refuse("an object is changed after it was shared (a cycle or a crafted pickle)", pos)
+
+    def unparsable(self, err: Exception) -> UnsafePickleError:
+        return UnsafePickleError(
+            f"cannot parse {self.what}: {type(err).__name__}: {str(err)[:200]}",
+            path=self.source,
+            hint="the file is corrupt or not a pickle",
+        )
+
+    # ------------------------------------------------------------------ the model
+    def count_keys(self, keys, pos: int) -> None:
+        self.hashed += sum(1 for a in keys if a is _NUM or len(a) > 3)
+        if self.hashed > MAX_VALUE_KEYS:
+            raise self.refuse(
                 f"more than {MAX_VALUE_KEYS:,} dict keys or set members are numbers or tuples, whose "
                 "hashes a pickle can make collide (building its dicts would take quadratic time)",
                 pos,
             )
 
-    stack: list[list] = []
-    marks: list[int] = []
-    memo: dict[int, list] = {}
-
-    def changed(pos: int) -> UnsafePickleError:
-        return refuse("an object is changed after it was shared (a cycle or a crafted pickle)", pos)
-
-    def new(children, pos: int) -> list:
+    def new(self, children, pos: int) -> list:
+        """The model of a new container holding `children` (each now shared)."""
         size, depth = 1, 0
         for c in children:
             c[2] = True
             size += c[0]
             if c[1] > depth:
                 depth = c[1]
-        if size > budget:
-            raise too_big(pos)
-        if depth >= max_depth:
-            raise too_deep(pos)
+        if size > self.budget:
+            raise self.too_big(pos)
+        if depth >= MAX_PICKLE_DEPTH:
+            raise self.too_deep(pos)
         return [size, depth + 1, False]
 
-    def mutate(target: list, children, pos: int) -> None:
+    def grow(self, target: list, size: int, depth: int, pos: int) -> None:
+        """`target` holds `size` more nodes, its children nesting `depth` deep."""
+        target[0] += size
+        if depth >= target[1]:
+            target[1] = depth + 1
+        if target[0] > self.budget:
+            raise self.too_big(pos)
+        if target[1] > MAX_PICKLE_DEPTH:
+            raise self.too_deep(pos)
+
+    def mutate(self, target: list, children, pos: int) -> None:
         if target[2] or any(c is target for c in children):
-            raise changed(pos)
-        grown = new(children, pos)  # checks the children's own bounds
+            raise self.changed(pos)
+        grown = self.new(children, pos)  # checks the children's own bounds
         target[0] += grown[0] - 1
         if grown[1] > target[1]:
             target[1] = grown[1]
-        if target[0] > budget:
-            raise too_big(pos)
-        if target[1] > max_depth:
-            raise too_deep(pos)
+        if target[0] > self.budget:
+            raise self.too_big(pos)
+        if target[1] > MAX_PICKLE_DEPTH:
+            raise self.too_deep(pos)
 
-    def pop_mark(pos: int) -> list:
-        if not marks:
-            raise refuse("an opcode needs a MARK that is not there", pos)
-        k = marks.pop()
-        items = stack[k:]
-        del stack[k:]
+    def pop_mark(self, pos: int) -> list:
+        if not self.marks:
+            raise self.refuse("an opcode needs a MARK that is not there", pos)
+        k = self.marks.pop()
+        items = self.stack[k:]
+        del self.stack[k:]
         return items
 
-    def memo_put(idx, pos: int) -> None:
-        if not isinstance(idx, int) or not 0 <= idx <= n:
-            raise refuse(f"memo index {idx} is larger than the pickle", pos)
-        memo[idx] = stack[-1]
+    def memo_put(self, idx, pos: int) -> None:
+        if not isinstance(idx, int) or not 0 <= idx <= self.n:
+            raise self.refuse(f"memo index {idx} is larger than the pickle", pos)
+        self.memo[idx] = self.stack[-1]
 
-    def slow(pos: int) -> int:
+    # ------------------------------------------------------------------ the fast loop
+    def run(self) -> tuple[int, int]:
+        """The scan: (tree size, depth) of the pickle's object, or the refusal."""
+        data, n, stack, memo, marks = self.data, self.n, self.stack, self.memo, self.marks
+        kinds, u32, leaf, num = _FAST, _U32, _LEAF, _NUM
+        p = c = 0
+        try:
+            while True:
+                c = data[p]
+                k = kinds[c]
+                if k == 1:  # LONG_BINGET
+                    stack.append(memo[u32(data, p + 1)[0]])
+                    p += 5
+                elif k == 3:  # BINGET
+                    stack.append(memo[data[p + 1]])
+                    p += 2
+                elif k == 4:  # BININT1
+                    stack.append(num)
+                    p += 2
+                elif k == 6:  # MEMOIZE
+                    memo[len(memo)] = stack[-1]
+                    p += 1
+                elif k == 7:  # MARK
+                    marks.append(len(stack))
+                    p += 1
+                elif k == 11 or k == 15:  # SHORT_BINUNICODE / BINUNICODE
+                    q = p + 2 + data[p + 1] if k == 11 else p + 5 + u32(data, p + 1)[0]
+                    if q > n:
+                        _replay(self.f, p)
+                    str(data[p + (2 if k == 11 else 5) : q], "utf-8", "surrogatepass")
+                    stack.append(leaf)
+                    p = q
+                elif k == 12:  # BININT2 / BININT / BINFLOAT
+                    stack.append(num)
+                    p += 3 if c == 0x4D else 5 if c == 0x4A else 9
+                elif k == 13:  # NEWFALSE / NEWTRUE / NONE
+                    stack.append(leaf)
+                    p += 1
+                elif k == 19:  # STOP
+                    break
+                elif k == 18:  # FRAME
+                    p += 9
+                else:
+                    p = self.step(k, c, p)
+                    if p < 0:
+                        break
+        except UnsafePickleError:
+            raise
+        except Exception as exc:
+            raise self.failed(exc, p, c) from None
+        top = stack[-1] if stack else leaf
+        return top[0], top[1]
+
+    def step(self, k: int, c: int, p: int) -> int:
+        """The fast loop's opcodes that build or grow a container (branch `k` of `_FAST`), and any other
+        by `slow`: the next opcode's position (-1: STOP)."""
+        if k == 2:  # NEWOBJ / REDUCE / TUPLE2
+            return self.pair(c, p)
+        if k == 5:  # EMPTY_TUPLE / DICT / LIST / SET
+            return self.empty(c, p)
+        if k == 8:  # BUILD / APPEND
+            return self.append(p)
+        if k == 9:  # TUPLE1
+            a = self.stack[-1]
+            a[2] = True
+            if a[0] + 1 > self.budget:
+                raise self.too_big(p)
+            if a[1] >= MAX_PICKLE_DEPTH:
+                raise self.too_deep(p)
+            self.stack[-1] = [a[0] + 1, a[1] + 1, False, 1]
+            return p + 1
+        if k == 10:  # SETITEMS / APPENDS
+            return self.setitems(c, p)
+        if k == 14:  # TUPLE / LIST / DICT / TUPLE3
+            return self.sequence(c, p)
+        if k == 16:  # BINPUT
+            self.memo_put(self.data[p + 1], p)
+            return p + 2
+        if k == 17:  # LONG_BINPUT
+            self.memo_put(_U32(self.data, p + 1)[0], p)
+            return p + 5
+        return self.slow(p)
+
+    def pair(self, c: int, p: int) -> int:
+        """NEWOBJ / REDUCE / TUPLE2: one object of the two on top (a tuple or REDUCE result: hashed)."""
+        stack = self.stack
+        a = stack[-2]
+        b = stack[-1]
+        a[2] = b[2] = True
+        size = 1 + a[0] + b[0]
+        depth = a[1] if a[1] > b[1] else b[1]
+        if size > self.budget:
+            raise self.too_big(p)
+        if depth >= MAX_PICKLE_DEPTH:
+            raise self.too_deep(p)
+        del stack[-1]
+        stack[-1] = [size, depth + 1, False] if c == 0x81 else [size, depth + 1, False, 1]
+        return p + 1
+
+    def empty(self, c: int, p: int) -> int:
+        """EMPTY_TUPLE / DICT / LIST / SET; EMPTY_TUPLE NEWOBJ (`cls()`) as one step."""
+        stack, data = self.stack, self.data
+        if c == 0x29 and p + 1 < self.n and data[p + 1] == 0x81 and stack:
+            a = stack[-1]
+            a[2] = True
+            depth = a[1] if a[1] > 1 else 1
+            if a[0] + 2 > self.budget:
+                raise self.too_big(p + 1)
+            if depth >= MAX_PICKLE_DEPTH:
+                raise self.too_deep(p + 1)
+            stack[-1] = [a[0] + 2, depth + 1, False]
+            return p + 2
+        stack.append([1, 1, False])
+        return p + 1
+
+    def append(self, p: int) -> int:
+        """BUILD / APPEND: the item on top goes into the object below it."""
+        stack = self.stack
+        item = stack[-1]
+        t = stack[-2]
+        del stack[-1]
+        if t[2] or item is t:
+            raise self.changed(p)
+        item[2] = True
+        if item[0] + 1 > self.budget:
+            raise self.too_big(p)
+        if item[1] >= MAX_PICKLE_DEPTH:
+            raise self.too_deep(p)
+        self.grow(t, item[0], item[1], p)
+        return p + 1
+
+    def setitems(self, c: int, p: int) -> int:
+        """SETITEMS / APPENDS: the items since the last MARK go into the container below them."""
+        items = self.pop_mark(p)
+        if c == 0x75:
+            self.count_keys(items[::2], p)
+        t = self.stack[-1]
+        if t[2]:
+            raise self.changed(p)
+        size = depth = 0
+        for a in items:
+            if a is t:
+                raise self.changed(p)
+            a[2] = True
+            size += a[0]
+            if a[1] > depth:
+                depth = a[1]
+        if size >= self.budget:
+            raise self.too_big(p)
+        if depth >= MAX_PICKLE_DEPTH:
+            raise self.too_deep(p)
+        self.grow(t, size, depth, p)
+        return p + 1
+
+    def sequence(self, c: int, p: int) -> int:
+        """TUPLE / LIST / DICT (the items since the last MARK) and TUPLE3 (the three on top)."""
+        stack = self.stack
+        if c == 0x87:
+            items = stack[-3:]
+            if len(items) < 3:
+                raise IndexError("TUPLE3 on a short stack")
+            del stack[-3:]
+        else:
+            items = self.pop_mark(p)
+            if c == 0x64:
+                self.count_keys(items[::2], p)
+        o = self.new(items, p)
+        if c != 0x6C and c != 0x64:
+            o.append(1)
+        stack.append(o)
+        return p + 1
+
+    def slow(self, pos: int) -> int:
         """Any opcode the fast loop does not decode: read by pickletools, replayed by name."""
-        op, arg, end = _replay(f, pos)
+        op, arg, end = _replay(self.f, pos)
         name = op.name
         kind = _OP_KINDS.get(name, _K_UNKNOWN)
         if kind == _K_LEAF:
             if isinstance(arg, int) and name in ("LONG1", "LONG4") and arg.bit_length() > MAX_INT_BITS:
-                raise refuse(f"an integer of {arg.bit_length()} bits", pos)
-            stack.append(num if name in _NUM_OPS else leaf)
-        elif kind == _K_PUT:
-            memo_put(len(memo) if name == "MEMOIZE" else arg, pos)
+                raise self.refuse(f"an integer of {arg.bit_length()} bits", pos)
+            self.stack.append(_NUM if name in _NUM_OPS else _LEAF)
+        elif kind == _K_STOP:
+            return -1
+        elif kind in (_K_FIXED, _K_FROM_MARK, _K_MUTATE_FROM_MARK, _K_MUTATE1, _K_SETITEM):
+            self.slow_container(kind, name, pos)
+        else:
+            self.slow_stack(kind, name, arg, pos)
+        return end
+
+    def slow_stack(self, kind: int, name: str, arg, pos: int) -> None:
+        """A slow opcode that moves what is on the stack or in the memo, or builds nothing."""
+        stack, marks = self.stack, self.marks
+        if kind == _K_PUT:
+            self.memo_put(len(self.memo) if name == "MEMOIZE" else arg, pos)
         elif kind == _K_GET:
-            stack.append(memo[arg])
+            stack.append(self.memo[arg])
         elif kind == _K_MARK:
             marks.append(len(stack))
         elif kind == _K_EMPTY:
             stack.append([1, 1, False])
-        elif kind == _K_FIXED:
-            k = _FIXED_ARITY[name]
-            if len(stack) < k:
-                raise refuse(f"{name} on a stack of {len(stack)}", pos)
-            items = stack[-k:]
-            del stack[-k:]
-            o = leaf if name == "STACK_GLOBAL" else new(items, pos)
-            stack.append(o + [1] if name in _VALUE_HASHED else o)
-        elif kind == _K_FROM_MARK:
-            items = pop_mark(pos)
-            if name in ("DICT", "FROZENSET"):
-                count_keys(items[::2] if name == "DICT" else items, pos)
-            stack.append(new(items, pos) + [1] if name == "TUPLE" else new(items, pos))
-        elif kind == _K_MUTATE_FROM_MARK:
-            items = pop_mark(pos)
-            if name != "APPENDS":
-                count_keys(items[::2] if name == "SETITEMS" else items, pos)
-            mutate(stack[-1], items, pos)
-        elif kind == _K_MUTATE1:
-            item = stack.pop()
-            mutate(stack[-1], (item,), pos)
-        elif kind == _K_SETITEM:
-            v, k = stack.pop(), stack.pop()
-            count_keys((k,), pos)
-            mutate(stack[-1], (k, v), pos)
-        elif kind == _K_STOP:
-            return -1
         elif kind == _K_DUP:
             stack.append(stack[-1])
         elif kind == _K_POP:
@@ -368,236 +551,50 @@ def _scan(data: bytes, source: str, what: str) -> tuple[int, int]:
             else:
                 stack.pop()
         elif kind == _K_POP_MARK:
-            pop_mark(pos)
+            self.pop_mark(pos)
         elif kind != _K_NOOP:  # an opcode of a future protocol: we do not know what it builds
-            raise refuse(f"unknown opcode {name}", pos)
-        return end
+            raise self.refuse(f"unknown opcode {name}", pos)
 
-    p = c = 0
-    u32 = _U32
-    kinds = _FAST
-    try:
-        # Every branch reads its argument before it changes any state, so that a failure leaves
-        # `p` at the opcode's start with the stack as it was (see the except clauses). A MEMOIZE
-        # right after an opcode that builds an object is done in that opcode's branch.
-        while True:
-            c = data[p]
-            k = kinds[c]
-            if k == 1:  # LONG_BINGET
-                stack.append(memo[u32(data, p + 1)[0]])
-                p += 5
-            elif k == 2:  # NEWOBJ / REDUCE / TUPLE2
-                a = stack[-2]
-                b = stack[-1]
-                a[2] = b[2] = True
-                size = 1 + a[0] + b[0]
-                depth = a[1] if a[1] > b[1] else b[1]
-                if size > budget:
-                    raise too_big(p)
-                if depth >= max_depth:
-                    raise too_deep(p)
-                del stack[-1]
-                stack[-1] = o = [size, depth + 1, False] if c == 0x81 else [size, depth + 1, False, 1]
-                p += 1
-                if data[p] == 0x94:
-                    memo[len(memo)] = o
-                    p += 1
-            elif k == 3:  # BINGET
-                stack.append(memo[data[p + 1]])
-                p += 2
-            elif k == 4:  # BININT1
-                if p + 4 < n and data[p + 2] == 0x4B and data[p + 4] == 0x86:  # BININT1 BININT1 TUPLE2
-                    stack.append(o := [3, 1, False, 1])
-                    p += 5
-                    if data[p] == 0x94:
-                        memo[len(memo)] = o
-                        p += 1
-                else:
-                    stack.append(num)
-                    p += 2
-            elif k == 5:  # EMPTY_TUPLE / DICT / LIST / SET
-                if c == 0x29 and p + 1 < n and data[p + 1] == 0x81 and stack:  # EMPTY_TUPLE NEWOBJ: cls()
-                    a = stack[-1]
-                    a[2] = True
-                    depth = a[1] if a[1] > 1 else 1
-                    if a[0] + 2 > budget:
-                        raise too_big(p + 1)
-                    if depth >= max_depth:
-                        raise too_deep(p + 1)
-                    stack[-1] = o = [a[0] + 2, depth + 1, False]
-                    p += 2
-                else:
-                    o = [1, 1, False]
-                    stack.append(o)
-                    p += 1
-                if data[p] == 0x94:
-                    memo[len(memo)] = o
-                    p += 1
-                    if data[p] == 0x28:  # ... MEMOIZE MARK
-                        marks.append(len(stack))
-                        p += 1
-            elif k == 6:  # MEMOIZE
-                memo[len(memo)] = stack[-1]
-                p += 1
-            elif k == 7:  # MARK
-                marks.append(len(stack))
-                p += 1
-            elif k == 8:  # BUILD / APPEND
-                item = stack[-1]
-                t = stack[-2]
-                del stack[-1]
-                if t[2] or item is t:
-                    raise changed(p)
-                item[2] = True
-                if item[0] + 1 > budget:
-                    raise too_big(p)
-                if item[1] >= max_depth:
-                    raise too_deep(p)
-                t[0] += item[0]
-                if item[1] >= t[1]:
-                    t[1] = item[1] + 1
-                if t[0] > budget:
-                    raise too_big(p)
-                if t[1] > max_depth:
-                    raise too_deep(p)
-                p += 1
-            elif k == 9:  # TUPLE1
-                a = stack[-1]
-                a[2] = True
-                if a[0] + 1 > budget:
-                    raise too_big(p)
-                if a[1] >= max_depth:
-                    raise too_deep(p)
-                stack[-1] = o = [a[0] + 1, a[1] + 1, False, 1]
-                p += 1
-                if data[p] == 0x94:
-                    memo[len(memo)] = o
-                    p += 1
-            elif k == 10:  # SETITEMS / APPENDS
-                if not marks:
-                    raise refuse("an opcode needs a MARK that is not there", p)
-                k = marks.pop()
-                items = stack[k:]
-                del stack[k:]
-                if c == 0x75:
-                    count_keys(items[::2], p)
-                t = stack[-1]
-                if t[2]:
-                    raise changed(p)
-                size = depth = 0
-                for a in items:
-                    if a is t:
-                        raise changed(p)
-                    a[2] = True
-                    size += a[0]
-                    if a[1] > depth:
-                        depth = a[1]
-                if size >= budget:
-                    raise too_big(p)
-                if depth >= max_depth:
-                    raise too_deep(p)
-                t[0] += size
-                if depth >= t[1]:
-                    t[1] = depth + 1
-                if t[0] > budget:
-                    raise too_big(p)
-                if t[1] > max_depth:
-                    raise too_deep(p)
-                p += 1
-                if data[p] == 0x62 and len(stack) > 1:  # ... BUILD: t is the state of the object below
-                    o = stack[-2]
-                    del stack[-1]
-                    if o[2] or o is t:
-                        raise changed(p)
-                    t[2] = True
-                    if t[0] + 1 > budget:
-                        raise too_big(p)
-                    if t[1] >= max_depth:
-                        raise too_deep(p)
-                    o[0] += t[0]
-                    if t[1] >= o[1]:
-                        o[1] = t[1] + 1
-                    if o[0] > budget:
-                        raise too_big(p)
-                    if o[1] > max_depth:
-                        raise too_deep(p)
-                    p += 1
-            elif k == 11:  # SHORT_BINUNICODE
-                q = p + 2 + data[p + 1]
-                if q > n:
-                    _replay(f, p)
-                str(data[p + 2 : q], "utf-8", "surrogatepass")
-                stack.append(leaf)
-                p = q
-                if data[p] == 0x94:
-                    memo[len(memo)] = leaf
-                    p += 1
-            elif k == 12:  # BININT2 / BININT / BINFLOAT
-                stack.append(num)
-                p += 3 if c == 0x4D else 5 if c == 0x4A else 9
-            elif k == 13:  # NEWFALSE / NEWTRUE / NONE
-                stack.append(leaf)
-                p += 1
-            elif k == 14:  # TUPLE / LIST / DICT / TUPLE3
-                if c == 0x87:
-                    a = stack[-3]
-                    items = stack[-3:]
-                    del stack[-3:]
-                else:
-                    items = pop_mark(p)
-                    if c == 0x64:
-                        count_keys(items[::2], p)
-                o = new(items, p)
-                if c != 0x6C and c != 0x64:
-                    o.append(1)
-                stack.append(o)
-                p += 1
-                if data[p] == 0x94:
-                    memo[len(memo)] = o
-                    p += 1
-            elif k == 15:  # BINUNICODE
-                q = p + 5 + u32(data, p + 1)[0]
-                if q > n:
-                    _replay(f, p)
-                str(data[p + 5 : q], "utf-8", "surrogatepass")
-                stack.append(leaf)
-                p = q
-            elif k == 16:  # BINPUT
-                memo_put(data[p + 1], p)
-                p += 2
-            elif k == 17:  # LONG_BINPUT
-                memo_put(u32(data, p + 1)[0], p)
-                p += 5
-            elif k == 18:  # FRAME
-                p += 9
-            elif k == 19:  # STOP
-                break
-            else:
-                p = slow(p)
-                if p < 0:
-                    break
-    except UnsafePickleError:
-        raise
-    except Exception as exc:
-        if p > n:  # an argument skipped unread ran past the end
+    def slow_container(self, kind: int, name: str, pos: int) -> None:
+        """A slow opcode that builds or grows a container."""
+        stack = self.stack
+        if kind == _K_FIXED:
+            k = _FIXED_ARITY[name]
+            if len(stack) < k:
+                raise self.refuse(f"{name} on a stack of {len(stack)}", pos)
+            items = stack[-k:]
+            del stack[-k:]
+            o = _LEAF if name == "STACK_GLOBAL" else self.new(items, pos)
+            stack.append(o + [1] if name in _VALUE_HASHED else o)
+        elif kind == _K_FROM_MARK:
+            items = self.pop_mark(pos)
+            if name in ("DICT", "FROZENSET"):
+                self.count_keys(items[::2] if name == "DICT" else items, pos)
+            stack.append(self.new(items, pos) + [1] if name == "TUPLE" else self.new(items, pos))
+        elif kind == _K_MUTATE_FROM_MARK:
+            items = self.pop_mark(pos)
+            if name != "APPENDS":
+                self.count_keys(items[::2] if name == "SETITEMS" else items, pos)
+            self.mutate(stack[-1], items, pos)
+        elif kind == _K_MUTATE1:
+            item = stack.pop()
+            self.mutate(stack[-1], (item,), pos)
+        else:  # SETITEM
+            v, k_ = stack.pop(), stack.pop()
+            self.count_keys((k_,), pos)
+            self.mutate(stack[-1], (k_, v), pos)
+
+    def failed(self, exc: Exception, p: int, c: int) -> UnsafePickleError:
+        """What a failure of the fast loop at `p` is, as a replay over pickletools.genops names it."""
+        if p > self.n:  # an argument skipped unread ran past the end
             p -= 1 + _SKIP_LEN.get(c, 0)
         try:
-            op, _, _ = _replay(f, p)
+            op, _, _ = _replay(self.f, p)
         except Exception as err:  # not a sequence of valid opcodes: genops' own words
-            raise UnsafePickleError(
-                f"cannot parse {what}: {type(err).__name__}: {str(err)[:200]}",
-                path=source,
-                hint="the file is corrupt or not a pickle",
-            ) from None
+            return self.unparsable(err)
         k = _FIXED_ARITY.get(op.name, 0)
-        if len(stack) < k:
-            raise refuse(f"{op.name} on a stack of {len(stack)}", p) from None
+        if len(self.stack) < k:
+            return self.refuse(f"{op.name} on a stack of {len(self.stack)}", p)
         if isinstance(exc, (IndexError, KeyError)):
-            raise refuse("an opcode finds the stack or memo empty", p) from None
-        raise UnsafePickleError(
-            f"cannot parse {what}: {type(exc).__name__}: {str(exc)[:200]}",
-            path=source,
-            hint="the file is corrupt or not a pickle",
-        ) from None
-    top = stack[-1] if stack else leaf
-    return top[0], top[1]
+            return self.refuse("an opcode finds the stack or memo empty", p)
+        return self.unparsable(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 
 __all__ = ["Terminated", "install_signal_handlers", "signals_deferred"]
 
@@ -19,7 +20,7 @@ class Terminated(BaseException):
         super().__init__(f"terminated by signal {signal.Signals(signum).name}")
 
 
-def _raise_terminated(signum, frame):
+def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
@@ -29,7 +30,7 @@ def install_signal_handlers() -> None:
 
 
 @contextlib.contextmanager
-def signals_deferred():
+def signals_deferred() -> Iterator[None]:
     """Hold SIGINT/SIGTERM while a rename sequence or cleanup runs, so a second Ctrl-C cannot
     leave it half done; they are delivered (and raise) right after.
 

@@ -24,6 +24,7 @@ writing OUT would replace, after the same refusals as the real run.
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import logging
 import os
@@ -51,14 +52,36 @@ __all__ = [
     "check_against_inputs",
     "check_output_file",
     "clean_stale_temps",
+    "committed_outputs",
     "describe_output",
     "mount_point",
+    "note_committed",
+    "reset_committed",
 ]
 
 # every command that writes OUT takes --overwrite: the one message when OUT is already there
 OVERWRITE_HINT = "pass --overwrite to replace it, or another output path"
 
 log = logging.getLogger(__name__)
+
+# The outputs this command has put in place, complete: a Ctrl-C that lands after one was committed says so
+# (the CLI's error edge), instead of "nothing was written".
+_COMMITTED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("ckpt_committed", default=())
+
+
+def committed_outputs() -> tuple[str, ...]:
+    """The outputs committed (renamed into place, complete) since `reset_committed`."""
+    return _COMMITTED.get()
+
+
+def note_committed(out: str | os.PathLike) -> None:
+    """Record `out` as committed: complete and in place (an OUT renamed in, an in-place edit swapped in)."""
+    _COMMITTED.set(_COMMITTED.get() + (str(out),))
+
+
+def reset_committed() -> None:
+    """Forget the committed outputs (a new command starts)."""
+    _COMMITTED.set(())
 
 
 def mount_point(path: Path) -> Path:
@@ -267,6 +290,10 @@ class AtomicOutputDir:
                 os.rename(aside, self.out)
             raise
         self.tmp = None
+        if (
+            self.marker
+        ):  # an OUT the user named (gc's staged slims are its own business: their steps' summary)
+            note_committed(self.out)
         fsync_path(self.out.parent)
         try:
             if aside is not None:

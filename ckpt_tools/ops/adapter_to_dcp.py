@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,11 +55,13 @@ from ..core.keys import (
     stacked_base_key,
     stacked_lora_key,
     stacked_lora_path,
+    step_of,
 )
 from ..core.lora_math import check_modules_fit_base
 from ..core.primerl_state import (
     ADAMW_STATE_FIELDS,
     PRIMERL_ADAMW_DEFAULTS,
+    OptimState,
     SchedulerSpec,
     adamw_param_group,
     build_optim_state,
@@ -77,11 +78,11 @@ from ..formats.dcp.layout import row_chunks
 from ..formats.dcp.model import BytesEntry, TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.writer import DcpWriter
+from ..formats.handle import LoraSource
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.peft.adapter import open_peft_adapter
 from ..io.staging import SharedOutputDir
 from ..sources.hashing import read_rows_as
-from ..sources.lora import LoraSource
 
 __all__ = [
     "ToDcpJob",
@@ -165,8 +166,7 @@ class ToDcpPlan:
 
 
 def _step_from_out(out: Path) -> int | None:
-    m = re.fullmatch(r"step_(\d+)", out.parent.name) if out.name == "trainer" else None
-    return int(m.group(1)) if m else None
+    return step_of(out.parent.name) if out.name == "trainer" else None
 
 
 def _read_param_group(ckpt: DcpCheckpoint) -> dict:
@@ -244,10 +244,60 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
     """Validate everything (adapter config and keys, shapes against the base, the optimizer
     source) before any tensor byte is read, and decide every key of the output."""
     ad, hf, src_ckpt = sources.lora, sources.base, sources.optimizer_from
-    out, lr, step, world_size = Path(options.out), options.lr, options.step, options.world_size
-    scheduler, scheduler_step = options.scheduler, options.scheduler_step
+    out, world_size = Path(options.out), options.world_size
     if world_size < 1:
         raise UsageError(f"--world-size {world_size} must be >= 1")
+    rank, scale = _adapter_rank_and_scale(ad)
+    base_shapes = {k: tuple(hf.facts(k).shape) for k in hf.disk_order()}
+    check_modules_fit_base({m: (s.a_shape, s.b_shape) for m, s in ad.modules.items()}, base_shapes, hf.path)
+    notes: list[str] = []
+    warnings: list[str] = []
+    # ---- model tensors: base (in file order, for sequential reads), tied aliases, LoRA
+    jobs, stacks = _model_jobs(ad, hf, base_shapes, notes)
+    lora_jobs, param_shape, order = _lora_jobs(ad, stacks, notes)
+    jobs += lora_jobs
+    # ---- optimizer: fresh, or moments carried from another checkpoint
+    lr, step = options.lr, options.step
+    hparams: dict = {}
+    if src_ckpt is not None:
+        carried, lr, step, hparams = _carried_optimizer(src_ckpt, order, param_shape, lr, step, notes)
+        jobs += carried
+    else:
+        jobs += _fresh_optimizer(order, param_shape)
+    lr, step, spec, position, ost, objects = _training_state(options, lr, step, hparams, order)
+    _resume_notes(ad, out, step, rank, scale, notes, warnings)
+    # every chunk is an item; byte items are small
+    items = sum(max(1, len(row_chunks(j.shape[0], world_size))) if j.shape else 1 for j in jobs) + len(
+        objects
+    )
+    data = sum(j.nbytes for j in jobs)
+    return ToDcpPlan(
+        adapter=ad.path,
+        base=hf.path,
+        out=out,
+        optimizer_from=src_ckpt.dir if src_ckpt else None,
+        world_size=world_size,
+        step=step,
+        lr=lr,
+        scheduler={**dataclasses.asdict(spec), "describe": spec.describe(), "state": ost.scheduler},
+        scheduler_step=position,
+        lr_now=ost.lr_now,
+        lr_next=ost.lr_next,
+        modules=len(ad.modules),
+        rank=rank,
+        scale=scale,
+        required_orch_alpha=scale * rank,
+        tensors=tuple(jobs),
+        objects=tuple(objects),
+        data_bytes=data,
+        need_bytes=data + items * _ITEM_OVERHEAD_BYTES + (1 << 20),
+        notes=tuple(notes),
+        warnings=tuple(warnings),
+    )
+
+
+def _adapter_rank_and_scale(ad: LoraSource) -> tuple[int, float]:
+    """The adapter's one rank and one scale: prime-rl trains nn.Linear LoRA of one rank with one scale."""
     if not ad.modules:
         raise FormatError(
             "the adapter holds zero LoRA modules",
@@ -267,16 +317,33 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
             "prime-rl trains one rank with one scale",
             path=ad.config_path,
         )
-    rank, scale = ranks[0], scales[0]
+    return ranks[0], scales[0]
 
-    base_dir = hf.path
-    base_shapes = {k: tuple(hf.facts(k).shape) for k in hf.disk_order()}
-    shapes = {m: (s.a_shape, s.b_shape) for m, s in ad.modules.items()}
-    check_modules_fit_base(shapes, base_shapes, base_dir)
-    notes, warnings = [], []
 
-    # ---- model tensors: base (in file order, for sequential reads), tied aliases, LoRA
-    jobs: list[ToDcpJob] = []
+def _expert_stacks(model_names: list[str], base_dir: Path) -> dict[tuple[str, str], list[int]]:
+    """(experts module, projection) -> the expert indices of the base's per-expert weights: prime-rl HEAD
+    trains an HF Qwen3-MoE in its own format, per-expert base weights stacked into `mlp.experts.w1/w2/w3`
+    [E, out, in], the router as `mlp.router.gate.weight`, expert LoRA stacked [E, r, in] / [E, out, r]
+    (`core.keys`); every other name stays. Each projection's experts must be 0..E-1."""
+    stacks: dict[tuple[str, str], list[int]] = {}
+    for name in model_names:
+        ex = expert_parts(name[: -len(".weight")]) if name.endswith(".weight") else None
+        if ex is not None:
+            stacks.setdefault((ex[0], ex[2]), []).append(ex[1])
+    for (experts, proj), idx in stacks.items():
+        if sorted(idx) != list(range(len(idx))):
+            raise FormatError(
+                f"{experts}: the base's {proj} experts are {sorted(idx)[:8]}..., not 0..{len(idx) - 1}",
+                path=base_dir,
+            )
+    return stacks
+
+
+def _model_jobs(
+    ad: LoraSource, hf: HFModelDir, base_shapes: dict[str, tuple[int, ...]], notes: list[str]
+) -> tuple[list[ToDcpJob], dict[tuple[str, str], list[int]]]:
+    """The model's tensors (the base's, in file order; tied aliases; modules_to_save from the adapter)
+    under prime-rl's keys, and the base's expert stacks."""
     model_names = hf.disk_order()
     aliases = missing_aliases(hf.config, base_shapes)
     full = dict(ad.full_tensors)  # modules_to_save: HF name -> adapter key
@@ -289,20 +356,8 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
             path=ad.weights_path,
             hint="the adapter was trained on a different base model",
         )
-    # prime-rl HEAD trains an HF Qwen3-MoE in its own format: per-expert base weights stacked into
-    # `mlp.experts.w1/w2/w3` [E, out, in], the router as `mlp.router.gate.weight`, expert LoRA stacked
-    # [E, r, in] / [E, out, r] (`core.keys`); every other name stays
-    stacks: dict[tuple[str, str], list[int]] = {}
-    for name in model_names:
-        ex = expert_parts(name[: -len(".weight")]) if name.endswith(".weight") else None
-        if ex is not None:
-            stacks.setdefault((ex[0], ex[2]), []).append(ex[1])
-    for (experts, proj), idx in stacks.items():
-        if sorted(idx) != list(range(len(idx))):
-            raise FormatError(
-                f"{experts}: the base's {proj} experts are {sorted(idx)[:8]}..., not 0..{len(idx) - 1}",
-                path=base_dir,
-            )
+    stacks = _expert_stacks(model_names, hf.path)
+    jobs: list[ToDcpJob] = []
     done_stacks = set()
     for name in model_names + sorted(aliases):
         src_name = aliases.get(name, name)
@@ -312,26 +367,20 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
             else None
         )
         if ex is not None:
-            if (ex[0], ex[2]) in done_stacks:
-                continue
-            done_stacks.add((ex[0], ex[2]))
-            pattern = expert_module_pattern(ex[0], ex[2])
-            n = len(stacks[(ex[0], ex[2])])
-            key = stacked_base_key(ex[0], ex[2])
-            jobs.append(
-                ToDcpJob(
-                    key,
-                    ("app", "model", key.removeprefix("app.model.")),
-                    (n,) + base_shapes[src_name],
-                    f"base-stack:{pattern}",
-                    "base",
+            if (ex[0], ex[2]) not in done_stacks:
+                done_stacks.add((ex[0], ex[2]))
+                key = stacked_base_key(ex[0], ex[2])
+                jobs.append(
+                    ToDcpJob(
+                        key,
+                        ("app", "model", key.removeprefix("app.model.")),
+                        (len(stacks[(ex[0], ex[2])]),) + base_shapes[src_name],
+                        f"base-stack:{expert_module_pattern(ex[0], ex[2])}",
+                        "base",
+                    )
                 )
-            )
             continue
-        if src_name in full:
-            source = f"adapter:{full[src_name]}"
-        else:
-            source = f"base:{src_name}"
+        source = f"adapter:{full[src_name]}" if src_name in full else f"base:{src_name}"
         prime = router_prime_name(name) if stacks else None
         jobs.append(
             ToDcpJob(base_key(prime or name), base_path(prime or name), base_shapes[src_name], source, "base")
@@ -349,6 +398,14 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
         )
     if full:
         notes.append(f"modules_to_save {sorted(full)}: the adapter's values replace the base's")
+    return jobs, stacks
+
+
+def _lora_jobs(
+    ad: LoraSource, stacks: dict[tuple[str, str], list[int]], notes: list[str]
+) -> tuple[list[ToDcpJob], dict[str, tuple[int, ...]], list[str]]:
+    """The LoRA factors under prime-rl's keys (slot 0; per-expert modules stacked, every expert present),
+    each param's shape, and the params in the optimizer's order."""
     modules = sorted(ad.modules)
     dense = [m for m in modules if expert_parts(m) is None]
     lora_stacks: dict[tuple[str, str], list[int]] = {}
@@ -356,6 +413,7 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
         ex = expert_parts(m)
         if ex is not None:
             lora_stacks.setdefault((ex[0], ex[2]), []).append(ex[1])
+    jobs: list[ToDcpJob] = []
     param_shape = {}
     for m in dense:
         s_ = ad.modules[m]
@@ -392,69 +450,80 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
             f"MoE LoRA: {sum(len(v) for v in lora_stacks.values())} per-expert modules stacked into "
             f"{2 * len(lora_stacks)} grouped-expert factors (w{{1,2,3}}_lora_{{A,B}}.{SLOT})"
         )
-    order = lora_param_order(dense, sorted(lora_stacks), SLOT)
+    return jobs, param_shape, lora_param_order(dense, sorted(lora_stacks), SLOT)
 
-    # ---- optimizer: fresh, or moments carried from another checkpoint
-    hparams = {}
+
+def _optimizer_jobs(order: list[str], param_shape: dict[str, tuple[int, ...]], source) -> list[ToDcpJob]:
+    """AdamW's state of every param, each field's value from `source(key, field)`."""
+    return [
+        ToDcpJob(
+            optimizer_state_key(fqn, fld),
+            optimizer_state_path(fqn, fld),
+            () if fld == "step" else param_shape[fqn],
+            source(optimizer_state_key(fqn, fld), fld),
+            "optimizer_state",
+        )
+        for fqn in order
+        for fld in ADAMW_STATE_FIELDS
+    ]
+
+
+def _fresh_optimizer(order: list[str], param_shape: dict[str, tuple[int, ...]]) -> list[ToDcpJob]:
+    fill = fresh_adamw_fields()
+    return _optimizer_jobs(order, param_shape, lambda _key, fld: f"fill:{fill[fld]!r}")
+
+
+def _carried_optimizer(
+    src_ckpt: DcpCheckpoint,
+    order: list[str],
+    param_shape: dict[str, tuple[int, ...]],
+    lr: float | None,
+    step: int | None,
+    notes: list[str],
+) -> tuple[list[ToDcpJob], float | None, int | None, dict]:
+    """--optimizer-from: its moments of every param (checked against the adapter's), its AdamW
+    hyperparameters, and its lr and step where not given."""
+    problems = []
+    for fqn in order:
+        for fld in ADAMW_STATE_FIELDS:
+            key = optimizer_state_key(fqn, fld)
+            e = src_ckpt.entries.get(key)
+            want = () if fld == "step" else param_shape[fqn]
+            if not isinstance(e, TensorEntry):
+                problems.append(f"{key} is missing")
+            elif tuple(e.shape) != want:
+                problems.append(f"{key} has shape {list(e.shape)}, the adapter's param {list(want)}")
+    if problems:
+        raise FormatError(
+            f"{len(problems)} problem(s) carrying the optimizer state: "
+            + "; ".join(problems[:6])
+            + (" ..." if len(problems) > 6 else ""),
+            path=src_ckpt.dir,
+            hint="--optimizer-from needs a checkpoint of the same LoRA (modules, rank, slot 0)",
+        )
+    group = _read_param_group(src_ckpt)
+    hparams = {k: group[k] for k in _HPARAMS_FROM_SOURCE if k in group}
+    if lr is None:
+        lr = group.get("initial_lr", group.get("lr"))
+        notes.append(f"lr {lr:g}: the source checkpoint's initial_lr (pass --lr to change it)")
     src_progress = {}
-    if src_ckpt is not None:
-        problems = []
-        for fqn in order:
-            for fld in ADAMW_STATE_FIELDS:
-                key = optimizer_state_key(fqn, fld)
-                e = src_ckpt.entries.get(key)
-                want = () if fld == "step" else param_shape[fqn]
-                if not isinstance(e, TensorEntry):
-                    problems.append(f"{key} is missing")
-                elif tuple(e.shape) != want:
-                    problems.append(f"{key} has shape {list(e.shape)}, the adapter's param {list(want)}")
-        if problems:
-            raise FormatError(
-                f"{len(problems)} problem(s) carrying the optimizer state: "
-                + "; ".join(problems[:6])
-                + (" ..." if len(problems) > 6 else ""),
-                path=src_ckpt.dir,
-                hint="--optimizer-from needs a checkpoint of the same LoRA (modules, rank, slot 0)",
-            )
-        group = _read_param_group(src_ckpt)
-        hparams = {k: group[k] for k in _HPARAMS_FROM_SOURCE if k in group}
-        if lr is None:
-            lr = group.get("initial_lr", group.get("lr"))
-            notes.append(f"lr {lr:g}: the source checkpoint's initial_lr (pass --lr to change it)")
-        for k, e in src_ckpt.entries.items():
-            info = classify(k, e.path)
-            if info.group == "progress" and isinstance(e, BytesEntry):
-                src_progress[info.field] = src_ckpt.read_object(k)
-        if step is None and isinstance(src_progress.get("step"), int):
-            step = src_progress["step"]
-        changed = {k: v for k, v in hparams.items() if v != PRIMERL_ADAMW_DEFAULTS.get(k)}
-        if changed:
-            notes.append(f"AdamW hyperparameters carried from the source: {changed}")
-        for fqn in order:
-            for fld in ADAMW_STATE_FIELDS:
-                key = optimizer_state_key(fqn, fld)
-                jobs.append(
-                    ToDcpJob(
-                        key,
-                        optimizer_state_path(fqn, fld),
-                        () if fld == "step" else param_shape[fqn],
-                        f"ckpt:{key}",
-                        "optimizer_state",
-                    )
-                )
-    else:
-        fill = fresh_adamw_fields()
-        for fqn in order:
-            for fld in ADAMW_STATE_FIELDS:
-                jobs.append(
-                    ToDcpJob(
-                        optimizer_state_key(fqn, fld),
-                        optimizer_state_path(fqn, fld),
-                        () if fld == "step" else param_shape[fqn],
-                        f"fill:{fill[fld]!r}",
-                        "optimizer_state",
-                    )
-                )
+    for k, e in src_ckpt.entries.items():
+        info = classify(k, e.path)
+        if info.group == "progress" and isinstance(e, BytesEntry):
+            src_progress[info.field] = src_ckpt.read_object(k)
+    if step is None and isinstance(src_progress.get("step"), int):
+        step = src_progress["step"]
+    changed = {k: v for k, v in hparams.items() if v != PRIMERL_ADAMW_DEFAULTS.get(k)}
+    if changed:
+        notes.append(f"AdamW hyperparameters carried from the source: {changed}")
+    return _optimizer_jobs(order, param_shape, lambda key, _fld: f"ckpt:{key}"), lr, step, hparams
+
+
+def _training_state(
+    options: ToDcpOptions, lr: float | None, step: int | None, hparams: dict, order: list[str]
+) -> tuple[float, int, SchedulerSpec, int, OptimState, list]:
+    """The lr, the step, the scheduler and its position, the optimizer and scheduler state at lr, and the byte
+    items that hold them (param_groups, scheduler, progress)."""
     if lr is None:
         raise UsageError(
             "pass --lr: the base learning rate the resumed run trains with "
@@ -463,8 +532,8 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
     step = 0 if step is None else int(step)
     if step < 0:
         raise UsageError(f"--step {step} must be >= 0")
-    spec = scheduler or SchedulerSpec("constant")
-    position = step if scheduler_step is None else int(scheduler_step)
+    spec = options.scheduler or SchedulerSpec("constant")
+    position = step if options.scheduler_step is None else int(options.scheduler_step)
     try:
         ost = build_optim_state(float(lr), spec, position, hparams=hparams)
     except ValueError as exc:
@@ -474,7 +543,14 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
     )
     objects += flatten_state(ost.scheduler, ("app", "scheduler"))
     objects += flatten_state(progress_state(step), ("app", "progress"))
+    return float(lr), step, spec, position, ost, objects
 
+
+def _resume_notes(
+    ad: LoraSource, out: Path, step: int, rank: int, scale: float, notes: list[str], warnings: list[str]
+) -> None:
+    """What the resuming run must match: the step dir prime-rl finds it by, the adapter's precision, the
+    LoRA rank and scale it trains with."""
     n_from_dir = _step_from_out(out)
     if n_from_dir is not None and n_from_dir != step:
         warnings.append(
@@ -486,41 +562,11 @@ def plan_adapter_to_dcp(sources: ToDcpSources, options: ToDcpOptions) -> ToDcpPl
             "the adapter is not fp32: its values are upcast exactly, but the rounding it went through "
             "is not undone"
         )
-    required_alpha = scale * rank
     notes.append(
-        f"the resuming run must train with LoRA rank {rank} and scale {scale:g}: alpha = {required_alpha:g} "
+        f"the resuming run must train with LoRA rank {rank} and scale {scale:g}: alpha = {scale * rank:g} "
         "in the trainer's model.lora at prime-rl HEAD (scale = trainer alpha / rank), in the orchestrator's "
         "[model.lora] at 16e747c (scale = orchestrator alpha / rank; its default alpha is 16)"
     )
-    # every chunk is an item; byte items are small
-    items = sum(max(1, len(row_chunks(j.shape[0], world_size))) if j.shape else 1 for j in jobs) + len(
-        objects
-    )
-    data = sum(j.nbytes for j in jobs)
-    plan = ToDcpPlan(
-        adapter=ad.path,
-        base=base_dir,
-        out=out,
-        optimizer_from=src_ckpt.dir if src_ckpt else None,
-        world_size=world_size,
-        step=step,
-        lr=float(lr),
-        scheduler={**dataclasses.asdict(spec), "describe": spec.describe(), "state": ost.scheduler},
-        scheduler_step=position,
-        lr_now=ost.lr_now,
-        lr_next=ost.lr_next,
-        modules=len(modules),
-        rank=rank,
-        scale=scale,
-        required_orch_alpha=required_alpha,
-        tensors=tuple(jobs),
-        objects=tuple(objects),
-        data_bytes=data,
-        need_bytes=data + items * _ITEM_OVERHEAD_BYTES + (1 << 20),
-        notes=tuple(notes),
-        warnings=tuple(warnings),
-    )
-    return plan
 
 
 def _write_stack(w: DcpWriter, job: ToDcpJob, read_rows) -> None:
@@ -637,6 +683,7 @@ def run_adapter_to_dcp(
                 if kind == "adapter":
                     t = ad.read_key(ref).to(torch.float32)
                 elif kind == "ckpt":
+                    assert src_ckpt is not None  # a "ckpt:" source is planned from --optimizer-from only
                     t = src_ckpt.read_tensor(ref).to(torch.float32)
                 else:  # fill:<value>
                     t = torch.full(job.shape, float(ref), dtype=torch.float32)

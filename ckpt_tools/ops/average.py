@@ -27,9 +27,10 @@ from ..core.errors import FormatError, UsageError
 from ..core.keys import DEFAULT_LAYOUT
 from ..core.progress import Progress
 from ..formats.dcp.layout import is_checkpoint_path
+from ..formats.handle import LoraSource
 from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_bytes, write_adapter
 from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, shared_peft_targets
-from ..sources.lora import LoraSource, open_lora_source
+from ..sources.open import open_lora_source
 
 __all__ = [
     "MISMATCH_KINDS",

@@ -29,28 +29,20 @@ from pathlib import Path
 
 from ..core.casts import bf16_round
 from ..core.errors import CkptError, FormatError, UsageError
-from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, expert_parts
-from ..core.lora_math import check_modules_fit_base, lora_alpha_for_scale
+from ..core.keys import DEFAULT_LAYOUT
+from ..core.lora_math import check_modules_fit_base
 from ..core.progress import Progress
+from ..formats.dcp.lora import DcpLoraSource
+from ..formats.handle import LoraModule
 from ..formats.hf_dir.hub import locate_model
 from ..formats.hf_dir.model_dir import tensor_shapes
-from ..formats.peft.config import PEFT_PREFIX
-from ..formats.peft.experts import FusedParam, build_fused, fused_config, plan_fused
-from ..formats.peft.writer import (
-    OutTensor,
-    exact_modules_to_save,
-    full_tensor_warning,
-    peft_config,
-    peft_key,
-    safetensors_file_bytes,
-    target_modules_for,
-    write_adapter,
-)
+from ..formats.peft.experts import FusedParam, build_fused
+from ..formats.peft.layout import FullTensor, ModuleFactors, check_layout, plan_adapter_layout
+from ..formats.peft.writer import OutTensor, safetensors_file_bytes, write_adapter
 from ..formats.primerl import run_dir
 from ..formats.primerl.alpha import run_adapter_configs, run_outputs_dir
 from ..formats.primerl.run_dir import run_base_of
 from ..io.inputs import read_json
-from ..sources.lora import DcpLoraSource
 
 __all__ = ["ExtractOptions", "ExtractPlan", "ExtractReport", "plan_extract", "run_extract"]
 
@@ -110,37 +102,96 @@ class ExtractPlan:
 def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
     """Decide everything from metadata (see module docstring). `src` is an open DcpLoraSource
     (its alpha already resolved)."""
-    out, base, dtype = options.out, options.base, options.dtype
-    if dtype not in ("fp32", "bf16"):
-        raise UsageError(f"--dtype {dtype!r}: choose fp32 (exact) or bf16")
-    if options.layout not in LAYOUTS:
-        raise UsageError(f"--layout {options.layout!r}: choose one of {', '.join(LAYOUTS)}")
-    out = Path(out)
+    if options.dtype not in ("fp32", "bf16"):
+        raise UsageError(f"--dtype {options.dtype!r}: choose fp32 (exact) or bf16")
+    check_layout(options.layout)
     ckpt = src.ckpt
     modules = sorted(src.modules)
     if not modules:  # DcpLoraSource refuses this already; a zero-module adapter must never be written
         raise FormatError("zero LoRA modules to export", path=ckpt.dir)
     warnings = list(src.warnings)
+    rank, scale = _rank_and_scale(src, warnings)
+    base_name, base_dir, base_shapes = _base(src, options.base, warnings)
+    if base_shapes is not None and base_dir is not None:
+        shapes = {m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in modules}
+        check_modules_fit_base(shapes, base_shapes, base_dir)
+    # modules_to_save: the base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`),
+    # found from its state by the source, written under their exact module names
+    full = dict(src.full_tensors)
+    dtype = options.dtype
+    layout = plan_adapter_layout(
+        {m: _factors(src.modules[m], dtype) for m in modules},
+        {name: FullTensor(tuple(src.key_facts(ref).shape), dtype, ref) for name, ref in sorted(full.items())},
+        layout=options.layout,
+        base_model_name_or_path=base_name,
+        rank=rank,
+        scale=scale,
+        base_shapes=base_shapes,
+        base_dir=base_dir,
+        path=ckpt.dir,
+    )
+    warnings += [w for w in (layout.target_warning, *layout.inexact_alphas, layout.full_warning) if w]
+    warnings += _untrained_modules_to_save(ckpt.dir, full)
+    _check_full_shapes(src, full, base_shapes)
+    entries = [ckpt.entries[k] for k in src.lora_keys()] + [
+        ckpt.entries[r.partition("[")[0]] for r in dict.fromkeys(full.values())
+    ]
+    return ExtractPlan(
+        checkpoint=ckpt.dir,
+        out=Path(options.out),
+        slot=src.slot,
+        dtype=dtype,
+        modules=len(modules),
+        rank=rank,
+        alpha=src.alpha,
+        alpha_source=src.alpha_source,
+        scale=scale,
+        lora_alpha=layout.lora_alpha,
+        base_model_name_or_path=base_name,
+        base_checked=base_dir,
+        tensors=layout.tensors,
+        config=layout.config,
+        layout=options.layout,
+        fused=layout.fused,
+        lora_item_bytes=sum(e.stored_bytes for e in entries),
+        lora_payload_bytes=sum(e.nbytes for e in entries),
+        out_file_bytes=safetensors_file_bytes(list(layout.tensors)),
+        warnings=tuple(warnings),
+    )
+
+
+def _factors(m: LoraModule, dtype: str) -> ModuleFactors:
+    """A checkpoint's LoRA module as the adapter writes it: both factors in `dtype`, read by their refs."""
+    return ModuleFactors(m.a_shape, m.b_shape, dtype, dtype, m.factor_ref("A"), m.factor_ref("B"))
+
+
+def _rank_and_scale(src: DcpLoraSource, warnings: list[str]) -> tuple[int, float]:
+    """prime-rl trains one rank: the adapter's `r`, and the training scale alpha / r."""
     ranks = sorted({s.rank for s in src.modules.values()})
     if len(ranks) != 1:
         raise FormatError(
             f"LoRA ranks vary across modules ({ranks}); prime-rl trains one rank and "
             "this export writes one `r`",
-            path=ckpt.dir,
+            path=src.ckpt.dir,
         )
     rank = ranks[0]
     scale = src.alpha / rank
-    lora_alpha = lora_alpha_for_scale(scale, rank)
     if bf16_round(scale) != scale:
         warnings.append(
             f"scale {scale!r} (alpha {src.alpha:g} / r {rank}) is not exact in bf16; prime-rl "
             f"applied bf16({scale:.6g}) = {bf16_round(scale)!r} during training. The adapter keeps "
             "alpha / r exactly, as PEFT and vLLM compute it"
         )
+    return rank, scale
 
-    shapes = {m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in modules}
 
-    # base model: for base_model_name_or_path, and to verify shapes + target_modules when found
+def _base(
+    src: DcpLoraSource, base: str | None, warnings: list[str]
+) -> tuple[str | None, Path | None, dict[str, tuple[int, ...]] | None]:
+    """The base model: its name (base_model_name_or_path: --base, else the run config's), the dir it
+    resolves to here and its tensor shapes (None when not found: the shapes go unchecked)."""
+    ckpt = src.ckpt
+    base_name: str | None
     if base is not None:
         base_name = base
         base_dir, why = locate_model(base, run_root=None)
@@ -155,109 +206,51 @@ def plan_extract(src: DcpLoraSource, options: ExtractOptions) -> ExtractPlan:
             "no base model name: pass --base NAME_OR_DIR (the run's config names no model.name); "
             "base_model_name_or_path is left null, so PEFT/vLLM users must supply the base"
         )
-    base_shapes = None
     if base_dir is not None:
         base_shapes, _cfg = tensor_shapes(base_dir)
-        check_modules_fit_base(shapes, base_shapes, base_dir)
-    elif base_name is not None:
+        return base_name, base_dir, base_shapes
+    if base_name is not None:
         warnings.append(
             f"base model {base_name!r} not found locally ({why}); LoRA shapes were not checked against it"
         )
-    experts = [m for m in modules if expert_parts(m) is not None]
-    fused = (
-        plan_fused({m: shapes[m] for m in experts}, ckpt.dir) if options.layout == "peft" and experts else []
-    )
-    per_module = [m for m in modules if m not in set(experts)] if fused else modules
-    targets, twarn = target_modules_for(per_module, base_shapes)
-    if twarn:
-        warnings.append(twarn)
-    fused_cfg = fused_config(fused, scale) if fused else None
-    for f in fused:
-        if f.block and lora_alpha_for_scale(scale, f.rank) / f.rank != scale:
-            warnings.append(
-                f"{f.name}: alpha {lora_alpha_for_scale(scale, f.rank)!r} / rank {f.rank} is not exactly "
-                f"the scale {scale!r} in floating point (PEFT computes alpha / r)"
-            )
+    return base_name, None, None
 
-    # modules_to_save: the base weights the optimizer trained whole (prime-rl HEAD `lora.modules_to_save`),
-    # found from its state by the source, written under their exact module names
-    full = dict(src.full_tensors)
-    mts = exact_modules_to_save(sorted(full), base_shapes, path=base_dir) if full else []
-    fw = full_tensor_warning(mts)
-    if fw:
-        warnings.append(fw)
-    listed = set()
-    for c in run_adapter_configs(ckpt.dir):
+
+def _untrained_modules_to_save(ckpt_dir: Path, full: dict[str, str]) -> list[str]:
+    """The warning when the run's adapter configs list modules_to_save the optimizer never trained."""
+    listed: set[str] = set()
+    for c in run_adapter_configs(ckpt_dir):
         try:
-            found = read_json(c, root=run_outputs_dir(ckpt.dir), what="adapter_config.json").get(
+            found = read_json(c, root=run_outputs_dir(ckpt_dir), what="adapter_config.json").get(
                 "modules_to_save"
             )
             listed.update(m for m in (found or []) if isinstance(m, str))
         except (CkptError, AttributeError, TypeError):
             continue
-    if listed and not full:
-        warnings.append(
-            f"the run's adapter configs list modules_to_save {sorted(listed)}, but the checkpoint's "
-            "optimizer holds no state for any base weight: they were not trained (prime-rl 16e747c's "
-            "optimizer updates the LoRA only, format §6.3), so the base's own values are the trained "
-            "ones and this adapter holds the LoRA only"
-        )
+    if not listed or full:
+        return []
+    return [
+        f"the run's adapter configs list modules_to_save {sorted(listed)}, but the checkpoint's "
+        "optimizer holds no state for any base weight: they were not trained (prime-rl 16e747c's "
+        "optimizer updates the LoRA only, format §6.3), so the base's own values are the trained "
+        "ones and this adapter holds the LoRA only"
+    ]
 
-    outs = [
-        OutTensor(peft_key(m, ab), shapes[m][0 if ab == "A" else 1], dtype, src.modules[m].factor_ref(ab))
-        for m in per_module
-        for ab in "AB"
-    ]
-    outs += [
-        OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, dtype, f.source(ab))
-        for f in fused
-        for ab in "AB"
-    ]
+
+def _check_full_shapes(
+    src: DcpLoraSource, full: dict[str, str], base_shapes: dict[str, tuple[int, ...]] | None
+) -> None:
+    """Each trained full tensor has its base weight's shape."""
     for name, ref in full.items():
         f = src.key_facts(ref)
         if base_shapes is not None and tuple(base_shapes.get(name, ())) != tuple(f.shape):
             raise FormatError(
                 f"trained full tensor {name} is {list(f.shape)}, the base's is "
                 f"{list(base_shapes.get(name, [])) or 'absent'}",
-                path=ckpt.dir,
+                path=src.ckpt.dir,
                 key=ref,
                 hint="pass the base model the run trained (--base)",
             )
-        outs.append(OutTensor(PEFT_PREFIX + name, tuple(f.shape), dtype, ref))
-    tensors = tuple(sorted(outs, key=lambda t: t.name))
-    cfg = peft_config(
-        r=rank,
-        lora_alpha=lora_alpha,
-        target_modules=targets,
-        base_model_name_or_path=base_name,
-        modules_to_save=mts or None,
-        fused=fused_cfg,
-    )
-    entries = [ckpt.entries[k] for k in src.lora_keys()] + [
-        ckpt.entries[r.partition("[")[0]] for r in dict.fromkeys(full.values())
-    ]
-    return ExtractPlan(
-        checkpoint=ckpt.dir,
-        out=out,
-        slot=src.slot,
-        dtype=dtype,
-        modules=len(modules),
-        rank=rank,
-        alpha=src.alpha,
-        alpha_source=src.alpha_source,
-        scale=scale,
-        lora_alpha=lora_alpha,
-        base_model_name_or_path=base_name,
-        base_checked=base_dir,
-        tensors=tensors,
-        config=cfg,
-        layout=options.layout,
-        fused=tuple(fused),
-        lora_item_bytes=sum(e.stored_bytes for e in entries),
-        lora_payload_bytes=sum(e.nbytes for e in entries),
-        out_file_bytes=safetensors_file_bytes(list(tensors)),
-        warnings=tuple(warnings),
-    )
 
 
 @dataclass(frozen=True)

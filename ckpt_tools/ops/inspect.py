@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..core.errors import AlphaError, CkptError, FormatError, MissingPathError, UnsafeInputError, UsageError
-from ..core.keys import classify, trainable_params
+from ..core.keys import LoraStats, classify, trainable_params
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.dcp.model import TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
-from ..formats.dcp.summary import summarize
+from ..formats.dcp.summary import CheckpointSummary, summarize
 from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, find_run_configs, resolve_alpha
 from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
+from ..formats.primerl.files import locate_run_configs
+from ..formats.primerl.run_dir import checkpoints_dir_of
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import TORCHTITAN, VERL, sniff, step_number
 
@@ -54,12 +57,49 @@ def detect_format(path: Path) -> str:
 
 
 def inspect_dcp(
-    path: Path, *, alpha: float | None = None, run_config: Path | None = None, trust_pickle: bool = False
+    path: Path,
+    *,
+    alpha: float | None = None,
+    run_config: str | Path | None = None,
+    trust_pickle: bool = False,
 ) -> dict:
     ckpt = DcpCheckpoint.open(path, trust_pickle=trust_pickle, known_keys_only=False)  # lists unknown keys
     s = summarize(ckpt)
     lora, infos = s.lora, s.infos
-    report = {
+    report = _summary_json(s)
+    # LoRA runs: the base weights trained whole (prime-rl HEAD lora.modules_to_save), known only by their
+    # optimizer state; `extract-adapter` writes them as modules_to_save, `merge` applies them
+    trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+    report["modules_to_save"] = (
+        sorted(
+            i.hf_name or i.key.removeprefix("app.model.")
+            for i in infos
+            if i.group == "base" and i.key.removeprefix("app.model.") in trained
+        )
+        if lora.modules
+        else []
+    )
+    report.update(run_facts(ckpt.dir, s, infos, ckpt))
+    report["slim"] = is_slim(ckpt.dir)
+    if report["slim"]:
+        report["warnings"].append(
+            "this is a SLIM checkpoint (frozen base weights removed): prime-rl's strict "
+            "loader cannot resume from it; rebuild it with `ckpt rehydrate`"
+        )
+    if lora.modules:
+        report.update(_alpha_facts(ckpt.dir, lora, alpha, run_config, report))
+    if report["other_keys"]:
+        report["warnings"].append(
+            f"{len(report['other_keys'])} key(s) are not part of prime-rl's layout (group 'other')"
+        )
+    ckpt.close()
+    return report
+
+
+def _summary_json(s: CheckpointSummary) -> dict[str, Any]:
+    """What the summary says of a checkpoint, as `inspect --json` lists it (`warnings` to be added to)."""
+    lora = s.lora
+    return {
         "format": "dcp",
         "path": s.path,
         "keys": s.keys,
@@ -86,56 +126,41 @@ def inspect_dcp(
             "bytes": lora.bytes,
             "ranks_vary": lora.rank is None and lora.modules > 0,
         },
-        "other_keys": [i.key for i in infos if i.group == "other"],
+        "other_keys": [i.key for i in s.infos if i.group == "other"],
         "experts": s.experts,
         "training": "full fine-tune" if s.full_finetune else ("LoRA" if lora.modules else None),
         "warnings": [],
     }
-    # LoRA runs: the base weights trained whole (prime-rl HEAD lora.modules_to_save), known only by their
-    # optimizer state; `extract-adapter` writes them as modules_to_save, `merge` applies them
-    trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
-    report["modules_to_save"] = (
-        sorted(
-            i.hf_name or i.key.removeprefix("app.model.")
-            for i in infos
-            if i.group == "base" and i.key.removeprefix("app.model.") in trained
-        )
-        if lora.modules
-        else []
-    )
-    report.update(run_facts(ckpt.dir, s, infos, ckpt))
-    report["slim"] = is_slim(ckpt.dir)
-    if report["slim"]:
-        report["warnings"].append(
-            "this is a SLIM checkpoint (frozen base weights removed): prime-rl's strict "
-            "loader cannot resume from it; rebuild it with `ckpt rehydrate`"
-        )
-    if lora.modules:
-        try:
-            res = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=ckpt.dir, rank=lora.rank)
-            report["alpha"] = {
-                "alpha": res.alpha,
-                "source": res.source,
-                "rule": res.rule or report["scale_rule"],
-                "training_scale": res.alpha / lora.rank if lora.rank else None,
-            }
-            report["warnings"] += list(res.warnings)
-        except AlphaError as exc:
-            report["alpha"] = None
-            report["alpha_unresolved"] = exc.message
-        except FormatError as exc:
-            if isinstance(exc, UnsafeInputError):  # a FIFO, a link out of the tree: refused, not read
-                raise
-            # a run config that opens but does not parse: the checkpoint is still reported
-            report["alpha"] = None
-            report["alpha_unresolved"] = f"the run config is unreadable: {exc.render()}"
-            report["warnings"].append(f"run config unreadable, alpha not resolved: {exc.render()}")
-    if report["other_keys"]:
-        report["warnings"].append(
-            f"{len(report['other_keys'])} key(s) are not part of prime-rl's layout (group 'other')"
-        )
-    ckpt.close()
-    return report
+
+
+def _alpha_facts(
+    ckpt_dir: Path,
+    lora: LoraStats,
+    alpha: float | None,
+    run_config: str | Path | None,
+    report: dict[str, Any],
+) -> dict[str, Any]:
+    """The LoRA's alpha as the run set it (`alpha`: its source and rule, the training scale), or why it is
+    not known; its warnings are added to `report`'s."""
+    try:
+        res = resolve_alpha(alpha=alpha, run_config=run_config, ckpt_dir=ckpt_dir, rank=lora.rank)
+    except AlphaError as exc:
+        return {"alpha": None, "alpha_unresolved": exc.message}
+    except FormatError as exc:
+        if isinstance(exc, UnsafeInputError):  # a FIFO, a link out of the tree: refused, not read
+            raise
+        # a run config that opens but does not parse: the checkpoint is still reported
+        report["warnings"].append(f"run config unreadable, alpha not resolved: {exc.render()}")
+        return {"alpha": None, "alpha_unresolved": f"the run config is unreadable: {exc.render()}"}
+    report["warnings"] += list(res.warnings)
+    return {
+        "alpha": {
+            "alpha": res.alpha,
+            "source": res.source,
+            "rule": res.rule or report["scale_rule"],
+            "training_scale": res.alpha / lora.rank if lora.rank else None,
+        }
+    }
 
 
 def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
@@ -185,11 +210,13 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
 
 
 def inspect_checkpoints_dir(path: Path) -> dict:
-    root = Path(path)
-    if (root / "checkpoints").is_dir() and not any(step_number(c) is not None for c in root.iterdir()):
-        root = root / "checkpoints"
+    """A run's checkpoints dir, from it, its outputs dir or the run dir (`run_dir.checkpoints_dir_of`): each
+    step's state, and the run's config files (found as doctor and report find them)."""
+    root = checkpoints_dir_of(path)
     steps = []
-    for c in sorted((c for c in root.iterdir() if step_number(c) is not None), key=step_number):
+    numbered = [(n, c) for c in root.iterdir() if (n := step_number(c)) is not None]
+    numbered.sort(key=lambda t: t[0])  # (stable: equal numbers keep the listing's order)
+    for n, c in numbered:
         trainer = c / "trainer"
         complete = (trainer / METADATA_NAME).is_file()
         slim = complete and (trainer / SLIM_MANIFEST).is_file()  # `ckpt gc` / `ckpt slim` wrote it
@@ -197,22 +224,29 @@ def inspect_checkpoints_dir(path: Path) -> dict:
         state = "slim" if slim else "full" if complete else "incomplete"
         steps.append(
             {
-                "step": step_number(c),
+                "step": n,
                 "path": str(c),
                 "complete": complete,
                 "slim": slim,
                 "state": state,
                 "bytes": size,
-                "resumes_at_step": step_number(c) if state == "full" else None,
+                "resumes_at_step": n if state == "full" else None,
                 "to_resume": f"ckpt rehydrate {trainer} OUT --base BASE, then resume from OUT"
                 if slim
                 else None,
             }
         )
+    try:
+        found = locate_run_configs(root)
+        configs, problem = ([str(c.path) for c in found.files] if found is not None else []), None
+    except CkptError as exc:  # several runs' configs: said, the steps still listed
+        configs, problem = [], exc.message
     return {
         "format": "checkpoints",
         "path": str(root),
         "steps": steps,
+        "run_config": configs,
+        **({"run_config_problem": problem} if problem else {}),
         "note": "prime-rl resumes from a full step_N at step N (set ckpt.resume_step = N); a slim step "
         "must be rehydrated first (`ckpt rehydrate`)",
     }

@@ -21,7 +21,7 @@ from ..core.keys import DEFAULT_LAYOUT
 from ..core.progress import Progress
 from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_bytes, write_adapter
 from ..sources.delta import DeltaSource, Term, lora_base_name, peft_outputs, shared_peft_targets
-from ..sources.lora import open_lora_source
+from ..sources.open import open_lora_source
 
 __all__ = ["ResizeOptions", "ResizePlan", "ResizeReport", "open_resize_sources", "plan_resize", "run_resize"]
 

@@ -1,12 +1,12 @@
 """Two sources' tensors compared bitwise, chunk by chunk (memory: a few chunks per thread).
 
-Every tensor pair is walked in the chunks the statistics fold (`stat_chunks`): blocks of
-`block_bytes`, each cut into STATS_BLOCK_ELEMS elements. Each block of each side is read in one
-piece straight into this thread's reused buffers (`Scratch`: no allocation, so no page faults, per
-block), then walked chunk by chunk (slices of it: no copy). Same dtype: raw byte comparison first
-(memcmp, no decoding); a chunk that differs gets its statistics from the bytes just read. An
-identical tensor is read once and costs no arithmetic; in a tensor where only some blocks differ,
-the identical ones are read again from BASE alone for what they add (||W0||^2), which a LoRA merge
+Every tensor pair is walked in the chunks the statistics fold: blocks of `block_bytes`, each cut into
+STATS_BLOCK_ELEMS elements (`block_chunks`; each a dot product: other boundaries change the sums' low bits).
+Each block of each side is read in one piece straight into this thread's reused buffers (`Scratch`: no
+allocation, so no page faults, per block), then walked chunk by chunk (slices of it: no copy). Same dtype:
+raw byte comparison first (memcmp, no decoding); a chunk that differs gets its statistics from the bytes
+just read. An identical tensor is read once and costs no arithmetic; in a tensor where only some blocks
+differ, the identical ones are read again from BASE alone for what they add (||W0||^2), which a LoRA merge
 never causes (its delta reaches every row of a targeted tensor).
 Different dtypes: both sides upcast exactly to a common dtype (bf16/fp16/fp32 -> fp32, anything
 with fp64 -> fp64) and compared bitwise there, with the statistics of W - W0 (`DeltaStats`, fp64
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar, overload
 
 import torch
 
@@ -36,7 +36,7 @@ from ..core.accel import load_accelerator
 from ..core.dtypes import torch_dtype
 from ..core.errors import FormatError
 from ..core.tensor_math import LoraFactors64, MergeCheck, check_merged_values_bounded
-from .base import Source, TensorFacts
+from ..formats.handle import Source, TensorFacts
 
 # Not built (no C compiler at install) or CKPT_TOOLS_PURE_PYTHON=1: the torch statistics alone.
 accelerator = load_accelerator("ckpt_tools.sources.delta_stats_c")
@@ -64,7 +64,6 @@ __all__ = [
     "read_chunk",
     "reference_chunk_stats",
     "shared_names",
-    "stat_chunks",
     "stream_stats",
     "tensors_identical",
     "value_check_chunk",
@@ -291,14 +290,6 @@ def block_ranges(total: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(block, total - s)) for s in range(0, total, block)]
 
 
-def stat_chunks(numel: int, block_elems: int) -> Iterator[tuple[int, int]]:
-    """The element ranges the statistics fold, in order: blocks of `block_elems`, each cut into
-    STATS_BLOCK_ELEMS pieces (each a dot product: other boundaries change the sums' low bits)."""
-    for b, n in block_ranges(numel, max(1, block_elems)):
-        for s in range(b, b + n, STATS_BLOCK_ELEMS):
-            yield s, min(STATS_BLOCK_ELEMS, b + n - s)
-
-
 def chunk_scratch_bytes(*itemsizes: int, block_bytes: int = BLOCK_BYTES) -> int:
     """What one thread's `Scratch` holds at most for chunked comparisons of sides with these item sizes: a
     block of each side's bytes (`read_block`); for sides of two dtypes, a chunk of each upcast; without the C
@@ -394,6 +385,18 @@ def value_check_chunk(
     return found
 
 
+@overload
+def block_stats(
+    xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *, skip_identical: Literal[False] = ...
+) -> list[ChunkStats]: ...
+
+
+@overload
+def block_stats(
+    xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *, skip_identical: bool
+) -> list[ChunkStats] | None: ...
+
+
 def block_stats(
     xw, xb, w: torch.Tensor, w0: torch.Tensor, ct: torch.dtype, *, skip_identical: bool = False
 ) -> list[ChunkStats] | None:
@@ -462,7 +465,7 @@ def read_block(
 
 
 def block_chunks(n: int) -> list[tuple[int, int]]:
-    """The statistics chunks of a block of `n` elements, relative to its start (`stat_chunks`' order)."""
+    """The statistics chunks of a block of `n` elements, relative to its start, in the order they fold."""
     return [(s, min(STATS_BLOCK_ELEMS, n - s)) for s in range(0, n, STATS_BLOCK_ELEMS)]
 
 

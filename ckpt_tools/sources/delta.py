@@ -16,29 +16,20 @@ base weight) and from then on serves the rank-k factors. One module's factors ar
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..core.delta_math import Truncation, stack_terms, truncate
-from ..core.errors import CkptError, FormatError, UsageError
-from ..core.keys import DEFAULT_LAYOUT, LAYOUTS, PROGRESS_STEP_KEY, expert_parts
+from ..core.errors import CkptError, FormatError
+from ..core.keys import DEFAULT_LAYOUT, PROGRESS_STEP_KEY, step_of
+from ..formats.handle import LoraModule, LoraSource, TensorFacts
 from ..formats.hf_dir.hub import locate_model
-from ..formats.peft.config import PEFT_PREFIX
-from ..formats.peft.experts import build_fused, fused_config, plan_fused
-from ..formats.peft.writer import (
-    OutTensor,
-    exact_modules_to_save,
-    full_tensor_warning,
-    peft_config,
-    peft_key,
-    target_modules_for,
-)
-from ..formats.primerl.run_dir import resolve_run, step_number
-from .base import TensorFacts
-from .lora import LoraModule, LoraSource
+from ..formats.peft.experts import build_fused
+from ..formats.peft.layout import FullTensor, ModuleFactors, plan_adapter_layout
+from ..formats.peft.writer import OutTensor
+from ..formats.primerl.run_dir import resolve_run
 
 FULL_SUFFIX = "#full"  # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
 
@@ -46,6 +37,7 @@ __all__ = [
     "FULL_SUFFIX",
     "DeltaSource",
     "Term",
+    "finite",
     "lora_base",
     "lora_base_name",
     "lora_step",
@@ -116,11 +108,13 @@ class DeltaSource(LoraSource):
 
     # ------------------------------------------------------------------ the factors
     def stacked(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exact weighted sum as one LoRA (fp64 A_cat, B_cat with scale 1)."""
+        """The exact weighted sum as one LoRA (fp64 A_cat, B_cat with scale 1). A NaN or inf in a factor
+        read is refused, naming its file and key (a sum, QR or SVD would carry it into every output)."""
         parts = []
         for t in self.terms[module]:
             src = self.inputs[t.input]
-            a, b = src.read_factor(module, "A"), src.read_factor(module, "B")
+            m = src.modules[module]
+            a, b = (finite(src.read_factor(module, ab), src.weights_path, m.factor_ref(ab)) for ab in "AB")
             parts.append((a, b, t.coef * src.modules[module].scale))
         return stack_terms(parts)
 
@@ -129,7 +123,7 @@ class DeltaSource(LoraSource):
         now on. Returns the facts per module."""
         for m in self.modules:
             a, b = self.stacked(m)
-            _a, _b, facts = truncate(a, b, rank=rank, energy=energy)
+            _a, _b, facts = self._truncate(m, a, b, rank=rank, energy=energy)
             self.truncations[m] = facts
             self._ranks[m] = facts.rank
             k = facts.rank
@@ -146,17 +140,35 @@ class DeltaSource(LoraSource):
         self._local.pair = None
         a, b = self.stacked(module)
         if module in self._ranks:
-            a, b, _ = truncate(a, b, rank=self._ranks[module])
+            a, b, _ = self._truncate(module, a, b, rank=self._ranks[module])
+        for ab, x in (("A", a), ("B", b)):  # written as fp32 (or merged): past its range is inf there
+            finite(x.to(torch.float32), self.path, f"{module}.lora_{ab}", what=_RESULT, hint=_RESULT_HINT)
         self._local.pair = (module, a, b)
         return a, b
+
+    def _truncate(self, module: str, a: torch.Tensor, b: torch.Tensor, **rule):
+        """`core.delta_math.truncate`, a decomposition that fails (values near fp64's range) named."""
+        try:
+            return truncate(a, b, **rule)
+        except torch.linalg.LinAlgError as exc:
+            raise FormatError(
+                f"the SVD of this module's delta failed ({str(exc).split(':')[0][:60]} did not converge)",
+                path=self.path,
+                key=module,
+                hint="its factors hold values near the float64 range: `ckpt verify --deep` the input",
+            ) from None
 
     def full(self, name: str) -> torch.Tensor:
         """A trained full tensor: the weighted sum of the inputs' (fp64, rounded once by the writer)."""
         out = None
         for t in self.full_terms[name]:
             src = self.inputs[t.input]
-            x = src.read_key(src.full_tensors[name]).to(torch.float64) * float(t.coef)
+            key = src.full_tensors[name]
+            x = finite(src.read_key(key), src.weights_path, key).to(torch.float64) * float(t.coef)
             out = x if out is None else out.add_(x)
+        finite(
+            out.to(torch.float32), self.path, name, what=_RESULT, hint=_RESULT_HINT
+        )  # checked, not rounded
         return out
 
     # ------------------------------------------------------------------ the LoraSource contract
@@ -190,12 +202,36 @@ class DeltaSource(LoraSource):
             s.close()
 
 
+_RESULT = "the result (the inputs' weighted sum, at its new rank) as float32"
+_RESULT_HINT = "the weights or the inputs' values take it past float32's range (3.4e38): check the weights"
+
+
+def finite(
+    t: torch.Tensor,
+    path,
+    key: str,
+    *,
+    what: str = "this input",
+    hint: str = "a damaged or diverged input: `ckpt verify --deep` it, and average or resize without it",
+) -> torch.Tensor:
+    """`t`, when every value is finite; else a FormatError naming the file and the key."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int(t.numel() - int(torch.isfinite(t).sum()))
+        raise FormatError(
+            f"{what} holds {bad} non-finite value(s) (NaN or inf): refusing to write them",
+            path=path,
+            key=key,
+            hint=hint,
+        )
+    return t
+
+
 def lora_step(src: LoraSource) -> int | None:
     """The training step of an input: step_N in its path (the dir or its parent), else a checkpoint's
     progress.step; None when neither says."""
     p = Path(src.path)
     for c in (p, p.parent):
-        n = step_number(c)
+        n = step_of(c.name)
         if n is not None:
             return n
     if src.ckpt is not None and PROGRESS_STEP_KEY in src.ckpt.entries:
@@ -247,68 +283,27 @@ def peft_outputs(
     target_modules: list[str] | None = None,
     layout: str = DEFAULT_LAYOUT,
 ) -> tuple[tuple[OutTensor, ...], dict, tuple[str, ...]]:
-    """The tensors (fp32, sorted by key), adapter_config.json and warnings of `src` as a PEFT adapter: each
-    module at its own rank with scale 1 (lora_alpha = r; modules at another rank than the most common one
-    in rank_pattern / alpha_pattern); trained full tensors under their exact module names in
-    modules_to_save (as `ckpt extract-adapter` writes them). `layout` (`core.keys.LAYOUTS`): grouped-expert
-    modules as PEFT's fused expert LoRA (`peft`, `formats.peft.experts`: gate and up one exact block LoRA; it
-    needs one rank across the experts of a projection, as an exact average or `--rank K` gives) or per expert
-    (`vllm`, `prime-rl`); a dense LoRA is the same file in every layout."""
-    if layout not in LAYOUTS:
-        raise UsageError(f"--layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    experts = [m for m in src.modules if expert_parts(m) is not None]
-    try:
-        fused = (
-            plan_fused({m: (src.modules[m].a_shape, src.modules[m].b_shape) for m in experts}, src.path)
-            if layout == "peft" and experts
-            else []
-        )
-    except FormatError as exc:  # --energy gave the experts of one projection different ranks
-        raise FormatError(
-            exc.message,
-            path=src.path,
-            hint="PEFT's fused expert LoRA needs one rank across the experts: pass --rank K instead "
-            "of --energy, or --layout vllm (per-expert modules)",
-        ) from None
-    per_module = [m for m in src.modules if not fused or m not in set(experts)]
-    ranks = {m: src.modules[m].rank for m in per_module}
-    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else (fused[0].part_rank if fused else 1)
-    others = {m: k for m, k in sorted(ranks.items()) if k != r}
-    if fused:  # the expert modules are reached through target_parameters, not target_modules
-        targets = target_modules_for(sorted(per_module), None)[0] if per_module else []
-    else:
-        targets = target_modules if target_modules is not None else target_modules_for(sorted(ranks), None)[0]
-    mts = exact_modules_to_save(sorted(src.full_tensors), None) if src.full_tensors else []
-    cfg = peft_config(
-        r=r,
-        lora_alpha=float(r),
-        target_modules=targets,
+    """The tensors (fp32, sorted by key), adapter_config.json and warnings of `src` as a PEFT adapter
+    (`formats.peft.layout`, as every adapter writer lays one out): each module at its own rank with scale 1
+    (lora_alpha = r; modules at another rank than the most common one in rank_pattern / alpha_pattern);
+    trained full tensors under their exact module names in modules_to_save. `layout` (`core.keys.LAYOUTS`):
+    grouped-expert modules as PEFT's fused expert LoRA (`peft`: it needs one rank across the experts of a
+    projection, as an exact average or `--rank K` gives) or per expert (`vllm`, `prime-rl`); a dense LoRA
+    is the same file in every layout."""
+    plan = plan_adapter_layout(
+        {
+            m: ModuleFactors(
+                spec.a_shape, spec.b_shape, "fp32", "fp32", f"{m}.lora_A", f"{m}.lora_B", spec.fan_in_fan_out
+            )
+            for m, spec in src.modules.items()
+        },
+        {n: FullTensor(tuple(src.key_facts(key).shape), "fp32", key) for n, key in src.full_tensors.items()},
+        layout=layout,
         base_model_name_or_path=base_model_name_or_path,
-        modules_to_save=mts or None,
-        fused=fused_config(fused, 1.0) if fused else None,
+        target_modules=target_modules,
+        path=src.path,
+        fuse_hint="PEFT's fused expert LoRA needs one rank across the experts: pass --rank K instead "
+        "of --energy, or --layout vllm (per-expert modules)",
     )
-    cfg["fan_in_fan_out"] = any(spec.fan_in_fan_out for spec in src.modules.values())
-    cfg["rank_pattern"] = {**cfg.get("rank_pattern", {}), **others}
-    cfg["alpha_pattern"] = {**cfg.get("alpha_pattern", {}), **{m: float(k) for m, k in others.items()}}
-    outs = [
-        OutTensor(
-            peft_key(m, ab),
-            src.modules[m].a_shape if ab == "A" else src.modules[m].b_shape,
-            "fp32",
-            f"{m}.lora_{ab}",
-        )
-        for m in per_module
-        for ab in "AB"
-    ]
-    outs += [
-        OutTensor(peft_key(f.peft_module, ab), f.a_shape if ab == "A" else f.b_shape, "fp32", f.source(ab))
-        for f in fused
-        for ab in "AB"
-    ]
-    src.fused = {f.source(ab): (f, ab) for f in fused for ab in "AB"}
-    outs += [
-        OutTensor(PEFT_PREFIX + n, src.key_facts(key).shape, "fp32", key)
-        for n, key in src.full_tensors.items()
-    ]
-    warning = full_tensor_warning(mts)
-    return tuple(sorted(outs, key=lambda t: t.name)), cfg, (warning,) if warning else ()
+    src.fused = {f.source(ab): (f, ab) for f in plan.fused for ab in "AB"}
+    return plan.tensors, plan.config, (plan.full_warning,) if plan.full_warning else ()

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.dtypes import dtype_name
+from ..formats.handle import Extent, Source, TensorFacts
 from ..formats.peft.adapter import load_adapter_bin
 from ..formats.safetensors.header import read_header
 from ..io.inputs import OpenFiles
-from .base import Extent, Source, TensorFacts
 
 __all__ = ["TensorFileSource"]
 

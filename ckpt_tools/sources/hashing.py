@@ -21,8 +21,8 @@ from ..core.crc import crc32, crc32_combine
 from ..core.dtypes import dtype_name, itemsize, torch_dtype
 from ..core.errors import FormatError
 from ..core.keys import expert_names, is_stacked_pattern
+from ..formats.handle import Source
 from ..formats.slim.partition import map_to_base
-from .base import Source
 
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import FormatError, MissingPathError, OutputExistsError, UsageError
-from ..core.keys import PROGRESS_STEP_KEY, world_size_from_chunks
+from ..core.keys import PROGRESS_STEP_KEY, step_of, world_size_from_chunks
 from ..core.primerl_state import SchedulerSpec
 from ..core.progress import Progress
 from ..formats.dcp.layout import METADATA_NAME, resolve_checkpoint_dir
+from ..formats.dcp.lora import DcpLoraSource
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
@@ -41,7 +41,6 @@ from ..io.staging import OVERWRITE_HINT, check_output_file, describe_output
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..ops.extract_adapter import ExtractOptions, plan_extract
 from ..ops.merge import DEFAULT_MAX_SHARD, MergeOptions, MergeSources, check_output, plan_merge, run_merge
-from ..sources.lora import DcpLoraSource
 
 __all__ = ["MODES", "RestartPrepReport", "default_config_out", "find_checkpoint", "restart_prep"]
 
@@ -49,7 +48,6 @@ MODES = ("merge", "adapter")
 
 
 # ============================================================================ locating the checkpoint
-_STEP = re.compile(r"^step_(\d+)$")
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -64,9 +62,9 @@ def find_checkpoint(path: str | Path) -> Path:
         if not root.is_dir():
             continue
         steps = sorted(
-            (int(m.group(1)), c)
+            (n, c)
             for c in root.iterdir()
-            if (m := _STEP.match(c.name)) and (c / "trainer" / METADATA_NAME).is_file()
+            if (n := step_of(c.name)) is not None and (c / "trainer" / METADATA_NAME).is_file()
         )
         if steps:
             return steps[-1][1] / "trainer"

@@ -26,11 +26,11 @@ __all__ = ["command", "parse_weights", "render_truncations", "rule_text"]
 MISMATCH_CHOICES = ("base", "targets", "alpha")  # ops.average.MISMATCH_KINDS (a test checks they agree)
 
 
-def parse_weights(text: str | None) -> tuple[float, ...] | None:
+def parse_weights(text: str | None) -> list[float] | None:
     if text is None:
         return None
     try:
-        return tuple(float(x) for x in text.split(","))
+        return [float(x) for x in text.split(",")]
     except ValueError:
         raise UsageError(
             f"--weights {text!r}: expected comma-separated numbers", hint="e.g. --weights 1,1,2"

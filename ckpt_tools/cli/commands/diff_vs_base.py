@@ -122,6 +122,46 @@ def render(r: DiffReport, top: int) -> None:
     from ...api import DIFF_SKIPPED as SKIPPED
 
     p = r.plan
+    _render_inputs(p)
+    same = [t for t in r.tensors if t.status in SAME]
+    skipped = [t for t in r.tensors if t.status == SKIPPED]
+    changed = [t for t in r.tensors if t.status not in SAME and t.status != SKIPPED]
+    changed.sort(key=lambda t: (-(t.rel_fro if t.rel_fro is not None else float("inf")), t.name))
+    if changed:
+        click.echo(f"{len(changed)} changed tensor(s)" + (f", top {top}:" if len(changed) > top else ":"))
+        click.echo(f"  {'name':<48} {'changed':>8} {'max|d|':>9} {'rel fro':>9}  note")
+        for t in changed[:top]:
+            frac = "-" if t.changed_fraction is None else f"{100 * t.changed_fraction:.1f}%"
+            click.echo(
+                f"  {t.name:<48} {frac:>8} {_fmt(t.max_abs_delta):>9} {_fmt(t.rel_fro):>9}  {_note(t)}"
+            )
+    upcast = sum(1 for t in same if t.status == "identical_upcast")
+    click.echo(
+        f"{len(same)} identical tensor(s)"
+        + (f" ({upcast} after exact upcast)" if upcast else "")
+        + (f", {len(skipped)} not read (--targeted-only)" if skipped else "")
+    )
+    for label, names in (("only in WEIGHTS", p.only_in_weights), ("only in BASE", p.only_in_base)):
+        if names:
+            shown = ", ".join(names[:10]) + (f", ... ({len(names) - 10} more)" if len(names) > 10 else "")
+            click.echo(f"{len(names)} tensor(s) {label}: {shown}")
+    summary = r.adapter_summary
+    if summary is not None:
+        for o in summary["off"]:
+            click.echo(
+                f"  adapter check: {o['name']}: "
+                + (o["problem"] or f"{o['elements_off']} element(s) off, up to {o['max_ulps']} ulps")
+            )
+        for n in summary["untargeted_changed"]:
+            click.echo(f"  adapter check: {n}: not targeted by the adapter but changed")
+        for n in summary["missing_in_weights"]:
+            click.echo(f"  adapter check: {n}: targeted by the adapter but missing from WEIGHTS")
+    click.echo(f"read {human_bytes(r.bytes_read)} in {r.seconds:.2f}s")
+    click.echo(r.summary)
+
+
+def _render_inputs(p) -> None:
+    """WEIGHTS, BASE and the adapter, one line each."""
     click.echo(
         f"WEIGHTS {p.weights['label']} ({p.weights['kind']}, {p.weights['tensors']} tensors, "
         f"{'/'.join(p.weights['dtypes'])})"
@@ -137,57 +177,24 @@ def render(r: DiffReport, top: int) -> None:
             f"{a['scale']}, "
             f"alpha from {a['alpha_source']})"
         )
-    same = [t for t in r.tensors if t.status in SAME]
-    skipped = [t for t in r.tensors if t.status == SKIPPED]
-    changed = [t for t in r.tensors if t.status not in SAME and t.status != SKIPPED]
-    changed.sort(key=lambda t: (-(t.rel_fro if t.rel_fro is not None else float("inf")), t.name))
-    if changed:
-        click.echo(f"{len(changed)} changed tensor(s)" + (f", top {top}:" if len(changed) > top else ":"))
-        click.echo(f"  {'name':<48} {'changed':>8} {'max|d|':>9} {'rel fro':>9}  note")
-        for t in changed[:top]:
-            frac = "-" if t.changed_fraction is None else f"{100 * t.changed_fraction:.1f}%"
-            note = []
-            if t.status == "shape_changed":
-                note.append(f"shape {t.base_shape} -> {t.weights_shape}")
-            if t.weights_dtype != t.base_dtype:
-                note.append(f"dtype {t.base_dtype} -> {t.weights_dtype}")
-            if t.adapter_check is not None:
-                ac = t.adapter_check
-                if ac.get("ok"):
-                    note.append("adapter exact (0 ulps)")
-                else:
-                    why = (
-                        ac.get("problem")
-                        or f"{ac.get('elements_off')} elements, up to {ac.get('max_ulps')} ulps"
-                    )
-                    note.append(f"ADAPTER OFF: {why}")
-            elif t.role == "untargeted":
-                note.append("UNTARGETED BUT CHANGED")
-            if t.nonfinite:
-                note.append(f"{t.nonfinite} non-finite")
-            click.echo(
-                f"  {t.name:<48} {frac:>8} {_fmt(t.max_abs_delta):>9} {_fmt(t.rel_fro):>9}  {'; '.join(note)}"
-            )
-    upcast = sum(1 for t in same if t.status == "identical_upcast")
-    click.echo(
-        f"{len(same)} identical tensor(s)"
-        + (f" ({upcast} after exact upcast)" if upcast else "")
-        + (f", {len(skipped)} not read (--targeted-only)" if skipped else "")
-    )
-    for label, names in (("only in WEIGHTS", p.only_in_weights), ("only in BASE", p.only_in_base)):
-        if names:
-            shown = ", ".join(names[:10]) + (f", ... ({len(names) - 10} more)" if len(names) > 10 else "")
-            click.echo(f"{len(names)} tensor(s) {label}: {shown}")
-    ac = r.adapter_summary
-    if ac is not None:
-        for o in ac["off"]:
-            click.echo(
-                f"  adapter check: {o['name']}: "
-                + (o["problem"] or f"{o['elements_off']} element(s) off, up to {o['max_ulps']} ulps")
-            )
-        for n in ac["untargeted_changed"]:
-            click.echo(f"  adapter check: {n}: not targeted by the adapter but changed")
-        for n in ac["missing_in_weights"]:
-            click.echo(f"  adapter check: {n}: targeted by the adapter but missing from WEIGHTS")
-    click.echo(f"read {human_bytes(r.bytes_read)} in {r.seconds:.2f}s")
-    click.echo(r.summary)
+
+
+def _note(t) -> str:
+    """A changed tensor's note: shape and dtype changes, its adapter check, non-finite values."""
+    note = []
+    if t.status == "shape_changed":
+        note.append(f"shape {t.base_shape} -> {t.weights_shape}")
+    if t.weights_dtype != t.base_dtype:
+        note.append(f"dtype {t.base_dtype} -> {t.weights_dtype}")
+    if t.adapter_check is not None:
+        ac = t.adapter_check
+        if ac.get("ok"):
+            note.append("adapter exact (0 ulps)")
+        else:
+            why = ac.get("problem") or f"{ac.get('elements_off')} elements, up to {ac.get('max_ulps')} ulps"
+            note.append(f"ADAPTER OFF: {why}")
+    elif t.role == "untargeted":
+        note.append("UNTARGETED BUT CHANGED")
+    if t.nonfinite:
+        note.append(f"{t.nonfinite} non-finite")
+    return "; ".join(note)

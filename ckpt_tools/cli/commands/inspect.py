@@ -10,7 +10,7 @@ from ... import api
 from ...core.units import human_bytes, human_number
 from ..flow import shown
 from ..options import ModelPath, alpha_options, download_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..render import emit, one_line, warn, warn_trust
 
 __all__ = ["command"]
 
@@ -27,9 +27,10 @@ __all__ = ["command"]
 def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust_pickle: bool) -> None:
     """Describe a checkpoint, HF model dir or PEFT adapter from metadata alone.
 
-    PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir, an HF
-    model dir, a PEFT adapter dir, a verl checkpoint (its run dir, global_step_N or global_step_N/actor)
-    or a torchtitan one (its dump folder, checkpoint/ or checkpoint/step-N). Reads no tensor data.
+    PATH: a prime-rl trainer dir (.../step_N/trainer), a step dir, an outputs/checkpoints dir (or the run
+    dir above it: its steps and run config), an HF model dir, a PEFT adapter dir, a verl checkpoint (its
+    run dir, global_step_N or global_step_N/actor) or a torchtitan one (its dump folder, checkpoint/ or
+    checkpoint/step-N). Reads no tensor data.
 
     \b
     Example:
@@ -49,7 +50,7 @@ def command(path: Path, alpha, run_config, list_keys: bool, as_json: bool, trust
     if result.plan.kind == "dcp" and list_keys:
         for row in report:
             shape = "bytes" if row["dtype"] is None else f"{row['dtype']} {row['shape']}"
-            click.echo(f"{row['key']}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
+            click.echo(f"{one_line(row['key'])}  | {row['group']} | {shape} | {row['chunks']} chunk(s)")
         return
     render(shown(report))  # a URL shown as itself, not its local stand-in (io.remote)
     for w in report.get("warnings", []):
@@ -75,6 +76,7 @@ def render(r: dict) -> None:
                 )
             else:
                 click.echo(f"  step_{s['step']:<8} {human_bytes(s['bytes']):>10}  INCOMPLETE (no .metadata)")
+        click.echo(f"run config: {', '.join(r['run_config']) or r.get('run_config_problem') or 'none found'}")
         click.echo(r["note"])
     elif fmt in ("verl", "torchtitan"):
         _render_trainer(r)

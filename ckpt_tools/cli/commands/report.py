@@ -139,10 +139,14 @@ def _render(report: dict) -> None:
     if lr:
         past = list(lr["past"].values())
         planned = list(lr["planned"].values())
+        plan = (
+            f"planned to step {lr['max_steps']}: {_fmt(planned[0])} -> {_fmt(planned[-1])}"
+            if planned
+            else f"nothing planned past step {lr['step']}"
+        )
         click.echo(
             f"  lr ({lr['scheduler']}): steps 1..{lr['step']} ran at {_fmt(min(past)) if past else '-'}.."
-            f"{_fmt(max(past)) if past else '-'}; planned to step {lr['max_steps']}: "
-            f"{_fmt(planned[0]) if planned else '-'} -> {_fmt(planned[-1]) if planned else '-'}"
+            f"{_fmt(max(past)) if past else '-'}; {plan}: max_steps is {lr['max_steps_from']}"
         )
         if lr.get("set_lr"):
             sl = lr["set_lr"]

@@ -13,7 +13,7 @@ from ...core.units import human_bytes
 from ..flow import progress_line
 from ..mistakes import check_roles
 from ..options import ModelPath, download_option, json_option, trust_option
-from ..render import emit, warn, warn_trust
+from ..render import emit, one_line, warn, warn_trust
 
 if TYPE_CHECKING:
     from ...api import VerifyReport
@@ -68,7 +68,7 @@ def command(
 
 def render(r: VerifyReport) -> None:
     for line in group_problems(r.problems):
-        click.echo(f"problem: {line}")
+        click.echo(f"problem: {one_line(line)}")
     for line in group_problems(r.warnings):
         warn(line)
     c = r.checked
@@ -107,14 +107,12 @@ def render(r: VerifyReport) -> None:
         "verl": "verl checkpoint",
         "torchtitan": "torchtitan checkpoint",
     }[r.format]
-    proven = r.integrity is None or r.integrity.get("proven")
-    if r.ok and proven:
-        tail = f"; {r.integrity['statement']}" if r.integrity else ""
+    integrity = r.integrity
+    if r.ok and (integrity is None or integrity.get("proven")):
+        tail = f"; {integrity['statement']}" if integrity else ""
         click.echo(f"OK: {r.path}: {kind}, {what}{tail}")
-    elif r.ok:
+    elif r.ok and integrity is not None:
         # well formed (and finite, with --deep), but nothing proves the bytes are the ones written
-        click.echo(
-            f"STRUCTURE OK, INTEGRITY NOT PROVEN: {r.path}: {kind}, {what}; {r.integrity['statement']}"
-        )
+        click.echo(f"STRUCTURE OK, INTEGRITY NOT PROVEN: {r.path}: {kind}, {what}; {integrity['statement']}")
     else:
         click.echo(f"FAILED: {r.path}: {len(r.problems)} problem(s) in this {kind} ({what})")

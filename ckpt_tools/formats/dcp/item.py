@@ -24,6 +24,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from ...core.crc import crc32
 from ...core.dtypes import ITEMSIZE, STORAGE_CLASSES
@@ -331,8 +332,9 @@ class DecodedChunk:
 
     def payload(self) -> memoryview:
         """The payload bytes of a small item (read whole)."""
-        assert self.raw is not None and self.layout.data_offset is not None
-        return memoryview(self.raw)[self.layout.data_offset : self.layout.data_offset + self.layout.data_size]
+        start, size = self.layout.data_offset, self.layout.data_size
+        assert self.raw is not None and start is not None and size is not None
+        return memoryview(self.raw)[start : start + size]
 
 
 def decode_chunk(
@@ -345,6 +347,7 @@ def decode_chunk(
     ItemError (a layout this decoder does not read: fall back on `load_byte_item`), UnsafePickleError
     (its data.pkl is not a plain tensor record) or ChecksumError (damaged): never fall back on those."""
     small = length <= (SMALL_ITEM_BYTES if small_bytes is None else small_bytes)
+    src: BinaryIO
     try:
         if small:
             raw = read(offset, length)
@@ -564,7 +567,7 @@ class DataCrcReader:
     it is trusted, else parsed from its end again. ItemError for anything but a stored `data/0` of the
     expected size."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._back: int | None = None
         self._name: bytes | None = None
 

@@ -81,6 +81,7 @@ def copy_checked_item(
     """Append the item at [offset, offset + length) of data file `rel` (of `key`; `chunk`: its tensor
     chunk, None for a byte item) to `writer` verbatim, checked; returns the CRC-32 of its bytes."""
     e = ckpt.entries[key]
+    raw: bytes | FileRange
     if length <= SMALL_ITEM_BYTES or is_remote_path(ckpt.dir):
         raw = ckpt.read_item_checked(rel, offset, length, key)
         crc = crc32(raw)

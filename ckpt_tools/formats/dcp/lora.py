@@ -1,6 +1,7 @@
 """The LoRA view of a DCP checkpoint (`DcpCheckpoint.lora(...)`): prime-rl stores A/B but not alpha,
 resolved by `formats.primerl.alpha`, never guessed. Grouped-expert factors ([E, r, in] / [E, out, r]) are
-read one expert's rows at a time through the checkpoint's key view (`views.DcpKeySource`)."""
+read one expert's rows at a time through the checkpoint's key view (`views.DcpKeySource`). A full
+fine-tune's checkpoint has no LoRA: `NoLoraSource` stands for it where an op takes one."""
 
 from __future__ import annotations
 
@@ -21,32 +22,60 @@ from ...core.lora_math import lora_scale
 from ..handle import LoraModule, LoraSource, RawTensor, TensorFacts
 from ..primerl.alpha import AlphaResolution, resolve_alpha
 from .layout import METADATA_NAME
-from .reader import DcpCheckpoint
 from .views import DcpKeySource
 
-if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built; the handle makes this view
     import torch
 
-__all__ = ["DcpLoraSource", "trained_full_tensors"]
+    from .reader import DcpCheckpoint
+
+__all__ = ["DcpLoraSource", "NoLoraSource", "trained_full_tensors"]
 
 
 class DcpLoraSource(LoraSource):
     kind = "dcp"
+    ckpt: DcpCheckpoint  # the handle viewed (a LoraSource's may be None: this one's never is)
+    slot: int
+    alpha: float  # resolved (`formats.primerl.alpha`), never None
 
-    def __init__(
-        self,
-        path: Path,
-        *,
-        alpha: float | None,
-        run_config: Path | None,
-        slot: int = 0,
-        trust_pickle: bool = False,
-        ckpt: DcpCheckpoint | None = None,
-    ):
-        self.ckpt = ckpt or DcpCheckpoint.open(path, trust_pickle=trust_pickle)
-        self.path = self.ckpt.dir
-        self.config_path = self.weights_path = self.ckpt.dir / METADATA_NAME
+    def __init__(self, ckpt: DcpCheckpoint, *, alpha: float | None, run_config: Path | None, slot: int = 0):
+        self.ckpt = ckpt
+        self.path = ckpt.dir
+        self.config_path = self.weights_path = ckpt.dir / METADATA_NAME
         self.slot = slot
+        found = self._factor_keys(slot)
+        shapes = self._factor_shapes(found, slot)
+        uniq = sorted({s[2][0] for s in shapes.values()})
+        res: AlphaResolution = resolve_alpha(
+            alpha=alpha, run_config=run_config, ckpt_dir=self.path, rank=uniq[0] if len(uniq) == 1 else None
+        )
+        self.alpha = res.alpha
+        self.alpha_source = res.source
+        self.resolution = res
+        self.warnings = res.warnings
+        self.modules = {
+            m: LoraModule(
+                m, a_shape[0], lora_scale(res.alpha, a_shape[0]), ka, kb, a_shape, b_shape, False, a_dtype, x
+            )
+            for m, (ka, kb, a_shape, b_shape, a_dtype, x) in shapes.items()
+        }
+        self.full_tensors = trained_full_tensors(self.ckpt)
+        stacked = any(x is not None for *_, x in found) or any(
+            v.endswith("]") for v in self.full_tensors.values()
+        )
+        self._rows = DcpKeySource(self.ckpt) if stacked else None
+        # every factor is read: a remote checkpoint fetches adjacent items in one request (io.remote)
+        self.ckpt.hint_reads(
+            (c.file, c.offset, c.length)
+            for _m, ka, kb, _x in found
+            for k in (ka, kb)
+            for c in self.ckpt.entries[k].chunks
+            if c.numel
+        )
+
+    def _factor_keys(self, slot: int) -> list[tuple[str, str, str, int | None]]:
+        """(module, A key, B key, expert) of adapter `slot`: a dense module's own keys, or one expert's slice
+        of stacked keys; every key known, the slot present."""
         infos = [classify(k, e.path) for k, e in self.ckpt.entries.items()]
         require_known(infos, self.path / METADATA_NAME)
         lora = [i for i in infos if i.group == "lora"]
@@ -63,7 +92,6 @@ class DcpLoraSource(LoraSource):
                 path=self.path,
                 hint=f"pass --slot {slots[0]}",
             )
-        # (module, a key, b key, expert): a dense module's own keys, or one expert's slice of stacked keys
         found: list[tuple[str, str, str, int | None]] = []
         for m in sorted({i.module for i in lora if i.slot == slot and not i.stacked}):
             found.append((m, lora_key(m, "A", slot), lora_key(m, "B", slot), None))
@@ -73,6 +101,10 @@ class DcpLoraSource(LoraSource):
             ka, kb = stacked_lora_key(experts, proj, "A", slot), stacked_lora_key(experts, proj, "B", slot)
             n = self._stacked_experts(ka, kb)
             found.extend((expert_module(experts, x, proj), ka, kb, x) for x in range(n))
+        return found
+
+    def _factor_shapes(self, found: list[tuple[str, str, str, int | None]], slot: int) -> dict[str, tuple]:
+        """module -> (A key, B key, A shape, B shape, A dtype, expert); both factors there, of one rank."""
         shapes = {}
         for m, ka, kb, x in found:
             if ka not in self.ckpt.entries or kb not in self.ckpt.entries:
@@ -92,33 +124,7 @@ class DcpLoraSource(LoraSource):
                     key=ka,
                 )
             shapes[m] = (ka, kb, sa, sb, ea.dtype, x)
-        uniq = sorted({s[2][0] for s in shapes.values()})
-        res: AlphaResolution = resolve_alpha(
-            alpha=alpha, run_config=run_config, ckpt_dir=self.path, rank=uniq[0] if len(uniq) == 1 else None
-        )
-        self.alpha = res.alpha
-        self.alpha_source = res.source
-        self.resolution = res
-        self.warnings = res.warnings
-        self.modules = {
-            m: LoraModule(
-                m, a_shape[0], lora_scale(res.alpha, a_shape[0]), ka, kb, a_shape, b_shape, False, a_dtype, x
-            )
-            for m, (ka, kb, a_shape, b_shape, a_dtype, x) in shapes.items()
-        }
-        self.full_tensors = trained_full_tensors(self.ckpt)
-        stacked = any(x is not None for *_, x in found) or any(
-            v.endswith("]") for v in self.full_tensors.values()
-        )
-        self._rows = DcpKeySource(ckpt=self.ckpt) if stacked else None
-        # every factor is read: a remote checkpoint fetches adjacent items in one request (io.remote)
-        self.ckpt.hint_reads(
-            (c.file, c.offset, c.length)
-            for _m, ka, kb, _x in found
-            for k in (ka, kb)
-            for c in self.ckpt.entries[k].chunks
-            if c.numel
-        )
+        return shapes
 
     def _stacked_experts(self, ka: str, kb: str) -> int:
         ea, eb = self.ckpt.entries.get(ka), self.ckpt.entries.get(kb)
@@ -161,7 +167,7 @@ class DcpLoraSource(LoraSource):
             e = self.ckpt.entry(key)
             return RawTensor(e.dtype, tuple(e.shape), self.ckpt.read_tensor_bytes(key))
         if self._rows is None:
-            self._rows = DcpKeySource(ckpt=self.ckpt)
+            self._rows = DcpKeySource(self.ckpt)
         name = self._rows.expert_name(stem, expert)
         f = self._rows.facts(name)
         buf = bytearray(f.nbytes)
@@ -186,6 +192,22 @@ class DcpLoraSource(LoraSource):
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class NoLoraSource(LoraSource):
+    """The "adapter" of a full fine-tune's export: no LoRA at all, the checkpoint's weights are the model."""
+
+    kind = "none"
+
+    def __init__(self, path: Path, *, tied_aliases: tuple[str, ...] = ()):
+        self.path = Path(path)
+        self.config_path = self.weights_path = self.path / METADATA_NAME
+        self.tied_aliases = tied_aliases  # output embeddings trained as the input embedding (tied)
+        self.modules, self.full_tensors = {}, {}
+        self.alpha, self.alpha_source = None, "none (a full fine-tune: the trained weights are exported)"
+
+    def read_key(self, key: str) -> torch.Tensor:
+        raise FormatError("a full fine-tune has no adapter tensors", path=self.path, key=key)
 
 
 def _split_ref(ref: str) -> tuple[str, int | None]:

@@ -227,9 +227,11 @@ ALLOWED_GLOBALS: dict[tuple[str, str], object] = {
 }
 
 
-def load_metadata(data: bytes, source: str, *, trust: bool = False) -> Metadata:
+def load_metadata(data: bytes, source: str, *, trust: bool = False) -> object:
     """Unpickle `.metadata` bytes into stand-ins (see the module docstring). `source` names the file
-    in errors; `trust` (`--trust-remote-pickle`) resolves any other global too."""
+    in errors; `trust` (`--trust-remote-pickle`) resolves any other global too. What the pickle holds is
+    returned as it is: a `Metadata` in a genuine file, anything allowed in a crafted one
+    (`formats.dcp.model.parse_metadata` checks its shape)."""
     return load_allowed(
         data,
         source,

@@ -2,12 +2,17 @@
 
 `.metadata` is a protocol-4 pickle of `torch.distributed.checkpoint.metadata.Metadata` naming torch's
 classes (`Metadata`, `TensorStorageMetadata`, ..., `filesystem._StorageInfo`, `torch.Size`, the dtypes),
-which prime-rl's loader unpickles. Pickling torch's own objects needs torch (a CUDA build takes seconds
-to import) and is slow besides (`torch.Size.__reduce__` and the dataclasses' state run in Python per
-chunk). Here the same opcodes are written straight from the writer's records: the classes are named as
-globals, each object is rebuilt the way torch's would be (NEWOBJ and BUILD with its field dict,
-`torch.Size` and the layout and memory-format enum by REDUCE, `TensorProperties` by its 5-tuple state,
-`_StorageInfo` without its None fields).
+which prime-rl's loader unpickles. Pickling torch's own objects needs torch (a CUDA build takes seconds to
+import) and is slow besides (`torch.Size.__reduce__` and the dataclasses' state run in Python per chunk).
+Why this module is kept (measured, `bench/metadata_pickle.py`, results in
+bench/results/2026-12-07-2core-metadata-pickle-startup.json): on a 2-core dev machine (load ~10), `ckpt
+slim` of the tiny fixture took 1.37 s as shipped and 11.2 s when the interpreter first imports
+`torch.distributed.checkpoint` (what torch's pickler needs), whose import alone took 9.4 s; median of 7,
+interleaved. Every DCP writer (slim and gc's slims, set-lr's patches, adapter-to-dcp, rehydrate) encodes
+`.metadata` here, so a slim (which moves bytes only) never imports torch. Here the same opcodes
+are written straight from the writer's records: the classes are named as globals, each object is rebuilt the
+way torch's would be (NEWOBJ and BUILD with its field dict, `torch.Size` and the layout and memory-format
+enum by REDUCE, `TensorProperties` by its 5-tuple state, `_StorageInfo` without its None fields).
 
 The bytes are those Python's reference pickler (`pickle._Pickler`) writes for torch's objects holding
 the same strings: the same opcodes, memo (strings by identity, as it memoizes them; torch's module-name

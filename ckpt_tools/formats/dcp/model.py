@@ -144,25 +144,9 @@ MAX_SHARED_HASHES = 16
 
 def _index_storage(storage: dict, out: ParsedMetadata) -> bool:
     """`out.storage` from `storage_data`; False (one finding) where its keys were made to collide."""
-    plain: dict[str, bool] = {}  # a checkpoint has one data file per rank and ~10^4 items in them
-    keys = []
-    for idx in storage:
-        try:
-            keys.append(hash((idx.fqn, None if idx.offset is None else _ints(idx.offset))))
-        except Exception:  # a damaged entry: the loop below names it
-            pass
-    if len(keys) - len(set(keys)) > MAX_SHARED_HASHES:
-        out.findings.append(
-            Finding(
-                None,
-                None,
-                f"{len(keys) - len(set(keys)):,} storage entries share the hash of "
-                "another one's (fqn, offsets): a crafted metadata (indexing them "
-                "would take quadratic time)",
-                hint=CORRUPT_HINT,
-            )
-        )
+    if _hashes_collide(storage, out):
         return False
+    plain: dict[str, bool] = {}  # a checkpoint has one data file per rank and ~10^4 items in them
     for idx, info in storage.items():
         try:
             fqn = idx.fqn
@@ -178,44 +162,72 @@ def _index_storage(storage: dict, out: ParsedMetadata) -> bool:
                 )
             )
             continue
-        if type(rel) is str:
-            ok = plain.get(rel)
-            if ok is None:
-                ok = plain[rel] = is_plain_file_name(rel)
-        else:
-            ok = is_plain_file_name(rel)
-        if not ok:
-            out.findings.append(
-                Finding(
-                    None,
-                    fqn,
-                    f"storage item points at {rel!r}, which is not a file name inside "
-                    "the checkpoint directory",
-                    hint="the metadata is corrupt or crafted; refusing to read outside the checkpoint",
-                )
+        if _storage_loc_ok(fqn, info, rel, offset, length, plain, out):
+            out.storage[(fqn, off)] = StorageLoc(rel, offset, length)
+    return True
+
+
+def _hashes_collide(storage: dict, out: ParsedMetadata) -> bool:
+    """True (one finding) where more than MAX_SHARED_HASHES storage keys share another one's hash."""
+    keys = []
+    for idx in storage:
+        try:
+            keys.append(hash((idx.fqn, None if idx.offset is None else _ints(idx.offset))))
+        except Exception:  # a damaged entry: _index_storage names it
+            pass
+    if len(keys) - len(set(keys)) <= MAX_SHARED_HASHES:
+        return False
+    out.findings.append(
+        Finding(
+            None,
+            None,
+            f"{len(keys) - len(set(keys)):,} storage entries share the hash of "
+            "another one's (fqn, offsets): a crafted metadata (indexing them "
+            "would take quadratic time)",
+            hint=CORRUPT_HINT,
+        )
+    )
+    return True
+
+
+def _storage_loc_ok(
+    fqn, info, rel, offset: int, length: int, plain: dict[str, bool], out: ParsedMetadata
+) -> bool:
+    """Whether a storage entry can be read: a plain file name of the checkpoint dir (`plain` caches the
+    answer per name) and a non-negative range; a finding where not, and a warning for transforms."""
+    if type(rel) is str:
+        ok = plain.get(rel)
+        if ok is None:
+            ok = plain[rel] = is_plain_file_name(rel)
+    else:
+        ok = is_plain_file_name(rel)
+    if not ok:
+        out.findings.append(
+            Finding(
+                None,
+                fqn,
+                f"storage item points at {rel!r}, which is not a file name inside the checkpoint directory",
+                hint="the metadata is corrupt or crafted; refusing to read outside the checkpoint",
             )
-            continue
-        if offset < 0 or length < 0:
-            out.findings.append(
-                Finding(
-                    rel,
-                    fqn,
-                    f"storage item has negative offset/length ({offset}, {length})",
-                    hint=CORRUPT_HINT,
-                )
+        )
+        return False
+    if offset < 0 or length < 0:
+        out.findings.append(
+            Finding(
+                rel, fqn, f"storage item has negative offset/length ({offset}, {length})", hint=CORRUPT_HINT
             )
-            continue
-        transforms = getattr(info, "transform_descriptors", None)
-        if transforms:
-            out.findings.append(
-                Finding(
-                    rel,
-                    fqn,
-                    f"item uses transforms {list(transforms)} (compression?), which we do not read",
-                    severity=UNSUPPORTED,
-                )
+        )
+        return False
+    transforms = getattr(info, "transform_descriptors", None)
+    if transforms:
+        out.findings.append(
+            Finding(
+                rel,
+                fqn,
+                f"item uses transforms {list(transforms)} (compression?), which we do not read",
+                severity=UNSUPPORTED,
             )
-        out.storage[(fqn, off)] = StorageLoc(rel, offset, length)
+        )
     return True
 
 
@@ -257,34 +269,54 @@ def _dtype_name(value) -> str | None:
     return None
 
 
+def _bad(found: list[Finding], key: str, message: str, hint: str = CORRUPT_HINT) -> None:
+    found.append(Finding(None, key, message, hint=hint))
+
+
 def _tensor(key: str, path: tuple, item, out: ParsedMetadata) -> TensorEntry | None:
     found = out.findings
     n0 = len(found)
-
-    def bad(message: str, hint: str = CORRUPT_HINT) -> None:
-        found.append(Finding(None, key, message, hint=hint))
-
     raw_dtype = getattr(item.properties, "dtype", None)
     dtype = _dtype_name(raw_dtype)
-    if dtype not in ITEMSIZE:
-        bad(f"dtype {raw_dtype!r} is not a torch dtype")
+    if dtype is None or dtype not in ITEMSIZE:
+        _bad(found, key, f"dtype {raw_dtype!r} is not a torch dtype")
         return None
     shape = _ints(item.size)
-    ndim = len(shape)
-    if ndim and min(shape) < 0:
-        bad(f"tensor shape {list(shape)} has a negative dimension")
+    if shape and min(shape) < 0:
+        _bad(found, key, f"tensor shape {list(shape)} has a negative dimension")
         return None
-    itemsize = ITEMSIZE[dtype]
-    storage, used, located = out.storage, out.used, out.located
+    chunks, boxes, covered = _locate_chunks(key, item.chunks, dtype, shape, out)
+    overlap = False
+    if len(boxes) > 1:
+        for oa, ob in _overlaps(boxes, len(shape)):
+            _bad(found, key, f"chunks at offsets {list(oa)} and {list(ob)} overlap")
+            overlap = True
+    if not overlap and covered != math.prod(shape):
+        _bad(found, key, _coverage_message(covered, math.prod(shape), shape, boxes))
+    if len(found) > n0:
+        return None
+    return TensorEntry(key, path, dtype, shape, tuple(chunks))
+
+
+def _locate_chunks(
+    key: str, item_chunks, dtype: str, shape: tuple[int, ...], out: ParsedMetadata
+) -> tuple[list[Chunk], list[tuple[tuple[int, ...], tuple[int, ...]]], int]:
+    """Each chunk of a tensor checked (dims, inside the tensor, a storage entry that holds its bytes) and
+    located: (its chunks, the (offsets, sizes) of the non-empty ones, the elements they cover). A
+    finding for each chunk that fails; the located ones are recorded in `out.used` and `out.located`."""
+    found, storage, used, located = out.findings, out.storage, out.used, out.located
+    ndim, itemsize = len(shape), ITEMSIZE[dtype]
     chunks: list[Chunk] = []
     boxes = []
     covered = 0
-    for ch in item.chunks:
+    for ch in item_chunks:
         offs, sizes = _ints(ch.offsets), _ints(ch.sizes)
         if len(offs) != ndim or len(sizes) != ndim:
-            bad(
+            _bad(
+                found,
+                key,
                 f"chunk offsets {list(offs)} / sizes {list(sizes)} do not match the tensor's {len(shape)} "
-                f"dims"
+                f"dims",
             )
             continue
         # (map over operator's functions: the same test as a generator over zip, in C, per chunk)
@@ -295,23 +327,27 @@ def _tensor(key: str, path: tuple, item, out: ParsedMetadata) -> TensorEntry | N
                 and (min(offs) < 0 or any(map(operator.gt, map(operator.add, offs, sizes), shape)))
             )
         ):
-            bad(
+            _bad(
+                found,
+                key,
                 f"chunk at offsets {list(offs)} sizes {list(sizes)} lies outside the tensor's size "
-                f"{list(shape)}"
+                f"{list(shape)}",
             )
             continue
         where = (key, offs)
         loc = storage.get(where)
         numel = math.prod(sizes)
         if loc is None:
-            bad(f"chunk at offsets {list(offs)} has no storage entry")
+            _bad(found, key, f"chunk at offsets {list(offs)} has no storage entry")
         else:
             used.add(where)
             need = numel * itemsize
             chunk = Chunk(offs, sizes, loc.file, loc.offset, loc.length)
             chunks.append(chunk)
             if loc.length < need:
-                bad(
+                _bad(
+                    found,
+                    key,
                     f"chunk at offsets {list(offs)} declares {list(sizes)} torch.{dtype} ({need:,} bytes) "
                     f"but its "
                     f"item holds {loc.length:,} bytes: an expanded (stride-0) or crafted item",
@@ -322,16 +358,7 @@ def _tensor(key: str, path: tuple, item, out: ParsedMetadata) -> TensorEntry | N
         if numel:
             boxes.append((offs, sizes))
             covered += numel
-    overlap = False
-    if len(boxes) > 1:
-        for oa, ob in _overlaps(boxes, ndim):
-            bad(f"chunks at offsets {list(oa)} and {list(ob)} overlap")
-            overlap = True
-    if not overlap and covered != math.prod(shape):
-        bad(_coverage_message(covered, math.prod(shape), shape, boxes))
-    if len(found) > n0:
-        return None
-    return TensorEntry(key, path, dtype, shape, tuple(chunks))
+    return chunks, boxes, covered
 
 
 def parse_metadata(md) -> ParsedMetadata:
@@ -360,53 +387,14 @@ def _parse(md) -> ParsedMetadata:
         return out
     if not _index_storage(storage, out):
         return out
-    tensors = byte_items = 0
+    counts = {"keys": len(sdm), "tensors": 0, "byte_items": 0}
     keys = list(sdm)
     if all(type(k) is str for k in keys):
         keys.sort()
     else:
         keys.sort(key=str)
     for key in keys:
-        item = sdm[key]
-        if not isinstance(key, str):
-            out.findings.append(Finding(None, repr(key), "key is not a string", hint=CORRUPT_HINT))
-            continue
-        if key not in planner:
-            out.findings.append(
-                Finding(
-                    None,
-                    key,
-                    "no planner_data entry (DCP's key-filtered loads fail on such keys)",
-                    severity=WARNING,
-                )
-            )
-        path = tuple(planner.get(key) or ())
-        try:
-            if hasattr(item, "chunks"):
-                tensors += 1
-                entry = _tensor(key, path, item, out)
-            elif type(item).__name__ == "BytesStorageMetadata":
-                byte_items += 1
-                loc = out.storage.get((key, None))
-                entry = None
-                if loc is None:
-                    out.findings.append(
-                        Finding(None, key, "byte item has no storage entry", hint=CORRUPT_HINT)
-                    )
-                else:
-                    out.used.add((key, None))
-                    out.located.append((key, None, loc, None))
-                    entry = BytesEntry(key, path, loc.file, loc.offset, loc.length)
-            else:
-                out.findings.append(
-                    Finding(None, key, f"unknown item type {type(item).__name__}", hint=CORRUPT_HINT)
-                )
-                entry = None
-        except Exception as exc:  # a damaged item of the allowed classes
-            out.findings.append(
-                Finding(None, key, f"cannot check: {type(exc).__name__}: {exc}", hint=CORRUPT_HINT)
-            )
-            entry = None
+        entry = _entry(key, sdm[key], planner, out, counts)
         if entry is not None:
             out.entries[key] = entry
     for fqn, off in sorted(set(out.storage) - out.used, key=lambda t: (str(t[0]), t[1] or ())):
@@ -419,5 +407,42 @@ def _parse(md) -> ParsedMetadata:
                 severity=WARNING,
             )
         )
-    out.counts = {"keys": len(sdm), "tensors": tensors, "byte_items": byte_items}
+    out.counts = counts
     return out
+
+
+def _entry(key, item, planner: dict, out: ParsedMetadata, counts: dict[str, int]) -> Entry | None:
+    """The entry of one key of state_dict_metadata, None where it cannot be read (a finding says why);
+    `counts` counts its kind."""
+    if not isinstance(key, str):
+        out.findings.append(Finding(None, repr(key), "key is not a string", hint=CORRUPT_HINT))
+        return None
+    if key not in planner:
+        out.findings.append(
+            Finding(
+                None,
+                key,
+                "no planner_data entry (DCP's key-filtered loads fail on such keys)",
+                severity=WARNING,
+            )
+        )
+    path = tuple(planner.get(key) or ())
+    try:
+        if hasattr(item, "chunks"):
+            counts["tensors"] += 1
+            return _tensor(key, path, item, out)
+        if type(item).__name__ == "BytesStorageMetadata":
+            counts["byte_items"] += 1
+            loc = out.storage.get((key, None))
+            if loc is None:
+                out.findings.append(Finding(None, key, "byte item has no storage entry", hint=CORRUPT_HINT))
+                return None
+            out.used.add((key, None))
+            out.located.append((key, None, loc, None))
+            return BytesEntry(key, path, loc.file, loc.offset, loc.length)
+        out.findings.append(Finding(None, key, f"unknown item type {type(item).__name__}", hint=CORRUPT_HINT))
+    except Exception as exc:  # a damaged item of the allowed classes
+        out.findings.append(
+            Finding(None, key, f"cannot check: {type(exc).__name__}: {exc}", hint=CORRUPT_HINT)
+        )
+    return None

@@ -32,7 +32,8 @@ from ...io.files import atomic_write_bytes, fsync_path, link_entry, remove_file,
 from ...io.inputs import MAX_METADATA_BYTES, read_input, scan_tree
 from ...io.lock import OutputLock, lock_path_for, pid_alive
 from ...io.remote import is_remote_path
-from ...io.staging import AtomicOutputDir
+from ...io.signals import signals_deferred
+from ...io.staging import AtomicOutputDir, note_committed
 from ..slim.manifest import SLIM_MANIFEST, is_slim, kept_item_id, read_manifest, with_patch
 from .layout import METADATA_NAME, METADATA_TMP_TAG, PATCH_PREFIX, extra_entries
 from .metadata import load_metadata
@@ -230,12 +231,16 @@ def _patch_in_place(
             atomic_write_bytes(
                 d / SLIM_MANIFEST, _manifest_bytes(manifest, patch_rel, encoded, set(os.listdir(d)))
             )
-        writer.finish()  # fsync patch, write .metadata.tmp-*, fsync, rename over .metadata
-        swapped = True
+        with signals_deferred():  # a Ctrl-C during the swap lands after it, the swap known as done
+            writer.finish()  # fsync patch, write .metadata.tmp-*, fsync, rename over .metadata
+            swapped = True
+            note_committed(d)
         fsync_path(d)
     except BaseException:
         writer.abort()
-        if not swapped:
+        # the new .metadata may be in place although finish failed after its rename: then the patch it
+        # points at stays (judged by the entry itself: `.metadata` is no longer the backup's inode)
+        if not swapped and not _swapped_in(d / METADATA_NAME, backup):
             for p in (d / patch_rel, backup):
                 remove_file(p)
         raise
@@ -255,6 +260,14 @@ def _patch_in_place(
     )
 
 
+def _swapped_in(meta: Path, backup: Path) -> bool:
+    """Whether a new `.metadata` replaced the one linked as `backup` (False when it cannot tell)."""
+    try:
+        return os.path.lexists(backup) and os.lstat(meta).st_ino != os.lstat(backup).st_ino
+    except OSError:
+        return False
+
+
 # a new `.metadata`, or a slim's new manifest (`atomic_write_bytes`' `.<name>.tmp-`), never renamed in
 _TMP_LEFTOVER = re.compile(
     rf"^(?:{re.escape(METADATA_NAME)}|\.{re.escape(SLIM_MANIFEST)}){re.escape(METADATA_TMP_TAG)}(\d+)-[0-9a-f]+$"
@@ -268,7 +281,10 @@ def _referenced_files(meta_path: Path, root: Path) -> set[str] | None:
         md = load_metadata(
             read_input(meta_path, root=root, what="metadata", max_bytes=MAX_METADATA_BYTES), str(meta_path)
         )
-        return {str(info.relative_path) for info in md.storage_data.values()}
+        storage = getattr(md, "storage_data", None)
+        if not isinstance(storage, dict):
+            return None
+        return {str(info.relative_path) for info in storage.values()}
     except Exception:
         return None
 

@@ -42,7 +42,7 @@ from .model import BytesEntry, Chunk, Entry, TensorEntry, parse_metadata
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
 
-__all__ = ["DcpCheckpoint", "open_checkpoint"]
+__all__ = ["DcpCheckpoint"]
 
 
 class DcpCheckpoint:
@@ -129,7 +129,7 @@ class DcpCheckpoint:
         closes this checkpoint."""
         from .views import DcpBaseSource
 
-        src = DcpBaseSource(self.dir, str(self.dir) if label is None else label, ckpt=self, **kw)
+        src = DcpBaseSource(self, label, **kw)
         src.owns_checkpoint(owned)
         return src
 
@@ -137,14 +137,14 @@ class DcpCheckpoint:
         """Every tensor under its DCP key, and `key[e]` slices of stacked ones on request: a `Source`."""
         from .views import DcpKeySource
 
-        return DcpKeySource(ckpt=self)
+        return DcpKeySource(self)
 
     def lora(self, *, alpha: float | None = None, run_config: Path | None = None, slot: int = 0):
         """The LoRA factors of adapter `slot`, alpha resolved (`formats.primerl.alpha`): a `LoraSource`
         (`lora.DcpLoraSource`), which closes this checkpoint when it is closed."""
         from .lora import DcpLoraSource
 
-        return DcpLoraSource(self.dir, alpha=alpha, run_config=run_config, slot=slot, ckpt=self)
+        return DcpLoraSource(self, alpha=alpha, run_config=run_config, slot=slot)
 
     # ---------------------------------------------------------------- queries
     def keys(self) -> list[str]:
@@ -364,7 +364,3 @@ class DcpCheckpoint:
             )
         region = dest[tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes))] if ch.sizes else dest
         region.copy_(t)
-
-
-def open_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint:
-    return DcpCheckpoint.open(path, trust_pickle=trust_pickle)

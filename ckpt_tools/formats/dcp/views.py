@@ -14,7 +14,7 @@ a ChecksumError, never a tensor."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError
 from ...core.keys import classify, expert_hf_name
@@ -22,7 +22,9 @@ from ..handle import Extent, Source, TensorFacts
 from .item import ItemError, is_row_block
 from .layout import METADATA_NAME
 from .model import TensorEntry
-from .reader import DcpCheckpoint
+
+if TYPE_CHECKING:  # the handle makes its views (`DcpCheckpoint.base_weights()`, `.by_key()`), not the reverse
+    from .reader import DcpCheckpoint
 
 __all__ = ["DcpBaseSource", "DcpKeySource", "row_block_extents"]
 
@@ -78,12 +80,12 @@ class _DcpSource(Source):
 
     kind = "dcp"
 
-    def __init__(self, path, label, trust_pickle: bool, ckpt: DcpCheckpoint | None):
+    def __init__(self, ckpt: DcpCheckpoint, label: str | None):
         super().__init__()
-        self._owns = ckpt is None
-        self.ckpt = ckpt if ckpt is not None else DcpCheckpoint.open(path, trust_pickle=trust_pickle)
-        self.path = self.ckpt.dir
-        self.label = str(path) if label is None else label
+        self._owns = False
+        self.ckpt = ckpt
+        self.path = ckpt.dir
+        self.label = str(ckpt.dir) if label is None else label
         self._keys: dict[str, tuple[str, int | None]] = {}
         self._stacked_extents: dict[str, list[Extent] | None] = {}
 
@@ -154,14 +156,12 @@ class DcpBaseSource(_DcpSource):
 
     def __init__(
         self,
-        path: str | Path,
+        ckpt: DcpCheckpoint,
         label: str | None = None,
         *,
-        trust_pickle: bool = False,
-        ckpt: DcpCheckpoint | None = None,
         empty_hint: str = "a slim checkpoint has none: `ckpt rehydrate` it, or compare the HF base instead",
     ):
-        super().__init__(path, label, trust_pickle, ckpt)
+        super().__init__(ckpt, label)
         self.stacked: dict[str, str] = {}  # HF per-expert name -> the stacked DCP key it is a slice of
         for key, e in self.ckpt.entries.items():
             ki = classify(key, e.path)
@@ -184,15 +184,8 @@ class DcpBaseSource(_DcpSource):
 class DcpKeySource(_DcpSource):
     """Every tensor of a checkpoint under its DCP key, and `key[e]` slices of stacked ones on request."""
 
-    def __init__(
-        self,
-        path: str | Path | None = None,
-        label: str | None = None,
-        *,
-        trust_pickle: bool = False,
-        ckpt: DcpCheckpoint | None = None,
-    ):
-        super().__init__(path, label, trust_pickle, ckpt)
+    def __init__(self, ckpt: DcpCheckpoint, label: str | None = None):
+        super().__init__(ckpt, label)
         for key, e in self.ckpt.entries.items():
             if isinstance(e, TensorEntry):
                 self._add(key, key, e)

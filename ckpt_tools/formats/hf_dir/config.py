@@ -8,9 +8,11 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Literal, overload
 
 from ...core.dtypes import config_dtype_code
 from ...core.errors import FormatError, MissingFileError
+from ...core.keys import HF_DECODER_LAYER, layer_of
 from ...core.tied import TIED_PAIRS
 from ...io.inputs import read_json
 from .names import CONFIG_NAME
@@ -27,6 +29,10 @@ __all__ = [
 ]
 
 
+@overload
+def load_config(d: Path, *, required: Literal[True], hint: str | None = None) -> tuple[dict, str]: ...
+@overload
+def load_config(d: Path, *, required: bool, hint: str | None = None) -> tuple[dict | None, str | None]: ...
 def load_config(d: Path, *, required: bool, hint: str | None = None) -> tuple[dict | None, str | None]:
     """(config.json of dir `d`, its path), (None, None) when absent and not `required`. lexists, not
     is_file: a config that is a FIFO or a symlink out of the dir is refused by name when read."""
@@ -55,7 +61,6 @@ SHAPE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.weight", ("intermediate_size", "hidden_size")),
     (r"model\.layers\.\d+\.mlp\.down_proj\.weight", ("hidden_size", "intermediate_size")),
 )
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def config_dims(cfg: dict) -> dict[str, int]:
@@ -84,7 +89,7 @@ def shape_problems(config: dict, shapes: Mapping[str, tuple]) -> Iterator[tuple[
     layers = dims.get("num_hidden_layers")
     for name in sorted(shapes):
         shape = tuple(shapes[name])
-        m = _LAYER.match(name)
+        m = HF_DECODER_LAYER.match(name)
         if m and layers is not None and int(m.group(1)) >= layers:
             yield name, f"layer {m.group(1)} but config.json says num_hidden_layers={layers}"
         for pattern, want in SHAPE_RULES:
@@ -129,7 +134,7 @@ def config_mismatches(config: dict, shapes: Mapping[str, tuple]) -> list[str]:
         if "hidden_size" in config and config["hidden_size"] != emb[1]:
             problems.append(f"hidden_size {config['hidden_size']} but {in_name} has {emb[1]} columns")
         break
-    layers = {int(m.group(1)) for n in shapes for m in [re.search(r"\.layers\.(\d+)\.", n)] if m}
+    layers = {n for n in map(layer_of, shapes) if n is not None}
     if layers and "num_hidden_layers" in config and config["num_hidden_layers"] != max(layers) + 1:
         problems.append(
             f"num_hidden_layers {config['num_hidden_layers']} but the checkpoint has {max(layers) + 1} layers"

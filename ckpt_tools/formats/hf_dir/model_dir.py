@@ -267,7 +267,9 @@ def _open_index(root: Path, index_path: Path) -> tuple[dict[str, SafetensorsHead
     check = check_index(root, index_path)
     bad = check.fatal()
     if bad is not None:
+        assert bad.error is not None  # every refusal of check_index keeps its error
         raise bad.error
+    assert check.metadata is not None  # an index that opens has a metadata object (or none: {})
     return check.headers, check.metadata
 
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import FormatError, UsageError
-from ...core.keys import expert_parts, fused_param_name, fused_peft_modules
+from ...core.keys import (
+    PEFT_LORA_KEY,
+    expert_index_clashes,
+    expert_parts,
+    fused_param_name,
+    fused_peft_modules,
+)
 from ...io.inputs import read_input, register
 from ..dcp.item import load_byte_item
 from ..safetensors.header import read_header
@@ -42,7 +47,6 @@ __all__ = [
 ]
 
 MAX_ADAPTER_BIN_BYTES = 64 << 30
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,8 @@ class PeftAdapter:
         pairs: dict[str, dict[str, str]] = {}
         for k in shapes:
             name = k[len(PEFT_PREFIX) :] if k.startswith(PEFT_PREFIX) else None
-            m = _LORA_KEY.match(name) if name else None
-            if m:
+            m = PEFT_LORA_KEY.match(k) if name else None
+            if m and m["slot"] is None:  # PEFT's own spelling: the prefix, no adapter slot
                 pairs.setdefault(m["module"], {})[m["ab"]] = k
             elif (
                 name
@@ -134,6 +138,13 @@ class PeftAdapter:
                 )
                 continue
             self.modules[mod] = AdapterModule(mod, ab["A"], ab["B"], rank, config.scale_for(mod))
+        clash = expert_index_clashes(self.modules)
+        if clash:  # one expert spelled two ways (`experts.3`, `experts.03`): which is expert 3 is ambiguous
+            (x, y), more = clash[0], f" (and {len(clash) - 1} more such pairs)" if len(clash) > 1 else ""
+            problems.append(
+                f"{self.modules[x].a_key} and {self.modules[y].a_key} both name expert "
+                f"{expert_parts(x)[1]}: ambiguous{more}"
+            )
         if strict and (problems or self.unrecognized):
             lines = problems + [f"unrecognized key {k!r}" for k in self.unrecognized[:10]]
             more = len(self.unrecognized) - 10
@@ -153,7 +164,7 @@ class PeftAdapter:
         """The adapter as a `LoraSource` (`formats.peft.lora.PeftLoraSource`) over this handle."""
         from .lora import PeftLoraSource
 
-        return PeftLoraSource(self.dir, adapter=self)
+        return PeftLoraSource(self)
 
     def close(self) -> None:
         """Drop the fused tensors held for per-expert views (a safetensors adapter holds no open file)."""

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..handle import LoraModule, LoraSource, TensorFacts
-from .adapter import PeftAdapter, open_peft_adapter
 
-if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built; the handle makes this view
     import torch
+
+    from .adapter import PeftAdapter
 
 __all__ = ["PeftLoraSource"]
 
@@ -18,11 +19,10 @@ __all__ = ["PeftLoraSource"]
 class PeftLoraSource(LoraSource):
     kind = "peft"
 
-    def __init__(self, path: Path, *, adapter: PeftAdapter | None = None):
-        self.adapter = adapter if adapter is not None else open_peft_adapter(path, strict=True)
-        ad = self.adapter
+    def __init__(self, adapter: PeftAdapter):
+        self.adapter = ad = adapter
         cfg = ad.config
-        self.path = Path(path)
+        self.path = Path(ad.dir)
         self.alpha = cfg.lora_alpha
         self.use_rslora = cfg.use_rslora
         self.alpha_source = (

@@ -21,11 +21,11 @@ Reads directory listings and small JSON files only.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import CkptError, UsageError
+from ...core.keys import step_of
 from ...io import inputs, remote
 from ...io.inputs import read_toml
 from ...io.remote import mount_root_of
@@ -39,7 +39,6 @@ __all__ = [
     "RunRoot",
     "absent_modules_to_save",
     "adapter_config_files",
-    "artifact_launch_dir",
     "checkpoints_dir_of",
     "dir_bytes",
     "find_run_configs",
@@ -56,23 +55,15 @@ __all__ = [
     "run_base_of",
     "run_outputs_dir",
     "step_dirs",
-    "step_number",
     "weights_exports",
 ]
-
-_STEP = re.compile(r"^step_(\d+)$")
-
-
-def step_number(p: Path) -> int | None:
-    m = _STEP.match(p.name)
-    return int(m.group(1)) if m else None
 
 
 def step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
     """`step_N` directories (not links) of a checkpoints dir, by step."""
     out = []
     for c in Path(checkpoints).iterdir():
-        n = step_number(c)
+        n = step_of(c.name)
         if n is not None and c.is_dir() and not c.is_symlink():
             out.append((n, c))
     return sorted(out)
@@ -83,7 +74,7 @@ def checkpoints_dir_of(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_dir():
         raise UsageError("not a directory", path=p, hint="pass a run's outputs/checkpoints directory")
-    if any(step_number(c) is not None for c in p.iterdir()):
+    if any(step_of(c.name) is not None for c in p.iterdir()):
         return p
     if (p / "checkpoints").is_dir():
         return p / "checkpoints"
@@ -109,13 +100,13 @@ def run_outputs_dir(path: str | Path) -> Path | None:
 
 def _outputs_by_layout(p: Path) -> Path | None:
     parents = p.parents
-    if p.name == "trainer" and _STEP.match(p.parent.name) and p.parent.parent.name == "checkpoints":
+    if p.name == "trainer" and step_of(p.parent.name) is not None and p.parent.parent.name == "checkpoints":
         return parents[2]
-    if p.name == "lora_adapters" and _STEP.match(p.parent.name) and p.parent.parent.name == "weights":
+    if p.name == "lora_adapters" and step_of(p.parent.name) is not None and p.parent.parent.name == "weights":
         return parents[2]
-    if _STEP.match(p.name) and p.parent.name in ("checkpoints", "weights") and len(parents) > 1:
+    if step_of(p.name) is not None and p.parent.name in ("checkpoints", "weights") and len(parents) > 1:
         return parents[1]
-    if _STEP.match(p.name) and p.parent.name == "broadcasts" and len(parents) > 2:
+    if step_of(p.name) is not None and p.parent.name == "broadcasts" and len(parents) > 2:
         # 16e747c: <outputs>/run_*/broadcasts/step_N (the orchestrator's output_dir); HEAD:
         # <outputs>/broadcasts
         return parents[2] if p.parent.parent.name.startswith("run_") else parents[1]
@@ -346,11 +337,6 @@ def launch_dir_of(config: Path, output_dir: object = None) -> Path:
     if not out.is_absolute() and run.parts[-len(out.parts) :] == out.parts:
         return Path(*run.parts[: -len(out.parts)])
     return run.parent.parent
-
-
-def artifact_launch_dir(artifact: str | Path) -> Path | None:
-    """The launch dir of the run that wrote `artifact` (`resolve_run`); None without exactly one config."""
-    return resolve_run(artifact).launch
 
 
 def run_base_of(artifact: str | Path) -> BaseModel | None:

@@ -139,14 +139,14 @@ class OpenedFile:
 
     def __init__(self, source: Source, default_path: Path):
         self.owned = not isinstance(source, int)
-        if self.owned:
+        if isinstance(source, int):
+            self.path = default_path
+            self.fd = source
+        else:
             self.path = Path(source) if source is not None else default_path
             # a shard belongs to its directory (an HF cache snapshot's to the repo's cache dir): a
             # symlink out of it, a FIFO, a device or a sparse file is refused before it is opened
             self.fd = open_input(self.path, root=self.path.parent, what="safetensors file")
-        else:
-            self.path = default_path
-            self.fd = source
 
     def __enter__(self) -> int:
         return self.fd
@@ -214,6 +214,29 @@ def parse_header(raw: bytes, *, path: Path, file_bytes: int) -> SafetensorsHeade
     """Validate header JSON `raw` (the N bytes after the length field) of a file of `file_bytes`."""
     data_start = LEN_BYTES + len(raw)
     data_bytes = file_bytes - data_start
+    obj = _header_object(raw, path)
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _header_error(path, "__metadata__ must map strings to strings", key="__metadata__")
+    parsed = _tensor_spans(obj, path)
+    # File order; ties (only possible between empty tensors and their neighbour) keep JSON order.
+    parsed.sort(key=lambda t: (t[0], t[1], t[2]))
+    _check_data_area(parsed, data_bytes, path)
+    tensors = {
+        name: TensorInfo(
+            name=name, dtype=code, shape=shape, begin=data_start + begin, nbytes=end - begin, path=path
+        )
+        for begin, end, _, name, code, shape in parsed
+    }
+    return SafetensorsHeader(
+        path=path, metadata=dict(metadata), tensors=tensors, data_start=data_start, file_bytes=file_bytes
+    )
+
+
+def _header_object(raw: bytes, path: Path) -> dict:
+    """The header's JSON object: UTF-8, its values bounded before it is parsed, no duplicate key."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -233,14 +256,13 @@ def parse_header(raw: bytes, *, path: Path, file_bytes: int) -> SafetensorsHeade
         raise _header_error(path, f"header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise _header_error(path, "header is not a JSON object")
+    return obj
 
-    metadata = obj.pop("__metadata__", None)
-    if metadata is None:
-        metadata = {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _header_error(path, "__metadata__ must map strings to strings", key="__metadata__")
 
-    parsed = []  # (begin, end, json position, name, code, shape)
+def _tensor_spans(obj: dict, path: Path) -> list[tuple[int, int, int, str, str, tuple[int, ...]]]:
+    """(begin, end, JSON position, name, dtype code, shape) of each tensor entry, in JSON order, each
+    entry checked: a known dtype, a shape of non-negative ints, data_offsets that span its bytes."""
+    parsed = []
     for pos, (name, spec) in enumerate(obj.items()):
         if not isinstance(spec, dict):
             raise _header_error(path, "tensor entry is not a JSON object", key=name)
@@ -270,9 +292,14 @@ def parse_header(raw: bytes, *, path: Path, file_bytes: int) -> SafetensorsHeade
                 key=name,
             )
         parsed.append((offsets[0], offsets[1], pos, name, code, tuple(shape)))
+    return parsed
 
-    # File order; ties (only possible between empty tensors and their neighbour) keep JSON order.
-    parsed.sort(key=lambda t: (t[0], t[1], t[2]))
+
+def _check_data_area(
+    parsed: list[tuple[int, int, int, str, str, tuple[int, ...]]], data_bytes: int, path: Path
+) -> None:
+    """The tensors (in file order) cover the data area of `data_bytes` exactly: none past its end, no
+    overlap, no gap, no trailing bytes (safetensors' own rules)."""
     promised = max((t[1] for t in parsed), default=0)
     if promised > data_bytes:
         first_past = next(t for t in parsed if t[1] > data_bytes)
@@ -307,13 +334,3 @@ def parse_header(raw: bytes, *, path: Path, file_bytes: int) -> SafetensorsHeade
             path,
             f"{data_bytes - expected} trailing bytes after the last tensor (safetensors rejects such files)",
         )
-
-    tensors = {
-        name: TensorInfo(
-            name=name, dtype=code, shape=shape, begin=data_start + begin, nbytes=end - begin, path=path
-        )
-        for begin, end, _, name, code, shape in parsed
-    }
-    return SafetensorsHeader(
-        path=path, metadata=dict(metadata), tensors=tensors, data_start=data_start, file_bytes=file_bytes
-    )

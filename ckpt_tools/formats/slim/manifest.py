@@ -214,6 +214,41 @@ class Manifest:
 def read_manifest(ckpt_dir: Path) -> Manifest:
     """Load and validate `ckpt-slim-manifest.json` completely (every problem is an error that
     names the file and the key)."""
+    p, m = _manifest_json(ckpt_dir)
+    dropped: list[DroppedTensor] = []
+    ids: dict[str, DroppedId] = {}
+    for i, d in enumerate(m.get("dropped") or []):
+        key = d.get("key") if isinstance(d, dict) else None
+        try:
+            tensor, ident = _dropped_entry(d, key, m.get("version"))
+        except CkptError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(
+                f"dropped entry #{i} is malformed: {type(exc).__name__}: {exc}",
+                path=p,
+                key=key,
+                hint="the manifest was edited or damaged; slim the original again",
+            ) from None
+        dropped.append(tensor)
+        ids[tensor.key] = ident
+    if not dropped:
+        raise FormatError("lists no dropped tensors", path=p)
+    return Manifest(
+        p,
+        m,
+        tuple(dropped),
+        ids,
+        m.get("world_size"),
+        m.get("base"),
+        tuple((m.get("source") or {}).get("data_files") or ()),
+        _kept_crc32(m, p),
+        _patched(m.get("patched_crc32"), p),
+    )
+
+
+def _manifest_json(ckpt_dir: Path) -> tuple[Path, dict]:
+    """The manifest's path and JSON object, a slim manifest of a version this reader reads."""
     p = Path(ckpt_dir) / SLIM_MANIFEST
     if not os.path.lexists(p):
         raise UsageError(
@@ -233,77 +268,60 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
             path=p,
             hint="use the ckpt-tools version that wrote it",
         )
-    dropped, ids = [], {}
-    for i, d in enumerate(m.get("dropped") or []):
-        key = d.get("key") if isinstance(d, dict) else None
-        try:
-            path = tuple(d["path"])
-            if ".".join(map(str, path)) != key:
-                raise ValueError(f"path {list(path)} does not flatten to the key")
-            shape = tuple(int(s) for s in d["shape"])
-            dtype = d["dtype"]
-            if dtype not in ITEMSIZE:
-                raise FormatError(f"unknown dtype {dtype!r} in the slim manifest")
-            chunks = tuple(
-                ChunkLayout(
-                    tuple(int(o) for o in c["offsets"]),
-                    tuple(int(s) for s in c["sizes"]),
-                    str(c.get("file", "")),
-                )
-                for c in d["chunks"]
-            )
-            for c in chunks:
-                if (
-                    len(c.offsets) != len(shape)
-                    or len(c.sizes) != len(shape)
-                    or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape))
-                ):
-                    raise ValueError(
-                        f"chunk {list(c.offsets)}+{list(c.sizes)} lies outside shape {list(shape)}"
-                    )
-            covered = sum(math.prod(c.sizes) for c in chunks if all(c.sizes))
-            if covered != math.prod(shape) and shape:
-                raise ValueError(f"chunks cover {covered} of {math.prod(shape)} elements")
-            digest = str(d["sha256"]) if "sha256" in d or m.get("version") == 1 else None
-            if digest is not None and (
-                len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest)
-            ):
-                raise ValueError("sha256 is not 64 hex digits")
-            crcs = _crc_list(d.get("crc32"), chunks, shape) if "crc32" in d else None
-            if digest is None and crcs is None:
-                raise ValueError("has neither a sha256 nor chunk CRC-32s")
-            dropped.append(
-                DroppedTensor(
-                    key, path, str(d["hf_name"]), shape, dtype, chunks, math.prod(shape) * ITEMSIZE[dtype]
-                )
-            )
-            ids[key] = DroppedId(digest, crcs)
-        except CkptError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(
-                f"dropped entry #{i} is malformed: {type(exc).__name__}: {exc}",
-                path=p,
-                key=key,
-                hint="the manifest was edited or damaged; slim the original again",
-            ) from None
-    if not dropped:
-        raise FormatError("lists no dropped tensors", path=p)
-    return Manifest(
-        p,
-        m,
-        tuple(dropped),
-        ids,
-        m.get("world_size"),
-        m.get("base"),
-        tuple((m.get("source") or {}).get("data_files") or ()),
-        _crc_map(
-            m["kept_crc32"].get("items") if isinstance(m["kept_crc32"], dict) else None, p, "kept_crc32.items"
-        )
-        if "kept_crc32" in m
-        else None,
-        _patched(m.get("patched_crc32"), p),
+    return p, m
+
+
+def _dropped_entry(d, key, version) -> tuple[DroppedTensor, DroppedId]:
+    """One `dropped` entry of a manifest of `version`, checked: its path flattens to its key, a known
+    dtype, chunks that lie inside its shape and cover it, a sha256 or per-chunk CRC-32s (KeyError,
+    TypeError, ValueError for a malformed one)."""
+    path = tuple(d["path"])
+    if ".".join(map(str, path)) != key:
+        raise ValueError(f"path {list(path)} does not flatten to the key")
+    shape = tuple(int(s) for s in d["shape"])
+    dtype = d["dtype"]
+    if dtype not in ITEMSIZE:
+        raise FormatError(f"unknown dtype {dtype!r} in the slim manifest")
+    chunks = _chunk_layouts(d["chunks"], shape)
+    digest = str(d["sha256"]) if "sha256" in d or version == 1 else None
+    if digest is not None and (len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest)):
+        raise ValueError("sha256 is not 64 hex digits")
+    crcs = _crc_list(d.get("crc32"), chunks, shape) if "crc32" in d else None
+    if digest is None and crcs is None:
+        raise ValueError("has neither a sha256 nor chunk CRC-32s")
+    tensor = DroppedTensor(
+        key, path, str(d["hf_name"]), shape, dtype, chunks, math.prod(shape) * ITEMSIZE[dtype]
     )
+    return tensor, DroppedId(digest, crcs)
+
+
+def _chunk_layouts(value, shape: tuple[int, ...]) -> tuple[ChunkLayout, ...]:
+    """A dropped entry's chunks, each inside `shape`, together covering it (ValueError where not)."""
+    chunks = tuple(
+        ChunkLayout(
+            tuple(int(o) for o in c["offsets"]), tuple(int(s) for s in c["sizes"]), str(c.get("file", ""))
+        )
+        for c in value
+    )
+    for c in chunks:
+        if (
+            len(c.offsets) != len(shape)
+            or len(c.sizes) != len(shape)
+            or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape))
+        ):
+            raise ValueError(f"chunk {list(c.offsets)}+{list(c.sizes)} lies outside shape {list(shape)}")
+    covered = sum(math.prod(c.sizes) for c in chunks if all(c.sizes))
+    if covered != math.prod(shape) and shape:
+        raise ValueError(f"chunks cover {covered} of {math.prod(shape)} elements")
+    return chunks
+
+
+def _kept_crc32(m: dict, p: Path) -> dict[str, int] | None:
+    """The manifest's CRC-32 of each kept item, by name; None in a manifest without them."""
+    if "kept_crc32" not in m:
+        return None
+    items = m["kept_crc32"].get("items") if isinstance(m["kept_crc32"], dict) else None
+    return _crc_map(items, p, "kept_crc32.items")
 
 
 def _crc_map(items, p: Path, what: str) -> dict[str, int]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from ...core.errors import FormatError, UsageError
 from ...core.keys import (
     FROZEN_GROUPS,
+    KeyInfo,
     classify,
     expert_names,
     is_stacked_pattern,
@@ -71,37 +72,26 @@ def partition(ckpt: DcpCheckpoint) -> SlimLayout:
     dropped: list[DroppedTensor] = []
     for key, e in ckpt.entries.items():
         info = classify(key, e.path)
-        frozen = info.group in FROZEN_GROUPS and isinstance(e, TensorEntry) and e.path[2] not in trainable
-        if frozen:
-            dropped.append(
-                DroppedTensor(
-                    key=key,
-                    path=tuple(e.path),
-                    hf_name=stacked_hf_pattern(info) if info.stacked else info.hf_name,
-                    shape=tuple(e.shape),
-                    dtype=e.dtype,
-                    chunks=tuple(ChunkLayout(c.offsets, c.sizes, c.file) for c in e.chunks),
-                    nbytes=e.nbytes,
-                )
-            )
-        elif isinstance(e, TensorEntry):
-            for c in e.chunks:
-                kept.append(
-                    KeptItem(
-                        key,
-                        tuple(e.path),
-                        "tensor",
-                        c.file,
-                        c.offset,
-                        c.length,
-                        e.dtype,
-                        tuple(e.shape),
-                        c.offsets,
-                        c.sizes,
-                    )
-                )
-        else:
+        if not isinstance(e, TensorEntry):
             kept.append(KeptItem(key, tuple(e.path), "bytes", e.file, e.offset, e.length))
+        elif info.group in FROZEN_GROUPS and e.path[2] not in trainable:
+            dropped.append(_dropped_tensor(key, e, info))
+        else:
+            kept.extend(
+                KeptItem(
+                    key,
+                    tuple(e.path),
+                    "tensor",
+                    c.file,
+                    c.offset,
+                    c.length,
+                    e.dtype,
+                    tuple(e.shape),
+                    c.offsets,
+                    c.sizes,
+                )
+                for c in e.chunks
+            )
     if not dropped:
         raise UsageError(
             "has no frozen base weights to drop (no app.model.* tensor without optimizer state)",
@@ -124,6 +114,21 @@ def partition(ckpt: DcpCheckpoint) -> SlimLayout:
         dropped_bytes=sum(ckpt.entries[d.key].stored_bytes for d in dropped),
         dropped_tensor_bytes=sum(d.nbytes for d in dropped),
         source_bytes=source_bytes,
+    )
+
+
+def _dropped_tensor(key: str, e: TensorEntry, info: KeyInfo) -> DroppedTensor:
+    """A frozen base tensor as the manifest records it (its HF name, or its experts' pattern)."""
+    hf_name = stacked_hf_pattern(info) if info.stacked else info.hf_name
+    assert hf_name is not None  # classify names every base key
+    return DroppedTensor(
+        key=key,
+        path=tuple(e.path),
+        hf_name=hf_name,
+        shape=tuple(e.shape),
+        dtype=e.dtype,
+        chunks=tuple(ChunkLayout(c.offsets, c.sizes, c.file) for c in e.chunks),
+        nbytes=e.nbytes,
     )
 
 

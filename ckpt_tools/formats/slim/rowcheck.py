@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...core.crc import crc32
 
@@ -38,7 +39,7 @@ class RowCheck:
     rows: int
     sha256: str | None
     segments: tuple[Segment, ...] | None
-    _h: object = None
+    _h: Any = None  # a hashlib sha256 (its class has no public name)
     _next: int = 0  # the row the sha256 expects next (-1: a gap, not checkable)
     _seg: dict = field(default_factory=dict)  # segment index -> (next row, crc so far); -1 row: a gap
     checked: int = 0  # checks made (segments whole, the sha256)
@@ -79,6 +80,7 @@ class RowCheck:
 
     def segment_crc(self, index: int, crc: int) -> None:
         """The CRC-32 of segment `index`'s rows, computed by the caller (a writer that has it anyway)."""
+        assert self.segments is not None  # `index` is one of segment_of's
         self._seg[index] = (-1, 0)
         self._compare(self.segments[index], crc)
 

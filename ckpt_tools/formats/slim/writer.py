@@ -53,7 +53,7 @@ BaseCrcs = Callable[..., tuple[str, str, list]]
 
 @dataclass
 class SlimWritten:
-    hashes: dict[str, str]
+    hashes: dict[str, DroppedId]
     kept_crc32: dict[str, int]
     bytes_written: int
     base_verified: bool
@@ -163,6 +163,10 @@ def _aligned(e: TensorEntry, chunks, crcs) -> list[int]:
     return [by_chunk.get(id(c), 0) for c in e.chunks]
 
 
+def _item_reader(ckpt: DcpCheckpoint, rel: str, key: str) -> Callable[[int, int], bytes]:
+    return lambda off, n: ckpt.read_item_bytes(rel, off, n, key)
+
+
 def stored_crcs(ckpt: DcpCheckpoint, e: TensorEntry, crc_reader: DataCrcReader) -> list[int] | None:
     """The CRC-32 each chunk item of `e` stores for its payload (its `data/0` record), read from the item's
     zip central directory, never from the payload (`DataCrcReader`: tens of bytes per item), in `e.chunks`'
@@ -174,12 +178,7 @@ def stored_crcs(ckpt: DcpCheckpoint, e: TensorEntry, crc_reader: DataCrcReader) 
     size = itemsize(e.dtype)
     try:
         got = [
-            crc_reader.crc(
-                lambda off, n, c=c: ckpt.read_item_bytes(c.file, off, n, e.key),
-                c.offset,
-                c.length,
-                c.numel * size,
-            )
+            crc_reader.crc(_item_reader(ckpt, c.file, e.key), c.offset, c.length, c.numel * size)
             for c in chunks
         ]
     except ItemError:
@@ -276,7 +275,6 @@ def write_slim(
     chunks' CRC-32s and the upcast's sha256; `base_hash` alone (gc) reads and hashes every dropped tensor."""
     t0 = time.perf_counter()
     verified = base_hash is not None
-    crc_reader = DataCrcReader()
     file_index = output_file_index(layout.data_files)
     files = max(1, len(layout.data_files))
     part = group.part if group is not None else SOLO
@@ -288,91 +286,12 @@ def write_slim(
             weights[file_index[k.file] % files] += k.length
         owned = part.mine(weights)
     writer = DcpWriter(out_dir, files=files, owned_files=owned)
-    kept_crc: dict[str, int] = {}  # kept_item_id -> CRC-32 of the item's bytes, for the manifest
     try:
-        done = 0
-        ckpt.files.hint((k.file, k.offset, k.length) for k in layout.kept if writer.owns(file_index[k.file]))
-        for k in layout.kept:  # source order: sequential reads
-            if not writer.owns(file_index[k.file]):
-                writer.skip(k.key)
-                continue
-            chunk = (
-                None
-                if k.kind == "bytes"
-                else next(c for c in ckpt.entries[k.key].chunks if c.file == k.file and c.offset == k.offset)
-            )
-            kept_crc[kept_item_id(k.key, k.chunk_offsets)] = copy_checked_item(
-                ckpt, writer, k.key, k.file, k.offset, k.length, file_index=file_index[k.file], chunk=chunk
-            )
-            done += k.length
-            report(progress, "copy", done, layout.kept_bytes)
+        kept_crc = _copy_kept(ckpt, writer, layout, file_index, progress)
         seconds["copy"] = round(time.perf_counter() - t0, 3)
         t1 = time.perf_counter()
-        state = {"done": 0}
-        # largest first (each rank's share too), so the biggest tensor is not the last one to start; a tensor
-        # bigger than one thread's share of the whole splits its base CRC-32s over every thread
-        order = sorted(range(len(layout.dropped)), key=lambda i: (-layout.dropped[i].nbytes, i))
-        share = sum(d.nbytes for d in layout.dropped) / max(1, hash_threads)
-
-        def identify(
-            i: int,
-        ) -> tuple:  # (sha256 or None, [CRC-32 per chunk] or None): plain values, for gather
-            d = layout.dropped[i]
-            e = ckpt.entries[d.key]
-            if base_crcs is not None:  # proven against the base by the CRC-32s its items store: not read
-                got = checked_by_crc(
-                    ckpt,
-                    e,
-                    d,
-                    base_crcs,
-                    crc_reader,
-                    base_path,
-                    threads=hash_threads if hash_threads > 1 and d.nbytes > share else 1,
-                )
-                if got is not None:
-                    return got[0], list(got[1])
-            elif base_hash is None:  # no base: identified by the CRC-32s its items store
-                stored = stored_crcs(ckpt, e, crc_reader)
-                if stored is not None:
-                    return None, list(stored)
-            got_ckpt = checkpoint_tensor_sha256(ckpt, e)  # another layout: read and hashed
-            if base_hash is not None:
-                name, got = base_hash(d)
-                if got != got_ckpt:
-                    raise FormatError(
-                        f"the base model's {name} upcast to {d.dtype} differs from the "
-                        f"checkpoint's frozen tensor (sha256 {got[:12]}… vs {got_ckpt[:12]}…)",
-                        path=base_path,
-                        key=d.key,
-                        hint="this is not the base the run trained on (another revision?), or the "
-                        "tensor was trained; pass the right --base, or slim without --base",
-                    )
-            return got_ckpt, None
-
-        def identified(i: int, _h) -> None:
-            state["done"] += layout.dropped[i].nbytes
-            report(progress, "hash", state["done"], layout.dropped_tensor_bytes)
-
-        # Dropped tensors are identified in parallel (hashlib, zlib and preadv release the GIL) on
-        # `hash_threads` threads and split over torchrun's ranks; rank 0 gets every result, in the layout's
-        # order.
-        got = map_units(
-            lambda j: identify(order[j]),
-            [layout.dropped[i].nbytes for i in order],
-            group,
-            threads=hash_threads,
-            done=lambda j, h: identified(order[j], h),
-        )
-        by_unit = None if got is None else dict(zip(order, got))
-        every = None if by_unit is None else [by_unit[i] for i in range(len(order))]
-        ids = (
-            {}
-            if every is None
-            else {
-                d.key: DroppedId(h[0], None if h[1] is None else tuple(h[1]))
-                for d, h in zip(layout.dropped, every)
-            }
-        )
+        identify = _Identify(ckpt, layout, base_hash, base_crcs, base_path, hash_threads)
+        ids = identify.every(group, progress)
         seconds["hash"] = round(time.perf_counter() - t1, 3)
         bytes_written = writer.bytes_written
         if part.world > 1:
@@ -389,3 +308,104 @@ def write_slim(
         write_new_file(out_dir / SLIM_MANIFEST, json.dumps(manifest, indent=1, allow_nan=False) + "\n")
         copy_extra_entries(ckpt.dir, out_dir, layout.extra_files)
     return SlimWritten(ids, kept_crc, bytes_written, verified, seconds)
+
+
+def _copy_kept(
+    ckpt: DcpCheckpoint, writer: DcpWriter, layout: SlimLayout, file_index: dict[str, int], progress
+) -> dict[str, int]:
+    """Every kept item of the files this rank writes copied verbatim, in source order (sequential
+    reads); returns {kept_item_id: the CRC-32 of its bytes}, for the manifest."""
+    kept_crc: dict[str, int] = {}
+    done = 0
+    ckpt.files.hint((k.file, k.offset, k.length) for k in layout.kept if writer.owns(file_index[k.file]))
+    for k in layout.kept:
+        if not writer.owns(file_index[k.file]):
+            writer.skip(k.key)
+            continue
+        chunk = (
+            None
+            if k.kind == "bytes"
+            else next(c for c in _tensor(ckpt, k.key).chunks if c.file == k.file and c.offset == k.offset)
+        )
+        kept_crc[kept_item_id(k.key, k.chunk_offsets)] = copy_checked_item(
+            ckpt, writer, k.key, k.file, k.offset, k.length, file_index=file_index[k.file], chunk=chunk
+        )
+        done += k.length
+        report(progress, "copy", done, layout.kept_bytes)
+    return kept_crc
+
+
+def _tensor(ckpt: DcpCheckpoint, key: str) -> TensorEntry:
+    e = ckpt.entries[key]
+    assert isinstance(e, TensorEntry)  # a tensor item's, or a dropped tensor's (partition's)
+    return e
+
+
+class _Identify:
+    """Each dropped tensor identified: proven equal to its base's upcast by the CRC-32s its items store
+    (`base_crcs`), or by the sha256 of its bytes (`base_hash`), or, without a base, recorded by its
+    items' CRC-32s; a layout other than row blocks is read and hashed."""
+
+    def __init__(
+        self, ckpt: DcpCheckpoint, layout: SlimLayout, base_hash, base_crcs, base_path, hash_threads: int
+    ):
+        self.ckpt, self.layout, self.base_path = ckpt, layout, base_path
+        self.base_hash, self.base_crcs, self.hash_threads = base_hash, base_crcs, hash_threads
+        self.crc_reader = DataCrcReader()
+        # largest first (each rank's share too), so the biggest tensor is not the last one to start; a tensor
+        # bigger than one thread's share of the whole splits its base CRC-32s over every thread
+        self.order = sorted(range(len(layout.dropped)), key=lambda i: (-layout.dropped[i].nbytes, i))
+        self.share = sum(d.nbytes for d in layout.dropped) / max(1, hash_threads)
+
+    def every(self, group, progress) -> dict[str, DroppedId]:
+        """{key: its DroppedId} of every dropped tensor on rank 0, {} on the others. Identified in parallel
+        (hashlib, zlib and preadv release the GIL) on `hash_threads` threads and split over torchrun's
+        ranks; rank 0 gets every result, in the layout's order."""
+        dropped, order = self.layout.dropped, self.order
+        done = 0
+
+        def identified(i: int) -> None:
+            nonlocal done
+            done += dropped[i].nbytes
+            report(progress, "hash", done, self.layout.dropped_tensor_bytes)
+
+        got = map_units(
+            lambda j: self.one(dropped[order[j]]),
+            [dropped[i].nbytes for i in order],
+            group,
+            threads=self.hash_threads,
+            done=lambda j, _h: identified(order[j]),
+        )
+        if got is None:
+            return {}
+        by_unit = dict(zip(order, got))
+        every = [by_unit[i] for i in range(len(order))]
+        return {d.key: DroppedId(h[0], None if h[1] is None else tuple(h[1])) for d, h in zip(dropped, every)}
+
+    def one(self, d: DroppedTensor) -> tuple[str | None, list[int] | None]:
+        """(sha256 or None, [CRC-32 per chunk] or None): plain values, for gather."""
+        e = _tensor(self.ckpt, d.key)
+        if self.base_crcs is not None:  # proven against the base by the CRC-32s its items store: not read
+            threads = self.hash_threads if self.hash_threads > 1 and d.nbytes > self.share else 1
+            got = checked_by_crc(
+                self.ckpt, e, d, self.base_crcs, self.crc_reader, self.base_path, threads=threads
+            )
+            if got is not None:
+                return got[0], list(got[1])
+        elif self.base_hash is None:  # no base: identified by the CRC-32s its items store
+            stored = stored_crcs(self.ckpt, e, self.crc_reader)
+            if stored is not None:
+                return None, list(stored)
+        got_ckpt = checkpoint_tensor_sha256(self.ckpt, e)  # another layout: read and hashed
+        if self.base_hash is not None:
+            name, got_base = self.base_hash(d)
+            if got_base != got_ckpt:
+                raise FormatError(
+                    f"the base model's {name} upcast to {d.dtype} differs from the "
+                    f"checkpoint's frozen tensor (sha256 {got_base[:12]}… vs {got_ckpt[:12]}…)",
+                    path=self.base_path,
+                    key=d.key,
+                    hint="this is not the base the run trained on (another revision?), or the "
+                    "tensor was trained; pass the right --base, or slim without --base",
+                )
+        return got_ckpt, None

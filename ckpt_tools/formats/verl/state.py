@@ -203,7 +203,7 @@ class VerlTrainState:
 
     def sched_state(self) -> SchedState:
         """The param groups' and the scheduler's fields (rank 0's, the ranks checked to agree on every lr
-        field), keyed as `formats.dcp.lr_plan` plans them."""
+        field), keyed as `sources.lr_plan` plans them."""
         optim = self.object("optim")
         groups = optim.get("param_groups") if isinstance(optim, dict) else None
         if not isinstance(groups, list) or not groups:

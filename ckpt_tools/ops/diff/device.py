@@ -92,7 +92,7 @@ class DeviceCheck:
         self.device = device
         self.unit_bytes = unit_bytes or UNIT_BYTES
         self._pin = device.type == "cuda"  # (a CPU "device": the same path without a GPU, for the tests)
-        self._free: queue.Queue = queue.Queue()
+        self._free: queue.Queue[tuple[torch.Tensor, torch.Tensor]] = queue.Queue()
         self._lock = threading.Lock()
         self._made = 0
 
@@ -105,12 +105,13 @@ class DeviceCheck:
     def slot(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """A pair of pinned uint8 buffers of `unit_bytes` (W's, W0's), waiting while SLOTS units are in
         flight."""
-        pair = None
+        pair: tuple[torch.Tensor, torch.Tensor] | None = None
         with self._lock:
             if self._free.empty() and self._made < SLOTS:
                 self._made += 1
-                pair = tuple(
-                    torch.empty(self.unit_bytes, dtype=torch.uint8, pin_memory=self._pin) for _ in range(2)
+                pair = (
+                    torch.empty(self.unit_bytes, dtype=torch.uint8, pin_memory=self._pin),
+                    torch.empty(self.unit_bytes, dtype=torch.uint8, pin_memory=self._pin),
                 )
         if pair is None:
             pair = self._free.get()

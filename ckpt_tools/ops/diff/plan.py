@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
-from ...sources.base import Source, TensorFacts
+from ...formats.handle import LoraSource, Source, TensorFacts
 from ...sources.compare import shared_names
-from ...sources.lora import LoraSource, open_lora_source
-from ...sources.open import open_weights
+from ...sources.open import open_lora_source, open_weights
 from .device import resolve_device
 
 __all__ = [
@@ -192,9 +191,9 @@ def plan_diff(sources: DiffSources, options: DiffOptions) -> DiffPlan:
         missing_in_weights = sorted(n for n in roles if n not in wk)
     pairs = []
     for name in shared:
-        role, module = roles.get(name, (UNTARGETED if lora is not None else None, None))
+        role, target = roles.get(name, (UNTARGETED if lora is not None else None, None))
         read = not targeted_only or role in (TARGETED, REPLACED)
-        pairs.append(PairPlan(name, weights.facts(name), base.facts(name), role, module, read))
+        pairs.append(PairPlan(name, weights.facts(name), base.facts(name), role, target, read))
     return DiffPlan(
         weights=weights.describe(),
         base=base.describe(),

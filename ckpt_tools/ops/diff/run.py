@@ -4,7 +4,7 @@ exactly BASE + the LoRA?
 Plan, then execute. `plan_diff` pairs tensors by name from headers alone (and, with an adapter,
 marks each pair targeted / replaced / untargeted and refuses an adapter that does not fit BASE)
 before any tensor byte is read. `run_diff` then compares the pairs on this rank's workers, each
-pair in blocks (each side read in one piece, folded in `sources.compare.stat_chunks`) spread over one
+pair in blocks (each side read in one piece, folded in `sources.compare.block_chunks`) spread over one
 pool of block workers, so a big tensor uses every core; every side is read once:
 
 - same dtype and shape: raw byte comparison per chunk (memcmp, no decoding); the chunks that differ
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,7 +309,7 @@ def _device_unit_check(weights, base, p: PairPlan, factors, scale: float, cols: 
         with device.slot() as (bw, bb):
             weights.read_span(fw.name, start * iw, bw[: n * iw].numpy())
             base.read_span(fb.name, start * ib, bb[: n * ib].numpy())
-            xw, xb = memoryview(bw.numpy()), memoryview(bb.numpy())
+            xw, xb = bw.numpy().data, bb.numpy().data
             w, w0 = bw[: n * iw].view(torch_dtype(fw.dtype)), bb[: n * ib].view(torch_dtype(fb.dtype))
             uploaded = device.upload(w, w0)  # (copying while the statistics are computed here)
             parts: list[ChunkStats] = []
@@ -348,7 +349,9 @@ def _compare_with_adapter(
     td = _result(p, _status(p, st), st)
     fw = p.weights
     expected = lora.read_full(p.name)  # (the adapter's tensor, whole: LoraSource reads it so)
-    check = {"expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(fw.dtype)}"}
+    check: dict[str, object] = {
+        "expected": f"the adapter's {p.name} (modules_to_save) as {dtype_name(fw.dtype)}"
+    }
     if tuple(expected.shape) != tuple(fw.shape):
         check.update(ok=False, problem=f"adapter tensor shape {list(expected.shape)} != {list(fw.shape)}")
         td.adapter_check = check
@@ -389,42 +392,7 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
     upcast = [t for t in compared if t.status == IDENTICAL_UPCAST]
     skipped = len(tensors) - len(compared)
     scope = f"{len(compared)} compared tensors" if skipped else f"{len(compared)} shared tensors"
-    adapter_summary = None
-    if lora is not None:
-        targeted = [t for t in compared if t.role in (TARGETED, REPLACED)]
-        exact = [t for t in targeted if t.adapter_check and t.adapter_check.get("ok")]
-        bad = [t for t in targeted if not (t.adapter_check and t.adapter_check.get("ok"))]
-        # (an untargeted block-FP8 weight differs from its base by the quantization: checked against the rule)
-        untargeted_changed = [
-            t
-            for t in compared
-            if t.role == UNTARGETED and not t.same and not (t.adapter_check or {}).get("ok")
-        ]
-        max_ulps = max((t.adapter_check.get("max_ulps") or 0 for t in targeted if t.adapter_check), default=0)
-        passed = not bad and not untargeted_changed and not plan.targets_missing_in_weights
-        ties = sum((t.adapter_check or {}).get("ties") or 0 for t in targeted)
-        adapter_summary = {
-            "passed": passed,
-            "targeted": len(targeted),
-            "exact": len(exact),
-            "max_ulps": max_ulps,
-            "ties": ties,
-            "off": [
-                {
-                    "name": t.name,
-                    "max_ulps": (t.adapter_check or {}).get("max_ulps"),
-                    "elements_off": (t.adapter_check or {}).get("elements_off"),
-                    "problem": (t.adapter_check or {}).get("problem"),
-                }
-                for t in bad
-            ],
-            "untargeted_changed": [t.name for t in untargeted_changed],
-            "untargeted_checked": len([t for t in compared if t.role == UNTARGETED]),
-            "missing_in_weights": list(plan.targets_missing_in_weights),
-            "alpha": lora.alpha,
-            "alpha_source": lora.alpha_source,
-            **fp8_summary(compared),
-        }
+    adapter_summary = None if lora is None else _adapter_summary(plan, compared, lora)
     if not changed:
         how = " (after exact upcast of the narrower dtype)" if upcast else ""
         if plan.weights["kind"] == "dcp":
@@ -460,6 +428,43 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
                 f"W32 ({adapter_summary['fp8_ties']} codes at a rounding boundary)"
             )
     return "differs", EXIT_DIFFERS, text, adapter_summary
+
+
+def _adapter_summary(plan: DiffPlan, compared: list[TensorDiff], lora) -> dict:
+    """The adapter check over the compared tensors: it passed where every targeted (and replaced) tensor is
+    the correctly rounded W0 + s*B@A, no untargeted one changed and no target is missing from W."""
+    targeted = [t for t in compared if t.role in (TARGETED, REPLACED)]
+    exact = [t for t in targeted if t.adapter_check and t.adapter_check.get("ok")]
+    bad = [t for t in targeted if not (t.adapter_check and t.adapter_check.get("ok"))]
+    # (an untargeted block-FP8 weight differs from its base by the quantization: checked against the rule)
+    untargeted_changed = [
+        t for t in compared if t.role == UNTARGETED and not t.same and not (t.adapter_check or {}).get("ok")
+    ]
+    max_ulps = max((t.adapter_check.get("max_ulps") or 0 for t in targeted if t.adapter_check), default=0)
+    passed = not bad and not untargeted_changed and not plan.targets_missing_in_weights
+    ties = sum((t.adapter_check or {}).get("ties") or 0 for t in targeted)
+    return {
+        "passed": passed,
+        "targeted": len(targeted),
+        "exact": len(exact),
+        "max_ulps": max_ulps,
+        "ties": ties,
+        "off": [
+            {
+                "name": t.name,
+                "max_ulps": (t.adapter_check or {}).get("max_ulps"),
+                "elements_off": (t.adapter_check or {}).get("elements_off"),
+                "problem": (t.adapter_check or {}).get("problem"),
+            }
+            for t in bad
+        ],
+        "untargeted_changed": [t.name for t in untargeted_changed],
+        "untargeted_checked": len([t for t in compared if t.role == UNTARGETED]),
+        "missing_in_weights": list(plan.targets_missing_in_weights),
+        "alpha": lora.alpha,
+        "alpha_source": lora.alpha_source,
+        **fp8_summary(compared),
+    }
 
 
 # The working set of a rank, whatever the model size and the number of cores (peak RSS under 1 GiB: this,
@@ -517,31 +522,14 @@ def run_diff(
     on_device = resolve_device(device)
     checker = DeviceCheck(on_device) if on_device is not None and lora is not None else None
     t0 = time.perf_counter()
-    total = len(plan.pairs)
     group = group or SoloGroup()
     sizes = [p.weights.nbytes + p.base.nbytes if p.read else 0 for p in plan.pairs]
-    # under torchrun, only the ranks that get work (`dist.working`: a tiny job runs on rank 0) share the cores
-    threads = local_workers(n_working=working(sizes, group))
-    if any(src.extents(p.name) is None for p in plan.pairs if p.read for src in (weights, base)):
-        threads = 1  # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
-    # Two levels: `threads` units in flight (map_units), and their chunks on one pool of `threads`
-    # workers, so a single big tensor uses every core and the units' working sets (the adapter
-    # check's P) are what the byte budget admits. Only the pool's workers hold chunk buffers.
-    # Memory by construction: the workers are as many as the working budget affords beside the device's
-    # buffers and the units' minimum, so the total never grows with the cores (nor with the largest tensor:
-    # every unit streams in blocks, and holds from the rest of the budget what it holds beyond its worker's).
-    scratch = max((_scratch_bytes(p) for p in plan.pairs if p.read), default=0)
-    reserved = checker.host_bytes if checker is not None else 0
-    threads = max(1, min(threads, (WORKING_BUDGET_BYTES - reserved - UNITS_MIN_BYTES) // max(1, scratch)))
-    budget = ByteBudget(max(UNITS_MIN_BYTES, WORKING_BUDGET_BYTES - reserved - threads * scratch))
+    threads, budget = _workers(plan, sources, group, sizes, checker)
     pool = (
         ThreadPoolExecutor(threads, thread_name_prefix="ckpt-diff-chunks", initializer=one_intra_op_thread)
         if threads > 1
         else None
     )
-    state = {"done": 0, "bytes": 0}
-    # (sizes: the bytes both sides hold, for the progress line's bytes, rate and ETA: what the reads take)
-    bytes_total = sum(sizes)
 
     def compare(i: int) -> dict:
         p = plan.pairs[i]
@@ -561,22 +549,7 @@ def run_diff(
             base.release()
         return dict(td.__dict__)
 
-    def done(i: int, d: dict) -> None:
-        state["done"] += 1
-        state["bytes"] += sizes[i]
-        report(
-            progress,
-            "compare",
-            state["done"],
-            total,
-            unit="tensors",
-            name=d["name"],
-            finished=TensorDiff(**d),
-            bytes_done=state["bytes"],
-            bytes_total=bytes_total,
-            elapsed_s=time.perf_counter() - t0,
-        )
-
+    done = _progress_reporter(progress, sizes, t0)
     # The workers are the parallelism: torch's intra-op threads on top of them oversubscribe the cores
     # (OpenMP's spinning on a busy machine: see ops.merge.pipeline).
     intra_op = torch.get_num_threads()
@@ -602,6 +575,56 @@ def run_diff(
         bytes_read=bytes_read,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _workers(
+    plan: DiffPlan, sources: DiffSources, group: Group, sizes: list[int], checker: DeviceCheck | None
+) -> tuple[int, ByteBudget]:
+    """How many units run at once, and the budget their working sets hold from.
+
+    Two levels: `threads` units in flight (map_units), and their chunks on one pool of `threads`
+    workers, so a single big tensor uses every core and the units' working sets (the adapter
+    check's P) are what the byte budget admits. Only the pool's workers hold chunk buffers.
+    Memory by construction: the workers are as many as the working budget affords beside the device's
+    buffers and the units' minimum, so the total never grows with the cores (nor with the largest tensor:
+    every unit streams in blocks, and holds from the rest of the budget what it holds beyond its worker's)."""
+    # under torchrun, only the ranks that get work (`dist.working`: a tiny job runs on rank 0) share the cores
+    threads = local_workers(n_working=working(sizes, group))
+    if any(
+        src.extents(p.name) is None for p in plan.pairs if p.read for src in (sources.weights, sources.base)
+    ):
+        threads = 1  # a source that assembles whole tensors keeps one in a single slot: one tensor at a time
+    scratch = max((_scratch_bytes(p) for p in plan.pairs if p.read), default=0)
+    reserved = checker.host_bytes if checker is not None else 0
+    threads = max(1, min(threads, (WORKING_BUDGET_BYTES - reserved - UNITS_MIN_BYTES) // max(1, scratch)))
+    return threads, ByteBudget(max(UNITS_MIN_BYTES, WORKING_BUDGET_BYTES - reserved - threads * scratch))
+
+
+def _progress_reporter(progress: Progress | None, sizes: list[int], t0: float) -> Callable[[int, dict], None]:
+    """map_units' `done`: a `ProgressEvent("compare", ...)` after each pair, in order (its `finished` the
+    pair's TensorDiff; the bytes both sides hold, for the progress line's bytes, rate and ETA: what the
+    reads take)."""
+    total, bytes_total = len(sizes), sum(sizes)
+    done_pairs = done_bytes = 0
+
+    def done(i: int, d: dict) -> None:
+        nonlocal done_pairs, done_bytes
+        done_pairs += 1
+        done_bytes += sizes[i]
+        report(
+            progress,
+            "compare",
+            done_pairs,
+            total,
+            unit="tensors",
+            name=d["name"],
+            finished=TensorDiff(**d),
+            bytes_done=done_bytes,
+            bytes_total=bytes_total,
+            elapsed_s=time.perf_counter() - t0,
+        )
+
+    return done
 
 
 def diff_vs_base(

@@ -212,13 +212,12 @@ def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan
             "tokenizer) were not checked: pass the rl.toml the run was launched with"
         )
     outputs = options.outputs
-    out_dir = (
-        Path(outputs)
-        if outputs is not None
-        else outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
-    )
-    if outputs is not None and not out_dir.is_dir():
-        raise UsageError("--outputs is not a directory", path=out_dir)
+    if outputs is not None:
+        out_dir: Path | None = Path(outputs)
+        if not Path(outputs).is_dir():
+            raise UsageError("--outputs is not a directory", path=Path(outputs))
+    else:
+        out_dir = outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
     b = None
     try:
         b = resolve_base(options.base, cfg)
@@ -232,48 +231,9 @@ def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan
 def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
     """Gather the facts (checkpoints, free disk, the newest weights export against the base, adapter
     configs) and run every trap. `progress` is accepted for the one contract; nothing reports to it."""
-    o, cfg, out_dir, base_dir, base = (
-        plan.options,
-        plan.config,
-        plan.outputs,
-        plan.base_dir,
-        plan.options.base,
-    )
+    cfg, out_dir = plan.config, plan.outputs
     notes = list(plan.notes)
-    steps, free, ckdir, weights, wbytes, adapters = [], None, None, [], 0, []
-    if out_dir is not None:
-        ck = out_dir / "checkpoints"
-        if ck.is_dir():
-            ckdir = ck
-            steps = _step_facts(ck, notes, o.trust_pickle)
-            free = shutil.disk_usage(ck).free
-        if o.compare_weights:
-            weights, wbytes = _weights_facts(out_dir, base_dir, notes)
-        for f in adapter_config_files(out_dir):
-            ra = read_adapter_config(f)
-            if ra is not None:
-                adapters.append(AdapterConfig(str(f), ra[0], ra[1], absent_modules_to_save(f)))
-    fresh = None
-    if (
-        cfg is not None
-        and cfg.generation == GEN_HEAD
-        and steps
-        and cfg.value("trainer.model.optim_cpu_offload")
-    ):
-        fresh = _fresh_lr(cfg, notes)
-    facts = RunFacts(
-        config=cfg,
-        steps=tuple(steps),
-        checkpoints_dir=str(ckdir) if ckdir else None,
-        free_bytes=free,
-        weights=tuple(weights),
-        weights_bytes=wbytes,
-        adapter_configs=tuple(adapters),
-        model_available=True if base is not None else ((base_dir is not None) if model_name(cfg) else None),
-        base=(str(base) if base is not None else (str(base_dir) if base_dir is not None else None)),
-        fresh_lr=fresh,
-        decode_rate=o.decode_rate,
-    )
+    facts = _run_facts(plan, notes)
     diagnosis = diagnose(facts)
     files_json = (
         [{"path": str(c.path), "section": c.section or "(rl)", "origin": c.origin} for c in cfg.files.files]
@@ -295,10 +255,60 @@ def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
                 "bytes": s.bytes,
                 "lr": s.lr,
             }
-            for s in steps
+            for s in facts.steps
         ],
         findings=diagnosis.findings,
         notes=notes,
+    )
+
+
+def _run_facts(plan: DoctorPlan, notes: list[str]) -> RunFacts:
+    """What the traps look at: the config, and from the outputs dir the checkpoints (and their disk's free
+    bytes), the newest weights export against the base and the adapter configs; `notes` gets what
+    could not be read."""
+    o, cfg, out_dir, base_dir, base = (
+        plan.options,
+        plan.config,
+        plan.outputs,
+        plan.base_dir,
+        plan.options.base,
+    )
+    steps: list[StepFacts] = []
+    weights: list[WeightsExport] = []
+    adapters: list[AdapterConfig] = []
+    free, ckdir, wbytes = None, None, 0
+    if out_dir is not None:
+        ck = out_dir / "checkpoints"
+        if ck.is_dir():
+            ckdir = ck
+            steps = _step_facts(ck, notes, o.trust_pickle)
+            free = shutil.disk_usage(ck).free
+        if o.compare_weights:
+            weights, wbytes = _weights_facts(out_dir, base_dir, notes)
+        for f in adapter_config_files(out_dir):
+            ra = read_adapter_config(f)
+            if ra is not None:
+                adapters.append(AdapterConfig(str(f), ra[0], ra[1], absent_modules_to_save(f)))
+    fresh = None
+    if (
+        cfg is not None
+        and cfg.generation == GEN_HEAD
+        and steps
+        and cfg.value("trainer.model.optim_cpu_offload")
+    ):
+        fresh = _fresh_lr(cfg, notes)
+    return RunFacts(
+        config=cfg,
+        steps=tuple(steps),
+        checkpoints_dir=str(ckdir) if ckdir else None,
+        free_bytes=free,
+        weights=tuple(weights),
+        weights_bytes=wbytes,
+        adapter_configs=tuple(adapters),
+        model_available=True if base is not None else ((base_dir is not None) if model_name(cfg) else None),
+        base=(str(base) if base is not None else (str(base_dir) if base_dir is not None else None)),
+        fresh_lr=fresh,
+        decode_rate=o.decode_rate,
     )
 
 

@@ -39,89 +39,59 @@ def unknown_keys(facts: RunFacts) -> list[Finding]:
     cfg = facts.config
     if cfg is None:
         return []
-    out = []
     from_run_dir = all(c.origin == "run dir" for c in cfg.files.files)
+    out = []
     for u in cfg.unknown:
-        table, leaf = u.table, u.path.rpartition(".")[2]
-        known = ", ".join(u.known)
-        fix = (
-            f"remove `{leaf} = {toml_value(u.value)}` from [{table or 'the top level'}]; keys there: {known}"
+        severity, why, fix, where = _unknown_key_verdict(cfg, u, from_run_dir)
+        out.append(
+            Finding(
+                "unknown-key", severity, u.path, toml_key(u.path), u.value, None, why, fix, where, str(u.file)
+            )
         )
-        if cfg.generation == GEN_HEAD:
-            out.append(
-                Finding(
-                    "unknown-key",
-                    INFO,
-                    u.path,
-                    toml_key(u.path),
-                    u.value,
-                    None,
-                    "not a key of prime-rl 559b447's TrainerConfig: this run comes from another "
-                    "prime-rl version; ckpt-tools did not check it",
-                    "none needed if prime-rl wrote it",
-                    "configs/trainer.py",
-                    str(u.file),
-                )
-            )
-        elif from_run_dir:
-            out.append(
-                Finding(
-                    "unknown-key",
-                    ERROR,
-                    u.path,
-                    toml_key(u.path),
-                    u.value,
-                    None,
-                    "the trainer re-reads this orch.toml and deletes the run dir when it does not "
-                    "validate, unknown keys included",
-                    fix,
-                    "trainer/runs.py:93-139",
-                    str(u.file),
-                )
-            )
-        elif u.policy == "drop":
-            why = (
-                f"[{table}] is a plain pydantic model: prime-rl drops unknown keys without a word, so "
-                f"`{leaf}` has no effect"
-            )
-            if leaf == "timeout" and table.endswith("weight_broadcast"):
-                why = (
-                    "only the NCCL weight broadcast has a timeout; with the filesystem broadcast (LoRA "
-                    "runs) it is dropped silently"
-                )
-            elif table == "trainer.optim":
-                why += f": training runs at lr = {cfg.value('trainer.optim.lr'):g}"
-            out.append(
-                Finding(
-                    "unknown-key",
-                    ERROR,
-                    u.path,
-                    toml_key(u.path),
-                    u.value,
-                    None,
-                    why,
-                    fix,
-                    "trainer/config.py:309-376, utils/pydantic_config.py:18-19",
-                    str(u.file),
-                )
-            )
-        else:
-            out.append(
-                Finding(
-                    "unknown-key",
-                    ERROR,
-                    u.path,
-                    toml_key(u.path),
-                    u.value,
-                    None,
-                    "prime-rl refuses to start: `Extra inputs are not permitted` (its config "
-                    "tables forbid unknown keys)",
-                    fix,
-                    "utils/pydantic_config.py:18-19",
-                    str(u.file),
-                )
-            )
     return out
+
+
+def _unknown_key_verdict(cfg, u, from_run_dir: bool) -> tuple[str, str, str, str]:
+    """(severity, why, fix, where in prime-rl) of an unknown key `u` of the run config: what prime-rl does
+    with it depends on the generation, on who reads the file, and on its table's policy."""
+    table, leaf = u.table, u.path.rpartition(".")[2]
+    known = ", ".join(u.known)
+    fix = f"remove `{leaf} = {toml_value(u.value)}` from [{table or 'the top level'}]; keys there: {known}"
+    if cfg.generation == GEN_HEAD:
+        return (
+            INFO,
+            "not a key of prime-rl 559b447's TrainerConfig: this run comes from another "
+            "prime-rl version; ckpt-tools did not check it",
+            "none needed if prime-rl wrote it",
+            "configs/trainer.py",
+        )
+    if from_run_dir:
+        return (
+            ERROR,
+            "the trainer re-reads this orch.toml and deletes the run dir when it does not "
+            "validate, unknown keys included",
+            fix,
+            "trainer/runs.py:93-139",
+        )
+    if u.policy == "drop":
+        why = (
+            f"[{table}] is a plain pydantic model: prime-rl drops unknown keys without a word, so "
+            f"`{leaf}` has no effect"
+        )
+        if leaf == "timeout" and table.endswith("weight_broadcast"):
+            why = (
+                "only the NCCL weight broadcast has a timeout; with the filesystem broadcast (LoRA "
+                "runs) it is dropped silently"
+            )
+        elif table == "trainer.optim":
+            why += f": training runs at lr = {cfg.value('trainer.optim.lr'):g}"
+        return ERROR, why, fix, "trainer/config.py:309-376, utils/pydantic_config.py:18-19"
+    return (
+        ERROR,
+        "prime-rl refuses to start: `Extra inputs are not permitted` (its config tables forbid unknown keys)",
+        fix,
+        "utils/pydantic_config.py:18-19",
+    )
 
 
 def shadowed_tables(facts: RunFacts) -> list[Finding]:

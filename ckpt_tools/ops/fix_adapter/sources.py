@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from ...core.errors import FormatError, UsageError
+from ...formats.dcp.lora import DcpLoraSource
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.peft.config import ADAPTER_CONFIG, BIN_NAME, SAFETENSORS_NAME, parse_peft_config
 from ...io.inputs import register
 from ...sources.files import TensorFileSource
-from ...sources.lora import DcpLoraSource
 
 __all__ = ["CKPT_REF", "FixSources", "check_same_state", "open_fix_source", "weights_file"]
 

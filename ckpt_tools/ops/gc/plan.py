@@ -15,6 +15,7 @@ from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.config import load_run_config, locate_run_configs
 from ...formats.primerl.run_dir import checkpoints_dir_of, dir_bytes, resolve_base, step_dirs
 from ...formats.slim.partition import partition
+from ...io.owned import OUTPUT_MARKER
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
 
 __all__ = ["DEFAULT_MIN_AGE_S", "GcPlan", "StepPlan", "plan_gc", "shared_files", "unknown_entries"]
@@ -102,11 +103,15 @@ def _leftovers(step_dir: Path) -> list[Path]:
 
 def unknown_entries(ck: DcpCheckpoint) -> list[str]:
     """Entries of a checkpoint dir a slim of it would not carry: not `.metadata`, not a data file its
-    metadata references, not an extra entry the slim copies (`dcp.layout.extra_entries`): hidden
-    entries (`set-lr --in-place`'s `.metadata.bak-*` undo files, temp files), unreferenced `.distcp`
-    files. gc deletes the full checkpoint after the swap, so it never slims a step holding any."""
+    metadata references, not an extra entry the slim copies (`dcp.layout.extra_entries`), not our own
+    output marker (a regular `.ckpt-tools-output`: the step is an OUT of restart-prep, adapter-to-dcp,
+    set-lr...; gc's slim carries it verbatim): hidden entries (`set-lr --in-place`'s `.metadata.bak-*`
+    undo files, temp files), unreferenced `.distcp` files. gc deletes the full checkpoint after the swap,
+    so it never slims a step holding any."""
     files = set(ck.data_files())
-    known = {METADATA_NAME, *files, *extra_entries(ck.dir, files)}
+    marker = ck.dir / OUTPUT_MARKER
+    ours = [OUTPUT_MARKER] if marker.is_file() and not marker.is_symlink() else []
+    known = {METADATA_NAME, *ours, *files, *extra_entries(ck.dir, files)}
     return sorted(n for n in os.listdir(ck.dir) if n not in known)
 
 
@@ -122,7 +127,7 @@ def _estimate_slim_bytes(trainer: Path, trust_pickle: bool) -> tuple[int, list[s
 def _file_ids(trainer: Path) -> set[tuple[int, int]]:
     """(st_dev, st_ino) of every file a step's trainer/ reaches, links followed: two steps share a
     file when they reach one inode (a hard link, a `cp -s` / `ln -s` copy, a linked trainer/)."""
-    ids = set()
+    ids: set[tuple[int, int]] = set()
     if not trainer.is_dir():
         return ids
     for root, dirs, names in os.walk(trainer, followlinks=False):
@@ -154,9 +159,21 @@ def _classify(
     trust_pickle: bool,
     shared: list[int],
 ) -> StepPlan:
+    """What gc does with step `n`: the first rule that decides it, in the order below."""
     trainer = step_dir / TRAINER
     left = _leftovers(step_dir)
     size = sum(dir_bytes(p) for p in [trainer] + left if p.is_dir())
+    return (
+        _held_or_missing(n, step_dir, trainer, n in newest, size)
+        or _by_state(n, step_dir, trainer, n in newest, bool(left), size)
+        or _swap_blocked(n, trainer, shared, now, min_age_s, size)
+        or _slim_or_skip(n, trainer, trust_pickle, size)
+    )
+
+
+def _held_or_missing(n: int, step_dir: Path, trainer: Path, newest: bool, size: int) -> StepPlan | None:
+    """A step another ckpt command holds, a trainer/ that is a link, or none (put back from where a killed
+    gc left it, else skipped)."""
     holder = lock_holder(step_dir / STEP_LOCK) or lock_holder(step_dir / f".{STAGED}.lock")
     if holder:
         return StepPlan(n, str(trainer), "skip", f"locked by another ckpt command (pid {holder})", size)
@@ -174,10 +191,18 @@ def _classify(
                 f"a gc was killed mid-swap: the full checkpoint is at {ASIDE}; it is put back",
                 size,
                 None,
-                then_slim=n not in newest,
+                then_slim=not newest,
             )
         return StepPlan(n, str(trainer), "skip", "no trainer/ dir", size)
-    if is_complete(trainer) and is_slim(trainer) and left:
+    return None
+
+
+def _by_state(
+    n: int, step_dir: Path, trainer: Path, newest: bool, leftovers: bool, size: int
+) -> StepPlan | None:
+    """What the checkpoint's state decides: a slim an interrupted gc left is finished; one being written,
+    already slim, or one of the newest is left as it is."""
+    if is_complete(trainer) and is_slim(trainer) and leftovers:
         return StepPlan(
             n, str(trainer), "finish", "slim; frees what an interrupted gc left", size, dir_bytes(trainer)
         )
@@ -194,8 +219,16 @@ def _classify(
         )
     if is_slim(trainer):
         return StepPlan(n, str(trainer), "skip", "already slim", size)
-    if n in newest:
+    if newest:
         return StepPlan(n, str(trainer), "keep", "one of the newest --keep-full", size)
+    return None
+
+
+def _swap_blocked(
+    n: int, trainer: Path, shared: list[int], now: float, min_age_s: float, size: int
+) -> StepPlan | None:
+    """What keeps gc from swapping the slim in: a mount point, files shared with another step, a
+    checkpoint modified within --min-age."""
     if os.path.ismount(trainer):
         return StepPlan(
             n,
@@ -224,6 +257,12 @@ def _classify(
             f"in progress: modified {age:.0f} s ago (< --min-age {min_age_s:g} s)",
             size,
         )
+    return None
+
+
+def _slim_or_skip(n: int, trainer: Path, trust_pickle: bool, size: int) -> StepPlan:
+    """Slimmed, with its estimated size, unless its metadata does not read or it holds entries a slim
+    would not carry (gc deletes the full checkpoint)."""
     try:
         est, unknown = _estimate_slim_bytes(trainer, trust_pickle)
     except CkptError as exc:

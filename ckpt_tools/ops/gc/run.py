@@ -19,9 +19,11 @@ from ...formats.hf_dir.model_dir import HFModelDir
 from ...formats.primerl.run_dir import dir_bytes
 from ...formats.slim.partition import base_identity, partition
 from ...formats.slim.writer import need_bytes, write_slim
+from ...io.copy import copy_input_file
 from ...io.files import fsync_path
 from ...io.inputs import tracking
 from ...io.lock import OutputLock
+from ...io.owned import OUTPUT_MARKER
 from ...io.staging import AtomicOutputDir, mount_point
 from ...sources.hashing import base_crc_check, base_hash_check
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
@@ -122,6 +124,10 @@ def write_verified_slim(
                 progress=progress,
                 base_crcs=base_crc_check(hf, layout.dropped),
             )
+            if (ckpt.dir / OUTPUT_MARKER).is_file():  # a step ckpt-tools wrote: its marker travels verbatim
+                copy_input_file(
+                    ckpt.dir / OUTPUT_MARKER, tmp / OUTPUT_MARKER, root=ckpt.dir, what="output marker"
+                )
 
 
 def _upload_slim(staged: Path, slim_to: str, step_dir: Path, res) -> None:

@@ -22,10 +22,10 @@ from ...core.errors import FormatError, UsageError
 from ...core.keys import classify, trainable_params
 from ...core.tied import TIED_PAIRS
 from ...formats.dcp.layout import METADATA_NAME
+from ...formats.dcp.lora import NoLoraSource
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.run_dir import run_base_of
 from ...formats.trainers import open_trainer_for_export
-from ...sources.lora import NoLoraSource
 from .plan import DEFAULT_MAX_SHARD, MergePlan
 from .prepare import MergeOptions, MergeSources, plan_merge
 

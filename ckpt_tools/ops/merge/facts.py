@@ -10,13 +10,12 @@ from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
 from ...core.tied import TIED_PAIRS
+from ...formats.handle import LoraSource, Source
 from ...formats.hf_dir.carry import carry_files
 from ...formats.hf_dir.config import config_mismatches, load_config
 from ...formats.hf_dir.hub import resolve_model_dir
 from ...formats.hf_dir.model_dir import HFModelDir
 from ...formats.primerl.run_dir import resolve_run
-from ...sources.base import Source
-from ...sources.lora import LoraSource
 
 __all__ = [
     "AdapterFacts",

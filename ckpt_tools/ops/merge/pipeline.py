@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,7 +101,8 @@ def check_unchanged(plan: MergePlan, sources: MergeSources) -> None:
         name = refs.get(j.src)
         f = None if name is None else base.facts(name)
         if (
-            f is None
+            name is None
+            or f is None
             or tuple(f.shape) != j.shape
             or f.dtype != j.src_dtype
             or (j.src_file is not None and base.file_of(name) != j.src_file)
@@ -158,6 +160,7 @@ def run_merge(
         every = group.gather(digests, "the shards' sha256")
         figures_every = group.gather(figures, "the FP8 figures")
         if group.leader:
+            assert every is not None  # the leader gathers every rank's
             _write_files(plan, tmp)
             _write_sums(tmp, {k: v for d in every for k, v in d.items()})
     names = tuple(sorted(os.listdir(out)))
@@ -283,15 +286,10 @@ def _write_tensors(
     slow: float,
     t0: float,
 ) -> tuple[ZeroDelta, dict[str, str], dict[str, dict]]:
-    """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally and each
-    written shard's sha256."""
+    """Write `jobs` (whole shards of the plan, in write order); returns the zero-delta tally, each
+    written shard's sha256 and the FP8 figures of each quantized tensor."""
     runner = JobRunner(plan, sources)
     total_bytes = sum(j.out_bytes for j in jobs)
-    shard_entries = {s.file_name: s for s in plan.shards}
-    declared = declared_tensors(jobs)
-    left = {}  # jobs of each shard not yet finished
-    for j in jobs:
-        left[j.out_file] = left.get(j.out_file, 0) + 1
 
     def event(done: int, done_bytes: int, job: TensorJob | None) -> ProgressEvent:
         return ProgressEvent(
@@ -306,23 +304,6 @@ def _write_tensors(
             elapsed_s=time.perf_counter() - t0,
         )
 
-    writers: dict[str, StreamingSafetensorsWriter] = {}
-    hashes: dict[str, _ShardHash] = {}
-
-    def writer_for(file_name: str) -> StreamingSafetensorsWriter:
-        # opened when its first job is submitted; each job writes at its own offset (any order)
-        if file_name not in writers:
-            s = shard_entries[file_name]
-            entries = [(n, *declared[n]) for n in s.tensors]
-            # fsync=False: the flusher fsyncs a closed shard in the background; writeback: the disk
-            # starts on each block as it is written, so that fsync finds little left to do and the
-            # disk works from the first block, not from the first closed 5 GB shard
-            writers[file_name] = StreamingSafetensorsWriter(
-                tmp / file_name, entries, OUTPUT_METADATA, strict_order=False, fsync=False, writeback=True
-            )
-            hashes[file_name] = _ShardHash(writers[file_name])
-        return writers[file_name]
-
     if progress:
         progress(event(0, 0, None))
     # Parallelism comes from the workers, one tensor each. torch's own intra-op threads on top of
@@ -331,73 +312,140 @@ def _write_tensors(
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     pool = DaemonPool(plan.threads, "ckpt-merge", initializer=one_intra_op_thread)
-    # A finished shard's hash is completed (SHA256SUMS; each shard is hashed behind its writers by its
-    # own thread, `_ShardHash`) and it is fsynced by these threads while the next shards are written,
-    # so the pipeline does not stall for a whole shard's hash or flush.
-    flusher = ThreadPoolExecutor(
-        max_workers=max(1, min(plan.threads, len(shard_entries))), thread_name_prefix="ckpt-merge-fsync"
-    )
-    flushes: list[Future] = []
-    pending: dict[int, Future] = {}  # submitted, not yet accounted for in write order
-    running: dict[Future, int] = {}  # submitted and not finished: these hold memory
-    ahead = 0
+    shards = _Shards(plan, jobs, tmp)
+    window = _Window(plan, jobs, lambda job: pool.submit(runner.run, job, shards.writer_for(job.out_file)))
     done_bytes = 0
-    ws = [job_working_bytes(j, plan.base_kind) for j in jobs]
-    budget = window_budget(plan.jobs, plan.threads, plan.base_kind)  # the plan's memory bound, on every rank
-    in_flight = 0
+    ok = False
     try:
         for i, job in enumerate(jobs):
-            while True:
-                for f in [f for f in running if f.done()]:  # a finished job holds nothing: its slot is free
-                    in_flight -= ws[running.pop(f)]
-                    if f.exception() is not None:
-                        f.result()  # fail now, not when the writer gets there
-                # at most `threads` jobs running and `budget` bytes of their working sets at once (a
-                # job bigger than the budget runs alone). A slow job (a 1 GB embedding copied) does
-                # not stall the others: those after it run while it does.
-                while (
-                    ahead < len(jobs)
-                    and len(running) < plan.threads
-                    and (not running or in_flight + ws[ahead] <= budget)
-                ):
-                    f = pending[ahead] = pool.submit(
-                        runner.run, jobs[ahead], writer_for(jobs[ahead].out_file)
-                    )
-                    running[f] = ahead
-                    in_flight += ws[ahead]
-                    ahead += 1
-                if pending[i].done():
-                    break
-                wait(list(running), return_when=FIRST_COMPLETED)
-            pending.pop(i).result()
-            left[job.out_file] -= 1
-            if not left[job.out_file]:
-                w = writers.pop(job.out_file)
-                w.close()  # checks every byte is there; the hash's end and fsync run in the background
-                flushes.append(flusher.submit(_finish_shard, w.path, hashes.pop(job.out_file), w.file_bytes))
-            else:
-                hashes[job.out_file].tensor_done(job.name, job.scale_name)
+            window.wait_for(i)
+            shards.tensor_written(job)
             done_bytes += job.out_bytes
             if progress:
                 progress(event(i + 1, done_bytes, job))
             if slow:
                 time.sleep(slow)
-        digests = dict(f.result() for f in flushes)  # every shard is on disk before OUT may be renamed
+        digests = shards.digests()  # every shard is on disk before OUT may be renamed
         ok = True
     except BaseException:
-        ok = False
-        for f in pending.values():
-            f.cancel()
-        for w in writers.values():  # a worker still writing finishes into the unlinked file
-            w.abort()
-        for h in hashes.values():
-            h.abort()
+        window.cancel()
+        shards.abort()
         raise
     finally:
         # On an error or a signal, never wait for the workers: each is bounded (one tensor, inputs
         # that cannot block: inputs.open_input refuses FIFOs) and ends on its own, but the command
         # must stop now (a blocking join once kept a merge alive through SIGTERM for 16 minutes).
         pool.shutdown(wait=ok)  # (the futures not started were cancelled above)
-        flusher.shutdown(wait=ok)
+        shards.shutdown(block=ok)
         torch.set_num_threads(intra_op)
     return runner.zero, digests, {n: f.to_json() for n, f in runner.fp8.by_name.items()}
+
+
+class _Window:
+    """The jobs submitted ahead of the one the writer waits for: at most `threads` running and `budget`
+    bytes of their working sets at once (a job bigger than the budget runs alone). A finished job holds
+    nothing, so a slow job (a 1 GB embedding copied) does not stall the others: those after it run
+    while it does."""
+
+    def __init__(self, plan: MergePlan, jobs: tuple[TensorJob, ...], submit: Callable[[TensorJob], Future]):
+        self.jobs, self.submit, self.threads = jobs, submit, plan.threads
+        self.ws = [job_working_bytes(j, plan.base_kind) for j in jobs]
+        self.budget = window_budget(
+            plan.jobs, plan.threads, plan.base_kind
+        )  # the plan's bound, on every rank
+        self.pending: dict[int, Future] = {}  # submitted, not yet accounted for in write order
+        self.running: dict[Future, int] = {}  # submitted and not finished: these hold memory
+        self.ahead = 0
+        self.in_flight = 0
+
+    def wait_for(self, i: int) -> None:
+        """Job `i` done (its error raised), the jobs after it submitted as slots and budget free up."""
+        jobs, ws, pending, running = self.jobs, self.ws, self.pending, self.running
+        while True:
+            for f in [f for f in running if f.done()]:  # a finished job holds nothing: its slot is free
+                self.in_flight -= ws[running.pop(f)]
+                if f.exception() is not None:
+                    f.result()  # fail now, not when the writer gets there
+            while (
+                self.ahead < len(jobs)
+                and len(running) < self.threads
+                and (not running or self.in_flight + ws[self.ahead] <= self.budget)
+            ):
+                f = pending[self.ahead] = self.submit(jobs[self.ahead])
+                running[f] = self.ahead
+                self.in_flight += ws[self.ahead]
+                self.ahead += 1
+            if pending[i].done():
+                break
+            wait(list(running), return_when=FIRST_COMPLETED)
+        pending.pop(i).result()
+
+    def cancel(self) -> None:
+        for f in self.pending.values():
+            f.cancel()
+
+
+class _Shards:
+    """The output shards being written: each opened when its first job is submitted, hashed behind its
+    writers (`_ShardHash`), closed once its last tensor is in, then its hash completed and it fsynced
+    by the flusher's threads while the next shards are written, so the pipeline does not stall for a
+    whole shard's hash or flush."""
+
+    def __init__(self, plan: MergePlan, jobs: tuple[TensorJob, ...], tmp: Path):
+        self.tmp = tmp
+        self.shard_entries = {s.file_name: s for s in plan.shards}
+        self.declared = declared_tensors(jobs)
+        self.left: dict[str, int] = {}  # jobs of each shard not yet finished
+        for j in jobs:
+            self.left[j.out_file] = self.left.get(j.out_file, 0) + 1
+        self.writers: dict[str, StreamingSafetensorsWriter] = {}
+        self.hashes: dict[str, _ShardHash] = {}
+        self.flusher = ThreadPoolExecutor(
+            max_workers=max(1, min(plan.threads, len(self.shard_entries))),
+            thread_name_prefix="ckpt-merge-fsync",
+        )
+        self.flushes: list[Future] = []
+
+    def writer_for(self, file_name: str) -> StreamingSafetensorsWriter:
+        # opened when its first job is submitted; each job writes at its own offset (any order)
+        if file_name not in self.writers:
+            s = self.shard_entries[file_name]
+            entries = [(n, *self.declared[n]) for n in s.tensors]
+            # fsync=False: the flusher fsyncs a closed shard in the background; writeback: the disk
+            # starts on each block as it is written, so that fsync finds little left to do and the
+            # disk works from the first block, not from the first closed 5 GB shard
+            self.writers[file_name] = StreamingSafetensorsWriter(
+                self.tmp / file_name,
+                entries,
+                OUTPUT_METADATA,
+                strict_order=False,
+                fsync=False,
+                writeback=True,
+            )
+            self.hashes[file_name] = _ShardHash(self.writers[file_name])
+        return self.writers[file_name]
+
+    def tensor_written(self, job: TensorJob) -> None:
+        """`job`'s tensor is all written: its shard closed if it was the last, else hashed up to it."""
+        self.left[job.out_file] -= 1
+        if not self.left[job.out_file]:
+            w = self.writers.pop(job.out_file)
+            w.close()  # checks every byte is there; the hash's end and fsync run in the background
+            self.flushes.append(
+                self.flusher.submit(_finish_shard, w.path, self.hashes.pop(job.out_file), w.file_bytes)
+            )
+        else:
+            self.hashes[job.out_file].tensor_done(job.name, job.scale_name)
+
+    def digests(self) -> dict[str, str]:
+        """Each closed shard's sha256, once it is on disk."""
+        return dict(f.result() for f in self.flushes)
+
+    def abort(self) -> None:
+        for w in self.writers.values():  # a worker still writing finishes into the unlinked file
+            w.abort()
+        for h in self.hashes.values():
+            h.abort()
+
+    def shutdown(self, block: bool) -> None:
+        self.flusher.shutdown(wait=block)

@@ -14,6 +14,7 @@ alone, so ranks could split them and rank 0 commit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -29,7 +30,7 @@ from ...formats.hf_dir.fp8 import fp8_quantization_config
 from ...formats.hf_dir.shards import index_json, plan_shards
 from ...formats.safetensors.read import COPY_BLOCK_BYTES
 from ...formats.safetensors.writer import build_header, safetensors_save_order
-from .facts import AdapterFacts, BaseFacts, SourceTensor
+from .facts import AdapterFacts, BaseFacts, FullFact, LoraFact, SourceTensor
 from .fp8 import check_quantized_base, counted_actions, declared_entries, fp8_protos, scale_map
 
 __all__ = [
@@ -202,67 +203,95 @@ def plan_from_facts(
     if threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     out_dt = dtype_name(out_dtype)
-    by_name = {t.name: t for t in base.tensors}
-    if not by_name:
+    if not base.tensors:
         raise FormatError("the base holds no tensors", path=base.path)
-    problems: list[str] = []
     warnings: list[str] = list(adapter.warnings)
     check_quantized_base(base)
+    fit = _fit(base, adapter)
+    tie = _ties(base, fit, warnings)
+    proto = {name: _job_proto(name, fit, tie.materialize, out_dt) for name in tie.out_names}
+    kept = fp8_protos(proto, out_dt)
+    jobs, shards, index, total_parameters = _shard(proto, tie.out_names, max_shard_bytes, plan_shards)
+    files, tie_change = _plan_files(base, out_dt, tie.tie_out, kept)
+    if base.config is None:
+        warnings.append(
+            f"{base.path} has no config.json: the output will hold weights only and transformers "
+            "cannot load it without one"
+        )
+    sizes = dict(base.files)
+    write_bytes = (
+        sum(s.file_bytes for s in shards)
+        + (len(index_json(index)) if index else 0)
+        + sum(sizes[f.src] + (256 if f.action == "rewrite" else 0) for f in files)
+    )
+    return MergePlan(
+        out=str(out),
+        base_kind=base.kind,
+        base_path=base.path,
+        adapter_kind=adapter.kind,
+        adapter_path=adapter.path,
+        adapter=adapter.describe,
+        slot=adapter.slot,
+        trust_pickle=trust_pickle,
+        out_dtype=out_dt,
+        max_shard_bytes=max_shard_bytes,
+        threads=threads,
+        jobs=tuple(jobs),
+        shards=tuple(shards),
+        index=index,
+        files=files,
+        omitted=tuple(tie.omitted),
+        tie_word_embeddings=(fit.tie_flag, tie_change),
+        read_bytes=sum(j.read_bytes for j in jobs),
+        write_bytes=write_bytes,
+        memory_bound_bytes=memory_bound(jobs, threads, adapter.resident_bytes, base.kind),
+        total_parameters=total_parameters,
+        warnings=tuple(warnings),
+        inputs=tuple(
+            sorted(
+                {base.path, adapter.path}
+                | ({str(Path(base.config_path).parent)} if base.config_path else set())
+            )
+        ),
+    )
 
+
+@dataclass(frozen=True)
+class _Fit:
+    """The adapter matched against the base: each target's base tensor, what the merge modifies."""
+
+    by_name: dict[str, SourceTensor]
+    pair: tuple[str, str] | None  # (output, input) embedding names of a tied model
+    tie_flag: object  # config.json's tie_word_embeddings
+    lora_by_target: dict[str, LoraFact]
+    full_by_name: dict[str, FullFact]
+    modified: frozenset[str]
+
+    def base_for(self, name: str) -> SourceTensor | None:
+        """The base tensor a target merges into: normally itself; the output embedding of a tied model
+        whose file lacks it is materialized from the input embedding."""
+        if name in self.by_name:
+            return self.by_name[name]
+        if self.pair and name == self.pair[0] and self.pair[1] in self.by_name:
+            return self.by_name[self.pair[1]]
+        return None
+
+
+def _fit(base: BaseFacts, adapter: AdapterFacts) -> _Fit:
+    """Every LoRA target a 2-D mergeable base weight of its shape, every modules_to_save tensor a base
+    tensor of its shape; all problems in one FormatError. Refuses an adapter that modifies nothing."""
+    by_name = {t.name: t for t in base.tensors}
     pair, tie_flag = tied_pair(base.config, set(by_name))
     lora_by_target = {m.module + ".weight": m for m in adapter.modules}
     full_by_name = {f.name: f for f in adapter.full}
-    for n in sorted(set(lora_by_target) & set(full_by_name)):
-        problems.append(f"{n}: the adapter has both a LoRA and a modules_to_save replacement for it")
-
-    # Which tensor is each target's base? Normally itself; the output embedding of a tied model
-    # whose file lacks it is materialized from the input embedding.
-    def base_for(name: str) -> SourceTensor | None:
-        if name in by_name:
-            return by_name[name]
-        if pair and name == pair[0] and pair[1] in by_name:
-            return by_name[pair[1]]
-        return None
-
-    not_linear = sorted(t for t in lora_by_target if base_for(t) is not None and len(base_for(t).shape) != 2)
-    if not_linear:
-        raise FormatError(
-            f"{len(not_linear)} LoRA module(s) target a weight that is not a 2-D linear weight: "
-            + ", ".join(f"{t} {list(base_for(t).shape)}" for t in not_linear[:8])
-            + ": B @ A is a matrix, a LoRA cannot apply to it",
-            path=adapter.path,
-            key=not_linear[0],
-            hint="drop these modules from the adapter (keys and target_modules); a trained norm or "
-            "embedding belongs in modules_to_save as a full tensor",
-        )
-    modified: set[str] = set()
-    for target, m in sorted(lora_by_target.items()):
-        src = base_for(target)
-        if src is None:
-            continue
-        if src.dtype not in MERGEABLE:
-            problems.append(
-                f"{target}: base weight is {src.dtype}; a LoRA merges only into bf16/fp16/fp32 "
-                "weights (dequantize the base first)"
-            )
-            continue
-        try:
-            check_shapes(src.shape, m.a_shape, m.b_shape, fan_in_fan_out=m.fan_in_fan_out, name=target)
-        except FormatError as exc:
-            problems.append(f"{target}: {exc.message}")
-            continue
-        modified.add(target)
-    for name, f in sorted(full_by_name.items()):
-        src = base_for(name)
-        if src is None:
-            continue
-        if tuple(f.shape) != tuple(src.shape):
-            problems.append(
-                f"{name}: modules_to_save tensor is {list(f.shape)}, the base's is {list(src.shape)}"
-            )
-            continue
-        modified.add(name)
-    unmatched = sorted(n for n in list(lora_by_target) + list(full_by_name) if base_for(n) is None)
+    fit = _Fit(by_name, pair, tie_flag, lora_by_target, full_by_name, frozenset())
+    _refuse_non_linear_targets(fit, adapter)
+    problems = [
+        f"{n}: the adapter has both a LoRA and a modules_to_save replacement for it"
+        for n in sorted(set(lora_by_target) & set(full_by_name))
+    ]
+    modified = _modified(fit, problems)
+    unmatched = sorted(n for n in list(lora_by_target) + list(full_by_name) if fit.base_for(n) is None)
     if unmatched:
         sample = ", ".join(sorted(by_name)[:3])
         problems.append(
@@ -277,9 +306,7 @@ def plan_from_facts(
             path=adapter.path,
             hint="merge into the base model the adapter was trained on",
         )
-    if (
-        not modified and adapter.kind != "none"
-    ):  # "none": a full fine-tune's export, the base is the trained model
+    if not modified and adapter.kind != "none":  # "none": a full fine-tune's export, the base is the model
         raise FormatError(
             "the adapter holds no LoRA module or modules_to_save tensor: merging it would write "
             "the base back unchanged",
@@ -287,85 +314,155 @@ def plan_from_facts(
             hint="check that this is the trained adapter (a 'merged' model identical to the base "
             "is the bug this refuses to ship)",
         )
+    return dataclasses.replace(fit, modified=frozenset(modified))
 
-    # Tied embeddings: write both and untie when one side changes; omit a DCP's duplicate otherwise.
+
+def _refuse_non_linear_targets(fit: _Fit, adapter: AdapterFacts) -> None:
+    not_linear = [
+        (t, src.shape)
+        for t in sorted(fit.lora_by_target)
+        if (src := fit.base_for(t)) is not None and len(src.shape) != 2
+    ]
+    if not_linear:
+        raise FormatError(
+            f"{len(not_linear)} LoRA module(s) target a weight that is not a 2-D linear weight: "
+            + ", ".join(f"{t} {list(shape)}" for t, shape in not_linear[:8])
+            + ": B @ A is a matrix, a LoRA cannot apply to it",
+            path=adapter.path,
+            key=not_linear[0][0],
+            hint="drop these modules from the adapter (keys and target_modules); a trained norm or "
+            "embedding belongs in modules_to_save as a full tensor",
+        )
+
+
+def _modified(fit: _Fit, problems: list[str]) -> set[str]:
+    """The base tensors the merge changes (each target that fits); what does not fit, in `problems`."""
+    modified: set[str] = set()
+    for target, m in sorted(fit.lora_by_target.items()):
+        src = fit.base_for(target)
+        if src is None:
+            continue
+        if src.dtype not in MERGEABLE:
+            problems.append(
+                f"{target}: base weight is {src.dtype}; a LoRA merges only into bf16/fp16/fp32 "
+                "weights (dequantize the base first)"
+            )
+            continue
+        try:
+            check_shapes(src.shape, m.a_shape, m.b_shape, fan_in_fan_out=m.fan_in_fan_out, name=target)
+        except FormatError as exc:
+            problems.append(f"{target}: {exc.message}")
+            continue
+        modified.add(target)
+    for name, f in sorted(fit.full_by_name.items()):
+        src = fit.base_for(name)
+        if src is None:
+            continue
+        if tuple(f.shape) != tuple(src.shape):
+            problems.append(
+                f"{name}: modules_to_save tensor is {list(f.shape)}, the base's is {list(src.shape)}"
+            )
+            continue
+        modified.add(name)
+    return modified
+
+
+@dataclass(frozen=True)
+class _Ties:
+    """The output's tensor names and what tied embeddings decided: written both and untied when one side
+    changes (the output one materialized where the base file lacks it), a DCP's duplicate omitted else."""
+
+    out_names: list[str]
+    omitted: list[tuple[str, str]]
+    tie_out: object
+    materialize: str | None
+
+
+def _ties(base: BaseFacts, fit: _Fit, warnings: list[str]) -> _Ties:
     out_names: list[str] = [t.name for t in base.tensors]
     omitted: list[tuple[str, str]] = []
-    tie_out = tie_flag
-    materialize: str | None = None
-    if pair is not None:
-        out_e, in_e = pair
-        diverge = out_e in modified or in_e in modified
-        if diverge:
-            tie_out = False
-            if out_e not in by_name:
-                materialize = out_e
-                out_names.append(out_e)
-            why = (
-                ("modified" if out_e in modified else "unchanged")
-                + f" {out_e} and "
-                + ("modified" if in_e in modified else "unchanged")
-                + f" {in_e}"
-            )
-            warnings.append(
-                f"tied embeddings diverge ({why}): both are written and config.json gets "
-                "tie_word_embeddings=false"
-            )
-        elif out_e in by_name and tie_flag is True and base.kind == "dcp":
-            # FSDP state dicts carry the tied parameter under both names; HF files hold it once.
-            out_names.remove(out_e)
-            omitted.append((out_e, f"tied to {in_e} (tie_word_embeddings=true): the same tensor"))
-
-    # One job per output tensor (before sharding; order = out_names).
-    proto: dict[str, dict] = {}
-    for name in out_names:
-        src = base_for(name) if name == materialize else by_name[name]
-        common = dict(
-            src=src.key,
-            src_file=src.file,
-            src_dtype=src.dtype,
-            shape=tuple(src.shape),
-            note=f"materialized from {src.name} (tied in the base)"
-            if name == materialize and name not in full_by_name
-            else None,
+    tie_out, materialize = fit.tie_flag, None
+    if fit.pair is None:
+        return _Ties(out_names, omitted, tie_out, materialize)
+    out_e, in_e = fit.pair
+    if out_e in fit.modified or in_e in fit.modified:
+        tie_out = False
+        if out_e not in fit.by_name:
+            materialize = out_e
+            out_names.append(out_e)
+        why = (
+            ("modified" if out_e in fit.modified else "unchanged")
+            + f" {out_e} and "
+            + ("modified" if in_e in fit.modified else "unchanged")
+            + f" {in_e}"
         )
-        numel = math.prod(src.shape)
-        if name in lora_by_target:
-            m = lora_by_target[name]
-            proto[name] = dict(
-                common,
-                action="merge",
-                out_dtype=out_dt,
-                module=m.module,
-                rank=m.rank,
-                scale=m.scale,
-                fan_in_fan_out=m.fan_in_fan_out,
-                lora_a=m.a_key,
-                lora_b=m.b_key,
-                read_bytes=numel * itemsize(src.dtype) + (math.prod(m.a_shape) + math.prod(m.b_shape)) * 4,
-            )
-        elif name in full_by_name:
-            f = full_by_name[name]
-            proto[name] = dict(
-                common,
-                action="replace",
-                src=f.key,
-                src_file=None,
-                src_dtype=f.dtype,
-                out_dtype=out_dt if f.dtype in CASTABLE else f.dtype,
-                read_bytes=numel * itemsize(f.dtype),
-            )
-        else:
-            castable = src.dtype in CASTABLE and src.dtype != out_dt
-            proto[name] = dict(
-                common,
-                action="cast" if castable else "copy",
-                out_dtype=out_dt if castable else src.dtype,
-                read_bytes=numel * itemsize(src.dtype),
-            )
-        proto[name]["out_bytes"] = numel * itemsize(proto[name]["out_dtype"])
-    kept = fp8_protos(proto, out_dt)
+        warnings.append(
+            f"tied embeddings diverge ({why}): both are written and config.json gets "
+            "tie_word_embeddings=false"
+        )
+    elif out_e in fit.by_name and fit.tie_flag is True and base.kind == "dcp":
+        # FSDP state dicts carry the tied parameter under both names; HF files hold it once.
+        out_names.remove(out_e)
+        omitted.append((out_e, f"tied to {in_e} (tie_word_embeddings=true): the same tensor"))
+    return _Ties(out_names, omitted, tie_out, materialize)
 
+
+def _job_proto(name: str, fit: _Fit, materialize: str | None, out_dt: str) -> dict:
+    """One output tensor's job, before sharding: merge, replace (modules_to_save), cast or copy."""
+    src = fit.base_for(name) if name == materialize else fit.by_name[name]
+    assert src is not None  # every out name has its base tensor (`_ties`)
+    common = dict(
+        src=src.key,
+        src_file=src.file,
+        src_dtype=src.dtype,
+        shape=tuple(src.shape),
+        note=f"materialized from {src.name} (tied in the base)"
+        if name == materialize and name not in fit.full_by_name
+        else None,
+    )
+    numel = math.prod(src.shape)
+    if name in fit.lora_by_target:
+        m = fit.lora_by_target[name]
+        proto = dict(
+            common,
+            action="merge",
+            out_dtype=out_dt,
+            module=m.module,
+            rank=m.rank,
+            scale=m.scale,
+            fan_in_fan_out=m.fan_in_fan_out,
+            lora_a=m.a_key,
+            lora_b=m.b_key,
+            read_bytes=numel * itemsize(src.dtype) + (math.prod(m.a_shape) + math.prod(m.b_shape)) * 4,
+        )
+    elif name in fit.full_by_name:
+        f = fit.full_by_name[name]
+        proto = dict(
+            common,
+            action="replace",
+            src=f.key,
+            src_file=None,
+            src_dtype=f.dtype,
+            out_dtype=out_dt if f.dtype in CASTABLE else f.dtype,
+            read_bytes=numel * itemsize(f.dtype),
+        )
+    else:
+        castable = src.dtype in CASTABLE and src.dtype != out_dt
+        proto = dict(
+            common,
+            action="cast" if castable else "copy",
+            out_dtype=out_dt if castable else src.dtype,
+            read_bytes=numel * itemsize(src.dtype),
+        )
+    proto["out_bytes"] = numel * itemsize(proto["out_dtype"])
+    return proto
+
+
+def _shard(
+    proto: dict[str, dict], out_names: list[str], max_shard_bytes: int, plan_shards
+) -> tuple[list[TensorJob], list[ShardOut], dict | None, int]:
+    """The jobs in shard order (each shard's tensors in safetensors' save order), the shards, the index
+    of a sharded output, and the total parameter count."""
     split = plan_shards([(n, proto[n]["out_bytes"]) for n in out_names], max_shard_bytes)
     jobs: list[TensorJob] = []
     shards: list[ShardOut] = []
@@ -387,51 +484,7 @@ def plan_from_facts(
             "metadata": {"total_parameters": total_parameters, "total_size": split.total_size_bytes},
             "weight_map": dict(sorted({**split.weight_map, **scale_map(jobs)}.items())),
         }
-
-    files, tie_change = _plan_files(base, out_dt, tie_out, kept)
-    if base.config is None:
-        warnings.append(
-            f"{base.path} has no config.json: the output will hold weights only and transformers "
-            "cannot load it without one"
-        )
-    read_bytes = sum(j.read_bytes for j in jobs)
-    index_bytes = len(index_json(index)) if index else 0
-    sizes = dict(base.files)
-    write_bytes = (
-        sum(s.file_bytes for s in shards)
-        + index_bytes
-        + sum(sizes[f.src] + (256 if f.action == "rewrite" else 0) for f in files)
-    )
-    return MergePlan(
-        out=str(out),
-        base_kind=base.kind,
-        base_path=base.path,
-        adapter_kind=adapter.kind,
-        adapter_path=adapter.path,
-        adapter=adapter.describe,
-        slot=adapter.slot,
-        trust_pickle=trust_pickle,
-        out_dtype=out_dt,
-        max_shard_bytes=max_shard_bytes,
-        threads=threads,
-        jobs=tuple(jobs),
-        shards=tuple(shards),
-        index=index,
-        files=files,
-        omitted=tuple(omitted),
-        tie_word_embeddings=(tie_flag, tie_change),
-        read_bytes=read_bytes,
-        write_bytes=write_bytes,
-        memory_bound_bytes=memory_bound(jobs, threads, adapter.resident_bytes, base.kind),
-        total_parameters=total_parameters,
-        warnings=tuple(warnings),
-        inputs=tuple(
-            sorted(
-                {base.path, adapter.path}
-                | ({str(Path(base.config_path).parent)} if base.config_path else set())
-            )
-        ),
-    )
+    return jobs, shards, index, total_parameters
 
 
 def streamed_by_writer(job: TensorJob, base_kind: str) -> bool:

@@ -13,11 +13,11 @@ from ...core.errors import FormatError, UsageError
 from ...core.units import parse_size
 from ...formats.dcp.layout import is_checkpoint_path, resolve_checkpoint_dir
 from ...formats.dcp.reader import DcpCheckpoint
+from ...formats.handle import LoraSource, Source
 from ...formats.hf_dir.model_dir import HFModelDir
 from ...formats.trainers import open_trainer, trainer_dir, trainer_kind
 from ...io.staging import AtomicOutputDir
-from ...sources.base import Source
-from ...sources.lora import LoraSource, open_lora_source
+from ...sources.open import open_lora_source
 from .facts import adapter_facts, dcp_base_facts, hf_base_facts, trained_on_problems
 from .guards import check_masters_match_base, check_target_modules, default_out_dtype
 from .plan import DEFAULT_MAX_SHARD, DEFAULT_THREADS, FP8_DEFAULT_THREADS, MergePlan, plan_from_facts

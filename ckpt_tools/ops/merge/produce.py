@@ -29,9 +29,9 @@ from ...core.dtypes import dtype_name, torch_dtype
 from ...core.errors import FormatError
 from ...core.lora_math import check_shapes
 from ...core.tensor_math import count_nonfinite, merge_weight_into, nonfinite_error, rounds_to_base
+from ...formats.handle import tensor_bytes
 from ...formats.safetensors.read import COPY_BLOCK_BYTES
 from ...formats.safetensors.writer import StreamingSafetensorsWriter
-from ...sources.base import tensor_bytes
 from .guards import ZeroDelta
 from .plan import COPY_THROUGH_BLOCK_BYTES, MergePlan, TensorJob, merge_row_blocks, streamed_by_writer
 from .prepare import MergeSources
@@ -84,6 +84,7 @@ class JobRunner:
 
     # ------------------------------------------------------------------ the actions
     def _merge(self, job: TensorJob, writer: StreamingSafetensorsWriter) -> None:
+        assert job.lora_a is not None and job.lora_b is not None and job.scale is not None  # a merge job's
         a = self.sources.adapter.read_ref(job.lora_a).to(torch.float32)
         b = self.sources.adapter.read_ref(job.lora_b).to(torch.float32)
         check_shapes(

@@ -25,8 +25,8 @@ from ...core.errors import FormatError
 from ...core.fp8 import QuantSums, fp8_row_blocks, grid_shape, quantize_rows_into
 from ...core.lora_math import check_shapes
 from ...core.tensor_math import count_nonfinite, merge_weight_into, rounds_to_base
+from ...formats.handle import tensor_bytes
 from ...formats.safetensors.writer import StreamingSafetensorsWriter
-from ...sources.base import tensor_bytes
 from .plan import FP8_BLOCK_ELEMS, TensorJob
 
 __all__ = ["Fp8Figure", "Fp8Figures", "delta_norm", "write_quantized"]

@@ -136,7 +136,7 @@ def tensor_layout(
     for g in segs:
         cuts.update((g.start, g.start + g.rows))
     step = rows_per_block(row_bytes, block_bytes)
-    blocks = []
+    blocks: list[Block] = []
     edges = sorted(x for x in cuts if 0 <= x <= rows)
     for lo, hi in itertools.pairwise(edges):
         for start in range(lo, hi, step):

@@ -19,7 +19,7 @@ from ...formats.dcp.model import BytesEntry, TensorEntry
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.stream_item import MAX_STREAMED_BYTES
 from ...formats.hf_dir.model_dir import HFModelDir
-from ...formats.slim.manifest import SLIM_MANIFEST, kept_item_id, read_manifest
+from ...formats.slim.manifest import SLIM_MANIFEST, Manifest, kept_item_id, read_manifest
 from ...formats.slim.partition import base_identity, map_to_base
 from ...formats.slim.rowcheck import Segment, segments_of
 from .pipeline import BUDGET_BYTES
@@ -167,21 +167,60 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
     mapping = map_to_base(
         manifest.dropped, {n: hf.facts(n).shape for n in hf.names()}, hf.config, Path(hf.path)
     )
+    warnings = _base_changed(hf, base_name, manifest)
+    slim_files = ckpt.data_files()
+    copy_items = _copy_items(ckpt, slim_files)
+    kept_crc = _kept_crcs(ckpt, manifest, copy_items)
+    if kept_crc is None:
+        warnings.append(
+            f"{manifest.path.name} records no CRC-32 of the kept items (an older ckpt-tools wrote "
+            "it): each copied item is checked against its own zip CRC-32 only; the dropped tensors "
+            "are still proven against their sha256"
+        )
+    rebuild = _rebuild_items(manifest, mapping, world_size)
+    # Read the base in file order (sequential I/O on the base shards).
+    infos = {
+        r.key: hf.info(expert_names(r.base_name, 0, 1)[0] if is_stacked_pattern(r.base_name) else r.base_name)
+        for r in rebuild
+    }
+    rebuild.sort(key=lambda r: (str(infos[r.key].path), infos[r.key].begin, r.key))
+    max_index = max([t[4] for t in copy_items] + [c[2] for r in rebuild for c in r.chunks] + [0])
+    files = max(max_index + 1, world_size or 1, len(manifest.data_files))
+    extra = extra_entries(ckpt.dir, set(slim_files), exclude={SLIM_MANIFEST})
+    return RehydratePlan(
+        slim=str(ckpt.dir),
+        out=str(out),
+        base=str(hf.path),
+        layout="original" if world_size is None else f"world_size={world_size}",
+        files=files,
+        copy_items=tuple(copy_items),
+        rebuild=tuple(rebuild),
+        copy_bytes=sum(t[3] for t in copy_items),
+        rebuild_bytes=sum(r.nbytes for r in rebuild),
+        extra_files=tuple(extra),
+        warnings=tuple(warnings),
+        kept_crc32=kept_crc,
+        threads=options.threads or default_threads(),
+        memory_bound_bytes=memory_bound(rebuild),
+    )
 
-    warnings = []
+
+def _base_changed(hf: HFModelDir, base_name: str, manifest: Manifest) -> list[str]:
+    """A warning where the base's weight headers differ from those the manifest recorded at slim time."""
     mb = manifest.base or {}
     if mb.get("headers_sha256"):
         now = base_identity(hf, base_name)
         if now["headers_sha256"] != mb["headers_sha256"]:
-            warnings.append(
+            return [
                 f"the base model's weight headers differ from the one recorded at slim time "
                 f"({mb.get('name') or mb.get('path')}); every tensor is still checked by hash"
-            )
+            ]
+    return []
 
-    slim_files = ckpt.data_files()
+
+def _copy_items(ckpt: DcpCheckpoint, slim_files: list[str]) -> list[tuple[str, str, int, int, int]]:
+    """(key, file, offset, length, output file index) of every item of the slim, in file order."""
     fallback = {rel: i for i, rel in enumerate(slim_files)}
-    source_files = list(manifest.data_files)
-    src_index = {rel: i for i, rel in enumerate(source_files)}
     copy_items = []
     for key, e in ckpt.entries.items():
         if isinstance(e, TensorEntry):
@@ -190,16 +229,16 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         else:
             copy_items.append((key, e.file, e.offset, e.length, _file_index(e.file, fallback)))
     copy_items.sort(key=lambda t: (t[1], t[2]))
-    kept_crc = _kept_crcs(ckpt, manifest, copy_items)
-    if kept_crc is None:
-        warnings.append(
-            f"{manifest.path.name} records no CRC-32 of the kept items (an older ckpt-tools wrote "
-            "it): each copied item is checked against its own zip CRC-32 only; the dropped tensors "
-            "are still proven against their sha256"
-        )
+    return copy_items
 
+
+def _rebuild_items(manifest: Manifest, mapping: dict[str, str], world_size: int | None) -> list[RebuildItem]:
+    """Each dropped tensor to rebuild from its base tensor (`mapping`), in the manifest's order: its chunks
+    as the original wrote them (output file: the source file's index), or row blocks of `world_size`."""
+    src_index = {rel: i for i, rel in enumerate(manifest.data_files)}
     rebuild = []
     for d in manifest.dropped:
+        chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
         if world_size is None:
             chunks = tuple((c.offsets, c.sizes, src_index.get(c.file, i)) for i, c in enumerate(d.chunks))
         elif not d.shape:
@@ -223,31 +262,7 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
                 segments_of(d.chunks, ident.crc32),
             )
         )
-    # Read the base in file order (sequential I/O on the base shards).
-    infos = {
-        r.key: hf.info(expert_names(r.base_name, 0, 1)[0] if is_stacked_pattern(r.base_name) else r.base_name)
-        for r in rebuild
-    }
-    rebuild.sort(key=lambda r: (str(infos[r.key].path), infos[r.key].begin, r.key))
-    max_index = max([t[4] for t in copy_items] + [c[2] for r in rebuild for c in r.chunks] + [0])
-    files = max(max_index + 1, world_size or 1, len(source_files))
-    extra = extra_entries(ckpt.dir, set(slim_files), exclude={SLIM_MANIFEST})
-    return RehydratePlan(
-        slim=str(ckpt.dir),
-        out=str(out),
-        base=str(hf.path),
-        layout="original" if world_size is None else f"world_size={world_size}",
-        files=files,
-        copy_items=tuple(copy_items),
-        rebuild=tuple(rebuild),
-        copy_bytes=sum(t[3] for t in copy_items),
-        rebuild_bytes=sum(r.nbytes for r in rebuild),
-        extra_files=tuple(extra),
-        warnings=tuple(warnings),
-        kept_crc32=kept_crc,
-        threads=options.threads or default_threads(),
-        memory_bound_bytes=memory_bound(rebuild),
-    )
+    return rebuild
 
 
 def default_threads() -> int:

@@ -22,6 +22,7 @@ rank that checks this tensor whole (`verify`), else not at all.
 from __future__ import annotations
 
 import threading
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,10 +31,11 @@ from ...core.crc import crc32, crc32_combine
 from ...core.dtypes import ITEMSIZE, torch_dtype
 from ...core.errors import FormatError
 from ...core.keys import expert_names, is_stacked_pattern
-from ...formats.dcp.stream_item import tensor_item_parts
+from ...formats.dcp.stream_item import TensorItemParts, tensor_item_parts
+from ...formats.dcp.writer import ItemSlot
 from ...formats.slim.rowcheck import RowCheck
 from ...sources.hashing import read_as, read_rows_as, read_rows_into
-from .blocks import Block, row_blocks_in_order, tensor_layout
+from .blocks import Block, TensorLayout, row_blocks_in_order, tensor_layout
 from .pipeline import Hold, Pipeline
 
 __all__ = ["Tally", "TensorRun"]
@@ -79,7 +81,7 @@ def _strides(shape) -> tuple[int, ...]:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 class TensorRun:
@@ -113,41 +115,58 @@ class TensorRun:
     # ---------------------------------------------------------------- main thread
     def start(self, pipe: Pipeline) -> None:
         """Register the chunks and hand the blocks to `pipe` (or rebuild inline, see the module)."""
-        r, writer = self.r, self.writer
+        r = self.r
         out_item, in_item = ITEMSIZE[r.dtype], self.in_dtype.itemsize
-        cast = self.in_dtype != self.out_dtype
+        self.cast = self.in_dtype != self.out_dtype
         box = bool(r.shape) and row_blocks_in_order(r.shape, r.chunks) is None
         # a block's buffer per row: the output row, and a scratch row (the base row before the cast, or a
         # chunk's piece gathered out of a full row)
         out_row = (r.nbytes // r.shape[0]) if r.shape and r.shape[0] else 0
-        scratch_row = max(out_row * in_item // out_item if cast else 0, out_row if box else 0)
-        self.scratch_row = scratch_row
+        self.scratch_row = max(out_row * in_item // out_item if self.cast else 0, out_row if box else 0)
         layout = tensor_layout(
             r.shape,
             out_item,
             r.chunks,
             r.segments,
-            pipe.slot_bytes * out_row // max(1, out_row + scratch_row),
+            pipe.slot_bytes * out_row // max(1, out_row + self.scratch_row),
         )
-        parts = None
-        if layout is not None:
-            parts = [
-                tensor_item_parts(r.dtype, c.sizes) if not c.empty and writer.owns(c.file_index) else None
-                for c in layout.chunks
-            ]
-            if any(
-                p is None and not c.empty and writer.owns(c.file_index) for p, c in zip(parts, layout.chunks)
-            ):
-                layout = None  # a chunk that does not stream: the whole tensor inline
-        if layout is None:
+        parts = None if layout is None else self._streamed_parts(layout)
+        if layout is None or parts is None:
             self._inline(pipe)
             return
-        self.layout, self.parts, self.cast = layout, parts, cast
-        self.slots = []
+        self.layout = layout
+        self.outs = self._register_chunks(layout, parts)
+        self._count_checks(layout)
+        if not self.read:
+            self._finish()
+            return
+        for b in self.read:
+            if not pipe.submit(partial(self._make, b), b.rows * (out_row + self.scratch_row)):
+                pipe.raise_failure()
+
+    def _streamed_parts(self, layout: TensorLayout) -> list[TensorItemParts | None] | None:
+        """The bytes around the payload of each output chunk this rank writes (None for the others), or
+        None where one of them does not stream: then the whole tensor is rebuilt inline."""
+        writer = self.writer
+        parts = [
+            tensor_item_parts(self.r.dtype, c.sizes) if not c.empty and writer.owns(c.file_index) else None
+            for c in layout.chunks
+        ]
+        if any(p is None and not c.empty and writer.owns(c.file_index) for p, c in zip(parts, layout.chunks)):
+            return None
+        return parts
+
+    def _register_chunks(
+        self, layout: TensorLayout, parts: list[TensorItemParts | None]
+    ) -> list[tuple[ItemSlot, TensorItemParts] | None]:
+        """Each output chunk registered in write order: another rank's counted, an empty one written now,
+        each other one's slot reserved; returns (its slot, its parts) per chunk the workers write."""
+        r, writer = self.r, self.writer
+        outs: list[tuple[ItemSlot, TensorItemParts] | None] = []
         for c, p in zip(layout.chunks, parts):
             if not writer.owns(c.file_index):
                 writer.skip(r.key)
-                self.slots.append(None)
+                outs.append(None)
             elif (
                 c.empty
             ):  # torch.save of what the sequential writer wrote: a box's slice keeps the tensor's strides
@@ -159,35 +178,35 @@ class TensorRun:
                 writer.write_chunk(
                     r.key, r.path, empty, size=r.shape, offsets=c.offsets, file_index=c.file_index
                 )
-                self.slots.append(None)
+                outs.append(None)
             else:
-                self.slots.append(
-                    writer.reserve_chunk(
-                        r.key, r.path, r.dtype, r.shape, c.offsets, c.sizes, p.size, file_index=c.file_index
-                    )
+                assert p is not None  # an owned chunk's (_streamed_parts)
+                slot = writer.reserve_chunk(
+                    r.key, r.path, r.dtype, r.shape, c.offsets, c.sizes, p.size, file_index=c.file_index
                 )
-        owned = {i for i, s in enumerate(self.slots) if s is not None}
+                assert slot is not None  # a file this rank owns
+                outs.append((slot, p))
+        return outs
+
+    def _count_checks(self, layout: TensorLayout) -> None:
+        """The blocks this rank reads (every one when it verifies the tensor, else those of its chunks),
+        and what each output chunk and each checked original chunk waits for."""
+        owned = {i for i, o in enumerate(self.outs) if o is not None}
         self.read = [b for b in layout.blocks if self.verify or any(p.chunk in owned for p in b.pieces)]
         read = {b.index for b in self.read}
         self.chunk_left = {i: len(layout.chunk_blocks(i)) for i in owned}
-        self.chunk_crcs = {i: {} for i in owned}
+        self.chunk_crcs: dict[int, dict[int, tuple[int, int]]] = {i: {} for i in owned}
         # an original chunk is checked where every one of its rows is read (verify: all)
         self.seg_left = {
             j: len(bs)
-            for j in range(len(r.segments or ()))
+            for j in range(len(self.r.segments or ()))
             if (bs := layout.segment_blocks(j)) and set(bs) <= read
         }
-        self.seg_crcs = {j: {} for j in self.seg_left}
+        self.seg_crcs: dict[int, dict[int, tuple[int, int]]] = {j: {} for j in self.seg_left}
         self.left = len(self.read)
         self.pending: dict[int, tuple] = {}  # finished blocks waiting for the sha256's turn
         self.hashing = False
         self.next_hash = 0
-        if not self.read:
-            self._finish()
-            return
-        for b in self.read:
-            if not pipe.submit(lambda hold, b=b: self._make(b, hold), b.rows * (out_row + scratch_row)):
-                pipe.raise_failure()
 
     def _inline(self, pipe: Pipeline) -> None:
         """What does not stream, as the sequential writer wrote it, holding one chunk (or the tensor, for a
@@ -201,6 +220,7 @@ class TensorRun:
         )
         if hold is None:
             pipe.raise_failure()
+        assert hold is not None  # (None only once a unit failed: raised above)
         try:
             if chunks is None:
                 if self.verify or any(writer.owns(fi) for _o, _s, fi in r.chunks):
@@ -258,15 +278,16 @@ class TensorRun:
             read_rows_into(self.hf, r.base_name, b.start, b.rows, out)
         whole = None  # the CRC-32 of the block's rows (its piece's, in a row-block layout)
         for p in b.pieces:
-            slot = self.slots[p.chunk]
-            if slot is None:
+            dest = self.outs[p.chunk]
+            if dest is None:
                 continue
+            slot, parts = dest
             data = out if layout.row_blocks else self._gather(out, scratch, b, p.chunk, p.nbytes)
             crc = crc32(data)
             if layout.row_blocks:
                 whole = crc
-            slot.write_at(len(self.parts[p.chunk].head) + p.at, data)
-            self._piece_done(p.chunk, b.index, crc, p.nbytes)
+            slot.write_at(len(parts.head) + p.at, data)
+            self._piece_done(p.chunk, b.index, crc, p.nbytes, slot, parts)
         segs = [j for j in b.segments if j in self.seg_left]
         if segs:
             whole = crc32(out) if whole is None else whole
@@ -287,7 +308,9 @@ class TensorRun:
         torch.frombuffer(dst, dtype=self.out_dtype).view(region.shape).copy_(region)
         return dst
 
-    def _piece_done(self, chunk: int, block: int, crc: int, nbytes: int) -> None:
+    def _piece_done(
+        self, chunk: int, block: int, crc: int, nbytes: int, slot: ItemSlot, parts: TensorItemParts
+    ) -> None:
         with self.lock:
             self.chunk_crcs[chunk][block] = (crc, nbytes)
             self.chunk_left[chunk] -= 1
@@ -295,7 +318,6 @@ class TensorRun:
                 return
             crcs = self.chunk_crcs.pop(chunk)
         crc = _joined(crcs)
-        parts, slot = self.parts[chunk], self.slots[chunk]
         slot.write_at(0, parts.head)
         slot.write_at(len(parts.head) + parts.payload_bytes, parts.tail(crc))
 

@@ -154,7 +154,6 @@ def run_rehydrate(
     data files and checks its share of the rebuilt tensors; rank 0 writes `.metadata` and commits."""
     ckpt, hf = sources.slim, sources.base
     group = group or SoloGroup()
-    split = group.part.world > 1
     t0 = time.perf_counter()
     need = (
         plan.copy_bytes
@@ -162,78 +161,11 @@ def run_rehydrate(
         + extra_bytes(ckpt.dir, plan.extra_files)
         + ITEM_OVERHEAD_BYTES * (1 + sum(len(r.chunks) for r in plan.rebuild))
     )
-    # which rank checks each rebuilt tensor whole, reading all its rows (every one, in one process); a tensor
-    # identified by CRC-32s of exactly its output chunks needs none: each chunk's writer checks it
-    verifier = assign_units([r.nbytes for r in plan.rebuild], group.part.world)
-    by_owner = [_checked_by_owners(r) for r in plan.rebuild]
-    owner_checks = sum(len(r.segments) for r, own in zip(plan.rebuild, by_owner) if own)
-    tally = Tally()
-    seconds = {}
+    seconds: dict[str, float] = {}
     with SharedOutputDir(
         plan.out, group, inputs=[ckpt.dir, hf.path], need_bytes=need, overwrite=overwrite
     ) as tmp:
-        writer = DcpWriter(
-            tmp, files=plan.files, owned_files=group.part.mine(_file_weights(plan)) if split else None
-        )
-        hf.open_all()  # every base shard's fd now, before the workers read
-        # the workers are the parallelism: torch's own intra-op threads on top of them (the cast of each
-        # block) would oversubscribe the cores
-        intra_op = torch.get_num_threads()
-        torch.set_num_threads(1)
-        # the objects alive now (torch's, the plan's) are never garbage: the collector, which holds the GIL
-        # while it walks them, then skips them (it walked them on every collection: 4% of a 2-core run)
-        gc.freeze()
-        pipe = Pipeline(plan.threads)
-        ok = False
-        shown = [-1]
-
-        def tick() -> None:
-            if tally.done_bytes != shown[0]:
-                shown[0] = tally.done_bytes
-                report(progress, "rebuild", tally.done_bytes, plan.rebuild_bytes)
-
-        try:
-            ckpt.hint_reads(
-                (rel, offset, length) for _k, rel, offset, length, fi in plan.copy_items if writer.owns(fi)
-            )
-            _register_copies(plan, ckpt, writer, pipe)
-            for i, r in enumerate(plan.rebuild):
-                verify = verifier[i] == group.part.rank and not by_owner[i]
-                TensorRun(
-                    i,
-                    len(plan.rebuild),
-                    r,
-                    hf,
-                    writer,
-                    verify=verify,
-                    by_owner=by_owner[i],
-                    tally=tally,
-                    base_path=Path(plan.base),
-                ).start(pipe)
-                tick()
-            seconds["registered"] = round(time.perf_counter() - t0, 3)
-            pipe.drain(tick)
-            seconds["written"] = round(time.perf_counter() - t0, 3)
-            expected = set(ckpt.entries) | {r.key for r in plan.rebuild}
-            if writer.keys() != expected:  # an internal invariant: every key exactly once
-                raise FormatError(
-                    f"output would hold {len(writer.keys())} keys, expected {len(expected)}", path=plan.out
-                )
-            verified, bytes_written, owned = group.sum(
-                [tally.verified, writer.bytes_written, tally.owner_checked], "the rehydrate totals"
-            )
-            if owned != owner_checks:  # an internal invariant: every chunk checked by its writer
-                raise FormatError(f"{owned} of {owner_checks} rebuilt chunks were checked", path=plan.out)
-            verified += sum(by_owner)
-            writer.finish(group)
-            ok = True
-        except BaseException:
-            writer.abort()
-            raise
-        finally:
-            pipe.close(wait=ok)
-            torch.set_num_threads(intra_op)
-            gc.unfreeze()
+        verified, bytes_written = _write(plan, sources, tmp, group, progress, seconds, t0)
         if group.leader:
             copy_extra_entries(ckpt.dir, tmp, plan.extra_files)
     out_bytes = sum(f.stat().st_size for f in Path(plan.out).iterdir() if f.is_file())
@@ -259,3 +191,101 @@ def run_rehydrate(
             threads=plan.threads,
         ),
     )
+
+
+def _write(
+    plan: RehydratePlan,
+    sources: RehydrateSources,
+    tmp: Path,
+    group: Group,
+    progress: Progress | None,
+    seconds: dict[str, float],
+    t0: float,
+) -> tuple[int, int]:
+    """Every item of this rank's data files registered in order and written by the pipeline's workers
+    into `tmp`, the rebuilt tensors checked; returns (the tensors verified, the bytes written), over
+    every rank."""
+    ckpt, hf = sources.slim, sources.base
+    # which rank checks each rebuilt tensor whole, reading all its rows (every one, in one process); a tensor
+    # identified by CRC-32s of exactly its output chunks needs none: each chunk's writer checks it
+    verifier = assign_units([r.nbytes for r in plan.rebuild], group.part.world)
+    by_owner = [_checked_by_owners(r) for r in plan.rebuild]
+    tally = Tally()
+    owned_files = group.part.mine(_file_weights(plan)) if group.part.world > 1 else None
+    writer = DcpWriter(tmp, files=plan.files, owned_files=owned_files)
+    hf.open_all()  # every base shard's fd now, before the workers read
+    # the workers are the parallelism: torch's own intra-op threads on top of them (the cast of each
+    # block) would oversubscribe the cores
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # the objects alive now (torch's, the plan's) are never garbage: the collector, which holds the GIL
+    # while it walks them, then skips them (it walked them on every collection: 4% of a 2-core run)
+    gc.freeze()
+    pipe = Pipeline(plan.threads)
+    ok = False
+    shown = -1
+
+    def tick() -> None:
+        nonlocal shown
+        if tally.done_bytes != shown:
+            shown = tally.done_bytes
+            report(progress, "rebuild", tally.done_bytes, plan.rebuild_bytes)
+
+    try:
+        ckpt.hint_reads(
+            (rel, offset, length) for _k, rel, offset, length, fi in plan.copy_items if writer.owns(fi)
+        )
+        _register_copies(plan, ckpt, writer, pipe)
+        for i, r in enumerate(plan.rebuild):
+            verify = verifier[i] == group.part.rank and not by_owner[i]
+            run = TensorRun(
+                i,
+                len(plan.rebuild),
+                r,
+                hf,
+                writer,
+                verify=verify,
+                by_owner=by_owner[i],
+                tally=tally,
+                base_path=Path(plan.base),
+            )
+            run.start(pipe)
+            tick()
+        seconds["registered"] = round(time.perf_counter() - t0, 3)
+        pipe.drain(tick)
+        seconds["written"] = round(time.perf_counter() - t0, 3)
+        totals = _totals(plan, ckpt, writer, group, tally, by_owner)
+        writer.finish(group)
+        ok = True
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        pipe.close(wait=ok)
+        torch.set_num_threads(intra_op)
+        gc.unfreeze()
+    return totals
+
+
+def _totals(
+    plan: RehydratePlan,
+    ckpt: DcpCheckpoint,
+    writer: DcpWriter,
+    group: Group,
+    tally: Tally,
+    by_owner: list[bool],
+) -> tuple[int, int]:
+    """(The tensors verified, the bytes written) over every rank, once every key is written exactly once
+    and every rebuilt chunk its writer checks was checked (internal invariants)."""
+    expected = set(ckpt.entries) | {r.key for r in plan.rebuild}
+    if writer.keys() != expected:  # an internal invariant: every key exactly once
+        raise FormatError(
+            f"output would hold {len(writer.keys())} keys, expected {len(expected)}", path=plan.out
+        )
+    verified, bytes_written, owned = group.sum(
+        [tally.verified, writer.bytes_written, tally.owner_checked], "the rehydrate totals"
+    )
+    owner_checks = sum(len(r.segments or ()) for r, own in zip(plan.rebuild, by_owner) if own)
+    if owned != owner_checks:  # an internal invariant: every chunk checked by its writer
+        raise FormatError(f"{owned} of {owner_checks} rebuilt chunks were checked", path=plan.out)
+    return verified + sum(by_owner), bytes_written

@@ -63,15 +63,8 @@ def write_page(
     directory `png_dir` (atomic: it appears whole)."""
     from .page import figure_png
 
-    page, pngs = None, []
-    if out is not None:
-        p = (
-            check_against_inputs(out, inputs)
-            if overwrite
-            else check_output_file(out, inputs, what="report page")
-        )
-        atomic_write_bytes(p, html_text.encode("utf-8"))
-        page = str(p)
+    page = None if out is None else _write_html(html_text, out, inputs=inputs, overwrite=overwrite)
+    pngs: list[str] = []
     if png_dir is not None:
         with AtomicOutputDir(png_dir, inputs=inputs, overwrite=overwrite) as tmp:
             for stem, _caption, fig in figures:
@@ -80,18 +73,26 @@ def write_page(
     return page, tuple(pngs)
 
 
+def _write_html(html_text: str, out: str | Path, *, inputs: list, overwrite: bool) -> str:
+    """The page at `out`: a new file, or replaced under `overwrite` (never an input)."""
+    p = check_against_inputs(out, inputs) if overwrite else check_output_file(out, inputs, what="report page")
+    atomic_write_bytes(p, html_text.encode("utf-8"))
+    return str(p)
+
+
 def write_diff_page(diff_json: dict, out: str | Path, *, inputs: list, overwrite: bool = False) -> str:
     """`diff-vs-base --report FILE`: the report page of a comparison (changed fraction, max |Δ| a tensor)."""
     from .page import diff_page
 
-    text, figs = diff_page(diff_json)
-    return write_page(text, figs, out, None, inputs=inputs, overwrite=overwrite)[0]
+    text, _figs = diff_page(diff_json)
+    return _write_html(text, out, inputs=inputs, overwrite=overwrite)
 
 
 def run_report(plan: ReportPlan, progress: Progress | None = None) -> ReportReport:
     o = plan.options
     result = compute_report(plan, progress)
-    page, pngs = None, ()
+    page: str | None = None
+    pngs: tuple[str, ...] = ()
     if o.out is not None or o.png_dir is not None:
         from .page import report_page  # matplotlib: only when a picture is asked for
 

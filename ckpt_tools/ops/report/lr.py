@@ -5,7 +5,7 @@ and, with `--set-lr X` / `--scale F`, the plan `ckpt set-lr` would give.
 All three are torch's own schedulers replayed (`formats.dcp.lr_schedule.trace_schedule`): the past by
 building the schedule the checkpoint's scheduler fields describe from step 0, as the run built it; the
 plan by loading the checkpoint's state, as a resume does; the set-lr plan by loading the state set-lr's
-own plan (`formats.dcp.lr_plan.plan_set_lr`) writes. Step k (1-based) uses the lr after k - 1 scheduler
+own plan (`sources.lr_plan.plan_set_lr`) writes. Step k (1-based) uses the lr after k - 1 scheduler
 steps: prime-rl steps the scheduler once after each optimizer step, so a checkpoint of step N has
 `last_epoch` N, and its current lr is the one step N + 1 will use.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...formats.dcp.lr_plan import plan_set_lr
 from ...formats.dcp.lr_schedule import (
     apply_to_state,
     describe,
@@ -24,6 +23,7 @@ from ...formats.dcp.lr_schedule import (
     trace_schedule,
 )
 from ...formats.dcp.reader import DcpCheckpoint
+from ...sources.lr_plan import plan_set_lr
 
 __all__ = ["LrCurves", "lr_curves"]
 
@@ -81,7 +81,7 @@ def lr_curves(
         )
     past = {k + 1: lr for k, lr in enumerate(replay[:-1])}
     if max_steps is None:
-        max_steps, max_steps_from = max(schedule_end(st), epoch), "the end of the scheduler's last phase"
+        max_steps = max(schedule_end(st), epoch)  # `max_steps_from` (the plan's) says so, and why
     remaining = max(0, max_steps - epoch)
     planned = {epoch + 1 + i: lr for i, lr in enumerate(trace_schedule(st, remaining))}
     overlay = None

@@ -18,14 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core.keys import EXPERT_PROJ
-from ...sources.base import Source
+from ...core.keys import EXPERT_PROJ, LAYER_NUMBER
+from ...formats.handle import Source
 from ...sources.compare import BLOCK_BYTES, stream_stats
 
 __all__ = [
     "MOMENT_FIELDS",
     "ModuleChange",
-    "layer_of",
     "lora_delta_sq",
     "module_group",
     "param_module",
@@ -34,7 +33,6 @@ __all__ = [
 ]
 
 MOMENT_FIELDS = ("exp_avg", "exp_avg_sq")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
@@ -100,15 +98,10 @@ def trained_delta(weights: Source, base: Source, name: str, module: str) -> Modu
     )
 
 
-def layer_of(module: str) -> int | None:
-    m = _LAYER.search(module)
-    return int(m.group(1)) if m else None
-
-
 def module_group(module: str) -> str:
     """The module's kind, the same in every layer (and for every expert): `self_attn.q_proj`,
     `mlp.experts.gate_proj`, `embed_tokens`, `lm_head`, `input_layernorm`."""
-    m = _LAYER.search(module)
+    m = LAYER_NUMBER.search(module)
     rest = module[m.end() :] if m else module.removeprefix("model.")
     return _INDEX.sub("", "." + rest)[1:] if rest else module
 

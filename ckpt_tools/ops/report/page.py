@@ -7,13 +7,19 @@ and the bytes go out as strings; `io` writes them."""
 
 from __future__ import annotations
 
+import functools
 import html
 import io
 import math
 import re
+from typing import TYPE_CHECKING, Any
 
+from ...core.keys import layer_of
 from ...core.units import human_bytes
-from .numbers import layer_of, module_group
+from .numbers import module_group
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
 
 __all__ = [
     "PROJ_COLUMNS",
@@ -35,7 +41,7 @@ PROJ_COLUMNS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-_RC = {
+_RC: dict[RcKeyType, Any] = {
     "svg.fonttype": "path",
     "svg.hashsalt": "ckpt-report",
     "font.size": 9,
@@ -43,6 +49,7 @@ _RC = {
     "axes.spines.top": False,
     "axes.spines.right": False,
     "figure.dpi": 100,
+    "text.parse_math": False,  # a name from a file is text: `$\\nosuchcmd$` is not mathtext
 }
 _CSS = (
     "\n"
@@ -105,6 +112,11 @@ def _fmt(x) -> str:
 
 
 # ------------------------------------------------------------------------------------------ figures
+def _layers(modules: dict) -> list[int]:
+    """The layers of these modules (each has one), in order."""
+    return sorted({k for n in modules if (k := layer_of(n)) is not None})
+
+
 def _grid(modules: dict, columns: list[str], rows: list[int], key) -> list[list[float | None]]:
     cells = {(layer_of(n), key(n)): m["rel_delta"] for n, m in modules.items()}
     return [[cells.get((r, c)) for c in columns] for r in rows]
@@ -166,7 +178,7 @@ def _heatmaps(step: str, s: dict) -> list[tuple[str, str, object]]:
     if dense:
         groups = sorted({module_group(n) for n in dense})
         columns = [c for c in PROJ_COLUMNS if c in groups] + [g for g in groups if g not in PROJ_COLUMNS]
-        rows = sorted({layer_of(n) for n in dense})
+        rows = _layers(dense)
         out.append(
             (
                 f"heatmap_step_{step}",
@@ -183,7 +195,7 @@ def _heatmaps(step: str, s: dict) -> list[tuple[str, str, object]]:
         )
     projs = [p for p in ("gate_proj", "up_proj", "down_proj") if any(n.endswith("." + p) for n in experts)]
     if projs:
-        rows = sorted({layer_of(n) for n in experts})
+        rows = _layers(experts)
         ids = sorted({int(n.split(".experts.", 1)[1].split(".")[0]) for n in experts})
         fig = _figure(11.5, min(9.0, 2.0 + 0.42 * len(rows)))
         for ax, proj in zip(fig.subplots(1, len(projs)), projs):
@@ -255,7 +267,7 @@ def _lr_figure(lr: dict, saved_steps: list[int]):
             color="#718096",
             lw=1.5,
             ls="--",
-            label=f"planned to max_steps {lr['max_steps']}",
+            label=f"planned, to step {lr['max_steps']}",
         )
     if lr.get("set_lr"):
         sl = lr["set_lr"]
@@ -263,13 +275,23 @@ def _lr_figure(lr: dict, saved_steps: list[int]):
         if over:
             ax.plot(*zip(*over), color="#dd6b20", lw=1.8, label=f"after ckpt set-lr (x{sl['factor']:.3g})")
     ax.axvline(lr["step"], color="#c53030", lw=1, ls=":", label=f"checkpoint: step {lr['step']}")
-    for s in saved_steps:
-        if s != lr["step"] and str(s) in lr["past"]:
-            ax.plot([s], [lr["past"][str(s)]], marker="s", color="#c53030", ms=4, ls="none")
+    saved = [s for s in saved_steps if s != lr["step"] and str(s) in lr["past"]]
+    if saved:  # one legend entry for them all
+        ax.plot(
+            saved,
+            [lr["past"][str(s)] for s in saved],
+            marker="s",
+            color="#c53030",
+            ms=4,
+            ls="none",
+            label="another saved checkpoint (its step's lr)",
+        )
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("learning rate")
-    ax.set_title(f"learning rate ({lr['scheduler']}); max_steps from {lr['max_steps_from']}")
+    ax.set_title(
+        f"learning rate ({lr['scheduler']}), planned to step {lr['max_steps']}: {lr['max_steps_from']}"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, frameon=False, loc="best")
     return fig
@@ -298,6 +320,21 @@ def _bytes_figure(b: dict):
     return fig
 
 
+def _plain_text(build):
+    """Build the figures under `_RC`: every label, title and tick is plain text (matplotlib parses `$...$`
+    in any text as mathtext; a tensor named `$\\nosuchcmd$` made the page an internal error)."""
+
+    @functools.wraps(build)
+    def built(*args, **kwargs):
+        import matplotlib
+
+        with matplotlib.rc_context(_RC):
+            return build(*args, **kwargs)
+
+    return built
+
+
+@_plain_text
 def report_figures(r: dict) -> list[tuple[str, str, object]]:
     """(file stem, caption, Figure) of every plot of a `ckpt report` result."""
     steps = r["steps"]
@@ -313,7 +350,7 @@ def report_figures(r: dict) -> list[tuple[str, str, object]]:
         out.append(
             (
                 "lr",
-                "Learning rate: every past step's, the plan to max_steps",
+                "Learning rate: each past step's, and the plan for the steps to come",
                 _lr_figure(r["lr"], [int(k) for k in steps if k.isdigit()]),
             )
         )
@@ -328,6 +365,7 @@ def report_figures(r: dict) -> list[tuple[str, str, object]]:
     return out
 
 
+@_plain_text
 def diff_figures(d: dict, top: int = 40) -> list[tuple[str, str, object]]:
     """The plots of a `diff-vs-base` result: changed fraction and max |Δ| per changed tensor."""
     changed = [t for t in d["tensors"] if t.get("changed_fraction")]
@@ -394,7 +432,10 @@ def report_page(r: dict) -> tuple[str, list]:
     """The page of a `ckpt report` result, and its figures (for --png)."""
     steps = r["steps"]
     last = steps[list(steps)[-1]] if steps else None
-    facts = [("kind", r["kind"]), ("steps", ", ".join(steps) or "-")]
+    facts = [
+        ("kind", r["kind"]),
+        ("checkpoint at step" if len(steps) == 1 else "checkpoints at steps", ", ".join(steps) or "-"),
+    ]
     if last:
         facts.append(("training", last["training"]))
         if last.get("lora_scale") is not None:

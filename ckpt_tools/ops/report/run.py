@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, UsageError
+from ...formats.dcp.model import TensorEntry
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
-from ...sources.base import Source
+from ...formats.handle import Source
 from ...sources.open import open_weights
-from .lr import lr_curves
+from .lr import LrCurves, lr_curves
 from .numbers import (
     MOMENT_FIELDS,
     ModuleChange,
@@ -47,10 +48,8 @@ class StepNumbers:
 
     def to_json(self) -> dict:
         groups = group_totals(self.modules, self.moments)
-        largest = sorted(
-            (m for m in self.modules.values() if m.rel_delta is not None),
-            key=lambda m: (-m.rel_delta, m.module),
-        )[:10]
+        ranked = [((-m.rel_delta, m.module), m) for m in self.modules.values() if m.rel_delta is not None]
+        largest = [m for _key, m in sorted(ranked, key=lambda t: t[0])[:10]]
         return {
             "path": self.path,
             "slim": self.slim,
@@ -70,15 +69,15 @@ def group_totals(modules: dict[str, ModuleChange], moments: dict[str, dict[str, 
     weights (sqrt of the summed squares) and of its Adam moments."""
     acc: dict[str, dict[str, float]] = {}
     for m in modules.values():
-        g = acc.setdefault(module_group(m.module), {"delta_sq": 0.0, "weight_sq": 0.0, "modules": 0})
-        g["delta_sq"] += m.delta_sq
-        g["weight_sq"] += m.weight_sq
-        g["modules"] += 1
-    out = {}
+        tot = acc.setdefault(module_group(m.module), {"delta_sq": 0.0, "weight_sq": 0.0, "modules": 0})
+        tot["delta_sq"] += m.delta_sq
+        tot["weight_sq"] += m.weight_sq
+        tot["modules"] += 1
+    out: dict[str, dict] = {}
     for g in sorted(set(acc) | set(moments)):
         a = acc.get(g, {"delta_sq": 0.0, "weight_sq": 0.0, "modules": 0})
         d, w = math.sqrt(a["delta_sq"]), math.sqrt(a["weight_sq"])
-        row = {
+        row: dict[str, float | None] = {
             "modules": a["modules"],
             "delta_fro": d,
             "weight_fro": w,
@@ -94,7 +93,7 @@ def group_totals(modules: dict[str, ModuleChange], moments: dict[str, dict[str, 
 class ReportResult:
     plan: ReportPlan
     steps: dict[str, StepNumbers]
-    lr: object  # lr.LrCurves or None
+    lr: LrCurves | None
     warnings: tuple[str, ...]
     bytes_read: int
     seconds: float
@@ -115,7 +114,7 @@ class ReportResult:
 class _Norms:
     """||W||^2 of the frozen weights, each read once for the whole report."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.cache: dict[str, float] = {}
 
     def get(self, src: Source, name: str) -> float:
@@ -130,7 +129,11 @@ def _moments(ckpt: DcpCheckpoint, infos) -> dict[str, dict[str, float]]:
     moments = [i for i in infos if i.group == "optimizer_state" and i.field in MOMENT_FIELDS]
     # every moment is read whole: a remote checkpoint fetches adjacent items in one request (io.remote)
     ckpt.hint_reads(
-        (c.file, c.offset, c.length) for i in moments for c in ckpt.entry(i.key).chunks if c.numel
+        (c.file, c.offset, c.length)
+        for i in moments
+        if isinstance(e := ckpt.entry(i.key), TensorEntry)
+        for c in e.chunks
+        if c.numel
     )
     for i in moments:
         g = out.setdefault(module_group(param_module(i.param)), {})
@@ -194,6 +197,7 @@ def compute_report(plan: ReportPlan, progress=None) -> ReportResult:
     read = 0
     try:
         if plan.kind == MERGED:
+            assert base is not None  # a merged dir is planned with its --base
             steps["merged"] = _merged(plan, base)
         else:
             norms = _Norms()

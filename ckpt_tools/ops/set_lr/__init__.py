@@ -67,7 +67,7 @@ def run_patch(
         plan,
         patch_checkpoint(
             ckpt,
-            None if options.in_place else Path(options.out),
+            None if options.in_place or options.out is None else Path(options.out),
             values,
             in_place=options.in_place,
             overwrite=options.overwrite,

@@ -1,5 +1,5 @@
 """`ckpt set` planned (every byte item to patch with its old and new value; values keep their type),
-and `ckpt set-lr`'s plan, which lives in `formats.dcp.lr_plan` (`ckpt report` draws the schedule it
+and `ckpt set-lr`'s plan, which lives in `sources.lr_plan` (`ckpt report` draws the schedule it
 gives) and is re-exported here.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 
 from ...core.errors import CkptError, UsageError
 from ...core.keys import classify
-from ...formats.dcp.lr_plan import LR_FIELDS, MAX_LR, Change, SetLrPlan, check_lr_value, plan_set_lr
 from ...formats.dcp.model import BytesEntry
 from ...formats.dcp.reader import DcpCheckpoint
+from ...sources.lr_plan import LR_FIELDS, MAX_LR, Change, SetLrPlan, check_lr_value, plan_set_lr
 
 __all__ = [
     "LR_FIELDS",

@@ -7,7 +7,7 @@ so, as for prime-rl, the config's lr is not what a resumed run uses. Its schedul
 function of the run config. Scaling the param groups' `lr` / `initial_lr` and the scheduler's `base_lrs` /
 `_last_lr` by one factor therefore scales every later lr by it (exactly for a power of two), warmup and
 decay floor (`min_lr_ratio`, relative to base_lr) included; the floor itself lives in the config, so
-`--min-lr` is refused with that reason. The plan is `formats.dcp.lr_plan.plan_lr_state` over the state of
+`--min-lr` is refused with that reason. The plan is `sources.lr_plan.plan_lr_state` over the state of
 rank 0 (every rank checked to hold the same), written into every rank's file (`formats.verl.patch`).
 
 torchtitan saves only the scheduler's `last_epoch` and rebuilds its lr from the config (`TORCHTITAN_SET_LR`).
@@ -19,12 +19,12 @@ import difflib
 from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
-from ...formats.dcp.lr_plan import LR_FIELDS, Change, SetLrPlan, check_lr_value, plan_lr_state
 from ...formats.dcp.lr_schedule import SchedState
 from ...formats.verl.layout import resolve_actor_dir
 from ...formats.verl.patch import VerlPatchResult, plan_edits, write_patched
 from ...formats.verl.reader import VerlCheckpoint
 from ...formats.verl.state import VerlTrainState
+from ...sources.lr_plan import LR_FIELDS, Change, SetLrPlan, check_lr_value, plan_lr_state
 from .plan import SetValuesPlan, parse_value
 
 __all__ = ["TORCHTITAN_SET_LR", "plan_verl_set_lr", "plan_verl_set_values", "verl_patch"]
@@ -93,9 +93,14 @@ def _resolve(st: SchedState, name: str) -> str:
     by_field: dict[str, list[str]] = {}
     for f in fields:
         by_field.setdefault(f.rsplit(".", 1)[-1], []).append(f)
-    close = difflib.get_close_matches(name, fields, n=3) or [
-        f for m in difflib.get_close_matches(name.rsplit(".", 1)[-1], list(by_field), n=3) for f in by_field[m]
-    ][:3]
+    close = (
+        difflib.get_close_matches(name, fields, n=3)
+        or [
+            f
+            for m in difflib.get_close_matches(name.rsplit(".", 1)[-1], list(by_field), n=3)
+            for f in by_field[m]
+        ][:3]
+    )
     raise UsageError(
         "no such optimizer or scheduler field in the checkpoint (`ckpt set` changes param_groups and "
         "lr_scheduler fields; not the per-parameter state nor the RNG states)",

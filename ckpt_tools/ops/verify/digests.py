@@ -90,58 +90,31 @@ def check_digests(
     """Read every file of `expected` once: its digests compared, and the tensors it holds
     (`tensors_by_file`, TensorInfos) counted for inf/nan (`counter_for(dtype) -> count(view)`). Split
     over ranks and threads, one unit a file. Returns the files whose digests matched."""
-    names = sorted(expected)
     files = OpenFiles(path, what="model file")
     local = threading.local()
-    sizes = {}
-    for n in names:
+    sizes: dict[str, int] = {}
+    for n in sorted(expected):
         try:
             sizes[n] = files.size(n)
         except CkptError as exc:
             report.problem(exc.path or path / n, None, exc.message)
-    names = [n for n in names if n in sizes]
+    names = list(sizes)
     total = sum(sizes.values())
-    state = {"done": 0}
+    done_bytes = 0
 
-    def one(k: int):
-        name = names[k]
-        size = sizes[name]
-        hashers = [_hasher(a, size) for a, _d, _s in expected[name]]
-        bad: dict[str, int] = {}
+    def one(k: int) -> list:
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = bytearray(_BLOCK_BYTES)
-        pos = 0
-
-        def feed(upto: int, item: int = 1, counter=None, tensor: str | None = None) -> None:
-            nonlocal pos
-            block = max(item, _BLOCK_BYTES // item * item)
-            while pos < upto:
-                n = min(block, upto - pos)
-                view = memoryview(buf)[:n]
-                files.read_into(name, pos, view, tensor or "")
-                for h in hashers:
-                    h.update(view)
-                if counter is not None:  # after the hash: the counter may overwrite the view
-                    c = counter(view)
-                    if c:
-                        bad[tensor] = bad.get(tensor, 0) + c
-                pos += n
-
-        try:
-            for t in sorted(tensors_by_file.get(name, ()), key=lambda t: t.begin):
-                if t.begin < pos:  # (headers refuse overlaps; never trusted here)
-                    raise ValueError(f"tensor {t.name} overlaps the bytes before it")
-                feed(t.begin)
-                feed(t.begin + t.nbytes, itemsize(t.dtype_name), counter_for(t.dtype_name), t.name)
-            feed(size)
-        except Exception as exc:
-            return ["error", f"cannot read the file: {type(exc).__name__}: {exc}"]
-        return ["ok", [h.hexdigest() for h in hashers], sorted(bad.items())]
+        name = names[k]
+        return _digest_file(
+            files, name, sizes[name], expected[name], tensors_by_file.get(name, ()), counter_for, buf
+        )
 
     def done(k: int, _r) -> None:
-        state["done"] += sizes[names[k]]
-        report_progress(progress, "read", state["done"], total)
+        nonlocal done_bytes
+        done_bytes += sizes[names[k]]
+        report_progress(progress, "read", done_bytes, total)
 
     try:
         results = map_units(one, [sizes[n] for n in names], group, done=done)
@@ -149,6 +122,49 @@ def check_digests(
         files.close()
     if results is None:
         return 0
+    return _report_digests(path, names, expected, results, report)
+
+
+def _digest_file(
+    files: OpenFiles, name: str, size: int, expected: list, tensors, counter_for, buf: bytearray
+) -> list:
+    """One file read once, in blocks of `buf`, into each of its digests, its tensors' floats counted for
+    inf/nan on the way: ["ok", [hex digest per expected digest], [(tensor, non-finite count)]], or
+    ["error", why] (plain values, for gather)."""
+    hashers = [_hasher(a, size) for a, _d, _s in expected]
+    bad: dict[str, int] = {}
+    pos = 0
+
+    def feed(upto: int, item: int = 1, counter=None, tensor: str = "") -> None:
+        nonlocal pos
+        block = max(item, _BLOCK_BYTES // item * item)
+        while pos < upto:
+            n = min(block, upto - pos)
+            view = memoryview(buf)[:n]
+            files.read_into(name, pos, view, tensor)
+            for h in hashers:
+                h.update(view)
+            if counter is not None:  # after the hash: the counter may overwrite the view
+                c = counter(view)
+                if c:
+                    bad[tensor] = bad.get(tensor, 0) + c
+            pos += n
+
+    try:
+        for t in sorted(tensors, key=lambda t: t.begin):
+            if t.begin < pos:  # (headers refuse overlaps; never trusted here)
+                raise ValueError(f"tensor {t.name} overlaps the bytes before it")
+            feed(t.begin)
+            feed(t.begin + t.nbytes, itemsize(t.dtype_name), counter_for(t.dtype_name), t.name)
+        feed(size)
+    except Exception as exc:
+        return ["error", f"cannot read the file: {type(exc).__name__}: {exc}"]
+    return ["ok", [h.hexdigest() for h in hashers], sorted(bad.items())]
+
+
+def _report_digests(path: Path, names: list[str], expected: dict, results: list, report: VerifyReport) -> int:
+    """Each file's digests that differ, and its non-finite values, as problems; returns the files that
+    matched."""
     matched = 0
     for name, r in zip(names, results):
         if r[0] == "error":

@@ -154,7 +154,7 @@ PIECE_BYTES = 64 * 2**20
 
 def _pieces(order: list[str], tensors: dict) -> list[tuple[int, int, int]]:
     """(tensor index, byte offset, bytes) of every unit, in file order; an empty tensor is one piece."""
-    out = []
+    out: list[tuple[int, int, int]] = []
     for i, name in enumerate(order):
         n = tensors[name].nbytes
         out.extend((i, pos, min(PIECE_BYTES, n - pos)) for pos in range(0, n, PIECE_BYTES))
@@ -180,7 +180,8 @@ def _nonfinite_counter(dtype_name: str):
         return lambda view: count_nonfinite(torch.frombuffer(view, dtype=dt))
     import numpy as np
 
-    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize(dtype_name)]
+    uints: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+    uint = uints[itemsize(dtype_name)]
 
     def count(view) -> int:
         v = np.frombuffer(view, dtype=uint)
@@ -248,7 +249,8 @@ def _deep_finite(
             bad[i] += r[1]
     for i, name in enumerate(order):
         t = tensors[name]
-        if error[i] is not None:
-            report.problem(t.path, name, error[i])
+        err = error[i]
+        if err is not None:
+            report.problem(t.path, name, err)
         elif bad[i]:
             report.problem(t.path, name, f"{bad[i]} non-finite value(s) (inf/nan)")

@@ -4,10 +4,10 @@ finite, `--base` every target module present in the base with fitting shapes."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ...core.errors import CkptError
+from ...core.keys import PEFT_LORA_KEY
 from ...core.problems import VerifyReport
 from ...formats.peft.adapter import open_peft_adapter
 from ...formats.peft.config import ADAPTER_CONFIG, PEFT_PREFIX, matches_target_modules, parse_peft_config
@@ -35,9 +35,30 @@ def verify_peft(
         report.problem(path, None, f"cannot open the adapter weights: {type(exc).__name__}: {exc}")
         return
     wpath = adapter.weights_path
+    _check_keys(adapter, wpath, report)
+    _check_targets(adapter, cfg.target_modules, cfg_path, wpath, report)
+    # the adapter's files against SHA256SUMS (extract-adapter and fix-adapter write it); PEFT's values
+    # are counted below, through the adapter reader
+    prove(path, report, deep=deep, weight_files={wpath.name}, tensors_by_file={}, counter_for=lambda _d: None)
+    if deep:
+        _check_values(adapter, wpath, report)
+    if base is not None:
+        _check_against_base(adapter, cfg, base, report, trust_pickle)
+    report.checked.update(
+        {
+            "modules": len(adapter.modules),
+            "modules_to_save": len(adapter.full_tensors),
+            "keys": len(adapter.shapes),
+        }
+    )
+
+
+def _check_keys(adapter, wpath: Path, report: VerifyReport) -> None:
+    """Every weight key maps to a LoRA module (PEFT would silently ignore it), the adapter's own problems,
+    and some weights at all."""
     for k in adapter.unrecognized:
         hint = ""
-        if not k.startswith(PEFT_PREFIX) or re.search(r"\.lora_[AB]\.\d+\.weight$", k):
+        if not k.startswith(PEFT_PREFIX) or ((m := PEFT_LORA_KEY.match(k)) and m["slot"] is not None):
             hint = " (prime-rl's export key bug: `ckpt fix-adapter` renames it)"
         report.problem(
             wpath,
@@ -51,8 +72,12 @@ def verify_peft(
         report.problem(wpath, module, msg.split(": ", 1)[-1])
     if not adapter.modules and not adapter.full_tensors:
         report.problem(wpath, None, "holds no LoRA weights PEFT would load: applying it changes nothing")
-    targets = cfg.target_modules
-    matched_targets = set()
+
+
+def _check_targets(adapter, targets, cfg_path: Path, wpath: Path, report: VerifyReport) -> None:
+    """Each module is matched by target_modules (else PEFT would not create it), and each entry of a
+    target_modules list matches some module."""
+    matched_targets: set[str] = set()
     for module in sorted(adapter.modules):
         if adapter.modules[module].view is not None:
             continue  # a fused expert LoRA's projection: selected by target_parameters, not target_modules
@@ -69,29 +94,20 @@ def verify_peft(
     if isinstance(targets, list) and any(m.view is None for m in adapter.modules.values()):
         for t in sorted(set(targets) - matched_targets):
             report.warn(cfg_path, None, f"target_modules entry {t!r} matches no module in the weights")
-    # the adapter's files against SHA256SUMS (extract-adapter and fix-adapter write it); PEFT's values
-    # are counted below, through the adapter reader
-    prove(path, report, deep=deep, weight_files={wpath.name}, tensors_by_file={}, counter_for=lambda _d: None)
-    if deep:
-        from ...core.tensor_math import count_nonfinite  # lazy: torch, for --deep only (2-3 s of start-up)
 
-        for key in sorted(adapter.shapes):
-            try:
-                t = adapter.read(key)
-            except Exception as exc:
-                report.problem(wpath, key, f"cannot read: {type(exc).__name__}: {exc}")
-                continue
-            if t.is_floating_point() and count_nonfinite(t.reshape(-1)):
-                report.problem(wpath, key, f"{count_nonfinite(t.reshape(-1))} non-finite value(s) (inf/nan)")
-    if base is not None:
-        _check_against_base(adapter, cfg, base, report, trust_pickle)
-    report.checked.update(
-        {
-            "modules": len(adapter.modules),
-            "modules_to_save": len(adapter.full_tensors),
-            "keys": len(adapter.shapes),
-        }
-    )
+
+def _check_values(adapter, wpath: Path, report: VerifyReport) -> None:
+    """`--deep`: every floating tensor of the adapter finite (read through the adapter reader)."""
+    from ...core.tensor_math import count_nonfinite  # lazy: torch, for --deep only (2-3 s of start-up)
+
+    for key in sorted(adapter.shapes):
+        try:
+            t = adapter.read(key)
+        except Exception as exc:
+            report.problem(wpath, key, f"cannot read: {type(exc).__name__}: {exc}")
+            continue
+        if t.is_floating_point() and count_nonfinite(t.reshape(-1)):
+            report.problem(wpath, key, f"{count_nonfinite(t.reshape(-1))} non-finite value(s) (inf/nan)")
 
 
 def _check_against_base(adapter, cfg, base, report: VerifyReport, trust_pickle: bool) -> None:

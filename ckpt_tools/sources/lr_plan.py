@@ -5,8 +5,9 @@ Which keys hold the lr (a table, never a substring match: `_get_lr_called_within
 `_schedulers.<j>`, `{base_lrs, _last_lr, eta_min}`. torch's chainable schedulers compute the next
 lr from the current one and from these absolute values, so scaling all of them by one factor
 scales the whole remaining schedule (exactly, for a power-of-two factor). `--min-lr` retargets the
-decay's end instead of scaling it (see `plan_set_lr`). Here, below the ops, because `ckpt set-lr`
-writes this plan and `ckpt report` draws the schedule it gives (`lr_schedule.trace_schedule`).
+decay's end instead of scaling it (see `plan_set_lr`). Here, in sources/ (what ops share), because
+`ckpt set-lr` writes this plan and `ckpt report` draws the schedule it gives
+(`formats.dcp.lr_schedule.trace_schedule`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ...core.errors import FormatError, UsageError
-from .lr_schedule import (
+from ..core.errors import FormatError, UsageError
+from ..formats.dcp.lr_schedule import (
     SchedState,
     apply_to_state,
     decays,
@@ -28,7 +29,7 @@ from .lr_schedule import (
     read_sched_state,
     uniform,
 )
-from .reader import DcpCheckpoint
+from ..formats.dcp.reader import DcpCheckpoint
 
 __all__ = [
     "LR_FIELDS",
