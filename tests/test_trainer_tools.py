@@ -98,3 +98,27 @@ def test_verl_resumes_a_set_lr_checkpoint_at_the_new_lr_with_everything_else_as_
         # a step at twice the lr moves each parameter twice as far, up to fp32's rounding of p - lr * u
         moved = [(x, y) for x, y in zip(a["step_deltas"], b["step_deltas"]) if x]
         assert moved and sum(abs(y - 2 * x) for x, y in moved) < 1e-5 * sum(abs(2 * x) for x, _y in moved)
+
+
+def test_torchtitan_resumes_its_lr_from_the_config_which_is_why_set_lr_refuses_it(tmp_path):
+    """torchtitan's CheckpointManager.load of the fixture under config lr 8e-4 (the run's) and 1.6e-3: the
+    checkpoint's param-group lr serves the first resumed step in both, every later lr is the config's lr x
+    lambda(step) (LRSchedulersContainer saves only last_epoch): the config is the setting, as `ckpt set-lr`
+    says when it refuses."""
+    fixture = FIXTURES / "torchtitan-llama3-debug"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    runs = {
+        lr: subprocess.Popen([PY, "-m", "tests.factory.torchtitan_probe", str(fixture), lr, str(tmp_path / lr)],
+                             env=env, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        for lr in ("8e-4", "1.6e-3")
+    }
+    for p in runs.values():
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, out[-3000:]
+    a, b = (json.loads((tmp_path / lr).read_text()) for lr in runs)
+    assert a["lr_now"] == b["lr_now"] and a["last_epoch"] == b["last_epoch"] == 3  # the checkpoint's, once
+    assert a["base_lrs"] == [8e-4] and b["base_lrs"] == [1.6e-3]  # the config's
+    assert b["trace"] == [2 * x for x in a["trace"]] and a["trace"][0] != a["lr_now"]
+    r = run("set-lr", fixture / "checkpoint", tmp_path / "out", "--lr", "1.6e-3")
+    assert r.exit_code == 2 and "config is the setting" in r.output and not (tmp_path / "out").exists()

@@ -82,7 +82,8 @@ def render_result(r: dict) -> None:
     "--in-place",
     is_flag=True,
     help="Patch CKPT itself: a new small data file and an atomic swap of "
-    ".metadata (the old one kept as .metadata.bak-<time>).",
+    ".metadata (the old one kept as .metadata.bak-<time>); verl: the role dir "
+    "rebuilt beside and swapped in atomically (the old one kept as actor.bak-<time>).",
 )
 @overwrite_option
 @dry_run_option
@@ -107,6 +108,10 @@ def command(
     sub-schedulers too), so the remaining schedule scales consistently. OUT hard-links the data
     files and adds one small patch file and a new .metadata: O(KB) written (an s3:// CKPT to an
     s3:// OUT: the data files are copied server-side, O(KB) fetched and sent).
+
+    A verl checkpoint (run dir, global_step_N or its actor dir) is changed the same way in every
+    rank's optim_ and extra_state_ file (the same bytes rewritten, the model files hard-linked).
+    A torchtitan checkpoint is refused: it resumes its lr from the config.
 
     \b
     Example:
