@@ -147,14 +147,12 @@ def link_input_tree(
 
 def _clone_or_copy(fs: int, fd: int, size: int, src) -> str:
     """The whole of `fs` into the empty `fd`: a reflink (the extents shared, nothing copied) where the
-    filesystem has them, else by `copy_range` (in the kernel)."""
-    if remote.object_of_fd(fs) is None:
-        try:
-            fcntl.ioctl(fd, _FICLONE, fs)
-            return "reflink"
-        except OSError:
-            pass
-    return copy_range(fs, 0, fd, 0, size, path=src, block_bytes=1 << 26)
+    filesystem has them, else by `copy_range` (in the kernel). Local sources only."""
+    try:
+        fcntl.ioctl(fd, _FICLONE, fs)
+        return "reflink"
+    except OSError:
+        return copy_range(fs, 0, fd, 0, size, path=src, block_bytes=1 << 26)
 
 
 def copy_patched(
