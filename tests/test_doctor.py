@@ -112,7 +112,8 @@ def test_each_trap_alone_is_found_with_its_key_and_fix(case, tmp_path):
 
 def test_every_trap_has_a_test():
     covered = {c.split(" ")[0] for c in CASES} | {"shadowed-table", "disk", "resume-lr", "resume-lr-offload",
-                                                  "broadcast-modules-to-save"}   # tests/test_modules_to_save.py
+                                                  "broadcast-modules-to-save",   # tests/test_modules_to_save.py
+                                                  "attempts"}   # tests/test_attempts.py
     assert covered == {name for name, _ in TRAPS}
 
 

@@ -388,3 +388,18 @@ def test_adapter_to_dcp_against_an_fp8_base_checks_logical_shapes_and_writes_deq
         name = "model.layers.1.mlp.down_proj.weight"  # [64, 162]: a partial column block
         assert torch.equal(masters.read_tensor(name), dequant(stored[name], stored[name + "_scale_inv"]))
         assert not any(n.endswith("_scale_inv") for n in masters.names())
+
+
+def test_average_merge_fp8_and_an_fp8_base_requantized_load_in_transformers(tiny_merge, tmp_path):
+    e = HEAD / "E_head_dense" / "outputs" / "checkpoints"
+    avg = tmp_path / "avg-fp8"
+    r = run("average", e / "step_2" / "trainer", e / "step_3" / "trainer", avg, "--merge",
+            HEAD / "E_head_dense" / "base_model", "--dtype", "fp8")
+    assert r.exit_code == 0, r.output
+    assert run("verify", avg, "--deep").exit_code == 0
+    transformers_loads(avg, load_dir(avg))
+    fp8_base, _ = tiny_merge
+    again = tmp_path / "again"
+    r = run("merge", fp8_base, TINY / "reference_peft_adapter", again, "--dtype", "fp8")
+    assert r.exit_code == 0, r.output
+    transformers_loads(again, load_dir(again))

@@ -184,7 +184,9 @@ def _error_sq(
     if scratch is None or scratch.numel() < n * c:
         scratch = torch.empty(n * c, dtype=torch.float32)
     d = scratch.reshape(-1)[: n * c].view(n, c)
-    np.take(_decode_table(), codes.view(torch.uint8).numpy(), out=d.numpy())
+    # mode="clip": an out= take in the default mode "raise" is buffered (a temporary of the block);
+    # the codes index all 256 entries, so clipping never applies
+    np.take(_decode_table(), codes.view(torch.uint8).numpy(), out=d.numpy(), mode="clip")
     d.sub_(scaled)
     for r0, r1, gr in _slabs(n, BLOCK):
         for c0, c1, gc in _slabs(c, BLOCK):

@@ -24,11 +24,12 @@ from pathlib import Path
 
 from ..core.delta_math import ema_weights, normalize_weights
 from ..core.errors import FormatError, UsageError
-from ..core.keys import DEFAULT_LAYOUT
+from ..core.keys import DEFAULT_LAYOUT, classify
 from ..core.progress import Progress
 from ..formats.dcp.layout import is_checkpoint_path
 from ..formats.handle import LoraSource
 from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_bytes, write_adapter
+from ..formats.primerl.optimizers import optimizer_facts
 from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, shared_peft_targets
 from ..sources.open import open_lora_source
 
@@ -258,6 +259,9 @@ def _differences(facts: list[AverageInput], srcs: list[LoraSource]) -> dict[str,
 
 
 def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePlan:
+    """The average as data: the inputs checked to be steps of one run (or the differences allowed), their
+    weights, the weighted sum as a `DeltaSource` (brought to `--rank` / `--energy`; kept in `sources` for
+    the run), laid out as a PEFT adapter dir."""
     srcs, facts = sources.inputs, sources.facts
     unknown = sorted(set(options.allow) - set(MISMATCH_KINDS))
     if unknown:
@@ -265,43 +269,17 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
     if options.rank is not None and options.energy is not None:
         raise UsageError("pass --rank K or --energy E, not both")
     diffs = _differences(facts, srcs)
-    refused = [k for k in MISMATCH_KINDS if k in diffs and k not in options.allow]
-    if refused:
-        raise FormatError(
-            "the inputs are not steps of one run: " + "; ".join(diffs[k] for k in refused),
-            path=facts[0].path,
-            hint="average steps of one run; if the difference is intended pass "
-            + " ".join(f"--allow-mismatch {k}" for k in refused)
-            + (
-                " (a module missing from an input counts as a zero delta there)"
-                if "targets" in refused
-                else ""
-            )
-            + (" (each input's delta keeps its own scale)" if "alpha" in refused else ""),
-        )
-    fulls = {frozenset(x.full_tensors) for x in srcs}
-    if len(fulls) > 1:  # an input without a trained tensor has the base's there, which an adapter cannot hold
-        raise FormatError(
-            "the inputs train different full tensors (modules_to_save): "
-            + " vs ".join(str(sorted(x)) for x in sorted(fulls, key=sorted)),
-            path=facts[0].path,
-            hint="average steps of one run; --allow-mismatch targets covers LoRA modules only",
-        )
+    _refuse_differences(diffs, options, facts, srcs)
     method, order, weights = _weights(facts, options)
     facts = [replace(facts[i], weight=w) for i, w in zip(order, weights)]
-    terms: dict[str, list[Term]] = {}
-    for i, w in zip(order, weights):
-        for m in srcs[i].modules:
-            terms.setdefault(m, []).append(Term(i, w))
-    full = {n: tuple(Term(i, w) for i, w in zip(order, weights)) for n in srcs[0].full_tensors}
-    src = DeltaSource(
-        srcs,
-        {m: tuple(t) for m, t in terms.items()},
-        path=Path(srcs[0].path),
-        describe_as="average",
-        full_terms=full,
-    )
+    src = _weighted_sum(srcs, order, weights)
     warnings = [w for s in srcs for w in s.warnings]
+    absent = {
+        optimizer_facts(classify(k, e.path) for k, e in s.ckpt.entries.items()).absent
+        for s in srcs
+        if s.ckpt is not None
+    } - {None}
+    warnings += [f"{a}: nothing of the optimizer is averaged (the LoRA factors are)" for a in sorted(absent)]
     rule = None
     if options.rank is not None or options.energy is not None:
         rule = {"rank": int(options.rank)} if options.rank is not None else {"energy": float(options.energy)}
@@ -330,6 +308,51 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
         out_file_bytes=safetensors_file_bytes(list(tensors)),
         warnings=tuple(dict.fromkeys(warnings)),
         adapter_warnings=tuple(full_warnings),
+    )
+
+
+def _refuse_differences(
+    diffs: dict[str, str], options: AverageOptions, facts: list[AverageInput], srcs: list[LoraSource]
+) -> None:
+    """Inputs that are not steps of one run are refused, naming the difference, unless it is allowed;
+    inputs that train different full tensors always (an adapter cannot hold the base's values)."""
+    refused = [k for k in MISMATCH_KINDS if k in diffs and k not in options.allow]
+    if refused:
+        raise FormatError(
+            "the inputs are not steps of one run: " + "; ".join(diffs[k] for k in refused),
+            path=facts[0].path,
+            hint="average steps of one run; if the difference is intended pass "
+            + " ".join(f"--allow-mismatch {k}" for k in refused)
+            + (
+                " (a module missing from an input counts as a zero delta there)"
+                if "targets" in refused
+                else ""
+            )
+            + (" (each input's delta keeps its own scale)" if "alpha" in refused else ""),
+        )
+    fulls = {frozenset(x.full_tensors) for x in srcs}
+    if len(fulls) > 1:  # an input without a trained tensor has the base's there, which an adapter cannot hold
+        raise FormatError(
+            "the inputs train different full tensors (modules_to_save): "
+            + " vs ".join(str(sorted(x)) for x in sorted(fulls, key=sorted)),
+            path=facts[0].path,
+            hint="average steps of one run; --allow-mismatch targets covers LoRA modules only",
+        )
+
+
+def _weighted_sum(srcs: list[LoraSource], order: list[int], weights: list[float]) -> DeltaSource:
+    """The inputs' weighted sum (each module's terms in the weights' order) as one LoRA."""
+    terms: dict[str, list[Term]] = {}
+    for i, w in zip(order, weights):
+        for m in srcs[i].modules:
+            terms.setdefault(m, []).append(Term(i, w))
+    full = {n: tuple(Term(i, w) for i, w in zip(order, weights)) for n in srcs[0].full_tensors}
+    return DeltaSource(
+        srcs,
+        {m: tuple(t) for m, t in terms.items()},
+        path=Path(srcs[0].path),
+        describe_as="average",
+        full_terms=full,
     )
 
 

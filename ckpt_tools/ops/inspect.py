@@ -12,15 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import AlphaError, CkptError, FormatError, MissingPathError, UnsafeInputError, UsageError
-from ..core.keys import LoraStats, classify, trainable_params
+from ..core.keys import LoraStats, classify
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.dcp.model import TensorEntry
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.dcp.summary import CheckpointSummary, summarize
-from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, find_run_configs, resolve_alpha
+from ..formats.primerl.alpha import RULE_16E747C, RULE_HEAD, resolve_alpha
+from ..formats.primerl.attempt_facts import attempt_facts
 from ..formats.primerl.config import GEN_16E747C, GEN_HEAD, config_files, load_run_config
 from ..formats.primerl.files import locate_run_configs
-from ..formats.primerl.run_dir import checkpoints_dir_of
+from ..formats.primerl.optimizers import optimizer_facts, trained_params
+from ..formats.primerl.resume import checkpoint_generation, param_group_fused, resume_instruction, run_name_of
+from ..formats.primerl.run_dir import checkpoints_dir_of, run_config_choice
+from ..formats.primerl.step_dir import FP8, step_extras
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import TORCHTITAN, VERL, sniff, step_number
 
@@ -69,7 +73,7 @@ def inspect_dcp(
     report = _summary_json(s)
     # LoRA runs: the base weights trained whole (prime-rl HEAD lora.modules_to_save), known only by their
     # optimizer state; `extract-adapter` writes them as modules_to_save, `merge` applies them
-    trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+    trained = trained_params(ckpt)
     report["modules_to_save"] = (
         sorted(
             i.hf_name or i.key.removeprefix("app.model.")
@@ -80,6 +84,9 @@ def inspect_dcp(
         else []
     )
     report.update(run_facts(ckpt.dir, s, infos, ckpt))
+    beside = beside_facts(ckpt.dir, bool(lora.modules))
+    report["warnings"] += beside.pop("warnings", [])
+    report.update(beside)
     report["slim"] = is_slim(ckpt.dir)
     if report["slim"]:
         report["warnings"].append(
@@ -166,30 +173,20 @@ def _alpha_facts(
 def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
     """The prime-rl generation that wrote the checkpoint, its LoRA scale rule, EP from the run's config,
     and whether its progress lags (HEAD's interval checkpoints are saved before the step's totals)."""
-    configs = find_run_configs(ckpt_dir)
-    fused = next(
-        (
-            ckpt.read_object(i.key)
-            for i in infos
-            if i.group == "param_groups" and i.field == "fused" and i.group_index == 0
-        ),
-        None,
-    )
-    if configs:
-        gen = GEN_HEAD if configs[0].suffix == ".json" else GEN_16E747C
-        why = f"run config {configs[0].name}"
-    elif s.experts:
-        gen, why = GEN_HEAD, "prime-format grouped experts"
-    else:  # HEAD's default CPU-offload optimizer writes fused False; 16e747c's plain AdamW None
-        gen, why = (GEN_HEAD, "param_groups fused=False") if fused is False else (GEN_16E747C, "param_groups")
+    choice = run_config_choice(ckpt_dir)
+    configs = list(choice.configs)
+    fused = param_group_fused(ckpt, infos)
+    opt = optimizer_facts(infos, fused)
+    gen, why = checkpoint_generation(ckpt_dir, infos, fused=fused, experts=bool(s.experts))
     out = {
         "generation": gen,
         "generation_from": why,
         "scale_rule": RULE_HEAD if gen == GEN_HEAD else RULE_16E747C,
         "ep": None,
         "interval_checkpoint": None,
-        # HEAD's default optim_cpu_offload wraps AdamW; the DCP holds the inner AdamW's state (same keys)
-        "optimizer": "CPUOffloadOptimizer(AdamW), state of the inner AdamW" if fused is False else "AdamW",
+        "optimizer": opt.describe(),
+        "optimizer_state": {"fields": list(opt.state_fields), "absent": opt.absent},
+        **_attempts(choice),
     }
     if configs and gen == GEN_HEAD:
         try:
@@ -207,6 +204,51 @@ def run_facts(ckpt_dir: Path, s, infos, ckpt) -> dict:
         except CkptError:
             pass
     return out
+
+
+def beside_facts(ckpt_dir: Path, lora: bool) -> dict:
+    """What the step dir holds beside trainer/ (`formats.primerl.step_dir`): each weights dir with the
+    command that proves whether it is this step's weights, and a warning for an incomplete one."""
+    if ckpt_dir.name != "trainer" or step_number(ckpt_dir.parent) is None:
+        return {}
+    extras = step_extras(ckpt_dir.parent)
+    if not extras:
+        return {}
+    out = []
+    for e in extras:
+        d = e.to_json()
+        if e.kind == FP8:  # block FP8: against this step's own FP8 export (the same quantization)
+            d["check"] = f"ckpt export {ckpt_dir} FP8_OUT --dtype fp8; ckpt diff-vs-base {e.path} FP8_OUT"
+        elif e.is_weights:  # a full fine-tune's export is the checkpoint rounded; a LoRA run's, base + s*B@A
+            d["check"] = (
+                f"ckpt diff-vs-base {e.path} BASE --adapter {ckpt_dir}"
+                if lora
+                else f"ckpt diff-vs-base {e.path} {ckpt_dir}"
+            )
+        out.append(d)
+    warnings = [
+        f"{e.path}: incomplete {e.kind} ({e.problem})" for e in extras if e.is_weights and not e.complete
+    ]
+    if lora and any(e.is_weights for e in extras):
+        warnings.append(
+            "weights beside a LoRA checkpoint: prime-rl's converters export full fine-tunes only "
+            "(they refuse LoRA); check what it holds against the base with the command shown"
+        )
+    return {"beside": out, "warnings": warnings}
+
+
+def _attempts(choice) -> dict:
+    """A run launched more than once: each launch's alpha, lr and optimizer, and which one wrote this."""
+    if choice.attempts is None or len(choice.attempts.attempts) < 2:
+        return {}
+    writer = choice.writer
+    return {
+        "attempts": [f.to_json() for f in attempt_facts(choice.attempts)],
+        "written_by": {
+            "attempt": writer.attempt.label if writer is not None and writer.attempt is not None else None,
+            "how": writer.how if writer is not None else None,
+        },
+    }
 
 
 def inspect_checkpoints_dir(path: Path) -> dict:
@@ -230,6 +272,9 @@ def inspect_checkpoints_dir(path: Path) -> dict:
                 "slim": slim,
                 "state": state,
                 "bytes": size,
+                "beside": [
+                    {k: e.to_json()[k] for k in ("name", "kind", "bytes", "complete")} for e in step_extras(c)
+                ],
                 "resumes_at_step": n if state == "full" else None,
                 "to_resume": f"ckpt rehydrate {trainer} OUT --base BASE, then resume from OUT"
                 if slim
@@ -247,9 +292,25 @@ def inspect_checkpoints_dir(path: Path) -> dict:
         "steps": steps,
         "run_config": configs,
         **({"run_config_problem": problem} if problem else {}),
-        "note": "prime-rl resumes from a full step_N at step N (set ckpt.resume_step = N); a slim step "
+        "note": f"prime-rl resumes from a full step_N at step N ({_resume_form(steps)}); a slim step "
         "must be rehydrated first (`ckpt rehydrate`)",
     }
+
+
+def _resume_form(steps: list[dict]) -> str:
+    """How the run resumes at its newest full step, in its generation's form (the run's config files say
+    which; where none is found, both forms)."""
+    full = [s for s in steps if s["state"] == "full"]
+    step = full[-1]["step"] if full else "N"
+    configs = run_config_choice(Path(full[-1]["path"]) / "trainer").configs if full else ()
+    if configs:
+        gen = GEN_HEAD if configs[0].suffix == ".json" else GEN_16E747C
+        name = run_name_of(Path(full[-1]["path"]) / "trainer") if gen == GEN_HEAD else None
+        return resume_instruction(gen, step, run_name=name) if isinstance(step, int) else ""
+    return (
+        f"prime-rl after Aug 2026: --resume.step {step} with the run's --run.name; 16e747c: "
+        f"ckpt.resume_step = {step}"
+    )
 
 
 def inspect_hf(path: Path) -> dict:

@@ -18,11 +18,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..core.keys import classify
 from ..core.progress import Progress
 from ..dist import Group, SoloGroup, local_workers
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.primerl.alpha import find_run_configs, orch_model_name
+from ..formats.primerl.optimizers import optimizer_facts
 from ..formats.slim.partition import SlimLayout, base_identity, partition
 from ..formats.slim.writer import need_bytes, reads_payload, write_slim
 from ..io.staging import SharedOutputDir
@@ -87,6 +89,7 @@ class SlimPlan:
     layout: SlimLayout
     base: dict | None  # base identity (from --base) or the run config's model name
     verify_base: bool
+    warnings: tuple[str, ...] = ()  # e.g. what the checkpoint does not hold (no optimizer moments)
 
     @property
     def units(self) -> tuple[str, ...]:
@@ -110,6 +113,7 @@ class SlimPlan:
             "base": self.base,
             "verify_base": self.verify_base,
             "dropped": [d.key for d in x.dropped],
+            "warnings": list(self.warnings),
         }
 
 
@@ -163,7 +167,9 @@ def plan_slim(sources: SlimSources, options: SlimOptions) -> SlimPlan:
         if base is not None
         else _base_from_run_config(sources.ckpt.dir)
     )
-    return SlimPlan(str(options.out), partition(sources.ckpt), info, base is not None)
+    absent = optimizer_facts(classify(k, e.path) for k, e in sources.ckpt.entries.items()).absent
+    notes = (f"{absent}: nothing of the optimizer to keep",) if absent else ()
+    return SlimPlan(str(options.out), partition(sources.ckpt), info, base is not None, notes)
 
 
 HASH_BUDGET_BYTES = 640 * 2**20  # what one rank's hashing threads hold at once

@@ -144,6 +144,7 @@ def plan_set_lr(
     """Compute every byte item of a DCP checkpoint to patch (`plan_lr_state` over its scheduler and
     param-group items), with prime-rl's note on a CPU-offload optimizer's param groups."""
     st = read_sched_state(ckpt)
+<<<<<<< HEAD
     return plan_lr_state(
         st, str(ckpt.dir), lr=lr, scale=scale, min_lr=min_lr, preview=preview, warnings=_fused_warning(ckpt)
     )
@@ -210,6 +211,12 @@ def lr_factor(
 
 def scaled_lr_fields(st: SchedState, factor: float, exact) -> tuple[dict[str, Any], dict[str, str]]:
     """Every lr field of `st` (LR_FIELDS) scaled by `factor`: ({key: new value}, {key: why})."""
+=======
+    current = _current_lr(ckpt, st)
+    factor, exact = _factor(current, lr, scale)
+    if min_lr is not None and not (math.isfinite(min_lr) and min_lr >= 0):
+        raise UsageError(f"--min-lr must be a finite number >= 0, got {min_lr}")
+>>>>>>> main
     new: dict[str, Any] = {}
     why: dict[str, str] = {}
     for (where, idx, fld), key in sorted(st.keys.items(), key=lambda kv: kv[1]):
@@ -218,6 +225,7 @@ def scaled_lr_fields(st: SchedState, factor: float, exact) -> tuple[dict[str, An
             old = (st.groups[idx] if where == "pg" else st.top if where == "top" else st.subs[idx])[fld]
             new[key] = scale_value(old, factor, key, exact)
             why[key] = f"x{factor:g}"
+<<<<<<< HEAD
     return new, why
 
 
@@ -256,6 +264,16 @@ def plan_lr_state(
     if st.kind in ("unknown",):
         notes.append("unrecognised scheduler: only lr fields known by name were patched")
     notes.extend(warnings)
+=======
+    warnings = []
+    if min_lr is not None:
+        _apply_min_lr(st, new, why, min_lr, factor, exact)
+    if len(st.groups) > 1 and lr is not None:
+        warnings.append(f"{len(st.groups)} param groups: all scaled by the factor of group 0 ({factor:g})")
+    if st.kind in ("unknown",):
+        warnings.append("unrecognised scheduler: only lr fields known by name were patched")
+    warnings += _offload_warning(ckpt)
+>>>>>>> main
     for key, v in new.items():
         check_lr_value(v, key)
     changes = tuple(
@@ -278,6 +296,64 @@ def plan_lr_state(
         preview=shown,
         warnings=tuple(notes),
     )
+
+
+def _current_lr(ckpt: DcpCheckpoint, st: SchedState) -> float:
+    """Param group 0's lr: a finite float >= 0 (a new lr is derived from it)."""
+    current = st.groups[min(st.groups)].get("lr")
+    if not isinstance(current, float):
+        raise FormatError(
+            f"param group lr is {type(current).__name__} {current!r}, expected a float",
+            key=st.keys.get(("pg", min(st.groups), "lr")),
+        )
+    if not math.isfinite(current) or current < 0:
+        raise FormatError(
+            f"the checkpoint's lr is {current!r}: not a finite number >= 0, so no new lr can be "
+            "derived from it",
+            path=ckpt.dir,
+            key=st.keys.get(("pg", min(st.groups), "lr")),
+            hint="the checkpoint is damaged or crafted; `ckpt set` can write a finite lr",
+        )
+    return current
+
+
+def _factor(
+    current: float, lr: float | None, scale: float | None
+) -> tuple[float, tuple[float, float] | None]:
+    """The factor every lr field is scaled by, and (current, lr) when --lr gives it exactly."""
+    if lr is not None:
+        if not (math.isfinite(lr) and 0 < lr <= MAX_LR):
+            raise UsageError(f"--lr must be a finite number in (0, {MAX_LR:g}], got {lr}")
+        if current <= 0:
+            raise UsageError(
+                f"the current lr is {current}, so --lr cannot be turned into a factor", hint="use --scale"
+            )
+        return lr / current, (current, lr)
+    assert scale is not None  # exactly one of the two (plan_set_lr checked)
+    if not (math.isfinite(scale) and scale > 0):
+        raise UsageError(f"--scale must be a positive finite number, got {scale}")
+    return scale, None
+
+
+def _offload_warning(ckpt: DcpCheckpoint) -> list[str]:
+    """prime-rl HEAD's CPU-offload optimizer (param group fused=False) ignores the patched param groups."""
+    fused = next(
+        (
+            ckpt.read_object(k)
+            for k, e in ckpt.entries.items()
+            if e.path[2:5] == ("param_groups", "0", "fused") or e.path[2:5] == ("param_groups", 0, "fused")
+        ),
+        None,
+    )
+    if fused is not False:
+        return []
+    return [
+        "param_groups fused=False: prime-rl HEAD's CPU-offload optimizer (optim_cpu_offload, the "
+        "default) wrote this, and its resume skips the optimizer's set_state_dict (trainer/ckpt.py:"
+        "104-124): the param groups' lr comes from the freshly built scheduler, not from this "
+        "checkpoint. The patched scheduler state still loads; to be sure of the lr, also set the "
+        "run config's optim.lr (or run with optim_cpu_offload=false)"
+    ]
 
 
 def _apply_min_lr(st: SchedState, new: dict, why: dict, y: float, factor: float, exact) -> None:

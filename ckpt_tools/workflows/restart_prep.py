@@ -21,18 +21,23 @@ from __future__ import annotations
 import functools
 import math
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import FormatError, MissingPathError, OutputExistsError, UsageError
-from ..core.keys import PROGRESS_STEP_KEY, step_of, world_size_from_chunks
+from ..core.keys import PROGRESS_STEP_KEY, classify, step_of, world_size_from_chunks
 from ..core.primerl_state import SchedulerSpec
 from ..core.progress import Progress
 from ..formats.dcp.layout import METADATA_NAME, resolve_checkpoint_dir
 from ..formats.dcp.lora import DcpLoraSource
 from ..formats.dcp.reader import DcpCheckpoint
 from ..formats.hf_dir.model_dir import HFModelDir
+from ..formats.primerl.files import GEN_16E747C, GEN_HEAD
+from ..formats.primerl.kinds import toml_kind
+from ..formats.primerl.optimizers import optimizer_facts
+from ..formats.primerl.resume import generation_of, resume_instruction, run_name_of
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
 from ..io.files import atomic_write_text, make_dirs
 from ..io.inputs import read_toml
@@ -86,7 +91,19 @@ def default_config_out(mode: str, out: Path, config: Path, step: int | None = No
 
 # ============================================================================ the report
 _KEYS = {  # each mode's report keys, in the order its JSON has them
-    "merge": ("mode", "checkpoint", "out", "lr", "dry_run", "config", "merge_plan", "merge", "next", "notes"),
+    "merge": (
+        "mode",
+        "checkpoint",
+        "out",
+        "lr",
+        "dry_run",
+        "generation",
+        "config",
+        "merge_plan",
+        "merge",
+        "next",
+        "notes",
+    ),
     "adapter": (
         "mode",
         "checkpoint",
@@ -97,6 +114,8 @@ _KEYS = {  # each mode's report keys, in the order its JSON has them
         "scheduler",
         "scheduler_step",
         "dry_run",
+        "generation",
+        "run_name",
         "warnings",
         "config",
         "adapter",
@@ -133,6 +152,8 @@ class RestartPrepReport:
     checkpoint_out: dict | None = None
     next: list[str] | None = None
     notes: list[str] | None = None
+    generation: str | None = None  # the run's prime-rl generation: the form of the resume instructions
+    run_name: str | None = None  # HEAD: the run.name a resume relaunches under (its launch's rl.json)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in _KEYS[self.mode] if getattr(self, k) is not None}
@@ -162,6 +183,19 @@ class _ConfigEdit:
     def run_command(self) -> str:
         """What prime-rl runs the patched config with."""
         return f"uv run {'rl' if config_kind(self.text) == 'rl' else 'trainer'} @ {self.out}"
+
+
+def _generation(ckpt: DcpCheckpoint, edit: _ConfigEdit | None) -> str:
+    """HEAD when the run's files (`resume.generation_of`) or the --config (a launch attempt's, or with
+    HEAD-only keys: `kinds.toml_kind`) say so, else 16e747c."""
+    gen, _why = generation_of(ckpt)
+    if gen != GEN_HEAD and edit is not None:
+        try:
+            kind = toml_kind(tomllib.loads(edit.text), edit.source)
+        except tomllib.TOMLDecodeError:
+            return gen
+        return kind.generation or gen
+    return gen
 
 
 # ============================================================================ the command
@@ -202,6 +236,8 @@ def restart_prep(
         # the LoRA view, opened once the config is checked (an alpha that cannot be resolved comes second)
         lora = functools.partial(ckpt.lora, alpha=alpha, run_config=Path(run_config) if run_config else None)
         report = RestartPrepReport(mode, str(ckpt.dir), str(out), lr, dry_run)
+        report.generation = _generation(ckpt, edit)
+        report.run_name = run_name_of(ckpt.dir) if report.generation == GEN_HEAD else None
         if mode == "merge":
             options = MergeOptions(
                 out=str(out),
@@ -321,10 +357,12 @@ def _merge_mode(
             }
             if edit is not None and new_text is not None:
                 _write_config(edit.out, new_text)
-    report.next, report.notes = _merge_next(edit, out, report.lr)
+    report.next, report.notes = _merge_next(edit, out, report.lr, report.generation)
 
 
-def _merge_next(edit: _ConfigEdit | None, out: Path, lr: float) -> tuple[list[str], list[str]]:
+def _merge_next(
+    edit: _ConfigEdit | None, out: Path, lr: float, gen: str | None
+) -> tuple[list[str], list[str]]:
     """merge mode's `next` and `notes`."""
     shown = display(str(out.resolve()))
     if edit is not None:
@@ -334,9 +372,15 @@ def _merge_next(edit: _ConfigEdit | None, out: Path, lr: float) -> tuple[list[st
             "scheduler (warmup included); use a fresh output_dir so old checkpoints are not mixed in"
         ]
     else:
+        fresh = (
+            "drop --resume and the [resume] block, then start a new run (a new --run.name: the old run dir "
+            "keeps the old checkpoints)"
+            if gen == GEN_HEAD
+            else "remove ckpt.resume_step, then start the run as before"
+        )
         steps = [
             f'set [model] name = "{shown}" and [trainer.optim] lr = {lr!r} (or [optim] lr for a trainer '
-            "config), remove ckpt.resume_step, then start the run as before"
+            f"config), {fresh}"
         ]
         notes = ["pass --config YOUR.toml to have these edits written for you"]
     if parse_url(shown):
@@ -375,14 +419,7 @@ def _adapter_mode(
     spec = scheduler_from_config(edit.text, edit.source) if edit is not None else SchedulerSpec("constant")
     report.step, report.world_size = step, world_size or orig_world
     report.scheduler, report.scheduler_step, report.warnings = spec.describe(), scheduler_step, []
-    new_text = None
-    if edit is None:
-        report.warnings.append(
-            "no --config: the checkpoint gets prime-rl's constant scheduler; the resuming run "
-            'must use [scheduler] type = "constant" (pass --config to take the run\'s)'
-        )
-    else:
-        new_text, report.config = edit.patched(model_name=None, lr=report.lr, resume_step=step)
+    new_text = _adapter_config(report, edit, step)
     lora = lora_of()
     # the adapter as `ckpt extract-adapter` would export it: its alpha, rank and scale, checked against
     # the base, and every warning the export would give; it is then streamed into the new checkpoint
@@ -395,6 +432,7 @@ def _adapter_mode(
         "scale": xplan.scale,
     }
     report.warnings += list(xplan.warnings)
+    report.warnings += _absent(ckpt)
     if report.dry_run:  # OUT checked as the real run checks it; what --overwrite would remove
         report.output = describe_output(out, overwrite=overwrite)
         return
@@ -410,15 +448,52 @@ def _adapter_mode(
     _write_adapter_checkpoint(report, lora, base, options, progress, overwrite=overwrite)
     if edit is not None and new_text is not None:
         _write_config(edit.out, new_text)
+    _adapter_next(report, edit, out, step)
+
+
+def _adapter_config(report: RestartPrepReport, edit: _ConfigEdit | None, step: int) -> str | None:
+    """The --config patched to resume at `step` in the run generation's form (None without --config)."""
+    assert report.warnings is not None  # adapter mode's list
+    if edit is None:
+        report.warnings.append(
+            "no --config: the checkpoint gets prime-rl's constant scheduler; the resuming run "
+            'must use [scheduler] type = "constant" (pass --config to take the run\'s)'
+        )
+        return None
+    new_text, report.config = edit.patched(
+        model_name=None,
+        lr=report.lr,
+        resume_step=step,
+        resume_form=report.generation or GEN_16E747C,
+        run_name=report.run_name,
+    )
+    return new_text
+
+
+def _absent(ckpt: DcpCheckpoint) -> list[str]:
+    """What the checkpoint does not hold that a resume from OUT would: SignSGD's missing moments (prime-rl's
+    SignSGD then reads only the param group's lr and weight_decay from OUT)."""
+    absent = optimizer_facts(classify(k, e.path) for k, e in ckpt.entries.items()).absent
+    if not absent:
+        return []
+    return [
+        f"{absent}: OUT gets a fresh AdamW state (zero moments); resumed with optim.type "
+        '"sign_sgd" prime-rl reads only its param group (lr, weight_decay) from it'
+    ]
+
+
+def _adapter_next(report: RestartPrepReport, edit: _ConfigEdit | None, out: Path, step: int) -> None:
+    assert report.warnings is not None
     if out.name != "trainer" or out.parent.name != f"step_{step}":
         report.warnings.append(
             f"prime-rl looks for the checkpoint at <output_dir>/checkpoints/step_{step}/trainer: move OUT "
             "there (a fresh output_dir keeps the old checkpoints apart)"
         )
+    gen = report.generation or GEN_16E747C
     report.next = (
         [edit.run_command()]
         if edit is not None
-        else [f"resume with ckpt.resume_step = {step} and lr {report.lr!r} in your config"]
+        else [resume_instruction(gen, step, run_name=report.run_name, lr=report.lr)]
     )
 
 

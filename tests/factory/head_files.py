@@ -145,7 +145,15 @@ def _scheduler_section(spec: HeadSpec) -> dict[str, Any]:
     return {"type": "cosine", "warmup_steps": spec.warmup_steps, "min_lr": spec.min_lr}
 
 
-def trainer_config(spec: HeadSpec) -> dict[str, Any]:
+def _optim_section(spec: HeadSpec) -> dict[str, Any]:
+    """``optim``: AdamWConfig or SignSGDConfig as prime-rl dumps them (configs/trainer.py, 559b447)."""
+    base = {"lr": spec.lr, "weight_decay": spec.weight_decay, "max_norm": spec.max_norm}
+    if spec.optimizer == "sign_sgd":
+        return {**base, "type": "sign_sgd"}
+    return {**base, "type": "adamw", "betas1": spec.betas[0], "betas2": spec.betas[1]}
+
+
+def trainer_config(spec: HeadSpec, resume_step: int | None = None) -> dict[str, Any]:
     """``configs/trainer.json`` as prime-rl's rl entrypoint dumps the resolved ``TrainerConfig``."""
     lora = None
     if spec.lora:
@@ -169,13 +177,12 @@ def trainer_config(spec: HeadSpec) -> dict[str, Any]:
         "tokenizer": {"name": BASE_NAME, "trust_remote_code": False, "chat_template": None},
         "data": {"fake": None},
         "loss": {"type": "default", "dppo_mask_low": 0.2, "dppo_mask_high": 0.2, "adv_tau": 1.0, "kl_tau": 0.001},
-        "optim": {"lr": spec.lr, "weight_decay": spec.weight_decay, "max_norm": spec.max_norm, "type": "adamw",
-                  "betas1": spec.betas[0], "betas2": spec.betas[1]},
+        "optim": _optim_section(spec),
         "scheduler": _scheduler_section(spec),
         "ckpt": {"output_dir": None, "interval": spec.ckpt_interval, "keep_last": None, "keep_interval": None,
                  "skip_progress": False, "skip_scheduler": False, "skip_dataloader": False,
                  "skip_optimizer": False},
-        "resume": None,
+        "resume": None if resume_step is None else {"step": resume_step, "dir": None},
         "weight_broadcast": {"type": "filesystem"},
         "rollout_transport": {"type": "zmq", "host": "localhost", "port": 5555, "hwm": 10},
         "log": {"level": "info", "vf_level": "info", "json_logging": False, "log_data": False, "interval": 10.0,

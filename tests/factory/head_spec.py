@@ -17,6 +17,9 @@ from typing import Any
 
 ARCHES = ("dense", "moe")
 SCHEDULERS = ("constant", "linear", "cosine")
+# prime-rl's optimizers the factory runs: AdamW (the default) and SignSGD (#3303: stateless, so its
+# checkpoint holds no exp_avg / exp_avg_sq / step at all).
+OPTIMIZERS = ("adamw", "sign_sgd")
 
 # prime-rl's LoRAConfig.target_modules default (configs/trainer.py): what trainer.json says when a run
 # does not name its targets. Only names that match a module of the model take effect.
@@ -84,6 +87,7 @@ class HeadSpec:
     max_steps: int = 3
     ckpt_interval: int | None = 2
     lr: float = 1e-2
+    optimizer: str = "adamw"  # "adamw" | "sign_sgd" (optim.type; both inside prime-rl's CPUOffloadOptimizer)
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     max_norm: float | None = 1.0
@@ -141,6 +145,8 @@ class HeadSpec:
             p.append(f"max_steps={self.max_steps} must be >= 1 (prime-rl saves only after a step)")
         if self.ckpt_interval is not None and self.ckpt_interval < 1:
             p.append(f"ckpt_interval={self.ckpt_interval} must be >= 1 or None")
+        if self.optimizer not in OPTIMIZERS:
+            p.append(f"optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
         if self.scheduler not in SCHEDULERS:
             p.append(f"scheduler={self.scheduler!r} must be one of {SCHEDULERS}")
         if self.scheduler == "linear":

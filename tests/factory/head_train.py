@@ -73,6 +73,33 @@ class AppState(Stateful):
             setattr(self.progress, k, v)
 
 
+class SignSGD(torch.optim.Optimizer):
+    """prime-rl's ``trainer/sign_sgd.py`` (#3303) in effect: ``W -= lr * wd * W`` (when wd > 0), then
+    ``W -= lr * sign(grad)``. It keeps no per-parameter state: its ``state_dict()["state"]`` stays empty."""
+
+    def __init__(self, params, lr: float, weight_decay: float):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["weight_decay"] > 0.0:
+                    p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+                p.add_(torch.sign(p.grad), alpha=-group["lr"])
+        return None
+
+
+def build_optimizer(params: list[torch.Tensor], spec: HeadSpec) -> torch.optim.Optimizer:
+    """``optim.type`` as prime-rl's ``_create_optimizer`` builds it (inside its default CPUOffloadOptimizer,
+    whose DCP state is the inner optimizer's): AdamW with ``fused=False``, or SignSGD."""
+    if spec.optimizer == "sign_sgd":
+        return SignSGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas, fused=False)
+
+
 def build_scheduler(optimizer, spec: HeadSpec):
     """prime-rl HEAD's ``trainer/scheduler.py`` (constant; linear warmup and/or WSD decay; cosine)."""
     floor = lr_factor_floor(spec)
@@ -204,7 +231,22 @@ def _micro_batch_loss(model, spec: HeadSpec, step: int, rank: int, mb: int) -> t
     return model(input_ids=ids, labels=ids).loss / spec.micro_batches
 
 
-def train_child(rank: int, world: int, spec_dict: dict, root: str) -> None:
+def resume(model, optimizer, scheduler, progress: Progress, step: int) -> None:
+    """A new launch attempt resuming from ``checkpoints/step_<step>`` (``--resume.step``), as prime-rl's
+    default CPU-offloaded optimizer resumes: the model and the optimizer state are loaded, the param groups
+    are not (the lr stays the one this attempt's scheduler set from its own ``optim.lr``), the scheduler's
+    and the progress' state are. The next step trained is ``step + 1``."""
+    fresh = [(g["lr"], g.get("initial_lr")) for g in optimizer.param_groups]
+    ckpt = Path("outputs") / "checkpoints" / f"step_{step}" / "trainer"
+    dcp.load({"app": AppState(model, optimizer, scheduler, progress)}, checkpoint_id=ckpt)
+    for g, (lr, initial) in zip(optimizer.param_groups, fresh):
+        g["lr"] = lr
+        if initial is not None:
+            g["initial_lr"] = initial
+    progress.step = step + 1
+
+
+def train_child(rank: int, world: int, spec_dict: dict, root: str, resume_step: int | None = None) -> None:
     spec = HeadSpec.from_dict(spec_dict)
     os.chdir(root)  # prime-rl ran from the run dir: checkpoint ids are relative ("outputs/...")
     paths = head_paths(Path("."), spec)
@@ -213,11 +255,12 @@ def train_child(rank: int, world: int, spec_dict: dict, root: str) -> None:
     trainable = [p for _, p in model.named_parameters() if p.requires_grad]
     expert_params = [p for n, p in model.named_parameters() if p.requires_grad and ".mlp.experts." in n] \
         if spec.resolved_ep > 1 else []
-    optimizer = torch.optim.AdamW(trainable, lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas,
-                                  fused=False)
+    optimizer = build_optimizer(trainable, spec)
     scheduler = build_scheduler(optimizer, spec)
     progress = Progress()
     saves, steps_log = [], []
+    if resume_step is not None:
+        resume(model, optimizer, scheduler, progress, resume_step)
 
     def broadcast(step: int):
         if spec.lora:
@@ -232,7 +275,7 @@ def train_child(rank: int, world: int, spec_dict: dict, root: str) -> None:
         saves.append({"step": step, "progress": dataclasses.asdict(progress),
                       "lr": float(optimizer.param_groups[0]["lr"]), "scheduler": _jsonable(scheduler.state_dict())})
 
-    exported = broadcast(progress.step - 1)  # the startup policy, step_0
+    exported = broadcast(progress.step - 1)  # the startup policy, step_0 (a resume re-broadcasts its step)
     while True:
         is_last = progress.step == spec.max_steps
         loss_sum = 0.0

@@ -92,9 +92,11 @@ def write_truth(paths: HeadRunPaths, spec: HeadSpec, raw_tensors: Path, raw_fact
     if spec.lora:
         ref.update(_lora_reference(live, spec))
         frozen_ok, changed = True, 0
-        # modules_to_save: the non-LoRA params the optimizer holds state for (its only mark of training)
-        saved = sorted({k[len("optim."):].rsplit(".", 1)[0] for k in raw if k.startswith("optim.")}
-                       - {k for k in live if "lora_A" in k or "lora_B" in k})
+        # modules_to_save: the non-LoRA params the optimizer trained (its state or param group: the only mark)
+        # (a stateless optimizer, SignSGD, leaves no state: its param group's FQNs say what it trained)
+        listed = {p for g in facts["param_groups"] for p in g.get("params", []) if isinstance(p, str)}
+        saved = sorted((({k[len("optim."):].rsplit(".", 1)[0] for k in raw if k.startswith("optim.")} | listed)
+                        & set(live)) - {k for k in live if "lora_A" in k or "lora_B" in k})
         saved_changed = 0
         for k, v in live.items():
             if "lora_A" not in k and "lora_B" not in k and k not in saved:
@@ -145,8 +147,9 @@ def write_truth(paths: HeadRunPaths, spec: HeadSpec, raw_tensors: Path, raw_fact
         "torch": torch.__version__, "world_size": spec.world_size, "ep_resolved": spec.resolved_ep,
         "dp_shard_mod_ep": spec.dp_shard_mod_ep, "max_steps": spec.max_steps, "final_step": final["step"],
         "progress_at_final_save": final["progress"], "lr_at_final_save": [final["lr"]],
-        "optimizer_class": "torch.optim.AdamW(fused=False), as inside prime-rl's CPUOffloadOptimizer",
-        "param_group_fused": facts["param_groups"][0]["fused"], "param_groups": facts["param_groups"],
+        "optimizer_class": ("SignSGD (stateless)" if spec.optimizer == "sign_sgd" else "torch.optim.AdamW(fused=False)")
+        + ", as inside prime-rl's CPUOffloadOptimizer",
+        "param_group_fused": facts["param_groups"][0].get("fused"), "param_groups": facts["param_groups"],
         "saves": {str(s["step"]): s for s in facts["saves"]}, "per_step": facts["steps"],
         "dtensor_layout_sample": facts["dtensor_layout_sample"],
         "lora": {"rank": spec.lora_rank, "alpha": float(spec.lora_alpha), "scale": spec.scale,

@@ -156,6 +156,12 @@ def _render(report: dict) -> None:
             "restore": "restore the full checkpoint an interrupted gc set aside",
         }.get(s["action"], s["action"])
         click.echo(f"  step_{s['step']}: {what}; {s['reason']}")
+    if p.get("kept_beside"):
+        names = ", ".join(sorted({b["name"] for b in p["kept_beside"]}))
+        click.echo(
+            f"  kept as they are beside trainer/ (never slimmed or deleted): {len(p['kept_beside'])} dir(s), "
+            f"{human_bytes(p['kept_beside_bytes'])} ({names})"
+        )
     r = report.get("result")
     if r is None:
         click.echo(

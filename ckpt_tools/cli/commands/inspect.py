@@ -184,6 +184,42 @@ def _render_peft(r: dict) -> None:
         click.echo(f"  problem: {p}")
 
 
+def _render_notes(r: dict) -> None:
+    """The interval checkpoint's lag, the launches of the run, what the optimizer does not hold."""
+    if r.get("interval_checkpoint"):
+        click.echo(f"  note: {r['interval_checkpoint']}")
+    _render_attempts(r)
+    _render_beside(r)
+    if (r.get("optimizer_state") or {}).get("absent"):
+        click.echo(f"  note: {r['optimizer_state']['absent']}")
+
+
+def _render_beside(r: dict) -> None:
+    for b in r.get("beside") or []:
+        state = "complete" if b["complete"] else "INCOMPLETE"
+        click.echo(f"  beside trainer/: {b['name']}/  {b['kind']}, {human_bytes(b['bytes'])}, {state}")
+        if b.get("check"):
+            click.echo(f"    is it this step's? {b['check']}")
+
+
+def _render_attempts(r: dict) -> None:
+    if not r.get("attempts"):
+        return
+    click.echo(f"  launched {len(r['attempts'])} times (one config dir per attempt):")
+    for a in r["attempts"]:
+        how = (
+            f"resumed from step {a['resume_step']}"
+            if a["resume_step"] is not None
+            else ("resumed from the latest step" if a["resumed"] else "fresh")
+        )
+        click.echo(
+            f"    {a['attempt']:<30} {how:<28} alpha {human_number(a['alpha'])}  lr {human_number(a['lr'])}"
+            f"  {a['optimizer'] or ''}"
+        )
+    w = r.get("written_by") or {}
+    click.echo(f"  this checkpoint: {w.get('attempt') or 'undecided'} ({w.get('how')})")
+
+
 def _render_dcp(r: dict) -> None:
     click.echo(f"DCP checkpoint {r['path']}")
     sched = r["scheduler"]
@@ -206,8 +242,7 @@ def _render_dcp(r: dict) -> None:
             + (f", EP {r['ep']} (run config)" if r.get("ep") is not None else "")
             + (f"; LoRA on {ex['lora_expert_modules']} expert modules" if ex["lora_expert_modules"] else "")
         )
-    if r.get("interval_checkpoint"):
-        click.echo(f"  note: {r['interval_checkpoint']}")
+    _render_notes(r)
     total = r["frozen_bytes"] + r["unique_bytes"]
     click.echo(f"  {'group':<16}{'keys':>7}{'size':>12}{'share':>8}")
     for g, s in r["groups"].items():

@@ -87,6 +87,8 @@ def _render(report: dict, dry_run: bool) -> None:
             f"  wrote {human_bytes(r['out_bytes'])} ({r['size_ratio']:.1f}x smaller) in "
             f"{r['seconds']['total']:.2f}s; read {human_bytes(r['bytes_read'])}"
         )
+    for w in p.get("warnings") or []:
+        warn(w)
     if not p.get("base"):
         warn("no base model recorded: pass --base to rehydrate (and --base here to check it now)")
     warn("a slim checkpoint is not loadable by prime-rl's strict loader; `ckpt rehydrate` it before resuming")

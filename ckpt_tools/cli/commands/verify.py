@@ -107,6 +107,10 @@ def render(r: VerifyReport) -> None:
         "verl": "verl checkpoint",
         "torchtitan": "torchtitan checkpoint",
     }[r.format]
+    if c.get("beside"):  # a step dir: the weights dirs beside trainer/, checked as HF model dirs
+        kind += " and " + ", ".join(
+            f"{b['name']}/ ({b['kind']}: {'ok' if b['ok'] else 'FAILED'})" for b in c["beside"]
+        )
     integrity = r.integrity
     if r.ok and (integrity is None or integrity.get("proven")):
         tail = f"; {integrity['statement']}" if integrity else ""

@@ -9,18 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, UsageError
-from ...core.keys import (
-    classify,
-    expert_hf_name,
-    expert_module,
-    lora_key,
-    require_known,
-    stacked_lora_key,
-    trainable_params,
-)
+from ...core.keys import classify, expert_hf_name, expert_module, lora_key, require_known, stacked_lora_key
 from ...core.lora_math import lora_scale
 from ..handle import LoraModule, LoraSource, RawTensor, TensorFacts
 from ..primerl.alpha import AlphaResolution, resolve_alpha
+from ..primerl.optimizers import trained_params
 from .layout import METADATA_NAME
 from .views import DcpKeySource
 
@@ -226,7 +219,7 @@ def trained_full_tensors(ckpt: DcpCheckpoint) -> dict[str, str]:
     every `requires_grad` param and freezes all else (HEAD trainer/lora.py, optim/__init__.py), so a base
     weight with `app.optimizers.state.<fqn>.*` was trained; never guessed from names. 16e747c's
     optimizer holds the LoRA only, so its checkpoints have none."""
-    trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+    trained = trained_params(ckpt)  # a stateless optimizer (SignSGD) leaves no state: its param groups
     out: dict[str, str] = {}
     for key, e in ckpt.entries.items():
         ki = classify(key, e.path)

@@ -18,6 +18,7 @@ from ...core.keys import (
     world_size_from_chunks,
 )
 from ...core.primerl_state import scheduler_class
+from ..primerl.optimizers import trained_params
 from .layout import METADATA_NAME
 from .model import TensorEntry
 from .reader import DcpCheckpoint
@@ -65,7 +66,7 @@ def summarize(ckpt: DcpCheckpoint) -> CheckpointSummary:
     sched = _schedule(ckpt, infos)
     progress = {i.field: ckpt.read_object(i.key) for i in infos if i.group == "progress"}
     base_params = {i.key.removeprefix("app.model.") for i in infos if i.group == "base"}
-    trained = {i.param for i in infos if i.group == "optimizer_state"}
+    trained = trained_params(ckpt)  # state, or a stateless optimizer's param groups
     # frozen: base weights without optimizer state (a full fine-tune's base weights are trained, not frozen)
     frozen = sum(
         stored[i.key]

@@ -82,6 +82,22 @@ class PeftAdapter:
         self.modules: dict[str, AdapterModule] = {}
         self.full_tensors: dict[str, str] = {}  # modules_to_save: HF name -> key
         self.unrecognized: list[str] = []
+        pairs = self._classify_keys(shapes, config)
+        problems = self._read_modules(pairs, shapes, config, weights_path)
+        clash = expert_index_clashes(self.modules)
+        if clash:  # one expert spelled two ways (`experts.3`, `experts.03`): which is expert 3 is ambiguous
+            (x, y), more = clash[0], f" (and {len(clash) - 1} more such pairs)" if len(clash) > 1 else ""
+            problems.append(
+                f"{self.modules[x].a_key} and {self.modules[y].a_key} both name expert "
+                f"{expert_parts(x)[1]}: ambiguous{more}"
+            )
+        if strict and (problems or self.unrecognized):
+            self._refuse(problems, weights_path)
+        self.problems = problems
+
+    def _classify_keys(self, shapes: dict, config: PeftConfig) -> dict[str, dict[str, str]]:
+        """module -> {A | B: key} of the LoRA factors in PEFT's spelling; modules_to_save tensors into
+        `full_tensors`, every other key into `unrecognized`."""
         pairs: dict[str, dict[str, str]] = {}
         for k in shapes:
             name = k[len(PEFT_PREFIX) :] if k.startswith(PEFT_PREFIX) else None
@@ -102,6 +118,12 @@ class PeftAdapter:
                 self.full_tensors[name] = k
             else:
                 self.unrecognized.append(k)
+        return pairs
+
+    def _read_modules(
+        self, pairs: dict[str, dict[str, str]], shapes: dict, config: PeftConfig, weights_path: Path
+    ) -> list[str]:
+        """`modules` from the factor pairs (a fused expert LoRA as its per-expert views); the problems."""
         problems = []
         params = fused_params_of_config(config.target_parameters)
 
@@ -138,27 +160,22 @@ class PeftAdapter:
                 )
                 continue
             self.modules[mod] = AdapterModule(mod, ab["A"], ab["B"], rank, config.scale_for(mod))
-        clash = expert_index_clashes(self.modules)
-        if clash:  # one expert spelled two ways (`experts.3`, `experts.03`): which is expert 3 is ambiguous
-            (x, y), more = clash[0], f" (and {len(clash) - 1} more such pairs)" if len(clash) > 1 else ""
-            problems.append(
-                f"{self.modules[x].a_key} and {self.modules[y].a_key} both name expert "
-                f"{expert_parts(x)[1]}: ambiguous{more}"
-            )
-        if strict and (problems or self.unrecognized):
-            lines = problems + [f"unrecognized key {k!r}" for k in self.unrecognized[:10]]
-            more = len(self.unrecognized) - 10
-            if more > 0:
-                lines.append(f"... and {more} more")
-            fixable = any(".lora_A.0." in k or not k.startswith(PEFT_PREFIX) for k in self.unrecognized)
-            raise FormatError(
-                "adapter weights do not follow PEFT's layout: " + "; ".join(lines),
-                path=weights_path,
-                hint="prime-rl exports need `ckpt fix-adapter SRC OUT` first"
-                if fixable
-                else "expected keys base_model.model.<module>.lora_A.weight / lora_B.weight",
-            )
-        self.problems = problems
+        return problems
+
+    def _refuse(self, problems: list[str], weights_path: Path) -> None:
+        """A strict open: every problem and unrecognized key in one FormatError."""
+        lines = problems + [f"unrecognized key {k!r}" for k in self.unrecognized[:10]]
+        more = len(self.unrecognized) - 10
+        if more > 0:
+            lines.append(f"... and {more} more")
+        fixable = any(".lora_A.0." in k or not k.startswith(PEFT_PREFIX) for k in self.unrecognized)
+        raise FormatError(
+            "adapter weights do not follow PEFT's layout: " + "; ".join(lines),
+            path=weights_path,
+            hint="prime-rl exports need `ckpt fix-adapter SRC OUT` first"
+            if fixable
+            else "expected keys base_model.model.<module>.lora_A.weight / lora_B.weight",
+        )
 
     def lora(self):
         """The adapter as a `LoraSource` (`formats.peft.lora.PeftLoraSource`) over this handle."""

@@ -3,34 +3,44 @@
 A DCP checkpoint stores A and B but not alpha, rank or scale. The scale training used:
 
 - 16e747c (Jan 2026): orchestrator `[model.lora] alpha` / rank, read from
-  `outputs/<run>/configs/orch.toml`; the orchestrator's alpha defaults to 16.0 whatever the trainer's
-  alpha is, while every adapter_config.json prime-rl writes carries the trainer's alpha.
-- HEAD (Aug 2026): the **trainer's** `model.lora.alpha / rank`, held as a bf16 tensor in `LoRAState`
+  `outputs/<run>/configs/orch.toml` (or the rl entrypoint's combined config, `[orchestrator.model.lora]`);
+  the orchestrator's alpha defaults to 16.0 whatever the trainer's alpha is, while every
+  adapter_config.json prime-rl writes carries the trainer's alpha.
+- HEAD (Aug 2026 on): the **trainer's** `model.lora.alpha / rank`, held as a bf16 tensor in `LoRAState`
   (so training applied bf16(alpha/rank)); the rl entrypoint writes the resolved configs as JSON,
-  `<run_dir>/configs/{rl,trainer}.json`. Read through `formats.primerl.config` (the same reader
-  `ckpt doctor` uses: one truth for both generations' files and rules).
+  `<run_dir>/configs/{rl,trainer}.json` (559b447), `configs/resolved/`, then one
+  `configs/attempt_<n>/resolved/` per launch (`attempts`: a resume may change the alpha). Read through
+  `formats.primerl.config` (the same reader `ckpt doctor` uses: one truth for both generations' files).
 
-One order, the same for every command: --alpha; --run-config FILE (orch.toml, trainer.json or
-rl.json); the run's configs, found only where prime-rl writes them for the artifact
-(`run_outputs_dir`: `<outputs>/run_*/configs/orch.toml` beside `<outputs>/checkpoints/step_N/trainer`,
-or `configs/{trainer,rl}.json` in `<outputs>` or the run dir above it, or under `configs/resolved/` or
-`configs/latest/resolved/` there (`files.CONFIG_DIRS`); exactly one run); otherwise an
-error that says how to pass it. Never a guess; the file and the rule that gave the scale are always
-reported. Every alpha is validated: finite, in (0, MAX_ALPHA].
+One order, the same for every command: --alpha; --run-config FILE (orch.toml, the combined rl TOML, a
+trainer config, trainer.json or rl.json: `alpha_files.config_alpha`); the run's configs, found only where
+prime-rl writes them for the artifact (`run_dir.run_config_choice`: `<outputs>/run_*/configs/orch.toml`
+beside `<outputs>/checkpoints/step_N/trainer`, or the resolved JSON in `<outputs>` or the run dir above it,
+of the launch attempt that wrote the checkpoint (by the step range each ran, or by time), never blindly
+`latest`; exactly one run); otherwise an error that says how to pass it. Never a guess: attempts that
+may have written it and disagree on alpha are an error naming each; the file, the attempt and the rule
+that gave the scale are always reported. Every alpha is validated: finite, in (0, MAX_ALPHA].
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ...core.errors import AlphaError, CkptError, FormatError, UsageError
+from ...core.errors import AlphaError, CkptError, UsageError
 from ...core.lora_math import check_alpha, lora_scale
-from ...io.inputs import read_json, read_toml
-from .config import HEAD_JSON, config_files, load_run_config, lora_settings
-from .run_dir import find_run_configs, orch_model_name, run_outputs_dir
+from ...io.inputs import read_json
+from .alpha_files import (
+    ORCH_DEFAULT_ALPHA,
+    RULE_16E747C,
+    RULE_HEAD,
+    FileAlpha,
+    config_alpha,
+    read_head_lora,
+    read_orch_lora,
+)
+from .run_dir import ConfigChoice, find_run_configs, orch_model_name, run_config_choice, run_outputs_dir
 
 __all__ = [
     "ORCH_DEFAULT_ALPHA",
@@ -47,9 +57,6 @@ __all__ = [
     "run_outputs_dir",
 ]
 
-# prime-rl's orchestrator LoRAConfig.alpha default (see docs/format.md, "alpha provenance").
-ORCH_DEFAULT_ALPHA = 16.0
-
 
 @dataclass(frozen=True)
 class AlphaResolution:
@@ -61,73 +68,6 @@ class AlphaResolution:
 
     def scale(self, rank: int, rslora: bool = False) -> float:
         return lora_scale(self.alpha, rank, rslora)
-
-
-RULE_16E747C = (
-    "16e747c: scale = orchestrator [model.lora] alpha / rank (default alpha 16.0, not the trainer's; "
-    "rl/train.py:101-116)"
-)
-RULE_HEAD = (
-    "HEAD: scale = trainer model.lora.alpha / rank, held as a bf16 tensor in training "
-    "(trainer lora.py:35-45; the orchestrator inherits it, configs/rl.py:538-573)"
-)
-
-
-def read_head_lora(path: Path) -> tuple[float, int, str]:
-    """(alpha, rank, rule) of the trainer's LoRA from a HEAD JSON config (trainer.json or rl.json), read
-    by the run-config reader of both generations (`formats.primerl.config`)."""
-    path = Path(path)
-    if not os.path.lexists(path):
-        raise AlphaError("run config not found", path=path)
-    files = [path]
-    sibling = path.parent / ("rl.json" if path.name == "trainer.json" else "trainer.json")
-    if path.name in HEAD_JSON and sibling.is_file():
-        files.append(sibling)  # rl.json's shared values complete trainer.json's
-    cfg = load_run_config(config_files(files))
-    lora = lora_settings(cfg)
-    if lora is None:
-        raise AlphaError(
-            "no trainer model.lora in this run config: the run is not a LoRA run",
-            path=path,
-            hint="pass --alpha explicitly if you know what training used",
-        )
-    alpha = check_alpha(lora.training_alpha, "trainer model.lora.alpha", path=path)
-    return alpha, lora.training_rank, lora.rule
-
-
-def read_orch_lora(path: Path, *, root: Path | None = None) -> dict:
-    """The `[model.lora]` table of an orchestrator config (alpha defaulted as prime-rl does, and
-    validated: a finite alpha in (0, MAX_ALPHA], a positive integer rank). `root`: the outputs
-    tree a discovered config belongs to (None for one the user named)."""
-    path = Path(path)
-    if not os.path.lexists(path):
-        raise AlphaError("run config not found", path=path)
-    data, _text = read_toml(path, root=root, what="orchestrator config")
-    model = data.get("model")
-    if model is not None and not isinstance(model, dict):
-        raise FormatError(
-            f"'model' is {model!r} ({type(model).__name__}), not a [model] table",
-            path=path,
-            hint="pass the orchestrator config of the run (outputs/run_*/configs/orch.toml)",
-        )
-    lora = (model or {}).get("lora")
-    if lora is None:
-        raise AlphaError(
-            "no [model.lora] table: this orchestrator config is not from a LoRA run",
-            path=path,
-            hint="pass --alpha explicitly",
-        )
-    if not isinstance(lora, dict):
-        raise FormatError(f"'model.lora' is {lora!r} ({type(lora).__name__}), not a table", path=path)
-    out = dict(lora)
-    if "alpha" not in out:
-        out["alpha"] = ORCH_DEFAULT_ALPHA
-        out["_alpha_defaulted"] = True
-    out["alpha"] = check_alpha(out["alpha"], "[model.lora] alpha", path=path)
-    rank = out.get("rank")
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0):
-        raise FormatError(f"[model.lora] rank is {rank!r}, not a positive integer", path=path)
-    return out
 
 
 def run_adapter_configs(ckpt_dir: Path) -> list[Path]:
@@ -167,6 +107,97 @@ def adapter_config_disagreements(
     return out
 
 
+def _rank_warning(path: Path, fa: FileAlpha, rank: int | None) -> list[str]:
+    if fa.rank is None or rank is None or fa.rank == rank:
+        return []
+    whose = (
+        "the trainer's alpha / the checkpoint's rank"
+        if fa.rule == RULE_HEAD
+        else "the orchestrator's alpha / its rank"
+    )
+    return [f"{path} says rank {fa.rank} but the checkpoint's LoRA rank is {rank}; the scale uses {whose}"]
+
+
+def _from_file(
+    path: Path, how: str, rank: int | None, *, root: Path | None = None, note: str = ""
+) -> AlphaResolution:
+    """The alpha of one config file (`config_alpha`), described as every command reports it."""
+    fa = config_alpha(path, root=root)
+    what = "" if (fa.key, fa.rule) == ("[model.lora] alpha", RULE_16E747C) else f" ({fa.key})"  # as before
+    warnings = [*fa.warnings, *_rank_warning(path, fa, rank)]
+    return AlphaResolution(fa.alpha, f"{how} {path}{what}{note}", path, tuple(warnings), fa.rule)
+
+
+def _no_config(ckpt_dir: str | Path | None) -> AlphaError:
+    outputs = run_outputs_dir(ckpt_dir) if ckpt_dir is not None else None
+    where = (
+        f"no run config exists ({outputs}/run_*/configs/orch.toml, or configs/trainer.json or "
+        f"configs/attempt_<n>/resolved/trainer.json in {outputs} or {outputs.parent})"
+        if outputs is not None
+        else "the checkpoint is not in prime-rl's layout (<outputs>/checkpoints/step_N/trainer), so no run "
+        "config "
+        "was looked for"
+    )
+    return AlphaError(
+        f"LoRA alpha is not stored in a DCP checkpoint, and {where}. prime-rl trains with scale = "
+        "orchestrator "
+        "[model.lora] alpha / rank at 16e747c (default alpha 16.0, NOT the trainer's alpha), and trainer "
+        "model.lora.alpha / rank at HEAD",
+        path=ckpt_dir,
+        hint="pass --run-config path/to/orch.toml, rl.toml or configs/trainer.json, or --alpha A if you know "
+        "what training used",
+    )
+
+
+def _undecided(
+    choice: ConfigChoice, ckpt_dir: str | Path, rank: int | None, root: Path | None
+) -> AlphaResolution:
+    """Several launch attempts may have written the checkpoint: one alpha if they agree, else an error."""
+    seen = []
+    for a in choice.undecided:
+        f = a.trainer_first[0] if a.trainer_first else None
+        seen.append((a, _from_file(f, "run config", rank, root=root) if f is not None else None))
+    alphas = {r.alpha for _, r in seen if r is not None}
+    if len(alphas) == 1 and all(r is not None for _, r in seen):
+        a, res = seen[-1]
+        assert res is not None
+        note = f"; {', '.join(x.label for x, _ in seen)} may have written it and all say alpha {res.alpha:g}"
+        return replace(res, source=res.source + note)
+    listed = "; ".join(f"{a.describe()}: alpha {'?' if r is None else f'{r.alpha:g}'}" for a, r in seen)
+    assert choice.writer is not None
+    raise AlphaError(
+        f"LoRA alpha is not stored in the checkpoint, and the launches of its run that may have written it "
+        f"disagree: {listed} ({choice.writer.how})",
+        path=ckpt_dir,
+        hint="pass the attempt's config with --run-config (configs/attempt_<n>/resolved/trainer.json), or "
+        "--alpha",
+    )
+
+
+def _from_run(ckpt_dir: str | Path | None, rank: int | None) -> AlphaResolution:
+    """The alpha of the run config prime-rl wrote for `ckpt_dir` (see the module doc)."""
+    choice = run_config_choice(Path(ckpt_dir)) if ckpt_dir is not None else ConfigChoice(())
+    if len(choice.configs) > 1:
+        raise AlphaError(
+            "LoRA alpha is not stored in the checkpoint, and several runs' orchestrator configs are in its "
+            f"outputs dir: {', '.join(map(str, choice.configs))}",
+            path=ckpt_dir,
+            hint="pick one with --run-config ORCH_TOML, or pass --alpha",
+        )
+    if not choice.configs:
+        raise _no_config(ckpt_dir)
+    root = run_outputs_dir(ckpt_dir) if ckpt_dir is not None else None
+    if choice.undecided:
+        return _undecided(choice, Path(str(ckpt_dir)), rank, root)
+    writer = choice.writer
+    note = (
+        ""
+        if writer is None or len(choice.attempts.attempts if choice.attempts else ()) < 2
+        else f"; launch {writer.attempt.label if writer.attempt else '?'}, {writer.how}"
+    )
+    return _from_file(choice.configs[0], "run config", rank, root=root, note=note)
+
+
 def resolve_alpha(
     *,
     alpha: float | None = None,
@@ -175,73 +206,19 @@ def resolve_alpha(
     rank: int | None = None,
 ) -> AlphaResolution:
     """Resolve the training alpha for a DCP checkpoint (see module docstring for the order)."""
-    warnings: list[str] = []
-    root = None
     if alpha is not None:
         res = AlphaResolution(check_alpha(alpha, "--alpha", error=UsageError), "--alpha")
-        warnings += _alpha_contradiction(res.alpha, run_config, ckpt_dir)
+        res = replace(res, warnings=tuple(_alpha_contradiction(res.alpha, run_config, ckpt_dir)))
+    elif run_config is not None:
+        res = _from_file(Path(run_config), "--run-config", rank)
     else:
-        if run_config is not None:
-            path, how = Path(run_config), "--run-config"
-        else:
-            found = find_run_configs(Path(ckpt_dir)) if ckpt_dir is not None else []
-            if len(found) > 1:
-                raise AlphaError(
-                    "LoRA alpha is not stored in the checkpoint, and several runs' orchestrator configs "
-                    f"are in its outputs dir: {', '.join(map(str, found))}",
-                    path=ckpt_dir,
-                    hint="pick one with --run-config ORCH_TOML, or pass --alpha",
-                )
-            if not found:
-                outputs = run_outputs_dir(ckpt_dir) if ckpt_dir is not None else None
-                where = (
-                    f"no run config exists ({outputs}/run_*/configs/orch.toml, or configs/trainer.json in "
-                    f"{outputs} or {outputs.parent})"
-                    if outputs is not None
-                    else "the checkpoint is not in prime-rl's layout (<outputs>/checkpoints/step_N/trainer), "
-                    "so "
-                    "no run config was looked for"
-                )
-                raise AlphaError(
-                    f"LoRA alpha is not stored in a DCP checkpoint, and {where}. prime-rl trains with "
-                    "scale = orchestrator [model.lora] alpha / rank at 16e747c (default alpha 16.0, NOT the "
-                    "trainer's alpha), and trainer model.lora.alpha / rank at HEAD",
-                    path=ckpt_dir,
-                    hint="pass --run-config path/to/orch.toml or configs/trainer.json, or --alpha A if you "
-                    "know "
-                    "what training used",
-                )
-            path, how = found[0], "run config"
-            root = run_outputs_dir(ckpt_dir)
-        if Path(path).suffix == ".json":
-            h_alpha, h_rank, _ = read_head_lora(path)
-            if rank is not None and h_rank != rank:
-                warnings.append(
-                    f"{path} says rank {h_rank} but the checkpoint's LoRA rank is {rank}; "
-                    "the scale uses the trainer's alpha / the checkpoint's rank"
-                )
-            res = AlphaResolution(
-                h_alpha, f"{how} {path} (trainer model.lora.alpha)", Path(path), rule=RULE_HEAD
-            )
-        else:
-            lora = read_orch_lora(path, root=root)
-            if lora.get("_alpha_defaulted"):
-                warnings.append(
-                    f"{path} has no [model.lora] alpha; prime-rl's orchestrator default "
-                    f"{ORCH_DEFAULT_ALPHA:g} applies"
-                )
-            orch_rank = lora.get("rank")
-            if orch_rank is not None and rank is not None and int(orch_rank) != rank:
-                warnings.append(
-                    f"{path} says rank {orch_rank} but the checkpoint's LoRA rank is {rank}; "
-                    f"the scale uses the orchestrator's alpha / its rank"
-                )
-            res = AlphaResolution(lora["alpha"], f"{how} {path}", Path(path), rule=RULE_16E747C)
+        res = _from_run(ckpt_dir, rank)
     if rank is not None and ckpt_dir is not None:
-        warnings += adapter_config_disagreements(
+        cross = adapter_config_disagreements(
             run_adapter_configs(Path(ckpt_dir)), res.alpha / rank, rank, root=run_outputs_dir(ckpt_dir)
         )
-    return AlphaResolution(res.alpha, res.source, res.config_path, tuple(warnings), res.rule)
+        res = replace(res, warnings=res.warnings + tuple(cross))
+    return res
 
 
 def _alpha_contradiction(alpha: float, run_config, ckpt_dir) -> list[str]:
@@ -255,14 +232,13 @@ def _alpha_contradiction(alpha: float, run_config, ckpt_dir) -> list[str]:
             if len(found) != 1:
                 return []
             path, root = found[0], run_outputs_dir(ckpt_dir)
-        lora = read_orch_lora(path, root=root)
+        fa = config_alpha(path, root=root)
     except CkptError:  # an unreadable config is not --alpha's business: --alpha was given to avoid it
         return []
-    if math.isclose(lora["alpha"], alpha, rel_tol=1e-9):
+    if math.isclose(fa.alpha, alpha, rel_tol=1e-9):
         return []
-    how = "" if not lora.get("_alpha_defaulted") else " (prime-rl's default: the file sets none)"
+    how = "" if not any("default" in w for w in fa.warnings) else " (prime-rl's default: the file sets none)"
     return [
-        f"--alpha {alpha:g} contradicts the run's config {path}: [model.lora] alpha = "
-        f"{lora['alpha']:g}{how}; "
+        f"--alpha {alpha:g} contradicts the run's config {path}: {fa.key} = {fa.alpha:g}{how}; "
         f"using --alpha {alpha:g} (scale alpha / rank), drop --alpha to use the run's"
     ]

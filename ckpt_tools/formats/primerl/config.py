@@ -319,6 +319,7 @@ def _walk(cfg: RunConfig, node: dict, path: str, file_of, schema_path_of) -> Non
         f = file_of(p)
         marker = fields.get(k) if fields is not None else None
         if fields is not None and k not in fields:
+            assert table is not None  # fields come from a table
             cfg.unknown.append(UnknownKey(p, v, f, path, table.policy, tuple(fields), variant))
             continue
         if isinstance(v, dict) and (

@@ -20,6 +20,15 @@ from pathlib import Path
 from ...core.errors import FormatError, UsageError
 from ...io import inputs
 from ...io.remote import mount_root_of
+from .attempts import (
+    ATTEMPT_ENV,
+    RunAttempts,
+    WriterChoice,
+    attempt_number,
+    checkpoint_step,
+    run_attempts,
+    writer_of,
+)
 
 __all__ = [
     "CONFIG_DIRS",
@@ -46,9 +55,10 @@ HEAD_JSON = {
     "orchestrator.json": "orchestrator",
     "inference.json": "inference",
 }
-# Where a run dir holds its resolved JSON configs, in lookup order (entrypoints/rl.py writes configs/;
-# later prime-rl writes configs/resolved/ and configs/latest/resolved/).
-CONFIG_DIRS = ("configs", "configs/resolved", "configs/latest/resolved")
+# Where a run dir holds its resolved JSON configs (entrypoints/rl.py writes configs/ at 559b447; later
+# prime-rl writes configs/resolved/, then one configs/attempt_<n>/resolved/ per launch with configs/latest
+# pointing at the newest: `attempts`).
+CONFIG_DIRS = ("configs", "configs/resolved", "configs/latest/resolved", "configs/attempt_<n>/resolved")
 _SEARCH_LEVELS = 5  # trainer -> step_N -> checkpoints -> outputs -> run/launch dir
 
 
@@ -70,6 +80,8 @@ class RunFiles:
     files: tuple[ConfigFile, ...]  # load order: later files override earlier ones
     run_dir: Path | None = None  # where the configs were found (None: given as arguments)
     ignored_includes: tuple[tuple[Path, str], ...] = ()  # (file, table) whose toml_files prime-rl ignores
+    attempts: RunAttempts | None = None  # HEAD: the run's launch attempts (configs/attempt_<n>/ ...)
+    writer: WriterChoice | None = None  # the attempt these files are of, and how it was chosen
 
 
 def read_toml(path: Path) -> dict:
@@ -162,25 +174,39 @@ def config_files(files: list[Path], sections: Mapping[str, Path] | None = None) 
     return RunFiles(gens.pop() if gens else GEN_16E747C, tuple(seen), None, tuple(ignored))
 
 
-def head_config_files(d: Path) -> list[Path]:
-    """The HEAD JSON configs of run dir `d`, from the first of `CONFIG_DIRS` that holds any (prime-rl
-    writes `<run_dir>/configs/*.json`; later versions write the resolved configs under `configs/resolved/`
-    and `configs/latest/resolved/`)."""
-    for sub in CONFIG_DIRS:
-        found = [d / sub / n for n in HEAD_JSON if (d / sub / n).is_file()]
-        if found:
-            return found
-    return []
+def head_config_files(
+    d: Path, target: Path | None = None, *, pinned: bool = False
+) -> tuple[list[Path], RunAttempts | None, WriterChoice | None]:
+    """The HEAD JSON configs of run dir `d` (`attempts.run_attempts`: the legacy `configs/` and
+    `configs/resolved/`, one `configs/attempt_<n>/resolved/` per launch) of the launch attempt that wrote
+    `target` (a checkpoint's step or trainer dir; `attempts.writer_of`), else of the newest attempt; the
+    attempts and the choice with them. `pinned`: `$PRL_ATTEMPT_CONFIG_DIR` may stand for `d`'s configs."""
+    found = run_attempts(d, env=None if pinned else {})
+    if found is None:
+        return [], None, None
+    step, when = checkpoint_step(target) if target is not None else (None, None)
+    writer = writer_of(found, step, when)
+    chosen = writer.attempt or found.newest
+    return (list(chosen.files) if chosen is not None else []), found, writer
 
 
 def config_run_dir(config: Path) -> Path:
-    """The run dir a found config file belongs to: `<run>` for `<run>/<one of CONFIG_DIRS>/x.json`, and
-    `<outputs>/run_x` for 16e747c's `<outputs>/run_x/configs/orch.toml`."""
+    """The run dir a found config file belongs to: `<run>` for `<run>/configs[/resolved | /latest/resolved |
+    /attempt_<n>/resolved]/x.json`, and `<outputs>/run_x` for 16e747c's
+    `<outputs>/run_x/configs/orch.toml`."""
     p = Path(config).resolve()
-    for sub in sorted(CONFIG_DIRS, key=lambda s: -len(Path(s).parts)):  # the longest layout first
-        n = len(Path(sub).parts)
-        if len(p.parents) > n and Path(*p.parent.parts[-n:]) == Path(sub):
-            return p.parents[n]
+    parts = p.parent.parts
+    if (
+        len(parts) > 3
+        and parts[-1] == "resolved"
+        and parts[-3] == "configs"
+        and (parts[-2] == "latest" or attempt_number(parts[-2]) is not None)
+    ):
+        return p.parents[3]
+    if len(parts) > 2 and parts[-1] == "resolved" and parts[-2] == "configs":
+        return p.parents[2]
+    if len(parts) > 1 and parts[-1] == "configs":
+        return p.parents[1]
     return p.parent.parent
 
 
@@ -188,6 +214,30 @@ def _orch_tomls(d: Path) -> list[Path]:
     if (d / "configs" / "orch.toml").is_file():  # a run_* dir itself
         return [d / "configs" / "orch.toml"]
     return sorted(d.glob("run_*/configs/orch.toml")) + sorted(d.glob("outputs/run_*/configs/orch.toml"))
+
+
+def _run_below(d: Path) -> RunFiles | None:
+    """HEAD's configs of the run under launch dir `d`: `outputs/` itself (the trainer's output_dir) or one
+    `outputs/<run.name>/` (the rl entrypoint's run dir); several runs there are refused, naming them."""
+    if (d / "configs").is_dir() or not (d / "outputs").is_dir():
+        return None
+    found = []
+    for run in [d / "outputs", *sorted(p for p in (d / "outputs").iterdir() if p.is_dir())]:
+        head, attempts, writer = head_config_files(run)
+        if head:
+            found.append((run, head, attempts, writer))
+    if len(found) > 1:
+        raise UsageError(
+            f"several runs' configs here: {', '.join(str(f[0]) for f in found)}",
+            path=d,
+            hint="pass the run's dir (outputs/<run.name>) to pick one",
+        )
+    if not found:
+        return None
+    run, head, attempts, writer = found[0]
+    order = sorted(head, key=lambda f: list(HEAD_JSON).index(f.name))
+    files = tuple(ConfigFile(f, HEAD_JSON[f.name], "run dir") for f in order)
+    return RunFiles(GEN_HEAD, files, run, attempts=attempts, writer=writer)
 
 
 def locate_run_configs(path: str | Path) -> RunFiles | None:
@@ -201,11 +251,15 @@ def locate_run_configs(path: str | Path) -> RunFiles | None:
     # a URL's shadow tree (io.remote): nothing above its root stands for the run (the local temp dir that
     # holds it could hold anything); the run configs above a URL are `run_dir.find_run_configs`'s
     top = mount_root_of(p)
+    below = _run_below(d)  # a launch dir: the run dir(s) prime-rl wrote under its outputs/
+    if below is not None:
+        return below
     for _ in range(_SEARCH_LEVELS + 1):
-        head, old = head_config_files(d), _orch_tomls(d)
+        (head, attempts, writer), old = head_config_files(d, p), _orch_tomls(d)
         if head:
             order = sorted(head, key=lambda f: list(HEAD_JSON).index(f.name))  # rl.json first
-            return RunFiles(GEN_HEAD, tuple(ConfigFile(f, HEAD_JSON[f.name], "run dir") for f in order), d)
+            files = tuple(ConfigFile(f, HEAD_JSON[f.name], "run dir") for f in order)
+            return RunFiles(GEN_HEAD, files, d, attempts=attempts, writer=writer)
         if len(old) > 1:
             raise UsageError(
                 f"several runs' configs here: {', '.join(map(str, old))}",
@@ -217,4 +271,9 @@ def locate_run_configs(path: str | Path) -> RunFiles | None:
         if d.parent == d or (top is not None and d == top):
             break
         d = d.parent
+    head, attempts, writer = head_config_files(p.resolve(), p, pinned=True)  # $PRL_ATTEMPT_CONFIG_DIR, last
+    if head:
+        order = sorted(head, key=lambda f: list(HEAD_JSON).index(f.name))
+        files = tuple(ConfigFile(f, HEAD_JSON[f.name], f"${ATTEMPT_ENV}") for f in order)
+        return RunFiles(GEN_HEAD, files, None, attempts=attempts, writer=writer)
     return None

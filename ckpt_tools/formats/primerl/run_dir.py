@@ -31,8 +31,9 @@ from ...io.inputs import read_toml
 from ...io.remote import mount_root_of
 from ..hf_dir.hub import locate_model, resolve_model_dir
 from ..safetensors.header import read_header
+from .attempts import Attempt, RunAttempts, WriterChoice, checkpoint_step, run_attempts, writer_of
 from .config import GEN_HEAD, RunConfig, config_files, load_run_config
-from .files import config_run_dir, head_config_files
+from .files import config_run_dir
 
 __all__ = [
     "BaseModel",
@@ -113,75 +114,115 @@ def _outputs_by_layout(p: Path) -> Path | None:
     return None
 
 
-def _head_configs(outputs: Path) -> list[Path]:
-    """The HEAD JSON configs of the run that owns `outputs`: `configs/{trainer,rl}.json` in the outputs
-    dir or the run dir just above it (the rl entrypoint writes `<run_dir>/configs/`); trainer.json
-    first (it holds the trainer's LoRA), one dir only."""
+@dataclass(frozen=True)
+class ConfigChoice:
+    """The run configs prime-rl wrote for an artifact, by the one rule (`run_config_choice`)."""
+
+    configs: tuple[
+        Path, ...
+    ]  # HEAD: the trainer.json (else rl.json) of the launch that wrote it; 16e747c: orch.toml(s)
+    attempts: RunAttempts | None = None  # the run's launch attempts (HEAD), when its configs were found there
+    writer: WriterChoice | None = None  # which attempt wrote the artifact, and how that was decided
+
+    @property
+    def undecided(self) -> tuple[Attempt, ...]:
+        """The attempts that may have written it when that cannot be told (configs then holds the newest)."""
+        if self.writer is None or self.writer.attempt is not None or self.attempts is None:
+            return ()
+        return self.writer.candidates if len(self.attempts.attempts) > 1 else ()
+
+
+def _head_choice(
+    run: Path, target: Path | None, *, pinned: bool = False, at: tuple[int | None, float | None] | None = None
+) -> ConfigChoice | None:
+    """The attempt of `run` that wrote `target` (a checkpoint's step or trainer dir; None: the newest).
+    `pinned`: `$PRL_ATTEMPT_CONFIG_DIR` may stand for `run`'s configs (the last place looked)."""
+    found = run_attempts(run, env=None if pinned else {})
+    if found is None:
+        return None
+    step, when = at if at is not None else checkpoint_step(target) if target is not None else (None, None)
+    writer = writer_of(found, step, when)
+    chosen = writer.attempt or found.newest
+    files = chosen.trainer_first if chosen is not None else ()
+    return ConfigChoice(files[:1], found, writer) if files else None
+
+
+def _head_configs(outputs: Path, target: Path | None) -> ConfigChoice | None:
+    """HEAD's configs of the run that owns `outputs`: in the outputs dir or the run dir just above it
+    (the rl entrypoint writes `<run_dir>/configs/`), one dir only."""
     for d in (outputs, _within(outputs.parent, outputs)):
-        found = _trainer_first(d) if d is not None else []
-        if found:
+        found = _head_choice(d, target) if d is not None else None
+        if found is not None:
             return found
-    return []
+    return None
 
 
-def _trainer_first(run_dir: Path) -> list[Path]:
-    """HEAD's `trainer.json` and `rl.json` of `run_dir` (`head_config_files`), trainer.json first."""
-    return sorted(
-        (f for f in head_config_files(run_dir) if f.name in ("trainer.json", "rl.json")),
-        key=lambda f: f.name != "trainer.json",
-    )
+def _configs_at(outputs: Path, target: Path | None) -> ConfigChoice:
+    """HEAD's configs, else 16e747c's orch.toml(s), else those `$PRL_ATTEMPT_CONFIG_DIR` names."""
+    head = _head_configs(outputs, target)
+    if head is not None:
+        return head
+    old = tuple(sorted(outputs.glob("run_*/configs/orch.toml")))
+    if old:
+        return ConfigChoice(old)
+    return _head_choice(outputs, target, pinned=True) or ConfigChoice(())
+
+
+def run_config_choice(ckpt_dir: str | Path) -> ConfigChoice:
+    """The run configs of the run(s) that wrote `ckpt_dir`, where prime-rl writes them for the `<outputs>`
+    of `run_outputs_dir`: HEAD's trainer.json (else rl.json) of the launch attempt that wrote it
+    (`attempts.writer_of`), else 16e747c's `<outputs>/run_*/configs/orch.toml` (one per run); none
+    elsewhere."""
+    outputs = run_outputs_dir(ckpt_dir)
+    if outputs is None:
+        return _configs_above_url(Path(ckpt_dir))
+    return _configs_at(outputs, Path(ckpt_dir))
 
 
 def find_run_configs(ckpt_dir: Path) -> list[Path]:
-    """The run configs of the run(s) that wrote `ckpt_dir`, where prime-rl writes them for the `<outputs>`
-    of `run_outputs_dir`: HEAD's `configs/trainer.json` (else rl.json), else 16e747c's
-    `<outputs>/run_*/configs/orch.toml` (one per run); [] elsewhere."""
-    outputs = run_outputs_dir(ckpt_dir)
-    return _configs_above_url(ckpt_dir) if outputs is None else _configs_of(outputs)
+    """`run_config_choice(ckpt_dir).configs`, as a list."""
+    return list(run_config_choice(ckpt_dir).configs)
 
 
-def _configs_above_url(path) -> list[Path]:
+def _configs_above_url(path: Path) -> ConfigChoice:
     """For a URL input (a shadow tree of `io.remote`), the run configs where prime-rl writes them above it,
-    by the layout of the URL's own path (`<outputs>/checkpoints/step_N/trainer`, ...): HEAD's
-    `configs/{trainer,rl}.json` of the outputs dir, else of the run dir just above it, else 16e747c's
+    by the layout of the URL's own path (`<outputs>/checkpoints/step_N/trainer`, ...): HEAD's configs
+    (launch attempts included) of the outputs dir, else of the run dir just above it, else 16e747c's
     `<outputs>/run_default/configs/orch.toml` (a URL cannot be globbed for other `run_*`: name one with
     --run-config). Each candidate dir is listed (mounted) only when the one before it holds nothing;
-    nothing but what the layout names is listed, and a candidate that is not there is skipped. [] for a
-    local path or a URL outside the layout."""
-    if mount_root_of(path) is None:
-        return []
-    url = remote.url_of(path)
+    nothing but what the layout names is listed, and a candidate that is not there is skipped. None
+    for a local path or a URL outside the layout."""
+    url = remote.url_of(path) if mount_root_of(path) is not None else None
     if url is None or "?" in url or "#" in url or "://" not in url:
-        return []
+        return ConfigChoice(())
     scheme, rest = url.split("://", 1)
     where = Path("/" + rest.strip("/"))
     outputs = _outputs_by_layout(where)
     if outputs is None:
-        return []
+        return ConfigChoice(())
 
-    def url_at(p: Path) -> str | None:  # None above the URL's host / repo
-        return f"{scheme}://{p.as_posix().lstrip('/')}" if len(p.parts) > 2 else None
-
-    def listed(dir_url: str | None) -> Path | None:
-        if dir_url is None:
+    def listed(p: Path) -> Path | None:  # the mounted dir; None above the URL's host / repo, or not there
+        if len(p.parts) <= 2:
             return None
         try:
-            return remote.mount(dir_url, what="run config")
+            return remote.mount(f"{scheme}://{p.as_posix().lstrip('/')}", what="run config")
         except CkptError:  # not there (or not listable): the next candidate
             return None
 
     for run in (outputs, outputs.parent):
-        got = listed(url_at(run / "configs"))
-        found = _trainer_first(got.parent) if got is not None else []  # (the mount is <tmp>/configs)
-        if found:
-            return found[:1]
-    got = listed(url_at(outputs / "run_default" / "configs"))
-    return [got / "orch.toml"] if got is not None and (got / "orch.toml").is_file() else []
+        got = listed(run / "configs")
+        # (the mount is <tmp>/configs; the step is the URL's, no file time over a URL)
+        found = (
+            _head_choice(got.parent, None, at=(checkpoint_step(where, timed=False)[0], None)) if got else None
+        )
+        if found is not None:
+            return found
+    got = listed(outputs / "run_default" / "configs")
+    return ConfigChoice((got / "orch.toml",) if got is not None and (got / "orch.toml").is_file() else ())
 
 
-def _configs_of(outputs: Path) -> list[Path]:
-    head = _head_configs(outputs)
-    return head[:1] if head else sorted(outputs.glob("run_*/configs/orch.toml"))
+def _configs_of(outputs: Path, target: Path | None) -> list[Path]:
+    return list(_configs_at(outputs, target).configs)
 
 
 def orch_model_name(path: Path | None) -> str | None:
@@ -211,7 +252,7 @@ def _within(found: Path | None, path) -> Path | None:
     tree) and `found` lies above its root: nothing above a URL is mounted, and the local temp dir holding
     the shadow tree is no part of the run."""
     root = mount_root_of(path) if found is not None else None
-    if root is None:
+    if found is None or root is None:
         return found
     real = Path(os.path.realpath(found))
     return found if real == root or root in real.parents else None
@@ -270,7 +311,7 @@ def resolve_run(path: str | Path, *, config: str | Path | None = None) -> RunRoo
     if config is not None:
         configs: tuple[Path, ...] = (Path(config),)
     else:
-        configs = tuple(_configs_of(outputs) if outputs is not None else _configs_above_url(p))
+        configs = tuple(_configs_of(outputs, p) if outputs is not None else _configs_above_url(p).configs)
     one = configs[0] if len(configs) == 1 else None
     # a config found above a URL says no launch dir here: its relative paths are on the machine that trained
     launch = None if one is None or (outputs is None and config is None) else launch_of_config(one)
@@ -302,7 +343,9 @@ def run_base(run: RunRoot) -> BaseModel | None:
     if run.named:
         return BaseModel(name, found, "--run-config", why)
     how = f"the run config {run.config}'s model.name {name!r}" + (
-        f" (relative to {run.launch})" if found is not None and found == run.launch / name else ""
+        f" (relative to {run.launch})"
+        if found is not None and run.launch is not None and found == run.launch / name
+        else ""
     )
     return BaseModel(name, found, how, why)
 
@@ -448,15 +491,19 @@ def absent_modules_to_save(path: Path) -> tuple[str, ...]:
 
 
 def weights_exports(outputs: Path) -> list[tuple[int, Path]]:
-    """16e747c's `outputs/weights/step_N` HF exports, by step."""
-    w = Path(outputs) / "weights"
-    if not w.is_dir():
-        return []
-    return [
-        (n, d)
-        for n, d in step_dirs(w)
-        if (d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()
-    ]
+    """HF weight exports, by step: 16e747c's `outputs/weights/step_N` (the trainer wrote them; for a LoRA run
+    the base, not the merge) and the `checkpoints/step_N/weights` prime-rl's converters write after August
+    2026 (`step_dir`; bf16 only: an FP8 dir is not bitwise comparable with a base)."""
+    found = []
+    for sub, inner in (("weights", ""), ("checkpoints", "weights")):
+        d = Path(outputs) / sub
+        if not d.is_dir():
+            continue
+        for n, step in step_dirs(d):
+            w = step / inner if inner else step
+            if (w / "model.safetensors").is_file() or (w / "model.safetensors.index.json").is_file():
+                found.append((n, w))
+    return sorted(found)
 
 
 def dir_bytes(path: Path) -> int:

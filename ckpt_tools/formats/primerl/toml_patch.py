@@ -15,6 +15,7 @@ from tomlkit.exceptions import TOMLKitError
 
 from ...core.errors import FormatError
 from ...core.primerl_state import SchedulerSpec
+from .files import GEN_16E747C, GEN_HEAD
 
 __all__ = [
     "LR_KEYS",
@@ -40,6 +41,14 @@ RESUME_KEYS = (
     "trainer.ckpt.resume_dir",
     "orchestrator.ckpt.resume_step",
     "orchestrator.ckpt.resume_dir",
+    # HEAD (#3268): the top-level [resume] block (a trainer config's own [resume]); `resume = true` is a
+    # bare --resume
+    "resume.step",
+    "resume.dir",
+    "trainer.resume.step",
+    "trainer.resume.dir",
+    "resume",
+    "trainer.resume",
 )
 SCHEDULER_TABLES = ("scheduler", "trainer.scheduler")
 MAX_STEPS_KEYS = ("max_steps", "trainer.max_steps")
@@ -73,6 +82,86 @@ def _plain(v):
     return v.unwrap() if hasattr(v, "unwrap") else v
 
 
+def _parse(text: str, where: str | Path):
+    try:
+        return tomlkit.parse(text)
+    except TOMLKitError as exc:
+        raise FormatError(f"not valid TOML: {exc}", path=where) from None
+    except RecursionError:
+        raise FormatError("not valid TOML: nested too deeply", path=where) from None
+
+
+def _set_all(doc, keys, value, what: str, changes: list[TomlChange], where) -> None:
+    """Set every dotted key of `keys` present in `doc` to `value`; at least one must be."""
+    found = 0
+    for dotted in keys:
+        table, last = _get_parent(doc, dotted)
+        if table is None:
+            continue
+        found += 1
+        before = _plain(table[last])
+        if before != value:
+            table[last] = value
+            changes.append(TomlChange(dotted, before, value))
+    if not found:
+        raise FormatError(
+            f"no {what} key found: looked for {', '.join(keys)}",
+            path=where,
+            hint=f"add it to the config (e.g. [{keys[0].rsplit('.', 1)[0]}] "
+            f"{keys[0].rsplit('.', 1)[1]} = ...) and rerun",
+        )
+
+
+def _rebase_includes(doc, rebase_from: Path | None, changes: list[TomlChange]) -> None:
+    inherits = doc.get("toml_files")
+    if rebase_from is None or not isinstance(_plain(inherits), list):
+        return
+    old = [str(x) for x in _plain(inherits)]
+    new = [x if os.path.isabs(x) else str((Path(rebase_from) / x).resolve()) for x in old]
+    if new != old:
+        doc["toml_files"] = new
+        changes.append(TomlChange("toml_files", old, new))
+
+
+def _remove(doc, dotted_keys, changes: list[TomlChange]) -> None:
+    for dotted in dotted_keys:
+        table, last = _get_parent(doc, dotted)
+        if table is not None:
+            changes.append(TomlChange(dotted, _plain(table[last]), None))
+            del table[last]
+
+
+def _set_in(doc, table_path: str, key: str, value, changes: list[TomlChange]) -> None:
+    """`[table_path] key = value`, the table created at the top when absent."""
+    table, last = _get_parent(doc, table_path)
+    if table is None:
+        doc.add(table_path, tomlkit.table())
+        table, last = _get_parent(doc, table_path)
+    tab = table[last]
+    before = _plain(tab.get(key))
+    if before != value:
+        tab[key] = value
+        changes.append(TomlChange(f"{table_path}.{key}", before, value))
+
+
+def _set_resume(doc, step: int, form: str, run_name: str | None, changes: list[TomlChange]) -> None:
+    """16e747c: `ckpt.resume_step` in every ckpt table present (or a new `[ckpt]`); HEAD: `[resume] step`
+    (the old keys and `resume.dir` removed: step and dir are exclusive) and, for an rl config, the run's
+    `[run] name` (a relaunch without it makes a new run dir)."""
+    if form == GEN_HEAD:
+        stale = [k for k in RESUME_KEYS if "ckpt." in k or k.endswith("resume.dir")]
+        stale += [k for k in ("resume", "trainer.resume") if not isinstance(_plain(doc.get(k)), dict)]
+        _remove(doc, stale, changes)
+        where = "trainer.resume" if _get_parent(doc, "trainer.resume")[0] is not None else "resume"
+        _set_in(doc, where, "step", step, changes)
+        if run_name is not None and any(k in doc for k in ("trainer", "orchestrator", "inference", "run")):
+            _set_in(doc, "run", "name", run_name, changes)
+        return
+    tables = [t for t in ("ckpt", "trainer.ckpt") if _get_parent(doc, t)[0] is not None] or ["ckpt"]
+    for t in tables:
+        _set_in(doc, t, "resume_step", step, changes)
+
+
 def patch_config_text(
     text: str,
     *,
@@ -82,69 +171,27 @@ def patch_config_text(
     remove_resume: bool = False,
     rebase_from: Path | None = None,
     where: str | Path = "config",
+    resume_form: str = GEN_16E747C,
+    run_name: str | None = None,
 ) -> tuple[str, list[TomlChange]]:
     """Return the edited TOML text and the list of changes. `model_name` / `lr` set every key of
     `MODEL_NAME_KEYS` / `LR_KEYS` present (at least one must be); `remove_resume` deletes every
-    `RESUME_KEYS` present; `resume_step` sets `ckpt.resume_step` (in every ckpt table present, or a
-    new top-level `[ckpt]`); `rebase_from` (the source config's directory, when the copy is written
+    `RESUME_KEYS` present; `resume_step` makes the config resume at that step in the `resume_form` of its
+    prime-rl generation (`_set_resume`: 16e747c's `ckpt.resume_step`, HEAD's `[resume] step` and
+    `[run] name = run_name`); `rebase_from` (the source config's directory, when the copy is written
     elsewhere) makes relative `toml_files` entries absolute, since prime-rl resolves them relative
     to the file that names them. Nothing else changes: tomlkit keeps comments, order, formatting."""
-    try:
-        doc = tomlkit.parse(text)
-    except TOMLKitError as exc:
-        raise FormatError(f"not valid TOML: {exc}", path=where) from None
-    except RecursionError:
-        raise FormatError("not valid TOML: nested too deeply", path=where) from None
+    doc = _parse(text, where)
     changes: list[TomlChange] = []
-
-    def set_all(keys, value, what):
-        found = 0
-        for dotted in keys:
-            table, last = _get_parent(doc, dotted)
-            if table is None:
-                continue
-            found += 1
-            before = _plain(table[last])
-            if before != value:
-                table[last] = value
-                changes.append(TomlChange(dotted, before, value))
-        if not found:
-            raise FormatError(
-                f"no {what} key found: looked for {', '.join(keys)}",
-                path=where,
-                hint=f"add it to the config (e.g. [{keys[0].rsplit('.', 1)[0]}] "
-                f"{keys[0].rsplit('.', 1)[1]} = ...) and rerun",
-            )
-
-    inherits = doc.get("toml_files")
-    if rebase_from is not None and isinstance(_plain(inherits), list):
-        old = [str(x) for x in _plain(inherits)]
-        new = [x if os.path.isabs(x) else str((Path(rebase_from) / x).resolve()) for x in old]
-        if new != old:
-            doc["toml_files"] = new
-            changes.append(TomlChange("toml_files", old, new))
+    _rebase_includes(doc, rebase_from, changes)
     if model_name is not None:
-        set_all(MODEL_NAME_KEYS, model_name, "model name")
+        _set_all(doc, MODEL_NAME_KEYS, model_name, "model name", changes, where)
     if lr is not None:
-        set_all(LR_KEYS, float(lr), "learning rate")
+        _set_all(doc, LR_KEYS, float(lr), "learning rate", changes, where)
     if remove_resume:
-        for dotted in RESUME_KEYS:
-            table, last = _get_parent(doc, dotted)
-            if table is not None:
-                changes.append(TomlChange(dotted, _plain(table[last]), None))
-                del table[last]
+        _remove(doc, RESUME_KEYS, changes)
     if resume_step is not None:
-        tables = [t for t in ("ckpt", "trainer.ckpt") if _get_parent(doc, t)[0] is not None]
-        if not tables:
-            doc.add("ckpt", tomlkit.table())
-            tables = ["ckpt"]
-        for t in tables:
-            table, last = _get_parent(doc, t)
-            tab = table[last]
-            before = _plain(tab.get("resume_step"))
-            if before != resume_step:
-                tab["resume_step"] = resume_step
-                changes.append(TomlChange(f"{t}.resume_step", before, resume_step))
+        _set_resume(doc, resume_step, resume_form, run_name, changes)
     return tomlkit.dumps(doc), changes
 
 

@@ -16,7 +16,6 @@ from ...core.keys import (
     expert_names,
     is_stacked_pattern,
     stacked_hf_pattern,
-    trainable_params,
     world_size_from_chunks,
 )
 from ...core.tied import tied_source, ties_by_default
@@ -24,6 +23,7 @@ from ...io.inputs import MAX_JSON_BYTES, read_input
 from ..dcp.layout import METADATA_NAME, extra_entries
 from ..dcp.model import TensorEntry
 from ..dcp.reader import DcpCheckpoint
+from ..primerl.optimizers import trained_params
 from ..safetensors.header import LEN_BYTES
 from .manifest import SLIM_MANIFEST, ChunkLayout, DroppedTensor
 
@@ -67,7 +67,7 @@ def partition(ckpt: DcpCheckpoint) -> SlimLayout:
             path=ckpt.dir / SLIM_MANIFEST,
             hint="nothing left to drop; `ckpt rehydrate` it to get the full checkpoint back",
         )
-    trainable = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+    trainable = trained_params(ckpt)  # state, or a stateless optimizer's param groups (SignSGD)
     kept: list[KeptItem] = []
     dropped: list[DroppedTensor] = []
     for key, e in ckpt.entries.items():
@@ -94,7 +94,8 @@ def partition(ckpt: DcpCheckpoint) -> SlimLayout:
             )
     if not dropped:
         raise UsageError(
-            "has no frozen base weights to drop (no app.model.* tensor without optimizer state)",
+            "has no frozen base weights to drop (every app.model.* tensor was trained: it has optimizer "
+            "state or its optimizer's param groups list it)",
             path=ckpt.dir,
             hint="is this already a slim or adapter-only checkpoint? `ckpt inspect` shows its groups",
         )

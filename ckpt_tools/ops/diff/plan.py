@@ -22,6 +22,7 @@ __all__ = [
     "IDENTICAL",
     "IDENTICAL_UPCAST",
     "REPLACED",
+    "ROUNDED",
     "SAME",
     "SHAPE_CHANGED",
     "SKIPPED",
@@ -43,6 +44,10 @@ EXIT_ADAPTER_MISMATCH = 4
 IDENTICAL = "identical"  # same dtype and shape, same bytes
 IDENTICAL_UPCAST = "identical_upcast"  # dtypes differ; bitwise equal after exact upcast
 DIFFERS = "differs"
+# dtypes differ; the narrower side is the wider one rounded to its dtype (round to nearest even): the same
+# weights, exported (a checkpoint's fp32 trained weights and its step_N/weights, as `ckpt export` and
+# prime-rl's converter write them)
+ROUNDED = "rounded"
 SHAPE_CHANGED = "shape_changed"
 SKIPPED = "skipped"  # --targeted-only: not read
 SAME = (IDENTICAL, IDENTICAL_UPCAST)

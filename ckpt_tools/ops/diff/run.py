@@ -80,6 +80,7 @@ from .plan import (
     IDENTICAL,
     IDENTICAL_UPCAST,
     REPLACED,
+    ROUNDED,
     SAME,
     SHAPE_CHANGED,
     SKIPPED,
@@ -198,7 +199,37 @@ def _compare_streaming(weights, base, p: PairPlan, block_bytes: int, pool) -> Te
     if p.mode == "shape":
         return _result(p, SHAPE_CHANGED, None)
     st = stream_stats(weights, base, p.name, block_bytes, skip_identical=p.mode == "raw", pool=pool)
-    return _result(p, _status(p, st), st)
+    status = _status(p, st)
+    if status == DIFFERS and p.mode == "upcast" and _may_be_rounded(p, st):
+        status = ROUNDED if _is_rounded(weights, base, p, block_bytes) else DIFFERS
+    return _result(p, status, st)
+
+
+def _may_be_rounded(p: PairPlan, st: DeltaStats) -> bool:
+    """Could the narrower side be the wider one rounded? Each rounding moves an element by at most half an
+    ulp of the narrower dtype, eps / 2 of it relative, so ||W - W0|| is at most that of
+    ||W0||: a cheap bound that spares the second read of weights that truly changed (a fine-tune's delta)."""
+    narrow = p.weights if p.weights.itemsize < p.base.itemsize else p.base
+    dt = torch_dtype(narrow.dtype)
+    if not dt.is_floating_point or st.nonfinite or st.rel_fro is None:
+        return False
+    return st.rel_fro <= torch.finfo(dt).eps / 2 * 1.01
+
+
+def _is_rounded(weights, base, p: PairPlan, block_bytes: int) -> bool:
+    """Whether the narrower side is, bit for bit, the wider side cast to its dtype (torch's round to nearest
+    even, as every exporter casts), block by block."""
+    narrow_first = p.weights.itemsize < p.base.itemsize
+    (ns, nf), (ws, wf) = (
+        ((weights, p.weights), (base, p.base)) if narrow_first else ((base, p.base), (weights, p.weights))
+    )
+    dt = torch_dtype(nf.dtype)
+    for start, n in block_ranges(nf.numel, max(1, block_bytes // max(nf.itemsize, wf.itemsize))):
+        narrow = read_block(ns, nf, start, n, "w")[1]
+        wide = read_block(ws, wf, start, n, "b")[1]
+        if not torch.equal(bits(narrow), bits(wide.to(dt))):
+            return False
+    return True
 
 
 _SCRATCH = Scratch()
@@ -386,8 +417,29 @@ def _one_sided(plan: DiffPlan) -> str:
     return ("; " + ", ".join(parts)) if parts else ""
 
 
+def _rounded_verdict(plan: DiffPlan, compared: list[TensorDiff], rounded: list[TensorDiff]):
+    """Every tensor the same, some only as a rounding of the wider side: the same weights, exported."""
+    narrow = {
+        t.weights_dtype if _itemsize(t.weights_dtype) < _itemsize(t.base_dtype) else t.base_dtype
+        for t in rounded
+    }
+    text = (
+        f"the same weights: {len(rounded)} of {len(compared)} compared tensors are the wider side rounded to "
+        f"{'/'.join(sorted(narrow))} (round to nearest even, as an export casts them), the other "
+        f"{len(compared) - len(rounded)} bitwise identical{_one_sided(plan)}"
+    )
+    return "identical_rounded", EXIT_IDENTICAL, text, None
+
+
+def _itemsize(dtype_text: str) -> int:
+    return torch.empty((), dtype=torch_dtype(dtype_text)).element_size()
+
+
 def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int, str, dict | None]:
     compared = [t for t in tensors if t.status != SKIPPED]
+    rounded = [t for t in compared if t.status == ROUNDED]
+    if rounded and all(t.same or t.status == ROUNDED for t in compared) and lora is None:
+        return _rounded_verdict(plan, compared, rounded)
     changed = [t for t in compared if not t.same]
     upcast = [t for t in compared if t.status == IDENTICAL_UPCAST]
     skipped = len(tensors) - len(compared)

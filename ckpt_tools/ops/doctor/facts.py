@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ...formats.primerl.attempt_facts import AttemptFacts
 from ...formats.primerl.config import RunConfig, toml_key
 
 __all__ = [
@@ -97,6 +98,8 @@ class RunFacts:
     base: str | None = None  # base model for fixes (--base, or the config's model name)
     fresh_lr: float | None = None  # lr a freshly built scheduler sets (HEAD offloaded resume)
     decode_rate: float = DEFAULT_DECODE_RATE
+    attempts: tuple[AttemptFacts, ...] = ()  # the run's launch attempts (after Aug 2026), when several
+    written_by: dict[int, str] = field(default_factory=dict)  # checkpoint step -> the attempt that wrote it
 
     def full_steps(self) -> list[StepFacts]:
         return [s for s in self.steps if s.complete and not s.slim]

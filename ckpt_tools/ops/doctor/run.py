@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ...core.errors import CkptError, MissingPathError, UsageError
 from ...core.primerl_state import SchedulerSpec, build_optim_state
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
+from ...formats.primerl.attempt_facts import attempt_facts
+from ...formats.primerl.attempts import checkpoint_step, writer_of
 from ...formats.primerl.config import GEN_HEAD, RunConfig, config_files, load_run_config, locate_run_configs
+from ...formats.primerl.resume import checkpoint_generation, resume_instruction, run_name_of
 from ...formats.primerl.run_dir import (
     absent_modules_to_save,
     adapter_config_files,
@@ -69,6 +72,7 @@ class DoctorReport:
     checkpoints: list[dict]
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
+    attempts: list[dict] = field(default_factory=list)  # a run launched more than once: each launch's
 
     @property
     def problems(self) -> list[Finding]:
@@ -91,6 +95,7 @@ class DoctorReport:
             },
             "exit_code": self.exit_code,
             "notes": self.notes,
+            "attempts": self.attempts,
         }
 
 
@@ -172,6 +177,31 @@ def _fresh_lr(cfg: RunConfig, notes: list[str]) -> float | None:
         return None
 
 
+def _with_attempts(facts: RunFacts, cfg: RunConfig | None) -> RunFacts:
+    """The run's launch attempts (its configs came from `configs/attempt_<n>/`) and which wrote each step."""
+    run = cfg.files.attempts if cfg is not None else None
+    if run is None or len(run.attempts) < 2:
+        return facts
+    wrote = {}
+    for s in facts.steps:
+        step, when = checkpoint_step(Path(s.path))
+        w = writer_of(run, step, when).attempt if step is not None else None
+        if step is not None and w is not None:
+            wrote[step] = w.label
+    return replace(facts, attempts=tuple(attempt_facts(run)), written_by=wrote)
+
+
+def _resume_note(facts: RunFacts, notes: list[str]) -> None:
+    """How to resume at the newest full checkpoint, in the form of the run's prime-rl generation."""
+    full = facts.full_steps()
+    if not full:
+        return
+    newest = full[-1]
+    gen, _why = checkpoint_generation(newest.path, ())
+    name = run_name_of(newest.path) if gen == GEN_HEAD else None
+    notes.append(f"to resume at step {newest.step}: {resume_instruction(gen, newest.step, run_name=name)}")
+
+
 @dataclass(frozen=True)
 class DoctorOptions:
     files: tuple = ()  # config files, in the order `rl @ A @ B` takes them
@@ -195,6 +225,15 @@ class DoctorPlan:
     options: DoctorOptions
 
 
+def _outputs(outputs: str | None, cfg: RunConfig | None, tgt: Path | None) -> Path | None:
+    """--outputs (a dir), else the run's outputs dir found from its config or the target."""
+    if outputs is not None:
+        if not Path(outputs).is_dir():
+            raise UsageError("--outputs is not a directory", path=outputs)
+        return Path(outputs)
+    return outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
+
+
 def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan:
     tgt = Path(target) if target is not None else None
     if tgt is not None and not tgt.exists():
@@ -211,13 +250,7 @@ def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan
             "a 16e747c run dir holds only the orchestrator's config; trainer settings (timeouts, lr, "
             "tokenizer) were not checked: pass the rl.toml the run was launched with"
         )
-    outputs = options.outputs
-    if outputs is not None:
-        out_dir: Path | None = Path(outputs)
-        if not Path(outputs).is_dir():
-            raise UsageError("--outputs is not a directory", path=Path(outputs))
-    else:
-        out_dir = outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
+    out_dir = _outputs(options.outputs, cfg, tgt)
     b = None
     try:
         b = resolve_base(options.base, cfg)
@@ -228,24 +261,75 @@ def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan
     return DoctorPlan(tgt, cfg, out_dir, b.dir if b is not None else None, tuple(notes), options)
 
 
+def _disk_facts(plan: DoctorPlan, notes: list[str]) -> dict:
+    """What the run's outputs dir holds: its checkpoints, the free disk there, the newest weights export
+    against the base, the adapter configs prime-rl wrote (RunFacts' fields)."""
+    o, out_dir = plan.options, plan.outputs
+    got: dict = {
+        "steps": (),
+        "checkpoints_dir": None,
+        "free_bytes": None,
+        "weights": (),
+        "weights_bytes": 0,
+        "adapter_configs": (),
+    }
+    if out_dir is None:
+        return got
+    ck = out_dir / "checkpoints"
+    if ck.is_dir():
+        got["checkpoints_dir"] = str(ck)
+        got["steps"] = tuple(_step_facts(ck, notes, o.trust_pickle))
+        got["free_bytes"] = shutil.disk_usage(ck).free
+    if o.compare_weights:
+        weights, got["weights_bytes"] = _weights_facts(out_dir, plan.base_dir, notes)
+        got["weights"] = tuple(weights)
+    adapters = []
+    for f in adapter_config_files(out_dir):
+        ra = read_adapter_config(f)
+        if ra is not None:
+            adapters.append(AdapterConfig(str(f), ra[0], ra[1], absent_modules_to_save(f)))
+    got["adapter_configs"] = tuple(adapters)
+    return got
+
+
+def _facts(plan: DoctorPlan, notes: list[str]) -> RunFacts:
+    cfg, base_dir, base = plan.config, plan.base_dir, plan.options.base
+    disk = _disk_facts(plan, notes)
+    fresh = None
+    if (
+        cfg is not None
+        and cfg.generation == GEN_HEAD
+        and disk["steps"]
+        and cfg.value("trainer.model.optim_cpu_offload")
+    ):
+        fresh = _fresh_lr(cfg, notes)
+    facts = RunFacts(
+        config=cfg,
+        **disk,
+        model_available=True if base is not None else ((base_dir is not None) if model_name(cfg) else None),
+        base=(str(base) if base is not None else (str(base_dir) if base_dir is not None else None)),
+        fresh_lr=fresh,
+        decode_rate=plan.options.decode_rate,
+    )
+    return _with_attempts(facts, cfg)
+
+
 def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
     """Gather the facts (checkpoints, free disk, the newest weights export against the base, adapter
-    configs) and run every trap. `progress` is accepted for the one contract; nothing reports to it."""
-    cfg, out_dir = plan.config, plan.outputs
-    notes = list(plan.notes)
-    facts = _run_facts(plan, notes)
+    configs, the run's launch attempts) and run every trap. `progress` is accepted for the one contract;
+    nothing reports to it."""
+    cfg, tgt, notes = plan.config, plan.target, list(plan.notes)
+    facts = _facts(plan, notes)
     diagnosis = diagnose(facts)
-    files_json = (
-        [{"path": str(c.path), "section": c.section or "(rl)", "origin": c.origin} for c in cfg.files.files]
-        if cfg is not None
-        else []
-    )
-    tgt = plan.target
+    _resume_note(facts, notes)
+    files = cfg.files.files if cfg is not None else ()
     return DoctorReport(
         target=str(tgt) if tgt is not None else None,
         generation=cfg.generation if cfg is not None else None,
-        config_files=files_json,
-        outputs=str(out_dir) if out_dir is not None else None,
+        config_files=[
+            {"path": str(c.path), "section": c.section or "(rl)", "origin": c.origin} for c in files
+        ],
+        outputs=str(plan.outputs) if plan.outputs is not None else None,
         checkpoints=[
             {
                 "step": s.step,
@@ -259,56 +343,7 @@ def run_doctor(plan: DoctorPlan, progress=None) -> DoctorReport:
         ],
         findings=diagnosis.findings,
         notes=notes,
-    )
-
-
-def _run_facts(plan: DoctorPlan, notes: list[str]) -> RunFacts:
-    """What the traps look at: the config, and from the outputs dir the checkpoints (and their disk's free
-    bytes), the newest weights export against the base and the adapter configs; `notes` gets what
-    could not be read."""
-    o, cfg, out_dir, base_dir, base = (
-        plan.options,
-        plan.config,
-        plan.outputs,
-        plan.base_dir,
-        plan.options.base,
-    )
-    steps: list[StepFacts] = []
-    weights: list[WeightsExport] = []
-    adapters: list[AdapterConfig] = []
-    free, ckdir, wbytes = None, None, 0
-    if out_dir is not None:
-        ck = out_dir / "checkpoints"
-        if ck.is_dir():
-            ckdir = ck
-            steps = _step_facts(ck, notes, o.trust_pickle)
-            free = shutil.disk_usage(ck).free
-        if o.compare_weights:
-            weights, wbytes = _weights_facts(out_dir, base_dir, notes)
-        for f in adapter_config_files(out_dir):
-            ra = read_adapter_config(f)
-            if ra is not None:
-                adapters.append(AdapterConfig(str(f), ra[0], ra[1], absent_modules_to_save(f)))
-    fresh = None
-    if (
-        cfg is not None
-        and cfg.generation == GEN_HEAD
-        and steps
-        and cfg.value("trainer.model.optim_cpu_offload")
-    ):
-        fresh = _fresh_lr(cfg, notes)
-    return RunFacts(
-        config=cfg,
-        steps=tuple(steps),
-        checkpoints_dir=str(ckdir) if ckdir else None,
-        free_bytes=free,
-        weights=tuple(weights),
-        weights_bytes=wbytes,
-        adapter_configs=tuple(adapters),
-        model_available=True if base is not None else ((base_dir is not None) if model_name(cfg) else None),
-        base=(str(base) if base is not None else (str(base_dir) if base_dir is not None else None)),
-        fresh_lr=fresh,
-        decode_rate=o.decode_rate,
+        attempts=[a.to_json() for a in facts.attempts],
     )
 
 

@@ -32,6 +32,7 @@ from .facts import (
     toml_fix,
     toml_value,
 )
+from .traps_attempts import attempts_differ
 from .traps_config import (
     linear_decay_crash,
     lora_alpha,
@@ -90,6 +91,7 @@ TRAPS: tuple[tuple[str, Callable[[RunFacts], list[Finding]]], ...] = (
     ("max-tokens", max_tokens_unset),
     ("world-size", world_size),
     ("output-dir", output_dir_overridden),
+    ("attempts", attempts_differ),
 )
 
 

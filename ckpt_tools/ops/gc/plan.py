@@ -14,6 +14,7 @@ from ...formats.dcp.layout import METADATA_NAME, extra_entries
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.config import load_run_config, locate_run_configs
 from ...formats.primerl.run_dir import checkpoints_dir_of, dir_bytes, resolve_base, step_dirs
+from ...formats.primerl.step_dir import step_extras
 from ...formats.slim.partition import partition
 from ...io.owned import OUTPUT_MARKER
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
@@ -52,6 +53,9 @@ class GcPlan:
     steps: tuple[StepPlan, ...]
     free_bytes: int
     need_bytes: int  # free disk needed: the largest slim written
+    # what the step dirs hold beside trainer/ (prime-rl's converters' weights/, weights-FP8/, the
+    # orchestrator's state): kept as they are, never slimmed or deleted; counted (formats.primerl.step_dir)
+    beside: tuple[dict, ...] = ()
 
     @property
     def units(self) -> list[StepPlan]:
@@ -72,6 +76,8 @@ class GcPlan:
             "need_bytes": self.need_bytes,
             "bytes_to_free": sum(s.bytes_to_free for s in self.steps),
             "steps": [dict(asdict(s), bytes_to_free=s.bytes_to_free) for s in self.steps],
+            "kept_beside": list(self.beside),
+            "kept_beside_bytes": sum(b["bytes"] for b in self.beside),
         }
 
 
@@ -339,4 +345,9 @@ def plan_gc(
         plans,
         shutil.disk_usage(ck).free,
         int(need * 1.02) + (1 << 20) if need else 0,
+        tuple(
+            {"step": n, "name": e.name, "kind": e.kind, "bytes": e.bytes}
+            for n, d in steps
+            for e in step_extras(d)
+        ),
     )

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
-from ...core.keys import classify, trainable_params
+from ...core.keys import classify
 from ...core.tied import TIED_PAIRS
 from ...formats.dcp.layout import METADATA_NAME
 from ...formats.dcp.lora import NoLoraSource
 from ...formats.dcp.reader import DcpCheckpoint
+from ...formats.primerl.optimizers import trained_params
 from ...formats.primerl.run_dir import run_base_of
 from ...formats.trainers import open_trainer_for_export
 from .plan import DEFAULT_MAX_SHARD, MergePlan
@@ -83,13 +84,13 @@ def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeS
                 slot=options.slot,
             )
         else:
-            trained = trainable_params({k: e.path for k, e in ckpt.entries.items()})
+            trained = trained_params(ckpt)
             base_fqns = {i.key.removeprefix("app.model.") for i in infos if i.group == "base"}
             if not trained & base_fqns:
                 raise FormatError(
                     "the checkpoint holds neither LoRA parameters nor trained base weights (no "
-                    "optimizer state for any app.model tensor): exporting it would write an "
-                    "untrained model",
+                    "optimizer state for any app.model tensor, and no param group lists one): exporting "
+                    "it would write an untrained model",
                     path=ckpt.dir / METADATA_NAME,
                     hint="export a checkpoint of a LoRA or full fine-tuning run",
                 )

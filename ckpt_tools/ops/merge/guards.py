@@ -22,10 +22,10 @@ import threading
 import torch
 
 from ...core.errors import FormatError
-from ...core.keys import trainable_params
-from ...formats.hf_dir.model_dir import HFModelDir
+from ...formats.handle import Source
 from ...formats.peft.adapter import PeftAdapter
 from ...formats.peft.config import matches_target_modules
+from ...formats.primerl.optimizers import trained_params
 from .facts import AdapterFacts, BaseFacts
 
 __all__ = [
@@ -90,7 +90,7 @@ def _sample_names(dcp, hf, trained: set[str]) -> list[str]:
     return sorted({names[round(i * step)] for i in range(MASTER_SAMPLE_TENSORS)})
 
 
-def check_masters_match_base(hf: HFModelDir, ckpt) -> dict:
+def check_masters_match_base(hf: Source, ckpt) -> dict:
     """Compare the first and last row of a few of the checkpoint's frozen fp32 masters with the HF
     base's, both rounded to bf16 (so an fp16 or fp32 export of the same weights agrees). Raises a
     FormatError naming the first tensor that disagrees in more than MASTER_MISMATCH_FRACTION of its
@@ -98,7 +98,7 @@ def check_masters_match_base(hf: HFModelDir, ckpt) -> dict:
     base_path = hf.path
     dcp = ckpt.base_weights()
     try:
-        names = _sample_names(dcp, hf, trainable_params({k: e.path for k, e in ckpt.entries.items()}))
+        names = _sample_names(dcp, hf, trained_params(ckpt))
         compared = 0
         for name in names:
             rows, cols = dcp.facts(name).shape

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
-from ...core.keys import expert_names, is_stacked_pattern
+from ...core.keys import classify, expert_names, is_stacked_pattern
 from ...dist import local_workers
 from ...formats.dcp.layout import extra_entries, row_chunks
 from ...formats.dcp.model import BytesEntry, TensorEntry
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.stream_item import MAX_STREAMED_BYTES
 from ...formats.hf_dir.model_dir import HFModelDir
+from ...formats.primerl.optimizers import optimizer_facts
 from ...formats.slim.manifest import SLIM_MANIFEST, Manifest, kept_item_id, read_manifest
 from ...formats.slim.partition import base_identity, map_to_base
 from ...formats.slim.rowcheck import Segment, segments_of
@@ -168,6 +169,9 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
         manifest.dropped, {n: hf.facts(n).shape for n in hf.names()}, hf.config, Path(hf.path)
     )
     warnings = _base_changed(hf, base_name, manifest)
+    absent = optimizer_facts(classify(k, e.path) for k, e in ckpt.entries.items()).absent
+    if absent:  # SignSGD: the rebuilt checkpoint holds no moments either; prime-rl's SignSGD needs none
+        warnings.append(f"{absent}: the rebuilt checkpoint has none either, as the original")
     slim_files = ckpt.data_files()
     copy_items = _copy_items(ckpt, slim_files)
     kept_crc = _kept_crcs(ckpt, manifest, copy_items)

@@ -14,6 +14,7 @@ from ...formats.dcp.model import TensorEntry
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
 from ...formats.handle import Source
+from ...formats.primerl.optimizers import optimizer_facts, trained_params
 from ...sources.open import open_weights
 from .lr import LrCurves, lr_curves
 from .numbers import (
@@ -254,12 +255,15 @@ def _step(plan, s, norms, norm_src, base, warnings):
         )
         if summ.lora.modules:
             _lora_step(ckpt, plan, norms, norm_src, num)
-        trained = {i.param for i in summ.infos if i.group == "optimizer_state"} & {
+        trained = trained_params(ckpt) & {
             i.key.removeprefix("app.model.") for i in summ.infos if i.group == "base"
         }
         if trained:
             _trained_step(ckpt.base_weights(), base, trained, num, warnings)
         num.moments = _moments(ckpt, summ.infos)
+        absent = optimizer_facts(summ.infos).absent
+        if absent and not num.moments:
+            warnings.append(f"{absent}: the page has no moments to draw")
         curves = (
             lr_curves(
                 ckpt,

@@ -9,16 +9,21 @@ O(KB) (hard links + one patch file + a new `.metadata`, or in place with a backu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...core.errors import UsageError
+from ...core.keys import classify
 from ...core.progress import Progress
 from ...formats.dcp.patch import PatchResult, patch_checkpoint
 from ...formats.dcp.reader import DcpCheckpoint
+<<<<<<< HEAD
 from ...formats.sniff import TORCHTITAN, VERL
 from ...formats.trainers import trainer_kind
 from ...formats.verl.patch import VerlPatchResult
+=======
+from ...formats.primerl.optimizers import optimizer_facts
+>>>>>>> main
 from .plan import SetLrPlan, SetValuesPlan, plan_set_lr, plan_set_values
 from .trainers import TORCHTITAN_HINT, TORCHTITAN_SET_LR, plan_verl_set_lr, plan_verl_set_values, verl_patch
 
@@ -111,6 +116,9 @@ def set_lr(
         # the preview replays the schedule with torch's schedulers (building an optimizer imports
         # torch._dynamo: seconds), so the real run skips it
         plan = plan_set_lr(ckpt, lr=lr, scale=scale, min_lr=min_lr, preview=dry_run)
+        absent = optimizer_facts(classify(k, e.path) for k, e in ckpt.entries.items()).absent
+        if absent:  # SignSGD: no moments to keep; the lr changes the same way
+            plan = replace(plan, warnings=(*plan.warnings, absent))
         return PatchReport(plan) if dry_run else run_patch(plan, ckpt, options)
 
 

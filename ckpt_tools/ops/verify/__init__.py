@@ -15,6 +15,7 @@ from ...core.problems import Problem, VerifyReport
 from ...core.progress import Progress
 from ...dist import Group
 from ...formats.dcp.checks import verify_dcp
+from ...formats.primerl.step_dir import step_extras
 from ...formats.sniff import CHECKPOINTS, DCP, TORCHTITAN, VERL, sniff
 from .hf import verify_hf
 from .peft import verify_peft
@@ -59,6 +60,33 @@ def plan_verify(path: str | Path, options: VerifyOptions) -> VerifyPlan:
     return VerifyPlan(str(p), kind, options)
 
 
+def _verify_beside(step_dir: Path, report: VerifyReport, *, deep: bool, progress, group) -> None:
+    """Each `weights*/` dir of a step dir checked as the HF model dir it is (`formats.primerl.step_dir`): an
+    incomplete one (a converter killed mid-way) and every problem of it are problems of the step."""
+    seen = []
+    for extra in step_extras(step_dir):
+        if not extra.is_weights:
+            continue
+        sub = VerifyReport(str(extra.path), "hf", deep)
+        if extra.complete:
+            verify_hf(extra.path, sub, deep=deep, progress=progress, group=group)
+        else:
+            sub.problem(extra.path, None, f"incomplete {extra.kind}: {extra.problem}")
+        report.problems += sub.problems
+        report.warnings += sub.warnings
+        seen.append(
+            {
+                "name": extra.name,
+                "kind": extra.kind,
+                "bytes": extra.bytes,
+                "ok": sub.ok,
+                "problems": len(sub.problems),
+            }
+        )
+    if seen:
+        report.checked["beside"] = seen
+
+
 def run_verify(
     plan: VerifyPlan, progress: Progress | None = None, *, group: Group | None = None
 ) -> VerifyReport:
@@ -76,6 +104,8 @@ def run_verify(
         verify_torchtitan(p, report, deep=o.deep, progress=progress, group=group)
     elif plan.kind == "dcp":
         verify_dcp(p, report, deep=o.deep, trust_pickle=o.trust_pickle, progress=progress, group=group)
+        if (p / "trainer").is_dir():  # a step dir: the HF weights prime-rl's converters write beside trainer/
+            _verify_beside(p, report, deep=o.deep, progress=progress, group=group)
     elif plan.kind == "hf":
         verify_hf(p, report, deep=o.deep, progress=progress, group=group)
     else:
