@@ -141,92 +141,14 @@ def plan_set_lr(
     min_lr: float | None = None,
     preview: bool = True,
 ) -> SetLrPlan:
-    """Compute every byte item of a DCP checkpoint to patch (`plan_lr_state` over its scheduler and
-    param-group items), with prime-rl's note on a CPU-offload optimizer's param groups."""
-    st = read_sched_state(ckpt)
-<<<<<<< HEAD
-    return plan_lr_state(
-        st, str(ckpt.dir), lr=lr, scale=scale, min_lr=min_lr, preview=preview, warnings=_fused_warning(ckpt)
-    )
-
-
-def _fused_warning(ckpt: DcpCheckpoint) -> list[str]:
-    fused = next(
-        (
-            ckpt.read_object(k)
-            for k, e in ckpt.entries.items()
-            if e.path[2:5] == ("param_groups", "0", "fused") or e.path[2:5] == ("param_groups", 0, "fused")
-        ),
-        None,
-    )
-    if fused is not False:
-        return []
-    return [
-        "param_groups fused=False: prime-rl HEAD's CPU-offload optimizer (optim_cpu_offload, the "
-        "default) wrote this, and its resume skips the optimizer's set_state_dict (trainer/ckpt.py:"
-        "104-124): the param groups' lr comes from the freshly built scheduler, not from this "
-        "checkpoint. The patched scheduler state still loads; to be sure of the lr, also set the "
-        "run config's optim.lr (or run with optim_cpu_offload=false)"
-    ]
-
-
-def current_lr(st: SchedState, source: str) -> float:
-    """Param group 0's lr: a finite float >= 0, or a FormatError naming its key."""
-    current = st.groups[min(st.groups)].get("lr")
-    key = st.keys.get(("pg", min(st.groups), "lr"))
-    if not isinstance(current, float):
-        raise FormatError(
-            f"param group lr is {type(current).__name__} {current!r}, expected a float", key=key
-        )
-    if not math.isfinite(current) or current < 0:
-        raise FormatError(
-            f"the checkpoint's lr is {current!r}: not a finite number >= 0, so no new lr can be "
-            "derived from it",
-            path=source,
-            key=key,
-            hint="the checkpoint is damaged or crafted; `ckpt set` can write a finite lr",
-        )
-    return current
-
-
-def lr_factor(
-    current: float, lr: float | None, scale: float | None
-) -> tuple[float, tuple[float, float] | None]:
-    """(factor, exact) of `--lr` (the current lr becomes exactly `lr`) or `--scale` (the factor itself)."""
+    """Compute every byte item of a DCP checkpoint to patch: `plan_lr_state` over its scheduler and
+    param-group items, with prime-rl's note on a CPU-offload optimizer's param groups."""
     if (lr is None) == (scale is None):
         raise UsageError("give exactly one of --lr or --scale")
-    if lr is not None:
-        if not (math.isfinite(lr) and 0 < lr <= MAX_LR):
-            raise UsageError(f"--lr must be a finite number in (0, {MAX_LR:g}], got {lr}")
-        if current <= 0:
-            raise UsageError(
-                f"the current lr is {current}, so --lr cannot be turned into a factor", hint="use --scale"
-            )
-        return lr / current, (current, lr)
-    assert scale is not None
-    if not (math.isfinite(scale) and scale > 0):
-        raise UsageError(f"--scale must be a positive finite number, got {scale}")
-    return scale, None
-
-
-def scaled_lr_fields(st: SchedState, factor: float, exact) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every lr field of `st` (LR_FIELDS) scaled by `factor`: ({key: new value}, {key: why})."""
-=======
-    current = _current_lr(ckpt, st)
-    factor, exact = _factor(current, lr, scale)
-    if min_lr is not None and not (math.isfinite(min_lr) and min_lr >= 0):
-        raise UsageError(f"--min-lr must be a finite number >= 0, got {min_lr}")
->>>>>>> main
-    new: dict[str, Any] = {}
-    why: dict[str, str] = {}
-    for (where, idx, fld), key in sorted(st.keys.items(), key=lambda kv: kv[1]):
-        group = "param_groups" if where == "pg" else "scheduler"
-        if (group, fld) in LR_FIELDS:
-            old = (st.groups[idx] if where == "pg" else st.top if where == "top" else st.subs[idx])[fld]
-            new[key] = scale_value(old, factor, key, exact)
-            why[key] = f"x{factor:g}"
-<<<<<<< HEAD
-    return new, why
+    st = read_sched_state(ckpt)
+    return plan_lr_state(
+        st, str(ckpt.dir), lr=lr, scale=scale, min_lr=min_lr, preview=preview, warnings=_offload_warning(ckpt)
+    )
 
 
 def plan_lr_state(
@@ -239,10 +161,11 @@ def plan_lr_state(
     preview: bool = True,
     warnings: list[str] | tuple[str, ...] = (),
 ) -> SetLrPlan:
-    """Every lr field of the optimizer and scheduler state `st` with its new value. Exactly one of `lr`
-    (the current lr becomes `lr`; factor = lr / current lr of param group 0) or `scale` (factor).
-    `preview` replays the remaining schedule before and after with torch's schedulers (building a torch
-    optimizer imports torch._dynamo: seconds, so the real run skips it).
+    """Every lr field of the optimizer and scheduler state `st` (a DCP checkpoint's, a verl checkpoint's)
+    with its new value. Exactly one of `lr` (the current lr becomes `lr`; factor = lr / current lr of
+    param group 0) or `scale` (factor). `preview` replays the remaining schedule before and after with
+    torch's schedulers (building a torch optimizer imports torch._dynamo: seconds, so the real run skips
+    it).
 
     `min_lr` retargets the end of the decay instead of scaling it: CosineAnnealingLR's `eta_min`
     is set to it; a LinearLR decay that has not started gets `end_factor = min_lr / base_lr`
@@ -264,16 +187,6 @@ def plan_lr_state(
     if st.kind in ("unknown",):
         notes.append("unrecognised scheduler: only lr fields known by name were patched")
     notes.extend(warnings)
-=======
-    warnings = []
-    if min_lr is not None:
-        _apply_min_lr(st, new, why, min_lr, factor, exact)
-    if len(st.groups) > 1 and lr is not None:
-        warnings.append(f"{len(st.groups)} param groups: all scaled by the factor of group 0 ({factor:g})")
-    if st.kind in ("unknown",):
-        warnings.append("unrecognised scheduler: only lr fields known by name were patched")
-    warnings += _offload_warning(ckpt)
->>>>>>> main
     for key, v in new.items():
         check_lr_value(v, key)
     changes = tuple(
@@ -298,7 +211,20 @@ def plan_lr_state(
     )
 
 
-def _current_lr(ckpt: DcpCheckpoint, st: SchedState) -> float:
+def scaled_lr_fields(st: SchedState, factor: float, exact) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every lr field of `st` (LR_FIELDS) scaled by `factor`: ({key: new value}, {key: why})."""
+    new: dict[str, Any] = {}
+    why: dict[str, str] = {}
+    for (where, idx, fld), key in sorted(st.keys.items(), key=lambda kv: kv[1]):
+        group = "param_groups" if where == "pg" else "scheduler"
+        if (group, fld) in LR_FIELDS:
+            old = (st.groups[idx] if where == "pg" else st.top if where == "top" else st.subs[idx])[fld]
+            new[key] = scale_value(old, factor, key, exact)
+            why[key] = f"x{factor:g}"
+    return new, why
+
+
+def current_lr(st: SchedState, source: str) -> float:
     """Param group 0's lr: a finite float >= 0 (a new lr is derived from it)."""
     current = st.groups[min(st.groups)].get("lr")
     if not isinstance(current, float):
@@ -310,14 +236,14 @@ def _current_lr(ckpt: DcpCheckpoint, st: SchedState) -> float:
         raise FormatError(
             f"the checkpoint's lr is {current!r}: not a finite number >= 0, so no new lr can be "
             "derived from it",
-            path=ckpt.dir,
+            path=source,
             key=st.keys.get(("pg", min(st.groups), "lr")),
             hint="the checkpoint is damaged or crafted; `ckpt set` can write a finite lr",
         )
     return current
 
 
-def _factor(
+def lr_factor(
     current: float, lr: float | None, scale: float | None
 ) -> tuple[float, tuple[float, float] | None]:
     """The factor every lr field is scaled by, and (current, lr) when --lr gives it exactly."""
@@ -329,7 +255,7 @@ def _factor(
                 f"the current lr is {current}, so --lr cannot be turned into a factor", hint="use --scale"
             )
         return lr / current, (current, lr)
-    assert scale is not None  # exactly one of the two (plan_set_lr checked)
+    assert scale is not None  # exactly one of the two (plan_lr_state checked)
     if not (math.isfinite(scale) and scale > 0):
         raise UsageError(f"--scale must be a positive finite number, got {scale}")
     return scale, None

@@ -17,13 +17,10 @@ from ...core.keys import classify
 from ...core.progress import Progress
 from ...formats.dcp.patch import PatchResult, patch_checkpoint
 from ...formats.dcp.reader import DcpCheckpoint
-<<<<<<< HEAD
+from ...formats.primerl.optimizers import optimizer_facts
 from ...formats.sniff import TORCHTITAN, VERL
 from ...formats.trainers import trainer_kind
 from ...formats.verl.patch import VerlPatchResult
-=======
-from ...formats.primerl.optimizers import optimizer_facts
->>>>>>> main
 from .plan import SetLrPlan, SetValuesPlan, plan_set_lr, plan_set_values
 from .trainers import TORCHTITAN_HINT, TORCHTITAN_SET_LR, plan_verl_set_lr, plan_verl_set_values, verl_patch
 
