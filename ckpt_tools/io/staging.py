@@ -352,7 +352,7 @@ class InPlaceDir:
     def _sibling(self, kind: str) -> Path:
         return self.dir.parent / f".{self.dir.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         assert self.tmp is not None
         switched = False
         try:
