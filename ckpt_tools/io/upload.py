@@ -243,13 +243,7 @@ def _put(url: RemoteUrl, local: Path, *, overwrite: bool) -> Uploaded:
     except CkptError:
         raise
     except Exception as exc:  # a client's failure outside the stores' own mapping (the Hub's commit)
-        first = (str(exc).splitlines() or [""])[0]
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        raise CkptError(
-            f"uploading to {url.shown} failed: {status or type(exc).__name__}: {first}; "
-            "nothing was committed there",
-            hint="check the endpoint and credentials, then rerun",
-        ) from None
+        raise _hub_failure(exc, url) from None
     finally:
         while len(_DIRS) > before:
             shutil.rmtree(_DIRS.pop(), ignore_errors=True)
@@ -335,6 +329,23 @@ def _hub_commit(
         else ""
     )
     return Uploaded(url.shown, len(files), sum(f.size for f in files), "one Hub commit" + note)
+
+
+def _hub_failure(exc: Exception, url: RemoteUrl) -> CkptError:
+    """A Hub client's failure as one line: the status and reason the Hub answered, else the exception."""
+    resp = getattr(exc, "response", None)
+    status, reason = getattr(resp, "status_code", None), getattr(resp, "reason_phrase", "")
+    if status in (401, 403):
+        return UsageError(
+            f"the Hub refused access to {url.shown} ({status})",
+            hint="set HF_TOKEN (or run `hf auth login`) with a token that can write to this repo",
+        )
+    first = (str(exc).splitlines() or [""])[0]
+    said = f"the Hub answered {status} {reason}".rstrip() if status else f"{type(exc).__name__}: {first}"
+    return CkptError(
+        f"uploading to {url.shown} failed: {said}; nothing was committed there",
+        hint="rerun when the Hub answers" if status else "check the endpoint, then rerun",
+    )
 
 
 def _hub_repo(url: RemoteUrl) -> tuple[Any, Any, str]:
