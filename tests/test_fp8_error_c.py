@@ -7,6 +7,7 @@ sends it to the reference. The codes and scales are never the kernel's: `quantiz
 give the same bytes and figures with and without it."""
 
 import math
+import platform
 
 import numpy as np
 import pytest
@@ -76,6 +77,22 @@ def test_the_kernel_sums_the_definitions_terms(shape):
     assert got == pytest.approx(want, rel=1e-12, abs=1e-300)
     assert reference_error_sq(x, codes, scales) == pytest.approx(want, rel=1e-4)
     assert error_sq(x, codes, scales) == got  # the dispatcher takes the kernel's answer
+
+
+@needs_c
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_vector_path_gives_the_scalar_paths_bits(shape):
+    """Scalar, SSE2 and AVX2 (those this machine has: x86-64 has SSE2, the GPU host and this one AVX2) add the
+    same terms into the same lanes in the same order: the figure does not depend on the CPU."""
+    _, x, codes, scales = quantized(*shape, seed=3 * sum(shape))
+    best = fp8.accelerator.best_path()
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert best >= 1  # every x86-64 build has SSE2
+    got = [
+        fp8.accelerator.error_sq(x.numpy(), codes.view(torch.uint8).numpy(), scales.numpy(), *shape, path)
+        for path in range(best + 1)
+    ]
+    assert all(g == got[0] for g in got), got
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -13,7 +13,7 @@
  * are added to the block's, and those LANES in one fixed tree at the end; the vector path (SSE2) keeps the
  * scalar path's lanes and order, so both give the same bits. No -ffast-math and no fused multiply-add (setup.py passes
  * -ffp-contract=off): the result depends on the block alone, never on the thread or the machine's vector
- * width. A NaN code (0x7f, 0xff: never cast from a clamped finite value) makes it answer None, and the
+ * width (tests/test_fp8_error_c.py runs every path). A NaN code (0x7f, 0xff: never cast from a clamped finite value) makes it answer None, and the
  * reference decides.
  */
 #define PY_SSIZE_T_CLEAN
@@ -23,6 +23,10 @@
 
 #ifdef __SSE2__
 #include <emmintrin.h>
+#endif
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1 /* compiled for any x86-64, taken where the CPU has AVX2 (no FMA: never enabled) */
 #endif
 
 #define LANES 8   /* element (r, c) is summed in accumulator c % LANES */
@@ -72,9 +76,54 @@ static inline int v_step(const float *x, const uint8_t *q, float s, __m128d *acc
 }
 #endif
 
+#ifdef HAVE_AVX2_PATH
+/* One row's elements [0, c rounded down to LANES) into part[0..LANES) (element j into lane j % LANES, as
+ * the SSE2 and scalar paths add them, in the same order: the same bits); returns the count done, and sets
+ * *nan where a code is NaN. */
+__attribute__((target("avx2"))) static Py_ssize_t row_avx2(const float *x, const uint8_t *q, const float *sr,
+                                                            Py_ssize_t c, double *part, int *nan) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    __m128i nans = _mm_setzero_si128();
+    Py_ssize_t j = 0;
+    for (; j + LANES <= c; j += LANES) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(q + j));
+        nans = _mm_or_si128(nans, _mm_cmpeq_epi8(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f)));
+        __m256i w = _mm256_cvtepu8_epi32(b);
+        __m256i o = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x7f)), 20);
+        __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(o, _mm256_set1_epi32(0x07800000)), _mm256_setzero_si256());
+        __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(o, _mm256_set1_epi32(120 << 23)));
+        __m256 small = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(o, _mm256_set1_epi32(121 << 23))),
+                                     _mm256_castsi256_ps(_mm256_set1_epi32(121 << 23)));
+        __m256 v = _mm256_blendv_ps(normal, small, _mm256_castsi256_ps(sub));
+        v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24)));
+        __m256 d = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_loadu_ps(x + j)), _mm256_set1_ps(sr[j / BLOCK]));
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(d)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(lo, lo));
+        a1 = _mm256_add_pd(a1, _mm256_mul_pd(hi, hi));
+    }
+    _mm256_storeu_pd(part, a0);
+    _mm256_storeu_pd(part + 4, a1);
+    *nan |= _mm_movemask_epi8(nans) != 0;
+    return j;
+}
+#endif
+
+/* The vector paths: 0 none (scalar), 1 SSE2, 2 AVX2; the best this build and CPU have. */
+static int best_path(void) {
+#ifdef HAVE_AVX2_PATH
+    if (__builtin_cpu_supports("avx2")) return 2;
+#endif
+#ifdef __SSE2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The sum over rows [0, n) x cols [0, c) of a row block whose first row starts a scale row; `scales`
  * holds the block's scale rows (ceil(n / 128) x ceil(c / 128)). Returns -1 where a code is NaN. */
-static double error_sq(const float *x, const uint8_t *q, const float *scales, Py_ssize_t n, Py_ssize_t c) {
+static double error_sq(const float *x, const uint8_t *q, const float *scales, Py_ssize_t n, Py_ssize_t c,
+                       int path) {
     double acc[LANES] = {0};
     Py_ssize_t gc = (c + BLOCK - 1) / BLOCK;
     int nan = 0;
@@ -83,11 +132,16 @@ static double error_sq(const float *x, const uint8_t *q, const float *scales, Py
         const uint8_t *qr = q + r * c;
         double part[LANES] = {0};
         Py_ssize_t j = 0;
+#ifdef HAVE_AVX2_PATH
+        if (path == 2) j = row_avx2(xr, qr, sr, c, part, &nan);
+#endif
 #ifdef __SSE2__
-        __m128d va[4];
-        for (int k = 0; k < 4; k++) va[k] = _mm_setzero_pd();
-        for (; j + LANES <= c; j += LANES) nan |= v_step(xr + j, qr + j, sr[j / BLOCK], va);
-        for (int k = 0; k < 4; k++) _mm_storeu_pd(part + 2 * k, va[k]);
+        if (path == 1) {
+            __m128d va[4];
+            for (int k = 0; k < 4; k++) va[k] = _mm_setzero_pd();
+            for (; j + LANES <= c; j += LANES) nan |= v_step(xr + j, qr + j, sr[j / BLOCK], va);
+            for (int k = 0; k < 4; k++) _mm_storeu_pd(part + 2 * k, va[k]);
+        }
 #endif
         for (; j < c; j++) {
             nan |= (qr[j] & 0x7f) == 0x7f;
@@ -103,8 +157,11 @@ static double error_sq(const float *x, const uint8_t *q, const float *scales, Py
 static PyObject *py_error_sq(PyObject *self, PyObject *args) {
     Py_buffer x, q, s;
     Py_ssize_t n, c;
-    if (!PyArg_ParseTuple(args, "y*y*y*nn", &x, &q, &s, &n, &c)) return NULL;
+    int path = -1;
+    if (!PyArg_ParseTuple(args, "y*y*y*nn|i", &x, &q, &s, &n, &c, &path)) return NULL;
     PyObject *result = NULL;
+    int best = best_path();
+    if (path < 0 || path > best) path = best;
     Py_ssize_t gr = (n + BLOCK - 1) / BLOCK, gc = (c + BLOCK - 1) / BLOCK;
     if (n < 0 || c < 0 || x.len != n * c * 4 || q.len != n * c || s.len != gr * gc * 4) {
         PyErr_Format(PyExc_ValueError, "buffers of %zd, %zd and %zd bytes for a %zd x %zd block", x.len, q.len,
@@ -115,7 +172,7 @@ static PyObject *py_error_sq(PyObject *self, PyObject *args) {
     } else {
         double got;
         Py_BEGIN_ALLOW_THREADS
-        got = error_sq((const float *)x.buf, (const uint8_t *)q.buf, (const float *)s.buf, n, c);
+        got = error_sq((const float *)x.buf, (const uint8_t *)q.buf, (const float *)s.buf, n, c, path);
         Py_END_ALLOW_THREADS
         result = got < 0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(got);
     }
@@ -139,11 +196,15 @@ static PyObject *py_decode_all(PyObject *self, PyObject *noargs) {
     return out;
 }
 
+static PyObject *py_best_path(PyObject *self, PyObject *noargs) { return PyLong_FromLong(best_path()); }
+
 static PyMethodDef methods[] = {
     {"error_sq", py_error_sq, METH_VARARGS,
-     "error_sq(x, codes, scales, n, c) -> sum of (scale * (decode(q) - x))^2 over an n x c row block (x: the "
-     "clamped fp32 values the codes were cast from; scales: its ceil(n/128) x ceil(c/128) scale rows), in fp64; "
-     "None for a misaligned buffer or a NaN code (use the reference)."},
+     "error_sq(x, codes, scales, n, c, path=-1) -> sum of (scale * (decode(q) - x))^2 over an n x c row block "
+     "(x: the clamped fp32 values the codes were cast from; scales: its ceil(n/128) x ceil(c/128) scale rows), in "
+     "fp64; None for a misaligned buffer or a NaN code (use the reference). path: 0 scalar, 1 SSE2, 2 AVX2, -1 "
+     "(or one this build or CPU lacks) the best there is; every path gives the same bits."},
+    {"best_path", py_best_path, METH_NOARGS, "best_path() -> the vector path error_sq takes: 0 scalar, 1 SSE2, 2 AVX2."},
     {"decode_all", py_decode_all, METH_NOARGS,
      "decode_all() -> the kernel's fp32 value of each of the 256 e4m3fn codes (NaN codes as it reads them)."},
     {NULL, NULL, 0, NULL},
