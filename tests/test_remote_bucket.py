@@ -28,8 +28,8 @@ pytest.importorskip("fsspec")
 
 from ckpt_tools.cli import main  # noqa: E402
 from ckpt_tools.io import remote, upload  # noqa: E402
+from ckpt_tools.io.owned import OUTPUT_MARKER  # noqa: E402
 from ckpt_tools.io.upload import COMMIT_LAST  # noqa: E402
-from ckpt_tools.io.upload_bucket import STAGING_ROOT  # noqa: E402
 
 from .remote_servers import HubServer  # noqa: E402
 from .test_remote import BASE, REPO, TRAINER, assert_one_interrupt_line, ckpt, digest, local  # noqa: E402,F401
@@ -71,24 +71,32 @@ def same_bytes(a: Path, b: Path) -> None:
         assert (a / n).read_bytes() == (b / n).read_bytes(), n
 
 
+def leftovers(root: Path) -> list[str]:
+    """Staging and backup files left in the bucket (`.NAME.ckpt-tmp-*/`, `.NAME.ckpt-old-*/`)."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if ".ckpt-tmp-" in str(p) or ".ckpt-old-" in str(p))
+
+
 def assert_staged_then_placed(batches: list[list[dict]], prefix: str) -> None:
-    """The order a reader relies on: every file added under the staging prefix first (nothing under PATH),
-    then copied into PATH, every data file before any marker file; the staging prefix deleted last."""
-    kinds = [{op["type"] for op in b} for b in batches]
-    assert kinds[0] == {"addFile"} and all(op["path"].startswith(STAGING_ROOT + "/") for op in batches[0])
-    copies = [op for b in batches for op in b if op["type"] == "copyFile"]
-    assert copies and all(op["path"].startswith(prefix + "/") for op in copies)
-    first_marker = next(i for i, op in enumerate(copies) if op["path"].rsplit("/", 1)[-1] in COMMIT_LAST)
-    assert all(op["path"].rsplit("/", 1)[-1] in COMMIT_LAST for op in copies[first_marker:]), copies
+    """The order a reader relies on: every file added under the staging prefix beside PATH first (nothing
+    under PATH), then the ownership marker, then the files copied into PATH, every data file before any
+    marker file, the ownership marker last; the staging prefix deleted last."""
+    staging = f".{prefix}.ckpt-tmp-"
+    assert {op["type"] for op in batches[0]} == {"addFile"} and all(op["path"].startswith(staging) for op in batches[0])
+    assert [(op["type"], op["path"]) for op in batches[1]] == [("addFile", f"{prefix}/{OUTPUT_MARKER}")]
+    copies = [op["path"] for b in batches for op in b if op["type"] == "copyFile"]
+    assert copies and all(p.startswith(prefix + "/") for p in copies)
+    assert copies[-1] == f"{prefix}/{OUTPUT_MARKER}"
+    first_marker = next(i for i, p in enumerate(copies) if p.rsplit("/", 1)[-1] in COMMIT_LAST)
+    assert all(p.rsplit("/", 1)[-1] in (*COMMIT_LAST, OUTPUT_MARKER) for p in copies[first_marker:]), copies
     last = batches[-1]
-    assert {op["type"] for op in last} == {"deleteFile"} and all(op["path"].startswith(STAGING_ROOT) for op in last)
+    assert {op["type"] for op in last} == {"deleteFile"} and all(op["path"].startswith(staging) for op in last)
     assert len(last) == len(batches[0])
 
 
 def test_slim_to_a_bucket_then_rehydrate_from_it_equals_the_local_round_trip(hub, local, tmp_path):
     ckpt("slim", TRAINER, f"hf://buckets/{BUCKET}/slim-3", "--base", BASE)
     assert digest(hub.root / "slim-3") == digest(local["dir"] / "slim")
-    assert files_under(hub.root, STAGING_ROOT) == []
+    assert leftovers(hub.root) == []
     assert_staged_then_placed(hub.batches, "slim-3")
     remote.reset()
     ckpt("rehydrate", f"hf://buckets/{BUCKET}/slim-3", tmp_path / "full", "--base", BASE)
@@ -96,7 +104,7 @@ def test_slim_to_a_bucket_then_rehydrate_from_it_equals_the_local_round_trip(hub
     remote.reset()
 
     r = ckpt("slim", TRAINER, f"hf://buckets/{BUCKET}/slim-3", "--base", BASE, code=1)
-    assert "already exists in the bucket" in r.output and "--overwrite" in r.output, r.output
+    assert "already exists" in r.output and "--overwrite" in r.output, r.output
     assert digest(hub.root / "slim-3") == digest(local["dir"] / "slim")
 
 
@@ -125,12 +133,18 @@ def test_overwrite_replaces_the_output_markers_removed_first_and_stale_files_aft
     hub.batches.clear()
     ckpt("slim", TRAINER, f"hf://buckets/{BUCKET}/over", "--base", BASE, "--overwrite")
     ckpt("slim", TRAINER, tmp_path / "slim", "--base", BASE)
-    assert digest(hub.root / "over") == digest(tmp_path / "slim")   # no file of the adapter is left
-    commit = hub.batches[1:]
-    assert [op["path"] for op in commit[0]] == ["over/adapter_config.json"]   # the old marker went first
-    assert {op["type"] for op in commit[0]} == {"deleteFile"}
-    stale = [op["path"] for b in commit for op in b if op["type"] == "deleteFile" and op["path"].startswith("over/")]
-    assert "over/adapter_model.safetensors" in stale
+    assert digest(hub.root / "over") == digest(tmp_path / "slim")  # no file of the adapter is left
+    assert leftovers(hub.root) == []
+    ops = [(op["type"], op["path"]) for b in hub.batches for op in b]
+    into = [i for i, (t, p) in enumerate(ops) if t == "copyFile" and p.startswith("over/")]
+    # the old marker files were backed up, then deleted before anything was copied into place
+    backed = [i for i, (t, p) in enumerate(ops) if t == "copyFile" and p.startswith(".over.ckpt-old-")]
+    assert any(ops[i][1].endswith("/adapter_config.json") for i in backed)
+    gone = ops.index(("deleteFile", "over/adapter_config.json"))
+    assert max(backed) < gone < into[0]
+    # then the old files the new output does not hold, before anything of it was put in place
+    stale = ops.index(("deleteFile", "over/adapter_model.safetensors"))
+    assert gone < stale < into[0]
 
 
 def _run_cli_interrupted(hub, out_url: str, when: str):
@@ -161,7 +175,7 @@ def test_ctrl_c_during_the_upload_commits_nothing(hub):
     assert rc == 130, out
     assert hub.on_xet_token is None   # it was interrupted there
     assert_one_interrupt_line(out)
-    assert files_under(hub.root, "int-upload") == [] and files_under(hub.root, STAGING_ROOT) == []
+    assert files_under(hub.root, "int-upload") == [] and leftovers(hub.root) == []
     assert not any(op["type"] == "copyFile" for b in hub.batches for op in b)
 
 
@@ -173,17 +187,17 @@ def test_ctrl_c_once_the_commit_began_is_held_until_the_output_is_complete(hub, 
                      "when the interrupt arrived"], out
     ckpt("slim", TRAINER, tmp_path / "slim", "--base", BASE)
     assert digest(hub.root / "int-commit") == digest(tmp_path / "slim")
-    assert files_under(hub.root, STAGING_ROOT) == []
+    assert leftovers(hub.root) == []
 
 
 def test_a_commit_the_hub_refuses_leaves_nothing_under_the_path(hub):
     hub.fail_batch_op = lambda op: ("storage quota exceeded" if op["type"] == "copyFile"
                                     and op["path"].endswith("/.metadata") else None)
     r = ckpt("slim", TRAINER, f"hf://buckets/{BUCKET}/refused", "--base", BASE, code=1)
-    line = r.output.strip().splitlines()[-1]
-    assert line.startswith(f"error: uploading to hf://buckets/{BUCKET}/refused failed while putting it in place")
-    assert "storage quota exceeded" in r.output and "nothing is left there" in line, r.output
-    assert files_under(hub.root, "refused") == [] and files_under(hub.root, STAGING_ROOT) == []
+    lines = r.output.strip().splitlines()
+    assert lines == [f"error: uploading to hf://buckets/{BUCKET}/refused failed: the Hub answered storage quota "
+                     "exceeded to copy refused/.metadata; nothing is left there (rerun when the store answers)"], r.output
+    assert files_under(hub.root, "refused") == [] and leftovers(hub.root) == []
     # the data files had been copied before the marker failed: they were removed, not left as half an output
     assert any(op["type"] == "copyFile" and op["path"].endswith(".distcp") for b in hub.batches for op in b)
 
@@ -225,7 +239,7 @@ def test_gc_slim_to_a_bucket_uploads_each_slim_and_it_rehydrates_bit_exactly(hub
              tmp_path / "run" / "base_model")
         remote.reset()
         assert_bit_equal_checkpoints(originals / f"step_{n}" / "trainer", out)
-    assert files_under(hub.root, "gc-run/step_3") == [] and files_under(hub.root, STAGING_ROOT) == []
+    assert files_under(hub.root, "gc-run/step_3") == [] and leftovers(hub.root) == []
 
 
 def test_signals_deferred_holds_a_ctrl_c_that_another_thread_receives():
@@ -251,14 +265,16 @@ def test_signals_deferred_holds_a_ctrl_c_that_another_thread_receives():
     assert out.stdout.split() == ["held", "delivered", "after"], (out.stdout, out.stderr)
 
 
-def test_set_lr_from_a_bucket_into_a_bucket_uploads_the_data_files_not_their_stand_ins(hub, tmp_path):
-    """set-lr keeps the input's data files unchanged: from a URL they are stand-ins for the remote objects
-    (io.remote), and a bucket takes local files only, so they are fetched first; uploading a stand-in
-    itself would put a file of zeros there."""
+def test_set_lr_from_a_bucket_into_a_bucket_copies_the_data_files_by_xet_hash(hub, tmp_path):
+    """set-lr keeps the input's data files unchanged: from one bucket into another (or the same) the Hub copies
+    them by Xet hash, server-side; nothing of them is fetched or sent, and the files equal a local set-lr's."""
     ckpt("set-lr", TRAINER, tmp_path / "lr1", "--scale", "0.5")
     ckpt("set-lr", tmp_path / "lr1", tmp_path / "lr2", "--scale", "0.5")
     ckpt("set-lr", TRAINER, f"hf://buckets/{BUCKET}/lr1", "--scale", "0.5")
     remote.reset()
     r = ckpt("set-lr", f"hf://buckets/{BUCKET}/lr1", f"hf://buckets/{BUCKET}/lr2", "--scale", "0.5", "--json")
     assert digest(hub.root / "lr2") == digest(tmp_path / "lr2")
-    assert "fetched from the inputs first" in json.loads(r.stdout)["remote"]["uploaded"][0]["method"]
+    (up,) = json.loads(r.stdout)["remote"]["uploaded"]
+    data = sum(p.stat().st_size for p in TRAINER.glob("*.distcp"))
+    assert "4 file(s) copied server-side (by Xet hash)" in up["method"] and up["copied_bytes"] == data, up
+    assert up["bytes"] < data / 10, up

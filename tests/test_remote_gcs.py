@@ -90,12 +90,13 @@ def test_gcs_slim_to_a_bucket_then_rehydrate_from_it(gcs_env, local, tmp_path):
     assert digest(tmp_path / "full") == digest(local["dir"] / "full")
 
 
-def test_gcs_overwrite_replaces_the_output_and_removes_what_it_no_longer_holds(gcs_env, local, tmp_path):
-    gcs_env.put("runs", "over/step_3/stale.bin", b"from an earlier output")
-    gcs_env.put("runs", "over/step_3/.metadata", b"an older .metadata")
+def test_gcs_overwrite_replaces_an_earlier_output_and_removes_what_it_no_longer_holds(gcs_env, local, tmp_path):
+    ckpt("extract-adapter", TRAINER, "gs://runs/over/step_3", "--alpha", "16")
+    assert "over/step_3/adapter_config.json" in gcs_env.names("runs", "over/")
     ckpt("slim", TRAINER, "gs://runs/over/step_3", "--base", BASE, "--overwrite")
     assert gcs_env.names("runs", "over/") == sorted(f"over/step_3/{p.name}" for p in (local["dir"] / "slim").iterdir())
     assert digest(fetched(gcs_env, "over/step_3", tmp_path / "got")) == digest(local["dir"] / "slim")
+    assert [n for n in gcs_env.names("runs") if ".ckpt-tmp-" in n or ".ckpt-old-" in n] == []
 
 
 def test_gcs_dropped_connection_mid_body_resumes(gcs_env, local, tmp_path):
@@ -161,8 +162,8 @@ def test_gcs_missing_key_or_bucket_is_the_usual_error(gcs_env):
     assert "no such file or directory: gs://no-such-bucket/step_3/trainer" in r.output
     remote.reset()
     line = one_line(ckpt("slim", TRAINER, "gs://no-such-bucket/slim", "--base", BASE, code=2).output)
-    assert line.startswith("error: gs://no-such-bucket/slim: listing the output prefix: not found") \
-        and "bucket exists" in line, line
+    assert line == ("error: gs://no-such-bucket/slim: the bucket does not exist (create it first: gcloud storage "
+                    "buckets create gs://BUCKET)"), line
 
 
 def fetched(gcs, prefix: str, dest: Path) -> Path:
@@ -206,41 +207,36 @@ def test_gcs_without_any_credentials_names_what_to_set(gcs_env, tmp_path):
 
 def test_gcs_ctrl_c_during_upload_commits_nothing(gcs_env, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), CKPT_REMOTE_BACKOFF="0.05")
-    n = len(gcs_env.uploads)
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", "slim", str(TRAINER), "gs://runs/interrupted",
                              "--base", str(BASE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
     def interrupt():
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)   # the chunk arrives after the interrupt
-    gcs_env.faults["on_upload_chunk"] = interrupt
+        time.sleep(0.5)   # the upload arrives after the interrupt
+    gcs_env.faults["on_upload"] = interrupt
     out, _ = proc.communicate(timeout=120)
-    assert gcs_env.faults.get("on_upload_chunk") is None   # it was interrupted there
+    assert gcs_env.faults.get("on_upload") is None   # it was interrupted there
     assert proc.returncode == 130, out
     assert_one_interrupt_line(out)
-    assert gcs_env.names("runs", "interrupted") == []
-    assert gcs_env.uploads[n:] and not [c for _, c in gcs_env.uploads[n:] if not c.endswith("/*")]   # none ended
+    assert gcs_env.names("runs", "interrupted") == [] and gcs_env.names("runs", ".interrupted.") == []
 
 
-def test_gcs_failure_inside_the_commit_burst_leaves_nothing(gcs_env, tmp_path, monkeypatch):
-    """Two uploads are ended, then every further end fails: the two objects are deleted again."""
-    monkeypatch.setenv("CKPT_REMOTE_RETRIES", "1")
-    gcs_env.faults["fail_finish_after"] = 2
-    r = ckpt("slim", TRAINER, "gs://runs/burst", "--base", BASE, code=1)
-    line = one_line(r.output)
-    assert "finishing the upload of burst/" in line and "HTTP 503" in line, line
-    assert gcs_env.names("runs", "burst") == []
-
-
-def test_gcs_a_failed_upload_chunk_starts_that_file_over(gcs_env, tmp_path):
-    """The chunk is refused (503): the file is sent again in a new session, and the output is exact."""
-    gcs_env.faults["chunk_503"] = 1
-    n = len(gcs_env.uploads)
-    ckpt("slim", TRAINER, "gs://runs/retried", "--base", BASE)
-    chunks = [c for _, c in gcs_env.uploads[n:] if c.endswith("/*")]
-    assert gcs_env.faults["chunk_503"] == 0 and chunks[0] == chunks[1]   # the first chunk went twice
-    assert digest(fetched(gcs_env, "retried", tmp_path / "got")) == digest(local_slim(tmp_path))
+def test_gcs_503s_on_an_upload_are_gcsfs_retries_and_the_objects_arrive_exact(gcs_env, tmp_path):
+    """Empty, small and resumable (over 5 MiB: several chunks) files, two 503s on the way: gcsfs retries
+    them (its own backoff), each object is the file, byte for byte."""
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    sizes = {"empty": 0, "one": 1, "small": 300_000, "sub/big": (6 << 20) + 7}
+    for name, n in sizes.items():
+        (tree / name).write_bytes(os.urandom(n))
+    gcs_env.faults["status_503"] = 2
+    done = upload.upload_tree(tree, "gs://runs/edges")
+    assert gcs_env.faults["status_503"] == 0
+    assert (done.files, done.bytes) == (len(sizes) + 0, sum(sizes.values()))
+    assert gcs_env.names("runs", "edges/") == sorted(f"edges/{n}" for n in sizes)
+    for name in sizes:
+        assert gcs_env.get("runs", f"edges/{name}") == (tree / name).read_bytes(), name
 
 
 def test_gcs_gc_slim_to_uploads_each_slim_and_it_rehydrates_bit_exactly(gcs_env, tmp_path):
@@ -272,35 +268,14 @@ def test_the_gcs_packages_are_not_imported_for_local_paths():
     assert out.strip() == "[]"
 
 
-def test_gcs_uploads_at_the_256_kib_edges_arrive_exact(gcs_env, tmp_path, monkeypatch):
-    """Empty, 1 byte, one aligned chunk, one byte past it, several chunks (the chunk made 256 KiB here):
-    each object is the file, byte for byte, and each upload was ended by exactly one request."""
-    from ckpt_tools.io import remote_gcs
-    monkeypatch.setattr(remote_gcs, "CHUNK_BYTES", remote_gcs.ALIGN_BYTES)
-    k = remote_gcs.ALIGN_BYTES
-    tree = tmp_path / "tree"
-    tree.mkdir()
-    sizes = {"empty": 0, "one": 1, "aligned": k, "past": k + 1, "several": 3 * k + 7, "sub/deep": 2 * k}
-    for name, n in sizes.items():
-        (tree / name).parent.mkdir(parents=True, exist_ok=True)
-        (tree / name).write_bytes(os.urandom(n))
-    start = len(gcs_env.uploads)
-    done = upload.upload_tree(tree, "gs://runs/edges")
-    assert (done.files, done.bytes) == (len(sizes), sum(sizes.values()))
-    assert gcs_env.names("runs", "edges/") == sorted(f"edges/{n}" for n in sizes)
-    for name in sizes:
-        assert gcs_env.get("runs", f"edges/{name}") == (tree / name).read_bytes(), name
-    ends = [c for _, c in gcs_env.uploads[start:] if not c.endswith("/*")]
-    assert len(ends) == len(sizes) and "bytes */0" in ends
-    chunks = [c for _, c in gcs_env.uploads[start:] if c.endswith("/*")]
-    assert len(chunks) == 0 + 0 + 0 + 1 + 3 + 1   # every byte but each file's last piece, 256 KiB at a time
-
-
-def test_gcs_set_lr_from_gcs_into_gcs_uploads_the_data_files_not_their_stand_ins(gcs_env, tmp_path):
-    """set-lr keeps the input's data files unchanged: from a URL they are stand-ins for the remote objects
-    (io.remote), and GCS takes local files only, so they are fetched first; uploading a stand-in itself
-    would put a file of zeros there."""
+def test_gcs_set_lr_from_gcs_into_gcs_rewrites_the_data_files_server_side(gcs_env, tmp_path):
+    """set-lr keeps the input's data files unchanged: GCS rewrites them into the output itself, from the
+    generation that was read; nothing of them is fetched or sent, and the output equals a local set-lr's."""
     ckpt("set-lr", TRAINER, tmp_path / "lr", "--scale", "0.5")
+    gcs_env.counter.reset()
     r = ckpt("set-lr", "gs://runs/step_3/trainer", "gs://runs/lr/step_3", "--scale", "0.5", "--json")
+    data = sum(p.stat().st_size for p in TRAINER.glob("*.distcp"))
+    assert gcs_env.counter.bytes < data / 10   # the media bytes relayed: never the data files
     assert digest(fetched(gcs_env, "lr/step_3", tmp_path / "got")) == digest(tmp_path / "lr")
-    assert "fetched from the inputs first" in json.loads(r.stdout)["remote"]["uploaded"][0]["method"]
+    (up,) = json.loads(r.stdout)["remote"]["uploaded"]
+    assert "4 file(s) copied server-side (objects.rewrite)" in up["method"] and up["copied_bytes"] == data, up

@@ -108,7 +108,9 @@ _NOTHING_WRITTEN = "nothing was written (temporary files removed)"
 def _what_was_done(exc: BaseException) -> str:
     """What an interrupted command leaves: its own summary (gc's steps), the outputs it had committed
     (complete: the interruption came after), or nothing."""
-    done = staging.committed_outputs()
+    from ..io import upload  # an OUT bound for a URL is committed when its upload is (its own `summary`)
+
+    done = [out for out in staging.committed_outputs() if not upload.bound_for_url(out)]
     if getattr(exc, "summary", None) or not done:
         return getattr(exc, "summary", None) or _NOTHING_WRITTEN
     return (

@@ -16,7 +16,7 @@ import click
 from ..api import DryRunReport
 from ..core.units import human_bytes
 from .progress import ProgressLine
-from .render import STATE, emit
+from .render import STATE, emit, warn
 
 __all__ = ["DryRunReport", "finish", "progress_line", "shown"]
 
@@ -49,6 +49,11 @@ def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: 
         ctx = click.get_current_context(silent=True)
         params = ctx.params if ctx is not None else {}
         STATE.uploaded = upload.commit_pending(overwrite=bool(params.get("overwrite")))
+        for u in STATE.uploaded:
+            for x in u.left_behind:
+                warn(
+                    f"{u.url} is in place, complete, but the cleanup could not remove {x}: delete it yourself"
+                )
     if as_json:
         emit(report, exit_code=exit_code)
         return

@@ -1,75 +1,57 @@
-"""Outputs to a URL: written locally first (the op's own atomic output dir, in a private temp dir),
-then uploaded and committed in one step, so that a reader never sees half an output.
+"""Outputs to a URL: written locally first (the op's own atomic output dir, in a private temp dir), then put
+in place at the URL with the local contract: nothing appears there until the output is complete,
+`--overwrite` replaces only an earlier output of ckpt-tools (the marker rule of io/owned.py), and a
+failure or Ctrl-C at any point leaves the earlier output intact or the new one complete
+(docs/remote.md, "Writing to a URL").
 
-  - `s3://bucket/prefix`: every file is a multipart upload whose parts are all sent first; only
-    then are the uploads completed, in one burst with signals held (the DCP `.metadata`, index and
-    manifest files last: a reader that finds them finds everything they name). Ctrl-C (or any
-    failure) before that aborts every upload: nothing appears. `--overwrite` deletes the old objects
-    under the prefix that the new output does not replace, after the commit.
+  - `s3://bucket/prefix`, `gs://bucket/prefix`, `hf://buckets/ns/name/path`, any other fsspec protocol
+    that writes (az://, ...): a bucket prefix, put in place in the staged steps of io/upload_commit.py,
+    through each store's own client (upload_s3.py, upload_fsspec.py: gcsfs for GCS, upload_bucket.py).
   - `hf://[datasets/]org/name[@branch]/path`: one Hub commit holding every file (`HfApi.create_commit`):
-    the file contents are uploaded first, the commit is made last; an interruption commits nothing.
-  - `hf://buckets/ns/name/path`: a bucket has no commits: uploaded under a staging prefix, then copied
-    into place by Xet hash, the marker files last (io/upload_bucket.py).
-  - `gs://bucket/prefix`: every file a resumable upload, all data sent first but each file's last piece,
-    then the uploads ended in one burst with signals held, the markers last (`remote_gcs.GcsWriter`).
-  - any other fsspec protocol that writes (az://, ...): `put` inside an fsspec transaction (files
-    committed when it closes, discarded on failure).
+    the contents are uploaded first, the commit made last; a Hub commit is atomic.
 
-A file of the output that is a remote input's object unchanged (a stand-in, `remote.link_stand_in`:
-set-lr's data files) is not uploaded from here: S3 to S3 copies it server-side (UploadPartCopy into the
-same multipart upload, the source pinned by `CopySourceIfMatch` and its ETag re-checked before the
-commit), any other source is streamed by range into the upload parts; a Hub commit or an fsspec `put`
-takes a local file, so there it is fetched into the staging dir first (the Hub copies no file across
-repos).
+A file of the output that is a remote input's object unchanged (set-lr's data files: a stand-in,
+`remote.link_stand_in`, or `copy_later`) is not uploaded from here: the store copies it server-side where it
+can (S3 to S3, GCS to GCS, bucket to bucket), else it is streamed by range (or fetched first, for a Hub
+commit and a bucket, which take local files).
 
-`stage_output(url)` gives the command its local OUT; `commit_pending()` (the CLI's `finish`) uploads
-what the command wrote there; `discard_pending()` removes the staging dirs (atexit too).
-`upload_tree(local, url)` uploads one finished local tree the same way (gc's `--slim-to`, one commit
-per step), every failure a CkptError naming the URL.
+`stage_output(url)` gives the command its local OUT; `commit_pending()` (the CLI's `finish`) puts what the
+command wrote there at its URL; `discard_pending()` removes the staging dirs (atexit too).
+`upload_tree(local, url)` puts one finished local tree at a URL the same way (gc's `--slim-to`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import contextlib
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ..core.errors import CkptError, DiskSpaceError, FormatError, OutputExistsError, UsageError
+from ..core.errors import CkptError, OutputExistsError, UsageError
 from ..core.units import human_bytes
 from . import remote
 from .files import create_new
-from .remote import RemoteUrl, parse_url
+from .owned import OUTPUT_MARKER, judge
+from .remote_url import RemoteUrl, parse_url
 from .signals import Terminated, signals_deferred
+from .upload_commit import COMMIT_LAST, OVERWRITE_HINT, OutFile, put_output
 
 __all__ = [
     "COMMIT_LAST",
     "Uploaded",
+    "bound_for_url",
     "check_writable",
     "commit_pending",
+    "copy_later",
     "discard_pending",
     "is_staged",
     "pending",
     "stage_output",
     "upload_tree",
 ]
-
-UPLOAD_PART_BYTES = 64 << 20
-COPY_PART_BYTES = 1 << 30  # an UploadPartCopy part (S3 takes 5 MiB to 5 GiB; the last one may be smaller)
-# what an S3-compatible store answers when it has no UploadPartCopy: the object is streamed instead
-_NO_SERVER_COPY = ("NotImplemented", "XNotImplemented", "501")
-# written last: what a reader opens first, and that names the other files
-COMMIT_LAST = (
-    ".metadata",
-    "model.safetensors.index.json",
-    "ckpt-slim-manifest.json",
-    "adapter_config.json",
-    "config.json",
-)
 
 
 @dataclass(frozen=True)
@@ -78,7 +60,8 @@ class Uploaded:
     files: int
     bytes: int  # sent from this machine
     method: str
-    copied_bytes: int = 0  # copied by the store itself, server-side (S3 UploadPartCopy), never sent from here
+    copied_bytes: int = 0  # copied by the store itself from a remote input, never sent from here
+    left_behind: tuple[str, ...] = ()  # staged or backed-up objects the cleanup could not remove
 
     def to_json(self) -> dict:
         return {
@@ -87,27 +70,36 @@ class Uploaded:
             "bytes": self.bytes,
             "method": self.method,
             "copied_bytes": self.copied_bytes,
+            "left_behind": list(self.left_behind),
         }
 
 
 _PENDING: list[tuple[RemoteUrl, Path]] = []
 _DIRS: list[Path] = []
+_LATER: dict[str, object] = {}  # a staged file's real path -> the remote input's object it holds unchanged
+_BOUND: set[str] = set()  # every local OUT handed out for a URL (kept after its staging dir is gone)
 
 
 def check_writable(value) -> RemoteUrl:
-    """`value` as a URL an output can be uploaded to, else a UsageError naming what can."""
+    """`value` as a URL an output can be put at, else a UsageError naming what can."""
     url = parse_url(value)
     if url is None:
         raise UsageError(
             f"not a URL: {value!r}",
-            hint="give a URL to upload to: s3://BUCKET/PREFIX, "
-            "hf://ORG/REPO/DIR, hf://buckets/NS/NAME/DIR or "
-            "gs://BUCKET/PREFIX",
+            hint="give a URL to upload to: s3://BUCKET/PREFIX, hf://ORG/REPO/DIR, hf://buckets/NS/NAME/DIR "
+            "or gs://BUCKET/PREFIX",
+        )
+    if url.userinfo or url.query:
+        raise UsageError(
+            "an output URL takes no credentials nor query string",
+            path=url.shown,
+            hint="give the store its credentials its own way (AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, "
+            "HF_TOKEN)",
         )
     if url.scheme in ("http", "https"):
         raise UsageError(
             f"cannot write to {url.scheme}:// (plain HTTP has no upload)",
-            path=url.text,
+            path=url.shown,
             hint="write to s3://, hf:// or gs://, or to a local path",
         )
     return url
@@ -118,7 +110,8 @@ def stage_output(value) -> Path:
     url = check_writable(value)
     local = _staging_dir("ckpt-upload-") / url.name
     _PENDING.append((url, local))
-    remote.add_display(local, url.text)
+    _BOUND.add(os.path.realpath(local))
+    remote.add_display(local, url.shown)
     return local
 
 
@@ -126,6 +119,19 @@ def is_staged(path) -> bool:
     """Whether `path` lies in a staging dir of an output bound for a URL (`stage_output`)."""
     real = os.path.realpath(path)
     return any(real == os.path.realpath(d) or real.startswith(os.path.realpath(d) + os.sep) for d in _DIRS)
+
+
+def bound_for_url(out) -> bool:
+    """Whether `out` is a local OUT `stage_output` handed out: committed only when its upload is."""
+    return os.path.realpath(out) in _BOUND
+
+
+def copy_later(dst, source) -> None:
+    """`dst` (new, in a staged OUT) is the remote input's object `source` unchanged: an empty file is made
+    there, and the upload takes `source` for it (copied server-side where the store can)."""
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.close(fd)
+    _LATER[os.path.realpath(dst)] = source
 
 
 def pending() -> bool:
@@ -140,75 +146,203 @@ def _staging_dir(prefix: str) -> Path:
     return d
 
 
-def _object_of(path: Path):
-    """The remote object `path` stands in for (`remote.link_stand_in`), else None."""
-    return remote.object_of_stat(os.stat(path)) if remote.active() else None
+def _source_of(path: Path):
+    """The remote input's object the staged file `path` holds unchanged, else None."""
+    found = _LATER.get(os.path.realpath(path))
+    if found is None and remote.active():
+        found = remote.object_of_stat(os.stat(path))
+    return found
 
 
-def fetched_locally(files) -> tuple[list, int]:
-    """`files` with every stand-in for a remote object replaced by a local copy of it, fetched by range into
-    a staging dir (for writers that take local files only: every writer but S3's, which copies them
-    server-side). Returns the files and the bytes fetched. A writer that skipped it would upload the
-    stand-in itself: a placeholder of zeros."""
-    out, fetched, where = [], 0, None
-    for rel, path, size in files:
-        obj = _object_of(path)
-        if obj is None:
-            out.append((rel, path, size))
-            continue
-        where = where or _staging_dir("ckpt-fetched-")
-        free = shutil.disk_usage(where).free
-        if free < size:
-            raise DiskSpaceError(
-                f"uploading {obj.url} here means fetching it first: need {human_bytes(size)}, "
-                f"{human_bytes(free)} free",
-                path=str(where),
-                hint="set CKPT_UPLOAD_STAGING to a dir with room, or write OUT to s3://",
-            )
-        local = where / str(len(out))
-        fd = create_new(local)
-        try:
-            for off in range(0, size, UPLOAD_PART_BYTES):
-                buf = bytearray(min(UPLOAD_PART_BYTES, size - off))
-                obj.read_into(buf, off)
-                os.write(fd, buf)
-        finally:
-            os.close(fd)
-        out.append((rel, local, size))
-        fetched += size
-    return out, fetched
-
-
-def _files(root: Path) -> list[tuple[str, Path, int]]:
+def _files(root: Path) -> list[OutFile]:
+    if not root.is_dir():
+        return [OutFile("", root, root.stat().st_size, _source_of(root))]
     out = []
     for dirpath, _dirs, names in os.walk(root):
         for n in names:
             p = Path(dirpath) / n
-            out.append((p.relative_to(root).as_posix(), p, p.stat().st_size))
-    return sorted(out, key=lambda f: (f[0].rsplit("/", 1)[-1] in COMMIT_LAST, f[0]))
+            src = _source_of(p)
+            out.append(OutFile(p.relative_to(root).as_posix(), p, src.size if src else p.stat().st_size, src))
+    return sorted(out, key=lambda f: f.rel)
 
 
 def commit_pending(*, overwrite: bool) -> list[Uploaded]:
-    """Upload every staged output that its command wrote (a dry run wrote none: nothing to do)."""
+    """Put every staged output that its command wrote at its URL (a dry run wrote none: nothing to do)."""
     done = []
     try:
         for url, local in list(_PENDING):
-            if not local.exists():
-                continue
-            _check_not_an_input(url)
-            files = _files(local) if local.is_dir() else [("", local, local.stat().st_size)]
-            writer = _writer(url)
-            try:
-                done.append(writer.upload(url, files, overwrite=overwrite))
-            except BaseException as exc:  # an interrupt held through the commit arrives after it
-                if getattr(writer, "committed", False) and isinstance(exc, (KeyboardInterrupt, Terminated)):
-                    exc.summary = (
-                        f"{url.text} had been uploaded and committed, complete, when the interrupt arrived"
-                    )
-                raise
+            if local.exists():
+                _check_not_an_input(url)
+                done.append(_put(url, local, overwrite=overwrite))
     finally:
         discard_pending()
     return done
+
+
+def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:
+    """Put the finished local file or tree `local` at the URL `value`, as `commit_pending` does. A failure
+    is a CkptError naming the URL and saying what is there."""
+    return _put(check_writable(value), local, overwrite=overwrite)
+
+
+def _put(url: RemoteUrl, local: Path, *, overwrite: bool) -> Uploaded:
+    files = _files(local)
+    committed = [False]
+    try:
+        return _to_store(url, files, local, overwrite=overwrite, committed=committed)
+    except (KeyboardInterrupt, Terminated) as exc:  # an interrupt held through the commit arrives after it
+        if committed[0]:
+            exc.summary = f"{url.shown} had been uploaded and committed, complete, when the interrupt arrived"  # type: ignore[union-attr]
+        raise
+    except CkptError:
+        raise
+    except Exception as exc:  # a client's failure outside the stores' own mapping (the Hub's commit)
+        first = (str(exc).splitlines() or [""])[0]
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        raise CkptError(
+            f"uploading to {url.shown} failed: {status or type(exc).__name__}: {first}; "
+            "nothing was committed there",
+            hint="check the endpoint and credentials, then rerun",
+        ) from None
+
+
+def _to_store(
+    url: RemoteUrl, files: list[OutFile], local: Path, *, overwrite: bool, committed: list
+) -> Uploaded:
+    """The output `files` put at `url` by its store (module docstring)."""
+    if url.scheme == "hf" and not url.path.startswith("buckets/"):
+        return _hub_commit(url, files, local, overwrite=overwrite, committed=committed)
+    store, prefix, method = _store(url, local)
+    sent, left = put_output(
+        store, url.shown, prefix, files, overwrite=overwrite, done=lambda: committed.__setitem__(0, True)
+    )
+    copied = store.copied_bytes
+    if copied:
+        method += f"; {store.copied_files} file(s) copied server-side ({store.copy_how})"
+    streamed = sum(f.size for f in files if f.source is not None) - copied
+    if streamed:
+        method += f"; {human_bytes(streamed)} of it fetched from the inputs first (no server-side copy there)"
+    return Uploaded(url.shown, len(files), sent, method, copied, tuple(left))
+
+
+def _store(url: RemoteUrl, local: Path):
+    """(store, the output's prefix in its key space, how it is put in place) for a bucket URL."""
+    head, _, rest = url.path.partition("/")
+    if url.scheme == "hf":  # hf://buckets/NS/NAME/PATH
+        parts = url.path.split("/")
+        if len(parts) < 4 or not parts[1] or not parts[2] or not "/".join(parts[3:]).strip("/"):
+            raise UsageError(
+                "name a folder inside the bucket (hf://buckets/NAMESPACE/NAME/PATH)", path=url.shown
+            )
+        from .upload_bucket import HfBucketStore
+
+        bucket = HfBucketStore(f"{parts[1]}/{parts[2]}", url.shown)
+        bucket.fetch_dir = _staging_dir("ckpt-fetched-")
+        return bucket, "/".join(parts[3:]).strip("/"), "hf bucket: staged, then copied into place by Xet hash"
+    if not rest.strip("/"):
+        raise UsageError(f"name a prefix inside the bucket ({url.scheme}://BUCKET/PREFIX)", path=url.shown)
+    if url.scheme == "s3":
+        from .upload_s3 import S3Store
+
+        return S3Store(head), rest.strip("/"), "s3 multipart uploads, completed at the commit"
+    from .upload_fsspec import FsspecStore
+
+    fs = FsspecStore(url.scheme)
+    return fs, fs.path_of(url.path), f"{fs.name}: staged, then copied into place server-side"
+
+
+def _hub_commit(
+    url: RemoteUrl, files: list[OutFile], local: Path, *, overwrite: bool, committed: list
+) -> Uploaded:
+    """One Hub commit: the earlier output (same rule as local) deleted and the new one added at once."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfFileSystem
+
+    fs = HfFileSystem(skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None)
+    try:
+        res: Any = fs.resolve_path(url.path)  # a repo path: buckets go to io.upload_bucket
+    except FileNotFoundError:
+        raise UsageError(
+            "the Hub repo (or its branch) does not exist",
+            path=url.shown,
+            hint="create it first: hf repo create ORG/NAME",
+        ) from None
+    prefix = res.path_in_repo.strip("/")
+    if not prefix:
+        raise UsageError("name a directory inside the repo (hf://org/name/DIR)", path=url.shown)
+    old = _hub_existing(fs, res, url.shown, overwrite=overwrite, single=files[0].rel == "")
+    files, fetched = _fetched(files, local)
+    adds = [
+        CommitOperationAdd(path_in_repo=f"{prefix}/{f.rel}" if f.rel else prefix, path_or_fileobj=str(f.path))
+        for f in files
+    ]
+    new = {o.path_in_repo for o in adds}
+    dels = [CommitOperationDelete(path_in_repo=p) for p in old if p not in new]
+    # the contents first (LFS/Xet uploads; interruptible: nothing is committed), then the commit itself, which
+    # holds the small files inline, with Ctrl-C held: it is made whole or not at all
+    fs._api.preupload_lfs_files(res.repo_id, adds, repo_type=res.repo_type, revision=res.revision)
+    with signals_deferred():
+        ops: list = [*adds, *dels]
+        fs._api.create_commit(
+            res.repo_id,
+            ops,
+            repo_type=res.repo_type,
+            revision=res.revision,
+            commit_message=f"ckpt: write {prefix}",
+        )
+        committed[0] = True
+    note = (
+        f"; {human_bytes(fetched)} of it fetched from the inputs first (no server-side copy there)"
+        if fetched
+        else ""
+    )
+    return Uploaded(url.shown, len(files), sum(f.size for f in files), "one Hub commit" + note)
+
+
+def _hub_existing(fs, res, where: str, *, overwrite: bool, single: bool) -> list[str]:
+    """The paths in the repo of the earlier output at `res`, after the refusals of `--overwrite`'s rule."""
+    root = res.unresolve()
+    found = fs.find(root, detail=True) if fs.exists(root) else {}
+    head = len(root.rstrip("/")) + 1
+    listed = {n[head:]: int(i.get("size") or 0) for n, i in found.items() if i.get("type") == "file"}
+    if not listed:
+        return []
+    if not overwrite:
+        raise OutputExistsError("already exists", path=where, hint=OVERWRITE_HINT)
+    if not single:
+        marker = fs.cat_file(f"{root}/{OUTPUT_MARKER}") if OUTPUT_MARKER in listed else None
+        judge(where, sorted({r.split("/", 1)[0] for r in listed}), marker, lambda: sum(listed.values()))
+    base = res.path_in_repo.strip("/")
+    return [f"{base}/{r}" if r else base for r in listed]
+
+
+def _fetched(files: list[OutFile], local: Path) -> tuple[list[OutFile], int]:
+    """`files` with each remote source fetched by range into a local file (a Hub commit takes local files)."""
+    out, fetched, where = [], 0, None
+    for f in files:
+        if f.source is None:
+            out.append(f)
+            continue
+        where = where or _staging_dir("ckpt-fetched-")
+        free = shutil.disk_usage(where).free
+        if free < f.size:
+            raise CkptError(
+                f"uploading {f.source.url} here means fetching it first: need {human_bytes(f.size)}, "
+                f"{human_bytes(free)} free",
+                path=str(where),
+                hint="set CKPT_UPLOAD_STAGING to a dir with room",
+            )
+        path = where / str(len(out))
+        fd = create_new(path)
+        try:
+            for off in range(0, f.size, 16 << 20):
+                buf = bytearray(min(16 << 20, f.size - off))
+                f.source.read_into(buf, off)
+                os.write(fd, buf)
+        finally:
+            os.close(fd)
+        out.append(OutFile(f.rel, path, f.size))
+        fetched += f.size
+    return out, fetched
 
 
 def _check_not_an_input(url: RemoteUrl) -> None:
@@ -224,310 +358,15 @@ def _check_not_an_input(url: RemoteUrl) -> None:
         if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
             raise UsageError(
                 f"OUT is an input of this command, or holds or lies inside one ({read.text})",
-                path=url.text,
+                path=url.shown,
                 hint="write OUT to another prefix; an input is never replaced",
             )
 
 
-def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:
-    """Upload the finished local file or tree `local` to the URL `value`, committed in one step (as
-    `commit_pending` does). A failure (the server gone, 5xx after the client's retries, refused
-    credentials) is a CkptError naming the URL; nothing is committed then."""
-    url = check_writable(value)
-    files = _files(local) if local.is_dir() else [("", local, local.stat().st_size)]
-    writer = None
-    try:
-        writer = _writer(url)
-        return writer.upload(url, files, overwrite=overwrite)
-    except CkptError:
-        raise
-    except BaseException as exc:
-        if isinstance(exc, (KeyboardInterrupt, Terminated)):  # say whether the commit was made
-            if getattr(writer, "committed", False):
-                exc.summary = (
-                    f"{url.text} had been uploaded and committed, complete, when the interrupt arrived"
-                )
-            raise
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise CkptError(
-            f"uploading to {url.text} failed: {type(exc).__name__}: {first}",
-            path=url.text,
-            hint="nothing was committed there; check the endpoint and credentials, then rerun",
-        ) from None
-
-
 def discard_pending() -> None:
     _PENDING.clear()
+    _LATER.clear()
     while _DIRS:
         d = _DIRS.pop()
         remote.forget_under(d)
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _writer(url: RemoteUrl):
-    if url.scheme == "s3":
-        return _S3Writer()
-    if url.scheme == "hf" and url.path.startswith("buckets/"):
-        from .upload_bucket import HfBucketWriter
-
-        return HfBucketWriter()
-    if url.scheme == "hf":
-        return _HfWriter()
-    if url.scheme in ("gs", "gcs"):
-        from .remote_gcs import GcsWriter
-
-        return GcsWriter()
-    return _FsspecWriter(url.scheme)
-
-
-class _S3Writer:
-    def __init__(self):
-        from .remote_backends import S3Backend
-
-        self.b = S3Backend()
-        self.client = self.b._client()
-        self.no_server_copy = False
-
-    def _call(self, coro):
-        from .remote import RemoteDenied
-        from .remote_backends import run_sync, s3_error
-
-        try:
-            return run_sync(self.b.fs.loop, coro, 600)
-        except Exception as exc:
-            err = s3_error(exc, "")
-            if isinstance(err, RemoteDenied):
-                raise UsageError(str(err)) from None
-            raise
-
-    def _existing(self, bucket: str, prefix: str) -> list[str]:
-        keys, token = [], None
-        while True:
-            kw = {"Bucket": bucket, "Prefix": prefix + "/"}
-            if token:
-                kw["ContinuationToken"] = token
-            page = self._call(self.client.list_objects_v2(**kw))
-            keys += [o["Key"] for o in page.get("Contents", [])]
-            if not page.get("IsTruncated"):
-                return keys
-            token = page["NextContinuationToken"]
-
-    def upload(self, url: RemoteUrl, files, *, overwrite: bool) -> Uploaded:
-        bucket, _, prefix = url.path.partition("/")
-        prefix = prefix.strip("/")
-        old = self._existing(bucket, prefix) if prefix else []
-        if old and not overwrite:
-            raise OutputExistsError(
-                "already exists (objects under this prefix)",
-                path=url.text,
-                hint="pass --overwrite to replace it, or another output path",
-            )
-        started: list[tuple[str, str | None, list]] = []
-        sent = copied = 0
-        pinned = []  # the objects copied server-side: their ETags re-checked before the commit
-        try:
-            for rel, path, size in files:
-                key = f"{prefix}/{rel}" if rel else prefix
-                if size == 0:
-                    started.append((key, None, []))
-                    continue
-                uid = self._call(self.client.create_multipart_upload(Bucket=bucket, Key=key))["UploadId"]
-                started.append((key, uid, []))
-                obj = _object_of(path)
-                if obj is not None and self._copy_object(obj, bucket, key, uid, started[-1][2]):
-                    copied += size
-                    pinned.append(obj)
-                    continue
-                sent += self._send(obj, path, size, bucket, key, uid, started[-1][2])
-            for (
-                obj
-            ) in pinned:  # a store that ignores CopySourceIfMatch: the source must still be the one read
-                now = obj.backend.version_now(obj)
-                if now is not None and now != obj.version:
-                    raise FormatError(
-                        f"the object changed while it was being copied (ETag {obj.version} at open, "
-                        f"{now} now); nothing was written",
-                        path=obj.url,
-                        hint="rerun once the writer has finished",
-                    )
-        except BaseException:
-            with signals_deferred():
-                for key, uid, _ in started:
-                    if uid is not None:
-                        try:
-                            self._call(
-                                self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=uid)
-                            )
-                        except Exception:
-                            pass
-            raise
-        with signals_deferred():  # the commit: every upload completed, the markers last
-            for key, uid, parts in started:
-                if uid is None:
-                    self._call(self.client.put_object(Bucket=bucket, Key=key, Body=b""))
-                else:
-                    self._call(
-                        self.client.complete_multipart_upload(
-                            Bucket=bucket, Key=key, UploadId=uid, MultipartUpload={"Parts": parts}
-                        )
-                    )
-            new = {k for k, _, _ in started}
-            for key in old:
-                if key not in new:
-                    self._call(self.client.delete_object(Bucket=bucket, Key=key))
-            self.committed = True
-        method = "s3 multipart, completed at the end" + (
-            f"; {len(pinned)} file(s) copied server-side (UploadPartCopy)" if pinned else ""
-        )
-        return Uploaded(url.text, len(files), sent, method, copied)
-
-    def _send(self, obj, path: Path, size: int, bucket: str, key: str, uid: str, parts: list) -> int:
-        """The file's parts sent from here: a local file read, or a remote object streamed by range."""
-        with open(path, "rb") if obj is None else contextlib.nullcontext() as fh:
-            for n, off in enumerate(range(0, size, UPLOAD_PART_BYTES), 1):
-                if obj is None:
-                    chunk = fh.read(UPLOAD_PART_BYTES)
-                else:
-                    chunk = bytearray(min(UPLOAD_PART_BYTES, size - off))
-                    obj.read_into(chunk, off)
-                r = self._call(
-                    self.client.upload_part(
-                        Bucket=bucket, Key=key, UploadId=uid, PartNumber=n, Body=bytes(chunk)
-                    )
-                )
-                parts.append({"PartNumber": n, "ETag": r["ETag"]})
-        return size
-
-    def _copy_object(self, obj, bucket: str, key: str, uid: str, parts: list) -> bool:
-        """The remote object copied into this upload by the store itself (UploadPartCopy), pinned by its
-        ETag; False where it cannot be (not an S3 object; a store without UploadPartCopy): stream it."""
-        from .remote_backends import S3Backend, run_sync, s3_error
-
-        if not isinstance(obj.backend, S3Backend) or self.no_server_copy:
-            return False
-        src_bucket, src_key = obj.ref
-        cap = asyncio.Semaphore(remote.settings()["concurrency"])
-
-        async def part(n: int, start: int, end: int) -> dict:
-            async with cap:
-                r = await self.client.upload_part_copy(
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=uid,
-                    PartNumber=n,
-                    CopySource={"Bucket": src_bucket, "Key": src_key},
-                    CopySourceRange=f"bytes={start}-{end - 1}",
-                    CopySourceIfMatch=obj.version,
-                )
-                return {"PartNumber": n, "ETag": r["CopyPartResult"]["ETag"]}
-
-        async def every_part() -> list:
-            return await asyncio.gather(
-                *[
-                    part(n, off, min(off + COPY_PART_BYTES, obj.size))
-                    for n, off in enumerate(range(0, obj.size, COPY_PART_BYTES), 1)
-                ]
-            )
-
-        try:  # the store copies at its own speed: a floor of 10 MiB/s is patience enough
-            parts += run_sync(self.b.fs.loop, every_part(), 600 + obj.size / (10 << 20))
-        except Exception as exc:
-            err = s3_error(exc, obj.url)
-            code = str((getattr(exc, "response", None) or {}).get("Error", {}).get("Code", ""))
-            if code in _NO_SERVER_COPY:
-                self.no_server_copy = True
-                parts.clear()
-                return False
-            if isinstance(err, remote.RemoteChanged):
-                raise FormatError(
-                    f"the object changed while it was being copied (ETag {obj.version} at open)",
-                    path=obj.url,
-                    hint="rerun once the writer has finished",
-                ) from None
-            if isinstance(err, remote.RemoteDenied):
-                raise UsageError(str(err)) from None
-            raise CkptError(
-                f"the store's copy of it into {key} failed: {err}",
-                path=obj.url,
-                hint="nothing was committed; retry later",
-            ) from None
-        return True
-
-
-class _HfWriter:
-    def upload(self, url: RemoteUrl, files, *, overwrite: bool) -> Uploaded:
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfFileSystem
-
-        fs = HfFileSystem(skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None)
-        try:
-            res = fs.resolve_path(url.path)
-        except FileNotFoundError:
-            raise UsageError(
-                "the Hub repo (or its branch) does not exist",
-                path=url.text,
-                hint="create it first: hf repo create ORG/NAME",
-            ) from None
-        prefix = res.path_in_repo.strip("/")
-        if not prefix:
-            raise UsageError("name a directory inside the repo (hf://org/name/DIR)", path=url.text)
-        old = list(fs.find(res.unresolve(), detail=False)) if fs.exists(res.unresolve()) else []
-        if old and not overwrite:
-            raise OutputExistsError(
-                "already exists in the repo",
-                path=url.text,
-                hint="pass --overwrite to replace it, or another output path",
-            )
-        files, fetched = fetched_locally(files)
-        ops = [
-            CommitOperationAdd(path_in_repo=f"{prefix}/{rel}" if rel else prefix, path_or_fileobj=str(p))
-            for rel, p, _ in files
-        ]
-        new = {o.path_in_repo for o in ops}
-        from .remote_backends import in_repo
-
-        ops += [CommitOperationDelete(path_in_repo=in_repo(o)) for o in old if in_repo(o) not in new]
-        adds = [o for o in ops if isinstance(o, CommitOperationAdd)]
-        # the contents first (LFS/Xet uploads; interruptible: nothing is committed), then the commit itself,
-        # which holds the small files inline, with Ctrl-C held: it is made whole or not at all
-        fs._api.preupload_lfs_files(res.repo_id, adds, repo_type=res.repo_type, revision=res.revision)
-        with signals_deferred():
-            fs._api.create_commit(
-                res.repo_id,
-                ops,
-                repo_type=res.repo_type,
-                revision=res.revision,
-                commit_message=f"ckpt: write {prefix}",
-            )
-            self.committed = True
-        return Uploaded(
-            url.text, len(files), sum(s for _, _, s in files), "one Hub commit" + fetched_note(fetched)
-        )
-
-
-class _FsspecWriter:
-    def __init__(self, scheme: str):
-        from .remote_backends import FsspecBackend
-
-        self.fs = FsspecBackend(scheme).fs
-
-    def upload(self, url: RemoteUrl, files, *, overwrite: bool) -> Uploaded:
-        target = f"{url.scheme}://{url.path}"
-        if self.fs.exists(target) and not overwrite:
-            raise OutputExistsError(
-                "already exists", path=url.text, hint="pass --overwrite to replace it, or another output path"
-            )
-        files, fetched = fetched_locally(files)
-        with self.fs.transaction:
-            for rel, p, _ in files:
-                self.fs.put_file(str(p), f"{target}/{rel}" if rel else target)
-        return Uploaded(
-            url.text, len(files), sum(s for _, _, s in files), "fsspec transaction" + fetched_note(fetched)
-        )
-
-
-def fetched_note(fetched: int) -> str:
-    return (
-        f"; {human_bytes(fetched)} of it fetched from the inputs first (no server-side copy there)"
-        if fetched
-        else ""
-    )

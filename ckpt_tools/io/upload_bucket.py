@@ -1,200 +1,201 @@
-"""Outputs to a Hugging Face bucket, `hf://buckets/NS/NAME/PATH`, through huggingface_hub's bucket API
-(`HfApi.batch_bucket_files`: the Xet upload, then a batch of adds, copies and deletes).
+"""hf://buckets/NS/NAME/PATH as a store of `upload_commit.put_output`, through huggingface_hub's bucket API
+(`HfApi.batch_bucket_files`: the Xet upload, then a batch of adds, copies and deletes; HF_TOKEN or
+`hf auth login`, HF_ENDPOINT; retries huggingface_hub's own).
 
-A bucket has no commits, and a batch is not a transaction (the Hub applies each operation on its own and
-lists the ones that failed). So an output is put in place in steps that a reader can never catch half
-done:
-
-  1. the contents: every file uploaded (through Xet) and added under a private staging prefix of the
-     bucket, `.ckpt-upload/<random>/`; nothing under PATH yet. Ctrl-C or a failure here deletes what was
-     staged.
-  2. the commit, with Ctrl-C held: server-side copies by Xet hash (no byte is sent again) from the staging
-     prefix into PATH, the data files first, checked there, then the files that name them (the DCP
-     `.metadata`, index, manifest, configs: `upload.COMMIT_LAST`) in a last batch: a reader that finds a
-     `.metadata` finds every file it names. `--overwrite` deletes the old output's marker files before
-     the copies and its files the new output does not replace after them.
-  3. the staging prefix deleted.
-
-A failure during the commit (an operation the Hub refused) deletes what it had put under PATH, and with
-`--overwrite` the old output too, since it was partly replaced: never half an output there.
+A bucket has no commits and a batch is not a transaction (the Hub applies each operation on its own and
+lists the ones that failed), so it takes the staged steps of `upload_commit`: the files are uploaded
+through Xet under the staging prefix, then copied into place by Xet hash (no byte sent again), each
+copy's hash checked where it landed. Backups and the undo are copies by hash too: free. A file that is
+a remote bucket input's object unchanged (set-lr's data files) is copied by its Xet hash, nothing sent;
+another remote source is fetched into the local staging dir first (a batch adds local files).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import secrets
+from pathlib import Path
+from urllib.parse import quote
 
-from ..core.errors import CkptError, OutputExistsError, UsageError
-from .signals import signals_deferred
+from ..core.errors import UsageError
+from .files import create_new
+from .upload_commit import Denied, Keys, OutFile, StoreError, settled
 
-__all__ = ["STAGING_ROOT", "HfBucketWriter"]
+__all__ = ["HF_HINT", "HfBucketStore"]
 
-STAGING_ROOT = ".ckpt-upload"  # in the bucket: one folder per upload in flight, removed when it ends
-_REFUSED = "set HF_TOKEN (or run `hf auth login`) with a token that can write to this bucket"
+HF_HINT = "set HF_TOKEN (or run `hf auth login`) with a token that can write to this bucket"
+_FETCH_BYTES = 16 << 20
 
 
-class HfBucketWriter:
-    committed = False  # set once the output is in place (an interrupt held through the commit says so)
+def _failure(exc: BaseException, request: str, key: str) -> StoreError:
+    """A Hub failure as the server's code: a batch's refused operations (each with its reason), an HTTP
+    status, else the exception's name and first line."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        more = f" (and {len(failures) - 1} more refused)" if len(failures) > 1 else ""
+        return StoreError(f"{failures[0].get('error')}{more}", request, str(failures[0].get("path", "")))
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status in (401, 403):
+        return Denied(f"{status}", request, key, hint=HF_HINT)
+    first = (str(exc).splitlines() or [""])[0]
+    return StoreError(f"{status} {first}" if status else f"{type(exc).__name__}: {first}", request, key)
 
-    def __init__(self):
+
+class HfBucketStore:
+    name = "the Hub"
+
+    def __init__(self, bucket_id: str, where: str):
         from huggingface_hub import HfApi
 
         self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+        self.bucket_id, self.where = bucket_id, where
+        self.hashes: dict[str, str] = {}  # path in the bucket -> its Xet hash, as listed, staged or copied
+        self.staged: list[str] = []
+        self.fetch_dir: Path | None = None  # set by io.upload: where a remote source is fetched to
+        self.copied_bytes = 0
+        self.copied_files = 0
+        self.copy_how = "by Xet hash"
 
-    def upload(self, url, files, *, overwrite: bool):
-        from .upload import COMMIT_LAST, Uploaded, fetched_locally, fetched_note
+    def _run(self, request: str, key: str, fn, *args, **kw):
+        try:
+            with _quiet_progress():
+                return settled(fn, *args, **kw)
+        except Exception as exc:
+            raise _failure(exc, request, key) from None
 
-        parts = url.path.split("/")
-        if len(parts) < 4 or not parts[1] or not parts[2] or not "/".join(parts[3:]).strip("/"):
-            raise UsageError(
-                "name a folder inside the bucket (hf://buckets/NAMESPACE/NAME/PATH)", path=url.text
-            )
-        bucket_id, prefix = f"{parts[1]}/{parts[2]}", "/".join(parts[3:]).strip("/")
-        with _hub_errors(url.text, bucket_id), _quiet_progress():
-            self.api.bucket_info(bucket_id)
-            old = [
-                f.path
-                for f in self.api.list_bucket_tree(bucket_id, prefix=prefix, recursive=True)
-                if getattr(f, "type", "file") == "file"
-                and (f.path == prefix or f.path.startswith(prefix + "/"))
-            ]
-            if old and not overwrite:
-                raise OutputExistsError(
-                    "already exists in the bucket",
-                    path=url.text,
-                    hint="pass --overwrite to replace it, or another output path",
-                )
-            files, fetched = fetched_locally(files)  # a remote input's unchanged object (set-lr's data files)
-            staging = f"{STAGING_ROOT}/{secrets.token_hex(8)}"
-            dest = {rel: f"{prefix}/{rel}" if rel else prefix for rel, _, _ in files}
-            staged = {rel: f"{staging}/{rel}" if rel else f"{staging}/{url.name}" for rel, _, _ in files}
-            try:
-                self.api.batch_bucket_files(bucket_id, add=[(str(p), staged[rel]) for rel, p, _ in files])
-                hashes = self._hashes(bucket_id, {staged[rel]: size for rel, _, size in files})
-                with signals_deferred():
-                    try:
-                        self._commit(
-                            bucket_id,
-                            files,
-                            dest,
-                            {rel: hashes[staged[rel]] for rel in staged},
-                            old if overwrite else [],
-                            COMMIT_LAST,
-                        )
-                    except Exception as exc:
-                        cleared = self._delete(
-                            bucket_id, sorted({*dest.values(), *(old if overwrite else [])})
-                        )
-                        hint = (
-                            "nothing is left there"
-                            + (
-                                " (the earlier output, partly replaced, was removed too)"
-                                if old and overwrite
-                                else ""
-                            )
-                            + "; rerun"
-                            if cleared
-                            else "removing what had been put there failed too: delete it in the bucket, then "
-                            "rerun"
-                        )
-                        raise CkptError(
-                            f"uploading to {url.text} failed while putting it in place: {_describe(exc)}",
-                            hint=hint,
-                        ) from None
-                    self.committed = True
-                    self._delete(bucket_id, list(staged.values()))
-            except BaseException:
-                if not self.committed:  # nothing is under PATH; the staged files go too
-                    with signals_deferred():
-                        self._delete(bucket_id, list(staged.values()))
-                raise
-        return Uploaded(
-            url.text,
-            len(files),
-            sum(s for _, _, s in files),
-            "hf bucket: uploaded to a staging prefix, then copied into place by Xet hash"
-            + fetched_note(fetched),
+    def url_of(self, key: str) -> str:
+        return f"hf://buckets/{self.bucket_id}/{key}"
+
+    def listing(self, prefix: str, *, single: bool) -> dict[str, int]:
+        try:
+            with _quiet_progress():
+                self.api.bucket_info(self.bucket_id)
+        except Exception as exc:
+            status = getattr(getattr(exc, "response", None), "status_code", None)
+            if type(exc).__name__ == "BucketNotFoundError" or status == 404:
+                raise UsageError(
+                    "the bucket does not exist",
+                    path=self.where,
+                    hint=f"create it first: hf buckets create {self.bucket_id}",
+                ) from None
+            raise _failure(exc, "bucket info", self.bucket_id) from None
+        tree = self._run(
+            "list", prefix, self.api.list_bucket_tree, self.bucket_id, prefix=prefix, recursive=True
         )
-
-    def _commit(self, bucket_id, files, dest, hashes, old_to_replace, commit_last):
-        """Copies into place: the data files, checked, then the marker files; the old output's markers
-        deleted first and its other files after (with --overwrite)."""
-
-        def is_marker(rel):
-            return rel.rsplit("/", 1)[-1] in commit_last
-
-        old_markers = [p for p in old_to_replace if is_marker(p)]
-        if old_markers:
-            self.api.batch_bucket_files(bucket_id, delete=old_markers)
-        data = [rel for rel, _, _ in files if not is_marker(rel)]
-        markers = [rel for rel, _, _ in files if is_marker(rel)]
-        sizes = {rel: size for rel, _, size in files}
-        for group in (data, markers):
-            if not group:
+        out = {}
+        for f in tree:
+            if getattr(f, "type", "file") != "file" or not (
+                f.path == prefix or f.path.startswith(prefix + "/")
+            ):
                 continue
-            self.api.batch_bucket_files(
-                bucket_id, copy=[("bucket", bucket_id, hashes[rel], dest[rel]) for rel in group]
-            )
-            got = self._hashes(bucket_id, {dest[rel]: sizes[rel] for rel in group})
-            wrong = [dest[rel] for rel in group if got[dest[rel]] != hashes[rel]]
-            if wrong:
-                raise CkptError(f"the bucket holds other contents at {wrong[0]} than were copied there")
-        stale = [p for p in old_to_replace if p not in set(dest.values()) and not is_marker(p)]
-        if stale:
-            self.api.batch_bucket_files(bucket_id, delete=stale)
+            self.hashes[f.path] = f.xet_hash
+            out[f.path[len(prefix) + 1 :]] = int(f.size)
+        return out
 
-    def _hashes(self, bucket_id, want: dict[str, int]) -> dict[str, str]:
-        """Each path's Xet hash, as the bucket lists it; each must be there with its size."""
-        got = {f.path: f for f in self.api.get_bucket_paths_info(bucket_id, list(want))}
+    def read_small(self, key: str) -> bytes:
+        from huggingface_hub.utils import get_session
+
+        url = f"{self.api.endpoint}/buckets/{self.bucket_id}/resolve/{quote(key)}"
+        r = self._run(
+            "get", key, get_session().get, url, headers=self.api._build_hf_headers(), follow_redirects=True
+        )
+        if r.status_code != 200:
+            raise _failure(type("HTTPError", (Exception,), {"response": r})(r.reason_phrase), "get", key)
+        return r.content
+
+    # ---- staging: uploaded through Xet under the staging prefix
+    def stage(self, files: list[OutFile], keys: Keys) -> int:
+        adds, copies, sent = [], [], 0
+        for f in files:
+            key = keys.staged(f.rel)
+            self.staged.append(key)
+            ref = _bucket_ref(f.source) if f.source is not None else None
+            if ref is not None:
+                copies.append(("bucket", ref[0], ref[1], key))
+                self.copied_bytes += f.size
+                self.copied_files += 1
+            else:
+                adds.append((str(f.path if f.source is None else self._fetched(f)), key))
+                sent += f.size
+        self._run(
+            "upload", keys.staged(""), self.api.batch_bucket_files, self.bucket_id, add=adds, copy=copies
+        )
+        self._check({keys.staged(f.rel): f.size for f in files})
+        return sent
+
+    def _fetched(self, f: OutFile) -> Path:
+        """A remote input's object from another store, fetched by range into the local staging dir."""
+        assert self.fetch_dir is not None
+        local = self.fetch_dir / f"fetched-{len(self.staged)}"
+        fd = create_new(local)
+        try:
+            for off in range(0, f.size, _FETCH_BYTES):
+                buf = bytearray(min(_FETCH_BYTES, f.size - off))
+                f.source.read_into(buf, off)
+                os.write(fd, buf)
+        finally:
+            os.close(fd)
+        return local
+
+    def _check(self, want: dict[str, int], hashes: dict[str, str] | None = None) -> None:
+        """Each path there with its size (and, given `hashes`, its Xet hash); their hashes recorded."""
+        got = {
+            f.path: f
+            for f in self._run("paths info", "", self.api.get_bucket_paths_info, self.bucket_id, list(want))
+        }
         for path, size in want.items():
             f = got.get(path)
-            if f is None or int(f.size) != size:
-                raise CkptError(
-                    f"the bucket does not hold {path} as uploaded "
-                    f"({'missing' if f is None else f'{f.size} bytes, not {size}'})"
-                )
-        return {path: got[path].xet_hash for path in want}
+            if f is None or int(f.size) != size or (hashes and f.xet_hash != hashes[path]):
+                what = "missing" if f is None else f"{f.size} bytes, Xet hash {f.xet_hash}"
+                raise StoreError(f"other contents than were put there ({what})", "check", path)
+            self.hashes[path] = f.xet_hash
 
-    def _delete(self, bucket_id, paths) -> bool:
-        """Best effort (whether it worked): a cleanup that fails (the server gone) leaves files under the
-        staging prefix, or under PATH files that the error then says to delete."""
-        if paths:
-            try:
-                self.api.batch_bucket_files(bucket_id, delete=list(paths))
-            except Exception:
-                return False
-        return True
+    # ---- the commit's requests
+    def place(self, rels: list[str], keys: Keys) -> None:
+        self.copy([(keys.staged(r), keys.dest(r)) for r in rels])
 
+    def copy(self, pairs: list[tuple[str, str]]) -> None:
+        if not pairs:
+            return
+        unknown = [s for s, _ in pairs if s not in self.hashes]
+        if unknown:
+            for f in self._run("paths info", "", self.api.get_bucket_paths_info, self.bucket_id, unknown):
+                self.hashes[f.path] = f.xet_hash
+        ops = [("bucket", self.bucket_id, self.hashes[s], d) for s, d in pairs]
+        self._run("copy", pairs[0][1], self.api.batch_bucket_files, self.bucket_id, copy=ops)
+        sizes = {
+            f.path: int(f.size)
+            for f in self._run(
+                "paths info", "", self.api.get_bucket_paths_info, self.bucket_id, [s for s, _ in pairs]
+            )
+        }
+        self._check({d: sizes.get(s, -1) for s, d in pairs}, {d: self.hashes[s] for s, d in pairs})
 
-class _hub_errors:
-    """Hub errors of a bucket upload as one line naming the URL: a missing bucket, refused credentials,
-    anything else ('nothing was committed'). CkptErrors and interrupts pass through."""
+    def put(self, key: str, data: bytes) -> None:
+        self._run("upload", key, self.api.batch_bucket_files, self.bucket_id, add=[(data, key)])
 
-    def __init__(self, where: str, bucket_id: str):
-        self.where, self.bucket_id = where, bucket_id
+    def delete(self, keys: list[str]) -> None:
+        if keys:
+            self._run("delete", keys[0], self.api.batch_bucket_files, self.bucket_id, delete=list(keys))
+            for k in keys:
+                self.hashes.pop(k, None)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        if exc is None or isinstance(exc, CkptError) or not isinstance(exc, Exception):
-            return False
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status in (401, 403):
-            raise UsageError(f"the Hub refused access to {self.where}: {_REFUSED}") from None
-        if type(exc).__name__ == "BucketNotFoundError" or status == 404:
-            raise UsageError(
-                "the bucket does not exist",
-                path=self.where,
-                hint=f"create it first: hf buckets create {self.bucket_id}",
-            ) from None
-        raise CkptError(
-            f"uploading to {self.where} failed: {_describe(exc)}",
-            hint="nothing was committed there; check the endpoint and credentials, then rerun",
-        ) from None
+    def discard(self, keys: Keys) -> None:
+        staged, self.staged = self.staged, []
+        self.delete(staged)
 
 
-class _quiet_progress:
+def _bucket_ref(src) -> tuple[str, str] | None:
+    """(bucket id, Xet hash) of a remote input's object when it is in a Hugging Face bucket."""
+    if getattr(src, "store", None) == "hf-bucket":
+        return src.bucket, src.version
+    ref = getattr(src, "ref", None)
+    if getattr(getattr(src, "backend", None), "scheme", None) == "hf" and ref and ref[1] == "bucket":
+        return ref[0], ref[2]
+    return None
+
+
+class _quiet_progress(contextlib.AbstractContextManager):
     """huggingface_hub's progress bars off while ckpt uploads (ckpt has its own line)."""
 
     def __enter__(self):
@@ -211,15 +212,3 @@ class _quiet_progress:
 
             enable_progress_bars()
         return False
-
-
-def _describe(exc: BaseException) -> str:
-    """One line: a batch's refused operations (the Hub lists each with its reason), else the exception's
-    first line."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        shown = "; ".join(f"{f.get('path')}: {f.get('error')}" for f in failures[:3])
-        more = f"; and {len(failures) - 3} more" if len(failures) > 3 else ""
-        return f"the Hub refused {len(failures)} operation(s) ({shown}{more})"
-    text = str(exc)
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -76,10 +76,12 @@ def average_merge(
     mopts = dataclasses.replace(merge_options or MergeOptions(), out=str(out))
     with open_average_sources(paths, options) as sources:
         avg = plan_average(sources, options)
+        delta = sources.delta
+        assert delta is not None  # the weighted sum plan_average made
         hf = HFModelDir.open_ref(base)
         try:
             _check_trained_on(hf, sources)
-            mplan = plan_merge(MergeSources(hf, sources.delta), mopts)
+            mplan = plan_merge(MergeSources(hf, delta), mopts)
             inputs = sorted(set(mplan.inputs) | {str(Path(i.path)) for i in avg.inputs})
             mplan = dataclasses.replace(mplan, inputs=tuple(inputs))
             AtomicOutputDir(
@@ -87,7 +89,7 @@ def average_merge(
             ).preflight()
             if dry_run:
                 return AverageMergeReport(avg, mplan)
-            report = run_merge(mplan, MergeSources(hf, sources.delta), progress, overwrite=overwrite)
+            report = run_merge(mplan, MergeSources(hf, delta), progress, overwrite=overwrite)
             return AverageMergeReport(avg, mplan, report.result)
         finally:
             hf.close()

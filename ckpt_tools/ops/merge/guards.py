@@ -22,7 +22,7 @@ import threading
 import torch
 
 from ...core.errors import FormatError
-from ...formats.hf_dir.model_dir import HFModelDir
+from ...formats.handle import Source
 from ...formats.peft.adapter import PeftAdapter
 from ...formats.peft.config import matches_target_modules
 from ...formats.primerl.optimizers import trained_params
@@ -90,7 +90,7 @@ def _sample_names(dcp, hf, trained: set[str]) -> list[str]:
     return sorted({names[round(i * step)] for i in range(MASTER_SAMPLE_TENSORS)})
 
 
-def check_masters_match_base(hf: HFModelDir, ckpt) -> dict:
+def check_masters_match_base(hf: Source, ckpt) -> dict:
     """Compare the first and last row of a few of the checkpoint's frozen fp32 masters with the HF
     base's, both rounded to bf16 (so an fp16 or fp32 export of the same weights agrees). Raises a
     FormatError naming the first tensor that disagrees in more than MASTER_MISMATCH_FRACTION of its
