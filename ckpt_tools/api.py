@@ -26,15 +26,17 @@ report classes named in `__all__` are loaded on first access.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from .core.dry_run import DryRunReport
 from .core.progress import Progress
 from .io import hub_fetch
 from .io.owned import command_scope
+from .io.remote_url import parse_url
 from .io.signals import signals_deferred as _loading
 
 if TYPE_CHECKING:  # loaded on first use (see `__getattr__`)
@@ -163,6 +165,64 @@ def _dry(report: Any, out: str | Path | None, overwrite: bool) -> DryRunReport:
     return DryRunReport(report, None if out is None else describe_output(out, overwrite=overwrite))
 
 
+@contextlib.contextmanager
+def _out_at(
+    out: Any, overwrite: bool, dry_run: bool, *, single: bool = False, inputs: Sequence[Any] = ()
+) -> Iterator[tuple[Any, Callable[[Any], Any]]]:
+    """(what the op writes to, how its report names it): for OUT at a URL the local staging OUT of
+    `io.upload.output_at` (the URL checked now, the output put there when the call returns) and the report
+    renamed to name the URL, as the CLI's does; anything else as it is. `inputs`: what the call reads."""
+    if out is None or parse_url(out) is None:
+        yield out, lambda report: report
+        return
+    from .io.upload import describe_at, output_at
+
+    shown = parse_url(out).shown  # type: ignore[union-attr]
+
+    def named(report: Any) -> Any:
+        if isinstance(report, DryRunReport):  # what writing OUT would do: at the URL
+            report = DryRunReport(report.report, describe_at(out, overwrite=overwrite, single=single))
+        return _renamed(report, str(local), shown)
+
+    with output_at(
+        out, overwrite=overwrite, dry_run=dry_run, single=single, inputs=[str(i) for i in inputs]
+    ) as local:
+        yield local, named
+
+
+def _renamed(obj: Any, local: str, url: str, depth: int = 0) -> Any:
+    """`obj` (a report: dataclasses, dicts and lists of them) with every path naming the local staging OUT
+    `local` naming `url` instead."""
+    if isinstance(obj, (str, PurePath)):
+        text = str(obj)
+        return text.replace(local, url) if local in text else obj
+    if depth > 16:
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changed = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            new = _renamed(value, local, url, depth + 1)
+            if new is not value:
+                changed[f.name] = new
+        if not changed:
+            return obj
+        copy = dataclasses.replace(obj, **{k: v for k, v in changed.items() if _init_field(obj, k)})
+        for k, v in changed.items():
+            if not _init_field(obj, k):
+                object.__setattr__(copy, k, v)
+        return copy
+    if isinstance(obj, dict):
+        return {k: _renamed(v, local, url, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_renamed(v, local, url, depth + 1) for v in obj)
+    return obj
+
+
+def _init_field(obj: Any, name: str) -> bool:
+    return next(f.init for f in dataclasses.fields(obj) if f.name == name)
+
+
 def _group(group: Group | None) -> Group:
     """The group the run's work units are split over: `group`, else this process's (`dist.current()`:
     asked for once the inputs are open and planned, since the ranks then compare them)."""
@@ -250,7 +310,10 @@ def extract_adapter(
 ) -> ExtractReport | DryRunReport:
     """A prime-rl DCP (or verl) checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`;
     `layout`: peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
-    with _command("extract-adapter", download):
+    with (
+        _command("extract-adapter", download),
+        _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown),
+    ):
         with _loading():
             from .ops.extract_adapter import ExtractOptions, ExtractReport, plan_extract, run_extract
             from .sources.open import open_checkpoint_lora
@@ -259,8 +322,8 @@ def extract_adapter(
         ) as src:
             plan = plan_extract(src, ExtractOptions(out, base, dtype, layout))
             if dry_run:
-                return _dry(ExtractReport(plan), out, overwrite)
-            return run_extract(plan, src, progress, overwrite=overwrite)
+                return shown(_dry(ExtractReport(plan), out, overwrite))
+            return shown(run_extract(plan, src, progress, overwrite=overwrite))
 
 
 def merge(
@@ -290,7 +353,10 @@ def merge(
     config and tokenizer from `config_from`. `max_shard_size` None: 5GB. `.result` is None in a dry run,
     whose plan warns of what the real run would refuse (too little disk); `.plan.warnings` are the
     plan's warnings either way."""
-    with _command("merge", download):
+    with (
+        _command("merge", download),
+        _out_at(out, overwrite, dry_run, inputs=(base, adapter)) as (out, shown),
+    ):
         with _loading():
             from .ops.merge import (
                 DEFAULT_MAX_SHARD,
@@ -313,14 +379,16 @@ def merge(
             allow_zero_delta=allow_zero_delta,
         )
         with open_merge_sources(_str(base), str(adapter), opts) as sources:
-            return finish_merge(
-                plan_merge(sources, opts),
-                sources,
-                out,
-                dry_run=dry_run,
-                overwrite=overwrite,
-                progress=progress,
-                group=group,
+            return shown(
+                finish_merge(
+                    plan_merge(sources, opts),
+                    sources,
+                    out,
+                    dry_run=dry_run,
+                    overwrite=overwrite,
+                    progress=progress,
+                    group=group,
+                )
             )
 
 
@@ -346,7 +414,7 @@ def export(
     """A DCP checkpoint as an HF model dir (`ckpt export`): a full fine-tune's trained weights, or a LoRA
     run's merged model, from the checkpoint's fp32 masters (the options are its flags:
     `ops.merge.ExportOptions`). `.result` is None in a dry run, as `merge`'s."""
-    with _command("export", download):
+    with _command("export", download), _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown):
         with _loading():
             from .ops.merge import (
                 DEFAULT_MAX_SHARD,
@@ -368,14 +436,16 @@ def export(
             allow_zero_delta=allow_zero_delta,
         )
         with open_export_sources(ckpt, opts) as sources:
-            return finish_merge(
-                plan_export(sources, opts),
-                sources,
-                out,
-                dry_run=dry_run,
-                overwrite=overwrite,
-                progress=progress,
-                group=group,
+            return shown(
+                finish_merge(
+                    plan_export(sources, opts),
+                    sources,
+                    out,
+                    dry_run=dry_run,
+                    overwrite=overwrite,
+                    progress=progress,
+                    group=group,
+                )
             )
 
 
@@ -399,7 +469,10 @@ def adapter_to_dcp(
 ) -> ToDcpReport | DryRunReport:
     """A prime-rl trainer checkpoint that resumes from a PEFT adapter and the HF base (`ckpt adapter-to-dcp`);
     `scheduler`: a `SchedulerSpec` (constant | linear | cosine, with prime-rl's own validation)."""
-    with _command("adapter-to-dcp", download):
+    with (
+        _command("adapter-to-dcp", download),
+        _out_at(out, overwrite, dry_run, inputs=(adapter, base, optimizer_from)) as (out, shown),
+    ):
         with _loading():
             from .ops.adapter_to_dcp import (
                 ToDcpOptions,
@@ -422,8 +495,10 @@ def adapter_to_dcp(
         ) as sources:
             plan = plan_adapter_to_dcp(sources, options)
             if dry_run:
-                return _dry(ToDcpReport(plan, full=True), out, overwrite)
-            return run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite, group=_group(group))
+                return shown(_dry(ToDcpReport(plan, full=True), out, overwrite))
+            return shown(
+                run_adapter_to_dcp(plan, sources, progress, overwrite=overwrite, group=_group(group))
+            )
 
 
 def fix_adapter(
@@ -444,7 +519,10 @@ def fix_adapter(
     """prime-rl's own adapter export (a broadcast dir or a weights export) as a PEFT dir that applies
     (`ckpt fix-adapter`); `checkpoint`: the run's DCP checkpoint of that step, filling the trained full
     tensors (modules_to_save) the export lacks; `layout` as `extract_adapter`'s."""
-    with _command("fix-adapter", download):
+    with (
+        _command("fix-adapter", download),
+        _out_at(out, overwrite, dry_run, inputs=(src, base, checkpoint)) as (out, shown),
+    ):
         with _loading():
             from .ops.fix_adapter import FixOptions, FixReport, open_fix_source, plan_fix, run_fix
         options = FixOptions(
@@ -453,8 +531,8 @@ def fix_adapter(
         with open_fix_source(src, checkpoint) as weights:
             plan = plan_fix(weights, src, options)
             if dry_run:
-                return _dry(FixReport(plan), out, overwrite)
-            return run_fix(plan, weights, progress, overwrite=overwrite)
+                return shown(_dry(FixReport(plan), out, overwrite))
+            return shown(run_fix(plan, weights, progress, overwrite=overwrite))
 
 
 def diff_vs_base(
@@ -528,15 +606,15 @@ def slim(
     download: bool | None = None,
 ) -> SlimReport | DryRunReport:
     """The checkpoint without its frozen base weights (`ckpt slim`)."""
-    with _command("slim", download):
+    with _command("slim", download), _out_at(out, overwrite, dry_run, inputs=(ckpt, base)) as (out, shown):
         with _loading():
             from .ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
         options = SlimOptions(out, _str(base), overwrite, trust_pickle)
         with open_slim_sources(ckpt, options) as sources:
             plan = plan_slim(sources, options)
             if dry_run:
-                return _dry(SlimReport(plan), out, overwrite)
-            return run_slim(plan, sources, progress, overwrite=overwrite, group=_group(group))
+                return shown(_dry(SlimReport(plan), out, overwrite))
+            return shown(run_slim(plan, sources, progress, overwrite=overwrite, group=_group(group)))
 
 
 def rehydrate(
@@ -556,7 +634,10 @@ def rehydrate(
     """The full checkpoint rebuilt bit-exactly from a slim one and the base (`ckpt rehydrate`). `threads`:
     the workers (default: this rank's cores + 2); memory does not grow with them
     (`plan.memory_bound_bytes`)."""
-    with _command("rehydrate", download):
+    with (
+        _command("rehydrate", download),
+        _out_at(out, overwrite, dry_run, inputs=(slim_ckpt, base)) as (out, shown),
+    ):
         with _loading():
             from .ops.rehydrate import (
                 RehydrateOptions,
@@ -569,8 +650,8 @@ def rehydrate(
         with open_rehydrate_sources(slim_ckpt, options) as sources:
             plan = plan_rehydrate(sources, options)
             if dry_run:
-                return _dry(RehydrateReport(plan), out, overwrite)
-            return run_rehydrate(plan, sources, progress, overwrite=overwrite, group=_group(group))
+                return shown(_dry(RehydrateReport(plan), out, overwrite))
+            return shown(run_rehydrate(plan, sources, progress, overwrite=overwrite, group=_group(group)))
 
 
 def set_lr(
@@ -587,7 +668,7 @@ def set_lr(
     download: bool | None = None,
 ) -> PatchReport | DryRunReport:
     """A checkpoint with a new learning rate, Adam moments kept (`ckpt set-lr`)."""
-    with _command("set-lr", download):
+    with _command("set-lr", download), _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown):
         with _loading():
             from .ops.set_lr import set_lr as run
         report = run(
@@ -601,7 +682,7 @@ def set_lr(
             overwrite=overwrite,
             trust_pickle=trust_pickle,
         )
-        return _dry(report, out, overwrite) if dry_run and out is not None else report
+        return shown(_dry(report, out, overwrite) if dry_run and out is not None else report)
 
 
 def set_values(
@@ -616,7 +697,7 @@ def set_values(
     download: bool | None = None,
 ) -> PatchReport | DryRunReport:
     """Scalar byte items of a checkpoint set by surgery, `KEY=VALUE` each (`ckpt set`)."""
-    with _command("set", download):
+    with _command("set", download), _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown):
         with _loading():
             from .ops.set_lr import set_values as run
         report = run(
@@ -628,7 +709,7 @@ def set_values(
             overwrite=overwrite,
             trust_pickle=trust_pickle,
         )
-        return _dry(report, out, overwrite) if dry_run and out is not None else report
+        return shown(_dry(report, out, overwrite) if dry_run and out is not None else report)
 
 
 def restart_prep(
@@ -656,28 +737,43 @@ def restart_prep(
     "adapter" (a resumable checkpoint with fresh AdamW); with `config`, the run's TOML patched beside OUT
     (merge) or beside itself (adapter), or at `config_out`. `max_shard_size` None: 5GB (merge mode). Its
     `.next` says what to run next."""
-    with _command("restart-prep", download):
+    if mode == "merge" and config is not None and config_out is None and parse_url(out) is not None:
+        config_out = (
+            f"{parse_url(out)}.{Path(config).name}"  # OUT at a URL: the patched config beside it there
+        )
+    with (
+        _command("restart-prep", download),
+        _out_at(out, overwrite, dry_run, inputs=(run_or_ckpt, base, config)) as (out, shown),
+        _out_at(config_out, overwrite, dry_run, single=True, inputs=(run_or_ckpt, config)) as (
+            config_out,
+            shown_config,
+        ),
+    ):
         with _loading():
             from .ops.merge import DEFAULT_MAX_SHARD
             from .workflows.restart_prep import restart_prep as run
-        return run(
-            run_or_ckpt,
-            out,
-            base=base,
-            lr=lr,
-            config=config,
-            mode=mode,
-            alpha=alpha,
-            run_config=run_config,
-            dtype=dtype,
-            max_shard_size=DEFAULT_MAX_SHARD if max_shard_size is None else max_shard_size,
-            world_size=world_size,
-            scheduler_step=scheduler_step,
-            config_out=config_out,
-            dry_run=dry_run,
-            trust_pickle=trust_pickle,
-            progress=progress,
-            overwrite=overwrite,
+        return shown_config(
+            shown(
+                run(
+                    run_or_ckpt,
+                    out,
+                    base=base,
+                    lr=lr,
+                    config=config,
+                    mode=mode,
+                    alpha=alpha,
+                    run_config=run_config,
+                    dtype=dtype,
+                    max_shard_size=DEFAULT_MAX_SHARD if max_shard_size is None else max_shard_size,
+                    world_size=world_size,
+                    scheduler_step=scheduler_step,
+                    config_out=config_out,
+                    dry_run=dry_run,
+                    trust_pickle=trust_pickle,
+                    progress=progress,
+                    overwrite=overwrite,
+                )
+            )
         )
 
 
@@ -767,7 +863,10 @@ def average(
     """The weighted mean of LoRA steps (DCP checkpoints, PEFT adapters) in delta space, as a PEFT adapter
     at `out` (`ckpt average`), exact at rank sum(r_i) or brought down by `rank` / `energy`; with `merge`
     (an HF base), the merged model instead (`.result` None in a dry run). docs/delta-space.md."""
-    with _command("average", download):
+    with (
+        _command("average", download),
+        _out_at(out, overwrite, dry_run, inputs=(*inputs, merge)) as (out, shown),
+    ):
         with _loading():
             from .ops.average import (
                 AverageOptions,
@@ -793,19 +892,21 @@ def average(
                 from .workflows.average_merge import average_merge
             # the merge stage reads no pickle (an HF base and the averaged LoRA): the inputs' trust is the
             # average stage's
-            return average_merge(
-                list(inputs),
-                merge,
-                out,
-                options=options,
-                merge_options=MergeOptions(dtype=dtype),
-                dry_run=dry_run,
-                overwrite=overwrite,
-                progress=progress,
+            return shown(
+                average_merge(
+                    list(inputs),
+                    merge,
+                    out,
+                    options=options,
+                    merge_options=MergeOptions(dtype=dtype),
+                    dry_run=dry_run,
+                    overwrite=overwrite,
+                    progress=progress,
+                )
             )
         with open_average_sources(list(inputs), options) as sources:
             plan = plan_average(sources, options)
-            return (
+            return shown(
                 AverageReport(plan) if dry_run else run_average(plan, sources, progress, overwrite=overwrite)
             )
 
@@ -827,7 +928,10 @@ def resize_adapter(
     """Each module of `adapter` (PEFT dir or DCP checkpoint) at its best rank `rank` (or the smallest rank
     keeping `energy` of its squared norm), written as a PEFT adapter at `out` (`ckpt resize-adapter`);
     `.plan.truncations` has each module's kept energy and error."""
-    with _command("resize-adapter", download):
+    with (
+        _command("resize-adapter", download),
+        _out_at(out, overwrite, dry_run, inputs=(adapter,)) as (out, shown),
+    ):
         with _loading():
             from .ops.resize_adapter import (
                 ResizeOptions,
@@ -841,7 +945,9 @@ def resize_adapter(
         )
         with open_resize_sources(adapter, options) as src:
             plan = plan_resize(src, options)
-            return ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)
+            return shown(
+                ResizeReport(plan) if dry_run else run_resize(plan, src, progress, overwrite=overwrite)
+            )
 
 
 def report(
@@ -864,7 +970,11 @@ def report(
     (delta_fro, weight_fro, rel_delta), `.result.lr` (past, planned, set_lr); the page written to `out`
     and one PNG per plot into `png_dir` when given (nothing is written otherwise). `dry_run`: the plan only
     (what PATH is, its steps, the base, max_steps), `.result` None."""
-    with _command("report", download):
+    with (
+        _command("report", download),
+        _out_at(out, overwrite, dry_run, single=True, inputs=(path, base)) as (out, shown),
+        _out_at(png_dir, overwrite, dry_run, inputs=(path, base)) as (png_dir, shown_pngs),
+    ):
         with _loading():
             from .ops.report import ReportOptions, ReportReport, plan_report, run_report
         options = ReportOptions(
@@ -879,4 +989,4 @@ def report(
             trust_pickle=trust_pickle,
         )
         plan = plan_report(path, options)
-        return ReportReport(plan) if dry_run else run_report(plan, progress)
+        return shown_pngs(shown(ReportReport(plan) if dry_run else run_report(plan, progress)))

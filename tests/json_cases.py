@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .conftest import BASE, FIXTURE, HEAD_FIXTURES, TRAINER
+from .conftest import BASE, FIXTURE, FIXTURES, HEAD_FIXTURES, TRAINER
 
 __all__ = ["Case", "CASES"]
 
@@ -21,6 +21,7 @@ E = HEAD_FIXTURES / "E_head_dense"
 E_CKPT = E / "outputs" / "checkpoints"
 G_TRAINER = HEAD_FIXTURES / "G_head_fullft" / "outputs" / "checkpoints" / "step_3" / "trainer"
 OLD = 1_600_000_000.0
+VERL = FIXTURES / "verl-fsdp2-lora" / "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ CASES: list[Case] = [
     *_pair("rehydrate", lambda t: [_slim(t), t / "full", "--base", BASE], lambda t: [TRAINER, t / "full", "--base", BASE], 2),
     *_pair("set-lr", lambda t: [TRAINER, t / "lr", "--scale", "0.5"], lambda t: [TRAINER, t / "lr"], 2),
     *_pair("set", lambda t: [TRAINER, t / "set", "progress.step=5"], lambda t: [TRAINER, t / "set", "nope=1"], 2),
+    Case("set-lr", "success", lambda t: [VERL, t / "global_step_2", "--scale", "0.5"], name="verl"),
+    Case("set-lr", "dry_run", lambda t: [VERL, t / "global_step_2", "--lr", "1e-3", "--dry-run"], name="verl"),
+    Case("set", "success", lambda t: [VERL, t / "global_step_2", "lr_scheduler.last_epoch=3"], name="verl"),
     *_pair("restart-prep", lambda t: [TRAINER, t / "restart", "--base", BASE, "--lr", "5e-3"],
            lambda t: [TRAINER, t / "restart", "--base", BASE], 2),
     *_pair("gc", lambda t: [_gc_run(t), "--keep-full", "1"],

@@ -528,3 +528,90 @@ def test_set_lr_from_s3_into_gcs_streams_the_data_files_into_the_upload(servers,
     assert digest(tree(objects(gs, "lr"), tmp_path / "got")) == digest(tmp_path / "lr")
     remote.reset()
     upload.discard_pending()
+
+
+# ------------------------------------------------------------------------------------ the library
+FX = TRAINER.parents[3]
+PEFT = FX / "reference_peft_adapter"
+BROADCAST = FX / "outputs/run_default/broadcasts/step_3"
+VOLATILE = {"seconds", "free_bytes", "elapsed_s", "bytes_read"}  # the CLI sniffs its arguments first (check_roles)
+
+
+def _api_cases(outputs: Path) -> dict:
+    """Each api function that writes an OUT: (the call, the command's arguments, OUT where "OUT" stands)."""
+    import ckpt_tools as ct
+    return {
+        "extract-adapter": (lambda o: ct.extract_adapter(TRAINER, o, alpha=16),
+                            ("extract-adapter", TRAINER, "OUT", "--alpha", "16")),
+        "slim": (lambda o: ct.slim(TRAINER, o, base=BASE), ("slim", TRAINER, "OUT", "--base", BASE)),
+        "rehydrate": (lambda o: ct.rehydrate(outputs / "slim", o, base=BASE),
+                      ("rehydrate", outputs / "slim", "OUT", "--base", BASE)),
+        "merge": (lambda o: ct.merge(BASE, TRAINER, o, alpha=16), ("merge", BASE, TRAINER, "OUT", "--alpha", "16")),
+        "export": (lambda o: ct.export(TRAINER, o, alpha=16, config_from=BASE),
+                   ("export", TRAINER, "OUT", "--alpha", "16", "--config-from", BASE)),
+        "set-lr": (lambda o: ct.set_lr(TRAINER, o, scale=0.5), ("set-lr", TRAINER, "OUT", "--scale", "0.5")),
+        "set": (lambda o: ct.set_values(TRAINER, o, ["progress.step=7"]), ("set", TRAINER, "OUT", "progress.step=7")),
+        "adapter-to-dcp": (lambda o: ct.adapter_to_dcp(PEFT, o, base=BASE, lr=1e-3, step=3),
+                           ("adapter-to-dcp", PEFT, "OUT", "--base", BASE, "--lr", "1e-3", "--step", "3")),
+        "fix-adapter": (lambda o: ct.fix_adapter(BROADCAST, o), ("fix-adapter", BROADCAST, "OUT")),
+        "average": (lambda o: ct.average([PEFT, outputs / "adapter"], o), ("average", PEFT, outputs / "adapter", "OUT")),
+        "resize-adapter": (lambda o: ct.resize_adapter(PEFT, o, rank=4), ("resize-adapter", PEFT, "OUT", "--rank", "4")),
+        "restart-prep": (lambda o: ct.restart_prep(TRAINER, o, base=str(BASE), lr=5e-3),
+                         ("restart-prep", TRAINER, "OUT", "--base", BASE, "--lr", "5e-3")),
+    }
+
+
+def _plain(doc, api: str, cli: str):
+    """A JSON document with the CLI's OUT named as the api's and the timings left out."""
+    if isinstance(doc, dict):
+        return {k: _plain(v, api, cli) for k, v in doc.items() if k not in VOLATILE}
+    if isinstance(doc, list):
+        return [_plain(v, api, cli) for v in doc]
+    return doc.replace(cli, api) if isinstance(doc, str) else doc
+
+
+def test_every_api_function_puts_its_out_at_a_url_as_the_command_does(servers, monkeypatch, outputs, tmp_path):
+    """`ckpt_tools.slim(ckpt, "s3://...")` and the rest: the objects the command's run puts there, and the
+    report the command prints (its paths naming the URL); an existing OUT refused up front, as the command."""
+    from ckpt_tools.cli.render import envelope
+    targets, _hub, _base = servers
+    s3 = targets["s3"]
+    s3.env(monkeypatch)
+    for name, (call, args) in _api_cases(outputs).items():
+        api, cli = s3.url(f"api/{name}"), s3.url(f"cli/{name}")
+        report = call(api)
+        remote.reset()
+        doc = json.loads(ckpt(*[cli if a == "OUT" else a for a in args], "--json").stdout)
+        remote.reset()
+        got, want = objects(s3, f"api/{name}"), objects(s3, f"cli/{name}")
+        assert got and digest(tree(got, tmp_path / name / "api")) == digest(tree(want, tmp_path / name / "cli")), name
+        mine = envelope(doc["command"], report.to_json())
+        for part in ("plan", "result"):
+            assert _plain(mine[part], api, cli) == _plain(doc[part], api, cli), (name, part)
+        assert api in json.dumps(mine) and "ckpt-upload-" not in json.dumps(mine), name
+    with pytest.raises(Exception, match="already exists"):
+        _api_cases(outputs)["slim"][0](s3.url("api/slim"))
+    upload.take_uploaded()
+
+
+def test_an_out_at_a_url_is_checked_before_anything_is_computed_and_a_dry_run_describes_it(store, monkeypatch):
+    reset(store, "early", {})
+    ckpt("extract-adapter", TRAINER, store.url("early"), "--alpha", "16")
+    import ckpt_tools.ops.slim as slim_op
+
+    def never(*a, **k):
+        raise AssertionError("the slim ran")
+    monkeypatch.setattr(slim_op, "run_slim", never)
+    r = ckpt("slim", TRAINER, store.url("early"), "--base", BASE, code=1)
+    assert "already exists" in r.output
+    store.put("early/notes.txt", b"mine")
+    r = ckpt("slim", TRAINER, store.url("early"), "--base", BASE, "--overwrite", code=1)
+    assert "holds entries it did not write: notes.txt" in r.output
+    store.delete("early/notes.txt")
+    doc = json.loads(ckpt("slim", TRAINER, store.url("early"), "--base", BASE, "--overwrite", "--dry-run",
+                          "--json").stdout)
+    out = doc["plan"]["output"]
+    assert out["out"] == store.url("early") and out["exists"] is True, out
+    assert out["replaces"]["command"] == "extract-adapter" and out["replaces"]["entries"] >= 2, out
+    assert doc["plan"]["out"] == store.url("early"), doc["plan"]
+    assert leftovers(store) == []

@@ -41,19 +41,14 @@ def shown(payload):
 
 
 def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: int = 0) -> None:
-    """The envelope under --json, else `render(report.to_json())`. An OUT bound for a URL is uploaded
-    and committed first (io.upload): the report is only printed once the output is there."""
+    """The envelope under --json, else `render(report.to_json())`, with the OUTs the api call put at URLs
+    (`io.upload.take_uploaded`)."""
     from ..io import remote, upload
 
-    if upload.pending():
-        ctx = click.get_current_context(silent=True)
-        params = ctx.params if ctx is not None else {}
-        STATE.uploaded = upload.commit_pending(overwrite=bool(params.get("overwrite")))
-        for u in STATE.uploaded:
-            for x in u.left_behind:
-                warn(
-                    f"{u.url} is in place, complete, but the cleanup could not remove {x}: delete it yourself"
-                )
+    STATE.uploaded = upload.take_uploaded()  # the OUTs the api call put at URLs
+    for u in STATE.uploaded:
+        for x in u.left_behind:
+            warn(f"{u.url} is in place, complete, but the cleanup could not remove {x}: delete it yourself")
     if as_json:
         emit(report, exit_code=exit_code)
         return

@@ -65,20 +65,21 @@ class OutputPath(click.ParamType):
         self.path_type = path_type
 
     def convert(self, value, param, ctx):
-        if remote.parse_url(value):
-            from ..io.upload import stage_output  # lazy: only a URL imports the remote packages
+        if remote.parse_url(value):  # the api puts the output there (io.upload.output_at): passed as given
+            from ..io.upload import check_writable  # lazy: only a URL imports the remote packages
 
-            return self.path_type(stage_output(value))
+            check_writable(value)
+            return str(value)
         remote.refuse_url_lookalike(value)
         return self.path_type(value)
 
 
 def output_beside(out, suffix: str):
-    """For an OUT bound for a URL, a second output at that URL + `suffix` (restart-prep's patched config
-    beside its merged model), uploaded after OUT; None for a local OUT (the command's own default)."""
-    if out is None or not remote.parse_url(remote.display(str(out))):
+    """For an OUT at a URL, a second output at that URL + `suffix` (restart-prep's patched config beside its
+    merged model), put there after OUT; None for a local OUT (the command's own default)."""
+    if out is None or not remote.parse_url(str(out)):
         return None
-    return OutputPath().convert(remote.display(str(out)) + suffix, None, None)
+    return str(out) + suffix
 
 
 class ModelPath(click.ParamType):

@@ -88,6 +88,10 @@ SCHEDULER_CLASSES = (
     ("CosineAnnealingLR", "T_max"),
     ("LinearLR", "start_factor"),
     ("ConstantLR", "factor"),
+    (
+        "LambdaLR",
+        "lr_lambdas",
+    ),  # verl's and torchtitan's: lr = base_lr * lambda(step), lambda from the config
 )
 # prime-rl's Progress dataclass (trainer/runs.py), in asdict order.
 PROGRESS_FIELDS = ("step", "total_tokens", "total_samples")

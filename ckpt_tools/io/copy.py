@@ -10,12 +10,20 @@ import fcntl
 import os
 from pathlib import Path
 
-from ..core.errors import TruncatedFileError
+from ..core.errors import FormatError, TruncatedFileError
 from . import inputs, remote, upload
-from .files import create_new
+from .files import create_new, make_dirs, pwrite_all
 from .pread import pread_exact, pread_into
 
-__all__ = ["copy_input_file", "copy_input_tree", "copy_range", "link_or_copy", "link_writes_bytes"]
+__all__ = [
+    "copy_input_file",
+    "copy_input_tree",
+    "copy_patched",
+    "copy_range",
+    "link_input_tree",
+    "link_or_copy",
+    "link_writes_bytes",
+]
 
 _FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 
@@ -115,6 +123,70 @@ def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
             dst.unlink()
     copy_input_file(src, dst, root=root, what="data file")
     return "copy"
+
+
+def link_input_tree(
+    src: Path, dst: Path, *, root: Path, skip: frozenset[Path] = frozenset()
+) -> dict[str, int]:
+    """Every regular file of the tree `src` (of the tree `root`, each checked as `inputs.scan_tree` checks
+    it) at its place under the new dir `dst`, by `link_or_copy`, but the files in `skip` (absolute paths
+    under `src`); directories made (empty ones too). Returns {method: files}."""
+    counts: dict[str, int] = {}
+    files = inputs.scan_tree(src, root=root, what="checkpoint entry")
+    make_dirs(dst)
+    for dirpath, dirnames, _ in os.walk(src, followlinks=True):
+        for d in sorted(dirnames):
+            make_dirs(dst / Path(dirpath).relative_to(src) / d)
+    for f, _size in files:
+        if f in skip:
+            continue
+        m = link_or_copy(f, dst / f.relative_to(src), root=root)
+        counts[m] = counts.get(m, 0) + 1
+    return counts
+
+
+def _clone_or_copy(fs: int, fd: int, size: int, src) -> str:
+    """The whole of `fs` into the empty `fd`: a reflink (the extents shared, nothing copied) where the
+    filesystem has them, else by `copy_range` (in the kernel). Local sources only."""
+    try:
+        fcntl.ioctl(fd, _FICLONE, fs)
+        return "reflink"
+    except OSError:
+        return copy_range(fs, 0, fd, 0, size, path=src, block_bytes=1 << 26)
+
+
+def copy_patched(
+    src: Path, dst: Path, *, root: Path, edits: list[tuple[int, bytes, bytes]], what: str = "file"
+) -> str:
+    """A NEW file `dst` equal to the input `src` but at each edit `(offset, old, new)` (`old` and `new` of
+    one length): cloned or copied whole (`_clone_or_copy`), each `old` checked in the copy, then `new`
+    written over it. A copy whose bytes at an edit are not `old` (the source changed after it was planned)
+    raises, naming the offset. Returns the copy's method."""
+    fs = inputs.open_input(src, root=root, what=what)
+    try:
+        size = os.fstat(fs).st_size
+        fd = create_new(dst)
+        try:
+            method = _clone_or_copy(fs, fd, size, src)
+            check = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            try:
+                for offset, old, new in edits:
+                    if len(old) != len(new) or pread_exact(check, offset, len(old), path=dst) != old:
+                        raise FormatError(
+                            f"bytes [{offset}, {offset + len(old)}) are not what was planned: the file "
+                            "changed after it was read",
+                            path=src,
+                            hint="run the command again once nothing writes the checkpoint",
+                        )
+                    pwrite_all(fd, new, offset)
+            finally:
+                os.close(check)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(fs)
+    return method
 
 
 def link_writes_bytes(src_root: Path, dst_dir: Path) -> bool:

@@ -37,7 +37,7 @@ from pathlib import Path
 from ..core.errors import DiskSpaceError, OutputExistsError, RankFailed, UsageError
 from ..core.units import human_bytes
 from . import remote
-from .files import fsync_path, fsync_tree, remove_path
+from .files import exchange_paths, fsync_path, fsync_tree, link_entry, make_dirs, remove_path
 from .inputs import ancestry, identity
 from .inputs import registered as registered_inputs
 from .lock import OutputLock, lock_path_for, pid_alive
@@ -47,6 +47,7 @@ from .signals import signals_deferred
 __all__ = [
     "OVERWRITE_HINT",
     "AtomicOutputDir",
+    "InPlaceDir",
     "SharedOutputDir",
     "check_against_inputs",
     "check_output_file",
@@ -299,6 +300,115 @@ class AtomicOutputDir:
                 remove_path(aside)
         finally:
             self._lock.release()
+
+
+class InPlaceDir:
+    """`with InPlaceDir(d, backup=name, need_bytes=n) as tmp:` write the new contents of the directory `d`
+    into `tmp` (a hidden sibling, `.d.tmp-<pid>-<hex>`); on a clean exit `d` holds them, switched in one
+    atomic step, and the old `d` stays whole as the sibling `backup` (a directory of hard links to its
+    files, made before the switch: no byte copied). A reader of `d` sees the old tree or the new one.
+
+    The switch is `files.exchange_paths` (renameat2 RENAME_EXCHANGE); where the kernel or filesystem lacks
+    it, `d` is renamed aside (`.d.old-<pid>-<hex>`) and `tmp` into place, which `clean_stale_temps`
+    undoes if the run dies between the two. Holds `d`'s lock (`.d.lock`, the one AtomicOutputDir(d)
+    takes) throughout, and first removes what dead runs left. On any exception `tmp` is removed and `d`
+    is untouched. `d` itself must be a real directory (never a symlink to one)."""
+
+    def __init__(self, d: str | os.PathLike, *, backup: str, need_bytes: int = 0):
+        d = Path(d).expanduser()
+        self.dir = d.parent.resolve() / d.name
+        self.backup = self.dir.parent / backup
+        self.need_bytes = need_bytes
+        self._lock = OutputLock(lock_path_for(self.dir), self.dir)
+        self.tmp: Path | None = None
+
+    def __enter__(self) -> Path:
+        if self.dir.is_symlink() or not self.dir.is_dir():
+            raise UsageError(
+                "is not a directory of its own (a symlink or missing): it cannot be changed in place",
+                path=self.dir,
+                hint="pass the real directory, or write a new one (OUT)",
+            )
+        self._lock.acquire()
+        try:
+            clean_stale_temps(self.dir)
+            if os.path.lexists(self.backup):
+                raise OutputExistsError("already exists", path=self.backup, hint="retry in a second")
+            free = shutil.disk_usage(self.dir.parent).free
+            if free < self.need_bytes:
+                raise DiskSpaceError(
+                    f"need {human_bytes(self.need_bytes)}, {human_bytes(free)} free on "
+                    f"{mount_point(self.dir.parent)}",
+                    path=self.dir,
+                    hint="free some space",
+                )
+            self.tmp = self._sibling("tmp")
+            self.tmp.mkdir()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self.tmp
+
+    def _sibling(self, kind: str) -> Path:
+        return self.dir.parent / f".{self.dir.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        assert self.tmp is not None
+        switched = False
+        try:
+            if exc_type is None:
+                fsync_tree(self.tmp)
+                with signals_deferred():
+                    self._backup()
+                    try:
+                        self._switch()
+                        switched = True
+                    finally:
+                        if not switched:  # the backup of a tree that stays: not a backup of anything
+                            remove_path(self.backup)
+        finally:
+            with signals_deferred():
+                try:
+                    remove_path(self.tmp)  # the new tree before a switch; the old one (all linked) after
+                finally:
+                    self._lock.release()
+        return False
+
+    def _backup(self) -> None:
+        """The old tree as hard links, built under a temp name and renamed to `backup` once whole."""
+        part = self._sibling("tmp")
+        try:
+            for dirpath, dirnames, filenames in os.walk(self.dir):
+                rel = Path(dirpath).relative_to(self.dir)
+                make_dirs(part / rel)
+                for n in dirnames:
+                    make_dirs(part / rel / n)
+                for n in filenames:
+                    link_entry(Path(dirpath) / n, part / rel / n)
+            fsync_tree(part)
+            os.rename(part, self.backup)
+            fsync_path(self.dir.parent)
+        except BaseException:
+            remove_path(part)
+            raise
+
+    def _switch(self) -> None:
+        assert self.tmp is not None
+        try:
+            exchange_paths(self.tmp, self.dir)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+        aside = self._sibling("old")
+        os.rename(self.dir, aside)
+        try:
+            os.rename(self.tmp, self.dir)
+        except BaseException:
+            os.rename(aside, self.dir)
+            raise
+        fsync_path(self.dir.parent)
+        self.tmp = aside
 
 
 def describe_output(

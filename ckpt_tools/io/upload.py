@@ -15,17 +15,20 @@ A file of the output that is a remote input's object unchanged (set-lr's data fi
 can (S3 to S3, GCS to GCS, bucket to bucket), else it is streamed by range (or fetched first, for a Hub
 commit and a bucket, which take local files).
 
-`stage_output(url)` gives the command its local OUT; `commit_pending()` (the CLI's `finish`) puts what the
-command wrote there at its URL; `discard_pending()` removes the staging dirs (atexit too).
-`upload_tree(local, url)` puts one finished local tree at a URL the same way (gc's `--slim-to`).
+`output_at(url)` (each `ckpt_tools.api` function with an OUT at a URL) checks the URL first, gives the op its
+local OUT, and puts what the op wrote there at the URL when the call returns (`take_uploaded()`: what was
+put, for the CLI's `remote.uploaded`); `upload_tree(local, url)` puts one finished local tree at a URL the
+same way (gc's `--slim-to`); `discard_pending()` removes the staging dirs (atexit too).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,19 +40,20 @@ from .files import create_new
 from .owned import OUTPUT_MARKER, judge
 from .remote_url import RemoteUrl, parse_url
 from .signals import Terminated, signals_deferred
-from .upload_commit import COMMIT_LAST, OVERWRITE_HINT, OutFile, put_output
+from .upload_commit import COMMIT_LAST, OVERWRITE_HINT, OutFile, describe, put_output
 
 __all__ = [
     "COMMIT_LAST",
     "Uploaded",
     "bound_for_url",
     "check_writable",
-    "commit_pending",
     "copy_later",
+    "describe_at",
     "discard_pending",
     "is_staged",
-    "pending",
+    "output_at",
     "stage_output",
+    "take_uploaded",
     "upload_tree",
 ]
 
@@ -76,7 +80,10 @@ class Uploaded:
 
 _PENDING: list[tuple[RemoteUrl, Path]] = []
 _DIRS: list[Path] = []
-_LATER: dict[str, object] = {}  # a staged file's real path -> the remote input's object it holds unchanged
+# a staged file's (st_dev, st_ino) -> the remote input's object it holds unchanged (by inode: the file is
+# made in an AtomicOutputDir's temp dir, renamed into place before the upload)
+_LATER: dict[tuple[int, int], object] = {}
+_UPLOADED: list[Uploaded] = []  # put at their URLs by `output_at`, for `take_uploaded`
 _BOUND: set[str] = set()  # every local OUT handed out for a URL (kept after its staging dir is gone)
 
 
@@ -130,12 +137,11 @@ def copy_later(dst, source) -> None:
     """`dst` (new, in a staged OUT) is the remote input's object `source` unchanged: an empty file is made
     there, and the upload takes `source` for it (copied server-side where the store can)."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    os.close(fd)
-    _LATER[os.path.realpath(dst)] = source
-
-
-def pending() -> bool:
-    return bool(_PENDING)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    _LATER[(st.st_dev, st.st_ino)] = source
 
 
 def _staging_dir(prefix: str) -> Path:
@@ -148,9 +154,10 @@ def _staging_dir(prefix: str) -> Path:
 
 def _source_of(path: Path):
     """The remote input's object the staged file `path` holds unchanged, else None."""
-    found = _LATER.get(os.path.realpath(path))
+    st = os.stat(path)
+    found = _LATER.get((st.st_dev, st.st_ino))
     if found is None and remote.active():
-        found = remote.object_of_stat(os.stat(path))
+        found = remote.object_of_stat(st)
     return found
 
 
@@ -166,28 +173,67 @@ def _files(root: Path) -> list[OutFile]:
     return sorted(out, key=lambda f: f.rel)
 
 
-def commit_pending(*, overwrite: bool) -> list[Uploaded]:
-    """Put every staged output that its command wrote at its URL (a dry run wrote none: nothing to do)."""
-    done = []
+@contextlib.contextmanager
+def output_at(
+    value, *, overwrite: bool, dry_run: bool = False, single: bool = False, inputs=()
+) -> Iterator[Path]:
+    """An OUT at the URL `value` for one call of the library (`ckpt_tools.api`): the URL checked now, before
+    anything is computed (`describe_at`: what is there, and whether `overwrite` may replace it), the local
+    OUT the op writes yielded, and on a clean exit (not a dry run) the output put at the URL, its
+    `Uploaded` kept for `take_uploaded()`. The local staging dir is removed either way. `single`: the
+    output is one file (a page, a config); `inputs`: what the call reads (OUT may be none of them)."""
+    url = check_writable(value)
+    _check_not_an_input(url, [i for i in inputs if i is not None])
+    describe_at(url, overwrite=overwrite, single=single)
+    local = stage_output(url)
     try:
-        for url, local in list(_PENDING):
-            if local.exists():
-                _check_not_an_input(url)
-                done.append(_put(url, local, overwrite=overwrite))
+        yield local
+        if not dry_run and local.exists():
+            _check_not_an_input(url)
+            _UPLOADED.append(_put(url, local, overwrite=overwrite))
     finally:
-        discard_pending()
+        _drop(url, local)
+
+
+def describe_at(value, *, overwrite: bool, single: bool = False) -> dict:
+    """A dry run's account of an OUT at the URL `value` (`staging.describe_output`'s, for a URL): what is
+    there and what `overwrite` would replace, after the refusals the real run makes."""
+    url = check_writable(value)
+    if url.scheme == "hf" and not url.path.startswith("buckets/"):
+        fs, res, _prefix = _hub_repo(url)
+        listed, replaces = _hub_existing(fs, res, url.shown, overwrite=overwrite, single=single)
+        return {"out": url.shown, "exists": bool(listed), "replaces": replaces}
+    store, prefix, _how = _store(url)
+    return describe(store, url.shown, prefix, overwrite=overwrite, single=single)
+
+
+def take_uploaded() -> list[Uploaded]:
+    """The outputs `output_at` has put at URLs since the last call (the CLI's `remote.uploaded`)."""
+    done = list(_UPLOADED)
+    _UPLOADED.clear()
     return done
 
 
+def _drop(url: RemoteUrl, local: Path) -> None:
+    """One staged output forgotten, its staging dir removed."""
+    with contextlib.suppress(ValueError):
+        _PENDING.remove((url, local))
+    d = local.parent
+    if d in _DIRS:
+        _DIRS.remove(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def upload_tree(local: Path, value, *, overwrite: bool = False) -> Uploaded:
-    """Put the finished local file or tree `local` at the URL `value`, as `commit_pending` does. A failure
-    is a CkptError naming the URL and saying what is there."""
+    """Put the finished local file or tree `local` at the URL `value`, as `output_at` does. A failure is
+    a CkptError naming the URL and saying what is there."""
     return _put(check_writable(value), local, overwrite=overwrite)
 
 
 def _put(url: RemoteUrl, local: Path, *, overwrite: bool) -> Uploaded:
     files = _files(local)
     committed = [False]
+    before = len(_DIRS)  # the dirs of remote sources fetched for it go when it is done
     try:
         return _to_store(url, files, local, overwrite=overwrite, committed=committed)
     except (KeyboardInterrupt, Terminated) as exc:  # an interrupt held through the commit arrives after it
@@ -204,6 +250,9 @@ def _put(url: RemoteUrl, local: Path, *, overwrite: bool) -> Uploaded:
             "nothing was committed there",
             hint="check the endpoint and credentials, then rerun",
         ) from None
+    finally:
+        while len(_DIRS) > before:
+            shutil.rmtree(_DIRS.pop(), ignore_errors=True)
 
 
 def _to_store(
@@ -212,7 +261,9 @@ def _to_store(
     """The output `files` put at `url` by its store (module docstring)."""
     if url.scheme == "hf" and not url.path.startswith("buckets/"):
         return _hub_commit(url, files, local, overwrite=overwrite, committed=committed)
-    store, prefix, method = _store(url, local)
+    store, prefix, method = _store(url)
+    if hasattr(store, "fetch_dir") and any(f.source is not None for f in files):
+        store.fetch_dir = _staging_dir("ckpt-fetched-")  # a bucket takes local files
     sent, left = put_output(
         store, url.shown, prefix, files, overwrite=overwrite, done=lambda: committed.__setitem__(0, True)
     )
@@ -225,7 +276,7 @@ def _to_store(
     return Uploaded(url.shown, len(files), sent, method, copied, tuple(left))
 
 
-def _store(url: RemoteUrl, local: Path):
+def _store(url: RemoteUrl):
     """(store, the output's prefix in its key space, how it is put in place) for a bucket URL."""
     head, _, rest = url.path.partition("/")
     if url.scheme == "hf":  # hf://buckets/NS/NAME/PATH
@@ -237,7 +288,6 @@ def _store(url: RemoteUrl, local: Path):
         from .upload_bucket import HfBucketStore
 
         bucket = HfBucketStore(f"{parts[1]}/{parts[2]}", url.shown)
-        bucket.fetch_dir = _staging_dir("ckpt-fetched-")
         return bucket, "/".join(parts[3:]).strip("/"), "hf bucket: staged, then copied into place by Xet hash"
     if not rest.strip("/"):
         raise UsageError(f"name a prefix inside the bucket ({url.scheme}://BUCKET/PREFIX)", path=url.shown)
@@ -255,21 +305,10 @@ def _hub_commit(
     url: RemoteUrl, files: list[OutFile], local: Path, *, overwrite: bool, committed: list
 ) -> Uploaded:
     """One Hub commit: the earlier output (same rule as local) deleted and the new one added at once."""
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfFileSystem
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-    fs = HfFileSystem(skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None)
-    try:
-        res: Any = fs.resolve_path(url.path)  # a repo path: buckets go to io.upload_bucket
-    except FileNotFoundError:
-        raise UsageError(
-            "the Hub repo (or its branch) does not exist",
-            path=url.shown,
-            hint="create it first: hf repo create ORG/NAME",
-        ) from None
-    prefix = res.path_in_repo.strip("/")
-    if not prefix:
-        raise UsageError("name a directory inside the repo (hf://org/name/DIR)", path=url.shown)
-    old = _hub_existing(fs, res, url.shown, overwrite=overwrite, single=files[0].rel == "")
+    fs, res, prefix = _hub_repo(url)
+    old, _replaces = _hub_existing(fs, res, url.shown, overwrite=overwrite, single=files[0].rel == "")
     files, fetched = _fetched(files, local)
     adds = [
         CommitOperationAdd(path_in_repo=f"{prefix}/{f.rel}" if f.rel else prefix, path_or_fileobj=str(f.path))
@@ -298,21 +337,44 @@ def _hub_commit(
     return Uploaded(url.shown, len(files), sum(f.size for f in files), "one Hub commit" + note)
 
 
-def _hub_existing(fs, res, where: str, *, overwrite: bool, single: bool) -> list[str]:
-    """The paths in the repo of the earlier output at `res`, after the refusals of `--overwrite`'s rule."""
+def _hub_repo(url: RemoteUrl) -> tuple[Any, Any, str]:
+    """(HfFileSystem, the resolved path, the directory in the repo) of an `hf://org/name[@rev]/DIR` OUT."""
+    from huggingface_hub import HfFileSystem
+
+    fs = HfFileSystem(skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None)
+    try:
+        res: Any = fs.resolve_path(url.path)  # a repo path: buckets go to io.upload_bucket
+    except FileNotFoundError:
+        raise UsageError(
+            "the Hub repo (or its branch) does not exist",
+            path=url.shown,
+            hint="create it first: hf repo create ORG/NAME",
+        ) from None
+    prefix = res.path_in_repo.strip("/")
+    if not prefix:
+        raise UsageError("name a directory inside the repo (hf://org/name/DIR)", path=url.shown)
+    return fs, res, prefix
+
+
+def _hub_existing(fs, res, where: str, *, overwrite: bool, single: bool) -> tuple[list[str], dict | None]:
+    """The paths in the repo of the earlier output at `res` and what replacing it deletes, after the
+    refusals of `--overwrite`'s rule."""
     root = res.unresolve()
     found = fs.find(root, detail=True) if fs.exists(root) else {}
     head = len(root.rstrip("/")) + 1
     listed = {n[head:]: int(i.get("size") or 0) for n, i in found.items() if i.get("type") == "file"}
     if not listed:
-        return []
+        return [], None
     if not overwrite:
         raise OutputExistsError("already exists", path=where, hint=OVERWRITE_HINT)
+    replaces = {"command": None, "version": None, "entries": 1, "bytes": sum(listed.values())}
     if not single:
         marker = fs.cat_file(f"{root}/{OUTPUT_MARKER}") if OUTPUT_MARKER in listed else None
-        judge(where, sorted({r.split("/", 1)[0] for r in listed}), marker, lambda: sum(listed.values()))
+        replaces = judge(
+            where, sorted({r.split("/", 1)[0] for r in listed}), marker, lambda: replaces["bytes"]
+        )
     base = res.path_in_repo.strip("/")
-    return [f"{base}/{r}" if r else base for r in listed]
+    return [f"{base}/{r}" if r else base for r in listed], replaces
 
 
 def _fetched(files: list[OutFile], local: Path) -> tuple[list[OutFile], int]:
@@ -345,19 +407,20 @@ def _fetched(files: list[OutFile], local: Path) -> tuple[list[OutFile], int]:
     return out, fetched
 
 
-def _check_not_an_input(url: RemoteUrl) -> None:
-    """OUT may not be, hold or lie inside an input the command read (as a local OUT may not:
-    `staging.check_against_inputs`): `set-lr s3://b/x s3://b/x --overwrite` would patch x with no way back."""
+def _check_not_an_input(url: RemoteUrl, given=()) -> None:
+    """OUT may not be, hold or lie inside an input (as a local OUT may not: `staging.check_against_inputs`):
+    the inputs `given` to the call, and every one the command read. `set-lr s3://b/x s3://b/x --overwrite`
+    would patch x with no way back."""
     from .inputs import registered
 
-    for path in registered():
-        read = parse_url(remote.display(str(path)))
+    for value in [remote.display(str(p)) for p in [*given, *registered()]]:
+        read = parse_url(value)
         if read is None or read.scheme != url.scheme:
             continue
         a, b = read.path.rstrip("/"), url.path.rstrip("/")
         if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
             raise UsageError(
-                f"OUT is an input of this command, or holds or lies inside one ({read.text})",
+                f"OUT is an input of this command, or holds or lies inside one ({read.shown})",
                 path=url.shown,
                 hint="write OUT to another prefix; an input is never replaced",
             )

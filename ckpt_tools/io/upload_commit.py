@@ -48,6 +48,7 @@ __all__ = [
     "OutFile",
     "Store",
     "StoreError",
+    "describe",
     "is_marker",
     "put_output",
     "run_async",
@@ -201,7 +202,7 @@ def put_output(
     keys = Keys(prefix, secrets.token_hex(4))
     left: list[str] = []  # what the cleanup could not remove
     single = len(files) == 1 and files[0].rel == ""
-    old = _existing(store, where, prefix, overwrite=overwrite, single=single)
+    old, _replaces = _existing(store, where, prefix, overwrite=overwrite, single=single)
     backup = [] if single else sorted(old)
     try:
         sent = store.stage(files, keys)
@@ -224,8 +225,18 @@ def put_output(
     return sent, left
 
 
-def _existing(store: Store, where: str, prefix: str, *, overwrite: bool, single: bool) -> dict[str, int]:
-    """{path: size} of the earlier output at `prefix`, after the refusals of `--overwrite`'s rule."""
+def describe(store: Store, where: str, prefix: str, *, overwrite: bool, single: bool = False) -> dict:
+    """What putting an output at `prefix` would replace, after the refusals the real run makes (a dry run's
+    account of OUT, as `staging.describe_output`'s): {"out", "exists", "replaces"}."""
+    listed, replaces = _existing(store, where, prefix, overwrite=overwrite, single=single)
+    return {"out": where, "exists": bool(listed), "replaces": replaces}
+
+
+def _existing(
+    store: Store, where: str, prefix: str, *, overwrite: bool, single: bool
+) -> tuple[dict[str, int], dict | None]:
+    """{path: size} of the earlier output at `prefix` and what replacing it deletes (`owned.judge`), after
+    the refusals of `--overwrite`'s rule."""
     try:
         listed = store.listing(prefix, single=single)
     except StoreError as exc:
@@ -237,11 +248,11 @@ def _existing(store: Store, where: str, prefix: str, *, overwrite: bool, single:
     if not single:
         listed.pop("", None)  # an object named like the prefix is another object, not under it
     if not listed:
-        return {}
+        return {}, None
     if not overwrite:
         raise OutputExistsError("already exists", path=where, hint=OVERWRITE_HINT)  # the words of a local OUT
     if single:
-        return listed
+        return listed, {"command": None, "version": None, "entries": 1, "bytes": sum(listed.values())}
     names = sorted({rel.split("/", 1)[0] for rel in listed})
     marker = None
     if listed.get(OUTPUT_MARKER, _MARKER_MAX_BYTES + 1) <= _MARKER_MAX_BYTES:
@@ -249,8 +260,7 @@ def _existing(store: Store, where: str, prefix: str, *, overwrite: bool, single:
             marker = store.read_small(f"{prefix}/{OUTPUT_MARKER}")
         except Exception as exc:
             raise _failed(exc, store, where, "nothing was written there") from None
-    judge(where, names, marker, lambda: sum(listed.values()))
-    return listed
+    return listed, judge(where, names, marker, lambda: sum(listed.values()))
 
 
 def _single(store: Store, where: str, keys: Keys) -> None:

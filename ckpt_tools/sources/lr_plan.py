@@ -31,7 +31,19 @@ from ..formats.dcp.lr_schedule import (
 )
 from ..formats.dcp.reader import DcpCheckpoint
 
-__all__ = ["LR_FIELDS", "MAX_LR", "Change", "SetLrPlan", "check_lr_value", "plan_set_lr", "scale_value"]
+__all__ = [
+    "LR_FIELDS",
+    "MAX_LR",
+    "Change",
+    "SetLrPlan",
+    "check_lr_value",
+    "current_lr",
+    "lr_factor",
+    "plan_lr_state",
+    "plan_set_lr",
+    "scale_value",
+    "scaled_lr_fields",
+]
 
 # (group, field) of every byte item that holds an absolute learning rate. Sub-schedulers of
 # SequentialLR (`_schedulers.<j>.<field>`) are matched by the same scheduler fields.
@@ -129,10 +141,31 @@ def plan_set_lr(
     min_lr: float | None = None,
     preview: bool = True,
 ) -> SetLrPlan:
-    """Compute every byte item to patch. Exactly one of `lr` (the current lr becomes `lr`; factor =
-    lr / current lr of param group 0) or `scale` (factor). `preview` replays the remaining
-    schedule before and after with torch's schedulers (building a torch optimizer imports
-    torch._dynamo: seconds, so the real run skips it).
+    """Compute every byte item of a DCP checkpoint to patch: `plan_lr_state` over its scheduler and
+    param-group items, with prime-rl's note on a CPU-offload optimizer's param groups."""
+    if (lr is None) == (scale is None):
+        raise UsageError("give exactly one of --lr or --scale")
+    st = read_sched_state(ckpt)
+    return plan_lr_state(
+        st, str(ckpt.dir), lr=lr, scale=scale, min_lr=min_lr, preview=preview, warnings=_offload_warning(ckpt)
+    )
+
+
+def plan_lr_state(
+    st: SchedState,
+    source: str,
+    *,
+    lr: float | None = None,
+    scale: float | None = None,
+    min_lr: float | None = None,
+    preview: bool = True,
+    warnings: list[str] | tuple[str, ...] = (),
+) -> SetLrPlan:
+    """Every lr field of the optimizer and scheduler state `st` (a DCP checkpoint's, a verl checkpoint's)
+    with its new value. Exactly one of `lr` (the current lr becomes `lr`; factor = lr / current lr of
+    param group 0) or `scale` (factor). `preview` replays the remaining schedule before and after with
+    torch's schedulers (building a torch optimizer imports torch._dynamo: seconds, so the real run skips
+    it).
 
     `min_lr` retargets the end of the decay instead of scaling it: CosineAnnealingLR's `eta_min`
     is set to it; a LinearLR decay that has not started gets `end_factor = min_lr / base_lr`
@@ -141,11 +174,45 @@ def plan_set_lr(
     `e = min_lr * s * (T - k) / (lr * T - min_lr * k)`."""
     if (lr is None) == (scale is None):
         raise UsageError("give exactly one of --lr or --scale")
-    st = read_sched_state(ckpt)
-    current = _current_lr(ckpt, st)
-    factor, exact = _factor(current, lr, scale)
+    current = current_lr(st, source)
+    factor, exact = lr_factor(current, lr, scale)
     if min_lr is not None and not (math.isfinite(min_lr) and min_lr >= 0):
         raise UsageError(f"--min-lr must be a finite number >= 0, got {min_lr}")
+    new, why = scaled_lr_fields(st, factor, exact)
+    notes = []
+    if min_lr is not None:
+        _apply_min_lr(st, new, why, min_lr, factor, exact)
+    if len(st.groups) > 1 and lr is not None:
+        notes.append(f"{len(st.groups)} param groups: all scaled by the factor of group 0 ({factor:g})")
+    if st.kind in ("unknown",):
+        notes.append("unrecognised scheduler: only lr fields known by name were patched")
+    notes.extend(warnings)
+    for key, v in new.items():
+        check_lr_value(v, key)
+    changes = tuple(
+        Change(k, old_value(st, k), v, why[k]) for k, v in sorted(new.items()) if old_value(st, k) != v
+    )
+    shown = None
+    if preview:
+        try:
+            shown = {"before": preview_schedule(st), "after": preview_schedule(apply_to_state(st, new))}
+        except Exception as exc:  # a scheduler we cannot rebuild only costs the preview
+            notes.append(f"no schedule preview: {type(exc).__name__}: {exc}")
+    return SetLrPlan(
+        source=source,
+        factor=factor,
+        lr_before=current,
+        lr_after=new[st.keys[("pg", min(st.groups), "lr")]],
+        min_lr=min_lr,
+        scheduler=describe(st),
+        changes=changes,
+        preview=shown,
+        warnings=tuple(notes),
+    )
+
+
+def scaled_lr_fields(st: SchedState, factor: float, exact) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every lr field of `st` (LR_FIELDS) scaled by `factor`: ({key: new value}, {key: why})."""
     new: dict[str, Any] = {}
     why: dict[str, str] = {}
     for (where, idx, fld), key in sorted(st.keys.items(), key=lambda kv: kv[1]):
@@ -154,40 +221,10 @@ def plan_set_lr(
             old = (st.groups[idx] if where == "pg" else st.top if where == "top" else st.subs[idx])[fld]
             new[key] = scale_value(old, factor, key, exact)
             why[key] = f"x{factor:g}"
-    warnings = []
-    if min_lr is not None:
-        _apply_min_lr(st, new, why, min_lr, factor, exact)
-    if len(st.groups) > 1 and lr is not None:
-        warnings.append(f"{len(st.groups)} param groups: all scaled by the factor of group 0 ({factor:g})")
-    if st.kind in ("unknown",):
-        warnings.append("unrecognised scheduler: only lr fields known by name were patched")
-    warnings += _offload_warning(ckpt)
-    for key, v in new.items():
-        check_lr_value(v, key)
-    changes = tuple(
-        Change(k, old_value(st, k), v, why[k]) for k, v in sorted(new.items()) if old_value(st, k) != v
-    )
-    patched = apply_to_state(st, new)
-    shown = None
-    if preview:
-        try:
-            shown = {"before": preview_schedule(st), "after": preview_schedule(patched)}
-        except Exception as exc:  # a scheduler we cannot rebuild only costs the preview
-            warnings.append(f"no schedule preview: {type(exc).__name__}: {exc}")
-    return SetLrPlan(
-        source=str(ckpt.dir),
-        factor=factor,
-        lr_before=current,
-        lr_after=new[st.keys[("pg", min(st.groups), "lr")]],
-        min_lr=min_lr,
-        scheduler=describe(st),
-        changes=changes,
-        preview=shown,
-        warnings=tuple(warnings),
-    )
+    return new, why
 
 
-def _current_lr(ckpt: DcpCheckpoint, st: SchedState) -> float:
+def current_lr(st: SchedState, source: str) -> float:
     """Param group 0's lr: a finite float >= 0 (a new lr is derived from it)."""
     current = st.groups[min(st.groups)].get("lr")
     if not isinstance(current, float):
@@ -199,14 +236,14 @@ def _current_lr(ckpt: DcpCheckpoint, st: SchedState) -> float:
         raise FormatError(
             f"the checkpoint's lr is {current!r}: not a finite number >= 0, so no new lr can be "
             "derived from it",
-            path=ckpt.dir,
+            path=source,
             key=st.keys.get(("pg", min(st.groups), "lr")),
             hint="the checkpoint is damaged or crafted; `ckpt set` can write a finite lr",
         )
     return current
 
 
-def _factor(
+def lr_factor(
     current: float, lr: float | None, scale: float | None
 ) -> tuple[float, tuple[float, float] | None]:
     """The factor every lr field is scaled by, and (current, lr) when --lr gives it exactly."""
@@ -218,7 +255,7 @@ def _factor(
                 f"the current lr is {current}, so --lr cannot be turned into a factor", hint="use --scale"
             )
         return lr / current, (current, lr)
-    assert scale is not None  # exactly one of the two (plan_set_lr checked)
+    assert scale is not None  # exactly one of the two (plan_lr_state checked)
     if not (math.isfinite(scale) and scale > 0):
         raise UsageError(f"--scale must be a positive finite number, got {scale}")
     return scale, None

@@ -63,9 +63,10 @@ class TrainState:
         self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
 
 
-def build(world: int):
+def build(world: int, lr: float = 8e-4):
     """Trainer.__init__'s order: build on meta, FSDP2 (`apply_fsdp_to_decoder`, as `parallelize_llama`),
-    to_empty + init_weights, then the optimizers and LR schedulers of the llama3 debugmodel recipe."""
+    to_empty + init_weights, then the optimizers and LR schedulers of the llama3 debugmodel recipe (the
+    config's lr: `lr`)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -86,7 +87,7 @@ def build(world: int):
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    opt_cfg = default_adamw(lr=8e-4)
+    opt_cfg = default_adamw(lr=lr)
     opt_cfg.implementation = "for-loop"   # "fused" is the CUDA kernel
     optimizers = opt_cfg.build(model_parts=[model])
     lr_cfg = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0)

@@ -28,8 +28,27 @@ def _value(v) -> str:
     return human_number(v)
 
 
-def render_result(r: dict) -> None:
+def _render_verl(r: dict) -> None:
+    """A verl role dir's rank files rewritten (optim_/extra_state_: data.pkl patched), the rest linked."""
+    how = ", ".join(f"{n} {m}" for m, n in sorted(r["rewritten"].items()))
+    kept = ", ".join(f"{n} {m}" for m, n in sorted(r["linked"].items())) or "none"
     if r["in_place"]:
+        click.echo(
+            f"  patched in place: {len(r['files'])} rank files rewritten ({how}, "
+            f"{human_bytes(r['bytes_written'])}), the dir switched atomically; the old one kept as "
+            f"{r['backup']} (hard links: remove it once resumed)"
+        )
+    else:
+        click.echo(
+            f"  wrote {r['out']}: {len(r['files'])} rank files rewritten ({how}, "
+            f"{human_bytes(r['bytes_written'])}); other files: {kept}; {r['seconds']:.3f}s"
+        )
+
+
+def render_result(r: dict) -> None:
+    if r.get("format") == "verl":
+        _render_verl(r)
+    elif r["in_place"]:
         click.echo(
             f"  patched in place: {r['patch_file']} + new .metadata ({human_bytes(r['bytes_written'])}); "
             f"old metadata kept as {r['backup']}"
@@ -63,7 +82,8 @@ def render_result(r: dict) -> None:
     "--in-place",
     is_flag=True,
     help="Patch CKPT itself: a new small data file and an atomic swap of "
-    ".metadata (the old one kept as .metadata.bak-<time>).",
+    ".metadata (the old one kept as .metadata.bak-<time>); verl: the role dir "
+    "rebuilt beside and swapped in atomically (the old one kept as actor.bak-<time>).",
 )
 @overwrite_option
 @dry_run_option
@@ -88,6 +108,10 @@ def command(
     sub-schedulers too), so the remaining schedule scales consistently. OUT hard-links the data
     files and adds one small patch file and a new .metadata: O(KB) written (an s3:// CKPT to an
     s3:// OUT: the data files are copied server-side, O(KB) fetched and sent).
+
+    A verl checkpoint (run dir, global_step_N or its actor dir) is changed the same way in every
+    rank's optim_ and extra_state_ file (the same bytes rewritten, the model files hard-linked).
+    A torchtitan checkpoint is refused: it resumes its lr from the config.
 
     \b
     Example:

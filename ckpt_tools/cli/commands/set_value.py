@@ -32,6 +32,10 @@ def command(
     the current value's type: int stays int, float stays float, bool is true/false, a list is a
     JSON array of the same length. Tensors cannot be set. OUT hard-links the data files.
 
+    A verl checkpoint's KEY is a field of its optimizer's param groups or its scheduler
+    (`param_groups.0.weight_decay`, `lr_scheduler.last_epoch`), set on every rank, in place in the
+    rank files' pickles (a value must fit the old one's bytes). torchtitan checkpoints are refused.
+
     \b
     Example:
       ckpt set outputs/checkpoints/step_95/trainer step_95-fixed progress.step=100

@@ -34,12 +34,14 @@ from ...io.safe_pickle import check_pickle_bounds
 __all__ = [
     "CRC_HINT",
     "SMALL_ITEM_BYTES",
+    "CentralEntry",
     "DataCrcReader",
     "DecodedChunk",
     "ItemError",
     "ItemLayout",
     "TensorRecord",
     "archive_pickle",
+    "central_directory",
     "check_record_crcs",
     "crc_error",
     "decode_chunk",
@@ -482,8 +484,78 @@ def load_byte_item(raw: bytes, *, trust: bool, path, key: str):
         ) from None
 
 
-# ---- the data record's CRC-32 from the zip central directory alone (slim of a remote checkpoint)
+# ---- the zip central directory of one item, read from its end (tens of bytes per record)
 _CD_SIG, _EOCD_SIG, _Z64_LOC_SIG = b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x07"
+_U32_MAX = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class CentralEntry:
+    """One central directory entry: its record's name, where the entry lies (`at`, from the item's first
+    byte), the stored CRC-32 and sizes, and where the record's local header is (`header_offset`; -1 where a
+    zip64 entry does not say)."""
+
+    name: bytes
+    at: int
+    method: int
+    crc: int
+    csize: int
+    usize: int
+    header_offset: int
+
+
+def _zip64_header_offset(extra: bytes, usize: int, csize: int) -> int | None:
+    """The local header offset a zip64 extra field holds (its fields come in order, each only where the
+    fixed one is 0xFFFFFFFF: uncompressed size, compressed size, header offset)."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            skip = 8 * ((usize == _U32_MAX) + (csize == _U32_MAX))
+            if n >= skip + 8:
+                return struct.unpack_from("<Q", extra, pos + 4 + skip)[0]
+            return None
+        pos += 4 + n
+    return None
+
+
+def _central_entries(cd: bytes, cd_off: int):
+    pos = 0
+    while pos + 46 <= len(cd) and cd[pos : pos + 4] == _CD_SIG:
+        (method,) = struct.unpack_from("<H", cd, pos + 10)
+        crc, csize, usize = struct.unpack_from("<III", cd, pos + 16)
+        nlen, xlen, clen = struct.unpack_from("<HHH", cd, pos + 28)
+        (hdr,) = struct.unpack_from("<I", cd, pos + 42)
+        name = bytes(cd[pos + 46 : pos + 46 + nlen])
+        if hdr == _U32_MAX:
+            extra = bytes(cd[pos + 46 + nlen : pos + 46 + nlen + xlen])
+            found = _zip64_header_offset(extra, usize, csize)
+            hdr = -1 if found is None else found  # unknown: a caller that needs it refuses
+        yield CentralEntry(name, cd_off + pos, method, crc, csize, usize, hdr)
+        pos += 46 + nlen + xlen + clen
+
+
+def central_directory(read: Callable[[int, int], bytes], length: int) -> list[CentralEntry]:
+    """Every entry of the central directory of the zip spanning bytes [0, length) of what `read(offset,
+    n)` reads (offsets from the zip's first byte): its end record, the zip64 locator where it has one, then
+    the directory itself. ItemError for anything but a zip without a comment whose directory lies inside."""
+    n = min(length, 22 + 20 + 56)
+    tail = read(length - n, n)
+    at = n - 22
+    if at < 0 or tail[at : at + 4] != _EOCD_SIG:
+        raise ItemError("no zip end record at the item's end (a comment, or not a zip)")
+    cd_size, cd_off = struct.unpack_from("<II", tail, at + 12)
+    if _U32_MAX in (cd_size, cd_off):  # zip64: the locator names the zip64 end record
+        if at < 20 or tail[at - 20 : at - 16] != _Z64_LOC_SIG:
+            raise ItemError("zip64 end record locator missing")
+        (z64,) = struct.unpack_from("<Q", tail, at - 12)
+        if z64 + 56 > length:
+            raise ItemError("zip64 end record lies beyond the item")
+        rec = read(z64, 56)
+        cd_size, cd_off = struct.unpack_from("<QQ", rec, 40)
+    if cd_off + cd_size > length:
+        raise ItemError("central directory lies beyond the item")
+    return list(_central_entries(read(cd_off, cd_size), cd_off))
 
 
 class DataCrcReader:
@@ -523,32 +595,12 @@ class DataCrcReader:
         return self._from_end(read, offset, length, payload_bytes)
 
     def _from_end(self, read, offset: int, length: int, payload_bytes: int) -> int:
-        n = min(length, 22 + 20 + 56)
-        tail = read(offset + length - n, n)
-        at = n - 22
-        if at < 0 or tail[at : at + 4] != _EOCD_SIG:
-            raise ItemError("no zip end record at the item's end (a comment, or not a zip)")
-        cd_size, cd_off = struct.unpack_from("<II", tail, at + 12)
-        if 0xFFFFFFFF in (cd_size, cd_off):  # zip64: the locator names the zip64 end record
-            if at < 20 or tail[at - 20 : at - 16] != _Z64_LOC_SIG:
-                raise ItemError("zip64 end record locator missing")
-            (z64,) = struct.unpack_from("<Q", tail, at - 12)
-            rec = read(offset + z64, 56)
-            cd_size, cd_off = struct.unpack_from("<QQ", rec, 40)
-        if cd_off + cd_size > length:
-            raise ItemError("central directory lies beyond the item")
-        cd = read(offset + cd_off, cd_size)
-        pos = 0
-        while pos < len(cd):
-            e = self._entry(cd, pos)
-            if e is None:
-                break
-            if e[4].endswith(b"/data/0"):
-                if e[0] != 0 or e[2] != e[3] or e[3] != payload_bytes:
+        for e in central_directory(lambda off, n: read(offset + off, n), length):
+            if e.name.endswith(b"/data/0"):
+                if e.method != 0 or e.csize != e.usize or e.usize != payload_bytes:
                     raise ItemError(
-                        f"data record is not {payload_bytes} stored bytes (method {e[0]}, size {e[3]})"
+                        f"data record is not {payload_bytes} stored bytes (method {e.method}, size {e.usize})"
                     )
-                self._back, self._name = length - (cd_off + pos), e[4]
-                return e[1]
-            pos += e[5]
+                self._back, self._name = length - e.at, e.name
+                return e.crc
         raise ItemError("no data/0 record in the central directory")

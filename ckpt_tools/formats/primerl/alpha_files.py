@@ -96,16 +96,19 @@ def read_head_lora(path: Path) -> tuple[float, int, str]:
 def _lora_table(data: Mapping, where: str, path: Path) -> dict | None:
     """The `[<where>.lora]` table of `data` (None when absent), refused when not a table."""
     node: object = data
+    walked: list[str] = []
     for part in [*where.split("."), "lora"]:
         if node is None:
             return None
         if not isinstance(node, Mapping):
+            # name the key that holds the non-table, not the table we were looking for
             raise FormatError(
-                f"'{where}' is {node!r} ({type(node).__name__}), not a table",
+                f"'{'.'.join(walked)}' is {node!r} ({type(node).__name__}), not a [{'.'.join(walked)}] table",
                 path=path,
                 hint="pass a prime-rl config (outputs/run_*/configs/orch.toml, rl.toml)",
             )
         node = node.get(part)
+        walked.append(part)
     if node is not None and not isinstance(node, Mapping):
         raise FormatError(f"'{where}.lora' is {node!r} ({type(node).__name__}), not a table", path=path)
     return dict(node) if node is not None else None

@@ -37,6 +37,7 @@ __all__ = [
     "StorageRef",
     "Stub",
     "TensorRef",
+    "decode_data_pkl",
     "open_archive",
     "storage_bytes_ok",
 ]
@@ -234,6 +235,7 @@ class Archive:
     prefix: str
     obj: Any
     storages: dict[str, Record]
+    pkl: Record  # data.pkl: where its bytes are and its stored CRC-32
 
     def storage(self, ref: StorageRef, key: str) -> Record:
         rec = self.storages.get(ref.key)
@@ -244,7 +246,8 @@ class Archive:
         return rec
 
 
-def _decode(data: bytes, source: str) -> Any:
+def decode_data_pkl(data: bytes, source: str) -> Any:
+    """A rank file's data.pkl as data (stand-ins), through the allow-list after the bounds scan."""
     with gc_paused():
         check_pickle_bounds(data, source, "a torch.save data.pkl")
         try:
@@ -282,7 +285,7 @@ def open_archive(files: OpenFiles, rel: str) -> Archive:
             hint="the file is crafted or damaged",
         )
     pkl = files.read(rel, layout.pkl_offset, layout.pkl_size, rel)
-    stored = next(crc for name, _o, _s, crc in layout.records if name.endswith("/data.pkl"))
+    pkl_name, stored = next((n, crc) for n, _o, _s, crc in layout.records if n.endswith("/data.pkl"))
     if stored and crc32(pkl) != stored:
         err = crc_error(f"{layout.prefix}/data.pkl", stored, crc32(pkl), path=path)
         raise ChecksumError(err.message, path=path, hint=CRC_HINT)
@@ -291,7 +294,8 @@ def open_archive(files: OpenFiles, rel: str) -> Archive:
         for name, off, n, crc in layout.records
         if name.startswith(f"{layout.prefix}/data/")
     }
-    return Archive(rel, layout.prefix, _decode(pkl, str(path)), storages)
+    record = Record(pkl_name, layout.pkl_offset, layout.pkl_size, stored)
+    return Archive(rel, layout.prefix, decode_data_pkl(pkl, str(path)), storages, record)
 
 
 def storage_bytes_ok(ref: TensorRef, rec: Record) -> bool:

@@ -18,7 +18,11 @@ from ...core.progress import Progress
 from ...formats.dcp.patch import PatchResult, patch_checkpoint
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.optimizers import optimizer_facts
+from ...formats.sniff import TORCHTITAN, VERL
+from ...formats.trainers import trainer_kind
+from ...formats.verl.patch import VerlPatchResult
 from .plan import SetLrPlan, SetValuesPlan, plan_set_lr, plan_set_values
+from .trainers import TORCHTITAN_HINT, TORCHTITAN_SET_LR, plan_verl_set_lr, plan_verl_set_values, verl_patch
 
 __all__ = [
     "PatchOptions",
@@ -44,7 +48,7 @@ class PatchOptions:
 @dataclass(frozen=True)
 class PatchReport:
     plan: SetLrPlan | SetValuesPlan
-    result: PatchResult | None = None  # None: a dry run
+    result: PatchResult | VerlPatchResult | None = None  # None: a dry run
 
     def to_json(self) -> dict:
         rep = {"plan": self.plan.to_json(), "dry_run": self.result is None}
@@ -90,6 +94,20 @@ def set_lr(
         raise UsageError("give either OUT or --in-place, not both")
     if not in_place and out is None and not dry_run:
         raise UsageError("give an output directory OUT, or --in-place")
+    kind = trainer_kind(ckpt_path)
+    if kind == TORCHTITAN:
+        raise UsageError(TORCHTITAN_SET_LR, path=ckpt_path, hint=TORCHTITAN_HINT)
+    if kind == VERL:
+        return PatchReport(
+            *verl_patch(
+                ckpt_path,
+                out,
+                lambda st: plan_verl_set_lr(st, lr=lr, scale=scale, min_lr=min_lr),
+                in_place=in_place,
+                dry_run=dry_run,
+                overwrite=overwrite,
+            )
+        )
     options = PatchOptions(out, in_place, overwrite, dry_run)
     with DcpCheckpoint.open(ckpt_path, trust_pickle=trust_pickle) as ckpt:
         # the preview replays the schedule with torch's schedulers (building an optimizer imports
@@ -114,6 +132,26 @@ def set_values(
     """Library entry point of `ckpt set`."""
     if in_place and out is not None:
         raise UsageError("give either OUT or --in-place, not both")
+    kind = trainer_kind(ckpt_path)
+    if kind == TORCHTITAN:
+        raise UsageError(
+            "`ckpt set` does not change torchtitan checkpoints yet",
+            path=ckpt_path,
+            hint="for the lr: " + TORCHTITAN_HINT,
+        )
+    if kind == VERL:
+        if not in_place and out is None and not dry_run:
+            raise UsageError("give an output directory OUT, or --in-place")
+        return PatchReport(
+            *verl_patch(
+                ckpt_path,
+                out,
+                lambda st: plan_verl_set_values(st, assignments),
+                in_place=in_place,
+                dry_run=dry_run,
+                overwrite=overwrite,
+            )
+        )
     options = PatchOptions(out, in_place, overwrite, dry_run)
     with DcpCheckpoint.open(ckpt_path, trust_pickle=trust_pickle) as ckpt:
         plan = plan_set_values(ckpt, assignments)
