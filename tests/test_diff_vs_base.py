@@ -63,6 +63,8 @@ def test_prime_rl_export_is_identical_to_base_and_exits_3():
     r = run("diff-vs-base", EXPORT, BASE)
     assert r.exit_code == 3, r.output
     assert "identical to base" in r.output and "not merged" in r.output
+    # two HF dirs alike need not be a failed merge: the line says what it means for a trained model's export too
+    assert "training changed none of these weights" in r.output, r.output
     code, rep = run_json("diff-vs-base", EXPORT, BASE)
     assert code == 3 and rep["verdict"] == "identical" and rep["counts"] == {"identical": 36}
     assert rep["shared"] == 36 and rep["only_in_weights"] == [] and rep["only_in_base"] == []

@@ -79,7 +79,8 @@ def command(
     bf16 side exactly). Identical tensors are found by comparing raw bytes, streamed.
 
     Exit status: 0 WEIGHTS differ from BASE (and the adapter check passed); 3 every compared tensor
-    is bitwise identical to BASE (the LoRA was not merged); 4 the adapter check failed; 1 errors.
+    is bitwise identical to BASE (a LoRA meant to be in WEIGHTS was not merged); 4 the adapter
+    check failed; 1 errors.
 
     \b
     Example:

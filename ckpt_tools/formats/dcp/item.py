@@ -149,9 +149,13 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
-def window(read: Callable[[int, int], bytes], base: int, length: int) -> io.BufferedReader:
-    """A seekable binary file over bytes [base, base + length) of a file read by `read(offset, n)`."""
-    return io.BufferedReader(_Window(read, base, length))
+def window(
+    read: Callable[[int, int], bytes], base: int, length: int, buffer_bytes: int = io.DEFAULT_BUFFER_SIZE
+) -> io.BufferedReader:
+    """A seekable binary file over bytes [base, base + length) of a file read by `read(offset, n)`, read
+    ahead `buffer_bytes` at a time (a many-record archive whose local headers are read one by one, at a URL:
+    a small buffer, else each 30-byte header costs the default 8 KiB)."""
+    return io.BufferedReader(_Window(read, base, length), buffer_size=buffer_bytes)
 
 
 def archive_pickle(raw: bytes, *, path=None, key: str | None = None) -> bytes:

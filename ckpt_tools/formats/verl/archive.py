@@ -29,6 +29,7 @@ from ...io.safe_pickle import AllowListUnpickler, check_pickle_bounds
 from ..dcp.item import CRC_HINT, ItemError, crc_error, parse_item, window
 
 __all__ = [
+    "HEADER_READ_BYTES",
     "MAX_PICKLE_BYTES",
     "Archive",
     "DTensorRef",
@@ -45,6 +46,9 @@ __all__ = [
 # data.pkl of a rank file holds one entry per parameter (~1 KiB with its DTensorSpec): a 1,000-layer model's
 # is a few MiB. Anything past this is not read.
 MAX_PICKLE_BYTES = 256 << 20
+# What the zip directory walk reads ahead: one record's local header and name (30 + ~40 bytes in a rank file;
+# its records are each read once, where the directory says, so more read-ahead is only fetched for nothing)
+HEADER_READ_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -272,7 +276,7 @@ def open_archive(files: OpenFiles, rel: str) -> Archive:
     path = files.root / rel
     size = files.size(rel)
     try:
-        layout = parse_item(window(lambda off, n: files.read(rel, off, n, rel), 0, size))
+        layout = parse_item(window(lambda off, n: files.read(rel, off, n, rel), 0, size, HEADER_READ_BYTES))
     except ItemError as exc:
         raise FormatError(
             f"not a torch.save archive: {exc}", path=path, hint="the file is damaged or not verl's"

@@ -450,7 +450,11 @@ def _verdict(plan: DiffPlan, tensors: list[TensorDiff], lora) -> tuple[str, int,
         if plan.weights["kind"] == "dcp":
             why = "as expected for a LoRA checkpoint's frozen base weights (the LoRA lives in lora_A/lora_B)"
         else:
-            why = "the LoRA was not merged (or had no effect)"
+            # two HF dirs alike need not be a failed merge: a full fine-tune's export may be compared too
+            why = (
+                "if WEIGHTS is meant to hold a merged LoRA, the LoRA was not merged (or had no effect); "
+                "if it is a trained model's export, training changed none of these weights"
+            )
         text = f"identical to base: all {scope} are bitwise identical{how}; {why}"
         if adapter_summary is not None and not adapter_summary["passed"]:
             text += (
