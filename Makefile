@@ -11,7 +11,8 @@ TORCH_PIP_ARGS ?=
 
 .PHONY: install demo test test-pure test-vllm trainers-venv test-trainers lint format clean bench
 
-$(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c ckpt_tools/sources/delta_stats_c.c
+$(VENV)/.installed: pyproject.toml setup.py ckpt_tools/io/pickle_scan_c.c ckpt_tools/sources/delta_stats_c.c \
+		ckpt_tools/core/fp8_error_c.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: where pip's config serves the CPU build (our dev and CI machines) this
@@ -39,13 +40,15 @@ format: install
 	$(VENV)/bin/ruff check --fix ckpt_tools
 	$(VENV)/bin/ruff format ckpt_tools
 
-# Neither C fast path loaded: the tests that drive the Python/torch fallbacks they speed up (the pickle bounds
-# scan: every metadata and item pickle, hostile ones included; diff-vs-base's chunk statistics and value check).
+# No C fast path loaded: the tests that drive the Python/torch fallbacks they speed up (the pickle bounds
+# scan: every metadata and item pickle, hostile ones included; diff-vs-base's chunk statistics and value check;
+# an FP8 output's error figures).
 # CI runs `make test` then this. `make test-pure PURE_TESTS=tests` runs the whole suite that way (~9 min here).
 PURE_TESTS ?= tests/test_pickle_scan.py tests/test_hostile_pickles.py tests/test_safe_pickle.py \
 	tests/test_pickle_311.py tests/test_fuzz.py tests/test_hostile_files.py tests/test_inspect.py tests/test_verify.py \
 	tests/test_diff_vs_base.py tests/test_adapter_check.py tests/test_diff_memory.py tests/test_diff_workers.py \
-	tests/test_value_check_c.py tests/test_delta_stats_c.py tests/test_modules_to_save.py
+	tests/test_value_check_c.py tests/test_delta_stats_c.py tests/test_modules_to_save.py tests/test_fp8_error_c.py \
+	tests/test_fp8.py
 test-pure: install
 	CKPT_TOOLS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(PURE_TESTS)
 

@@ -41,6 +41,8 @@
 # Issue 35 (block-FP8 outputs at 8B, 5 repetitions, shuffled): two calls back to back on the warm host,
 #   PHASE=fp8-merge   merge --dtype fp8 beside ckpt merge (bf16) and cp -r base && sync
 #   PHASE=fp8-export  export --dtype fp8 beside ckpt export (bf16) and cp -r base && sync
+#   (checked here at the tiny size: OUT=/tmp/o WORK=/tmp/w PYTHON=.venv/bin/python SIZES=tiny REPEAT=1
+#   PHASE=fp8-merge bash bench/device_run.sh; the smoke line says whether the FP8 error kernel loaded)
 # Knobs (environment) override a phase: SIZES, RANKS, REPEAT, BUDGET_S, CASES, EXTRA, LABEL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -124,8 +126,8 @@ echo "== host (phase $PHASE: sizes $SIZES, ranks $RANKS, cases ${CASES:-all})"; 
 # Fail in seconds, not minutes, if ckpt_tools does not run here (Python 3.12, torch 2.11).
 echo "== smoke"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-"$PY" setup.py -q build_ext --inplace 2>&1 | tail -3    # the C pickle scan and delta stats (nothing is pip-installed here)
-"$PY" -c "from ckpt_tools.io import pickle_scan as p; from ckpt_tools.sources import compare as c; print('C:', p.accelerator, c.accelerator)"
+"$PY" setup.py -q build_ext --inplace 2>&1 | tail -3    # the C pickle scan, delta stats and FP8 error (nothing is pip-installed here)
+"$PY" -c "from ckpt_tools.io import pickle_scan as p; from ckpt_tools.sources import compare as c; from ckpt_tools.core import fp8; print('C:', p.accelerator, c.accelerator, fp8.accelerator, 'path', fp8.accelerator and fp8.accelerator.best_path())"
 if [ -n "${DEVICE_TESTS:-}" ]; then   # tests whose answer depends on this host's CPU/BLAS (pytest is in its image)
     # shellcheck disable=SC2086
     "$PY" -m pytest -q -p no:cacheprovider $DEVICE_TESTS 2>&1 | tail -5

@@ -10,10 +10,15 @@ in a new shuffled order (the seed is recorded), each in its own process through 
 PYTHONPATH set to that tree, so the trees see the same page cache and machine load. Prints, per case, the
 median wall and peak RSS of each tree and its ratio to the first tree, and with --floors each tree's ratio
 to (floor + import torch), median and worst (the slowest run over the fastest floor and import); writes the
-records (wall, CPU, RSS) to --results. Cases: merge (HF base + PEFT adapter), slim, rehydrate, the three
-the refactors promised not to slow; slim --base and extract-adapter (issue 22: the byte movers without
-torch); diff (diff-vs-base merged base), diff-adapter (with --adapter) and diff-adapter-cuda (--device cuda:
-a tree without it fails that case).
+records (wall, CPU, RSS, and the sha256 of each output's SHA256SUMS: whether the trees wrote the same bytes) to
+--results. Cases: merge (HF base + PEFT adapter), slim, rehydrate, the three the refactors promised not to
+slow; slim --base and extract-adapter (issue 22: the byte movers without torch); diff (diff-vs-base merged
+base), diff-adapter (with --adapter) and diff-adapter-cuda (--device cuda: a tree without it fails that case);
+merge-fp8, export and export-fp8 (issue 35: `--dtype fp8` beside the bf16 commands, all four held to `cp -r
+base && sync`, whose runs they share).
+
+    python bench/revs.py --tree main=.trees/main --tree now=. --size 1.7b --dcp ckpt \
+        --cases merge,merge-fp8,export,export-fp8 --floors --repeat 5
 
     python bench/revs.py --tree main=.trees/main --tree now=. --size 1.7b --dcp ckpt --cases rehydrate \
         --floors --repeat 5
@@ -21,6 +26,7 @@ a tree without it fails that case).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -39,6 +45,11 @@ REPO = Path(__file__).resolve().parents[1]
 # each case's floor (issue 22's): what the same bytes cost without ckpt (a shell command on the inputs)
 FLOORS = {
     "merge": ("cp -r base && sync", lambda p, out: ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", p["base"], out]),
+    # issue 35: an FP8 output (half the bytes) and the export's bf16 tree are held to the same floor
+    "merge-fp8": ("cp -r base && sync", lambda p, out: ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", p["base"], out]),
+    "export": ("cp -r base && sync", lambda p, out: ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", p["base"], out]),
+    "export-fp8": ("cp -r base && sync", lambda p, out: ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", p["base"],
+                                                          out]),
     "slim": ("cat dcp", lambda p, out: ["sh", "-c", 'find "$1" -type f -exec cat {} + >/dev/null', "sh", p["dcp"]]),
     "rehydrate": ("cp -r dcp && sync", lambda p, out: ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", p["dcp"], out]),
 }
@@ -47,6 +58,13 @@ IMPORT_TORCH = "python -c 'import torch'"
 CASES = {
     "merge": (("base", "adapter"), lambda p, out, shard: ["merge", p["base"], p["adapter"], out,
                                                           "--max-shard-size", shard, "--json"]),
+    "merge-fp8": (("base", "adapter"), lambda p, out, shard: ["merge", p["base"], p["adapter"], out,
+                                                              "--max-shard-size", shard, "--dtype", "fp8", "--json"]),
+    "export": (("dcp", "base"), lambda p, out, shard: ["export", p["dcp"], out, "--config-from", p["base"],
+                                                       "--alpha", "64", "--allow-zero-delta", "--json"]),
+    "export-fp8": (("dcp", "base"), lambda p, out, shard: ["export", p["dcp"], out, "--config-from", p["base"],
+                                                           "--alpha", "64", "--allow-zero-delta", "--dtype", "fp8",
+                                                           "--json"]),
     "slim": (("dcp",), lambda p, out, shard: ["slim", p["dcp"], out, "--json"]),
     "slim --base": (("dcp", "base"), lambda p, out, shard: ["slim", p["dcp"], out, "--base", p["base"], "--json"]),
     "extract-adapter": (("dcp",), lambda p, out, shard: ["extract-adapter", p["dcp"], out, "--alpha", "64", "--json"]),
@@ -110,8 +128,9 @@ def main(argv=None) -> int:
             inputs.ensure(kind)
     runs = []
     contenders = [(case, label, root) for case in a.cases for label, root in a.trees]
-    if a.floors:
-        contenders += [(case, FLOORS[case][0], None) for case in a.cases if case in FLOORS]
+    if a.floors:  # each floor once (cases that share one, e.g. merge and merge-fp8, share its runs)
+        firsts = {FLOORS[case][0]: case for case in reversed(a.cases) if case in FLOORS}
+        contenders += [(case, label, None) for label, case in reversed(firsts.items())]
         contenders.append((None, IMPORT_TORCH, None))
     (inputs.root / "out").mkdir(parents=True, exist_ok=True)
     for rep in range(a.repeat):
@@ -131,8 +150,10 @@ def main(argv=None) -> int:
             # cwd outside every tree: `python -m` puts the cwd first on sys.path
             rec = run_measured(argv, inputs.root / "logs", f"rev-{case}-{contenders.index((case, label, root))}-{rep}", a.timeout_s,
                                env=env, cwd=inputs.root)
+            sums = out / "SHA256SUMS"     # every output file's sha256, as the command wrote them: trees compared
+            digest = hashlib.sha256(sums.read_bytes()).hexdigest() if root is not None and sums.is_file() else None
             _remove(out)
-            runs.append({"case": case, "tree": label, "rep": rep, **{k: rec.get(k) for k in
+            runs.append({"case": case, "tree": label, "rep": rep, "out_sums_sha256": digest, **{k: rec.get(k) for k in
                          ("status", "reason", "wall_s", "cpu_s", "user_s", "sys_s", "peak_rss_bytes", "stderr_tail")}})
             print(f"{case or '-':10s} {label:20s} rep {rep}: {rec.get('status')} {rec.get('wall_s') or 0:.2f} s, "
                   f"CPU {rec.get('cpu_s') or 0:.1f} s, {(rec.get('peak_rss_bytes') or 0) / 2**20:.0f} MiB", flush=True)
@@ -172,7 +193,8 @@ def summarize(runs: list[dict], trees, cases) -> str:
     floor_lines = []
     torch_runs = ok(None, IMPORT_TORCH)
     for case in cases:
-        floor = ok(case, FLOORS[case][0]) if case in FLOORS else []
+        floor = [r for r in runs if r["case"] is not None and r["tree"] == FLOORS[case][0] and r["status"] == "ok"] \
+            if case in FLOORS else []
         if not floor or not torch_runs:
             continue
         fmed = statistics.median(r["wall_s"] for r in floor)
@@ -190,7 +212,12 @@ def summarize(runs: list[dict], trees, cases) -> str:
                     f"{statistics.median(r['cpu_s'] for r in got):.1f} s, RSS {max(r['peak_rss_bytes'] for r in got) / 2**20:.0f} MiB: "
                     f"{statistics.median(w) / (fmed + tmed):.2f}x (floor + import torch), worst "
                     f"{max(w) / (fmin + tmin):.2f}x")
-    return "\n".join(lines + floor_lines)
+    same = []
+    for case in cases:  # the outputs' SHA256SUMS, per tree: a change that should not move a byte must not
+        digests = {r["out_sums_sha256"] for r in runs if r["case"] == case and r.get("out_sums_sha256")}
+        if digests:
+            same.append(f"{case}: {'the same output bytes from every tree and run' if len(digests) == 1 else f'{len(digests)} different outputs'}")
+    return "\n".join(lines + floor_lines + same)
 
 
 def _remove(path: Path) -> None:

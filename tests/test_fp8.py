@@ -161,6 +161,26 @@ def test_merge_fp8_of_a_dense_checkpoint_is_the_rule_applied_to_base_plus_delta(
     assert "lm_head" in qc["modules_to_not_convert"] and "model.layers.0.self_attn.q_proj" not in qc["modules_to_not_convert"]
 
 
+def test_the_reports_figures_are_its_outputs_error_against_w32(tiny_merge):
+    """Per quantized tensor, in plain fp64 on the written codes and scales: ||W32||, ||deq(q) - W32|| and
+    ||s * B@A|| (whichever error path ran: the C kernel or its reference, tests/test_fp8_error_c.py)."""
+    out, report = tiny_merge
+    got, base = load_dir(out), load_file(str(TINY / "base_model/model.safetensors"))
+    ref = load_file(str(TINY / "reference.safetensors"))
+    figures = report["fp8"]["tensors"]
+    for name, b in base.items():
+        if not is_projection(name, b):
+            continue
+        delta = ref[f"delta_fp32.adapter0.{name.removesuffix('.weight')}"]
+        w32 = (b.float() + delta).double()
+        err = dequant(got[name], got[name + "_scale_inv"]).double() - w32
+        f = figures[name]
+        assert f["weight_norm"] == pytest.approx(float(w32.norm()), rel=1e-6), name
+        assert f["error_norm"] == pytest.approx(float(err.norm()), rel=1e-5), name
+        assert f["delta_norm"] == pytest.approx(float(delta.double().norm()), rel=1e-5), name
+        assert f["rel_error"] == pytest.approx(f["error_norm"] / f["weight_norm"]), name
+
+
 def test_transformers_loads_the_fp8_merge_and_its_partial_blocks_expose_its_loader(tiny_merge):
     out, _ = tiny_merge
     counts = transformers_loads(out, load_dir(out))

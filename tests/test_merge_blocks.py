@@ -47,3 +47,25 @@ def test_small_blocks_of_64_rows_and_a_joined_tail(monkeypatch):
     assert blocks[-1] == (64 * 6, 104) and len(blocks) == 7
     test_row_blocks_merge_to_the_whole_tensors_bytes(shape, 8, False)
     test_row_blocks_merge_to_the_whole_tensors_bytes((shape[1], shape[0]), 8, True)
+
+
+@pytest.mark.parametrize("shape", [(512, 1024), (130, 4096), (64, 162)], ids=str)
+def test_w32_made_in_place_of_its_product_has_the_bits_of_a_separate_output(shape):
+    """An FP8 merge makes W32 in the fp32 product's own buffer (`out` is `scratch`): the same bits as W32
+    written to a buffer of its own; a fan_in_fan_out product (the transpose of W32's rows) or an `out` that
+    shares the scratch at another offset is refused, never silently overwritten."""
+    g = torch.Generator().manual_seed(sum(shape))
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    a, b = torch.randn(16, shape[1], generator=g) * 0.02, torch.randn(shape[0], 16, generator=g) * 0.02
+    apart = merge_weight_into(torch.empty(shape), w, a, b, 2.0, scratch=torch.empty(shape[0] * shape[1]))
+    space = torch.empty(shape[0] * shape[1] + 8)
+    inplace = space[: shape[0] * shape[1]].view(shape)
+    got = merge_weight_into(inplace, w, a, b, 2.0, scratch=space)
+    assert got.data_ptr() == space.data_ptr()
+    assert torch.equal(got.view(torch.int32), apart.view(torch.int32))
+    assert torch.equal(apart, merge_weight(w, a, b, 2.0, out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="only as its start"):
+        merge_weight_into(space[8:].view(shape), w, a, b, 2.0, scratch=space)
+    with pytest.raises(ValueError, match="only as its start"):
+        merge_weight_into(inplace.view(shape[1], shape[0]), w.T.contiguous(), a, b, 2.0, fan_in_fan_out=True,
+                          scratch=space)

@@ -615,3 +615,29 @@ def test_an_out_at_a_url_is_checked_before_anything_is_computed_and_a_dry_run_de
     assert out["replaces"]["command"] == "extract-adapter" and out["replaces"]["entries"] >= 2, out
     assert doc["plan"]["out"] == store.url("early"), doc["plan"]
     assert leftovers(store) == []
+
+
+def test_a_503_at_the_hub_commit_leaves_the_earlier_output_in_the_repo(servers, monkeypatch, tmp_path):
+    """A Hub repo takes the output in one commit: refused (503, after huggingface_hub's retries), nothing of
+    it is there, the earlier output is as it was, and the error is one line naming the URL and the code."""
+    _targets, hub, base = servers
+    BucketTarget(hub, base).env(monkeypatch)
+    _fast_client_retries(monkeypatch)
+    out = base / "repo" / "r503"
+    ckpt("extract-adapter", TRAINER, "hf://org/repo/r503", "--alpha", "16")
+    before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    commits = len(hub.commits)
+    hub.on_preupload = lambda: hub.faults.update(status_503=100)   # the commit request and its retries
+    try:
+        r = cli("slim", TRAINER, "hf://org/repo/r503", "--base", BASE, "--overwrite")
+    finally:
+        hub.faults.clear()
+        hub.on_preupload = None
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1, r.output
+    assert lines[0].startswith("error: uploading to hf://org/repo/r503 failed: the Hub answered 503 Service "
+                               "Unavailable; nothing was committed there"), lines
+    assert len(hub.commits) == commits
+    assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    remote.reset()
+    upload.discard_pending()

@@ -121,13 +121,15 @@ class KeyInfo:
         return self.expert_proj is not None
 
 
-def expert_module(experts: str, expert: int, proj: str) -> str:
+def expert_module(experts: str, expert: int | str, proj: str) -> str:
     """`model.layers.0.mlp.experts`, 3, `gate_proj` -> `model.layers.0.mlp.experts.3.gate_proj` (HF names)."""
     return f"{experts}.{expert}.{proj}"
 
 
-def expert_hf_name(info: KeyInfo, expert: int) -> str:
+def expert_hf_name(info: KeyInfo, expert: int | str) -> str:
     """The HF per-expert weight name of expert `expert` of a stacked base tensor."""
+    if info.module is None or info.expert_proj is None:
+        raise ValueError(f"{info.key} is not a stacked expert tensor")
     return expert_module(info.module, expert, info.expert_proj) + ".weight"
 
 
@@ -137,12 +139,12 @@ EXPERT_WILDCARD = "*"
 def stacked_hf_pattern(info: KeyInfo) -> str:
     """The HF names of a stacked base tensor's experts as one pattern, `...mlp.experts.*.gate_proj.weight`:
     what a slim manifest records, so that rehydrate stacks the base's per-expert weights back."""
-    return expert_hf_name(info, EXPERT_WILDCARD)  # type: ignore[arg-type]
+    return expert_hf_name(info, EXPERT_WILDCARD)
 
 
 def expert_module_pattern(experts: str, proj: str) -> str:
     """The module pattern of a stack's experts, `...mlp.experts.*.gate_proj` (see `expert_names`)."""
-    return expert_module(experts, EXPERT_WILDCARD, proj)  # type: ignore[arg-type]
+    return expert_module(experts, EXPERT_WILDCARD, proj)
 
 
 def expert_names(pattern: str, start: int, count: int) -> list[str]:
@@ -204,6 +206,7 @@ def _model(key: str, path: tuple) -> KeyInfo | None:
             return KeyInfo(key, "lora", module=g["module"], ab=g["ab"], slot=int(g["slot"]), expert_proj=proj)
         if proj is not None:
             return KeyInfo(key, "base", module=g["module"], expert_proj=proj)
+        assert rule.hf_name is not None  # every base rule without experts names its HF weight
         return KeyInfo(key, "base", hf_name=rule.hf_name.format(**g))
     return None
 
@@ -352,7 +355,8 @@ def peft_target(module: str) -> str:
 def trainable_params(paths: dict[str, tuple]) -> set[str]:
     """Param FQNs that have optimizer state ({key: planner path} of a checkpoint): trained, never frozen,
     never recoverable from the base."""
-    return {i.param for i in (classify(k, p) for k, p in paths.items()) if i.group == "optimizer_state"}
+    infos = (classify(k, p) for k, p in paths.items())
+    return {i.param for i in infos if i.group == "optimizer_state" and i.param is not None}
 
 
 # ---------------------------------------------------------------------------- summary (pure)
@@ -387,22 +391,27 @@ def summarize_groups(
 def summarize_lora(infos: list[KeyInfo], shapes: dict[str, tuple], payload: dict[str, int]) -> LoraStats:
     """Per-module LoRA facts; a stacked grouped-expert factor [E, r, in] counts as E expert modules
     (`<experts>.<e>.<proj>`), each of rank r, and its PEFT target is `experts`."""
-    lora = [i for i in infos if i.group == "lora"]
-    slots = sorted({i.slot for i in lora})
+    # (classify gives every LoRA key its module and slot)
+    lora = [
+        (i, i.module, i.slot)
+        for i in infos
+        if i.group == "lora" and i.module is not None and i.slot is not None
+    ]
+    slots = sorted({slot for _i, _m, slot in lora})
     ranks: dict[str, int] = {}
     modules: set[str] = set()
-    for i in sorted(lora, key=lambda i: (i.slot, i.key)):
-        if i.stacked:
+    for i, module, _slot in sorted(lora, key=lambda t: (t[2], t[0].key)):
+        if i.expert_proj is not None:  # stacked
             shape = shapes[i.key]
-            names = [expert_module(i.module, e, i.expert_proj) for e in range(shape[0])] if shape else []
+            names = [expert_module(module, e, i.expert_proj) for e in range(shape[0])] if shape else []
             modules.update(names)
             if i.ab == "A":
                 for n in names:
                     ranks.setdefault(n, shape[1])  # [E, r, in]
             continue
-        modules.add(i.module)
-        if i.ab == "A" and i.module not in ranks:
-            ranks[i.module] = shapes[i.key][0]  # lora_A is [r, in]
+        modules.add(module)
+        if i.ab == "A" and module not in ranks:
+            ranks[module] = shapes[i.key][0]  # lora_A is [r, in]
     uniq = set(ranks.values())
     return LoraStats(
         modules=len(modules),
@@ -410,7 +419,7 @@ def summarize_lora(infos: list[KeyInfo], shapes: dict[str, tuple], payload: dict
         ranks=ranks,
         targets=tuple(sorted({peft_target(m) for m in modules})),
         slots=tuple(slots),
-        bytes=sum(payload.get(i.key, 0) for i in lora),
+        bytes=sum(payload.get(i.key, 0) for i, _m, _s in lora),
         expert_modules=sum(1 for m in modules if _is_expert_module(m)),
     )
 
@@ -428,9 +437,10 @@ def expert_parts(module: str) -> tuple[str, int, str] | None:
     return None
 
 
-def expert_index_clashes(modules) -> list[tuple[str, str]]:
+def expert_index_clashes(modules) -> list[tuple[str, str, int]]:
     """Pairs of module names that `expert_parts` reads as one expert of one projection, spelled two ways
-    (`experts.3.gate_proj` and `experts.03.gate_proj`): which one is expert 3 is ambiguous."""
+    (`experts.3.gate_proj` and `experts.03.gate_proj`), with the expert they both name: which one is expert 3
+    is ambiguous."""
     seen: dict[tuple[str, int, str], str] = {}
     out = []
     for m in sorted(modules):
@@ -438,7 +448,7 @@ def expert_index_clashes(modules) -> list[tuple[str, str]]:
         if parts is None:
             continue
         if parts in seen:
-            out.append((seen[parts], m))
+            out.append((seen[parts], m, parts[1]))
         else:
             seen[parts] = m
     return out

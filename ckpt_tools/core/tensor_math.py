@@ -129,13 +129,20 @@ def merge_weight_into(
     element round_to(out.dtype, W32 + s * P). Only the elementwise part runs over row blocks of
     about `block_elems`, so its fp32 temporaries stay in cache and no full-size fp32 copy of W is
     made. `scratch`: an optional fp32 buffer of >= out.numel() elements to hold P (reused across
-    calls, it saves page-faulting a fresh allocation per tensor). Every block is checked for
-    non-finite values. Inputs are not modified; returns `out`."""
+    calls, it saves page-faulting a fresh allocation per tensor); for an fp32 `out` (not fan_in_fan_out)
+    it may be `out` itself: W32 is then made in place of P, with no second buffer. Every block is checked
+    for non-finite values. Inputs are not modified; returns `out`."""
     check_shapes(
         tuple(weight.shape), tuple(a.shape), tuple(b.shape), fan_in_fan_out=fan_in_fan_out, name=name
     )
     if tuple(out.shape) != tuple(weight.shape):
         raise ValueError(f"out has shape {list(out.shape)}, the weight {list(weight.shape)}")
+    if (
+        scratch is not None
+        and out.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
+        and (fan_in_fan_out or out.dtype != torch.float32 or out.data_ptr() != scratch.data_ptr())
+    ):
+        raise ValueError("out may share scratch's memory only as its start, fp32, not fan_in_fan_out")
     a32, b32 = a.to(torch.float32), b.to(torch.float32)
     rows_p, cols_p = b32.shape[0], a32.shape[1]
     if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= rows_p * cols_p:
@@ -152,7 +159,8 @@ def merge_weight_into(
         d.mul_(scale)  # s * P, rounded as in lora_delta
         d.add_(weight[s : s + step])  # + W32 (exact upcast; fp32 addition is commutative)
         o = out[s : s + step]
-        o.copy_(d)  # the one rounding to out.dtype
+        if o.data_ptr() != d.data_ptr():  # (else `out` is the scratch: W32 is made in place)
+            o.copy_(d)  # the one rounding to out.dtype
         # A sum is non-finite whenever an element is (and ~20x cheaper than isfinite().all());
         # a finite block whose sum overflows only costs the exact check below.
         if finite and o.is_floating_point() and not math.isfinite(float(o.sum(dtype=torch.float32))):

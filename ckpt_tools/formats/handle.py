@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 from ..core.dtypes import ShapedBytes, torch_dtype
 from ..core.errors import FormatError, UsageError
@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     from .peft.adapter import PeftAdapter
 
 __all__ = [
+    "AlphaOrigin",
     "ByteRange",
     "Extent",
     "LoraModule",
@@ -102,7 +103,7 @@ class ByteRange:
     path: Path
 
 
-def is_torch_tensor(x) -> bool:
+def is_torch_tensor(x) -> TypeGuard[torch.Tensor]:
     """Whether `x` is a torch.Tensor, without importing torch (no tensor exists before torch is imported)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
@@ -178,7 +179,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (no copy)."""
     import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
 
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class Source:
@@ -252,6 +253,16 @@ class Source:
     def disk_order(self) -> list[str]:
         """Tensor names in the order their bytes lie on disk (sequential reads); by name by default."""
         return self.names()
+
+    def non_weight_files(self) -> list[Path]:
+        """The files beside the weights that a model derived from this one carries (config, tokenizer, ...):
+        an HF dir's; none by default."""
+        return []
+
+    def skipped_entries(self) -> list[str]:
+        """Entries beside the weights that are neither weights nor carried, for callers to report: an HF
+        dir's; none by default."""
+        return []
 
     def read_codes(self, name: str, start: int, count: int) -> torch.Tensor:
         """A block-FP8 weight's stored codes, rows [start, start + count), as uint8 (names in `quantized`)."""
@@ -408,6 +419,14 @@ class LoraModule:
         return f"{key}[{self.expert}]" + (f".{self.part}" if self.part else "")
 
 
+class AlphaOrigin(Protocol):
+    """Where a checkpoint's LoRA alpha was found (`formats.primerl.alpha.AlphaResolution`, verl's)."""
+
+    @property
+    def config_path(self) -> Path | None:  # the run config it was read from, if any
+        ...
+
+
 class LoraSource:
     """LoRA factors by module (`modules`), read one module at a time: the LoRA view of a PEFT adapter
     (`formats.peft.lora`) or of a DCP checkpoint (`formats.dcp.lora`), or one computed (`sources.delta`).
@@ -422,6 +441,7 @@ class LoraSource:
     full_tensors: dict[str, str]  # modules_to_save replacements: HF name -> source key
     alpha_source: str
     alpha: float | None
+    resolution: AlphaOrigin | None = None  # a checkpoint's LoRA: how its alpha was found (its run config)
     use_rslora: bool = False
     warnings: tuple[str, ...] = ()
     slot: int | None = None

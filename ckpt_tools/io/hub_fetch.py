@@ -85,76 +85,99 @@ def download(repo: str, revision: str | None, choose, *, cache_dir: Path | None 
     except ImportError:  # a dependency; only a broken install lacks it
         raise UsageError("--download needs huggingface_hub", hint="pip install huggingface_hub") from None
     rev = revision or "main"
-    endpoint = os.environ.get("HF_ENDPOINT") or None
-    api = hf.HfApi(endpoint=endpoint)
     where = f"{repo}@{rev}" if revision else repo
-    cache = None if cache_dir is None else str(cache_dir)
+    hub = _Hub(hf, repo, None if cache_dir is None else str(cache_dir))
     try:
-        info = api.model_info(repo, revision=rev)
-        sha = info.sha
-        names = sorted(s.rfilename for s in (info.siblings or []))
-        from huggingface_hub import constants
-
-        root = Path(cache) if cache else Path(constants.HF_HUB_CACHE)
-        snap_dir = root / ("models--" + repo.replace("/", "--")) / "snapshots" / sha
-        before = (
-            {p.relative_to(snap_dir).as_posix() for p in snap_dir.rglob("*") if p.is_file()}
-            if snap_dir.is_dir()
-            else set()
-        )
-
-        def fetch_one(name: str) -> Path:
-            return Path(hf.hf_hub_download(repo, name, revision=sha, cache_dir=cache, endpoint=endpoint))
-
-        wanted = sorted(set(choose(names, fetch_one)))
-        got = Path(
-            hf.snapshot_download(
-                repo,
-                revision=sha,
-                cache_dir=cache,
-                endpoint=endpoint,
-                allow_patterns=[_escape(n) for n in wanted],
-            )
-        )
+        sha, before, wanted, got = hub.fetch(rev, choose)
         if revision != sha:  # record the branch or tag as `hf download` does (refs/<rev>)
             _write_ref(got.parent.parent, rev, sha)
-    except errors.GatedRepoError:
-        raise UsageError(f"the Hub refused access to {where} (a gated repo): {_HF_VARS}") from None
-    except errors.RevisionNotFoundError:
-        raise MissingFileError(
-            f"{where!r}: no such revision on the Hub ({api.endpoint})",
-            hint="pass an existing branch, tag or commit: org/name@REV",
-        ) from None
-    except errors.RepositoryNotFoundError:  # the Hub says this for a private repo without a token too
-        raise MissingFileError(
-            f"{where!r} is not in the local HF cache and the Hub ({api.endpoint}) has no such "
-            "model repo (or it is private)",
-            hint=f"check the id; a private repo needs a token: {_HF_VARS}",
-        ) from None
-    except errors.OfflineModeIsEnabled:
-        raise UsageError(
-            f"--download cannot fetch {where}: HF_HUB_OFFLINE is set",
-            hint="unset HF_HUB_OFFLINE, or download it elsewhere with `hf download`",
-        ) from None
-    except errors.HfHubHTTPError as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status in (401, 403):
-            raise UsageError(f"the Hub refused access to {where}: {_HF_VARS}") from None
-        raise CkptError(
-            f"downloading {where} failed: {str(exc).splitlines()[0]}",
-            hint="retry later; what was fetched stays in the cache",
-        ) from None
-    except CkptError:
-        raise
-    except OSError as exc:  # a connection refused, a timeout, a full disk
-        raise CkptError(
-            f"downloading {where} failed: {type(exc).__name__}: {exc}",
-            hint=f"check the network and HF_ENDPOINT ({api.endpoint}); what was fetched stays in the cache",
-        ) from None
+    except (errors.HfHubHTTPError, errors.OfflineModeIsEnabled, OSError) as exc:
+        raise _hub_error(exc, where, hub.api.endpoint) from None
     new = [n for n in wanted if n not in before]
     size = sum((got / n).stat().st_size for n in new if (got / n).is_file())
     _LOG.append(Fetched(repo, rev, sha, tuple(new), size, str(got)))
     return got
+
+
+class _Hub:
+    """One repo on the Hub (huggingface_hub's client, its endpoint) and the cache it is fetched into."""
+
+    def __init__(self, hf, repo: str, cache: str | None):
+        self.hf, self.repo, self.cache = hf, repo, cache
+        self.endpoint = os.environ.get("HF_ENDPOINT") or None
+        self.api = hf.HfApi(endpoint=self.endpoint)
+
+    def fetch(self, rev: str, choose) -> tuple[str, set[str], list[str], Path]:
+        """(the commit `rev` names, the files its snapshot held before, those chosen, the snapshot dir)."""
+        info = self.api.model_info(self.repo, revision=rev)
+        sha = info.sha
+        if sha is None:
+            raise CkptError(f"the Hub named no commit for {self.repo}@{rev}", hint="retry later")
+        names = sorted(s.rfilename for s in (info.siblings or []))
+        before = self._cached(sha)
+        wanted = sorted(set(choose(names, lambda name: self._one(name, sha))))
+        got = self.hf.snapshot_download(
+            self.repo,
+            revision=sha,
+            cache_dir=self.cache,
+            endpoint=self.endpoint,
+            allow_patterns=[_escape(n) for n in wanted],
+        )
+        return sha, before, wanted, Path(got)
+
+    def _cached(self, sha: str) -> set[str]:
+        """The files the cache's snapshot of commit `sha` holds already."""
+        from huggingface_hub import constants
+
+        root = Path(self.cache) if self.cache else Path(constants.HF_HUB_CACHE)
+        snap_dir = root / ("models--" + self.repo.replace("/", "--")) / "snapshots" / sha
+        if not snap_dir.is_dir():
+            return set()
+        return {p.relative_to(snap_dir).as_posix() for p in snap_dir.rglob("*") if p.is_file()}
+
+    def _one(self, name: str, sha: str) -> Path:
+        got = self.hf.hf_hub_download(
+            self.repo, name, revision=sha, cache_dir=self.cache, endpoint=self.endpoint
+        )
+        return Path(got)
+
+
+def _hub_error(exc: BaseException, where: str, endpoint: str) -> CkptError:
+    """What the Hub (or the network, or the disk) refused, as the error that names it and the fix."""
+    from huggingface_hub import errors
+
+    if isinstance(exc, errors.GatedRepoError):
+        return UsageError(f"the Hub refused access to {where} (a gated repo): {_HF_VARS}")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return MissingFileError(
+            f"{where!r}: no such revision on the Hub ({endpoint})",
+            hint="pass an existing branch, tag or commit: org/name@REV",
+        )
+    if isinstance(
+        exc, errors.RepositoryNotFoundError
+    ):  # the Hub says this for a private repo without a token too
+        return MissingFileError(
+            f"{where!r} is not in the local HF cache and the Hub ({endpoint}) has no such "
+            "model repo (or it is private)",
+            hint=f"check the id; a private repo needs a token: {_HF_VARS}",
+        )
+    if isinstance(exc, errors.OfflineModeIsEnabled):
+        return UsageError(
+            f"--download cannot fetch {where}: HF_HUB_OFFLINE is set",
+            hint="unset HF_HUB_OFFLINE, or download it elsewhere with `hf download`",
+        )
+    if isinstance(exc, errors.HfHubHTTPError):
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in (401, 403):
+            return UsageError(f"the Hub refused access to {where}: {_HF_VARS}")
+        return CkptError(
+            f"downloading {where} failed: {str(exc).splitlines()[0]}",
+            hint="retry later; what was fetched stays in the cache",
+        )
+    return CkptError(  # a connection refused, a timeout, a full disk
+        f"downloading {where} failed: {type(exc).__name__}: {exc}",
+        hint=f"check the network and HF_ENDPOINT ({endpoint}); what was fetched stays in the cache",
+    )
 
 
 def _write_ref(folder: Path, rev: str, sha: str) -> None:

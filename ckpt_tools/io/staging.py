@@ -33,6 +33,7 @@ import secrets
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 from ..core.errors import DiskSpaceError, OutputExistsError, RankFailed, UsageError
 from ..core.units import human_bytes
@@ -210,7 +211,7 @@ class AtomicOutputDir:
             raise
         return self.tmp
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         assert self.tmp is not None
         if exc_type is not None:
             full = self._disk_full(exc)
@@ -242,12 +243,11 @@ class AtomicOutputDir:
     _FULL_BYTES = 1 << 20
 
     def _disk_full(self, exc: BaseException | None) -> DiskSpaceError | None:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            pass
-        elif not isinstance(exc, (OSError, RuntimeError)) or self.tmp is None:
+        tmp = self.tmp
+        if tmp is None or not isinstance(exc, (OSError, RuntimeError)):  # (ENOSPC and EDQUOT are OSErrors)
             return None
         try:
-            free = shutil.disk_usage(self.tmp).free  # before the temp dir is removed
+            free = shutil.disk_usage(tmp).free  # before the temp dir is removed
         except OSError:
             return None
         if (
@@ -352,7 +352,7 @@ class InPlaceDir:
     def _sibling(self, kind: str) -> Path:
         return self.dir.parent / f".{self.dir.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         assert self.tmp is not None
         switched = False
         try:
@@ -440,7 +440,8 @@ def check_against_inputs(out: str | os.PathLike, inputs: Iterable[str | os.PathL
                     f"input {inp} is inside output {out}", hint="choose an output path that contains no input"
                 )
     # by identity: another mount of an input (a bind mount) reaches the same inodes by other names
-    above_out, out_id, seen = ancestry(out), identity(out), {}
+    above_out, out_id = ancestry(out), identity(out)
+    seen: dict = {}
     for inp in sorted(every):
         i = identity(inp)
         if i is not None and i in above_out:
@@ -499,6 +500,7 @@ class SharedOutputDir:
 
     def __enter__(self) -> Path:
         if self.group.part.world == 1:
+            assert self._dir is not None  # one process: the leader's
             self.tmp = self._dir.__enter__()
             return self.tmp
         tmp, error = None, None
@@ -529,8 +531,9 @@ class SharedOutputDir:
         self.tmp = tmp
         return tmp
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if self.group.part.world == 1:
+            assert self._dir is not None  # one process: the leader's
             return self._dir.__exit__(exc_type, exc, tb)
         if exc_type is not None:  # no barrier: the leader must not commit; torchrun stops the others
             if self._dir is not None:

@@ -235,7 +235,7 @@ def _put(url: RemoteUrl, local: Path, *, overwrite: bool) -> Uploaded:
     committed = [False]
     before = len(_DIRS)  # the dirs of remote sources fetched for it go when it is done
     try:
-        return _to_store(url, files, local, overwrite=overwrite, committed=committed)
+        return _to_store(url, files, overwrite=overwrite, committed=committed)
     except (KeyboardInterrupt, Terminated) as exc:  # an interrupt held through the commit arrives after it
         if committed[0]:
             exc.summary = f"{url.shown} had been uploaded and committed, complete, when the interrupt arrived"  # type: ignore[union-attr]
@@ -243,34 +243,29 @@ def _put(url: RemoteUrl, local: Path, *, overwrite: bool) -> Uploaded:
     except CkptError:
         raise
     except Exception as exc:  # a client's failure outside the stores' own mapping (the Hub's commit)
-        first = (str(exc).splitlines() or [""])[0]
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        raise CkptError(
-            f"uploading to {url.shown} failed: {status or type(exc).__name__}: {first}; "
-            "nothing was committed there",
-            hint="check the endpoint and credentials, then rerun",
-        ) from None
+        raise _hub_failure(exc, url) from None
     finally:
         while len(_DIRS) > before:
             shutil.rmtree(_DIRS.pop(), ignore_errors=True)
 
 
-def _to_store(
-    url: RemoteUrl, files: list[OutFile], local: Path, *, overwrite: bool, committed: list
-) -> Uploaded:
+def _to_store(url: RemoteUrl, files: list[OutFile], *, overwrite: bool, committed: list) -> Uploaded:
     """The output `files` put at `url` by its store (module docstring)."""
     if url.scheme == "hf" and not url.path.startswith("buckets/"):
-        return _hub_commit(url, files, local, overwrite=overwrite, committed=committed)
+        return _hub_commit(url, files, overwrite=overwrite, committed=committed)
     store, prefix, method = _store(url)
-    if hasattr(store, "fetch_dir") and any(f.source is not None for f in files):
-        store.fetch_dir = _staging_dir("ckpt-fetched-")  # a bucket takes local files
+    fetched = 0
+    if url.scheme == "hf":  # a bucket takes local files but for another bucket's, which it copies itself
+        from .upload_bucket import takes_as_is
+
+        files, fetched = _fetched(files, keep=takes_as_is)
     sent, left = put_output(
         store, url.shown, prefix, files, overwrite=overwrite, done=lambda: committed.__setitem__(0, True)
     )
     copied = store.copied_bytes
     if copied:
         method += f"; {store.copied_files} file(s) copied server-side ({store.copy_how})"
-    streamed = sum(f.size for f in files if f.source is not None) - copied
+    streamed = fetched + sum(f.size for f in files if f.source is not None) - copied
     if streamed:
         method += f"; {human_bytes(streamed)} of it fetched from the inputs first (no server-side copy there)"
     return Uploaded(url.shown, len(files), sent, method, copied, tuple(left))
@@ -301,15 +296,13 @@ def _store(url: RemoteUrl):
     return fs, fs.path_of(url.path), f"{fs.name}: staged, then copied into place server-side"
 
 
-def _hub_commit(
-    url: RemoteUrl, files: list[OutFile], local: Path, *, overwrite: bool, committed: list
-) -> Uploaded:
+def _hub_commit(url: RemoteUrl, files: list[OutFile], *, overwrite: bool, committed: list) -> Uploaded:
     """One Hub commit: the earlier output (same rule as local) deleted and the new one added at once."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     fs, res, prefix = _hub_repo(url)
     old, _replaces = _hub_existing(fs, res, url.shown, overwrite=overwrite, single=files[0].rel == "")
-    files, fetched = _fetched(files, local)
+    files, fetched = _fetched(files)
     adds = [
         CommitOperationAdd(path_in_repo=f"{prefix}/{f.rel}" if f.rel else prefix, path_or_fileobj=str(f.path))
         for f in files
@@ -335,6 +328,23 @@ def _hub_commit(
         else ""
     )
     return Uploaded(url.shown, len(files), sum(f.size for f in files), "one Hub commit" + note)
+
+
+def _hub_failure(exc: Exception, url: RemoteUrl) -> CkptError:
+    """A Hub client's failure as one line: the status and reason the Hub answered, else the exception."""
+    resp = getattr(exc, "response", None)
+    status, reason = getattr(resp, "status_code", None), getattr(resp, "reason_phrase", "")
+    if status in (401, 403):
+        return UsageError(
+            f"the Hub refused access to {url.shown} ({status})",
+            hint="set HF_TOKEN (or run `hf auth login`) with a token that can write to this repo",
+        )
+    first = (str(exc).splitlines() or [""])[0]
+    said = f"the Hub answered {status} {reason}".rstrip() if status else f"{type(exc).__name__}: {first}"
+    return CkptError(
+        f"uploading to {url.shown} failed: {said}; nothing was committed there",
+        hint="rerun when the Hub answers" if status else "check the endpoint, then rerun",
+    )
 
 
 def _hub_repo(url: RemoteUrl) -> tuple[Any, Any, str]:
@@ -377,11 +387,12 @@ def _hub_existing(fs, res, where: str, *, overwrite: bool, single: bool) -> tupl
     return [f"{base}/{r}" if r else base for r in listed], replaces
 
 
-def _fetched(files: list[OutFile], local: Path) -> tuple[list[OutFile], int]:
-    """`files` with each remote source fetched by range into a local file (a Hub commit takes local files)."""
+def _fetched(files: list[OutFile], keep=lambda src: False) -> tuple[list[OutFile], int]:
+    """`files` with each remote source (but those `keep` keeps) fetched by range into a local file (a Hub
+    commit and a bucket's upload take local files), and the bytes fetched."""
     out, fetched, where = [], 0, None
     for f in files:
-        if f.source is None:
+        if f.source is None or keep(f.source):
             out.append(f)
             continue
         where = where or _staging_dir("ckpt-fetched-")

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from urllib.parse import quote
 
 from ..core.errors import UsageError
-from .files import create_new
-from .upload_commit import Denied, Keys, OutFile, StoreError, settled
+from .upload_commit import Counted, Denied, Keys, OutFile, StoreError, settled
 
-__all__ = ["HF_HINT", "HfBucketStore"]
+__all__ = ["HF_HINT", "HfBucketStore", "takes_as_is"]
 
 HF_HINT = "set HF_TOKEN (or run `hf auth login`) with a token that can write to this bucket"
-_FETCH_BYTES = 16 << 20
 
 
 def _failure(exc: BaseException, request: str, key: str) -> StoreError:
@@ -41,20 +38,18 @@ def _failure(exc: BaseException, request: str, key: str) -> StoreError:
     return StoreError(f"{status} {first}" if status else f"{type(exc).__name__}: {first}", request, key)
 
 
-class HfBucketStore:
+class HfBucketStore(Counted):
     name = "the Hub"
+    copy_how = "by Xet hash"
 
     def __init__(self, bucket_id: str, where: str):
         from huggingface_hub import HfApi
 
+        super().__init__()
         self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
         self.bucket_id, self.where = bucket_id, where
         self.hashes: dict[str, str] = {}  # path in the bucket -> its Xet hash, as listed, staged or copied
         self.staged: list[str] = []
-        self.fetch_dir: Path | None = None  # set by io.upload: where a remote source is fetched to
-        self.copied_bytes = 0
-        self.copied_files = 0
-        self.copy_how = "by Xet hash"
 
     def _run(self, request: str, key: str, fn, *args, **kw):
         try:
@@ -112,30 +107,15 @@ class HfBucketStore:
             ref = _bucket_ref(f.source) if f.source is not None else None
             if ref is not None:
                 copies.append(("bucket", ref[0], ref[1], key))
-                self.copied_bytes += f.size
-                self.copied_files += 1
-            else:
-                adds.append((str(f.path if f.source is None else self._fetched(f)), key))
+                self.copied(f.size)
+            else:  # a local file (io.upload fetched any other remote source first)
+                adds.append((str(f.path), key))
                 sent += f.size
         self._run(
             "upload", keys.staged(""), self.api.batch_bucket_files, self.bucket_id, add=adds, copy=copies
         )
         self._check({keys.staged(f.rel): f.size for f in files})
         return sent
-
-    def _fetched(self, f: OutFile) -> Path:
-        """A remote input's object from another store, fetched by range into the local staging dir."""
-        assert self.fetch_dir is not None
-        local = self.fetch_dir / f"fetched-{len(self.staged)}"
-        fd = create_new(local)
-        try:
-            for off in range(0, f.size, _FETCH_BYTES):
-                buf = bytearray(min(_FETCH_BYTES, f.size - off))
-                f.source.read_into(buf, off)
-                os.write(fd, buf)
-        finally:
-            os.close(fd)
-        return local
 
     def _check(self, want: dict[str, int], hashes: dict[str, str] | None = None) -> None:
         """Each path there with its size (and, given `hashes`, its Xet hash); their hashes recorded."""
@@ -183,6 +163,12 @@ class HfBucketStore:
     def discard(self, keys: Keys) -> None:
         staged, self.staged = self.staged, []
         self.delete(staged)
+
+
+def takes_as_is(src) -> bool:
+    """Whether a bucket copies the remote input's object `src` itself (another bucket's, by Xet hash);
+    any other is fetched into a local file first."""
+    return _bucket_ref(src) is not None
 
 
 def _bucket_ref(src) -> tuple[str, str] | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,11 +44,13 @@ from .signals import Terminated, signals_deferred
 __all__ = [
     "COMMIT_LAST",
     "OVERWRITE_HINT",
+    "Counted",
     "Denied",
     "Keys",
     "OutFile",
     "Store",
     "StoreError",
+    "client",
     "describe",
     "is_marker",
     "put_output",
@@ -122,10 +125,38 @@ class Keys:
         return self._beside("old", rel)
 
 
+class Counted:
+    """What each store keeps for the report: the files (and bytes) of remote inputs it copied itself,
+    server-side (`copy_how`), never sent from here; `create_hint` says how to make a missing bucket."""
+
+    copy_how = ""
+    create_hint: str | None = None
+
+    def __init__(self) -> None:
+        self.copied_bytes = 0
+        self.copied_files = 0
+
+    def copied(self, size: int) -> None:
+        self.copied_bytes += size
+        self.copied_files += 1
+
+
+def client(module: str, scheme: str):
+    """The store client's package `module` (the `remote` extra), else a UsageError saying to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UsageError(
+            f"writing to {scheme}:// needs the package {module.split('.')[0]}, which is not installed",
+            hint="install the remote extra: pip install 'ckpt-tools[remote]'",
+        ) from None
+
+
 class Store(Protocol):
     """What a store does for `put_output`. Every method raises StoreError (Denied) on a refused request."""
 
     name: str  # for messages: "S3", "Google Cloud Storage", ...
+    create_hint: str | None
 
     def listing(self, prefix: str, *, single: bool) -> dict[str, int]:
         """{path under `prefix`/: size}; with `single`, {"": size} when an object is at `prefix` itself."""
@@ -241,9 +272,7 @@ def _existing(
         listed = store.listing(prefix, single=single)
     except StoreError as exc:
         if exc.code.startswith("404"):  # a prefix with nothing under it lists empty: the bucket is missing
-            raise UsageError(
-                "the bucket does not exist", path=where, hint=getattr(store, "create_hint", None)
-            ) from None
+            raise UsageError("the bucket does not exist", path=where, hint=store.create_hint) from None
         raise _failed(exc, store, where, "nothing was written there") from None
     if not single:
         listed.pop("", None)  # an object named like the prefix is another object, not under it

@@ -14,11 +14,10 @@ that was read; any other remote source is streamed into the upload by range, not
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 
 from ..core.errors import UsageError
-from .upload_commit import Denied, Keys, OutFile, StoreError, run_async, settled
+from .upload_commit import Counted, Denied, Keys, OutFile, StoreError, client, run_async, settled
 
 __all__ = ["GCS_HINT", "FsspecStore"]
 
@@ -67,22 +66,20 @@ def _failure(exc: BaseException, request: str, key: str, hint: str) -> StoreErro
     return StoreError(f"{name}: {first}" if first else name, request, key)
 
 
-class FsspecStore:
+class FsspecStore(Counted):
+    copy_how = "objects.rewrite"
+
     def __init__(self, scheme: str):
+        super().__init__()
         self.scheme = "gs" if scheme in ("gs", "gcs") else scheme
         self.name = "Google Cloud Storage" if self.scheme == "gs" else f"{scheme}://"
         self.hint = GCS_HINT if self.scheme == "gs" else f"check the credentials of {scheme}:// (fsspec's)"
+        if self.scheme == "gs":
+            self.create_hint = "create it first: gcloud storage buckets create gs://BUCKET"
         # gcsfs.core's class: the package's default (gcsfs >= 2025.x) first asks each bucket's layout over
         # gRPC, which waits out a 60 s timeout on every request where that API is not there (an emulator, a
         # token without the permission); the JSON API class writes plain and hierarchical buckets alike
-        module = "gcsfs.core" if self.scheme == "gs" else "fsspec"
-        try:
-            lib = importlib.import_module(module)
-        except ImportError:
-            raise UsageError(
-                f"writing to {scheme}:// needs the package {module.split('.')[0]}, which is not installed",
-                hint="install the remote extra: pip install 'ckpt-tools[remote]'",
-            ) from None
+        lib = client("gcsfs.core" if self.scheme == "gs" else "fsspec", scheme)
         with _quiet_auth():
             try:
                 if self.scheme == "gs":
@@ -96,11 +93,6 @@ class FsspecStore:
                     f"the credentials for {scheme}:// could not be loaded: {exc}", hint=self.hint
                 ) from None
         self.staged: list[str] = []
-        bucket = "gs://BUCKET" if self.scheme == "gs" else None
-        self.create_hint = f"create it first: gcloud storage buckets create {bucket}" if bucket else None
-        self.copied_bytes = 0
-        self.copied_files = 0
-        self.copy_how = "objects.rewrite"
 
     def path_of(self, url_path: str) -> str:
         """The filesystem's path of `scheme://url_path`."""
@@ -149,8 +141,7 @@ class FsspecStore:
                 self._call("put_file", "upload", key, str(f.path), key)
                 sent += f.size
             elif self._rewrite_source(f.source, key):
-                self.copied_bytes += f.size
-                self.copied_files += 1
+                self.copied(f.size)
             else:
                 sent += self._stream(f, key)
         return sent

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 
-from ..core.errors import FormatError, UsageError
-from .upload_commit import Denied, Keys, OutFile, StoreError, run_async
+from ..core.errors import FormatError
+from .upload_commit import Counted, Denied, Keys, OutFile, StoreError, client, run_async
 
 __all__ = ["AWS_HINT", "S3Store"]
 
@@ -48,18 +47,13 @@ def _failure(exc: BaseException, request: str, key: str) -> StoreError:
     return StoreError(text, request, key)
 
 
-class S3Store:
+class S3Store(Counted):
     name = "S3"
+    copy_how = "UploadPartCopy"
 
     def __init__(self, bucket: str):
-        try:
-            s3fs = importlib.import_module("s3fs")
-        except ImportError:
-            raise UsageError(
-                "writing to s3:// needs the package s3fs, which is not installed",
-                hint="install the remote extra: pip install 'ckpt-tools[remote]'",
-            ) from None
-        self.fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        super().__init__()
+        self.fs = client("s3fs", "s3").S3FileSystem(skip_instance_cache=True)
         self.bucket = bucket
         self.create_hint = f"create it first: aws s3 mb s3://{bucket}"
         self.client = self._run(self.fs.set_session(), "connecting to the endpoint", "")
@@ -67,11 +61,6 @@ class S3Store:
         self.empty: dict[str, str] = {}  # rel -> key of a zero-byte file (no multipart upload: one PUT)
         self.no_part_copy = False
         self.started: set[str] = set()  # keys whose multipart upload was asked for
-        self.copied_bytes = 0
-        self.copied_files = 0
-        self.copy_how = (
-            "UploadPartCopy"  # copied by the store itself from a remote input, never sent from here
-        )
 
     def _run(self, coro, request: str, key: str):
         try:
@@ -128,8 +117,7 @@ class S3Store:
             parts: list = []
             self.uploads[f.rel] = (key, uid, parts)
             if f.source is not None and self._copy_source(f.source, key, uid, parts):
-                self.copied_bytes += f.size
-                self.copied_files += 1
+                self.copied(f.size)
                 pinned.append(f.source)
                 continue
             sent += self._send(f, key, uid, parts)

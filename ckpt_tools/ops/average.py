@@ -202,7 +202,6 @@ def _weights(facts: list[AverageInput], options: AverageOptions) -> tuple[str, l
             )
         return "weights", list(range(n)), normalize_weights(options.weights)
     if options.ema is not None:
-        steps = [f.step for f in facts]
         unknown = [f.path for f in facts if f.step is None]
         if unknown:
             raise UsageError(
@@ -210,6 +209,7 @@ def _weights(facts: list[AverageInput], options: AverageOptions) -> tuple[str, l
                 path=unknown[0],
                 hint="inputs under step_N/ (or a checkpoint with progress.step), or use --weights",
             )
+        steps = [f.step for f in facts if f.step is not None]  # (every one, now)
         dup = sorted({s for s in steps if steps.count(s) > 1})
         if dup:
             raise UsageError(f"--ema: step {dup[0]} is given more than once", hint="one input per step")
@@ -275,14 +275,18 @@ def plan_average(sources: AverageSources, options: AverageOptions) -> AveragePla
     src = _weighted_sum(srcs, order, weights)
     warnings = [w for s in srcs for w in s.warnings]
     absent = {
-        optimizer_facts(classify(k, e.path) for k, e in s.ckpt.entries.items()).absent
+        a
         for s in srcs
         if s.ckpt is not None
-    } - {None}
+        if (a := optimizer_facts(classify(k, e.path) for k, e in s.ckpt.entries.items()).absent) is not None
+    }
     warnings += [f"{a}: nothing of the optimizer is averaged (the LoRA factors are)" for a in sorted(absent)]
-    rule = None
-    if options.rank is not None or options.energy is not None:
-        rule = {"rank": int(options.rank)} if options.rank is not None else {"energy": float(options.energy)}
+    rule: dict[str, int | float] | None = None
+    if options.rank is not None:
+        rule = {"rank": int(options.rank)}
+    elif options.energy is not None:
+        rule = {"energy": float(options.energy)}
+    if rule is not None:
         src.truncate_to(rank=options.rank, energy=options.energy)
     sources.delta = src
     tensors, cfg, full_warnings = peft_outputs(
@@ -372,7 +376,7 @@ def run_average(
     size = write_adapter(
         Path(plan.out),
         plan.tensors,
-        lambda t: src.read_key(t.source),
+        lambda t: src.read_out(t.source),
         plan.config,
         inputs=[Path(i.path) for i in plan.inputs],
         overwrite=overwrite,

@@ -197,8 +197,9 @@ def _base(
         base_dir, why = locate_model(base, run_root=None)
     else:
         run_base = run_base_of(ckpt.dir)
-        if run_base is None and src.resolution.config_path is not None:  # --run-config named elsewhere
-            run_base = run_dir.run_base(run_dir.resolve_run(ckpt.dir, config=src.resolution.config_path))
+        config_path = src.resolution.config_path if src.resolution is not None else None
+        if run_base is None and config_path is not None:  # --run-config named elsewhere
+            run_base = run_dir.run_base(run_dir.resolve_run(ckpt.dir, config=config_path))
         base_name = run_base.name if run_base is not None else None
         base_dir, why = (run_base.dir, run_base.problem) if run_base is not None else (None, None)
     if base_name is None:

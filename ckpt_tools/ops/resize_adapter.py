@@ -94,7 +94,12 @@ class ResizePlan:
 
 
 def plan_resize(src: DeltaSource, options: ResizeOptions) -> ResizePlan:
-    if (options.rank is None) == (options.energy is None):
+    rank_rule: dict[str, int | float]
+    if options.rank is not None and options.energy is None:
+        rank_rule = {"rank": int(options.rank)}
+    elif options.energy is not None and options.rank is None:
+        rank_rule = {"energy": float(options.energy)}
+    else:
         raise UsageError("pass exactly one of --rank K or --energy E", hint="e.g. --rank 8 or --energy 0.99")
     inner = src.inputs[0]
     truncs = src.truncate_to(rank=options.rank, energy=options.energy)
@@ -117,9 +122,7 @@ def plan_resize(src: DeltaSource, options: ResizeOptions) -> ResizePlan:
         adapter=str(inner.path),
         kind=inner.kind,
         out=str(options.out),
-        rank_rule={"rank": int(options.rank)}
-        if options.rank is not None
-        else {"energy": float(options.energy)},
+        rank_rule=rank_rule,
         rank_in=inner.describe()["rank"],
         modules=len(src.modules),
         ranks={m: t.rank for m, t in truncs.items()},
@@ -147,7 +150,7 @@ def run_resize(
     size = write_adapter(
         Path(plan.out),
         plan.tensors,
-        lambda t: src.read_key(t.source),
+        lambda t: src.read_out(t.source),
         plan.config,
         inputs=[Path(plan.adapter)],
         overwrite=overwrite,

@@ -161,7 +161,7 @@ def _raw(t: torch.Tensor):
 
 def _base_sq(w0: torch.Tensor) -> float:
     code = _c_code(w0)
-    if code is not None:
+    if code is not None and accelerator is not None:
         got = accelerator.base_sq(_raw(w0), code)
         if got is not None:
             return got
@@ -185,7 +185,7 @@ def chunk_stats(w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
     it covers the dtype, else `reference_chunk_stats` (same counts and max_abs; the sums in their
     own fixed order, equal to torch.dot's but for the last bits)."""
     code = _c_code(w, w0)
-    if code is not None:
+    if code is not None and accelerator is not None:
         got = accelerator.chunk_stats(_raw(w), _raw(w0), code)
         if got is not None:
             return ChunkStats(w.numel(), *got)
@@ -198,7 +198,7 @@ def _chunk_stats_read(xw, xb, w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
     with the GIL held: a third of the kernel's own
     time at 16 threads)."""
     code = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
-    if code is not None:
+    if code is not None and accelerator is not None:
         got = accelerator.chunk_stats(xw, xb, code)
         if got is not None:
             return ChunkStats(w.numel(), *got)
@@ -208,7 +208,7 @@ def _chunk_stats_read(xw, xb, w: torch.Tensor, w0: torch.Tensor) -> ChunkStats:
 def _identical_chunk_stats_read(xb, w0: torch.Tensor) -> ChunkStats:
     """`identical_chunk_stats` of a chunk `read_chunk` read (its bytearray as it is)."""
     code = _DTYPE_CODES.get(w0.dtype) if accelerator is not None else None
-    base_sq = accelerator.base_sq(xb, code) if code is not None else None
+    base_sq = accelerator.base_sq(xb, code) if code is not None and accelerator is not None else None
     if base_sq is None:
         return identical_chunk_stats(w0)
     return ChunkStats(w0.numel(), base_sq=base_sq, finite=math.isfinite(base_sq))
@@ -355,7 +355,13 @@ def value_check_chunk(
     n, cols = w.numel(), int(factors.right_norms.numel())
     code_w = _DTYPE_CODES.get(w.dtype) if accelerator is not None else None
     code_w0 = _DTYPE_CODES.get(w0.dtype)
-    if code_w in (0, 2) and code_w0 is not None and prod.dtype == torch.float64 and prod.is_contiguous():
+    if (
+        code_w in (0, 2)
+        and code_w0 is not None
+        and accelerator is not None
+        and prod.dtype == torch.float64
+        and prod.is_contiguous()
+    ):
         lo, hi = (r0 + first // cols, r0 + (first + n + cols - 1) // cols) if n else (r0, r0)
         fb = factors_raw or factor_buffers(factors)
         got = accelerator.value_check(
@@ -407,7 +413,7 @@ def block_stats(
     dtypes): each chunk's bytes compared first; an identical chunk adds only ||W0||^2, and a block whose
     chunks are all identical gives None."""
     code = _DTYPE_CODES.get(w.dtype) if accelerator is not None and w.dtype == w0.dtype else None
-    if code is not None:
+    if code is not None and accelerator is not None:
         got = accelerator.block_stats(xw, xb, code, STATS_BLOCK_ELEMS, skip_identical)
         if got is True:
             return None
@@ -502,12 +508,13 @@ def stream_stats(
                 for s, k in block_chunks(block[1])
             ]
 
-        parts = chunk_map(pool, raw, blocks)
-        same = [i for i, part in enumerate(parts) if part is None]
+        found = chunk_map(pool, raw, blocks)
+        same = [i for i, part in enumerate(found) if part is None]
         if len(same) == len(blocks):
             return DeltaStats(numel=fw.numel)
         for i, part in zip(same, chunk_map(pool, base_only, [blocks[i] for i in same])):
-            parts[i] = part
+            found[i] = part
+        parts = [part for part in found if part is not None]  # (every block's, now)
     else:
 
         def upcast(block: tuple[int, int]) -> list[ChunkStats]:

@@ -24,7 +24,7 @@ import torch
 from ..core.delta_math import Truncation, stack_terms, truncate
 from ..core.errors import CkptError, FormatError
 from ..core.keys import DEFAULT_LAYOUT, PROGRESS_STEP_KEY, step_of
-from ..formats.handle import LoraModule, LoraSource, TensorFacts
+from ..formats.handle import LoraModule, LoraSource, RawTensor, TensorFacts
 from ..formats.hf_dir.hub import locate_model
 from ..formats.peft.experts import build_fused
 from ..formats.peft.layout import FullTensor, ModuleFactors, plan_adapter_layout
@@ -166,6 +166,7 @@ class DeltaSource(LoraSource):
             key = src.full_tensors[name]
             x = finite(src.read_key(key), src.weights_path, key).to(torch.float64) * float(t.coef)
             out = x if out is None else out.add_(x)
+        assert out is not None  # every full tensor is some input's (plan_average's terms)
         finite(
             out.to(torch.float32), self.path, name, what=_RESULT, hint=_RESULT_HINT
         )  # checked, not rounded
@@ -176,10 +177,15 @@ class DeltaSource(LoraSource):
         a, b = self.pair(module)
         return a if ab == "A" else b
 
-    def read_key(self, key: str) -> torch.Tensor:
-        if key in self.fused:  # a fused expert LoRA (the peft layout): placed from every expert's factors
+    def read_out(self, key: str) -> torch.Tensor | RawTensor:
+        """A tensor of the adapter this source is written as (the writer's read): a fused expert LoRA key
+        (the peft layout) placed from every expert's factors, as bytes (a `RawTensor`); else `read_key`'s."""
+        if key in self.fused:
             f, ab = self.fused[key]
             return build_fused(f, ab, self.read_factor)
+        return self.read_key(key)
+
+    def read_key(self, key: str) -> torch.Tensor:
         if key.endswith(FULL_SUFFIX):
             return self.full(key[: -len(FULL_SUFFIX)]).to(torch.float32)
         module, ab = key.rsplit(".lora_", 1)
@@ -252,7 +258,7 @@ def lora_base(src: LoraSource) -> tuple[str | None, Path | None]:
         name = src.adapter.config.base_model_name_or_path
         root = resolve_run(src.path).model_root
     elif src.ckpt is not None:
-        run = resolve_run(src.path, config=src.resolution.config_path)
+        run = resolve_run(src.path, config=src.resolution.config_path if src.resolution is not None else None)
         name, root = run.base_name, run.launch
     if not name:
         return None, None

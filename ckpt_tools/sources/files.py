@@ -41,9 +41,11 @@ class TensorFileSource(Source):
         return [Extent(0, i.nbytes, self.path.name, i.begin)]
 
     def _pread(self, file: str, offset: int, buf: memoryview, name: str) -> None:
+        assert self._files is not None  # extents are a safetensors file's
         self._files.read_into(file, offset, buf, name)
 
     def _read_whole(self, name: str):
+        assert self._bin is not None  # a .bin file's tensors have no extents
         return self._bin[name].clone()  # a private copy: the caller may modify it
 
     def close(self) -> None:

@@ -112,7 +112,7 @@ class _BaseRows:
             self.row_values = first.numel if first is not None else 0
             for n in expert_names(name, 0, self.rows):
                 f = src.facts(n)
-                if f.dtype != self.dtype or f.numel != self.row_values:
+                if first is not None and (f.dtype != self.dtype or f.numel != self.row_values):
                     raise FormatError(
                         f"expert weight {n} is {f.dtype} {list(f.shape)}, expert 0's "
                         f"{first.dtype} {list(first.shape)}: they do not stack",
@@ -159,7 +159,7 @@ class _CastReader:
             self.rows.read(s, n, block)
             if self.same:
                 yield block
-            elif self.exact:
+            elif self.out is not None:  # an exact cast (numpy's): made for it
                 out = memoryview(self.out)
                 values = len(block) // src_size
                 for v in range(0, values, PIECE_VALUES):
@@ -175,7 +175,7 @@ class _CastReader:
                 import torch
 
                 t = torch.frombuffer(block, dtype=torch_dtype(self.rows.dtype)).to(torch_dtype(self.dtype))
-                yield memoryview(t.view(torch.uint8).numpy())
+                yield t.view(torch.uint8).numpy().data
                 del t
 
 

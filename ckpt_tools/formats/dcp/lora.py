@@ -62,7 +62,7 @@ class DcpLoraSource(LoraSource):
             (c.file, c.offset, c.length)
             for _m, ka, kb, _x in found
             for k in (ka, kb)
-            for c in self.ckpt.entries[k].chunks
+            for c in self.ckpt.tensor_entry(k).chunks
             if c.numel
         )
 
@@ -72,7 +72,7 @@ class DcpLoraSource(LoraSource):
         infos = [classify(k, e.path) for k, e in self.ckpt.entries.items()]
         require_known(infos, self.path / METADATA_NAME)
         lora = [i for i in infos if i.group == "lora"]
-        slots = sorted({i.slot for i in lora})
+        slots = sorted({i.slot for i in lora if i.slot is not None})  # (classify gives every LoRA key one)
         if not lora:
             raise FormatError(
                 "the checkpoint holds no LoRA parameters (no app.model.*.lora_A.<i> keys)",
@@ -86,10 +86,11 @@ class DcpLoraSource(LoraSource):
                 hint=f"pass --slot {slots[0]}",
             )
         found: list[tuple[str, str, str, int | None]] = []
-        for m in sorted({i.module for i in lora if i.slot == slot and not i.stacked}):
+        mine = [i for i in lora if i.slot == slot and i.module is not None]
+        for m in sorted({i.module for i in mine if i.module is not None and i.expert_proj is None}):
             found.append((m, lora_key(m, "A", slot), lora_key(m, "B", slot), None))
         for experts, proj in sorted(
-            {(i.module, i.expert_proj) for i in lora if i.slot == slot and i.stacked}
+            {(i.module, i.expert_proj) for i in mine if i.module is not None and i.expert_proj is not None}
         ):
             ka, kb = stacked_lora_key(experts, proj, "A", slot), stacked_lora_key(experts, proj, "B", slot)
             n = self._stacked_experts(ka, kb)
@@ -104,7 +105,7 @@ class DcpLoraSource(LoraSource):
                 raise FormatError(
                     f"module {m} lacks lora_A.{slot} or lora_B.{slot}", path=self.path / METADATA_NAME
                 )
-            ea, eb = self.ckpt.entries[ka], self.ckpt.entries[kb]
+            ea, eb = self.ckpt.tensor_entry(ka), self.ckpt.tensor_entry(kb)
             sa, sb = (
                 (tuple(ea.shape), tuple(eb.shape))
                 if x is None
@@ -120,13 +121,13 @@ class DcpLoraSource(LoraSource):
         return shapes
 
     def _stacked_experts(self, ka: str, kb: str) -> int:
-        ea, eb = self.ckpt.entries.get(ka), self.ckpt.entries.get(kb)
-        if ea is None or eb is None:
+        if ka not in self.ckpt.entries or kb not in self.ckpt.entries:
             raise FormatError(
                 "grouped-expert LoRA lacks its A or B factor",
                 path=self.path / METADATA_NAME,
-                key=ka if ea is None else kb,
+                key=ka if ka not in self.ckpt.entries else kb,
             )
+        ea, eb = self.ckpt.tensor_entry(ka), self.ckpt.tensor_entry(kb)
         if len(ea.shape) != 3 or len(eb.shape) != 3 or ea.shape[0] != eb.shape[0]:
             raise FormatError(
                 f"grouped-expert LoRA A {list(ea.shape)} / B {list(eb.shape)} are not [E, r, in] / "
@@ -141,13 +142,21 @@ class DcpLoraSource(LoraSource):
         key = m.a_key if ab == "A" else m.b_key
         if m.expert is None:
             return self.read_key(key)
-        return self._rows.read_tensor(self._rows.expert_name(key, m.expert))  # exactly that expert's bytes
+        rows = self._key_source()
+        return rows.read_tensor(rows.expert_name(key, m.expert))  # exactly that expert's bytes
 
     def read_key(self, key: str) -> torch.Tensor:
         stem, expert = _split_ref(key)
         if expert is None:
             return self.ckpt.read_tensor(key)
-        return self._rows.read_tensor(self._rows.expert_name(stem, expert))
+        rows = self._key_source()
+        return rows.read_tensor(rows.expert_name(stem, expert))
+
+    def _key_source(self) -> DcpKeySource:
+        """The checkpoint's tensors by key, for one expert's slice of a stacked tensor (made on first use)."""
+        if self._rows is None:
+            self._rows = DcpKeySource(self.ckpt)
+        return self._rows
 
     # -- as bytes, without torch: the reads `read_key` makes (`DcpCheckpoint.read_tensor_bytes`; an expert's
     # slice
@@ -157,15 +166,14 @@ class DcpLoraSource(LoraSource):
         """`read_key`'s tensor as a `RawTensor` (a DCP key, or `key[e]`: one expert's slice)."""
         stem, expert = _split_ref(key)
         if expert is None:
-            e = self.ckpt.entry(key)
+            e = self.ckpt.tensor_entry(key)
             return RawTensor(e.dtype, tuple(e.shape), self.ckpt.read_tensor_bytes(key))
-        if self._rows is None:
-            self._rows = DcpKeySource(self.ckpt)
-        name = self._rows.expert_name(stem, expert)
-        f = self._rows.facts(name)
+        rows = self._key_source()
+        name = rows.expert_name(stem, expert)
+        f = rows.facts(name)
         buf = bytearray(f.nbytes)
         if buf:
-            self._rows.read_span(name, 0, buf)
+            rows.read_span(name, 0, buf)
         return RawTensor(f.dtype, tuple(f.shape), buf)
 
     def read_raw_factor(self, module: str, ab: str) -> RawTensor:
@@ -176,7 +184,7 @@ class DcpLoraSource(LoraSource):
 
     def key_facts(self, key: str) -> TensorFacts:
         stem, expert = _split_ref(key)
-        e = self.ckpt.entry(stem)
+        e = self.ckpt.tensor_entry(stem)
         return TensorFacts(key, e.dtype, tuple(e.shape) if expert is None else tuple(e.shape[1:]))
 
     def lora_keys(self) -> list[str]:
@@ -226,8 +234,10 @@ def trained_full_tensors(ckpt: DcpCheckpoint) -> dict[str, str]:
         if ki.group != "base" or key.removeprefix("app.model.") not in trained:
             continue
         if ki.stacked:
-            for x in range(e.shape[0] if e.shape else 0):
+            shape = ckpt.tensor_entry(key).shape
+            for x in range(shape[0] if shape else 0):
                 out[expert_hf_name(ki, x)] = f"{key}[{x}]"
         else:
+            assert ki.hf_name is not None  # classify names every non-stacked base weight
             out[ki.hf_name] = key
     return dict(sorted(out.items()))

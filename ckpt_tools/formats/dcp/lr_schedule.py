@@ -48,7 +48,10 @@ class SchedState:
 
 
 def read_sched_state(ckpt: DcpCheckpoint) -> SchedState:
-    groups, top, subs, keys = {}, {}, {}, {}
+    groups: dict[int | None, dict] = {}
+    top: dict[str | None, object] = {}
+    subs: dict[int, dict] = {}
+    keys: dict[tuple, str] = {}
     for key, e in ckpt.entries.items():
         info = classify(key, e.path)
         if info.group == "param_groups" and info.field != "params":

@@ -201,7 +201,7 @@ class _Encoder:
     def finish(self) -> bytes:
         self.buf += _STOP
         self._cut()
-        out = [_PROTO + b"\x04"]
+        out: list[bytes | memoryview] = [_PROTO + b"\x04"]
         view = memoryview(self.buf)
         for s, e, framed in self.segments:
             if framed and e - s >= 4:  # pickle frames only 4 bytes or more

@@ -161,6 +161,13 @@ class DcpCheckpoint:
                 hint="`ckpt inspect --keys` lists every key",
             ) from None
 
+    def tensor_entry(self, key: str) -> TensorEntry:
+        """The entry of tensor `key` (a UsageError for a byte item)."""
+        e = self.entry(key)
+        if not isinstance(e, TensorEntry):
+            raise UsageError("is a byte item, not a tensor", key=key)
+        return e
+
     def tensor_entries(self) -> list[TensorEntry]:
         return [e for e in self.entries.values() if isinstance(e, TensorEntry)]
 
@@ -248,9 +255,7 @@ class DcpCheckpoint:
     def _tensor_entry_in_bounds(self, key: str) -> TensorEntry:
         """The tensor entry of `key`, every chunk of it checked to lie inside its file: before the
         destination is allocated, so a header's claim never sizes an allocation beyond the bytes on disk."""
-        e = self.entry(key)
-        if not isinstance(e, TensorEntry):
-            raise UsageError("is a byte item, not a tensor", key=key)
+        e = self.tensor_entry(key)
         for ch in e.chunks:
             if ch.numel:
                 self.files.check_range(ch.file, ch.offset, ch.length, key)
@@ -316,7 +321,7 @@ class DcpCheckpoint:
 
         import torch  # lazy: metadata commands (inspect, verify) import this module without torch (2-3 s)
 
-        why = self._read_chunk_bytes(e, ch, memoryview(dest.reshape(-1).view(torch.uint8).numpy()))
+        why = self._read_chunk_bytes(e, ch, dest.reshape(-1).view(torch.uint8).numpy().data)
         if why is not None:
             self._fallback_chunk(e, ch, dest, why)
 

@@ -32,7 +32,7 @@ __all__ = ["DcpBaseSource", "DcpKeySource", "row_block_extents"]
 def row_block_extents(ckpt: DcpCheckpoint, key: str) -> list[Extent] | None:
     """Where the row-major bytes of tensor `key` lie, when its chunks are dim-0 row blocks whose items
     hold the raw payload; None otherwise (the caller reads it whole)."""
-    e = ckpt.entries[key]
+    e = ckpt.tensor_entry(key)
     row_bytes = (math.prod(e.shape[1:]) if e.shape else 1) * e.itemsize
     out: list[Extent] = []
     for ch in sorted((c for c in e.chunks if c.numel), key=lambda c: c.offsets):
@@ -134,6 +134,7 @@ class _DcpSource(Source):
         self.ckpt.files.read_into(file, offset, buf, self._keys[name][0] if name in self._keys else name)
 
     def _check_piece(self, e: Extent, pos: int, data, name: str) -> None:
+        assert e.record is not None  # a DCP extent records its item (row_block_extents)
         at, size, crc = e.record
         self.ckpt.check_piece(
             e.file,
@@ -172,6 +173,7 @@ class DcpBaseSource(_DcpSource):
                     self._add(expert_hf_name(ki, x), key, e, x)
                     self.stacked[expert_hf_name(ki, x)] = key
             else:
+                assert ki.hf_name is not None  # classify names every non-stacked base weight
                 self._add(ki.hf_name, key, e)
         if not self._facts:
             raise FormatError(
@@ -194,7 +196,7 @@ class DcpKeySource(_DcpSource):
         """The name of slice `expert` (dim 0) of tensor `key`, registered on first use."""
         name = f"{key}[{expert}]"
         if name not in self._facts:
-            e = self.ckpt.entries[key]
+            e = self.ckpt.tensor_entry(key)
             if not e.shape or not 0 <= expert < e.shape[0]:
                 raise FormatError(
                     f"expert {expert} is outside the tensor's {list(e.shape)}", path=self.path, key=key

@@ -78,7 +78,9 @@ class PeftAdapter:
         self.shapes: dict[str, tuple[int, ...]] = shapes  # key -> shape
         self.dtypes: dict[str, str] = dtypes  # key -> dtype name
         self._load = loader
-        self._cache: dict[str, object] = {}  # the last few fused tensors read (per-expert views of them)
+        self._cache: dict[
+            str, torch.Tensor
+        ] = {}  # the last few fused tensors read (per-expert views of them)
         self.modules: dict[str, AdapterModule] = {}
         self.full_tensors: dict[str, str] = {}  # modules_to_save: HF name -> key
         self.unrecognized: list[str] = []
@@ -86,10 +88,13 @@ class PeftAdapter:
         problems = self._read_modules(pairs, shapes, config, weights_path)
         clash = expert_index_clashes(self.modules)
         if clash:  # one expert spelled two ways (`experts.3`, `experts.03`): which is expert 3 is ambiguous
-            (x, y), more = clash[0], f" (and {len(clash) - 1} more such pairs)" if len(clash) > 1 else ""
+            (x, y, expert), more = (
+                clash[0],
+                f" (and {len(clash) - 1} more such pairs)" if len(clash) > 1 else "",
+            )
             problems.append(
                 f"{self.modules[x].a_key} and {self.modules[y].a_key} both name expert "
-                f"{expert_parts(x)[1]}: ambiguous{more}"
+                f"{expert}: ambiguous{more}"
             )
         if strict and (problems or self.unrecognized):
             self._refuse(problems, weights_path)

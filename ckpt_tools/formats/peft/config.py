@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ BIN_NAME = "adapter_model.bin"
 MAX_RANK = 1 << 16
 
 # Config fields that switch on a LoRA variant whose math is not W + s*B@A. (field, "off" test)
-UNSUPPORTED_VARIANTS: tuple[tuple[str, object], ...] = (
+UNSUPPORTED_VARIANTS: tuple[tuple[str, Callable[[object], bool]], ...] = (
     ("use_dora", lambda v: not v),
     ("lora_bias", lambda v: not v),
     ("use_qalora", lambda v: not v),
@@ -145,6 +146,38 @@ def _need(raw: dict, name: str, types, path: Path, default=None, required=True):
 
 def parse_peft_config(path: Path) -> PeftConfig:
     path = Path(path)
+    raw = _lora_config_json(path)
+    r = _need(raw, "r", int, path)
+    if not 0 < r <= MAX_RANK:
+        raise FormatError(f"'r' must be in 1..{MAX_RANK}, got {r}", path=path)
+    alpha = _need(raw, "lora_alpha", (int, float), path)
+    check_alpha(alpha, "'lora_alpha'", path=path)
+    rank_pattern = _need(raw, "rank_pattern", dict, path, {}, required=False)
+    alpha_pattern = _need(raw, "alpha_pattern", dict, path, {}, required=False)
+    _check_patterns(rank_pattern, alpha_pattern, path)
+    tparams = _targets(raw, path)
+    mts = raw.get("modules_to_save") or ()
+    if not isinstance(mts, (list, tuple)) or not all(isinstance(m, str) for m in mts):
+        raise FormatError(f"modules_to_save is {mts!r}, expected a list of names", path=path)
+    return PeftConfig(
+        path=path,
+        r=r,
+        lora_alpha=float(alpha),
+        use_rslora=bool(_need(raw, "use_rslora", bool, path, False, required=False)),
+        fan_in_fan_out=bool(_need(raw, "fan_in_fan_out", bool, path, False, required=False)),
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+        target_modules=raw.get("target_modules"),
+        modules_to_save=tuple(mts),
+        base_model_name_or_path=raw.get("base_model_name_or_path"),
+        raw=raw,
+        target_parameters=tuple(tparams),
+    )
+
+
+def _lora_config_json(path: Path) -> dict:
+    """adapter_config.json as a JSON object: a plain LoRA (peft_type LORA, no variant this package does
+    not convert, no trained biases)."""
     if not os.path.lexists(path):
         raise FormatError("missing adapter_config.json", path=path)
     raw = read_json(path, root=path.parent, what="adapter_config.json")
@@ -166,13 +199,11 @@ def parse_peft_config(path: Path) -> PeftConfig:
     bias = raw.get("bias", "none")
     if bias not in ("none", None):
         raise FormatError(f"bias={bias!r}: adapters that train biases are not supported", path=path)
-    r = _need(raw, "r", int, path)
-    if not 0 < r <= MAX_RANK:
-        raise FormatError(f"'r' must be in 1..{MAX_RANK}, got {r}", path=path)
-    alpha = _need(raw, "lora_alpha", (int, float), path)
-    check_alpha(alpha, "'lora_alpha'", path=path)
-    rank_pattern = _need(raw, "rank_pattern", dict, path, {}, required=False)
-    alpha_pattern = _need(raw, "alpha_pattern", dict, path, {}, required=False)
+    return raw
+
+
+def _check_patterns(rank_pattern: dict, alpha_pattern: dict, path: Path) -> None:
+    """Each rank_pattern value a rank, each alpha_pattern value an alpha, each key a regex PEFT compiles."""
     for pname, pat in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
         for k, v in pat.items():
             if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -184,6 +215,11 @@ def parse_peft_config(path: Path) -> PeftConfig:
             if pname == "alpha_pattern":
                 check_alpha(v, f"alpha_pattern[{k!r}]", path=path)
             check_regex(pname, k, path, compiled_as=r"(.*\.)?({})$")
+
+
+def _targets(raw: dict, path: Path) -> list | tuple:
+    """target_modules checked (a list of names, or a regex PEFT full-matches); returns target_parameters,
+    which may name only the fused MoE experts' parameters."""
     targets = raw.get("target_modules")
     if isinstance(targets, str):  # PEFT: a string is a full-match regex over module names
         check_regex("target_modules", targets, path)
@@ -203,20 +239,4 @@ def parse_peft_config(path: Path) -> PeftConfig:
             path=path,
             hint="merge it with PEFT's merge_and_unload",
         )
-    mts = raw.get("modules_to_save") or ()
-    if not isinstance(mts, (list, tuple)) or not all(isinstance(m, str) for m in mts):
-        raise FormatError(f"modules_to_save is {mts!r}, expected a list of names", path=path)
-    return PeftConfig(
-        path=path,
-        r=r,
-        lora_alpha=float(alpha),
-        use_rslora=bool(_need(raw, "use_rslora", bool, path, False, required=False)),
-        fan_in_fan_out=bool(_need(raw, "fan_in_fan_out", bool, path, False, required=False)),
-        rank_pattern=rank_pattern,
-        alpha_pattern=alpha_pattern,
-        target_modules=raw.get("target_modules"),
-        modules_to_save=tuple(mts),
-        base_model_name_or_path=raw.get("base_model_name_or_path"),
-        raw=raw,
-        target_parameters=tuple(tparams),
-    )
+    return tparams

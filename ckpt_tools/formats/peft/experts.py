@@ -115,10 +115,10 @@ def plan_fused(modules: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], path
     """The fused LoRAs that hold every per-expert module of `modules` ({module: (A shape, B shape)}),
     written in block form. Every expert 0..E-1 of each projection must be there, gate with up."""
     groups: dict[tuple[str, str], dict[int, tuple]] = {}
-    for m, shapes in modules.items():
+    for m, ab_shapes in modules.items():
         ex = expert_parts(m)
         if ex is not None:
-            groups.setdefault((ex[0], ex[2]), {})[ex[1]] = shapes
+            groups.setdefault((ex[0], ex[2]), {})[ex[1]] = ab_shapes
     by_experts: dict[str, dict[str, dict[int, tuple]]] = {}
     for (experts, proj), per in groups.items():
         by_experts.setdefault(experts, {})[proj] = per
@@ -198,7 +198,8 @@ def build_fused(
     import numpy as np  # lazy: the names and shapes above are the metadata side's
 
     E, R, r = f.num_experts, f.rank, f.part_rank
-    out = dtype = None
+    out = None
+    dtype = ""
     if ab == "A":
         for e in range(E):
             for j, proj in enumerate(f.projs):
@@ -208,6 +209,7 @@ def build_fused(
                     out = np.zeros((E, R, f.in_features), dtype=a.bits().dtype)
                 out[e, j * r : (j + 1) * r] = a.bits()
                 del a
+        assert out is not None  # a fused LoRA has experts and projections
         return RawTensor.from_bits(dtype, out.reshape(R * E, f.in_features))
     row = 0
     for j, (proj, rows) in enumerate(zip(f.projs, f.out_rows)):
@@ -219,6 +221,7 @@ def build_fused(
             out[row : row + rows, j * r : (j + 1) * r, e] = b.bits()
             del b
         row += rows
+    assert out is not None  # a fused LoRA has experts and projections
     return RawTensor.from_bits(dtype, out.reshape(sum(f.out_rows), R * E))
 
 

@@ -18,6 +18,7 @@ __all__ = ["PeftLoraSource"]
 
 class PeftLoraSource(LoraSource):
     kind = "peft"
+    adapter: PeftAdapter  # (always: the handle it is the LoRA view of)
 
     def __init__(self, adapter: PeftAdapter):
         self.adapter = ad = adapter

@@ -261,6 +261,7 @@ def _write_files(
     with StreamingSafetensorsWriter(directory / SAFETENSORS_NAME, entries, SAFETENSORS_METADATA) as w:
         for t in tensors:
             got = read(t)
+            value: torch.Tensor | RawTensor
             if is_torch_tensor(got):
                 value = got.to(torch_dtype(SHORT_NAMES[t.dtype])).contiguous()
             else:  # bytes, cast as torch casts them (`core.casts`)

@@ -312,10 +312,10 @@ def _by_range(attempts: tuple[Attempt, ...], step: int) -> tuple[Attempt | None,
 def _by_time(candidates: list[Attempt], step_time: float | None) -> Attempt | None:
     """The last candidate written before the checkpoint, when every candidate has a time and the times
     follow the launch order (a copy that reset them makes them say nothing)."""
-    times = [a.written_at for a in candidates]
-    if step_time is None or any(t is None for t in times):
+    times = [a.written_at for a in candidates if a.written_at is not None]
+    if step_time is None or len(times) != len(candidates):
         return None
-    if any(b <= a for a, b in itertools.pairwise(times)):  # type: ignore[operator]
+    if any(b <= a for a, b in itertools.pairwise(times)):
         return None
     before = [a for a in candidates if a.written_at is not None and a.written_at <= step_time]
     return before[-1] if before else None

@@ -325,7 +325,7 @@ def _copy_kept(
         chunk = (
             None
             if k.kind == "bytes"
-            else next(c for c in _tensor(ckpt, k.key).chunks if c.file == k.file and c.offset == k.offset)
+            else next(c for c in ckpt.tensor_entry(k.key).chunks if c.file == k.file and c.offset == k.offset)
         )
         kept_crc[kept_item_id(k.key, k.chunk_offsets)] = copy_checked_item(
             ckpt, writer, k.key, k.file, k.offset, k.length, file_index=file_index[k.file], chunk=chunk
@@ -333,12 +333,6 @@ def _copy_kept(
         done += k.length
         report(progress, "copy", done, layout.kept_bytes)
     return kept_crc
-
-
-def _tensor(ckpt: DcpCheckpoint, key: str) -> TensorEntry:
-    e = ckpt.entries[key]
-    assert isinstance(e, TensorEntry)  # a tensor item's, or a dropped tensor's (partition's)
-    return e
 
 
 class _Identify:
@@ -384,7 +378,7 @@ class _Identify:
 
     def one(self, d: DroppedTensor) -> tuple[str | None, list[int] | None]:
         """(sha256 or None, [CRC-32 per chunk] or None): plain values, for gather."""
-        e = _tensor(self.ckpt, d.key)
+        e = self.ckpt.tensor_entry(d.key)
         if self.base_crcs is not None:  # proven against the base by the CRC-32s its items store: not read
             threads = self.hash_threads if self.hash_threads > 1 and d.nbytes > self.share else 1
             got = checked_by_crc(

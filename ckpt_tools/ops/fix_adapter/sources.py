@@ -51,6 +51,7 @@ class FixSources:
 
     def read_tensor(self, key: str) -> torch.Tensor:
         if key.startswith(CKPT_REF):
+            assert self.ckpt is not None  # a checkpoint's key is planned with --checkpoint only
             return self.ckpt.read_key(key[len(CKPT_REF) :])
         return self.weights.read_tensor(key)
 
@@ -90,6 +91,7 @@ def check_same_state(sources: FixSources, modules: dict[str, tuple[str, str]], w
     """The checkpoint must be the state the export was written from: every LoRA factor the two share
     (dense modules) bitwise equal. Returns how many were compared."""
     ck = sources.ckpt
+    assert ck is not None  # checked with --checkpoint only
     compared = 0
     for mod, keys in sorted(modules.items()):
         spec = ck.modules.get(mod)

@@ -284,7 +284,9 @@ def _run_step(
                 if progress
                 else None
             )
-            res.notes += _slim_one(step_dir, plan.base["dir"], trust_pickle, step_progress, slim_to, res)
+            base_dir = plan.base["dir"] if plan.base is not None else None
+            assert base_dir is not None  # run_gc refuses slims without their base, before any step
+            res.notes += _slim_one(step_dir, base_dir, trust_pickle, step_progress, slim_to, res)
             res.result = "slimmed"
         elif sp.action == "slim":
             res.result, res.reason = "skipped", "changed since the plan (not a full checkpoint now)"

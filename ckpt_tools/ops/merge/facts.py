@@ -14,7 +14,6 @@ from ...formats.handle import LoraSource, Source
 from ...formats.hf_dir.carry import carry_files
 from ...formats.hf_dir.config import config_mismatches, load_config
 from ...formats.hf_dir.hub import resolve_model_dir
-from ...formats.hf_dir.model_dir import HFModelDir
 from ...formats.primerl.run_dir import resolve_run
 
 __all__ = [
@@ -90,7 +89,7 @@ def _with_sizes(paths) -> tuple[tuple[str, int], ...]:
     return tuple((str(p), os.path.getsize(p)) for p in paths)
 
 
-def hf_base_facts(src: HFModelDir) -> BaseFacts:
+def hf_base_facts(src: Source) -> BaseFacts:
     model = src
     tensors = []
     for name in model.disk_order():  # the logical face: a block-FP8 base's weights dequantized, float32

@@ -23,6 +23,7 @@ from pathlib import Path
 from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import FormatError, UsageError
 from ...core.fp8 import BLOCK, FP8_DTYPE
+from ...core.fp8 import accelerator as fp8_accelerator
 from ...core.lora_math import check_shapes
 from ...core.tied import tied_pair
 from ...formats.hf_dir.config import output_config_changes
@@ -39,7 +40,6 @@ __all__ = [
     "DEFAULT_MAX_SHARD",
     "DEFAULT_THREADS",
     "FP8_BLOCK_ELEMS",
-    "FP8_DEFAULT_THREADS",
     "IN_FLIGHT_CAP_BYTES",
     "IN_FLIGHT_FLOOR_BYTES",
     "MERGEABLE",
@@ -66,10 +66,9 @@ DEFAULT_MAX_SHARD = "5GB"
 # 16-core host (docs/benchmarks.md): 2 workers 1.30x the I/O floor, 4 workers 1.10x, 8 workers 1.09x
 # with 40% more memory; so 4 is where more workers stop paying.
 DEFAULT_THREADS = max(2, min(4, os.cpu_count() or 1))
-# An FP8 output does ~2.5x a bf16 merge's arithmetic per element (the quantization and its error figures) and
-# writes half the bytes: it takes up to 8 workers where cores are idle, in blocks half the size (the same
-# memory in flight as 4 bf16 workers).
-FP8_DEFAULT_THREADS = max(2, min(8, os.cpu_count() or 1))
+# An FP8 output's quantized weight is made in row blocks of about this many elements (a multiple of 128 rows):
+# the base rows, W32 made in place of the fp32 product, the codes (7 bytes an element from a bf16 base: 14 MiB
+# a block, against a bf16 merge block's 32 MiB), on the same workers as any merge (DEFAULT_THREADS).
 FP8_BLOCK_ELEMS = 2 * 2**20
 # A merged tensor is made in row blocks of about this many elements (fp32 product 16 MiB, bf16 base
 # and output 8 MiB each): big enough that BLAS and pread/pwrite run at full speed, small enough that
@@ -522,12 +521,14 @@ def job_working_bytes(job: TensorJob, base_kind: str) -> int:
     """Bytes one worker holds while producing `job`: its block buffers, not its tensor (except for
     the few jobs read whole: an adapter's modules_to_save tensor, a base scalar)."""
     rows = job.shape[0] if job.shape else 1
-    if job.scale_name is not None:  # FP8: a row block of the source, W32, the product / error scratch, codes
+    if job.scale_name is not None:  # FP8 (`quantize.write_quantized`): a row block of the source, W32, codes
         cols = job.numel // max(1, rows)
         block_rows = min(rows, fp8_block_rows(cols) + MIN_BLOCK_ROWS - 1)
         whole = job.read_bytes if job.action == "replace" else 0
         factors = job.read_bytes - job.numel * itemsize(job.src_dtype) if job.action == "merge" else 0
-        return block_rows * cols * (itemsize(job.src_dtype) + 4 + 4 + 1) + factors + whole
+        # W32 beside a fan_in_fan_out product; the reference error figure's buffer without the C kernel
+        extra = 4 * job.fan_in_fan_out + (4 if fp8_accelerator is None else 0)
+        return block_rows * cols * (itemsize(job.src_dtype) + 4 + 1 + extra) + factors + whole
     if job.action == "merge":
         # one block (a short tail joins the last: up to MIN_BLOCK_ROWS - 1 more rows) of the base
         # rows + the fp32 product + the output rows; and the fp32 A, B, held for the whole tensor

@@ -20,7 +20,7 @@ from ...io.staging import AtomicOutputDir
 from ...sources.open import open_lora_source
 from .facts import adapter_facts, dcp_base_facts, hf_base_facts, trained_on_problems
 from .guards import check_masters_match_base, check_target_modules, default_out_dtype
-from .plan import DEFAULT_MAX_SHARD, DEFAULT_THREADS, FP8_DEFAULT_THREADS, MergePlan, plan_from_facts
+from .plan import DEFAULT_MAX_SHARD, DEFAULT_THREADS, MergePlan, plan_from_facts
 
 __all__ = ["MergeOptions", "MergeSources", "check_output", "open_merge_sources", "plan_merge"]
 
@@ -124,8 +124,7 @@ def plan_merge(sources: MergeSources, options: MergeOptions) -> MergePlan:
     max_shard_bytes = parse_size(options.max_shard_size)
     if max_shard_bytes <= 0:
         raise UsageError("--max-shard-size must be positive")
-    default_threads = FP8_DEFAULT_THREADS if out_dtype == "float8_e4m3fn" else DEFAULT_THREADS
-    threads = default_threads if options.threads is None else int(options.threads)
+    threads = DEFAULT_THREADS if options.threads is None else int(options.threads)
     afacts = adapter_facts(sources.adapter)
     masters = None
     if sources.base.masters:  # a checkpoint's own fp32 masters are the base

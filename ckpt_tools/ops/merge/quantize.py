@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ...core.errors import FormatError
-from ...core.fp8 import QuantSums, fp8_row_blocks, grid_shape, quantize_rows_into
+from ...core.fp8 import QuantSums, accelerator, fp8_row_blocks, grid_shape, quantize_rows_into
 from ...core.lora_math import check_shapes
 from ...core.tensor_math import count_nonfinite, merge_weight_into, rounds_to_base
 from ...formats.handle import tensor_bytes
@@ -81,10 +81,11 @@ def write_quantized(runner, job: TensorJob, writer: StreamingSafetensorsWriter) 
     src = _Rows(runner, job)
     unchanged = True
     for s, n in fp8_row_blocks(rows, cols, FP8_BLOCK_ELEMS):
-        w32 = runner.buffer("w32", torch.float32, (n, cols))
-        unchanged = src.fill(w32, s, n) and unchanged
+        w32, same = src.fill(s, n)
+        unchanged = same and unchanged
         codes = runner.buffer("codes", torch.float8_e4m3fn, (n, cols))
-        scratch = runner.buffer("product", torch.float32, (n * cols,))
+        # the reference error figure's buffer, only where the C kernel is not built
+        scratch = None if accelerator is not None else runner.buffer("error", torch.float32, (n * cols,))
         quantize_rows_into(w32, codes, scales[s // 128 : -(-(s + n) // 128)], sums=sums, scratch=scratch)
         writer.write_chunk(job.name, tensor_bytes(codes))
     if not job.out_bytes:
@@ -121,22 +122,25 @@ class _Rows:
         elif job.action == "replace":
             self.whole = runner.sources.adapter.read_key(job.src)
 
-    def fill(self, w32: torch.Tensor, s: int, n: int) -> bool:
-        """Rows [s, s + n) of W32 into `w32`; for a merge, whether they equal the base's (the delta rounded
-        away in fp32). Non-finite values are refused, counted over the block."""
+    def fill(self, s: int, n: int) -> tuple[torch.Tensor, bool]:
+        """Rows [s, s + n) of W32, in one of the worker's buffers; and for a merge, whether they equal the
+        base's (the delta rounded away in fp32). A merge makes W32 in place of its product B@A (one fp32
+        buffer, not two). Non-finite values are refused, counted over the block."""
         job, cols = self.job, self.job.shape[1]
-        same = True
-        if self.whole is not None:
-            w32.copy_(self.whole[s : s + n])
-        elif job.action == "merge":
+        if job.action == "merge":
             w = self.runner.buffer("weight", job.src_dtype, (n, cols))
             self.base.read_into(self.name, w, rows=(s, n))
             a, b = (self.a[:, s : s + n], self.b) if job.fan_in_fan_out else (self.a, self.b[s : s + n])
-            prod = self.runner.buffer("product", torch.float32, (n * cols,))
+            prod = self.runner.buffer("product", torch.float32, (n, cols))
+            # fan_in_fan_out's product is the transpose of W32's rows: made beside them, not in place
+            w32 = self.runner.buffer("w32", torch.float32, (n, cols)) if job.fan_in_fan_out else prod
             merge_weight_into(
                 w32, w, a, b, job.scale or 0.0, fan_in_fan_out=job.fan_in_fan_out, name=job.name, scratch=prod
             )
-            return rounds_to_base(w32, w)
+            return w32, rounds_to_base(w32, w)
+        w32 = self.runner.buffer("w32", torch.float32, (n, cols))
+        if self.whole is not None:
+            w32.copy_(self.whole[s : s + n])
         elif job.src_dtype == "float32":
             self.base.read_into(self.name, w32, rows=(s, n))
         else:
@@ -151,4 +155,4 @@ class _Rows:
                     key=job.name,
                     hint="the source holds inf/nan: FP8 cannot hold them",
                 )
-        return same
+        return w32, True
