@@ -89,12 +89,15 @@ def local(tmp_path_factory):
 
 def check_verl(url: str, counter, local, tmp: Path):
     """inspect, verify --deep, extract-adapter, merge and export of the verl run dir at `url` equal the local
-    runs; inspect fetches the rank files' zip directories, data.pkl and record headers only."""
+    runs; inspect fetches the rank files' zip directories, data.pkl and record headers only, verify --deep
+    every record once."""
     counter.reset()
     assert report("inspect", url, root=url) == local["verl-inspect"]
     assert counter.bytes < 0.2 * _file_bytes(ACTOR), counter.bytes
+    counter.reset()
     verified = report("verify", url, "--deep", root=url)
     assert verified == local["verl-verify"] and verified["ok"] is True
+    assert counter.bytes < 1.15 * _file_bytes(ACTOR), counter.bytes   # every record once, its header once
     counter.reset()
     ckpt("extract-adapter", url, tmp / "adapter")
     assert digest(tmp / "adapter") == digest(local["dir"] / "verl-adapter")
