@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -238,3 +239,22 @@ def test_an_unknown_key_layout_is_an_error_naming_the_key(tmp_path):
         torch.save({"model.norm.scale_and_shift": torch.zeros(1)}, actor / f"model_world_size_2_rank_{rank}.pt")
     r = run("inspect", actor)
     assert r.exit_code != 0 and "model.norm.scale_and_shift" in r.output and "key layout" in r.output
+
+
+@pytest.mark.parametrize("fixture", [LORA, LORA1, FULL], ids=["fsdp2-lora", "fsdp1-lora", "fsdp2-full"])
+def test_the_format_reference_names_every_file_verl_wrote(fixture):
+    """docs/reference/verl-format.md's table of the role dir, against what verl's FSDPCheckpointManager wrote:
+    each file matches a row (W and R: the world size and rank), and the JSON files hold the fields it says."""
+    doc = (Path(__file__).parent.parent / "docs" / "reference" / "verl-format.md").read_text()
+    rows = [line.split("|")[1].strip().strip("`") for line in doc.splitlines() if line.startswith("| `")]
+    patterns = [r.replace("W", r"\d+").replace("R", r"\d+").rstrip("/") for r in rows]
+    actor = fixture / ACTOR
+    for f in sorted(os.listdir(actor)):
+        assert any(re.fullmatch(p, f) for p in patterns), f"{f} is in no row of the reference's table: {rows}"
+    assert any(re.fullmatch(p, "../../latest_checkpointed_iteration.txt") for p in patterns)
+    assert (actor / "../../latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert set(json.loads((actor / "fsdp_config.json").read_text())) == {"FSDP_version", "world_size"}
+    if fixture != FULL:
+        meta = json.loads((actor / "lora_train_meta.json").read_text())
+        assert set(meta) == {"r", "lora_alpha", "task_type"} and type(meta["lora_alpha"]) is int
+        assert '`{"r", "lora_alpha", "task_type"}`' in doc

@@ -368,10 +368,10 @@ def inspect_peft(path: Path) -> dict:
     return rep
 
 
-def inspect_path(path: Path, **kw) -> dict:
+def inspect_path(path: Path) -> dict:
     fmt = detect_format(path)
     if fmt == "dcp":
-        return inspect_dcp(path, **kw)
+        return inspect_dcp(path)
     if fmt == "checkpoints":
         return inspect_checkpoints_dir(path)
     if fmt == "hf":

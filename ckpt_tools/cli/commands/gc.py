@@ -111,7 +111,8 @@ def command(
             if changed
             else "gc stopped before any step was changed; "
         ) + "every step is full or slim; rerun to finish"
-        exc.summary = line  # type: ignore[union-attr]  # what the CLI's interrupt line says instead of "nothing was written"
+        # what the CLI's interrupt line says instead of "nothing was written"
+        exc.summary = line  # type: ignore[union-attr]
         raise
     finally:
         if bar is not None:
