@@ -73,6 +73,8 @@ MERGES = {
     "merge --base-from-checkpoint": ["merge", "--base-from-checkpoint", TRAINER, "{out}", "--config-from", WEIGHTS,
                                      *SHARD],
     "merge --dtype fp8": ["merge", BASE, TRAINER, "{out}", "--dtype", "fp8", "--max-shard-size", "60KB"],  # 5 shards
+    "export --dtype fp8": ["export", TRAINER, "{out}", "--config-from", WEIGHTS, "--dtype", "fp8", "--max-shard-size",
+                           "60KB"],
 }
 
 

@@ -181,6 +181,35 @@ def test_the_reports_figures_are_its_outputs_error_against_w32(tiny_merge):
         assert f["rel_error"] == pytest.approx(f["error_norm"] / f["weight_norm"]), name
 
 
+def test_merge_fp8_from_the_checkpoint_s_own_masters_writes_the_merge_s_bytes(tiny_merge, tmp_path):
+    """`merge --base-from-checkpoint --dtype fp8`: W32 from the checkpoint's fp32 masters, which in this LoRA
+    run hold the base's bf16 values exactly (the merge checks a sample), so every file equals the HF-base merge's."""
+    out, _ = tiny_merge
+    own = tmp_path / "own"
+    r = run("merge", "--base-from-checkpoint", TINY / "outputs/checkpoints/step_3/trainer", own, "--config-from",
+            TINY / "base_model", "--dtype", "fp8", "--json")
+    assert r.exit_code == 0, r.output
+    assert json_payload(r.output)["fp8"]["quantized"] == 21
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in own.glob("*.safetensors"))
+    assert all((own / f).read_bytes() == (out / f).read_bytes() for f in files)
+
+
+def test_a_delta_below_the_quantization_error_is_named_in_a_warning(tiny_merge, tmp_path):
+    """A LoRA scaled down 160,000x (alpha 1e-4 for the run's 16) is smaller than every module's FP8 rounding:
+    the merge still succeeds, and its report and warning name the modules; the real scale warns of none."""
+    _, report = tiny_merge
+    assert report["fp8"]["delta_below_error"] == [] and report["fp8"]["warnings"] == []
+    r = run("merge", TINY / "base_model", TINY / "outputs/checkpoints/step_3/trainer", tmp_path / "small",
+            "--alpha", "0.0001", "--dtype", "fp8", "--json")
+    assert r.exit_code == 0, r.output
+    fp8 = json_payload(r.stdout)["fp8"]  # (stderr: --alpha contradicts the run's config)
+    assert len(fp8["delta_below_error"]) == 21
+    assert all(not f["delta_survives"] and f["delta_norm"] < f["error_norm"] for f in fp8["tensors"].values())
+    assert len(fp8["warnings"]) == 1 and "rounds away" in fp8["warnings"][0]
+    assert fp8["delta_below_error"][0] in fp8["warnings"][0]
+
+
 def test_transformers_loads_the_fp8_merge_and_its_partial_blocks_expose_its_loader(tiny_merge):
     out, _ = tiny_merge
     counts = transformers_loads(out, load_dir(out))
@@ -408,6 +437,23 @@ def test_adapter_to_dcp_against_an_fp8_base_checks_logical_shapes_and_writes_deq
         name = "model.layers.1.mlp.down_proj.weight"  # [64, 162]: a partial column block
         assert torch.equal(masters.read_tensor(name), dequant(stored[name], stored[name + "_scale_inv"]))
         assert not any(n.endswith("_scale_inv") for n in masters.names())
+
+
+def test_extract_adapter_checks_its_lora_against_an_fp8_base_s_logical_shapes(tiny_merge, tmp_path):
+    """`extract-adapter --base FP8_DIR`: the LoRA fits the FP8 merge of its own base ([O, I], not the scale
+    grid) and is refused against another model's FP8 export, naming the logical shapes."""
+    fp8_base, _ = tiny_merge
+    ckpt = TINY / "outputs/checkpoints/step_3/trainer"
+    r = run("extract-adapter", ckpt, tmp_path / "ok", "--base", fp8_base)
+    assert r.exit_code == 0 and "not checked" not in r.output, r.output
+    g = HEAD / "G_head_fullft"
+    other = tmp_path / "other-fp8"
+    r = run("export", g / "outputs/checkpoints/step_3/trainer", other, "--config-from", g / "base_model", "--dtype",
+            "fp8")
+    assert r.exit_code == 0, r.output
+    r = run("extract-adapter", ckpt, tmp_path / "bad", "--base", other)
+    assert r.exit_code != 0 and "do not fit the base weight [64, 128]" in r.output, r.output
+    assert not (tmp_path / "bad").exists()
 
 
 def test_average_merge_fp8_and_an_fp8_base_requantized_load_in_transformers(tiny_merge, tmp_path):

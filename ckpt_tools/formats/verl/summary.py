@@ -10,7 +10,7 @@ from ...core.crc import crc32
 from ...core.errors import AlphaError, CkptError
 from ...core.problems import VerifyReport
 from ...io.inputs import OpenFiles
-from .archive import open_archive
+from .archive import HEADER_READ_BYTES, open_archive
 from .layout import actor_dirs, rank_file, resolve_actor_dir, step_of
 from .lora import resolve_verl_alpha
 from .reader import VerlCheckpoint
@@ -115,7 +115,10 @@ def _deep(files: OpenFiles, rel: str, report: VerifyReport) -> int:
     """Every record of one rank file against its stored CRC-32; the records checked."""
     from ..dcp.item import parse_item, window
 
-    layout = parse_item(window(lambda off, n: files.read(rel, off, n, rel), 0, files.size(rel)))
+    # each record's local header is read once, where the directory says: no 8 KiB read-ahead for each
+    layout = parse_item(
+        window(lambda off, n: files.read(rel, off, n, rel), 0, files.size(rel), HEADER_READ_BYTES)
+    )
     for name, off, size, crc in layout.records:
         got = 0
         for at in range(off, off + size, _READ):
