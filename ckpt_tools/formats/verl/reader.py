@@ -23,7 +23,7 @@ from typing import Any
 from ...core.crc import PieceChecker
 from ...core.dtypes import ITEMSIZE
 from ...core.errors import ChecksumError, FormatError
-from ...io.inputs import OpenFiles, read_json, register
+from ...io.inputs import OpenFiles, as_input, read_json, register
 from ..dcp.item import CRC_HINT
 from .archive import Archive, DTensorRef, Record, TensorRef, open_archive, storage_bytes_ok
 from .keys import VerlKey, require_known
@@ -217,7 +217,7 @@ class VerlCheckpoint:
     kind = "verl"
 
     def __init__(self, actor_dir: Path):
-        self.dir = Path(actor_dir)
+        self.dir = as_input(actor_dir)
         self.files = OpenFiles(
             self.dir,
             what="verl rank file",
