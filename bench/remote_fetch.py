@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """What each command fetches of the genuine `primerl-tiny` fixture over gs:// and HTTP (docs/remote.md):
 the body bytes and media requests each server counted, per command, over `--repeat` runs (min-max), and
-the write requests of putting a slim at gs:// (uploads, server-side copies, deletes). The servers are the tests' own (tests/remote_servers.py: the
-range-capable HTTP server, fake-gcs-server behind its counting proxy), on 127.0.0.1; the commands run in
-this process through the CLI. Needs the `remote` and `remote-test` extras.
+the write requests of putting a slim at gs:// (uploads, server-side copies, deletes). The servers are the
+tests' own (tests/remote_servers.py: the range-capable HTTP server, fake-gcs-server behind its counting
+proxy), on 127.0.0.1; the commands run in this process through the CLI. Needs the `remote` and
+`remote-test` extras.
 
     .venv/bin/python bench/remote_fetch.py --repeat 3 --results bench/results/DATE-2core-remote-fetch.json
 """

@@ -188,6 +188,18 @@ def test_a_base_at_a_url_is_read_by_its_header_and_named_by_its_url(http, tmp_pa
     assert http.counter.bytes <= header + size_of(BASE / "config.json") + 4096, (http.counter.bytes, header)
 
 
+def test_extract_adapter_checks_a_base_at_a_url_as_a_local_one(http, tmp_path):
+    """`extract-adapter --base http://...` of another model: the shapes checked against its header, the
+    local run's refusal with the URL in place of the path (it was once taken as a local name: exit 0)."""
+    other = FIXTURES / "verl-fsdp2-lora" / "base"
+    local = ckpt("extract-adapter", TRAINER, tmp_path / "local", "--alpha", "16", "--base", other, code=1)
+    remote_run = ckpt("extract-adapter", url_of(http, TRAINER), tmp_path / "url", "--alpha", "16", "--base",
+                      url_of(http, other), code=1)
+    assert "do not fit the base weight" in remote_run.output and "different base model" in remote_run.output
+    assert remote_run.output.replace(url_of(http, other), "BASE") == local.output.replace(str(other), "BASE")
+    assert not (tmp_path / "url").exists()
+
+
 def test_set_lr_to_a_local_out_says_the_data_files_were_fetched(http, tmp_path):
     r = run("set-lr", url_of(http, TRAINER), tmp_path / "lr", "--scale", "0.5")
     assert "4 data file(s) were fetched from the URL: a local OUT holds the whole checkpoint" in r.stderr
