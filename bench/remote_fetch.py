@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 from click.testing import CliRunner  # noqa: E402
 
 from ckpt_tools.cli import main  # noqa: E402
-from ckpt_tools.io import remote, upload  # noqa: E402
+from ckpt_tools.io import upload  # noqa: E402
 from tests.remote_servers import GcsServer, HttpServer  # noqa: E402
 
 FX = REPO / "tests" / "fixtures" / "primerl-tiny"
@@ -50,7 +50,6 @@ def measure(url: str, counter, work: Path, repeat: int) -> dict:
         for name, args in cases(url, out).items():
             counter.reset()
             r = CliRunner().invoke(main, [str(a) for a in args])
-            remote.reset()
             upload.discard_pending()
             if r.exit_code not in (0, 3):   # diff-vs-base: 3 = identical weights
                 raise SystemExit(f"{name} on {url}: exit {r.exit_code}\n{r.output}")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from .core.dry_run import DryRunReport
 from .core.progress import Progress
 from .io import hub_fetch
+from .io.inputs import as_input
 from .io.owned import command_scope
 from .io.remote_url import parse_url
 from .io.signals import signals_deferred as _loading
@@ -236,11 +237,20 @@ def _str(p: str | Path | None) -> str | None:
 
 
 @contextlib.contextmanager
-def _command(name: str, download: bool | None) -> Iterator[None]:
+def _command(name: str, download: bool | None, *inputs: Any) -> Iterator[None]:
     """The command `name` recorded in the outputs written meanwhile (their marker), as the CLI does;
     `download` None leaves hub fetching as the caller set it (the CLI's --download turns it on around the
-    whole command)."""
-    with command_scope(name), contextlib.nullcontext() if download is None else hub_fetch.allowing(download):
+    whole command). One remote session for the call (`io.remote`: one listing and one pinned version of
+    each object, what was fetched); a URL among `inputs` with nothing at it is the command's own error."""
+    from .io import remote
+    from .io.inputs import existing_urls
+
+    with (
+        command_scope(name),
+        contextlib.nullcontext() if download is None else hub_fetch.allowing(download),
+        remote.session(),
+    ):
+        existing_urls(*inputs)
         yield
 
 
@@ -259,7 +269,7 @@ def open(path: str | Path, *, trust_pickle: bool = False) -> DcpCheckpoint | HFM
         from .formats.peft.adapter import open_peft_adapter
         from .formats.sniff import DCP, HF, PEFT, sniff
         from .ops.inspect import InspectOptions, plan_inspect
-    p = Path(path)
+    p = as_input(path)
     if not p.exists():
         p = resolve_model_dir(str(path))
     kind = sniff(p)
@@ -284,11 +294,11 @@ def inspect(
 ) -> InspectReport:
     """What `ckpt inspect` prints, from metadata alone: `.plan.kind` (dcp | checkpoints | hf | peft)
     and `.data` (the description, or with `keys` one row per DCP key)."""
-    with _command("inspect", download):
+    with _command("inspect", download, path, run_config):
         with _loading():
             from .formats.hf_dir.hub import resolve_model_dir
             from .ops.inspect import InspectOptions, plan_inspect, run_inspect
-        p = Path(path) if Path(path).exists() else resolve_model_dir(str(path))
+        p = as_input(path) if as_input(path).exists() else resolve_model_dir(str(path))
         return run_inspect(plan_inspect(p, InspectOptions(alpha, _str(run_config), keys, trust_pickle)))
 
 
@@ -311,7 +321,7 @@ def extract_adapter(
     """A prime-rl DCP (or verl) checkpoint's LoRA as a PEFT adapter dir at `out` (`ckpt extract-adapter`;
     `layout`: peft | vllm | prime-rl, how MoE expert LoRA is written, docs/adapters.md)."""
     with (
-        _command("extract-adapter", download),
+        _command("extract-adapter", download, ckpt, run_config, base),
         _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown),
     ):
         with _loading():
@@ -354,7 +364,7 @@ def merge(
     whose plan warns of what the real run would refuse (too little disk); `.plan.warnings` are the
     plan's warnings either way."""
     with (
-        _command("merge", download),
+        _command("merge", download, base, adapter, config_from, run_config),
         _out_at(out, overwrite, dry_run, inputs=(base, adapter)) as (out, shown),
     ):
         with _loading():
@@ -414,7 +424,10 @@ def export(
     """A DCP checkpoint as an HF model dir (`ckpt export`): a full fine-tune's trained weights, or a LoRA
     run's merged model, from the checkpoint's fp32 masters (the options are its flags:
     `ops.merge.ExportOptions`). `.result` is None in a dry run, as `merge`'s."""
-    with _command("export", download), _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown):
+    with (
+        _command("export", download, ckpt, config_from, run_config),
+        _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown),
+    ):
         with _loading():
             from .ops.merge import (
                 DEFAULT_MAX_SHARD,
@@ -470,7 +483,7 @@ def adapter_to_dcp(
     """A prime-rl trainer checkpoint that resumes from a PEFT adapter and the HF base (`ckpt adapter-to-dcp`);
     `scheduler`: a `SchedulerSpec` (constant | linear | cosine, with prime-rl's own validation)."""
     with (
-        _command("adapter-to-dcp", download),
+        _command("adapter-to-dcp", download, adapter, base, optimizer_from),
         _out_at(out, overwrite, dry_run, inputs=(adapter, base, optimizer_from)) as (out, shown),
     ):
         with _loading():
@@ -520,7 +533,7 @@ def fix_adapter(
     (`ckpt fix-adapter`); `checkpoint`: the run's DCP checkpoint of that step, filling the trained full
     tensors (modules_to_save) the export lacks; `layout` as `extract_adapter`'s."""
     with (
-        _command("fix-adapter", download),
+        _command("fix-adapter", download, src, base, run_config, checkpoint),
         _out_at(out, overwrite, dry_run, inputs=(src, base, checkpoint)) as (out, shown),
     ):
         with _loading():
@@ -555,7 +568,7 @@ def diff_vs_base(
     comparison as an HTML page there (a new file; `--report`), its path then in `.page`. `device`: "cuda" (or
     "cuda:N") runs the adapter check's value check on that GPU, with the same verdicts and counts as the CPU
     (the default); a `UsageError` where there is none."""
-    with _command("diff-vs-base", download):
+    with _command("diff-vs-base", download, weights, base, adapter, run_config):
         with _loading():
             from .ops.diff import DiffOptions, open_diff_sources, plan_diff, run_diff
         options = DiffOptions(_str(adapter), alpha, _str(run_config), targeted_only, trust_pickle, device)
@@ -569,7 +582,7 @@ def diff_vs_base(
             report.page = write_diff_page(
                 report.to_json(),
                 page,
-                inputs=[p for p in (weights, base, adapter) if p is not None and Path(p).exists()],
+                inputs=[p for p in (weights, base, adapter) if p is not None and as_input(p).exists()],
             )
         return report
 
@@ -585,7 +598,7 @@ def verify(
     download: bool | None = None,
 ) -> VerifyReport:
     """Integrity of a DCP checkpoint, HF dir or PEFT adapter (`ckpt verify`): `.ok`, `.problems`."""
-    with _command("verify", download):
+    with _command("verify", download, path, base):
         with _loading():
             from .ops.verify import VerifyOptions, plan_verify, run_verify
         return run_verify(
@@ -606,7 +619,10 @@ def slim(
     download: bool | None = None,
 ) -> SlimReport | DryRunReport:
     """The checkpoint without its frozen base weights (`ckpt slim`)."""
-    with _command("slim", download), _out_at(out, overwrite, dry_run, inputs=(ckpt, base)) as (out, shown):
+    with (
+        _command("slim", download, ckpt, base),
+        _out_at(out, overwrite, dry_run, inputs=(ckpt, base)) as (out, shown),
+    ):
         with _loading():
             from .ops.slim import SlimOptions, SlimReport, open_slim_sources, plan_slim, run_slim
         options = SlimOptions(out, _str(base), overwrite, trust_pickle)
@@ -635,7 +651,7 @@ def rehydrate(
     the workers (default: this rank's cores + 2); memory does not grow with them
     (`plan.memory_bound_bytes`)."""
     with (
-        _command("rehydrate", download),
+        _command("rehydrate", download, slim_ckpt, base),
         _out_at(out, overwrite, dry_run, inputs=(slim_ckpt, base)) as (out, shown),
     ):
         with _loading():
@@ -668,7 +684,7 @@ def set_lr(
     download: bool | None = None,
 ) -> PatchReport | DryRunReport:
     """A checkpoint with a new learning rate, Adam moments kept (`ckpt set-lr`)."""
-    with _command("set-lr", download), _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown):
+    with _command("set-lr", download, ckpt), _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown):
         with _loading():
             from .ops.set_lr import set_lr as run
         report = run(
@@ -697,7 +713,7 @@ def set_values(
     download: bool | None = None,
 ) -> PatchReport | DryRunReport:
     """Scalar byte items of a checkpoint set by surgery, `KEY=VALUE` each (`ckpt set`)."""
-    with _command("set", download), _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown):
+    with _command("set", download, ckpt), _out_at(out, overwrite, dry_run, inputs=(ckpt,)) as (out, shown):
         with _loading():
             from .ops.set_lr import set_values as run
         report = run(
@@ -742,7 +758,7 @@ def restart_prep(
             f"{parse_url(out)}.{Path(config).name}"  # OUT at a URL: the patched config beside it there
         )
     with (
-        _command("restart-prep", download),
+        _command("restart-prep", download, run_or_ckpt, base, config, run_config),
         _out_at(out, overwrite, dry_run, inputs=(run_or_ckpt, base, config)) as (out, shown),
         _out_at(config_out, overwrite, dry_run, single=True, inputs=(run_or_ckpt, config)) as (
             config_out,
@@ -793,7 +809,7 @@ def gc(
     `min_age_s` None: gc's default (`ops.gc.DEFAULT_MIN_AGE_S`); `slim_to`: a URL each slimmed step is
     uploaded to first (docs/remote.md). `.plan`, and `.result` (each step's outcome) unless `dry_run`;
     `progress` is also given each step's outcome as it finishes (`ProgressEvent.finished`)."""
-    with _command("gc", download):
+    with _command("gc", download, checkpoints_dir, base):
         with _loading():
             from .ops.gc import DEFAULT_MIN_AGE_S
             from .ops.gc import gc as run
@@ -825,7 +841,7 @@ def doctor(
     `target`: a run dir, outputs dir or checkpoint; or None with `files` (config files in `rl @` order) and
     `sections` ({"trainer" | "orchestrator" | "inference": FILE}). `decode_rate` None: the default
     (`DOCTOR_DEFAULT_DECODE_RATE`); `compare_weights` False: the base is not read."""
-    with _command("doctor", download):
+    with _command("doctor", download, target, files, outputs, base):
         with _loading():
             from .ops.doctor import doctor as run
             from .ops.doctor.traps import DEFAULT_DECODE_RATE
@@ -864,7 +880,7 @@ def average(
     at `out` (`ckpt average`), exact at rank sum(r_i) or brought down by `rank` / `energy`; with `merge`
     (an HF base), the merged model instead (`.result` None in a dry run). docs/delta-space.md."""
     with (
-        _command("average", download),
+        _command("average", download, inputs, merge),
         _out_at(out, overwrite, dry_run, inputs=(*inputs, merge)) as (out, shown),
     ):
         with _loading():
@@ -929,7 +945,7 @@ def resize_adapter(
     keeping `energy` of its squared norm), written as a PEFT adapter at `out` (`ckpt resize-adapter`);
     `.plan.truncations` has each module's kept energy and error."""
     with (
-        _command("resize-adapter", download),
+        _command("resize-adapter", download, adapter),
         _out_at(out, overwrite, dry_run, inputs=(adapter,)) as (out, shown),
     ):
         with _loading():
@@ -971,7 +987,7 @@ def report(
     and one PNG per plot into `png_dir` when given (nothing is written otherwise). `dry_run`: the plan only
     (what PATH is, its steps, the base, max_steps), `.result` None."""
     with (
-        _command("report", download),
+        _command("report", download, path, base, run_config),
         _out_at(out, overwrite, dry_run, single=True, inputs=(path, base)) as (out, shown),
         _out_at(png_dir, overwrite, dry_run, inputs=(path, base)) as (png_dir, shown_pngs),
     ):

@@ -63,7 +63,8 @@ class Outcome:
 
 def steps(i: Path) -> list[Step]:
     """The command list: the demo workflow (scripts/demo.sh) on the factory run and on the genuine
-    primerl-tiny fixture, then the HEAD fixtures through the commands that accept them today."""
+    primerl-tiny fixture, then the HEAD fixtures through the commands that accept them today (average,
+    resize-adapter, export and report on those: they need a run of several steps, a full fine-tune)."""
     fac, tiny, head = i / "run", i / "primerl-tiny", i / "primerl-head"
     out: list[Step] = []
     for label, root in (("factory", fac), ("tiny", tiny)):
@@ -192,6 +193,28 @@ def steps(i: Path) -> list[Step]:
                                                       dt, "--alpha", "16", "--json"], json_stdout=True),
         Step("E_head_dense: fix-adapter", ["fix-adapter", dense / "outputs" / "broadcasts" / "step_3", "out/E-fixed",
                                            "--alpha", "16", "--base", dense / "base_model"], out="out/E-fixed"),
+        Step("E_head_dense: average", ["average", dense / "outputs" / "checkpoints" / "step_2" / "trainer", dt,
+                                        "out/E-avg", "--alpha", "16", "--json"], out="out/E-avg", json_stdout=True),
+        Step("E_head_dense: average --rank --weights", ["average", dense / "outputs" / "checkpoints" / "step_2" /
+                                                        "trainer", dt, "out/E-avg2", "--alpha", "16", "--rank", "2",
+                                                        "--weights", "1,3"], out="out/E-avg2"),
+        Step("E_head_dense: average --merge", ["average", dense / "outputs" / "checkpoints" / "step_2" / "trainer", dt,
+                                               "out/E-avg-merged", "--alpha", "16", "--merge", dense / "base_model"],
+             out="out/E-avg-merged"),
+        Step("E_head_dense: resize-adapter --json", ["resize-adapter", "out/E-adapter", "out/E-resized", "--rank", "2",
+                                                     "--json"], out="out/E-resized", json_stdout=True),
+        Step("E_head_dense: resize-adapter --energy", ["resize-adapter", dt, "out/E-resized2", "--alpha", "16",
+                                                       "--energy", "0.9"], out="out/E-resized2"),
+        Step("E_head_dense: export (LoRA)", ["export", dt, "out/E-export", "--alpha", "16", "--config-from",
+                                             dense / "base_model"], out="out/E-export"),
+        Step("G_head_fullft: export --json", ["export", head / "G_head_fullft" / "outputs" / "checkpoints" / "step_3" /
+                                              "trainer", "out/G-export", "--config-from",
+                                              head / "G_head_fullft" / "base_model", "--json"], out="out/G-export",
+             json_stdout=True),
+        Step("E_head_dense: report --json", ["report", dense / "outputs" / "checkpoints", "--alpha", "16", "--json"],
+             json_stdout=True),
+        Step("E_head_dense: report", ["report", dt, "--alpha", "16", "--out", "out/E-report.html"],
+             out="out/E-report.html"),
         Step("G_head_fullft: diff-vs-base", ["diff-vs-base", head / "G_head_fullft" / "outputs" / "broadcasts" /
                                              "step_3", head / "G_head_fullft" / "base_model", "--json"],
              json_stdout=True),

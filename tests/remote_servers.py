@@ -3,7 +3,10 @@ bytes it serves:
 
   - `HttpServer(root)`: files of a local dir over HTTP/1.1 with single byte ranges, ETags and
     If-Match (412), directories as an HTML index; faults on demand (`faults`): 503 answers, a
-    connection dropped mid-body, a stalled body, a file rewritten after N range requests, auth.
+    connection dropped mid-body, a stalled body, a body dripped a byte at a time, a file rewritten
+    after N range requests, auth (a bearer token, or the user and password of a URL: Basic), no ETag
+    (`no_etag`), Last-Modified sent (`last_modified`), an index page that hides dotfiles (`hide_dotfiles`,
+    as nginx's and Apache's do).
   - `HubServer(repos, buckets)`: the Hugging Face Hub endpoints HfFileSystem and HfApi call (repo info
     by revision, the recursive tree, paths-info, resolve with ranges, preupload, commit; a bucket's
     info, tree, paths-info and resolve), for `HF_ENDPOINT`; each repo a local dir at one commit sha
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import email.utils
 import hashlib
 import html
 import json
@@ -48,6 +52,17 @@ class _Counting:
     def count(self, method, path, n):
         with self.lock:
             self.bytes += n
+            self.requests.append((method, path, n))
+
+    def add(self, n):
+        """Body bytes about to be sent: counted before the client can have them, so that a command
+        that has read them never ends before they are counted (a reset would miss them)."""
+        with self.lock:
+            self.bytes += n
+
+    def done(self, method, path, n):
+        """The request whose `n` body bytes were counted by `add`."""
+        with self.lock:
             self.requests.append((method, path, n))
 
     def reset(self):
@@ -81,8 +96,9 @@ class _Handler(BaseHTTPRequestHandler):
                 break
             if f.get("drop_after") is not None and f.get("drops", 0) > 0 and sent + len(chunk) > f["drop_after"]:
                 cut = max(0, f["drop_after"] - sent)
+                srv.counter.add(cut)
                 self.wfile.write(chunk[:cut])
-                srv.counter.count("GET", self.path, sent + cut)
+                srv.counter.done("GET", self.path, sent + cut)
                 f["drops"] -= 1
                 self.close_connection = True
                 self.wfile.flush()
@@ -91,9 +107,18 @@ class _Handler(BaseHTTPRequestHandler):
             if f.get("stall_s") and f.get("stalls", 0) > 0:
                 f["stalls"] -= 1
                 time.sleep(f["stall_s"])
+            if f.get("drip_s"):   # a byte at a time, never stalling longer than drip_s
+                for b in range(len(chunk)):
+                    time.sleep(f["drip_s"])
+                    srv.counter.add(1)
+                    self.wfile.write(chunk[b:b + 1])
+                    self.wfile.flush()
+                    sent += 1
+                continue
+            srv.counter.add(len(chunk))
             self.wfile.write(chunk)
             sent += len(chunk)
-        srv.counter.count("GET", self.path, sent)
+        srv.counter.done("GET", self.path, sent)
         return True
 
     # ---- shared: send a file with ranges
@@ -101,7 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.server_obj
         etag = _etag(p)
         im = self.headers.get("If-Match")
-        if im and im != etag and im != "*":
+        if im and im != etag and im != "*" and not srv.faults.get("no_etag"):
             return self.send_plain(412, "precondition failed")
         size = p.stat().st_size
         start, end, status = 0, size, 200
@@ -119,7 +144,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(end - start))
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", etag)
+        if not srv.faults.get("no_etag"):
+            self.send_header("ETag", etag)
+        if srv.faults.get("last_modified"):   # a server that does not check If-Unmodified-Since
+            self.send_header("Last-Modified", email.utils.formatdate(p.stat().st_mtime, usegmt=True))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         for k, v in (extra_headers or {}).items():
@@ -149,7 +177,8 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":  # an answer to HEAD has no body (HTTP/1.1 keeps the connection)
+            self.wfile.write(body)
 
     def send_json(self, obj, status=200, headers=None):
         body = json.dumps(obj).encode()
@@ -166,6 +195,10 @@ class _Handler(BaseHTTPRequestHandler):
         if f.get("status_503", 0) > 0:
             f["status_503"] -= 1
             self.send_plain(503, "slow down")
+            return True
+        basic = f.get("require_basic")   # "user:password"
+        if basic and self.headers.get("Authorization") != "Basic " + base64.b64encode(basic.encode()).decode():
+            self.send_plain(401, "unauthorized", {"WWW-Authenticate": 'Basic realm="ckpt"'})
             return True
         tok = f.get("require_token")
         given = self.headers.get("Authorization")
@@ -216,8 +249,9 @@ class _HttpHandler(_Handler):
         if ".." in Path(rel).parts or not p.exists():
             return self.send_plain(404, "not found")
         if p.is_dir():
+            hide = self.server_obj.faults.get("hide_dotfiles")
             links = "".join(f'<a href="{html.escape(c.name)}{"/" if c.is_dir() else ""}">{html.escape(c.name)}</a>\n'
-                            for c in sorted(p.iterdir()))
+                            for c in sorted(p.iterdir()) if not (hide and c.name.startswith(".")))
             body = f"<html><body>\n{links}</body></html>".encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/html; charset=utf-8")
@@ -686,9 +720,10 @@ class S3Server:
         try:
             for chunk in body:
                 n += len(chunk)
+                self.counter.add(len(chunk))
                 yield chunk
         finally:
-            self.counter.count("GET", path, n)
+            self.counter.done("GET", path, n)
             if hasattr(body, "close"):
                 body.close()
 

@@ -210,17 +210,14 @@ def test_resume_instructions_take_the_runs_generations_form(attempts, tmp_path):
 # ------------------------------------------------------------------------------------------ over URLs
 # (the remote layer's own fixtures: fresh URL state per test, the moto S3 server)
 pytest.importorskip("fsspec")
-from ckpt_tools.io import remote  # noqa: E402
 
 from .remote_servers import HttpServer  # noqa: E402
 from .test_remote import fresh_remote_state, s3, s3_env  # noqa: E402,F401
 
 
 def url_alpha(url: str, *extra, code=0) -> dict:
-    try:
-        return alpha_of(url, *extra) if code == 0 else {"output": run("inspect", url, *extra, code=code).output}
-    finally:
-        remote.reset()
+    """The alpha `inspect` finds for `url` (each command its own remote session: nothing to forget after)."""
+    return alpha_of(url, *extra) if code == 0 else {"output": run("inspect", url, *extra, code=code).output}
 
 
 def test_over_http_each_checkpoint_takes_its_launchs_alpha(attempts, tmp_path):
@@ -233,7 +230,6 @@ def test_over_http_each_checkpoint_takes_its_launchs_alpha(attempts, tmp_path):
             got = url_alpha(f"{srv.url}/outputs/checkpoints/step_{step}/trainer")
             assert got["alpha"] == alpha and f"{srv.url}/outputs/configs/attempt_" in got["source"], got
         run("extract-adapter", f"{srv.url}/outputs/checkpoints/step_4/trainer", tmp_path / "url-ad")
-        remote.reset()
     finally:
         srv.close()
     run("extract-adapter", trainer(copy, 4), tmp_path / "local-ad")

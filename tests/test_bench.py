@@ -415,7 +415,7 @@ def test_hinted_small_reads_of_a_remote_object_are_fetched_ahead_concurrently_an
         def __init__(self):
             self.lock, self.now, self.peak, self.got = threading.Lock(), 0, 0, []
 
-        def fetch(self, obj, start, end, sink, timeout_s):
+        def fetch(self, obj, start, end, sink, timeout_s, deadline_s):
             with self.lock:
                 self.now += 1
                 self.peak = max(self.peak, self.now)

@@ -26,7 +26,7 @@ pytest.importorskip("aiohttp")
 from ckpt_tools.cli import main  # noqa: E402
 from ckpt_tools.formats.dcp.metadata import load_metadata  # noqa: E402
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint  # noqa: E402
-from ckpt_tools.io import remote, upload  # noqa: E402
+from ckpt_tools.io import remote, remote_url, upload  # noqa: E402
 
 from .remote_servers import HttpServer, HubServer, S3Server  # noqa: E402
 from .test_json_envelope import SCHEMAS  # noqa: E402
@@ -60,7 +60,6 @@ def fresh_remote_state(monkeypatch):
     monkeypatch.setenv("CKPT_REMOTE_BACKOFF", "0.05")
     monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "5")
     yield
-    remote.reset()
     upload.discard_pending()
 
 
@@ -110,7 +109,6 @@ def local(tmp_path_factory):
     ckpt("rehydrate", t / "slim", t / "full", "--base", BASE)
     ckpt("merge", BASE, trainer, t / "merged", "--alpha", "16")
     ckpt("export", trainer, t / "exported", "--alpha", "16", "--config-from", BASE)
-    remote.reset()
     return {"dir": t, "inspect": inspect_json(trainer),
             "verify": json.loads(ckpt("verify", trainer, "--json").stdout)["result"]}
 
@@ -121,11 +119,9 @@ def check_commands(url: str, counter, local, tmp: Path, *, slim_to: str | None =
     counter.reset()
     assert inspect_json(url) == local["inspect"]
     assert counter.bytes <= META + 64 * 1024, counter.bytes
-    remote.reset()
 
     verified = json.loads(ckpt("verify", url, "--json").stdout)
     assert verified["result"]["ok"] is True and verified["result"]["problems"] == local["verify"]["problems"]
-    remote.reset()
 
     counter.reset()
     r = json.loads(ckpt("extract-adapter", url, tmp / "adapter", "--alpha", "16", "--json").stdout)
@@ -133,20 +129,16 @@ def check_commands(url: str, counter, local, tmp: Path, *, slim_to: str | None =
     assert counter.bytes <= (LORA_BYTES + META) * 1.02, (counter.bytes, LORA_BYTES, META)
     assert r["remote"]["bytes_fetched"] == counter.bytes and r["remote"]["input_bytes"] > counter.bytes
     jsonschema.validate(r, SCHEMAS["envelope"], cls=jsonschema.Draft202012Validator)
-    remote.reset()
 
     counter.reset()
     ckpt("slim", url, tmp / "slim", "--base", BASE)
     assert digest(tmp / "slim") == digest(local["dir"] / "slim")
     assert counter.bytes <= (UNIQUE_BYTES + META) * 1.02, (counter.bytes, UNIQUE_BYTES, META)
-    remote.reset()
 
     ckpt("merge", BASE, url, tmp / "merged", "--alpha", "16")
     assert digest(tmp / "merged") == digest(local["dir"] / "merged")
-    remote.reset()
     ckpt("export", url, tmp / "exported", "--alpha", "16", "--config-from", BASE)
     assert digest(tmp / "exported") == digest(local["dir"] / "exported")
-    remote.reset()
 
 
 # ------------------------------------------------------------------------------------ URL parsing
@@ -156,9 +148,9 @@ def test_a_url_lookalike_is_refused_not_created(tmp_path, monkeypatch):
         r = ckpt("slim", TRAINER, bad, code=2)
         assert "looks like a URL" in r.output and "://" in r.output
     assert list(tmp_path.iterdir()) == []
-    remote.refuse_url_lookalike("step:3")   # a local name with a colon is not a URL look-alike
-    assert remote.parse_url("C:/x") is None and remote.parse_url("./s3://x") is None
-    u = remote.parse_url("hf://org/name@main/step_3/trainer/")
+    remote_url.refuse_url_lookalike("step:3")   # a local name with a colon is not a URL look-alike
+    assert remote_url.parse_url("C:/x") is None and remote_url.parse_url("./s3://x") is None
+    u = remote_url.parse_url("hf://org/name@main/step_3/trainer/")
     assert (u.scheme, u.path, u.name) == ("hf", "org/name@main/step_3/trainer", "trainer")
 
 
@@ -187,7 +179,6 @@ def test_http_merge_reads_a_peft_adapter_from_a_url(local, tmp_path):
     srv = HttpServer(local["dir"])
     try:
         ckpt("merge", BASE, f"{srv.url}/adapter", tmp_path / "merged")
-        remote.reset()
         ckpt("merge", BASE, local["dir"] / "adapter", tmp_path / "merged-local")
     finally:
         srv.close()
@@ -217,7 +208,6 @@ def test_http_503s_forever_end_in_a_clear_error(http_server, tmp_path, monkeypat
     monkeypatch.setenv("CKPT_REMOTE_RETRIES", "2")
     url = f"{http_server.url}/trainer"
     ckpt("inspect", url)   # listed fine; then the server fails every request
-    remote.reset()
     r = None
     try:
         http_server.faults.update(after_get=lambda path: http_server.faults.update(status_503=10 ** 6))
@@ -315,14 +305,11 @@ def test_hub_dataset_repos_and_pinned_revisions_read_as_the_local_run(hub_env, l
     for url in ("hf://datasets/org/runs/step_3/trainer", f"hf://org/run@{sha}/step_3/trainer",
                 "hf://org/run@main/step_3/trainer"):
         assert inspect_json(url) == local["inspect"], url
-        remote.reset()
     ckpt("extract-adapter", "hf://datasets/org/runs/step_3/trainer", tmp_path / "a", "--alpha", "16")
     assert digest(tmp_path / "a") == digest(local["dir"] / "adapter")
-    remote.reset()
     r = ckpt("inspect", "hf://org/run@" + "0" * 40 + "/step_3/trainer", "--json", code=2)
     err = json.dumps(json.loads(r.stdout)["error"])
     assert "0" * 40 in err and "no such revision" in err, err
-    remote.reset()
     err = json.dumps(json.loads(ckpt("inspect", "hf://org/nope/step_3/trainer", "--json", code=2).stdout)["error"])
     assert "no such repo" in err, err
 
@@ -356,7 +343,6 @@ def test_hub_refused_token_names_the_variable(hub_env, tmp_path):
     hub_env.faults["require_token"] = "hf_right"
     try:
         wrong = ckpt("inspect", "hf://org/run/step_3/trainer", code=2).output.strip().splitlines()
-        remote.reset()
         os.environ.pop("HF_TOKEN")
         none = ckpt("inspect", "hf://org/run/step_3/trainer", code=2).output.strip().splitlines()
     finally:
@@ -408,10 +394,8 @@ def test_s3_slim_to_a_bucket_then_rehydrate_from_it(s3_env, local, tmp_path):
     ckpt("slim", "s3://runs/step_3/trainer", "s3://runs/slim/step_3", "--base", BASE)
     keys = {o["Key"] for o in s3_env.client.list_objects_v2(Bucket="runs", Prefix="slim/")["Contents"]}
     assert keys == {f"slim/step_3/{p.name}" for p in (local["dir"] / "slim").iterdir()}
-    remote.reset()
     r = ckpt("slim", "s3://runs/step_3/trainer", "s3://runs/slim/step_3", "--base", BASE, code=1)
     assert "already exists" in r.output
-    remote.reset()
     ckpt("rehydrate", "s3://runs/slim/step_3", tmp_path / "full", "--base", BASE)
     assert digest(tmp_path / "full") == digest(local["dir"] / "full")
 

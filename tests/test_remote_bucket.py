@@ -55,7 +55,6 @@ def hub(bucket_hub, monkeypatch):
     bucket_hub.batches.clear()
     yield bucket_hub
     bucket_hub.on_xet_token = bucket_hub.on_batch = bucket_hub.fail_batch_op = None
-    remote.reset()
     upload.discard_pending()
 
 
@@ -98,10 +97,8 @@ def test_slim_to_a_bucket_then_rehydrate_from_it_equals_the_local_round_trip(hub
     assert digest(hub.root / "slim-3") == digest(local["dir"] / "slim")
     assert leftovers(hub.root) == []
     assert_staged_then_placed(hub.batches, "slim-3")
-    remote.reset()
     ckpt("rehydrate", f"hf://buckets/{BUCKET}/slim-3", tmp_path / "full", "--base", BASE)
     assert digest(tmp_path / "full") == digest(local["dir"] / "full")
-    remote.reset()
 
     r = ckpt("slim", TRAINER, f"hf://buckets/{BUCKET}/slim-3", "--base", BASE, code=1)
     assert "already exists" in r.output and "--overwrite" in r.output, r.output
@@ -120,9 +117,7 @@ def test_extract_adapter_and_merge_to_a_bucket_equal_the_local_outputs_byte_for_
     same_bytes(hub.root / "adapter", local_adapter)
     same_bytes(hub.root / "merged", local_merged)
     # and what the Hub serves back for it, read as a remote input, merges the same
-    remote.reset()
     ckpt("merge", BASE, f"hf://buckets/{BUCKET}/adapter", tmp_path / "from-bucket")
-    remote.reset()
     ckpt("merge", BASE, local_adapter, tmp_path / "from-local")
     same_bytes(tmp_path / "from-bucket", tmp_path / "from-local")
 
@@ -225,7 +220,6 @@ def test_gc_slim_to_a_bucket_uploads_each_slim_and_it_rehydrates_bit_exactly(hub
     shutil.copytree(ck, originals)
     r = CliRunner().invoke(main, ["gc", str(ck), "--keep-full", "1", "--slim-to", f"hf://buckets/{BUCKET}/gc-run",
                                   "--json"])
-    remote.reset()
     upload.discard_pending()
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
@@ -237,7 +231,6 @@ def test_gc_slim_to_a_bucket_uploads_each_slim_and_it_rehydrates_bit_exactly(hub
         out = tmp_path / "rehydrated" / f"step_{n}"
         ckpt("rehydrate", f"hf://buckets/{BUCKET}/gc-run/step_{n}/trainer", out, "--base",
              tmp_path / "run" / "base_model")
-        remote.reset()
         assert_bit_equal_checkpoints(originals / f"step_{n}" / "trainer", out)
     assert files_under(hub.root, "gc-run/step_3") == [] and leftovers(hub.root) == []
 
@@ -271,7 +264,6 @@ def test_set_lr_from_a_bucket_into_a_bucket_copies_the_data_files_by_xet_hash(hu
     ckpt("set-lr", TRAINER, tmp_path / "lr1", "--scale", "0.5")
     ckpt("set-lr", tmp_path / "lr1", tmp_path / "lr2", "--scale", "0.5")
     ckpt("set-lr", TRAINER, f"hf://buckets/{BUCKET}/lr1", "--scale", "0.5")
-    remote.reset()
     r = ckpt("set-lr", f"hf://buckets/{BUCKET}/lr1", f"hf://buckets/{BUCKET}/lr2", "--scale", "0.5", "--json")
     assert digest(hub.root / "lr2") == digest(tmp_path / "lr2")
     (up,) = json.loads(r.stdout)["remote"]["uploaded"]

@@ -55,11 +55,11 @@ def group_bytes(trainer: Path, groups: set[str]) -> int:
 
 
 def run(*args, code=0):
-    """A command, then its URLs forgotten (each run mounts its inputs afresh, as a new process would)."""
+    """A command, then its staged outputs forgotten (each command lists its inputs afresh, as a new
+    process would: the remote session is the command's)."""
     try:
         return ckpt(*args, code=code)
     finally:
-        remote.reset()
         upload.discard_pending()
 
 
@@ -234,8 +234,8 @@ def test_a_run_at_a_url_finds_its_config_where_prime_rl_writes_it_and_never_in_t
         http, tmp_path, monkeypatch):
     """A run root's URL: its checkpoint's alpha from the run config inside it. A checkpoints dir's URL: the
     run config above it, at the URL where prime-rl writes it (HEAD: the run dir's configs/trainer.json),
-    never in the local temp dir that holds the shadow tree (a stray configs/trainer.json there would have
-    set the scale). A checkpoint's URL outside prime-rl's layout: no config is looked for around it."""
+    never in a local temp dir (reading a URL makes none; a stray configs/trainer.json in TMPDIR once set
+    the scale). A checkpoint's URL outside prime-rl's layout: no config is looked for around it."""
     r = run("restart-prep", url_of(http, TINY), tmp_path / "o", "--base", BASE, "--lr", "5e-3")
     assert f"alpha 16, from run config {url_of(http, ORCH)}" in r.stdout
     stray = tmp_path / "tmp"
@@ -246,7 +246,6 @@ def test_a_run_at_a_url_finds_its_config_where_prime_rl_writes_it_and_never_in_t
     r = run("report", url_of(http, E_CKPT), "--json")
     assert json.loads(r.stdout)["ok"] is True and str(stray) not in r.stdout
     assert "/E_head_dense/configs/trainer.json" in " ".join(p for _m, p, _n in http.counter.requests)
-    remote.reset()
     alone = standalone(E_CKPT / "step_3" / "trainer", tmp_path)   # in the layout, with its configs ...
     shutil.rmtree(alone.parents[3] / "configs")                     # ... taken away: nothing where they go
     srv = HttpServer(tmp_path / "standalone")
@@ -255,7 +254,6 @@ def test_a_run_at_a_url_finds_its_config_where_prime_rl_writes_it_and_never_in_t
     finally:
         srv.close()
     assert "LoRA alpha is not stored in a DCP checkpoint" in r.stdout and str(stray) not in r.stdout
-    remote.reset()
     r = run("report", url_of(http, E_CKPT), "--run-config", stray / "configs" / "trainer.json", "--json")
     assert json.loads(r.stdout)["ok"] is True
 
@@ -266,7 +264,6 @@ def test_a_checkpoints_url_in_prime_rls_layout_finds_its_run_config_as_locally(h
     configs/trainer.json), read by range, and the adapter is the local run's, byte for byte."""
     for trainer, cfg in ((TRAINER, ORCH), (E_CKPT / "step_3" / "trainer", E / "configs" / "trainer.json")):
         local = json.loads(run("extract-adapter", trainer, tmp_path / f"local-{cfg.name}", "--json").stdout)
-        remote.reset()
         http.counter.reset()
         got = json.loads(run("extract-adapter", url_of(http, trainer), tmp_path / f"url-{cfg.name}", "--json").stdout)
         assert digest(tmp_path / f"url-{cfg.name}") == digest(tmp_path / f"local-{cfg.name}")
@@ -276,7 +273,6 @@ def test_a_checkpoints_url_in_prime_rls_layout_finds_its_run_config_as_locally(h
         # extract-adapter reads of any checkpoint (the LoRA items and .metadata, group_bytes counts them)
         assert cfg.name in " ".join(p for _m, p, _n in http.counter.requests)
         assert http.counter.bytes <= _lora_etc(trainer) * 1.02 + 2 * cfg.stat().st_size, http.counter.bytes
-        remote.reset()
 
 
 # ------------------------------------------------------------------------------------ set-lr / set into a store
@@ -305,7 +301,7 @@ def test_free_space_is_asked_for_the_data_files_only_where_they_are_written(s3_e
     """A remote checkpoint's data files cost no local disk when OUT is bound for a URL (stand-ins), and
     their whole size when OUT is local (fetched): the free-space check of set-lr / set counts them so."""
     from ckpt_tools.io.copy import link_writes_bytes
-    shadow = remote.mount("s3://runs/step_3/trainer")
+    shadow = remote.as_input("s3://runs/step_3/trainer")
     staged = upload.stage_output("s3://runs/elsewhere")
     assert link_writes_bytes(shadow, staged.parent) is False
     assert link_writes_bytes(shadow, tmp_path) is True

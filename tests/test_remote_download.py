@@ -79,7 +79,6 @@ def env(hub, monkeypatch, tmp_path):
     hub.unknown.clear()
     hub.cache = cache
     yield hub
-    remote.reset()
     hub_fetch.reset_log()
 
 

@@ -81,11 +81,9 @@ def test_gcs_slim_to_a_bucket_then_rehydrate_from_it(gcs_env, local, tmp_path):
     names = gcs_env.names("runs", "slim/")
     assert names == sorted(f"slim/step_3/{p.name}" for p in (local["dir"] / "slim").iterdir())
     assert digest(fetched(gcs_env, "slim/step_3", tmp_path / "got")) == digest(local["dir"] / "slim")
-    remote.reset()
     r = ckpt("slim", "gs://runs/step_3/trainer", "gs://runs/slim/step_3", "--base", BASE, code=1)
     assert "already exists" in r.output and "--overwrite" in r.output
     assert gcs_env.names("runs", "slim/") == names
-    remote.reset()
     ckpt("rehydrate", "gs://runs/slim/step_3", tmp_path / "full", "--base", BASE)
     assert digest(tmp_path / "full") == digest(local["dir"] / "full")
 
@@ -127,7 +125,8 @@ def test_gcs_failures_forever_end_in_a_clear_error(gcs_env, tmp_path, monkeypatc
     gcs_env.faults["after_get"] = fail_from_now_on
     r = ckpt("extract-adapter", url, tmp_path / "a", "--alpha", "16", code=1)
     line = r.output.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "times in a row" in line and f"{url}/" in line, r.output
+    # gs:// is read through gcsfs, which retries a request itself (6 tries, 1 to 16 s apart)
+    assert line.startswith("error: ") and "after the client's own retries" in line and f"{url}/" in line, r.output
     assert ("HTTP 503" in line) if fault == "503" else ("Timeout" in line or "timed out" in line), line
     assert not (tmp_path / "a").exists()
 
@@ -157,10 +156,8 @@ def test_gcs_object_rewritten_mid_read_is_an_error_naming_it(gcs_env, tmp_path, 
 def test_gcs_missing_key_or_bucket_is_the_usual_error(gcs_env):
     r = ckpt("inspect", "gs://runs/step_9/trainer", code=2)
     assert "no such file or directory: gs://runs/step_9/trainer" in r.output
-    remote.reset()
     r = ckpt("inspect", "gs://no-such-bucket/step_3/trainer", code=2)
     assert "no such file or directory: gs://no-such-bucket/step_3/trainer" in r.output
-    remote.reset()
     line = one_line(ckpt("slim", TRAINER, "gs://no-such-bucket/slim", "--base", BASE, code=2).output)
     assert line == ("error: gs://no-such-bucket/slim: the bucket does not exist (create it first: gcloud storage "
                     "buckets create gs://BUCKET)"), line
@@ -186,7 +183,6 @@ def test_gcs_refused_credentials_name_what_to_set(gcs_env, tmp_path, monkeypatch
     line = one_line(ckpt("inspect", "gs://runs/step_3/trainer", code=2).output)
     assert "refused access (401)" in line and "GOOGLE_APPLICATION_CREDENTIALS" in line \
         and "gcloud auth application-default login" in line, line
-    remote.reset()
     line = one_line(ckpt("slim", TRAINER, "gs://runs/denied", "--base", BASE, code=2).output)
     assert "GOOGLE_APPLICATION_CREDENTIALS" in line, line
     assert gcs_env.names("runs", "denied") == []
@@ -246,7 +242,6 @@ def test_gcs_gc_slim_to_uploads_each_slim_and_it_rehydrates_bit_exactly(gcs_env,
     original = tmp_path / "original"
     shutil.copytree(ck / "step_1" / "trainer", original)
     r = CliRunner().invoke(main, ["gc", str(ck), "--keep-full", "1", "--slim-to", "gs://runs/gc-run", "--json"])
-    remote.reset()
     upload.discard_pending()
     assert r.exit_code == 0, r.output
     step = next(s for s in json.loads(r.stdout)["result"]["steps"] if s["step"] == 1)

@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("fsspec")
 pytest.importorskip("moto.server")
 
-from ckpt_tools.io import remote, upload  # noqa: E402
+from ckpt_tools.io import upload  # noqa: E402
 from ckpt_tools.io.owned import OUTPUT_MARKER  # noqa: E402
 
 from .remote_servers import GcsServer, HubServer, S3Server  # noqa: E402
@@ -277,7 +277,6 @@ def store(request, servers, monkeypatch):
     yield t
     t.fail(None)
     t.on_write(None)
-    remote.reset()
     upload.discard_pending()
 
 
@@ -325,7 +324,6 @@ def outputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("write-local")
     ckpt("extract-adapter", TRAINER, d / "adapter", "--alpha", "16")
     ckpt("slim", TRAINER, d / "slim", "--base", BASE)
-    remote.reset()
     return d
 
 
@@ -396,7 +394,6 @@ def test_overwrite_onto_a_hub_repo_dir_applies_the_same_rule(servers, monkeypatc
     assert len(hub.commits) == commits + 2   # one commit each, the adapter's files deleted in the second
     got = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert is_the_slim(got, outputs, tmp_path / "got")
-    remote.reset()
     upload.discard_pending()
 
 
@@ -436,12 +433,10 @@ def test_a_503_at_each_write_of_an_overwrite_leaves_the_earlier_output_or_the_ne
             assert any(x in lines[0] for x in said), (step, lines)
         if state == "old":
             assert r.exit_code == 1, (step, r.output)
-            remote.reset()
             ckpt("verify", store.url("step"))
         if leftovers(store):   # only a cleanup that failed leaves them, and says so
             assert r.exit_code == 0 and state == "new", (step, r.output)
             assert "the cleanup could not remove" in r.output and "503" in r.output, (step, r.output)
-        remote.reset()
     assert seen["old"] and seen["new"], seen
 
 
@@ -526,7 +521,6 @@ def test_set_lr_from_s3_into_gcs_streams_the_data_files_into_the_upload(servers,
     data = sum(p.stat().st_size for p in TRAINER.glob("*.distcp"))
     assert up["copied_bytes"] == 0 and up["bytes"] > data and "fetched from the inputs first" in up["method"], up
     assert digest(tree(objects(gs, "lr"), tmp_path / "got")) == digest(tmp_path / "lr")
-    remote.reset()
     upload.discard_pending()
 
 
@@ -580,9 +574,7 @@ def test_every_api_function_puts_its_out_at_a_url_as_the_command_does(servers, m
     for name, (call, args) in _api_cases(outputs).items():
         api, cli = s3.url(f"api/{name}"), s3.url(f"cli/{name}")
         report = call(api)
-        remote.reset()
         doc = json.loads(ckpt(*[cli if a == "OUT" else a for a in args], "--json").stdout)
-        remote.reset()
         got, want = objects(s3, f"api/{name}"), objects(s3, f"cli/{name}")
         assert got and digest(tree(got, tmp_path / name / "api")) == digest(tree(want, tmp_path / name / "cli")), name
         mine = envelope(doc["command"], report.to_json())
@@ -639,5 +631,4 @@ def test_a_503_at_the_hub_commit_leaves_the_earlier_output_in_the_repo(servers, 
                                "Unavailable; nothing was committed there"), lines
     assert len(hub.commits) == commits
     assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    remote.reset()
     upload.discard_pending()

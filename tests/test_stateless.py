@@ -141,10 +141,8 @@ def test_over_http_and_s3_a_signsgd_full_fine_tune_reads_as_trained(runs, s3_env
     try:
         for i, url in enumerate((f"{srv.url}/trainer", "s3://runs/sign/step_3/trainer")):
             r = result("inspect", url)["result"]
-            remote.reset()
             assert r["training"] == "full fine-tune" and r["optimizer_state"]["absent"] == ABSENT
             run("export", url, tmp_path / f"out{i}", "--config-from", full.base_model)
-            remote.reset()
             assert same(tmp_path / f"out{i}" / "model.safetensors", full.expected_hf / "model.safetensors")
     finally:
         srv.close()

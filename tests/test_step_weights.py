@@ -125,10 +125,8 @@ def test_over_http_and_s3_the_weights_beside_trainer_are_listed_and_proven(full,
                     if p.is_file():
                         s3_env.client.upload_file(str(p), "runs", f"w/{p.relative_to(served).as_posix()}")
             r = result("inspect", url)
-            remote.reset()
             assert {b["name"] for b in r["beside"]} == {"weights", "weights-FP8"}
             v = result("diff-vs-base", f"{url}/weights", f"{url}/trainer", code=3)
-            remote.reset()
             assert v["verdict"] == "identical_rounded"
     finally:
         srv.close()

@@ -53,6 +53,18 @@ def test_verls_merger_writes_the_base_for_a_lora_run_and_diff_vs_base_says_so(tm
     assert run("diff-vs-base", tmp_path / "ours", fixture / "base", "--adapter", fixture / "checkpoints").exit_code == 0
 
 
+def test_verls_merger_writes_the_base_for_an_hsdp_lora_run_too(tmp_path):
+    """verl's HSDP checkpoint (4 ranks, fsdp_size 2): its merger reads ranks 0 and 1 (`total_shards` =
+    fsdp_size) and again writes the base byte for byte; `ckpt merge` of the same checkpoint passes the
+    adapter check against it."""
+    fixture = FIXTURES / "verl-fsdp2-hsdp-lora"
+    out = verl_merge(fixture, tmp_path / "verl")
+    assert sha(out / "model.safetensors") == sha(fixture / "base" / "model.safetensors")
+    assert run("diff-vs-base", out, fixture / "base").exit_code == 3
+    assert run("merge", fixture / "base", fixture / "checkpoints", tmp_path / "ours").exit_code == 0
+    assert run("diff-vs-base", tmp_path / "ours", fixture / "base", "--adapter", fixture / "checkpoints").exit_code == 0
+
+
 def test_verls_merger_and_export_agree_on_a_full_fine_tune(tmp_path):
     fixture = FIXTURES / "verl-fsdp2-full"
     out = verl_merge(fixture, tmp_path / "verl")

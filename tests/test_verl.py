@@ -241,7 +241,8 @@ def test_an_unknown_key_layout_is_an_error_naming_the_key(tmp_path):
     assert r.exit_code != 0 and "model.norm.scale_and_shift" in r.output and "key layout" in r.output
 
 
-@pytest.mark.parametrize("fixture", [LORA, LORA1, FULL], ids=["fsdp2-lora", "fsdp1-lora", "fsdp2-full"])
+@pytest.mark.parametrize("fixture", [LORA, LORA1, FULL, FIXTURES / "verl-fsdp2-hsdp-lora"],
+                         ids=["fsdp2-lora", "fsdp1-lora", "fsdp2-full", "fsdp2-hsdp-lora"])
 def test_the_format_reference_names_every_file_verl_wrote(fixture):
     """docs/reference/verl-format.md's table of the role dir, against what verl's FSDPCheckpointManager wrote:
     each file matches a row (W and R: the world size and rank), and the JSON files hold the fields it says."""
@@ -258,3 +259,52 @@ def test_the_format_reference_names_every_file_verl_wrote(fixture):
         meta = json.loads((actor / "lora_train_meta.json").read_text())
         assert set(meta) == {"r", "lora_alpha", "task_type"} and type(meta["lora_alpha"]) is int
         assert '`{"r", "lora_alpha", "task_type"}`' in doc
+
+
+HSDP = FIXTURES / "verl-fsdp2-hsdp-lora"
+
+
+def test_an_hsdp_checkpoint_is_read_from_one_replicas_shards():
+    """verl's HSDP (`fsdp_size` 2 of 4 ranks: `create_device_mesh` -> ("ddp", "fsdp"), each weight
+    (Replicate(), Shard(0))): the ddp-0 ranks' shards, placed by each rank's coordinates, are the trainer's
+    weights."""
+    truth = load_file(HSDP / "truth.safetensors")
+    with VerlCheckpoint.open(HSDP / "checkpoints") as ckpt:
+        assert ckpt.world_size == 4
+        src = ckpt.by_key()
+        assert sorted(src.names()) == sorted(truth)
+        for k in src.names():
+            assert torch.equal(src.read_tensor(k), truth[k]), k
+        assert {e.placement for e in ckpt.entries.values()} == {"replicate,shard(0)"}
+        assert {tuple(sorted(p.file for p in e.pieces)) for e in ckpt.entries.values()} == {
+            ("model_world_size_4_rank_0.pt", "model_world_size_4_rank_1.pt")}
+
+
+def test_an_hsdp_checkpoint_verifies_extracts_and_merges_exactly(tmp_path):
+    r = run("verify", "--deep", HSDP / "checkpoints", "--json")
+    assert r.exit_code == 0 and json_payload(r.output)["checked"]["ranks"] == 4, r.output
+    r = run("extract-adapter", HSDP / "checkpoints", tmp_path / "a")
+    assert r.exit_code == 0, r.output
+    got = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    for m, (a, b) in lora_truth(HSDP).items():
+        assert torch.equal(got[f"{PEFT}{m}.lora_A.weight"], a) and torch.equal(got[f"{PEFT}{m}.lora_B.weight"], b), m
+    r = run("merge", HSDP / "base", HSDP / "checkpoints", tmp_path / "m")
+    assert r.exit_code == 0, r.output
+    base = load_file(HSDP / "base" / "model.safetensors")
+    want = merged_truth(HSDP, {k: v.float() for k, v in base.items()}, 2.0)
+    want.update({k: v for k, v in base.items() if k not in {m + ".weight" for m in lora_truth(HSDP)}})
+    assert_equal(load_file(tmp_path / "m" / "model.safetensors"), want)
+
+
+def test_hsdp_rank_files_out_of_place_are_refused_not_misread(tmp_path):
+    """Rank 0's and rank 1's model files swapped: each says where on the mesh it was saved, so the shards are
+    not placed by the file names."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(HSDP / "checkpoints", run_dir)
+    actor = run_dir / "global_step_2" / "actor"
+    r0, r1 = actor / "model_world_size_4_rank_0.pt", actor / "model_world_size_4_rank_1.pt"
+    r0.rename(tmp_path / "x")
+    r1.rename(r0)
+    (tmp_path / "x").rename(r1)
+    r = run("inspect", run_dir)
+    assert r.exit_code != 0 and "mesh coordinates are (0, 1); rank 0 of mesh [2, 2] is at [0, 0]" in r.output, r.output

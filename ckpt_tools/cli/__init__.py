@@ -19,15 +19,18 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import traceback
 
 import click
 
 from .. import dist
 from ..core.errors import CkptError, UsageError
-from ..io import inputs, owned, remote, staging
+from ..io import inputs, owned, staging
 from ..io.files import stdout_to_devnull
 from ..io.owned import TOOL
+from ..io.remote_display import display
+from ..io.remote_url import redact
 from ..io.signals import Terminated, install_signal_handlers
 from .render import STATE, clear_progress, emit_failure, escaped_streams, one_line
 
@@ -186,12 +189,14 @@ class _Group(click.Group):
         as_json = "--json" in argv
         STATE.reset()
         staging.reset_committed()
+        if (upload := sys.modules.get("ckpt_tools.io.upload")) is not None:
+            upload.take_uploaded()  # what a library call put at a URL earlier in this process is not ours
         STATE.verbose, STATE.quiet, STATE.as_json = verbose, ctx.params.get("quiet"), as_json
         command = protected[0] if protected else None
 
         def fail(kind: str, line: str, code: int, exc: CkptError | None = None):
             clear_progress()  # Ctrl-C mid-run: the message on its own line, not after the bar
-            line = one_line(remote.display(line))  # a URL's local stand-in path shown as the URL (io.remote)
+            line = one_line(redact(display(line)))  # a staged OUT shown as its URL; no URL's credentials
             click.echo(line, err=True)
             if as_json and not STATE.emitted:  # the failure envelope on stdout (the line stays on stderr)
                 emit_failure(line.split(": ", 1)[-1], code, exc, kind, command=command)

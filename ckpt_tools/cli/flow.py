@@ -34,10 +34,12 @@ def progress_line(enabled: bool = True):
 
 
 def shown(payload):
-    """`payload` with each remote input's local stand-in path shown as its URL (`io.remote.display`)."""
-    from ..io import remote
+    """`payload` with each staged output's local path shown as its URL (`io.remote_display`) and no
+    credentials of any URL (`io.remote_url.redact`)."""
+    from ..io.remote_display import display
+    from ..io.remote_url import redact
 
-    return remote.display(payload)
+    return redact(display(payload))
 
 
 def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: int = 0) -> None:
@@ -53,7 +55,7 @@ def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: 
         emit(report, exit_code=exit_code)
         return
     payload = report.to_json() if hasattr(report, "to_json") else report
-    render(remote.display(payload))
+    render(shown(payload))
     rep = getattr(report, "output", None) if isinstance(report, DryRunReport) else None
     if rep and rep.get("replaces") is not None:
         r = rep["replaces"]
@@ -66,6 +68,6 @@ def finish(report, as_json: bool, render: Callable[[dict], None], *, exit_code: 
         click.echo(f"uploaded {u.files} file(s), {human_bytes(u.bytes)}, to {u.url} ({u.method})")
     if remote.active():
         click.echo(
-            f"fetched {human_bytes(remote.bytes_fetched())} of {human_bytes(remote.mounted_bytes())} "
-            "held remotely"
+            f"fetched {human_bytes(remote.bytes_fetched())} of the {human_bytes(remote.input_bytes())} "
+            "of remote files it read"
         )

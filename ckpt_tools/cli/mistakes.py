@@ -18,12 +18,12 @@ checks, which name it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..core.errors import UsageError
 from ..formats.dcp.layout import METADATA_NAME
 from ..formats.slim.manifest import is_slim
 from ..formats.sniff import CHECKPOINTS, DCP, HF, PEFT, has_hf_weights, sniff
+from ..io.inputs import as_input
 
 __all__ = ["KIND_NAMES", "ROLES", "SLIM", "Roles", "check_roles", "looks_like"]
 
@@ -90,7 +90,7 @@ def looks_like(path) -> frozenset[str]:
     adapter config and HF weights is PEFT and HF); empty when it is not there or none of them."""
     if path is None:
         return frozenset()
-    p = Path(path)
+    p = as_input(path)  # a URL's too: by its listing (io.remote)
     try:
         if not p.exists():
             return frozenset()

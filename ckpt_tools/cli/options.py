@@ -9,7 +9,7 @@ import click
 
 from ..core.errors import MissingPathError
 from ..formats.hf_dir.hub import is_hub_id
-from ..io import remote
+from ..io import remote_url
 
 __all__ = [
     "InputPath",
@@ -35,22 +35,31 @@ class InputPath(click.Path):
         super().__init__(exists=True, **kw)
 
     def convert(self, value, param, ctx):
-        if remote.parse_url(value):  # a URL: its local shadow tree, read by range (io.remote)
-            return remote.mount(value)
-        remote.refuse_url_lookalike(value)
+        if remote_url.parse_url(value):  # a URL: a path of it, read in place (io.remote)
+            return existing_url(value)
+        remote_url.refuse_url_lookalike(value)
         if not os.path.lexists(os.fspath(value)):
             raise MissingPathError(value)
         return super().convert(value, param, ctx)
 
 
+def existing_url(value):
+    """The URL `value` as a path of it (`io.remote.as_input`), once something is there (`no such file or
+    directory: URL` otherwise, as for a local path: `io.inputs.existing_urls`, the api's check too)."""
+    from ..io.inputs import as_input, existing_urls
+
+    existing_urls(value)
+    return as_input(value)
+
+
 def input_arg(value):
     """An input given as a plain string (an option naming a model dir or hub id, a path the op resolves):
-    a URL becomes its local shadow path (str), a URL look-alike is refused, anything else is unchanged."""
+    a URL look-alike is refused, anything else (a URL too: read in place, io.remote) is unchanged."""
     if value is None:
         return None
-    if remote.parse_url(value):
-        return str(remote.mount(value))
-    remote.refuse_url_lookalike(value)
+    if remote_url.parse_url(value):
+        return existing_url(value)
+    remote_url.refuse_url_lookalike(value)
     return value
 
 
@@ -65,19 +74,21 @@ class OutputPath(click.ParamType):
         self.path_type = path_type
 
     def convert(self, value, param, ctx):
-        if remote.parse_url(value):  # the api puts the output there (io.upload.output_at): passed as given
+        if remote_url.parse_url(
+            value
+        ):  # the api puts the output there (io.upload.output_at): passed as given
             from ..io.upload import check_writable  # lazy: only a URL imports the remote packages
 
             check_writable(value)
             return str(value)
-        remote.refuse_url_lookalike(value)
+        remote_url.refuse_url_lookalike(value)
         return self.path_type(value)
 
 
 def output_beside(out, suffix: str):
     """For an OUT at a URL, a second output at that URL + `suffix` (restart-prep's patched config beside its
     merged model), put there after OUT; None for a local OUT (the command's own default)."""
-    if out is None or not remote.parse_url(str(out)):
+    if out is None or not remote_url.parse_url(str(out)):
         return None
     return str(out) + suffix
 
@@ -92,9 +103,9 @@ class ModelPath(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, Path) or os.path.lexists(os.fspath(value)):
             return Path(value)
-        if remote.parse_url(value):
-            return remote.mount(value)
-        remote.refuse_url_lookalike(value)
+        if remote_url.parse_url(value):  # read in place (io.remote)
+            return existing_url(value)
+        remote_url.refuse_url_lookalike(value)
         if is_hub_id(str(value)):
             # lazy: resolving a hub id imports huggingface_hub (~0.2 s); a local path never does
             from ..formats.hf_dir.hub import resolve_model_dir

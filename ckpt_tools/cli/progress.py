@@ -21,6 +21,7 @@ from ..core.progress import ProgressEvent
 from ..core.units import human_bytes
 from ..dist import env_part
 from ..io import remote
+from ..io.remote_url import redact
 from .render import STATE, is_tty
 
 __all__ = ["ProgressLine"]
@@ -57,12 +58,12 @@ class ProgressLine:
         elif ev.unit == "bytes":
             done, total, count = ev.done, ev.total, ""
         else:
-            return f"  {ev.phase} {ev.done}/{ev.total} {name}"
+            return redact(f"  {ev.phase} {ev.done}/{ev.total} {name}")
         frac = done / total if total else 1.0
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (total - done) / rate if rate > 0 else 0.0
         fetched = f"  fetched {human_bytes(remote.bytes_fetched())}" if remote.active() else ""
-        return (
+        return redact(
             f"  {ev.phase} {count}{human_bytes(done):>10} / {human_bytes(total)} ({100 * frac:.0f}%)  "
             f"{human_bytes(rate)}/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}{fetched}  {name:<40}"
         )

@@ -162,15 +162,17 @@ def _with_remote(doc: dict) -> dict:
     """A command that read or wrote a URL: its local stand-in paths shown as the URLs, and `remote`:
     the bytes fetched next to the remote inputs' size, and what was uploaded (docs/remote.md)."""
     from ..io import hub_fetch, remote
+    from ..io.remote_display import display
+    from ..io.remote_url import redact
 
     if hub_fetch.fetched():  # --download fetched hub files into the HF cache (docs/remote.md)
         doc["downloaded"] = [f.to_json() for f in hub_fetch.fetched()]
+    doc = redact(display(doc))  # a staged OUT shown as its URL; no URL's credentials, anywhere
     if not remote.active() and not STATE.uploaded:
         return doc
-    doc = remote.display(doc)
     doc["remote"] = {
         "bytes_fetched": remote.bytes_fetched(),
-        "input_bytes": remote.mounted_bytes(),
+        "input_bytes": remote.input_bytes(),
         "uploaded": [u.to_json() for u in STATE.uploaded],
     }
     return doc

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Protocol, TypeGuard
 from ..core.dtypes import ShapedBytes, torch_dtype
 from ..core.errors import FormatError, UsageError
 from ..core.lora_math import check_alpha, lora_scale
+from ..io.pread import RangeReader
 
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built
     import torch
@@ -97,7 +98,7 @@ class ByteRange:
     """A tensor's stored bytes, verbatim: [offset, offset + nbytes) of the open file `fd` (owned by the
     source, already checked to lie inside the file), which is `path`."""
 
-    fd: int
+    fd: int | RangeReader  # a remote object's range is fetched (io.copy.copy_range)
     offset: int
     nbytes: int
     path: Path

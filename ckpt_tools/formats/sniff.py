@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.keys import step_of
+from ..io.inputs import as_input
 from .dcp.layout import is_checkpoint_path
 from .hf_dir.names import INDEX_NAME, WEIGHTS_NAME
 from .peft.config import ADAPTER_CONFIG
@@ -31,7 +32,7 @@ def has_hf_weights(p: Path) -> bool:
 
 def sniff(path) -> str | None:
     """TORCHTITAN, DCP, PEFT, HF, VERL or CHECKPOINTS (in that order of precedence), None when it is none."""
-    p = Path(path)
+    p = as_input(path)
     if is_torchtitan_path(p):
         return TORCHTITAN
     if is_checkpoint_path(p):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..io.inputs import as_input
 from .sniff import TORCHTITAN, VERL, sniff
 
 __all__ = ["TRAINERS", "open_trainer", "open_trainer_for_export", "trainer_dir", "trainer_kind"]
@@ -17,7 +18,7 @@ TRAINERS = (VERL, TORCHTITAN)
 
 def trainer_kind(path) -> str | None:
     """VERL or TORCHTITAN for a path of theirs, else None."""
-    p = Path(path)
+    p = as_input(path)
     kind = sniff(p) if p.exists() else None
     return kind if kind in TRAINERS else None
 

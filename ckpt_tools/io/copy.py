@@ -1,6 +1,8 @@
 """Copies of input files into new output files: every source read through `inputs.open_input` (checked:
 no symlink out of its tree, no FIFO), every destination created new (`files.create_new`); and
-`copy_range`, a byte range of one open file into another at an offset, in the kernel."""
+`copy_range`, a byte range of one open file into another at an offset, in the kernel. A source may be a
+URL's file (`io.remote`): its bytes are fetched by range (never linked, reflinked or copied in the kernel),
+or, into an output bound for a URL, left for the upload to copy server-side (`link_or_copy`)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import os
 from pathlib import Path
 
 from ..core.errors import FormatError, TruncatedFileError
-from . import inputs, remote, upload
+from . import inputs, upload
 from .files import create_new, make_dirs, pwrite_all
-from .pread import pread_exact, pread_into
+from .pread import RangeReader, pread_exact, pread_into
+from .remote import RemotePath
 
 __all__ = [
     "copy_input_file",
@@ -38,8 +41,8 @@ def copy_input_file(
         out = create_new(dst)
         try:
             done = 0
-            if remote.object_of_fd(fd) is not None:  # a remote object: fetched by range, written here
-                size = os.fstat(fd).st_size
+            if not isinstance(fd, int):  # a remote object: fetched by range, written here
+                size = fd.size
                 while done < size:
                     b = pread_exact(fd, done, min(1 << 24, size - done), path=src)
                     os.write(out, b)
@@ -60,7 +63,7 @@ def copy_input_file(
         finally:
             os.close(out)
     finally:
-        os.close(fd)
+        inputs.close_input(fd)
     return done
 
 
@@ -71,9 +74,16 @@ def copy_input_tree(
     created, regular files copied by content (`copy_input_file`; a symlink inside the tree is copied
     as the file it names). Every entry is checked first (`inputs.scan_tree`): one that leaves the
     tree or is not a regular file/directory refuses the whole copy. Returns the bytes copied."""
-    src, dst = Path(src), Path(dst)
+    src, dst = inputs.as_input(src), Path(dst)
     files = inputs.scan_tree(src, root=root, what=what)
-    if os.path.isdir(src):
+    if isinstance(src, RemotePath):  # a URL's tree: its directories are those its files are in
+        if src.is_dir():
+            os.mkdir(dst)
+        for f, _size in files:
+            for d in reversed(f.relative_to(src).parents[:-1]):
+                if not (dst / d).is_dir():
+                    os.mkdir(dst / d)
+    elif os.path.isdir(src):
         os.mkdir(dst)
         for dirpath, dirnames, _ in os.walk(src, followlinks=True):
             rel = Path(dirpath).relative_to(src)
@@ -86,21 +96,22 @@ def copy_input_tree(
     return total
 
 
-def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
+def link_or_copy(src, dst: Path, *, root) -> str:
     """Hard link the data file `src` (of the tree `root`, checked as an input: no symlink out of it,
     no FIFO) at the new path `dst`; across filesystems (or where links are refused) a reflink, else a
     copy. Returns the method used. Never opens `src` for writing; `dst` is new.
 
-    A remote object's placeholder (`io.remote`) is never linked as a local file: into an output bound
-    for a URL it becomes a stand-in for the object ("remote": the upload copies the object, server-side
-    where the store offers it, and nothing is fetched here); anywhere else its bytes are fetched."""
-    real, st = inputs.check_input(src, root=root, what="data file")
-    if remote.object_of_stat(st) is not None:
+    A URL's file (`io.remote`): into an output bound for a URL, it is left for the upload to copy
+    (`upload.copy_later`; "remote": server-side where the store offers it, nothing fetched here);
+    anywhere else its bytes are fetched ("fetch")."""
+    if inputs.is_url(src):
+        obj = inputs.remote_source(src)
         if upload.is_staged(dst):
-            remote.link_stand_in(real, dst)
+            upload.copy_later(dst, obj)
             return "remote"
         copy_input_file(src, dst, root=root, what="data file")
-        return "copy"
+        return "fetch"
+    real, _st = inputs.check_input(src, root=root, what="data file")
     try:
         os.link(real, dst, follow_symlinks=False)  # the checked file itself, never a link's target
         return "hardlink"
@@ -112,11 +123,11 @@ def link_or_copy(src: Path, dst: Path, *, root: Path) -> str:
         try:
             fd = create_new(dst)
             try:
-                fcntl.ioctl(fd, _FICLONE, fs)
+                fcntl.ioctl(fd, _FICLONE, fs)  # type: ignore[arg-type]  # a local file's fd: no URL here
             finally:
                 os.close(fd)
         finally:
-            os.close(fs)
+            inputs.close_input(fs)
         return "reflink"
     except OSError:
         with contextlib.suppress(FileNotFoundError):
@@ -134,9 +145,14 @@ def link_input_tree(
     counts: dict[str, int] = {}
     files = inputs.scan_tree(src, root=root, what="checkpoint entry")
     make_dirs(dst)
-    for dirpath, dirnames, _ in os.walk(src, followlinks=True):
-        for d in sorted(dirnames):
-            make_dirs(dst / Path(dirpath).relative_to(src) / d)
+    if isinstance(src, RemotePath):  # a URL's tree: its directories are those its files are in
+        for f, _size in files:
+            for d in reversed(f.relative_to(src).parents[:-1]):
+                make_dirs(dst / d)
+    else:
+        for dirpath, dirnames, _ in os.walk(src, followlinks=True):
+            for d in sorted(dirnames):
+                make_dirs(dst / Path(dirpath).relative_to(src) / d)
     for f, _size in files:
         if f in skip:
             continue
@@ -145,9 +161,11 @@ def link_input_tree(
     return counts
 
 
-def _clone_or_copy(fs: int, fd: int, size: int, src) -> str:
+def _clone_or_copy(fs: int | RangeReader, fd: int, size: int, src) -> str:
     """The whole of `fs` into the empty `fd`: a reflink (the extents shared, nothing copied) where the
-    filesystem has them, else by `copy_range` (in the kernel). Local sources only."""
+    filesystem has them, else by `copy_range` (in the kernel; a URL's object fetched by range)."""
+    if not isinstance(fs, int):
+        return copy_range(fs, 0, fd, 0, size, path=src, block_bytes=1 << 26)
     try:
         fcntl.ioctl(fd, _FICLONE, fs)
         return "reflink"
@@ -164,7 +182,7 @@ def copy_patched(
     raises, naming the offset. Returns the copy's method."""
     fs = inputs.open_input(src, root=root, what=what)
     try:
-        size = os.fstat(fs).st_size
+        size = inputs.reader_size(fs)
         fd = create_new(dst)
         try:
             method = _clone_or_copy(fs, fd, size, src)
@@ -185,14 +203,14 @@ def copy_patched(
         finally:
             os.close(fd)
     finally:
-        os.close(fs)
+        inputs.close_input(fs)
     return method
 
 
-def link_writes_bytes(src_root: Path, dst_dir: Path) -> bool:
+def link_writes_bytes(src_root, dst_dir: Path) -> bool:
     """Whether `link_or_copy` of the files of `src_root` into `dst_dir` writes their bytes there (for the
     free-space check): another filesystem, or a remote input going to a local output."""
-    if remote.is_remote_path(src_root):
+    if inputs.is_url(src_root):
         return not upload.is_staged(dst_dir)
     try:
         return os.stat(src_root).st_dev != os.stat(dst_dir).st_dev
@@ -206,7 +224,7 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, er
 
 
 def copy_range(
-    src_fd: int,
+    src_fd: int | RangeReader,
     src_offset: int,
     dst_fd: int,
     dst_offset: int,
@@ -222,7 +240,7 @@ def copy_range(
     of at most `block_bytes`. Calls move at most `block_bytes` each, so a signal is seen between them.
     The source ending first is a TruncatedFileError naming `path` and `key`. Returns the method."""
     done = 0
-    if hasattr(os, "copy_file_range") and remote.object_of_fd(src_fd) is None:
+    if hasattr(os, "copy_file_range") and isinstance(src_fd, int):
         try:
             while done < nbytes:
                 n = os.copy_file_range(

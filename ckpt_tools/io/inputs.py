@@ -20,6 +20,12 @@ each command): every file opened here, and every tree opened as a whole (a check
 `atomic.AtomicOutputDir` refuses an OUT that is, contains or is inside any of them, whatever option
 named it. (A config found in a run's outputs dir is an input; the outputs dir is not, so OUT may be
 written beside the checkpoint in it.)
+
+A URL is read in place (`io.remote`): `as_input` makes a URL string a `RemotePath`, whose files open here
+as `RemoteObject`s (checked as a local file is: a regular file, not a directory; its identity pinned),
+read by range. What `open_input` returns is a *range reader*: a local file's fd (an int, read by
+`pread`), or a remote object (its `read_into`); `io.pread` reads either, `close_input` closes either. A
+format or op holds readers without asking which they are.
 """
 
 from __future__ import annotations
@@ -28,16 +34,27 @@ import contextlib
 import contextvars
 import json
 import os
+import shutil
 import stat
 import threading
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
-from ..core.errors import FormatError, MissingFileError, TruncatedFileError, UnsafeInputError
+from ..core.errors import (
+    FormatError,
+    MissingFileError,
+    MissingPathError,
+    TruncatedFileError,
+    UnsafeInputError,
+    UsageError,
+)
 from . import remote
-from .pread import pread_exact, pread_into
+from .pread import RangeReader, pread_exact, pread_into
+from .remote import RemotePath, as_input
+from .remote_object import RemoteObject
 
 __all__ = [
     "IDENTITY_EDGE_BYTES",
@@ -51,21 +68,36 @@ __all__ = [
     "ReadPolicy",
     "ReadStats",
     "ancestry",
+    "as_input",
+    "bounded",
     "check_input",
+    "close_input",
+    "existing_urls",
+    "free_bytes",
     "identity",
     "input_identity",
     "input_tree",
     "is_plain_file_name",
+    "is_url",
     "kind_of",
+    "lexists",
+    "list_names",
+    "local_dir",
+    "mtime_of",
     "open_input",
     "policy",
     "read_input",
     "read_json",
     "read_text",
     "read_toml",
+    "reader_size",
+    "real_name",
     "register",
     "registered",
+    "registered_urls",
+    "remote_source",
     "scan_tree",
+    "search_top",
     "set_policy",
     "tracking",
 ]
@@ -106,29 +138,115 @@ def policy() -> ReadPolicy:
 
 
 # ------------------------------------------------------------------------------------ inputs
-_INPUTS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("ckpt_inputs", default=None)
+_INPUTS: contextvars.ContextVar[set | None] = contextvars.ContextVar("ckpt_inputs", default=None)
+AnyPath = str | os.PathLike | RemotePath
 
 
 @contextlib.contextmanager
-def tracking() -> Iterator[set[str]]:
-    """Record every path read inside the block (the CLI opens one per command)."""
+def tracking() -> Iterator[set]:
+    """Record every path read inside the block (the CLI opens one per command), in one remote session
+    (`io.remote.session`: the command's listings, pinned objects and bytes fetched)."""
     token = _INPUTS.set(set())
     try:
-        yield _INPUTS.get()
+        with remote.session():
+            yield _INPUTS.get() or set()
     finally:
         _INPUTS.reset(token)
 
 
-def register(path: str | os.PathLike) -> None:
+def register(path: AnyPath) -> None:
     """Record `path` (a file, or the root of a tree) as an input of the running command."""
     seen = _INPUTS.get()
     if seen is not None:
-        seen.add(os.path.realpath(path))
+        seen.add(path if isinstance(path, RemotePath) else os.path.realpath(path))
 
 
 def registered() -> tuple[Path, ...]:
+    """The local inputs of the running command (real paths)."""
     seen = _INPUTS.get()
-    return tuple(Path(p) for p in sorted(seen)) if seen else ()
+    return tuple(Path(p) for p in sorted(p for p in seen if isinstance(p, str))) if seen else ()
+
+
+def registered_urls() -> list[str]:
+    """The URLs (shown, without credentials) of the running command's remote inputs."""
+    seen = _INPUTS.get()
+    return sorted({str(p) for p in seen if isinstance(p, RemotePath)}) if seen else []
+
+
+def remote_source(path) -> RemoteObject | None:
+    """The opened remote object a URL input's file is (what a writer copies server-side), None for a
+    local file."""
+    p = as_input(path)
+    return p.open(what="file") if isinstance(p, RemotePath) else None
+
+
+def bounded(found, given):
+    """`found` (a file or dir a resolver found around the input `given`), or None where `given` is a URL
+    and `found` lies above it: what surrounds a URL is no part of the input the user named."""
+    if found is None or not isinstance(given, RemotePath):
+        return found
+    return found if isinstance(found, RemotePath) and found.within_given(given) else None
+
+
+def existing_urls(*values) -> None:
+    """Every URL among `values` (or in a list of them) names something: else `no such file or directory:
+    URL` (MissingPathError, exit 2), the same words as a missing local path's (the CLI's and the api's
+    one check of a URL input)."""
+    for v in values:
+        for one in v if isinstance(v, (list, tuple)) else (v,):
+            if one is not None and is_url(one):
+                p = as_input(one)
+                if not p.exists():
+                    raise MissingPathError(str(p))
+
+
+def lexists(path) -> bool:
+    """Whether anything is at `path` (a dangling symlink too; a URL's file or dir)."""
+    p = as_input(path)
+    return p.exists() if isinstance(p, RemotePath) else os.path.lexists(p)
+
+
+def free_bytes(path) -> int | None:
+    """The free space of the filesystem holding `path`; None for a URL (a store's is not ours to tell)."""
+    p = as_input(path)
+    return None if isinstance(p, RemotePath) else shutil.disk_usage(p).free
+
+
+def mtime_of(path) -> float | None:
+    """When the file at `path` was last written; None when it is not there, and for a URL's file (a store's
+    times are not asked: a listing's clock is not this machine's)."""
+    p = as_input(path)
+    if isinstance(p, RemotePath):
+        return None
+    try:
+        return os.stat(p).st_mtime
+    except OSError:
+        return None
+
+
+def list_names(path) -> list[str]:
+    """The names in the directory `path` (a URL's too), sorted."""
+    p = as_input(path)
+    return [c.name for c in p.iterdir()] if isinstance(p, RemotePath) else sorted(os.listdir(p))
+
+
+def real_name(path) -> str:
+    """`path` as one name per file, for telling two names of one file apart: the real path, or the URL."""
+    p = as_input(path)
+    return str(p) if isinstance(p, RemotePath) else os.path.realpath(p)
+
+
+def local_dir(path, why: str, *, hint: str | None = None) -> Path:
+    """`path` as a local Path, for what only a local file or dir can be (changed in place, locked); a URL
+    is a UsageError: `why`, and this one is at a URL."""
+    if isinstance(path, RemotePath) or remote.is_url(path):
+        raise UsageError(f"{why}, and this one is at a URL", path=str(as_input(path)), hint=hint)
+    return Path(path)
+
+
+def search_top(given):
+    """Where a resolver climbing from the input `given` must stop: the URL the user gave, None locally."""
+    return given.given() if isinstance(given, RemotePath) else None
 
 
 # ------------------------------------------------------------------------------------ identity
@@ -182,7 +300,14 @@ def input_identity() -> list[list]:
     safetensors and zip items are at the start), [name, "dir"] per tree root."""
     import hashlib
 
-    out = []
+    out: list[list] = []
+    seen = _INPUTS.get() or set()
+    for rp in sorted((p for p in seen if isinstance(p, RemotePath)), key=str):
+        if rp.is_dir():
+            out.append([str(rp), "dir"])
+        else:
+            obj = rp.open(what="input")
+            out.append([str(rp), obj.size, str(obj.identity)])
     for p in registered():
         real = str(p)
         name = _identity_name(real)
@@ -201,7 +326,7 @@ def input_identity() -> list[list]:
                 tail = max(IDENTITY_EDGE_BYTES, st.st_size - IDENTITY_EDGE_BYTES)
                 h.update(pread_exact(fd, tail, st.st_size - tail, path=real))
         finally:
-            os.close(fd)
+            close_input(fd)
         out.append([name, st.st_size, h.hexdigest()])
     return out
 
@@ -252,22 +377,25 @@ def kind_of(mode: int) -> str:
 
 
 def check_input(
-    path: str | os.PathLike,
+    path: AnyPath,
     *,
-    root: str | os.PathLike | None = None,
+    root: AnyPath | None = None,
     what: str = "file",
     want: str = "file",
     register_as_input: bool = True,
 ) -> tuple[str, os.stat_result]:
     """Check, without opening it, that `path` may be read: inside its tree `root` (when given),
     and a regular file (`want="file"`) or a directory (`want="dir"`). Returns (real path, stat).
-    Raises MissingFileError / UnsafeInputError naming `path`."""
-    p = Path(path)
+    Raises MissingFileError / UnsafeInputError naming `path`. A URL's file is checked by its listing
+    (a URL's tree holds no links)."""
+    if is_url(path):
+        return _check_remote(as_input(path), what, want, register_as_input)
+    p = Path(_local(path))
     if "\0" in str(p):
         raise MissingFileError(f"{what} name holds a NUL byte", path=repr(str(p)))
     real = os.path.realpath(p)
     if root is not None:
-        tree = input_tree(root)
+        tree = input_tree(_local(root))
         if not _POLICY.follow_symlinks and not _within(real, tree):
             raise UnsafeInputError(
                 f"{what} resolves to {real}, outside {tree}: a symlink that leaves the directory it belongs "
@@ -299,11 +427,34 @@ def check_input(
     return real, st
 
 
+def _check_remote(p, what: str, want: str, register_as_input: bool):
+    if not p.exists():
+        raise MissingFileError(f"no such {what}", path=p)
+    if p.is_dir() != (want == "dir"):
+        expected = "a regular file" if want == "file" else "a directory"
+        raise UnsafeInputError(
+            f"{what} is {'a directory' if p.is_dir() else 'a regular file'}, expected {expected}; "
+            "refusing to open it",
+            path=p,
+        )
+    if register_as_input:
+        register(p)
+    return str(p), p.stat()
+
+
+def _local(path: AnyPath) -> str | os.PathLike:
+    """`path`, known here not to be a URL (the caller has branched on `is_url`)."""
+    assert not isinstance(path, RemotePath)
+    return path
+
+
+def is_url(value) -> bool:
+    return remote.is_url(value)
+
+
 def _check_sparse(p: Path, st: os.stat_result, what: str) -> None:
     allocated = getattr(st, "st_blocks", None)
     if allocated is None or _POLICY.allow_sparse or st.st_size < SPARSE_MIN_BYTES:
-        return
-    if remote.object_of_stat(st) is not None:  # a remote object's placeholder: its bytes are fetched by range
         return
     allocated *= 512
     if allocated * SPARSE_RATIO < st.st_size:
@@ -318,10 +469,15 @@ def _check_sparse(p: Path, st: os.stat_result, what: str) -> None:
         )
 
 
-def open_input(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file") -> int:
-    """A read-only fd of `path` after `check_input` (the caller closes it). Opened O_NOFOLLOW and
-    O_NONBLOCK, so a FIFO swapped in after the check cannot block; the fd must be the checked inode."""
-    p = Path(path)
+def open_input(path: AnyPath, *, root: AnyPath | None = None, what: str = "file") -> int | RemoteObject:
+    """The range reader of `path` after `check_input` (the caller closes it: `close_input`): a local
+    file's read-only fd, opened O_NOFOLLOW and O_NONBLOCK, so a FIFO swapped in after the check cannot
+    block, and the fd must be the checked inode; a URL's file as its RemoteObject, its identity pinned."""
+    if is_url(path):
+        rp = cast(RemotePath, as_input(path))
+        _check_remote(rp, what, "file", True)
+        return rp.open(what=what)
+    p = Path(_local(path))
     real, st = check_input(p, root=root, what=what)
     _check_sparse(p, st, what)
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -336,14 +492,23 @@ def open_input(path: str | os.PathLike, *, root: str | os.PathLike | None = None
     return fd
 
 
-def read_input(
-    path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file", max_bytes: int
-) -> bytes:
+def close_input(reader: int | RangeReader) -> None:
+    """Close what `open_input` returned (a remote object holds nothing open)."""
+    if isinstance(reader, int):
+        os.close(reader)
+
+
+def reader_size(reader: int | RangeReader) -> int:
+    """The size of the file behind a range reader (as checked when it was opened, for a remote one)."""
+    return os.fstat(reader).st_size if isinstance(reader, int) else reader.size
+
+
+def read_input(path: AnyPath, *, root: AnyPath | None = None, what: str = "file", max_bytes: int) -> bytes:
     """The whole file, refused (before any byte is read) above `max_bytes`."""
-    p = Path(path)
+    p = as_input(path)
     fd = open_input(p, root=root, what=what)
     try:
-        size = os.fstat(fd).st_size
+        size = reader_size(fd)
         if size > max_bytes:
             raise UnsafeInputError(
                 f"{what} is {size:,} bytes; a genuine one is far below the {max_bytes:,}-byte "
@@ -353,17 +518,13 @@ def read_input(
             )
         return pread_exact(fd, 0, size, path=p)
     finally:
-        os.close(fd)
+        close_input(fd)
 
 
 def read_text(
-    path: str | os.PathLike,
-    *,
-    root: str | os.PathLike | None = None,
-    what: str = "file",
-    max_bytes: int = MAX_JSON_BYTES,
+    path: AnyPath, *, root: AnyPath | None = None, what: str = "file", max_bytes: int = MAX_JSON_BYTES
 ) -> str:
-    p = Path(path)
+    p = as_input(path)
     data = read_input(p, root=root, what=what, max_bytes=max_bytes)
     try:
         return data.decode("utf-8")
@@ -388,7 +549,7 @@ def _depth_ok(obj, limit: int) -> bool:
     return True
 
 
-def _values_ok(text: str, p: Path, what: str, limit: int, seps: str) -> None:
+def _values_ok(text: str, p, what: str, limit: int, seps: str) -> None:
     """Refuse, before parsing, text that could hold more than `limit` values: every container opens with
     `{` or `[` and every further value follows a separator (`,`, or a newline in TOML). An upper bound:
     the characters are counted inside strings too."""
@@ -403,9 +564,9 @@ def _values_ok(text: str, p: Path, what: str, limit: int, seps: str) -> None:
 
 
 def read_json(
-    path: str | os.PathLike,
+    path: AnyPath,
     *,
-    root: str | os.PathLike | None = None,
+    root: AnyPath | None = None,
     what: str = "JSON file",
     max_bytes: int = MAX_JSON_BYTES,
     max_values: int = MAX_CONFIG_VALUES,
@@ -413,7 +574,7 @@ def read_json(
     """Parse a JSON file: valid UTF-8 JSON, no NaN/Infinity, at most MAX_JSON_DEPTH levels deep
     (a 100,000-deep array is a RecursionError in every walk of it), at most `max_values` values
     (MAX_TABLE_VALUES for an index of tensors), else a FormatError."""
-    p = Path(path)
+    p = as_input(path)
     text = read_text(p, root=root, what=what, max_bytes=max_bytes)
     _values_ok(text, p, what, max_values, ",")
     try:
@@ -432,15 +593,11 @@ def read_json(
 
 
 def read_toml(
-    path: str | os.PathLike,
-    *,
-    root: str | os.PathLike | None = None,
-    what: str = "TOML file",
-    max_bytes: int = MAX_TOML_BYTES,
+    path: AnyPath, *, root: AnyPath | None = None, what: str = "TOML file", max_bytes: int = MAX_TOML_BYTES
 ) -> tuple[dict, str]:
     """(parsed, text) of a TOML file; a FormatError for anything that is not valid, shallow TOML of at
     most MAX_CONFIG_VALUES values, integers within Python's 4,300 digits."""
-    p = Path(path)
+    p = as_input(path)
     text = read_text(p, root=root, what=what, max_bytes=max_bytes)
     _values_ok(text, p, what, MAX_CONFIG_VALUES, ",\n")
     try:
@@ -464,14 +621,14 @@ def read_toml(
     return data, text
 
 
-def scan_tree(
-    top: str | os.PathLike, *, root: str | os.PathLike, what: str = "entry"
-) -> list[tuple[Path, int]]:
+def scan_tree(top: AnyPath, *, root: AnyPath, what: str = "entry") -> list[tuple]:
     """Every regular file under `top` (a file or a directory of the tree `root`) with its size,
     after checking each entry as `check_input` does (directories too): what a copy of `top` will
     read. Raises on the first entry that may not be read."""
-    top = Path(top)
-    out: list[tuple[Path, int]] = []
+    if is_url(top):
+        return _scan_remote(as_input(top), what)
+    top = Path(_local(top))
+    out: list[tuple] = []
     real, st = check_input(top, root=root, what=what, want="dir" if os.path.isdir(top) else "file")
     if stat.S_ISREG(st.st_mode):
         return [(top, st.st_size)]
@@ -497,6 +654,22 @@ def scan_tree(
     return sorted(out)
 
 
+def _scan_remote(top, what: str) -> list[tuple]:
+    """`scan_tree` of a URL: its files (a URL's tree holds no links, so no loops)."""
+    _, st = _check_remote(top, what, "dir" if top.is_dir() else "file", True)
+    if not top.is_dir():
+        return [(top, st.st_size)]
+    out, todo = [], [top]
+    while todo:
+        d = todo.pop()
+        for p in d.iterdir():
+            if p.is_dir():
+                todo.append(p)
+            else:
+                out.append((p, p.stat().st_size))
+    return sorted(out)
+
+
 # ------------------------------------------------------------------------------------ open trees
 @dataclass
 class ReadStats:
@@ -516,31 +689,33 @@ class OpenFiles:
     """The data files of one input tree `root`, by name relative to it: each opened once through the
     read side's checks (no symlink out of the tree, no FIFO or device, not sparse), kept open until
     `close()`. Reads are range-checked against the size seen at open and counted in `stats`.
-    Thread-safe: preads on shared fds need no lock."""
+    Thread-safe: preads on shared fds need no lock. `root` may be a URL's `RemotePath`: its files are
+    then remote objects (`fd()` gives each file's range reader, an fd or a RemoteObject)."""
 
     def __init__(
         self,
-        root: Path,
+        root: AnyPath,
         *,
         what: str = "data file",
         missing_hint: str | None = None,
         truncated_hint: str = "the file is truncated (disk full or an interrupted copy?)",
     ):
-        self.root = Path(root)
+        self.root = as_input(root)
         self.what = what
         self.missing_hint = missing_hint
         self.truncated_hint = truncated_hint
         self.stats = ReadStats()
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, int | RemoteObject] = {}
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def fd(self, rel: str, key: str = "") -> int:
+    def fd(self, rel: str, key: str = "") -> int | RemoteObject:
+        """The range reader of `rel` (opened once)."""
         with self._lock:
             fd = self._fds.get(rel)
             if fd is None:
                 p = self.root / rel
-                if not os.path.lexists(p):
+                if not (p.exists() if isinstance(p, RemotePath) else os.path.lexists(p)):
                     raise MissingFileError(f"{self.what} is missing", path=p, key=key, hint=self.missing_hint)
                 try:  # symlinks out of the tree, FIFOs, devices, sparse files: refused here
                     fd = open_input(p, root=self.root, what=self.what)
@@ -548,7 +723,7 @@ class OpenFiles:
                     raise type(exc)(
                         exc.message, path=p, key=key, hint=exc.hint or self.missing_hint
                     ) from None
-                self._sizes[rel] = os.fstat(fd).st_size
+                self._sizes[rel] = reader_size(fd)
                 self._fds[rel] = fd
             return fd
 
@@ -556,8 +731,8 @@ class OpenFiles:
         self.fd(rel, key)
         return self._sizes[rel]
 
-    def check_range(self, rel: str, offset: int, length: int, key: str = "") -> int:
-        """The fd of `rel` once `[offset, offset + length)` is known to lie inside it."""
+    def check_range(self, rel: str, offset: int, length: int, key: str = "") -> int | RemoteObject:
+        """The range reader of `rel` once `[offset, offset + length)` is known to lie inside it."""
         fd = self.fd(rel, key)
         size = self._sizes[rel]
         if offset < 0 or length < 0 or offset + length > size:
@@ -581,21 +756,27 @@ class OpenFiles:
         pread_into(fd, buf, offset, path=self.root / rel, key=key, hint=self.truncated_hint)
         self.stats.add(rel, offset, n)
 
+    def kernel_copy(self, rel: str) -> bool:
+        """Whether a range of `rel` can be copied file to file in the kernel (`io.copy.copy_range`) after
+        it was read to check it, at no second cost: a local file's (its pages are cached); a remote
+        object's bytes come over the network, so a reader holds what it read once instead."""
+        return isinstance(self.fd(rel), int)
+
     def hint(self, ranges) -> None:
         """`ranges` ([(rel, offset, length)]) are about to be read, roughly in this order: a remote file
         (`io.remote`) fetches adjacent ones in one request. Nothing for a local file."""
-        if not remote.active():
+        if not isinstance(self.root, RemotePath):
             return
         by_file: dict[str, list[tuple[int, int]]] = {}
         for rel, offset, length in ranges:
             by_file.setdefault(rel, []).append((offset, length))
         for rel, spans in by_file.items():
-            obj = remote.object_of_fd(self.fd(rel))
-            if obj is not None:
+            obj = self.fd(rel)
+            if isinstance(obj, RemoteObject):
                 obj.hint(spans)
 
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
-            os.close(fd)
+            close_input(fd)

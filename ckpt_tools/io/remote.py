@@ -1,482 +1,621 @@
-"""Remote inputs: a URL read by byte range through the same read side as a local file.
+"""Remote inputs: a URL read where it lies, by byte range, through the same read side as a local file, with
+nothing written to local disk.
 
-`mount(url)` lists the object (or the tree of objects) at `url` once, pins each object's version
-(S3 ETag/VersionId, an HTTP ETag, the Hub's commit sha, a GCS generation) and stands a local shadow
-tree beside it in a private temp dir: every remote file is there as a sparse placeholder of its exact
-size, registered by inode. `inputs.open_input` opens the placeholder (checks unchanged: inside its
-tree, a regular file; the sparse check is skipped, the size is the remote one) and every
-`pread.pread_into` / `pread_exact` of that fd is served by `RemoteObject.read_into`: exactly the bytes
-asked for, by HTTP range request. So every format, source and op reads a URL without knowing it: what
-a command reads of a local checkpoint is what it fetches of a remote one, no more.
+`as_input(value)` turns a URL string into a `RemotePath`: a file or directory of a store (a bucket, a host,
+a Hub repo at one commit), with pathlib's reading surface (`/`, `name`, `parent`, `is_dir()`, `is_file()`,
+`iterdir()`, `glob()`, `stat()`...), so every format finds its files in a URL as in a local dir, and
+`str()` of it is the URL as the user gave it minus its credentials. It has no `__fspath__`: `open()`,
+`os.stat()` or `Path()` of it fail loudly instead of reading a local file of that name. Its files are read
+through `io.inputs` (`OpenFiles`, `read_input`), which opens them as `RemoteObject`s
+(`io.remote_object`): the range readers beside a local file's fd.
 
-A read is split into parts of `PART_BYTES`, fetched concurrently (at most `CONCURRENCY` requests in
-flight over the whole process, `CKPT_REMOTE_CONCURRENCY`); a part whose body breaks (connection
-dropped, a timeout, a 5xx/429) is retried with exponential backoff from the byte where it stopped
-(`RETRIES` attempts without progress, `CKPT_REMOTE_RETRIES`; timeout `CKPT_REMOTE_TIMEOUT` s). Every
-request carries the pinned version (If-Match, VersionId, the commit in the URL): an object rewritten
-mid-read is an error naming it, never a mix of two versions; `check_unchanged()` re-checks the
-version of every object read before an output is committed (for servers that ignore If-Match).
+Each directory is listed once, when first looked into, by one request (S3 and GCS with a delimiter, an
+HTTP index page, the Hub's tree), and the listing is validated before use: a name that is not one plain
+segment (`..`, `.`, empty, holding `/` or NUL), a name listed twice or as both a file and a directory, a
+size beyond any store's largest object, or a listing of over `MAX_LISTED` entries is refused in one line
+naming the URL. A path at or above the URL the user gave is stat'ed, never found by listing its parent
+(above what the user named, `bounded` and `search_top` keep the resolvers from climbing).
 
-The URL forms (parsed here only, `parse_url`): `hf://[datasets/|spaces/]org/name[@rev]/path` through
-huggingface_hub's `HfFileSystem`, `s3://bucket/key` (s3fs), `gs://bucket/key` (gcsfs), `http(s)://`
-(fsspec's HTTP) and any other protocol fsspec knows and has installed. Credentials come from each
-ecosystem's own configuration (HF_TOKEN / `hf auth login`; AWS_PROFILE, AWS_ACCESS_KEY_ID,
-AWS_ENDPOINT_URL; gcloud ADC), never a flag. The packages are the `remote` extra, imported only when
-a URL is used. Backends: `remote_backends.py`.
-"""
+The stores, listings and opened objects of one command are shared through its `session()` (opened by
+`inputs.tracking()` and by each api call): the command sees one version of each object, `bytes_fetched()`
+counts what it fetched, `check_unchanged()` re-checks, before an output is committed, that nothing it read
+has changed. URL forms: `hf://[datasets/|spaces/]org/name[@rev]/path`, `hf://buckets/ns/name/path`,
+`s3://bucket/key`, `gs://bucket/key`, `http(s)://host/path`, and any other fsspec protocol (`az://...`);
+credentials are each ecosystem's own (docs/remote.md). Backends: `remote_backends.py`, `remote_http.py`."""
 
 from __future__ import annotations
 
-import atexit
-import errno
-import os
-import shutil
-import stat
-import tempfile
+import contextlib
+import fnmatch
+import stat as stat_
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import cast
+from urllib.parse import quote, unquote
 
-from ..core.errors import CkptError, FormatError, MissingFileError, MissingPathError, UsageError
-from .remote_display import add_display, clear_display, display
-from .remote_url import (
-    CONCURRENCY,
-    RETRIES,
-    RemoteChanged,
-    RemoteDenied,
-    RemoteMissing,
-    RemoteRetry,
-    RemoteUrl,
-    parse_url,
-    refuse_url_lookalike,
-    settings,
-)
+from ..core.errors import CkptError, MissingFileError, UnsafeInputError, UsageError
+from .remote_object import RemoteObject
+from .remote_url import RemoteDenied, RemoteMissing, RemoteRetry, RemoteUrl, parse_url, settings
 
 __all__ = [
-    "CONCURRENCY",
-    "PART_BYTES",
-    "RETRIES",
-    "RemoteChanged",
-    "RemoteDenied",
-    "RemoteMissing",
-    "RemoteObject",
-    "RemoteRetry",
-    "RemoteUrl",
+    "MAX_LISTED",
+    "MAX_OBJECT_BYTES",
+    "RemotePath",
+    "RemoteStat",
+    "Session",
     "active",
-    "add_display",
+    "as_input",
     "bytes_fetched",
     "check_unchanged",
-    "display",
-    "forget_under",
-    "is_remote_path",
-    "link_stand_in",
-    "mount",
-    "mount_root_of",
-    "mounted_bytes",
-    "object_of_fd",
-    "object_of_stat",
-    "parse_url",
-    "refuse_url_lookalike",
-    "reset",
-    "settings",
-    "url_of",
+    "current_session",
+    "input_bytes",
+    "is_url",
+    "session",
 ]
 
-PART_BYTES = 8 << 20
-RUN_BYTES = 16 << 20  # adjacent hinted ranges fetched as one request, up to this much
-AHEAD_BYTES = 64 << 20  # hinted ranges fetched ahead of the reader, per object, up to this much
+MAX_OBJECT_BYTES = 1 << 46  # 64 TiB: beyond any store's largest object (S3 and GCS: 5 TiB)
+MAX_LISTED = 1 << 20  # entries in one directory; a checkpoint dir holds tens, a model repo hundreds
 
 
-# ------------------------------------------------------------------------------------ objects
-@dataclass
-class RemoteObject:
-    """One remote file: its URL, size and version pinned at `mount`, read by range."""
-
-    url: str
-    size: int
-    version: str | None
-    backend: object  # remote_backends.Backend
-    ref: object  # what the backend needs to address it
-    fetched: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _plan: list = field(default_factory=list, repr=False)  # hinted units [(start, end)], in read order
-    _plan_at: dict = field(default_factory=dict, repr=False)  # a unit's start -> its index in _plan
-    _ahead: dict = field(default_factory=dict, repr=False)  # unit index -> (buffer, its part futures)
-    _cache: tuple | None = field(default=None, repr=False)  # (start, bytes) of the unit being read
-    _run_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def hint(self, ranges) -> None:
-        """`ranges` ([(offset, length)]) are about to be read, in this order: consecutive ones that are
-        adjacent are fetched as one request (a unit of up to `RUN_BYTES`), and the units are fetched
-        ahead of the reader, up to `CONCURRENCY` of them and `AHEAD_BYTES` at once, so small items cost
-        the link's bandwidth, not one round trip each. A unit is fetched in full when its first byte is
-        read, and served from it. Nothing outside the hinted ranges is ever fetched."""
-        spans = [(o, o + n) for o, n in ranges if n > 0]  # in the order they will be read
-        units = []
-        i = 0
-        while i < len(spans):
-            j, end = i, spans[i][1]
-            while (
-                j + 1 < len(spans) and spans[j + 1][0] == end and spans[j + 1][1] - spans[i][0] <= RUN_BYTES
-            ):
-                j += 1
-                end = spans[j][1]
-            if end - spans[i][0] <= RUN_BYTES:  # a bigger item is read straight into the reader's buffer
-                units.append((spans[i][0], end))
-            i = j + 1
-        with self._run_lock:
-            for u in units:
-                if u[0] not in self._plan_at:
-                    self._plan_at[u[0]] = len(self._plan)
-                    self._plan.append(u)
-
-    def read_into(self, buf, offset: int) -> None:
-        mv = memoryview(buf).cast("B")
-        n = len(mv)
-        if offset < 0 or offset + n > self.size:
-            from ..core.errors import TruncatedFileError
-
-            raise TruncatedFileError(
-                f"bytes [{offset}, {offset + n}) lie beyond the end of the object ({self.size} bytes)",
-                path=self.url,
-            )
-        if (self._plan_at or self._cache is not None) and self._from_plan(mv, offset, n):
-            return
-        self._fetch(mv, offset, n)
-
-    def _from_plan(self, mv, offset: int, n: int) -> bool:
-        with self._run_lock:
-            c = self._cache
-            if c is not None and c[0] <= offset and offset + n <= c[0] + len(c[1]):
-                mv[:] = memoryview(c[1])[offset - c[0] : offset - c[0] + n]
-                if offset + n == c[0] + len(c[1]):
-                    self._cache = None
-                return True
-            i = self._plan_at.get(offset)
-            if i is None or self._plan[i][1] < offset + n:
-                return False
-            del self._plan_at[offset]
-            self._launch(i)
-            buf, futures = self._ahead.pop(i)
-            for k in [k for k in self._ahead if k < i]:  # units the reader skipped
-                del self._ahead[k]
-            self._launch(i + 1)
-        for f in futures:
-            f.result()
-        mv[:] = memoryview(buf)[:n]
-        if len(buf) > n:
-            with self._run_lock:
-                self._cache = (offset, buf)
-        return True
-
-    def _launch(self, i: int) -> None:
-        """Start fetching unit i and the ones after it (still unread), within the read-ahead bounds
-        (`_run_lock` held)."""
-        window, budget = settings()["concurrency"], AHEAD_BYTES
-        for k in range(i, len(self._plan)):
-            start, end = self._plan[k]
-            if k - i >= window or (k > i and budget < end - start):
-                break
-            budget -= end - start
-            if (
-                k in self._ahead
-                or self._plan_at.get(start) not in (k, None)
-                or (k > i and start not in self._plan_at)
-            ):
-                continue
-            buf = bytearray(end - start)
-            view = memoryview(buf)
-            self._ahead[k] = (
-                buf,
-                [
-                    _pool().submit(self._part, view, start, s, min(s + PART_BYTES, end - start))
-                    for s in range(0, end - start, PART_BYTES)
-                ],
-            )
-
-    def _fetch(self, mv, offset: int, n: int) -> None:
-        parts = [(s, min(s + PART_BYTES, n)) for s in range(0, n, PART_BYTES)]
-        if len(parts) <= 1:
-            if n:
-                self._part(mv, offset, 0, n)
-            return
-        futures = [_pool().submit(self._part, mv, offset, s, e) for s, e in parts]
-        for f in futures:
-            f.result()
-
-    def _part(self, mv, offset: int, start: int, end: int) -> None:
-        got = 0
-        want = end - start
-        cfg = settings()
-        failures = 0
-
-        def sink(chunk) -> None:
-            nonlocal got
-            k = len(chunk)
-            if got + k > want:
-                raise RemoteRetry(f"the server sent more than the {want} bytes asked for")
-            mv[start + got : start + got + k] = chunk
-            got += k
-            with self._lock:
-                self.fetched += k
-
-        while got < want:
-            before = got
-            try:
-                self.backend.fetch(self, offset + start + got, offset + end, sink, cfg["timeout_s"])
-                if got < want:
-                    raise RemoteRetry(f"the body ended after {got} of {want} bytes")
-            except RemoteChanged as exc:
-                raise FormatError(
-                    f"the object changed while it was being read (pinned version {self.version}, "
-                    f"now {exc or 'another'}); nothing read from it is used",
-                    path=self.url,
-                    hint="rerun once the writer has finished; a remote input must not change "
-                    "during a command",
-                ) from None
-            except RemoteMissing:
-                raise MissingFileError(
-                    "the object is gone (it was listed when the command started)",
-                    path=self.url,
-                    hint="it was deleted mid-read; rerun",
-                ) from None
-            except RemoteDenied as exc:
-                raise UsageError(str(exc), path=self.url) from None
-            except RemoteRetry as exc:
-                failures = 0 if got > before else failures + 1
-                if failures > cfg["retries"]:
-                    raise CkptError(
-                        f"reading bytes [{offset + start + got}, {offset + end}) failed "
-                        f"{failures} times in a row: {exc}",
-                        path=self.url,
-                        hint="the server or the link is failing; retry later (CKPT_REMOTE_RETRIES, "
-                        "CKPT_REMOTE_TIMEOUT raise the patience)",
-                    ) from None
-                time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
+def is_url(value) -> bool:
+    """Whether `value` names a remote input: a RemotePath, or a URL string."""
+    return isinstance(value, RemotePath) or parse_url(value) is not None
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+# ------------------------------------------------------------------------------------ sessions
+class Session:
+    """The stores one command opened (so it sees one listing and one version of each object) and the
+    objects it read."""
+
+    def __init__(self) -> None:
+        self.stores: dict[tuple, RemoteStore] = {}
+        self.objects: list[RemoteObject] = []
+        self.lock = threading.Lock()
+
+    def bytes_fetched(self) -> int:
+        return sum(o.fetched for o in list(self.objects))
+
+    def input_bytes(self) -> int:
+        return sum(o.size for o in list(self.objects))
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=settings()["concurrency"], thread_name_prefix="ckpt-fetch")
-        return _POOL
+_SESSION: Session | None = None
+_SESSION_LOCK = threading.Lock()
 
 
-# ------------------------------------------------------------------------------------ the shadow trees
-_BY_INODE: dict[tuple[int, int], RemoteObject] = {}
-_MOUNTS: dict[str, tuple[Path, RemoteUrl]] = {}  # url text -> (shadow root, url)
-_SHADOW: list[Path] = []  # the temp dirs holding shadow trees
-_ABSENT: dict[str, CkptError] = {}  # url text -> the missing-path error its listing gave
-_STAND_INS: dict[tuple[int, int], str] = {}  # placeholders made outside a shadow tree -> their path
-_MOUNT_LOCK = threading.Lock()
+@contextlib.contextmanager
+def session() -> Iterator[Session]:
+    """The remote session of the running command: a new one, or the one already open (an api call inside
+    the CLI's command)."""
+    global _SESSION
+    with _SESSION_LOCK:
+        mine = _SESSION is None
+        if mine:
+            _SESSION = Session()
+        s = _SESSION
+    assert s is not None
+    try:
+        yield s
+        if mine:  # a clean end: what was fetched ahead and never read still arrives, and is counted
+            for obj in list(s.objects):
+                obj.settle()
+    finally:
+        if mine:
+            with _SESSION_LOCK:
+                _SESSION = None
+
+
+def current_session() -> Session | None:
+    return _SESSION
 
 
 def active() -> bool:
-    """Whether any URL is mounted in this process (the local-only fast path checks this first)."""
-    return bool(_BY_INODE)
-
-
-def object_of_stat(st: os.stat_result) -> RemoteObject | None:
-    return _BY_INODE.get((st.st_dev, st.st_ino)) if _BY_INODE else None
-
-
-def object_of_fd(fd: int) -> RemoteObject | None:
-    """The remote object behind `fd` (a placeholder opened by `inputs.open_input`), else None."""
-    if not _BY_INODE:
-        return None
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return None
-    return _BY_INODE.get((st.st_dev, st.st_ino))
-
-
-def is_remote_path(path) -> bool:
-    return mount_root_of(path) is not None
-
-
-def mount_root_of(path) -> Path | None:
-    """The root of the shadow tree `path` lies in (a mounted URL), else None. What is above that root
-    stands for nothing: a resolver looking around an input (a run's configs) must stop there."""
-    found = _mount_of(path) if _BY_INODE else None
-    return found[0] if found else None
-
-
-def url_of(path) -> str | None:
-    """The URL a path in a shadow tree stands for (the mounted URL, or a file or dir below it), else None."""
-    found = _mount_of(path)
-    if not found:
-        return None
-    _root, text, rel = found
-    return text if rel == "." else text.rstrip("/") + "/" + rel.replace(os.sep, "/")
-
-
-def _mount_of(path) -> tuple[Path, str, str] | None:
-    """(root, URL, path relative to the root) of the mount `path` lies in."""
-    real = os.path.realpath(path)
-    for text, (root, _url) in list(_MOUNTS.items()):
-        if real == str(root) or real.startswith(str(root) + os.sep):
-            return root, text, os.path.relpath(real, root)
-    return None
-
-
-def link_stand_in(src, dst) -> RemoteObject:
-    """`dst` (new) made a second name of the remote object whose placeholder is `src`, so that an output
-    bound for a URL holding an input's file unchanged (set-lr's data files) has `io.upload` copy the object
-    (server-side where the store can), nothing fetched here: a hard link of the placeholder, else (another
-    filesystem) a new placeholder registered until `forget_under` its dir. Either reads as the object."""
-    obj = object_of_stat(os.stat(src))
-    if obj is None:
-        raise ValueError(f"{src} is not a remote object's placeholder")
-    try:
-        os.link(src, dst, follow_symlinks=False)
-        return obj
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-            raise
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
-    try:
-        os.ftruncate(fd, obj.size)
-        new = os.fstat(fd)
-    finally:
-        os.close(fd)
-    with _MOUNT_LOCK:
-        _BY_INODE[(new.st_dev, new.st_ino)] = obj
-        _STAND_INS[(new.st_dev, new.st_ino)] = os.path.realpath(dst)
-    return obj
-
-
-def forget_under(directory) -> None:
-    """Unregister the new placeholders of `link_stand_in` under `directory`, before it is removed (a
-    freed inode must never be taken for a remote object later)."""
-    top = os.path.realpath(directory) + os.sep
-    with _MOUNT_LOCK:
-        for ident in [i for i, where in _STAND_INS.items() if where.startswith(top)]:
-            del _STAND_INS[ident]
-            _BY_INODE.pop(ident, None)
-
-
-def _shadow_dir() -> Path:
-    d = Path(tempfile.mkdtemp(prefix="ckpt-remote-"))
-    _SHADOW.append(d)
-    if len(_SHADOW) == 1:
-        atexit.register(reset)
-    return d
-
-
-def mount(value, *, what: str = "input") -> Path:
-    """The local shadow path standing for the URL `value` (a file or a tree); listed and pinned once."""
-    url = parse_url(value)
-    if url is None:
-        raise UsageError(f"not a URL: {value!r}")
-    with _MOUNT_LOCK:
-        known = _MOUNTS.get(url.text)
-        if known is not None:
-            return known[0]
-        if url.text in _ABSENT:  # listed once and nothing there: the same answer, not a second listing
-            raise _ABSENT[url.text]
-        from .remote_backends import backend_for
-
-        backend = backend_for(url)
-        try:
-            entries = _listed(backend, url)  # [(rel path or "" for the object itself, size, version, ref)]
-            if not entries:
-                raise MissingFileError(
-                    "no such file or directory (nothing at this URL)",
-                    path=url.text,
-                    hint="check the bucket/repo, the revision and the path",
-                )
-        except (MissingPathError, MissingFileError) as exc:
-            _ABSENT[url.text] = exc
-            raise
-        root = _shadow_dir() / url.name
-        for rel, size, version, ref in entries:
-            p = root / rel if rel else root
-            p.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
-            try:
-                os.ftruncate(fd, size)
-                st = os.fstat(fd)
-            finally:
-                os.close(fd)
-            shown = url.text + ("/" + rel if rel else "")
-            _BY_INODE[(st.st_dev, st.st_ino)] = RemoteObject(shown, size, version, backend, ref)
-        if root.is_dir():
-            os.chmod(root, 0o500)
-        _MOUNTS[url.text] = (root, url)
-        add_display(root, url.text)
-        return root
-
-
-def _listed(backend, url: RemoteUrl):
-    """`backend.list(url)`, transient failures retried with backoff as reads are."""
-    cfg, failures = settings(), 0
-    while True:
-        try:
-            return backend.list(url)
-        except RemoteRetry as exc:
-            failures += 1
-            if failures > cfg["retries"]:
-                raise CkptError(
-                    f"listing failed {failures} times in a row: {exc}",
-                    path=url.text,
-                    hint="the server or the link is failing; retry later",
-                ) from None
-            time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
-        except RemoteDenied as exc:
-            raise UsageError(str(exc), path=url.text) from None
-        except RemoteMissing:
-            raise MissingPathError(url.text) from None
+    """Whether the running command has opened any remote object."""
+    s = _SESSION
+    return bool(s is not None and s.objects)
 
 
 def bytes_fetched() -> int:
-    """Bytes received from every remote object so far (retried bytes counted again)."""
-    return sum(o.fetched for o in _objects())
+    """Bytes received by the running command from every remote object (retried bytes counted again)."""
+    s = _SESSION
+    return s.bytes_fetched() if s is not None else 0
 
 
-def mounted_bytes() -> int:
-    """The total size of every mounted remote object (the inputs' size)."""
-    return sum(o.size for o in _objects())
-
-
-def _objects() -> list[RemoteObject]:
-    """Every mounted object once (a stand-in is a second inode of one)."""
-    return list({id(o): o for o in list(_BY_INODE.values())}.values())
+def input_bytes() -> int:
+    """The total size of the remote objects the running command opened."""
+    s = _SESSION
+    return s.input_bytes() if s is not None else 0
 
 
 def check_unchanged() -> None:
-    """Every object read so far still has the version pinned at open, else a FormatError naming it
-    (called before an output is committed)."""
-    for obj in _objects():
-        if obj.fetched and obj.version is not None:
-            now = obj.backend.version_now(obj)
-            if now is not None and now != obj.version:
-                raise FormatError(
-                    f"the object changed while the command ran (version {obj.version} at open, "
-                    f"{now} now); nothing was written",
-                    path=obj.url,
-                    hint="rerun once the writer has finished",
+    """Every object the running command read still has the identity pinned when it was opened, else a
+    FormatError naming it (called before an output is committed)."""
+    s = _SESSION
+    for obj in list(s.objects) if s is not None else []:
+        if obj.fetched:
+            obj.check_unchanged()
+
+
+# ------------------------------------------------------------------------------------ stores
+def _split(url: RemoteUrl) -> tuple[str, tuple[str, ...]]:
+    """(the store's root, the path's segments below it) of `url`."""
+    segs = url.path.split("/")
+    n = 1
+    if url.scheme == "hf":
+        n = 3 if segs[0] in ("datasets", "spaces", "buckets") else 2
+        if len(segs) < n or not all(segs[:n]):
+            raise UsageError(
+                "a Hub URL is hf://ORG/NAME[@REV][/PATH] (hf://datasets/..., hf://buckets/NS/NAME/...)",
+                path=url.shown,
+            )
+    root, rest = "/".join(segs[:n]), segs[n:]
+    if not root:
+        raise UsageError("the URL names no bucket, host or repo", path=url.shown)
+    parts = tuple(unquote(s) for s in rest) if url.scheme in ("http", "https") else tuple(rest)
+    if any(not _plain(p) for p in parts):
+        raise UsageError(
+            "the URL has an empty, `.` or `..` segment: it names no single object",
+            path=url.shown,
+            hint="write the path without them",
+        )
+    return root, parts
+
+
+def _plain(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+class RemoteStore:
+    """One bucket, host, or Hub repo at one commit, as one command sees it: what it listed, stat'ed and
+    opened. `url`: a URL of the store with its credentials (the requests'), `root`: the bucket/host/repo."""
+
+    def __init__(self, url: RemoteUrl, root: str, session: Session | None):
+        self.url, self.root, self.session = url, root, session
+        self.shown_root = f"{url.scheme_as_given}://{root}"
+        self._backend = None
+        self._dirs: dict[tuple[str, ...], dict | None] = {}  # listed dirs: name -> Listed (None: not a dir)
+        self._known: dict[tuple[str, ...], object] = {}  # path -> Listed, or None (nothing there)
+        self._objects: dict[tuple[str, ...], RemoteObject] = {}
+        self._lock = threading.RLock()
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            self._backend = _backend_for(self.url, self.root)
+        return self._backend
+
+    def shown(self, parts: tuple[str, ...]) -> str:
+        if self.url.scheme in ("http", "https"):
+            parts = tuple(quote(p, safe="!$&'()*+,;=:@~") for p in parts)
+        return "/".join((self.shown_root, *parts))
+
+    def _retried(self, what: str, fn, parts):
+        """`fn(parts, shown)`, transient failures retried with backoff; refused credentials a UsageError."""
+        cfg, failures, shown = settings(), 0, self.shown(parts)
+        while True:
+            try:
+                return fn(parts, shown)
+            except RemoteRetry as exc:
+                failures += 1
+                own = getattr(self.backend, "client_retries", False)
+                if failures > (0 if own else cfg["retries"]):
+                    raise CkptError(
+                        f"{what} failed "
+                        + ("after the client's own retries" if own else f"{failures} times in a row")
+                        + f": {exc}",
+                        path=shown,
+                        hint="the server or the link is failing; retry later",
+                    ) from None
+                time.sleep(min(cfg["backoff_s"] * (2 ** (failures - 1)), 30.0))
+            except RemoteDenied as exc:
+                raise UsageError(str(exc), path=shown) from None
+
+    def listing(self, parts: tuple[str, ...]) -> dict | None:
+        """The entries of the directory `parts` by name, listed once and validated; None if it is none."""
+        with self._lock:
+            if parts in self._dirs:
+                return self._dirs[parts]
+            try:
+                raw = self._retried("listing", self.backend.list_dir, parts)
+            except RemoteMissing:
+                raw = None
+            got = None if raw is None else _validated(raw, self.shown(parts))
+            self._dirs[parts] = got
+            if got is not None:
+                from .remote_backends import Listed
+
+                self._known[parts] = Listed(parts[-1] if parts else self.root, True)
+            return got
+
+    def entry(self, parts: tuple[str, ...], anchor: int):
+        """What is at `parts` (a `Listed` file or directory), None when nothing is. A path strictly below
+        the URL the user gave (`anchor` segments) is found in its parent's listing (probed by name where
+        a listing may hide names); one at or above it is stat'ed, its parent never listed for it."""
+        with self._lock:
+            if parts in self._known:
+                return self._known[parts]
+            if parts and (parts[:-1] in self._dirs or len(parts) > anchor):
+                if parts[:-1] not in self._dirs:
+                    parent = self.entry(parts[:-1], anchor)
+                    if parent is None or not parent.is_dir:  # inside nothing, or inside a file
+                        self._known[parts] = None
+                        return None
+                listing = self.listing(parts[:-1])
+                found = None if listing is None else listing.get(parts[-1])
+                if found is None and listing is not None and self.backend.hides_names:
+                    found = self._stat(parts)
+                    if found is not None:
+                        listing[parts[-1]] = found
+            else:
+                found = self._stat(parts)
+            self._known[parts] = found
+            return found
+
+    def _stat(self, parts):
+        b = self.backend
+        if not b.stat_first and self.listing(parts) is not None:
+            return self._known[parts]
+        try:
+            found = self._retried("looking it up", b.stat, parts)
+        except RemoteMissing:
+            return None
+        if found is not None and found.is_dir is False:
+            _check_size(found.name, found.size, self.shown(parts))
+        return found
+
+    def open(self, parts: tuple[str, ...], anchor: int, what: str) -> RemoteObject:
+        """The object at `parts`, its identity pinned (opened once per command)."""
+        with self._lock:
+            obj = self._objects.get(parts)
+            if obj is not None:
+                return obj
+            shown = self.shown(parts)
+            e = self.entry(parts, anchor)
+            if e is None:
+                raise MissingFileError(f"no such {what}", path=shown)
+            if e.is_dir:
+                raise UnsafeInputError(
+                    f"{what} is a directory, expected a regular file; refusing to open it", path=shown
                 )
+            if e.size is None or e.identity is None:  # an index page's entry: its size and identity by HEAD
+                e = self._retried("looking it up", self.backend.stat, parts)
+                if e is None or e.is_dir or e.size is None:
+                    raise MissingFileError(f"{what} is not served as a file with a size", path=shown)
+                _check_size(e.name, e.size, shown)
+            obj = RemoteObject(shown, int(e.size), e.identity, self.backend, e.ref)
+            self._objects[parts] = obj
+            if self.session is not None:
+                with self.session.lock:
+                    self.session.objects.append(obj)
+            return obj
 
 
-def reset() -> None:
-    """Forget every mount and remove the shadow trees (atexit; tests)."""
-    with _MOUNT_LOCK:
-        _BY_INODE.clear()
-        _STAND_INS.clear()
-        _MOUNTS.clear()
-        _ABSENT.clear()
-        clear_display()
-        while _SHADOW:
-            d = _SHADOW.pop()
-            for dirpath, dirnames, _ in os.walk(d):
-                for name in dirnames:
-                    os.chmod(os.path.join(dirpath, name), stat.S_IRWXU)
-            shutil.rmtree(d, ignore_errors=True)
+def _backend_for(url: RemoteUrl, root: str):
+    """The backend of the store `root` (the bucket, host or repo of `url`), imported on first use."""
+    if url.scheme in ("http", "https"):
+        from .remote_http import HttpBackend
+
+        return HttpBackend(url, root)
+    from .remote_backends import FsspecBackend, HfBackend, S3Backend
+
+    if url.scheme == "s3":
+        return S3Backend(root)
+    if url.scheme == "hf":
+        return HfBackend(root)
+    return FsspecBackend(url.scheme, root)
+
+
+def _check_size(name, size, shown: str) -> None:
+    if size is not None and (
+        isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_OBJECT_BYTES
+    ):
+        raise UnsafeInputError(
+            f"the listing gives {name!r} a size of {size!r} bytes, beyond any object a store "
+            f"holds ({MAX_OBJECT_BYTES:,}); refusing the listing",
+            path=shown,
+            hint="the server's listing is crafted or damaged; nothing was read or written",
+        )
+
+
+def _validated(raw, shown: str) -> dict:
+    """A listing as {name: Listed}, each name one plain segment, listed once, with a sane size."""
+    if len(raw) > MAX_LISTED:
+        raise UnsafeInputError(
+            f"the listing holds {len(raw):,} entries, over the {MAX_LISTED:,} a directory may "
+            "hold here; refusing it",
+            path=shown,
+            hint="name a directory further down",
+        )
+    out: dict = {}
+    for e in raw:
+        if not _plain(e.name):
+            raise UnsafeInputError(
+                f"the listing names {e.name!r}, which is not one plain name inside this "
+                "directory (an empty, `.` or `..` segment, a `/` or a NUL); refusing the listing",
+                path=shown,
+                hint="the server's listing is crafted or damaged; nothing was read or written",
+            )
+        if e.name in out:
+            both = out[e.name].is_dir != e.is_dir
+            raise UnsafeInputError(
+                f"the listing names {e.name!r} "
+                + ("both as a file and as a directory" if both else "twice")
+                + "; refusing the listing",
+                path=shown,
+                hint="the server's listing is crafted or damaged; nothing was read or written",
+            )
+        if not e.is_dir:
+            _check_size(e.name, e.size, shown)
+        out[e.name] = e
+    return out
+
+
+# ------------------------------------------------------------------------------------ paths
+class RemoteStat:
+    """What `RemotePath.stat()` gives: a file's size, or a directory (read-only modes)."""
+
+    def __init__(self, size: int, is_dir: bool):
+        self.st_size = size
+        self.st_mode = (stat_.S_IFDIR | 0o555) if is_dir else (stat_.S_IFREG | 0o444)
+        self.st_blocks = (size + 511) // 512
+        self.st_mtime = self.st_mtime_ns = self.st_dev = self.st_ino = 0
+        self.st_nlink = 1
+
+
+class RemotePath:
+    """A file or directory of a URL (module docstring). Immutable; hashable; sorted by its text."""
+
+    __slots__ = ("_anchor", "_parts", "_store")
+
+    def __init__(self, store: RemoteStore, parts: tuple[str, ...], anchor: int):
+        self._store, self._parts, self._anchor = store, parts, anchor
+
+    # ---- pure
+    def __str__(self) -> str:
+        return self._store.shown(self._parts)
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def as_posix(self) -> str:
+        return str(self)
+
+    def __copy__(self) -> RemotePath:
+        return self
+
+    def __deepcopy__(self, memo) -> RemotePath:  # immutable; its store is the command's, shared
+        return self
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RemotePath) and other._store is self._store and other._parts == self._parts
+
+    def __hash__(self) -> int:
+        return hash((id(self._store), self._parts))
+
+    def __lt__(self, other) -> bool:
+        return str(self) < str(other)
+
+    def __le__(self, other) -> bool:
+        return str(self) <= str(other)
+
+    def __gt__(self, other) -> bool:
+        return str(self) > str(other)
+
+    def __ge__(self, other) -> bool:
+        return str(self) >= str(other)
+
+    def _at(self, parts: tuple[str, ...]) -> RemotePath:
+        return RemotePath(self._store, parts, self._anchor)
+
+    @property
+    def name(self) -> str:
+        return self._parts[-1] if self._parts else ""
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.name).suffix if self.name else ""
+
+    @property
+    def suffixes(self) -> list[str]:
+        return PurePosixPath(self.name).suffixes if self.name else []
+
+    @property
+    def stem(self) -> str:
+        return PurePosixPath(self.name).stem if self.name else ""
+
+    @property
+    def parent(self) -> RemotePath:
+        return self._at(self._parts[:-1])
+
+    @property
+    def parents(self) -> tuple[RemotePath, ...]:
+        return tuple(self._at(self._parts[:i]) for i in range(len(self._parts) - 1, -1, -1))
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return (self._store.shown_root, *self._parts)
+
+    def joinpath(self, *others) -> RemotePath | Path:
+        out: RemotePath | Path = self
+        for o in others:
+            out = out / o
+        return out
+
+    def __truediv__(self, other) -> RemotePath | Path:
+        text = str(other) if isinstance(other, PurePosixPath) else other
+        if not isinstance(text, str):
+            return NotImplemented
+        if text.startswith("/"):  # as pathlib: an absolute path replaces this one (a local path)
+            return Path(text)
+        parts = list(self._parts)
+        for seg in text.split("/"):
+            if seg in ("", "."):
+                continue
+            if seg == "..":
+                if parts:
+                    parts.pop()
+                continue
+            if "\0" in seg:
+                raise ValueError(f"a NUL byte in a path segment: {seg!r}")
+            parts.append(seg)
+        return self._at(tuple(parts))
+
+    def with_name(self, name: str) -> RemotePath:
+        if not self._parts or not _plain(name):
+            raise ValueError(f"{self!r} has an empty name, or {name!r} is not a plain name")
+        return self._at((*self._parts[:-1], name))
+
+    def with_suffix(self, suffix: str) -> RemotePath:
+        return self.with_name(str(PurePosixPath(self.name).with_suffix(suffix)))
+
+    def relative_to(self, other) -> PurePosixPath:
+        if not self.is_relative_to(other):
+            raise ValueError(f"{self!s} is not in the subpath of {other!s}")
+        return (
+            PurePosixPath(*self._parts[len(other._parts) :])
+            if len(self._parts) > len(other._parts)
+            else PurePosixPath(".")
+        )
+
+    def is_relative_to(self, other) -> bool:
+        return (
+            isinstance(other, RemotePath)
+            and other._store is self._store
+            and self._parts[: len(other._parts)] == other._parts
+        )
+
+    def match(self, pattern: str) -> bool:
+        return PurePosixPath("/", *self._parts).match(pattern)
+
+    def resolve(self, strict: bool = False) -> RemotePath:
+        return self
+
+    def absolute(self) -> RemotePath:
+        return self
+
+    def expanduser(self) -> RemotePath:
+        return self
+
+    @property
+    def url(self) -> RemoteUrl:
+        """The URL of this path, with the credentials of the one it came from (for requests)."""
+        return self._store.url.child("/".join(self._parts)) if self._parts else self._store.url
+
+    def within_given(self, other: RemotePath) -> bool:
+        """Whether this path lies at or below the URL the user gave for `other`."""
+        return (
+            other._store is self._store
+            and self._parts[: other._anchor] == other._parts[: other._anchor]
+            and len(self._parts) >= other._anchor
+        )
+
+    def given(self) -> RemotePath:
+        """The URL the user gave, that this path was reached from."""
+        return self._at(self._parts[: self._anchor])
+
+    # ---- what is there
+    def _entry(self):
+        return self._store.entry(self._parts, self._anchor)
+
+    def exists(self) -> bool:
+        return self._entry() is not None
+
+    def is_dir(self) -> bool:
+        e = self._entry()
+        return e is not None and e.is_dir
+
+    def is_file(self) -> bool:
+        e = self._entry()
+        return e is not None and not e.is_dir
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def is_fifo(self) -> bool:
+        return False
+
+    def is_socket(self) -> bool:
+        return False
+
+    def is_char_device(self) -> bool:
+        return False
+
+    def is_block_device(self) -> bool:
+        return False
+
+    def samefile(self, other) -> bool:
+        return self == other
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        if not self.is_dir():
+            raise NotADirectoryError(str(self)) if self.exists() else FileNotFoundError(str(self))
+        listing = self._store.listing(self._parts) or {}
+        return iter([self._at((*self._parts, n)) for n in sorted(listing)])
+
+    def glob(self, pattern: str) -> Iterator[RemotePath]:
+        segs = [s for s in pattern.split("/") if s not in ("", ".")]
+        return iter(sorted(set(self._glob(segs))))
+
+    def rglob(self, pattern: str) -> Iterator[RemotePath]:
+        return self.glob("**/" + pattern)
+
+    def _glob(self, segs: list[str]) -> Iterator[RemotePath]:
+        if not segs:
+            yield self
+            return
+        head, rest = segs[0], segs[1:]
+        if head == "**":
+            yield from self._glob(rest)
+            for c in self.iterdir() if self.is_dir() else []:
+                if c.is_dir():
+                    yield from c._glob(segs)
+        elif any(ch in head for ch in "*?["):
+            for c in self.iterdir() if self.is_dir() else []:
+                if fnmatch.fnmatchcase(c.name, head):
+                    yield from c._glob(rest)
+        else:
+            c = self._at((*self._parts, head))
+            if c.exists():
+                yield from c._glob(rest)
+
+    def stat(self) -> RemoteStat:
+        e = self._entry()
+        if e is None:
+            raise FileNotFoundError(f"no such file or directory: {self}")
+        if e.is_dir:
+            return RemoteStat(0, True)
+        return RemoteStat(self.open(what="file").size, False)
+
+    lstat = stat
+
+    def open(self, *, what: str = "file") -> RemoteObject:
+        """The object at this path, opened (its identity pinned) for range reads (`io.inputs` calls this;
+        a format never needs to)."""
+        return self._store.open(self._parts, self._anchor, what)
+
+
+def as_input(value) -> Path:
+    """An input as the read side takes it: a URL string (or RemotePath) as a RemotePath in the running
+    command's session, anything else as a local Path. Typed as a Path: a RemotePath has pathlib's reading
+    surface, which is all an input is used for (a write, `open()` or `os.*` of it fails loudly)."""
+    if isinstance(value, RemotePath):
+        return cast(Path, value)
+    url = parse_url(value)
+    if url is None:
+        return value if isinstance(value, Path) else Path(value)
+    root, parts = _split(url)
+    s = _SESSION
+    key = ("gs" if url.scheme == "gcs" else url.scheme, url.userinfo, root, url.query)
+    store = s.stores.get(key) if s is not None else None
+    if store is None and s is not None and not url.userinfo and not url.query:
+        # the URL as shown (a plan's text, a message's) of a store this command opened with credentials:
+        # that store, credentials and all, when there is one such
+        same = [st for k, st in s.stores.items() if k[0] == key[0] and k[2] == root]
+        store = same[0] if len(same) == 1 else None
+    if store is None:
+        store = RemoteStore(url, root, s)
+        if s is not None:
+            s.stores[key] = store
+    return cast(Path, RemotePath(store, parts, len(parts)))

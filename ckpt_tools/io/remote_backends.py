@@ -1,38 +1,83 @@
-"""The remote protocols behind `io.remote`: list a URL (each object with its size and pinned version)
-and fetch a byte range of one object into a sink, streaming, so that a broken body is resumed from
-the byte where it stopped. Each backend maps its protocol's failures onto `RemoteChanged` (the pinned
-version is gone), `RemoteMissing`, `RemoteDenied` (naming the variable to set) and `RemoteRetry`
-(transient). Imported only when a URL is used; the packages are the `remote` extra."""
+"""The remote protocols behind `io.remote`, each through its ecosystem's own client: list one directory
+level, stat one path, and fetch a byte range of one object into a sink (streaming where the client
+streams, so a broken body is resumed from the byte where it stopped).
+
+    s3://     s3fs's aiobotocore client (botocore's credential chain, AWS_ENDPOINT_URL); ranges pinned by
+              `IfMatch` on the ETag
+    hf://     huggingface_hub (HfFileSystem for listings, the resolve endpoint for ranges; HF_TOKEN,
+              HF_ENDPOINT): a repo read at the commit its revision had at open; a bucket's files by Xet hash
+    gs://     gcsfs in version-aware mode: each object pinned by its generation, ranges through
+              `cat_file(path, start, end)` of that generation (gcloud ADC, STORAGE_EMULATOR_HOST)
+    http(s):// `io.remote_http`
+    other     any installed fsspec protocol: `ls`, `info`, `cat_file(path, start, end)`
+
+A backend addresses paths by their segments below the store's root (the bucket, the host, the repo), and
+maps its client's failures onto `RemoteChanged` (the pinned identity is gone), `RemoteMissing`,
+`RemoteDenied` (naming what to set) and `RemoteRetry` (transient). Listings come back raw: `io.remote`
+validates them. Imported only when a URL is used; the packages are the `remote` extra."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
-import posixpath
+from dataclasses import dataclass
+from typing import Any
 
-from ..core.errors import MissingPathError, UsageError
-from .remote_url import RemoteChanged, RemoteDenied, RemoteMissing, RemoteRetry, RemoteUrl
+from ..core.errors import CkptError, UsageError
+from .remote_url import RemoteChanged, RemoteDenied, RemoteMissing, RemoteRetry
 
 __all__ = [
     "Backend",
     "FsspecBackend",
     "HfBackend",
-    "HttpBackend",
+    "Identity",
+    "Listed",
     "S3Backend",
-    "backend_for",
     "in_repo",
+    "need",
     "run_sync",
     "s3_error",
 ]
 
-_EXTRA_HINT = "install the remote extra: pip install 'ckpt-tools[remote]'"
+EXTRA_HINT = "install the remote extra: pip install 'ckpt-tools[remote]'"
 _AWS_VARS = (
     "set AWS_PROFILE (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for another endpoint)"
 )
 _HF_VARS = "set HF_TOKEN (or run `hf auth login`) with a token that can read this repo"
+GCS_CREDENTIALS_HINT = (
+    "set GOOGLE_APPLICATION_CREDENTIALS to a service account key file, or run "
+    "`gcloud auth application-default login` (STORAGE_EMULATOR_HOST for another endpoint)"
+)
 
 
-def _need(module: str, scheme: str):
+@dataclass(frozen=True)
+class Identity:
+    """What pins one version of an object: `kind` "etag" (S3, HTTP), "generation" (GCS), "commit" (a Hub
+    repo's sha), "xet" (a Hub bucket file's hash), "mtime" (an HTTP Last-Modified, with the size), "none"
+    (an HTTP server that sends neither: such an object may be read by one request only)."""
+
+    kind: str
+    value: str | None
+
+    def __str__(self) -> str:
+        return self.value or "(none)"
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One entry of a listing or a stat: a file (its size, identity and the backend's address of it, where
+    the listing gives them; None where it does not: an index page) or a directory."""
+
+    name: str
+    is_dir: bool
+    size: int | None = None
+    identity: Identity | None = None
+    ref: Any = None
+
+
+def need(module: str, scheme: str):
     import importlib
 
     try:
@@ -40,35 +85,8 @@ def _need(module: str, scheme: str):
     except ImportError:
         raise UsageError(
             f"reading {scheme}:// needs the package {module.split('.')[0]}, which is not installed",
-            hint=_EXTRA_HINT,
+            hint=EXTRA_HINT,
         ) from None
-
-
-class Backend:
-    scheme = ""
-
-    def list(self, url: RemoteUrl) -> list[tuple[str, int, str | None, object]]:
-        raise NotImplementedError
-
-    def fetch(self, obj, start: int, end: int, sink, timeout_s: float) -> None:
-        raise NotImplementedError
-
-    def version_now(self, obj) -> str | None:
-        return None
-
-
-def backend_for(url: RemoteUrl) -> Backend:
-    if url.scheme == "s3":
-        return S3Backend()
-    if url.scheme in ("http", "https"):
-        return HttpBackend()
-    if url.scheme == "hf":
-        return HfBackend()
-    if url.scheme in ("gs", "gcs"):
-        from .remote_gcs import GcsBackend
-
-        return GcsBackend()
-    return FsspecBackend(url.scheme)
 
 
 def run_sync(loop, coro, timeout_s: float):
@@ -76,23 +94,53 @@ def run_sync(loop, coro, timeout_s: float):
     from fsspec.asyn import sync
 
     try:
-        return sync(loop, asyncio.wait_for, coro, timeout_s * 4 + 5)
+        return sync(loop, asyncio.wait_for, coro, timeout_s)
     except TimeoutError as exc:
         raise RemoteRetry(f"timed out ({type(exc).__name__})") from None
 
 
+class Backend:
+    """One store (a bucket, a host, a repo at one commit). `hides_names`: a listing may leave names out
+    (an HTTP index page hides dotfiles): a name looked up and not listed is probed. `stat_first`: a path
+    not yet known is stat'ed before it is listed (listing a file URL over HTTP would fetch it)."""
+
+    scheme = ""
+    hides_names = False
+    stat_first = False
+    client_retries = False  # the client retries transient failures itself (then io.remote does not)
+    retry_grace_s = 0.0  # what the client's own retries may add to a read's deadline
+
+    def list_dir(self, parts: tuple[str, ...], shown: str) -> list[Listed]:
+        """The entries directly inside `parts` (names as the server gives them); RemoteMissing when it
+        holds nothing (not a directory)."""
+        raise NotImplementedError
+
+    def stat(self, parts: tuple[str, ...], shown: str) -> Listed | None:
+        """The file or directory at `parts`, None when nothing is there."""
+        raise NotImplementedError
+
+    def fetch(self, obj, start: int, end: int, sink, timeout_s: float, deadline_s: float) -> None:
+        """Bytes [start, end) of `obj` (a RemoteObject), as pinned, passed to `sink` as they arrive."""
+        raise NotImplementedError
+
+    def identity_now(self, obj) -> Identity | None:
+        """The object's identity now (Identity("gone", None) when deleted), None when it cannot be told."""
+        return None
+
+
 # ------------------------------------------------------------------------------------ S3
 class S3Backend(Backend):
-    """s3fs's client (credentials and AWS_ENDPOINT_URL from botocore's own chain); reads pinned by
-    `IfMatch` on the ETag (and VersionId where the bucket is versioned)."""
+    """s3fs's aiobotocore client; ranges pinned by `IfMatch` on the ETag."""
 
     scheme = "s3"
 
-    def __init__(self):
-        s3fs = _need("s3fs", "s3")
+    def __init__(self, bucket: str = ""):
+        s3fs = need("s3fs", "s3")
+        self.bucket = bucket
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, version_aware=False)
+        self.endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
-    def _client(self):
+    def client(self):
         from fsspec.asyn import sync
 
         try:
@@ -100,52 +148,54 @@ class S3Backend(Backend):
         except Exception as exc:
             raise s3_error(exc, "") from None
 
-    def list(self, url):
-        path = url.path
-        client = self._client()
-        bucket, _, key = path.partition("/")
-        out = []
+    def _call(self, coro, shown: str):
         try:
-            try:
-                head = run_sync(self.fs.loop, client.head_object(Bucket=bucket, Key=key), 60) if key else None
-            except Exception as exc:
-                err = s3_error(exc, url.text)
-                if not isinstance(err, RemoteMissing):
-                    raise err from None
-                head = None
-            if head is not None:
-                return [("", head["ContentLength"], head["ETag"], (bucket, key))]
-            prefix = key + "/" if key else ""
-            token = None
-            while True:
-                kw = {"Bucket": bucket, "Prefix": prefix}
-                if token:
-                    kw["ContinuationToken"] = token
-                page = run_sync(self.fs.loop, client.list_objects_v2(**kw), 60)
-                for o in page.get("Contents", []):
-                    rel = o["Key"][len(prefix) :]
-                    if rel and not rel.endswith("/"):
-                        out.append((rel, o["Size"], o["ETag"], (bucket, o["Key"])))
-                if not page.get("IsTruncated"):
-                    break
-                token = page["NextContinuationToken"]
-        except (RemoteDenied, RemoteRetry):
+            return run_sync(self.fs.loop, coro, 60)
+        except RemoteRetry:
             raise
-        except RemoteMissing:
-            out = []
         except Exception as exc:
-            raise s3_error(exc, url.text) from None
+            raise s3_error(exc, shown) from None
+
+    def list_dir(self, parts, shown):
+        prefix = "/".join(parts) + "/" if parts else ""
+        client, out, token = self.client(), [], None
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/"}
+            if token:
+                kw["ContinuationToken"] = token
+            page = self._call(client.list_objects_v2(**kw), shown)
+            for o in page.get("Contents", []):
+                name = o["Key"][len(prefix) :]
+                if name:  # (`dir/` itself: a folder marker a console makes, no entry)
+                    out.append(Listed(name, False, o.get("Size"), Identity("etag", o.get("ETag")), o["Key"]))
+            out += [Listed(p["Prefix"][len(prefix) : -1], True) for p in page.get("CommonPrefixes", [])]
+            if not page.get("IsTruncated"):
+                break
+            token = page["NextContinuationToken"]
         if not out:
-            raise MissingPathError(url.text)
+            raise RemoteMissing(shown)
         return out
 
-    def fetch(self, obj, start, end, sink, timeout_s):
-        bucket, key = obj.ref
-        client = self._client()
+    def stat(self, parts, shown):
+        key = "/".join(parts)
+        if key:
+            try:
+                head = self._call(self.client().head_object(Bucket=self.bucket, Key=key), shown)
+                return Listed(parts[-1], False, head["ContentLength"], Identity("etag", head["ETag"]), key)
+            except RemoteMissing:
+                pass
+        try:
+            self.list_dir(parts, shown)
+        except RemoteMissing:
+            return None
+        return Listed(parts[-1] if parts else self.bucket, True)
+
+    def fetch(self, obj, start, end, sink, timeout_s, deadline_s):
+        client = self.client()
 
         async def get():
             resp = await client.get_object(
-                Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=obj.version
+                Bucket=self.bucket, Key=obj.ref, Range=f"bytes={start}-{end - 1}", IfMatch=obj.identity.value
             )
             body = resp["Body"]
             try:
@@ -158,19 +208,22 @@ class S3Backend(Backend):
                 body.close()
 
         try:
-            run_sync(self.fs.loop, get(), timeout_s)
+            run_sync(self.fs.loop, get(), deadline_s)
         except (RemoteRetry, RemoteChanged):
             raise
         except Exception as exc:
             raise s3_error(exc, obj.url) from None
 
-    def version_now(self, obj):
-        bucket, key = obj.ref
+    def identity_now(self, obj):
         try:
-            return run_sync(self.fs.loop, self._client().head_object(Bucket=bucket, Key=key), 60)["ETag"]
-        except Exception as exc:
-            err = s3_error(exc, obj.url)
-            return "(deleted)" if isinstance(err, RemoteMissing) else None
+            return Identity(
+                "etag",
+                self._call(self.client().head_object(Bucket=self.bucket, Key=obj.ref), obj.url)["ETag"],
+            )
+        except RemoteMissing:
+            return Identity("gone", None)
+        except Exception:
+            return None
 
 
 def s3_error(exc: Exception, where: str) -> Exception:
@@ -193,241 +246,113 @@ def s3_error(exc: Exception, where: str) -> Exception:
         "InvalidToken",
     ) or status in (401, 403):
         return RemoteDenied(f"S3 refused the credentials for {where} ({code or status}): {_AWS_VARS}")
-    if (
-        isinstance(exc, (OSError, asyncio.TimeoutError))
-        or name
-        in (
-            "ReadTimeoutError",
-            "ConnectTimeoutError",
-            "EndpointConnectionError",
-            "ResponseStreamingError",
-            "IncompleteReadError",
-            "ClientPayloadError",
-            "ServerDisconnectedError",
-            "ConnectionClosedError",
-        )
-        or (status or 0) >= 500
-        or status == 429
-    ):
-        return RemoteRetry(f"{name}: {exc}")
     return RemoteRetry(f"{name}: {exc}")
-
-
-# ------------------------------------------------------------------------------------ HTTP(S)
-class HttpBackend(Backend):
-    """fsspec's HTTP filesystem (its aiohttp session): a file URL, or a directory URL whose page lists
-    its entries as links (a plain index page). Reads pinned by `If-Match` on the ETag seen at open."""
-
-    scheme = "http"
-
-    def __init__(self):
-        http = _need("fsspec.implementations.http", "http")
-        self.fs = http.HTTPFileSystem(skip_instance_cache=True)
-
-    def _info(self, u: str) -> dict:
-        try:
-            return self.fs.info(u)
-        except FileNotFoundError as exc:  # fsspec says "not found" for any failed HEAD and GET: a 503 too
-            cause = exc.__cause__
-            if cause is not None and getattr(cause, "status", 404) != 404:
-                raise _http_error(cause, u) from None
-            if cause is not None and not hasattr(cause, "status"):
-                raise RemoteRetry(f"{type(cause).__name__}: {cause}") from None
-            raise RemoteMissing(u) from None
-        except Exception as exc:
-            raise _http_error(exc, u) from None
-
-    def list(self, url):
-        base = url.text
-        try:
-            info = self._info(base)
-        except RemoteMissing:
-            raise MissingPathError(base) from None
-        if not (base.endswith("/") or str(info.get("mimetype", "")).startswith("text/html")):
-            return [("", int(info["size"]), info.get("ETag"), base)]
-        out, todo = [], [base.rstrip("/") + "/"]
-        while todo:
-            d = todo.pop()
-            try:
-                links = self.fs.ls(d, detail=False)
-            except Exception as exc:
-                raise _http_error(exc, d) from None
-            for link in sorted(links):
-                if not link.startswith(base.rstrip("/") + "/"):
-                    continue
-                if link.endswith("/"):
-                    todo.append(link)
-                    continue
-                i = self._info(link)
-                out.append((link[len(base.rstrip("/")) + 1 :], int(i["size"]), i.get("ETag"), link))
-        if not out:
-            raise MissingPathError(base)
-        return out
-
-    def fetch(self, obj, start, end, sink, timeout_s):
-        import aiohttp
-
-        async def get():
-            session = await self.fs.set_session()
-            headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-            if obj.version:
-                headers["If-Match"] = obj.version
-            timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)
-            async with session.get(obj.ref, headers=headers, timeout=timeout) as r:
-                _http_status(r.status, obj.url, r.headers.get("ETag"))
-                if r.status != 206 and not (r.status == 200 and start == 0 and end == obj.size):
-                    raise UsageError(
-                        f"the server answered a byte-range request with {r.status}, not 206",
-                        path=obj.url,
-                        hint="the server must serve HTTP Range requests",
-                    )
-                async for chunk in r.content.iter_chunked(1 << 20):
-                    sink(chunk)
-
-        try:
-            run_sync(self.fs.loop, get(), timeout_s)
-        except (RemoteRetry, RemoteChanged, RemoteMissing, RemoteDenied, UsageError):
-            raise
-        except Exception as exc:
-            raise _http_error(exc, obj.url) from None
-
-    def version_now(self, obj):
-        try:
-            return self.fs.info(obj.ref).get("ETag")
-        except FileNotFoundError:
-            return "(deleted)"
-        except Exception:
-            return None
-
-
-def _http_status(status: int, where: str, etag=None) -> None:
-    if status == 412:
-        raise RemoteChanged(etag or "another ETag")
-    if status == 404:
-        raise RemoteMissing(where)
-    if status in (401, 403):
-        raise RemoteDenied(
-            f"the server refused access ({status}) to {where}: put the credentials in the URL's "
-            "query or in fsspec's config (FSSPEC_HTTP_HEADERS is not read)"
-        )
-    if status == 429 or status >= 500:
-        raise RemoteRetry(f"HTTP {status}")
-
-
-def _http_error(exc: Exception, where: str) -> Exception:
-    status = getattr(exc, "status", None)
-    if isinstance(status, int):
-        try:
-            _http_status(status, where)
-        except Exception as mapped:
-            return mapped
-    if isinstance(exc, FileNotFoundError):
-        return RemoteMissing(where)
-    return RemoteRetry(f"{type(exc).__name__}: {exc}")
 
 
 # ------------------------------------------------------------------------------------ Hugging Face
 class HfBackend(Backend):
-    """huggingface_hub's HfFileSystem (HF_TOKEN / `hf auth login`, HF_ENDPOINT): a repo's revision resolved
-    to its commit at open and every read made at that commit (an immutable snapshot); a bucket's files
-    (hf://buckets/ns/name/path) listed through the bucket tree API, each pinned by its Xet hash (checked
-    on every read's answer and before an output is committed)."""
+    """huggingface_hub: a repo (`org/name`, `datasets/org/name`, `spaces/org/name`, with `@revision`) read
+    at the commit its revision had when it was first listed, or a bucket (`buckets/ns/name`) whose files
+    are pinned by their Xet hash (checked on every range's answer and before an output is committed)."""
 
     scheme = "hf"
+    stat_first = True
 
-    def __init__(self):
-        hf = _need("huggingface_hub", "hf")
-        self.hf = hf
-        self.fs = hf.HfFileSystem(skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None)
+    def __init__(self, root: str):
+        self.hf = need("huggingface_hub", "hf")
+        self.fs = self.hf.HfFileSystem(
+            skip_instance_cache=True, endpoint=os.environ.get("HF_ENDPOINT") or None
+        )
+        repo, _, rev = root.partition("@")
+        head = repo.split("/")
+        self.bucket = head[0] == "buckets"
+        self.repo_type = {"datasets": "dataset", "spaces": "space", "buckets": "bucket"}.get(head[0], "model")
+        self.repo_id = "/".join(head[1:] if self.repo_type != "model" else head)
+        self.revision = rev or None
+        self.root = root
+        self._sha: str | None = None
 
-    def list(self, url):
-        errors = self.hf.errors
-        if url.path.startswith("buckets/"):
-            return self._list_bucket(url)
+    def sha(self, shown: str) -> str:
+        """The commit the revision names, resolved once (every read of this store is made at it)."""
+        if self._sha is None:
+            try:
+                self._sha = self.fs._api.repo_info(
+                    self.repo_id, repo_type=self.repo_type, revision=self.revision
+                ).sha
+            except Exception as exc:
+                raise _hf_error(exc, shown, self.hf.errors) from None
+        return self._sha
+
+    def _path(self, parts, shown: str) -> str:
+        kind = {"dataset": "datasets/", "space": "spaces/"}.get(self.repo_type, "")
+        return f"{kind}{self.repo_id}@{self.sha(shown)}" + ("/" + "/".join(parts) if parts else "")
+
+    def _bucket_files(self, parts, shown: str) -> list:
+        prefix = "/".join(parts)
         try:
-            res = self.fs.resolve_path(url.path)
-            sha = self.fs._api.repo_info(res.repo_id, repo_type=res.repo_type, revision=res.revision).sha
-            found = self.fs.find(_with_revision(res, sha), detail=True)
-        except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, FileNotFoundError) as exc:
-            cause = exc if isinstance(exc, errors.HfHubHTTPError) else exc.__cause__
-            if getattr(getattr(cause, "response", None), "status_code", None) in (401, 403):
-                raise UsageError(
-                    f"the Hub refused access to {url.text} (no such repo, or it needs a token): {_HF_VARS}"
-                ) from None
-            raise MissingPathError(url.text, hint=_hf_missing_hint(exc, cause, errors)) from None
-        except UsageError:
+            got = self.fs._api.list_bucket_tree(self.repo_id, prefix or None, recursive=True)
+            return [f for f in got if getattr(f, "type", "file") == "file"]
+        except Exception as exc:
+            raise _hf_error(exc, shown, self.hf.errors) from None
+
+    def list_dir(self, parts, shown):
+        if self.bucket:
+            return _levelled(
+                parts,
+                [(f.path, f.size, Identity("xet", f.xet_hash)) for f in self._bucket_files(parts, shown)],
+                shown,
+            )
+        try:
+            found = self.fs.ls(self._path(parts, shown), detail=True, refresh=True)
+        except FileNotFoundError:
+            raise RemoteMissing(shown) from None
+        except (CkptError, RemoteMissing, RemoteRetry, RemoteDenied):
             raise
         except Exception as exc:
-            raise _hf_error(exc, url.text) from None
+            raise _hf_error(exc, shown, self.hf.errors) from None
         out = []
-        prefix = res.path_in_repo.strip("/")
-        for name, info in found.items():
-            if info.get("type") != "file":
-                continue
-            where = in_repo(name)
-            rel = "" if where == prefix else where[len(prefix) + 1 :] if prefix else where
-            out.append((rel, int(info["size"]), sha, (res.repo_id, res.repo_type, sha, where)))
+        for info in found:
+            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+            where = "/".join((*parts, name))
+            if info.get("type") == "directory":
+                out.append(Listed(name, True))
+            else:
+                out.append(Listed(name, False, info.get("size"), Identity("commit", self._sha), where))
         if not out:
-            raise MissingPathError(url.text)
+            raise RemoteMissing(shown)
         return out
 
-    def _list_bucket(self, url):
-        """hf://buckets/ns/name[/prefix]: every file under the prefix (or the file itself), each pinned by
-        its Xet hash (a bucket has no commits: each file is one content-addressed object)."""
-        parts = url.path.split("/")
-        if len(parts) < 3 or not parts[1] or not parts[2]:
-            raise UsageError("a bucket URL is hf://buckets/NAMESPACE/NAME[/PATH]", path=url.text)
-        bucket_id, prefix = f"{parts[1]}/{parts[2]}", "/".join(parts[3:]).strip("/")
+    def stat(self, parts, shown):
+        if self.bucket:
+            files = self._bucket_files(parts, shown)
+            key = "/".join(parts)
+            for f in files:
+                if f.path == key:
+                    return Listed(parts[-1], False, f.size, Identity("xet", f.xet_hash), key)
+            return Listed(parts[-1] if parts else self.repo_id, True) if files else None
         try:
-            self.fs._api.bucket_info(bucket_id)
-            found = [
-                f
-                for f in self.fs._api.list_bucket_tree(bucket_id, prefix or None, recursive=True)
-                if f.type == "file" and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))
-            ]
-        except self.hf.errors.HfHubHTTPError as exc:
-            status = getattr(getattr(exc, "response", None), "status_code", None)
-            if status in (401, 403):
-                raise UsageError(f"the Hub refused access to {url.text}: {_HF_VARS}") from None
-            if status == 404 or type(exc).__name__ == "BucketNotFoundError":
-                raise MissingPathError(url.text) from None
-            raise _hf_error(exc, url.text) from None
-        except Exception as exc:
-            raise _hf_error(exc, url.text) from None
-        out = [
-            (
-                "" if f.path == prefix else f.path[len(prefix) + 1 :] if prefix else f.path,
-                int(f.size),
-                f.xet_hash,
-                (bucket_id, "bucket", f.xet_hash, f.path),
-            )
-            for f in found
-        ]
-        if not out:
-            raise MissingPathError(url.text)
-        return out
-
-    def version_now(self, obj):
-        repo_id, repo_type, _pinned, in_repo = obj.ref
-        if repo_type != "bucket":
-            return None  # a repo file is read at its pinned commit: immutable
-        try:
-            got = list(self.fs._api.get_bucket_paths_info(repo_id, [in_repo]))
-        except Exception:
+            info = self.fs.info(self._path(parts, shown), refresh=True)
+        except FileNotFoundError:
             return None
-        return got[0].xet_hash if got else "(deleted)"
+        except (CkptError, RemoteMissing, RemoteRetry, RemoteDenied):
+            raise
+        except Exception as exc:
+            raise _hf_error(exc, shown, self.hf.errors) from None
+        name = parts[-1] if parts else self.repo_id
+        if info.get("type") == "directory":
+            return Listed(name, True)
+        return Listed(name, False, info.get("size"), Identity("commit", self._sha), "/".join(parts))
 
-    def fetch(self, obj, start, end, sink, timeout_s):
-        repo_id, repo_type, sha, in_repo = obj.ref
+    def fetch(self, obj, start, end, sink, timeout_s, deadline_s):
         from urllib.parse import quote
 
         from huggingface_hub.utils import get_session
 
-        if repo_type == "bucket":
-            url = f"{self.fs.endpoint}/buckets/{repo_id}/resolve/{quote(in_repo)}"
+        if self.bucket:
+            url = f"{self.fs.endpoint}/buckets/{self.repo_id}/resolve/{quote(obj.ref)}"
         else:
             url = self.hf.hf_hub_url(
-                repo_id, in_repo, repo_type=repo_type, revision=sha, endpoint=self.fs.endpoint
+                self.repo_id, obj.ref, repo_type=self.repo_type, revision=self._sha, endpoint=self.fs.endpoint
             )
         headers = {
             **self.fs._api._build_hf_headers(),
@@ -436,13 +361,13 @@ class HfBackend(Backend):
         }
         try:
             with get_session().stream(
-                "GET", url, headers=headers, follow_redirects=True, timeout=timeout_s
+                "GET", url, headers=headers, follow_redirects=True, timeout=min(timeout_s, deadline_s)
             ) as r:
                 if r.status_code in (401, 403):
                     raise RemoteDenied(f"the Hub refused access to {obj.url}: {_HF_VARS}")
-                _http_status(r.status_code, obj.url)
+                http_status(r.status_code, obj.url)
                 now = r.headers.get("X-Xet-Hash")
-                if repo_type == "bucket" and now and now != sha:  # the file was replaced since it was listed
+                if self.bucket and now and now != obj.identity.value:  # replaced since it was listed
                     raise RemoteChanged(now)
                 if r.status_code != 206 and not (r.status_code == 200 and start == 0 and end == obj.size):
                     raise RemoteRetry(f"HTTP {r.status_code} to a byte-range request")
@@ -451,12 +376,16 @@ class HfBackend(Backend):
         except (RemoteRetry, RemoteChanged, RemoteMissing, RemoteDenied):
             raise
         except Exception as exc:
-            raise _hf_error(exc, obj.url) from None
+            raise _hf_error(exc, obj.url, self.hf.errors) from None
 
-
-def _with_revision(res, sha: str) -> str:
-    res = type(res)(res.repo_type, res.repo_id, sha, res.path_in_repo)
-    return res.unresolve()
+    def identity_now(self, obj):
+        if not self.bucket:
+            return None  # a repo file is read at its pinned commit: immutable
+        try:
+            got = list(self.fs._api.get_bucket_paths_info(self.repo_id, [obj.ref]))
+        except Exception:
+            return None
+        return Identity("xet", got[0].xet_hash) if got else Identity("gone", None)
 
 
 def in_repo(name: str) -> str:
@@ -466,94 +395,226 @@ def in_repo(name: str) -> str:
     return "/".join(head[skip:])
 
 
-def _hf_missing_hint(exc, cause, errors) -> str | None:
-    """What is missing in a Hub URL that names nothing: the revision or the repo (the path itself needs no
-    hint)."""
-    if isinstance(exc, errors.RevisionNotFoundError) or isinstance(cause, errors.RevisionNotFoundError):
-        return "the repo has no such revision: give a branch, a tag or a commit after '@'"
-    if isinstance(exc, errors.RepositoryNotFoundError) or isinstance(cause, errors.RepositoryNotFoundError):
-        return "no such repo (a dataset's URL is hf://datasets/org/name/...)"
-    return None
+def _levelled(parts, files, shown: str) -> list[Listed]:
+    """One level of a recursive listing [(path below the store's root, size, identity)] under `parts`: its
+    files, and a directory per first segment of the deeper ones (names as listed: checked by io.remote)."""
+    prefix = "/".join(parts) + "/" if parts else ""
+    out: list[Listed] = []
+    dirs: dict[str, Listed] = {}
+    for path, size, ident in files:
+        if not path.startswith(prefix):
+            continue
+        head, sep, _ = path[len(prefix) :].partition("/")
+        if sep:
+            dirs.setdefault(head, Listed(head, True))
+        else:
+            out.append(Listed(head, False, size, ident, path))
+    if not out and not dirs:
+        raise RemoteMissing(shown)
+    return out + list(dirs.values())
 
 
-def _hf_error(exc: Exception, where: str) -> Exception:
+def http_status(status: int, where: str, etag=None) -> None:
+    """An HTTP status mapped onto the remote failures (2xx and 3xx pass)."""
+    if status == 412:
+        raise RemoteChanged(etag or "another version")
+    if status == 404:
+        raise RemoteMissing(where)
+    if status in (401, 403):
+        raise RemoteDenied(
+            f"the server refused access ({status}) to {where}: put the credentials in the URL "
+            "(user:password@host, or the query) or in fsspec's config"
+        )
+    if status in (408, 429) or status >= 500:
+        raise RemoteRetry(f"HTTP {status}")
+
+
+def _hf_error(exc: Exception, where: str, errors) -> Exception:
+    from ..core.errors import MissingPathError
+
     resp = getattr(exc, "response", None)
     status = getattr(resp, "status_code", None)
-    if status in (401, 403) or type(exc).__name__ in ("GatedRepoError",):
-        return UsageError(f"the Hub refused access to {where}: {_HF_VARS}")
-    if status == 404:
-        return MissingPathError(where)
+    cause = exc.__cause__
+    if (
+        isinstance(exc, errors.GatedRepoError)
+        or status in (401, 403)
+        or getattr(getattr(cause, "response", None), "status_code", None) in (401, 403)
+    ):
+        return UsageError(
+            f"the Hub refused access to {where} (no such repo, or it needs a token): {_HF_VARS}"
+        )
+    if isinstance(exc, errors.RevisionNotFoundError) or isinstance(cause, errors.RevisionNotFoundError):
+        return MissingPathError(
+            where, hint="the repo has no such revision: give a branch, a tag or a commit after '@'"
+        )
+    if isinstance(
+        exc, (errors.RepositoryNotFoundError, getattr(errors, "BucketNotFoundError", ()))
+    ) or isinstance(cause, errors.RepositoryNotFoundError):
+        return MissingPathError(where, hint="no such repo (a dataset's URL is hf://datasets/org/name/...)")
+    if status == 404 or isinstance(exc, FileNotFoundError):
+        return RemoteMissing(where)
     return RemoteRetry(f"{type(exc).__name__}: {exc}")
 
 
-# ------------------------------------------------------------------------------------ any other fsspec
-# protocol
-class FsspecBackend(Backend):
-    """Any installed fsspec protocol (gs:// through gcsfs, az://, ...): listed by `find`, read by
-    `cat_file(start, end)` one part at a time (no resume inside a part), the version (generation,
-    ETag) re-checked before an output is committed."""
+# --------------------------------------------------------------------------------- gs://, any fsspec protocol
+@contextlib.contextmanager
+def _quiet_auth():
+    """google-auth logs each failed probe (a metadata server that is not there) as a warning; the CLI's one
+    line on a refused request says what to set instead."""
+    names = (
+        "google.auth",
+        "google.auth.compute_engine._metadata",
+        "google.auth._default",
+        "gcsfs",
+        "gcsfs.credentials",
+        "gcsfs.retry",
+    )
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
 
-    def __init__(self, scheme: str):
-        fsspec = _need("fsspec", scheme)
-        self.scheme = scheme
+
+class FsspecBackend(Backend):
+    """An installed fsspec protocol: gs:// through gcsfs in version-aware mode (each object pinned by its
+    generation, every range read at it: a replaced object's bytes are never served), any other by its
+    `info()`'s version field (re-checked before an output is committed). Retries are the client's own."""
+
+    client_retries = True
+    retry_grace_s = 40.0  # gcsfs: 6 tries, waiting 1-2, 2-3, 4-5, 8-9, 16-17 s between them
+
+    def __init__(self, scheme: str, root: str = ""):
+        self.scheme = "gs" if scheme == "gcs" else scheme
+        self.root = root
+        # gs://: gcsfs's JSON-API filesystem itself, not the default ExtendedGcsFileSystem (gcsfs >= 2025.x),
+        # which asks the Storage Control gRPC API each bucket's layout (zonal/HNS) before any read
+        fsspec = need("gcsfs.core" if self.scheme == "gs" else "fsspec", scheme)
         try:
-            self.fs = fsspec.filesystem(scheme)
-        except (ValueError, ImportError) as exc:
+            with _quiet_auth():
+                if self.scheme == "gs":
+                    import aiohttp
+
+                    self.fs = fsspec.GCSFileSystem(skip_instance_cache=True, version_aware=True)
+                    self.timeout: Any = aiohttp.ClientTimeout
+                else:
+                    self.fs = fsspec.filesystem(scheme, skip_instance_cache=True)
+        except ImportError as exc:
+            raise UsageError(f"cannot read {scheme}:// URLs: {exc}", hint=EXTRA_HINT) from None
+        except Exception as exc:  # a credentials file that cannot be read or parsed
             raise UsageError(
-                f"cannot read {scheme}:// URLs: {exc}",
-                hint=_EXTRA_HINT + (" (gs:// needs gcsfs and gcloud ADC)" if scheme == "gs" else ""),
+                f"the credentials for {scheme}:// could not be loaded: {exc}",
+                hint=GCS_CREDENTIALS_HINT if self.scheme == "gs" else None,
             ) from None
 
-    @staticmethod
-    def _version(info: dict):
-        for k in ("generation", "ETag", "etag", "md5Hash", "mtime", "LastModified"):
+    def _path(self, parts) -> str:
+        return "/".join((self.root, *parts))
+
+    def _identity(self, info: dict) -> Identity | None:
+        if self.scheme == "gs":
+            return Identity("generation", str(info["generation"])) if info.get("generation") else None
+        for k in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified"):
             if info.get(k) is not None:
-                return str(info[k])
+                return Identity("etag" if "tag" in k.lower() else "mtime", str(info[k]))
         return None
 
-    def list(self, url):
-        path = f"{url.scheme}://{url.path}"
+    def _run(self, fn, *args, **kw):
+        """`fn(*args, **kw)` (an fsspec call), its failures mapped (a missing path is RemoteMissing)."""
         try:
-            found = self.fs.find(path, detail=True)
-            if not found and self.fs.isfile(path):
-                found = {path: self.fs.info(path)}
+            with _quiet_auth():
+                return fn(*args, **kw)
         except FileNotFoundError:
-            raise MissingPathError(url.text) from None
+            raise RemoteMissing(str(args[0]) if args else "") from None
+        except RemoteRetry:
+            raise
         except PermissionError as exc:
-            raise UsageError(
-                f"access refused to {url.text}: {exc}",
-                hint="gs://: run `gcloud auth application-default login`",
+            raise RemoteDenied(self._denied(exc)) from None
+        except OSError as exc:
+            text = str(exc)
+            if (
+                "Forbidden" in text
+                or "401" in text
+                or "Unauthorized" in text
+                or "Invalid Credentials" in text
+            ):
+                raise RemoteDenied(self._denied(exc)) from None
+            raise RemoteRetry(f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}") from None
+        except Exception as exc:
+            code = getattr(exc, "code", None)
+            if code in (401, 403):
+                raise RemoteDenied(self._denied(exc, code)) from None
+            if isinstance(code, int):  # gcsfs's HttpError, after its own retries
+                raise RemoteRetry(f"HTTP {code}") from None
+            raise RemoteRetry(
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from None
-        stripped = self.fs._strip_protocol(path).rstrip("/")
+
+    def _denied(self, exc, code=None) -> str:
+        if self.scheme == "gs":
+            return f"Google Cloud Storage refused access ({code or 401}): {GCS_CREDENTIALS_HINT}"
+        return f"access refused ({type(exc).__name__}): {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    def list_dir(self, parts, shown):
+        try:
+            found = self._run(self.fs.ls, self._path(parts), detail=True, refresh=True)
+        except RemoteMissing:
+            raise RemoteMissing(shown) from None
+        # as the filesystem names its entries (memory:// lists `/out/x` for `out`)
+        base = self.fs._strip_protocol(f"{self.scheme}://{self._path(parts)}").rstrip("/")
         out = []
-        for name, info in found.items():
-            if info.get("type", "file") != "file":
-                continue
-            n = self.fs._strip_protocol(name)
-            rel = "" if n == stripped else posixpath.relpath(n, stripped)
-            out.append((rel, int(info["size"]), self._version(info), n))
+        for info in found:
+            full, is_dir = str(info["name"]), info.get("type") == "directory"
+            full = full[:-1] if is_dir and full.endswith("/") else full  # `dir/`'s one slash, no more
+            if not is_dir and full in (base, base + "/"):
+                continue  # a placeholder object naming the directory (`dir/`)
+            # a name is what follows `base/` as listed (`..`, empty or holding `/`: io.remote refuses it);
+            # gcsfs lists a prefix `dir//` (an empty segment) as `dir` itself: an empty name
+            name = "" if full == base else full[len(base) + 1 :] if full.startswith(base + "/") else full
+            if is_dir:
+                out.append(Listed(name, True))
+            else:
+                out.append(Listed(name, False, info.get("size"), self._identity(info), full))
         if not out:
-            raise MissingPathError(url.text)
+            raise RemoteMissing(shown)
         return out
 
-    def fetch(self, obj, start, end, sink, timeout_s):
+    def stat(self, parts, shown):
         try:
-            sink(self.fs.cat_file(obj.ref, start=start, end=end))
-        except FileNotFoundError:
-            raise RemoteMissing(obj.url) from None
-        except PermissionError as exc:
-            raise RemoteDenied(f"access refused to {obj.url}: {exc}") from None
-        except (OSError, TimeoutError) as exc:
-            raise RemoteRetry(f"{type(exc).__name__}: {exc}") from None
+            info = self._run(self.fs.info, self._path(parts), refresh=True)
+        except RemoteMissing:
+            return None
+        name = parts[-1] if parts else self.root
+        if info.get("type") == "directory":
+            return Listed(name, True)
+        return Listed(name, False, info.get("size"), self._identity(info), self._path(parts))
 
-    def version_now(self, obj):
+    def fetch(self, obj, start, end, sink, timeout_s, deadline_s):
+        kw: dict[str, Any] = {}
+        if self.scheme == "gs":  # that generation's bytes, or 404 once it was replaced
+            kw["generation"] = obj.identity.value if obj.identity is not None else None
+            self.fs.requests_timeout = self.timeout(sock_connect=timeout_s, sock_read=timeout_s)
         try:
-            return self._version(
-                self.fs.info(obj.ref, refresh=True)
-                if "refresh" in self.fs.info.__code__.co_varnames
-                else self.fs.info(obj.ref)
-            )
-        except FileNotFoundError:
-            return "(deleted)"
+            if getattr(self.fs, "async_impl", False):  # on the client's loop, within the read's deadline
+                data = self._run(
+                    run_sync, self.fs.loop, self.fs._cat_file(obj.ref, start=start, end=end, **kw), deadline_s
+                )
+            else:
+                data = self._run(self.fs.cat_file, obj.ref, start=start, end=end, **kw)
+            sink(data)
+        except RemoteMissing:
+            now = self.identity_now(obj)
+            if now is not None and now.kind != "gone":
+                raise RemoteChanged(str(now)) from None
+            raise RemoteMissing(obj.url) from None
+
+    def identity_now(self, obj):
+        try:
+            return self._identity(self._run(self.fs.info, obj.ref, refresh=True))
+        except RemoteMissing:
+            return Identity("gone", None)
         except Exception:
             return None

@@ -39,7 +39,7 @@ from ..core.errors import DiskSpaceError, OutputExistsError, RankFailed, UsageEr
 from ..core.units import human_bytes
 from . import remote
 from .files import exchange_paths, fsync_path, fsync_tree, link_entry, make_dirs, remove_path
-from .inputs import ancestry, identity
+from .inputs import ancestry, identity, is_url
 from .inputs import registered as registered_inputs
 from .lock import OutputLock, lock_path_for, pid_alive
 from .owned import check_not_cwd, replace_check, write_marker
@@ -150,7 +150,8 @@ class AtomicOutputDir:
         if out.name in ("", ".", ".."):
             raise UsageError(f"output path {str(out)!r} does not name a new directory")
         self.out = out.parent.resolve() / out.name
-        self.inputs = [Path(p).expanduser().resolve() for p in inputs]
+        # a URL input never holds a local OUT (an OUT bound for a URL: io.upload checks it)
+        self.inputs = [Path(p).expanduser().resolve() for p in inputs if not is_url(p)]
         self.need_bytes = need_bytes
         self.overwrite = overwrite
         self.marker = marker
@@ -224,8 +225,7 @@ class AtomicOutputDir:
             if self.marker:
                 write_marker(self.tmp)
             fsync_tree(self.tmp)
-            if remote.active():  # a remote input rewritten while we read it: no OUT (io.remote)
-                remote.check_unchanged()
+            remote.check_unchanged()  # a remote input rewritten while we read it: no OUT (io.remote)
             with signals_deferred():
                 self._commit()
         except BaseException as e:
@@ -427,7 +427,9 @@ def check_against_inputs(out: str | os.PathLike, inputs: Iterable[str | os.PathL
     out = Path(out).expanduser()
     out = out.parent.resolve() / out.name
     real_out = out.resolve()  # `out` may itself be a symlink to somewhere inside an input
-    every = {Path(os.path.realpath(Path(p).expanduser())) for p in inputs} | set(registered_inputs())
+    every = {Path(os.path.realpath(Path(p).expanduser())) for p in inputs if not is_url(p)} | set(
+        registered_inputs()
+    )
     for inp in sorted(every):
         for o in {out, real_out}:
             if _is_within(o, inp):  # (equal counts as inside)

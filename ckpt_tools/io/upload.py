@@ -10,8 +10,8 @@ failure or Ctrl-C at any point leaves the earlier output intact or the new one c
   - `hf://[datasets/]org/name[@branch]/path`: one Hub commit holding every file (`HfApi.create_commit`):
     the contents are uploaded first, the commit made last; a Hub commit is atomic.
 
-A file of the output that is a remote input's object unchanged (set-lr's data files: a stand-in,
-`remote.link_stand_in`, or `copy_later`) is not uploaded from here: the store copies it server-side where it
+A file of the output that is a remote input's object unchanged (set-lr's data files, recorded by
+`copy_later`) is not uploaded from here: the store copies it server-side where it
 can (S3 to S3, GCS to GCS, bucket to bucket), else it is streamed by range (or fetched first, for a Hub
 commit and a bucket, which take local files).
 
@@ -35,9 +35,9 @@ from typing import Any
 
 from ..core.errors import CkptError, OutputExistsError, UsageError
 from ..core.units import human_bytes
-from . import remote
 from .files import create_new
 from .owned import OUTPUT_MARKER, judge
+from .remote_display import add_display
 from .remote_url import RemoteUrl, parse_url
 from .signals import Terminated, signals_deferred
 from .upload_commit import COMMIT_LAST, OVERWRITE_HINT, OutFile, describe, put_output
@@ -80,9 +80,10 @@ class Uploaded:
 
 _PENDING: list[tuple[RemoteUrl, Path]] = []
 _DIRS: list[Path] = []
-# a staged file's (st_dev, st_ino) -> the remote input's object it holds unchanged (by inode: the file is
-# made in an AtomicOutputDir's temp dir, renamed into place before the upload)
-_LATER: dict[tuple[int, int], object] = {}
+# a staged file's (st_dev, st_ino) -> (its st_mtime_ns, its staging dir, the remote input's object it holds
+# unchanged) (by inode: the file is made in an AtomicOutputDir's temp dir, renamed into place before the
+# upload; the mtime and its staying empty tell it from a later file given the same inode)
+_LATER: dict[tuple[int, int], tuple[int, str, object]] = {}
 _UPLOADED: list[Uploaded] = []  # put at their URLs by `output_at`, for `take_uploaded`
 _BOUND: set[str] = set()  # every local OUT handed out for a URL (kept after its staging dir is gone)
 
@@ -118,7 +119,7 @@ def stage_output(value) -> Path:
     local = _staging_dir("ckpt-upload-") / url.name
     _PENDING.append((url, local))
     _BOUND.add(os.path.realpath(local))
-    remote.add_display(local, url.shown)
+    add_display(local, url.shown)
     return local
 
 
@@ -141,7 +142,9 @@ def copy_later(dst, source) -> None:
         st = os.fstat(fd)
     finally:
         os.close(fd)
-    _LATER[(st.st_dev, st.st_ino)] = source
+    real = os.path.realpath(dst)
+    where = next((str(d) for d in _DIRS if real.startswith(os.path.realpath(d) + os.sep)), "")
+    _LATER[(st.st_dev, st.st_ino)] = (st.st_mtime_ns, where, source)
 
 
 def _staging_dir(prefix: str) -> Path:
@@ -156,9 +159,9 @@ def _source_of(path: Path):
     """The remote input's object the staged file `path` holds unchanged, else None."""
     st = os.stat(path)
     found = _LATER.get((st.st_dev, st.st_ino))
-    if found is None and remote.active():
-        found = remote.object_of_stat(st)
-    return found
+    if found is None or st.st_size != 0 or st.st_mtime_ns != found[0]:
+        return None  # a file of its own (an inode used again after a carried file was removed)
+    return found[2]
 
 
 def _files(root: Path) -> list[OutFile]:
@@ -219,6 +222,8 @@ def _drop(url: RemoteUrl, local: Path) -> None:
     with contextlib.suppress(ValueError):
         _PENDING.remove((url, local))
     d = local.parent
+    for key in [k for k, (_m, where, _s) in _LATER.items() if where == str(d)]:
+        del _LATER[key]  # its files are gone: their inodes may be given to others
     if d in _DIRS:
         _DIRS.remove(d)
         shutil.rmtree(d, ignore_errors=True)
@@ -422,9 +427,9 @@ def _check_not_an_input(url: RemoteUrl, given=()) -> None:
     """OUT may not be, hold or lie inside an input (as a local OUT may not: `staging.check_against_inputs`):
     the inputs `given` to the call, and every one the command read. `set-lr s3://b/x s3://b/x --overwrite`
     would patch x with no way back."""
-    from .inputs import registered
+    from .inputs import registered_urls
 
-    for value in [remote.display(str(p)) for p in [*given, *registered()]]:
+    for value in [*(str(p) for p in given if p is not None), *registered_urls()]:
         read = parse_url(value)
         if read is None or read.scheme != url.scheme:
             continue
@@ -442,5 +447,4 @@ def discard_pending() -> None:
     _LATER.clear()
     while _DIRS:
         d = _DIRS.pop()
-        remote.forget_under(d)
         shutil.rmtree(d, ignore_errors=True)

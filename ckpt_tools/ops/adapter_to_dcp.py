@@ -81,6 +81,7 @@ from ..formats.dcp.writer import DcpWriter
 from ..formats.handle import LoraSource
 from ..formats.hf_dir.model_dir import HFModelDir
 from ..formats.peft.adapter import open_peft_adapter
+from ..io.inputs import as_input
 from ..io.staging import SharedOutputDir
 from ..sources.hashing import read_rows_as
 
@@ -223,7 +224,7 @@ def open_to_dcp_sources(
 ) -> ToDcpSources:
     """A PEFT adapter (refused: DoRA, bias, unknown peft_type, bad keys...), the HF base, and the
     checkpoint to carry AdamW state from (headers and metadata only)."""
-    lora = open_peft_adapter(Path(adapter), strict=True).lora()
+    lora = open_peft_adapter(as_input(adapter), strict=True).lora()
     opened = [lora]
     try:
         hf = HFModelDir.open_ref(base)

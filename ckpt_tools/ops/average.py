@@ -30,6 +30,7 @@ from ..formats.dcp.layout import is_checkpoint_path
 from ..formats.handle import LoraSource
 from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_bytes, write_adapter
 from ..formats.primerl.optimizers import optimizer_facts
+from ..io.inputs import as_input
 from ..sources.delta import DeltaSource, Term, lora_base, lora_step, peft_outputs, shared_peft_targets
 from ..sources.open import open_lora_source
 
@@ -124,7 +125,7 @@ def open_average_sources(paths: list[str | Path], options: AverageOptions) -> Av
         )
     seen: dict[Path, str] = {}
     for p in paths:
-        r = Path(p).resolve()
+        r = as_input(p).resolve()
         if r in seen:
             raise UsageError(
                 f"input given twice: {p} (and {seen[r]})",
@@ -136,7 +137,7 @@ def open_average_sources(paths: list[str | Path], options: AverageOptions) -> Av
     try:
         for p in paths:
             # --alpha is for checkpoints (which do not store it); an adapter carries its own
-            dcp = is_checkpoint_path(Path(p))
+            dcp = is_checkpoint_path(as_input(p))
             src = open_lora_source(p, alpha=options.alpha if dcp else None, trust_pickle=options.trust_pickle)
             srcs.append(src)
         return AverageSources(srcs, [input_facts(s) for s in srcs])
@@ -354,7 +355,7 @@ def _weighted_sum(srcs: list[LoraSource], order: list[int], weights: list[float]
     return DeltaSource(
         srcs,
         {m: tuple(t) for m, t in terms.items()},
-        path=Path(srcs[0].path),
+        path=srcs[0].path,
         describe_as="average",
         full_terms=full,
     )
@@ -378,7 +379,7 @@ def run_average(
         plan.tensors,
         lambda t: src.read_out(t.source),
         plan.config,
-        inputs=[Path(i.path) for i in plan.inputs],
+        inputs=[as_input(i.path) for i in plan.inputs],
         overwrite=overwrite,
         progress=progress,
         stage="average",

@@ -27,6 +27,7 @@ from ..formats.primerl.run_dir import checkpoints_dir_of, run_config_choice
 from ..formats.primerl.step_dir import FP8, step_extras
 from ..formats.slim.manifest import SLIM_MANIFEST, is_slim
 from ..formats.sniff import TORCHTITAN, VERL, sniff, step_number
+from ..io.inputs import as_input
 
 __all__ = [
     "InspectOptions",
@@ -45,7 +46,7 @@ __all__ = [
 
 
 def detect_format(path: Path) -> str:
-    p = Path(path)
+    p = as_input(path)
     if not p.exists():
         raise MissingPathError(p)
     kind = sniff(p)
@@ -302,10 +303,10 @@ def _resume_form(steps: list[dict]) -> str:
     which; where none is found, both forms)."""
     full = [s for s in steps if s["state"] == "full"]
     step = full[-1]["step"] if full else "N"
-    configs = run_config_choice(Path(full[-1]["path"]) / "trainer").configs if full else ()
+    configs = run_config_choice(as_input(full[-1]["path"]) / "trainer").configs if full else ()
     if configs:
         gen = GEN_HEAD if configs[0].suffix == ".json" else GEN_16E747C
-        name = run_name_of(Path(full[-1]["path"]) / "trainer") if gen == GEN_HEAD else None
+        name = run_name_of(as_input(full[-1]["path"]) / "trainer") if gen == GEN_HEAD else None
         return resume_instruction(gen, step, run_name=name) if isinstance(step, int) else ""
     return (
         f"prime-rl after Aug 2026: --resume.step {step} with the run's --run.name; 16e747c: "
@@ -407,12 +408,12 @@ class InspectReport:
 
 
 def plan_inspect(path: str | Path, options: InspectOptions) -> InspectPlan:
-    return InspectPlan(str(path), detect_format(Path(path)), options)
+    return InspectPlan(str(path), detect_format(as_input(path)), options)
 
 
 def _inspect_trainer(plan: InspectPlan) -> object:
     """verl and torchtitan checkpoints: their format's own description (or key rows)."""
-    p, o = Path(plan.path), plan.options
+    p, o = as_input(plan.path), plan.options
     if plan.kind == VERL:
         from ..formats.verl.summary import describe_verl, list_verl_keys
 
@@ -424,7 +425,7 @@ def _inspect_trainer(plan: InspectPlan) -> object:
 
 def run_inspect(plan: InspectPlan, progress=None) -> InspectReport:
     """Metadata only; `progress` is accepted for the one contract and never called (nothing takes long)."""
-    p, o = Path(plan.path), plan.options
+    p, o = as_input(plan.path), plan.options
     if plan.kind in (VERL, TORCHTITAN):
         return InspectReport(plan, _inspect_trainer(plan))
     if plan.kind == "dcp" and o.keys:

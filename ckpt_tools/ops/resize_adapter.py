@@ -20,6 +20,7 @@ from ..core.errors import UsageError
 from ..core.keys import DEFAULT_LAYOUT
 from ..core.progress import Progress
 from ..formats.peft.writer import AdapterDirReport, OutTensor, safetensors_file_bytes, write_adapter
+from ..io.inputs import as_input
 from ..sources.delta import DeltaSource, Term, lora_base_name, peft_outputs, shared_peft_targets
 from ..sources.open import open_lora_source
 
@@ -44,7 +45,7 @@ def open_resize_sources(path: str | Path, options: ResizeOptions) -> DeltaSource
         return DeltaSource(
             [src],
             {m: (Term(0, 1.0),) for m in src.modules},
-            path=Path(src.path),
+            path=as_input(src.path),
             describe_as="resize",
             full_terms={n: (Term(0, 1.0),) for n in src.full_tensors},
         )
@@ -152,7 +153,7 @@ def run_resize(
         plan.tensors,
         lambda t: src.read_out(t.source),
         plan.config,
-        inputs=[Path(plan.adapter)],
+        inputs=[as_input(plan.adapter)],
         overwrite=overwrite,
         progress=progress,
         stage="resize",

@@ -30,6 +30,7 @@ from ..formats.peft.experts import build_fused
 from ..formats.peft.layout import FullTensor, ModuleFactors, plan_adapter_layout
 from ..formats.peft.writer import OutTensor
 from ..formats.primerl.run_dir import resolve_run
+from ..io.inputs import as_input
 
 FULL_SUFFIX = "#full"  # the key a DeltaSource serves a trained full tensor under (never a real key: '#')
 
@@ -66,7 +67,7 @@ class DeltaSource(LoraSource):
     ):
         self.inputs = list(inputs)
         self.terms = {m: tuple(t) for m, t in sorted(terms.items())}
-        self.path = Path(path)
+        self.path = as_input(path)
         self.config_path = self.weights_path = self.path
         self.alpha, self.alpha_source = None, f"{describe_as}: the inputs' own scales folded into B (scale 1)"
         # modules_to_save (trained full tensors): sum_i coef_i * T_i, no LoRA scale; HF name -> our key
@@ -235,7 +236,7 @@ def finite(
 def lora_step(src: LoraSource) -> int | None:
     """The training step of an input: step_N in its path (the dir or its parent), else a checkpoint's
     progress.step; None when neither says."""
-    p = Path(src.path)
+    p = as_input(src.path)
     for c in (p, p.parent):
         n = step_of(c.name)
         if n is not None:

@@ -10,7 +10,7 @@ from ..core.dtypes import dtype_name
 from ..formats.handle import Extent, Source, TensorFacts
 from ..formats.peft.adapter import load_adapter_bin
 from ..formats.safetensors.header import read_header
-from ..io.inputs import OpenFiles
+from ..io.inputs import OpenFiles, as_input
 
 __all__ = ["TensorFileSource"]
 
@@ -20,7 +20,7 @@ class TensorFileSource(Source):
 
     def __init__(self, path: Path):
         super().__init__()
-        self.path = Path(path)
+        self.path = as_input(path)
         self.label = str(path)
         self._bin = None
         self._files = None

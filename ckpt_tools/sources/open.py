@@ -17,13 +17,14 @@ from ..formats.peft.adapter import open_peft_adapter
 from ..formats.peft.config import ADAPTER_CONFIG
 from ..formats.sniff import DCP, PEFT, has_hf_weights, sniff
 from ..formats.trainers import open_trainer
+from ..io.inputs import as_input
 
 __all__ = ["open_checkpoint_lora", "open_lora_source", "open_weights"]
 
 
 def open_weights(spec: str | os.PathLike, *, trust_pickle: bool = False) -> Source:
     label = str(spec)
-    p = Path(spec).expanduser()
+    p = as_input(spec).expanduser()
     if p.exists():
         trainer = open_trainer(p, trust_pickle=trust_pickle)  # verl, torchtitan: their weights under HF names
         if trainer is not None:
@@ -53,13 +54,13 @@ def open_lora_source(
 ) -> LoraSource:
     """A PEFT adapter dir or a prime-rl DCP checkpoint. For PEFT, alpha comes from its config
     (an explicit --alpha overrides it, with the adapter's own rank)."""
-    p = Path(path)
+    p = as_input(path)
     trainer = open_trainer(p, trust_pickle=trust_pickle)
     if trainer is not None:  # verl, torchtitan
         return _trainer_lora(trainer, alpha, slot)
     if is_checkpoint_path(p) and p.name != METADATA_NAME:
         return DcpCheckpoint.open(p, trust_pickle=trust_pickle).lora(
-            alpha=alpha, run_config=Path(run_config) if run_config else None, slot=slot
+            alpha=alpha, run_config=as_input(run_config) if run_config else None, slot=slot
         )
     if (p / ADAPTER_CONFIG).is_file():
         src = open_peft_adapter(p, strict=True).lora()
@@ -94,6 +95,6 @@ def open_checkpoint_lora(
     trainer = open_trainer(path, trust_pickle=trust_pickle)
     if trainer is not None:
         return _trainer_lora(trainer, alpha, slot)
-    return DcpCheckpoint.open(Path(path), trust_pickle=trust_pickle).lora(
-        alpha=alpha, run_config=None if run_config is None else Path(run_config), slot=slot
+    return DcpCheckpoint.open(as_input(path), trust_pickle=trust_pickle).lora(
+        alpha=alpha, run_config=None if run_config is None else as_input(run_config), slot=slot
     )

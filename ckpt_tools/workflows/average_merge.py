@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..core.progress import Progress
 from ..formats.hf_dir.model_dir import HFModelDir
+from ..io.inputs import as_input
 from ..io.staging import AtomicOutputDir
 from ..ops.average import AverageOptions, AveragePlan, AverageSources, open_average_sources, plan_average
 from ..ops.merge import MergeOptions, MergePlan, MergeResult, MergeSources, plan_merge, run_merge
@@ -82,7 +83,7 @@ def average_merge(
         try:
             _check_trained_on(hf, sources)
             mplan = plan_merge(MergeSources(hf, delta), mopts)
-            inputs = sorted(set(mplan.inputs) | {str(Path(i.path)) for i in avg.inputs})
+            inputs = sorted(set(mplan.inputs) | {str(as_input(i.path)) for i in avg.inputs})
             mplan = dataclasses.replace(mplan, inputs=tuple(inputs))
             AtomicOutputDir(
                 out, inputs=mplan.inputs, need_bytes=mplan.write_bytes, overwrite=overwrite

@@ -40,8 +40,9 @@ from ..formats.primerl.optimizers import optimizer_facts
 from ..formats.primerl.resume import generation_of, resume_instruction, run_name_of
 from ..formats.primerl.toml_patch import config_kind, patch_config_text, scheduler_from_config, unified_diff
 from ..io.files import atomic_write_text, make_dirs
-from ..io.inputs import read_toml
-from ..io.remote import display, is_remote_path, parse_url
+from ..io.inputs import as_input, is_url, read_toml
+from ..io.remote_display import display
+from ..io.remote_url import parse_url
 from ..io.staging import OVERWRITE_HINT, check_output_file, describe_output
 from ..ops.adapter_to_dcp import ToDcpOptions, ToDcpSources, plan_adapter_to_dcp, run_adapter_to_dcp
 from ..ops.extract_adapter import ExtractOptions, plan_extract
@@ -58,7 +59,7 @@ MODES = ("merge", "adapter")
 def find_checkpoint(path: str | Path) -> Path:
     """A trainer dir, a step dir, an outputs/checkpoints dir, an outputs dir or a run root: the
     latest complete checkpoint under it."""
-    p = Path(path)
+    p = as_input(path)
     if not p.exists():
         raise MissingPathError(p)
     if (p / METADATA_NAME).is_file() or (p / "trainer" / METADATA_NAME).is_file():
@@ -232,9 +233,11 @@ def restart_prep(
             raise UsageError(f"--lr must be a positive finite number (got {lr})")
         edit = None
         if config is not None:
-            edit = _config_edit(Path(config), config_out, mode, out, [ckpt_dir, base, run_config])
+            edit = _config_edit(as_input(config), config_out, mode, out, [ckpt_dir, base, run_config])
         # the LoRA view, opened once the config is checked (an alpha that cannot be resolved comes second)
-        lora = functools.partial(ckpt.lora, alpha=alpha, run_config=Path(run_config) if run_config else None)
+        lora = functools.partial(
+            ckpt.lora, alpha=alpha, run_config=as_input(run_config) if run_config else None
+        )
         report = RestartPrepReport(mode, str(ckpt.dir), str(out), lr, dry_run)
         report.generation = _generation(ckpt, edit)
         report.run_name = run_name_of(ckpt.dir) if report.generation == GEN_HEAD else None
@@ -271,13 +274,13 @@ def _config_edit(
     exists, nothing is there, and it is not (inside) an input (the checkpoint, the config, the base dir,
     the run config) or inside OUT."""
     _doc, text = read_toml(config, what="prime-rl config")
-    cfg_out = Path(config_out) if config_out is not None else default_config_out(mode, out, config)
-    if config_out is None and is_remote_path(config):
+    if config_out is None and is_url(config):
         raise UsageError(
             "the patched config goes beside --config by default, and that is at a URL",
-            path=cfg_out,
+            path=config,
             hint="pass --config-out (a local path, or a URL to upload it to)",
         )
+    cfg_out = Path(config_out) if config_out is not None else default_config_out(mode, out, config)
     if cfg_out.resolve() == config.resolve():
         raise UsageError(
             "the patched config would overwrite the source config",
@@ -285,7 +288,7 @@ def _config_edit(
             hint="pass another --config-out",
         )
     ckpt_dir, base, run_config = inputs
-    local_base = [base] if base is not None and Path(base).is_dir() else []
+    local_base = [base] if base is not None and as_input(base).is_dir() else []
     cfg_out = check_output_file(
         cfg_out,
         [ckpt_dir, config, *local_base, *([run_config] if run_config else [])],
@@ -304,7 +307,7 @@ def _rebase(config: Path, cfg_out: Path) -> Path | None:
     """The dir relative `toml_files` of the copy are made absolute from; None: left as written (the copy
     beside its source, or a source at a URL: its local stand-in is gone once the command ends)."""
     src, dst = config.resolve().parent, cfg_out.resolve().parent
-    return None if src == dst or is_remote_path(config) else src
+    return None if is_url(config) or src == dst else src
 
 
 def _write_config(cfg_out: Path, text: str) -> None:

@@ -49,12 +49,18 @@ def build_module(base_dir: Path, lora_rank: int, lora_alpha: int):
     return FSDPEngine._build_lora_module(SimpleNamespace(model_config=cfg), module)
 
 
-def shard(module, strategy: str, world: int, is_lora: bool):
+def shard(module, strategy: str, world: int, is_lora: bool, fsdp_size: int = -1):
     """FSDPEngine._build_fsdp_module's two strategies, on a CPU mesh (its own device mesh and
-    fsdp2_load_full_state_dict need an accelerator: every rank loads the same weights instead)."""
+    fsdp2_load_full_state_dict need an accelerator: every rank loads the same weights instead). With
+    `fsdp_size` below `world`: verl's HSDP, its own `create_device_mesh` (`("ddp", "fsdp")`)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", mesh_shape=(world,), mesh_dim_names=["fsdp"])
+    if 0 < fsdp_size < world:
+        import verl.workers.engine.fsdp.utils as engine_utils
+        engine_utils.get_device_name = lambda: "cpu"   # "cuda" on a CPU host: the same mesh on gloo
+        mesh = engine_utils.create_device_mesh(world, fsdp_size)
+    else:
+        mesh = init_device_mesh("cpu", mesh_shape=(world,), mesh_dim_names=["fsdp"])
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from verl.utils.fsdp_utils import apply_fsdp2
@@ -110,7 +116,7 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
     torch.use_deterministic_algorithms(True)
     out = Path(args.out)
     module = build_module(out / "base", args.lora_rank, args.lora_alpha)
-    module = shard(module, args.strategy, world, args.lora_rank > 0)
+    module = shard(module, args.strategy, world, args.lora_rank > 0, args.fsdp_size)
     optimizer, scheduler = train(module, STEPS)
     from omegaconf import OmegaConf
     from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
@@ -139,6 +145,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lora-rank", type=int, default=0)
     ap.add_argument("--lora-alpha", type=int, default=16)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--fsdp-size", type=int, default=-1, help="below --world: verl's HSDP mesh (ddp, fsdp)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=False)

@@ -28,7 +28,7 @@ from ...core.problems import VerifyReport
 from ...core.progress import Progress
 from ...core.progress import report as report_progress
 from ...dist import map_units
-from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input
+from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, as_input, read_input
 from .item import (
     SMALL_ITEM_BYTES,
     ItemError,
@@ -285,7 +285,7 @@ def _report_checked(
             report.problem(*problem)
         if k < n_units and results[k] is not None:
             for path_, key, message in results[k]["problems"]:
-                report.problem(Path(path_), key, message)
+                report.problem(as_input(path_), key, message)
             records += results[k]["records"]
     return records
 

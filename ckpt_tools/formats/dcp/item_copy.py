@@ -10,7 +10,6 @@ import struct
 
 from ...core.crc import crc32
 from ...core.errors import FormatError
-from ...io.remote import is_remote_path
 from .item import CRC_HINT, SMALL_ITEM_BYTES, ItemError, crc_error, parse_item, window
 from .model import BytesEntry
 from .reader import DcpCheckpoint
@@ -82,7 +81,7 @@ def copy_checked_item(
     chunk, None for a byte item) to `writer` verbatim, checked; returns the CRC-32 of its bytes."""
     e = ckpt.entries[key]
     raw: bytes | FileRange
-    if length <= SMALL_ITEM_BYTES or is_remote_path(ckpt.dir):
+    if length <= SMALL_ITEM_BYTES or not ckpt.files.kernel_copy(rel):
         raw = ckpt.read_item_checked(rel, offset, length, key)
         crc = crc32(raw)
     else:
@@ -110,7 +109,7 @@ def write_checked_item(
     """`copy_checked_item` into an item already registered (`DcpWriter.reserve_chunk` / `reserve_bytes`: any
     thread may run it): the item checked as it is read (a large one in blocks of the caller's `buf`, then
     copied by `copy_file_range`), written at its place; returns the CRC-32 of its bytes."""
-    if length <= SMALL_ITEM_BYTES or is_remote_path(ckpt.dir):
+    if length <= SMALL_ITEM_BYTES or not ckpt.files.kernel_copy(rel):
         raw = ckpt.read_item_checked(rel, offset, length, key)
         slot.write_at(0, raw)
         return crc32(raw)

@@ -8,11 +8,10 @@ with `torch.chunk` boundaries (`row_chunks`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ...core.errors import MissingPathError, UsageError
-from ...io.inputs import scan_tree
+from ...io.inputs import as_input, lexists, list_names, scan_tree
 from .metadata import METADATA_NAME
 
 __all__ = [
@@ -50,24 +49,24 @@ def data_file_name(index: int) -> str:
 def is_checkpoint_path(p: Path) -> bool:
     """A trainer dir, a step dir holding trainer/, or a `.metadata` file itself. lexists, not is_file:
     a `.metadata` that is a FIFO or a dangling link marks a checkpoint the reader then refuses by name."""
-    p = Path(p)
+    p = as_input(p)
     return (
-        os.path.lexists(p / METADATA_NAME)
-        or os.path.lexists(p / "trainer" / METADATA_NAME)
-        or (p.name == METADATA_NAME and os.path.lexists(p) and not p.is_dir())
+        lexists(p / METADATA_NAME)
+        or lexists(p / "trainer" / METADATA_NAME)
+        or (p.name == METADATA_NAME and lexists(p) and not p.is_dir())
     )
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """Accept a trainer dir (holding .metadata) or a prime-rl step dir (holding trainer/)."""
-    p = Path(path)
+    p = as_input(path)
     if not p.exists():
         raise MissingPathError(p)
     if p.name == METADATA_NAME and not p.is_dir():
         return p.parent
-    if os.path.lexists(p / METADATA_NAME):
+    if lexists(p / METADATA_NAME):
         return p
-    if os.path.lexists(p / "trainer" / METADATA_NAME):
+    if lexists(p / "trainer" / METADATA_NAME):
         return p / "trainer"
     raise UsageError(
         "not a DCP checkpoint: no .metadata here or in trainer/",
@@ -83,12 +82,12 @@ def extra_entries(ckpt_dir: Path, data_files, *, exclude=()) -> list[str]:
     (referenced or stale), the `data_files`, and the names in `exclude`. Each is checked as an input now
     (`inputs.scan_tree`: no FIFO, device, socket or symlink out of the checkpoint)."""
     out = []
-    for name in sorted(os.listdir(ckpt_dir)):
+    for name in list_names(ckpt_dir):
         if name == METADATA_NAME or name in data_files or name in exclude:
             continue
         if name.startswith(".") or name.endswith(".distcp"):
             continue
-        scan_tree(Path(ckpt_dir) / name, root=ckpt_dir, what="checkpoint entry")
+        scan_tree(as_input(ckpt_dir) / name, root=ckpt_dir, what="checkpoint entry")
         out.append(name)
     return out
 
@@ -98,5 +97,5 @@ def extra_bytes(ckpt_dir: Path, names) -> int:
     return sum(
         size
         for n in names
-        for _p, size in scan_tree(Path(ckpt_dir) / n, root=ckpt_dir, what="checkpoint entry")
+        for _p, size in scan_tree(as_input(ckpt_dir) / n, root=ckpt_dir, what="checkpoint entry")
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from ...core.errors import FormatError, UsageError
 from ...core.keys import classify, expert_hf_name, expert_module, lora_key, require_known, stacked_lora_key
 from ...core.lora_math import lora_scale
+from ...io.inputs import as_input
 from ..handle import LoraModule, LoraSource, RawTensor, TensorFacts
 from ..primerl.alpha import AlphaResolution, resolve_alpha
 from ..primerl.optimizers import trained_params
@@ -201,7 +202,7 @@ class NoLoraSource(LoraSource):
     kind = "none"
 
     def __init__(self, path: Path, *, tied_aliases: tuple[str, ...] = ()):
-        self.path = Path(path)
+        self.path = as_input(path)
         self.config_path = self.weights_path = self.path / METADATA_NAME
         self.tied_aliases = tied_aliases  # output embeddings trained as the input embedding (tied)
         self.modules, self.full_tensors = {}, {}

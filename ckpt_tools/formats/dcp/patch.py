@@ -29,9 +29,8 @@ from ...core.crc import crc32
 from ...core.errors import UsageError
 from ...io.copy import copy_input_tree, link_or_copy, link_writes_bytes
 from ...io.files import atomic_write_bytes, fsync_path, link_entry, remove_file, write_new_file
-from ...io.inputs import MAX_METADATA_BYTES, read_input, scan_tree
+from ...io.inputs import MAX_METADATA_BYTES, lexists, local_dir, read_input, scan_tree
 from ...io.lock import OutputLock, lock_path_for, pid_alive
-from ...io.remote import is_remote_path
 from ...io.signals import signals_deferred
 from ...io.staging import AtomicOutputDir, note_committed
 from ..slim.manifest import SLIM_MANIFEST, is_slim, kept_item_id, read_manifest, with_patch
@@ -53,7 +52,7 @@ class PatchResult:
     patch_file: str
     changed_keys: int
     bytes_written: int  # patch file + new .metadata
-    linked: dict  # method -> number of data files (hardlink | reflink | copy)
+    linked: dict  # method -> number of data files (hardlink | reflink | copy | fetch | remote)
     backup: str | None
     seconds: float
     warnings: list = field(default_factory=list)
@@ -70,7 +69,7 @@ def _encode(obj) -> bytes:
 
 def _patch_file_name(ckpt_dir: Path) -> str:
     n = 0
-    while os.path.lexists(ckpt_dir / f"{PATCH_PREFIX}{n}.distcp"):  # lexists: a dangling link is taken too
+    while lexists(ckpt_dir / f"{PATCH_PREFIX}{n}.distcp"):  # lexists: a dangling link is taken too
         n += 1
     return f"{PATCH_PREFIX}{n}.distcp"
 
@@ -125,12 +124,11 @@ def patch_checkpoint(
     value. `out=None` with `in_place=True` patches `ckpt` itself (backup of `.metadata` kept)."""
     _check_patchable(ckpt, new_values)
     t0 = time.perf_counter()
-    if in_place and is_remote_path(ckpt.dir):
-        raise UsageError(
-            "--in-place patches a local checkpoint, and this one is at a URL",
-            path=ckpt.dir,
-            hint="write OUT instead: a URL in the same S3 store copies the data files server-side "
-            "(O(KB) sent)",
+    if in_place:  # a URL is refused (io.inputs.local_dir)
+        local_dir(
+            ckpt.dir,
+            "--in-place patches a local checkpoint",
+            hint="write OUT instead: a URL in one S3 store copies the data files server-side (O(KB) sent)",
         )
     if not in_place and out is None:
         raise UsageError("give an output directory, or --in-place")
@@ -181,9 +179,9 @@ def _patch_to(
             raise
         written = (tmp / patch_rel).stat().st_size + (tmp / METADATA_NAME).stat().st_size
     warnings = []
-    if counts.get("copy") and is_remote_path(ckpt.dir):
+    if counts.get("fetch"):
         warnings.append(
-            f"{counts['copy']} data file(s) were fetched from the URL: a local OUT holds the whole "
+            f"{counts['fetch']} data file(s) were fetched from the URL: a local OUT holds the whole "
             "checkpoint (an OUT in the same S3 store is copied server-side, nothing fetched)"
         )
     elif counts.get("copy"):

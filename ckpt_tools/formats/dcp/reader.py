@@ -24,7 +24,7 @@ from ...core.crc import PieceChecker, crc32
 from ...core.dtypes import torch_dtype
 from ...core.errors import ChecksumError, CkptError, FormatError, UnsafePickleError, UsageError
 from ...core.keys import classify, require_known
-from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, read_input, register
+from ...io.inputs import MAX_METADATA_BYTES, OpenFiles, as_input, read_input, register
 from .item import (
     CRC_HINT,
     ItemError,
@@ -49,7 +49,7 @@ class DcpCheckpoint:
     """An open DCP checkpoint: metadata in memory, data files opened lazily (`OpenFiles`)."""
 
     def __init__(self, ckpt_dir: Path, metadata, *, trust_pickle: bool = False, known_keys_only: bool = True):
-        self.dir = Path(ckpt_dir)
+        self.dir = as_input(ckpt_dir)
         self.metadata = metadata
         self.trust_pickle = trust_pickle
         self.files = OpenFiles(

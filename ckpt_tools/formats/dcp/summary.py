@@ -6,7 +6,6 @@ run's checkpoints through it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ...core.keys import (
     FROZEN_GROUPS,
@@ -18,6 +17,7 @@ from ...core.keys import (
     world_size_from_chunks,
 )
 from ...core.primerl_state import scheduler_class
+from ...io.inputs import as_input
 from ..primerl.optimizers import trained_params
 from .layout import METADATA_NAME
 from .model import TensorEntry
@@ -87,7 +87,7 @@ def summarize(ckpt: DcpCheckpoint) -> CheckpointSummary:
         progress=progress,
         frozen_bytes=frozen,
         unique_bytes=sum(st.bytes for st in groups.values()) - frozen,
-        metadata_bytes=(Path(ckpt.dir) / METADATA_NAME).stat().st_size,
+        metadata_bytes=(as_input(ckpt.dir) / METADATA_NAME).stat().st_size,
         data_files=tuple(ckpt.data_files()),
         experts=_experts(infos, tensors, lora),
         full_finetune=bool(base_params & trained) and lora.modules == 0,

@@ -44,6 +44,7 @@ from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import UsageError
 from ...io.copy import copy_range
 from ...io.files import atomic_write_bytes, create_new, make_dirs, pwrite_all, start_writeback
+from ...io.pread import RangeReader
 from .layout import METADATA_NAME, METADATA_TMP_TAG, data_file_name, row_chunks
 from .metadata_pickle import DCP_VERSION, StorageRecord, TensorRecord, metadata_pickle
 
@@ -58,7 +59,7 @@ class FileRange:
     """A stored item to copy verbatim from bytes [offset, offset + length) of the open input `fd` (in the
     kernel, `io.copy.copy_range`: the bytes never pass through this process)."""
 
-    fd: int
+    fd: int | RangeReader  # a remote object's range is fetched (io.copy.copy_range)
     offset: int
     length: int
     path: object

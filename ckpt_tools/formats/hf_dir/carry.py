@@ -6,11 +6,10 @@ someone), subdirectories, hidden entries."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 from pathlib import Path
 
-from ...io.inputs import check_input
+from ...io.inputs import as_input, check_input
 from .digests import SUMS_NAME
 from .names import is_weight_like
 
@@ -21,9 +20,7 @@ def classify_entries(d: Path, exclude: Collection[str] = ()) -> list[tuple[str, 
     """(name, "carry" | "skip") for every top-level entry of `d` except those in `exclude`, by name.
     `is_file()` follows symlinks: an HF cache snapshot is all symlinks into blobs/."""
     out = []
-    with os.scandir(d) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for entry in entries:
+    for entry in sorted(as_input(d).iterdir()):
         if entry.name in exclude:
             continue
         # SHA256SUMS describes the files of its own dir: a derived model writes its own
@@ -40,7 +37,7 @@ def classify_entries(d: Path, exclude: Collection[str] = ()) -> list[tuple[str, 
 def carry_files(d: Path, exclude: Collection[str] = ()) -> tuple[list[Path], list[str]]:
     """(the files to carry, the names skipped). Each carried file is checked as an input of the tree
     `d` now: a symlink out of it is refused before anything runs."""
-    d = Path(d)
+    d = as_input(d)
     carry, skip = [], []
     for name, kind in classify_entries(d, exclude):
         if kind == "carry":

@@ -19,14 +19,13 @@ here, where the rule is checked.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...core.errors import CkptError, FormatError, MissingFileError
 from ...core.problems import WARNING, Finding
-from ...io.inputs import MAX_TABLE_VALUES, is_plain_file_name, read_json
+from ...io.inputs import MAX_TABLE_VALUES, is_plain_file_name, lexists, read_json
 from ..safetensors.header import SafetensorsHeader, TensorInfo, read_header
 
 __all__ = ["IndexCheck", "check_index", "header_finding"]
@@ -174,7 +173,7 @@ def _refuse_missing_or_unreadable(
 ) -> None:
     """Rule 3 as an open refuses it: the missing shards on one line, else the first header that does not
     read (where nothing before it was refused)."""
-    missing = [f for f in out.files if not os.path.lexists(root / f)]
+    missing = [f for f in out.files if not lexists(root / f)]
     if missing:
         out.refuse(
             MissingFileError(

@@ -4,7 +4,6 @@ whether it describes a given set of tensors, and the changes a derived model's c
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -14,7 +13,7 @@ from ...core.dtypes import config_dtype_code
 from ...core.errors import FormatError, MissingFileError
 from ...core.keys import HF_DECODER_LAYER, layer_of
 from ...core.tied import TIED_PAIRS
-from ...io.inputs import read_json
+from ...io.inputs import as_input, lexists, read_json
 from .names import CONFIG_NAME
 
 __all__ = [
@@ -36,8 +35,8 @@ def load_config(d: Path, *, required: bool, hint: str | None = None) -> tuple[di
 def load_config(d: Path, *, required: bool, hint: str | None = None) -> tuple[dict | None, str | None]:
     """(config.json of dir `d`, its path), (None, None) when absent and not `required`. lexists, not
     is_file: a config that is a FIFO or a symlink out of the dir is refused by name when read."""
-    p = Path(d) / CONFIG_NAME
-    if not os.path.lexists(p):
+    p = as_input(d) / CONFIG_NAME
+    if not lexists(p):
         if required:
             raise MissingFileError("no config.json here", path=d, hint=hint)
         return None, None

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from ...core.errors import FormatError
+from ...io.inputs import as_input, list_names, real_name
 
 __all__ = ["SUMS_NAME", "FileDigest", "blob_digests", "format_sums", "parse_sums"]
 
@@ -64,14 +65,14 @@ def blob_digests(model_dir: Path) -> dict[str, FileDigest] | None:
     """When `model_dir` is a snapshot of the HF cache (`.../snapshots/<rev>`), the digest each file's
     blob name gives (`("sha256", hex, blob)` for LFS files, `("git-sha1", hex, blob)` for others), for
     every file that links into the repo's `blobs/`; None when it is not a cache snapshot."""
-    d = Path(model_dir)
+    d = as_input(model_dir)
     if d.parent.name != "snapshots" or not (d.parent.parent / "blobs").is_dir():
         return None
-    blobs = os.path.realpath(d.parent.parent / "blobs")
+    blobs = real_name(d.parent.parent / "blobs")
     out: dict[str, FileDigest] = {}
-    for entry in sorted(os.listdir(d)):
+    for entry in list_names(d):
         p = d / entry
-        if not os.path.islink(p):
+        if not p.is_symlink():
             continue
         real = os.path.realpath(p)
         if os.path.dirname(real) != blobs:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ...core.errors import CkptError, FormatError, MissingFileError, MissingPathError, UsageError
 from ...io import hub_fetch
-from ...io.inputs import check_input, read_json, read_text
+from ...io.inputs import as_input, check_input, read_json, read_text
 from .names import CONFIG_NAME, INDEX_NAME, is_weight_like
 
 __all__ = ["NEEDS", "files_needed", "is_hub_id", "locate_model", "resolve_model_dir", "split_revision"]
@@ -41,7 +41,7 @@ def resolve_model_dir(
     """A local directory, or a hub id (`org/name`, `org/name@revision`) resolved from the local HF cache
     (no network), or under `--download` fetched into it first (the files `need` names, module doc) when
     the cache lacks them. `cache_dir` overrides the cache location (default: HF_HUB_CACHE)."""
-    p = Path(name_or_dir).expanduser()
+    p = as_input(name_or_dir).expanduser()
     if p.is_dir():
         return p
     if p.exists():

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, MissingFileError
-from ...io.inputs import OpenFiles, register
+from ...io.inputs import OpenFiles, as_input, lexists, list_names, register
+from ...io.pread import RangeReader
 from ..handle import ByteRange, Extent, Source, TensorFacts, tensor_bytes
 from ..safetensors.header import ByteCounter, SafetensorsHeader, TensorInfo, read_header
 from ..safetensors.read import read_raw, read_tensor
@@ -87,7 +88,7 @@ class HFModelDir(Source):
     @classmethod
     def open(cls, path: str | os.PathLike, label: str | None = None) -> HFModelDir:
         label = str(path) if label is None else label
-        path = Path(path)
+        path = as_input(path)
         if not path.is_dir():
             raise MissingFileError("not a directory", path=path, hint="pass an HF model directory")
         register(path)  # the whole model dir is an input: no OUT inside it
@@ -95,18 +96,18 @@ class HFModelDir(Source):
         # model dir belongs to it and is refused by name when read (inputs.open_input)
         config, _cfg_path = load_config(path, required=False)
         single, index = path / WEIGHTS_NAME, path / INDEX_NAME
-        if os.path.lexists(single) and os.path.lexists(index):
+        if lexists(single) and lexists(index):
             raise FormatError(
                 f"has both {WEIGHTS_NAME} and {INDEX_NAME}; loaders disagree on which wins",
                 path=path,
                 hint="delete the stale one",
             )
-        if os.path.lexists(single):
+        if lexists(single):
             return cls(path, config, {WEIGHTS_NAME: read_header(single)}, None, label)
-        if os.path.lexists(index):
+        if lexists(index):
             headers, metadata = _open_index(path, index)
             return cls(path, config, headers, metadata, label)
-        pickles = sorted(n for n in os.listdir(path) if n.endswith(".bin"))
+        pickles = sorted(n for n in list_names(path) if n.endswith(".bin"))
         hint = (
             f"it only has pickle weights ({', '.join(pickles[:3])}); convert them to safetensors first"
             if pickles
@@ -156,8 +157,9 @@ class HFModelDir(Source):
         return set(self.headers) | ({INDEX_NAME} if self.index_metadata is not None else set())
 
     # -- tensor bytes (the `Source` reads: `read_into`, `read_rows`, `read_tensor`, ... through `_pread`)
-    def fd(self, name: str) -> int:
-        """An open read-only fd for the file holding tensor `name` (owned by this object)."""
+    def fd(self, name: str) -> int | RangeReader:
+        """The range reader of the file holding tensor `name` (an open fd, or a URL's object; owned by this
+        object)."""
         return self.files.fd(self.info(name).path.name, name)
 
     def read_stored(self, name: str, *, counter: ByteCounter | None = None) -> torch.Tensor:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ...core.errors import UsageError
 from ...io.files import atomic_write_text
+from ...io.inputs import as_input
 from .names import INDEX_NAME, WEIGHTS_NAME
 
 __all__ = ["ShardPlan", "ShardSpec", "index_json", "plan_shards", "shard_file_name", "write_index"]
@@ -100,7 +101,7 @@ def write_index(
     metadata: dict[str, int] = dict(plan.metadata())
     if total_parameters is not None:
         metadata["total_parameters"] = total_parameters
-    path = Path(directory) / INDEX_NAME
+    path = as_input(directory) / INDEX_NAME
     atomic_write_text(path, index_json({"metadata": metadata, "weight_map": plan.weight_map}))
     return path
 

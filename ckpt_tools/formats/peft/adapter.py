@@ -10,7 +10,6 @@ LoRA (`target_parameters`, `formats.peft.experts`) is presented as its per-exper
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +23,7 @@ from ...core.keys import (
     fused_param_name,
     fused_peft_modules,
 )
-from ...io.inputs import read_input, register
+from ...io.inputs import as_input, lexists, read_input, register
 from ..dcp.item import load_byte_item
 from ..safetensors.header import read_header
 from ..safetensors.read import read_tensor
@@ -297,19 +296,19 @@ def load_adapter_bin(binf: Path) -> dict[str, torch.Tensor]:
 
 
 def open_peft_adapter(path: str | Path, *, strict: bool = True) -> PeftAdapter:
-    d = Path(path)
+    d = as_input(path)
     if not d.is_dir():
         raise UsageError("not a PEFT adapter directory", path=d)
     register(d)  # the whole adapter dir is an input: no OUT inside it
     config = parse_peft_config(d / ADAPTER_CONFIG)
     st, binf = d / SAFETENSORS_NAME, d / BIN_NAME
-    if os.path.lexists(st):
+    if lexists(st):
         header = read_header(st)
         infos = header.tensors
         shapes = {k: tuple(i.shape) for k, i in infos.items()}
         dtypes = {k: i.dtype_name for k, i in infos.items()}
         return PeftAdapter(d, config, st, shapes, dtypes, lambda k: read_tensor(infos[k], st), strict)
-    if os.path.lexists(binf):
+    if lexists(binf):
         sd = load_adapter_bin(binf)
         shapes = {k: tuple(v.shape) for k, v in sd.items()}
         dtypes = {k: dtype_name(v.dtype) for k, v in sd.items()}

@@ -5,7 +5,6 @@ exactly (DoRA, LoRA bias, QALoRA, layer replication...), each refused with a mes
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from pathlib import Path
 from ...core.errors import FormatError
 from ...core.keys import FUSED_EXPERT_PARAMS, peft_target
 from ...core.lora_math import check_alpha, lora_scale
-from ...io.inputs import read_json
+from ...io.inputs import as_input, lexists, read_json
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -145,7 +144,7 @@ def _need(raw: dict, name: str, types, path: Path, default=None, required=True):
 
 
 def parse_peft_config(path: Path) -> PeftConfig:
-    path = Path(path)
+    path = as_input(path)
     raw = _lora_config_json(path)
     r = _need(raw, "r", int, path)
     if not 0 < r <= MAX_RANK:
@@ -178,7 +177,7 @@ def parse_peft_config(path: Path) -> PeftConfig:
 def _lora_config_json(path: Path) -> dict:
     """adapter_config.json as a JSON object: a plain LoRA (peft_type LORA, no variant this package does
     not convert, no trained biases)."""
-    if not os.path.lexists(path):
+    if not lexists(path):
         raise FormatError("missing adapter_config.json", path=path)
     raw = read_json(path, root=path.parent, what="adapter_config.json")
     if not isinstance(raw, dict):

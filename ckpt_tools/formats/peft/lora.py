@@ -3,9 +3,9 @@ adapter_config.json (an explicit --alpha overrides it: `LoraSource.with_alpha`).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...io.inputs import as_input
 from ..handle import LoraModule, LoraSource, TensorFacts
 
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are built; the handle makes this view
@@ -23,7 +23,7 @@ class PeftLoraSource(LoraSource):
     def __init__(self, adapter: PeftAdapter):
         self.adapter = ad = adapter
         cfg = ad.config
-        self.path = Path(ad.dir)
+        self.path = as_input(ad.dir)
         self.alpha = cfg.lora_alpha
         self.use_rslora = cfg.use_rslora
         self.alpha_source = (

@@ -18,7 +18,8 @@ from ...core.errors import FormatError
 from ...core.keys import peft_target
 from ...core.progress import Progress, report
 from ...io.files import hash_written_file, write_new_file
-from ...io.remote import display
+from ...io.remote_display import display
+from ...io.remote_url import redact
 from ...io.staging import AtomicOutputDir
 from ..handle import RawTensor, is_torch_tensor
 from ..hf_dir.digests import SUMS_NAME, format_sums
@@ -127,7 +128,7 @@ def peft_config(
         lora_alpha=float(lora_alpha),
         target_modules=list(target_modules),
         # a base given as a URL is named as the URL, never by its local stand-in (io.remote)
-        base_model_name_or_path=display(base_model_name_or_path),
+        base_model_name_or_path=redact(display(base_model_name_or_path)),
         modules_to_save=sorted(modules_to_save) if modules_to_save else None,
     )
     if fused:

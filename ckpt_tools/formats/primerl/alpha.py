@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ...core.errors import AlphaError, CkptError, UsageError
 from ...core.lora_math import check_alpha, lora_scale
-from ...io.inputs import read_json
+from ...io.inputs import as_input, read_json
 from .alpha_files import (
     ORCH_DEFAULT_ALPHA,
     RULE_16E747C,
@@ -176,7 +176,7 @@ def _undecided(
 
 def _from_run(ckpt_dir: str | Path | None, rank: int | None) -> AlphaResolution:
     """The alpha of the run config prime-rl wrote for `ckpt_dir` (see the module doc)."""
-    choice = run_config_choice(Path(ckpt_dir)) if ckpt_dir is not None else ConfigChoice(())
+    choice = run_config_choice(as_input(ckpt_dir)) if ckpt_dir is not None else ConfigChoice(())
     if len(choice.configs) > 1:
         raise AlphaError(
             "LoRA alpha is not stored in the checkpoint, and several runs' orchestrator configs are in its "
@@ -188,7 +188,7 @@ def _from_run(ckpt_dir: str | Path | None, rank: int | None) -> AlphaResolution:
         raise _no_config(ckpt_dir)
     root = run_outputs_dir(ckpt_dir) if ckpt_dir is not None else None
     if choice.undecided:
-        return _undecided(choice, Path(str(ckpt_dir)), rank, root)
+        return _undecided(choice, as_input(ckpt_dir), rank, root)
     writer = choice.writer
     note = (
         ""
@@ -210,12 +210,12 @@ def resolve_alpha(
         res = AlphaResolution(check_alpha(alpha, "--alpha", error=UsageError), "--alpha")
         res = replace(res, warnings=tuple(_alpha_contradiction(res.alpha, run_config, ckpt_dir)))
     elif run_config is not None:
-        res = _from_file(Path(run_config), "--run-config", rank)
+        res = _from_file(as_input(run_config), "--run-config", rank)
     else:
         res = _from_run(ckpt_dir, rank)
     if rank is not None and ckpt_dir is not None:
         cross = adapter_config_disagreements(
-            run_adapter_configs(Path(ckpt_dir)), res.alpha / rank, rank, root=run_outputs_dir(ckpt_dir)
+            run_adapter_configs(as_input(ckpt_dir)), res.alpha / rank, rank, root=run_outputs_dir(ckpt_dir)
         )
         res = replace(res, warnings=res.warnings + tuple(cross))
     return res
@@ -226,9 +226,9 @@ def _alpha_contradiction(alpha: float, run_config, ckpt_dir) -> list[str]:
     says another alpha, say so: both values and the file."""
     try:
         if run_config is not None:
-            path, root = Path(run_config), None
+            path, root = as_input(run_config), None
         else:
-            found = find_run_configs(Path(ckpt_dir)) if ckpt_dir is not None else []
+            found = find_run_configs(as_input(ckpt_dir)) if ckpt_dir is not None else []
             if len(found) != 1:
                 return []
             path, root = found[0], run_outputs_dir(ckpt_dir)

@@ -16,14 +16,13 @@ validated (finite, in (0, MAX_ALPHA]). The kind is `kinds.toml_kind`'s.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import AlphaError, FormatError
 from ...core.lora_math import check_alpha
-from ...io.inputs import read_toml
+from ...io.inputs import as_input, lexists, read_toml
 from .config import HEAD_JSON, config_files, load_run_config, lora_settings
 from .files import GEN_HEAD
 from .kinds import ORCHESTRATOR, RL, TomlKind, toml_kind
@@ -69,14 +68,14 @@ class FileAlpha:
 
 
 def _missing(path: Path) -> None:
-    if not os.path.lexists(path):
+    if not lexists(path):
         raise AlphaError("run config not found", path=path)
 
 
 def read_head_lora(path: Path) -> tuple[float, int, str]:
     """(alpha, rank, rule) of the trainer's LoRA from a HEAD JSON config (trainer.json or rl.json), read
     by the run-config reader of both generations (`formats.primerl.config`)."""
-    path = Path(path)
+    path = as_input(path)
     _missing(path)
     files = [path]
     sibling = path.parent / ("rl.json" if path.name == "trainer.json" else "trainer.json")
@@ -124,7 +123,7 @@ def read_orch_lora(path: Path, *, root: Path | None = None) -> dict:
     """The `[model.lora]` table of an orchestrator config (alpha defaulted as prime-rl does, and
     validated: a finite alpha in (0, MAX_ALPHA], a positive integer rank). `root`: the outputs
     tree a discovered config belongs to (None for one the user named)."""
-    path = Path(path)
+    path = as_input(path)
     _missing(path)
     return _orch_lora(read_toml(path, root=root, what="orchestrator config")[0], path)
 
@@ -252,7 +251,7 @@ def _head_orch(data: Mapping, path: Path) -> FileAlpha:
 def config_alpha(path: str | Path, *, root: Path | None = None) -> FileAlpha:
     """The alpha training applied, as the config file at `path` says it (see the module doc). `root`:
     the run tree a found config belongs to (None for one the user named)."""
-    path = Path(path)
+    path = as_input(path)
     _missing(path)
     if path.suffix == ".json":
         alpha, rank, _rule = read_head_lora(path)

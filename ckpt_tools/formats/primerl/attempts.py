@@ -34,7 +34,7 @@ from pathlib import Path
 from ...core.errors import CkptError
 from ...core.keys import step_of
 from ...io import inputs
-from ...io.remote import mount_root_of
+from ...io.inputs import as_input, mtime_of, real_name, search_top
 
 __all__ = [
     "ATTEMPT_ENV",
@@ -160,12 +160,9 @@ def _step_of(block: Mapping) -> int | None:
 
 
 def _written_at(files: tuple[Path, ...]) -> float | None:
-    if not files or mount_root_of(files[0]) is not None:
-        return None
-    try:
-        return min(f.stat().st_mtime for f in files)
-    except OSError:
-        return None
+    """When the files were written (the earliest); None over a URL (no file time is asked of a store)."""
+    times = [mtime_of(f) for f in files]
+    return min(t for t in times if t is not None) if times and None not in times else None
 
 
 def _attempt(label: str, number: int | None, resolved: Path, root: Path | None) -> Attempt | None:
@@ -244,9 +241,9 @@ def _latest(configs: Path, numbered: list[Attempt], root: Path | None) -> tuple[
 def run_attempts(run_dir: str | os.PathLike, *, env: Mapping[str, str] | None = None) -> RunAttempts | None:
     """The config dirs of the run in `run_dir`, oldest first (see the module doc); None when it has none
     (and `$PRL_ATTEMPT_CONFIG_DIR` names none)."""
-    run = Path(run_dir)
+    run = as_input(run_dir)
     configs = run / "configs"
-    root = mount_root_of(run) or run  # a config is read only inside the run's tree
+    root = search_top(run) or run  # a config is read only inside the run's tree (a URL's: inside it)
     attempts: list[Attempt] = []
     for label, d in (("configs", configs), ("configs/resolved", configs / "resolved")):
         a = _attempt(label, None, d, root)
@@ -267,7 +264,7 @@ def run_attempts(run_dir: str | os.PathLike, *, env: Mapping[str, str] | None = 
 def _with_pinned(attempts: list[Attempt], pinned: Path, notes: list[str]) -> tuple[list[Attempt], list[str]]:
     """`$PRL_ATTEMPT_CONFIG_DIR` (prime-rl's `get_config_dir` reads it first): the run's config dir when
     the run has none of its own; one of them, or ignored (said so), when it has."""
-    own = next((a for a in attempts if os.path.realpath(a.resolved) == os.path.realpath(pinned)), None)
+    own = next((a for a in attempts if real_name(a.resolved) == real_name(pinned)), None)
     if own is not None:
         return attempts, [*notes, f"${ATTEMPT_ENV} names {own.label}"]
     if attempts:
@@ -283,16 +280,11 @@ def checkpoint_step(path: Path, *, timed: bool = True) -> tuple[int | None, floa
     """(N, when its `.metadata` was written) for `.../step_N` or `.../step_N/trainer` (or a file in
     it); (None, None) for anything else. The time is None over a URL (a shadow file has none), and
     without `timed` (a path that only names a URL's layout)."""
-    p = Path(path)
+    p = as_input(path)
     for d in (p, p.parent, p.parent.parent):
         n = step_of(d.name)
         if n is not None:
-            meta = d / "trainer" / ".metadata"
-            try:
-                when = meta.stat().st_mtime if timed and mount_root_of(meta) is None else None
-            except OSError:
-                when = None
-            return n, when
+            return n, mtime_of(d / "trainer" / ".metadata") if timed else None
     return None, None
 
 

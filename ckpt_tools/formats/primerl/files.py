@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import FormatError, UsageError
 from ...io import inputs
-from ...io.remote import mount_root_of
+from ...io.inputs import as_input, lexists, real_name, search_top
 from .attempts import (
     ATTEMPT_ENV,
     RunAttempts,
@@ -86,7 +85,7 @@ class RunFiles:
 
 def read_toml(path: Path) -> dict:
     """Through the read side (`inputs.read_toml`: no FIFO or device, size and depth limits)."""
-    if not os.path.lexists(path):
+    if not lexists(path):
         raise UsageError("config file not found", path=path)
     try:
         return inputs.read_toml(path, what="prime-rl config")[0]
@@ -100,7 +99,7 @@ def read_toml(path: Path) -> dict:
 
 def read_json(path: Path) -> dict:
     """Through the read side (`inputs.read_json`: no FIFO or device, size and depth limits, no NaN)."""
-    if not os.path.lexists(path):
+    if not lexists(path):
         raise UsageError("config file not found", path=path)
     data = inputs.read_json(path, what="prime-rl config")
     if not isinstance(data, dict):
@@ -132,11 +131,11 @@ def config_files(files: list[Path], sections: Mapping[str, Path] | None = None) 
     ignored: list[tuple[Path, str]] = []
 
     def add(path: Path, section: str, origin: str) -> None:
-        path = Path(path)
+        path = as_input(path)
         # realpath, not Path.resolve: a symlink loop is then refused by the read below (one clean
         # line naming it), not a RuntimeError here
-        real = os.path.realpath(path)
-        if any(os.path.realpath(c.path) == real and c.section == section for c in seen):
+        real = real_name(path)
+        if any(real_name(c.path) == real and c.section == section for c in seen):
             return
         if path.suffix == ".json":
             if section:
@@ -163,11 +162,11 @@ def config_files(files: list[Path], sections: Mapping[str, Path] | None = None) 
                 add(path.parent / inc, "", f"toml_files of {path.name}")
 
     for f in files:
-        add(Path(f), "", "argument")
+        add(as_input(f), "", "argument")
     for sec, f in (sections or {}).items():
         if sec not in SECTIONS:
             raise UsageError(f"unknown section {sec!r}; one of {', '.join(SECTIONS)}")
-        add(Path(f), sec, "argument")
+        add(as_input(f), sec, "argument")
     gens = {GEN_HEAD if c.format == "json" else GEN_16E747C for c in seen}
     if len(gens) > 1:
         raise UsageError("mixes HEAD JSON configs with 16e747c TOML configs; pass one run's files")
@@ -194,7 +193,7 @@ def config_run_dir(config: Path) -> Path:
     """The run dir a found config file belongs to: `<run>` for `<run>/configs[/resolved | /latest/resolved |
     /attempt_<n>/resolved]/x.json`, and `<outputs>/run_x` for 16e747c's
     `<outputs>/run_x/configs/orch.toml`."""
-    p = Path(config).resolve()
+    p = as_input(config).resolve()
     parts = p.parent.parts
     if (
         len(parts) > 3
@@ -244,13 +243,13 @@ def locate_run_configs(path: str | Path) -> RunFiles | None:
     """A run's config files from a config file, a run/outputs dir, or a checkpoint inside one (the
     nearest ancestor that has any). None when there are none; an error when several runs share the
     dir (pass the one you mean)."""
-    p = Path(path)
+    p = as_input(path)
     if p.is_file():
         return config_files([p])
     d = p.resolve()
     # a URL's shadow tree (io.remote): nothing above its root stands for the run (the local temp dir that
     # holds it could hold anything); the run configs above a URL are `run_dir.find_run_configs`'s
-    top = mount_root_of(p)
+    top = search_top(p)
     below = _run_below(d)  # a launch dir: the run dir(s) prime-rl wrote under its outputs/
     if below is not None:
         return below

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...io.inputs import as_input
 from .attempts import attempt_number
 from .files import GEN_16E747C, GEN_HEAD, SECTIONS
 from .schema_16e747c import SCHEMA as SCHEMA_16E747C
@@ -49,7 +50,7 @@ def _keys(table: str, schema=SCHEMA_16E747C) -> set[str]:
 
 def in_attempt_dir(path: Path) -> bool:
     """`<run>/configs/attempt_<n>/...` or `<run>/configs/latest/...`: a launch attempt's dir (HEAD only)."""
-    parts = Path(path).parts
+    parts = as_input(path).parts
     return any(
         p == "configs" and (attempt_number(q) is not None or q == "latest")
         for p, q in itertools.pairwise(parts)

@@ -20,15 +20,13 @@ Reads directory listings and small JSON files only.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import CkptError, UsageError
 from ...core.keys import step_of
-from ...io import inputs, remote
-from ...io.inputs import read_toml
-from ...io.remote import mount_root_of
+from ...io import inputs
+from ...io.inputs import as_input, read_toml
 from ..hf_dir.hub import locate_model, resolve_model_dir
 from ..safetensors.header import read_header
 from .attempts import Attempt, RunAttempts, WriterChoice, checkpoint_step, run_attempts, writer_of
@@ -63,7 +61,7 @@ __all__ = [
 def step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
     """`step_N` directories (not links) of a checkpoints dir, by step."""
     out = []
-    for c in Path(checkpoints).iterdir():
+    for c in as_input(checkpoints).iterdir():
         n = step_of(c.name)
         if n is not None and c.is_dir() and not c.is_symlink():
             out.append((n, c))
@@ -72,7 +70,7 @@ def step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
 
 def checkpoints_dir_of(path: str | Path) -> Path:
     """The `checkpoints/` dir for a path that is one, or an outputs dir that holds one."""
-    p = Path(path)
+    p = as_input(path)
     if not p.is_dir():
         raise UsageError("not a directory", path=p, hint="pass a run's outputs/checkpoints directory")
     if any(step_of(c.name) is not None for c in p.iterdir()):
@@ -95,8 +93,9 @@ def run_outputs_dir(path: str | Path) -> Path | None:
     `<outputs>/weights/step_N[/lora_adapters]`, `<outputs>/run_*/broadcasts/step_N` (16e747c),
     `<outputs>/broadcasts/step_N` (HEAD).
     None anywhere else: we never climb further to look for configs (an unrelated sibling's
-    `run_*/configs/orch.toml` two levels up once set the scale), nor above a URL (`_within`)."""
-    return _within(_outputs_by_layout(Path(path).resolve()), path)
+    `run_*/configs/orch.toml` two levels up once set the scale), nor above a URL (`_within`: what lies
+    around a URL is not the user's input; only its run configs are looked for there, `find_run_configs`)."""
+    return _within(_outputs_by_layout(as_input(path).resolve()), path)
 
 
 def _outputs_by_layout(p: Path) -> Path | None:
@@ -150,8 +149,8 @@ def _head_choice(
 def _head_configs(outputs: Path, target: Path | None) -> ConfigChoice | None:
     """HEAD's configs of the run that owns `outputs`: in the outputs dir or the run dir just above it
     (the rl entrypoint writes `<run_dir>/configs/`), one dir only."""
-    for d in (outputs, _within(outputs.parent, outputs)):
-        found = _head_choice(d, target) if d is not None else None
+    for d in (outputs, outputs.parent):
+        found = _head_choice(d, target)
         if found is not None:
             return found
     return None
@@ -172,53 +171,17 @@ def run_config_choice(ckpt_dir: str | Path) -> ConfigChoice:
     """The run configs of the run(s) that wrote `ckpt_dir`, where prime-rl writes them for the `<outputs>`
     of `run_outputs_dir`: HEAD's trainer.json (else rl.json) of the launch attempt that wrote it
     (`attempts.writer_of`), else 16e747c's `<outputs>/run_*/configs/orch.toml` (one per run); none
-    elsewhere."""
-    outputs = run_outputs_dir(ckpt_dir)
-    if outputs is None:
-        return _configs_above_url(Path(ckpt_dir))
-    return _configs_at(outputs, Path(ckpt_dir))
+    elsewhere. Above a URL too, by the layout of the URL's own path: each dir is listed only when the one
+    before holds nothing, only the config files are read, and no file time is asked (a launch dir such a
+    config names is on the machine that trained: `resolve_run`)."""
+    target = as_input(ckpt_dir)
+    outputs = _outputs_by_layout(target.resolve())
+    return ConfigChoice(()) if outputs is None else _configs_at(outputs, target)
 
 
 def find_run_configs(ckpt_dir: Path) -> list[Path]:
     """`run_config_choice(ckpt_dir).configs`, as a list."""
     return list(run_config_choice(ckpt_dir).configs)
-
-
-def _configs_above_url(path: Path) -> ConfigChoice:
-    """For a URL input (a shadow tree of `io.remote`), the run configs where prime-rl writes them above it,
-    by the layout of the URL's own path (`<outputs>/checkpoints/step_N/trainer`, ...): HEAD's configs
-    (launch attempts included) of the outputs dir, else of the run dir just above it, else 16e747c's
-    `<outputs>/run_default/configs/orch.toml` (a URL cannot be globbed for other `run_*`: name one with
-    --run-config). Each candidate dir is listed (mounted) only when the one before it holds nothing;
-    nothing but what the layout names is listed, and a candidate that is not there is skipped. None
-    for a local path or a URL outside the layout."""
-    url = remote.url_of(path) if mount_root_of(path) is not None else None
-    if url is None or "?" in url or "#" in url or "://" not in url:
-        return ConfigChoice(())
-    scheme, rest = url.split("://", 1)
-    where = Path("/" + rest.strip("/"))
-    outputs = _outputs_by_layout(where)
-    if outputs is None:
-        return ConfigChoice(())
-
-    def listed(p: Path) -> Path | None:  # the mounted dir; None above the URL's host / repo, or not there
-        if len(p.parts) <= 2:
-            return None
-        try:
-            return remote.mount(f"{scheme}://{p.as_posix().lstrip('/')}", what="run config")
-        except CkptError:  # not there (or not listable): the next candidate
-            return None
-
-    for run in (outputs, outputs.parent):
-        got = listed(run / "configs")
-        # (the mount is <tmp>/configs; the step is the URL's, no file time over a URL)
-        found = (
-            _head_choice(got.parent, None, at=(checkpoint_step(where, timed=False)[0], None)) if got else None
-        )
-        if found is not None:
-            return found
-    got = listed(outputs / "run_default" / "configs")
-    return ConfigChoice((got / "orch.toml",) if got is not None and (got / "orch.toml").is_file() else ())
 
 
 def _configs_of(outputs: Path, target: Path | None) -> list[Path]:
@@ -230,9 +193,9 @@ def orch_model_name(path: Path | None) -> str | None:
     only a default, for base_model_name_or_path and for the base a slim records)."""
     if path is None:
         return None
-    if Path(path).suffix == ".json":  # HEAD: the trainer's model.name
+    if as_input(path).suffix == ".json":  # HEAD: the trainer's model.name
         try:
-            cfg = load_run_config(config_files([Path(path)]))
+            cfg = load_run_config(config_files([as_input(path)]))
             name = cfg.value("trainer.model.name") if "trainer" in cfg.sections else None
         except CkptError:
             return None
@@ -248,14 +211,9 @@ def orch_model_name(path: Path | None) -> str | None:
 
 
 def _within(found: Path | None, path) -> Path | None:
-    """`found` (a dir found around the input `path`), or None where `path` is a URL (`io.remote`'s shadow
-    tree) and `found` lies above its root: nothing above a URL is mounted, and the local temp dir holding
-    the shadow tree is no part of the run."""
-    root = mount_root_of(path) if found is not None else None
-    if found is None or root is None:
-        return found
-    real = Path(os.path.realpath(found))
-    return found if real == root or root in real.parents else None
+    """`found` (a dir found around the input `path`), or None where `path` is a URL and `found` lies above
+    it (`inputs.bounded`): a launch dir or model root above a URL is on the machine that trained."""
+    return inputs.bounded(found, path)
 
 
 def _outputs_of_run_dir(p: Path) -> Path | None:
@@ -304,14 +262,14 @@ class RunRoot:
 def resolve_run(path: str | Path, *, config: str | Path | None = None) -> RunRoot:
     """The run `path` belongs to (see the module docstring). `config`: the run config the user named
     (--run-config), which then says the launch dir and the model name."""
-    p = Path(path)
+    p = as_input(path)
     outputs = run_outputs_dir(p)
     if outputs is None and p.is_dir():
         outputs = _outputs_of_run_dir(p)
     if config is not None:
-        configs: tuple[Path, ...] = (Path(config),)
+        configs: tuple = (as_input(config),)
     else:
-        configs = tuple(_configs_of(outputs, p) if outputs is not None else _configs_above_url(p).configs)
+        configs = tuple(_configs_of(outputs, p) if outputs is not None else run_config_choice(p).configs)
     one = configs[0] if len(configs) == 1 else None
     # a config found above a URL says no launch dir here: its relative paths are on the machine that trained
     launch = None if one is None or (outputs is None and config is None) else launch_of_config(one)
@@ -322,7 +280,7 @@ def resolve_run(path: str | Path, *, config: str | Path | None = None) -> RunRoo
 
 def launch_of_config(cfg_path: str | Path) -> Path:
     """The launch dir a run config says (`launch_dir_of` with the config's own output_dir)."""
-    cfg_path = Path(cfg_path)
+    cfg_path = as_input(cfg_path)
     try:
         cfg = load_run_config(config_files([cfg_path]))
         key = "trainer.output_dir" if cfg_path.suffix == ".json" else "orchestrator.output_dir"
@@ -370,7 +328,7 @@ def launch_dir_of(config: Path, output_dir: object = None) -> Path:
       trainer's `output_dir` = `outputs/<run.name>`);
     - 16e747c `<launch>/<orchestrator.output_dir>/configs/orch.toml` (default `outputs/run_default`)."""
     run = config_run_dir(config)
-    if Path(config).suffix == ".json":
+    if as_input(config).suffix == ".json":
         depth = len(Path(str(output_dir)).parts) if output_dir else 0
         for cand in [run, *list(run.parents)[: depth + 1]]:
             if output_dir and not Path(str(output_dir)).is_absolute() and (cand / str(output_dir)).is_dir():
@@ -378,7 +336,7 @@ def launch_dir_of(config: Path, output_dir: object = None) -> Path:
         return run
     out = Path(str(output_dir or "outputs/run_default"))
     if not out.is_absolute() and run.parts[-len(out.parts) :] == out.parts:
-        return Path(*run.parts[: -len(out.parts)])
+        return run.parents[len(out.parts) - 1]
     return run.parent.parent
 
 
@@ -459,7 +417,7 @@ def adapter_config_files(outputs: Path) -> list[Path]:
         "broadcasts/step_*/adapter_config.json",
         "weights/step_*/lora_adapters/adapter_config.json",
     )
-    return sorted(f for pat in pats for f in Path(outputs).glob(pat))
+    return sorted(f for pat in pats for f in as_input(outputs).glob(pat))
 
 
 def read_adapter_config(path: Path) -> tuple[int, float] | None:
@@ -478,7 +436,7 @@ def absent_modules_to_save(path: Path) -> tuple[str, ...]:
     try:
         cfg = inputs.read_json(path, what="adapter_config.json")
         listed = cfg.get("modules_to_save") or []
-        weights = Path(path).parent / "adapter_model.safetensors"
+        weights = as_input(path).parent / "adapter_model.safetensors"
         if not listed or not isinstance(listed, list) or not weights.is_file():
             return ()
         names = [k.removeprefix("base_model.model.") for k in read_header(weights).tensors]
@@ -496,7 +454,7 @@ def weights_exports(outputs: Path) -> list[tuple[int, Path]]:
     2026 (`step_dir`; bf16 only: an FP8 dir is not bitwise comparable with a base)."""
     found = []
     for sub, inner in (("weights", ""), ("checkpoints", "weights")):
-        d = Path(outputs) / sub
+        d = as_input(outputs) / sub
         if not d.is_dir():
             continue
         for n, step in step_dirs(d):
@@ -509,7 +467,7 @@ def weights_exports(outputs: Path) -> list[tuple[int, Path]]:
 def dir_bytes(path: Path) -> int:
     """Apparent size of the regular files under `path` (links not followed)."""
     total = 0
-    for p in Path(path).rglob("*"):
+    for p in as_input(path).rglob("*"):
         if p.is_file() and not p.is_symlink():
             total += p.lstat().st_size
     return total

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import CkptError
-from ...io.inputs import read_json
+from ...io.inputs import as_input, read_json
 from .run_dir import dir_bytes
 
 __all__ = ["BF16", "FP8", "ORCHESTRATOR", "WEIGHTS_DIRS", "StepExtra", "step_extras"]
@@ -102,7 +102,7 @@ def _extra(p: Path) -> StepExtra:
 
 def step_extras(step_dir: str | Path) -> list[StepExtra]:
     """The dirs of `step_dir` other than `trainer/` (and gc's own `.trainer.*` leftovers), by name."""
-    d = Path(step_dir)
+    d = as_input(step_dir)
     try:
         entries = sorted(d.iterdir())
     except OSError:

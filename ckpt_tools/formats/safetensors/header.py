@@ -25,11 +25,12 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from ...core.dtypes import SAFETENSORS, torch_dtype
 from ...core.errors import CkptError, FormatError, TruncatedFileError
-from ...io.inputs import MAX_TABLE_VALUES, open_input
-from ...io.pread import pread_into
+from ...io.inputs import MAX_TABLE_VALUES, as_input, close_input, is_url, open_input, reader_size
+from ...io.pread import RangeReader, pread_into
 
 __all__ = [
     "LEN_BYTES",
@@ -125,7 +126,7 @@ class ByteCounter:
         return f"ByteCounter(bytes_read={self.bytes_read}, reads={self.reads})"
 
 
-Source = int | str | os.PathLike | None
+Source = int | RangeReader | str | os.PathLike | None
 
 
 def require_little_endian() -> None:
@@ -138,22 +139,24 @@ class OpenedFile:
     """An fd for a read: the caller's (left open) or one we open from a path (closed after)."""
 
     def __init__(self, source: Source, default_path: Path):
-        self.owned = not isinstance(source, int)
-        if isinstance(source, int):
+        # a path (or URL) is opened here; a reader (an fd, a remote object) is the caller's
+        self.owned = isinstance(source, (str, os.PathLike)) or source is None or is_url(source)
+        self.fd: int | RangeReader
+        if not self.owned:
             self.path = default_path
-            self.fd = source
+            self.fd = cast("int | RangeReader", source)
         else:
-            self.path = Path(source) if source is not None else default_path
+            self.path = as_input(source) if source is not None else default_path
             # a shard belongs to its directory (an HF cache snapshot's to the repo's cache dir): a
             # symlink out of it, a FIFO, a device or a sparse file is refused before it is opened
             self.fd = open_input(self.path, root=self.path.parent, what="safetensors file")
 
-    def __enter__(self) -> int:
+    def __enter__(self) -> int | RangeReader:
         return self.fd
 
     def __exit__(self, *exc) -> None:
         if self.owned:
-            os.close(self.fd)
+            close_input(self.fd)
 
 
 def _header_error(path, message, key=None, truncated=False):
@@ -184,9 +187,9 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
 
     Raises FormatError (TruncatedFileError when the file is shorter than the header promises)
     naming the file and, where one is at fault, the tensor key."""
-    path = Path(path)
+    path = as_input(path)
     with OpenedFile(path, path) as fd:
-        file_bytes = os.fstat(fd).st_size
+        file_bytes = reader_size(fd)
         if file_bytes < LEN_BYTES:
             raise _header_error(
                 path, f"file is {file_bytes} bytes, too short for the 8-byte header length", truncated=True

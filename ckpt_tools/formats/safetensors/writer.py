@@ -28,7 +28,7 @@ from ...core.dtypes import SAFETENSORS, dtype_name, safetensors_code
 from ...core.errors import FormatError, OutputExistsError
 from ...io.copy import copy_range
 from ...io.files import create_new, remove_file, start_writeback
-from ...io.pread import MAX_IO_BYTES
+from ...io.pread import MAX_IO_BYTES, RangeReader
 from .header import is_int, require_little_endian
 
 if TYPE_CHECKING:  # a tensor passed in means its caller imported torch; bytes need none
@@ -245,7 +245,7 @@ class StreamingSafetensorsWriter:
             self._release()
 
     def copy_range_from(
-        self, name: str, src_fd: int, src_offset: int, nbytes: int, *, path, block_bytes: int
+        self, name: str, src_fd: int | RangeReader, src_offset: int, nbytes: int, *, path, block_bytes: int
     ) -> str:
         """Append the next `nbytes` of tensor `name` straight from bytes [src_offset, + nbytes) of the
         open file `src_fd` (`io.copy.copy_range`: in the kernel where it can, else through a buffer of

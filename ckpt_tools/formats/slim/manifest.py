@@ -29,14 +29,14 @@ version 3, which older readers refuse by its version.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...core.dtypes import ITEMSIZE
 from ...core.errors import CkptError, FormatError, UsageError
-from ...io.inputs import MAX_TABLE_VALUES, read_json
-from ...io.remote import display
+from ...io.inputs import MAX_TABLE_VALUES, as_input, lexists, read_json
+from ...io.remote_display import display
+from ...io.remote_url import redact
 
 __all__ = [
     "CRC_INPUT",
@@ -93,7 +93,7 @@ def kept_item_id(key: str, chunk_offsets) -> str:
 
 
 def is_slim(ckpt_dir: Path) -> bool:
-    return (Path(ckpt_dir) / SLIM_MANIFEST).is_file()
+    return (as_input(ckpt_dir) / SLIM_MANIFEST).is_file()
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def build_manifest(
         "note": NOT_LOADABLE,
         # (a URL's local stand-in shown as the URL: io.remote)
         "source": {
-            "path": display(plan.source),
+            "path": redact(display(plan.source)),
             "bytes": plan.source_bytes,
             "data_files": list(plan.data_files),
         },
@@ -249,8 +249,8 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
 
 def _manifest_json(ckpt_dir: Path) -> tuple[Path, dict]:
     """The manifest's path and JSON object, a slim manifest of a version this reader reads."""
-    p = Path(ckpt_dir) / SLIM_MANIFEST
-    if not os.path.lexists(p):
+    p = as_input(ckpt_dir) / SLIM_MANIFEST
+    if not lexists(p):
         raise UsageError(
             f"not a slim checkpoint: no {SLIM_MANIFEST}",
             path=ckpt_dir,

@@ -4,7 +4,6 @@ model a slim's dropped tensors are rebuilt from."""
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from ...core.keys import (
     world_size_from_chunks,
 )
 from ...core.tied import tied_source, ties_by_default
-from ...io.inputs import MAX_JSON_BYTES, read_input
+from ...io.inputs import MAX_JSON_BYTES, as_input, lexists, read_input
 from ..dcp.layout import METADATA_NAME, extra_entries
 from ..dcp.model import TensorEntry
 from ..dcp.reader import DcpCheckpoint
@@ -186,13 +185,11 @@ def base_identity(hf, name: str) -> dict:
         # the raw header read_header validated
         h.update(hf.files.read(fname, LEN_BYTES, header.header_bytes))
     cfg_bytes = (
-        read_input(cfg, root=hf.path, what="config.json", max_bytes=MAX_JSON_BYTES)
-        if os.path.lexists(cfg)
-        else None
+        read_input(cfg, root=hf.path, what="config.json", max_bytes=MAX_JSON_BYTES) if lexists(cfg) else None
     )
     return {
         "name": name,
-        "path": str(Path(hf.path).resolve()),
+        "path": str(as_input(hf.path).resolve()),
         "config_sha256": hashlib.sha256(cfg_bytes).hexdigest() if cfg_bytes is not None else None,
         "headers_sha256": h.hexdigest(),
         "tensors": len(hf.keys()),

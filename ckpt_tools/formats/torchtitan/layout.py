@@ -7,11 +7,11 @@ defaults to "checkpoint"), and resumes from the highest `step-N` holding a `.met
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 from ...core.errors import UsageError
+from ...io.inputs import as_input, lexists
 from ..dcp.layout import METADATA_NAME
 
 __all__ = ["DEFAULT_FOLDER", "is_step_dir", "is_torchtitan_path", "resolve_step_dir", "step_dirs"]
@@ -21,7 +21,7 @@ _STEP = re.compile(r"step-(\d+)")
 
 
 def is_step_dir(p: Path) -> bool:
-    return _STEP.fullmatch(p.name) is not None and os.path.lexists(p / METADATA_NAME)
+    return _STEP.fullmatch(p.name) is not None and lexists(p / METADATA_NAME)
 
 
 def step_dirs(folder: Path) -> list[tuple[int, Path]]:
@@ -31,14 +31,14 @@ def step_dirs(folder: Path) -> list[tuple[int, Path]]:
     found = []
     for c in folder.iterdir():
         m = _STEP.fullmatch(c.name)
-        if m and os.path.lexists(c / METADATA_NAME):
+        if m and lexists(c / METADATA_NAME):
             found.append((int(m.group(1)), c))
     return sorted(found)
 
 
 def is_torchtitan_path(p: Path) -> bool:
     """A `step-N` DCP dir, a checkpoint folder of them, or a dump folder holding `checkpoint/`."""
-    p = Path(p)
+    p = as_input(p)
     return is_step_dir(p) or bool(step_dirs(p)) or bool(step_dirs(p / DEFAULT_FOLDER))
 
 
@@ -46,8 +46,8 @@ def resolve_step_dir(path: str | Path) -> Path:
     """The step dir of a torchtitan path: itself, or the highest `step-N` of a checkpoint or dump folder (the
     one
     torchtitan resumes from)."""
-    p = Path(path)
-    if os.path.lexists(p / METADATA_NAME):
+    p = as_input(path)
+    if lexists(p / METADATA_NAME):
         return p
     steps = step_dirs(p) or step_dirs(p / DEFAULT_FOLDER)
     if not steps:

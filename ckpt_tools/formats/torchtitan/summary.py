@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ...core.errors import CkptError
 from ...core.problems import VerifyReport
+from ...io.inputs import as_input
 from ..dcp.checks import verify_dcp
 from ..dcp.model import TensorEntry
 from .layout import DEFAULT_FOLDER, resolve_step_dir, step_dirs
@@ -23,7 +24,7 @@ def _value(ckpt: TorchtitanCheckpoint, group: str, field: str):
 
 
 def describe_torchtitan(path: Path) -> dict:
-    p = Path(path)
+    p = as_input(path)
     steps = step_dirs(p) or step_dirs(p / DEFAULT_FOLDER)
     with TorchtitanCheckpoint.open(resolve_step_dir(p)) as ckpt:
         groups = Counter(i.group for i in ckpt.infos.values())

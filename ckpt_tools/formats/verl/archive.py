@@ -104,6 +104,11 @@ class DTensorRef:
     dtype: str
     placements: tuple[Placement, ...]
     mesh_dims: tuple[str, ...]
+    # the mesh's size along each dim, from its pickled `_layout` (torch 2.9+: one `_FlatLayout` per dim, its
+    # `shape` and `stride`), and the saving rank's `_coordinate_on_dim`: () / None where the pickle lacks them
+    mesh_shape: tuple[int, ...] = ()
+    mesh_strides: tuple[int, ...] = ()
+    mesh_coords: tuple[int, ...] | None = None
 
 
 class Stub:
@@ -158,6 +163,33 @@ def _placement(p) -> Placement:
     return Placement(name.lower() if name in ("Replicate", "Partial") else name)
 
 
+def _ints(value, n: int | None = None) -> tuple[int, ...] | None:
+    """`value` as a tuple of non-negative ints (of length `n`), else None."""
+    if not isinstance(value, tuple) or (n is not None and len(value) != n):
+        return None
+    if not all(type(x) is int and x >= 0 for x in value):
+        return None
+    return value
+
+
+def _mesh_layout(mesh) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]:
+    """(sizes, strides, the saving rank's coordinates) of a pickled DeviceMesh, each dim one `_FlatLayout` of
+    one size and stride; ((), (), None) where it is not so (an older torch's pickle, or a layout this does not
+    read)."""
+    layout = mesh.get("_layout") if isinstance(mesh, Stub) else None
+    axes = layout.get("axes") if isinstance(layout, Stub) else None
+    if not isinstance(axes, tuple) or not all(isinstance(a, Stub) for a in axes):
+        return (), (), None
+    sizes, strides = [], []
+    for a in axes:
+        shape, stride = _ints(a.get("shape"), 1), _ints(a.get("stride"), 1)
+        if shape is None or stride is None:
+            return (), (), None
+        sizes.append(shape[0])
+        strides.append(stride[0])
+    return tuple(sizes), tuple(strides), _ints(mesh.get("_coordinate_on_dim"), len(axes))
+
+
 def _rebuild_from_type(func, new_type, args, state):
     """`torch._tensor._rebuild_from_type_v2`: only a DTensor (its local tensor and spec, as data)."""
     outer = func(*args)
@@ -180,6 +212,7 @@ def _rebuild_from_type(func, new_type, args, state):
         str(outer.dtype).removeprefix("torch."),
         tuple(_placement(p) for p in spec.get("placements") or ()),
         tuple(str(d) for d in dims or ()),
+        *_mesh_layout(mesh),
     )
 
 

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from ...core.errors import UsageError
+from ...io.inputs import as_input
 
 __all__ = [
     "FSDP_CONFIG",
@@ -66,7 +67,7 @@ def actor_dirs(root: Path) -> list[tuple[int, Path]]:
 
 def is_verl_path(p: Path) -> bool:
     """A verl role dir, a `global_step_N` dir holding one, or a run dir of `global_step_N` dirs."""
-    p = Path(p)
+    p = as_input(p)
     if not p.is_dir():
         return False
     if is_actor_dir(p) or (step_of(p) is not None and any(is_actor_dir(p / r) for r in ROLES)):
@@ -77,7 +78,7 @@ def is_verl_path(p: Path) -> bool:
 def resolve_actor_dir(path: str | Path) -> Path:
     """The role dir of a verl path: itself, `global_step_N/actor`, or a run dir's latest step's actor (the one
     its tracker names, else the highest)."""
-    p = Path(path)
+    p = as_input(path)
     if is_actor_dir(p):
         return p
     if step_of(p) is not None:

@@ -1,14 +1,15 @@
 """An open verl FSDP checkpoint (`VerlCheckpoint`, the format's one handle): every rank's model file decoded
-as
-data (`archive.open_archive`), its tensors assembled from the ranks' DTensor shards by their placements.
+as data (`archive.open_archive`), its tensors assembled from the ranks' DTensor shards by their placements.
 
 verl saves `model.state_dict()` per rank (FSDP2, or FSDP1 with a device mesh: DTensors; verl 0.9.1 passes its
 mesh to both). A DTensor on verl's 1-D mesh `("fsdp",)` with `Shard(d)` holds rank r's `torch.chunk` piece of
 dim d: rows [r * ceil(n / W), ...) clipped to n (the rule `torch.distributed.tensor.placement_types.Shard`
 splits by, and verl's `model_merger` concatenates by); `Replicate` is the whole tensor on every rank (rank 0's
-is read); a plain tensor is replicated. Opening reads each rank file's zip directory and data.pkl only, and
-refuses, naming the key, what it cannot place exactly: ranks that disagree on keys, shapes or dtypes, pieces
-that do not tile the tensor, a mesh of more than one dimension (HSDP), `Partial` or any other placement.
+is read); a plain tensor is replicated. On HSDP's `("ddp", "fsdp")` mesh, `(Replicate(), Shard(0))`: the
+ddp-0 ranks' pieces, each placed by its coordinates on the mesh (checked against its rank: `_mesh`). Opening
+reads each rank file's zip directory and data.pkl only, and refuses, naming the key, what it cannot place
+exactly: ranks that disagree on keys, shapes or dtypes, pieces that do not tile the tensor, a mesh that is not
+row-major over the ranks or a file whose coordinates are not its rank's, `Partial` or any other placement.
 Nothing returns "the whole state dict": the views (`views`) read one tensor, or a row range, at a time.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 from ...core.crc import PieceChecker
 from ...core.dtypes import ITEMSIZE
 from ...core.errors import ChecksumError, FormatError
-from ...io.inputs import OpenFiles, read_json, register
+from ...io.inputs import OpenFiles, as_input, read_json, register
 from ..dcp.item import CRC_HINT
 from .archive import Archive, DTensorRef, Record, TensorRef, open_archive, storage_bytes_ok
 from .keys import VerlKey, require_known
@@ -93,35 +94,72 @@ def _piece(arch: Archive, key: str, local: TensorRef, offsets: tuple[int, ...]) 
     return Piece(arch.file, rec, local, offsets)
 
 
+def _mesh(
+    arch: Archive, key: str, v: DTensorRef, world: int, rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the sizes of `v`'s mesh, this rank's coordinates on it). verl's 1-D `("fsdp",)` mesh is the `world`
+    ranks in order; a mesh of more dims (HSDP: `("ddp", "fsdp")`, `create_device_mesh` with `fsdp_size` < W)
+    is read where it is `init_device_mesh`'s row-major layout of the `world` ranks, as its pickled `_layout`
+    must say, and the file's own `_coordinate_on_dim` must be the rank's place in it."""
+    if len(v.placements) == 1 and len(v.mesh_dims) <= 1:
+        return (world,), (rank,)
+    sizes = v.mesh_shape
+    row_major = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
+    if (
+        not sizes
+        or len(v.placements) != len(sizes)
+        or math.prod(sizes) != world
+        or v.mesh_strides != row_major
+    ):
+        raise FormatError(
+            f"a DTensor on mesh {list(v.mesh_dims)} (sizes {list(sizes)}, strides {list(v.mesh_strides)}) "
+            f"with placements {[p.kind for p in v.placements]}: only a row-major mesh of the {world} ranks "
+            "is read",
+            path=arch.file,
+            key=key,
+            hint="the file is damaged, or its mesh is one verl does not build",
+        )
+    coords = tuple((rank // st) % n for st, n in zip(row_major, sizes))
+    if v.mesh_coords != coords:
+        raise FormatError(
+            f"the file's mesh coordinates are {v.mesh_coords}; rank {rank} of mesh {list(sizes)} is at "
+            f"{list(coords)}",
+            path=arch.file,
+            key=key,
+            hint="the rank files are misnamed or damaged",
+        )
+    return sizes, coords
+
+
 def _dtensor_piece(arch: Archive, key: str, v: DTensorRef, world: int, rank: int) -> tuple[Piece | None, str]:
-    """This rank's piece of DTensor `v` (None for a replica after rank 0) and the placement's name."""
-    if len(v.placements) != 1 or len(v.mesh_dims) > 1:
+    """This rank's piece of DTensor `v` (None for a replica: coordinate > 0 on a `Replicate` mesh dim; or for
+    an empty shard) and the placements' names. Each `Shard(d)` mesh dim splits tensor dim d by `torch.chunk`'s
+    rule at the rank's coordinate (`compute_local_shape_and_global_offset`); one per tensor dim."""
+    sizes, coords = _mesh(arch, key, v, world, rank)
+    offsets, want, names, replica = [0] * len(v.shape), list(v.shape), [], False
+    for p, n, c in zip(v.placements, sizes, coords):
+        if p.kind == "replicate":
+            replica = replica or c > 0
+            names.append("replicate")
+            continue
+        if p.kind != "shard" or p.dim is None or not 0 <= p.dim < len(v.shape) or f"shard({p.dim})" in names:
+            raise FormatError(
+                f"placement {p.kind}{'' if p.dim is None else f'({p.dim})'} is not read",
+                path=arch.file,
+                key=key,
+            )
+        start, want[p.dim] = chunk_span(want[p.dim], n, c)
+        offsets[p.dim] += start
+        names.append(f"shard({p.dim})")
+    if v.local.size != tuple(want) or v.local.dtype != v.dtype:
         raise FormatError(
-            f"a DTensor on mesh {list(v.mesh_dims)} with placements {[p.kind for p in v.placements]}: only "
-            "verl's "
-            "1-D FSDP mesh is read (HSDP and tensor-parallel checkpoints are not supported yet)",
+            f"rank {rank}'s shard is {list(v.local.size)} {v.local.dtype}; {', '.join(names)} of "
+            f"{list(v.shape)} on mesh {list(sizes)} at {list(coords)} is {want} {v.dtype}",
             path=arch.file,
             key=key,
         )
-    p = v.placements[0]
-    if p.kind == "replicate":
-        return (_piece(arch, key, v.local, (0,) * len(v.shape)) if rank == 0 else None), "replicate"
-    if p.kind != "shard" or p.dim is None or not 0 <= p.dim < len(v.shape):
-        raise FormatError(
-            f"placement {p.kind}{'' if p.dim is None else f'({p.dim})'} is not read", path=arch.file, key=key
-        )
-    start, length = chunk_span(v.shape[p.dim], world, rank)
-    want = v.shape[: p.dim] + (length,) + v.shape[p.dim + 1 :]
-    if v.local.size != want or v.local.dtype != v.dtype:
-        raise FormatError(
-            f"rank {rank}'s shard is {list(v.local.size)} {v.local.dtype}; Shard({p.dim}) of "
-            f"{list(v.shape)} over "
-            f"{world} ranks is {list(want)} {v.dtype}",
-            path=arch.file,
-            key=key,
-        )
-    offsets = tuple(start if d == p.dim else 0 for d in range(len(v.shape)))
-    return (_piece(arch, key, v.local, offsets) if length else None), f"shard({p.dim})"
+    piece = None if replica or not math.prod(want) else _piece(arch, key, v.local, tuple(offsets))
+    return piece, ",".join(names)
 
 
 def _entry(key: str, values: list[tuple[Archive, Any]], world: int) -> VerlEntry:
@@ -179,7 +217,7 @@ class VerlCheckpoint:
     kind = "verl"
 
     def __init__(self, actor_dir: Path):
-        self.dir = Path(actor_dir)
+        self.dir = as_input(actor_dir)
         self.files = OpenFiles(
             self.dir,
             what="verl rank file",

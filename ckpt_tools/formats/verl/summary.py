@@ -9,7 +9,7 @@ from pathlib import Path
 from ...core.crc import crc32
 from ...core.errors import AlphaError, CkptError
 from ...core.problems import VerifyReport
-from ...io.inputs import OpenFiles
+from ...io.inputs import OpenFiles, as_input
 from .archive import HEADER_READ_BYTES, open_archive
 from .layout import actor_dirs, rank_file, resolve_actor_dir, step_of
 from .lora import resolve_verl_alpha
@@ -66,7 +66,7 @@ def _lora(ckpt: VerlCheckpoint, alpha: float | None) -> dict | None:
 
 def describe_verl(path: Path, *, alpha: float | None = None) -> dict:
     """The inspect report of a verl run dir, global_step dir or actor dir."""
-    p = Path(path)
+    p = as_input(path)
     steps = (
         [{"step": s, "path": str(d)} for s, d in actor_dirs(p)] if p.is_dir() and step_of(p) is None else []
     )

@@ -18,7 +18,6 @@ Returns a report whose `exit_code` is 3 when any error or warning was found, els
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from ...formats.primerl.run_dir import (
     weights_exports,
 )
 from ...formats.slim.manifest import SLIM_MANIFEST
+from ...io.inputs import as_input, free_bytes
 from ...sources.compare import identical
 from ...sources.open import open_weights
 from .traps import DEFAULT_DECODE_RATE, AdapterConfig, Finding, RunFacts, StepFacts, WeightsExport, diagnose
@@ -102,7 +102,7 @@ class DoctorReport:
 def _load_config(target: Path | None, files, sections) -> RunConfig | None:
     if files or sections:
         return load_run_config(
-            config_files([Path(f) for f in files], {k: Path(v) for k, v in (sections or {}).items()})
+            config_files([as_input(f) for f in files], {k: as_input(v) for k, v in (sections or {}).items()})
         )
     if target is None:
         raise UsageError("nothing to check", hint="pass a run dir, an outputs dir or config files")
@@ -184,7 +184,7 @@ def _with_attempts(facts: RunFacts, cfg: RunConfig | None) -> RunFacts:
         return facts
     wrote = {}
     for s in facts.steps:
-        step, when = checkpoint_step(Path(s.path))
+        step, when = checkpoint_step(as_input(s.path))
         w = writer_of(run, step, when).attempt if step is not None else None
         if step is not None and w is not None:
             wrote[step] = w.label
@@ -228,14 +228,14 @@ class DoctorPlan:
 def _outputs(outputs: str | None, cfg: RunConfig | None, tgt: Path | None) -> Path | None:
     """--outputs (a dir), else the run's outputs dir found from its config or the target."""
     if outputs is not None:
-        if not Path(outputs).is_dir():
+        if not as_input(outputs).is_dir():
             raise UsageError("--outputs is not a directory", path=outputs)
-        return Path(outputs)
+        return as_input(outputs)
     return outputs_dir(cfg, tgt if tgt is not None and tgt.is_dir() else None)
 
 
 def plan_doctor(target: str | Path | None, options: DoctorOptions) -> DoctorPlan:
-    tgt = Path(target) if target is not None else None
+    tgt = as_input(target) if target is not None else None
     if tgt is not None and not tgt.exists():
         raise MissingPathError(tgt)
     notes: list[str] = []
@@ -279,7 +279,7 @@ def _disk_facts(plan: DoctorPlan, notes: list[str]) -> dict:
     if ck.is_dir():
         got["checkpoints_dir"] = str(ck)
         got["steps"] = tuple(_step_facts(ck, notes, o.trust_pickle))
-        got["free_bytes"] = shutil.disk_usage(ck).free
+        got["free_bytes"] = free_bytes(ck)
     if o.compare_weights:
         weights, got["weights_bytes"] = _weights_facts(out_dir, plan.base_dir, notes)
         got["weights"] = tuple(weights)

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from ...formats.primerl.config import GEN_16E747C, GEN_HEAD, lora_settings, toml_key
+from ...io.inputs import as_input
 from .facts import (
     ERROR,
     INFO,
@@ -196,7 +197,7 @@ def lora_alpha(facts: RunFacts) -> list[Finding]:
                 f"{ls.training_scale:g}, but {len(bad)} adapter_config.json file(s) such as {a.path} say "
                 f"lora_alpha {a.lora_alpha:g} / r {a.r} = {a.lora_alpha / a.r:g}: vLLM served a different "
                 "policy than the one trained, and PEFT loads the adapter at the wrong scale",
-                f"{ckpt_command('fix-adapter', Path(a.path).parent, 'OUT')}  (writes lora_alpha "
+                f"{ckpt_command('fix-adapter', as_input(a.path).parent, 'OUT')}  (writes lora_alpha "
                 f"{ls.training_alpha:g}); for "
                 f"the next run: {toml_fix('orchestrator.model.lora.alpha', fix_alpha)}",
                 src,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from ...formats.peft.layout import AdapterLayout, FullTensor, ModuleFactors, che
 from ...formats.peft.writer import OutTensor, safetensors_file_bytes
 from ...formats.primerl.alpha import AlphaResolution, find_run_configs, resolve_alpha
 from ...formats.primerl.run_dir import resolve_run
-from ...io.inputs import check_input
+from ...io.inputs import as_input, check_input, lexists
 from .sources import CKPT_REF, FixSources, check_same_state
 
 __all__ = ["FixOptions", "FixPlan", "FixReads", "plan_fix"]
@@ -139,7 +138,7 @@ def _belongs_to(name: str, target: str) -> bool:
 
 def plan_fix(weights: FixSources, src: str | Path, options: FixOptions) -> FixPlan:
     """Validate SRC completely (config, every key, shapes, the base) and decide the output."""
-    src = Path(src)
+    src = as_input(src)
     cfg = parse_peft_config(src / ADAPTER_CONFIG)
     check_layout(options.layout)
     params = _check_config(cfg)
@@ -369,7 +368,7 @@ def _resolve_alpha(
     own = None
     if alpha is None and run_config is None and src.resolve().parent.name == "broadcasts":
         own = src.resolve().parent.parent / "configs" / "orch.toml"  # outputs/<run>/configs/orch.toml
-        if os.path.lexists(own):  # the run's own config: inside the run dir, a regular file
+        if lexists(own):  # the run's own config: inside the run dir, a regular file
             check_input(own, root=src.resolve().parents[1], what="the broadcast's run config")
         else:
             own = None

@@ -3,7 +3,6 @@ trained full tensors fill what prime-rl's broadcast lists but does not hold."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -12,7 +11,7 @@ from ...core.errors import FormatError, UsageError
 from ...formats.dcp.lora import DcpLoraSource
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.peft.config import ADAPTER_CONFIG, BIN_NAME, SAFETENSORS_NAME, parse_peft_config
-from ...io.inputs import register
+from ...io.inputs import as_input, lexists, register
 from ...sources.files import TensorFileSource
 
 __all__ = ["CKPT_REF", "FixSources", "check_same_state", "open_fix_source", "weights_file"]
@@ -20,15 +19,15 @@ __all__ = ["CKPT_REF", "FixSources", "check_same_state", "open_fix_source", "wei
 
 def weights_file(src: Path) -> Path:
     st, binf = src / SAFETENSORS_NAME, src / BIN_NAME
-    if os.path.lexists(st) and os.path.lexists(binf):
+    if lexists(st) and lexists(binf):
         raise FormatError(
             f"has both {SAFETENSORS_NAME} and {BIN_NAME}; PEFT loads the safetensors one",
             path=src,
             hint="remove the stale one, or copy the one you mean into its own dir",
         )
-    if os.path.lexists(st):
+    if lexists(st):
         return st
-    if os.path.lexists(binf):
+    if lexists(binf):
         return binf
     raise FormatError(f"no {SAFETENSORS_NAME} or {BIN_NAME} next to adapter_config.json", path=src)
 
@@ -70,7 +69,7 @@ class FixSources:
 def open_fix_source(src: str | Path, checkpoint: str | Path | None = None) -> FixSources:
     """The export's weights file (safetensors, or a .bin loaded through the allow-list), by key; with
     `checkpoint`, the run's DCP checkpoint whose trained full tensors fill what the export lacks."""
-    src = Path(src)
+    src = as_input(src)
     if not src.is_dir():
         raise UsageError("not an adapter directory", path=src)
     register(src)  # the whole export dir is an input: no OUT inside it
@@ -81,7 +80,7 @@ def open_fix_source(src: str | Path, checkpoint: str | Path | None = None) -> Fi
     if checkpoint is None:
         return FixSources(weights)
     try:  # alpha comes from the export's own resolution; the checkpoint's LoRA scale is not used
-        return FixSources(weights, DcpCheckpoint.open(Path(checkpoint)).lora(alpha=1.0))
+        return FixSources(weights, DcpCheckpoint.open(as_input(checkpoint)).lora(alpha=1.0))
     except BaseException:
         weights.close()
         raise

@@ -16,6 +16,7 @@ from ...formats.primerl.config import load_run_config, locate_run_configs
 from ...formats.primerl.run_dir import checkpoints_dir_of, dir_bytes, resolve_base, step_dirs
 from ...formats.primerl.step_dir import step_extras
 from ...formats.slim.partition import partition
+from ...io.inputs import local_dir
 from ...io.owned import OUTPUT_MARKER
 from .layout import ASIDE, OWN_LOCKS, STAGED, STEP_LOCK, TRAINER, is_complete, is_slim, lock_holder
 
@@ -318,6 +319,11 @@ def plan_gc(
             f"--keep-full must be >= 1, got {keep_full}",
             hint="keep at least the newest checkpoint whole, to resume from",
         )
+    local_dir(
+        checkpoints_dir,
+        "gc slims a run's checkpoints in place, on this machine's disk",
+        hint="run gc where the checkpoints are written; `gc --slim-to URL` uploads each slim to a store",
+    )
     ck = checkpoints_dir_of(checkpoints_dir)
     now = time.time() if now is None else now
     steps = step_dirs(ck)

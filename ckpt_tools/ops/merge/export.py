@@ -27,6 +27,7 @@ from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.primerl.optimizers import trained_params
 from ...formats.primerl.run_dir import run_base_of
 from ...formats.trainers import open_trainer_for_export
+from ...io.inputs import as_input
 from .plan import DEFAULT_MAX_SHARD, MergePlan
 from .prepare import MergeOptions, MergeSources, plan_merge
 
@@ -80,7 +81,7 @@ def open_export_sources(ckpt_path: str | Path, options: ExportOptions) -> MergeS
         if any(i.group == "lora" for i in infos):
             adapter = ckpt.lora(
                 alpha=options.alpha,
-                run_config=Path(options.run_config) if options.run_config else None,
+                run_config=as_input(options.run_config) if options.run_config else None,
                 slot=options.slot,
             )
         else:

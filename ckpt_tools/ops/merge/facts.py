@@ -4,7 +4,6 @@ over these, so it is tested on lists of facts like huggingface_hub's shard split
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from ...formats.hf_dir.carry import carry_files
 from ...formats.hf_dir.config import config_mismatches, load_config
 from ...formats.hf_dir.hub import resolve_model_dir
 from ...formats.primerl.run_dir import resolve_run
+from ...io.inputs import as_input
 
 __all__ = [
     "AdapterFacts",
@@ -86,7 +86,7 @@ class AdapterFacts:
 
 
 def _with_sizes(paths) -> tuple[tuple[str, int], ...]:
-    return tuple((str(p), os.path.getsize(p)) for p in paths)
+    return tuple((str(p), as_input(p).stat().st_size) for p in paths)
 
 
 def hf_base_facts(src: Source) -> BaseFacts:

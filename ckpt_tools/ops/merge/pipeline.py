@@ -40,7 +40,7 @@ from ...formats.hf_dir.shards import index_json
 from ...formats.safetensors.writer import StreamingSafetensorsWriter
 from ...io.copy import copy_input_file
 from ...io.files import WrittenFileHasher, atomic_write_text, fsync_path, hash_written_file, write_new_file
-from ...io.inputs import read_json
+from ...io.inputs import as_input, read_json
 from ...io.staging import SharedOutputDir, describe_output
 from .fp8 import counted_actions, declared_tensors, fp8_summary
 from .guards import ZeroDelta
@@ -210,10 +210,10 @@ def _write_files(plan: MergePlan, tmp: Path) -> None:
     """The non-tensor files and the index (the leader's, after its shards)."""
     for f in plan.files:  # read through the input checks, written as new files
         if f.action == "rewrite":
-            cfg = read_json(f.src, root=Path(f.src).parent, what="config.json")
+            cfg = read_json(f.src, root=as_input(f.src).parent, what="config.json")
             atomic_write_text(tmp / f.name, rewrite_config(cfg, f.changes))
         else:
-            copy_input_file(f.src, tmp / f.name, root=Path(f.src).parent, what="model file")
+            copy_input_file(f.src, tmp / f.name, root=as_input(f.src).parent, what="model file")
     if plan.index is not None:
         atomic_write_text(tmp / INDEX_NAME, index_json(plan.index))
 

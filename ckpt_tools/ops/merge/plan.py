@@ -18,7 +18,6 @@ import dataclasses
 import math
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from ...core.dtypes import dtype_name, itemsize
 from ...core.errors import FormatError, UsageError
@@ -31,6 +30,7 @@ from ...formats.hf_dir.fp8 import fp8_quantization_config
 from ...formats.hf_dir.shards import index_json, plan_shards
 from ...formats.safetensors.read import COPY_BLOCK_BYTES
 from ...formats.safetensors.writer import build_header, safetensors_save_order
+from ...io.inputs import as_input
 from .facts import AdapterFacts, BaseFacts, FullFact, LoraFact, SourceTensor
 from .fp8 import check_quantized_base, counted_actions, declared_entries, fp8_protos, scale_map
 
@@ -255,7 +255,7 @@ def plan_from_facts(
         inputs=tuple(
             sorted(
                 {base.path, adapter.path}
-                | ({str(Path(base.config_path).parent)} if base.config_path else set())
+                | ({str(as_input(base.config_path).parent)} if base.config_path else set())
             )
         ),
     )

@@ -16,6 +16,7 @@ from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.handle import LoraSource, Source
 from ...formats.hf_dir.model_dir import HFModelDir
 from ...formats.trainers import open_trainer, trainer_dir, trainer_kind
+from ...io.inputs import as_input
 from ...io.staging import AtomicOutputDir
 from ...sources.open import open_lora_source
 from .facts import adapter_facts, dcp_base_facts, hf_base_facts, trained_on_problems
@@ -73,7 +74,7 @@ def open_merge_sources(base: str | Path | None, adapter: str | Path, options: Me
         )
     if options.base_from_checkpoint:
         base = adapter if base is None else base
-        if not is_checkpoint_path(Path(base)) and trainer_kind(base) is None:
+        if not is_checkpoint_path(as_input(base)) and trainer_kind(base) is None:
             raise UsageError(
                 "--base-from-checkpoint: not a DCP checkpoint (no .metadata here or in trainer/)",
                 path=base,
@@ -108,7 +109,7 @@ def _checkpoint_base(base, lora: LoraSource, options: MergeOptions) -> Source:
     own handle when it is the same checkpoint)."""
     trainer = trainer_kind(base) is not None
     where = trainer_dir(base) if trainer else resolve_checkpoint_dir(base)
-    if lora.ckpt is not None and Path(lora.path).resolve() == where.resolve():
+    if lora.ckpt is not None and as_input(lora.path).resolve() == where.resolve():
         return lora.ckpt.base_weights(str(lora.path), empty_hint=_NO_BASE_HINT)
     if trainer:
         return open_trainer(base, trust_pickle=options.trust_pickle).base_weights(str(base), owned=True)
@@ -129,7 +130,7 @@ def plan_merge(sources: MergeSources, options: MergeOptions) -> MergePlan:
     masters = None
     if sources.base.masters:  # a checkpoint's own fp32 masters are the base
         bfacts = dcp_base_facts(sources.base, options.config_from)
-        if Path(sources.base.path).resolve() == Path(sources.adapter.path).resolve():
+        if as_input(sources.base.path).resolve() == as_input(sources.adapter.path).resolve():
             # the checkpoint's trained full tensors (modules_to_save) ARE its base weights here: no
             # replacement
             base_keys = {t.key for t in bfacts.tensors}

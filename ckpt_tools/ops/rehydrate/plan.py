@@ -23,6 +23,7 @@ from ...formats.primerl.optimizers import optimizer_facts
 from ...formats.slim.manifest import SLIM_MANIFEST, Manifest, kept_item_id, read_manifest
 from ...formats.slim.partition import base_identity, map_to_base
 from ...formats.slim.rowcheck import Segment, segments_of
+from ...io.inputs import as_input
 from .pipeline import BUDGET_BYTES
 
 __all__ = [
@@ -166,7 +167,7 @@ def plan_rehydrate(sources: RehydrateSources, options: RehydrateOptions) -> Rehy
             hint="the manifest does not belong to this checkpoint",
         )
     mapping = map_to_base(
-        manifest.dropped, {n: hf.facts(n).shape for n in hf.names()}, hf.config, Path(hf.path)
+        manifest.dropped, {n: hf.facts(n).shape for n in hf.names()}, hf.config, as_input(hf.path)
     )
     warnings = _base_changed(hf, base_name, manifest)
     absent = optimizer_facts(classify(k, e.path) for k, e in ckpt.entries.items()).absent

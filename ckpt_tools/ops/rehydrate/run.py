@@ -32,6 +32,7 @@ from ...formats.dcp.model import BytesEntry
 from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.writer import DcpWriter
 from ...formats.slim.writer import copy_extra_entries
+from ...io.inputs import as_input
 from ...io.staging import SharedOutputDir
 from .blocks import row_blocks_in_order
 from .pipeline import Pipeline
@@ -247,7 +248,7 @@ def _write(
                 verify=verify,
                 by_owner=by_owner[i],
                 tally=tally,
-                base_path=Path(plan.base),
+                base_path=as_input(plan.base),
             )
             run.start(pipe)
             tick()

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ...core.progress import Progress
 from ...io.files import atomic_write_bytes, write_new_file
-from ...io.remote import display
+from ...io.remote_display import display
+from ...io.remote_url import redact
 from ...io.staging import AtomicOutputDir, check_against_inputs, check_output_file
 from .plan import CHECKPOINT, MERGED, RUN, ReportOptions, ReportPlan, StepInput, plan_report
 from .run import ReportResult, StepNumbers, compute_report
@@ -96,7 +97,9 @@ def run_report(plan: ReportPlan, progress: Progress | None = None) -> ReportRepo
     if o.out is not None or o.png_dir is not None:
         from .page import report_page  # matplotlib: only when a picture is asked for
 
-        text, figs = report_page(display(result.to_json()))  # a URL input named as its URL on the page
+        text, figs = report_page(
+            redact(display(result.to_json()))
+        )  # a URL input named as its URL on the page
         inputs = [plan.path, *(s.path for s in plan.steps), *([plan.base] if plan.base else [])]
         page, pngs = write_page(text, figs, o.out, o.png_dir, inputs=inputs, overwrite=o.overwrite)
     return ReportReport(plan, result, page, pngs)

@@ -15,6 +15,7 @@ from ...formats.primerl.files import locate_run_configs
 from ...formats.primerl.run_dir import checkpoints_dir_of, find_run_configs, resolve_base, step_dirs
 from ...formats.slim.manifest import is_slim
 from ...formats.sniff import CHECKPOINTS, DCP, HF, sniff
+from ...io.inputs import as_input
 
 __all__ = ["CHECKPOINT", "MERGED", "RUN", "ReportOptions", "ReportPlan", "StepInput", "plan_report"]
 
@@ -90,7 +91,7 @@ def _max_steps(cfg, configs: tuple[str, ...]) -> tuple[int | None, str]:
                     continue
                 if isinstance(v, int) and not isinstance(v, bool):
                     return v, f"{key} in the run config"
-    names = ", ".join(Path(c).name for c in configs)
+    names = ", ".join(as_input(c).name for c in configs)
     why = (
         "no run config found"
         if not configs
@@ -102,7 +103,7 @@ def _max_steps(cfg, configs: tuple[str, ...]) -> tuple[int | None, str]:
 
 
 def plan_report(path: str | Path, options: ReportOptions) -> ReportPlan:
-    p = Path(path)
+    p = as_input(path)
     kind = sniff(p) if p.exists() else None
     if options.set_lr is not None and options.scale is not None:
         raise UsageError("give one of --set-lr or --scale, not both")
@@ -182,7 +183,7 @@ def _run_config(
     try:
         files = locate_run_configs(options.run_config or steps[-1].path)
         if files is None and options.run_config is None:  # a URL's run configs lie above it
-            above = find_run_configs(Path(steps[-1].path))
+            above = find_run_configs(as_input(steps[-1].path))
             files = locate_run_configs(above[0]) if len(above) == 1 else None
         if files is not None:
             configs = tuple(str(c.path) for c in files.files)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...core.errors import FormatError, UsageError
@@ -15,6 +14,7 @@ from ...formats.dcp.reader import DcpCheckpoint
 from ...formats.dcp.summary import summarize
 from ...formats.handle import Source
 from ...formats.primerl.optimizers import optimizer_facts, trained_params
+from ...io.inputs import as_input
 from ...sources.open import open_weights
 from .lr import LrCurves, lr_curves
 from .numbers import (
@@ -144,7 +144,7 @@ def _moments(ckpt: DcpCheckpoint, infos) -> dict[str, dict[str, float]]:
 
 def _lora_step(ckpt, plan, norms: _Norms, weights: Source, num: StepNumbers) -> None:
     o = plan.options
-    lora = ckpt.lora(alpha=o.alpha, run_config=Path(o.run_config) if o.run_config else None)
+    lora = ckpt.lora(alpha=o.alpha, run_config=as_input(o.run_config) if o.run_config else None)
     scales = {m.scale for m in lora.modules.values()}
     num.scale = scales.pop() if len(scales) == 1 else None
     for name, m in sorted(lora.modules.items()):

@@ -24,7 +24,7 @@ from ...formats.verl.layout import resolve_actor_dir
 from ...formats.verl.patch import VerlPatchResult, plan_edits, write_patched
 from ...formats.verl.reader import VerlCheckpoint
 from ...formats.verl.state import VerlTrainState
-from ...io.remote import is_remote_path
+from ...io.inputs import local_dir
 from ...sources.lr_plan import LR_FIELDS, Change, SetLrPlan, check_lr_value, plan_lr_state
 from .plan import SetValuesPlan, parse_value
 
@@ -160,12 +160,11 @@ def _out_warnings(actor: Path, unit: Path, out: Path | None) -> list[str]:
 def verl_patch(path, out, build_plan, *, in_place: bool, dry_run: bool, overwrite: bool):
     """Open the verl checkpoint at `path`, plan with `build_plan(state)` (set-lr's or set's plan), and unless
     `dry_run` write it: (plan, VerlPatchResult | None)."""
-    if is_remote_path(path):
-        raise UsageError(
-            "set-lr and set change a local verl checkpoint; this one is at a URL",
-            path=path,
-            hint="copy the global_step_N dir here first (the rank files are rewritten whole)",
-        )
+    local_dir(
+        path,
+        "set-lr and set change a local verl checkpoint",
+        hint="copy the global_step_N dir here first (the rank files are rewritten whole)",
+    )
     actor, unit = _unit(path)
     with VerlCheckpoint.open(actor) as ckpt:
         state = VerlTrainState(ckpt.files, ckpt.world_size, str(ckpt.dir))

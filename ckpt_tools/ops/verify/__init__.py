@@ -17,6 +17,7 @@ from ...dist import Group
 from ...formats.dcp.checks import verify_dcp
 from ...formats.primerl.step_dir import step_extras
 from ...formats.sniff import CHECKPOINTS, DCP, TORCHTITAN, VERL, sniff
+from ...io.inputs import as_input
 from .hf import verify_hf
 from .peft import verify_peft
 
@@ -41,7 +42,7 @@ class VerifyPlan:
 
 
 def plan_verify(path: str | Path, options: VerifyOptions) -> VerifyPlan:
-    p = Path(path)
+    p = as_input(path)
     if not p.exists():
         raise MissingPathError(p)
     kind = sniff(p)
@@ -92,7 +93,7 @@ def run_verify(
 ) -> VerifyReport:
     """Check `plan.path`. Under torchrun (`group`), the data checks of `--deep` (every tensor / item)
     are split over the ranks and rank 0's report holds every rank's problems."""
-    p, o = Path(plan.path), plan.options
+    p, o = as_input(plan.path), plan.options
     report = VerifyReport(str(p), plan.kind, o.deep)
     if plan.kind == VERL:
         from ...formats.verl.summary import verify_verl

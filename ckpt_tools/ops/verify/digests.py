@@ -10,7 +10,6 @@ claims more.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from ...core.progress import Progress
 from ...core.progress import report as report_progress
 from ...dist import Group, map_units
 from ...formats.hf_dir.digests import SUMS_NAME, blob_digests, parse_sums
-from ...io.inputs import OpenFiles, read_text
+from ...io.inputs import OpenFiles, lexists, list_names, read_text
 
 __all__ = ["NO_DIGEST", "check_digests", "expected_digests", "prove"]
 
@@ -41,14 +40,14 @@ def expected_digests(
     out: dict[str, list[tuple[str, str, str]]] = {}
     sources = []
     sums_path = path / SUMS_NAME
-    if os.path.lexists(sums_path):
+    if lexists(sums_path):
         try:
             sums = parse_sums(read_text(sums_path, root=path, what=SUMS_NAME), sums_path)
         except CkptError as exc:
             report.problem(exc.path or sums_path, exc.key, exc.message)
             sums = {}
         for name, digest in sums.items():
-            if not os.path.lexists(path / name):
+            if not lexists(path / name):
                 report.problem(path / name, None, f"listed in {SUMS_NAME} but missing")
                 continue
             out.setdefault(name, []).append(("sha256", digest, SUMS_NAME))
@@ -59,7 +58,7 @@ def expected_digests(
             out.setdefault(name, []).append((algorithm, digest, f"its Hub cache blob name {digest[:12]}…"))
         sources.append("Hub cache blob names")
     if out:
-        for name in sorted(os.listdir(path)):
+        for name in list_names(path):
             if name not in out and name != SUMS_NAME and not name.startswith(".") and (path / name).is_file():
                 report.warn(
                     path / name,
@@ -201,7 +200,7 @@ def prove(
     """The integrity part of verifying the dir `path` (HF model or PEFT adapter): with `deep`, every file
     with a digest read once against it (`check_digests`); `report.integrity` says, in words, what is
     proven: every weight file (`weight_files`) matched, or why not. Returns the files read here."""
-    present = os.path.lexists(path / SUMS_NAME) or bool(blob_digests(path))
+    present = lexists(path / SUMS_NAME) or bool(blob_digests(path))
     if not deep:
         report.integrity = {
             "proven": False,
