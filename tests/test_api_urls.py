@@ -159,3 +159,29 @@ def test_rehydrate_open_and_gc_take_urls_as_the_command_does(slim_served, stores
         ckpt_tools.gc(stores["http"](TINY / "outputs/checkpoints"), keep_full=1, dry_run=True)
     r = ckpt("gc", stores["http"](TINY / "outputs/checkpoints"), "--keep-full", "1", "--dry-run", code=2)
     assert r.output.strip().splitlines()[-1] == f"error: {exc.value}" and "at a URL" in str(exc.value)
+
+
+def _bucket_tree(s3, url: str, dest: Path) -> Path:
+    """The objects under the s3:// prefix `url`, as files under `dest`."""
+    prefix = url.split("/", 3)[3] + "/"
+    for o in s3.client.list_objects_v2(Bucket="runs", Prefix=prefix).get("Contents", []):
+        (dest / o["Key"][len(prefix):]).parent.mkdir(parents=True, exist_ok=True)
+        (dest / o["Key"][len(prefix):]).write_bytes(s3.client.get_object(Bucket="runs", Key=o["Key"])["Body"].read())
+    return dest
+
+
+@pytest.mark.parametrize("src", ["http", "s3"])
+@pytest.mark.parametrize("name", ["extract_adapter", "slim", "set_lr", "merge"])
+def test_the_api_reads_urls_and_puts_its_out_at_a_url_as_the_command_does(stores, s3_env, src, name, tmp_path):
+    """`ckpt_tools.extract_adapter("s3://...", "s3://...")`: URL inputs and an OUT at a URL in one call put
+    the objects the command puts (byte for byte), and the report names the OUT's URL."""
+    by_api, argv, _compare, _code = CASES[name]
+    at = stores[src]
+    api_url, cli_url = f"s3://runs/api-out/{src}/{name}", f"s3://runs/cli-out/{src}/{name}"
+    report = by_api(at, api_url)
+    doc = json.loads(ckpt(*argv(at, cli_url), "--json").stdout)
+    (up,) = doc["remote"]["uploaded"]
+    assert up["url"] == cli_url, up
+    api_tree, cli_tree = _bucket_tree(s3_env, api_url, tmp_path / "api"), _bucket_tree(s3_env, cli_url, tmp_path / "cli")
+    assert digest(api_tree) == digest(cli_tree) and len(digest(api_tree)) >= 3
+    assert api_url in json.dumps(report.to_json()) and "ckpt-upload-" not in json.dumps(report.to_json())

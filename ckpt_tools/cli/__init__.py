@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import traceback
 
 import click
@@ -188,6 +189,8 @@ class _Group(click.Group):
         as_json = "--json" in argv
         STATE.reset()
         staging.reset_committed()
+        if (upload := sys.modules.get("ckpt_tools.io.upload")) is not None:
+            upload.take_uploaded()  # what a library call put at a URL earlier in this process is not ours
         STATE.verbose, STATE.quiet, STATE.as_json = verbose, ctx.params.get("quiet"), as_json
         command = protected[0] if protected else None
 

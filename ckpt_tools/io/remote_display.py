@@ -1,17 +1,18 @@
-"""How a URL's local stand-ins are shown: every message and report names the URL, never the shadow tree
-or staging dir that stands for it locally (`io.remote` mounts inputs, `io.upload` stages outputs)."""
+"""How an output bound for a URL is shown: every message and report names the URL, never the local
+staging dir that stands for it until it is put there (`io.upload`). Inputs need none of this: a URL
+input is a `RemotePath`, whose str is the URL without its credentials."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["add_display", "clear_display", "display"]
+__all__ = ["add_display", "display"]
 
-_DISPLAY: dict[str, str] = {}  # a local stand-in path -> the URL shown for it
+_DISPLAY: dict[str, str] = {}  # a local staging path -> the URL shown for it
 
 
 def add_display(local, url_text: str) -> None:
-    """Show `local` (a shadow tree, a staged output) as `url_text` in messages and reports."""
+    """Show `local` (a staged output) as `url_text` in messages and reports."""
     _DISPLAY[str(local)] = url_text
     real = os.path.realpath(local)
     if real != str(local):
@@ -19,8 +20,8 @@ def add_display(local, url_text: str) -> None:
 
 
 def display(text):
-    """`text` (a string, or a JSON-able structure of them) with every local stand-in path shown as the
-    URL it stands for (errors, reports)."""
+    """`text` (a string, or a JSON-able structure of them) with every staged output's local path shown
+    as the URL it is bound for (errors, reports)."""
     if not _DISPLAY:
         return text
     if isinstance(text, dict):
@@ -33,8 +34,3 @@ def display(text):
         if local in text:
             text = text.replace(local, _DISPLAY[local])
     return text
-
-
-def clear_display() -> None:
-    """Forget every stand-in (`io.remote.reset`)."""
-    _DISPLAY.clear()

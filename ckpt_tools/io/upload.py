@@ -80,9 +80,10 @@ class Uploaded:
 
 _PENDING: list[tuple[RemoteUrl, Path]] = []
 _DIRS: list[Path] = []
-# a staged file's (st_dev, st_ino) -> the remote input's object it holds unchanged (by inode: the file is
-# made in an AtomicOutputDir's temp dir, renamed into place before the upload)
-_LATER: dict[tuple[int, int], object] = {}
+# a staged file's (st_dev, st_ino) -> (its st_mtime_ns, its staging dir, the remote input's object it holds
+# unchanged) (by inode: the file is made in an AtomicOutputDir's temp dir, renamed into place before the
+# upload; the mtime and its staying empty tell it from a later file given the same inode)
+_LATER: dict[tuple[int, int], tuple[int, str, object]] = {}
 _UPLOADED: list[Uploaded] = []  # put at their URLs by `output_at`, for `take_uploaded`
 _BOUND: set[str] = set()  # every local OUT handed out for a URL (kept after its staging dir is gone)
 
@@ -141,7 +142,9 @@ def copy_later(dst, source) -> None:
         st = os.fstat(fd)
     finally:
         os.close(fd)
-    _LATER[(st.st_dev, st.st_ino)] = source
+    real = os.path.realpath(dst)
+    where = next((str(d) for d in _DIRS if real.startswith(os.path.realpath(d) + os.sep)), "")
+    _LATER[(st.st_dev, st.st_ino)] = (st.st_mtime_ns, where, source)
 
 
 def _staging_dir(prefix: str) -> Path:
@@ -156,7 +159,9 @@ def _source_of(path: Path):
     """The remote input's object the staged file `path` holds unchanged, else None."""
     st = os.stat(path)
     found = _LATER.get((st.st_dev, st.st_ino))
-    return found
+    if found is None or st.st_size != 0 or st.st_mtime_ns != found[0]:
+        return None  # a file of its own (an inode used again after a carried file was removed)
+    return found[2]
 
 
 def _files(root: Path) -> list[OutFile]:
@@ -217,6 +222,8 @@ def _drop(url: RemoteUrl, local: Path) -> None:
     with contextlib.suppress(ValueError):
         _PENDING.remove((url, local))
     d = local.parent
+    for key in [k for k, (_m, where, _s) in _LATER.items() if where == str(d)]:
+        del _LATER[key]  # its files are gone: their inodes may be given to others
     if d in _DIRS:
         _DIRS.remove(d)
         shutil.rmtree(d, ignore_errors=True)
