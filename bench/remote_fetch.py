@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What each command fetches of the genuine `primerl-tiny` fixture over gs:// and HTTP (docs/remote.md):
 the body bytes and media requests each server counted, per command, over `--repeat` runs (min-max), and
-the requests of writing a slim to gs://. The servers are the tests' own (tests/remote_servers.py: the
+the write requests of putting a slim at gs:// (uploads, server-side copies, deletes). The servers are the tests' own (tests/remote_servers.py: the
 range-capable HTTP server, fake-gcs-server behind its counting proxy), on 127.0.0.1; the commands run in
 this process through the CLI. Needs the `remote` and `remote-test` extras.
 
-    .venv/bin/python bench/remote_fetch.py --repeat 3
+    .venv/bin/python bench/remote_fetch.py --repeat 3 --results bench/results/DATE-2core-remote-fetch.json
 """
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +68,7 @@ def span(values) -> str:
 def main_() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--results", type=Path, help="also write the figures here (JSON)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckpt-remote-fetch-"))
     http = HttpServer(FX / "outputs" / "checkpoints" / "step_3")
@@ -82,12 +85,14 @@ def main_() -> None:
         gcs.faults["require_token"] = "bench-token"
         got = {"gs://": measure("gs://runs/step_3/trainer", gcs.counter, work, args.repeat),
                "http://": measure(f"{http.url}/trainer", http.counter, work, args.repeat)}
-        n = len(gcs.uploads)
+        n = len(gcs.writes)
         r = CliRunner().invoke(main, ["slim", str(TRAINER), "gs://runs/bench-slim", "--base", str(BASE)])
         upload.discard_pending()
         assert r.exit_code == 0, r.output
-        ups = gcs.uploads[n:]
-        ends = sum(1 for _, c in ups if not c.endswith("/*"))
+        writes = gcs.writes[n:]   # (method, path, query names, object name)
+        kinds = {"uploads": sum(1 for m, p, _q, _n in writes if p.startswith("/upload/")),
+                 "copies": sum(1 for _m, p, _q, _n in writes if "/rewriteTo/" in p or "/copyTo/" in p),
+                 "deletes": sum(1 for m, _p, _q, _n in writes if m == "DELETE")}
     finally:
         http.close()
         gcs.close()
@@ -99,7 +104,18 @@ def main_() -> None:
         g, h = got["gs://"][name], got["http://"][name]
         print(f"| `{name}` | {span([b for b, _ in g])} | {span([q for _, q in g])} | {span([b for b, _ in h])} | "
               f"{span([q for _, q in h])} |")
-    print(f"\nslim written to gs://: {len(ups)} upload requests, {len(ups) - ends} data chunks, {ends} ends")
+    print(f"\nslim put at gs://: {len(writes)} write requests ({kinds['uploads']} uploads, {kinds['copies']} "
+          f"server-side copies into place, {kinds['deletes']} deletes of the staging prefix)")
+    if args.results:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        doc = {"bench": "remote_fetch", "date": time.strftime("%Y-%m-%d"), "commit": commit,
+               "repeat": args.repeat, "fixture": str(TRAINER.relative_to(REPO)),
+               "fixture_bytes": sum(p.stat().st_size for p in TRAINER.iterdir()),
+               "runs": {server: {name: [{"bytes": b, "requests": q} for b, q in runs]
+                                 for name, runs in by_cmd.items()} for server, by_cmd in got.items()},
+               "slim_to_gs": {"write_requests": len(writes), **kinds}}
+        args.results.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

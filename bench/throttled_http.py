@@ -72,12 +72,12 @@ class ThrottledHttpServer(HttpServer):
         self.log_lock = threading.Lock()
         self.last = threading.local()   # what the calling thread's last response counted
         super().__init__(root)
-        count = self.counter.count
+        done = self.counter.done   # a body's request, once its bytes (counted as they were sent) are all out
 
-        def count_and_keep(method, path, n):
-            count(method, path, n)
+        def done_and_keep(method, path, n):
+            done(method, path, n)
             self.last.n = n
-        self.counter.count = count_and_keep
+        self.counter.done = done_and_keep
 
     def handler_base(self):
         return throttled_handler(super().handler_base())

@@ -632,3 +632,32 @@ def test_a_503_at_the_hub_commit_leaves_the_earlier_output_in_the_repo(servers, 
     assert len(hub.commits) == commits
     assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     upload.discard_pending()
+
+
+def test_no_temp_dir_is_left_by_a_command_writing_to_a_url(servers, monkeypatch, tmp_path):
+    """In a process of its own with a private TMPDIR: an output put at s3://, one refused (OUT exists) and
+    one whose every write is refused (503) leave nothing there (the staging dir goes, whatever happens)."""
+    targets, _hub, _base = servers
+    s3 = targets["s3"]
+    s3.env(monkeypatch)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=str(tmp))
+    reset(s3, "tmpdir", {})
+    reset(s3, "tmpdir-503", {})
+
+    def run(*argv, code):
+        r = subprocess.run([sys.executable, "-m", "ckpt_tools", *map(str, argv)], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == code, (argv, r.stdout + r.stderr)
+        assert list(tmp.iterdir()) == [], (argv, list(tmp.iterdir()))
+        return r
+
+    run("extract-adapter", TRAINER, s3.url("tmpdir"), "--alpha", "16", code=0)
+    assert "already exists" in run("extract-adapter", TRAINER, s3.url("tmpdir"), "--alpha", "16", code=1).stderr
+    s3.fail(lambda req: True)
+    try:
+        r = run("extract-adapter", TRAINER, s3.url("tmpdir-503"), "--alpha", "16", code=1)
+    finally:
+        s3.fail(None)
+    assert "503" in r.stderr and objects(s3, "tmpdir-503") == {} and s3.open_uploads() == []
