@@ -223,6 +223,7 @@ def test_export_fp8_of_a_full_fine_tune_quantizes_the_trained_masters(tmp_path):
     r = run("export", g / "outputs/checkpoints/step_3/trainer", out, "--config-from", g / "base_model", "--dtype",
             "fp8")
     assert r.exit_code == 0, r.output
+    assert "11 tensors cast to bfloat16" in r.output  # the kept ones: not called float8 in the summary
     got, ref = load_dir(out), load_file(str(g / "reference.safetensors"))
     n = 0
     for name, t in got.items():

@@ -126,6 +126,6 @@ def _render_result(plan, result, out) -> None:
     c = result.counts
     what = f"{result.merged_modules} modules merged" if result.merged_modules else "trained weights"
     click.echo(
-        f"wrote {out}: {what}, {c['cast']} tensors cast to {plan.out_dtype}, {c['copy']} copied; "
+        f"wrote {out}: {what}, {c['cast']} tensors cast to {plan.cast_to()}, {c['copy']} copied; "
         f"{human_bytes(result.bytes_written)} in {result.seconds:.1f}s"
     )

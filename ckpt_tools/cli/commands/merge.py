@@ -217,7 +217,7 @@ def render_plan(plan, out, brief: bool = False, dry_run: bool = False) -> None:
     click.echo(f"  merged    {plan.merged_modules}: {_targets_summary(plan)}")
     click.echo(
         f"  tensors   {len(plan.jobs)}: {plan.count('merge')} merged, {plan.count('copy')} copied verbatim, "
-        f"{plan.count('cast')} cast to {plan.out_dtype}, {plan.count('replace')} replaced (modules_to_save)"
+        f"{plan.count('cast')} cast to {plan.cast_to()}, {plan.count('replace')} replaced (modules_to_save)"
     )
     if plan.out_dtype == "float8_e4m3fn":
         q = sum(1 for j in plan.jobs if j.scale_name)

@@ -26,7 +26,7 @@ from ...core.errors import ChecksumError, FormatError, UnsafePickleError
 from ...io.inputs import OpenFiles
 from ...io.pickle_scan import gc_paused
 from ...io.safe_pickle import AllowListUnpickler, check_pickle_bounds
-from ..dcp.item import CRC_HINT, ItemError, crc_error, parse_item, window
+from ..dcp.item import CRC_HINT, ItemError, ItemLayout, central_directory, crc_error, parse_item, window
 
 __all__ = [
     "HEADER_READ_BYTES",
@@ -41,6 +41,7 @@ __all__ = [
     "decode_data_pkl",
     "open_archive",
     "storage_bytes_ok",
+    "walk_records",
 ]
 
 # data.pkl of a rank file holds one entry per parameter (~1 KiB with its DTensorSpec): a 1,000-layer model's
@@ -304,12 +305,37 @@ def decode_data_pkl(data: bytes, source: str) -> Any:
             ) from None
 
 
+def walk_records(files: OpenFiles, rel: str) -> ItemLayout:
+    """`parse_item` of rank file `rel` (its zip directory, then each record's local header where the
+    directory says), the headers hinted first (`OpenFiles.hint`): at a URL they are fetched ahead,
+    concurrently, instead of one round trip after another (a rank file holds one record per tensor)."""
+    size = files.size(rel)
+    kept: list[tuple[int, bytes]] = []  # the directory's bytes (its end record, then itself): read once
+
+    def first(off: int, n: int) -> bytes:
+        kept.append((off, files.read(rel, off, n, rel)))
+        return kept[-1][1]
+
+    try:
+        offsets = sorted({e.header_offset for e in central_directory(first, size) if e.header_offset >= 0})
+    except ItemError:  # parse_item below says what is wrong
+        offsets = []
+    files.hint([(rel, o, min(HEADER_READ_BYTES, size - o)) for o in offsets if 0 <= o < size])
+
+    def again(off: int, n: int) -> bytes:
+        for at, data in kept:
+            if at <= off and off + n <= at + len(data):
+                return data[off - at : off - at + n]
+        return files.read(rel, off, n, rel)
+
+    return parse_item(window(again, 0, size, HEADER_READ_BYTES))
+
+
 def open_archive(files: OpenFiles, rel: str) -> Archive:
     """The archive `rel` of `files`: its central directory and data.pkl read (nothing else)."""
     path = files.root / rel
-    size = files.size(rel)
     try:
-        layout = parse_item(window(lambda off, n: files.read(rel, off, n, rel), 0, size, HEADER_READ_BYTES))
+        layout = walk_records(files, rel)
     except ItemError as exc:
         raise FormatError(
             f"not a torch.save archive: {exc}", path=path, hint="the file is damaged or not verl's"

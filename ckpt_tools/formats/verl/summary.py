@@ -10,7 +10,7 @@ from ...core.crc import crc32
 from ...core.errors import AlphaError, CkptError
 from ...core.problems import VerifyReport
 from ...io.inputs import OpenFiles, as_input
-from .archive import HEADER_READ_BYTES, open_archive
+from .archive import open_archive, walk_records
 from .layout import actor_dirs, rank_file, resolve_actor_dir, step_of
 from .lora import resolve_verl_alpha
 from .reader import VerlCheckpoint
@@ -113,12 +113,8 @@ def list_verl_keys(path: Path) -> list[dict]:
 
 def _deep(files: OpenFiles, rel: str, report: VerifyReport) -> int:
     """Every record of one rank file against its stored CRC-32; the records checked."""
-    from ..dcp.item import parse_item, window
-
-    # each record's local header is read once, where the directory says: no 8 KiB read-ahead for each
-    layout = parse_item(
-        window(lambda off, n: files.read(rel, off, n, rel), 0, files.size(rel), HEADER_READ_BYTES)
-    )
+    layout = walk_records(files, rel)
+    files.hint([(rel, off, size) for _name, off, size, _crc in layout.records])  # fetched ahead at a URL
     for name, off, size, crc in layout.records:
         got = 0
         for at in range(off, off + size, _READ):

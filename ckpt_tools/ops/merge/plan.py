@@ -170,6 +170,12 @@ class MergePlan:
     def count(self, action: str) -> int:
         return sum(1 for j in self.jobs if j.action == action)
 
+    def cast_to(self) -> str:
+        """The dtype the cast tensors are written in: `out_dtype`, except an FP8 output's, which keeps them
+        bf16 (its kept tensors)."""
+        got = sorted({j.out_dtype for j in self.jobs if j.action == "cast"})
+        return ", ".join(got) if got else self.out_dtype
+
     @property
     def units(self) -> tuple[ShardOut, ...]:
         """The independent work units: one output shard each (its tensors, in write order)."""

@@ -29,7 +29,6 @@ __all__ = [
     "StepInput",
     "StepNumbers",
     "plan_report",
-    "report",
     "run_report",
     "write_diff_page",
     "write_page",
@@ -103,9 +102,3 @@ def run_report(plan: ReportPlan, progress: Progress | None = None) -> ReportRepo
         inputs = [plan.path, *(s.path for s in plan.steps), *([plan.base] if plan.base else [])]
         page, pngs = write_page(text, figs, o.out, o.png_dir, inputs=inputs, overwrite=o.overwrite)
     return ReportReport(plan, result, page, pngs)
-
-
-def report(path: str | Path, *, dry_run: bool = False, **options) -> ReportReport:
-    """Library entry point of `ckpt report` (`options`: the fields of `ReportOptions`)."""
-    plan = plan_report(path, ReportOptions(**options))
-    return ReportReport(plan) if dry_run else run_report(plan)
