@@ -218,7 +218,8 @@ class _Server:
         self.counter = _Counting()
         self.faults: dict = {}
         handler = type("H", (self.handler_base(),), {"server_obj": self})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        # quiet about clients that gave up: its traceback on stderr lands in another command's captured output
+        self.httpd = _QuietServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
