@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The benchmark on the GPU host (16 cores, 128 GiB RAM, 64 GiB disk, no network), one device call:
+# The benchmark on the GPU host (16 cores, 128 GiB RAM, 64 GiB disk, no network), one job of at most 600 s:
 #
-#   device tool `run`, carry [".whl"], timeout_s 600:
+#   the tree and .whl/ copied to the host, 600 s at most:
 #     bash bench/device_run.sh
 #
 # First, here: `bash bench/device_wheels.sh` puts the wheels the host lacks into .whl/ (tomlkit; with
@@ -24,7 +24,7 @@
 #   3. PHASE=ranks-dcp bash bench/device_run.sh   8B at N = 1, 2, 4, 8 (--ranks-only): adapter-to-dcp,
 #                                                 verify --deep DCP, slim, rehydrate, merge --base-from-checkpoint
 #
-# i.e. the device tool's `run` with carry [".whl"], timeout_s 600 and command
+# i.e. a job on the GPU host (the tree and .whl/, 600 s at most) running
 # `PHASE=ranks-hf bash bench/device_run.sh` (and so on). Each call's $OUT holds results.json, report.md,
 # device_run.log and the plots; back here, one section per call:
 #   python bench/report.py $FILES_AT/results.json --label "16-core GPU host, $PHASE" --plots docs/bench \

@@ -4,7 +4,7 @@
 # (bench/seed_scale.py says what each phase does).
 #
 #   here, once:  bash bench/device_wheels.sh && echo /.whl/ >> .git/info/exclude
-#   device tool `run`, kind nvidia-h200-x4, carry [".whl"], timeout_s 600:
+#   on a 4-GPU host (H200), the tree and .whl/ copied there, 600 s at most:
 #       SIZE=32b PHASE=generate bash bench/seed_scale.sh     # ~126 GB checkpoint + 65 GB base in ROOT
 #       SIZE=32b PHASE=measure  bash bench/seed_scale.sh     # within 30 s of the last call: the disk is kept
 #   back here:   python bench/seed_scale.py report $FILES_AT/seed-32b.json   (the docs/benchmarks.md table)
