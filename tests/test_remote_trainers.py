@@ -10,17 +10,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from ckpt_tools.cli import main  # noqa: E402
 from ckpt_tools.formats.verl.reader import VerlCheckpoint  # noqa: E402
-from ckpt_tools.io import remote  # noqa: E402
 
 from .conftest import FIXTURES  # noqa: E402
 from .remote_servers import HttpServer, HubServer, S3Server  # noqa: E402
+# the same CLI runner and settings as the DCP tests (hub_env takes this module's own `hub`)
+from .test_remote import ckpt, fresh_remote_state, hub_env  # noqa: E402,F401
 
 VERL = FIXTURES / "verl-fsdp2-lora"
 VERL_BASE = VERL / "base"
@@ -33,27 +32,6 @@ HF_ASSETS = TITAN / "hf_assets"
 
 def _file_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.iterdir() if p.is_file())
-
-
-@pytest.fixture(autouse=True)
-def fresh_remote_state(monkeypatch):
-    monkeypatch.setenv("CKPT_REMOTE_BACKOFF", "0.05")
-    monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "5")
-    yield
-    _reset()
-
-
-def _reset() -> None:
-    reset = getattr(remote, "reset", None)
-    if reset is not None:
-        reset()
-
-
-def ckpt(*args, code=0):
-    r = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert r.exit_code == code, (args, r.exit_code, r.output)
-    _reset()
-    return r
 
 
 def digest(root: Path) -> dict[str, str]:
@@ -153,14 +131,6 @@ def hub(tmp_path_factory):
     srv = HubServer({"org/verl-run": root / "verl-run", "org/titan": root / "titan"})
     yield srv
     srv.close()
-
-
-@pytest.fixture()
-def hub_env(hub, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setenv("HF_TOKEN", "hf_test")
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    return hub
 
 
 def test_hub_verl_and_torchtitan_equal_the_local_runs(hub_env, local, tmp_path):
