@@ -8,7 +8,7 @@
 # --mergekit, mergekit and its dependencies too), and `echo /.whl/ >> .git/info/exclude`.
 #
 # It runs bench/harness.py at 8B, then 0.6B with whatever time is left, stopping new work after
-# BUDGET_S seconds, and renders the report there too. Everything lands in $OUT (6 files):
+# BUDGET_S seconds, and renders the report there too. Everything lands in $RESULTS_DIR (6 files):
 # results.json, report.md, device_run.log and three PNG plots. Back here:
 #   python bench/report.py $FILES_AT/results.json --label "16-core GPU host" --plots docs/bench \
 #          --record docs/benchmarks.md
@@ -25,7 +25,7 @@
 #                                                 verify --deep DCP, slim, rehydrate, merge --base-from-checkpoint
 #
 # i.e. a job on the GPU host (the tree and .whl/, 600 s at most) running
-# `PHASE=ranks-hf bash bench/device_run.sh` (and so on). Each call's $OUT holds results.json, report.md,
+# `PHASE=ranks-hf bash bench/device_run.sh` (and so on). Each call's $RESULTS_DIR holds results.json, report.md,
 # device_run.log and the plots; back here, one section per call:
 #   python bench/report.py $FILES_AT/results.json --label "16-core GPU host, $PHASE" --plots docs/bench \
 #          --record docs/benchmarks.md
@@ -41,14 +41,14 @@
 # Issue 35 (block-FP8 outputs at 8B, 5 repetitions, shuffled): two calls back to back on the warm host,
 #   PHASE=fp8-merge   merge --dtype fp8 beside ckpt merge (bf16) and cp -r base && sync
 #   PHASE=fp8-export  export --dtype fp8 beside ckpt export (bf16) and cp -r base && sync
-#   (checked here at the tiny size: OUT=/tmp/o WORK=/tmp/w PYTHON=.venv/bin/python SIZES=tiny REPEAT=1
+#   (checked here at the tiny size: RESULTS_DIR=/tmp/o WORK=/tmp/w PYTHON=.venv/bin/python SIZES=tiny REPEAT=1
 #   PHASE=fp8-merge bash bench/device_run.sh; the smoke line says whether the FP8 error kernel loaded)
 # Knobs (environment) override a phase: SIZES, RANKS, REPEAT, BUDGET_S, CASES, EXTRA, LABEL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ckpt-bench-out}
-mkdir -p "$OUT"
-exec > >(tee "$OUT/device_run.log") 2>&1
+RESULTS_DIR=${RESULTS_DIR:-${OUT:-/tmp/ckpt-bench-out}}  # the host's folder that comes back, where it sets one
+mkdir -p "$RESULTS_DIR"
+exec > >(tee "$RESULTS_DIR/device_run.log") 2>&1
 
 PY=${PYTHON:-python3}
 PHASE=${PHASE:-floors}
@@ -151,7 +151,7 @@ if [ "$(free_gb "$WORK")" -lt 90 ] && [ "$(free_gb /dev/shm || echo 0)" -ge 40 ]
 fi
 echo "== harness (DCP inputs in $DCP_DIR)"
 args=(--sizes "$SIZES" --ranks "$RANKS" --repeat "$REPEAT" --dcp ckpt --workdir "$WORK" --dcp-dir "$DCP_DIR"
-      --free-inputs --defer-peers --budget-s "$BUDGET_S" --results "$OUT/results.json" --python "$PY")
+      --free-inputs --defer-peers --budget-s "$BUDGET_S" --results "$RESULTS_DIR/results.json" --python "$PY")
 [ -n "$CASES" ] && args+=("--cases=$CASES")
 [ -n "$SKIP" ] && args+=("--skip-contenders=$SKIP")  # = form: a case may begin with "--"
 [ -n "$MERGEKIT" ] && args+=(--mergekit "$MERGEKIT")
@@ -160,5 +160,5 @@ timeout $((BUDGET_S + 60)) "$PY" bench/harness.py "${args[@]}" $EXTRA
 echo "harness exit $?"
 
 echo "== report"
-"$PY" bench/report.py "$OUT/results.json" --label "$LABEL" --plots "$OUT" > "$OUT/report.md" || echo "report failed"
-ls -la "$OUT"
+"$PY" bench/report.py "$RESULTS_DIR/results.json" --label "$LABEL" --plots "$RESULTS_DIR" > "$RESULTS_DIR/report.md" || echo "report failed"
+ls -la "$RESULTS_DIR"

@@ -14,9 +14,9 @@
 # PHASE=all runs both in one call (fits 600 s at 8B). Knobs: SIZE, PHASE, ROOT, RANKS, STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/seed-out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/seed_scale.log") 2>&1
+RESULTS_DIR=${RESULTS_DIR:-${OUT:-/tmp/seed-out}}  # the host's folder that comes back, where it sets one
+mkdir -p "$RESULTS_DIR"
+exec > >(tee -a "$RESULTS_DIR/seed_scale.log") 2>&1
 PY=${PYTHON:-python3}
 SIZE=${SIZE:-32b}
 PHASE=${PHASE:-all}
@@ -40,12 +40,12 @@ if [ "$PHASE" = generate ] || [ "$PHASE" = all ]; then
     rm -rf "$ROOT"
     "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" bench/seed_scale.py generate \
         --size "$SIZE" --root "$ROOT" --steps "$STEPS" || exit 1
-    cp "$ROOT/seed_scale.json" "$OUT/seed-$SIZE-generator.json"
+    cp "$ROOT/seed_scale.json" "$RESULTS_DIR/seed-$SIZE-generator.json"
     du -sh "$ROOT"/outputs/checkpoints/*/trainer "$ROOT/base_model"
 fi
 if [ "$PHASE" = measure ] || [ "$PHASE" = all ]; then
-    "$PY" bench/seed_scale.py measure --root "$ROOT" --ranks "$RANKS" --workdir "$WORKDIR" --results "$OUT/seed-$SIZE.json"
+    "$PY" bench/seed_scale.py measure --root "$ROOT" --ranks "$RANKS" --workdir "$WORKDIR" --results "$RESULTS_DIR/seed-$SIZE.json"
     rc=$?
-    "$PY" bench/seed_scale.py report "$OUT/seed-$SIZE.json" | tee "$OUT/seed-$SIZE.md"
+    "$PY" bench/seed_scale.py report "$RESULTS_DIR/seed-$SIZE.json" | tee "$RESULTS_DIR/seed-$SIZE.md"
     exit $rc
 fi
